@@ -1,0 +1,90 @@
+"""Assemble a run from a validated config: plan -> mesh -> sharded model -> optimizer -> step.
+
+``Experiment`` is what the launcher trains and what tests drive directly (same code path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from dxrun.data import build_source
+from dxrun.model import Transformer
+from dxrun.optimizer import make_optimizer
+from dxrun.plan import MeshPlan, make_plan
+from dxrun.sharding import batch_sharding, mesh_from_plan, param_axes, param_shardings, replicated
+from dxrun.step import TrainState, make_train_step
+
+
+def visible_devices() -> tuple[int, str]:
+    return jax.device_count(), jax.default_backend()
+
+
+@dataclass
+class Experiment:
+    cfg: Any
+    plan: MeshPlan
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    axes: dict
+    param_shardings: dict
+    state_shardings: TrainState
+    batch_sharding: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    source: Any
+    step: Any
+
+    @classmethod
+    def build(cls, cfg: Any, plan: MeshPlan | None = None) -> "Experiment":
+        if plan is None:
+            plan = make_plan(cfg, *visible_devices())
+        mesh = mesh_from_plan(plan)
+        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+        graphdef, abstract_state = nnx.split(abstract)
+        axes = param_axes(abstract_state)
+        p_shard = param_shardings(axes, mesh, plan.rules)
+        abstract_params = nnx.to_pure_dict(abstract_state)
+        tx, schedule = make_optimizer(cfg.optimizer, abstract_params, cfg.data.batch_size,
+                                      cfg.train.steps)
+        # Optimizer moments take their parameter's sharding; counters are replicated.
+        opt_shard = optax.tree_map_params(
+            tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), p_shard,
+            transform_non_params=lambda _: replicated(mesh),
+        )
+        state_shardings = TrainState(replicated(mesh), p_shard, opt_shard)
+        b_shard = batch_sharding(mesh)
+        step = make_train_step(
+            graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
+            cfg.train.precision,
+            dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
+        )
+        return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
+                   schedule, build_source(cfg), step)
+
+    def init_params(self) -> dict:
+        """Parameters initialised from ``train.seed``, created directly in their shards."""
+        model_cfg, seed = self.cfg.model, self.cfg.train.seed
+
+        def init() -> dict:
+            return nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+
+        return jax.jit(init, out_shardings=self.param_shardings)()
+
+    def init_state(self, params: dict | None = None) -> TrainState:
+        """Fresh train state; ``params`` (host or device arrays) replaces the seeded init."""
+        if params is None:
+            params = self.init_params()
+        else:
+            params = jax.device_put(params, self.param_shardings)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        step = jax.device_put(np.zeros((), np.int32), replicated(self.mesh))
+        return TrainState(step, params, opt_state)
+
+    def batch(self, step: int) -> jax.Array:
+        return jax.device_put(self.source.batch(step), self.batch_sharding)

@@ -1,0 +1,67 @@
+"""The one metrics path: every logged row goes to ``metrics.jsonl`` and, if enabled, to W&B.
+
+W&B trouble never stops training: a failing init or log call is warned about once and the run
+goes on with the local file. Only process 0 logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dxrun")
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: Any, run_config: dict[str, Any], name: str,
+                 is_main: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self.is_main = is_main
+        self.wandb = None
+        self._file = open(self.path, "a") if is_main else None
+        if is_main and cfg.logger.name == "wandb":
+            self._init_wandb(run_dir, cfg.logger, run_config, name)
+
+    def _init_wandb(self, run_dir: Path, lc: Any, run_config: dict[str, Any], name: str) -> None:
+        try:
+            import wandb
+
+            mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
+            self.wandb = wandb.init(
+                project=lc.project, entity=lc.entity, name=name, group=lc.group,
+                job_type=lc.job_type, tags=list(lc.tags), dir=str(run_dir), mode=mode,
+                config=run_config, reinit="finish_previous",
+            )
+            self.wandb.define_metric("step")
+            self.wandb.define_metric("*", step_metric="step")
+            self.wandb.define_metric("train/loss", summary="min")
+        except Exception as e:  # noqa: BLE001 - any W&B failure must not stop training
+            log.warning("W&B init failed (%s); continuing with metrics.jsonl only", e)
+            self.wandb = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self.wandb is not None:
+            try:
+                self.wandb.log(row)
+            except Exception as e:  # noqa: BLE001
+                log.warning("W&B log failed (%s); continuing with metrics.jsonl only", e)
+                self.wandb = None
+
+    def finish(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception as e:  # noqa: BLE001
+                log.warning("W&B finish failed (%s)", e)
+            self.wandb = None

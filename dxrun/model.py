@@ -1,0 +1,201 @@
+"""A decoder-only transformer in Flax NNX, GPT-2 style or Llama style from the same knobs.
+
+Parameters carry logical axis names (``axes=``); ``dxrun.sharding`` maps them to the mesh. Shapes
+are in the names: B batch, L length, D d_model, H heads, K kv heads, G = H/K, E head dim, F d_ff,
+V vocab. The module computes in the dtype of its parameters (the step casts them for bf16);
+norms, softmax and logits run in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dxrun.sharding import constrain
+
+ACT = ("batch", "seq", "act_embed")
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
+
+
+class Norm(nnx.Module):
+    def __init__(self, d: int, kind: str, bias: bool):
+        self.kind = kind
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=("norm",))
+        self.bias = _zeros((d,), ("norm",)) if bias and kind == "layernorm" else None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+        if self.kind == "layernorm":
+            x = x - x.mean(-1, keepdims=True)
+        x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+        x = x * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            x = x + self.bias[...].astype(jnp.float32)
+        return x.astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxNxE: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, rotate-half convention (Llama)."""
+    L, E = x_BxLxNxE.shape[1], x_BxLxNxE.shape[-1]
+    freq_E2 = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
+    ang_LxE2 = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_E2[None, :]
+    cos, sin = jnp.cos(ang_LxE2)[None, :, None, :], jnp.sin(ang_LxE2)[None, :, None, :]
+    x = x_BxLxNxE.astype(jnp.float32)
+    x1, x2 = x[..., : E // 2], x[..., E // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxE.dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head / grouped-query attention. q, k, v are column-parallel (heads on
+    ``tensor``), the output projection row-parallel: each device keeps whole heads."""
+
+    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+        D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        E, std = D // H, cfg.init_std
+        self.H, self.K, self.E = H, K, E
+        self.pos, self.theta = cfg.pos, cfg.rope_theta
+        self.wq = _param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
+        self.wk = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+        # GPT-2 scales residual-branch outputs by depth at init.
+        self.wo = _param(rngs, (H, E, D), ("heads", "head_dim", "embed"),
+                         std / (2 * cfg.n_layers) ** 0.5)
+        if cfg.bias:
+            self.bq = _zeros((H, E), ("heads", "head_dim"))
+            self.bk = _zeros((K, E), ("kv_heads", "head_dim"))
+            self.bv = _zeros((K, E), ("kv_heads", "head_dim"))
+            # Row-parallel bias: replicated and added once, after XLA's reduction of the
+            # partial sums (never pre-scaled by 1/tp).
+            self.bo = _zeros((D,), ("norm",))
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        B, L, _ = x_BxLxD.shape
+        H, K, E = self.H, self.K, self.E
+        q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...])
+        k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...])
+        v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...])
+        if self.bq is not None:
+            q_BxLxHxE = q_BxLxHxE + self.bq[...]
+            k_BxLxKxE = k_BxLxKxE + self.bk[...]
+            v_BxLxKxE = v_BxLxKxE + self.bv[...]
+        if self.pos == "rope":
+            q_BxLxHxE = rope(q_BxLxHxE, self.theta)
+            k_BxLxKxE = rope(k_BxLxKxE, self.theta)
+        # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
+        # stay aligned with their kv heads (n_kv_heads % tp == 0 is checked by the plan).
+        q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+        # Scores and softmax in fp32 for stability under bf16 compute.
+        s_BxKxGxLxL = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxLxKxE,
+                                 preferred_element_type=jnp.float32) * E**-0.5
+        causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+        s_BxKxGxLxL = jnp.where(causal_LxL, s_BxKxGxLxL, jnp.finfo(jnp.float32).min)
+        p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
+        o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxL, v_BxLxKxE)
+        o_BxLxHxE = o_BxLxKxGxE.reshape(B, L, H, E)
+        y_BxLxD = jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...])
+        if self.bo is not None:
+            y_BxLxD = y_BxLxD + self.bo[...]
+        return y_BxLxD
+
+
+class MLP(nnx.Module):
+    """GELU (GPT-2) or SwiGLU (Llama). Up and gate are column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+        D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
+        self.kind = cfg.mlp
+        self.w_up = _param(rngs, (D, F), ("embed", "mlp"), std)
+        self.w_gate = _param(rngs, (D, F), ("embed", "mlp"), std) if cfg.mlp == "swiglu" else None
+        self.w_down = _param(rngs, (F, D), ("mlp", "embed"), std / (2 * cfg.n_layers) ** 0.5)
+        self.b_up = _zeros((F,), ("mlp",)) if cfg.bias else None
+        self.b_down = _zeros((D,), ("norm",)) if cfg.bias else None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        h_BxLxF = x_BxLxD @ self.w_up[...]
+        if self.b_up is not None:
+            h_BxLxF = h_BxLxF + self.b_up[...]
+        if self.w_gate is not None:
+            h_BxLxF = jax.nn.silu(x_BxLxD @ self.w_gate[...]) * h_BxLxF
+        else:
+            h_BxLxF = jax.nn.gelu(h_BxLxF, approximate=True)
+        y_BxLxD = h_BxLxF @ self.w_down[...]
+        if self.b_down is not None:
+            y_BxLxD = y_BxLxD + self.b_down[...]
+        return y_BxLxD
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias)
+        self.mlp = MLP(cfg, rngs)
+        self.rate = cfg.dropout
+
+    def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        x_BxLxD = x_BxLxD + dropout(self.attn(self.ln1(x_BxLxD)), self.rate, k1)
+        x_BxLxD = constrain(x_BxLxD, ACT)
+        x_BxLxD = x_BxLxD + dropout(self.mlp(self.ln2(x_BxLxD)), self.rate, k2)
+        return constrain(x_BxLxD, ACT)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        D, V = cfg.d_model, cfg.vocab_size
+        self.wte = _param(rngs, (V, D), ("vocab", "embed"), cfg.init_std)
+        self.wpe = (_param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
+                    if cfg.pos == "learned" else None)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = Norm(D, cfg.norm, cfg.bias)
+        self.lm_head = (None if cfg.tie_embeddings
+                        else _param(rngs, (D, V), ("embed", "vocab"), cfg.init_std))
+        self.rate = cfg.dropout
+
+    def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits (fp32) for every position."""
+        L = tokens_BxL.shape[1]
+        x_BxLxD = jnp.take(self.wte[...], tokens_BxL, axis=0)
+        if self.wpe is not None:
+            x_BxLxD = x_BxLxD + self.wpe[...][:L][None]
+        x_BxLxD = constrain(x_BxLxD, ACT)
+        for i, block in enumerate(self.blocks):
+            key = None if dropout_key is None or self.rate == 0 else jax.random.fold_in(dropout_key, i)
+            x_BxLxD = block(x_BxLxD, key)
+        x_BxLxD = self.ln_f(x_BxLxD)
+        if self.lm_head is not None:
+            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],
+                                      preferred_element_type=jnp.float32)
+        else:
+            logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, self.wte[...],
+                                      preferred_element_type=jnp.float32)
+        return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+
+
+def count_params(params: Any) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def embedding_params(params: dict) -> int:
+    """Parameters that are lookups, not matmuls (excluded from 6N FLOPs)."""
+    return sum(params[k].size for k in ("wte", "wpe") if k in params)

@@ -1,0 +1,63 @@
+"""Optimizer and learning-rate schedule from ``cfg.optimizer`` (optax)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import optax
+
+
+def scaled_lr(opt: Any, batch_size: int) -> float:
+    """Peak lr after the batch-size scaling rule, relative to ``optimizer.base_batch_size``."""
+    ratio = batch_size / opt.base_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[opt.lr_scaling]
+    return opt.lr * factor
+
+
+def make_schedule(opt: Any, peak_lr: float, steps: int) -> optax.Schedule:
+    warmup = min(opt.warmup_steps, steps)
+    end_lr = peak_lr * opt.min_lr_ratio
+    if opt.schedule == "constant":
+        if warmup == 0:
+            return optax.constant_schedule(peak_lr)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, peak_lr, warmup), optax.constant_schedule(peak_lr)],
+            [warmup])
+    if opt.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, max(steps, warmup + 1),
+                                                  end_value=end_lr)
+    # wsd: warmup, stable at the peak, then a linear decay over the last decay_frac of training.
+    decay = max(1, int(round(steps * opt.decay_frac)))
+    stable = max(0, steps - warmup - decay)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak_lr, max(warmup, 1)),
+         optax.constant_schedule(peak_lr),
+         optax.linear_schedule(peak_lr, end_lr, decay)],
+        [warmup, warmup + stable])
+
+
+def decay_mask(params: dict, decay_all: bool) -> dict:
+    """Weight decay on matrices only: not on norms, biases (1-D) or the embeddings."""
+    def keep(path: tuple, leaf: Any) -> bool:
+        top = getattr(path[0], "key", None)
+        return decay_all or (leaf.ndim >= 2 and top not in ("wte", "wpe"))
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(opt: Any, params: dict, batch_size: int, steps: int
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(opt, scaled_lr(opt, batch_size), steps)
+    mask = decay_mask(params, opt.decay_all)
+    if opt.name == "adamw":
+        tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                         weight_decay=opt.weight_decay, mask=mask)
+    elif opt.name == "lion":
+        tx = optax.lion(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mask=mask)
+    else:
+        tx = optax.chain(optax.add_decayed_weights(opt.weight_decay, mask),
+                         optax.sgd(schedule, momentum=opt.momentum or None))
+    if opt.clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
+    return tx, schedule

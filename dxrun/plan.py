@@ -1,0 +1,178 @@
+"""The mesh plan: a pure function from (config, visible devices) to how the run is laid out.
+
+Nothing here imports JAX, so the plan is checked (and can be printed) before anything compiles.
+The mesh has three axes, outermost first: ``data`` (replicas), ``fsdp`` (replicas whose weights are
+sharded), ``tensor`` (Megatron tensor parallelism, innermost so it lands on the closest devices).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dxrun.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
+# logical axes only; changing the parallelism changes only the mesh sizes under this table.
+# Megatron TP: heads/kv_heads/mlp are the column-parallel outputs of q/k/v/up/gate and the
+# row-parallel inputs of the attention-out/down projections, so a block moves no weights.
+# FSDP shards the remaining (embed) axis of each weight.
+LOGICAL_RULES: dict[str, Any] = {
+    "batch": BATCH_AXES,
+    "seq": None,
+    "embed": "fsdp",
+    "act_embed": None,  # activations keep d_model whole; only weights shard it
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "norm": None,
+    "pos": None,
+}
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    dp: int
+    fsdp: int
+    tp: int
+    device_ids: tuple[int, ...]
+    n_visible: int
+    platform: str
+    global_batch: int
+    per_device_batch: int
+    seq_len: int
+    rules: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.dp, self.fsdp, self.tp)
+
+    @property
+    def n_devices(self) -> int:
+        return self.dp * self.fsdp * self.tp
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["mesh_axes"] = list(MESH_AXES)
+        out["mesh_shape"] = list(self.shape)
+        out["n_devices"] = self.n_devices
+        out["device_ids"] = list(self.device_ids)
+        out["rules"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rules.items()}
+        out["warnings"] = list(self.warnings)
+        return out
+
+    def table(self) -> str:
+        rows = [
+            ("mesh", f"data={self.dp} x fsdp={self.fsdp} x tensor={self.tp}"),
+            ("devices", f"{self.n_devices} of {self.n_visible} {self.platform} "
+                        f"(ids {_ids(self.device_ids)})"),
+            ("batch", f"{self.global_batch} global = {self.per_device_batch} per replica "
+                      f"x {self.dp * self.fsdp} replicas, seq_len {self.seq_len}"),
+            ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    if ids == tuple(range(ids[0], ids[0] + len(ids))) and len(ids) > 2:
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def _resolve_axes(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
+    sizes = {"dp": dp, "fsdp": fsdp, "tp": tp}
+    inferred = [k for k, v in sizes.items() if v == -1]
+    for k, v in sizes.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallelism.{k}={v} must be a positive size or -1 (inferred)")
+    if len(inferred) > 1:
+        raise ConfigError(
+            f"parallelism: {' and '.join('parallelism.' + k for k in inferred)} are both -1; "
+            "at most one axis can be inferred, set the others to sizes"
+        )
+    if inferred:
+        known = math.prod(v for v in sizes.values() if v != -1)
+        if n % known:
+            raise ConfigError(
+                f"parallelism.{inferred[0]}=-1 cannot be inferred: {n} devices are not divisible "
+                f"by the other axes' product {known}; set parallelism.n_devices to a multiple of {known}"
+            )
+        sizes[inferred[0]] = n // known
+    return sizes["dp"], sizes["fsdp"], sizes["tp"]
+
+
+def _shrink(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
+    """Largest mesh that fits n devices: give up data replicas first, then fsdp, then tp."""
+    sizes = [dp, fsdp, tp]
+    while math.prod(sizes) > n:
+        i = next(i for i in range(3) if sizes[i] > 1)
+        sizes[i] //= min(p for p in range(2, sizes[i] + 1) if sizes[i] % p == 0)
+    return sizes[0], sizes[1], sizes[2]
+
+
+def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
+    """Resolve ``cfg.parallelism`` against ``n_visible`` devices and check the model and batch fit.
+
+    Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
+    """
+    par, model, data = cfg.parallelism, cfg.model, cfg.data
+    if par.n_devices > n_visible:
+        hint = f" or runtime.cpu_devices={par.n_devices}" if platform == "cpu" else ""
+        raise ConfigError(
+            f"parallelism.n_devices={par.n_devices} but only {n_visible} {platform} devices are "
+            f"visible; set parallelism.n_devices<={n_visible}{hint}"
+        )
+    n = par.n_devices or n_visible
+    dp, fsdp, tp = _resolve_axes(par.dp, par.fsdp, par.tp, n)
+    warnings: list[str] = []
+    if dp * fsdp * tp != n:
+        if par.on_mismatch != "shrink":
+            raise ConfigError(
+                f"parallelism {par.name}: dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} devices, "
+                f"but {n} are in use; set parallelism.n_devices={dp * fsdp * tp} if that many are "
+                f"visible, pick another preset, or set parallelism.on_mismatch=shrink"
+            )
+        old = (dp, fsdp, tp)
+        dp, fsdp, tp = _shrink(dp, fsdp, tp, n)
+        warnings.append(
+            f"parallelism.on_mismatch=shrink: dp*fsdp*tp={'*'.join(map(str, old))} does not fit "
+            f"{n} devices; using dp={dp} fsdp={fsdp} tp={tp} on {dp * fsdp * tp} devices"
+        )
+    replicas = dp * fsdp
+    if data.batch_size % replicas:
+        good = replicas * max(1, round(data.batch_size / replicas))
+        raise ConfigError(
+            f"data.batch_size={data.batch_size} is not divisible by dp*fsdp={replicas}; "
+            f"use a multiple of {replicas} (e.g. data.batch_size={good})"
+        )
+    for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
+                       ("d_ff", model.d_ff)):
+        if value % tp:
+            raise ConfigError(
+                f"model.{key}={value} is not divisible by parallelism.tp={tp}; "
+                f"pick a tp that divides {value} (tensor parallelism splits {key} across devices)"
+            )
+    if model.d_model % fsdp:
+        raise ConfigError(
+            f"model.d_model={model.d_model} is not divisible by parallelism.fsdp={fsdp}; "
+            f"pick an fsdp size that divides {model.d_model}"
+        )
+    return MeshPlan(
+        dp=dp, fsdp=fsdp, tp=tp,
+        device_ids=tuple(range(dp * fsdp * tp)),
+        n_visible=n_visible,
+        platform=platform,
+        global_batch=data.batch_size,
+        per_device_batch=data.batch_size // replicas,
+        seq_len=data.seq_len,
+        rules=dict(LOGICAL_RULES),
+        warnings=tuple(warnings),
+    )

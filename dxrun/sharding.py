@@ -1,0 +1,137 @@
+"""Sharding: one mechanism, logical axis names -> mesh axes through the plan's rules table.
+
+Every parameter carries logical axis names (``axes=`` metadata on its ``nnx.Param``). This module
+turns those names into ``NamedSharding``s on the plan's mesh; XLA (GSPMD) inserts every collective.
+The low-level helpers users of the reference systems know (``make_mesh``, ``apply_tp_sharding``, ...)
+are thin wrappers over the same plan, rules and functions, not a second mechanism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from dxrun.plan import BATCH_AXES, LOGICAL_RULES, MESH_AXES, MeshPlan, _resolve_axes
+
+# (mesh, rules) active while a step is traced; model code calls ``constrain`` with logical names.
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvars.ContextVar(
+    "dxrun_mesh", default=None
+)
+
+
+def mesh_from_plan(plan: MeshPlan) -> Mesh:
+    devices = jax.devices()
+    grid = np.array([devices[i] for i in plan.device_ids]).reshape(plan.shape)
+    # Auto axes: sharding is annotation-driven (GSPMD), not JAX 0.10's default Explicit mode.
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_spec(names: Sequence[str | None] | None, rules: dict[str, Any]) -> P:
+    if names is None:
+        return P()
+    return P(*(rules.get(n) if n is not None else None for n in names))
+
+
+def param_axes(state: nnx.State) -> dict:
+    """Pure dict of each parameter's logical axis names, same structure as its pure params."""
+    axes = jax.tree.map(
+        lambda v: v.get_metadata().get("axes"), state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
+
+
+def param_shardings(axes: dict, mesh: Mesh, rules: dict[str, Any]) -> dict:
+    return jax.tree.map(
+        lambda names: NamedSharding(mesh, logical_to_spec(names, rules)), axes,
+        is_leaf=lambda x: isinstance(x, tuple) or x is None,
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+@contextlib.contextmanager
+def in_mesh_context(mesh: Mesh, rules: dict[str, Any] | None = None) -> Iterator[Mesh]:
+    """Activate ``mesh`` (and the rules table) for tracing: activation constraints apply."""
+    token = _ACTIVE.set((mesh, dict(LOGICAL_RULES if rules is None else rules)))
+    try:
+        with jax.set_mesh(mesh):
+            yield mesh
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical names; a no-op outside ``in_mesh_context``."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+
+
+# ---- the low-level API of the reference systems, on the same plan and rules -----------------
+
+
+def num_devices() -> int:
+    return jax.device_count()
+
+
+def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0) -> Mesh:
+    """A (data, fsdp, tensor) mesh over the first ``n_devices`` (0 = all); one size may be -1."""
+    n = n_devices or jax.device_count()
+    dp, fsdp, tp = _resolve_axes(dp, fsdp, tp, n)
+    if dp * fsdp * tp != n:
+        raise ValueError(f"dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} != {n} devices")
+    plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, device_ids=tuple(range(n)), n_visible=n,
+                    platform=jax.default_backend(), global_batch=dp * fsdp, per_device_batch=1,
+                    seq_len=0, rules=dict(LOGICAL_RULES))
+    return mesh_from_plan(plan)
+
+
+def make_tp_mesh(tp: int) -> Mesh:
+    """Tensor parallel over ``tp`` devices, data parallel over the rest."""
+    return make_mesh(dp=-1, tp=tp)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    return jax.device_put(tree, replicated(mesh))
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+    """Place a global batch (leading axis = examples) sharded over the data and fsdp axes."""
+    return jax.device_put(batch, batch_sharding(mesh))
+
+
+def apply_tp_sharding(model: nnx.Module, mesh: Mesh, rules: dict[str, Any] | None = None):
+    """Shard a model's parameters in place by their logical axes (Megatron TP + FSDP rules)."""
+    state = nnx.state(model, nnx.Param)
+    shardings = param_shardings(param_axes(state), mesh, LOGICAL_RULES if rules is None else rules)
+    params = jax.device_put(nnx.to_pure_dict(state), shardings)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    return model
+
+
+def bytes_per_device(tree: Any) -> dict[int, int]:
+    """Bytes each device holds of a tree of (sharded) arrays."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + math.prod(
+                shard.data.shape) * shard.data.dtype.itemsize
+    return out

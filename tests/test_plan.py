@@ -1,0 +1,69 @@
+"""The mesh plan is a pure function: presets, inference, shrinking and every refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from dxrun.errors import ConfigError
+from dxrun.plan import make_plan
+
+PRESETS = {
+    "auto": (8, 1, 1), "dp1": (1, 1, 1), "dp2": (2, 1, 1), "dp4": (4, 1, 1), "dp8": (8, 1, 1),
+    "tp2": (1, 1, 2), "tp4": (1, 1, 4), "tp8": (1, 1, 8), "dp4_tp2": (4, 1, 2),
+    "dp2_tp4": (2, 1, 4), "fsdp8": (1, 8, 1), "dp2_fsdp2_tp2": (2, 2, 2),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_resolves_on_8_devices(cfg_factory, preset):
+    cfg = cfg_factory(f"parallelism={preset}", "model.n_heads=8", "model.n_kv_heads=8")
+    plan = make_plan(cfg, 8)
+    assert plan.shape == PRESETS[preset]
+    assert plan.device_ids == tuple(range(plan.n_devices))
+    assert plan.per_device_batch * plan.dp * plan.fsdp == cfg.data.batch_size
+    assert plan.to_json()["mesh_shape"] == list(PRESETS[preset])
+
+
+def test_one_axis_inferred(cfg_factory):
+    plan = make_plan(cfg_factory("parallelism.dp=-1", "parallelism.tp=2"), 8)
+    assert plan.shape == (4, 1, 2)
+    plan = make_plan(cfg_factory("parallelism.dp=2", "parallelism.fsdp=-1"), 8)
+    assert plan.shape == (2, 4, 1)
+
+
+def test_n_devices_takes_the_first_k(cfg_factory):
+    plan = make_plan(cfg_factory("parallelism=auto", "parallelism.n_devices=4"), 8)
+    assert plan.shape == (4, 1, 1) and plan.device_ids == (0, 1, 2, 3)
+
+
+def test_shrink_uses_largest_mesh_that_fits_and_warns(cfg_factory):
+    cfg = cfg_factory("parallelism=dp4_tp2", "parallelism.n_devices=4",
+                      "parallelism.on_mismatch=shrink")
+    plan = make_plan(cfg, 8)
+    assert plan.shape == (2, 1, 2)
+    assert plan.warnings and "dp=2 fsdp=1 tp=2" in plan.warnings[0]
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["parallelism.n_devices=16"], ["parallelism.n_devices=16", "8", "runtime.cpu_devices"]),
+    (["parallelism=dp4_tp2", "parallelism.n_devices=4"], ["4*1*2", "on_mismatch=shrink"]),
+    (["data.batch_size=30"], ["data.batch_size=30", "dp*fsdp=8", "multiple of 8"]),
+    (["parallelism=tp8"], ["model.n_heads=4", "parallelism.tp=8"]),
+    (["parallelism=tp2", "model=tiny_llama", "model.n_kv_heads=1"],
+     ["model.n_kv_heads=1", "parallelism.tp=2"]),
+    (["parallelism.dp=-1", "parallelism.tp=-1"], ["parallelism.dp", "parallelism.tp", "-1"]),
+    (["parallelism=auto", "parallelism.n_devices=6", "parallelism.tp=4"],
+     ["cannot be inferred", "6"]),
+])
+def test_impossible_meshes_say_what_to_change(cfg_factory, overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        make_plan(cfg_factory(*overrides), 8)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_table_names_the_mesh(cfg_factory):
+    table = make_plan(cfg_factory("parallelism=dp2_fsdp2_tp2"), 8).table()
+    assert "data=2 x fsdp=2 x tensor=2" in table and "8 per replica x 4 replicas" in table
