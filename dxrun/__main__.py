@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dxrun.config import register, validate
+from dxrun.config import check_keys, composition_error, register, validate
 from dxrun.errors import ConfigError
 from dxrun.runtime import claim_run_dir, simulate_cpu_devices, write_hydra_files
 
@@ -26,12 +26,14 @@ def _conf_dir() -> str:
 
 
 log = logging.getLogger("dxrun")
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 register()
 
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> dict | None:
     try:
+        check_keys(cfg)
         validate(cfg)
         simulated = simulate_cpu_devices(cfg.runtime.cpu_devices)
         import jax  # noqa: PLC0415 - only now: XLA_FLAGS must be set first
@@ -51,13 +53,56 @@ def main(cfg: DictConfig) -> dict | None:
                    if not k.startswith("hydra/") and isinstance(v, str)}
         return train(cfg, run_dir, choices)
     except ConfigError as e:
-        print(f"dxrun: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _discard_empty_run_dir()
+        _fail(str(e))
+
+
+def _discard_empty_run_dir() -> None:
+    """Hydra made the run dir (and its log file) before the plan could be checked; a run that
+    never started leaves nothing behind. A dir holding an earlier run (plan.json) is kept."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if (run_dir / "plan.json").exists() or not run_dir.is_dir():
+        return
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+    for f in run_dir.glob("*.log"):
+        f.unlink()
+    if not any(run_dir.iterdir()):
+        run_dir.rmdir()
+        if not any(run_dir.parent.iterdir()):
+            run_dir.parent.rmdir()
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose the config the way Hydra will and turn a composition error (unknown option, unknown
+    key, wrong type) into one line naming the key and the fix. Hydra's own flags (-m, --cfg, ...)
+    and hydra.* overrides are left to Hydra, which reports its errors itself."""
+    if any(a.startswith("-") or a.lstrip("+~").startswith("hydra") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415
+
+    try:
+        with initialize_config_dir(config_dir=_conf_dir(), version_base="1.3", job_name="dxrun"):
+            cfg = compose(config_name="config", overrides=argv)
+        check_keys(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - anything we cannot phrase better goes to Hydra
+        msg = composition_error(e)
+        if msg:
+            _fail(msg)
+
+
+def _fail(msg: str) -> None:
+    print(f"dxrun: error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
 
 def cli() -> None:
+    preflight(sys.argv[1:])
     main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

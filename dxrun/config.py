@@ -143,6 +143,52 @@ _NON_NEGATIVE = (
 )
 
 
+def _valid_keys(path: str) -> list[str]:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(RunConfig)
+    for part in filter(None, path.split(".")):
+        node = node[part]
+    return list(node.keys())
+
+
+def check_keys(cfg: Any) -> None:
+    """Reject keys the schema does not have (Hydra lets ``+group.key=v`` add them)."""
+    for group in cfg:
+        if group not in RunConfig.__dataclass_fields__:
+            raise ConfigError(f"{group} is not a config key; valid top-level keys: "
+                              f"{', '.join(_valid_keys(''))}")
+        allowed = set(_valid_keys(group))
+        for key in cfg[group]:
+            if key not in allowed:
+                raise ConfigError(f"{group}.{key} is not a key of {group}; check the spelling "
+                                  f"(valid: {', '.join(_valid_keys(group))})")
+
+
+def composition_error(e: BaseException) -> str | None:
+    """One line for a Hydra composition error: unknown group option, unknown key, wrong type."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        return (f"{group}={option} is not an option of the {group} group; choose one of: "
+                f"{', '.join(e.options)}")
+    cause = e.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        parent = cause.full_key.rpartition(".")[0]
+        try:
+            valid = ", ".join(_valid_keys(parent))
+        except Exception:  # noqa: BLE001
+            return None
+        where = f"a key of {parent}" if parent else "a config key"
+        return f"{cause.full_key} is not {where}; check the spelling (valid: {valid})"
+    if isinstance(cause, ValidationError) and cause.full_key:
+        first = str(cause.msg).splitlines()[0]
+        return f"{cause.full_key}: {first}; give a value of the key's type"
+    return None
+
+
 def _get(cfg: Any, key: str) -> Any:
     node = cfg
     for part in key.split("."):

@@ -39,10 +39,12 @@ def make_schedule(opt: Any, peak_lr: float, steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: dict, decay_all: bool) -> dict:
-    """Weight decay on matrices only: not on norms, biases (1-D) or the embeddings."""
+    """Weight decay on weight matrices only: not on norm scales, biases (named ``b*``, also the
+    2-D per-head ones) or the embedding tables."""
     def keep(path: tuple, leaf: Any) -> bool:
-        top = getattr(path[0], "key", None)
-        return decay_all or (leaf.ndim >= 2 and top not in ("wte", "wpe"))
+        top, name = str(getattr(path[0], "key", "")), str(getattr(path[-1], "key", ""))
+        is_bias_or_norm = name == "scale" or name.startswith("b")
+        return decay_all or not (is_bias_or_norm or top in ("wte", "wpe"))
     return jax.tree_util.tree_map_with_path(keep, params)
 
 

@@ -1,0 +1,79 @@
+"""The launcher as a user runs it: ``python -m dxrun ...`` in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+
+def _run_dirs(cwd: Path) -> list[Path]:
+    return sorted(p.parent for p in (cwd / "outputs").glob("*/*/plan.json"))
+
+
+def _digest(tree: Path) -> dict[str, str]:
+    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def dp4_tp2_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cli")
+    proc = run_cli("parallelism=dp4_tp2", "model=tiny", "train.steps=20", "train.log_every=5",
+                   cwd=cwd)
+    return cwd, proc
+
+
+@pytest.mark.e2e
+def test_dp4_tp2_subprocess_run(dp4_tp2_run):
+    cwd, proc = dp4_tp2_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = _run_dirs(cwd)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (plan["dp"], plan["fsdp"], plan["tp"]) == (4, 1, 2)
+    assert plan["mesh_shape"] == [4, 1, 2] and plan["n_devices"] == 8
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3  # loss falls
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 20 and summary["n_params"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["train/loss"] == rows[-1]["train/loss"]
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert "parallelism=dp4_tp2" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    log = (run_dir / "dxrun.log").read_text()
+    assert "data=4 x fsdp=1 x tensor=2" in log and "simulating 8 CPU devices" in log
+
+
+BAD = [
+    (["model=huge"], "model=huge", "tiny"),
+    (["model.foo=1"], "model.foo", "valid:"),
+    (["+model.foo=1"], "model.foo", "valid:"),
+    (["train.steps=abc"], "train.steps", "Integer"),
+    (["parallelism=dp4_tp2", "parallelism.n_devices=4"], "4*1*2", "on_mismatch=shrink"),
+    (["data.batch_size=30"], "data.batch_size=30", "multiple of 8"),
+    (["parallelism=tp8"], "model.n_heads=4", "parallelism.tp=8"),
+    (["parallelism.n_devices=16"], "parallelism.n_devices=16", "runtime.cpu_devices"),
+    (["optimizer.lr=0"], "optimizer.lr", "> 0"),
+    (["train.steps=0"], "train.steps", "> 0"),
+    (["data.seq_len=-8"], "data.seq_len", "> 0"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, key, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
+    cwd, _ = dp4_tp2_run
+    before = _digest(cwd / "outputs")
+    proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dxrun: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert key in errors[0] and fix in errors[0], errors[0]
+    assert _digest(cwd / "outputs") == before  # the earlier run's files are untouched
+    assert len(_run_dirs(cwd)) == 1
