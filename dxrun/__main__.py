@@ -36,14 +36,14 @@ def main(cfg: DictConfig) -> dict | None:
         check_keys(cfg)
         validate(cfg)
         simulated = simulate_cpu_devices(cfg.runtime.cpu_devices)
-        import jax  # noqa: PLC0415 - only now: XLA_FLAGS must be set first
+        import jax
 
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
                      jax.device_count())
-        from dxrun.experiment import visible_devices  # noqa: PLC0415
-        from dxrun.plan import make_plan  # noqa: PLC0415
-        from dxrun.train import train  # noqa: PLC0415
+        from dxrun.experiment import visible_devices
+        from dxrun.plan import make_plan
+        from dxrun.train import train
 
         make_plan(cfg, *visible_devices())  # fail before anything is written
         hydra_cfg = HydraConfig.get()
@@ -80,7 +80,7 @@ def preflight(argv: list[str]) -> None:
     and hydra.* overrides are left to Hydra, which reports its errors itself."""
     if any(a.startswith("-") or a.lstrip("+~").startswith("hydra") for a in argv):
         return
-    from hydra import compose, initialize_config_dir  # noqa: PLC0415
+    from hydra import compose, initialize_config_dir
 
     try:
         with initialize_config_dir(config_dir=_conf_dir(), version_base="1.3", job_name="dxrun"):

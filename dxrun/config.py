@@ -11,7 +11,7 @@ JAX starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -80,8 +80,8 @@ class OptimizerConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
-    log_every: int = 20
+    steps: int = 600
+    log_every: int = 50
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16
 
@@ -90,9 +90,9 @@ class TrainConfig:
 class LoggerConfig:
     name: str = "wandb"  # wandb | none
     project: str = "dxrun"
-    entity: Optional[str] = None
-    mode: Optional[str] = None  # offline | online | disabled; None = $WANDB_MODE, else offline
-    group: Optional[str] = None
+    entity: str | None = None
+    mode: str | None = None  # offline | online | disabled; None = $WANDB_MODE, else offline
+    group: str | None = None
     job_type: str = "train"
     tags: list[str] = field(default_factory=list)
 

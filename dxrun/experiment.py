@@ -41,7 +41,7 @@ class Experiment:
     step: Any
 
     @classmethod
-    def build(cls, cfg: Any, plan: MeshPlan | None = None) -> "Experiment":
+    def build(cls, cfg: Any, plan: MeshPlan | None = None) -> Experiment:
         if plan is None:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
@@ -84,7 +84,8 @@ class Experiment:
             params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
         step = jax.device_put(np.zeros((), np.int32), replicated(self.mesh))
-        return TrainState(step, params, opt_state)
+        # Settle the one-off programs before the first step (see the note in step.py).
+        return jax.block_until_ready(TrainState(step, params, opt_state))
 
     def batch(self, step: int) -> jax.Array:
         return jax.device_put(self.source.batch(step), self.batch_sharding)

@@ -14,14 +14,6 @@ from typing import Any
 from omegaconf import OmegaConf
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
-# Simulated devices share a few cores: a collective waits for all of them, and under load one
-# device's thread can be late by far more than XLA's default 40 s, which would abort the run.
-_CPU_TIMEOUTS = (
-    "--xla_cpu_collective_call_terminate_timeout_seconds=1800",
-    "--xla_cpu_collective_timeout_seconds=1800",
-)
-
-
 def simulate_cpu_devices(n: int) -> bool:
     """Make the CPU platform expose ``n`` devices. Returns False if JAX already started (the
     device count is then fixed, e.g. in later jobs of a multirun) or the user set it."""
@@ -33,9 +25,6 @@ def simulate_cpu_devices(n: int) -> bool:
     flags = os.environ.get("XLA_FLAGS", "")
     if _COUNT_FLAG not in flags:
         flags = f"{flags} {_COUNT_FLAG}={n}"
-    for flag in _CPU_TIMEOUTS:
-        if flag.split("=")[0] not in flags:
-            flags = f"{flags} {flag}"
     os.environ["XLA_FLAGS"] = flags.strip()
     return True
 

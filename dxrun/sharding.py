@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dxrun.plan import BATCH_AXES, LOGICAL_RULES, MESH_AXES, MeshPlan, _resolve_axes
 

@@ -7,6 +7,7 @@ all-reduce.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ from flax import nnx
 
 from dxrun.sharding import in_mesh_context, replicated
 
+MAX_IN_FLIGHT = 4  # CPU only; see make_train_step
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -58,11 +60,24 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
+    # XLA:CPU runs every simulated device on one shared thread pool (8 threads for 8 devices).
+    # When the host dispatches more than ~32 steps ahead, those threads block waiting to launch
+    # later steps while the current step's all-reduce waits for a device that then never gets a
+    # thread: a real deadlock ("Expected 8 threads ... only 7 arrived"). So on CPU at most
+    # MAX_IN_FLIGHT steps are queued; the host blocks only when it is that far ahead, which costs
+    # no throughput. Accelerators have their own back-pressure and never wait here.
+    bounded = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+    in_flight: collections.deque = collections.deque()
 
     def run(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         # Tracing happens on the first call; the context lets the model pin activation layouts.
         with in_mesh_context(mesh, rules):
-            return jitted(state, tokens_BxT)
+            new_state, metrics = jitted(state, tokens_BxT)
+        if bounded:
+            in_flight.append(metrics)  # not donated, unlike the state
+            if len(in_flight) > MAX_IN_FLIGHT:
+                jax.block_until_ready(in_flight.popleft())
+        return new_state, metrics
 
     run.jitted = jitted  # type: ignore[attr-defined]  # for .lower() in tests and plan mode
     return run

@@ -31,6 +31,7 @@ def run_name(cfg: Any, choices: dict[str, str]) -> str:
 def train(cfg: Any, run_dir: Path, choices: dict[str, str] | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     choices = choices or {}
+    run_dir.mkdir(parents=True, exist_ok=True)
     n_visible, platform = visible_devices()
     plan = make_plan(cfg, n_visible, platform)  # raises ConfigError before anything compiles
     for w in plan.warnings:

@@ -13,13 +13,13 @@ os.environ["WANDB_ERROR_REPORTING"] = "false"
 os.environ["WANDB_SILENT"] = "true"
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys
+from pathlib import Path
 
-import pytest  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import pytest
+from hydra import compose, initialize_config_dir
 
-from dxrun.config import register  # noqa: E402
+from dxrun.config import register
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 

@@ -35,7 +35,7 @@ def test_stationary_distribution_is_stationary():
     n = src.S**src.k
     P = np.zeros((n, n))
     for c in range(n):
-        for s, p in zip(src.succ[c], src.prob[c]):
+        for s, p in zip(src.succ[c], src.prob[c], strict=True):
             P[c, (c * src.S + s) % n] += p
     np.testing.assert_allclose(src.pi @ P, src.pi, atol=1e-10)
 

@@ -96,7 +96,7 @@ def _compiled_tp_layer(cfg_factory, tp: int) -> str:
     shardings = shd.param_shardings(shd.param_axes(state), mesh, plan.rules)
 
     def fwd_bwd(params, x_BxLxD):
-        loss = lambda p, x: (nnx.merge(graphdef, p)(x) ** 2).mean()  # noqa: E731
+        loss = lambda p, x: (nnx.merge(graphdef, p)(x) ** 2).mean()
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x_BxLxD)
 
     x = jax.ShapeDtypeStruct((8, 16, cfg.model.d_model), jnp.float32)
@@ -140,6 +140,7 @@ def test_low_level_api_on_the_same_rules():
     assert all(s.data.shape == (5,) for s in rep.addressable_shards)
 
     from omegaconf import OmegaConf
+
     from dxrun.config import ModelConfig
     from dxrun.model import Transformer
 
