@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dxrun.config import check_keys, composition_error, register, validate
@@ -43,7 +44,7 @@ def main(cfg: DictConfig) -> dict | None:
                      jax.device_count())
         from dxrun.experiment import visible_devices
         from dxrun.plan import make_plan
-        from dxrun.train import train
+        from dxrun.train import Job, train
 
         make_plan(cfg, *visible_devices())  # fail before anything is written
         hydra_cfg = HydraConfig.get()
@@ -51,7 +52,11 @@ def main(cfg: DictConfig) -> dict | None:
         write_hydra_files(run_dir, cfg, hydra_cfg)
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
-        return train(cfg, run_dir, choices)
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        # Jobs of one multirun land together in W&B: grouped by their sweep dir.
+        group = "sweep-" + "_".join(Path(hydra_cfg.sweep.dir).parts[-2:]) if multirun else None
+        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), group=group)
+        return train(cfg, run_dir, job)
     except ConfigError as e:
         _discard_empty_run_dir()
         _fail(str(e))

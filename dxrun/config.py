@@ -100,6 +100,9 @@ class LoggerConfig:
 @dataclass
 class RuntimeConfig:
     cpu_devices: int = 8  # simulated CPU devices when no accelerator is present
+    # Peak TFLOP/s per device for perf/mfu: null = the built-in table by device kind,
+    # a number, or "measure" (a one-off matmul probe; meant for CPUs).
+    peak_tflops: Any = None
 
 
 @dataclass
@@ -210,6 +213,14 @@ def validate(cfg: Any) -> None:
         value = _get(cfg, key)
         if value < 0:
             raise ConfigError(f"{key}={value} must not be negative; set {key} >= 0")
+    peak = cfg.runtime.peak_tflops
+    if peak is not None and peak != "measure" and (
+            isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
+        raise ConfigError(f"runtime.peak_tflops={peak!r} must be a positive number, 'measure' "
+                          "or null (the built-in table)")
+    if cfg.logger.mode not in (None, "offline", "online", "disabled"):
+        raise ConfigError(f"logger.mode={cfg.logger.mode!r} is not one of offline, online, "
+                          "disabled; or leave it null to follow $WANDB_MODE")
     m, d = cfg.model, cfg.data
     if m.dropout >= 1:
         raise ConfigError(f"model.dropout={m.dropout} must be below 1; use e.g. model.dropout=0.1")

@@ -17,22 +17,27 @@ log = logging.getLogger("dxrun")
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: Any, run_config: dict[str, Any], name: str,
+                 group: str | None = None, choices: dict[str, str] | None = None,
                  is_main: bool = True):
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.wandb = None
-        self._file = open(self.path, "a") if is_main else None
+        self._file = open(self.path, "a") if is_main else None  # noqa: SIM115 - closed in finish
         if is_main and cfg.logger.name == "wandb":
-            self._init_wandb(run_dir, cfg.logger, run_config, name)
+            tags = [f"{g}:{choices[g]}" for g in ("model", "parallelism", "data", "optimizer")
+                    if choices and g in choices]
+            self._init_wandb(run_dir, cfg.logger, run_config, name,
+                             cfg.logger.group or group, tags + list(cfg.logger.tags))
 
-    def _init_wandb(self, run_dir: Path, lc: Any, run_config: dict[str, Any], name: str) -> None:
+    def _init_wandb(self, run_dir: Path, lc: Any, run_config: dict[str, Any], name: str,
+                    group: str | None, tags: list[str]) -> None:
         try:
             import wandb
 
             mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
             self.wandb = wandb.init(
-                project=lc.project, entity=lc.entity, name=name, group=lc.group,
-                job_type=lc.job_type, tags=list(lc.tags), dir=str(run_dir), mode=mode,
+                project=lc.project, entity=lc.entity, name=name, group=group,
+                job_type=lc.job_type, tags=tags, dir=str(run_dir), mode=mode,
                 config=run_config, reinit="finish_previous",
             )
             self.wandb.define_metric("step")

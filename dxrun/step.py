@@ -8,7 +8,7 @@ all-reduce.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +43,7 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
-                    dropout_seed: int | None = None) -> Callable:
+                    dropout_seed: int | None = None) -> TrainStep:
     dtype = COMPUTE_DTYPES[precision]
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
@@ -55,29 +55,44 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics)
         metrics["train/grad_norm"] = optax.tree.norm(grads)
+        metrics["train/param_norm"] = optax.tree.norm(params)
         metrics["train/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
-    # XLA:CPU runs every simulated device on one shared thread pool (8 threads for 8 devices).
-    # When the host dispatches more than ~32 steps ahead, those threads block waiting to launch
-    # later steps while the current step's all-reduce waits for a device that then never gets a
-    # thread: a real deadlock ("Expected 8 threads ... only 7 arrived"). So on CPU at most
-    # MAX_IN_FLIGHT steps are queued; the host blocks only when it is that far ahead, which costs
-    # no throughput. Accelerators have their own back-pressure and never wait here.
-    bounded = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
-    in_flight: collections.deque = collections.deque()
+    return TrainStep(jitted, mesh, rules)
 
-    def run(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
-        # Tracing happens on the first call; the context lets the model pin activation layouts.
-        with in_mesh_context(mesh, rules):
-            new_state, metrics = jitted(state, tokens_BxT)
-        if bounded:
-            in_flight.append(metrics)  # not donated, unlike the state
-            if len(in_flight) > MAX_IN_FLIGHT:
-                jax.block_until_ready(in_flight.popleft())
+
+class TrainStep:
+    """The jitted step, compiled ahead of its first call so that the same executable reports
+    its FLOPs, memory and collectives and the compile time is measured exactly."""
+
+    def __init__(self, jitted: Any, mesh: jax.sharding.Mesh, rules: dict):
+        self.jitted, self.mesh, self.rules = jitted, mesh, rules
+        self.compiled: Any = None
+        self.compile_time_s = 0.0
+        # XLA:CPU runs every simulated device on one shared thread pool (8 threads for 8
+        # devices). When the host dispatches more than ~32 steps ahead, those threads block
+        # waiting to launch later steps while the current step's all-reduce waits for a device
+        # that then never gets a thread: a real deadlock ("Expected 8 threads ... only 7
+        # arrived"). So on CPU at most MAX_IN_FLIGHT steps are queued; the host blocks only
+        # when it is that far ahead, which costs no throughput. Accelerators never wait here.
+        self.bounded = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+        self.in_flight: collections.deque = collections.deque()
+
+    def compile(self, state: TrainState, tokens_BxT: Any) -> Any:
+        if self.compiled is None:
+            t0 = time.perf_counter()
+            with in_mesh_context(self.mesh, self.rules):  # the model pins activation layouts
+                self.compiled = self.jitted.lower(state, tokens_BxT).compile()
+            self.compile_time_s = time.perf_counter() - t0
+        return self.compiled
+
+    def __call__(self, state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
+        new_state, metrics = self.compile(state, tokens_BxT)(state, tokens_BxT)
+        if self.bounded:
+            self.in_flight.append(metrics)  # not donated, unlike the state
+            if len(self.in_flight) > MAX_IN_FLIGHT:
+                jax.block_until_ready(self.in_flight.popleft())
         return new_state, metrics
-
-    run.jitted = jitted  # type: ignore[attr-defined]  # for .lower() in tests and plan mode
-    return run

@@ -1,18 +1,24 @@
 """The train loop and the run's outputs: plan.json, metrics.jsonl, summary.json, W&B run.
 
 The host waits on the device only at log steps: metrics of the other steps stay on device.
+Step time is measured from device-ready to device-ready over the window between two log
+steps; the first (compiling) step is never in a window.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
 from omegaconf import OmegaConf
 
+from dxrun import flops
+from dxrun.console import Progress
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.logger import MetricsLogger
 from dxrun.model import count_params
@@ -22,15 +28,61 @@ from dxrun.runtime import write_json
 log = logging.getLogger("dxrun")
 
 
-def run_name(cfg: Any, choices: dict[str, str]) -> str:
-    return "-".join([choices.get("model", cfg.model.name),
-                     choices.get("parallelism", cfg.parallelism.name),
-                     f"bs{cfg.data.batch_size}"])
+@dataclass
+class Job:
+    """Where a run sits among others: Hydra's group choices, the command-line overrides, and
+    the W&B group (the experiment or multirun sweep)."""
+
+    choices: dict[str, str] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+    group: str | None = None
 
 
-def train(cfg: Any, run_dir: Path, choices: dict[str, str] | None = None) -> dict[str, Any]:
+def run_name(cfg: Any, job: Job) -> str:
+    """``tiny-dp4_tp2-bs64`` plus the key overrides, e.g. ``-lr0.01``."""
+    parts = [job.choices.get("model", cfg.model.name),
+             job.choices.get("parallelism", cfg.parallelism.name), f"bs{cfg.data.batch_size}"]
+    for ov in job.overrides:
+        key, _, value = ov.lstrip("+~").partition("=")
+        if "." in key and key not in ("data.batch_size",) and not key.startswith(
+                ("logger.", "hydra")):
+            parts.append(f"{key.rsplit('.', 1)[1]}{value}")
+    return "-".join(parts)[:120]
+
+
+def resolve_peak(cfg: Any, device_kind: str) -> float | None:
+    """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``), else the
+    table; None (with one warning) when the device is unknown."""
+    override = cfg.runtime.peak_tflops
+    if override == "measure":
+        peak = flops.measure_peak_tflops()
+        log.info("measured peak: %.3f TFLOP/s per device (runtime.peak_tflops=measure)", peak)
+        return peak
+    if override is not None:
+        return float(override)
+    peak = flops.peak_tflops(device_kind, cfg.train.precision)
+    if peak is None:
+        log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
+                    "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)
+    return peak
+
+
+def peak_memory(compiled: Any) -> float | None:
+    """Peak bytes per device: the allocator's count where the backend keeps one (GPU, TPU),
+    else the compiled step's own buffer analysis (arguments + outputs + temporaries)."""
+    stats = jax.local_devices()[0].memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return float(stats["peak_bytes_in_use"])
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                 + m.temp_size_in_bytes)
+
+
+def train(cfg: Any, run_dir: Path, job: Job | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
-    choices = choices or {}
+    job = job or Job()
     run_dir.mkdir(parents=True, exist_ok=True)
     n_visible, platform = visible_devices()
     plan = make_plan(cfg, n_visible, platform)  # raises ConfigError before anything compiles
@@ -45,55 +97,76 @@ def train(cfg: Any, run_dir: Path, choices: dict[str, str] | None = None) -> dic
     floor = getattr(exp.source, "entropy_floor", None)
     log.info("model %s: %s parameters; data %s%s", cfg.model.name, f"{n_params:,}", cfg.data.name,
              f" (entropy floor {floor:.4f} nats/token)" if floor is not None else "")
+    device_kind = jax.devices()[0].device_kind
+    peak = resolve_peak(cfg, device_kind)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_step = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens_per_step
 
     run_config = {
         **OmegaConf.to_container(cfg, resolve=True),
-        "choices": choices,
+        "choices": job.choices,
         "plan": plan.to_json(),
         "n_params": n_params,
-        "jax": {"version": jax.__version__, "device_kind": jax.devices()[0].device_kind,
-                "device_count": jax.device_count()},
+        "flops_per_token": flops_per_step / tokens_per_step,
+        "jax": {"version": jax.__version__, "device_kind": device_kind,
+                "device_count": jax.device_count(), "process_count": jax.process_count()},
     }
-    logger = MetricsLogger(run_dir, cfg, run_config, run_name(cfg, choices),
-                           is_main=jax.process_index() == 0)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
+                           choices=job.choices, is_main=jax.process_index() == 0)
     steps, every = cfg.train.steps, cfg.train.log_every
     last: dict[str, float] = {}
+    best_loss = math.inf
     try:
-        t_start = time.perf_counter()
-        t_first = None  # when the first (compiling) step finished
-        window_t, window_step = None, 0
-        for i in range(steps):
-            state, metrics = exp.step(state, exp.batch(i))
-            done = i + 1
-            if i == 0:
-                jax.block_until_ready(metrics)
-                t_first = time.perf_counter()
-                window_t, window_step = t_first, 1
-                compile_s = t_first - t_start
-            if done % every == 0 or done == steps:
-                last = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
+        with Progress(steps) as progress:
+            window_t, window_step = None, 0
+            for i in range(steps):
+                state, metrics = exp.step(state, exp.batch(i))
+                progress.advance()
+                done = i + 1
+                if i == 0:  # the compiling step: the timing windows start after it
+                    jax.block_until_ready(metrics)
+                    window_t, window_step = time.perf_counter(), 1
+                if done % every and done != steps:
+                    continue
+                row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()  # device_get waited: the device is ready here
+                row["train/ppl"] = math.exp(min(row["train/loss"], 50.0))
                 if done > window_step:
-                    last["perf/step_time_s"] = (now - window_t) / (done - window_step)
-                    last["perf/tokens_per_s"] = tokens_per_step / last["perf/step_time_s"]
+                    step_time = (now - window_t) / (done - window_step)
+                    tflops = flops_per_step / step_time / plan.n_devices / 1e12
+                    row["perf/step_time_s"] = step_time
+                    row["perf/tokens_per_s"] = tokens_per_step / step_time
+                    row["perf/tokens_per_s_per_device"] = row["perf/tokens_per_s"] / plan.n_devices
+                    row["perf/tflops_per_device"] = tflops
+                    if peak:
+                        row["perf/mfu"] = flops.mfu(tflops, peak)
                 window_t, window_step = now, done
-                last["data/tokens_seen"] = float(done * tokens_per_step)
+                if not last:  # first log row: the one-off numbers
+                    row["perf/compile_time_s"] = exp.step.compile_time_s
+                    mem = peak_memory(exp.step.compiled)
+                    if mem is not None:
+                        row["mem/peak_bytes_per_device"] = mem
+                row["data/tokens_seen"] = float(done * tokens_per_step)
                 if floor is not None:
-                    last["data/entropy_floor"] = floor
-                logger.log(done, last)
-                log.info("step %d/%d  loss %.4f  acc %.3f  lr %.2e", done, steps,
-                         last["train/loss"], last["train/accuracy"], last["train/lr"])
-        elapsed = time.perf_counter() - (t_first or t_start)
+                    row["data/entropy_floor"] = floor
+                logger.log(done, row)
+                progress.update(done, row)
+                best_loss = min(best_loss, row["train/loss"])
+                last = {**last, **row}
     finally:
         logger.finish()
     summary = {
         "step": steps,
         **last,
+        "train/loss": last.get("train/loss"),
+        "best/train_loss": best_loss,
         "n_params": n_params,
-        "tokens_per_s": tokens_per_step * (steps - 1) / elapsed if steps > 1 else None,
-        "compile_time_s": compile_s,
+        "flops_per_token": flops_per_step / tokens_per_step,
+        "tokens_per_s": last.get("perf/tokens_per_s"),
+        "compile_time_s": exp.step.compile_time_s,
         "entropy_floor": floor,
+        "device_kind": device_kind,
+        "peak_tflops": peak,
     }
     write_json(run_dir / "summary.json", summary)
     log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),

@@ -120,7 +120,7 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
                       "logger=none")
     exp = Experiment.build(cfg)
     state = exp.init_state()
-    text = exp.step.jitted.lower(state, exp.batch(0)).compile().as_text()
+    text = exp.step.compile(state, exp.batch(0)).as_text()
     found = collectives(text)
     assert found["collective-permute"] == 0
     weight_shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(state.params)}

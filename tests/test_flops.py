@@ -1,0 +1,68 @@
+"""The MFU formula against XLA's own count of the compiled step, and the peak table."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dxrun import flops
+from dxrun.experiment import Experiment
+from dxrun.train import resolve_peak
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("tiny", []),
+    ("tiny_llama", []),
+    ("small", ["data.seq_len=1024", "data.batch_size=1"]),
+])
+def test_formula_matches_compiled_flops(cfg_factory, model, extra):
+    cfg = cfg_factory(f"model={model}", "parallelism=dp1", "logger=none", *extra)
+    exp = Experiment.build(cfg)
+    state = jax.eval_shape(exp.init_state)  # shapes only: GPT-2 small is never materialised
+    tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
+    compiled = exp.step.compile(state, tokens)
+    cost = compiled.cost_analysis()
+    xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    formula = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * (
+        cfg.data.batch_size * cfg.data.seq_len)
+    print(f"{model}: formula {formula:.4g} FLOPs/step, XLA {xla:.4g} ({xla / formula - 1:+.1%})")
+    assert abs(xla / formula - 1) < 0.10
+
+
+def test_matmul_params_counts_tied_head_once(cfg_factory):
+    small = cfg_factory("model=small").model  # tied: the table is also the output matmul
+    n = 124_000_000
+    assert flops.matmul_params(small, n) == n - 1024 * 768  # only the position table drops
+    tiny = cfg_factory("model=tiny").model
+    assert flops.matmul_params(tiny, 116_480) == 116_480 - 64 * 64 - 128 * 64
+
+
+def test_peak_table():
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
+    assert flops.peak_tflops("NVIDIA H200", "bf16") == 989
+    assert flops.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312
+    assert flops.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756
+    assert flops.peak_tflops("NVIDIA L40S", "bf16") == 362
+    assert flops.peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 156
+    assert flops.peak_tflops("cpu", "bf16") is None
+
+
+def test_unknown_device_warns_once_and_override_wins(cfg_factory, caplog):
+    with caplog.at_level("WARNING", logger="dxrun"):
+        assert resolve_peak(cfg_factory(), "cpu") is None
+    (msg,) = [r.message for r in caplog.records]
+    assert "'cpu'" in msg and "runtime.peak_tflops" in msg
+    assert resolve_peak(cfg_factory("runtime.peak_tflops=12.5"), "cpu") == 12.5
+    assert resolve_peak(cfg_factory("runtime.peak_tflops=measure"), "cpu") > 0
+
+
+def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
+    from dxrun.train import train
+
+    s = train(cfg_factory("logger=none", "train.steps=4", "train.log_every=2",
+                          "runtime.peak_tflops=0.5"), tmp_path)
+    assert s["perf/mfu"] == pytest.approx(s["perf/tflops_per_device"] / 0.5)
+    assert s["perf/tokens_per_s_per_device"] == pytest.approx(s["perf/tokens_per_s"] / 8)
+    assert s["perf/compile_time_s"] > 0 and s["mem/peak_bytes_per_device"] > 0

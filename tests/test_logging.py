@@ -1,0 +1,100 @@
+"""W&B runs read back from the files they write; W&B failures never stop training."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from dxrun.train import Job, run_name, train
+from dxrun.wandb_file import read_run
+
+QUICK = ["train.steps=6", "train.log_every=3", "parallelism=dp2", "data.batch_size=8"]
+INTERNAL = ("_timestamp", "_runtime", "_step")
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wandb_run(run_dir):
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    return read_run(path)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two W&B runs in one process, as the jobs of a multirun are."""
+    from conftest import make_cfg
+
+    out = []
+    for i, bs in enumerate((8, 16)):
+        cfg = make_cfg(*QUICK, f"data.batch_size={bs}")
+        run_dir = tmp_path_factory.mktemp(f"run{i}")
+        job = Job(choices={"model": "tiny", "parallelism": "dp2", "data": "markov",
+                           "optimizer": "adamw", "logger": "wandb"},
+                  overrides=["parallelism=dp2", f"data.batch_size={bs}", "train.steps=6"],
+                  group="sweep-test")
+        train(cfg, run_dir, job)
+        out.append(run_dir)
+    return out
+
+
+def test_wandb_history_equals_metrics_jsonl(two_runs):
+    for run_dir in two_runs:
+        run = _wandb_run(run_dir)
+        history = [{k: v for k, v in row.items() if k not in INTERNAL} for row in run["history"]]
+        assert history == _rows(run_dir)
+        assert [r["step"] for r in history] == [3, 6]
+
+
+def test_wandb_config_name_group_tags(two_runs):
+    run = _wandb_run(two_runs[1])
+    cfg = run["config"]
+    assert cfg["choices"]["parallelism"] == "dp2" and cfg["choices"]["model"] == "tiny"
+    assert cfg["plan"]["mesh_shape"] == [2, 1, 1]
+    assert cfg["data"]["batch_size"] == 16 and cfg["n_params"] > 0
+    assert cfg["jax"]["device_count"] == 8 and cfg["jax"]["version"]
+    assert run["name"] == "tiny-dp2-bs16-steps6"
+    assert run["group"] == "sweep-test" and run["job_type"] == "train"
+    assert {"model:tiny", "parallelism:dp2", "data:markov", "optimizer:adamw"} <= set(run["tags"])
+    assert run["summary"]["train/loss"]["min"] == min(r["train/loss"] for r in _rows(two_runs[1]))
+
+
+def test_two_runs_in_one_process_are_distinct(two_runs):
+    a, b = (_wandb_run(d) for d in two_runs)
+    assert a["id"] != b["id"]
+    assert a["config"]["data"]["batch_size"] == 8 and b["config"]["data"]["batch_size"] == 16
+    assert a["history"][0]["train/loss"] != b["history"][0]["train/loss"]
+
+
+def test_failed_wandb_init_still_trains(cfg_factory, tmp_path, caplog):
+    (tmp_path / "wandb").write_text("a file where W&B wants its folder")
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        summary = train(cfg_factory(*QUICK), tmp_path)
+    assert [r["step"] for r in _rows(tmp_path)] == [3, 6]
+    assert summary["train/loss"] == _rows(tmp_path)[-1]["train/loss"]
+    warnings = [r.message for r in caplog.records if "W&B" in r.message]
+    assert len(warnings) == 1 and "continuing with metrics.jsonl" in warnings[0]
+
+
+def test_logger_none_writes_no_wandb(cfg_factory, tmp_path):
+    train(cfg_factory(*QUICK, "logger=none"), tmp_path)
+    assert not (tmp_path / "wandb").exists() and len(_rows(tmp_path)) == 2
+
+
+def test_run_name_from_choices_and_overrides(cfg_factory):
+    cfg = cfg_factory("parallelism=dp4_tp2", "data.batch_size=64", "optimizer.lr=0.01")
+    job = Job(choices={"model": "tiny", "parallelism": "dp4_tp2"},
+              overrides=["parallelism=dp4_tp2", "data.batch_size=64", "optimizer.lr=0.01"])
+    assert run_name(cfg, job) == "tiny-dp4_tp2-bs64-lr0.01"
+
+
+def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
+    from dxrun.dashboard import load_spec, main, metrics_in
+
+    logged = set().union(*(_rows(two_runs[0])))
+    assert metrics_in(load_spec()) <= logged | {"perf/mfu"}  # mfu: where the peak is known
+    main(["--entity", "someone"])  # without wandb-workspaces: prints the panels to add by hand
+    assert "loss vs entropy floor: train/loss, data/entropy_floor" in capsys.readouterr().out
