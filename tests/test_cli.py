@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from dxrun.wandb_file import read_run
+
 
 def _run_dirs(cwd: Path) -> list[Path]:
     return sorted(p.parent for p in (cwd / "outputs").glob("*/*/plan.json"))
@@ -46,6 +48,55 @@ def test_dp4_tp2_subprocess_run(dp4_tp2_run):
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     log = (run_dir / "dxrun.log").read_text()
     assert "data=4 x fsdp=1 x tensor=2" in log and "simulating 8 CPU devices" in log
+    assert "step 20/20  loss" in log and "step 20/20  loss" in proc.stdout + proc.stderr
+
+
+@pytest.mark.e2e
+def test_subprocess_wandb_run_holds_choices_plan_and_history(dp4_tp2_run):
+    cwd, proc = dp4_tp2_run
+    (run_dir,) = _run_dirs(cwd)
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    run = read_run(path)
+    assert run["config"]["choices"]["parallelism"] == "dp4_tp2"
+    assert run["config"]["plan"]["mesh_shape"] == [4, 1, 2]
+    assert run["name"] == "tiny-dp4_tp2-bs32-steps20-log_every5"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = [{k: v for k, v in r.items() if not k.startswith("_")} for r in run["history"]]
+    assert history == rows
+    for key in ("train/ppl", "train/param_norm", "perf/tokens_per_s_per_device",
+                "perf/tflops_per_device", "data/tokens_seen", "data/entropy_floor"):
+        assert key in rows[-1], key
+    assert "perf/compile_time_s" in rows[0] and "mem/peak_bytes_per_device" in rows[0]
+
+
+@pytest.mark.e2e
+def test_progress_bar_on_a_terminal(tmp_path):
+    """Under a pseudo-terminal the run shows a rich progress bar; the log file keeps lines."""
+    import os
+    import subprocess
+    import sys
+
+    main, child = os.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(COLUMNS="120", TERM="xterm")
+    proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=8", "train.log_every=4",
+                             "logger=none", "runtime.peak_tflops=1"], cwd=tmp_path,
+                            stdin=child, stdout=child, stderr=child, env=env)
+    os.close(child)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert proc.wait(timeout=300) == 0
+    screen = out.decode(errors="replace")
+    assert "8/8" in screen and "━" in screen and "MFU" in screen
+    (log,) = tmp_path.glob("outputs/*/*/dxrun.log")
+    assert "step 8/8  loss" in log.read_text()
 
 
 BAD = [
