@@ -42,11 +42,9 @@ def main(cfg: DictConfig) -> dict | None:
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
                      jax.device_count())
-        from dxrun.experiment import visible_devices
-        from dxrun.plan import make_plan
-        from dxrun.train import Job, train
+        from dxrun.train import Job, prepare, train
 
-        make_plan(cfg, *visible_devices())  # fail before anything is written
+        prepared = prepare(cfg)  # the plan and the data: fail before anything is written
         hydra_cfg = HydraConfig.get()
         run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
         write_hydra_files(run_dir, cfg, hydra_cfg)
@@ -56,7 +54,7 @@ def main(cfg: DictConfig) -> dict | None:
         # Jobs of one multirun land together in W&B: grouped by their sweep dir.
         group = "sweep-" + "_".join(Path(hydra_cfg.sweep.dir).parts[-2:]) if multirun else None
         job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), group=group)
-        return train(cfg, run_dir, job)
+        return train(cfg, run_dir, job, prepared)
     except ConfigError as e:
         _discard_empty_run_dir()
         _fail(str(e))

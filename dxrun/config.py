@@ -50,10 +50,17 @@ class ParallelismConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "markov"
+    name: str = "markov"  # markov | text | tokens
     batch_size: int = 32  # global: all devices together
     seq_len: int = 64
     seed: int = 0
+    # The vocabulary this data suggests; the small model presets follow it (${data.vocab_size}).
+    vocab_size: int = 64
+    path: str | None = None  # text: file, dir or glob; tokens: dir with train.bin/val.bin
+    tokenizer: str | None = None  # text: a local tokenizer.json; None = bytes (vocab 256)
+    dtype: str = "uint16"  # tokens: uint16 | uint32
+    val_fraction: float = 0.05  # text: the tail of the corpus held out for eval
+    workers: int = 0  # Grain worker processes (0 = prefetch threads only)
     order: int = 2  # markov: the next token depends on this many previous tokens
     symbols: int = 16  # markov: alphabet size; 0 = model.vocab_size
     branching: int = 3  # markov: successors per context (the chain is sparse)
@@ -82,8 +89,14 @@ class OptimizerConfig:
 class TrainConfig:
     steps: int = 600
     log_every: int = 50
+    eval_every: int = 100  # 0 = no evaluation
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16
+
+
+@dataclass
+class EvalConfig:
+    batches: int = 4  # held-out batches per evaluation (the same ones every time)
 
 
 @dataclass
@@ -113,6 +126,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
@@ -125,7 +139,8 @@ _CHOICES = {
     "model.mlp": ("gelu", "swiglu"),
     "model.pos": ("learned", "rope"),
     "parallelism.on_mismatch": ("error", "shrink"),
-    "data.name": ("markov",),
+    "data.name": ("markov", "text", "tokens"),
+    "data.dtype": ("uint16", "uint32"),
     "optimizer.name": ("adamw", "sgd", "lion"),
     "optimizer.schedule": ("constant", "warmup_cosine", "wsd"),
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
@@ -137,12 +152,12 @@ _POSITIVE = (
     "model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.d_ff",
     "model.vocab_size", "model.max_seq_len", "data.batch_size", "data.seq_len", "data.order",
     "data.branching", "optimizer.lr", "optimizer.base_batch_size", "train.steps",
-    "train.log_every", "runtime.cpu_devices",
+    "train.log_every", "runtime.cpu_devices", "eval.batches", "data.vocab_size",
 )
 
 _NON_NEGATIVE = (
     "optimizer.weight_decay", "optimizer.warmup_steps", "optimizer.clip_norm",
-    "parallelism.n_devices", "data.symbols", "model.dropout",
+    "parallelism.n_devices", "data.symbols", "model.dropout", "train.eval_every", "data.workers",
 )
 
 
@@ -222,6 +237,12 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"logger.mode={cfg.logger.mode!r} is not one of offline, online, "
                           "disabled; or leave it null to follow $WANDB_MODE")
     m, d = cfg.model, cfg.data
+    if d.name in ("text", "tokens") and not d.path:
+        raise ConfigError(f"data={d.name} needs data.path; e.g. data.path=corpus.txt"
+                          if d.name == "text" else
+                          f"data={d.name} needs data.path, the folder with train.bin/val.bin")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if m.dropout >= 1:
         raise ConfigError(f"model.dropout={m.dropout} must be below 1; use e.g. model.dropout=0.1")
     if m.d_model % m.n_heads:
@@ -243,6 +264,8 @@ def validate(cfg: Any) -> None:
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    if d.name != "markov":
+        return
     symbols = d.symbols or m.vocab_size
     if symbols > m.vocab_size:
         raise ConfigError(

@@ -13,12 +13,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dxrun.data import build_source
+from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer
 from dxrun.optimizer import make_optimizer
 from dxrun.plan import MeshPlan, make_plan
 from dxrun.sharding import batch_sharding, mesh_from_plan, param_axes, param_shardings, replicated
-from dxrun.step import TrainState, make_train_step
+from dxrun.step import TrainState, make_eval_step, make_train_step
 
 
 def visible_devices() -> tuple[int, str]:
@@ -37,11 +37,13 @@ class Experiment:
     batch_sharding: Any
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    source: Any
+    data: Data
     step: Any
+    eval_step: Any
 
     @classmethod
-    def build(cls, cfg: Any, plan: MeshPlan | None = None) -> Experiment:
+    def build(cls, cfg: Any, plan: MeshPlan | None = None, data: Data | None = None
+              ) -> Experiment:
         if plan is None:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
@@ -64,8 +66,12 @@ class Experiment:
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
         )
+        eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
+                                   cfg.train.precision)
+        if data is None:
+            data = Data(cfg, jax.process_index(), jax.process_count())
         return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
-                   schedule, build_source(cfg), step)
+                   schedule, data, step, eval_step)
 
     def init_params(self) -> dict:
         """Parameters initialised from ``train.seed``, created directly in their shards."""
@@ -87,5 +93,11 @@ class Experiment:
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state))
 
-    def batch(self, step: int) -> jax.Array:
-        return jax.device_put(self.source.batch(step), self.batch_sharding)
+    def global_batch(self, local_rows: np.ndarray) -> jax.Array:
+        """One global array, sharded over (data, fsdp), from each process's rows."""
+        shape = (self.cfg.data.batch_size, self.cfg.data.seq_len + 1)
+        return jax.make_array_from_process_local_data(self.batch_sharding, local_rows, shape)
+
+    def batch(self, step: int, stream: int = TRAIN) -> jax.Array:
+        """Global batch ``step`` by random access (tests, evaluation)."""
+        return self.global_batch(self.data.local_batch(step, stream))

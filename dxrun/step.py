@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -62,6 +63,25 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
     return TrainStep(jitted, mesh, rules)
+
+
+def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
+                   param_shardings: Any, batch_sharding: Any, precision: str) -> Callable:
+    """Held-out loss and accuracy of a batch: forward only, jitted once, same shardings."""
+    dtype = COMPUTE_DTYPES[precision]
+
+    def evaluate(params: dict, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
+        _, m = loss_and_metrics(graphdef, params, tokens_BxT, dtype)
+        return {"eval/loss": m["train/loss"], "eval/accuracy": m["train/accuracy"]}
+
+    jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding),
+                     out_shardings=replicated(mesh))
+
+    def run(params: dict, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
+        with in_mesh_context(mesh, rules):
+            return jitted(params, tokens_BxT)
+
+    return run
 
 
 class TrainStep:

@@ -19,10 +19,11 @@ from omegaconf import OmegaConf
 
 from dxrun import flops
 from dxrun.console import Progress
+from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.logger import MetricsLogger
 from dxrun.model import count_params
-from dxrun.plan import make_plan
+from dxrun.plan import MeshPlan, make_plan
 from dxrun.runtime import write_json
 
 log = logging.getLogger("dxrun")
@@ -80,23 +81,38 @@ def peak_memory(compiled: Any) -> float | None:
                  + m.temp_size_in_bytes)
 
 
-def train(cfg: Any, run_dir: Path, job: Job | None = None) -> dict[str, Any]:
+def prepare(cfg: Any) -> tuple[MeshPlan, Data]:
+    """Everything that can refuse bad input: the mesh plan and the data (its files, tokenizer
+    and vocabulary). Raises ConfigError; writes nothing and compiles nothing."""
+    plan = make_plan(cfg, *visible_devices())
+    return plan, Data(cfg, jax.process_index(), jax.process_count())
+
+
+def evaluate(exp: Experiment, params: dict, batches: list[jax.Array]) -> dict[str, float]:
+    """Mean held-out loss and accuracy over the same ``eval.batches`` batches every time."""
+    results = [exp.eval_step(params, b) for b in batches]
+    loss = sum(float(r["eval/loss"]) for r in results) / len(results)
+    acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)
+    return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/accuracy": acc}
+
+
+def train(cfg: Any, run_dir: Path, job: Job | None = None,
+          prepared: tuple[MeshPlan, Data] | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     job = job or Job()
+    plan, data = prepared or prepare(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    n_visible, platform = visible_devices()
-    plan = make_plan(cfg, n_visible, platform)  # raises ConfigError before anything compiles
     for w in plan.warnings:
         log.warning(w)
     write_json(run_dir / "plan.json", plan.to_json())
     log.info("mesh plan\n%s", plan.table())
 
-    exp = Experiment.build(cfg, plan)
+    exp = Experiment.build(cfg, plan, data)
     state = exp.init_state()
     n_params = count_params(state.params)
-    floor = getattr(exp.source, "entropy_floor", None)
-    log.info("model %s: %s parameters; data %s%s", cfg.model.name, f"{n_params:,}", cfg.data.name,
-             f" (entropy floor {floor:.4f} nats/token)" if floor is not None else "")
+    floor = data.entropy_floor
+    log.info("model %s: %s parameters; data %s: %s", cfg.model.name, f"{n_params:,}",
+             cfg.data.name, data.description)
     device_kind = jax.devices()[0].device_kind
     peak = resolve_peak(cfg, device_kind)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -113,46 +129,63 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None) -> dict[str, Any]:
     }
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
                            choices=job.choices, is_main=jax.process_index() == 0)
-    steps, every = cfg.train.steps, cfg.train.log_every
+    steps, every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
+    eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
+                    if eval_every > 0 else [])
     last: dict[str, float] = {}
     best_loss = math.inf
     try:
         with Progress(steps) as progress:
-            window_t, window_step = None, 0
+            batches = exp.data.train_iterator()
+            window_t, window_step, waited = None, 0, 0.0
             for i in range(steps):
-                state, metrics = exp.step(state, exp.batch(i))
+                t_wait = time.perf_counter()
+                tokens = exp.global_batch(next(batches))
+                waited += time.perf_counter() - t_wait
+                state, metrics = exp.step(state, tokens)
                 progress.advance()
                 done = i + 1
                 if i == 0:  # the compiling step: the timing windows start after it
                     jax.block_until_ready(metrics)
-                    window_t, window_step = time.perf_counter(), 1
-                if done % every and done != steps:
+                    window_t, window_step, waited = time.perf_counter(), 1, 0.0
+                is_log = done % every == 0 or done == steps
+                is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
+                if not (is_log or is_eval):
                     continue
-                row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()  # device_get waited: the device is ready here
-                row["train/ppl"] = math.exp(min(row["train/loss"], 50.0))
-                if done > window_step:
-                    step_time = (now - window_t) / (done - window_step)
-                    tflops = flops_per_step / step_time / plan.n_devices / 1e12
-                    row["perf/step_time_s"] = step_time
-                    row["perf/tokens_per_s"] = tokens_per_step / step_time
-                    row["perf/tokens_per_s_per_device"] = row["perf/tokens_per_s"] / plan.n_devices
-                    row["perf/tflops_per_device"] = tflops
-                    if peak:
-                        row["perf/mfu"] = flops.mfu(tflops, peak)
-                window_t, window_step = now, done
-                if not last:  # first log row: the one-off numbers
-                    row["perf/compile_time_s"] = exp.step.compile_time_s
-                    mem = peak_memory(exp.step.compiled)
-                    if mem is not None:
-                        row["mem/peak_bytes_per_device"] = mem
-                row["data/tokens_seen"] = float(done * tokens_per_step)
-                if floor is not None:
-                    row["data/entropy_floor"] = floor
+                row: dict[str, float] = {}
+                if is_log:
+                    row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    now = time.perf_counter()  # device_get waited: the device is ready here
+                    row["train/ppl"] = math.exp(min(row["train/loss"], 50.0))
+                    if done > window_step:
+                        window = now - window_t
+                        step_time = window / (done - window_step)
+                        tflops = flops_per_step / step_time / plan.n_devices / 1e12
+                        row["perf/step_time_s"] = step_time
+                        row["perf/tokens_per_s"] = tokens_per_step / step_time
+                        row["perf/tokens_per_s_per_device"] = (row["perf/tokens_per_s"]
+                                                               / plan.n_devices)
+                        row["perf/tflops_per_device"] = tflops
+                        row["perf/data_wait_frac"] = waited / window
+                        if peak:
+                            row["perf/mfu"] = flops.mfu(tflops, peak)
+                    if not last:  # first log row: the one-off numbers
+                        row["perf/compile_time_s"] = exp.step.compile_time_s
+                        mem = peak_memory(exp.step.compiled)
+                        if mem is not None:
+                            row["mem/peak_bytes_per_device"] = mem
+                    row["data/tokens_seen"] = float(done * tokens_per_step)
+                    if floor is not None:
+                        row["data/entropy_floor"] = floor
+                    best_loss = min(best_loss, row["train/loss"])
+                if is_eval:
+                    row.update(evaluate(exp, state.params, eval_batches))
                 logger.log(done, row)
-                progress.update(done, row)
-                best_loss = min(best_loss, row["train/loss"])
+                if is_log:
+                    progress.update(done, row)
                 last = {**last, **row}
+                # Evaluation and logging are not part of the next timing window.
+                window_t, window_step, waited = time.perf_counter(), done, 0.0
     finally:
         logger.finish()
     summary = {

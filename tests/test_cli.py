@@ -111,6 +111,8 @@ BAD = [
     (["optimizer.lr=0"], "optimizer.lr", "> 0"),
     (["train.steps=0"], "train.steps", "> 0"),
     (["data.seq_len=-8"], "data.seq_len", "> 0"),
+    (["data=text", "data.path=/no/such/corpus.txt"], "data.path=/no/such/corpus.txt",
+     "give the path"),
 ]
 
 

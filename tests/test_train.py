@@ -16,6 +16,7 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     floor = summary["entropy_floor"]
     assert 0.5 < floor < 1.0
     assert summary["train/loss"] - floor < 0.1, summary
+    assert summary["eval/loss"] - floor < 0.1, summary  # held-out stream, same chain
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == cfg.train.steps and len(rows) == cfg.train.steps // 50
     assert all(r["data/entropy_floor"] == floor for r in rows)

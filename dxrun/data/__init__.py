@@ -1,17 +1,93 @@
-"""Data sources, chosen by ``data.name``. Each yields the global token batch of a step as a host
-array [batch_size, seq_len + 1], a pure function of (seed, step)."""
+"""Data sources, chosen by ``data.name``: ``markov`` (synthetic), ``text`` and ``tokens``.
+
+Each gives this process's rows of any step's global batch ([rows, seq_len + 1] int32) by random
+access (``local_batch``), and a prefetching iterator with a JSON-able state for training
+(``train_iterator``). Both are pure functions of (seed, step): the mesh and the number of
+processes only decide which rows a process reads.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from dxrun.data.markov import MarkovSource
+import numpy as np
+
+from dxrun.data.markov import EVAL, TRAIN, MarkovSource
+
+__all__ = ["EVAL", "TRAIN", "Data", "BatchIterator", "build_data"]
 
 
-def build_source(cfg: Any) -> MarkovSource:
-    d = cfg.data
-    if d.name == "markov":
-        return MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
-                            branching=d.branching, seed=d.seed, batch_size=d.batch_size,
-                            seq_len=d.seq_len)
-    raise AssertionError(f"data.name={d.name!r} passed validation but has no source")
+class BatchIterator(Protocol):
+    def __next__(self) -> np.ndarray: ...
+    def get_state(self) -> dict[str, Any]: ...
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+class _MarkovIterator:
+    def __init__(self, data: Data, stream: int):
+        self.data, self.stream, self.step = data, stream, 0
+
+    def __iter__(self) -> _MarkovIterator:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        out = self.data.local_batch(self.step, self.stream)
+        self.step += 1
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+class Data:
+    """One data source for one process: ``process_index`` of ``process_count`` reads its rows."""
+
+    def __init__(self, cfg: Any, process_index: int = 0, process_count: int = 1):
+        d = cfg.data
+        self.cfg, self.index, self.count = cfg, process_index, process_count
+        self.batch_size, self.seq_len, self.workers = d.batch_size, d.seq_len, d.workers
+        self.rows = d.batch_size // process_count
+        self.kind = d.name
+        self.entropy_floor: float | None = None
+        if d.name == "markov":
+            self.markov = MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
+                                       branching=d.branching, seed=d.seed,
+                                       batch_size=d.batch_size, seq_len=d.seq_len)
+            self.entropy_floor = self.markov.entropy_floor
+            self.vocab_size = self.markov.S
+            self.description = (f"markov order {d.order}, {self.markov.S} symbols "
+                                f"(entropy floor {self.entropy_floor:.4f} nats/token)")
+            return
+        from dxrun.data import corpus, pipeline
+
+        loaded = corpus.load_text(d) if d.name == "text" else corpus.load_tokens(d)
+        corpus.check_fits(loaded, cfg)
+        self.vocab_size, self.description = loaded.vocab_size, loaded.description
+        self._splits = {}
+        for stream, tokens in ((TRAIN, loaded.train), (EVAL, loaded.val)):
+            if stream == EVAL and len(tokens) < d.seq_len + 1:
+                # No held-out window fits: evaluate on (other batches of) the training split.
+                tokens = loaded.train
+            self._splits[stream] = pipeline.local_batches(
+                tokens, d.seq_len, d.batch_size, d.seed + stream, process_index, process_count)
+
+    def local_batch(self, step: int, stream: int = TRAIN) -> np.ndarray:
+        """This process's rows of global batch ``step``."""
+        if self.kind == "markov":
+            rows = self.markov.batch(step, stream)
+            return rows[self.index * self.rows:(self.index + 1) * self.rows]
+        return self._splits[stream][step]
+
+    def train_iterator(self) -> BatchIterator:
+        if self.kind == "markov":
+            return _MarkovIterator(self, TRAIN)
+        from dxrun.data.pipeline import GrainBatches
+
+        return GrainBatches(self._splits[TRAIN], self.workers)
+
+
+def build_data(cfg: Any, process_index: int = 0, process_count: int = 1) -> Data:
+    return Data(cfg, process_index, process_count)

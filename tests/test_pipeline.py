@@ -1,0 +1,174 @@
+"""Real data: text and token files through the Grain pipeline, process sharding, exact resume,
+and every refusal before compile."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from dxrun.data import EVAL, TRAIN, Data
+from dxrun.data.corpus import Tokenizer
+from dxrun.data.prepare import prepare
+from dxrun.errors import ConfigError
+from dxrun.experiment import Experiment
+
+WORDS = "the quick brown fox jumps over a lazy dog while cats sit on warm mats".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Three small documents in a folder, and a word-level tokenizer.json trained on them."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(3):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(10)) + "." for _ in range(400)]
+        (docs / f"doc{i}.txt").write_text("\n".join(lines))
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = HF(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(p) for p in sorted(docs.iterdir())],
+              trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"]))
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def _cfg(cfg_factory, corpus, *extra):
+    return cfg_factory("data=text", f"data.path={corpus / 'docs'}", "logger=none", *extra)
+
+
+def test_byte_tokenizer_text(cfg_factory, corpus):
+    data = Data(_cfg(cfg_factory, corpus))
+    assert data.vocab_size == 256
+    batch = data.local_batch(0)
+    assert batch.shape == (32, 65) and batch.dtype == np.int32
+    text = Tokenizer(None).decode(batch[0])
+    inner = text.replace("\x00", " ").replace("\n", " ").replace(".", "").split()[1:-1]
+    assert inner and set(inner) <= set(WORDS)  # (the window's edges may cut a word)
+
+
+def test_tokenizer_json_text(cfg_factory, corpus):
+    tj = corpus / "tokenizer.json"
+    data = Data(_cfg(cfg_factory, corpus, f"data.tokenizer={tj}", "data.vocab_size=64"))
+    tok = Tokenizer(str(tj))
+    assert data.vocab_size == tok.vocab_size == len(WORDS) + 3  # words, '.', [UNK], EOT
+    words = tok.decode(data.local_batch(3)[0]).replace(" .", "").split()[1:-1]
+    assert words and set(words) <= set(WORDS) | {"."}
+    assert tok.eot == 1  # documents are joined with <|endoftext|>
+
+
+def test_prepare_round_trips(tmp_path, corpus):
+    meta = prepare(str(corpus / "docs" / "*.txt"), str(tmp_path), val_fraction=0.1)
+    ids = np.concatenate([np.fromfile(tmp_path / "train.bin", np.uint16),
+                          np.fromfile(tmp_path / "val.bin", np.uint16)])
+    tok = Tokenizer(None)
+    expected = []
+    for f in sorted((corpus / "docs").iterdir()):
+        expected += list(tok.encode(f.read_text())) + [tok.eot]
+    np.testing.assert_array_equal(ids, expected)
+    assert meta["train_tokens"] + meta["val_tokens"] == len(expected)
+    assert json.loads((tmp_path / "meta.json").read_text())["dtype"] == "uint16"
+
+
+def test_tokens_source_reads_prepared_bins(tmp_path, corpus, cfg_factory):
+    tj = corpus / "tokenizer.json"
+    prepare(str(corpus / "docs"), str(tmp_path), tokenizer=str(tj))
+    cfg = cfg_factory("data=tokens", f"data.path={tmp_path}", "data.vocab_size=64", "logger=none")
+    data = Data(cfg)
+    train = np.fromfile(tmp_path / "train.bin", np.uint16)
+    rows = data.local_batch(0)
+    # Every row is a contiguous window of train.bin.
+    for row in rows[:4]:
+        starts = np.flatnonzero(train[: len(train) - 64] == row[0])
+        assert any((train[s:s + 65] == row).all() for s in starts)
+
+
+@pytest.mark.parametrize("source", ["markov", "text"])
+def test_batch_independent_of_devices_and_processes(cfg_factory, corpus, source):
+    extra = ["data=text", f"data.path={corpus / 'docs'}"] if source == "text" else []
+    one = Experiment.build(cfg_factory(*extra, "logger=none", "parallelism=dp1"))
+    eight = Experiment.build(cfg_factory(*extra, "logger=none", "parallelism=dp2_fsdp2_tp2"))
+    for step in (0, 7):
+        a, b = one.batch(step), eight.batch(step)
+        np.testing.assert_array_equal(jax.device_get(a), jax.device_get(b))
+        assert len(b.sharding.device_set) == 8
+    cfg = cfg_factory(*extra, "logger=none")
+    whole = Data(cfg, 0, 1)
+    halves = [Data(cfg, p, 2) for p in range(2)]
+    for step in (0, 5, 123):
+        for stream in (TRAIN, EVAL):
+            joined = np.concatenate([h.local_batch(step, stream) for h in halves])
+            np.testing.assert_array_equal(joined, whole.local_batch(step, stream))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_iterator_state_resumes_exactly(cfg_factory, corpus, workers):
+    cfg = _cfg(cfg_factory, corpus, f"data.workers={workers}", "data.batch_size=64")
+    data = Data(cfg)
+    it = data.train_iterator()
+    seen = [next(it) for _ in range(5)]  # mid-epoch: an epoch here is ~70 batches
+    state = it.get_state()
+    json.dumps(state)  # JSON-able, for the checkpoint
+    expected = [next(it) for _ in range(4)]
+    resumed = Data(cfg).train_iterator()
+    resumed.set_state(state)
+    for a, b in zip(expected, [next(resumed) for _ in range(4)], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for k, batch in enumerate(seen + expected):
+        np.testing.assert_array_equal(batch, data.local_batch(k))
+
+
+def test_epochs_are_reshuffled_and_cover_every_window():
+    from dxrun.data.pipeline import local_batches
+
+    L = 4
+    tokens = np.arange(10 * L + 1)  # 10 windows; a window's first token names it
+    batches = local_batches(tokens, L, batch_size=5, seed=0)
+    epoch = lambda e: [int(r[0]) // L for k in (2 * e, 2 * e + 1) for r in batches[k]]
+    first, second = epoch(0), epoch(1)
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert first != second and first != list(range(10))
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d, c: ["data=text", f"data.path={d}/nope.txt"], "no such file"),
+    (lambda d, c: ["data=text"], "data=text needs data.path"),
+    (lambda d, c: ["data=text", f"data.path={c['empty']}"], "is empty"),
+    (lambda d, c: ["data=text", f"data.path={c['short']}"], "shorter than one window"),
+    (lambda d, c: ["data=tokens", f"data.path={c['bigid']}", "data.vocab_size=256"],
+     "token id 300 >= model.vocab_size=256"),
+    (lambda d, c: ["data=tokens", f"data.path={c['u32']}", "data.dtype=uint16"],
+     "data.dtype=uint16 but"),
+    (lambda d, c: ["data=text", f"data.path={c['short']}", f"data.tokenizer={c['badtok']}"],
+     "cannot read it as a tokenizer.json"),
+    (lambda d, c: ["data=text", f"data.path={c['short']}", "model.vocab_size=100",
+                   "data.seq_len=4"], "model.vocab_size=100"),
+])
+def test_bad_data_inputs_fail_before_compile(cfg_factory, tmp_path, make, needle):
+    cases = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt",
+             "bigid": tmp_path / "bigid", "u32": tmp_path / "u32",
+             "badtok": tmp_path / "tokenizer.json"}
+    cases["empty"].write_text("")
+    cases["short"].write_text("only a few words")
+    cases["badtok"].write_text("{not json")
+    for name, ids, dtype in (("bigid", [1, 2, 300] * 50, "uint16"), ("u32", [1, 2, 3] * 50, "uint32")):
+        cases[name].mkdir()
+        np.asarray(ids, dtype).tofile(cases[name] / "train.bin")
+        if name == "u32":
+            (cases[name] / "meta.json").write_text(json.dumps({"dtype": "uint32",
+                                                               "vocab_size": 4}))
+    from dxrun.config import validate
+    from dxrun.train import prepare as prepare_run
+
+    cfg = cfg_factory(*make(tmp_path, cases), "logger=none")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+        prepare_run(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
