@@ -12,8 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from dxrun.data.corpus import Tokenizer, encode_files, split, text_files
 from dxrun.errors import ConfigError
 
