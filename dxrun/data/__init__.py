@@ -58,7 +58,7 @@ class Data:
                                        batch_size=d.batch_size, seq_len=d.seq_len)
             self.entropy_floor = self.markov.entropy_floor
             self.vocab_size = self.markov.S
-            self.description = (f"markov order {d.order}, {self.markov.S} symbols "
+            self.description = (f"order {d.order}, {self.markov.S} symbols "
                                 f"(entropy floor {self.entropy_floor:.4f} nats/token)")
             return
         from dxrun.data import corpus, pipeline
