@@ -32,3 +32,22 @@ def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     bf16 = train(cfg_factory(*base, "train.precision=bf16"), tmp_path / "bf16")
     assert abs(bf16["train/loss"] - fp32["train/loss"]) < 0.05 * fp32["train/loss"]
     assert bf16["train/loss"] != fp32["train/loss"]  # it really computed in bf16
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
+def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
+    s = train(cfg_factory(f"optimizer={optimizer}", "logger=none", "parallelism=dp2",
+                          "train.steps=30", "train.log_every=1", "train.eval_every=0"), tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.5, (optimizer, rows[-1])
+    assert s["train/lr"] > 0
+
+
+def test_dropout_is_applied_in_training_only(cfg_factory, tmp_path):
+    base = ["logger=none", "parallelism=dp2", "train.steps=2", "train.log_every=1",
+            "train.eval_every=1", "eval.batches=1", "optimizer.warmup_steps=0",
+            "optimizer.lr=1e-9"]  # (the lr barely moves: both runs keep the same weights)
+    plain = train(cfg_factory(*base), tmp_path / "plain")
+    dropped = train(cfg_factory(*base, "model.dropout=0.3"), tmp_path / "dropout")
+    assert dropped["train/loss"] != pytest.approx(plain["train/loss"], rel=1e-4)
+    assert dropped["eval/loss"] == pytest.approx(plain["eval/loss"], rel=1e-4)
