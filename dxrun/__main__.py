@@ -42,6 +42,11 @@ def main(cfg: DictConfig) -> dict | None:
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
                      jax.device_count())
+        elif jax.default_backend() == "cpu" and jax.device_count() != cfg.runtime.cpu_devices:
+            # Multirun jobs share one process: JAX's device count is fixed by the first job.
+            log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
+                        "in this process (set it once, for the whole multirun)",
+                        cfg.runtime.cpu_devices, jax.device_count())
         from dxrun.train import Job, prepare, train
 
         prepared = prepare(cfg)  # the plan and the data: fail before anything is written

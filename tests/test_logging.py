@@ -98,3 +98,18 @@ def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
     assert metrics_in(load_spec()) <= logged | {"perf/mfu"}  # mfu: where the peak is known
     main(["--entity", "someone"])  # without wandb-workspaces: prints the panels to add by hand
     assert "loss vs entropy floor: train/loss, data/entropy_floor" in capsys.readouterr().out
+
+
+def test_failed_wandb_log_warns_once_and_keeps_jsonl(cfg_factory, tmp_path, caplog):
+    from dxrun.logger import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, cfg_factory(), {"a": 1}, name="t")
+    logger.log(1, {"train/loss": 3.0})
+    logger.wandb.finish()  # the W&B run goes away under us: its next log call raises
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        logger.log(2, {"train/loss": 2.0})
+        logger.log(3, {"train/loss": 1.0})
+    logger.finish()
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+    warnings = [r.message for r in caplog.records if "W&B" in r.message]
+    assert len(warnings) == 1 and "log failed" in warnings[0]
