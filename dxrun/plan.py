@@ -45,7 +45,6 @@ class MeshPlan:
     n_visible: int
     platform: str
     global_batch: int
-    per_device_batch: int
     seq_len: int
     rules: dict[str, Any]
     warnings: tuple[str, ...] = ()
@@ -58,11 +57,17 @@ class MeshPlan:
     def n_devices(self) -> int:
         return self.dp * self.fsdp * self.tp
 
+    @property
+    def per_device_batch(self) -> int:
+        """Examples each data replica (a group of tp devices) computes per step."""
+        return self.global_batch // (self.dp * self.fsdp)
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["mesh_axes"] = list(MESH_AXES)
         out["mesh_shape"] = list(self.shape)
         out["n_devices"] = self.n_devices
+        out["per_device_batch"] = self.per_device_batch
         out["device_ids"] = list(self.device_ids)
         out["rules"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rules.items()}
         out["warnings"] = list(self.warnings)
@@ -171,7 +176,6 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
         n_visible=n_visible,
         platform=platform,
         global_batch=data.batch_size,
-        per_device_batch=data.batch_size // replicas,
         seq_len=data.seq_len,
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),

@@ -99,7 +99,7 @@ def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0) -> M
     if dp * fsdp * tp != n:
         raise ValueError(f"dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} != {n} devices")
     plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, device_ids=tuple(range(n)), n_visible=n,
-                    platform=jax.default_backend(), global_batch=dp * fsdp, per_device_batch=1,
+                    platform=jax.default_backend(), global_batch=dp * fsdp,
                     seq_len=0, rules=dict(LOGICAL_RULES))
     return mesh_from_plan(plan)
 

@@ -88,12 +88,16 @@ def prepare(cfg: Any) -> tuple[MeshPlan, Data]:
     return plan, Data(cfg, jax.process_index(), jax.process_count())
 
 
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: a diverged run logs a large number, not inf
+
+
 def evaluate(exp: Experiment, params: dict, batches: list[jax.Array]) -> dict[str, float]:
     """Mean held-out loss and accuracy over the same ``eval.batches`` batches every time."""
     results = [exp.eval_step(params, b) for b in batches]
     loss = sum(float(r["eval/loss"]) for r in results) / len(results)
     acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)
-    return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/accuracy": acc}
+    return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
 
 
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
@@ -156,7 +160,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if is_log:
                     row = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     now = time.perf_counter()  # device_get waited: the device is ready here
-                    row["train/ppl"] = math.exp(min(row["train/loss"], 50.0))
+                    row["train/ppl"] = perplexity(row["train/loss"])
                     if done > window_step:
                         window = now - window_t
                         step_time = window / (done - window_step)
