@@ -73,8 +73,10 @@ def test_subprocess_wandb_run_holds_choices_plan_and_history(dp4_tp2_run):
 def test_progress_bar_on_a_terminal(tmp_path):
     """Under a pseudo-terminal the run shows a rich progress bar; the log file keeps lines."""
     import os
+    import select
     import subprocess
     import sys
+    import time
 
     main, child = os.openpty()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -83,16 +85,18 @@ def test_progress_bar_on_a_terminal(tmp_path):
                              "logger=none", "runtime.peak_tflops=1"], cwd=tmp_path,
                             stdin=child, stdout=child, stderr=child, env=env)
     os.close(child)
-    out = b""
-    while True:
+    out, deadline = b"", time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if not select.select([main], [], [], 1.0)[0]:
+            continue
         try:
             chunk = os.read(main, 4096)
-        except OSError:
+        except OSError:  # the child closed the terminal
             break
         if not chunk:
             break
         out += chunk
-    assert proc.wait(timeout=300) == 0
+    assert proc.wait(timeout=30) == 0
     screen = out.decode(errors="replace")
     assert "8/8" in screen and "━" in screen and "MFU" in screen
     (log,) = tmp_path.glob("outputs/*/*/dxrun.log")
