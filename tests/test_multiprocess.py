@@ -29,7 +29,12 @@ def _run(nproc: int, out: Path, overrides: list[str]) -> list[dict]:
                                str(p), str(nproc), str(out), *overrides], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for p in range(nproc)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # one process failing leaves the other waiting for it: never leave it behind
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
     return [json.loads(Path(f"{out}.{p}").read_text()) for p in range(nproc)]
