@@ -62,7 +62,17 @@ def main(cfg: DictConfig) -> dict | None:
         return train(cfg, run_dir, job, prepared)
     except ConfigError as e:
         _discard_empty_run_dir()
-        _fail(str(e))
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            _fail(str(e))
+        # One bad combination must not cost the rest of a sweep: report it, run the others,
+        # and exit non-zero at the end (cli()).
+        print(f"dxrun: error: job #{hydra_cfg.job.num}: {e}", file=sys.stderr)
+        _FAILED_JOBS.append(f"#{hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})")
+        return None
+
+
+_FAILED_JOBS: list[str] = []
 
 
 def _discard_empty_run_dir() -> None:
@@ -110,6 +120,8 @@ def _fail(msg: str) -> None:
 def cli() -> None:
     preflight(sys.argv[1:])
     main()
+    if _FAILED_JOBS:
+        _fail(f"{len(_FAILED_JOBS)} sweep job(s) refused their config: {'; '.join(_FAILED_JOBS)}")
 
 
 if __name__ == "__main__":

@@ -133,3 +133,22 @@ def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     assert key in errors[0] and fix in errors[0], errors[0]
     assert _digest(cwd / "outputs") == before  # the earlier run's files are untouched
     assert len(_run_dirs(cwd)) == 1
+
+
+@pytest.mark.e2e
+def test_sweep_runs_every_valid_job_and_reports_the_bad_one(tmp_path):
+    proc = run_cli("-m", "data.batch_size=30,16", "parallelism=dp2,dp8", "train.steps=2",
+                   "train.log_every=1", "train.eval_every=0", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert len(errors) == 2, proc.stderr  # the refused job (30 on dp8), then the summary
+    assert "job #1: data.batch_size=30 is not divisible by dp*fsdp=8" in errors[0]
+    assert "1 sweep job(s) refused" in errors[-1]
+    done = sorted(tmp_path.glob("multirun/*/*/*/metrics.jsonl"))
+    assert [p.parent.name for p in done] == ["0", "2", "3"]
+    # The valid jobs share the sweep's W&B group; batch 16 trains identically on dp2 and dp8.
+    losses = [json.loads(p.read_text().splitlines()[-1])["train/loss"] for p in done]
+    assert losses[1] == pytest.approx(losses[2], rel=1e-5)
+    groups = {read_run(next(p.parent.glob("wandb/offline-run-*/run-*.wandb")))["group"]
+              for p in done}
+    assert len(groups) == 1 and groups.pop().startswith("sweep-")
