@@ -8,7 +8,6 @@ axes to reduce over; those forms default to the batch axes (``data``, ``fsdp``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +85,3 @@ def all_gather(x: jax.Array, axis_name: AxisNames | None = None, tiled: bool = T
     """Concatenate (``tiled``) or stack every device's ``x`` along a new leading axis."""
     return jax.lax.all_gather(x, _axes(axis_name), tiled=tiled)
 
-
-def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}

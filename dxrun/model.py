@@ -195,7 +195,3 @@ class Transformer(nnx.Module):
 def count_params(params: Any) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
-
-def embedding_params(params: dict) -> int:
-    """Parameters that are lookups, not matmuls (excluded from 6N FLOPs)."""
-    return sum(params[k].size for k in ("wte", "wpe") if k in params)
