@@ -13,11 +13,11 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
-from dxrun.config import check_keys, composition_error, register, validate
+from dxrun.config import check_keys, composition_error, config_warnings, register, validate
 from dxrun.errors import ConfigError
-from dxrun.runtime import claim_run_dir, simulate_cpu_devices, write_hydra_files
+from dxrun.runtime import RunLog, claim_run_dir, simulate_cpu_devices, write_hydra_files
 
 
 def _conf_dir() -> str:
@@ -33,6 +33,9 @@ register()
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> dict | None:
+    hydra_cfg = HydraConfig.get()
+    run_log = RunLog()  # lines wait in memory until this run has claimed its own dir
+    run_dir: Path | None = None
     try:
         check_keys(cfg)
         validate(cfg)
@@ -47,11 +50,13 @@ def main(cfg: DictConfig) -> dict | None:
             log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
                         "in this process (set it once, for the whole multirun)",
                         cfg.runtime.cpu_devices, jax.device_count())
+        for w in config_warnings(cfg):
+            log.warning(w)
         from dxrun.train import Job, prepare, train
 
         prepared = prepare(cfg)  # the plan and the data: fail before anything is written
-        hydra_cfg = HydraConfig.get()
         run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+        run_log.attach(run_dir)
         write_hydra_files(run_dir, cfg, hydra_cfg)
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
@@ -61,49 +66,60 @@ def main(cfg: DictConfig) -> dict | None:
         job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), group=group)
         return train(cfg, run_dir, job, prepared)
     except ConfigError as e:
-        _discard_empty_run_dir()
-        hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode != RunMode.MULTIRUN:
-            _fail(str(e))
-        # One bad combination must not cost the rest of a sweep: report it, run the others,
-        # and exit non-zero at the end (cli()).
-        print(f"dxrun: error: job #{hydra_cfg.job.num}: {e}", file=sys.stderr)
-        _FAILED_JOBS.append(f"#{hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})")
-        return None
+        run_log.discard()
+        _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+        return _job_failed(str(e), crashed=False)
+    except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
+        if run_dir is None:  # failed before claiming: the traceback still needs a home
+            run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+        log_path = run_log.attach(run_dir)
+        run_log.write_traceback(e)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return _job_failed(f"{type(e).__name__}: {first} (full traceback: {log_path})",
+                           crashed=True)
 
 
 _FAILED_JOBS: list[str] = []
+_CRASHED = False
 
 
-def _discard_empty_run_dir() -> None:
-    """Hydra made the run dir (and its log file) before the plan could be checked; a run that
-    never started leaves nothing behind. A dir holding an earlier run (plan.json) is kept."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if (run_dir / "plan.json").exists() or not run_dir.is_dir():
-        return
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.close()
-    for f in run_dir.glob("*.log"):
-        f.unlink()
-    if not any(run_dir.iterdir()):
-        run_dir.rmdir()
-        if not any(run_dir.parent.iterdir()):
-            run_dir.parent.rmdir()
+def _job_failed(msg: str, crashed: bool) -> None:
+    """A single run exits now (2 for refused input, 1 for a crash). In a multirun one bad job
+    must not cost the rest of the sweep: report it, run the others, exit non-zero at the end."""
+    global _CRASHED
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        _fail(msg, code=1 if crashed else 2)
+    print(f"dxrun: error: job #{hydra_cfg.job.num}: {msg}", file=sys.stderr)
+    _FAILED_JOBS.append(f"#{hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})")
+    _CRASHED = _CRASHED or crashed
+
+
+def _discard_empty_dir(run_dir: Path) -> None:
+    """Hydra made the run dir before the config could be checked; a run that never started
+    leaves nothing behind (and never touches a dir that holds anything)."""
+    for d in (run_dir, run_dir.parent):
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
 
 
 def preflight(argv: list[str]) -> None:
     """Compose the config the way Hydra will and turn a composition error (unknown option, unknown
-    key, wrong type) into one line naming the key and the fix. Hydra's own flags (-m, --cfg, ...)
-    and hydra.* overrides are left to Hydra, which reports its errors itself."""
-    if any(a.startswith("-") or a.lstrip("+~").startswith("hydra") for a in argv):
+    key, wrong type) into one line naming the key and the fix: for a single run, for every value
+    of a multirun's sweeps, and beside ``hydra.*`` overrides (how schedulers launch). Other
+    Hydra flags (--cfg, --help, -cn, ...) are left to Hydra."""
+    flags = [a for a in argv if a.startswith("-")]
+    if any(f not in ("-m", "--multirun") for f in flags):
         return
     from hydra import compose, initialize_config_dir
 
     try:
         with initialize_config_dir(config_dir=_conf_dir(), version_base="1.3", job_name="dxrun"):
-            cfg = compose(config_name="config", overrides=argv)
-        check_keys(cfg)
+            for overrides in _one_job_per_sweep_value([a for a in argv if a not in flags]):
+                cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                check_keys(cfg)
     except ConfigError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - anything we cannot phrase better goes to Hydra
@@ -112,16 +128,36 @@ def preflight(argv: list[str]) -> None:
             _fail(msg)
 
 
-def _fail(msg: str) -> None:
+def _one_job_per_sweep_value(argv: list[str]) -> list[list[str]]:
+    """Override lists that together use every value of every sweep (``a=1,2 b=x,y`` gives
+    ``a=1 b=x``, ``a=2 b=x``, ``a=1 b=y``): each value composes once, not the full grid."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    # glob() sweeps name group options by pattern; Hydra expands (and reports) those itself.
+    parsed = [o for o in OverridesParser.create().parse_overrides(argv)
+              if o.value_type != ValueType.GLOB_CHOICE_SWEEP]
+    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
+             if o.is_sweep_override() else o.input_line for o in parsed]
+    jobs = [first]
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override():
+            for value in list(o.sweep_string_iterator())[1:]:
+                jobs.append([*first[:i], f"{o.get_key_element()}={value}", *first[i + 1:]])
+    return jobs
+
+
+def _fail(msg: str, code: int = 2) -> None:
     print(f"dxrun: error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def cli() -> None:
     preflight(sys.argv[1:])
     main()
     if _FAILED_JOBS:
-        _fail(f"{len(_FAILED_JOBS)} sweep job(s) refused their config: {'; '.join(_FAILED_JOBS)}")
+        _fail(f"{len(_FAILED_JOBS)} sweep job(s) failed: {'; '.join(_FAILED_JOBS)}",
+              code=1 if _CRASHED else 2)
 
 
 if __name__ == "__main__":

@@ -148,17 +148,70 @@ _CHOICES = {
     "logger.name": ("wandb", "none"),
 }
 
-_POSITIVE = (
-    "model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.d_ff",
-    "model.vocab_size", "model.max_seq_len", "data.batch_size", "data.seq_len", "data.order",
-    "data.branching", "optimizer.lr", "optimizer.base_batch_size", "train.steps",
-    "train.log_every", "runtime.cpu_devices", "eval.batches", "data.vocab_size",
-)
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``lo``/``hi`` bounds (None = unbounded), each closed
+    or open. The README's table of ranges is generated from RANGES (``ranges_markdown``)."""
 
-_NON_NEGATIVE = (
-    "optimizer.weight_decay", "optimizer.warmup_steps", "optimizer.clip_norm",
-    "parallelism.n_devices", "data.symbols", "model.dropout", "train.eval_every", "data.workers",
-)
+    lo: float | None = None
+    hi: float | None = None
+    lo_closed: bool = True
+    hi_closed: bool = False
+
+    def __contains__(self, v: float) -> bool:
+        if self.lo is not None and (v < self.lo or (v == self.lo and not self.lo_closed)):
+            return False
+        return not (self.hi is not None and (v > self.hi or (v == self.hi and not self.hi_closed)))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>=' if self.lo_closed else '>'} {_num(self.lo)}"
+        return (f"{'[' if self.lo_closed else '('}{_num(self.lo)}, {_num(self.hi)}"
+                f"{']' if self.hi_closed else ')'}")
+
+
+def _num(x: float | None) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+POSITIVE, NON_NEGATIVE = Range(0, lo_closed=False), Range(0)
+FRACTION = Range(0, 1)  # [0, 1)
+
+# Every numeric key of the schema and the values it accepts, checked before anything runs.
+RANGES: dict[str, Range] = {
+    "model.n_layers": POSITIVE, "model.d_model": POSITIVE, "model.n_heads": POSITIVE,
+    "model.n_kv_heads": POSITIVE, "model.d_ff": POSITIVE, "model.vocab_size": POSITIVE,
+    "model.max_seq_len": POSITIVE, "model.dropout": FRACTION, "model.rope_theta": POSITIVE,
+    "model.init_std": POSITIVE,
+    "parallelism.n_devices": NON_NEGATIVE,
+    "data.batch_size": POSITIVE, "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
+    "data.val_fraction": FRACTION, "data.workers": NON_NEGATIVE, "data.order": POSITIVE,
+    "data.symbols": NON_NEGATIVE, "data.branching": POSITIVE,
+    "optimizer.lr": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
+    "optimizer.b1": FRACTION, "optimizer.b2": FRACTION, "optimizer.eps": POSITIVE,
+    "optimizer.momentum": FRACTION, "optimizer.warmup_steps": NON_NEGATIVE,
+    "optimizer.min_lr_ratio": Range(0, 1, hi_closed=True),
+    "optimizer.decay_frac": Range(0, 1, lo_closed=False, hi_closed=True),
+    "optimizer.clip_norm": NON_NEGATIVE, "optimizer.base_batch_size": POSITIVE,
+    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE,
+    "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
+}
+
+
+def ranges_markdown() -> str:
+    """The README's table of accepted ranges, generated so it is never written twice."""
+    by_range: dict[str, list[str]] = {}
+    for key, r in RANGES.items():
+        by_range.setdefault(str(r), []).append(f"`{key}`")
+    rows = ["| accepted | keys |", "|---|---|"]
+    rows += [f"| {r} | {', '.join(keys)} |" for r, keys in by_range.items()]
+    return "\n".join(rows)
+
+
+def _range_fix(key: str, r: Range) -> str:
+    if r.hi is None:
+        return f"set {key} {'>=' if r.lo_closed else '>'} {_num(r.lo)}"
+    return f"set {key} in {r}"
 
 
 def _valid_keys(path: str) -> list[str]:
@@ -195,12 +248,12 @@ def composition_error(e: BaseException) -> str | None:
     cause = e.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         parent = cause.full_key.rpartition(".")[0]
-        try:
-            valid = ", ".join(_valid_keys(parent))
-        except Exception:  # noqa: BLE001
-            return None
         where = f"a key of {parent}" if parent else "a config key"
-        return f"{cause.full_key} is not {where}; check the spelling (valid: {valid})"
+        try:
+            valid = f" (valid: {', '.join(_valid_keys(parent))})"
+        except Exception:  # noqa: BLE001 - hydra.* keys: not our schema, no list to offer
+            valid = ""
+        return f"{cause.full_key} is not {where}; check the spelling{valid}"
     if isinstance(cause, ValidationError) and cause.full_key:
         first = str(cause.msg).splitlines()[0]
         return f"{cause.full_key}: {first}; give a value of the key's type"
@@ -214,20 +267,26 @@ def _get(cfg: Any, key: str) -> Any:
     return node
 
 
+def config_warnings(cfg: Any) -> list[str]:
+    """Settings that run but probably not as meant; the launcher logs each once."""
+    out = []
+    if cfg.optimizer.warmup_steps >= cfg.train.steps:
+        out.append(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} >= train.steps="
+                   f"{cfg.train.steps}: the learning rate never reaches optimizer.lr; lower "
+                   "optimizer.warmup_steps")
+    return out
+
+
 def validate(cfg: Any) -> None:
     """Check values the schema's types cannot; raise ConfigError naming key, value and fix."""
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
-    for key in _POSITIVE:
+    for key, r in RANGES.items():
         value = _get(cfg, key)
-        if not value > 0:
-            raise ConfigError(f"{key}={value} must be positive; set {key} to a value > 0")
-    for key in _NON_NEGATIVE:
-        value = _get(cfg, key)
-        if value < 0:
-            raise ConfigError(f"{key}={value} must not be negative; set {key} >= 0")
+        if value not in r:
+            raise ConfigError(f"{key}={value} is outside its range {r}; {_range_fix(key, r)}")
     peak = cfg.runtime.peak_tflops
     if peak is not None and peak != "measure" and (
             isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
@@ -241,10 +300,6 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"data={d.name} needs data.path; e.g. data.path=corpus.txt"
                           if d.name == "text" else
                           f"data={d.name} needs data.path, the folder with train.bin/val.bin")
-    if not 0 <= d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
-    if m.dropout >= 1:
-        raise ConfigError(f"model.dropout={m.dropout} must be below 1; use e.g. model.dropout=0.1")
     if m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "

@@ -106,9 +106,15 @@ def _resolve_axes(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
     if inferred:
         known = math.prod(v for v in sizes.values() if v != -1)
         if n % known:
+            # Name what the user set (the sized axes), not the axis dxrun was asked to infer.
+            typed = [k for k, v in sizes.items() if v > 1] or [k for k, v in sizes.items() if v != -1]
+            set_ = " x ".join(f"parallelism.{k}={sizes[k]}" for k in typed)
+            fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+            fix = (f"pick parallelism.{typed[0]} from {fits}" if len(typed) == 1
+                   else f"make their product divide {n}")
             raise ConfigError(
-                f"parallelism.{inferred[0]}=-1 cannot be inferred: {n} devices are not divisible "
-                f"by the other axes' product {known}; set parallelism.n_devices to a multiple of {known}"
+                f"{set_} does not divide the {n} devices in use, so parallelism.{inferred[0]} "
+                f"cannot be inferred; {fix}, or set parallelism.n_devices to a multiple of {known}"
             )
         sizes[inferred[0]] = n // known
     return sizes["dp"], sizes["fsdp"], sizes["tp"]
@@ -140,10 +146,13 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
     warnings: list[str] = []
     if dp * fsdp * tp != n:
         if par.on_mismatch != "shrink":
+            in_use = (f"parallelism.n_devices={n} uses {n}" if par.n_devices
+                      else f"{n} {platform} devices are visible")
             raise ConfigError(
-                f"parallelism {par.name}: dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} devices, "
-                f"but {n} are in use; set parallelism.n_devices={dp * fsdp * tp} if that many are "
-                f"visible, pick another preset, or set parallelism.on_mismatch=shrink"
+                f"parallelism={par.name} (parallelism.dp={dp}, fsdp={fsdp}, tp={tp}) needs "
+                f"dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} devices, but {in_use}; set "
+                f"parallelism.n_devices={dp * fsdp * tp} if that many are visible, pick another "
+                f"preset, or set parallelism.on_mismatch=shrink"
             )
         old = (dp, fsdp, tp)
         dp, fsdp, tp = _shrink(dp, fsdp, tp, n)
@@ -155,7 +164,8 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
     if data.batch_size % replicas:
         good = replicas * max(1, round(data.batch_size / replicas))
         raise ConfigError(
-            f"data.batch_size={data.batch_size} is not divisible by dp*fsdp={replicas}; "
+            f"data.batch_size={data.batch_size} is not divisible by dp*fsdp={replicas} (the "
+            f"data-parallel replicas of parallelism={par.name}); "
             f"use a multiple of {replicas} (e.g. data.batch_size={good})"
         )
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),

@@ -29,15 +29,79 @@ def simulate_cpu_devices(n: int) -> bool:
     return True
 
 
-def claim_run_dir(run_dir: Path) -> Path:
-    """The run dir Hydra made, unless an earlier run already wrote there (two runs started in
-    the same second): then a fresh sibling, so no earlier run's files are overwritten."""
+def claim_run_dir(run_dir: Path, reuse: bool = False) -> Path:
+    """The run dir Hydra made, claimed for this run alone. ``reuse`` takes it as it is (a
+    requeued run resuming in place). Otherwise the claim is creating ``.hydra/`` with an atomic
+    mkdir: a dir whose ``.hydra/`` exists belongs to an earlier or a concurrent run (two launches
+    in the same second, a SLURM array), and this run takes the first free sibling
+    ``<name>_1``, ``<name>_2``, ... so no two runs ever share a dir."""
+    if reuse:
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        return run_dir
     candidate, i = run_dir, 0
-    while (candidate / "plan.json").exists():
-        i += 1
-        candidate = run_dir.with_name(f"{run_dir.name}_{i}")
-    candidate.mkdir(parents=True, exist_ok=True)
-    return candidate
+    while True:
+        candidate.mkdir(parents=True, exist_ok=True)
+        try:
+            (candidate / ".hydra").mkdir()
+            return candidate
+        except FileExistsError:
+            i += 1
+            candidate = run_dir.with_name(f"{run_dir.name}_{i}")
+
+
+class RunLog:
+    """The run's log file follows the run dir it claimed. Hydra opens ``<its dir>/dxrun.log``
+    before dxrun knows whether that dir is free; this holds the lines in memory until
+    ``attach`` names the claimed dir (so a relaunch never writes into an earlier run's log),
+    and ``discard`` drops them for a run that never started."""
+
+    NAME = "dxrun.log"
+
+    def __init__(self) -> None:
+        import logging.handlers
+
+        root = logging.getLogger()
+        hydra_files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+        self.formatter = (hydra_files[0].formatter if hydra_files else None) or logging.Formatter(
+            "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+        for h in hydra_files:
+            root.removeHandler(h)
+            h.close()
+            path = Path(h.baseFilename)
+            if path.is_file() and path.stat().st_size == 0:
+                path.unlink()  # Hydra's empty file; an earlier run's log is left as it was
+        self.buffer = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=100)
+        root.addHandler(self.buffer)
+        self.file: logging.FileHandler | None = None
+
+    def attach(self, run_dir: Path) -> Path:
+        import logging
+
+        if self.file is None:
+            self.file = logging.FileHandler(run_dir / self.NAME)
+            self.file.setFormatter(self.formatter)
+            self.buffer.setTarget(self.file)
+            self.buffer.flush()
+            root = logging.getLogger()
+            root.removeHandler(self.buffer)
+            root.addHandler(self.file)
+        return Path(self.file.baseFilename)
+
+    def write_traceback(self, exc: BaseException) -> None:
+        """The full traceback into the log file only: the terminal gets one line."""
+        import logging
+
+        record = logging.getLogger("dxrun").makeRecord(
+            "dxrun", logging.ERROR, __file__, 0, "run failed", None,
+            (type(exc), exc, exc.__traceback__))
+        self.file.handle(record)
+        self.file.flush()
+
+    def discard(self) -> None:
+        import logging
+
+        logging.getLogger().removeHandler(self.buffer)
+        self.buffer.buffer.clear()
 
 
 def write_hydra_files(run_dir: Path, cfg: Any, hydra_cfg: Any | None) -> None:

@@ -117,6 +117,17 @@ BAD = [
     (["data.seq_len=-8"], "data.seq_len", "> 0"),
     (["data=text", "data.path=/no/such/corpus.txt"], "data.path=/no/such/corpus.txt",
      "give the path"),
+    # An inferred axis that fails names the axis the user typed, and values that divide.
+    (["parallelism.tp=3"], "parallelism.tp=3", "pick parallelism.tp from 1, 2, 4, 8"),
+    (["optimizer.b2=1.0"], "optimizer.b2=1.0", "[0, 1)"),
+    (["optimizer.decay_frac=0"], "optimizer.decay_frac=0", "(0, 1]"),
+    (["model.init_std=0"], "model.init_std=0", "> 0"),
+    # How schedulers and sweeps launch: hydra.* overrides and -m keep the one-line errors.
+    (["hydra.run.dir=outputs/sched", "train.stepz=5"], "train.stepz", "valid:"),
+    (["hydra.run.dir=outputs/sched", "model=huge"], "model=huge", "tiny"),
+    (["-m", "hydra.sweep.dir=multirun/x", "train.steps=2,abc"], "train.steps", "Integer"),
+    (["-m", "model=tiny,huge"], "model=huge", "tiny"),
+    (["-m", "data.batch_size=16,32", "model.widht=3"], "model.widht", "valid:"),
 ]
 
 
@@ -133,6 +144,40 @@ def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     assert key in errors[0] and fix in errors[0], errors[0]
     assert _digest(cwd / "outputs") == before  # the earlier run's files are untouched
     assert len(_run_dirs(cwd)) == 1
+    assert not (cwd / "multirun").exists()
+
+
+@pytest.mark.e2e
+def test_crash_is_one_line_and_the_traceback_is_in_the_log(tmp_path):
+    """Not bad input but a failure inside JAX (a 256 GB embedding): one readable line naming
+    the log; the traceback goes to the run dir's log file, not the terminal."""
+    proc = run_cli("model.vocab_size=1000000000", "logger=none", "train.steps=2", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert "RESOURCE_EXHAUSTED" in line and "full traceback:" in line
+    log = Path(line.rsplit("full traceback: ", 1)[1].rstrip(")"))
+    assert log.is_file() and log.parent.parent.parent == tmp_path / "outputs"
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "RESOURCE_EXHAUSTED" in text
+
+
+@pytest.mark.e2e
+def test_relaunch_into_a_used_dir_gets_its_own_dir_and_log(dp4_tp2_run):
+    """A scheduler relaunching with the same hydra.run.dir must not write into the earlier
+    run's files, its log included."""
+    cwd, _ = dp4_tp2_run
+    (earlier,) = _run_dirs(cwd)
+    before = _digest(earlier)
+    proc = run_cli(f"hydra.run.dir={earlier}", "train.steps=2", "train.eval_every=0",
+                   "logger=none", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _digest(earlier) == before
+    new = earlier.with_name(earlier.name + "_1")
+    assert (new / "plan.json").is_file() and "step 2/2" in (new / "dxrun.log").read_text()
+    import shutil
+
+    shutil.rmtree(new)  # leave the module's cwd as the other tests expect it
 
 
 @pytest.mark.e2e
@@ -143,7 +188,7 @@ def test_sweep_runs_every_valid_job_and_reports_the_bad_one(tmp_path):
     errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
     assert len(errors) == 2, proc.stderr  # the refused job (30 on dp8), then the summary
     assert "job #1: data.batch_size=30 is not divisible by dp*fsdp=8" in errors[0]
-    assert "1 sweep job(s) refused" in errors[-1]
+    assert "1 sweep job(s) failed" in errors[-1]
     done = sorted(tmp_path.glob("multirun/*/*/*/metrics.jsonl"))
     assert [p.parent.name for p in done] == ["0", "2", "3"]
     # The valid jobs share the sweep's W&B group; batch 16 trains identically on dp2 and dp8.

@@ -53,7 +53,13 @@ def test_shrink_uses_largest_mesh_that_fits_and_warns(cfg_factory):
      ["model.n_kv_heads=1", "parallelism.tp=2"]),
     (["parallelism.dp=-1", "parallelism.tp=-1"], ["parallelism.dp", "parallelism.tp", "-1"]),
     (["parallelism=auto", "parallelism.n_devices=6", "parallelism.tp=4"],
-     ["cannot be inferred", "6"]),
+     ["parallelism.tp=4", "6 devices", "cannot be inferred", "1, 2, 3, 6"]),
+    # The user typed tp only: the message is about tp and the device count, not about dp.
+    (["parallelism.tp=3"], ["parallelism.tp=3", "8 devices", "pick parallelism.tp from 1, 2, 4, 8"]),
+    (["parallelism.fsdp=2", "parallelism.tp=3"],
+     ["parallelism.fsdp=2 x parallelism.tp=3", "8 devices"]),
+    (["parallelism=dp4_tp2", "parallelism.n_devices=4"],
+     ["parallelism=dp4_tp2", "parallelism.dp=4", "tp=2", "parallelism.n_devices=4"]),
 ])
 def test_impossible_meshes_say_what_to_change(cfg_factory, overrides, needles):
     with pytest.raises(ConfigError) as err:
