@@ -77,12 +77,12 @@ def max_id(tokens: Any, name: str = "tokens") -> int:
     chunks = range(0, n, SCAN_CHUNK)
     loud = len(chunks) > 4
     if loud:
-        log.info("scanning %s (%s tokens) for its largest token id: no max_id in meta.json",
+        log.info("scanning %s (%s tokens) for its largest token id (no usable meta.json)",
                  name, f"{n:,}")
     for k, start in enumerate(chunks):
         top = max(top, int(np.asarray(tokens[start:start + SCAN_CHUNK]).max()))
         if loud and (k + 1) % 16 == 0:
-            log.info("  %s: %d%%", name, 100 * (start + SCAN_CHUNK) // n)
+            log.info("  %s: %d%%", name, min(100, 100 * (start + SCAN_CHUNK) // n))
     return top
 
 

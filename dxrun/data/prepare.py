@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dxrun.data.prepare",
         description=__doc__.strip().split("\n\n")[1].replace("\n", " "),
-        epilog="Special tokens: documents are encoded without the tokenizer's own special tokens "
-               "(add_special_tokens=False) and each is followed by one end-of-text token.")
+        epilog="Files are tokenized one at a time and streamed to disk; val.bin is the last "
+               "--val-fraction of all tokens. Special tokens: each file (document) is encoded "
+               "without the tokenizer's own special tokens (add_special_tokens=False) and "
+               "followed by one end-of-text token.")
     parser.add_argument("text", help="a text file, a directory or a glob")
     parser.add_argument("out_dir", help="where train.bin, val.bin and meta.json go "
                                         "(not inside the text path)")
