@@ -331,10 +331,14 @@ def validate(cfg: Any) -> None:
         raise ConfigError(
             f"data.branching={d.branching} exceeds the alphabet ({symbols} symbols); lower it"
         )
-    if symbols**d.order > 2**22:
+    from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
+
+    need = table_bytes(symbols, d.order, d.branching)
+    if need > MAX_TABLE_BYTES:
         raise ConfigError(
-            f"data.order={d.order} with {symbols} symbols makes {symbols**d.order} contexts; "
-            "lower data.order or data.symbols (at most 4M contexts)"
+            f"data.symbols={symbols} with data.order={d.order} makes {symbols**d.order:,} "
+            f"contexts whose tables need {need / 2**30:,.1f} GiB (limit "
+            f"{MAX_TABLE_BYTES / 2**30:.0f} GiB); lower data.order or data.symbols"
         )
     if d.seq_len <= d.order:
         raise ConfigError(f"data.seq_len={d.seq_len} must exceed data.order={d.order}")

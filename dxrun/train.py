@@ -133,7 +133,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     }
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
                            choices=job.choices, is_main=jax.process_index() == 0)
-    steps, every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
+    steps, every = cfg.train.steps, cfg.train.log_every
+    eval_every = cfg.train.eval_every if data.has_eval else 0  # no held-out data: no eval/*
     eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
                     if eval_every > 0 else [])
     last: dict[str, float] = {}

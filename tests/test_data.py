@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from dxrun.config import validate
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
+from dxrun.errors import ConfigError
 
 
 def test_floor_is_the_empirical_conditional_entropy():
@@ -50,3 +53,22 @@ def test_batch_depends_only_on_seed_and_step():
     c = MarkovSource(symbols=16, order=2, branching=3, seed=8, batch_size=8, seq_len=12)
     assert not np.array_equal(a.batch(5), c.batch(5))
     assert a.batch(3).max() < 16
+
+
+def test_stationary_solve_that_does_not_converge_is_refused():
+    kw = dict(symbols=6, order=2, branching=3, seed=1, batch_size=4, seq_len=8)
+    with pytest.raises(ConfigError, match=r"did not converge in 3 iterations") as err:
+        MarkovSource(**kw, max_iter=3)
+    assert "data.symbols=6, data.order=2" in str(err.value) and "\n" not in str(err.value)
+    MarkovSource(**kw)  # the default budget converges
+
+
+def test_markov_tables_are_checked_in_bytes(cfg_factory):
+    # 2048^2 = 4M contexts passed the old context cap, but the tables need ~129 GiB.
+    big = cfg_factory("data.symbols=2048", "data.vocab_size=2048", "data.order=2")
+    with pytest.raises(ConfigError) as err:
+        validate(big)
+    msg = str(err.value)
+    assert "data.symbols=2048 with data.order=2 makes 4,194,304 contexts" in msg, msg
+    assert "128.7 GiB (limit 2 GiB)" in msg and "\n" not in msg
+    validate(cfg_factory("data.symbols=256", "data.vocab_size=256", "data.order=2"))  # 0.3 GiB

@@ -4,6 +4,8 @@ and every refusal before compile."""
 from __future__ import annotations
 
 import json
+import logging
+import pickle
 import random
 
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from dxrun.data import EVAL, TRAIN, Data
-from dxrun.data.corpus import Tokenizer
+from dxrun.data.corpus import TokenFile, Tokenizer, split
 from dxrun.data.prepare import prepare
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
@@ -172,3 +174,102 @@ def test_bad_data_inputs_fail_before_compile(cfg_factory, tmp_path, make, needle
         validate(cfg)
         prepare_run(cfg)
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_no_held_out_data_turns_eval_off_with_one_warning(cfg_factory, corpus, tmp_path, caplog):
+    from dxrun.train import train
+
+    cfg = _cfg(cfg_factory, corpus, "data.val_fraction=0", "parallelism=dp1", "train.steps=2",
+               "train.log_every=1", "train.eval_every=1", "eval.batches=1")
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        data = Data(cfg)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "data.val_fraction" in warnings[0], warnings
+    assert "train.eval_every=0" in warnings[0] and "\n" not in warnings[0]
+    assert not data.has_eval
+    with pytest.raises(ValueError, match="no held-out data"):
+        data.local_batch(0, EVAL)  # never the training split in its place
+    train(cfg, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not any(k.startswith("eval/") for r in rows for k in r), rows
+    assert Data(_cfg(cfg_factory, corpus)).has_eval  # the default 5% holds windows
+
+
+def _token_dir(root, ids, meta=None):
+    root.mkdir()
+    np.asarray(ids, np.uint16).tofile(root / "train.bin")
+    np.asarray(ids[:200], np.uint16).tofile(root / "val.bin")
+    if meta is not None:
+        (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+def test_meta_max_id_is_used_instead_of_a_scan(cfg_factory, tmp_path):
+    ids = [1, 2, 300] * 100  # a scan finds 300; meta.json says 10
+    meta = {"dtype": "uint16", "vocab_size": 256, "max_id": 10, "train_tokens": 300,
+            "val_tokens": 200}
+    root = _token_dir(tmp_path / "meta", ids, meta)
+    cfg = lambda: cfg_factory("data=tokens", f"data.path={root}", "data.vocab_size=256",
+                              "data.seq_len=16", "logger=none")
+    data = Data(cfg())  # the scan would refuse id 300 >= 256: it did not run
+    assert data.vocab_size == 256
+    stale = {**meta, "train_tokens": 299}  # the files changed after prepare: scan them
+    (root / "meta.json").write_text(json.dumps(stale))
+    with pytest.raises(ConfigError, match="token id 300 >= model.vocab_size=256"):
+        Data(cfg())
+    (root / "meta.json").unlink()  # no meta.json: the scan catches the id
+    with pytest.raises(ConfigError, match="token id 300 >= model.vocab_size=256"):
+        Data(cfg())
+
+
+def test_token_file_source_pickles_by_path(cfg_factory, tmp_path):
+    """Grain pickles the source into each worker: a 64 MB train.bin must not travel along."""
+    root = tmp_path / "big"
+    root.mkdir()
+    n, every = 32 * 2**20, 2**16  # uint16 tokens: 64 MB, sparse (zeros) but for 512 marks
+    with open(root / "train.bin", "wb") as f:
+        f.truncate(2 * n)
+    marks = np.memmap(root / "train.bin", np.uint16, mode="r+")
+    marks[::every] = np.arange(n // every) % 250 + 1
+    marks.flush()
+    del marks
+    np.arange(1000, dtype=np.uint16).tofile(root / "val.bin")
+    (root / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 1000,
+                                                "max_id": 999, "train_tokens": n,
+                                                "val_tokens": 1000}))
+    cfg = cfg_factory("data=tokens", f"data.path={root}", "data.vocab_size=1024",
+                      "data.batch_size=8", "logger=none")
+    data = Data(cfg)
+    ds = data._splits[TRAIN]  # the Grain MapDataset that GrainBatches sends to workers
+    blob = pickle.dumps(ds)
+    assert len(blob) < 2**20, len(blob)
+    for k in (0, 3):
+        np.testing.assert_array_equal(pickle.loads(blob)[k], data.local_batch(k))
+    # corpus.split's views travel by path too, and read the same tokens.
+    train, val = split(TokenFile(root / "train.bin", np.uint16), 0.25)
+    for view, first in ((train, 0), (val, 3 * n // 4)):
+        blob = pickle.dumps(view)
+        back = pickle.loads(blob)
+        assert len(blob) < 1000 and len(back) == len(view)
+        expected = np.arange(first // every, (first + len(view)) // every) % 250 + 1
+        np.testing.assert_array_equal(back[::every], expected)
+    # and a real Grain worker process reads the same batches
+    from dxrun.data.pipeline import GrainBatches
+
+    it = GrainBatches(ds, workers=1)
+    np.testing.assert_array_equal(next(it), data.local_batch(0))
+
+
+def test_hf_special_tokens_are_not_added(corpus, tmp_path):
+    from tokenizers import Tokenizer as HF
+    from tokenizers import processors
+
+    hf = HF.from_file(str(corpus / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(single="[UNK] $A [UNK]",
+                                                      special_tokens=[("[UNK]", 0)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path / "tokenizer.json"))
+    ids = tok.encode("the lazy dog")
+    assert len(ids) == 3 and 0 not in ids, ids
+    assert tok.decode(ids) == "the lazy dog"

@@ -4,10 +4,15 @@ Each gives this process's rows of any step's global batch ([rows, seq_len + 1] i
 access (``local_batch``), and a prefetching iterator with a JSON-able state for training
 (``train_iterator``). Both are pure functions of (seed, step): the mesh and the number of
 processes only decide which rows a process reads.
+
+``has_eval`` says whether there is held-out data: a corpus whose validation split is shorter
+than one window has none, and evaluation is then off (with one warning), never run on the
+training split.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import numpy as np
@@ -15,6 +20,8 @@ import numpy as np
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
 
 __all__ = ["EVAL", "TRAIN", "Data", "BatchIterator", "build_data"]
+
+log = logging.getLogger("dxrun")
 
 
 class BatchIterator(Protocol):
@@ -52,6 +59,7 @@ class Data:
         self.rows = d.batch_size // process_count
         self.kind = d.name
         self.entropy_floor: float | None = None
+        self.has_eval = True  # the markov source's eval stream is an independent one
         if d.name == "markov":
             self.markov = MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
                                        branching=d.branching, seed=d.seed,
@@ -66,19 +74,27 @@ class Data:
         loaded = corpus.load_text(d) if d.name == "text" else corpus.load_tokens(d)
         corpus.check_fits(loaded, cfg)
         self.vocab_size, self.description = loaded.vocab_size, loaded.description
+        self.has_eval = len(loaded.val) >= d.seq_len + 1
+        if not self.has_eval and cfg.train.eval_every > 0:
+            fix = (f"raise data.val_fraction (now {d.val_fraction}) or add text"
+                   if d.name == "text" else f"put a longer val.bin in data.path={d.path}")
+            log.warning("no evaluation: the held-out split has %d tokens, fewer than one window "
+                        "(data.seq_len+1=%d); %s, or set train.eval_every=0 to silence this",
+                        len(loaded.val), d.seq_len + 1, fix)
         self._splits = {}
         for stream, tokens in ((TRAIN, loaded.train), (EVAL, loaded.val)):
-            if stream == EVAL and len(tokens) < d.seq_len + 1:
-                # No held-out window fits: evaluate on (other batches of) the training split.
-                tokens = loaded.train
-            self._splits[stream] = pipeline.local_batches(
-                tokens, d.seq_len, d.batch_size, d.seed + stream, process_index, process_count)
+            if stream == TRAIN or self.has_eval:
+                self._splits[stream] = pipeline.local_batches(
+                    tokens, d.seq_len, d.batch_size, d.seed + stream, process_index,
+                    process_count)
 
     def local_batch(self, step: int, stream: int = TRAIN) -> np.ndarray:
         """This process's rows of global batch ``step``."""
         if self.kind == "markov":
             rows = self.markov.batch(step, stream)
             return rows[self.index * self.rows:(self.index + 1) * self.rows]
+        if stream not in self._splits:
+            raise ValueError("no held-out data (Data.has_eval is False): nothing to evaluate on")
         return self._splits[stream][step]
 
     def train_iterator(self) -> BatchIterator:

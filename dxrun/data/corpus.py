@@ -2,12 +2,17 @@
 
 Every failure a user can cause (missing path, empty corpus, unreadable tokenizer, dtype
 disagreement, token ids beyond the model's vocabulary) is a ConfigError before anything compiles.
+
+Token files are ``TokenFile``s, not memmaps: a memmap pickles as a full copy of its data, and
+Grain sends the source to every worker process; a ``TokenFile`` pickles as (path, dtype, range).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,14 +25,74 @@ BYTE_VOCAB = 256
 BYTE_EOT = 0  # NUL never occurs in UTF-8 text, so it can separate documents
 EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+SCAN_CHUNK = 1 << 24  # tokens per read when scanning a token file (32-64 MB)
+
+log = logging.getLogger("dxrun")
+
+
+class TokenFile:
+    """Tokens ``[start, stop)`` of a flat binary token file, read through a memmap that is opened
+    lazily and never pickled: a Grain worker reopens the file instead of receiving a copy.
+
+    Slicing with a step-1 slice gives another ``TokenFile`` (a view, as ``corpus.split`` needs);
+    ``np.asarray`` reads the tokens.
+    """
+
+    def __init__(self, path: str | Path, dtype: Any, start: int = 0, stop: int | None = None):
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+        size = self.path.stat().st_size // self.dtype.itemsize
+        self.start, self.stop = start, size if stop is None else stop
+        self._mm: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def _array(self) -> np.ndarray:
+        if len(self) == 0:
+            return np.zeros(0, self.dtype)  # np.memmap refuses an empty file
+        if self._mm is None:
+            self._mm = np.memmap(self.path, self.dtype, mode="r")
+        return self._mm[self.start:self.stop]
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice) and key.step in (None, 1):
+            a, b, _ = key.indices(len(self))
+            return TokenFile(self.path, self.dtype, self.start + a, self.start + max(a, b))
+        return self._array()[key]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self._array(), dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_mm": None}
+
+    def __repr__(self) -> str:
+        return f"TokenFile({str(self.path)!r}, {self.dtype.name}, {self.start}, {self.stop})"
+
+
+def max_id(tokens: Any, name: str = "tokens") -> int:
+    """The largest id (-1 if empty), read in chunks so a large file never sits in memory whole;
+    big files say what they are doing, since this can take a while."""
+    n, top = len(tokens), -1
+    chunks = range(0, n, SCAN_CHUNK)
+    loud = len(chunks) > 4
+    if loud:
+        log.info("scanning %s (%s tokens) for its largest token id (no usable meta.json)",
+                 name, f"{n:,}")
+    for k, start in enumerate(chunks):
+        top = max(top, int(np.asarray(tokens[start:start + SCAN_CHUNK]).max()))
+        if loud and (k + 1) % 16 == 0:
+            log.info("  %s: %d%%", name, min(100, 100 * (start + SCAN_CHUNK) // n))
+    return top
 
 
 @dataclass
 class Corpus:
-    train: np.ndarray  # 1-D token ids (possibly a read-only memmap)
-    val: np.ndarray
+    train: Any  # 1-D token ids: an in-memory array (text) or a TokenFile (tokens)
+    val: Any
     vocab_size: int  # ids are < vocab_size
     description: str
+    max_id: int  # the largest id in train and val
 
 
 class Tokenizer:
@@ -53,7 +118,9 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         if self._hf is None:
             return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
-        return np.asarray(self._hf.encode(text).ids, np.uint32)
+        # No BOS/CLS/SEP from the tokenizer's post-processor: documents are separated by our
+        # one end-of-text token (iter_documents), the same whatever the tokenizer's template.
+        return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, np.uint32)
 
     def decode(self, ids: Any) -> str:
         if self._hf is None:
@@ -76,27 +143,39 @@ def text_files(path: str, key: str = "data.path") -> list[Path]:
     return files
 
 
-def encode_files(files: list[Path], tokenizer: Tokenizer, key: str = "data.path") -> np.ndarray:
-    """All documents (files), each followed by the end-of-text token, as one id array."""
-    parts = []
+def iter_documents(files: list[Path], tokenizer: Tokenizer,
+                   key: str = "data.path") -> Iterator[np.ndarray]:
+    """Each non-empty file's ids followed by the end-of-text token, one file at a time."""
+    eot = np.asarray([] if tokenizer.eot is None else [tokenizer.eot], np.uint32)
     for f in files:
         try:
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise ConfigError(f"{key}: {f} is not UTF-8 text; convert it or leave it out") from None
-        if not text:
-            continue
-        parts.append(tokenizer.encode(text))
-        if tokenizer.eot is not None:
-            parts.append(np.asarray([tokenizer.eot], np.uint32))
+        if text:
+            yield np.concatenate([tokenizer.encode(text), eot])
+
+
+def empty_corpus(files: list[Path], key: str) -> ConfigError:
+    return ConfigError(f"{key}: the corpus ({len(files)} file(s)) is empty; "
+                       f"point {key} at files with text in them")
+
+
+def encode_files(files: list[Path], tokenizer: Tokenizer, key: str = "data.path") -> np.ndarray:
+    """All documents (files), each followed by the end-of-text token, as one id array."""
+    parts = list(iter_documents(files, tokenizer, key))
     if not parts:
-        raise ConfigError(f"{key}: the corpus ({len(files)} file(s)) is empty; "
-                          "point data.path at files with text in them")
+        raise empty_corpus(files, key)
     return np.concatenate(parts)
 
 
-def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    n_val = int(len(tokens) * val_fraction)
+def n_val_tokens(n: int, val_fraction: float) -> int:
+    """The held-out tail: the last ``val_fraction`` of ``n`` tokens (data=text and prepare)."""
+    return int(n * val_fraction)
+
+
+def split(tokens: Any, val_fraction: float) -> tuple[Any, Any]:
+    n_val = n_val_tokens(len(tokens), val_fraction)
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 
@@ -105,11 +184,14 @@ def load_text(d: Any) -> Corpus:
     tokens = encode_files(text_files(d.path), tokenizer)
     train, val = split(tokens, d.val_fraction)
     kind = "bytes" if d.tokenizer is None else Path(d.tokenizer).name
-    return Corpus(train, val, tokenizer.vocab_size, f"{len(tokens):,} tokens ({kind})")
+    return Corpus(train, val, tokenizer.vocab_size, f"{len(tokens):,} tokens ({kind})",
+                  int(tokens.max()))
 
 
 def load_tokens(d: Any) -> Corpus:
-    """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout), ``meta.json`` optional."""
+    """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout). The vocabulary and the
+    largest id come from ``meta.json`` (``prepare`` writes them) when its token counts match
+    the files; otherwise the files are scanned once."""
     root = Path(d.path).expanduser()
     if not (root / "train.bin").is_file():
         raise ConfigError(f"data.path={d.path}: no train.bin there; give the folder that "
@@ -123,25 +205,33 @@ def load_tokens(d: Any) -> Corpus:
     arrays = []
     for name in ("train.bin", "val.bin"):
         f = root / name
-        if not f.is_file() or f.stat().st_size == 0:
+        if not f.is_file():
             arrays.append(np.zeros(0, dtype))
             continue
         if f.stat().st_size % np.dtype(dtype).itemsize:
             raise ConfigError(f"data.dtype={d.dtype}: {f} is {f.stat().st_size} bytes, not a "
                               f"whole number of {d.dtype} values; check data.dtype")
-        arrays.append(np.memmap(f, dtype=dtype, mode="r"))
+        arrays.append(TokenFile(f, dtype))
     train, val = arrays
     if len(train) == 0:
         raise ConfigError(f"data.path={d.path}: train.bin is empty; prepare a corpus with text")
-    vocab = int(meta.get("vocab_size", 0)) or int(max(train.max(), val.max(initial=0))) + 1
-    # (check_fits scans the ids themselves too: a meta.json can be wrong)
-    return Corpus(train, val, vocab, f"{len(train):,} train + {len(val):,} val tokens ({d.dtype})")
+    counts_match = (meta.get("train_tokens"), meta.get("val_tokens")) == (len(train), len(val))
+    if "max_id" in meta and counts_match:
+        top = int(meta["max_id"])
+    else:
+        if "max_id" in meta:  # stale: the files changed after prepare wrote meta.json
+            log.warning("%s does not match train.bin/val.bin (token counts differ); ignoring "
+                        "its max_id and scanning the files", meta_path)
+        top = max(max_id(train, "train.bin"), max_id(val, "val.bin"))
+    vocab = int(meta.get("vocab_size", 0)) or top + 1
+    return Corpus(train, val, vocab,
+                  f"{len(train):,} train + {len(val):,} val tokens ({d.dtype})", top)
 
 
 def check_fits(corpus: Corpus, cfg: Any) -> None:
     """Vocabulary and window checks against the model, before anything compiles."""
     d, m = cfg.data, cfg.model
-    top = max(int(a.max()) for a in (corpus.train, corpus.val) if len(a))
+    top = corpus.max_id
     if top >= m.vocab_size:
         raise ConfigError(f"data.path={d.path}: token id {top} >= model.vocab_size="
                           f"{m.vocab_size}; set data.vocab_size (or model.vocab_size) to "

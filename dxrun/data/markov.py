@@ -14,7 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from dxrun.errors import ConfigError
+
 TRAIN, EVAL = 0, 1  # independent streams of the same chain
+MAX_TABLE_BYTES = 2 * 2**30  # refuse chains whose tables need more (config.validate)
+
+
+def table_bytes(symbols: int, order: int, branching: int) -> int:
+    """Peak memory of building the chain: per context, a row of ``symbols`` random float64 and
+    its int64 argsort (alive together), then successors, probabilities, cumulative
+    probabilities and the stationary solve's edge lists (a few ``branching``-long rows)."""
+    return symbols**order * (16 * symbols + 48 * branching + 24)
 
 
 def _entropy(p: np.ndarray) -> float:
@@ -24,38 +34,43 @@ def _entropy(p: np.ndarray) -> float:
 
 class MarkovSource:
     def __init__(self, symbols: int, order: int, branching: int, seed: int,
-                 batch_size: int, seq_len: int):
+                 batch_size: int, seq_len: int, max_iter: int = 100_000):
         self.S, self.k, self.batch_size, self.seq_len, self.seed = (
             symbols, order, batch_size, seq_len, seed)
         n_ctx = symbols**order
         rng = np.random.default_rng([seed, 0xC4A1])
         # Successors of each context and their probabilities (Dirichlet(1): varied entropies).
-        self.succ = np.argsort(rng.random((n_ctx, symbols)), axis=1)[:, :branching]
+        # (a copy: the full argsort is n_ctx x symbols and must not outlive this line)
+        self.succ = np.argsort(rng.random((n_ctx, symbols)), axis=1)[:, :branching].copy()
         self.prob = rng.dirichlet(np.ones(branching), size=n_ctx)
         self.cum = np.cumsum(self.prob, axis=1)
         self.cum[:, -1] = 1.0
-        self.pi = self._stationary()
+        self.pi = self._stationary(max_iter)
         self.entropy_rate = float((self.pi * np.array([_entropy(p) for p in self.prob])).sum())
         self.entropy_floor = self._window_floor()
 
     def _next_ctx(self, ctx: np.ndarray, token: np.ndarray) -> np.ndarray:
         return (ctx * self.S + token) % (self.S**self.k)
 
-    def _stationary(self) -> np.ndarray:
+    def _stationary(self, max_iter: int) -> np.ndarray:
         """Stationary distribution by power iteration of the lazy chain (P+I)/2, which has the
-        same stationary distributions as P and converges even where P is periodic."""
+        same stationary distributions as P and converges even where P is periodic. A chain that
+        mixes too slowly is refused: its entropy floor would be a wrong number."""
         n_ctx = self.S**self.k
         src = np.repeat(np.arange(n_ctx), self.succ.shape[1])
         dst = self._next_ctx(src, self.succ.reshape(-1))
         w = self.prob.reshape(-1)
         pi = np.full(n_ctx, 1.0 / n_ctx)
-        for _ in range(100_000):
+        for _ in range(max_iter):
             new = 0.5 * pi + 0.5 * np.bincount(dst, weights=pi[src] * w, minlength=n_ctx)
-            if np.abs(new - pi).sum() < 1e-13:
-                pi = new
-                break
-            pi = new
-        return pi / pi.sum()
+            change, pi = np.abs(new - pi).sum(), new
+            if change < 1e-13:
+                return pi / pi.sum()
+        raise ConfigError(
+            f"data.symbols={self.S}, data.order={self.k}, data.seed={self.seed}: the chain's "
+            f"stationary distribution did not converge in {max_iter:,} iterations (last change "
+            f"{change:.1e}), so its entropy floor is unknown; try another data.seed or a "
+            "larger data.branching")
 
     def _window_floor(self) -> float:
         """Best mean loss over the seq_len targets of one window: target j (predicted from the

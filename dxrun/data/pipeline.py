@@ -17,9 +17,12 @@ import numpy as np
 
 
 class Windows:
-    """Random-access source: window ``i`` is tokens ``[i*L, i*L + L + 1)`` (inputs + targets)."""
+    """Random-access source: window ``i`` is tokens ``[i*L, i*L + L + 1)`` (inputs + targets).
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    ``tokens`` is an array or a ``corpus.TokenFile``; Grain pickles this source into each worker
+    process, and a TokenFile travels as its path, not its data."""
+
+    def __init__(self, tokens: Any, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
         self.n = (len(tokens) - 1) // seq_len
 
@@ -50,7 +53,7 @@ class ProcessRows(grain.MapDataset):
         return f"ProcessRows(p={self._p}, b={self._b}, B={self._B})"
 
 
-def local_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+def local_batches(tokens: Any, seq_len: int, batch_size: int, seed: int,
                   process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
     """Random access to this process's batch of every step: ``ds[k]`` is step k's rows."""
     rows = grain.MapDataset.source(Windows(tokens, seq_len)).shuffle(seed=seed).repeat()
