@@ -340,5 +340,9 @@ def validate(cfg: Any) -> None:
             f"contexts whose tables need {need / 2**30:,.1f} GiB (limit "
             f"{MAX_TABLE_BYTES / 2**30:.0f} GiB); lower data.order or data.symbols"
         )
+    if symbols**d.order > 2**22:  # small tables, but the stationary solve would take hours
+        raise ConfigError(
+            f"data.order={d.order} with {symbols} symbols makes {symbols**d.order:,} contexts; "
+            "lower data.order or data.symbols (at most 4M contexts)")
     if d.seq_len <= d.order:
         raise ConfigError(f"data.seq_len={d.seq_len} must exceed data.order={d.order}")
