@@ -17,7 +17,13 @@ from omegaconf import DictConfig, open_dict
 
 from dxrun.config import check_keys, composition_error, config_warnings, register, validate
 from dxrun.errors import ConfigError
-from dxrun.runtime import RunLog, claim_run_dir, simulate_cpu_devices, write_hydra_files
+from dxrun.runtime import (
+    RunLog,
+    claim_run_dir,
+    enable_compile_cache,
+    simulate_cpu_devices,
+    write_hydra_files,
+)
 
 
 def _conf_dir() -> str:
@@ -50,11 +56,22 @@ def main(cfg: DictConfig) -> dict | None:
             log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
                         "in this process (set it once, for the whole multirun)",
                         cfg.runtime.cpu_devices, jax.device_count())
+        enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
             log.warning(w)
         from dxrun.train import Job, prepare, train
 
-        prepared = prepare(cfg)  # the plan and the data: fail before anything is written
+        if cfg.run.mode == "plan":
+            from dxrun.experiment import visible_devices
+            from dxrun.plan import make_plan
+            from dxrun.plan_mode import run_plan
+
+            plan = make_plan(cfg, *visible_devices())
+            run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+            run_log.attach(run_dir)
+            write_hydra_files(run_dir, cfg, hydra_cfg)
+            return run_plan(cfg, run_dir, plan)
+        prepared = prepare(cfg)  # plan, data, memory: fail before anything is written
         run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
         run_log.attach(run_dir)
         write_hydra_files(run_dir, cfg, hydra_cfg)

@@ -111,8 +111,26 @@ class LoggerConfig:
 
 
 @dataclass
+class RunSection:
+    mode: str = "train"  # train | plan (compile for the mesh, estimate, train nothing)
+
+
+@dataclass
+class PlanConfig:
+    # The accelerator plan mode estimates for (dxrun/plan_mode.py: TARGETS); null = the
+    # devices this process sees.
+    target: str | None = None
+
+
+@dataclass
 class RuntimeConfig:
     cpu_devices: int = 8  # simulated CPU devices when no accelerator is present
+    # The memory preflight: refuse a run whose compiled step will not fit (skip = run anyway);
+    # memory_gb overrides the memory the preflight believes this host/device has.
+    skip_memory_check: bool = False
+    memory_gb: float | None = None
+    # JAX's persistent compilation cache: "auto" = <user cache dir>/dxrun/jax, a path, or null.
+    compile_cache: str | None = "auto"
     # Peak TFLOP/s per device for perf/mfu: null = the built-in table by device kind,
     # a number, or "measure" (a one-off matmul probe; meant for CPUs).
     peak_tflops: Any = None
@@ -128,6 +146,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    run: RunSection = field(default_factory=RunSection)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register() -> None:
@@ -146,6 +166,7 @@ _CHOICES = {
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
     "train.precision": ("fp32", "bf16"),
     "logger.name": ("wandb", "none"),
+    "run.mode": ("train", "plan"),
 }
 
 @dataclass(frozen=True)
@@ -292,6 +313,15 @@ def validate(cfg: Any) -> None:
             isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
         raise ConfigError(f"runtime.peak_tflops={peak!r} must be a positive number, 'measure' "
                           "or null (the built-in table)")
+    mem = cfg.runtime.memory_gb
+    if mem is not None and not mem > 0:
+        raise ConfigError(f"runtime.memory_gb={mem} must be positive, or null (what the host "
+                          "or device reports)")
+    from dxrun.plan_mode import TARGETS  # no JAX import there at module level
+
+    if cfg.plan.target is not None and cfg.plan.target not in TARGETS:
+        raise ConfigError(f"plan.target={cfg.plan.target} is not a known target; choose one of "
+                          f"{', '.join(TARGETS)} (or leave it null for the visible devices)")
     if cfg.logger.mode not in (None, "offline", "online", "disabled"):
         raise ConfigError(f"logger.mode={cfg.logger.mode!r} is not one of offline, online, "
                           "disabled; or leave it null to follow $WANDB_MODE")

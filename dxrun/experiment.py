@@ -93,6 +93,27 @@ class Experiment:
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state))
 
+    def abstract_state(self) -> tuple[TrainState, jax.ShapeDtypeStruct]:
+        """The train state and a batch as shapes with their shardings, nothing allocated: what
+        plan mode and the memory preflight compile the step for."""
+        def spec(tree: Any, shardings: Any) -> Any:
+            return jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+        params = jax.eval_shape(self.init_params)
+        opt_state = jax.eval_shape(self.tx.init, params)
+        state = TrainState(jax.ShapeDtypeStruct((), np.int32, sharding=replicated(self.mesh)),
+                           spec(params, self.param_shardings),
+                           spec(opt_state, self.state_shardings.opt_state))
+        d = self.cfg.data
+        batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32,
+                                     sharding=self.batch_sharding)
+        return state, batch
+
+    def compile_step(self) -> Any:
+        """The train step compiled for this mesh from shapes alone (no weights allocated)."""
+        return self.step.compile(*self.abstract_state())
+
     def global_batch(self, local_rows: np.ndarray) -> jax.Array:
         """One global array, sharded over (data, fsdp), from each process's rows."""
         shape = (self.cfg.data.batch_size, self.cfg.data.seq_len + 1)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction line: `%name = f32[...]{...} all-reduce(...)` (or the -start async form).
@@ -18,3 +19,68 @@ def collectives(hlo_text: str) -> Counter:
 def collective_lines(hlo_text: str, kind: str) -> list[str]:
     return [line.strip() for line in hlo_text.splitlines()
             if (m := _OP.search(line)) and m.group(1) == kind]
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
+def _group_size(line: str, n_devices: int) -> int:
+    """Devices in one replica group, from any of XLA's three spellings."""
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=", line):  # iota: [groups, size]
+        return int(m.group(1).split(",")[-1])
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):  # named axes
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):  # explicit lists
+        return len(m.group(1).split(","))
+    return n_devices  # no groups: all devices
+
+
+def _result_bytes(line: str, kind: str) -> int:
+    head = line.split("=", 1)[1].split(f" {kind}", 1)[0]  # the result shape(s), tuple or not
+    return sum(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _SHAPE.findall(head))
+
+
+def collective_traffic(hlo_text: str, n_devices: int) -> dict[str, dict[str, float]]:
+    """Per collective kind: executions per step and bytes each device sends per step.
+
+    Ring algorithms over a group of n: all-reduce sends 2(n-1)/n of the buffer, all-gather and
+    all-to-all (n-1)/n of the result, reduce-scatter (n-1) x the result, a permute the buffer.
+    Collectives inside a loop body (the layer scan, accumulation) count once per iteration
+    (XLA's known_trip_count)."""
+    trips: dict[str, tuple[str, int]] = {}
+    current = ""
+    lines_of: dict[str, list[str]] = defaultdict(list)
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group(1)
+            continue
+        lines_of[current].append(line)
+        if m := _WHILE.search(line):
+            trips[m.group(1)] = (current, int(m.group(2)))
+
+    def repeats(comp: str, depth: int = 0) -> int:
+        if comp not in trips or depth > 16:
+            return 1
+        parent, n = trips[comp]
+        return n * repeats(parent, depth + 1)
+
+    out: dict[str, dict[str, float]] = {}
+    for comp, lines in lines_of.items():
+        for line in lines:
+            if not (m := _OP.search(line)):
+                continue
+            kind, k = m.group(1), repeats(comp)
+            size, n = _result_bytes(line, kind), _group_size(line, n_devices)
+            factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+                      "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
+                      "collective-permute": 1.0}[kind]
+            entry = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+            entry["count"] += k
+            entry["bytes"] += k * factor * size
+    return out

@@ -29,6 +29,23 @@ def simulate_cpu_devices(n: int) -> bool:
     return True
 
 
+def enable_compile_cache(setting: str | None) -> str | None:
+    """JAX's persistent compilation cache, so a second launch of the same config skips XLA's
+    compile. ``auto`` = ``$XDG_CACHE_HOME/dxrun/jax`` (``~/.cache/dxrun/jax``)."""
+    if setting in (None, "", "off", "none"):
+        return None
+    import jax
+
+    path = setting
+    if setting == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "dxrun", "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
 def claim_run_dir(run_dir: Path, reuse: bool = False) -> Path:
     """The run dir Hydra made, claimed for this run alone. ``reuse`` takes it as it is (a
     requeued run resuming in place). Otherwise the claim is creating ``.hydra/`` with an atomic

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun import flops
+from dxrun import flops, plan_mode
 from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
@@ -81,11 +81,15 @@ def peak_memory(compiled: Any) -> float | None:
                  + m.temp_size_in_bytes)
 
 
-def prepare(cfg: Any) -> tuple[MeshPlan, Data]:
-    """Everything that can refuse bad input: the mesh plan and the data (its files, tokenizer
-    and vocabulary). Raises ConfigError; writes nothing and compiles nothing."""
+def prepare(cfg: Any) -> tuple[MeshPlan, Data, Experiment]:
+    """Everything that can refuse bad input, before anything is written or allocated: the mesh
+    plan, the data (its files, tokenizer and vocabulary), and the memory preflight (the step
+    compiled from shapes alone must fit). Raises ConfigError."""
     plan = make_plan(cfg, *visible_devices())
-    return plan, Data(cfg, jax.process_index(), jax.process_count())
+    data = Data(cfg, jax.process_index(), jax.process_count())
+    exp = Experiment.build(cfg, plan, data)
+    plan_mode.check_memory(cfg, exp, exp.compile_step())
+    return plan, data, exp
 
 
 def perplexity(loss: float) -> float:
@@ -101,17 +105,16 @@ def evaluate(exp: Experiment, params: dict, batches: list[jax.Array]) -> dict[st
 
 
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
-          prepared: tuple[MeshPlan, Data] | None = None) -> dict[str, Any]:
+          prepared: tuple[MeshPlan, Data, Experiment] | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     job = job or Job()
-    plan, data = prepared or prepare(cfg)
+    plan, data, exp = prepared or prepare(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)
     write_json(run_dir / "plan.json", plan.to_json())
     log.info("mesh plan\n%s", plan.table())
 
-    exp = Experiment.build(cfg, plan, data)
     state = exp.init_state()
     n_params = count_params(state.params)
     floor = data.entropy_floor

@@ -128,6 +128,8 @@ BAD = [
     (["-m", "hydra.sweep.dir=multirun/x", "train.steps=2,abc"], "train.steps", "Integer"),
     (["-m", "model=tiny,huge"], "model=huge", "tiny"),
     (["-m", "data.batch_size=16,32", "model.widht=3"], "model.widht", "valid:"),
+    # The memory preflight: the compiled step needs more than this (pretend) host has.
+    (["runtime.memory_gb=0.004"], "runtime.memory_gb=0.004", "runtime.skip_memory_check=true"),
 ]
 
 

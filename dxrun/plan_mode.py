@@ -1,0 +1,365 @@
+"""Plan mode and the memory preflight: the mesh plan extended with what the compiled step needs.
+
+The train step is compiled for the requested mesh from shapes alone (``Experiment.compile_step``:
+no weight is allocated), and XLA's own analyses of that executable give the per-device memory
+(arguments, outputs, temporaries), FLOPs, bytes accessed and collectives. From those:
+
+* **fits**: the per-device footprint against a target's memory (or, for every real run, what
+  this host or device has), and when it does not fit, the nearest setting that does, found by
+  compiling the candidates;
+* **speed** (an estimate, a roofline): compute time = FLOPs / peak, memory time = bytes accessed
+  / HBM bandwidth, collective time = bytes sent / interconnect bandwidth; step time = max(compute,
+  memory) + collectives (no overlap assumed, so it errs slow).
+
+No JAX import at module level: the config check reads TARGETS before JAX starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from dxrun.errors import ConfigError
+
+log = logging.getLogger("dxrun")
+
+GB = 1e9
+GiB = 2**30
+USABLE = 0.9  # of an accelerator's memory; the rest is XLA's and the runtime's own
+
+
+@dataclass(frozen=True)
+class Target:
+    """One accelerator, per device. The peak comes from flops.PEAK_TFLOPS by ``device_kind``
+    (one table of peaks); memory and bandwidths are the vendors' datasheet figures."""
+
+    name: str
+    device_kind: str
+    memory_bytes: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # interconnect, per device, one direction
+
+
+# Sources: NVIDIA H100/H200/A100/L40S datasheets (HBM3 3.35 TB/s, HBM3e 4.8 TB/s, HBM2e
+# 2.04 TB/s, GDDR6 864 GB/s; NVLink 4: 900 GB/s, NVLink 3: 600 GB/s both directions together;
+# L40S has no NVLink: PCIe 4.0 x16, 32 GB/s); Google Cloud TPU v5e/v5p system docs (16 GB at
+# 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI).
+TARGETS: dict[str, Target] = {
+    "h100": Target("H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB),
+    "h200": Target("H200 141GB", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB),
+    "a100": Target("A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB),
+    "l40s": Target("L40S 48GB", "NVIDIA L40S", 48 * GB, 0.864e12, 32 * GB),
+    "v5e": Target("TPU v5e", "TPU v5 lite", 16 * GB, 0.819e12, 200 * GB),
+    "v5p": Target("TPU v5p", "TPU v5", 95 * GB, 2.765e12, 600 * GB),
+    "cpu": Target("this machine (CPU)", "cpu", 0.0, 0.0, 0.0),  # measured: see cpu_target
+}
+
+
+def host_memory_bytes() -> float:
+    """Memory this host can give the run now (MemAvailable), the preflight's CPU budget."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return float(info["MemAvailable"].split()[0]) * 1024
+
+
+def cpu_target(n_devices: int) -> Target:
+    """This machine: its RAM shared by the simulated devices, a measured matmul peak and a
+    measured memory bandwidth (collectives between simulated devices are memory copies)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((32 * 2**20,), jnp.float32)  # 128 MiB: beyond the caches
+    f = jax.jit(lambda v: v * 2.0)
+    f(x).block_until_ready()
+    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+    bandwidth = 2 * x.nbytes / best  # read + write
+    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, bandwidth,
+                  bandwidth)
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@dataclass
+class Footprint:
+    """What one device holds and does for one train step, from the compiled executable."""
+
+    params_bytes: float
+    opt_state_bytes: float
+    grads_bytes: float  # inside the temporaries: one fp32 gradient per parameter shard
+    batch_bytes: float
+    temp_bytes: float  # XLA's temporaries: gradients, activations, workspace
+    total_bytes: float  # arguments + outputs - donated + temporaries: the device's peak need
+    flops: float  # XLA's count for this device
+    bytes_accessed: float
+    collectives: dict[str, dict[str, float]]
+
+    @property
+    def activations_bytes(self) -> float:
+        return max(0.0, self.temp_bytes - self.grads_bytes)
+
+
+def _shard_bytes(tree: Any) -> float:
+    import jax
+
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape)
+        total += x.dtype.itemsize * float(_prod(shape))
+    return total
+
+
+def _prod(shape: Any) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def footprint(exp: Any, compiled: Any) -> Footprint:
+    from dxrun.hlo import collective_traffic
+
+    state, batch = exp.abstract_state()
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    params = _shard_bytes(state.params)
+    return Footprint(
+        params_bytes=params,
+        opt_state_bytes=_shard_bytes(state.opt_state),
+        grads_bytes=params,
+        batch_bytes=_shard_bytes(batch),
+        temp_bytes=float(m.temp_size_in_bytes),
+        total_bytes=float(m.argument_size_in_bytes + m.output_size_in_bytes
+                          - m.alias_size_in_bytes + m.temp_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        collectives=collective_traffic(compiled.as_text(), exp.plan.n_devices),
+    )
+
+
+def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flops: float,
+             tokens: int, n_devices: int, precision: str) -> dict[str, Any]:
+    """Fit and roofline for one target (per device; labelled as an estimate)."""
+    usable = target.memory_bytes * (USABLE if target.device_kind != "cpu" else 0.8)
+    out: dict[str, Any] = {
+        "target": target.name,
+        "memory_per_device_gb": target.memory_bytes / GB,
+        "usable_per_device_gb": usable / GB,
+        "needs_per_device_gb": fp.total_bytes / GB,
+        "fits": fp.total_bytes <= usable,
+        "headroom_gb": (usable - fp.total_bytes) / GB,
+        "peak_tflops": peak_tflops,
+        "precision": precision,
+    }
+    if not peak_tflops or not target.hbm_bytes_per_s:
+        return out
+    compute = fp.flops / (peak_tflops * 1e12)
+    memory = fp.bytes_accessed / target.hbm_bytes_per_s
+    comm = sum(c["bytes"] for c in fp.collectives.values()) / max(target.link_bytes_per_s, 1.0)
+    step = max(compute, memory) + comm
+    out.update({
+        "estimate": "roofline: max(compute, memory) + collectives, no overlap assumed",
+        "compute_s": compute, "memory_s": memory, "collective_s": comm, "step_time_s": step,
+        "bound": max((compute, "compute"), (memory, "memory"), (comm, "collectives"))[1],
+        "tokens_per_s": tokens / step,
+        "mfu": model_flops / n_devices / step / (peak_tflops * 1e12),
+    })
+    return out
+
+
+def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
+    """The target's numbers and its peak TFLOP/s for the run's precision."""
+    import jax
+
+    from dxrun import flops
+
+    name = cfg.plan.target
+    if name is None:
+        kind = jax.devices()[0].device_kind
+        name = next((k for k, t in TARGETS.items() if t.device_kind == kind),
+                    "cpu" if jax.default_backend() == "cpu" else None)
+        if name is None:
+            raise ConfigError(f"plan.target is unset and device kind {kind!r} is not in the "
+                              f"table; set plan.target to one of {', '.join(TARGETS)}")
+    if name == "cpu":
+        override = cfg.runtime.peak_tflops
+        peak = (float(override) if isinstance(override, (int, float)) and override
+                else flops.measure_peak_tflops())
+        target = cpu_target(n_devices)
+        if cfg.runtime.memory_gb is not None:
+            target = replace(target, memory_bytes=cfg.runtime.memory_gb * GiB / n_devices)
+        return target, peak
+    target = TARGETS[name]
+    return target, flops.peak_tflops(target.device_kind, cfg.train.precision)
+
+
+# --- suggestions: the nearest setting that fits ---------------------------------------------
+
+def candidates(cfg: Any) -> list[list[str]]:
+    """Overrides to try, nearest first: shard the weights and optimizer state further (FSDP over
+    the data replicas), then a smaller batch per step."""
+    par = cfg.parallelism
+    out: list[list[str]] = []
+    if par.fsdp == 1 and par.dp != 1:
+        out.append(["parallelism.fsdp=-1", "parallelism.dp=1", f"parallelism.tp={par.tp}"])
+    if par.tp == 1:
+        out.append(["parallelism.fsdp=-1", "parallelism.dp=1", "parallelism.tp=2"])
+    b = cfg.data.batch_size
+    for k in (2, 4, 8):
+        out.append([f"data.batch_size={b // k}"])
+    return out
+
+
+def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str,
+                    max_tries: int = 6) -> list[str] | None:
+    """Compile the candidates in order (shapes only) and return the first whose per-device need
+    is within ``budget_bytes``; None if none does."""
+    from omegaconf import OmegaConf
+
+    from dxrun.experiment import Experiment
+    from dxrun.plan import make_plan
+
+    for overrides in candidates(cfg)[:max_tries]:
+        trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        try:
+            exp = Experiment.build(trial, make_plan(trial, n_visible, platform), data=_NoData())
+        except ConfigError:
+            continue
+        m = exp.compile_step().memory_analysis()
+        need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                + m.temp_size_in_bytes)
+        if need <= budget_bytes:
+            return overrides
+    return None
+
+
+class _NoData:
+    """Plan mode and suggestions compile the step only; they never read data."""
+
+
+# --- the preflight of every real run ---------------------------------------------------------
+
+def device_budget(cfg: Any) -> tuple[float, int, str]:
+    """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
+    import jax
+
+    local = jax.local_device_count()
+    if cfg.runtime.memory_gb is not None:
+        total = cfg.runtime.memory_gb * GiB
+        shared = local if jax.default_backend() == "cpu" else 1
+        return total / shared, shared, f"runtime.memory_gb={cfg.runtime.memory_gb}"
+    if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
+        return host_memory_bytes() * 0.9 / local, local, "this host's available RAM"
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        return float("inf"), 1, "unknown"
+    return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
+
+
+def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
+    """Refuse, with one line and the nearest setting that fits, a run whose compiled step will
+    not fit; before any weight is allocated."""
+    if cfg.runtime.skip_memory_check:
+        return
+    m = compiled.memory_analysis()
+    if m is None:
+        return
+    need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+    budget, shared, source = device_budget(cfg)
+    if need <= budget:
+        return
+    fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
+    fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
+    raise ConfigError(
+        f"the train step needs {need / GiB:.2f} GiB per device x {shared} device(s) = "
+        f"{need * shared / GiB:.1f} GiB, but {source} gives {budget * shared / GiB:.1f} GiB; "
+        f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
+
+
+# --- plan mode ----------------------------------------------------------------------------------
+
+def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
+    """Everything plan mode prints and writes into plan.json (beside the mesh plan)."""
+    import jax
+
+    from dxrun import flops
+
+    t0 = time.perf_counter()
+    compiled = exp.compile_step()
+    compile_s = time.perf_counter() - t0
+    fp = footprint(exp, compiled)
+    state, _ = exp.abstract_state()
+    n_params = int(sum(_prod(x.shape) for x in jax.tree.leaves(state.params)))
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    model_flops = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
+    target, peak = resolve_target(cfg, exp.plan.n_devices)
+    est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
+                   cfg.train.precision)
+    report: dict[str, Any] = {
+        "n_params": n_params,
+        "per_device": {k: v for k, v in asdict(fp).items() if k != "collectives"}
+        | {"activations_bytes": fp.activations_bytes},
+        "model_flops_per_step": model_flops,
+        "collectives": fp.collectives,
+        "compile_s": compile_s,
+        "target": est,
+    }
+    if not est["fits"]:
+        budget = target.memory_bytes * (USABLE if target.device_kind != "cpu" else 0.8)
+        report["suggestion"] = first_that_fits(cfg, budget, exp.plan.n_visible,
+                                               exp.plan.platform)
+    return report
+
+
+def plan_table(report: dict[str, Any]) -> str:
+    pd, t = report["per_device"], report["target"]
+    rows = [
+        ("params", f"{report['n_params']:,}"),
+        ("per device", f"params {_gb(pd['params_bytes'])}, optimizer {_gb(pd['opt_state_bytes'])}, "
+                       f"gradients {_gb(pd['grads_bytes'])}, activations+temps "
+                       f"{_gb(pd['activations_bytes'])}; total {_gb(pd['total_bytes'])}"),
+        ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step"),
+        ("collectives", ", ".join(f"{k} x{int(v['count'])} ({_gb(v['bytes'])}/step)"
+                                  for k, v in sorted(report["collectives"].items())) or "none"),
+        ("target", f"{t['target']}: {t['memory_per_device_gb']:.1f} GB per device, "
+                   f"{t['usable_per_device_gb']:.1f} GB usable"),
+        ("fits", f"{'yes' if t['fits'] else 'NO'}: needs {t['needs_per_device_gb']:.2f} GB, "
+                 f"headroom {t['headroom_gb']:.2f} GB"),
+    ]
+    if "step_time_s" in t:
+        rows.append(("estimate", f"step {t['step_time_s'] * 1e3:.1f} ms ({t['bound']}-bound: "
+                                 f"compute {t['compute_s'] * 1e3:.1f} ms, memory "
+                                 f"{t['memory_s'] * 1e3:.1f} ms, collectives "
+                                 f"{t['collective_s'] * 1e3:.1f} ms), "
+                                 f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.0f}%"
+                                 f" ({t['precision']}, peak {t['peak_tflops']:g} TFLOP/s)"))
+    if not t["fits"]:
+        s = report.get("suggestion")
+        rows.append(("suggestion", " ".join(s) if s else "no candidate fits; a larger mesh"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= 0.01 * GB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def run_plan(cfg: Any, run_dir: Any, plan: Any) -> dict[str, Any]:
+    """``run.mode=plan``: compile for the mesh, print the table, write plan.json; train nothing."""
+    from dxrun.experiment import Experiment
+    from dxrun.runtime import write_json
+
+    exp = Experiment.build(cfg, plan, data=_NoData())
+    report = plan_report(cfg, exp)
+    write_json(run_dir / "plan.json", {**plan.to_json(), "plan_mode": report})
+    log.info("mesh plan\n%s\n%s", plan.table(), plan_table(report))
+    return report

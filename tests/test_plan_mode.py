@@ -1,0 +1,108 @@
+"""Plan mode and the memory preflight: XLA's own numbers for the compiled step, read right."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import run_cli
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dxrun import plan_mode
+from dxrun import sharding as shd
+from dxrun.experiment import Experiment
+from dxrun.hlo import collective_traffic
+
+
+def test_collective_bytes_of_a_tp_layer(cfg_factory):
+    from test_sharding import _compiled_tp_layer
+
+    traffic = collective_traffic(_compiled_tp_layer(cfg_factory, 2), 8)
+    # tp2: 2 devices, each with the whole (8, 16, 64) fp32 activations. An all-reduce over a
+    # 2-device group sends 2*(2-1)/2 = 1 x its buffer: one buffer each after the two
+    # row-parallel projections and for the MLP input's gradient, and the q, k and v input
+    # gradients as one 3-buffer all-reduce.
+    assert traffic == {"all-reduce": {"count": 4, "bytes": 6 * 8 * 16 * 64 * 4}}
+
+
+def test_collectives_in_a_loop_count_once_per_iteration():
+    mesh = shd.make_mesh(dp=1, tp=8)
+    w = jax.device_put(jnp.ones((5, 64, 64)), NamedSharding(mesh, P(None, "tensor", None)))
+    x = jax.device_put(jnp.ones((4, 64)), NamedSharding(mesh, P(None, "tensor")))
+
+    def f(x, w):  # contracting a sharded axis: one all-reduce per iteration
+        def body(h, w_i):
+            h = jax.lax.with_sharding_constraint(h @ w_i, NamedSharding(mesh, P(None, "tensor")))
+            return h, None
+        return jax.lax.scan(body, x, w)[0]
+
+    text = jax.jit(f).lower(x, w).compile().as_text()
+    traffic = collective_traffic(text, 8)
+    assert sum(v["count"] for v in traffic.values()) % 5 == 0 and traffic  # 5 iterations
+    assert all(v["count"] >= 5 for v in traffic.values())
+
+
+def _need(exp: Experiment) -> float:
+    m = exp.compile_step().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+WIDE = ["model=tiny", "model.d_model=256", "model.d_ff=1024", "model.n_heads=8",
+        "model.n_kv_heads=8", "logger=none"]
+
+
+def test_footprint_is_per_device_and_follows_the_mesh(cfg_factory):
+    dp = Experiment.build(cfg_factory(*WIDE, "parallelism=dp8"))
+    fsdp = Experiment.build(cfg_factory(*WIDE, "parallelism=fsdp8"))
+    a, b = (plan_mode.footprint(e, e.compile_step()) for e in (dp, fsdp))
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(dp.init_params)))
+    assert a.params_bytes == 4 * n_params  # replicated on every device
+    assert b.params_bytes < a.params_bytes / 6  # all but norms and biases split 8 ways
+    assert a.opt_state_bytes == pytest.approx(2 * a.params_bytes, rel=1e-3)  # adam: mu, nu
+    assert b.total_bytes < a.total_bytes
+    assert a.flops > 0 and "all-reduce" in a.collectives and "all-gather" in b.collectives
+
+
+def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory):
+    need_dp = _need(Experiment.build(cfg_factory(*WIDE, "parallelism=dp8")))
+    need_fsdp = _need(Experiment.build(cfg_factory(*WIDE, "parallelism=fsdp8")))
+    assert need_fsdp < need_dp
+    # A CPU "machine" whose 8 devices get (80% of) a budget between the two needs.
+    per_device = (need_dp + need_fsdp) / 2
+    memory_gb = per_device * 8 / 0.8 / 2**30
+    cfg = cfg_factory(*WIDE, "parallelism=dp8", "plan.target=cpu",
+                      f"runtime.memory_gb={memory_gb}", "runtime.peak_tflops=1")
+    report = plan_mode.plan_report(cfg, Experiment.build(cfg))
+    assert report["target"]["fits"] is False
+    suggestion = report["suggestion"]
+    assert suggestion and any("fsdp" in s for s in suggestion)
+    from omegaconf import OmegaConf
+
+    fixed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(suggestion))
+    assert _need(Experiment.build(fixed)) <= per_device  # the suggestion really fits
+    table = plan_mode.plan_table(report)
+    assert "NO" in table and " ".join(suggestion) in table
+
+
+@pytest.mark.e2e
+def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
+    proc = run_cli("run.mode=plan", "parallelism=dp4_tp2", "plan.target=h200",
+                   "model.n_heads=8", "model.n_kv_heads=8", "logger=none", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/plan.json")]
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "wandb").exists()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["mesh_shape"] == [4, 1, 2]
+    pm = plan["plan_mode"]
+    t = pm["target"]
+    assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 494.0
+    assert t["step_time_s"] == pytest.approx(max(t["compute_s"], t["memory_s"])
+                                             + t["collective_s"])
+    assert pm["n_params"] > 0 and pm["per_device"]["total_bytes"] > pm["per_device"]["params_bytes"]
+    assert pm["collectives"]["all-reduce"]["count"] > 0
+    log = (run_dir / "dxrun.log").read_text()
+    assert "fits         yes" in log and "estimate" in log
