@@ -39,14 +39,39 @@ def test_matmul_params_counts_tied_head_once(cfg_factory):
     assert flops.matmul_params(tiny, 116_480) == 116_480 - 64 * 64 - 128 * 64
 
 
-def test_peak_table():
-    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
-    assert flops.peak_tflops("NVIDIA H200", "bf16") == 989
-    assert flops.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312
-    assert flops.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756
-    assert flops.peak_tflops("NVIDIA L40S", "bf16") == 362
-    assert flops.peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 156
-    assert flops.peak_tflops("cpu", "bf16") is None
+@pytest.mark.parametrize("kind, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989),  # SXM
+    ("NVIDIA H100 PCIe", "bf16", 756),
+    ("NVIDIA H100 NVL", "bf16", 835),
+    ("NVIDIA H200", "bf16", 989),
+    ("NVIDIA H200 NVL", "bf16", 835),
+    ("NVIDIA GH200 480GB", "bf16", 989),
+    ("NVIDIA H800", "bf16", 989),
+    ("NVIDIA H20", "bf16", 148),
+    ("NVIDIA B200", "bf16", 2250),
+    ("NVIDIA B200", "fp32", 1100),
+    ("NVIDIA GB200", "bf16", 2500),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312),
+    ("NVIDIA A100 80GB PCIe", "bf16", 312),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 156),
+    ("nvidia a100 sxm4 40gb", "fp32", 156),  # the documented normalisation
+    ("NVIDIA L40S", "bf16", 362),
+    ("NVIDIA L40", "bf16", 181),
+    ("NVIDIA L4", "bf16", 121),
+    ("Tesla V100-SXM2-16GB", "bf16", 125),
+    ("TPU v4", "bf16", 275),
+    ("TPU v5 lite", "bf16", 197),
+    ("TPU v5", "bf16", 459),
+    ("TPU v5p", "bf16", 459),
+    ("TPU v6 lite", "bf16", 918),
+    # Unknown kinds, including near-misses a substring match would have taken.
+    ("cpu", "bf16", None),
+    ("NVIDIA H100", "bf16", None),
+    ("NVIDIA L4000", "bf16", None),
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+])
+def test_peak_table_matches_device_kinds_exactly(kind, precision, peak):
+    assert flops.peak_tflops(kind, precision) == peak
 
 
 def test_unknown_device_warns_once_and_override_wins(cfg_factory, caplog):
