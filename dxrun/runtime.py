@@ -6,6 +6,7 @@ No JAX import at module level: ``simulate_cpu_devices`` has to set XLA_FLAGS fir
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,7 +51,27 @@ def write_hydra_files(run_dir: Path, cfg: Any, hydra_cfg: Any | None) -> None:
         OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), out / "overrides.yaml")
 
 
+def finite_or_null(obj: Any, key: str = "") -> tuple[Any, list[str]]:
+    """``obj`` with every NaN/inf float replaced by None, and the keys where that happened.
+
+    JSON has no NaN or Infinity: Python writes them anyway and most readers then refuse the
+    whole file. A diverged run's numbers become ``null`` instead (W&B shows a gap)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, [key or "value"]
+    if isinstance(obj, dict):
+        out, bad = {}, []
+        for k, v in obj.items():
+            out[k], b = finite_or_null(v, f"{key}.{k}" if key else str(k))
+            bad += b
+        return out, bad
+    if isinstance(obj, (list, tuple)):
+        pairs = [finite_or_null(v, f"{key}[{i}]") for i, v in enumerate(obj)]
+        return [v for v, _ in pairs], [k for _, b in pairs for k in b]
+    return obj, []
+
+
 def write_json(path: Path, obj: Any) -> None:
+    """Atomically; non-finite floats are written as null (see ``finite_or_null``)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
     tmp.replace(path)

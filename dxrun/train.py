@@ -137,7 +137,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
                     if eval_every > 0 else [])
     last: dict[str, float] = {}
-    best_loss = math.inf
+    best_loss: float | None = None  # the lowest finite train/loss (None: none was finite)
     try:
         with Progress(steps) as progress:
             batches = exp.data.train_iterator()
@@ -181,7 +181,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                     row["data/tokens_seen"] = float(done * tokens_per_step)
                     if floor is not None:
                         row["data/entropy_floor"] = floor
-                    best_loss = min(best_loss, row["train/loss"])
+                    loss = row["train/loss"]
+                    if math.isfinite(loss) and (best_loss is None or loss < best_loss):
+                        best_loss = loss
                 if is_eval:
                     row.update(evaluate(exp, state.params, eval_batches))
                 logger.log(done, row)
