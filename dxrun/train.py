@@ -22,7 +22,6 @@ from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.logger import MetricsLogger
-from dxrun.model import count_params
 from dxrun.plan import MeshPlan, make_plan
 from dxrun.runtime import write_json
 
@@ -113,7 +112,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
 
     exp = Experiment.build(cfg, plan, data)
     state = exp.init_state()
-    n_params = count_params(state.params)
+    n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", cfg.model.name, f"{n_params:,}",
              cfg.data.name, data.description)

@@ -76,3 +76,20 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
     assert summary["best/train_loss"] is None  # no finite loss was logged: not Infinity
     (warning,) = [r.message for r in caplog.records if "not finite" in r.message]
     assert warning.startswith("step 3: ") and "train/loss" in warning
+
+
+def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path):
+    from dxrun import flops
+    from dxrun.experiment import Experiment
+    from dxrun.model import count_params
+
+    base = ["logger=none", "data.vocab_size=65", "train.steps=2", "train.log_every=2",
+            "train.eval_every=0"]
+    s = train(cfg_factory(*base, "parallelism=tp2", "parallelism.n_devices=2"), tmp_path)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["vocab_size"], plan["padded_vocab"]) == (65, 66)
+    unpadded = cfg_factory(*base, "parallelism=dp1")
+    n_real = count_params(Experiment.build(unpadded).init_params())
+    assert s["n_params"] == n_real
+    assert s["flops_per_token"] == flops.flops_per_token(unpadded.model, n_real, 64)
+    assert s["train/loss"] > 0
