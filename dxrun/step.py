@@ -109,6 +109,15 @@ class TrainStep:
             self.compile_time_s = time.perf_counter() - t0
         return self.compiled
 
+    def memory_bytes(self) -> float | None:
+        """Bytes per device the compiled step itself needs: arguments + outputs - the donated
+        (aliased) state + temporaries. Per run, unlike the allocator's process-wide peak."""
+        m = self.compiled.memory_analysis() if self.compiled is not None else None
+        if m is None:
+            return None
+        return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                     + m.temp_size_in_bytes)
+
     def __call__(self, state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         new_state, metrics = self.compile(state, tokens_BxT)(state, tokens_BxT)
         if self.bounded:

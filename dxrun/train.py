@@ -23,7 +23,7 @@ from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.logger import MetricsLogger
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.runtime import write_json
+from dxrun.runtime import AllocatorPeak, write_json
 
 log = logging.getLogger("dxrun")
 
@@ -67,19 +67,6 @@ def resolve_peak(cfg: Any, device_kind: str) -> float | None:
     return peak
 
 
-def peak_memory(compiled: Any) -> float | None:
-    """Peak bytes per device: the allocator's count where the backend keeps one (GPU, TPU),
-    else the compiled step's own buffer analysis (arguments + outputs + temporaries)."""
-    stats = jax.local_devices()[0].memory_stats()
-    if stats and "peak_bytes_in_use" in stats:
-        return float(stats["peak_bytes_in_use"])
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                 + m.temp_size_in_bytes)
-
-
 def prepare(cfg: Any) -> tuple[MeshPlan, Data]:
     """Everything that can refuse bad input: the mesh plan and the data (its files, tokenizer
     and vocabulary). Raises ConfigError; writes nothing and compiles nothing."""
@@ -110,6 +97,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     write_json(run_dir / "plan.json", plan.to_json())
     log.info("mesh plan\n%s", plan.table())
 
+    allocator = AllocatorPeak()  # before this run allocates anything
     exp = Experiment.build(cfg, plan, data)
     state = exp.init_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
@@ -174,9 +162,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                             row["perf/mfu"] = flops.mfu(tflops, peak)
                     if not last:  # first log row: the one-off numbers
                         row["perf/compile_time_s"] = exp.step.compile_time_s
-                        mem = peak_memory(exp.step.compiled)
-                        if mem is not None:
-                            row["mem/peak_bytes_per_device"] = mem
+                        mem = {"mem/step_bytes_per_device": exp.step.memory_bytes(),
+                               "mem/peak_bytes_per_device": allocator.peak_since_start()}
+                        row.update({k: v for k, v in mem.items() if v is not None})
                     row["data/tokens_seen"] = float(done * tokens_per_step)
                     if floor is not None:
                         row["data/entropy_floor"] = floor
