@@ -1,4 +1,4 @@
-"""Model FLOPs, device peaks and MFU: pure functions (no JAX import), except the CPU probe.
+"""Model FLOPs, device peaks and MFU: pure functions (no JAX import), except the matmul probe.
 
 FLOPs per token of one training step (forward + backward = 3 x forward):
 
@@ -104,19 +104,38 @@ def mfu(tflops_per_device: float, peak: float) -> float:
     return tflops_per_device / peak
 
 
-def measure_peak_tflops(n: int = 1024, repeats: int = 10) -> float:
-    """Achieved TFLOP/s of one device on a square fp32 matmul: a stand-in peak for CPUs."""
+def matmul_probe(devices: Any, n: int) -> tuple[Any, Any]:
+    """A compiled batched fp32 matmul with one ``n x n`` matrix per device, and its input,
+    sharded one matrix per device, so that all ``devices`` run the probe at once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("probe",), axis_types=(AxisType.Auto,))
+    one_per_device = NamedSharding(mesh, P("probe"))
+    x = jax.jit(lambda: jnp.ones((len(devices), n, n), jnp.float32),
+                out_shardings=one_per_device)()
+    f = jax.jit(lambda a: a @ a, in_shardings=one_per_device, out_shardings=one_per_device)
+    return f.lower(x).compile(), x
+
+
+def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -> float:
+    """Achieved TFLOP/s per device of a square fp32 matmul run on all ``devices`` (default: this
+    process's) at once: a stand-in peak for CPUs. Simulated CPU devices share the host's cores,
+    so one device probed alone would get the whole host and MFU would be capped near 1/n."""
     import time
 
     import jax
-    import jax.numpy as jnp
 
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
+    devices = [d for d in (jax.local_devices() if devices is None else devices)
+               if d.process_index == jax.process_index()]
+    compiled, x = matmul_probe(devices, n)
+    compiled(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        f(a).block_until_ready()
+        compiled(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
+    return 2 * n**3 / best / 1e12  # every device did one n x n matmul in `best` seconds

@@ -50,13 +50,15 @@ def run_name(cfg: Any, job: Job) -> str:
     return "-".join(parts)[:120]
 
 
-def resolve_peak(cfg: Any, device_kind: str) -> float | None:
-    """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``), else the
-    table; None (with one warning) when the device is unknown."""
+def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | None:
+    """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``: probed on
+    all of ``devices`` at once, default all local ones), else the table; None (with one
+    warning) when the device is unknown."""
     override = cfg.runtime.peak_tflops
     if override == "measure":
-        peak = flops.measure_peak_tflops()
-        log.info("measured peak: %.3f TFLOP/s per device (runtime.peak_tflops=measure)", peak)
+        peak = flops.measure_peak_tflops(devices)
+        log.info("measured peak: %.3f TFLOP/s per device, all devices of the mesh probing at "
+                 "once (runtime.peak_tflops=measure)", peak)
         return peak
     if override is not None:
         return float(override)
@@ -105,7 +107,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     log.info("model %s: %s parameters; data %s: %s", cfg.model.name, f"{n_params:,}",
              cfg.data.name, data.description)
     device_kind = jax.devices()[0].device_kind
-    peak = resolve_peak(cfg, device_kind)
+    peak = resolve_peak(cfg, device_kind, exp.mesh.devices.flat)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens_per_step
 

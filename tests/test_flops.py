@@ -8,6 +8,7 @@ import pytest
 
 from dxrun import flops
 from dxrun.experiment import Experiment
+from dxrun.hlo import collectives
 from dxrun.train import resolve_peak
 
 
@@ -92,3 +93,16 @@ def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
     assert s["perf/tokens_per_s_per_device"] == pytest.approx(s["perf/tokens_per_s"] / 8)
     assert s["perf/compile_time_s"] > 0 and s["mem/step_bytes_per_device"] > 0
     assert "mem/peak_bytes_per_device" not in s  # CPU: the allocator keeps no statistics
+
+
+def test_measured_peak_runs_the_probe_on_every_device_at_once():
+    devices = jax.devices()
+    compiled, x = flops.matmul_probe(devices, n=64)
+    # One 64 x 64 matrix on each of the 8 devices, each multiplied where it lives.
+    assert {s.device for s in x.addressable_shards} == set(devices)
+    assert {s.data.shape for s in x.addressable_shards} == {(1, 64, 64)}
+    assert compiled.input_shardings[0][0].num_devices == 8
+    text = compiled.as_text()
+    assert "f32[1,64,64]" in text and "f32[8,64,64]" not in text
+    assert collectives(text) == {}
+    assert flops.measure_peak_tflops(devices, n=64, repeats=2) > 0
