@@ -214,7 +214,8 @@ class Transformer(nnx.Module):
         Vp = logits_BxLxVp.shape[-1]
         if Vp > self.vocab_size:
             # A mask, not a slice: slicing the tensor-sharded vocab axis at V would reshard it.
-            # The fp32 minimum (not -inf) keeps softmax and its gradient free of inf - inf.
+            # The fp32 minimum, not -inf: exp() of it is exactly 0 all the same, but it never
+            # makes a NaN (-inf - -inf, 0 * -inf) in the max-subtracted softmax or its gradient.
             real_Vp = jnp.arange(Vp) < self.vocab_size
             logits_BxLxVp = jnp.where(real_Vp, logits_BxLxVp, jnp.finfo(jnp.float32).min)
         return constrain(logits_BxLxVp, ("batch", "seq", "vocab"))
