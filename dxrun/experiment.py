@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 from dxrun.data import TRAIN, Data
-from dxrun.model import Transformer
+from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.optimizer import make_optimizer
 from dxrun.plan import MeshPlan, make_plan
 from dxrun.sharding import batch_sharding, mesh_from_plan, param_axes, param_shardings, replicated
@@ -47,7 +47,9 @@ class Experiment:
         if plan is None:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
-        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+        padded = plan.padded_vocab or cfg.model.vocab_size  # 0: a bare plan, no padding
+        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0),
+                                                      padded_vocab=padded))
         graphdef, abstract_state = nnx.split(abstract)
         axes = param_axes(abstract_state)
         p_shard = param_shardings(axes, mesh, plan.rules)
@@ -75,18 +77,22 @@ class Experiment:
 
     def init_params(self) -> dict:
         """Parameters initialised from ``train.seed``, created directly in their shards."""
-        model_cfg, seed = self.cfg.model, self.cfg.train.seed
+        model_cfg, seed, padded = self.cfg.model, self.cfg.train.seed, self.padded_vocab
 
         def init() -> dict:
-            return nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+            model = Transformer(model_cfg, rngs=nnx.Rngs(seed), padded_vocab=padded)
+            return nnx.to_pure_dict(nnx.state(model))
 
         return jax.jit(init, out_shardings=self.param_shardings)()
 
     def init_state(self, params: dict | None = None) -> TrainState:
-        """Fresh train state; ``params`` (host or device arrays) replaces the seeded init."""
+        """Fresh train state; ``params`` (host or device arrays) replaces the seeded init. They
+        may come from a mesh with another vocab padding (another tp): they are re-padded."""
         if params is None:
             params = self.init_params()
         else:
+            params = resize_vocab(params, self.axes, self.cfg.model.vocab_size,
+                                  self.padded_vocab)
             params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
         step = jax.device_put(np.zeros((), np.int32), replicated(self.mesh))
@@ -113,6 +119,14 @@ class Experiment:
     def compile_step(self) -> Any:
         """The train step compiled for this mesh from shapes alone (no weights allocated)."""
         return self.step.compile(*self.abstract_state())
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.plan.padded_vocab or self.cfg.model.vocab_size
+
+    def count_params(self, params: Any) -> int:
+        """Parameters of the real vocabulary (what FLOPs and the logs report)."""
+        return count_params(params, self.axes, self.cfg.model.vocab_size)
 
     def global_batch(self, local_rows: np.ndarray) -> jax.Array:
         """One global array, sharded over (data, fsdp), from each process's rows."""

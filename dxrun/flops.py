@@ -1,4 +1,4 @@
-"""Model FLOPs, device peaks and MFU: pure functions (no JAX import), except the CPU probe.
+"""Model FLOPs, device peaks and MFU: pure functions (no JAX import), except the matmul probe.
 
 FLOPs per token of one training step (forward + backward = 3 x forward):
 
@@ -17,33 +17,74 @@ MFU = achieved model FLOP/s per device / the device's dense peak for the run's p
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Dense (no sparsity) peak TFLOP/s per device: (bf16, fp32). The fp32 column is the TF32 tensor
 # core peak on NVIDIA GPUs, which is what XLA uses for fp32 matmuls by default there.
-# Sources: NVIDIA H100/H200/A100/L4/L40S/V100 datasheets, Google Cloud TPU system docs.
-PEAK_TFLOPS: list[tuple[str, tuple[float, float]]] = [
-    ("GH200", (989.0, 494.0)),
-    ("H200", (989.0, 494.0)),
-    ("H100 PCIe", (756.0, 378.0)),
-    ("H100", (989.0, 494.0)),  # SXM
-    ("A100", (312.0, 156.0)),
-    ("L40S", (362.0, 183.0)),
-    ("L4", (121.0, 60.0)),
-    ("V100", (125.0, 15.7)),  # fp16 tensor cores; no bf16
-    ("TPU v6 lite", (918.0, 918.0)),
-    ("TPU v5 lite", (197.0, 197.0)),
-    ("TPU v5", (459.0, 459.0)),
-    ("TPU v4", (275.0, 275.0)),
-]
+# Keyed by JAX's ``device_kind`` exactly, after ``normalize_kind`` (lower case; runs of spaces,
+# '-' and '_' become one space): a name is never matched as a substring, so "NVIDIA L4" is not
+# "NVIDIA L40" and the H100 PCIe / NVL are not the SXM part.
+# Sources (datasheets, dense = half the "with sparsity" figure):
+#   H100 SXM/PCIe/NVL, H200 SXM/NVL, H800, H20: NVIDIA H100/H200 datasheets, H800/H20 product
+#   briefs (H800 SXM has H100 SXM's tensor cores; H20: 148 bf16, 74 TF32); GH200: the H100 SXM
+#   die; B200: HGX B200 (2.25 PF bf16, 1.1 PF TF32 per GPU); GB200: GB200 NVL72 (2.5 PF bf16,
+#   1.25 PF TF32 per GPU); A100 SXM and PCIe: A100 datasheet; L40S/L40/L4: ADA datasheets;
+#   V100: fp16 tensor cores (no bf16); TPUs: Google Cloud TPU system architecture docs.
+_H100_SXM = (989.0, 494.0)
+_H100_PCIE = (756.0, 378.0)
+_NVL = (835.0, 417.0)  # H100 NVL and H200 NVL (PCIe cards)
+_A100 = (312.0, 156.0)
+PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "NVIDIA B200": (2250.0, 1100.0),
+    "NVIDIA GB200": (2500.0, 1250.0),
+    "NVIDIA GH200 480GB": _H100_SXM,
+    "NVIDIA GH200 144G HBM3e": _H100_SXM,
+    "NVIDIA H200": _H100_SXM,
+    "NVIDIA H200 NVL": _NVL,
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 SXM5 80GB": _H100_SXM,
+    "NVIDIA H100 PCIe": _H100_PCIE,
+    "NVIDIA H100 NVL": _NVL,
+    "NVIDIA H800": _H100_SXM,
+    "NVIDIA H800 PCIe": _H100_PCIE,
+    "NVIDIA H20": (148.0, 74.0),
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA L40S": (362.0, 183.0),
+    "NVIDIA L40": (181.0, 90.5),
+    "NVIDIA L4": (121.0, 60.0),
+    "Tesla V100-SXM2-16GB": (125.0, 15.7),
+    "Tesla V100-SXM2-32GB": (125.0, 15.7),
+    "Tesla V100-PCIE-16GB": (112.0, 14.0),
+    "Tesla V100-PCIE-32GB": (112.0, 14.0),
+    "TPU v4": (275.0, 275.0),
+    "TPU v5 lite": (197.0, 197.0),  # v5e
+    "TPU v5e": (197.0, 197.0),
+    "TPU v5": (459.0, 459.0),  # v5p
+    "TPU v5p": (459.0, 459.0),
+    "TPU v6 lite": (918.0, 918.0),  # v6e (Trillium)
+    "TPU v6e": (918.0, 918.0),
+}
+
+
+def normalize_kind(device_kind: str) -> str:
+    """``device_kind`` as the table compares it: lower case, separators folded to one space
+    (drivers and JAX versions differ in "A100-SXM4-80GB" vs "A100 SXM4 80GB")."""
+    return re.sub(r"[\s_-]+", " ", device_kind.lower()).strip()
+
+
+_BY_KIND = {normalize_kind(k): v for k, v in PEAK_TFLOPS.items()}
 
 
 def peak_tflops(device_kind: str, precision: str) -> float | None:
-    """The table's peak for ``device_kind`` (first matching name), or None if unknown."""
-    for name, (bf16, fp32) in PEAK_TFLOPS:
-        if name.lower() in device_kind.lower():
-            return bf16 if precision == "bf16" else fp32
-    return None
+    """The table's dense peak for exactly this ``device_kind`` (normalised), or None."""
+    peaks = _BY_KIND.get(normalize_kind(device_kind))
+    if peaks is None:
+        return None
+    return peaks[0] if precision == "bf16" else peaks[1]
 
 
 def matmul_params(model: Any, n_params: int) -> int:
@@ -63,19 +104,38 @@ def mfu(tflops_per_device: float, peak: float) -> float:
     return tflops_per_device / peak
 
 
-def measure_peak_tflops(n: int = 1024, repeats: int = 10) -> float:
-    """Achieved TFLOP/s of one device on a square fp32 matmul: a stand-in peak for CPUs."""
+def matmul_probe(devices: Any, n: int) -> tuple[Any, Any]:
+    """A compiled batched fp32 matmul with one ``n x n`` matrix per device, and its input,
+    sharded one matrix per device, so that all ``devices`` run the probe at once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("probe",), axis_types=(AxisType.Auto,))
+    one_per_device = NamedSharding(mesh, P("probe"))
+    x = jax.jit(lambda: jnp.ones((len(devices), n, n), jnp.float32),
+                out_shardings=one_per_device)()
+    f = jax.jit(lambda a: a @ a, in_shardings=one_per_device, out_shardings=one_per_device)
+    return f.lower(x).compile(), x
+
+
+def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -> float:
+    """Achieved TFLOP/s per device of a square fp32 matmul run on all ``devices`` (default: this
+    process's) at once: a stand-in peak for CPUs. Simulated CPU devices share the host's cores,
+    so one device probed alone would get the whole host and MFU would be capped near 1/n."""
     import time
 
     import jax
-    import jax.numpy as jnp
 
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
+    devices = [d for d in (jax.local_devices() if devices is None else devices)
+               if d.process_index == jax.process_index()]
+    compiled, x = matmul_probe(devices, n)
+    compiled(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        f(a).block_until_ready()
+        compiled(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
+    return 2 * n**3 / best / 1e12  # every device did one n x n matmul in `best` seconds

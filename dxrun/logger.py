@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dxrun.runtime import finite_or_null
+
 log = logging.getLogger("dxrun")
 
 
@@ -22,6 +24,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.wandb = None
+        self.warned_non_finite = False
         self._file = open(self.path, "a") if is_main else None  # noqa: SIM115 - closed in finish
         if is_main and cfg.logger.name == "wandb":
             tags = [f"{g}:{choices[g]}" for g in ("model", "parallelism", "data", "optimizer")
@@ -50,8 +53,12 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_main:
             return
-        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
+        row, bad = finite_or_null({"step": step, **{k: float(v) for k, v in metrics.items()}})
+        if bad and not self.warned_non_finite:
+            log.warning("step %d: %s not finite (the run diverged?); written as null, here and "
+                        "in every later row, without another warning", step, ", ".join(bad))
+            self.warned_non_finite = True
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
         if self.wandb is not None:
             try:

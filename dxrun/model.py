@@ -2,8 +2,8 @@
 
 Parameters carry logical axis names (``axes=``); ``dxrun.sharding`` maps them to the mesh. Shapes
 are in the names: B batch, L length, D d_model, H heads, K kv heads, G = H/K, E head dim, F d_ff,
-V vocab. The module computes in the dtype of its parameters (the step casts them for bf16);
-norms, softmax and logits run in fp32.
+V vocab, Vp padded vocab (see ``Transformer``). The module computes in the dtype of its
+parameters (the step casts them for bf16); norms, softmax and logits run in fp32.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dxrun.sharding import constrain
@@ -21,6 +22,17 @@ ACT = ("batch", "seq", "act_embed")
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+def _padded_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float,
+                  n: int) -> nnx.Param:
+    """A vocab-indexed table with zero rows appended up to ``n`` on its ``vocab`` axis. The real
+    rows take the same random draw as an unpadded model's, so padding (which differs with tp)
+    never changes the init of the real vocabulary."""
+    x = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    pad = [(0, 0)] * len(shape)
+    pad[axes.index("vocab")] = (0, n - shape[axes.index("vocab")])
+    return nnx.Param(jnp.pad(x, pad), axes=axes)
 
 
 def _zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
@@ -161,19 +173,29 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+    """``padded_vocab`` (from the mesh plan; None = ``cfg.vocab_size``) is the number of rows of
+    ``wte`` / columns of ``lm_head``: the vocab axis is split over ``tensor``, so it must be a
+    multiple of tp. Padding rows start at zero, their logits are masked to the fp32 minimum
+    (no probability, never the argmax, zero gradient), so the model computes exactly what the
+    unpadded one does."""
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, padded_vocab: int | None = None):
         D, V = cfg.d_model, cfg.vocab_size
-        self.wte = _param(rngs, (V, D), ("vocab", "embed"), cfg.init_std)
+        Vp = padded_vocab or V
+        if Vp < V:
+            raise ValueError(f"padded_vocab={Vp} is smaller than vocab_size={V}")
+        self.vocab_size = V
+        self.wte = _padded_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, Vp)
         self.wpe = (_param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
         self.ln_f = Norm(D, cfg.norm, cfg.bias)
         self.lm_head = (None if cfg.tie_embeddings
-                        else _param(rngs, (D, V), ("embed", "vocab"), cfg.init_std))
+                        else _padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout
 
     def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits (fp32) for every position."""
+        """Logits (fp32) for every position, over the padded vocabulary (padding masked)."""
         L = tokens_BxL.shape[1]
         x_BxLxD = jnp.take(self.wte[...], tokens_BxL, axis=0)
         if self.wpe is not None:
@@ -184,14 +206,55 @@ class Transformer(nnx.Module):
             x_BxLxD = block(x_BxLxD, key)
         x_BxLxD = self.ln_f(x_BxLxD)
         if self.lm_head is not None:
-            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],
-                                      preferred_element_type=jnp.float32)
+            logits_BxLxVp = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],
+                                       preferred_element_type=jnp.float32)
         else:
-            logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, self.wte[...],
-                                      preferred_element_type=jnp.float32)
-        return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+            logits_BxLxVp = jnp.einsum("bld,vd->blv", x_BxLxD, self.wte[...],
+                                       preferred_element_type=jnp.float32)
+        Vp = logits_BxLxVp.shape[-1]
+        if Vp > self.vocab_size:
+            # A mask, not a slice: slicing the tensor-sharded vocab axis at V would reshard it.
+            # The fp32 minimum, not -inf: exp() of it is exactly 0 all the same, but it never
+            # makes a NaN (-inf - -inf, 0 * -inf) in the max-subtracted softmax or its gradient.
+            real_Vp = jnp.arange(Vp) < self.vocab_size
+            logits_BxLxVp = jnp.where(real_Vp, logits_BxLxVp, jnp.finfo(jnp.float32).min)
+        return constrain(logits_BxLxVp, ("batch", "seq", "vocab"))
 
 
-def count_params(params: Any) -> int:
-    return sum(x.size for x in jax.tree.leaves(params))
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) or x is None
 
+
+def count_params(params: Any, axes: Any = None, vocab_size: int | None = None) -> int:
+    """Number of parameters; with the logical ``axes`` tree and ``vocab_size``, of the real
+    vocabulary: the padding rows of ``wte`` / ``lm_head`` are not counted."""
+    if axes is None:
+        return sum(x.size for x in jax.tree.leaves(params))
+
+    def real(names: tuple | None, x: Any) -> int:
+        if names and "vocab" in names:
+            return x.size // x.shape[names.index("vocab")] * vocab_size
+        return x.size
+
+    return sum(jax.tree.leaves(jax.tree.map(real, axes, params, is_leaf=_is_axes)))
+
+
+def resize_vocab(params: dict, axes: dict, vocab_size: int, padded_vocab: int) -> dict:
+    """Params of any padding brought to ``padded_vocab`` rows: the first ``vocab_size`` rows of
+    each ``vocab`` axis kept, zero rows after. Moves a run's weights to a mesh with another tp
+    (whose padding differs); arrays already of the right shape are passed through untouched."""
+
+    def resize(names: tuple | None, x: Any) -> Any:
+        if not names or "vocab" not in names:
+            return x
+        axis = names.index("vocab")
+        if x.shape[axis] == padded_vocab:
+            return x
+        if x.shape[axis] < vocab_size:
+            raise ValueError(f"a {x.shape} parameter has fewer than vocab_size={vocab_size} rows")
+        x = np.take(np.asarray(x), np.arange(vocab_size), axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, padded_vocab - vocab_size)
+        return np.pad(x, pad)
+
+    return jax.tree.map(resize, axes, params, is_leaf=_is_axes)

@@ -15,6 +15,10 @@ from dxrun.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+# Accelerators get the vocabulary padded to a multiple of 128 as well (nanoGPT's 50304, MaxText):
+# the output matmul's vocab axis then tiles the tensor cores / MXU evenly. On CPU only tp matters,
+# so CPU runs (and the tests) keep the smallest table.
+VOCAB_ALIGN = {"gpu": 128, "cuda": 128, "rocm": 128, "tpu": 128}
 
 # The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
 # logical axes only; changing the parallelism changes only the mesh sizes under this table.
@@ -48,6 +52,10 @@ class MeshPlan:
     seq_len: int
     rules: dict[str, Any]
     warnings: tuple[str, ...] = ()
+    # The model's vocabulary and the rows its wte / lm_head really have: a multiple of tp (the
+    # vocab axis is split over `tensor`) and of VOCAB_ALIGN. 0 = no model (a bare mesh).
+    vocab_size: int = 0
+    padded_vocab: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -82,8 +90,22 @@ class MeshPlan:
                       f"x {self.dp * self.fsdp} replicas, seq_len {self.seq_len}"),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
         ]
+        if self.padded_vocab != self.vocab_size:
+            rows.append(("vocab", f"{self.vocab_size} padded to {self.padded_vocab} for "
+                                  f"tp={self.tp}{_align_note(self.platform)} (padding rows "
+                                  "masked out of the loss)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _align_note(platform: str) -> str:
+    return f" and {VOCAB_ALIGN[platform]}-alignment" if platform in VOCAB_ALIGN else ""
+
+
+def padded_vocab(vocab_size: int, tp: int, platform: str) -> int:
+    """The smallest multiple of lcm(tp, alignment) that holds ``vocab_size`` rows."""
+    multiple = math.lcm(tp, VOCAB_ALIGN.get(platform, 1))
+    return -(-vocab_size // multiple) * multiple
 
 
 def _ids(ids: tuple[int, ...]) -> str:
@@ -189,4 +211,6 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
         seq_len=data.seq_len,
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),
+        vocab_size=model.vocab_size,
+        padded_vocab=padded_vocab(model.vocab_size, tp, platform),
     )

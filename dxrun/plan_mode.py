@@ -123,6 +123,7 @@ def _prod(shape: Any) -> int:
 
 def footprint(exp: Any, compiled: Any) -> Footprint:
     from dxrun.hlo import collective_traffic
+    from dxrun.step import step_bytes
 
     state, batch = exp.abstract_state()
     m = compiled.memory_analysis()
@@ -136,8 +137,7 @@ def footprint(exp: Any, compiled: Any) -> Footprint:
         grads_bytes=params,
         batch_bytes=_shard_bytes(batch),
         temp_bytes=float(m.temp_size_in_bytes),
-        total_bytes=float(m.argument_size_in_bytes + m.output_size_in_bytes
-                          - m.alias_size_in_bytes + m.temp_size_in_bytes),
+        total_bytes=step_bytes(compiled),
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         collectives=collective_traffic(compiled.as_text(), exp.plan.n_devices),
@@ -225,6 +225,7 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
 
     from dxrun.experiment import Experiment
     from dxrun.plan import make_plan
+    from dxrun.step import step_bytes
 
     for overrides in candidates(cfg)[:max_tries]:
         trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
@@ -232,10 +233,8 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
             exp = Experiment.build(trial, make_plan(trial, n_visible, platform), data=_NoData())
         except ConfigError:
             continue
-        m = exp.compile_step().memory_analysis()
-        need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                + m.temp_size_in_bytes)
-        if need <= budget_bytes:
+        need = step_bytes(exp.compile_step())
+        if need is not None and need <= budget_bytes:
             return overrides
     return None
 
@@ -267,13 +266,13 @@ def device_budget(cfg: Any) -> tuple[float, int, str]:
 def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
     """Refuse, with one line and the nearest setting that fits, a run whose compiled step will
     not fit; before any weight is allocated."""
+    from dxrun.step import step_bytes
+
     if cfg.runtime.skip_memory_check:
         return
-    m = compiled.memory_analysis()
-    if m is None:
+    need = step_bytes(compiled)
+    if need is None:
         return
-    need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
     budget, shared, source = device_budget(cfg)
     if need <= budget:
         return
@@ -289,7 +288,6 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
 
 def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
     """Everything plan mode prints and writes into plan.json (beside the mesh plan)."""
-    import jax
 
     from dxrun import flops
 
@@ -298,7 +296,7 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
     compile_s = time.perf_counter() - t0
     fp = footprint(exp, compiled)
     state, _ = exp.abstract_state()
-    n_params = int(sum(_prod(x.shape) for x in jax.tree.leaves(state.params)))
+    n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
     target, peak = resolve_target(cfg, exp.plan.n_devices)

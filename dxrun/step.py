@@ -84,6 +84,16 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
     return run
 
 
+def step_bytes(compiled: Any) -> float | None:
+    """Bytes per device a compiled step needs: arguments + outputs - the donated (aliased)
+    state + temporaries. Per run, unlike the allocator's process-wide peak."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                 + m.temp_size_in_bytes)
+
+
 class TrainStep:
     """The jitted step, compiled ahead of its first call so that the same executable reports
     its FLOPs, memory and collectives and the compile time is measured exactly."""
@@ -108,6 +118,9 @@ class TrainStep:
                 self.compiled = self.jitted.lower(state, tokens_BxT).compile()
             self.compile_time_s = time.perf_counter() - t0
         return self.compiled
+
+    def memory_bytes(self) -> float | None:
+        return step_bytes(self.compiled) if self.compiled is not None else None
 
     def __call__(self, state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         new_state, metrics = self.compile(state, tokens_BxT)(state, tokens_BxT)

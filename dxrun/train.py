@@ -22,9 +22,8 @@ from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.logger import MetricsLogger
-from dxrun.model import count_params
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.runtime import write_json
+from dxrun.runtime import AllocatorPeak, write_json
 
 log = logging.getLogger("dxrun")
 
@@ -51,13 +50,15 @@ def run_name(cfg: Any, job: Job) -> str:
     return "-".join(parts)[:120]
 
 
-def resolve_peak(cfg: Any, device_kind: str) -> float | None:
-    """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``), else the
-    table; None (with one warning) when the device is unknown."""
+def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | None:
+    """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``: probed on
+    all of ``devices`` at once, default all local ones), else the table; None (with one
+    warning) when the device is unknown."""
     override = cfg.runtime.peak_tflops
     if override == "measure":
-        peak = flops.measure_peak_tflops()
-        log.info("measured peak: %.3f TFLOP/s per device (runtime.peak_tflops=measure)", peak)
+        peak = flops.measure_peak_tflops(devices)
+        log.info("measured peak: %.3f TFLOP/s per device, all devices of the mesh probing at "
+                 "once (runtime.peak_tflops=measure)", peak)
         return peak
     if override is not None:
         return float(override)
@@ -66,19 +67,6 @@ def resolve_peak(cfg: Any, device_kind: str) -> float | None:
         log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
                     "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)
     return peak
-
-
-def peak_memory(compiled: Any) -> float | None:
-    """Peak bytes per device: the allocator's count where the backend keeps one (GPU, TPU),
-    else the compiled step's own buffer analysis (arguments + outputs + temporaries)."""
-    stats = jax.local_devices()[0].memory_stats()
-    if stats and "peak_bytes_in_use" in stats:
-        return float(stats["peak_bytes_in_use"])
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                 + m.temp_size_in_bytes)
 
 
 def prepare(cfg: Any) -> tuple[MeshPlan, Data, Experiment]:
@@ -115,13 +103,14 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     write_json(run_dir / "plan.json", plan.to_json())
     log.info("mesh plan\n%s", plan.table())
 
+    allocator = AllocatorPeak()  # before this run allocates anything
     state = exp.init_state()
-    n_params = count_params(state.params)
+    n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", cfg.model.name, f"{n_params:,}",
              cfg.data.name, data.description)
     device_kind = jax.devices()[0].device_kind
-    peak = resolve_peak(cfg, device_kind)
+    peak = resolve_peak(cfg, device_kind, exp.mesh.devices.flat)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_step = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens_per_step
 
@@ -141,7 +130,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
                     if eval_every > 0 else [])
     last: dict[str, float] = {}
-    best_loss = math.inf
+    best_loss: float | None = None  # the lowest finite train/loss (None: none was finite)
     try:
         with Progress(steps) as progress:
             batches = exp.data.train_iterator()
@@ -179,13 +168,15 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                             row["perf/mfu"] = flops.mfu(tflops, peak)
                     if not last:  # first log row: the one-off numbers
                         row["perf/compile_time_s"] = exp.step.compile_time_s
-                        mem = peak_memory(exp.step.compiled)
-                        if mem is not None:
-                            row["mem/peak_bytes_per_device"] = mem
+                        mem = {"mem/step_bytes_per_device": exp.step.memory_bytes(),
+                               "mem/peak_bytes_per_device": allocator.peak_since_start()}
+                        row.update({k: v for k, v in mem.items() if v is not None})
                     row["data/tokens_seen"] = float(done * tokens_per_step)
                     if floor is not None:
                         row["data/entropy_floor"] = floor
-                    best_loss = min(best_loss, row["train/loss"])
+                    loss = row["train/loss"]
+                    if math.isfinite(loss) and (best_loss is None or loss < best_loss):
+                        best_loss = loss
                 if is_eval:
                     row.update(evaluate(exp, state.params, eval_batches))
                 logger.log(done, row)

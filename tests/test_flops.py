@@ -8,6 +8,7 @@ import pytest
 
 from dxrun import flops
 from dxrun.experiment import Experiment
+from dxrun.hlo import collectives
 from dxrun.train import resolve_peak
 
 
@@ -39,14 +40,39 @@ def test_matmul_params_counts_tied_head_once(cfg_factory):
     assert flops.matmul_params(tiny, 116_480) == 116_480 - 64 * 64 - 128 * 64
 
 
-def test_peak_table():
-    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
-    assert flops.peak_tflops("NVIDIA H200", "bf16") == 989
-    assert flops.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312
-    assert flops.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756
-    assert flops.peak_tflops("NVIDIA L40S", "bf16") == 362
-    assert flops.peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 156
-    assert flops.peak_tflops("cpu", "bf16") is None
+@pytest.mark.parametrize("kind, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989),  # SXM
+    ("NVIDIA H100 PCIe", "bf16", 756),
+    ("NVIDIA H100 NVL", "bf16", 835),
+    ("NVIDIA H200", "bf16", 989),
+    ("NVIDIA H200 NVL", "bf16", 835),
+    ("NVIDIA GH200 480GB", "bf16", 989),
+    ("NVIDIA H800", "bf16", 989),
+    ("NVIDIA H20", "bf16", 148),
+    ("NVIDIA B200", "bf16", 2250),
+    ("NVIDIA B200", "fp32", 1100),
+    ("NVIDIA GB200", "bf16", 2500),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312),
+    ("NVIDIA A100 80GB PCIe", "bf16", 312),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 156),
+    ("nvidia a100 sxm4 40gb", "fp32", 156),  # the documented normalisation
+    ("NVIDIA L40S", "bf16", 362),
+    ("NVIDIA L40", "bf16", 181),
+    ("NVIDIA L4", "bf16", 121),
+    ("Tesla V100-SXM2-16GB", "bf16", 125),
+    ("TPU v4", "bf16", 275),
+    ("TPU v5 lite", "bf16", 197),
+    ("TPU v5", "bf16", 459),
+    ("TPU v5p", "bf16", 459),
+    ("TPU v6 lite", "bf16", 918),
+    # Unknown kinds, including near-misses a substring match would have taken.
+    ("cpu", "bf16", None),
+    ("NVIDIA H100", "bf16", None),
+    ("NVIDIA L4000", "bf16", None),
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+])
+def test_peak_table_matches_device_kinds_exactly(kind, precision, peak):
+    assert flops.peak_tflops(kind, precision) == peak
 
 
 def test_unknown_device_warns_once_and_override_wins(cfg_factory, caplog):
@@ -65,4 +91,18 @@ def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
                           "runtime.peak_tflops=0.5"), tmp_path)
     assert s["perf/mfu"] == pytest.approx(s["perf/tflops_per_device"] / 0.5)
     assert s["perf/tokens_per_s_per_device"] == pytest.approx(s["perf/tokens_per_s"] / 8)
-    assert s["perf/compile_time_s"] > 0 and s["mem/peak_bytes_per_device"] > 0
+    assert s["perf/compile_time_s"] > 0 and s["mem/step_bytes_per_device"] > 0
+    assert "mem/peak_bytes_per_device" not in s  # CPU: the allocator keeps no statistics
+
+
+def test_measured_peak_runs_the_probe_on_every_device_at_once():
+    devices = jax.devices()
+    compiled, x = flops.matmul_probe(devices, n=64)
+    # One 64 x 64 matrix on each of the 8 devices, each multiplied where it lives.
+    assert {s.device for s in x.addressable_shards} == set(devices)
+    assert {s.data.shape for s in x.addressable_shards} == {(1, 64, 64)}
+    assert compiled.input_shardings[0][0].num_devices == 8
+    text = compiled.as_text()
+    assert "f32[1,64,64]" in text and "f32[8,64,64]" not in text
+    assert collectives(text) == {}
+    assert flops.measure_peak_tflops(devices, n=64, repeats=2) > 0

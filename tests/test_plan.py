@@ -73,3 +73,26 @@ def test_impossible_meshes_say_what_to_change(cfg_factory, overrides, needles):
 def test_table_names_the_mesh(cfg_factory):
     table = make_plan(cfg_factory("parallelism=dp2_fsdp2_tp2"), 8).table()
     assert "data=2 x fsdp=2 x tensor=2" in table and "8 per replica x 4 replicas" in table
+
+
+@pytest.mark.parametrize("vocab, preset, platform, padded", [
+    (64, "tp8", "cpu", 64),  # already a multiple: no padding
+    (65, "dp1", "cpu", 65),
+    (65, "tp2", "cpu", 66),
+    (65, "tp8", "cpu", 72),
+    (50257, "tp2", "gpu", 50304),  # GPT-2's tokenizer: nanoGPT's 50304
+    (50257, "dp1", "tpu", 50304),
+    (50304, "tp8", "gpu", 50304),
+])
+def test_vocab_padded_to_tp_and_accelerator_alignment(cfg_factory, vocab, preset, platform,
+                                                      padded):
+    cfg = cfg_factory(f"parallelism={preset}", f"data.vocab_size={vocab}", "model.n_heads=8",
+                      "model.n_kv_heads=8")
+    plan = make_plan(cfg, 8, platform)
+    assert (plan.vocab_size, plan.padded_vocab) == (vocab, padded)
+    assert plan.to_json()["padded_vocab"] == padded
+    line = [x for x in plan.table().splitlines() if x.strip().startswith("vocab")]
+    if padded == vocab:
+        assert line == []
+    else:
+        assert line[0].split(None, 1)[1].startswith(f"{vocab} padded to {padded} for tp=")

@@ -15,6 +15,7 @@ from dxrun import plan_mode
 from dxrun import sharding as shd
 from dxrun.experiment import Experiment
 from dxrun.hlo import collective_traffic
+from dxrun.step import step_bytes
 
 
 def test_collective_bytes_of_a_tp_layer(cfg_factory):
@@ -46,9 +47,7 @@ def test_collectives_in_a_loop_count_once_per_iteration():
 
 
 def _need(exp: Experiment) -> float:
-    m = exp.compile_step().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+    return step_bytes(exp.compile_step())
 
 
 WIDE = ["model=tiny", "model.d_model=256", "model.d_ff=1024", "model.n_heads=8",

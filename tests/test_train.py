@@ -51,3 +51,45 @@ def test_dropout_is_applied_in_training_only(cfg_factory, tmp_path):
     dropped = train(cfg_factory(*base, "model.dropout=0.3"), tmp_path / "dropout")
     assert dropped["train/loss"] != pytest.approx(plain["train/loss"], rel=1e-4)
     assert dropped["eval/loss"] == pytest.approx(plain["eval/loss"], rel=1e-4)
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
+    # sgd at lr 1e6 without clipping: the loss is 4e8 at step 2 and NaN from step 3 on.
+    cfg = cfg_factory("logger=none", "parallelism=dp2", "parallelism.n_devices=2",
+                      "optimizer=sgd", "optimizer.lr=1e6", "optimizer.clip_norm=0",
+                      "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+                      "train.steps=4", "train.log_every=3", "train.eval_every=0")
+    with caplog.at_level("WARNING", logger="dxrun"):
+        train(cfg, tmp_path)
+    rows = [_strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [3, 4]
+    assert all(r["train/loss"] is None and r["train/ppl"] is None for r in rows)
+    assert rows[0]["train/accuracy"] >= 0  # the finite numbers of the row are kept
+    summary = _strict((tmp_path / "summary.json").read_text())
+    assert summary["train/loss"] is None
+    assert summary["best/train_loss"] is None  # no finite loss was logged: not Infinity
+    (warning,) = [r.message for r in caplog.records if "not finite" in r.message]
+    assert warning.startswith("step 3: ") and "train/loss" in warning
+
+
+def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path):
+    from dxrun import flops
+    from dxrun.experiment import Experiment
+    from dxrun.model import count_params
+
+    base = ["logger=none", "data.vocab_size=65", "train.steps=2", "train.log_every=2",
+            "train.eval_every=0"]
+    s = train(cfg_factory(*base, "parallelism=tp2", "parallelism.n_devices=2"), tmp_path)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["vocab_size"], plan["padded_vocab"]) == (65, 66)
+    unpadded = cfg_factory(*base, "parallelism=dp1")
+    n_real = count_params(Experiment.build(unpadded).init_params())
+    assert s["n_params"] == n_real
+    assert s["flops_per_token"] == flops.flops_per_token(unpadded.model, n_real, 64)
+    assert s["train/loss"] > 0

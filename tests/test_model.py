@@ -1,0 +1,67 @@
+"""Vocabulary padding: a padded model computes exactly what the unpadded one does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from omegaconf import OmegaConf
+
+from dxrun.config import ModelConfig
+from dxrun.model import Transformer, count_params, resize_vocab
+from dxrun.sharding import param_axes
+from dxrun.step import loss_and_metrics
+
+V, VP = 65, 72  # vocab 65 padded for tp=8
+
+
+def _model(tied: bool, padded: int | None):
+    cfg = OmegaConf.structured(ModelConfig(vocab_size=V, tie_embeddings=tied))
+    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(3), padded_vocab=padded))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_padded_vocab_gets_no_probability_and_the_same_loss(tied):
+    ref_def, ref_state = _model(tied, None)
+    pad_def, pad_state = _model(tied, VP)
+    ref, pad = nnx.to_pure_dict(ref_state), nnx.to_pure_dict(pad_state)
+    # The real rows are initialised exactly as without padding; the padding rows are zero.
+    np.testing.assert_array_equal(pad["wte"][:V], ref["wte"])
+    np.testing.assert_array_equal(pad["wte"][V:], 0)
+    if not tied:
+        np.testing.assert_array_equal(pad["lm_head"][:, :V], ref["lm_head"])
+        np.testing.assert_array_equal(pad["lm_head"][:, V:], 0)
+    tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, V)
+    logits = nnx.merge(pad_def, pad_state)(tokens[:, :-1])
+    assert logits.shape[-1] == VP
+    np.testing.assert_array_equal(jax.nn.softmax(logits)[..., V:], 0)
+    np.testing.assert_allclose(logits[..., :V], nnx.merge(ref_def, ref_state)(tokens[:, :-1]),
+                               rtol=1e-6, atol=1e-6)
+    grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
+    (ref_loss, ref_m), _ = grad_fn(ref_def, ref, tokens, jnp.float32)
+    (loss, m), grads = grad_fn(pad_def, pad, tokens, jnp.float32)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert m["train/accuracy"] == ref_m["train/accuracy"]
+    # Padding rows get no gradient, so every optimizer leaves them at zero.
+    np.testing.assert_array_equal(grads["wte"][V:], 0)
+    if not tied:
+        np.testing.assert_array_equal(grads["lm_head"][:, V:], 0)
+
+
+def test_params_counted_and_resized_for_the_real_vocabulary():
+    _, ref_state = _model(False, None)
+    _, pad_state = _model(False, VP)
+    axes = param_axes(pad_state)
+    ref, pad = nnx.to_pure_dict(ref_state), nnx.to_pure_dict(pad_state)
+    n_ref = count_params(ref)
+    assert count_params(pad) == n_ref + 2 * (VP - V) * 64  # wte rows + lm_head columns
+    assert count_params(pad, axes, V) == n_ref
+    # tp=8's padding to tp=2's and back to none: the real rows survive, padding is zero.
+    to66 = resize_vocab(jax.device_get(pad), axes, V, 66)
+    assert to66["wte"].shape == (66, 64) and to66["lm_head"].shape == (64, 66)
+    np.testing.assert_array_equal(to66["wte"][V:], 0)
+    back = resize_vocab(to66, axes, V, V)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
