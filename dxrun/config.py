@@ -36,6 +36,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    scan_layers: bool = True  # lax.scan over stacked layers (compile once); false = a loop
+    remat: str = "none"  # none | full | dots (keep matmul outputs, recompute the rest)
+    attention: str = "dot_product"  # dot_product (jax.nn, fused where available) | reference
 
 
 @dataclass
@@ -158,6 +161,8 @@ _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.mlp": ("gelu", "swiglu"),
     "model.pos": ("learned", "rope"),
+    "model.remat": ("none", "full", "dots"),
+    "model.attention": ("dot_product", "reference"),
     "parallelism.on_mismatch": ("error", "shrink"),
     "data.name": ("markov", "text", "tokens"),
     "data.dtype": ("uint16", "uint32"),

@@ -28,6 +28,7 @@ VOCAB_ALIGN = {"gpu": 128, "cuda": 128, "rocm": 128, "tpu": 128}
 LOGICAL_RULES: dict[str, Any] = {
     "batch": BATCH_AXES,
     "seq": None,
+    "layers": None,  # the stacked layer axis of scanned blocks: every device has every layer
     "embed": "fsdp",
     "act_embed": None,  # activations keep d_model whole; only weights shard it
     "heads": "tensor",
