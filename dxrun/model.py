@@ -257,7 +257,12 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (fp32) for every position, over the padded vocabulary (padding masked)."""
         L = tokens_BxL.shape[1]
-        x_BxLxD = jnp.take(self.wte[...], tokens_BxL, axis=0)
+        # FSDP gathers the table's embed shards first (as for every weight); then the lookup is
+        # vocab-parallel (a masked gather over this device's rows, summed over `tensor`).
+        # Gathering straight from the fsdp-sharded table made XLA replicate the whole batch's
+        # activations ("Involuntary full rematerialization").
+        wte_VpxD = constrain(self.wte[...], ("vocab", "act_embed"))
+        x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
             x_BxLxD = x_BxLxD + self.wpe[...][:L][None]
         x_BxLxD = constrain(x_BxLxD, ACT)

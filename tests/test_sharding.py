@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +163,17 @@ def test_low_level_api_on_the_same_rules():
     assert logits.shape == (8, 4, 64)
     with pytest.raises(ValueError):
         shd.make_mesh(dp=3, tp=2)
+
+
+def test_no_preset_makes_xla_replicate_activations(cfg_factory, capfd):
+    """XLA warns (on stderr, from C++) when it cannot reshard efficiently and replicates a whole
+    tensor instead; the token-embedding gather under FSDP+TP used to. No preset may."""
+    presets = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob(
+        "*.yaml"))
+    assert len(presets) >= 12
+    for preset in presets:
+        cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "logger=none",
+                          f"parallelism={preset}")
+        text = Experiment.build(cfg).compile_step().as_text()
+        assert collectives(text)["collective-permute"] == 0, preset
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
