@@ -95,6 +95,9 @@ class TrainConfig:
     eval_every: int = 100  # 0 = no evaluation
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16
+    # Micro-batches per optimizer step: data.batch_size is still the batch of one update,
+    # computed in grad_accum sequential pieces (less activation memory, same result).
+    grad_accum: int = 1
 
 
 @dataclass
@@ -219,7 +222,8 @@ RANGES: dict[str, Range] = {
     "optimizer.min_lr_ratio": Range(0, 1, hi_closed=True),
     "optimizer.decay_frac": Range(0, 1, lo_closed=False, hi_closed=True),
     "optimizer.clip_norm": NON_NEGATIVE, "optimizer.base_batch_size": POSITIVE,
-    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE,
+    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.grad_accum": POSITIVE,
+    "train.eval_every": NON_NEGATIVE,
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
 }
 

@@ -229,7 +229,8 @@ def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
 
 def candidates(cfg: Any) -> list[list[str]]:
     """Overrides to try, nearest first: recompute activations (same mesh, same batch), shard
-    the weights and optimizer state over the data replicas (FSDP), both, then a smaller batch."""
+    the weights and optimizer state over the data replicas (FSDP), accumulate gradients over
+    micro-batches, then a smaller batch."""
     par = cfg.parallelism
     out: list[list[str]] = []
     remat = [] if cfg.model.remat == "full" else ["model.remat=full"]
@@ -238,13 +239,16 @@ def candidates(cfg: Any) -> list[list[str]]:
     if par.fsdp == 1 and par.dp != 1:
         fsdp = ["parallelism.dp=1", "parallelism.fsdp=-1", f"parallelism.tp={par.tp}"]
         out += [fsdp, fsdp + remat] if remat else [fsdp]
+    # The same update in micro-batches (train.grad_accum), then a smaller update.
+    a = cfg.train.grad_accum
+    out += [[f"train.grad_accum={a * k}", *remat] for k in (2, 4, 8)]
     b = cfg.data.batch_size
     out += [[f"data.batch_size={b // k}", *remat] for k in (2, 4)]
     return out
 
 
 def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str,
-                    max_tries: int = 6) -> list[str] | None:
+                    max_tries: int = 8) -> list[str] | None:
     """Compile the candidates in order (shapes only) and return the first whose per-device need
     is within ``budget_bytes``; None if none does."""
     from omegaconf import OmegaConf

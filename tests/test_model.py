@@ -115,3 +115,25 @@ def test_remat_trades_memory_for_recompute(cfg_factory):
     _, full = _step_text_and_memory(cfg_factory, "model.n_layers=8", "model.remat=full")
     # Full remat keeps only each layer's input for the backward pass.
     assert full.temp_size_in_bytes < 0.7 * none.temp_size_in_bytes
+
+
+def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
+    """train.grad_accum=4 (micro-batches under lax.scan) gives the update of the whole batch
+    at once, on a mesh that shards the batch, and holds fewer activations."""
+    def run(accum: int) -> tuple[list[float], dict, float]:
+        exp = Experiment.build(cfg_factory("model=tiny", "parallelism=dp2_fsdp2_tp2",
+                                           "model.n_heads=8", "model.n_kv_heads=8",
+                                           "logger=none", f"train.grad_accum={accum}"))
+        state, losses = exp.init_state(), []
+        for i in range(3):
+            state, m = exp.step(state, exp.batch(i))
+            losses.append(float(m["train/loss"]))
+        temp = exp.step.compiled.memory_analysis().temp_size_in_bytes
+        return losses, jax.device_get(state.params), temp
+
+    whole, p1, temp1 = run(1)
+    micro, p4, temp4 = run(4)
+    np.testing.assert_allclose(micro, whole, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert temp4 < temp1
