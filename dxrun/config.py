@@ -39,6 +39,7 @@ class ModelConfig:
     scan_layers: bool = True  # lax.scan over stacked layers (compile once); false = a loop
     remat: str = "none"  # none | full | dots (keep matmul outputs, recompute the rest)
     attention: str = "dot_product"  # dot_product (jax.nn, fused where available) | reference
+    residual_dtype: str = "compute"  # compute (the train.precision dtype) | fp32
 
 
 @dataclass
@@ -166,6 +167,7 @@ _CHOICES = {
     "model.pos": ("learned", "rope"),
     "model.remat": ("none", "full", "dots"),
     "model.attention": ("dot_product", "reference"),
+    "model.residual_dtype": ("compute", "fp32"),
     "parallelism.on_mismatch": ("error", "shrink"),
     "data.name": ("markov", "text", "tokens"),
     "data.dtype": ("uint16", "uint32"),

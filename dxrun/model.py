@@ -180,9 +180,12 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None) -> jax.Array:
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        x_BxLxD = x_BxLxD + dropout(self.attn(self.ln1(x_BxLxD)), self.rate, k1)
+        cd = self.attn.wq[...].dtype  # the compute dtype; the residual may be wider (fp32)
+        h = self.attn(self.ln1(x_BxLxD).astype(cd))
+        x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
         x_BxLxD = constrain(x_BxLxD, ACT)
-        x_BxLxD = x_BxLxD + dropout(self.mlp(self.ln2(x_BxLxD)), self.rate, k2)
+        h = self.mlp(self.ln2(x_BxLxD).astype(cd))
+        x_BxLxD = x_BxLxD + dropout(h, self.rate, k2).astype(x_BxLxD.dtype)
         return constrain(x_BxLxD, ACT)
 
 
@@ -226,6 +229,7 @@ class Transformer(nnx.Module):
                     if cfg.pos == "learned" else None)
         self.blocks = stacked_blocks(cfg, rngs)
         self.scan, self.remat = cfg.scan_layers, cfg.remat
+        self.residual_fp32 = cfg.residual_dtype == "fp32"
         self.ln_f = Norm(D, cfg.norm, cfg.bias)
         self.lm_head = (None if cfg.tie_embeddings
                         else _padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
@@ -265,9 +269,12 @@ class Transformer(nnx.Module):
         x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
             x_BxLxD = x_BxLxD + self.wpe[...][:L][None]
+        cd = x_BxLxD.dtype
+        if self.residual_fp32:  # model.residual_dtype=fp32: the stream between blocks in fp32
+            x_BxLxD = x_BxLxD.astype(jnp.float32)
         x_BxLxD = constrain(x_BxLxD, ACT)
         x_BxLxD = self.run_blocks(x_BxLxD, dropout_key)
-        x_BxLxD = self.ln_f(x_BxLxD)
+        x_BxLxD = self.ln_f(x_BxLxD).astype(cd)
         if self.lm_head is not None:
             logits_BxLxVp = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],
                                        preferred_element_type=jnp.float32)

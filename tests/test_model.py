@@ -137,3 +137,12 @@ def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
     for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert temp4 < temp1
+
+
+def test_fp32_residual_stream_under_bf16(cfg_factory):
+    """model.residual_dtype=fp32 under bf16 compute: closer to the fp32 run than plain bf16."""
+    fp32 = _losses(cfg_factory, "train.precision=fp32")
+    bf16 = _losses(cfg_factory, "train.precision=bf16")
+    wide = _losses(cfg_factory, "train.precision=bf16", "model.residual_dtype=fp32")
+    assert wide != bf16 and wide != fp32
+    np.testing.assert_allclose(wide, fp32, rtol=2e-2)
