@@ -36,6 +36,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    scan_layers: bool = True  # lax.scan over stacked layers (compile once); false = a loop
+    remat: str = "none"  # none | full | dots (keep matmul outputs, recompute the rest)
+    attention: str = "dot_product"  # dot_product (jax.nn, fused where available) | reference
+    residual_dtype: str = "compute"  # compute (the train.precision dtype) | fp32
 
 
 @dataclass
@@ -92,6 +96,9 @@ class TrainConfig:
     eval_every: int = 100  # 0 = no evaluation
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16
+    # Micro-batches per optimizer step: data.batch_size is still the batch of one update,
+    # computed in grad_accum sequential pieces (less activation memory, same result).
+    grad_accum: int = 1
 
 
 @dataclass
@@ -158,6 +165,9 @@ _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.mlp": ("gelu", "swiglu"),
     "model.pos": ("learned", "rope"),
+    "model.remat": ("none", "full", "dots"),
+    "model.attention": ("dot_product", "reference"),
+    "model.residual_dtype": ("compute", "fp32"),
     "parallelism.on_mismatch": ("error", "shrink"),
     "data.name": ("markov", "text", "tokens"),
     "data.dtype": ("uint16", "uint32"),
@@ -214,7 +224,8 @@ RANGES: dict[str, Range] = {
     "optimizer.min_lr_ratio": Range(0, 1, hi_closed=True),
     "optimizer.decay_frac": Range(0, 1, lo_closed=False, hi_closed=True),
     "optimizer.clip_norm": NON_NEGATIVE, "optimizer.base_batch_size": POSITIVE,
-    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.eval_every": NON_NEGATIVE,
+    "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.grad_accum": POSITIVE,
+    "train.eval_every": NON_NEGATIVE,
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
 }
 

@@ -67,6 +67,7 @@ class Experiment:
             graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
+            grad_accum=cfg.train.grad_accum,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision)

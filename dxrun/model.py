@@ -75,6 +75,26 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def reference_attention(q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array, v_BxLxKxE: jax.Array
+                        ) -> jax.Array:
+    """Causal attention written out (``model.attention=reference``): what the fused kernel is
+    tested against."""
+    B, L, H, E = q_BxLxHxE.shape
+    K = k_BxLxKxE.shape[2]
+    # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
+    # stay aligned with their kv heads (n_kv_heads % tp == 0 is checked by the plan).
+    q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+    # Scores and softmax in fp32 for stability under bf16 compute.
+    s_BxKxGxLxL = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxLxKxE,
+                             preferred_element_type=jnp.float32) * E**-0.5
+    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+    s_BxKxGxLxL = jnp.where(causal_LxL, s_BxKxGxLxL, jnp.finfo(jnp.float32).min)
+    p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
+    o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxL, v_BxLxKxE)
+    o_BxLxHxE = o_BxLxKxGxE.reshape(B, L, H, E)
+    return o_BxLxHxE
+
+
 class Attention(nnx.Module):
     """Causal multi-head / grouped-query attention. q, k, v are column-parallel (heads on
     ``tensor``), the output projection row-parallel: each device keeps whole heads."""
@@ -83,7 +103,7 @@ class Attention(nnx.Module):
         D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         E, std = D // H, cfg.init_std
         self.H, self.K, self.E = H, K, E
-        self.pos, self.theta = cfg.pos, cfg.rope_theta
+        self.pos, self.theta, self.impl = cfg.pos, cfg.rope_theta, cfg.attention
         self.wq = _param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
@@ -101,8 +121,6 @@ class Attention(nnx.Module):
             self.bq = self.bk = self.bv = self.bo = None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        B, L, _ = x_BxLxD.shape
-        H, K, E = self.H, self.K, self.E
         q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...])
         k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...])
         v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...])
@@ -113,17 +131,13 @@ class Attention(nnx.Module):
         if self.pos == "rope":
             q_BxLxHxE = rope(q_BxLxHxE, self.theta)
             k_BxLxKxE = rope(k_BxLxKxE, self.theta)
-        # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
-        # stay aligned with their kv heads (n_kv_heads % tp == 0 is checked by the plan).
-        q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
-        # Scores and softmax in fp32 for stability under bf16 compute.
-        s_BxKxGxLxL = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxLxKxE,
-                                 preferred_element_type=jnp.float32) * E**-0.5
-        causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-        s_BxKxGxLxL = jnp.where(causal_LxL, s_BxKxGxLxL, jnp.finfo(jnp.float32).min)
-        p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
-        o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxL, v_BxLxKxE)
-        o_BxLxHxE = o_BxLxKxGxE.reshape(B, L, H, E)
+        if self.impl == "dot_product":
+            # XLA's (or, on NVIDIA GPUs in bf16, cuDNN's fused flash) attention, with native
+            # grouped-query heads: no L x L score tensor where the fused kernel runs.
+            o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
+                                                     is_causal=True)
+        else:
+            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
         y_BxLxD = jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...])
         if self.bo is not None:
             y_BxLxD = y_BxLxD + self.bo[...]
@@ -166,10 +180,35 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None) -> jax.Array:
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        x_BxLxD = x_BxLxD + dropout(self.attn(self.ln1(x_BxLxD)), self.rate, k1)
+        cd = self.attn.wq[...].dtype  # the compute dtype; the residual may be wider (fp32)
+        h = self.attn(self.ln1(x_BxLxD).astype(cd))
+        x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
         x_BxLxD = constrain(x_BxLxD, ACT)
-        x_BxLxD = x_BxLxD + dropout(self.mlp(self.ln2(x_BxLxD)), self.rate, k2)
+        h = self.mlp(self.ln2(x_BxLxD).astype(cd))
+        x_BxLxD = x_BxLxD + dropout(h, self.rate, k2).astype(x_BxLxD.dtype)
         return constrain(x_BxLxD, ACT)
+
+
+# model.remat: "full" recomputes each layer in the backward pass (only its input is kept);
+# "dots" keeps the matmul outputs and recomputes the cheap elementwise rest.
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots}
+
+
+def stacked_blocks(cfg: Any, rngs: nnx.Rngs) -> Block:
+    """``n_layers`` blocks as one Block whose parameters have a leading ``layers`` axis (which
+    the rules table leaves unsharded). Scanning over it compiles one layer, not n; the names
+    (``blocks/attn/wq``, ...) are the same whether the layers then scan or loop."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs)
+
+    blocks = make(rngs)
+    for _, v in nnx.iter_graph(blocks):
+        if isinstance(v, nnx.Variable) and "axes" in v.get_metadata():
+            v.set_metadata(axes=("layers", *v.get_metadata()["axes"]))
+    return blocks
 
 
 class Transformer(nnx.Module):
@@ -188,23 +227,54 @@ class Transformer(nnx.Module):
         self.wte = _padded_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, Vp)
         self.wpe = (_param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.blocks = stacked_blocks(cfg, rngs)
+        self.scan, self.remat = cfg.scan_layers, cfg.remat
+        self.residual_fp32 = cfg.residual_dtype == "fp32"
         self.ln_f = Norm(D, cfg.norm, cfg.bias)
         self.lm_head = (None if cfg.tie_embeddings
                         else _padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout
 
+    def run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+        """All layers over the stacked block parameters: one ``lax.scan`` (compiled once,
+        whatever the depth) or, with ``model.scan_layers=false``, a Python loop over the same
+        parameters (the reference the scan is tested against). ``model.remat`` wraps each
+        layer in ``jax.checkpoint``."""
+        graphdef, stacked = nnx.split(self.blocks)
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        keys = (None if dropout_key is None or self.rate == 0
+                else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(n)))
+
+        def layer(x: jax.Array, inputs: tuple) -> tuple[jax.Array, None]:
+            params, key = inputs
+            return nnx.merge(graphdef, params)(x, key), None
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
+        if self.scan:
+            return jax.lax.scan(layer, x_BxLxD, (stacked, keys))[0]
+        for i in range(n):
+            at_i = jax.tree.map(lambda a, i=i: a[i], (stacked, keys))
+            x_BxLxD = layer(x_BxLxD, at_i)[0]
+        return x_BxLxD
+
     def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (fp32) for every position, over the padded vocabulary (padding masked)."""
         L = tokens_BxL.shape[1]
-        x_BxLxD = jnp.take(self.wte[...], tokens_BxL, axis=0)
+        # FSDP gathers the table's embed shards first (as for every weight); then the lookup is
+        # vocab-parallel (a masked gather over this device's rows, summed over `tensor`).
+        # Gathering straight from the fsdp-sharded table made XLA replicate the whole batch's
+        # activations ("Involuntary full rematerialization").
+        wte_VpxD = constrain(self.wte[...], ("vocab", "act_embed"))
+        x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
             x_BxLxD = x_BxLxD + self.wpe[...][:L][None]
+        cd = x_BxLxD.dtype
+        if self.residual_fp32:  # model.residual_dtype=fp32: the stream between blocks in fp32
+            x_BxLxD = x_BxLxD.astype(jnp.float32)
         x_BxLxD = constrain(x_BxLxD, ACT)
-        for i, block in enumerate(self.blocks):
-            key = None if dropout_key is None or self.rate == 0 else jax.random.fold_in(dropout_key, i)
-            x_BxLxD = block(x_BxLxD, key)
-        x_BxLxD = self.ln_f(x_BxLxD)
+        x_BxLxD = self.run_blocks(x_BxLxD, dropout_key)
+        x_BxLxD = self.ln_f(x_BxLxD).astype(cd)
         if self.lm_head is not None:
             logits_BxLxVp = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],
                                        preferred_element_type=jnp.float32)

@@ -28,6 +28,7 @@ VOCAB_ALIGN = {"gpu": 128, "cuda": 128, "rocm": 128, "tpu": 128}
 LOGICAL_RULES: dict[str, Any] = {
     "batch": BATCH_AXES,
     "seq": None,
+    "layers": None,  # the stacked layer axis of scanned blocks: every device has every layer
     "embed": "fsdp",
     "act_embed": None,  # activations keep d_model whole; only weights shard it
     "heads": "tensor",
@@ -56,6 +57,7 @@ class MeshPlan:
     # vocab axis is split over `tensor`) and of VOCAB_ALIGN. 0 = no model (a bare mesh).
     vocab_size: int = 0
     padded_vocab: int = 0
+    grad_accum: int = 1
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -87,7 +89,10 @@ class MeshPlan:
             ("devices", f"{self.n_devices} of {self.n_visible} {self.platform} "
                         f"(ids {_ids(self.device_ids)})"),
             ("batch", f"{self.global_batch} global = {self.per_device_batch} per replica "
-                      f"x {self.dp * self.fsdp} replicas, seq_len {self.seq_len}"),
+                      f"x {self.dp * self.fsdp} replicas, seq_len {self.seq_len}"
+                      + (f"; {self.grad_accum} micro-batches of "
+                         f"{self.per_device_batch // self.grad_accum} per replica (train.grad_accum)"
+                         if self.grad_accum > 1 else "")),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
         ]
         if self.padded_vocab != self.vocab_size:
@@ -190,6 +195,14 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
             f"data-parallel replicas of parallelism={par.name}); "
             f"use a multiple of {replicas} (e.g. data.batch_size={good})"
         )
+    accum = cfg.train.grad_accum if "train" in cfg else 1
+    if (data.batch_size // replicas) % accum:
+        per = data.batch_size // replicas
+        raise ConfigError(
+            f"train.grad_accum={accum} does not divide the {per} examples per replica "
+            f"(data.batch_size={data.batch_size} over dp*fsdp={replicas}); pick a "
+            f"train.grad_accum that divides {per}, or data.batch_size="
+            f"{replicas * accum * max(1, per // accum)}")
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
@@ -208,6 +221,7 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
         n_visible=n_visible,
         platform=platform,
         global_batch=data.batch_size,
+        grad_accum=accum,
         seq_len=data.seq_len,
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),

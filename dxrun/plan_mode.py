@@ -127,10 +127,8 @@ def footprint(exp: Any, compiled: Any) -> Footprint:
 
     state, batch = exp.abstract_state()
     m = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
     params = _shard_bytes(state.params)
+    flops, bytes_accessed = cost_per_device(exp)
     return Footprint(
         params_bytes=params,
         opt_state_bytes=_shard_bytes(state.opt_state),
@@ -138,10 +136,37 @@ def footprint(exp: Any, compiled: Any) -> Footprint:
         batch_bytes=_shard_bytes(batch),
         temp_bytes=float(m.temp_size_in_bytes),
         total_bytes=step_bytes(compiled),
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        flops=flops,
+        bytes_accessed=bytes_accessed,
         collectives=collective_traffic(compiled.as_text(), exp.plan.n_devices),
     )
+
+
+def _cost(compiled: Any) -> tuple[float, float]:
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def cost_per_device(exp: Any) -> tuple[float, float]:
+    """FLOPs and bytes accessed per device for one step. XLA's cost analysis counts a loop body
+    once, so a scanned model is measured as the unrolled 1- and 2-layer steps of the same
+    config and extrapolated in depth (every layer is the same): cost(n) = c1 + (n-1)(c2 - c1)."""
+    from omegaconf import OmegaConf
+
+    from dxrun.experiment import Experiment
+
+    cfg = exp.cfg
+    if not cfg.model.scan_layers:
+        return _cost(exp.compile_step())
+    costs = []
+    for n in (1, 2):
+        small = OmegaConf.merge(cfg, {"model": {"n_layers": n, "scan_layers": False}})
+        costs.append(_cost(Experiment.build(small, exp.plan, data=_NoData()).compile_step()))
+    (f1, b1), (f2, b2) = costs
+    n = cfg.model.n_layers
+    return f1 + (n - 1) * (f2 - f1), b1 + (n - 1) * (b2 - b1)
 
 
 def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flops: float,
@@ -203,22 +228,27 @@ def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
 # --- suggestions: the nearest setting that fits ---------------------------------------------
 
 def candidates(cfg: Any) -> list[list[str]]:
-    """Overrides to try, nearest first: shard the weights and optimizer state further (FSDP over
-    the data replicas), then a smaller batch per step."""
+    """Overrides to try, nearest first: recompute activations (same mesh, same batch), shard
+    the weights and optimizer state over the data replicas (FSDP), accumulate gradients over
+    micro-batches, then a smaller batch."""
     par = cfg.parallelism
     out: list[list[str]] = []
+    remat = [] if cfg.model.remat == "full" else ["model.remat=full"]
+    if remat:
+        out.append(remat)
     if par.fsdp == 1 and par.dp != 1:
-        out.append(["parallelism.fsdp=-1", "parallelism.dp=1", f"parallelism.tp={par.tp}"])
-    if par.tp == 1:
-        out.append(["parallelism.fsdp=-1", "parallelism.dp=1", "parallelism.tp=2"])
+        fsdp = ["parallelism.dp=1", "parallelism.fsdp=-1", f"parallelism.tp={par.tp}"]
+        out += [fsdp, fsdp + remat] if remat else [fsdp]
+    # The same update in micro-batches (train.grad_accum), then a smaller update.
+    a = cfg.train.grad_accum
+    out += [[f"train.grad_accum={a * k}", *remat] for k in (2, 4, 8)]
     b = cfg.data.batch_size
-    for k in (2, 4, 8):
-        out.append([f"data.batch_size={b // k}"])
+    out += [[f"data.batch_size={b // k}", *remat] for k in (2, 4)]
     return out
 
 
 def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str,
-                    max_tries: int = 6) -> list[str] | None:
+                    max_tries: int = 8) -> list[str] | None:
     """Compile the candidates in order (shapes only) and return the first whose per-device need
     is within ``budget_bytes``; None if none does."""
     from omegaconf import OmegaConf

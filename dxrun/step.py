@@ -41,17 +41,45 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
     return loss, {"train/loss": loss, "train/accuracy": accuracy}
 
 
+def accumulated_grads(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array, dtype: Any,
+                      key: jax.Array | None, accum: int, batch_sharding: Any
+                      ) -> tuple[dict, dict[str, jax.Array]]:
+    """Mean gradient and metrics of the batch, in ``accum`` micro-batches under one
+    ``lax.scan`` (``train.grad_accum``): the same update as the whole batch at once, with the
+    activations of one micro-batch alive at a time. Micro-batch i is rows i, i+k, i+2k, ... so
+    each device keeps computing on its own rows (no data moves)."""
+    grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
+    if accum == 1:
+        (_, metrics), grads = grad_fn(graphdef, params, tokens_BxT, dtype, key)
+        return grads, metrics
+    B, T = tokens_BxT.shape
+    micro_KxMxT = tokens_BxT.reshape(B // accum, accum, T).swapaxes(0, 1)
+
+    def one(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+        tokens_MxT, i = xs
+        tokens_MxT = jax.lax.with_sharding_constraint(tokens_MxT, batch_sharding)
+        mkey = None if key is None else jax.random.fold_in(key, i)
+        (_, m), g = grad_fn(graphdef, params, tokens_MxT, dtype, mkey)
+        return jax.tree.map(jnp.add, carry, (g, m)), None
+
+    zero_metrics = {"train/loss": jnp.zeros((), jnp.float32),
+                    "train/accuracy": jnp.zeros((), jnp.float32)}
+    zeros = (jax.tree.map(jnp.zeros_like, params), zero_metrics)
+    (grads, metrics), _ = jax.lax.scan(one, zeros, (micro_KxMxT, jnp.arange(accum)))
+    return jax.tree.map(lambda x: x / accum, (grads, metrics))
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
-                    dropout_seed: int | None = None) -> TrainStep:
+                    dropout_seed: int | None = None, grad_accum: int = 1) -> TrainStep:
     dtype = COMPUTE_DTYPES[precision]
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if dropout_seed is None
                else jax.random.fold_in(jax.random.key(dropout_seed), state.step))
-        grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
-        (_, metrics), grads = grad_fn(graphdef, state.params, tokens_BxT, dtype, key)
+        grads, metrics = accumulated_grads(graphdef, state.params, tokens_BxT, dtype, key,
+                                           grad_accum, batch_sharding)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics)

@@ -1,6 +1,9 @@
-"""Vocabulary padding: a padded model computes exactly what the unpadded one does."""
+"""The model: vocabulary padding computes exactly what the unpadded model does; the layer scan,
+remat and fused attention compute what their references do."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.config import ModelConfig
+from dxrun.experiment import Experiment
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.sharding import param_axes
 from dxrun.step import loss_and_metrics
@@ -65,3 +69,80 @@ def test_params_counted_and_resized_for_the_real_vocabulary():
     back = resize_vocab(to66, axes, V, V)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _losses(cfg_factory, *overrides: str, steps: int = 3) -> list[float]:
+    exp = Experiment.build(cfg_factory("model=tiny_llama", "model.n_heads=4", "model.n_kv_heads=2",
+                                       "model.n_layers=3", "parallelism=dp4_tp2", "logger=none",
+                                       *overrides))
+    state, out = exp.init_state(), []
+    for i in range(steps):
+        state, m = exp.step(state, exp.batch(i))
+        out.append(m["train/loss"])
+    return [float(x) for x in jax.device_get(out)]
+
+
+def test_scan_remat_and_fused_attention_equal_the_reference(cfg_factory):
+    """Same parameters (the stacked layout is shared), same losses: the layer scan against a
+    Python loop, each remat policy against none, jax.nn.dot_product_attention (native GQA:
+    4 heads over 2 kv heads) against the einsum reference."""
+    ref = _losses(cfg_factory, "model.scan_layers=false", "model.attention=reference")
+    assert ref[-1] < ref[0]
+    for variant in (["model.scan_layers=true"], ["model.attention=dot_product"],
+                    ["model.remat=full"], ["model.remat=dots", "model.scan_layers=false"]):
+        got = _losses(cfg_factory, *variant)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=" ".join(variant))
+
+
+def _step_text_and_memory(cfg_factory, *overrides: str) -> tuple[str, Any]:
+    exp = Experiment.build(cfg_factory("model=tiny", "parallelism=dp8", "logger=none",
+                                       "data.seq_len=128", *overrides))
+    compiled = exp.compile_step()
+    return compiled.as_text(), compiled.memory_analysis()
+
+
+def test_scan_compiles_one_layer_whatever_the_depth(cfg_factory):
+    shallow, _ = _step_text_and_memory(cfg_factory, "model.n_layers=2")
+    deep, _ = _step_text_and_memory(cfg_factory, "model.n_layers=12")
+    loop, _ = _step_text_and_memory(cfg_factory, "model.n_layers=12", "model.scan_layers=false")
+    assert " while(" in deep and " while(" not in loop
+    assert len(deep) < 1.2 * len(shallow)  # the program does not grow with depth...
+    assert len(loop) > 3 * len(shallow)  # ...as the unrolled loop's does
+
+
+def test_remat_trades_memory_for_recompute(cfg_factory):
+    _, none = _step_text_and_memory(cfg_factory, "model.n_layers=8")
+    _, full = _step_text_and_memory(cfg_factory, "model.n_layers=8", "model.remat=full")
+    # Full remat keeps only each layer's input for the backward pass.
+    assert full.temp_size_in_bytes < 0.7 * none.temp_size_in_bytes
+
+
+def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
+    """train.grad_accum=4 (micro-batches under lax.scan) gives the update of the whole batch
+    at once, on a mesh that shards the batch, and holds fewer activations."""
+    def run(accum: int) -> tuple[list[float], dict, float]:
+        exp = Experiment.build(cfg_factory("model=tiny", "parallelism=dp2_fsdp2_tp2",
+                                           "model.n_heads=8", "model.n_kv_heads=8",
+                                           "logger=none", f"train.grad_accum={accum}"))
+        state, losses = exp.init_state(), []
+        for i in range(3):
+            state, m = exp.step(state, exp.batch(i))
+            losses.append(float(m["train/loss"]))
+        temp = exp.step.compiled.memory_analysis().temp_size_in_bytes
+        return losses, jax.device_get(state.params), temp
+
+    whole, p1, temp1 = run(1)
+    micro, p4, temp4 = run(4)
+    np.testing.assert_allclose(micro, whole, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert temp4 < temp1
+
+
+def test_fp32_residual_stream_under_bf16(cfg_factory):
+    """model.residual_dtype=fp32 under bf16 compute: closer to the fp32 run than plain bf16."""
+    fp32 = _losses(cfg_factory, "train.precision=fp32")
+    bf16 = _losses(cfg_factory, "train.precision=bf16")
+    wide = _losses(cfg_factory, "train.precision=bf16", "model.residual_dtype=fp32")
+    assert wide != bf16 and wide != fp32
+    np.testing.assert_allclose(wide, fp32, rtol=2e-2)

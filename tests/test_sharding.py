@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +79,8 @@ def test_param_bytes_per_device_are_total_over_k(cfg_factory, mesh, k):
         nbytes = x.size * x.dtype.itemsize
         total += nbytes
         n_shards = len({str(s.index) for s in x.addressable_shards})
-        is_bias = x.ndim == 1 or str(path[-1].key).startswith("b")
+        name = str(path[-1].key)  # blocks' params are stacked: [n_layers, ...]
+        is_bias = x.ndim == 1 or name == "scale" or name.startswith("b")
         if is_bias or (mesh.startswith("tp") and path[0].key == "wpe"):
             # Replicated by design: norms and biases of d_model (the row-parallel ones are added
             # after the reduction); Megatron also keeps the position table whole.
@@ -150,13 +153,27 @@ def test_low_level_api_on_the_same_rules():
     from dxrun.model import Transformer
 
     model = Transformer(OmegaConf.structured(ModelConfig(n_heads=4)), rngs=nnx.Rngs(0))
-    before = np.asarray(model.blocks[0].attn.wq[...])
+    before = np.asarray(model.blocks.attn.wq[...])  # stacked: [n_layers, D, H, E]
     shd.apply_tp_sharding(model, mesh)
-    wq = model.blocks[0].attn.wq[...]
-    assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    wq = model.blocks.attn.wq[...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     np.testing.assert_array_equal(np.asarray(wq), before)
     with shd.in_mesh_context(mesh):
         logits = jax.jit(lambda m, t: m(t))(model, jnp.zeros((8, 4), jnp.int32))
     assert logits.shape == (8, 4, 64)
     with pytest.raises(ValueError):
         shd.make_mesh(dp=3, tp=2)
+
+
+def test_no_preset_makes_xla_replicate_activations(cfg_factory, capfd):
+    """XLA warns (on stderr, from C++) when it cannot reshard efficiently and replicates a whole
+    tensor instead; the token-embedding gather under FSDP+TP used to. No preset may."""
+    presets = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob(
+        "*.yaml"))
+    assert len(presets) >= 12
+    for preset in presets:
+        cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "logger=none",
+                          f"parallelism={preset}")
+        text = Experiment.build(cfg).compile_step().as_text()
+        assert collectives(text)["collective-permute"] == 0, preset
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
