@@ -349,3 +349,13 @@ def test_wandb_sweep_definitions_compose(path):
         values = p.get("values") or ([p["value"]] if "value" in p else [p["min"], p["max"]])
         for v in values:
             _validated(f"{key}={v}")  # the agent runs `python -m dxrun key=value ...`
+
+
+def test_a_users_own_experiment_from_hydra_searchpath(tmp_path):
+    """How the README says to add an experiment without touching dxrun: a dir of one's own
+    with experiment/NAME.yaml, put on Hydra's search path."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny_llama\ntrain:\n  steps: 7\n")
+    cfg = _validated(f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine")
+    assert cfg.model.name == "tiny_llama" and cfg.train.steps == 7
