@@ -232,6 +232,20 @@ def test_optuna_sweep_reports_a_failed_trial_as_failed(tmp_path):
     assert "Optuna best:" in (sweep / "report.md").read_text()
 
 
+@pytest.mark.e2e
+def test_optuna_study_without_a_finished_trial_ends_in_one_line(tmp_path):
+    """Every trial refused: Optuna has no best value. One line per failure and the report, no
+    traceback (hydra_plugins.dxrun_sweeper)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "sweep=lr_optuna", "hydra.sweeper.n_trials=1", "data.batch_size=30",
+                   "parallelism=dp8", "logger=none", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
+    assert "Optuna: no trial finished" in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("dxrun: error: 1 sweep job(s) failed: #0 (")
+    assert [r["status"] for r in _csv(sweep)] == ["failed (refused)"]
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
 # --- presets compose (no subprocess) ---
 
 
