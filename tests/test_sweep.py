@@ -79,6 +79,13 @@ def test_report_rows_equal_the_jobs_summaries(grid):
         assert _num(row["compile_time_s"]) == s["compile_time_s"] > 0
         assert row["mfu"] == ""  # CPU: no known peak, so no MFU (never a made-up number)
         tpd[(plan["global_batch"], plan["n_devices"])] = s["perf/tokens_per_s_per_device"]
+    # Per-job figures are the job's own: each compiled its own step, and the memory per device
+    # falls as the same batch spreads over more devices (no job sees another's peak).
+    mem = {(int(r["batch_size"]), int(r["devices"])): _num(r["peak_mem_bytes_per_device"])
+           for r in rows}
+    for bs in (16, 32):
+        assert mem[(bs, 1)] > mem[(bs, 2)] > mem[(bs, 4)]
+    assert mem[(32, 1)] > mem[(16, 1)]
     for row in rows:  # tokens/s per device over dp1's at the same batch size
         key = (int(row["batch_size"]), int(row["devices"]))
         assert _num(row["scaling_efficiency"]) == pytest.approx(tpd[key] / tpd[(key[0], 1)])
@@ -139,6 +146,7 @@ def test_report_cli_rewrites_the_same_report(grid):
     assert (sweep / "report.csv").read_text() == before
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["empty", "missing"])
 def test_report_cli_refuses_a_dir_without_jobs(tmp_path, where):
     import subprocess
