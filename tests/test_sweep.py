@@ -285,6 +285,8 @@ def _sweep_jobs(params: dict) -> list[list[str]]:
 
 
 def test_every_preset_is_a_global_package():
+    assert {p.name for p in (ROOT / "sweeps" / "wandb").glob("*.yaml")} == {
+        "lr.yaml", "batch_devices.yaml"}  # the W&B sweep definitions the next tests read
     for group in PRESETS:
         files = sorted(preset_dir(group).glob("*.yaml"))
         assert files, group
