@@ -34,9 +34,23 @@ def _conf_dir() -> str:
     return str(shipped if shipped.is_dir() else here.parent / "conf")
 
 
+def _register_sweeper() -> None:
+    """Make sure Hydra knows dxrun's Optuna sweeper (sweep=lr_optuna). Hydra instantiates only
+    the plugins its scan of the hydra_plugins namespace found, and under setuptools' editable
+    install that scan cannot list hydra_plugins/dxrun_sweeper (it sits behind an import hook),
+    so the class is added by name when the scan missed it."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.dxrun_sweeper import OptunaSweeper
+
+    name = f"{OptunaSweeper.__module__}.{OptunaSweeper.__name__}"
+    Plugins.instance().class_name_to_class.setdefault(name, OptunaSweeper)
+
+
 log = logging.getLogger("dxrun")
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 register()
+_register_sweeper()
 
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
