@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,7 +23,9 @@ from dxrun.runtime import (
     claim_run_dir,
     enable_compile_cache,
     simulate_cpu_devices,
+    sweep_group,
     write_hydra_files,
+    write_status,
 )
 
 
@@ -32,14 +35,29 @@ def _conf_dir() -> str:
     return str(shipped if shipped.is_dir() else here.parent / "conf")
 
 
+def _register_sweeper() -> None:
+    """Make sure Hydra knows dxrun's Optuna sweeper (sweep=lr_optuna). Hydra instantiates only
+    the plugins its scan of the hydra_plugins namespace found, and under setuptools' editable
+    install that scan cannot list hydra_plugins/dxrun_sweeper (it sits behind an import hook),
+    so the class is added by name when the scan missed it."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.dxrun_sweeper import OptunaSweeper
+
+    name = f"{OptunaSweeper.__module__}.{OptunaSweeper.__name__}"
+    Plugins.instance().class_name_to_class.setdefault(name, OptunaSweeper)
+
+
 log = logging.getLogger("dxrun")
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 register()
+_register_sweeper()
 
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
-def main(cfg: DictConfig) -> dict | None:
+def main(cfg: DictConfig) -> Any:
     hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_log = RunLog()  # lines wait in memory until this run has claimed its own dir
     run_dir: Path | None = None
     try:
@@ -54,7 +72,8 @@ def main(cfg: DictConfig) -> dict | None:
         elif jax.default_backend() == "cpu" and jax.device_count() != cfg.runtime.cpu_devices:
             # Multirun jobs share one process: JAX's device count is fixed by the first job.
             log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
-                        "in this process (set it once, for the whole multirun)",
+                        "in this process (set it once for the multirun, or run each job in "
+                        "its own process: hydra/launcher=submitit_local)",
                         cfg.runtime.cpu_devices, jax.device_count())
         enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
@@ -74,17 +93,25 @@ def main(cfg: DictConfig) -> dict | None:
         prepared = prepare(cfg)  # plan, data, memory: fail before anything is written
         run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
         run_log.attach(run_dir)
+        _name_for_wandb(cfg, hydra_cfg, multirun)
         write_hydra_files(run_dir, cfg, hydra_cfg)
+        write_status(run_dir, "running", **_job_fields(hydra_cfg))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
-        multirun = hydra_cfg.mode == RunMode.MULTIRUN
-        # Jobs of one multirun land together in W&B: grouped by their sweep dir.
-        group = "sweep-" + "_".join(Path(hydra_cfg.sweep.dir).parts[-2:]) if multirun else None
-        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), group=group)
-        return train(cfg, run_dir, job, prepared)
+        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task))
+        summary = train(cfg, run_dir, job, prepared)
+        write_status(run_dir, "ok", **_job_fields(hydra_cfg))
+        # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
+        return summary.get(cfg.train.objective) if cfg.train.objective else summary
     except ConfigError as e:
         run_log.discard()
-        _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+        if multirun:  # the sweep report lists the refused job beside the others
+            run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+            write_hydra_files(run_dir, cfg, hydra_cfg)
+            write_status(run_dir, "failed", kind="refused", reason=str(e),
+                         **_job_fields(hydra_cfg))
+        else:
+            _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
         return _job_failed(str(e), crashed=False)
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
         if run_dir is None:  # failed before claiming: the traceback still needs a home
@@ -92,24 +119,35 @@ def main(cfg: DictConfig) -> dict | None:
         log_path = run_log.attach(run_dir)
         run_log.write_traceback(e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        return _job_failed(f"{type(e).__name__}: {first} (full traceback: {log_path})",
-                           crashed=True)
+        reason = f"{type(e).__name__}: {first}"
+        write_status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
+                     **_job_fields(hydra_cfg))
+        return _job_failed(f"{reason} (full traceback: {log_path})", crashed=True)
 
 
-_FAILED_JOBS: list[str] = []
-_CRASHED = False
+def _job_fields(hydra_cfg: Any) -> dict[str, Any]:
+    return {"job": hydra_cfg.job.num if hydra_cfg.mode == RunMode.MULTIRUN else None,
+            "overrides": list(hydra_cfg.overrides.task)}
+
+
+def _name_for_wandb(cfg: DictConfig, hydra_cfg: Any, multirun: bool) -> None:
+    """Fill in the W&B group and job type the user left unset, in the config itself, so the
+    saved config (and the sweep report, which reads it) says where the run went: the jobs of
+    one multirun share the group of their sweep dir and have job type "sweep"."""
+    if cfg.logger.job_type is None:
+        cfg.logger.job_type = "sweep" if multirun else "train"
+    if multirun and cfg.logger.group is None:
+        cfg.logger.group = sweep_group(Path(hydra_cfg.sweep.dir))
 
 
 def _job_failed(msg: str, crashed: bool) -> None:
     """A single run exits now (2 for refused input, 1 for a crash). In a multirun one bad job
-    must not cost the rest of the sweep: report it, run the others, exit non-zero at the end."""
-    global _CRASHED
+    must not cost the rest of the sweep: its line now, its status.json for the report and the
+    exit code (``cli``), and the next job runs."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         _fail(msg, code=1 if crashed else 2)
     print(f"dxrun: error: job #{hydra_cfg.job.num}: {msg}", file=sys.stderr)
-    _FAILED_JOBS.append(f"#{hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})")
-    _CRASHED = _CRASHED or crashed
 
 
 def _discard_empty_dir(run_dir: Path) -> None:
@@ -172,9 +210,22 @@ def _fail(msg: str, code: int = 2) -> None:
 def cli() -> None:
     preflight(sys.argv[1:])
     main()
-    if _FAILED_JOBS:
-        _fail(f"{len(_FAILED_JOBS)} sweep job(s) failed: {'; '.join(_FAILED_JOBS)}",
-              code=1 if _CRASHED else 2)
+    from dxrun.report.callback import SWEEP_DIRS
+
+    for sweep_dir in SWEEP_DIRS:
+        _exit_for_failed_jobs(sweep_dir)
+
+
+def _exit_for_failed_jobs(sweep_dir: Path) -> None:
+    """Exit non-zero naming the failed jobs, read from their status.json like the report
+    does: this also covers jobs that ran in other processes (submitit) or were killed."""
+    from dxrun.report.collect import find_jobs
+
+    failed = [j for j in find_jobs(sweep_dir) if j.status != "ok"]
+    if failed:
+        names = "; ".join(f"#{j.label_num} ({' '.join(j.overrides)})" for j in failed)
+        _fail(f"{len(failed)} sweep job(s) failed: {names} (details: {sweep_dir}/report.md)",
+              code=2 if all(j.kind == "refused" for j in failed) else 1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ JAX starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -99,6 +100,9 @@ class TrainConfig:
     # Micro-batches per optimizer step: data.batch_size is still the batch of one update,
     # computed in grad_accum sequential pieces (less activation memory, same result).
     grad_accum: int = 1
+    # The summary metric the run returns to a sweeper that minimises one number (Optuna),
+    # e.g. "eval/loss"; None returns the whole summary.
+    objective: str | None = None
 
 
 @dataclass
@@ -113,7 +117,7 @@ class LoggerConfig:
     entity: str | None = None
     mode: str | None = None  # offline | online | disabled; None = $WANDB_MODE, else offline
     group: str | None = None
-    job_type: str = "train"
+    job_type: str | None = None  # None: "train" for a single run, "sweep" for a multirun job
     tags: list[str] = field(default_factory=list)
 
 
@@ -159,6 +163,32 @@ class RunConfig:
 
 def register() -> None:
     ConfigStore.instance().store(name="dxrun_schema", node=RunConfig)
+    _register_presets()
+
+
+# Preset groups and the top-level dirs that hold them (plural, beside conf/). A Hydra search
+# path maps a group to a dir of the same name, so the files are stored in the ConfigStore
+# instead: one mechanism for a checkout, an editable and a regular install (where the dirs
+# ship inside the package as dxrun/experiments, dxrun/sweeps). A user's own presets go in
+# <their dir>/experiment/NAME.yaml, added with hydra.searchpath=[file://<their dir>].
+PRESETS = {"experiment": "experiments", "sweep": "sweeps"}
+
+
+def preset_dir(group: str) -> Path:
+    here = Path(__file__).resolve().parent
+    shipped = here / PRESETS[group]
+    return shipped if shipped.is_dir() else here.parent / PRESETS[group]
+
+
+def _register_presets() -> None:
+    from omegaconf import OmegaConf
+
+    for group in PRESETS:
+        for path in sorted(preset_dir(group).glob("*.yaml")):
+            # Every preset is a "# @package _global_" file (checked by the tests), so it reads
+            # the same when copied into a search-path dir.
+            ConfigStore.instance().store(group=group, name=path.stem, package="_global_",
+                                         node=OmegaConf.load(path))
 
 
 _CHOICES = {
@@ -336,6 +366,10 @@ def validate(cfg: Any) -> None:
     if cfg.logger.mode not in (None, "offline", "online", "disabled"):
         raise ConfigError(f"logger.mode={cfg.logger.mode!r} is not one of offline, online, "
                           "disabled; or leave it null to follow $WANDB_MODE")
+    objective = cfg.train.objective
+    if objective and objective.startswith("eval/") and cfg.train.eval_every == 0:
+        raise ConfigError(f"train.objective={objective} needs evaluation but train.eval_every=0; "
+                          "set train.eval_every > 0 (the run evaluates at its end too)")
     m, d = cfg.model, cfg.data
     if d.name in ("text", "tokens") and not d.path:
         raise ConfigError(f"data={d.name} needs data.path; e.g. data.path=corpus.txt"

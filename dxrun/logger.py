@@ -40,7 +40,7 @@ class MetricsLogger:
             mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
             self.wandb = wandb.init(
                 project=lc.project, entity=lc.entity, name=name, group=group,
-                job_type=lc.job_type, tags=tags, dir=str(run_dir), mode=mode,
+                job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
                 config=run_config, reinit="finish_previous",
             )
             self.wandb.define_metric("step")

@@ -186,3 +186,27 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+STATUS = "status.json"
+
+
+def write_status(run_dir: Path, status: str, **fields: Any) -> None:
+    """The run's state for the sweep report and the multirun's exit code: ``running`` when it
+    starts (a job killed mid-run stays so), then ``ok`` or ``failed`` with ``kind`` (refused |
+    crashed), ``reason`` and ``log``. ``started``/``finished`` (epoch seconds) let the report
+    see jobs that ran at the same time, whose throughputs are not comparable."""
+    import time
+
+    path = run_dir / STATUS
+    started = json.loads(path.read_text()).get("started") if path.is_file() else None
+    now = time.time()
+    record = {"status": status, **fields, "started": started or now}
+    if status != "running":
+        record["finished"] = now
+    write_json(path, record)
+
+
+def sweep_group(sweep_dir: Path) -> str:
+    """The W&B group of a multirun's jobs: ``sweep-<date>_<time>`` from its sweep dir."""
+    return "sweep-" + "_".join(Path(sweep_dir).parts[-2:])

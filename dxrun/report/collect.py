@@ -1,0 +1,138 @@
+"""Read a sweep back from its job dirs: ``.hydra/`` (overrides, config), ``status.json``,
+``plan.json``, ``summary.json`` and ``metrics.jsonl``. Nothing else, so a sweep copied back from
+a cluster reads the same. No JAX here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dxrun.runtime import STATUS
+
+# Overrides that choose the devices or the mesh: jobs that differ only in these are the same
+# workload on a different number of devices (the scaling-efficiency comparison).
+DEVICE_KEYS = ("parallelism", "runtime.cpu_devices")
+
+
+@dataclass
+class JobRecord:
+    dir: Path
+    num: int | None
+    overrides: list[str]
+    status: str  # ok | failed
+    kind: str | None = None  # failed: refused | crashed | unfinished
+    reason: str | None = None
+    log: str | None = None
+    started: float | None = None
+    finished: float | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label_num(self) -> str:
+        return str(self.num) if self.num is not None else self.dir.name
+
+    @property
+    def n_devices(self) -> int | None:
+        return self.plan.get("n_devices")
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.plan.get("global_batch") or self.config.get("data", {}).get("batch_size")
+
+    @property
+    def mesh(self) -> str:
+        """``dp4_tp2``-style name of the job's mesh, as the parallelism presets are named."""
+        if not self.plan:
+            return ""
+        dp, fsdp, tp = self.plan["dp"], self.plan["fsdp"], self.plan["tp"]
+        parts = [f"dp{dp}"] if dp > 1 or (fsdp == 1 and tp == 1) else []
+        parts += [f"fsdp{fsdp}"] if fsdp > 1 else []
+        parts += [f"tp{tp}"] if tp > 1 else []
+        return "_".join(parts)
+
+    @property
+    def workload(self) -> tuple[str, ...]:
+        """The job's overrides minus the device and mesh choices."""
+        return tuple(sorted(o for o in self.overrides
+                            if o.lstrip("+~").partition("=")[0].split(".")[0] != "parallelism"
+                            and not o.startswith("runtime.cpu_devices")))
+
+    def metrics(self) -> list[dict[str, float]]:
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}  # a file cut short by a killed job: the job reads as unfinished
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def read_job(job_dir: Path) -> JobRecord:
+    status = _json(job_dir / STATUS)
+    summary = _json(job_dir / "summary.json")
+    hydra = (_yaml(job_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {})
+    overrides = status.get("overrides") or _yaml(job_dir / ".hydra" / "overrides.yaml") or []
+    num = status.get("job", hydra.get("job", {}).get("num"))
+    record = JobRecord(dir=job_dir, num=num, overrides=list(overrides), status="ok",
+                       summary=summary, plan=_json(job_dir / "plan.json"),
+                       config=_yaml(job_dir / ".hydra" / "config.yaml") or {},
+                       started=status.get("started"), finished=status.get("finished"))
+    state = status.get("status")
+    if state == "failed":
+        record.status, record.kind = "failed", status.get("kind", "crashed")
+        record.reason, record.log = status.get("reason"), status.get("log")
+    elif state == "running" or (state is None and not summary):
+        log = job_dir / "dxrun.log"
+        record.status, record.kind = "failed", "unfinished"
+        record.reason = ("did not finish (killed, timed out, or still running)" if state
+                         else "no summary.json: the job never finished")
+        record.log = str(log) if log.is_file() else None
+    return record
+
+
+def find_jobs(sweep_dir: Path) -> list[JobRecord]:
+    """Every job under ``sweep_dir``: a dir holding ``.hydra/`` (what a run claims first), in
+    job order. Also works on a single run dir or a dir of single runs."""
+    sweep_dir = Path(sweep_dir)
+    dirs = {p.parent for p in sweep_dir.rglob(".hydra") if p.is_dir()}
+    jobs = [read_job(d) for d in dirs]
+    return sorted(jobs, key=lambda j: (j.num is None, j.num if j.num is not None else 0,
+                                       str(j.dir)))
+
+
+def scaling_efficiency(jobs: list[JobRecord]) -> dict[Path, float]:
+    """Tokens/s per device relative to the same workload (same overrides but the mesh) on
+    the fewest devices; with several meshes at that count, the fastest of them is the base."""
+    out: dict[Path, float] = {}
+    ok = [j for j in jobs if j.status == "ok" and j.n_devices
+          and j.summary.get("perf/tokens_per_s_per_device")]
+    for key in {j.workload for j in ok}:
+        same = [j for j in ok if j.workload == key]
+        fewest = min(j.n_devices for j in same)
+        base = max(j.summary["perf/tokens_per_s_per_device"] for j in same
+                   if j.n_devices == fewest)
+        for j in same:
+            out[j.dir] = j.summary["perf/tokens_per_s_per_device"] / base
+    return out
+
+
+def overlapping(jobs: list[JobRecord]) -> list[tuple[JobRecord, JobRecord]]:
+    """Pairs of finished jobs whose run times overlapped (a launcher running jobs side by
+    side): their throughputs shared the machine and are not comparable."""
+    timed = [j for j in jobs if j.started and j.finished and j.kind != "refused"]
+    return [(a, b) for i, a in enumerate(timed) for b in timed[i + 1:]
+            if a.started < b.finished and b.started < a.finished]

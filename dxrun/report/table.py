@@ -1,0 +1,128 @@
+"""``report.md`` and ``report.csv``: one row per job. The CSV holds the numbers exactly as the
+jobs' ``summary.json`` has them; the Markdown rounds them for reading."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dxrun.errors import ConfigError
+from dxrun.report.collect import JobRecord, find_jobs, overlapping, scaling_efficiency
+
+log = logging.getLogger("dxrun")
+
+
+def _summary(key: str) -> Callable[[JobRecord], Any]:
+    return lambda j: j.summary.get(key)
+
+
+# (column, value of a job, Markdown format) in report order.
+COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
+    ("job", lambda j: j.label_num, str),
+    ("status", lambda j: j.status if j.status == "ok" else f"failed ({j.kind})", str),
+    ("overrides", lambda j: " ".join(j.overrides), lambda v: f"`{v}`" if v else ""),
+    ("mesh", lambda j: j.mesh, str),
+    ("devices", lambda j: j.n_devices, str),
+    ("batch_size", lambda j: j.batch_size, str),
+    ("train_loss", _summary("train/loss"), "{:.4f}".format),
+    ("eval_loss", _summary("eval/loss"), "{:.4f}".format),
+    ("tokens_per_s", _summary("tokens_per_s"), "{:,.0f}".format),
+    ("tokens_per_s_per_device", _summary("perf/tokens_per_s_per_device"), "{:,.0f}".format),
+    ("mfu", _summary("perf/mfu"), "{:.2%}".format),
+    ("scaling_efficiency", None, "{:.2f}".format),  # filled in from the whole sweep
+    ("peak_mem_bytes_per_device", _summary("mem/peak_bytes_per_device"),
+     lambda v: f"{v / 2**20:,.1f} MiB"),
+    ("compile_time_s", _summary("compile_time_s"), "{:.2f}".format),
+    ("reason", lambda j: j.reason, str),
+    ("log", lambda j: j.log, str),
+]
+
+
+def rows(jobs: list[JobRecord]) -> list[dict[str, Any]]:
+    efficiency = scaling_efficiency(jobs)
+    out = []
+    for j in jobs:
+        row = {name: (efficiency.get(j.dir) if get is None else get(j))
+               for name, get, _ in COLUMNS}
+        out.append(row)
+    return out
+
+
+def write_csv(path: Path, table: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[c for c, _, _ in COLUMNS])
+        w.writeheader()
+        for row in table:
+            w.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def _cell(value: Any, fmt: Callable[[Any], str]) -> str:
+    return "–" if value is None or value == "" else fmt(value).replace("|", "\\|")
+
+
+def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]],
+             plots: list[Path], extra: list[str]) -> str:
+    n_ok = sum(j.status == "ok" for j in jobs)
+    lines = [f"# Sweep report: `{sweep_dir}`", "",
+             f"{len(jobs)} jobs: {n_ok} ok, {len(jobs) - n_ok} failed.", ""]
+    lines += extra
+    shown = [(c, f) for c, _, f in COLUMNS if c not in ("reason", "log")]
+    lines += ["| " + " | ".join(c for c, _ in shown) + " |",
+              "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(_cell(row[c], f) for c, f in shown) + " |" for row in table]
+    failed = [j for j in jobs if j.status != "ok"]
+    if failed:
+        lines += ["", "## Failed jobs", ""]
+        lines += [f"- job {j.label_num} ({j.kind}): {j.reason}" + (f" — log: `{j.log}`"
+                                                                   if j.log else "")
+                  for j in failed]
+    lines += ["", "Columns: losses are the final train / held-out loss (nats/token); tokens/s "
+              "is the last logged window, all devices together; scaling efficiency is tokens/s "
+              "per device over the same job's (same overrides but the mesh) on the fewest "
+              "devices; peak memory and compile time are the job's own compiled step."]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
+    """Write report.md, report.csv and the plots into ``sweep_dir``; with ``upload`` also to
+    the sweep's W&B group when its jobs logged to W&B. Raises ConfigError for a dir that
+    holds no jobs."""
+    from dxrun.report import plots as plotting
+
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ConfigError(f"{sweep_dir} is not a directory; give a multirun dir, e.g. "
+                          "multirun/<date>/<time>")
+    jobs = find_jobs(sweep_dir)
+    if not jobs:
+        raise ConfigError(f"{sweep_dir} holds no jobs (no job dir with .hydra/ below it); give a "
+                          "multirun dir, e.g. multirun/<date>/<time>")
+    table = rows(jobs)
+    write_csv(sweep_dir / "report.csv", table)
+    pngs = plotting.write_plots(sweep_dir, jobs)
+    extra = []
+    pairs = overlapping(jobs)
+    if pairs:
+        extra += [f"**Warning:** {len(pairs)} pair(s) of jobs ran at the same time (e.g. jobs "
+                  f"{pairs[0][0].label_num} and {pairs[0][1].label_num}): their tokens/s shared "
+                  "the machine and are not comparable; run a throughput sweep one job at a "
+                  "time (the default launcher).", ""]
+    results = sweep_dir / "optimization_results.yaml"
+    if results.is_file():
+        import yaml
+
+        best = yaml.safe_load(results.read_text()) or {}
+        params = " ".join(f"{k}={v}" for k, v in (best.get("best_params") or {}).items())
+        extra += [f"Optuna best: {best.get('best_value')} with `{params}` "
+                  "(optimization_results.yaml)", ""]
+    (sweep_dir / "report.md").write_text(markdown(sweep_dir, jobs, table, pngs, extra))
+    if upload:
+        from dxrun.report.publish import upload_report
+
+        upload_report(sweep_dir, jobs, table, pngs)
+    return jobs

@@ -1,0 +1,386 @@
+"""Sweeps as a researcher runs them: real Hydra multiruns as subprocesses (basic, submitit and
+Optuna), the sweep report read against the jobs' own files, and every preset composing."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CONF, ROOT, run_cli
+
+from dxrun.config import PRESETS, check_keys, preset_dir, validate
+from dxrun.wandb_file import read_run
+
+QUICK = ("train.steps=3", "train.log_every=1")
+
+
+def _jobs(sweep: Path) -> list[Path]:
+    return sorted((p for p in sweep.iterdir() if (p / ".hydra").is_dir()),
+                  key=lambda p: int(p.name))
+
+
+def _csv(sweep: Path) -> list[dict[str, str]]:
+    with open(sweep / "report.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(cell: str) -> float | None:
+    return float(cell) if cell else None
+
+
+# --- one real 2 x 3 multirun (batch 16, 32 x dp1, dp2, dp4), shared by the tests below ---
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("grid")
+    sweep = cwd / "sweep"
+    proc = run_cli("-m", "data.batch_size=16,32", "parallelism=dp1,dp2,dp4", *QUICK,
+                   "train.eval_every=3", "eval.batches=1", f"hydra.sweep.dir={sweep}", cwd=cwd)
+    return sweep, proc
+
+
+@pytest.mark.e2e
+def test_grid_sweep_runs_six_jobs_on_the_devices_they_asked_for(grid):
+    sweep, proc = grid
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = _jobs(sweep)
+    assert [p.name for p in jobs] == ["0", "1", "2", "3", "4", "5"]
+    for job, (bs, n) in zip(jobs, [(b, n) for b in (16, 32) for n in (1, 2, 4)], strict=True):
+        plan = json.loads((job / "plan.json").read_text())
+        assert (plan["n_devices"], plan["dp"], plan["global_batch"]) == (n, n, bs)
+        status = json.loads((job / "status.json").read_text())
+        assert status["status"] == "ok" and status["job"] == int(job.name)
+        assert status["started"] <= status["finished"]
+
+
+@pytest.mark.e2e
+def test_report_rows_equal_the_jobs_summaries(grid):
+    sweep, _ = grid
+    rows = _csv(sweep)
+    assert len(rows) == 6
+    tpd = {}
+    for row, job in zip(rows, _jobs(sweep), strict=True):
+        s = json.loads((job / "summary.json").read_text())
+        plan = json.loads((job / "plan.json").read_text())
+        assert row["job"] == job.name and row["status"] == "ok" and not row["reason"]
+        assert row["overrides"] == " ".join(yaml.safe_load((job / ".hydra/overrides.yaml")
+                                                           .read_text()))
+        assert int(row["devices"]) == plan["n_devices"]
+        assert int(row["batch_size"]) == plan["global_batch"]
+        assert _num(row["train_loss"]) == s["train/loss"]
+        assert _num(row["eval_loss"]) == s["eval/loss"]
+        assert _num(row["tokens_per_s"]) == s["tokens_per_s"] > 0
+        assert _num(row["tokens_per_s_per_device"]) == s["perf/tokens_per_s_per_device"]
+        assert _num(row["peak_mem_bytes_per_device"]) == s["mem/peak_bytes_per_device"] > 0
+        assert _num(row["compile_time_s"]) == s["compile_time_s"] > 0
+        assert row["mfu"] == ""  # CPU: no known peak, so no MFU (never a made-up number)
+        tpd[(plan["global_batch"], plan["n_devices"])] = s["perf/tokens_per_s_per_device"]
+    # Per-job figures are the job's own: each compiled its own step, and the memory per device
+    # falls as the same batch spreads over more devices (no job sees another's peak).
+    mem = {(int(r["batch_size"]), int(r["devices"])): _num(r["peak_mem_bytes_per_device"])
+           for r in rows}
+    for bs in (16, 32):
+        assert mem[(bs, 1)] > mem[(bs, 2)] > mem[(bs, 4)]
+    assert mem[(32, 1)] > mem[(16, 1)]
+    for row in rows:  # tokens/s per device over dp1's at the same batch size
+        key = (int(row["batch_size"]), int(row["devices"]))
+        assert _num(row["scaling_efficiency"]) == pytest.approx(tpd[key] / tpd[(key[0], 1)])
+    md = (sweep / "report.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ") and "| ok |" in line]
+    assert len(table) == 6
+    assert f"{float(rows[4]['train_loss']):.4f}" in table[4]
+    assert f"{float(rows[4]['tokens_per_s']):,.0f}" in table[4]
+    assert "6 jobs: 6 ok, 0 failed" in md and "![throughput](throughput.png)" in md
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["throughput", "loss", "efficiency"])
+def test_plots_are_real_images(grid, name):
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    sweep, _ = grid
+    path = sweep / f"{name}.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(path)
+    assert pixels.shape[:2] == (420, 640)  # 6.4 x 4.2 inches at 100 dpi
+    rgb = pixels[..., :3]
+    # Drawn, not blank: many distinct colours, and coloured (line) pixels, not only grey text.
+    assert len(np.unique(rgb.reshape(-1, 3), axis=0)) > 50
+    assert (rgb.max(axis=-1) - rgb.min(axis=-1) > 0.3).sum() > 200
+
+
+@pytest.mark.e2e
+def test_jobs_share_one_wandb_group_and_the_report_is_uploaded_to_it(grid):
+    sweep, _ = grid
+    runs = [read_run(next(job.glob("wandb/offline-run-*/run-*.wandb"))) for job in _jobs(sweep)]
+    groups = {r["group"] for r in runs}
+    assert groups == {f"sweep-{sweep.parent.name}_sweep"}
+    assert {r["job_type"] for r in runs} == {"sweep"}
+    assert [r["name"] for r in runs][:3] == ["tiny-dp1-bs16-steps3-log_every1-eval_every3-batches1",
+                                            "tiny-dp2-bs16-steps3-log_every1-eval_every3-batches1",
+                                            "tiny-dp4-bs16-steps3-log_every1-eval_every3-batches1"]
+    (path,) = sweep.glob("wandb/offline-run-*/run-*.wandb")
+    report = read_run(path)
+    assert report["group"] in groups and report["job_type"] == "sweep-report"
+    (row,) = report["history"]  # one log call; the reader flattens nested keys with "/"
+    for name in ("throughput", "loss", "efficiency"):
+        assert row[f"report/{name}/_type"] == "image-file"
+        uploaded = path.parent / "files" / row[f"report/{name}/path"]
+        assert uploaded.read_bytes() == (sweep / f"{name}.png").read_bytes()
+    assert row["report/jobs/_type"] == "table-file" and row["report/jobs/nrows"] == 6
+
+
+@pytest.mark.e2e
+def test_report_cli_rewrites_the_same_report(grid):
+    from dxrun.report.__main__ import main
+
+    sweep, _ = grid
+    before = (sweep / "report.csv").read_text()
+    (sweep / "report.csv").unlink()
+    assert main([str(sweep)]) == 0
+    assert (sweep / "report.csv").read_text() == before
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("where", ["empty", "missing"])
+def test_report_cli_refuses_a_dir_without_jobs(tmp_path, where):
+    import subprocess
+    import sys
+
+    target = tmp_path / "sweep"
+    if where == "empty":
+        (target / "0").mkdir(parents=True)  # a dir, but no job ever claimed it (.hydra/)
+    proc = subprocess.run([sys.executable, "-m", "dxrun.report", str(target)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"dxrun.report: error: {target} ")
+    assert ("holds no jobs" if where == "empty" else "is not a directory") in line
+    assert "multirun/<date>/<time>" in line
+
+
+# --- failures: a refused job and a job that fails at run time, in one sweep ---
+
+
+@pytest.mark.e2e
+def test_failed_jobs_are_reported_and_the_others_finish(tmp_path):
+    """vocab 64 trains; vocab 0 is refused (range check); vocab 1e9 is a real run-time
+    fault (XLA cannot allocate the 256 GB embedding)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "model.vocab_size=64,0,1000000000", "train.steps=2",
+                   "train.eval_every=0", "logger=none", f"hydra.sweep.dir={sweep}",
+                   "runtime.skip_memory_check=true", cwd=tmp_path)  # let XLA meet the 256 GB
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr  # 1: a job crashed
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("dxrun: error: 2 sweep job(s) failed: #1 (model.vocab_size=0 ")
+    assert "#2 (model.vocab_size=1000000000 " in last
+    ok, refused, crashed = _csv(sweep)
+    assert ok["status"] == "ok" and _num(ok["train_loss"]) == json.loads(
+        (sweep / "0" / "summary.json").read_text())["train/loss"]
+    assert refused["status"] == "failed (refused)" and refused["log"] == ""
+    assert refused["reason"].startswith("model.vocab_size=0 is outside its range > 0")
+    assert crashed["status"] == "failed (crashed)"
+    assert crashed["reason"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
+    assert "Traceback (most recent call last)" in Path(crashed["log"]).read_text()
+    assert crashed["log"] == str(sweep / "2" / "dxrun.log")
+    md = (sweep / "report.md").read_text()
+    assert "3 jobs: 1 ok, 2 failed" in md and "- job 1 (refused): model.vocab_size=0" in md
+    assert "- job 2 (crashed): JaxRuntimeError: RESOURCE_EXHAUSTED" in md
+
+
+# --- one process per job: submitit_local ---
+
+
+@pytest.mark.e2e
+def test_submitit_local_runs_each_job_with_its_own_device_count(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "hydra/launcher=submitit_local", "runtime.cpu_devices=2,4",
+                   "train.steps=2", "train.eval_every=0", "logger=none",
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job, n in zip(_jobs(sweep), (2, 4), strict=True):
+        plan = json.loads((job / "plan.json").read_text())
+        assert plan["n_visible"] == n and plan["n_devices"] == n  # parallelism=auto: all
+        assert f"simulating {n} CPU devices" in (job / "dxrun.log").read_text()
+    assert list(sweep.glob(".submitit/*"))  # really submitit: its job folders
+    assert [r["status"] for r in _csv(sweep)] == ["ok", "ok"]
+
+
+# --- Optuna ---
+
+
+@pytest.mark.e2e
+def test_optuna_sweep_reports_a_failed_trial_as_failed(tmp_path):
+    """sweep=lr_optuna as shipped plus a batch size choice in which 30 cannot split over dp8:
+    the seeded TPE start samples batch 8, 30, 16, so the second trial is refused. Optuna is
+    told it failed (not given a number), and the best value is the better finished trial's
+    eval/loss."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "sweep=lr_optuna", "hydra.sweeper.sampler.seed=6",
+                   "hydra.sweeper.n_trials=3", "data.batch_size=choice(8,16,30)",
+                   "parallelism=dp8", "train.steps=4", "train.log_every=2", "train.eval_every=2",
+                   "eval.batches=1", "logger=none", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # 2: the only failure was refused
+    out = proc.stdout + proc.stderr
+    assert out.count("Failed experiment: Return value must be float-castable. Got 'None'") == 1
+    rows = _csv(sweep)
+    assert [r["status"] for r in rows] == ["ok", "failed (refused)", "ok"]
+    assert [r["batch_size"] for r in rows] == ["8", "30", "16"]
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    losses = {int(r["job"]): _num(r["eval_loss"]) for r in rows if r["status"] == "ok"}
+    best = min(losses, key=losses.get)
+    assert results["best_value"] == losses[best]
+    assert results["best_params"]["data.batch_size"] == int(rows[best]["batch_size"])
+    assert set(results["best_params"]) == {"optimizer.lr", "optimizer.warmup_steps",
+                                           "data.batch_size"}
+    assert "Optuna best:" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.e2e
+def test_optuna_study_without_a_finished_trial_ends_in_one_line(tmp_path):
+    """Every trial refused: Optuna has no best value. One line per failure and the report, no
+    traceback (hydra_plugins.dxrun_sweeper)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "sweep=lr_optuna", "hydra.sweeper.n_trials=1", "data.batch_size=30",
+                   "parallelism=dp8", "logger=none", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
+    assert "Optuna: no trial finished" in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("dxrun: error: 1 sweep job(s) failed: #0 (")
+    assert [r["status"] for r in _csv(sweep)] == ["failed (refused)"]
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
+# --- presets compose (no subprocess) ---
+
+
+def _compose(*overrides: str, hydra: bool = False):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="dxrun"):
+        return compose(config_name="config", overrides=list(overrides),
+                       return_hydra_config=hydra)
+
+
+def _validated(*overrides: str):
+    from omegaconf import open_dict
+
+    cfg = _compose(*overrides)
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    check_keys(cfg)
+    validate(cfg)
+    return cfg
+
+
+def _sweep_jobs(params: dict) -> list[list[str]]:
+    """Every job of a basic sweeper's grid (``key: a,b,c`` values)."""
+    import itertools
+
+    axes = [[f"{k}={v}" for v in str(vals).split(",")] for k, vals in params.items()]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def test_every_preset_is_a_global_package():
+    assert {p.name for p in (ROOT / "sweeps" / "wandb").glob("*.yaml")} == {
+        "lr.yaml", "batch_devices.yaml"}  # the W&B sweep definitions the next tests read
+    for group in PRESETS:
+        files = sorted(preset_dir(group).glob("*.yaml"))
+        assert files, group
+        for path in files:
+            assert path.read_text().startswith("# @package _global_\n"), path
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in preset_dir("experiment").glob("*.yaml")))
+def test_every_experiment_composes_and_plans(name):
+    from dxrun.plan import make_plan
+
+    extra = ["data.path=corpus.txt"] if name == "gpt2_small_text" else []
+    cfg = _compose(f"experiment={name}", *extra, hydra=True)
+    params = cfg.hydra.sweeper.get("params") or {}
+    for job in _sweep_jobs(params) or [[]]:
+        run = _validated(f"experiment={name}", *extra, *job)
+        make_plan(run, 8, "cpu")  # raises ConfigError for a mesh the model cannot take
+    expected = {"markov_convergence": ("tiny", "markov"), "tp_scaling": ("tiny", "markov"),
+                "gpt2_small_text": ("small", "text"), "llama_fsdp": ("tiny_llama", "markov")}
+    assert (run.model.name, run.data.name) == expected[name]
+    if name == "tp_scaling":
+        assert [j[0] for j in _sweep_jobs(params)] == [f"parallelism={p}" for p in
+                                                      ("dp1", "tp2", "tp4", "tp8")]
+    if name == "llama_fsdp":
+        assert run.parallelism.fsdp == 8 and run.model.norm == "rmsnorm"
+
+
+def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
+    from dxrun.plan import make_plan
+
+    cfg = _compose("sweep=batch_devices", hydra=True)
+    jobs = _sweep_jobs(cfg.hydra.sweeper.params)
+    assert len(jobs) == 3 * 7
+    sizes = set()
+    for job in jobs:
+        plan = make_plan(_validated("sweep=batch_devices", *job), 8, "cpu")
+        sizes.add(plan.n_devices)
+    assert sizes == {1, 2, 4, 8}
+    # A key given on the command line replaces the preset's values (Hydra's basic sweeper
+    # merges hydra.sweeper.params first, then the command line, one list per key).
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
+    parsed = OverridesParser.create().parse_overrides([*params, "data.batch_size=32,64"])
+    (batches,) = BasicSweeper.split_arguments(parsed, None)
+    assert len(batches) == 2 * 7 and {j[0] for j in batches} == {"data.batch_size=32",
+                                                                "data.batch_size=64"}
+
+
+def test_lr_optuna_sweep_composes():
+    cfg = _compose("sweep=lr_optuna", hydra=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+    assert cfg.hydra.sweeper.direction == "minimize" and cfg.train.objective == "eval/loss"
+    assert set(cfg.hydra.sweeper.params) == {"optimizer.lr", "optimizer.warmup_steps"}
+    assert cfg.train.eval_every > 0
+    _validated("sweep=lr_optuna", "optimizer.lr=0.001", "optimizer.warmup_steps=100")
+
+
+def test_objective_needs_evaluation():
+    from dxrun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.objective=eval/loss needs evaluation"):
+        _validated("sweep=lr_optuna", "train.eval_every=0")
+
+
+def test_slurm_launcher_composes_with_nodes_gpus_time_partition():
+    cfg = _compose("hydra/launcher=submitit_slurm", "hydra.launcher.nodes=1",
+                   "hydra.launcher.gpus_per_node=8", "hydra.launcher.timeout_min=240",
+                   "hydra.launcher.partition=gpu", hydra=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.gpus_per_node, launcher.timeout_min,
+            launcher.partition) == (1, 8, 240, "gpu")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sweeps" / "wandb").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_wandb_sweep_definitions_compose(path):
+    spec = yaml.safe_load(path.read_text())
+    assert spec["command"][-4:] == ["python", "-m", "dxrun", "${args_no_hyphens}"][-4:]
+    assert spec["metric"]["name"] in ("eval/loss", "perf/tokens_per_s")
+    for key, p in spec["parameters"].items():
+        values = p.get("values") or ([p["value"]] if "value" in p else [p["min"], p["max"]])
+        for v in values:
+            _validated(f"{key}={v}")  # the agent runs `python -m dxrun key=value ...`
+
+
+def test_a_users_own_experiment_from_hydra_searchpath(tmp_path):
+    """How the README says to add an experiment without touching dxrun: a dir of one's own
+    with experiment/NAME.yaml, put on Hydra's search path."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny_llama\ntrain:\n  steps: 7\n")
+    cfg = _validated(f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine")
+    assert cfg.model.name == "tiny_llama" and cfg.train.steps == 7
