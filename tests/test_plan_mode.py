@@ -78,7 +78,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory):
     report = plan_mode.plan_report(cfg, Experiment.build(cfg))
     assert report["target"]["fits"] is False
     suggestion = report["suggestion"]
-    assert suggestion and any("fsdp" in s for s in suggestion)
+    assert suggestion  # the nearest first: recomputing activations, then FSDP, accumulation
     from omegaconf import OmegaConf
 
     fixed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(suggestion))

@@ -33,6 +33,10 @@ COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
     ("tokens_per_s_per_device", _summary("perf/tokens_per_s_per_device"), "{:,.0f}".format),
     ("mfu", _summary("perf/mfu"), "{:.2%}".format),
     ("scaling_efficiency", None, "{:.2f}".format),  # filled in from the whole sweep
+    # What the job's compiled step needs per device (every backend), and the allocator's
+    # high-water mark where the backend keeps one (GPU/TPU) and it rose during the job.
+    ("step_mem_bytes_per_device", _summary("mem/step_bytes_per_device"),
+     lambda v: f"{v / 2**20:,.1f} MiB"),
     ("peak_mem_bytes_per_device", _summary("mem/peak_bytes_per_device"),
      lambda v: f"{v / 2**20:,.1f} MiB"),
     ("compile_time_s", _summary("compile_time_s"), "{:.2f}".format),
