@@ -105,3 +105,26 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     assert pm["collectives"]["all-reduce"]["count"] > 0
     log = (run_dir / "dxrun.log").read_text()
     assert "fits         yes" in log and "estimate" in log
+
+
+PARAMS = {"tiny": 0.1e6, "tiny_llama": 0.1e6, "small": 124e6, "medium": 350e6,
+          "large": 774e6, "xl": 1.56e9}
+
+
+@pytest.mark.e2e
+def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
+    """Plan mode for every model preset, xl included: shapes only (nothing of 1.5B parameters
+    is allocated), the per-device parameter bytes are the FSDP shards, and all fit an H200."""
+    from dxrun.errors import ConfigError
+
+    for model, n in PARAMS.items():
+        cfg = cfg_factory(f"model={model}", "parallelism=fsdp8", "plan.target=h200",
+                          "logger=none")
+        report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=plan_mode._NoData()))
+        assert report["n_params"] == pytest.approx(n, rel=0.25), model
+        per_device = report["per_device"]
+        # fp32 weights split 8 ways (norms and biases, replicated, are a rounding error).
+        assert per_device["params_bytes"] == pytest.approx(4 * report["n_params"] / 8, rel=0.03)
+        assert report["target"]["fits"] and report["target"]["tokens_per_s"] > 0, model
+    with pytest.raises(ConfigError, match="model.n_heads=25 is not divisible by parallelism.tp=2"):
+        Experiment.build(cfg_factory("model=xl", "parallelism=dp4_tp2", "logger=none"))

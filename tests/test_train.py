@@ -93,3 +93,27 @@ def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path)
     assert s["n_params"] == n_real
     assert s["flops_per_token"] == flops.flops_per_token(unpadded.model, n_real, 64)
     assert s["train/loss"] > 0
+
+
+def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
+    """Every program (init, step, eval, metrics) compiles in the first steps; more steps,
+    log rows and evaluations compile nothing new."""
+    import jax.monitoring
+
+    compiles: list[str] = []
+
+    def listen(event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        base = ["logger=none", "parallelism=dp4_tp2", "model.n_heads=8", "model.n_kv_heads=8",
+                "train.log_every=2", "train.eval_every=2", "eval.batches=2"]
+        train(cfg_factory(*base, "train.steps=4"), tmp_path / "short")
+        short = len(compiles)
+        compiles.clear()
+        train(cfg_factory(*base, "train.steps=12"), tmp_path / "long")
+        assert len(compiles) <= short and short > 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
