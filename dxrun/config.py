@@ -193,6 +193,23 @@ def data_meta(path: Any, key: str, default: Any) -> Any:
     return default
 
 
+def model_changes(model: Any, preset: str | None) -> list[str]:
+    """``key=value`` for each model key that differs from the preset ``conf/model/PRESET.yaml``
+    (its values over the schema's), so a size made of overrides is never reported as the preset
+    itself. Empty for an unknown preset (a user's own, found through hydra.searchpath)."""
+    from omegaconf import OmegaConf
+
+    path = conf_dir() / "model" / f"{preset}.yaml"
+    if not preset or not path.is_file():
+        return []
+    raw = OmegaConf.load(path)
+    preset_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.get("model", raw))
+    # Unresolved on both sides: vocab_size: ${data.vocab_size} is the preset's own value.
+    want = OmegaConf.to_container(preset_cfg, resolve=False)
+    have = OmegaConf.to_container(model, resolve=False)
+    return [f"{k}={model[k]}" for k, v in have.items() if k != "name" and want.get(k) != v]
+
+
 # Preset groups and the top-level dirs that hold them (plural, beside conf/). A Hydra search
 # path maps a group to a dir of the same name, so the files are stored in the ConfigStore
 # instead: one mechanism for a checkout, an editable and a regular install (where the dirs
