@@ -169,6 +169,7 @@ def register() -> None:
 
     ConfigStore.instance().store(name="dxrun_schema", node=RunConfig)
     OmegaConf.register_new_resolver("data_meta", data_meta, replace=True)
+    OmegaConf.register_new_resolver("tokenizer_vocab", tokenizer_vocab, replace=True)
     _register_presets()
 
 
@@ -364,6 +365,21 @@ def composition_error(e: BaseException) -> str | None:
         first = str(cause.msg).splitlines()[0]
         return f"{cause.full_key}: {first}; give a value of the key's type"
     return None
+
+
+def tokenizer_vocab(path: Any, default: int) -> int:
+    """``${tokenizer_vocab:${data.tokenizer},DEFAULT}``: the vocabulary of a tokenizer.json
+    (added tokens included), else DEFAULT (bytes). An unreadable file gets DEFAULT here and
+    its own one-line refusal when the data loads."""
+    if not path:
+        return default
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(str(path)).expanduser()))
+        return int(tok.get_vocab_size(with_added_tokens=True))
+    except Exception:  # noqa: BLE001 - dxrun.data.corpus.Tokenizer says what is wrong
+        return default
 
 
 # The data keys only some sources read. Any other source refuses them: data.path given without

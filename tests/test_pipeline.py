@@ -275,9 +275,9 @@ def test_hf_special_tokens_are_not_added(corpus, tmp_path):
     assert tok.decode(ids) == "the lazy dog"
 
 
-def test_tokens_take_vocab_and_dtype_from_meta_json(cfg_factory, tmp_path, corpus):
-    """prepare wrote meta.json: no data.vocab_size / data.dtype needed, the model is sized
-    for the data (256 bytes, not GPT-2's 50,304)."""
+def test_vocab_and_dtype_come_from_the_data(cfg_factory, tmp_path, corpus):
+    """prepare wrote meta.json (or text names its tokenizer): no data.vocab_size / data.dtype
+    needed, the model is sized for the data (256 bytes, not GPT-2's 50,304)."""
     out = tmp_path / "mycorpus"
     prepare(str(corpus / "docs"), str(out))
     cfg = cfg_factory("data=tokens", f"data.path={out}", "logger=none")
@@ -290,6 +290,10 @@ def test_tokens_take_vocab_and_dtype_from_meta_json(cfg_factory, tmp_path, corpu
     cfg = cfg_factory("data=tokens", f"data.path={wide}", "data.seq_len=16", "logger=none")
     assert (cfg.data.vocab_size, cfg.data.dtype) == (70000, "uint32")
     assert np.asarray(Data(cfg).local_batch(0)).max() < 300
+    tj = corpus / "tokenizer.json"  # text: the tokenizer's vocabulary, bytes without one
+    cfg = cfg_factory("data=text", f"data.path={corpus / 'docs'}", f"data.tokenizer={tj}")
+    assert cfg.model.vocab_size == Data(cfg).vocab_size == len(WORDS) + 3
+    assert cfg_factory("data=text", f"data.path={corpus / 'docs'}").data.vocab_size == 256
     bare = tmp_path / "bare"  # no meta.json: nanoGPT's GPT-2 layout is the fallback
     bare.mkdir()
     cfg = cfg_factory("data=tokens", f"data.path={bare}")
