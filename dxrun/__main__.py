@@ -16,7 +16,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-from dxrun.config import check_keys, composition_error, config_warnings, register, validate
+from dxrun.config import (
+    check_keys,
+    composition_error,
+    conf_dir,
+    config_warnings,
+    register,
+    validate,
+)
 from dxrun.errors import ConfigError
 from dxrun.runtime import (
     RunLog,
@@ -30,9 +37,7 @@ from dxrun.runtime import (
 
 
 def _conf_dir() -> str:
-    here = Path(__file__).resolve().parent
-    shipped = here / "conf"  # non-editable install: conf/ ships as dxrun/conf
-    return str(shipped if shipped.is_dir() else here.parent / "conf")
+    return str(conf_dir())  # non-editable install: conf/ ships as dxrun/conf
 
 
 def _register_sweeper() -> None:
@@ -86,12 +91,12 @@ def main(cfg: DictConfig) -> Any:
             from dxrun.plan_mode import run_plan
 
             plan = make_plan(cfg, *visible_devices())
-            run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+            run_dir = _claim(hydra_cfg)
             run_log.attach(run_dir)
             write_hydra_files(run_dir, cfg, hydra_cfg)
             return run_plan(cfg, run_dir, plan)
         prepared = prepare(cfg)  # plan, data, memory: fail before anything is written
-        run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+        run_dir = _claim(hydra_cfg)
         run_log.attach(run_dir)
         _name_for_wandb(cfg, hydra_cfg, multirun)
         write_hydra_files(run_dir, cfg, hydra_cfg)
@@ -123,6 +128,16 @@ def main(cfg: DictConfig) -> Any:
         write_status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
                      **_job_fields(hydra_cfg))
         return _job_failed(f"{reason} (full traceback: {log_path})", crashed=True)
+
+
+def _claim(hydra_cfg: Any) -> Path:
+    """Claim this run's dir; a relaunch into a used one gets a sibling, said at once rather
+    than only in the last line."""
+    asked = Path(hydra_cfg.runtime.output_dir)
+    run_dir = claim_run_dir(asked)
+    if run_dir != asked:
+        log.warning("%s already holds a run: this run writes to %s", asked, run_dir)
+    return run_dir
 
 
 def _job_fields(hydra_cfg: Any) -> dict[str, Any]:

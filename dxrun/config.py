@@ -10,6 +10,7 @@ JAX starts.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,16 @@ class DataConfig:
     seed: int = 0
     # The vocabulary this data suggests; the small model presets follow it (${data.vocab_size}).
     vocab_size: int = 64
+    # Keys only some sources read (DATA_SOURCE_KEYS) default to null and get their values from
+    # the source's preset, so a key set for another source stands out and is refused.
     path: str | None = None  # text: file, dir or glob; tokens: dir with train.bin/val.bin
     tokenizer: str | None = None  # text: a local tokenizer.json; None = bytes (vocab 256)
-    dtype: str = "uint16"  # tokens: uint16 | uint32
-    val_fraction: float = 0.05  # text: the tail of the corpus held out for eval
-    workers: int = 0  # Grain worker processes (0 = prefetch threads only)
-    order: int = 2  # markov: the next token depends on this many previous tokens
-    symbols: int = 16  # markov: alphabet size; 0 = model.vocab_size
-    branching: int = 3  # markov: successors per context (the chain is sparse)
+    dtype: str | None = None  # tokens: uint16 | uint32 (default: meta.json's)
+    val_fraction: float | None = None  # text: the tail of the corpus held out for eval
+    workers: int | None = None  # text/tokens: Grain worker processes (0 = prefetch threads)
+    order: int | None = None  # markov: the next token depends on this many previous tokens
+    symbols: int | None = None  # markov: alphabet size; 0 = model.vocab_size
+    branching: int | None = None  # markov: successors per context (the chain is sparse)
 
 
 @dataclass
@@ -162,8 +165,50 @@ class RunConfig:
 
 
 def register() -> None:
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="dxrun_schema", node=RunConfig)
+    OmegaConf.register_new_resolver("data_meta", data_meta, replace=True)
+    OmegaConf.register_new_resolver("tokenizer_vocab", tokenizer_vocab, replace=True)
     _register_presets()
+
+
+def conf_dir() -> Path:
+    """conf/: shipped inside the package (dxrun/conf) or beside it in a checkout."""
+    here = Path(__file__).resolve().parent
+    shipped = here / "conf"
+    return shipped if shipped.is_dir() else here.parent / "conf"
+
+
+def data_meta(path: Any, key: str, default: Any) -> Any:
+    """``${data_meta:${data.path},KEY,DEFAULT}``: KEY of ``meta.json`` in a token dir (what
+    ``dxrun.data.prepare`` wrote), else DEFAULT. Resolved at composition, so the saved config,
+    W&B and the model built from ``${data.vocab_size}`` all see the data's own values."""
+    if path:
+        try:
+            value = json.loads((Path(str(path)).expanduser() / "meta.json").read_text()).get(key)
+        except (OSError, ValueError):
+            value = None
+        if value is not None:
+            return value
+    return default
+
+
+def model_changes(model: Any, preset: str | None) -> list[str]:
+    """``key=value`` for each model key that differs from the preset ``conf/model/PRESET.yaml``
+    (its values over the schema's), so a size made of overrides is never reported as the preset
+    itself. Empty for an unknown preset (a user's own, found through hydra.searchpath)."""
+    from omegaconf import OmegaConf
+
+    path = conf_dir() / "model" / f"{preset}.yaml"
+    if not preset or not path.is_file():
+        return []
+    raw = OmegaConf.load(path)
+    preset_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.get("model", raw))
+    # Unresolved on both sides: vocab_size: ${data.vocab_size} is the preset's own value.
+    want = OmegaConf.to_container(preset_cfg, resolve=False)
+    have = OmegaConf.to_container(model, resolve=False)
+    return [f"{k}={model[k]}" for k, v in have.items() if k != "name" and want.get(k) != v]
 
 
 # Preset groups and the top-level dirs that hold them (plural, beside conf/). A Hydra search
@@ -322,6 +367,47 @@ def composition_error(e: BaseException) -> str | None:
     return None
 
 
+def tokenizer_vocab(path: Any, default: int) -> int:
+    """``${tokenizer_vocab:${data.tokenizer},DEFAULT}``: the vocabulary of a tokenizer.json
+    (added tokens included), else DEFAULT (bytes). An unreadable file gets DEFAULT here and
+    its own one-line refusal when the data loads."""
+    if not path:
+        return default
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(str(path)).expanduser()))
+        return int(tok.get_vocab_size(with_added_tokens=True))
+    except Exception:  # noqa: BLE001 - dxrun.data.corpus.Tokenizer says what is wrong
+        return default
+
+
+# The data keys only some sources read. Any other source refuses them: data.path given without
+# data=tokens would otherwise train on markov data without a word.
+DATA_SOURCE_KEYS: dict[str, tuple[str, ...]] = {
+    "path": ("text", "tokens"), "tokenizer": ("text",), "val_fraction": ("text",),
+    "workers": ("text", "tokens"), "dtype": ("tokens",),
+    "order": ("markov",), "symbols": ("markov",), "branching": ("markov",),
+}
+
+
+def _check_source_keys(d: Any) -> None:
+    for key, sources in DATA_SOURCE_KEYS.items():
+        value = d[key]
+        if d.name in sources or value is None:
+            continue
+        pick = " or ".join(f"data={s}" for s in sources)
+        if key == "path":  # a prepared dir holds train.bin; anything else there is text
+            where = Path(str(value)).expanduser()
+            if (where / "train.bin").is_file():
+                pick = "data=tokens"
+            elif where.exists():
+                pick = "data=text"
+        used_by = " and ".join(f"data={s}" for s in sources)
+        raise ConfigError(f"data.{key}={value} is used by {used_by}, not data={d.name}; "
+                          f"add {pick} (or drop data.{key})")
+
+
 def _get(cfg: Any, key: str) -> Any:
     node = cfg
     for part in key.split("."):
@@ -343,11 +429,17 @@ def validate(cfg: Any) -> None:
     """Check values the schema's types cannot; raise ConfigError naming key, value and fix."""
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
+        if value is None and key == "data.dtype" and cfg.data.name != "tokens":
+            continue  # a key only data=tokens reads
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+    _check_source_keys(cfg.data)
     for key, r in RANGES.items():
         value = _get(cfg, key)
-        if value not in r:
+        group, _, name = key.partition(".")
+        if value is None and group == "data" and cfg.data.name not in DATA_SOURCE_KEYS[name]:
+            continue  # a key this source does not read
+        if value is None or value not in r:
             raise ConfigError(f"{key}={value} is outside its range {r}; {_range_fix(key, r)}")
     peak = cfg.runtime.peak_tflops
     if peak is not None and peak != "measure" and (

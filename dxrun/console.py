@@ -15,14 +15,20 @@ log = logging.getLogger("dxrun")
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
-    parts = [f"step {step}/{total}", f"loss {m['train/loss']:.4f}"]
+    """A log step's line; an evaluation between log steps has only the eval numbers."""
+    parts = [f"step {step}/{total}"]
+    if "train/loss" in m:
+        parts.append(f"loss {m['train/loss']:.4f}")
     if "eval/loss" in m:
         parts.append(f"eval {m['eval/loss']:.4f}")
+        if "train/loss" not in m:
+            parts.append(f"eval acc {m['eval/accuracy']:.3f}")
     if "perf/tokens_per_s" in m:
         parts.append(f"{m['perf/tokens_per_s']:,.0f} tok/s")
     if "perf/mfu" in m:
         parts.append(f"MFU {100 * m['perf/mfu']:.1f}%")
-    parts.append(f"lr {m['train/lr']:.2e}")
+    if "train/lr" in m:
+        parts.append(f"lr {m['train/lr']:.2e}")
     return "  ".join(parts)
 
 
@@ -72,7 +78,7 @@ class Progress:
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         line = format_line(step, self.total, metrics)
-        if self._bar is not None:
+        if self._bar is not None and "train/loss" in metrics:
             info = line.split("  ", 1)[1]
             self._bar.update(self._task, completed=step, info=info)
             # The same line in the log file, not on the screen (the bar shows it).

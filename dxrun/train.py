@@ -18,6 +18,7 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun import flops, plan_mode
+from dxrun.config import model_changes
 from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
@@ -38,16 +39,45 @@ class Job:
     group: str | None = None
 
 
+MAX_NAME = 120
+
+
+def _model_label(cfg: Any, job: Job) -> str:
+    """The preset's name, or the user's own (``model.name=...``) for a custom size."""
+    named = any(ov.lstrip("+~").startswith("model.name=") for ov in job.overrides)
+    return cfg.model.name if named else job.choices.get("model", cfg.model.name)
+
+
 def run_name(cfg: Any, job: Job) -> str:
-    """``tiny-dp4_tp2-bs64`` plus the key overrides, e.g. ``-lr0.01``."""
-    parts = [job.choices.get("model", cfg.model.name),
-             job.choices.get("parallelism", cfg.parallelism.name), f"bs{cfg.data.batch_size}"]
+    """``tiny-dp4_tp2-bs64`` plus the key overrides, e.g. ``-lr0.01``. No slashes: a path
+    value is its last component (``data.path=data/mycorpus`` gives ``pathmycorpus``), and a
+    long name is cut between parts, never inside one."""
+    parts = [_model_label(cfg, job), job.choices.get("parallelism", cfg.parallelism.name),
+             f"bs{cfg.data.batch_size}"]
     for ov in job.overrides:
         key, _, value = ov.lstrip("+~").partition("=")
-        if "." in key and key not in ("data.batch_size",) and not key.startswith(
+        if "." in key and key not in ("data.batch_size", "model.name") and not key.startswith(
                 ("logger.", "hydra")):
-            parts.append(f"{key.rsplit('.', 1)[1]}{value}")
-    return "-".join(parts)[:120]
+            value = (Path(value.rstrip("/")).name or value) if "/" in value else value
+            parts.append(f"{key.rsplit('.', 1)[1]}{value}".replace("/", "_"))
+    name = parts[0][:MAX_NAME]
+    for part in parts[1:]:
+        if len(name) + 1 + len(part) > MAX_NAME:
+            break
+        name += f"-{part}"
+    return name
+
+
+def describe_model(cfg: Any, job: Job) -> str:
+    """``tiny``, or ``tiny (modified: n_layers=4, d_model=256)`` when keys differ from the
+    preset, or ``mine (tiny modified: ...)`` for a size the user named."""
+    preset = job.choices.get("model", cfg.model.name)
+    label = _model_label(cfg, job)
+    changes = model_changes(cfg.model, preset)
+    if not changes:
+        return label
+    base = "" if label == preset else f"{preset} "
+    return f"{label} ({base}modified: {', '.join(changes)})"
 
 
 def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | None:
@@ -107,7 +137,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     state = exp.init_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     floor = data.entropy_floor
-    log.info("model %s: %s parameters; data %s: %s", cfg.model.name, f"{n_params:,}",
+    log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job), f"{n_params:,}",
              cfg.data.name, data.description)
     device_kind = jax.devices()[0].device_kind
     peak = resolve_peak(cfg, device_kind, exp.mesh.devices.flat)
@@ -180,8 +210,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if is_eval:
                     row.update(evaluate(exp, state.params, eval_batches))
                 logger.log(done, row)
-                if is_log:
-                    progress.update(done, row)
+                progress.update(done, row)  # an evaluation off the log steps too
                 last = {**last, **row}
                 # Evaluation and logging are not part of the next timing window.
                 window_t, window_step, waited = time.perf_counter(), done, 0.0

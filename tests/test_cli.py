@@ -200,3 +200,42 @@ def test_sweep_runs_every_valid_job_and_reports_the_bad_one(tmp_path):
     groups = {read_run(next(p.parent.glob("wandb/offline-run-*/run-*.wandb")))["group"]
               for p in done}
     assert len(groups) == 1 and groups.pop().startswith("sweep-")
+
+
+@pytest.fixture(scope="module")
+def tokens_runs(tmp_path_factory):
+    """A corpus prepared by the user, trained with just its path (vocab, dtype: meta.json),
+    then relaunched into the same hydra.run.dir."""
+    from dxrun.data.prepare import prepare
+
+    cwd = tmp_path_factory.mktemp("tokens")
+    (cwd / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    prepare(str(cwd / "corpus.txt"), str(cwd / "data" / "mycorpus"))
+    args = ["data=tokens", "data.path=data/mycorpus", "model.n_layers=1", "train.steps=2",
+            "train.log_every=1", "train.eval_every=0", "hydra.run.dir=run"]
+    first = run_cli(*args, cwd=cwd)
+    again = run_cli(*args, "logger=none", cwd=cwd)
+    return cwd, first, again
+
+
+@pytest.mark.e2e
+def test_wandb_name_of_a_path_override_and_the_vocab_from_meta(tokens_runs):
+    cwd, first, _ = tokens_runs
+    assert first.returncode == 0, first.stderr[-3000:]
+    (path,) = (cwd / "run").glob("wandb/offline-run-*/run-*.wandb")
+    run = read_run(path)
+    assert run["name"] == "tiny-auto-bs32-pathmycorpus-n_layers1-steps2-log_every1-eval_every0"
+    assert run["config"]["model"]["vocab_size"] == run["config"]["data"]["vocab_size"] == 256
+    log = (cwd / "run" / "dxrun.log").read_text()
+    assert "model tiny (modified: n_layers=1): " in log
+
+
+@pytest.mark.e2e
+def test_relaunch_says_where_it_writes_in_its_first_lines(tokens_runs):
+    cwd, _, again = tokens_runs
+    assert again.returncode == 0, again.stderr[-3000:]
+    notice = f"{cwd / 'run'} already holds a run: this run writes to {cwd / 'run_1'}"
+    for text in (again.stdout + again.stderr, (cwd / "run_1" / "dxrun.log").read_text()):
+        lines = text.splitlines()
+        at = next(i for i, x in enumerate(lines) if notice in x)
+        assert at <= 2 and at < next(i for i, x in enumerate(lines) if "mesh plan" in x), lines

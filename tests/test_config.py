@@ -13,7 +13,8 @@ from dxrun.errors import ConfigError
 
 # Numeric keys checked elsewhere, and where: the plan (mesh axes accept -1 = inferred).
 CHECKED_ELSEWHERE = {"parallelism.dp", "parallelism.fsdp", "parallelism.tp", "train.seed",
-                     "data.seed", "runtime.peak_tflops"}
+                     "data.seed", "runtime.peak_tflops",
+                     "runtime.memory_gb"}  # validate: positive or null
 
 
 def _numeric_keys() -> list[str]:
@@ -22,7 +23,9 @@ def _numeric_keys() -> list[str]:
         cls = getattr(config, group.type) if isinstance(group.type, str) else group.type
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if hints[f.name] in (int, float):
+            # Optional numbers too (the data keys only some sources read).
+            if set(typing.get_args(hints[f.name]) or [hints[f.name]]) - {type(None)} <= {int,
+                                                                                       float}:
                 keys.append(f"{group.name}.{f.name}")
     return keys
 
@@ -49,7 +52,8 @@ def test_readme_lists_the_generated_ranges():
     ("data.val_fraction=0.0", False),
 ])
 def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
-    cfg = cfg_factory(override)
+    source = ["data=text", "data.path=x.txt"] if override.startswith("data.") else []
+    cfg = cfg_factory(*source, override)
     if not bad:
         config.validate(cfg)
         return
@@ -64,3 +68,65 @@ def test_warmup_longer_than_training_warns(cfg_factory):
     (w,) = config.config_warnings(cfg_factory("train.steps=10", "optimizer.warmup_steps=20"))
     assert "optimizer.warmup_steps=20" in w and "train.steps=10" in w
     assert config.config_warnings(cfg_factory("train.steps=100")) == []
+
+
+def _prepared_dir(root: Path) -> Path:
+    root.mkdir()
+    (root / "train.bin").write_bytes(b"\0\1" * 64)
+    return root
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # The user forgot data=tokens: the path is named, and the source it needs.
+    (lambda d: [f"data.path={_prepared_dir(d / 'mycorpus')}"],
+     "is used by data=text and data=tokens, not data=markov; add data=tokens"),
+    (lambda d: ["data.path=no/such/corpus"], "not data=markov; add data=text or data=tokens"),
+    (lambda d: ["data=text", "data.path=x.txt", "data.order=3"],
+     "data.order=3 is used by data=markov, not data=text; add data=markov"),
+    (lambda d: ["data.workers=2"], "data.workers=2 is used by data=text and data=tokens"),
+    (lambda d: ["data=tokens", "data.path=x", "data.tokenizer=t.json"],
+     "data.tokenizer=t.json is used by data=text, not data=tokens"),
+    (lambda d: ["data=text", "data.path=x.txt", "data.dtype=uint32"],
+     "data.dtype=uint32 is used by data=tokens, not data=text"),
+    (lambda d: ["data=tokens", "data.path=x", "data.val_fraction=0.1"],
+     "data.val_fraction=0.1 is used by data=text, not data=tokens"),
+])
+def test_a_data_key_the_source_does_not_read_is_refused(cfg_factory, tmp_path, overrides,
+                                                        needle):
+    with pytest.raises(ConfigError) as err:
+        config.validate(cfg_factory(*overrides(tmp_path)))
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# GPT-3 paper, table 2.1 for the GPT-2 sizes; the tiny presets keep what reaches the markov floor.
+SIZE_DEFAULTS = {"tiny": (1e-2, 20), "tiny_llama": (1e-2, 20), "small": (6e-4, 200),
+                 "medium": (3e-4, 300), "large": (2.5e-4, 400), "xl": (2e-4, 500)}
+
+
+@pytest.mark.parametrize("model", sorted(SIZE_DEFAULTS))
+def test_each_model_preset_brings_its_lr_and_warmup(cfg_factory, model):
+    cfg = cfg_factory(f"model={model}")
+    assert (cfg.model.name, cfg.optimizer.name) == (model, "adamw")
+    assert (cfg.optimizer.lr, cfg.optimizer.warmup_steps) == SIZE_DEFAULTS[model]
+
+
+def test_optimizer_choice_and_overrides_win_over_the_size_defaults(cfg_factory):
+    lion = cfg_factory("model=small", "optimizer=lion")
+    assert (lion.optimizer.lr, lion.optimizer.warmup_steps) == (3e-4, 200)  # lion's own lr
+    assert cfg_factory("model=small", "optimizer.lr=1e-3").optimizer.lr == 1e-3
+    assert cfg_factory("model=small", "optimizer.warmup_steps=5").optimizer.warmup_steps == 5
+    assert cfg_factory("model=small", "optimizer=sgd").optimizer.lr == 0.1
+    # An experiment's keys come after the groups.
+    assert cfg_factory("experiment=markov_convergence", "model=small").optimizer.lr == 1e-2
+
+
+@pytest.mark.e2e
+def test_cfg_job_shows_the_size_defaults(tmp_path):
+    import yaml
+    from conftest import run_cli
+
+    proc = run_cli("--cfg", "job", "model=medium", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    job = yaml.safe_load(proc.stdout)
+    assert (job["optimizer"]["lr"], job["optimizer"]["warmup_steps"]) == (3e-4, 300)
+    assert job["model"]["n_layers"] == 24

@@ -113,3 +113,15 @@ def test_failed_wandb_log_warns_once_and_keeps_jsonl(cfg_factory, tmp_path, capl
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
     warnings = [r.message for r in caplog.records if "W&B" in r.message]
     assert len(warnings) == 1 and "log failed" in warnings[0]
+
+
+def test_run_name_has_no_slash_names_a_custom_size_and_is_cut_between_parts(cfg_factory):
+    overrides = ["model.name=mine", "data.path=data/corpora/mycorpus/", "model.n_layers=4",
+                 *[f"optimizer.warmup_steps={100 + i}" for i in range(20)]]
+    job = Job(choices={"model": "tiny", "parallelism": "auto"}, overrides=overrides)
+    name = run_name(cfg_factory("model.name=mine", "model.n_layers=4"), job)
+    assert name.startswith("mine-auto-bs32-pathmycorpus-n_layers4-warmup_steps100-")
+    assert "/" not in name and len(name) <= 120
+    parts = name.split("-")
+    assert parts[-1] in {f"warmup_steps{100 + i}" for i in range(20)}  # whole, never cut
+    assert len(name) + len("-warmup_steps1nn") > 120  # and as many as fit

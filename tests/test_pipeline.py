@@ -273,3 +273,50 @@ def test_hf_special_tokens_are_not_added(corpus, tmp_path):
     ids = tok.encode("the lazy dog")
     assert len(ids) == 3 and 0 not in ids, ids
     assert tok.decode(ids) == "the lazy dog"
+
+
+def test_vocab_and_dtype_come_from_the_data(cfg_factory, tmp_path, corpus):
+    """prepare wrote meta.json (or text names its tokenizer): no data.vocab_size / data.dtype
+    needed, the model is sized for the data (256 bytes, not GPT-2's 50,304)."""
+    out = tmp_path / "mycorpus"
+    prepare(str(corpus / "docs"), str(out))
+    cfg = cfg_factory("data=tokens", f"data.path={out}", "logger=none")
+    assert (cfg.data.vocab_size, cfg.model.vocab_size, cfg.data.dtype) == (256, 256, "uint16")
+    assert Data(cfg).vocab_size == 256
+    wide = tmp_path / "wide"  # a uint32 corpus: the dtype comes along
+    wide.mkdir()
+    np.arange(300, dtype=np.uint32).tofile(wide / "train.bin")
+    (wide / "meta.json").write_text(json.dumps({"vocab_size": 70000, "dtype": "uint32"}))
+    cfg = cfg_factory("data=tokens", f"data.path={wide}", "data.seq_len=16", "logger=none")
+    assert (cfg.data.vocab_size, cfg.data.dtype) == (70000, "uint32")
+    assert np.asarray(Data(cfg).local_batch(0)).max() < 300
+    tj = corpus / "tokenizer.json"  # text: the tokenizer's vocabulary, bytes without one
+    cfg = cfg_factory("data=text", f"data.path={corpus / 'docs'}", f"data.tokenizer={tj}")
+    assert cfg.model.vocab_size == Data(cfg).vocab_size == len(WORDS) + 3
+    assert cfg_factory("data=text", f"data.path={corpus / 'docs'}").data.vocab_size == 256
+    bare = tmp_path / "bare"  # no meta.json: nanoGPT's GPT-2 layout is the fallback
+    bare.mkdir()
+    cfg = cfg_factory("data=tokens", f"data.path={bare}")
+    assert (cfg.data.vocab_size, cfg.data.dtype) == (50304, "uint16")
+
+
+def test_explicit_vocab_refused_below_the_data_and_warned_far_above(cfg_factory, tmp_path,
+                                                                     corpus, caplog):
+    out = tmp_path / "bytes"
+    prepare(str(corpus / "docs"), str(out))  # byte ids up to 'z' = 122, vocab 256
+    top = json.loads((out / "meta.json").read_text())["max_id"]
+    # model=small keeps its own 50304 rows: data.vocab_size is checked for itself.
+    cfg = cfg_factory("data=tokens", f"data.path={out}", f"data.vocab_size={top}", "model=small")
+    with pytest.raises(ConfigError) as err:
+        Data(cfg)
+    assert str(err.value).startswith(f"data.vocab_size={top} is not above the data's largest "
+                                     f"token id {top}; set data.vocab_size=256")
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        Data(cfg_factory("data=tokens", f"data.path={out}", "data.vocab_size=1281"))
+        Data(cfg_factory("data=tokens", f"data.path={out}", "data.vocab_size=1280"))  # 1024 over
+        Data(cfg_factory("data=tokens", f"data.path={out}", "model=small"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("model.vocab_size=1281 is far above the data's vocabulary "
+                                  f"(256): {(1281 - 256) * 64 * 2:,} parameters")
+    assert "model.vocab_size=50304" in warnings[1] and "set data.vocab_size=256" in warnings[1]

@@ -100,3 +100,16 @@ def test_cli_overwrite_replaces_and_a_failed_run_keeps_the_old_outputs(tmp_path)
     meta = json.loads((out / "meta.json").read_text())
     total = old_meta["train_tokens"] + old_meta["val_tokens"]
     assert (meta["train_tokens"], meta["val_tokens"]) == (total + 9, 0)  # 8 bytes + EOT
+
+
+def test_help_is_whole_with_an_example_and_the_run_command_is_the_shortest(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prep.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    description = " ".join(prep.__doc__.strip().split("\n\n")[1].split())
+    assert description in help_text and description.endswith("data.path=<out dir>``.")
+    assert "example: python -m dxrun.data.prepare corpus/ data/mycorpus" in help_text
+    docs, out = _docs(tmp_path), tmp_path / "mycorpus"
+    prep.main([str(docs), str(out)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"train with: python -m dxrun data=tokens data.path={out}"

@@ -117,3 +117,24 @@ def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
         assert len(compiles) <= short and short > 0
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_console_shows_off_step_evals_and_a_modified_model(cfg_factory, tmp_path, caplog):
+    """An evaluation between log steps reaches the console, and a size made of overrides is
+    never logged as the bare preset."""
+    import logging
+
+    cfg = cfg_factory("logger=none", "parallelism=dp1", "model.n_layers=1", "model.d_ff=128",
+                      "train.steps=4", "train.log_every=4", "train.eval_every=3",
+                      "eval.batches=1")
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        train(cfg, tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    (model,) = [x for x in lines if x.startswith("model ")]
+    assert model.startswith("model tiny (modified: n_layers=1, d_ff=128): "), model
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [3, 4] and "train/loss" not in rows[0]
+    (off_step,) = [x for x in lines if x.startswith("step 3/4")]
+    assert off_step == (f"step 3/4  eval {rows[0]['eval/loss']:.4f}  "
+                        f"eval acc {rows[0]['eval/accuracy']:.3f}")
+    assert any(x.startswith("step 4/4  loss ") and "  eval " in x for x in lines)

@@ -73,6 +73,8 @@ class Data:
 
         loaded = corpus.load_text(d) if d.name == "text" else corpus.load_tokens(d)
         corpus.check_fits(loaded, cfg)
+        if warning := corpus.vocab_warning(loaded, cfg):
+            log.warning(warning)
         self.vocab_size, self.description = loaded.vocab_size, loaded.description
         self.has_eval = len(loaded.val) >= d.seq_len + 1
         if not self.has_eval and cfg.train.eval_every > 0:

@@ -228,6 +228,18 @@ def load_tokens(d: Any) -> Corpus:
                   f"{len(train):,} train + {len(val):,} val tokens ({d.dtype})", top)
 
 
+def vocab_warning(corpus: Corpus, cfg: Any) -> str | None:
+    """A model vocabulary far beyond the data's (more than 2x and more than 1,024 over) runs,
+    but spends its output layer on ids that never occur: say so once."""
+    m, v = cfg.model, corpus.vocab_size
+    if not (m.vocab_size > 2 * v and m.vocab_size > v + 1024):
+        return None
+    unused = (m.vocab_size - v) * m.d_model * (1 if m.tie_embeddings else 2)
+    return (f"model.vocab_size={m.vocab_size} is far above the data's vocabulary ({v}): "
+            f"{unused:,} parameters for ids that never occur; set data.vocab_size={v} "
+            f"(or model.vocab_size={v}) to train the model the data needs")
+
+
 def check_fits(corpus: Corpus, cfg: Any) -> None:
     """Vocabulary and window checks against the model, before anything compiles."""
     d, m = cfg.data, cfg.model
@@ -236,6 +248,10 @@ def check_fits(corpus: Corpus, cfg: Any) -> None:
         raise ConfigError(f"data.path={d.path}: token id {top} >= model.vocab_size="
                           f"{m.vocab_size}; set data.vocab_size (or model.vocab_size) to "
                           f"{max(top + 1, corpus.vocab_size)} or more")
+    if d.vocab_size <= top:  # the model may not follow it (model=small), but it is wrong
+        raise ConfigError(f"data.vocab_size={d.vocab_size} is not above the data's largest "
+                          f"token id {top}; set data.vocab_size={max(top + 1, corpus.vocab_size)}"
+                          " or leave it out (data=tokens takes meta.json's)")
     if corpus.vocab_size > m.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary "
                           f"({corpus.vocab_size}); set data.vocab_size (or model.vocab_size) to "

@@ -106,11 +106,15 @@ def prepare(text: str, out_dir: str, tokenizer: str | None = None,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dxrun.data.prepare",
-        description=__doc__.strip().split("\n\n")[1].replace("\n", " "),
-        epilog="Files are tokenized one at a time and streamed to disk; val.bin is the last "
-               "--val-fraction of all tokens. Special tokens: each file (document) is encoded "
-               "without the tokenizer's own special tokens (add_special_tokens=False) and "
-               "followed by one end-of-text token.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the example's lines
+        description=__doc__.strip().split("\n\n")[1],
+        epilog="Files are tokenized one at a time and streamed to disk; val.bin is the last\n"
+               "--val-fraction of all tokens. Each file (document) is encoded without the\n"
+               "tokenizer's own special tokens (add_special_tokens=False) and followed by one\n"
+               "end-of-text token.\n\n"
+               "example:\n"
+               "  python -m dxrun.data.prepare corpus/ data/mycorpus --tokenizer tokenizer.json\n"
+               "  python -m dxrun data=tokens data.path=data/mycorpus   # vocab, dtype: meta.json")
     parser.add_argument("text", help="a text file, a directory or a glob")
     parser.add_argument("out_dir", help="where train.bin, val.bin and meta.json go "
                                         "(not inside the text path)")
@@ -129,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     print(f"wrote {args.out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
           f"tokens, vocab {meta['vocab_size']}, {meta['dtype']}")
-    print(f"train with: python -m dxrun data=tokens data.path={args.out_dir} "
-          f"data.dtype={meta['dtype']} data.vocab_size={meta['vocab_size']}")
+    # The run takes the vocabulary and dtype from meta.json: the path is all it needs.
+    print(f"train with: python -m dxrun data=tokens data.path={args.out_dir}")
 
 
 if __name__ == "__main__":
