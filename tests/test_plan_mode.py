@@ -123,8 +123,10 @@ def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
         report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=plan_mode._NoData()))
         assert report["n_params"] == pytest.approx(n, rel=0.25), model
         per_device = report["per_device"]
-        # fp32 weights split 8 ways (norms and biases, replicated, are a rounding error).
-        assert per_device["params_bytes"] == pytest.approx(4 * report["n_params"] / 8, rel=0.03)
+        # fp32 weights split 8 ways; norms and biases stay replicated (a rounding error from
+        # GPT-2 small up, a tenth of the tiny models).
+        rel = 0.15 if n < 1e6 else 0.02
+        assert per_device["params_bytes"] == pytest.approx(4 * report["n_params"] / 8, rel=rel)
         assert report["target"]["fits"] and report["target"]["tokens_per_s"] > 0, model
     with pytest.raises(ConfigError, match="model.n_heads=25 is not divisible by parallelism.tp=2"):
         Experiment.build(cfg_factory("model=xl", "parallelism=dp4_tp2", "logger=none"))
