@@ -7,6 +7,7 @@ decide how many CPU devices to simulate.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dxrun.config import check_keys, composition_error, register, validate
-from dxrun.errors import ConfigError
+from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.runtime import claim_run_dir, simulate_cpu_devices, write_hydra_files
 
 
@@ -33,6 +34,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> dict | None:
+    log_sizes = _log_sizes()
     try:
         check_keys(cfg)
         validate(cfg)
@@ -47,11 +49,16 @@ def main(cfg: DictConfig) -> dict | None:
             log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
                         "in this process (set it once, for the whole multirun)",
                         cfg.runtime.cpu_devices, jax.device_count())
+        from dxrun.preempt import Stopped
         from dxrun.train import Job, prepare, train
 
-        prepared = prepare(cfg)  # the plan and the data: fail before anything is written
         hydra_cfg = HydraConfig.get()
-        run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+        # The plan, the data and the checkpoint to resume: fail before anything is written.
+        prepared = prepare(cfg, Path(hydra_cfg.runtime.output_dir))
+        resume = prepared[2]
+        # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
+        run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir),
+                                reuse=resume is not None and resume.in_place)
         write_hydra_files(run_dir, cfg, hydra_cfg)
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
@@ -59,9 +66,15 @@ def main(cfg: DictConfig) -> dict | None:
         # Jobs of one multirun land together in W&B: grouped by their sweep dir.
         group = "sweep-" + "_".join(Path(hydra_cfg.sweep.dir).parts[-2:]) if multirun else None
         job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), group=group)
-        return train(cfg, run_dir, job, prepared)
+        try:
+            return train(cfg, run_dir, job, prepared)
+        except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
+            sys.exit(e.code)
+    except NonFiniteError as e:
+        print(f"dxrun: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except ConfigError as e:
-        _discard_empty_run_dir()
+        _discard_empty_run_dir(log_sizes)
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode != RunMode.MULTIRUN:
             _fail(str(e))
@@ -75,15 +88,27 @@ def main(cfg: DictConfig) -> dict | None:
 _FAILED_JOBS: list[str] = []
 
 
-def _discard_empty_run_dir() -> None:
+def _log_sizes() -> dict[str, int]:
+    """The sizes of the log files Hydra opened (appending), before this job wrote to them."""
+    return {h.baseFilename: os.path.getsize(h.baseFilename)
+            for h in logging.getLogger().handlers
+            if isinstance(h, logging.FileHandler) and os.path.exists(h.baseFilename)}
+
+
+def _discard_empty_run_dir(log_sizes: dict[str, int]) -> None:
     """Hydra made the run dir (and its log file) before the plan could be checked; a run that
-    never started leaves nothing behind. A dir holding an earlier run (plan.json) is kept."""
+    never started leaves nothing behind. A dir holding an earlier run (plan.json; e.g. a
+    refused resume into it) is kept byte for byte: its log loses this job's lines."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if (run_dir / "plan.json").exists() or not run_dir.is_dir():
+    if not run_dir.is_dir():
         return
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.close()
+    if (run_dir / "plan.json").exists():
+        for name, size in log_sizes.items():
+            os.truncate(name, size)
+        return
     for f in run_dir.glob("*.log"):
         f.unlink()
     if not any(run_dir.iterdir()):

@@ -92,6 +92,18 @@ class TrainConfig:
     eval_every: int = 100  # 0 = no evaluation
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16
+    nan_policy: str = "halt"  # halt | skip: what a non-finite loss or gradient does
+    # Test-only: make step k's loss NaN (0 = off), to exercise train.nan_policy.
+    inject_nan_at_step: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # save every this many steps (and at the last step); 0 = never
+    keep: int = 3  # the newest this many are kept
+    dir: str | None = None  # None = <run dir>/checkpoints
+    resume: str = "auto"  # auto | none | <path to a checkpoints dir or one step dir>
+    allow_batch_change: bool = False  # resume with another data.batch_size
 
 
 @dataclass
@@ -128,6 +140,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register() -> None:
@@ -145,6 +158,7 @@ _CHOICES = {
     "optimizer.schedule": ("constant", "warmup_cosine", "wsd"),
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
     "train.precision": ("fp32", "bf16"),
+    "train.nan_policy": ("halt", "skip"),
     "logger.name": ("wandb", "none"),
 }
 
@@ -264,6 +278,7 @@ def validate(cfg: Any) -> None:
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    validate_checkpoint(cfg)
     if d.name != "markov":
         return
     symbols = d.symbols or m.vocab_size
@@ -283,3 +298,19 @@ def validate(cfg: Any) -> None:
         )
     if d.seq_len <= d.order:
         raise ConfigError(f"data.seq_len={d.seq_len} must exceed data.order={d.order}")
+
+
+def validate_checkpoint(cfg: Any) -> None:
+    """The ``checkpoint`` section and ``train.inject_nan_at_step``."""
+    c = cfg.checkpoint
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every={c.every} must not be negative; set a step "
+                          "interval, or checkpoint.every=0 to never save")
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1; e.g. checkpoint.keep=3")
+    if not c.resume:
+        raise ConfigError("checkpoint.resume is empty; use auto, none or the path of a "
+                          "checkpoints dir")
+    if cfg.train.inject_nan_at_step < 0:
+        raise ConfigError(f"train.inject_nan_at_step={cfg.train.inject_nan_at_step} must not "
+                          "be negative; 0 turns it off")

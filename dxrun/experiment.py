@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -59,12 +60,14 @@ class Experiment:
             tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), p_shard,
             transform_non_params=lambda _: replicated(mesh),
         )
-        state_shardings = TrainState(replicated(mesh), p_shard, opt_shard)
+        state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
+                                     replicated(mesh))
         b_shard = batch_sharding(mesh)
         step = make_train_step(
             graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
+            nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision)
@@ -89,9 +92,21 @@ class Experiment:
         else:
             params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
-        step = jax.device_put(np.zeros((), np.int32), replicated(self.mesh))
+        step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
         # Settle the one-off programs before the first step (see the note in step.py).
-        return jax.block_until_ready(TrainState(step, params, opt_state))
+        return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and this mesh's shardings of the train state, allocating nothing:
+        the target a checkpoint restores into, each process reading only its own shards."""
+        def init() -> TrainState:
+            params = nnx.to_pure_dict(nnx.state(Transformer(self.cfg.model, rngs=nnx.Rngs(0))))
+            zero = jnp.zeros((), jnp.int32)
+            return TrainState(zero, params, self.tx.init(params), zero, zero)
+
+        shapes = jax.eval_shape(init)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, self.state_shardings)
 
     def global_batch(self, local_rows: np.ndarray) -> jax.Array:
         """One global array, sharded over (data, fsdp), from each process's rows."""

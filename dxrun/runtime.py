@@ -29,9 +29,13 @@ def simulate_cpu_devices(n: int) -> bool:
     return True
 
 
-def claim_run_dir(run_dir: Path) -> Path:
+def claim_run_dir(run_dir: Path, reuse: bool = False) -> Path:
     """The run dir Hydra made, unless an earlier run already wrote there (two runs started in
-    the same second): then a fresh sibling, so no earlier run's files are overwritten."""
+    the same second): then a fresh sibling, so no earlier run's files are overwritten.
+    ``reuse``: take the dir as it is (a run resuming in place from its own checkpoints)."""
+    if reuse:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
     candidate, i = run_dir, 0
     while (candidate / "plan.json").exists():
         i += 1

@@ -27,6 +27,8 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: dict  # fp32 master weights (pure dict, same structure as the model's nnx state)
     opt_state: Any
+    skipped: jax.Array  # updates left out for a non-finite loss or gradient (nan_policy=skip)
+    nonfinite_step: jax.Array  # the first step (1-based) whose loss/grads were not finite; 0 = none
 
 
 def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array,
@@ -44,21 +46,40 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
-                    dropout_seed: int | None = None) -> TrainStep:
+                    dropout_seed: int | None = None, nan_policy: str = "halt",
+                    inject_nan_at_step: int = 0) -> TrainStep:
     dtype = COMPUTE_DTYPES[precision]
+
+    def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
+        loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key)
+        if inject_nan_at_step:  # test-only (train.inject_nan_at_step): poisons loss and grads
+            loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
+        return loss, metrics
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if dropout_seed is None
                else jax.random.fold_in(jax.random.key(dropout_seed), state.step))
-        grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
-        (_, metrics), grads = grad_fn(graphdef, state.params, tokens_BxT, dtype, key)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, metrics), grads = grad_fn(state.params, tokens_BxT, key, state.step)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if nan_policy == "skip":  # leave the update out on device; the host never waits
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+        first_bad = jnp.where((state.nonfinite_step == 0) & ~finite, state.step + 1,
+                              state.nonfinite_step)
+        skipped = state.skipped + (~finite & (nan_policy == "skip")).astype(jnp.int32)
         metrics = dict(metrics)
-        metrics["train/grad_norm"] = optax.tree.norm(grads)
+        metrics["train/loss"] = loss  # the poisoned one when a NaN is injected
+        metrics["train/grad_norm"] = grad_norm
         metrics["train/param_norm"] = optax.tree.norm(params)
         metrics["train/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        if nan_policy == "skip":
+            metrics["train/skipped_steps"] = skipped
+        return TrainState(state.step + 1, params, opt_state, skipped, first_bad), metrics
 
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)

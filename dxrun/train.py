@@ -17,13 +17,15 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun import flops
+from dxrun import checkpoint, flops
+from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
-from dxrun.logger import MetricsLogger
+from dxrun.logger import MetricsLogger, rewind_metrics
 from dxrun.model import count_params
 from dxrun.plan import MeshPlan, make_plan
+from dxrun.preempt import Preemption
 from dxrun.runtime import write_json
 
 log = logging.getLogger("dxrun")
@@ -81,11 +83,16 @@ def peak_memory(compiled: Any) -> float | None:
                  + m.temp_size_in_bytes)
 
 
-def prepare(cfg: Any) -> tuple[MeshPlan, Data]:
-    """Everything that can refuse bad input: the mesh plan and the data (its files, tokenizer
-    and vocabulary). Raises ConfigError; writes nothing and compiles nothing."""
+Prepared = tuple[MeshPlan, Data, "Resume | None"]
+
+
+def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
+    """Everything that can refuse bad input: the mesh plan, the data (its files, tokenizer
+    and vocabulary) and the checkpoint to resume from (``checkpoint.resume`` for a launch into
+    ``run_dir``). Raises ConfigError; writes nothing and compiles nothing."""
     plan = make_plan(cfg, *visible_devices())
-    return plan, Data(cfg, jax.process_index(), jax.process_count())
+    data = Data(cfg, jax.process_index(), jax.process_count())
+    return plan, data, checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
 
 
 def perplexity(loss: float) -> float:
@@ -100,11 +107,21 @@ def evaluate(exp: Experiment, params: dict, batches: list[jax.Array]) -> dict[st
     return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
 
 
+def start_state(exp: Experiment, resume: Resume | None) -> tuple[Any, int, dict[str, Any]]:
+    """The seeded init, or the resumed checkpoint placed on this run's mesh: (state, step,
+    checkpoint meta)."""
+    if resume is None:
+        return exp.init_state(), 0, {}
+    state, meta, step = checkpoint.restore(resume, exp.abstract_state())
+    log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
+    return state, step, meta
+
+
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
-          prepared: tuple[MeshPlan, Data] | None = None) -> dict[str, Any]:
+          prepared: Prepared | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     job = job or Job()
-    plan, data = prepared or prepare(cfg)
+    plan, data, resume = prepared or prepare(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)
@@ -112,7 +129,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     log.info("mesh plan\n%s", plan.table())
 
     exp = Experiment.build(cfg, plan, data)
-    state = exp.init_state()
+    state, start, resumed = start_state(exp, resume)
     n_params = count_params(state.params)
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", cfg.model.name, f"{n_params:,}",
@@ -131,27 +148,34 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         "jax": {"version": jax.__version__, "device_kind": device_kind,
                 "device_count": jax.device_count(), "process_count": jax.process_count()},
     }
+    in_place = resume is not None and resume.in_place
+    kept = rewind_metrics(run_dir, start) if in_place else []
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
-                           choices=job.choices, is_main=jax.process_index() == 0)
+                           choices=job.choices, is_main=jax.process_index() == 0,
+                           resume_id=resumed.get("wandb_id") if in_place else None)
     steps, every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
     eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
                     if eval_every > 0 else [])
-    last: dict[str, float] = {}
-    best_loss = math.inf
+    last: dict[str, float] = {k: v for row in kept for k, v in row.items() if k != "step"}
+    best_loss = min((r["train/loss"] for r in kept), default=math.inf)
+    batches = exp.data.train_iterator()
+    if resumed:
+        batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
+    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger, Preemption())
     try:
-        with Progress(steps) as progress:
-            batches = exp.data.train_iterator()
-            window_t, window_step, waited = None, 0, 0.0
-            for i in range(steps):
+        with Progress(steps) as progress, ckpts.preemption:
+            window_t, window_step, waited = None, start, 0.0
+            for i in range(start, steps):
+                ckpts.between_steps(i, state)  # save when due; stop on SIGTERM/SIGINT
                 t_wait = time.perf_counter()
                 tokens = exp.global_batch(next(batches))
                 waited += time.perf_counter() - t_wait
                 state, metrics = exp.step(state, tokens)
                 progress.advance()
                 done = i + 1
-                if i == 0:  # the compiling step: the timing windows start after it
+                if i == start:  # the compiling step: the timing windows start after it
                     jax.block_until_ready(metrics)
-                    window_t, window_step, waited = time.perf_counter(), 1, 0.0
+                    window_t, window_step, waited = time.perf_counter(), done, 0.0
                 is_log = done % every == 0 or done == steps
                 is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
                 if not (is_log or is_eval):
@@ -190,7 +214,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 last = {**last, **row}
                 # Evaluation and logging are not part of the next timing window.
                 window_t, window_step, waited = time.perf_counter(), done, 0.0
+            ckpts.between_steps(steps, state, last=True)
     finally:
+        ckpts.close()
         logger.finish()
     summary = {
         "step": steps,
