@@ -56,8 +56,8 @@ def committed_steps(directory: Path) -> list[int]:
 
 
 def _manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
-    if keep is None:  # only reading: create nothing, delete nothing
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    if keep is None:  # only reading: creates nothing, deletes nothing, never saves
+        options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
     else:
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
