@@ -267,14 +267,16 @@ class RunCheckpoints:
 
     def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
         """After step ``done`` (the iterator has given exactly ``done`` batches)."""
-        stop = self.preemption.stop
+        stop, asked = self.preemption.stop, self.preemption.take_save()
         ran = done > self.start
         due = ran and bool(self.every) and (done % self.every == 0 or last)
-        if due or stop or self.preemption.take_save():
+        if due or stop or asked:
             self._check_finite(done, state)
             meta = {**self.meta, "step": done, "data": self.iterator.get_state(),
                     "wandb_id": self.logger.run_id}
             self.last_saved = self.saver.save(done, state, meta)
+            if asked and not stop:
+                log.info("SIGUSR1: saving checkpoint %s; training goes on", self.last_saved)
         elif ran and (done % self.log_every == 0 or last):
             self._check_finite(done, state)
         if stop:
