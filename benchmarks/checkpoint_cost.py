@@ -66,12 +66,13 @@ def main() -> None:
     saver.save(0, state, {"step": 0})  # the first save also sets Orbax up: not timed below
     saver.wait()
     first_save = time.perf_counter() - t0
-    timed = {"saving": 0.0, "plain": 0.0}
+    timed = {"saving": 0.0, "plain": 0.0, "blocking": 0.0}
     step = 0
     for _ in range(args.rounds):
         t = time.perf_counter()
         step += 1
         saver.save(step, state, {"step": step})
+        timed["blocking"] += time.perf_counter() - t  # the loop waits this long; then it trains
         steps(args.every)
         saver.wait()
         timed["saving"] += time.perf_counter() - t
@@ -93,6 +94,7 @@ def main() -> None:
     print(f"never saves               {plain:8.3f} steps/s")
     print(f"saves every {args.every:<3d} steps     {saving:8.3f} steps/s")
     print(f"ratio                     {saving / plain:8.3f}")
+    print(f"save, loop blocked        {timed['blocking'] / args.rounds:8.2f} s per save")
     print(f"checkpoint size           {size / 1e9:8.2f} GB (params + optimizer state)")
     print(f"first save (Orbax setup)  {first_save:8.2f} s")
     print(f"restore ({args.parallelism} shards)    {restore_s:8.2f} s")

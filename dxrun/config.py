@@ -230,6 +230,7 @@ def _get(cfg: Any, key: str) -> Any:
 
 def validate(cfg: Any) -> None:
     """Check values the schema's types cannot; raise ConfigError naming key, value and fix."""
+    validate_checkpoint(cfg)
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -278,7 +279,6 @@ def validate(cfg: Any) -> None:
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    validate_checkpoint(cfg)
     if d.name != "markov":
         return
     symbols = d.symbols or m.vocab_size
