@@ -24,7 +24,7 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.errors import ConfigError
+from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -83,6 +83,7 @@ def main(cfg: DictConfig) -> Any:
         enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
             log.warning(w)
+        from dxrun.preempt import Stopped
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
@@ -95,8 +96,12 @@ def main(cfg: DictConfig) -> Any:
             run_log.attach(run_dir)
             write_hydra_files(run_dir, cfg, hydra_cfg)
             return run_plan(cfg, run_dir, plan)
-        prepared = prepare(cfg)  # plan, data, memory: fail before anything is written
-        run_dir = _claim(hydra_cfg)
+        # The plan, the data, the checkpoint to resume and the memory preflight: fail before
+        # anything is written.
+        prepared = prepare(cfg, Path(hydra_cfg.runtime.output_dir))
+        resume = prepared[3]
+        # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
+        run_dir = _claim(hydra_cfg, reuse=resume is not None and resume.in_place)
         run_log.attach(run_dir)
         _name_for_wandb(cfg, hydra_cfg, multirun)
         write_hydra_files(run_dir, cfg, hydra_cfg)
@@ -104,10 +109,19 @@ def main(cfg: DictConfig) -> Any:
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
         job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task))
-        summary = train(cfg, run_dir, job, prepared)
+        try:
+            summary = train(cfg, run_dir, job, prepared)
+        except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
+            write_status(run_dir, "failed", kind="stopped", reason=str(e),
+                         **_job_fields(hydra_cfg))
+            sys.exit(e.code)
         write_status(run_dir, "ok", **_job_fields(hydra_cfg))
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
         return summary.get(cfg.train.objective) if cfg.train.objective else summary
+    except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
+        write_status(run_dir, "failed", kind="nonfinite", reason=str(e),
+                     **_job_fields(hydra_cfg))
+        return _job_failed(str(e), crashed=True)
     except ConfigError as e:
         run_log.discard()
         if multirun:  # the sweep report lists the refused job beside the others
@@ -130,11 +144,11 @@ def main(cfg: DictConfig) -> Any:
         return _job_failed(f"{reason} (full traceback: {log_path})", crashed=True)
 
 
-def _claim(hydra_cfg: Any) -> Path:
+def _claim(hydra_cfg: Any, reuse: bool = False) -> Path:
     """Claim this run's dir; a relaunch into a used one gets a sibling, said at once rather
-    than only in the last line."""
+    than only in the last line (unless it resumes there: ``reuse``)."""
     asked = Path(hydra_cfg.runtime.output_dir)
-    run_dir = claim_run_dir(asked)
+    run_dir = claim_run_dir(asked, reuse=reuse)
     if run_dir != asked:
         log.warning("%s already holds a run: this run writes to %s", asked, run_dir)
     return run_dir

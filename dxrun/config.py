@@ -106,6 +106,18 @@ class TrainConfig:
     # The summary metric the run returns to a sweeper that minimises one number (Optuna),
     # e.g. "eval/loss"; None returns the whole summary.
     objective: str | None = None
+    nan_policy: str = "halt"  # halt | skip: what a non-finite loss or gradient does
+    # Test-only: make step k's loss NaN (0 = off), to exercise train.nan_policy.
+    inject_nan_at_step: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # save every this many steps (and at the last step); 0 = never
+    keep: int = 3  # the newest this many are kept
+    dir: str | None = None  # None = <run dir>/checkpoints
+    resume: str = "auto"  # auto | none | <path to a checkpoints dir or one step dir>
+    allow_batch_change: bool = False  # resume with another data.batch_size
 
 
 @dataclass
@@ -162,6 +174,7 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     run: RunSection = field(default_factory=RunSection)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register() -> None:
@@ -250,6 +263,7 @@ _CHOICES = {
     "optimizer.schedule": ("constant", "warmup_cosine", "wsd"),
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
     "train.precision": ("fp32", "bf16"),
+    "train.nan_policy": ("halt", "skip"),
     "logger.name": ("wandb", "none"),
     "run.mode": ("train", "plan"),
 }
@@ -427,6 +441,7 @@ def config_warnings(cfg: Any) -> list[str]:
 
 def validate(cfg: Any) -> None:
     """Check values the schema's types cannot; raise ConfigError naming key, value and fix."""
+    validate_checkpoint(cfg)
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if value is None and key == "data.dtype" and cfg.data.name != "tokens":
@@ -513,3 +528,19 @@ def validate(cfg: Any) -> None:
             "lower data.order or data.symbols (at most 4M contexts)")
     if d.seq_len <= d.order:
         raise ConfigError(f"data.seq_len={d.seq_len} must exceed data.order={d.order}")
+
+
+def validate_checkpoint(cfg: Any) -> None:
+    """The ``checkpoint`` section and ``train.inject_nan_at_step``."""
+    c = cfg.checkpoint
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every={c.every} must not be negative; set a step "
+                          "interval, or checkpoint.every=0 to never save")
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1; e.g. checkpoint.keep=3")
+    if not c.resume:
+        raise ConfigError("checkpoint.resume is empty; use auto, none or the path of a "
+                          "checkpoints dir")
+    if cfg.train.inject_nan_at_step < 0:
+        raise ConfigError(f"train.inject_nan_at_step={cfg.train.inject_nan_at_step} must not "
+                          "be negative; 0 turns it off")

@@ -61,13 +61,15 @@ class Experiment:
             tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), p_shard,
             transform_non_params=lambda _: replicated(mesh),
         )
-        state_shardings = TrainState(replicated(mesh), p_shard, opt_shard)
+        state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
+                                     replicated(mesh))
         b_shard = batch_sharding(mesh)
         step = make_train_step(
             graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
             grad_accum=cfg.train.grad_accum,
+            nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision)
@@ -96,30 +98,32 @@ class Experiment:
                                   self.padded_vocab)
             params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
-        step = jax.device_put(np.zeros((), np.int32), replicated(self.mesh))
+        step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
         # Settle the one-off programs before the first step (see the note in step.py).
-        return jax.block_until_ready(TrainState(step, params, opt_state))
+        return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
 
-    def abstract_state(self) -> tuple[TrainState, jax.ShapeDtypeStruct]:
-        """The train state and a batch as shapes with their shardings, nothing allocated: what
-        plan mode and the memory preflight compile the step for."""
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and this mesh's shardings of the train state, allocating nothing: what
+        plan mode and the memory preflight compile the step for, and the target a checkpoint
+        restores into (each process reading only its own shards)."""
         def spec(tree: Any, shardings: Any) -> Any:
             return jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
         params = jax.eval_shape(self.init_params)
         opt_state = jax.eval_shape(self.tx.init, params)
-        state = TrainState(jax.ShapeDtypeStruct((), np.int32, sharding=replicated(self.mesh)),
-                           spec(params, self.param_shardings),
-                           spec(opt_state, self.state_shardings.opt_state))
+        counter = jax.ShapeDtypeStruct((), np.int32, sharding=replicated(self.mesh))
+        return TrainState(counter, spec(params, self.param_shardings),
+                          spec(opt_state, self.state_shardings.opt_state), counter, counter)
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
         d = self.cfg.data
-        batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32,
-                                     sharding=self.batch_sharding)
-        return state, batch
+        return jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32,
+                                    sharding=self.batch_sharding)
 
     def compile_step(self) -> Any:
         """The train step compiled for this mesh from shapes alone (no weights allocated)."""
-        return self.step.compile(*self.abstract_state())
+        return self.step.compile(self.abstract_state(), self.abstract_batch())
 
     @property
     def padded_vocab(self) -> int:

@@ -20,7 +20,7 @@ log = logging.getLogger("dxrun")
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: Any, run_config: dict[str, Any], name: str,
                  group: str | None = None, choices: dict[str, str] | None = None,
-                 is_main: bool = True):
+                 is_main: bool = True, resume_id: str | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.wandb = None
@@ -30,10 +30,15 @@ class MetricsLogger:
             tags = [f"{g}:{choices[g]}" for g in ("model", "parallelism", "data", "optimizer")
                     if choices and g in choices]
             self._init_wandb(run_dir, cfg.logger, run_config, name,
-                             cfg.logger.group or group, tags + list(cfg.logger.tags))
+                             cfg.logger.group or group, tags + list(cfg.logger.tags), resume_id)
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run's id (saved in checkpoints, so a resumed run continues the same run)."""
+        return self.wandb.id if self.wandb is not None else None
 
     def _init_wandb(self, run_dir: Path, lc: Any, run_config: dict[str, Any], name: str,
-                    group: str | None, tags: list[str]) -> None:
+                    group: str | None, tags: list[str], resume_id: str | None) -> None:
         try:
             import wandb
 
@@ -42,6 +47,8 @@ class MetricsLogger:
                 project=lc.project, entity=lc.entity, name=name, group=group,
                 job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
                 config=run_config, reinit="finish_previous",
+                # A resumed run continues its W&B run: one id, one curve on the dashboard.
+                id=resume_id, resume="allow" if resume_id else None,
             )
             self.wandb.define_metric("step")
             self.wandb.define_metric("*", step_metric="step")
@@ -77,3 +84,23 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("W&B finish failed (%s)", e)
             self.wandb = None
+
+
+def rewind_metrics(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """Resuming at ``step``: rows the interrupted attempt logged after it move to
+    ``metrics.discarded.jsonl`` (never silently dropped), so ``metrics.jsonl`` reads as one
+    uninterrupted run. Returns the rows kept."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    keep = [x for x in lines if json.loads(x)["step"] <= step]
+    gone = [x for x in lines if json.loads(x)["step"] > step]
+    if gone:
+        with open(run_dir / "metrics.discarded.jsonl", "a") as f:
+            f.write("".join(x + "\n" for x in gone))
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
+        log.info("moved %d metrics rows after step %d to metrics.discarded.jsonl", len(gone), step)
+    return [json.loads(x) for x in keep]

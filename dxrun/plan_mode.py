@@ -125,7 +125,7 @@ def footprint(exp: Any, compiled: Any) -> Footprint:
     from dxrun.hlo import collective_traffic
     from dxrun.step import step_bytes
 
-    state, batch = exp.abstract_state()
+    state, batch = exp.abstract_state(), exp.abstract_batch()
     m = compiled.memory_analysis()
     params = _shard_bytes(state.params)
     flops, bytes_accessed = cost_per_device(exp)
@@ -325,7 +325,7 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
     compiled = exp.compile_step()
     compile_s = time.perf_counter() - t0
     fp = footprint(exp, compiled)
-    state, _ = exp.abstract_state()
+    state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens

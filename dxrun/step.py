@@ -27,6 +27,8 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: dict  # fp32 master weights (pure dict, same structure as the model's nnx state)
     opt_state: Any
+    skipped: jax.Array  # updates left out for a non-finite loss or gradient (nan_policy=skip)
+    nonfinite_step: jax.Array  # the first step (1-based) whose loss/grads were not finite; 0 = none
 
 
 def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array,
@@ -41,17 +43,18 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
     return loss, {"train/loss": loss, "train/accuracy": accuracy}
 
 
-def accumulated_grads(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array, dtype: Any,
+def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
                       key: jax.Array | None, accum: int, batch_sharding: Any
-                      ) -> tuple[dict, dict[str, jax.Array]]:
-    """Mean gradient and metrics of the batch, in ``accum`` micro-batches under one
+                      ) -> tuple[jax.Array, dict[str, jax.Array], dict]:
+    """Loss, metrics and mean gradient of the batch, in ``accum`` micro-batches under one
     ``lax.scan`` (``train.grad_accum``): the same update as the whole batch at once, with the
     activations of one micro-batch alive at a time. Micro-batch i is rows i, i+k, i+2k, ... so
-    each device keeps computing on its own rows (no data moves)."""
-    grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
+    each device keeps computing on its own rows (no data moves). ``loss_fn(params, tokens,
+    key) -> (loss, metrics)``."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
-        (_, metrics), grads = grad_fn(graphdef, params, tokens_BxT, dtype, key)
-        return grads, metrics
+        (loss, metrics), grads = grad_fn(params, tokens_BxT, key)
+        return loss, metrics, grads
     B, T = tokens_BxT.shape
     micro_KxMxT = tokens_BxT.reshape(B // accum, accum, T).swapaxes(0, 1)
 
@@ -59,34 +62,54 @@ def accumulated_grads(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Arra
         tokens_MxT, i = xs
         tokens_MxT = jax.lax.with_sharding_constraint(tokens_MxT, batch_sharding)
         mkey = None if key is None else jax.random.fold_in(key, i)
-        (_, m), g = grad_fn(graphdef, params, tokens_MxT, dtype, mkey)
-        return jax.tree.map(jnp.add, carry, (g, m)), None
+        (loss, m), g = grad_fn(params, tokens_MxT, mkey)
+        return jax.tree.map(jnp.add, carry, (loss, m, g)), None
 
-    zero_metrics = {"train/loss": jnp.zeros((), jnp.float32),
-                    "train/accuracy": jnp.zeros((), jnp.float32)}
-    zeros = (jax.tree.map(jnp.zeros_like, params), zero_metrics)
-    (grads, metrics), _ = jax.lax.scan(one, zeros, (micro_KxMxT, jnp.arange(accum)))
-    return jax.tree.map(lambda x: x / accum, (grads, metrics))
+    zero = jnp.zeros((), jnp.float32)
+    zeros = (zero, {"train/loss": zero, "train/accuracy": zero},
+             jax.tree.map(jnp.zeros_like, params))
+    out, _ = jax.lax.scan(one, zeros, (micro_KxMxT, jnp.arange(accum)))
+    return jax.tree.map(lambda x: x / accum, out)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
-                    dropout_seed: int | None = None, grad_accum: int = 1) -> TrainStep:
+                    dropout_seed: int | None = None, grad_accum: int = 1,
+                    nan_policy: str = "halt", inject_nan_at_step: int = 0) -> TrainStep:
     dtype = COMPUTE_DTYPES[precision]
+
+    def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
+        loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key)
+        if inject_nan_at_step:  # test-only (train.inject_nan_at_step): poisons loss and grads
+            loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
+        return loss, metrics
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if dropout_seed is None
                else jax.random.fold_in(jax.random.key(dropout_seed), state.step))
-        grads, metrics = accumulated_grads(graphdef, state.params, tokens_BxT, dtype, key,
-                                           grad_accum, batch_sharding)
+        loss, metrics, grads = accumulated_grads(
+            lambda p, t, k: loss_fn(p, t, k, state.step), state.params, tokens_BxT, key,
+            grad_accum, batch_sharding)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if nan_policy == "skip":  # leave the update out on device; the host never waits
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+        first_bad = jnp.where((state.nonfinite_step == 0) & ~finite, state.step + 1,
+                              state.nonfinite_step)
+        skipped = state.skipped + (~finite & (nan_policy == "skip")).astype(jnp.int32)
         metrics = dict(metrics)
-        metrics["train/grad_norm"] = optax.tree.norm(grads)
+        metrics["train/loss"] = loss  # the poisoned one when a NaN is injected
+        metrics["train/grad_norm"] = grad_norm
         metrics["train/param_norm"] = optax.tree.norm(params)
         metrics["train/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        if nan_policy == "skip":
+            metrics["train/skipped_steps"] = skipped
+        return TrainState(state.step + 1, params, opt_state, skipped, first_bad), metrics
 
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)

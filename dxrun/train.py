@@ -17,13 +17,15 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun import flops, plan_mode
+from dxrun import checkpoint, flops, plan_mode
+from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
-from dxrun.logger import MetricsLogger
+from dxrun.logger import MetricsLogger, rewind_metrics
 from dxrun.plan import MeshPlan, make_plan
+from dxrun.preempt import Preemption
 from dxrun.runtime import AllocatorPeak, write_json
 
 log = logging.getLogger("dxrun")
@@ -99,15 +101,20 @@ def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | Non
     return peak
 
 
-def prepare(cfg: Any) -> tuple[MeshPlan, Data, Experiment]:
+Prepared = tuple[MeshPlan, Data, Experiment, "Resume | None"]
+
+
+def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     """Everything that can refuse bad input, before anything is written or allocated: the mesh
-    plan, the data (its files, tokenizer and vocabulary), and the memory preflight (the step
+    plan, the data (its files, tokenizer and vocabulary), the checkpoint to resume from
+    (``checkpoint.resume`` for a launch into ``run_dir``) and the memory preflight (the step
     compiled from shapes alone must fit). Raises ConfigError."""
     plan = make_plan(cfg, *visible_devices())
     data = Data(cfg, jax.process_index(), jax.process_count())
+    resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
     exp = Experiment.build(cfg, plan, data)
     plan_mode.check_memory(cfg, exp, exp.compile_step())
-    return plan, data, exp
+    return plan, data, exp, resume
 
 
 def perplexity(loss: float) -> float:
@@ -122,11 +129,21 @@ def evaluate(exp: Experiment, params: dict, batches: list[jax.Array]) -> dict[st
     return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
 
 
+def start_state(exp: Experiment, resume: Resume | None) -> tuple[Any, int, dict[str, Any]]:
+    """The seeded init, or the resumed checkpoint placed on this run's mesh: (state, step,
+    checkpoint meta)."""
+    if resume is None:
+        return exp.init_state(), 0, {}
+    state, meta, step = checkpoint.restore(resume, exp.abstract_state())
+    log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
+    return state, step, meta
+
+
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
-          prepared: tuple[MeshPlan, Data, Experiment] | None = None) -> dict[str, Any]:
+          prepared: Prepared | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     job = job or Job()
-    plan, data, exp = prepared or prepare(cfg)
+    plan, data, exp, resume = prepared or prepare(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)
@@ -134,7 +151,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     log.info("mesh plan\n%s", plan.table())
 
     allocator = AllocatorPeak()  # before this run allocates anything
-    state = exp.init_state()
+    state, start, resumed = start_state(exp, resume)
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job), f"{n_params:,}",
@@ -153,28 +170,39 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         "jax": {"version": jax.__version__, "device_kind": device_kind,
                 "device_count": jax.device_count(), "process_count": jax.process_count()},
     }
+    in_place = resume is not None and resume.in_place
+    kept = rewind_metrics(run_dir, start) if in_place else []
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
-                           choices=job.choices, is_main=jax.process_index() == 0)
+                           choices=job.choices, is_main=jax.process_index() == 0,
+                           resume_id=resumed.get("wandb_id") if in_place else None)
     steps, every = cfg.train.steps, cfg.train.log_every
     eval_every = cfg.train.eval_every if data.has_eval else 0  # no held-out data: no eval/*
     eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
                     if eval_every > 0 else [])
-    last: dict[str, float] = {}
-    best_loss: float | None = None  # the lowest finite train/loss (None: none was finite)
+    last: dict[str, float] = {k: v for row in kept for k, v in row.items() if k != "step"}
+    # The lowest finite train/loss (None: none was finite), over the kept rows of a resume too.
+    best_loss: float | None = min((r["train/loss"] for r in kept
+                                   if isinstance(r.get("train/loss"), float)
+                                   and math.isfinite(r["train/loss"])), default=None)
+    batches = exp.data.train_iterator()
+    if resumed:
+        batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
+    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
+                           Preemption())
     try:
-        with Progress(steps) as progress:
-            batches = exp.data.train_iterator()
-            window_t, window_step, waited = None, 0, 0.0
-            for i in range(steps):
+        with Progress(steps) as progress, ckpts.preemption:
+            window_t, window_step, waited = None, start, 0.0
+            for i in range(start, steps):
+                ckpts.between_steps(i, state)  # save when due; stop on SIGTERM/SIGINT
                 t_wait = time.perf_counter()
                 tokens = exp.global_batch(next(batches))
                 waited += time.perf_counter() - t_wait
                 state, metrics = exp.step(state, tokens)
                 progress.advance()
                 done = i + 1
-                if i == 0:  # the compiling step: the timing windows start after it
+                if i == start:  # the compiling step: the timing windows start after it
                     jax.block_until_ready(metrics)
-                    window_t, window_step, waited = time.perf_counter(), 1, 0.0
+                    window_t, window_step, waited = time.perf_counter(), done, 0.0
                 is_log = done % every == 0 or done == steps
                 is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
                 if not (is_log or is_eval):
@@ -214,7 +242,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 last = {**last, **row}
                 # Evaluation and logging are not part of the next timing window.
                 window_t, window_step, waited = time.perf_counter(), done, 0.0
+            ckpts.between_steps(steps, state, last=True)
     finally:
+        ckpts.close()
         logger.finish()
     summary = {
         "step": steps,

@@ -22,7 +22,7 @@ def test_formula_matches_compiled_flops(cfg_factory, model, extra):
     # Shapes only (GPT-2 small is never materialised); the layers are scanned, so XLA's count
     # is of the unrolled 1- and 2-layer steps, extrapolated in depth (plan_mode).
     xla, _ = plan_mode.cost_per_device(exp)
-    state, _ = exp.abstract_state()
+    state = exp.abstract_state()
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     formula = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * (
         cfg.data.batch_size * cfg.data.seq_len)

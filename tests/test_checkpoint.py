@@ -1,0 +1,259 @@
+"""Runs that survive: real Orbax checkpoints, real subprocesses stopped by real signals, real
+files damaged on disk; resumed runs compared number for number with uninterrupted ones."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_cfg, run_cli
+
+from dxrun import checkpoint
+from dxrun.checkpoint import Resume
+from dxrun.errors import ConfigError, NonFiniteError
+from dxrun.experiment import Experiment
+from dxrun.train import train
+from dxrun.wandb_file import read_run
+
+STEPS = 100
+# Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.
+BASE = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",
+        "checkpoint.every=25", "checkpoint.keep=3"]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def _digest(tree: Path) -> dict[str, str]:
+    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+def _restore(ckpt_dir: Path, step: int, *overrides: str):
+    exp = Experiment.build(make_cfg(*BASE, "logger=none", *overrides))
+    state, meta, got = checkpoint.restore(Resume(ckpt_dir, step, in_place=False),
+                                          exp.abstract_state())
+    assert got == step
+    return exp, state, meta
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run (dp8, in process)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    train(make_cfg(*BASE, "logger=none"), run_dir)
+    return run_dir
+
+
+def _launch(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dxrun", *BASE, f"hydra.run.dir={run_dir}", *extra],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _logged_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return max((json.loads(x)["step"] for x in text.splitlines() if x.endswith("}")), default=0)
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """``python -m dxrun`` sent SIGUSR1 (saves, goes on), then SIGTERM (saves, exits 0);
+    relaunched into the same dir and sent SIGINT (saves, exits 130); relaunched again to the
+    end. Returns the run dir and the three outputs."""
+    cwd = tmp_path_factory.mktemp("preempt")
+    run_dir = cwd / "run"
+    first = _launch(cwd, run_dir)
+    _wait_for(lambda: _logged_step(run_dir) >= 5, first)
+    first.send_signal(signal.SIGUSR1)
+    _wait_for(lambda: any(s % 25 for s in checkpoint.committed_steps(run_dir / "checkpoints")),
+              first)
+    (usr1,) = [s for s in checkpoint.committed_steps(run_dir / "checkpoints") if s % 25]
+    first.send_signal(signal.SIGTERM)
+    out1 = first.communicate(timeout=240)[0]
+    assert first.returncode == 0, out1[-3000:]
+    stopped = int(out1.split("SIGTERM: stopped at step ")[1].split(";")[0])
+    second = _launch(cwd, run_dir)
+    _wait_for(lambda: _logged_step(run_dir) > stopped, second)
+    second.send_signal(signal.SIGINT)
+    out2 = second.communicate(timeout=240)[0]
+    third = _launch(cwd, run_dir)
+    out3 = third.communicate(timeout=240)[0]
+    assert third.returncode == 0, out3[-3000:]
+    return {"run_dir": run_dir, "outputs": (out1, out2, out3), "usr1": usr1,
+            "stopped": stopped, "sigint_code": second.returncode}
+
+
+@pytest.mark.e2e
+def test_preempted_run_ends_bitwise_equal_to_uninterrupted(reference, preempted):
+    run_dir, stopped = preempted["run_dir"], preempted["stopped"]
+    _, out2, out3 = preempted["outputs"]
+    assert 5 <= stopped < STEPS and preempted["sigint_code"] == 130, preempted
+    assert f"resuming from step {stopped} (checkpoint {run_dir / 'checkpoints' / str(stopped)})" \
+        in out2
+    assert "SIGINT: stopped at step" in out2 and "resuming from step" in out3
+    # metrics.jsonl: the uninterrupted run's, row for row (timing aside), bitwise.
+    assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
+    # The final parameters and optimizer state, read back from both last checkpoints: bitwise.
+    _, got, meta = _restore(run_dir / "checkpoints", STEPS)
+    _, want, _ = _restore(reference / "checkpoints", STEPS)
+    for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(want)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert meta["data"] == {"step": STEPS}
+    # W&B: three attempts, one run.
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 3
+    ids = {read_run(f)["id"] for f in files}
+    assert ids == {meta["wandb_id"]}, ids
+
+
+@pytest.mark.e2e
+def test_sigusr1_saves_and_training_goes_on(preempted):
+    # SIGUSR1 wrote a checkpoint off the checkpoint.every grid, and the run trained on past it
+    # until SIGTERM stopped it.
+    assert 5 <= preempted["usr1"] < preempted["stopped"], preempted
+    assert "SIGTERM: stopped at step" in preempted["outputs"][0]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("change, key, ours, theirs", [
+    ("model.d_model=128", "model.d_model", "128", "64"),
+    ("data.batch_size=64", "data.batch_size", "64", "32"),
+])
+def test_refused_resume_leaves_the_run_untouched(preempted, change, key, ours, theirs):
+    run_dir = preempted["run_dir"]
+    before = _digest(run_dir)
+    proc = run_cli(*BASE, f"hydra.run.dir={run_dir}", change, cwd=run_dir.parent, timeout=240)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert f"{key}={ours} but checkpoint" in errors[0] and f"{key}={theirs}" in errors[0]
+    assert _digest(run_dir) == before
+
+
+@pytest.mark.parametrize("mesh", ["dp2_tp4", "fsdp8", "dp2_fsdp2_tp2", "dp1"])
+def test_resume_onto_another_mesh(reference, tmp_path, mesh):
+    """Written under dp8, read straight into the new mesh's shards; the run goes on the same."""
+    exp, state, _ = _restore(reference / "checkpoints", 75, f"parallelism={mesh}")
+    for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(exp.state_shardings), strict=True):
+        assert x.sharding.is_equivalent_to(want, x.ndim)
+        assert len(x.addressable_shards) == exp.plan.n_devices
+        for shard in x.addressable_shards:
+            assert shard.data.shape == want.shard_shape(x.shape)
+    split = [x for x in jax.tree.leaves(state.params) if x.sharding.shard_shape(x.shape) != x.shape]
+    assert bool(split) == (mesh != "dp1")  # some weights really are split on the new mesh
+    cfg = make_cfg(*BASE, "logger=none", f"parallelism={mesh}",
+                   f"checkpoint.resume={reference / 'checkpoints' / '75'}")
+    train(cfg, tmp_path)
+    got = [r["train/loss"] for r in _rows(tmp_path)]
+    want = [r["train/loss"] for r in _rows(reference) if r["step"] > 75]
+    assert [r["step"] for r in _rows(tmp_path)] == [80, 85, 90, 95, 100]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    newest = run_dir / "checkpoints" / str(STEPS)
+    for f in newest.rglob("*"):
+        if f.is_file() and f.stat().st_size > 64:
+            with open(f, "r+b") as fh:
+                fh.truncate(f.stat().st_size // 2)
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        train(make_cfg(*BASE, "logger=none"), run_dir)
+    text = caplog.text
+    assert f"checkpoint {newest} is incomplete or corrupt" in text
+    assert f"resuming from step 75 (checkpoint {run_dir / 'checkpoints' / '75'})" in text
+    assert (run_dir / "checkpoints" / f"{STEPS}.corrupt").is_dir()  # set aside, not deleted
+    discarded = [json.loads(x)["step"]
+                 for x in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert discarded == [80, 85, 90, 95, 100]
+    assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
+    assert checkpoint.committed_steps(run_dir / "checkpoints") == [50, 75, 100]
+
+
+NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0",
+       "checkpoint.every=4", "logger=none", "train.inject_nan_at_step=7",
+       "parallelism=dp2", "data.batch_size=8"]
+
+
+def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteError, match="non-finite loss or gradients at step 7") as e:
+        train(make_cfg(*NAN), tmp_path)
+    assert f"last good checkpoint is {tmp_path / 'checkpoints' / '4'}" in str(e.value)
+    assert checkpoint.committed_steps(tmp_path / "checkpoints") == [4]
+    assert [r["step"] for r in _rows(tmp_path)][-1] == 7
+    exp = Experiment.build(make_cfg(*NAN))
+    state, meta, step = checkpoint.restore(Resume(tmp_path / "checkpoints", None, False),
+                                           exp.abstract_state())
+    assert step == 4 and meta["data"] == {"step": 4}
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+
+
+def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
+    train(make_cfg(*NAN, "train.nan_policy=skip"), tmp_path)
+    rows = {r["step"]: r for r in _rows(tmp_path)}
+    assert [rows[s]["train/skipped_steps"] for s in (6, 7, 10)] == [0, 1, 1]
+    assert rows[7]["train/loss"] is None or np.isnan(rows[7]["train/loss"])  # null once logged so
+    assert np.isfinite(rows[10]["train/loss"])
+    assert rows[7]["train/param_norm"] == rows[6]["train/param_norm"]  # parameters unchanged
+    assert rows[8]["train/loss"] < rows[6]["train/loss"]  # and training went on
+    assert checkpoint.committed_steps(tmp_path / "checkpoints") == [4, 8, 10]
+
+
+def test_what_cannot_change_on_resume_is_refused():
+    saved = make_cfg(*BASE)
+    ok = make_cfg(*BASE, "parallelism=dp2_tp4", "optimizer.lr=0.001", "train.steps=200")
+    checkpoint.check_compatible(ok, saved, Path("ckpt/25"))  # mesh, lr, length may change
+    for change, key in [("model.n_layers=3", "model.n_layers"),
+                        ("model=tiny_llama", "model.n_kv_heads"),
+                        ("data.vocab_size=128", "model.vocab_size"),
+                        ("data.symbols=8", "data.symbols"),
+                        ("data.seq_len=32", "data.seq_len")]:
+        with pytest.raises(ConfigError, match=f"{key}=.* but checkpoint ckpt/25 was written "
+                                              f"with {key}="):
+            checkpoint.check_compatible(make_cfg(*BASE, change), saved, Path("ckpt/25"))
+    bigger = make_cfg(*BASE, "data.batch_size=64", "checkpoint.allow_batch_change=true")
+    checkpoint.check_compatible(bigger, saved, Path("ckpt/25"))
+    meta = {"data": {"step": 75}, "config": {"data": {"batch_size": 32}}}
+    assert checkpoint.data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
+    assert checkpoint.data_position(meta, 32) == {"step": 75}
+
+
+def test_bad_checkpoint_settings_are_refused(tmp_path):
+    from dxrun.config import validate
+
+    for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
+                          ("checkpoint.keep=0", "checkpoint.keep=0"),
+                          ("train.nan_policy=ignore", "train.nan_policy='ignore'")]:
+        with pytest.raises(ConfigError, match=key):
+            validate(make_cfg(override))
+    with pytest.raises(ConfigError, match="holds no committed checkpoint"):
+        checkpoint.find_resume(make_cfg(f"checkpoint.resume={tmp_path}"), tmp_path / "new")
