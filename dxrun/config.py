@@ -316,6 +316,9 @@ RANGES: dict[str, Range] = {
     "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.grad_accum": POSITIVE,
     "train.eval_every": NON_NEGATIVE,
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
+    "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
+    "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
+    "checkpoint.keep": Range(1),
 }
 
 
@@ -531,16 +534,8 @@ def validate(cfg: Any) -> None:
 
 
 def validate_checkpoint(cfg: Any) -> None:
-    """The ``checkpoint`` section and ``train.inject_nan_at_step``."""
+    """The ``checkpoint`` section beyond its ranges."""
     c = cfg.checkpoint
-    if c.every < 0:
-        raise ConfigError(f"checkpoint.every={c.every} must not be negative; set a step "
-                          "interval, or checkpoint.every=0 to never save")
-    if c.keep < 1:
-        raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1; e.g. checkpoint.keep=3")
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or the path of a "
                           "checkpoints dir")
-    if cfg.train.inject_nan_at_step < 0:
-        raise ConfigError(f"train.inject_nan_at_step={cfg.train.inject_nan_at_step} must not "
-                          "be negative; 0 turns it off")

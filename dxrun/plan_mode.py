@@ -248,9 +248,11 @@ def candidates(cfg: Any) -> list[list[str]]:
 
 
 def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str,
-                    max_tries: int = 8) -> list[str] | None:
+                    max_tries: int = 8, time_budget_s: float = 40.0) -> list[str] | None:
     """Compile the candidates in order (shapes only) and return the first whose per-device need
-    is within ``budget_bytes``; None if none does."""
+    is within ``budget_bytes``; None if none does within ``time_budget_s`` (a refused run must
+    answer within a minute, whatever the model)."""
+    deadline = time.perf_counter() + time_budget_s
     from omegaconf import OmegaConf
 
     from dxrun.experiment import Experiment
@@ -258,6 +260,8 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
     from dxrun.step import step_bytes
 
     for overrides in candidates(cfg)[:max_tries]:
+        if time.perf_counter() > deadline:
+            return None
         trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         try:
             exp = Experiment.build(trial, make_plan(trial, n_visible, platform), data=_NoData())

@@ -173,7 +173,7 @@ def test_relaunch_into_a_used_dir_gets_its_own_dir_and_log(dp4_tp2_run):
     (earlier,) = _run_dirs(cwd)
     before = _digest(earlier)
     proc = run_cli(f"hydra.run.dir={earlier}", "train.steps=2", "train.eval_every=0",
-                   "logger=none", cwd=cwd)
+                   "logger=none", "checkpoint.resume=none", cwd=cwd)  # no resume: a new run
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _digest(earlier) == before
     new = earlier.with_name(earlier.name + "_1")
@@ -214,7 +214,8 @@ def tokens_runs(tmp_path_factory):
     args = ["data=tokens", "data.path=data/mycorpus", "model.n_layers=1", "train.steps=2",
             "train.log_every=1", "train.eval_every=0", "hydra.run.dir=run"]
     first = run_cli(*args, cwd=cwd)
-    again = run_cli(*args, "logger=none", cwd=cwd)
+    # A fresh start (not a resume from the first run's checkpoints) in the same hydra.run.dir.
+    again = run_cli(*args, "logger=none", "checkpoint.resume=none", cwd=cwd)
     return cwd, first, again
 
 

@@ -64,7 +64,8 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
     cfg = cfg_factory("logger=none", "parallelism=dp2", "parallelism.n_devices=2",
                       "optimizer=sgd", "optimizer.lr=1e6", "optimizer.clip_norm=0",
                       "optimizer.schedule=constant", "optimizer.warmup_steps=0",
-                      "train.steps=4", "train.log_every=3", "train.eval_every=0")
+                      "train.steps=4", "train.log_every=3", "train.eval_every=0",
+                      "train.nan_policy=skip")  # halt would stop the run at step 3
     with caplog.at_level("WARNING", logger="dxrun"):
         train(cfg, tmp_path)
     rows = [_strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
