@@ -55,6 +55,7 @@ def _register_sweeper() -> None:
 
 log = logging.getLogger("dxrun")
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
+logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save INFO lines
 register()
 _register_sweeper()
 

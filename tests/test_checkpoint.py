@@ -257,3 +257,27 @@ def test_bad_checkpoint_settings_are_refused(tmp_path):
             validate(make_cfg(override))
     with pytest.raises(ConfigError, match="holds no committed checkpoint"):
         checkpoint.find_resume(make_cfg(f"checkpoint.resume={tmp_path}"), tmp_path / "new")
+
+
+@pytest.mark.e2e
+def test_second_sigint_exits_at_once_without_saving(tmp_path):
+    """Ctrl-C twice: the first asks for a save; the second, before that save is committed,
+    exits 130 at once, and no checkpoint past the last committed one appears."""
+    run_dir = tmp_path / "run"
+    proc = _launch(tmp_path, run_dir, "logger=none", "train.steps=100000",
+                   "checkpoint.every=0")
+    _wait_for(lambda: _logged_step(run_dir) >= 5, proc)
+    proc.send_signal(signal.SIGINT)
+    # Two signals sent back to back arrive as one: the second waits for the first's answer.
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "SIGINT received" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-2000:]
+    assert "second SIGINT: exiting now without saving" in out
+    assert "SIGINT: stopped at step" not in out  # the first SIGINT's save never finished
+    committed = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
+    assert committed == [], committed
