@@ -100,7 +100,7 @@ def main(cfg: DictConfig) -> Any:
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
         prepared = prepare(cfg, Path(hydra_cfg.runtime.output_dir))
-        resume = prepared[3]
+        resume = prepared[1]
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
         run_dir = _claim(hydra_cfg, reuse=resume is not None and resume.in_place)
         run_log.attach(run_dir)

@@ -17,6 +17,7 @@ No JAX import at module level: the config check reads TARGETS before JAX starts.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -28,6 +29,7 @@ log = logging.getLogger("dxrun")
 GB = 1e9
 GiB = 2**30
 USABLE = 0.9  # of an accelerator's memory; the rest is XLA's and the runtime's own
+USABLE_CPU = 0.8  # of the host's RAM: the OS, Python and the data pipeline need the rest
 
 
 @dataclass(frozen=True)
@@ -110,15 +112,8 @@ def _shard_bytes(tree: Any) -> float:
     total = 0.0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape)
-        total += x.dtype.itemsize * float(_prod(shape))
+        total += x.dtype.itemsize * float(math.prod(shape))
     return total
-
-
-def _prod(shape: Any) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def footprint(exp: Any, compiled: Any) -> Footprint:
@@ -169,10 +164,15 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
     return f1 + (n - 1) * (f2 - f1), b1 + (n - 1) * (b2 - b1)
 
 
+def usable_bytes(target: Target) -> float:
+    """What a plan may use of one device's memory."""
+    return target.memory_bytes * (USABLE_CPU if target.device_kind == "cpu" else USABLE)
+
+
 def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flops: float,
              tokens: int, n_devices: int, precision: str) -> dict[str, Any]:
     """Fit and roofline for one target (per device; labelled as an estimate)."""
-    usable = target.memory_bytes * (USABLE if target.device_kind != "cpu" else 0.8)
+    usable = usable_bytes(target)
     out: dict[str, Any] = {
         "target": target.name,
         "memory_per_device_gb": target.memory_bytes / GB,
@@ -289,7 +289,7 @@ def device_budget(cfg: Any) -> tuple[float, int, str]:
         shared = local if jax.default_backend() == "cpu" else 1
         return total / shared, shared, f"runtime.memory_gb={cfg.runtime.memory_gb}"
     if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
-        return host_memory_bytes() * 0.9 / local, local, "this host's available RAM"
+        return host_memory_bytes() * USABLE_CPU / local, local, "this host's available RAM"
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit is None:
@@ -346,8 +346,7 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
         "target": est,
     }
     if not est["fits"]:
-        budget = target.memory_bytes * (USABLE if target.device_kind != "cpu" else 0.8)
-        report["suggestion"] = first_that_fits(cfg, budget, exp.plan.n_visible,
+        report["suggestion"] = first_that_fits(cfg, usable_bytes(target), exp.plan.n_visible,
                                                exp.plan.platform)
     return report
 

@@ -24,7 +24,7 @@ from dxrun.console import Progress
 from dxrun.data import EVAL, Data
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.logger import MetricsLogger, rewind_metrics
-from dxrun.plan import MeshPlan, make_plan
+from dxrun.plan import make_plan
 from dxrun.preempt import Preemption
 from dxrun.runtime import AllocatorPeak, write_json
 
@@ -101,7 +101,8 @@ def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | Non
     return peak
 
 
-Prepared = tuple[MeshPlan, Data, Experiment, "Resume | None"]
+# The built experiment (its plan and data inside) and the checkpoint to resume, if any.
+Prepared = tuple[Experiment, "Resume | None"]
 
 
 def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
@@ -114,7 +115,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
     exp = Experiment.build(cfg, plan, data)
     plan_mode.check_memory(cfg, exp, exp.compile_step())
-    return plan, data, exp, resume
+    return exp, resume
 
 
 def perplexity(loss: float) -> float:
@@ -143,7 +144,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
           prepared: Prepared | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     job = job or Job()
-    plan, data, exp, resume = prepared or prepare(cfg, run_dir)
+    exp, resume = prepared or prepare(cfg, run_dir)
+    plan, data = exp.plan, exp.data
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)

@@ -45,3 +45,11 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None):
     full_env.pop("XLA_FLAGS", None)  # the launcher sets the device count itself
     return subprocess.run([sys.executable, "-m", "dxrun", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def tree_digest(tree: Path) -> dict[str, str]:
+    """Every file under ``tree`` by its sha256: "untouched" means equal digests."""
+    import hashlib
+
+    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tree.rglob("*")) if p.is_file()}

@@ -3,7 +3,6 @@ files damaged on disk; resumed runs compared number for number with uninterrupte
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, run_cli
+from conftest import make_cfg, run_cli, tree_digest
 
 from dxrun import checkpoint
 from dxrun.checkpoint import Resume
@@ -38,11 +37,6 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-
-
-def _digest(tree: Path) -> dict[str, str]:
-    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(tree.rglob("*")) if p.is_file()}
 
 
 def _restore(ckpt_dir: Path, step: int, *overrides: str):
@@ -149,13 +143,13 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
 ])
 def test_refused_resume_leaves_the_run_untouched(preempted, change, key, ours, theirs):
     run_dir = preempted["run_dir"]
-    before = _digest(run_dir)
+    before = tree_digest(run_dir)
     proc = run_cli(*BASE, f"hydra.run.dir={run_dir}", change, cwd=run_dir.parent, timeout=240)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
     assert len(errors) == 1, proc.stderr
     assert f"{key}={ours} but checkpoint" in errors[0] and f"{key}={theirs}" in errors[0]
-    assert _digest(run_dir) == before
+    assert tree_digest(run_dir) == before
 
 
 @pytest.mark.parametrize("mesh", ["dp2_tp4", "fsdp8", "dp2_fsdp2_tp2", "dp1"])

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, tree_digest
 
 from dxrun.wandb_file import read_run
 
 
 def _run_dirs(cwd: Path) -> list[Path]:
     return sorted(p.parent for p in (cwd / "outputs").glob("*/*/plan.json"))
-
-
-def _digest(tree: Path) -> dict[str, str]:
-    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(tree.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +131,14 @@ BAD = [
 @pytest.mark.parametrize("args, key, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
 def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     cwd, _ = dp4_tp2_run
-    before = _digest(cwd / "outputs")
+    before = tree_digest(cwd / "outputs")
     proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr + proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dxrun: error:")]
     assert len(errors) == 1, proc.stderr
     assert key in errors[0] and fix in errors[0], errors[0]
-    assert _digest(cwd / "outputs") == before  # the earlier run's files are untouched
+    assert tree_digest(cwd / "outputs") == before  # the earlier run's files are untouched
     assert len(_run_dirs(cwd)) == 1
     assert not (cwd / "multirun").exists()
 
@@ -171,11 +165,11 @@ def test_relaunch_into_a_used_dir_gets_its_own_dir_and_log(dp4_tp2_run):
     run's files, its log included."""
     cwd, _ = dp4_tp2_run
     (earlier,) = _run_dirs(cwd)
-    before = _digest(earlier)
+    before = tree_digest(earlier)
     proc = run_cli(f"hydra.run.dir={earlier}", "train.steps=2", "train.eval_every=0",
                    "logger=none", "checkpoint.resume=none", cwd=cwd)  # no resume: a new run
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _digest(earlier) == before
+    assert tree_digest(earlier) == before
     new = earlier.with_name(earlier.name + "_1")
     assert (new / "plan.json").is_file() and "step 2/2" in (new / "dxrun.log").read_text()
     import shutil

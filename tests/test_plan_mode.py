@@ -72,7 +72,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory):
     assert need_fsdp < need_dp
     # A CPU "machine" whose 8 devices get (80% of) a budget between the two needs.
     per_device = (need_dp + need_fsdp) / 2
-    memory_gb = per_device * 8 / 0.8 / 2**30
+    memory_gb = per_device * 8 / plan_mode.USABLE_CPU / 2**30
     cfg = cfg_factory(*WIDE, "parallelism=dp8", "plan.target=cpu",
                       f"runtime.memory_gb={memory_gb}", "runtime.peak_tflops=1")
     report = plan_mode.plan_report(cfg, Experiment.build(cfg))
