@@ -52,6 +52,9 @@ class ParallelismConfig:
     fsdp: int = 1
     tp: int = 1
     on_mismatch: str = "error"  # error | shrink
+    # A multi-process run refuses a tensor-parallel group that spans processes (hosts): its
+    # per-layer all-reduces would cross the network. true = allow it anyway.
+    allow_cross_host_tp: bool = False
 
 
 @dataclass
@@ -163,6 +166,24 @@ class RuntimeConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/distributed.py)."""
+
+    # auto: join when the environment says this process is one of several (srun with several
+    # tasks; JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, as
+    # python -m dxrun.launch sets them) | off | manual (the keys below)
+    mode: str = "auto"
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    # The accelerators this process drives: null = JAX's choice (under SLURM one per task when
+    # a node runs several tasks, all when it runs one).
+    local_device_ids: list[int] | None = None
+    init_timeout_s: int = 300  # wait at most this long for every process to arrive
+    heartbeat_timeout_s: int = 100  # a process silent this long is dead: the others exit
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -175,6 +196,7 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def register() -> None:
@@ -266,6 +288,7 @@ _CHOICES = {
     "train.nan_policy": ("halt", "skip"),
     "logger.name": ("wandb", "none"),
     "run.mode": ("train", "plan"),
+    "distributed.mode": ("auto", "off", "manual"),
 }
 
 @dataclass(frozen=True)
@@ -319,6 +342,7 @@ RANGES: dict[str, Range] = {
     "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
     "checkpoint.keep": Range(1),
+    "distributed.init_timeout_s": POSITIVE, "distributed.heartbeat_timeout_s": POSITIVE,
 }
 
 

@@ -17,12 +17,25 @@ from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.optimizer import make_optimizer
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.sharding import batch_sharding, mesh_from_plan, param_axes, param_shardings, replicated
+from dxrun.sharding import (
+    batch_sharding,
+    check_process_rows,
+    mesh_from_plan,
+    param_axes,
+    param_shardings,
+    replicated,
+)
 from dxrun.step import TrainState, make_eval_step, make_train_step
 
 
-def visible_devices() -> tuple[int, str]:
-    return jax.device_count(), jax.default_backend()
+def visible_devices() -> tuple[int, str, int]:
+    """What ``make_plan`` lays the mesh over: (devices of all processes, platform, processes)."""
+    return jax.device_count(), jax.default_backend(), jax.process_count()
+
+
+def process_data(cfg: Any, plan: MeshPlan) -> Data:
+    """This process's reader of the data: the row block of every batch its devices hold."""
+    return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards)
 
 
 @dataclass
@@ -74,7 +87,8 @@ class Experiment:
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision)
         if data is None:
-            data = Data(cfg, jax.process_index(), jax.process_count())
+            data = process_data(cfg, plan)
+        check_process_rows(b_shard, plan, cfg.data.batch_size)
         return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
                    schedule, data, step, eval_step)
 

@@ -58,6 +58,11 @@ class MeshPlan:
     vocab_size: int = 0
     padded_vocab: int = 0
     grad_accum: int = 1
+    # JAX processes (hosts) the mesh spans, and the part of each mesh axis that runs across
+    # them (the rest of the axis is inside one process): data spans hosts first, tensor never
+    # (unless parallelism.allow_cross_host_tp).
+    processes: int = 1
+    dcn_shape: tuple[int, int, int] = (1, 1, 1)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -66,6 +71,22 @@ class MeshPlan:
     @property
     def n_devices(self) -> int:
         return self.dp * self.fsdp * self.tp
+
+    @property
+    def local_shape(self) -> tuple[int, int, int]:
+        """The mesh within one process (what ``create_hybrid_device_mesh`` calls mesh_shape)."""
+        return tuple(a // b for a, b in zip(self.shape, self.dcn_shape, strict=True))
+
+    @property
+    def data_shards(self) -> int:
+        """How many distinct row blocks the processes read: processes of one cross-host
+        tensor group read the same rows."""
+        return self.dcn_shape[0] * self.dcn_shape[1]
+
+    def data_shard(self, process: int) -> int:
+        """The row block of the global batch ``process`` reads: hybrid meshes put processes in
+        row-major order over (data, fsdp, tensor), so this is its (data, fsdp) position."""
+        return process // self.dcn_shape[2]
 
     @property
     def per_device_batch(self) -> int:
@@ -78,6 +99,7 @@ class MeshPlan:
         out["mesh_shape"] = list(self.shape)
         out["n_devices"] = self.n_devices
         out["per_device_batch"] = self.per_device_batch
+        out["local_shape"] = list(self.local_shape)
         out["device_ids"] = list(self.device_ids)
         out["rules"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rules.items()}
         out["warnings"] = list(self.warnings)
@@ -93,6 +115,10 @@ class MeshPlan:
                       + (f"; {self.grad_accum} micro-batches of "
                          f"{self.per_device_batch // self.grad_accum} per replica (train.grad_accum)"
                          if self.grad_accum > 1 else "")),
+            *([("hosts", f"{self.processes} processes x {self.n_devices // self.processes} "
+                          f"devices; across processes: data={self.dcn_shape[0]} x fsdp="
+                          f"{self.dcn_shape[1]} x tensor={self.dcn_shape[2]}")]
+              if self.processes > 1 else []),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
         ]
         if self.padded_vocab != self.vocab_size:
@@ -156,8 +182,42 @@ def _shrink(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
     return sizes[0], sizes[1], sizes[2]
 
 
-def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
-    """Resolve ``cfg.parallelism`` against ``n_visible`` devices and check the model and batch fit.
+def split_over_processes(dp: int, fsdp: int, tp: int, processes: int,
+                         allow_cross_host_tp: bool = False) -> tuple[int, int, int]:
+    """The part of (data, fsdp, tensor) that spans ``processes`` equal hosts: tensor stays
+    inside a host, fsdp takes what the host has left, data spans the hosts. Raises ConfigError
+    for a layout whose tensor-parallel group would cross hosts (every layer's activation
+    all-reduces over the network) unless allowed."""
+    local = dp * fsdp * tp // processes
+    if local % tp:
+        where = (f"parallelism.tp={tp} puts each tensor-parallel group across "
+                 f"{-(-tp // local)} processes ({processes} processes x {local} devices), so "
+                 "every layer's all-reduces would cross the network")
+        fits = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        if not allow_cross_host_tp:
+            raise ConfigError(f"{where}; use parallelism.tp from {fits} (the devices of one "
+                              "process), or set parallelism.allow_cross_host_tp=true")
+        if tp % local:
+            raise ConfigError(f"{where}, and unevenly; use parallelism.tp from {fits} or a "
+                              f"multiple of {local}")
+        return dp, fsdp, tp // local
+    inside = local // tp  # what the host has for data x fsdp
+    fsdp_in = math.gcd(fsdp, inside)
+    data_in = inside // fsdp_in
+    dcn = (dp // data_in, fsdp // fsdp_in, 1)
+    if data_in > 1 and dcn[1] > 1:
+        # Each process would hold scattered rows of the batch; keep fsdp inside a host or
+        # make it span whole hosts.
+        raise ConfigError(
+            f"parallelism.fsdp={fsdp} neither fits in one process's {inside} devices (after "
+            f"tp={tp}) nor spans whole processes; pick parallelism.fsdp dividing {inside} or "
+            f"a multiple of {inside}")
+    return dcn
+
+
+def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1) -> MeshPlan:
+    """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
+    processes) and check the model and batch fit.
 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
@@ -171,6 +231,12 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
     n = par.n_devices or n_visible
     dp, fsdp, tp = _resolve_axes(par.dp, par.fsdp, par.tp, n)
     warnings: list[str] = []
+    if processes > 1 and dp * fsdp * tp != n_visible:
+        raise ConfigError(
+            f"parallelism={par.name} (dp={dp}, fsdp={fsdp}, tp={tp}) uses {dp * fsdp * tp} "
+            f"devices but a {processes}-process run has {n_visible} ({processes} x "
+            f"{n_visible // processes}) and must use them all; set parallelism.n_devices=0 and "
+            f"sizes whose product is {n_visible}")
     if dp * fsdp * tp != n:
         if par.on_mismatch != "shrink":
             in_use = (f"parallelism.n_devices={n} uses {n}" if par.n_devices
@@ -187,6 +253,8 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
             f"parallelism.on_mismatch=shrink: dp*fsdp*tp={'*'.join(map(str, old))} does not fit "
             f"{n} devices; using dp={dp} fsdp={fsdp} tp={tp} on {dp * fsdp * tp} devices"
         )
+    dcn = (split_over_processes(dp, fsdp, tp, processes, par.allow_cross_host_tp)
+           if processes > 1 else (1, 1, 1))
     replicas = dp * fsdp
     if data.batch_size % replicas:
         good = replicas * max(1, round(data.batch_size / replicas))
@@ -227,4 +295,6 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
         padded_vocab=padded_vocab(model.vocab_size, tp, platform),
+        processes=processes,
+        dcn_shape=dcn,
     )

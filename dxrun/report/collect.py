@@ -96,7 +96,9 @@ def read_job(job_dir: Path) -> JobRecord:
         record.status, record.kind = "failed", status.get("kind", "crashed")
         record.reason, record.log = status.get("reason"), status.get("log")
     elif state == "running" or (state is None and not summary):
-        log = job_dir / "dxrun.log"
+        # dxrun.0.log: process 0's log of a multi-process job
+        log = next((p for p in (job_dir / "dxrun.log", job_dir / "dxrun.0.log") if p.is_file()),
+                   job_dir / "dxrun.log")
         record.status, record.kind = "failed", "unfinished"
         record.reason = ("did not finish (killed, timed out, or still running)" if state
                          else "no summary.json: the job never finished")
