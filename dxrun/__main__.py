@@ -95,11 +95,13 @@ def main(cfg: DictConfig) -> Any:
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
+            from dxrun.batch import resolve_batch
             from dxrun.experiment import visible_devices
             from dxrun.plan import make_plan
             from dxrun.plan_mode import run_plan
 
             plan = make_plan(cfg, *visible_devices())
+            resolve_batch(cfg, plan)  # the saved config holds the global batch too
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
             write_hydra_files(run_dir, cfg, hydra_cfg)

@@ -17,6 +17,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from dxrun.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_batch
 from dxrun.errors import ConfigError
 
 
@@ -60,7 +61,11 @@ class ParallelismConfig:
 @dataclass
 class DataConfig:
     name: str = "markov"  # markov | text | tokens
-    batch_size: int = 32  # global: all devices together
+    # Global (all devices, one optimizer update); its default is 32, or null when a per-device
+    # batch is given (dxrun/batch.py: how a set value is told from the default).
+    batch_size: int | None = "${default_batch:${data.per_device_batch_size}}"  # type: ignore[assignment]
+    # Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.
+    per_device_batch_size: int | None = None
     seq_len: int = 64
     seed: int = 0
     # The vocabulary this data suggests; the small model presets follow it (${data.vocab_size}).
@@ -204,6 +209,7 @@ def register() -> None:
 
     ConfigStore.instance().store(name="dxrun_schema", node=RunConfig)
     OmegaConf.register_new_resolver("data_meta", data_meta, replace=True)
+    OmegaConf.register_new_resolver("default_batch", default_batch, replace=True)
     OmegaConf.register_new_resolver("tokenizer_vocab", tokenizer_vocab, replace=True)
     _register_presets()
 
@@ -327,7 +333,8 @@ RANGES: dict[str, Range] = {
     "model.max_seq_len": POSITIVE, "model.dropout": FRACTION, "model.rope_theta": POSITIVE,
     "model.init_std": POSITIVE,
     "parallelism.n_devices": NON_NEGATIVE,
-    "data.batch_size": POSITIVE, "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
+    "data.batch_size": POSITIVE, "data.per_device_batch_size": POSITIVE,
+    "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
     "data.val_fraction": FRACTION, "data.workers": NON_NEGATIVE, "data.order": POSITIVE,
     "data.symbols": NON_NEGATIVE, "data.branching": POSITIVE,
     "optimizer.lr": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
@@ -476,9 +483,12 @@ def validate(cfg: Any) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
     _check_source_keys(cfg.data)
+    check_batch_keys(cfg.data)
     for key, r in RANGES.items():
         value = _get(cfg, key)
         group, _, name = key.partition(".")
+        if value is None and key in (GLOBAL, PER_DEVICE):
+            continue  # the one of the two not given (check_batch_keys)
         if value is None and group == "data" and cfg.data.name not in DATA_SOURCE_KEYS[name]:
             continue  # a key this source does not read
         if value is None or value not in r:

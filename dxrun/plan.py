@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dxrun.batch import GLOBAL, PER_DEVICE, batch_set_by, global_batch, scaled_lr
 from dxrun.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -63,6 +64,11 @@ class MeshPlan:
     # (unless parallelism.allow_cross_host_tp).
     processes: int = 1
     dcn_shape: tuple[int, int, int] = (1, 1, 1)
+    # Which key the global batch came from (data.batch_size or data.per_device_batch_size), and
+    # the peak learning rate after optimizer.lr_scaling at that batch (0 = no optimizer given).
+    batch_set_by: str = GLOBAL
+    peak_lr: float = 0.0
+    lr_scaling: str = "none"
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -93,6 +99,19 @@ class MeshPlan:
         """Examples each data replica (a group of tp devices) computes per step."""
         return self.global_batch // (self.dp * self.fsdp)
 
+    @property
+    def per_device_batch_size(self) -> int:
+        """Examples each data replica computes at once (one micro-batch): what
+        ``data.per_device_batch_size`` sets; global = this x dp x fsdp x grad_accum."""
+        return self.per_device_batch // self.grad_accum
+
+    def _batch_row(self) -> str:
+        accum = f" x {self.grad_accum} micro-batches (train.grad_accum)" if self.grad_accum > 1 else ""
+        given = (f"{PER_DEVICE}={self.per_device_batch_size}" if self.batch_set_by == PER_DEVICE
+                 else GLOBAL)
+        return (f"{self.global_batch} global = {self.per_device_batch_size} per replica x "
+                f"{self.dp * self.fsdp} replicas{accum}, seq_len {self.seq_len}; set by {given}")
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["mesh_axes"] = list(MESH_AXES)
@@ -100,6 +119,7 @@ class MeshPlan:
         out["n_devices"] = self.n_devices
         out["per_device_batch"] = self.per_device_batch
         out["local_shape"] = list(self.local_shape)
+        out["per_device_batch_size"] = self.per_device_batch_size
         out["device_ids"] = list(self.device_ids)
         out["rules"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rules.items()}
         out["warnings"] = list(self.warnings)
@@ -110,11 +130,9 @@ class MeshPlan:
             ("mesh", f"data={self.dp} x fsdp={self.fsdp} x tensor={self.tp}"),
             ("devices", f"{self.n_devices} of {self.n_visible} {self.platform} "
                         f"(ids {_ids(self.device_ids)})"),
-            ("batch", f"{self.global_batch} global = {self.per_device_batch} per replica "
-                      f"x {self.dp * self.fsdp} replicas, seq_len {self.seq_len}"
-                      + (f"; {self.grad_accum} micro-batches of "
-                         f"{self.per_device_batch // self.grad_accum} per replica (train.grad_accum)"
-                         if self.grad_accum > 1 else "")),
+            ("batch", self._batch_row()),
+            *([("lr", f"{self.peak_lr:.4g} peak (optimizer.lr_scaling={self.lr_scaling} at "
+                      f"batch {self.global_batch})")] if self.peak_lr else []),
             *([("hosts", f"{self.processes} processes x {self.n_devices // self.processes} "
                           f"devices; across processes: data={self.dcn_shape[0]} x fsdp="
                           f"{self.dcn_shape[1]} x tensor={self.dcn_shape[2]}")]
@@ -256,16 +274,17 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
     dcn = (split_over_processes(dp, fsdp, tp, processes, par.allow_cross_host_tp)
            if processes > 1 else (1, 1, 1))
     replicas = dp * fsdp
-    if data.batch_size % replicas:
-        good = replicas * max(1, round(data.batch_size / replicas))
+    accum = cfg.train.grad_accum if "train" in cfg else 1
+    batch = global_batch(data, replicas, accum)
+    if batch % replicas:
+        good = replicas * max(1, round(batch / replicas))
         raise ConfigError(
             f"data.batch_size={data.batch_size} is not divisible by dp*fsdp={replicas} (the "
             f"data-parallel replicas of parallelism={par.name}); "
             f"use a multiple of {replicas} (e.g. data.batch_size={good})"
         )
-    accum = cfg.train.grad_accum if "train" in cfg else 1
-    if (data.batch_size // replicas) % accum:
-        per = data.batch_size // replicas
+    if (batch // replicas) % accum:
+        per = batch // replicas
         raise ConfigError(
             f"train.grad_accum={accum} does not divide the {per} examples per replica "
             f"(data.batch_size={data.batch_size} over dp*fsdp={replicas}); pick a "
@@ -288,8 +307,11 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         device_ids=tuple(range(dp * fsdp * tp)),
         n_visible=n_visible,
         platform=platform,
-        global_batch=data.batch_size,
+        global_batch=batch,
         grad_accum=accum,
+        batch_set_by=batch_set_by(data),
+        peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
+        lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
         seq_len=data.seq_len,
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),

@@ -18,6 +18,7 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun import checkpoint, flops, plan_mode
+from dxrun.batch import resolve_batch
 from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.console import Progress
@@ -111,6 +112,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     (``checkpoint.resume`` for a launch into ``run_dir``) and the memory preflight (the step
     compiled from shapes alone must fit). Raises ConfigError."""
     plan = make_plan(cfg, *visible_devices())
+    resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for every reader
     data = process_data(cfg, plan)
     resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
     exp = Experiment.build(cfg, plan, data)
