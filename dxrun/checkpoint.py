@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
 from dxrun.errors import ConfigError, NonFiniteError
-from dxrun.preempt import Preemption, Stopped
+from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState
 
 log = logging.getLogger("dxrun")
@@ -264,10 +264,14 @@ class RunCheckpoints:
         self.meta, self.iterator, self.logger, self.preemption = meta, iterator, logger, preemption
         self.saver = Checkpointer(checkpoint_dir(cfg, run_dir), cfg.checkpoint.keep)
         self.last_saved: Path | None = None
+        # Several processes act on a signal at one agreed step (a save is collective).
+        self.agreement = ProcessAgreement() if jax.process_count() > 1 else None
 
     def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
         """After step ``done`` (the iterator has given exactly ``done`` batches)."""
         stop, asked = self.preemption.stop, self.preemption.take_save()
+        if self.agreement is not None:
+            stop, asked = self.agreement(done, stop, asked)
         ran = done > self.start
         due = ran and bool(self.every) and (done % self.every == 0 or last)
         if due or stop or asked:

@@ -112,6 +112,19 @@ def join(dist: Any, env: Mapping[str, str] | None = None) -> Join | None:
     kwargs: dict[str, Any] = {}
     if spec.source == "slurm":
         kwargs["cluster_detection_method"] = "slurm"
+    where = spec.coordinator or "the SLURM coordinator"
+    # JAX ends the process (a C++ abort, no Python error) when the coordinator cannot be
+    # reached: check that first, so the common mistake (process 0 not started, a wrong
+    # address) gets one line. A process that never arrives still ends the others through JAX.
+    if spec.coordinator and spec.process_id != 0 and not reachable(spec.coordinator,
+                                                                   dist.init_timeout_s):
+        raise ConfigError(
+            f"process {spec.process_id} of {spec.num_processes} could not reach the "
+            f"coordinator {where} within distributed.init_timeout_s={dist.init_timeout_s}; "
+            "check that process 0 was started and that its host and port are reachable")
+    log.info("joining a %d-process run as process %d at %s (waiting up to "
+             "distributed.init_timeout_s=%d s for all of them)", spec.num_processes,
+             spec.process_id, where, dist.init_timeout_s)
     try:
         jax.distributed.initialize(
             spec.coordinator, spec.num_processes, spec.process_id,
@@ -123,12 +136,29 @@ def join(dist: Any, env: Mapping[str, str] | None = None) -> Join | None:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(
             f"process {spec.process_id} of {spec.num_processes} could not join the run at "
-            f"{spec.coordinator or 'the SLURM coordinator'} within distributed.init_timeout_s="
+            f"{where} within distributed.init_timeout_s="
             f"{dist.init_timeout_s} ({first}); check that every process was started and can "
             "reach process 0's host and port") from None
     log.info("joined a %d-process run as process %d (%s, coordinator %s)", spec.num_processes,
-             spec.process_id, spec.source, spec.coordinator or "from SLURM")
+             spec.process_id, spec.source, where)
     return spec
+
+
+def reachable(address: str, timeout_s: float) -> bool:
+    """Whether something listens at ``host:port`` within ``timeout_s`` (retrying)."""
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
 
 def process_index() -> int:

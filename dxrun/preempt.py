@@ -69,3 +69,46 @@ class Preemption:
         """Whether a save was asked for (SIGUSR1) since the last call."""
         asked, self.save = self.save, False
         return asked
+
+
+class ProcessAgreement:
+    """Signals in a multi-process run: every process acts on them at the same step.
+
+    SLURM signals every task, but not at the same instant, and the processes' hosts may be some
+    steps apart; a save is a collective (all processes write their shards) and a stop must
+    happen everywhere, so each process acting on its own signal would hang or split the run.
+    Every ``EVERY`` steps the processes publish what they received to the distributed
+    runtime's key-value store, meet at a barrier, and all read the same union: the same
+    save, the same stop, at the same step. Between those steps nothing is exchanged."""
+
+    EVERY = 10
+    _runs = 0  # agreements made in this process: keys stay distinct across multirun jobs
+
+    def __init__(self, timeout_s: int = 24 * 3600):
+        import jax
+        from jax._src.distributed import global_state
+
+        # The barrier waits for the slowest process, which may still be compiling or
+        # evaluating; a dead one is caught by the runtime's heartbeat, not by this timeout.
+        self.client, self.rank = global_state.client, jax.process_index()
+        self.timeout_ms = timeout_s * 1000
+        self.pending_save = False
+        ProcessAgreement._runs += 1
+        self.prefix = f"dxrun/signals/{ProcessAgreement._runs}"
+
+    def __call__(self, done: int, stop: str | None, save: bool) -> tuple[str | None, bool]:
+        self.pending_save |= save
+        if done % self.EVERY:
+            return None, False
+        key = f"{self.prefix}/{done}"
+        self.client.key_value_set(f"{key}/{self.rank}", f"{stop or ''}|{int(self.pending_save)}")
+        self.client.wait_at_barrier(key, self.timeout_ms)
+        seen = [v for _, v in self.client.key_value_dir_get(f"{key}/")]
+        if done >= self.EVERY:  # everyone has read the round before: drop it
+            self.client.key_value_delete(f"{self.prefix}/{done - self.EVERY}/")
+        stops = {v.split("|")[0] for v in seen} - {""}
+        agreed_save = any(v.endswith("|1") for v in seen)
+        if agreed_save:
+            self.pending_save = False
+        # SIGTERM (a requeue: exit 0) wins over SIGINT when both arrived.
+        return (max(stops) if stops else None), agreed_save

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_cfg
+from conftest import make_cfg, run_cli
 
+from dxrun.checkpoint import committed_steps
+from dxrun.launch import free_port
 from dxrun.train import train
 
 pytestmark = pytest.mark.e2e
@@ -120,17 +122,18 @@ def test_refused_layouts(tmp_path, overrides, message):
     for rank in (0, 1):
         assert f"[rank {rank}] dxrun: error: {message}" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.json"))
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
 
 
-def test_a_dead_process_stops_the_other(tmp_path):
-    """Rank 1 is killed mid-run: rank 0 notices through the heartbeat and exits non-zero
-    with a message saying so, and the launcher names the first failure. No hang."""
+def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
+                   ) -> tuple[int, str, float]:
+    """A 2-process run without end; once rank 0 has logged step 2, rank 1 alone gets
+    ``signum``. Returns the launcher's exit code, its output and the seconds it took to exit."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
          "logger=none", "train.steps=100000", "train.log_every=1", "checkpoint.every=0",
-         "distributed.heartbeat_timeout_s=10"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
     seen, pids = [], {}
     try:
         for line in proc.stdout:
@@ -139,47 +142,45 @@ def test_a_dead_process_stops_the_other(tmp_path):
                 pids[int(m[1])] = int(m[2])
             if line.startswith("[rank 0]") and "step 2/" in line:
                 break
-        os.kill(pids[1], signal.SIGKILL)
-        killed = time.monotonic()
-        rest, _ = proc.communicate(timeout=90)
-        took = time.monotonic() - killed
+        os.kill(pids[1], signum)
+        sent = time.monotonic()
+        rest, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, "".join(seen) + rest, time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = "".join(seen) + rest
-    assert proc.returncode not in (0, None) and took < 60, out[-3000:]
+
+
+def test_a_dead_process_stops_the_other(tmp_path):
+    """Rank 1 is killed mid-run: rank 0 notices through the heartbeat and exits non-zero
+    with a message saying so, and the launcher names the first failure. No hang."""
+    code, out, took = signal_mid_run(tmp_path, signal.SIGKILL,
+                                     "distributed.heartbeat_timeout_s=10", timeout=90)
+    assert code != 0 and took < 60, out[-3000:]
     assert "another task died" in out  # rank 0, from JAX's distributed runtime
     assert "dxrun.launch: error: rank 1 was killed by SIGKILL first; then rank 0" in out
 
 
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):
     """SIGTERM reaches rank 1 only (SLURM's signals do not arrive at the same instant): both
-    processes agree on one step, save it together and exit 0; the relaunch resumes it."""
-    overrides = ["logger=none", "train.steps=100000", "train.log_every=1", "checkpoint.every=0",
-                 "hydra.run.dir=run"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-         *overrides], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    seen, pids = [], {}
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if m := re.match(r"dxrun.launch: rank (\d) pid (\d+)", line):
-                pids[int(m[1])] = int(m[2])
-            if line.startswith("[rank 0]") and "step 3/" in line:
-                break
-        os.kill(pids[1], signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(seen) + rest
-    assert proc.returncode == 0, out[-3000:]
-    from dxrun.checkpoint import committed_steps
-
+    processes agree on one step, save it together and exit 0."""
+    code, out, _ = signal_mid_run(tmp_path, signal.SIGTERM, "hydra.run.dir=run")
+    assert code == 0, out[-3000:]
     (step,) = committed_steps(tmp_path / "run" / "checkpoints")
     assert step % 10 == 0  # the first step at which the processes compare signals
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert (status["kind"], status["reason"]) == ("stopped", f"stopped by SIGTERM at step {step}")
     assert max(losses(tmp_path / "run")) == step
+
+
+def test_a_process_that_cannot_reach_the_coordinator_says_so(tmp_path):
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "1"}
+    proc = run_cli("logger=none", "distributed.init_timeout_s=2", cwd=tmp_path, env=env,
+                   timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dxrun: error: process 1 of 2 could not reach the coordinator "
+        f"{env['JAX_COORDINATOR_ADDRESS']} within distributed.init_timeout_s=2; check that "
+        "process 0 was started and that its host and port are reachable")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind

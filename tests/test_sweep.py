@@ -368,6 +368,14 @@ def test_slurm_launcher_composes_with_nodes_gpus_time_partition():
             launcher.partition) == (1, 8, 240, "gpu")
 
 
+def test_multinode_slurm_preset_runs_one_task_per_node_over_several_nodes():
+    launcher = _compose("hydra/launcher=slurm_multinode", "hydra.launcher.nodes=4",
+                        "hydra.launcher.partition=gpu", hydra=True).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node,
+            launcher.partition, launcher.timeout_min) == (4, 1, 8, "gpu", 240)
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "sweeps" / "wandb").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_wandb_sweep_definitions_compose(path):
