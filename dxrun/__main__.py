@@ -24,7 +24,7 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.distributed import agree, join
+from dxrun.distributed import agree, is_main, join
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.runtime import (
     RunLog,
@@ -77,7 +77,7 @@ def main(cfg: DictConfig) -> Any:
 
         if joined is not None:
             run_log.name = RunLog.name_for(joined.process_id, joined.num_processes)
-            if not _is_main():
+            if not is_main():
                 run_log.quiet_console()
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
@@ -115,10 +115,10 @@ def main(cfg: DictConfig) -> Any:
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
         reuse = resume is not None and resume.in_place
         run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",
-                             str(_claim(asked, reuse) if _is_main() else asked)))
+                             str(_claim(asked, reuse) if is_main() else asked)))
         run_log.attach(run_dir)
         _name_for_wandb(cfg, hydra_cfg, multirun)
-        if _is_main():
+        if is_main():
             write_hydra_files(run_dir, cfg, hydra_cfg)
         _status(run_dir, "running", **_job_fields(hydra_cfg))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
@@ -139,7 +139,7 @@ def main(cfg: DictConfig) -> Any:
         return _job_failed(str(e), crashed=True)
     except ConfigError as e:
         run_log.discard()
-        if multirun and _is_main():  # the sweep report lists the refused job beside the others
+        if multirun and is_main():  # the sweep report lists the refused job beside the others
             run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
             write_hydra_files(run_dir, cfg, hydra_cfg)
             _status(run_dir, "failed", kind="refused", reason=str(e),
@@ -149,7 +149,7 @@ def main(cfg: DictConfig) -> Any:
         return _job_failed(str(e), crashed=False)
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
         if run_dir is None:  # failed before claiming: the traceback still needs a home
-            run_dir = (claim_run_dir(Path(hydra_cfg.runtime.output_dir)) if _is_main()
+            run_dir = (claim_run_dir(Path(hydra_cfg.runtime.output_dir)) if is_main()
                        else Path(hydra_cfg.runtime.output_dir))
         log_path = run_log.attach(run_dir)
         run_log.write_traceback(e)
@@ -169,15 +169,8 @@ def _claim(asked: Path, reuse: bool = False) -> Path:
     return run_dir
 
 
-def _is_main() -> bool:
-    """Process 0 (or a single process): the one that writes the run's shared files."""
-    import jax
-
-    return not jax.distributed.is_initialized() or jax.process_index() == 0
-
-
 def _status(run_dir: Path, status: str, **fields: Any) -> None:
-    if _is_main():
+    if is_main():
         write_status(run_dir, status, **fields)
 
 

@@ -161,15 +161,16 @@ def reachable(address: str, timeout_s: float) -> bool:
             time.sleep(0.5)
 
 
-def process_index() -> int:
+def is_main() -> bool:
+    """Process 0 (or the only process): the one that writes the run's shared files (config,
+    plan, metrics, summary, status, report, W&B). Never starts a JAX backend to find out."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return True
     import jax
 
-    return jax.process_index()
-
-
-def is_main() -> bool:
-    """Process 0 writes the run's shared files (config, plan, metrics, summary, W&B)."""
-    return process_index() == 0
+    return not jax.distributed.is_initialized() or jax.process_index() == 0
 
 
 def agree(key: str, value: str, timeout_s: int = 300) -> str:

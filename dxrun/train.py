@@ -23,6 +23,7 @@ from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.console import Progress
 from dxrun.data import EVAL
+from dxrun.distributed import is_main
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, rewind_metrics
 from dxrun.plan import make_plan
@@ -148,7 +149,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     job = job or Job()
     exp, resume = prepared or prepare(cfg, run_dir)
     plan, data = exp.plan, exp.data
-    main = jax.process_index() == 0  # writes the run's files; every process trains
+    main = is_main()  # writes the run's files; every process trains
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)
