@@ -131,6 +131,10 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
         raise ConfigError(f"max_new_tokens={new} after a {P}-token prompt needs {P + new} "
                           f"positions, beyond model.max_seq_len={limit}; use max_new_tokens<="
                           f"{max(limit - P, 0)}")
+    if P + new > cfg.data.seq_len:
+        log.warning("%d positions (prompt + max_new_tokens) but the model trained on windows "
+                    "of data.seq_len=%d: the later positions were never trained", P + new,
+                    cfg.data.seq_len)
     s = Sampling(options["temperature"], options["top_k"], options["top_p"], options["seed"])
     m = cfg.model
     generate = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings, P,
