@@ -113,7 +113,8 @@ def run(argv: list[str]) -> None:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     print(f"step {r['step']}  eval/loss {r['eval/loss']:.4f}  eval/ppl {r['eval/ppl']:.4f}  "
           f"eval/accuracy {r['eval/accuracy']:.4f}  eval/tokens {r['eval/tokens']:,}  "
-          f"({r['batches']} batches of {r['batch_size']} x {r['data']['seq_len']}, "
+          f"({r['batches']} batch{'es' if r['batches'] != 1 else ''} of {r['batch_size']} x "
+          f"{r['data']['seq_len']}, "
           f"data {r['data']['name']}, mesh {mesh})")
     print(f"wrote {Path(r['checkpoint']).parent.parent / 'eval.json'}", file=sys.stderr)
 
