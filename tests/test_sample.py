@@ -79,17 +79,40 @@ def test_text_samples_decode_and_kv_cache_equals_recompute(text_run):
     loaded = load(text_run, ["parallelism=tp2", "data.batch_size=2"], "path", with_data=False)
     prompt = one["tokens"][:, :one["prompt_len"]]
     tokens, cached = _generate(loaded, prompt, 24, Sampling(0.8, 20, 0.95, 1), with_logits=True)
-    exp = loaded.exp
+    assert _cache_error(loaded.exp, loaded.params, tokens, cached, prompt.shape[1]) <= 1e-5
+
+
+def _cache_error(exp, params, tokens_BxT, cached_BxNxV, prompt_len: int) -> float:
+    """Largest difference between the logits decoding picked each new token from (with the
+    cache) and the whole sequence's logits recomputed at once, relative to the largest logit."""
 
     @jax.jit
     def full(params, tokens_BxT):
         return nnx.merge(exp.graphdef, params)(tokens_BxT)
 
     with in_mesh_context(exp.mesh, exp.plan.rules):
-        whole = np.asarray(full(loaded.params, tokens[:, :-1]))
-    P, cached = one["prompt_len"], np.asarray(cached)
-    err = np.abs(whole[:, P - 1:] - cached).max()
-    assert err <= 1e-5 * np.abs(whole).max(), err
+        whole = np.asarray(full(params, tokens_BxT[:, :-1]))
+    real = whole[:, prompt_len - 1:, :exp.cfg.model.vocab_size]  # not the masked padding
+    cached = np.asarray(cached_BxNxV)[..., :exp.cfg.model.vocab_size]
+    return float(np.abs(real - cached).max() / np.abs(real).max())
+
+
+def test_kv_cache_of_a_llama_style_block_equals_recompute():
+    """RoPE at the cache's positions, grouped-query heads, SwiGLU, a padded vocabulary (65 on
+    tp2): an untrained model with large weights, so every position matters."""
+    from dxrun.experiment import Experiment
+
+    exp = Experiment.build(make_cfg("model=tiny_llama", "parallelism=tp2", "data.batch_size=2",
+                                    "data.vocab_size=65", "model.init_std=0.3", "logger=none"))
+    params = exp.init_params()
+    prompt = np.random.default_rng(0).integers(0, 16, (2, 5))
+    m = exp.cfg.model
+    gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings, 5, 12,
+                        Sampling(temperature=1.0, seed=3), m.n_layers, m.n_kv_heads,
+                        m.d_model // m.n_heads, with_logits=True)
+    tokens, cached = gen(params, prompt)
+    assert np.asarray(cached).shape == (2, 12, 66) and int(np.asarray(tokens).max()) < 65
+    assert _cache_error(exp, params, tokens, cached, 5) <= 1e-5
 
 
 def test_bad_input_is_one_line(tmp_path, text_run):
