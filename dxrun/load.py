@@ -50,7 +50,7 @@ def split_args(tool: str, argv: list[str], options: dict[str, Any]
             continue
         kind = type(options[key])
         try:
-            out[key] = value if kind is str else kind(float(value) if kind is int else value)
+            out[key] = kind(value)
         except ValueError:
             raise ConfigError(f"{key}={value} is not a {kind.__name__}; e.g. "
                               f"{key}={options[key]}") from None
