@@ -14,7 +14,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dxrun.config import (
     check_keys,
@@ -24,6 +24,7 @@ from dxrun.config import (
     register,
     validate,
 )
+from dxrun.distributed import agree, join
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.runtime import (
     RunLog,
@@ -56,6 +57,7 @@ def _register_sweeper() -> None:
 log = logging.getLogger("dxrun")
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save INFO lines
+logging.getLogger("jax._src.distributed").setLevel(logging.WARNING)  # dxrun says it in one line
 register()
 _register_sweeper()
 
@@ -70,12 +72,17 @@ def main(cfg: DictConfig) -> Any:
         check_keys(cfg)
         validate(cfg)
         simulated = simulate_cpu_devices(cfg.runtime.cpu_devices)
+        joined = join(cfg.distributed)  # before anything touches a JAX device
         import jax
 
+        if joined is not None:
+            run_log.name = RunLog.name_for(joined.process_id, joined.num_processes)
+            if not _is_main():
+                run_log.quiet_console()
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
-                     jax.device_count())
-        elif jax.default_backend() == "cpu" and jax.device_count() != cfg.runtime.cpu_devices:
+                     jax.local_device_count())
+        elif jax.default_backend() == "cpu" and jax.local_device_count() != cfg.runtime.cpu_devices:
             # Multirun jobs share one process: JAX's device count is fixed by the first job.
             log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
                         "in this process (set it once for the multirun, or run each job in "
@@ -88,71 +95,105 @@ def main(cfg: DictConfig) -> Any:
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
+            from dxrun.batch import resolve_batch
             from dxrun.experiment import visible_devices
             from dxrun.plan import make_plan
             from dxrun.plan_mode import run_plan
 
             plan = make_plan(cfg, *visible_devices())
-            run_dir = _claim(hydra_cfg)
+            resolve_batch(cfg, plan)  # the saved config holds the global batch too
+            run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
             write_hydra_files(run_dir, cfg, hydra_cfg)
             return run_plan(cfg, run_dir, plan)
+        # Every process uses process 0's run dir (their clocks may name it differently).
+        asked = _asked_dir(hydra_cfg)
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
-        prepared = prepare(cfg, Path(hydra_cfg.runtime.output_dir))
+        prepared = prepare(cfg, asked)
         resume = prepared[1]
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
-        run_dir = _claim(hydra_cfg, reuse=resume is not None and resume.in_place)
+        reuse = resume is not None and resume.in_place
+        run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",
+                             str(_claim(asked, reuse) if _is_main() else asked)))
         run_log.attach(run_dir)
         _name_for_wandb(cfg, hydra_cfg, multirun)
-        write_hydra_files(run_dir, cfg, hydra_cfg)
-        write_status(run_dir, "running", **_job_fields(hydra_cfg))
+        if _is_main():
+            write_hydra_files(run_dir, cfg, hydra_cfg)
+        _status(run_dir, "running", **_job_fields(hydra_cfg))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
         job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task))
         try:
             summary = train(cfg, run_dir, job, prepared)
         except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
-            write_status(run_dir, "failed", kind="stopped", reason=str(e),
-                         **_job_fields(hydra_cfg))
+            _status(run_dir, "failed", kind="stopped", reason=str(e),
+                    **_job_fields(hydra_cfg))
             sys.exit(e.code)
-        write_status(run_dir, "ok", **_job_fields(hydra_cfg))
+        _status(run_dir, "ok", **_job_fields(hydra_cfg))
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
         return summary.get(cfg.train.objective) if cfg.train.objective else summary
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
-        write_status(run_dir, "failed", kind="nonfinite", reason=str(e),
-                     **_job_fields(hydra_cfg))
+        _status(run_dir, "failed", kind="nonfinite", reason=str(e),
+                **_job_fields(hydra_cfg))
         return _job_failed(str(e), crashed=True)
     except ConfigError as e:
         run_log.discard()
-        if multirun:  # the sweep report lists the refused job beside the others
+        if multirun and _is_main():  # the sweep report lists the refused job beside the others
             run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
             write_hydra_files(run_dir, cfg, hydra_cfg)
-            write_status(run_dir, "failed", kind="refused", reason=str(e),
-                         **_job_fields(hydra_cfg))
+            _status(run_dir, "failed", kind="refused", reason=str(e),
+                    **_job_fields(hydra_cfg))
         else:
             _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
         return _job_failed(str(e), crashed=False)
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
         if run_dir is None:  # failed before claiming: the traceback still needs a home
-            run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+            run_dir = (claim_run_dir(Path(hydra_cfg.runtime.output_dir)) if _is_main()
+                       else Path(hydra_cfg.runtime.output_dir))
         log_path = run_log.attach(run_dir)
         run_log.write_traceback(e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         reason = f"{type(e).__name__}: {first}"
-        write_status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
-                     **_job_fields(hydra_cfg))
+        _status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
+                **_job_fields(hydra_cfg))
         return _job_failed(f"{reason} (full traceback: {log_path})", crashed=True)
 
 
-def _claim(hydra_cfg: Any, reuse: bool = False) -> Path:
+def _claim(asked: Path, reuse: bool = False) -> Path:
     """Claim this run's dir; a relaunch into a used one gets a sibling, said at once rather
     than only in the last line (unless it resumes there: ``reuse``)."""
-    asked = Path(hydra_cfg.runtime.output_dir)
     run_dir = claim_run_dir(asked, reuse=reuse)
     if run_dir != asked:
         log.warning("%s already holds a run: this run writes to %s", asked, run_dir)
     return run_dir
+
+
+def _is_main() -> bool:
+    """Process 0 (or a single process): the one that writes the run's shared files."""
+    import jax
+
+    return not jax.distributed.is_initialized() or jax.process_index() == 0
+
+
+def _status(run_dir: Path, status: str, **fields: Any) -> None:
+    if _is_main():
+        write_status(run_dir, status, **fields)
+
+
+def _job_key(hydra_cfg: Any) -> str:
+    """Which job of this launch (a multirun's jobs run one after another in every process)."""
+    return str(OmegaConf.select(hydra_cfg, "job.num", default=0))
+
+
+def _asked_dir(hydra_cfg: Any) -> Path:
+    """The run dir Hydra named on process 0. Other processes drop the one their own Hydra
+    made when it differs (a launch across a second boundary names it differently)."""
+    own = Path(hydra_cfg.runtime.output_dir)
+    asked = Path(agree(f"asked/{_job_key(hydra_cfg)}", str(own)))
+    if asked != own:
+        _discard_empty_dir(own)
+    return asked
 
 
 def _job_fields(hydra_cfg: Any) -> dict[str, Any]:
@@ -184,8 +225,11 @@ def _discard_empty_dir(run_dir: Path) -> None:
     """Hydra made the run dir before the config could be checked; a run that never started
     leaves nothing behind (and never touches a dir that holds anything)."""
     for d in (run_dir, run_dir.parent):
-        if d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
+        try:
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        except OSError:  # removed (or filled) meanwhile by another process of the run
+            return
 
 
 def preflight(argv: list[str]) -> None:

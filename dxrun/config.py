@@ -17,6 +17,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from dxrun.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_batch
 from dxrun.errors import ConfigError
 
 
@@ -52,12 +53,19 @@ class ParallelismConfig:
     fsdp: int = 1
     tp: int = 1
     on_mismatch: str = "error"  # error | shrink
+    # A multi-process run refuses a tensor-parallel group that spans processes (hosts): its
+    # per-layer all-reduces would cross the network. true = allow it anyway.
+    allow_cross_host_tp: bool = False
 
 
 @dataclass
 class DataConfig:
     name: str = "markov"  # markov | text | tokens
-    batch_size: int = 32  # global: all devices together
+    # Global (all devices, one optimizer update); its default is 32, or null when a per-device
+    # batch is given (dxrun/batch.py: how a set value is told from the default).
+    batch_size: int | None = "${default_batch:${data.per_device_batch_size}}"  # type: ignore[assignment]
+    # Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.
+    per_device_batch_size: int | None = None
     seq_len: int = 64
     seed: int = 0
     # The vocabulary this data suggests; the small model presets follow it (${data.vocab_size}).
@@ -163,6 +171,24 @@ class RuntimeConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/distributed.py)."""
+
+    # auto: join when the environment says this process is one of several (srun with several
+    # tasks; JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, as
+    # python -m dxrun.launch sets them) | off | manual (the keys below)
+    mode: str = "auto"
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    # The accelerators this process drives: null = JAX's choice (under SLURM one per task when
+    # a node runs several tasks, all when it runs one).
+    local_device_ids: list[int] | None = None
+    init_timeout_s: int = 300  # wait at most this long for every process to arrive
+    heartbeat_timeout_s: int = 100  # a process silent this long is dead: the others exit
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -175,6 +201,7 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def register() -> None:
@@ -182,6 +209,7 @@ def register() -> None:
 
     ConfigStore.instance().store(name="dxrun_schema", node=RunConfig)
     OmegaConf.register_new_resolver("data_meta", data_meta, replace=True)
+    OmegaConf.register_new_resolver("default_batch", default_batch, replace=True)
     OmegaConf.register_new_resolver("tokenizer_vocab", tokenizer_vocab, replace=True)
     _register_presets()
 
@@ -266,6 +294,7 @@ _CHOICES = {
     "train.nan_policy": ("halt", "skip"),
     "logger.name": ("wandb", "none"),
     "run.mode": ("train", "plan"),
+    "distributed.mode": ("auto", "off", "manual"),
 }
 
 @dataclass(frozen=True)
@@ -304,7 +333,8 @@ RANGES: dict[str, Range] = {
     "model.max_seq_len": POSITIVE, "model.dropout": FRACTION, "model.rope_theta": POSITIVE,
     "model.init_std": POSITIVE,
     "parallelism.n_devices": NON_NEGATIVE,
-    "data.batch_size": POSITIVE, "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
+    "data.batch_size": POSITIVE, "data.per_device_batch_size": POSITIVE,
+    "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
     "data.val_fraction": FRACTION, "data.workers": NON_NEGATIVE, "data.order": POSITIVE,
     "data.symbols": NON_NEGATIVE, "data.branching": POSITIVE,
     "optimizer.lr": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
@@ -319,6 +349,7 @@ RANGES: dict[str, Range] = {
     "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
     "checkpoint.keep": Range(1),
+    "distributed.init_timeout_s": POSITIVE, "distributed.heartbeat_timeout_s": POSITIVE,
 }
 
 
@@ -452,9 +483,12 @@ def validate(cfg: Any) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
     _check_source_keys(cfg.data)
+    check_batch_keys(cfg.data)
     for key, r in RANGES.items():
         value = _get(cfg, key)
         group, _, name = key.partition(".")
+        if value is None and key in (GLOBAL, PER_DEVICE):
+            continue  # the one of the two not given (check_batch_keys)
         if value is None and group == "data" and cfg.data.name not in DATA_SOURCE_KEYS[name]:
             continue  # a key this source does not read
         if value is None or value not in r:

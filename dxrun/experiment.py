@@ -13,16 +13,30 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dxrun.batch import resolve_batch
 from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.optimizer import make_optimizer
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.sharding import batch_sharding, mesh_from_plan, param_axes, param_shardings, replicated
+from dxrun.sharding import (
+    batch_sharding,
+    check_process_rows,
+    mesh_from_plan,
+    param_axes,
+    param_shardings,
+    replicated,
+)
 from dxrun.step import TrainState, make_eval_step, make_train_step
 
 
-def visible_devices() -> tuple[int, str]:
-    return jax.device_count(), jax.default_backend()
+def visible_devices() -> tuple[int, str, int]:
+    """What ``make_plan`` lays the mesh over: (devices of all processes, platform, processes)."""
+    return jax.device_count(), jax.default_backend(), jax.process_count()
+
+
+def process_data(cfg: Any, plan: MeshPlan) -> Data:
+    """This process's reader of the data: the row block of every batch its devices hold."""
+    return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards)
 
 
 @dataclass
@@ -55,7 +69,7 @@ class Experiment:
         axes = param_axes(abstract_state)
         p_shard = param_shardings(axes, mesh, plan.rules)
         abstract_params = nnx.to_pure_dict(abstract_state)
-        tx, schedule = make_optimizer(cfg.optimizer, abstract_params, cfg.data.batch_size,
+        tx, schedule = make_optimizer(cfg.optimizer, abstract_params, plan.global_batch,
                                       cfg.train.steps)
         # Optimizer moments take their parameter's sharding; counters are replicated.
         opt_shard = optax.tree_map_params(
@@ -75,7 +89,9 @@ class Experiment:
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision)
         if data is None and with_data:
-            data = Data(cfg, jax.process_index(), jax.process_count())
+            resolve_batch(cfg, plan)  # the data reads the global batch from the config
+            data = process_data(cfg, plan)
+        check_process_rows(b_shard, plan, plan.global_batch)
         return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
                    schedule, data, step, eval_step)
 
@@ -118,8 +134,7 @@ class Experiment:
                           spec(opt_state, self.state_shardings.opt_state), counter, counter)
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
-        d = self.cfg.data
-        return jax.ShapeDtypeStruct((d.batch_size, d.seq_len + 1), np.int32,
+        return jax.ShapeDtypeStruct((self.plan.global_batch, self.cfg.data.seq_len + 1), np.int32,
                                     sharding=self.batch_sharding)
 
     def compile_step(self) -> Any:
@@ -136,7 +151,7 @@ class Experiment:
 
     def global_batch(self, local_rows: np.ndarray) -> jax.Array:
         """One global array, sharded over (data, fsdp), from each process's rows."""
-        shape = (self.cfg.data.batch_size, self.cfg.data.seq_len + 1)
+        shape = (self.plan.global_batch, self.cfg.data.seq_len + 1)
         return jax.make_array_from_process_local_data(self.batch_sharding, local_rows, shape)
 
     def batch(self, step: int, stream: int = TRAIN) -> jax.Array:

@@ -104,8 +104,13 @@ def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
             OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
         else:  # a group option: its whole preset (with any keys given after it)
             cfg[key] = given[key]
-    if cfg.data.name == "text" and saved["data"].get("name") == "text" and not any(
-            o.key_or_group == "data.tokenizer" for o in parsed):
+    given_keys = {o.key_or_group for o in parsed}
+    if not given_keys & {"data.batch_size", "data.per_device_batch_size"}:
+        # The global batch the run used (saved resolved in data.batch_size), whatever the mesh:
+        # a per-device batch would make other batches on another mesh.
+        cfg.data.per_device_batch_size = None
+    if cfg.data.name == "text" and saved["data"].get("name") == "text" and (
+            "data.tokenizer" not in given_keys):
         # The tokenizer belongs to the model (its ids are the model's vocabulary): another
         # text corpus is read with the run's own unless one is named.
         cfg.data.tokenizer, cfg.data.vocab_size = (saved["data"]["tokenizer"],

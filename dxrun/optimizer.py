@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import optax
 
-
-def scaled_lr(opt: Any, batch_size: int) -> float:
-    """Peak lr after the batch-size scaling rule, relative to ``optimizer.base_batch_size``."""
-    ratio = batch_size / opt.base_batch_size
-    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[opt.lr_scaling]
-    return opt.lr * factor
+from dxrun.batch import scaled_lr
 
 
 def make_schedule(opt: Any, peak_lr: float, steps: int) -> optax.Schedule:

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dxrun.batch import GLOBAL, PER_DEVICE, batch_set_by, global_batch, scaled_lr
 from dxrun.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -58,6 +59,16 @@ class MeshPlan:
     vocab_size: int = 0
     padded_vocab: int = 0
     grad_accum: int = 1
+    # JAX processes (hosts) the mesh spans, and the part of each mesh axis that runs across
+    # them (the rest of the axis is inside one process): data spans hosts first, tensor never
+    # (unless parallelism.allow_cross_host_tp).
+    processes: int = 1
+    dcn_shape: tuple[int, int, int] = (1, 1, 1)
+    # Which key the global batch came from (data.batch_size or data.per_device_batch_size), and
+    # the peak learning rate after optimizer.lr_scaling at that batch (0 = no optimizer given).
+    batch_set_by: str = GLOBAL
+    peak_lr: float = 0.0
+    lr_scaling: str = "none"
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -68,9 +79,38 @@ class MeshPlan:
         return self.dp * self.fsdp * self.tp
 
     @property
+    def local_shape(self) -> tuple[int, int, int]:
+        """The mesh within one process (what ``create_hybrid_device_mesh`` calls mesh_shape)."""
+        return tuple(a // b for a, b in zip(self.shape, self.dcn_shape, strict=True))
+
+    @property
+    def data_shards(self) -> int:
+        """How many distinct row blocks the processes read: processes of one cross-host
+        tensor group read the same rows."""
+        return self.dcn_shape[0] * self.dcn_shape[1]
+
+    def data_shard(self, process: int) -> int:
+        """The row block of the global batch ``process`` reads: hybrid meshes put processes in
+        row-major order over (data, fsdp, tensor), so this is its (data, fsdp) position."""
+        return process // self.dcn_shape[2]
+
+    @property
     def per_device_batch(self) -> int:
         """Examples each data replica (a group of tp devices) computes per step."""
         return self.global_batch // (self.dp * self.fsdp)
+
+    @property
+    def per_device_batch_size(self) -> int:
+        """Examples each data replica computes at once (one micro-batch): what
+        ``data.per_device_batch_size`` sets; global = this x dp x fsdp x grad_accum."""
+        return self.per_device_batch // self.grad_accum
+
+    def _batch_row(self) -> str:
+        accum = f" x {self.grad_accum} micro-batches (train.grad_accum)" if self.grad_accum > 1 else ""
+        given = (f"{PER_DEVICE}={self.per_device_batch_size}" if self.batch_set_by == PER_DEVICE
+                 else GLOBAL)
+        return (f"{self.global_batch} global = {self.per_device_batch_size} per replica x "
+                f"{self.dp * self.fsdp} replicas{accum}, seq_len {self.seq_len}; set by {given}")
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -78,6 +118,8 @@ class MeshPlan:
         out["mesh_shape"] = list(self.shape)
         out["n_devices"] = self.n_devices
         out["per_device_batch"] = self.per_device_batch
+        out["local_shape"] = list(self.local_shape)
+        out["per_device_batch_size"] = self.per_device_batch_size
         out["device_ids"] = list(self.device_ids)
         out["rules"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rules.items()}
         out["warnings"] = list(self.warnings)
@@ -88,11 +130,13 @@ class MeshPlan:
             ("mesh", f"data={self.dp} x fsdp={self.fsdp} x tensor={self.tp}"),
             ("devices", f"{self.n_devices} of {self.n_visible} {self.platform} "
                         f"(ids {_ids(self.device_ids)})"),
-            ("batch", f"{self.global_batch} global = {self.per_device_batch} per replica "
-                      f"x {self.dp * self.fsdp} replicas, seq_len {self.seq_len}"
-                      + (f"; {self.grad_accum} micro-batches of "
-                         f"{self.per_device_batch // self.grad_accum} per replica (train.grad_accum)"
-                         if self.grad_accum > 1 else "")),
+            ("batch", self._batch_row()),
+            *([("lr", f"{self.peak_lr:.4g} peak (optimizer.lr_scaling={self.lr_scaling} at "
+                      f"batch {self.global_batch})")] if self.peak_lr else []),
+            *([("hosts", f"{self.processes} processes x {self.n_devices // self.processes} "
+                          f"devices; across processes: data={self.dcn_shape[0]} x fsdp="
+                          f"{self.dcn_shape[1]} x tensor={self.dcn_shape[2]}")]
+              if self.processes > 1 else []),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
         ]
         if self.padded_vocab != self.vocab_size:
@@ -156,8 +200,42 @@ def _shrink(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
     return sizes[0], sizes[1], sizes[2]
 
 
-def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
-    """Resolve ``cfg.parallelism`` against ``n_visible`` devices and check the model and batch fit.
+def split_over_processes(dp: int, fsdp: int, tp: int, processes: int,
+                         allow_cross_host_tp: bool = False) -> tuple[int, int, int]:
+    """The part of (data, fsdp, tensor) that spans ``processes`` equal hosts: tensor stays
+    inside a host, fsdp takes what the host has left, data spans the hosts. Raises ConfigError
+    for a layout whose tensor-parallel group would cross hosts (every layer's activation
+    all-reduces over the network) unless allowed."""
+    local = dp * fsdp * tp // processes
+    if local % tp:
+        where = (f"parallelism.tp={tp} puts each tensor-parallel group across "
+                 f"{-(-tp // local)} processes ({processes} processes x {local} devices), so "
+                 "every layer's all-reduces would cross the network")
+        fits = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        if not allow_cross_host_tp:
+            raise ConfigError(f"{where}; use parallelism.tp from {fits} (the devices of one "
+                              "process), or set parallelism.allow_cross_host_tp=true")
+        if tp % local:
+            raise ConfigError(f"{where}, and unevenly; use parallelism.tp from {fits} or a "
+                              f"multiple of {local}")
+        return dp, fsdp, tp // local
+    inside = local // tp  # what the host has for data x fsdp
+    fsdp_in = math.gcd(fsdp, inside)
+    data_in = inside // fsdp_in
+    dcn = (dp // data_in, fsdp // fsdp_in, 1)
+    if data_in > 1 and dcn[1] > 1:
+        # Each process would hold scattered rows of the batch; keep fsdp inside a host or
+        # make it span whole hosts.
+        raise ConfigError(
+            f"parallelism.fsdp={fsdp} neither fits in one process's {inside} devices (after "
+            f"tp={tp}) nor spans whole processes; pick parallelism.fsdp dividing {inside} or "
+            f"a multiple of {inside}")
+    return dcn
+
+
+def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1) -> MeshPlan:
+    """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
+    processes) and check the model and batch fit.
 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
@@ -171,6 +249,12 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
     n = par.n_devices or n_visible
     dp, fsdp, tp = _resolve_axes(par.dp, par.fsdp, par.tp, n)
     warnings: list[str] = []
+    if processes > 1 and dp * fsdp * tp != n_visible:
+        raise ConfigError(
+            f"parallelism={par.name} (dp={dp}, fsdp={fsdp}, tp={tp}) uses {dp * fsdp * tp} "
+            f"devices but a {processes}-process run has {n_visible} ({processes} x "
+            f"{n_visible // processes}) and must use them all; set parallelism.n_devices=0 and "
+            f"sizes whose product is {n_visible}")
     if dp * fsdp * tp != n:
         if par.on_mismatch != "shrink":
             in_use = (f"parallelism.n_devices={n} uses {n}" if par.n_devices
@@ -187,17 +271,20 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
             f"parallelism.on_mismatch=shrink: dp*fsdp*tp={'*'.join(map(str, old))} does not fit "
             f"{n} devices; using dp={dp} fsdp={fsdp} tp={tp} on {dp * fsdp * tp} devices"
         )
+    dcn = (split_over_processes(dp, fsdp, tp, processes, par.allow_cross_host_tp)
+           if processes > 1 else (1, 1, 1))
     replicas = dp * fsdp
-    if data.batch_size % replicas:
-        good = replicas * max(1, round(data.batch_size / replicas))
+    accum = cfg.train.grad_accum if "train" in cfg else 1
+    batch = global_batch(data, replicas, accum)
+    if batch % replicas:
+        good = replicas * max(1, round(batch / replicas))
         raise ConfigError(
             f"data.batch_size={data.batch_size} is not divisible by dp*fsdp={replicas} (the "
             f"data-parallel replicas of parallelism={par.name}); "
             f"use a multiple of {replicas} (e.g. data.batch_size={good})"
         )
-    accum = cfg.train.grad_accum if "train" in cfg else 1
-    if (data.batch_size // replicas) % accum:
-        per = data.batch_size // replicas
+    if (batch // replicas) % accum:
+        per = batch // replicas
         raise ConfigError(
             f"train.grad_accum={accum} does not divide the {per} examples per replica "
             f"(data.batch_size={data.batch_size} over dp*fsdp={replicas}); pick a "
@@ -220,11 +307,16 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu") -> MeshPlan:
         device_ids=tuple(range(dp * fsdp * tp)),
         n_visible=n_visible,
         platform=platform,
-        global_batch=data.batch_size,
+        global_batch=batch,
         grad_accum=accum,
+        batch_set_by=batch_set_by(data),
+        peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
+        lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
         seq_len=data.seq_len,
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
         padded_vocab=padded_vocab(model.vocab_size, tp, platform),
+        processes=processes,
+        dcn_shape=dcn,
     )

@@ -240,10 +240,17 @@ def candidates(cfg: Any) -> list[list[str]]:
         fsdp = ["parallelism.dp=1", "parallelism.fsdp=-1", f"parallelism.tp={par.tp}"]
         out += [fsdp, fsdp + remat] if remat else [fsdp]
     # The same update in micro-batches (train.grad_accum), then a smaller update.
-    a = cfg.train.grad_accum
-    out += [[f"train.grad_accum={a * k}", *remat] for k in (2, 4, 8)]
-    b = cfg.data.batch_size
-    out += [[f"data.batch_size={b // k}", *remat] for k in (2, 4)]
+    a, per = cfg.train.grad_accum, cfg.data.per_device_batch_size
+    if per is None:
+        out += [[f"train.grad_accum={a * k}", *remat] for k in (2, 4, 8)]
+        b = cfg.data.batch_size
+        out += [[f"data.batch_size={b // k}", *remat] for k in (2, 4)]
+        return out
+    # The user gave the per-device batch (the global batch is refused beside it): the same
+    # update is k times the micro-batches at 1/k of the per-device batch.
+    out += [[f"train.grad_accum={a * k}", f"data.per_device_batch_size={per // k}", *remat]
+            for k in (2, 4, 8) if per % k == 0]
+    out += [[f"data.per_device_batch_size={per // k}", *remat] for k in (2, 4) if per // k]
     return out
 
 
@@ -331,7 +338,7 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
     fp = footprint(exp, compiled)
     state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
-    tokens = cfg.data.batch_size * cfg.data.seq_len
+    tokens = exp.plan.global_batch * cfg.data.seq_len
     model_flops = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
     target, peak = resolve_target(cfg, exp.plan.n_devices)
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,

@@ -75,6 +75,11 @@ class RunLog:
 
     NAME = "dxrun.log"
 
+    @staticmethod
+    def name_for(rank: int, processes: int) -> str:
+        """``dxrun.log``; in a multi-process run each process its own ``dxrun.<rank>.log``."""
+        return RunLog.NAME if processes == 1 else f"dxrun.{rank}.log"
+
     def __init__(self) -> None:
         import logging.handlers
 
@@ -91,12 +96,14 @@ class RunLog:
         self.buffer = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=100)
         root.addHandler(self.buffer)
         self.file: logging.FileHandler | None = None
+        self.name = self.NAME
 
     def attach(self, run_dir: Path) -> Path:
         import logging
 
         if self.file is None:
-            self.file = logging.FileHandler(run_dir / self.NAME)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.file = logging.FileHandler(run_dir / self.name)
             self.file.setFormatter(self.formatter)
             self.buffer.setTarget(self.file)
             self.buffer.flush()
@@ -104,6 +111,15 @@ class RunLog:
             root.removeHandler(self.buffer)
             root.addHandler(self.file)
         return Path(self.file.baseFilename)
+
+    def quiet_console(self) -> None:
+        """Processes other than 0 print only errors (process 0 says the rest, once); their log
+        files still get every line."""
+        import logging
+
+        for h in logging.getLogger().handlers:
+            if type(h) is logging.StreamHandler:
+                h.setLevel(logging.ERROR)
 
     def write_traceback(self, exc: BaseException) -> None:
         """The full traceback into the log file only: the terminal gets one line."""

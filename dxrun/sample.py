@@ -110,7 +110,7 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
         overrides = ["parallelism=dp1", *overrides]  # a few sequences: one device is plenty
 
     def as_batch(cfg: Any) -> None:  # the plan checks the n sequences split over replicas
-        cfg.data.batch_size, cfg.train.grad_accum = n, 1
+        cfg.data.batch_size, cfg.data.per_device_batch_size, cfg.train.grad_accum = n, None, 1
 
     try:
         loaded = load(path, overrides, key="path", with_data=False, adjust=as_batch)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,8 +30,14 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvar
 
 
 def mesh_from_plan(plan: MeshPlan) -> Mesh:
-    devices = jax.devices()
-    grid = np.array([devices[i] for i in plan.device_ids]).reshape(plan.shape)
+    if plan.processes > 1:
+        # JAX's hybrid helper: each process's devices form the local part of every axis, the
+        # processes (in process order) the outer part (plan.dcn_shape).
+        grid = mesh_utils.create_hybrid_device_mesh(
+            plan.local_shape, plan.dcn_shape, jax.devices(), process_is_granule=True)
+    else:
+        devices = jax.devices()
+        grid = np.array([devices[i] for i in plan.device_ids]).reshape(plan.shape)
     # Auto axes: sharding is annotation-driven (GSPMD), not JAX 0.10's default Explicit mode.
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
@@ -59,6 +66,21 @@ def param_shardings(axes: dict, mesh: Mesh, rules: dict[str, Any]) -> dict:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def check_process_rows(sharding: NamedSharding, plan: MeshPlan, batch_size: int) -> None:
+    """This process's devices hold exactly the row block its data reader reads
+    (``plan.data_shard``); anything else would train on misplaced rows, so it is checked."""
+    index = sharding.addressable_devices_indices_map((batch_size, 1))
+    rows = {(s[0].start or 0, batch_size if s[0].stop is None else s[0].stop)
+            for s in index.values()}
+    per = batch_size // plan.data_shards
+    block = plan.data_shard(jax.process_index())
+    held = (min(a for a, _ in rows), max(b for _, b in rows))
+    if held != (block * per, (block + 1) * per):
+        raise RuntimeError(f"process {jax.process_index()} holds rows {held} of the batch but "
+                           f"reads rows {(block * per, (block + 1) * per)}: the mesh's process "
+                           "order is not the plan's")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -18,11 +18,12 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun import checkpoint, flops, plan_mode
+from dxrun.batch import resolve_batch
 from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.console import Progress
-from dxrun.data import EVAL, Data
-from dxrun.experiment import Experiment, visible_devices
+from dxrun.data import EVAL
+from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, rewind_metrics
 from dxrun.plan import make_plan
 from dxrun.preempt import Preemption
@@ -59,7 +60,7 @@ def run_name(cfg: Any, job: Job) -> str:
     for ov in job.overrides:
         key, _, value = ov.lstrip("+~").partition("=")
         if "." in key and key not in ("data.batch_size", "model.name") and not key.startswith(
-                ("logger.", "hydra")):
+                ("logger.", "hydra", "runtime.", "distributed.")):
             value = (Path(value.rstrip("/")).name or value) if "/" in value else value
             parts.append(f"{key.rsplit('.', 1)[1]}{value}".replace("/", "_"))
     name = parts[0][:MAX_NAME]
@@ -111,7 +112,8 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     (``checkpoint.resume`` for a launch into ``run_dir``) and the memory preflight (the step
     compiled from shapes alone must fit). Raises ConfigError."""
     plan = make_plan(cfg, *visible_devices())
-    data = Data(cfg, jax.process_index(), jax.process_count())
+    resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for every reader
+    data = process_data(cfg, plan)
     resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
     exp = Experiment.build(cfg, plan, data)
     plan_mode.check_memory(cfg, exp, exp.compile_step())
@@ -146,10 +148,12 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     job = job or Job()
     exp, resume = prepared or prepare(cfg, run_dir)
     plan, data = exp.plan, exp.data
+    main = jax.process_index() == 0  # writes the run's files; every process trains
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)
-    write_json(run_dir / "plan.json", plan.to_json())
+    if main:
+        write_json(run_dir / "plan.json", plan.to_json())
     log.info("mesh plan\n%s", plan.table())
 
     allocator = AllocatorPeak()  # before this run allocates anything
@@ -173,9 +177,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 "device_count": jax.device_count(), "process_count": jax.process_count()},
     }
     in_place = resume is not None and resume.in_place
-    kept = rewind_metrics(run_dir, start) if in_place else []
+    kept = rewind_metrics(run_dir, start) if in_place and main else []
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
-                           choices=job.choices, is_main=jax.process_index() == 0,
+                           choices=job.choices, is_main=main,
                            resume_id=resumed.get("wandb_id") if in_place else None)
     steps, every = cfg.train.steps, cfg.train.log_every
     eval_every = cfg.train.eval_every if data.has_eval else 0  # no held-out data: no eval/*
@@ -192,7 +196,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
                            Preemption())
     try:
-        with Progress(steps) as progress, ckpts.preemption:
+        with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0
             for i in range(start, steps):
                 ckpts.between_steps(i, state)  # save when due; stop on SIGTERM/SIGINT
@@ -261,7 +265,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         "device_kind": device_kind,
         "peak_tflops": peak,
     }
-    write_json(run_dir / "summary.json", summary)
+    if main:
+        write_json(run_dir / "summary.json", summary)
     log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
              f" (floor {floor:.4f})" if floor is not None else "", run_dir)
     return summary

@@ -116,6 +116,8 @@ BAD = [
     (["optimizer.b2=1.0"], "optimizer.b2=1.0", "[0, 1)"),
     (["optimizer.decay_frac=0"], "optimizer.decay_frac=0", "(0, 1]"),
     (["model.init_std=0"], "model.init_std=0", "> 0"),
+    (["data.per_device_batch_size=4", "data.batch_size=64"],
+     "data.batch_size=64 and data.per_device_batch_size=4 are both set", "data.batch_size=null"),
     # How schedulers and sweeps launch: hydra.* overrides and -m keep the one-line errors.
     (["hydra.run.dir=outputs/sched", "train.stepz=5"], "train.stepz", "valid:"),
     (["hydra.run.dir=outputs/sched", "model=huge"], "model=huge", "tiny"),

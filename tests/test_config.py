@@ -14,7 +14,9 @@ from dxrun.errors import ConfigError
 # Numeric keys checked elsewhere, and where: the plan (mesh axes accept -1 = inferred).
 CHECKED_ELSEWHERE = {"parallelism.dp", "parallelism.fsdp", "parallelism.tp", "train.seed",
                      "data.seed", "runtime.peak_tflops",
-                     "runtime.memory_gb"}  # validate: positive or null
+                     "runtime.memory_gb",  # validate: positive or null
+                     "distributed.num_processes",  # distributed.detect, for mode=manual
+                     "distributed.process_id"}
 
 
 def _numeric_keys() -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dxrun.batch import resolve_batch
+from dxrun.config import validate
 from dxrun.errors import ConfigError
 from dxrun.plan import make_plan
 
@@ -96,3 +98,67 @@ def test_vocab_padded_to_tp_and_accelerator_alignment(cfg_factory, vocab, preset
         assert line == []
     else:
         assert line[0].split(None, 1)[1].startswith(f"{vocab} padded to {padded} for tp=")
+
+
+# parallelism preset -> (replicas dp*fsdp, devices): a tensor-parallel group shares one batch.
+REPLICAS = {"dp1": (1, 1), "dp2": (2, 2), "dp4": (4, 4), "dp8": (8, 8), "dp4_tp2": (4, 8),
+            "fsdp8": (8, 8)}
+
+
+@pytest.mark.parametrize("preset", sorted(REPLICAS))
+@pytest.mark.parametrize("accum", [1, 2])
+def test_per_device_batch_gives_the_global_batch(cfg_factory, preset, accum):
+    replicas, devices = REPLICAS[preset]
+    cfg = cfg_factory(f"parallelism={preset}", f"parallelism.n_devices={devices}",
+                      "data.per_device_batch_size=4", f"train.grad_accum={accum}")
+    validate(cfg)
+    plan = make_plan(cfg, 8)
+    assert plan.global_batch == 4 * replicas * accum
+    assert plan.per_device_batch_size == 4 and plan.batch_set_by == "data.per_device_batch_size"
+    out = plan.to_json()
+    assert (out["global_batch"], out["per_device_batch_size"], out["batch_set_by"]) == (
+        4 * replicas * accum, 4, "data.per_device_batch_size")
+    (row,) = [x for x in plan.table().splitlines() if x.strip().startswith("batch")]
+    assert f"{4 * replicas * accum} global = 4 per replica x {replicas} replicas" in row
+    assert ("x 2 micro-batches (train.grad_accum)" in row) == (accum == 2)
+    assert row.endswith("set by data.per_device_batch_size=4")
+    # The run writes the global batch back; planning that config again follows the mesh.
+    resolve_batch(cfg, plan)
+    assert cfg.data.batch_size == plan.global_batch
+    assert make_plan(cfg, 8).global_batch == plan.global_batch
+
+
+def test_global_batch_is_the_default_and_says_so(cfg_factory):
+    cfg = cfg_factory("parallelism=dp4")
+    assert cfg.data.batch_size == 32 and cfg.data.per_device_batch_size is None
+    plan = make_plan(cfg, 8)
+    assert (plan.global_batch, plan.per_device_batch_size, plan.batch_set_by) == (
+        32, 8, "data.batch_size")
+    assert "32 global = 8 per replica x 4 replicas, seq_len 64; set by data.batch_size" in (
+        plan.table())
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["data.per_device_batch_size=4", "data.batch_size=64"],
+     ["data.batch_size=64 and data.per_device_batch_size=4 are both set", "data.batch_size=null"]),
+    # Also when the global batch comes from a preset (tp_scaling sets data.batch_size: 32).
+    (["experiment=tp_scaling", "data.per_device_batch_size=4"],
+     ["data.batch_size=32 and data.per_device_batch_size=4", "data.batch_size=null"]),
+    (["data.batch_size=null"], ["data.batch_size=null", "data.per_device_batch_size"]),
+    (["data.per_device_batch_size=0"], ["data.per_device_batch_size=0", "> 0"]),
+])
+def test_batch_keys_refused_with_the_fix(cfg_factory, overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_factory(*overrides))
+    msg = str(err.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+@pytest.mark.parametrize("rule, factor", [("none", 1.0), ("linear", 8.0), ("sqrt", 8 ** 0.5)])
+def test_plan_shows_the_scaled_lr_of_the_resolved_batch(cfg_factory, rule, factor):
+    cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=32", "optimizer.lr=0.01",
+                      f"optimizer.lr_scaling={rule}", "optimizer.base_batch_size=32")
+    plan = make_plan(cfg, 8)
+    assert plan.global_batch == 256 and plan.peak_lr == pytest.approx(0.01 * factor)
+    assert plan.to_json()["peak_lr"] == pytest.approx(0.01 * factor)
+    assert f"{0.01 * factor:.4g} peak (optimizer.lr_scaling={rule} at batch 256)" in plan.table()

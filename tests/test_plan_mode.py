@@ -130,3 +130,26 @@ def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
         assert report["target"]["fits"] and report["target"]["tokens_per_s"] > 0, model
     with pytest.raises(ConfigError, match="model.n_heads=25 is not divisible by parallelism.tp=2"):
         Experiment.build(cfg_factory("model=xl", "parallelism=dp4_tp2", "logger=none"))
+
+
+def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
+    """The preflight's candidates name data.per_device_batch_size when the user gave it (a
+    data.batch_size beside it would be refused), and accumulation keeps the update's size."""
+    from omegaconf import OmegaConf
+
+    from dxrun.config import validate
+    from dxrun.plan import make_plan
+    from dxrun.plan_mode import candidates
+
+    cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")
+    update = make_plan(cfg, 8).global_batch
+    sizes = {}
+    for overrides in candidates(cfg):
+        assert not any(o.startswith("data.batch_size=") for o in overrides), overrides
+        trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        validate(trial)
+        sizes[" ".join(o for o in overrides if "batch" in o or "accum" in o)] = (
+            make_plan(trial, 8).global_batch)
+    assert sizes["train.grad_accum=2 data.per_device_batch_size=4"] == update == 64
+    assert sizes["train.grad_accum=8 data.per_device_batch_size=1"] == update
+    assert sizes["data.per_device_batch_size=4"] == 32 and sizes["data.per_device_batch_size=2"] == 16

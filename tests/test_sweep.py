@@ -87,9 +87,12 @@ def test_report_rows_equal_the_jobs_summaries(grid):
     for bs in (16, 32):
         assert mem[(bs, 1)] > mem[(bs, 2)] > mem[(bs, 4)]
     assert mem[(32, 1)] > mem[(16, 1)]
-    for row in rows:  # tokens/s per device over dp1's at the same batch size
+    for row in rows:  # the global batch held fixed: strong scaling over dp1 at that batch
         key = (int(row["batch_size"]), int(row["devices"]))
-        assert _num(row["scaling_efficiency"]) == pytest.approx(tpd[key] / tpd[(key[0], 1)])
+        assert int(row["per_device_batch"]) == key[0] // key[1]
+        assert _num(row["strong_scaling_efficiency"]) == pytest.approx(
+            tpd[key] / tpd[(key[0], 1)])
+        assert row["weak_scaling_efficiency"] == ""
     md = (sweep / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ") and "| ok |" in line]
     assert len(table) == 6
@@ -99,7 +102,7 @@ def test_report_rows_equal_the_jobs_summaries(grid):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["throughput", "loss", "efficiency"])
+@pytest.mark.parametrize("name", ["throughput", "loss", "efficiency", "scaling"])
 def test_plots_are_real_images(grid, name):
     import matplotlib.image as mpimg
     import numpy as np

@@ -4,6 +4,7 @@ in conf/config.yaml under hydra.callbacks). Light to import: every run instantia
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,21 @@ log = logging.getLogger("dxrun")
 SWEEP_DIRS: list[Path] = []
 
 
+def _main_process() -> bool:
+    if "jax" not in sys.modules:  # no job ran JAX: a single process
+        return True
+    import jax
+
+    return not jax.distributed.is_initialized() or jax.process_index() == 0
+
+
 class SweepReport(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         SWEEP_DIRS.append(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not _main_process():
+            return  # process 0 of a multi-process sweep writes the one report
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             from dxrun.report.table import write_report

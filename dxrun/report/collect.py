@@ -46,6 +46,16 @@ class JobRecord:
         return self.plan.get("global_batch") or self.config.get("data", {}).get("batch_size")
 
     @property
+    def per_device_batch(self) -> int | None:
+        """Examples per data replica and micro-batch (``data.per_device_batch_size``)."""
+        plan = self.plan
+        if "per_device_batch_size" in plan:
+            return plan["per_device_batch_size"]
+        if plan.get("global_batch") and plan.get("dp"):  # a plan.json from before the key
+            return plan["global_batch"] // (plan["dp"] * plan["fsdp"] * plan.get("grad_accum", 1))
+        return None
+
+    @property
     def mesh(self) -> str:
         """``dp4_tp2``-style name of the job's mesh, as the parallelism presets are named."""
         if not self.plan:
@@ -96,7 +106,9 @@ def read_job(job_dir: Path) -> JobRecord:
         record.status, record.kind = "failed", status.get("kind", "crashed")
         record.reason, record.log = status.get("reason"), status.get("log")
     elif state == "running" or (state is None and not summary):
-        log = job_dir / "dxrun.log"
+        # dxrun.0.log: process 0's log of a multi-process job
+        log = next((p for p in (job_dir / "dxrun.log", job_dir / "dxrun.0.log") if p.is_file()),
+                   job_dir / "dxrun.log")
         record.status, record.kind = "failed", "unfinished"
         record.reason = ("did not finish (killed, timed out, or still running)" if state
                          else "no summary.json: the job never finished")
@@ -114,19 +126,40 @@ def find_jobs(sweep_dir: Path) -> list[JobRecord]:
                                        str(j.dir)))
 
 
-def scaling_efficiency(jobs: list[JobRecord]) -> dict[Path, float]:
-    """Tokens/s per device relative to the same workload (same overrides but the mesh) on
-    the fewest devices; with several meshes at that count, the fastest of them is the base."""
-    out: dict[Path, float] = {}
+WEAK, STRONG = "weak", "strong"
+
+
+def scaling_groups(jobs: list[JobRecord]) -> list[tuple[str, list[JobRecord]]]:
+    """Finished jobs of the same workload (same overrides but the mesh) on more than one device
+    count, with what the group held fixed: the global batch (strong scaling) or, with a global
+    batch that grows, the per-device batch (weak scaling). A group that held neither is left
+    out: its jobs differ in more than the devices."""
     ok = [j for j in jobs if j.status == "ok" and j.n_devices
           and j.summary.get("perf/tokens_per_s_per_device")]
-    for key in {j.workload for j in ok}:
+    out = []
+    for key in sorted({j.workload for j in ok}):
         same = [j for j in ok if j.workload == key]
+        if len({j.n_devices for j in same}) < 2:
+            continue
+        if len({j.batch_size for j in same}) == 1:
+            out.append((STRONG, same))
+        elif len({j.per_device_batch for j in same}) == 1:
+            out.append((WEAK, same))
+    return out
+
+
+def scaling_efficiency(jobs: list[JobRecord]) -> dict[Path, tuple[str, float]]:
+    """(kind, efficiency) of each job of a scaling group, against the group's fewest devices
+    (with several meshes at that count, the fastest is the base). Weak: tokens/s per device at
+    n ÷ at the fewest. Strong: speed-up ÷ device ratio, (T_n / T_0) / (n / n_0), which is the
+    same quotient of tokens/s per device; the kinds differ in what was held fixed."""
+    out: dict[Path, tuple[str, float]] = {}
+    for kind, same in scaling_groups(jobs):
         fewest = min(j.n_devices for j in same)
         base = max(j.summary["perf/tokens_per_s_per_device"] for j in same
                    if j.n_devices == fewest)
         for j in same:
-            out[j.dir] = j.summary["perf/tokens_per_s_per_device"] / base
+            out[j.dir] = (kind, j.summary["perf/tokens_per_s_per_device"] / base)
     return out
 
 

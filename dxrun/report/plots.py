@@ -7,18 +7,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from dxrun.report.collect import JobRecord
+from dxrun.report.collect import STRONG, WEAK, JobRecord, scaling_groups
 
 
-def _figure():
+def _figure(panels: int = 1):
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a cluster node
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    ax.grid(True, alpha=0.3)
-    return plt, fig, ax
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), dpi=100, squeeze=False)
+    for ax in axes[0]:
+        ax.grid(True, alpha=0.3)
+    return plt, fig, axes[0][0] if panels == 1 else list(axes[0])
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
@@ -128,8 +129,56 @@ def efficiency(path: Path, jobs: list[JobRecord]) -> Path | None:
     return _save(plt, fig, path)
 
 
+# What each kind plots against devices, its ideal (from the fewest devices, n0) and its title.
+_SCALING = {
+    WEAK: ("tokens/s per device", lambda y0, n0, n: y0, "ideal: the same tokens/s per device",
+           "Weak scaling (per-device batch fixed)"),
+    STRONG: ("speed-up over the fewest devices", lambda y0, n0, n: n / n0,
+             "ideal: speed-up = device ratio", "Strong scaling (global batch fixed)"),
+}
+
+
+def scaling(path: Path, jobs: list[JobRecord]) -> Path | None:
+    """One panel per kind of scaling group in the sweep (weak, strong): each group's best mesh
+    at each device count, and the dashed ideal of that kind from its fewest devices."""
+    groups = scaling_groups(jobs)
+    kinds = [k for k in (WEAK, STRONG) if any(kind == k for kind, _ in groups)]
+    if not kinds:
+        return None
+    plt, fig, axes = _figure(len(kinds))
+    axes = [axes] if len(kinds) == 1 else axes
+    varying = _varying(jobs)
+    for ax, kind in zip(axes, kinds, strict=True):
+        ylabel, ideal, ideal_label, title = _SCALING[kind]
+        mine = [same for k, same in groups if k == kind]
+        for i, same in enumerate(mine):
+            best: dict[int, float] = {}
+            for j in same:
+                best[j.n_devices] = max(best.get(j.n_devices, 0.0),
+                                        j.summary["perf/tokens_per_s_per_device"])
+            xs = sorted(best)
+            n0 = xs[0]
+            # tokens/s per device (weak); speed-up T_n / T_0 = (t_n * n) / (t_0 * n0) (strong)
+            ys = [best[n] if kind == WEAK else best[n] * n / (best[n0] * n0) for n in xs]
+            held = (f"per-device batch {same[0].per_device_batch}" if kind == WEAK
+                    else f"global batch {same[0].batch_size}")
+            rest = [o for o in same[0].workload if o in varying and "batch_size=" not in o]
+            ax.plot(xs, ys, "-o", color=f"C{i % 10}", label=" ".join([held, *rest]))
+            ax.plot(xs, [ideal(ys[0], n0, n) for n in xs], "--", color=f"C{i % 10}", alpha=0.5)
+        ax.plot([], [], "--", color="gray", label=ideal_label)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({j.n_devices for same in mine for j in same})
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.set_xlabel("devices")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
 def write_plots(sweep_dir: Path, jobs: list[JobRecord]) -> list[Path]:
     made = [throughput(sweep_dir / "throughput.png", jobs),
             loss_curves(sweep_dir / "loss.png", jobs),
-            efficiency(sweep_dir / "efficiency.png", jobs)]
+            efficiency(sweep_dir / "efficiency.png", jobs),
+            scaling(sweep_dir / "scaling.png", jobs)]
     return [p for p in made if p is not None]

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from dxrun.errors import ConfigError
-from dxrun.report.collect import JobRecord, find_jobs, overlapping, scaling_efficiency
+from dxrun.report.collect import (
+    STRONG,
+    WEAK,
+    JobRecord,
+    find_jobs,
+    overlapping,
+    scaling_efficiency,
+)
 
 log = logging.getLogger("dxrun")
 
@@ -27,12 +34,15 @@ COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
     ("mesh", lambda j: j.mesh, str),
     ("devices", lambda j: j.n_devices, str),
     ("batch_size", lambda j: j.batch_size, str),
+    ("per_device_batch", lambda j: j.per_device_batch, str),
     ("train_loss", _summary("train/loss"), "{:.4f}".format),
     ("eval_loss", _summary("eval/loss"), "{:.4f}".format),
     ("tokens_per_s", _summary("tokens_per_s"), "{:,.0f}".format),
     ("tokens_per_s_per_device", _summary("perf/tokens_per_s_per_device"), "{:,.0f}".format),
     ("mfu", _summary("perf/mfu"), "{:.2%}".format),
-    ("scaling_efficiency", None, "{:.2f}".format),  # filled in from the whole sweep
+    # Filled in from the whole sweep: each job's group held one of the two batches fixed.
+    (f"{WEAK}_scaling_efficiency", None, "{:.2f}".format),
+    (f"{STRONG}_scaling_efficiency", None, "{:.2f}".format),
     # What the job's compiled step needs per device (every backend), and the allocator's
     # high-water mark where the backend keeps one (GPU/TPU) and it rose during the job.
     ("step_mem_bytes_per_device", _summary("mem/step_bytes_per_device"),
@@ -46,11 +56,12 @@ COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
 
 
 def rows(jobs: list[JobRecord]) -> list[dict[str, Any]]:
-    efficiency = scaling_efficiency(jobs)
+    scaling = scaling_efficiency(jobs)
     out = []
     for j in jobs:
-        row = {name: (efficiency.get(j.dir) if get is None else get(j))
-               for name, get, _ in COLUMNS}
+        kind, eff = scaling.get(j.dir, (None, None))
+        row = {name: (eff if name == f"{kind}_scaling_efficiency" else None) if get is None
+               else get(j) for name, get, _ in COLUMNS}
         out.append(row)
     return out
 
@@ -84,9 +95,13 @@ def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]]
                                                                    if j.log else "")
                   for j in failed]
     lines += ["", "Columns: losses are the final train / held-out loss (nats/token); tokens/s "
-              "is the last logged window, all devices together; scaling efficiency is tokens/s "
-              "per device over the same job's (same overrides but the mesh) on the fewest "
-              "devices; peak memory and compile time are the job's own compiled step."]
+              "is the last logged window, all devices together; per_device_batch is what one data "
+              "replica computes at once (global = per-device x dp x fsdp x train.grad_accum). "
+              "Jobs with the same overrides but the mesh form a scaling group: weak scaling "
+              "when they share the per-device batch (the global batch grows with the devices), "
+              "efficiency = tokens/s per device at n devices / at the fewest; strong scaling "
+              "when they share the global batch, efficiency = speed-up / device ratio. Peak "
+              "memory and compile time are the job's own compiled step."]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -110,6 +125,10 @@ def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
     write_csv(sweep_dir / "report.csv", table)
     pngs = plotting.write_plots(sweep_dir, jobs)
     extra = []
+    if scaling_efficiency(jobs) and any(j.plan.get("platform") == "cpu" for j in jobs):
+        extra += ["**Note:** these jobs ran on simulated CPU devices, which share this host's "
+                  "cores: the scaling efficiencies measure the partitioning overhead (XLA's "
+                  "sharded program and its collectives), not how hardware scales.", ""]
     pairs = overlapping(jobs)
     if pairs:
         extra += [f"**Warning:** {len(pairs)} pair(s) of jobs ran at the same time (e.g. jobs "

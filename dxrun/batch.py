@@ -1,0 +1,66 @@
+"""The global batch and the learning rate that goes with it: pure, no JAX.
+
+A run gives its batch one of two ways. ``data.batch_size`` is the global batch of one optimizer
+update (all devices together). ``data.per_device_batch_size=B`` is what one data replica (a
+group of ``tp`` devices) computes at once, so the global batch grows with the mesh:
+``B x dp x fsdp x train.grad_accum`` (the scaling rule of "keep the per-device batch, add
+devices"). Hydra cannot tell a default from a value the user typed, so ``data.batch_size``
+defaults to ``${default_batch:${data.per_device_batch_size}}``: 32 when no per-device batch is
+given, null when one is; a ``data.batch_size`` that is not null beside a per-device batch was set
+on purpose and is refused (``check_batch_keys``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dxrun.errors import ConfigError
+
+DEFAULT_BATCH = 32
+GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
+
+
+def default_batch(per_device: Any) -> int | None:
+    """The ``default_batch`` resolver behind ``data.batch_size``'s default."""
+    return DEFAULT_BATCH if per_device is None else None
+
+
+def check_batch_keys(data: Any) -> None:
+    """Exactly one of the global and the per-device batch: each decides the other."""
+    if data.batch_size is None and data.per_device_batch_size is None:
+        raise ConfigError("data.batch_size=null but data.per_device_batch_size is not set either;"
+                          " give one, e.g. data.batch_size=32 or data.per_device_batch_size=4")
+    if data.batch_size is not None and data.per_device_batch_size is not None:
+        raise ConfigError(
+            f"data.batch_size={data.batch_size} and data.per_device_batch_size="
+            f"{data.per_device_batch_size} are both set, but each decides the other; give one "
+            f"(drop data.batch_size, or set data.batch_size=null, to keep the per-device batch "
+            "and let the global batch grow with the devices)")
+
+
+def batch_set_by(data: Any) -> str:
+    """The key the global batch comes from. The per-device batch wins: a run writes the
+    resolved global batch back into ``data.batch_size`` (``resolve_batch``), and planning
+    that config again must follow the per-device batch on whatever mesh it is planned for."""
+    return PER_DEVICE if data.per_device_batch_size is not None else GLOBAL
+
+
+def global_batch(data: Any, replicas: int, grad_accum: int) -> int:
+    """Examples of one optimizer update across all devices."""
+    if batch_set_by(data) == PER_DEVICE:
+        return data.per_device_batch_size * replicas * grad_accum
+    return data.batch_size
+
+
+def resolve_batch(cfg: Any, plan: Any) -> None:
+    """Write the plan's global batch into ``cfg.data.batch_size``: the data, the optimizer, the
+    checkpoints, the run name and the saved config all read the number the mesh gave."""
+    cfg.data.batch_size = plan.global_batch
+
+
+def scaled_lr(opt: Any, batch_size: int) -> float:
+    """Peak lr after the batch-size scaling rule, relative to ``optimizer.base_batch_size``."""
+    ratio = batch_size / opt.base_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[opt.lr_scaling]
+    return opt.lr * factor

@@ -1,0 +1,157 @@
+"""Joining a multi-process run: JAX's own distributed runtime (``jax.distributed``), started
+by the scheduler (SLURM's ``srun``), by ``python -m dxrun.launch`` or by hand.
+
+Which processes make one run is decided before JAX touches a device (``join``), from
+``distributed.mode``:
+
+- ``auto`` (default): join when the environment says this process is one of several: SLURM's
+  variables of an ``srun`` step with more than one task, or ``JAX_COORDINATOR_ADDRESS`` with
+  ``JAX_NUM_PROCESSES`` > 1 and ``JAX_PROCESS_ID`` (what ``dxrun.launch`` sets); otherwise stay
+  one process.
+- ``off``: always one process.
+- ``manual``: ``distributed.coordinator`` / ``num_processes`` / ``process_id``.
+
+On CPU the cross-process collectives go through gloo, so a multi-process run works on one
+laptop over loopback. ``detect`` is pure (it reads a given environment), so every branch is
+tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dxrun.errors import ConfigError
+
+log = logging.getLogger("dxrun")
+
+# The variables python -m dxrun.launch sets (JAX reads the first itself).
+COORDINATOR, NUM_PROCESSES, PROCESS_ID = (
+    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+_SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+@dataclass(frozen=True)
+class Join:
+    """How this process joins the run. ``None`` fields are left to JAX's own cluster
+    detection (SLURM's coordinator host and port). ``local_device_ids``: None = JAX's default
+    (under SLURM: one accelerator per task), [] = every accelerator of the host."""
+
+    source: str  # manual | launch | slurm
+    num_processes: int
+    process_id: int
+    coordinator: str | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={env[key]!r} is not an integer; "
+                          "fix the launch script, or set distributed.mode=off") from None
+
+
+def _tasks_per_node(env: Mapping[str, str]) -> int:
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    return max(1, _int(env, "SLURM_NTASKS") // max(1, int(nodes)))
+
+
+def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
+    """This process's place in a multi-process run per ``distributed`` and ``env``; None for
+    a single-process run. Raises ConfigError (key, value, fix)."""
+    ids = tuple(dist.local_device_ids) if dist.local_device_ids is not None else None
+    if dist.mode == "off":
+        return None
+    if dist.mode == "manual":
+        missing = [k for k in ("coordinator", "num_processes", "process_id")
+                   if dist[k] is None]
+        if missing:
+            raise ConfigError(
+                f"distributed.mode=manual needs {', '.join('distributed.' + k for k in missing)}"
+                "; set them (e.g. distributed.coordinator=host0:12345 "
+                "distributed.num_processes=2 distributed.process_id=0), or use "
+                "distributed.mode=auto")
+        if not 0 <= dist.process_id < dist.num_processes:
+            raise ConfigError(
+                f"distributed.process_id={dist.process_id} is not in [0, "
+                f"distributed.num_processes={dist.num_processes}); number the processes "
+                f"0..{dist.num_processes - 1}")
+        if dist.num_processes == 1:
+            return None
+        return Join("manual", dist.num_processes, dist.process_id, dist.coordinator, ids)
+    if env.get(COORDINATOR) and NUM_PROCESSES in env:
+        n = _int(env, NUM_PROCESSES)
+        if n <= 1:
+            return None
+        if PROCESS_ID not in env:
+            raise ConfigError(f"{COORDINATOR} and {NUM_PROCESSES}={n} are set but "
+                              f"{PROCESS_ID} is not; set it for every process (0..{n - 1}), "
+                              "or set distributed.mode=off")
+        return Join("launch", n, _int(env, PROCESS_ID), env[COORDINATOR], ids)
+    if all(k in env for k in _SLURM) and _int(env, "SLURM_NTASKS") > 1:
+        if ids is None and _tasks_per_node(env) == 1:
+            ids = ()  # one task per node drives all of the node's accelerators
+        return Join("slurm", _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID"), None, ids)
+    return None
+
+
+def join(dist: Any, env: Mapping[str, str] | None = None) -> Join | None:
+    """Start JAX's distributed runtime if this process is one of several. Call before anything
+    touches a JAX device; a second call (the next job of a multirun) does nothing."""
+    import jax
+
+    spec = detect(dist, os.environ if env is None else env)
+    if spec is None or jax.distributed.is_initialized():
+        return spec
+    # gloo: cross-process collectives of XLA:CPU (accelerators use their own, NCCL on GPUs).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs: dict[str, Any] = {}
+    if spec.source == "slurm":
+        kwargs["cluster_detection_method"] = "slurm"
+    try:
+        jax.distributed.initialize(
+            spec.coordinator, spec.num_processes, spec.process_id,
+            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids is not None
+            else None,
+            initialization_timeout=dist.init_timeout_s,
+            heartbeat_timeout_seconds=dist.heartbeat_timeout_s, **kwargs)
+    except Exception as e:  # noqa: BLE001 - JAX raises XlaRuntimeError / RuntimeError here
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(
+            f"process {spec.process_id} of {spec.num_processes} could not join the run at "
+            f"{spec.coordinator or 'the SLURM coordinator'} within distributed.init_timeout_s="
+            f"{dist.init_timeout_s} ({first}); check that every process was started and can "
+            "reach process 0's host and port") from None
+    log.info("joined a %d-process run as process %d (%s, coordinator %s)", spec.num_processes,
+             spec.process_id, spec.source, spec.coordinator or "from SLURM")
+    return spec
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def is_main() -> bool:
+    """Process 0 writes the run's shared files (config, plan, metrics, summary, W&B)."""
+    return process_index() == 0
+
+
+def agree(key: str, value: str, timeout_s: int = 300) -> str:
+    """Process 0's ``value`` on every process (the run dir, chosen once). Single process: the
+    value itself. Goes through the distributed runtime's key-value store."""
+    import jax
+    from jax._src.distributed import global_state
+
+    if jax.process_count() == 1 or global_state.client is None:
+        return value
+    key = f"dxrun/{key}"
+    if jax.process_index() == 0:
+        global_state.client.key_value_set(key, value, allow_overwrite=True)
+        return value
+    return global_state.client.blocking_key_value_get(key, timeout_s * 1000)

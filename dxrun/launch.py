@@ -1,0 +1,156 @@
+"""``python -m dxrun.launch --nproc N [--devices-per-proc K] -- <overrides>``: N local
+processes of one run, joined through JAX's distributed runtime over loopback.
+
+For development, tests and one node with several processes (one per GPU group). Each process
+is ``python -m dxrun <overrides>`` with the coordinator variables ``distributed.mode=auto``
+reads (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); with ``-K``
+it drives K devices: K simulated CPU devices (``runtime.cpu_devices=K``) or accelerators
+``rank*K .. rank*K+K-1`` (``JAX_LOCAL_DEVICE_IDS``). Their output comes prefixed with the rank;
+SIGINT, SIGTERM and SIGUSR1 are passed on to every process. The exit code is the first
+non-zero one a process returned (a process killed by signal S counts as 128+S), else 0. On
+several nodes use SLURM instead (README, "Multi-node").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from dxrun.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(base: dict[str, str], rank: int, nproc: int, port: int,
+              devices_per_proc: int | None) -> dict[str, str]:
+    env = {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(nproc),
+           PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # each process sets its own device count
+    if devices_per_proc:
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(
+            str(i) for i in range(rank * devices_per_proc, (rank + 1) * devices_per_proc))
+    return env
+
+
+def exit_code(returncode: int) -> int:
+    """A shell's convention: killed by signal S -> 128 + S."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with {returncode}"
+
+
+# gloo's line for every communicator it sets up: chatter, not news
+_NOISE = ("[Gloo] Rank ",)
+
+
+def _pump(stream: IO[str], out: IO[str], prefix: str) -> None:
+    for line in stream:
+        if line.startswith(_NOISE):
+            continue
+        out.write(prefix + line)
+        out.flush()
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    else:
+        overrides = []
+    p = argparse.ArgumentParser(prog="python -m dxrun.launch", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, required=True, help="processes to start")
+    p.add_argument("--devices-per-proc", type=int, default=None,
+                   help="devices each process drives (CPU: simulated; GPU: rank*K..rank*K+K-1)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
+    p.add_argument("--grace", type=float, default=120.0,
+                   help="seconds the others get to stop by themselves after one fails")
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # overrides given without "--" are accepted too
+        overrides = [*unknown, *overrides]
+    if args.nproc < 1:
+        p.error(f"--nproc={args.nproc} must be at least 1")
+    if args.devices_per_proc is not None and args.devices_per_proc < 1:
+        p.error(f"--devices-per-proc={args.devices_per_proc} must be at least 1")
+    return args, overrides
+
+
+def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
+           port: int = 0, grace: float = 120.0) -> int:
+    port = port or free_port()
+    if devices_per_proc:
+        overrides = [*overrides, f"runtime.cpu_devices={devices_per_proc}"]
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(nproc):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dxrun", *overrides],
+            env=child_env(dict(os.environ), rank, nproc, port, devices_per_proc),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        procs.append(proc)
+        print(f"dxrun.launch: rank {rank} pid {proc.pid}", flush=True)
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, out, f"[rank {rank}] "),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+
+    first: tuple[int, int] | None = None  # (rank, returncode) of the first failure
+    deadline = None
+    while any(p.poll() is None for p in procs):
+        for rank, proc in enumerate(procs):
+            if first is None and proc.poll() not in (None, 0):
+                first = (rank, proc.returncode)
+                deadline = time.monotonic() + grace
+        if deadline is not None and time.monotonic() > deadline:
+            for rank, proc in enumerate(procs):
+                if proc.poll() is None:
+                    print(f"dxrun.launch: rank {rank} still running {grace:.0f} s after rank "
+                          f"{first[0]} failed: killing it", file=sys.stderr, flush=True)
+                    proc.kill()
+        time.sleep(0.1)
+    for t in pumps:
+        t.join(timeout=5)
+    if first is None:  # every process has exited; a failure may be the last thing seen
+        first = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode), None)
+    if first is None:
+        return 0
+    rank, code = first
+    others = ", ".join(f"rank {r} {describe(p.returncode)}" for r, p in enumerate(procs)
+                       if r != rank)
+    print(f"dxrun.launch: error: rank {rank} {describe(code)} first; then {others} (a process "
+          "that loses another stops: see each rank's dxrun.<rank>.log in the run dir)",
+          file=sys.stderr, flush=True)
+    return exit_code(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    sys.exit(launch(args.nproc, overrides, args.devices_per_proc, args.port, args.grace))
+
+
+if __name__ == "__main__":
+    main()
