@@ -89,14 +89,15 @@ def find_resume(cfg: Any, run_dir: Path) -> Resume | None:
             return None
         resume = Resume(directory, None, in_place=True)
     else:
-        resume = _from_path(Path(mode))
-    resume.meta_step, resume.meta = _newest_meta(resume)
+        resume = locate(Path(mode))
+    resume.meta_step, resume.meta = newest_meta(resume)
     check_compatible(cfg, resume.meta["config"], resume.directory / str(resume.meta_step))
     return resume
 
 
-def _from_path(path: Path) -> Resume:
-    """``checkpoint.resume=<path>``: a checkpoints dir, one step dir in it, or a run dir."""
+def locate(path: Path, key: str = "checkpoint.resume") -> Resume:
+    """``checkpoint.resume=<path>``: a checkpoints dir, one step dir in it, or a run dir
+    (``key`` names what the user gave, for the refusal)."""
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if path.name.isdigit() and path.parent.is_dir() and int(path.name) in committed_steps(
@@ -104,9 +105,9 @@ def _from_path(path: Path) -> Resume:
         return Resume(path.parent, int(path.name), in_place=False)
     if committed_steps(path):
         return Resume(path, None, in_place=False)
-    raise ConfigError(f"checkpoint.resume={path} holds no committed checkpoint; give a "
-                      "checkpoints dir, one of its step dirs or a run dir, or use "
-                      "checkpoint.resume=auto|none")
+    fix = ", or use checkpoint.resume=auto|none" if key == "checkpoint.resume" else ""
+    raise ConfigError(f"{key}={path} holds no committed checkpoint; give a run dir, its "
+                      f"checkpoints dir or one of its step dirs{fix}")
 
 
 def _candidates(resume: Resume) -> list[int]:
@@ -116,7 +117,7 @@ def _candidates(resume: Resume) -> list[int]:
     return committed_steps(resume.directory)[::-1]
 
 
-def _newest_meta(resume: Resume) -> tuple[int, dict[str, Any]]:
+def newest_meta(resume: Resume) -> tuple[int, dict[str, Any]]:
     mgr = _manager(resume.directory)
     try:
         for step in _candidates(resume):
@@ -141,17 +142,24 @@ def _flat(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def changed(cfg: Any, saved_cfg: dict[str, Any], keys: tuple[str, ...]
+            ) -> tuple[str, Any, Any] | None:
+    """The first of ``keys`` whose value differs from the checkpoint's: (key, now, then)."""
+    now, then = _flat(cfg), _flat(saved_cfg)
+    return next(((k, now.get(k), then.get(k)) for k in keys if now.get(k) != then.get(k)), None)
+
+
 def check_compatible(cfg: Any, saved_cfg: dict[str, Any], where: Path) -> None:
     """Refuse a resume that cannot continue the checkpoint: one line naming both values."""
-    now, then = _flat(cfg), _flat(saved_cfg)
     for what, keys in (("model shape", MODEL_SHAPE), ("vocabulary", VOCABULARY),
                        ("data source", DATA_SOURCE)):
-        for key in keys:
-            if now.get(key) != then.get(key):
-                raise ConfigError(
-                    f"{key}={now.get(key)} but checkpoint {where} was written with "
-                    f"{key}={then.get(key)} (the {what} cannot change on resume); resume with "
-                    f"{key}={then.get(key)}, or start fresh with checkpoint.resume=none")
+        if diff := changed(cfg, saved_cfg, keys):
+            key, now, then = diff
+            raise ConfigError(
+                f"{key}={now} but checkpoint {where} was written with {key}={then} (the "
+                f"{what} cannot change on resume); resume with {key}={then}, or start fresh "
+                "with checkpoint.resume=none")
+    now, then = _flat(cfg), _flat(saved_cfg)
     key = "data.batch_size"
     if now[key] != then[key] and not cfg.checkpoint.allow_batch_change:
         raise ConfigError(

@@ -51,13 +51,14 @@ class Experiment:
     batch_sharding: Any
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    data: Data
+    data: Data | None
     step: Any
     eval_step: Any
 
     @classmethod
-    def build(cls, cfg: Any, plan: MeshPlan | None = None, data: Data | None = None
-              ) -> Experiment:
+    def build(cls, cfg: Any, plan: MeshPlan | None = None, data: Data | None = None,
+              with_data: bool = True) -> Experiment:
+        """``with_data=False``: no data source (sampling from a checkpoint needs no corpus)."""
         if plan is None:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
@@ -87,7 +88,7 @@ class Experiment:
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision)
-        if data is None:
+        if data is None and with_data:
             resolve_batch(cfg, plan)  # the data reads the global batch from the config
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)

@@ -29,33 +29,14 @@ class MetricsLogger:
         if is_main and cfg.logger.name == "wandb":
             tags = [f"{g}:{choices[g]}" for g in ("model", "parallelism", "data", "optimizer")
                     if choices and g in choices]
-            self._init_wandb(run_dir, cfg.logger, run_config, name,
-                             cfg.logger.group or group, tags + list(cfg.logger.tags), resume_id)
+            self.wandb = open_wandb(run_dir, cfg.logger, run_config, name,
+                                    cfg.logger.group or group, tags + list(cfg.logger.tags),
+                                    resume_id)
 
     @property
     def run_id(self) -> str | None:
         """The W&B run's id (saved in checkpoints, so a resumed run continues the same run)."""
         return self.wandb.id if self.wandb is not None else None
-
-    def _init_wandb(self, run_dir: Path, lc: Any, run_config: dict[str, Any], name: str,
-                    group: str | None, tags: list[str], resume_id: str | None) -> None:
-        try:
-            import wandb
-
-            mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
-            self.wandb = wandb.init(
-                project=lc.project, entity=lc.entity, name=name, group=group,
-                job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
-                config=run_config, reinit="finish_previous",
-                # A resumed run continues its W&B run: one id, one curve on the dashboard.
-                id=resume_id, resume="allow" if resume_id else None,
-            )
-            self.wandb.define_metric("step")
-            self.wandb.define_metric("*", step_metric="step")
-            self.wandb.define_metric("train/loss", summary="min")
-        except Exception as e:  # noqa: BLE001 - any W&B failure must not stop training
-            log.warning("W&B init failed (%s); continuing with metrics.jsonl only", e)
-            self.wandb = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_main:
@@ -104,3 +85,27 @@ def rewind_metrics(run_dir: Path, step: int) -> list[dict[str, Any]]:
         tmp.replace(path)
         log.info("moved %d metrics rows after step %d to metrics.discarded.jsonl", len(gone), step)
     return [json.loads(x) for x in keep]
+
+
+def open_wandb(run_dir: Path, lc: Any, run_config: dict[str, Any] | None, name: str | None,
+               group: str | None, tags: list[str] | None, resume_id: str | None) -> Any:
+    """A W&B run under ``run_dir`` (``resume_id``: continue that run), its history keyed by
+    ``step``; None, with one warning, if W&B fails: it never stops the caller."""
+    try:
+        import wandb
+
+        mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
+        run = wandb.init(
+            project=lc.project, entity=lc.entity, name=name, group=group,
+            job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
+            config=run_config, reinit="finish_previous",
+            # A resumed run continues its W&B run: one id, one curve on the dashboard.
+            id=resume_id, resume="allow" if resume_id else None,
+        )
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        run.define_metric("train/loss", summary="min")
+        return run
+    except Exception as e:  # noqa: BLE001 - any W&B failure must not stop training
+        log.warning("W&B init failed (%s); continuing with metrics.jsonl only", e)
+        return None

@@ -56,11 +56,13 @@ class Norm(nnx.Module):
         return x.astype(x_BxLxD.dtype)
 
 
-def rope(x_BxLxNxE: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, rotate-half convention (Llama)."""
+def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0) -> jax.Array:
+    """Rotary position embedding, rotate-half convention (Llama), for positions ``start``,
+    ``start + 1``, ... (decoding with a key/value cache passes the first new position)."""
     L, E = x_BxLxNxE.shape[1], x_BxLxNxE.shape[-1]
     freq_E2 = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
-    ang_LxE2 = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_E2[None, :]
+    pos_L = (jnp.arange(L) + start).astype(jnp.float32)
+    ang_LxE2 = pos_L[:, None] * freq_E2[None, :]
     cos, sin = jnp.cos(ang_LxE2)[None, :, None, :], jnp.sin(ang_LxE2)[None, :, None, :]
     x = x_BxLxNxE.astype(jnp.float32)
     x1, x2 = x[..., : E // 2], x[..., E // 2:]
@@ -75,22 +77,24 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def reference_attention(q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array, v_BxLxKxE: jax.Array
-                        ) -> jax.Array:
-    """Causal attention written out (``model.attention=reference``): what the fused kernel is
-    tested against."""
+def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
+                        mask_LxS: jax.Array | None = None) -> jax.Array:
+    """Attention written out (``model.attention=reference``): what the fused kernel is tested
+    against. Causal (L = S) unless ``mask_LxS`` says which keys each query sees (decoding
+    against a key/value cache)."""
     B, L, H, E = q_BxLxHxE.shape
-    K = k_BxLxKxE.shape[2]
+    K = k_BxSxKxE.shape[2]
     # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
     # stay aligned with their kv heads (n_kv_heads % tp == 0 is checked by the plan).
     q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
     # Scores and softmax in fp32 for stability under bf16 compute.
-    s_BxKxGxLxL = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxLxKxE,
+    s_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
                              preferred_element_type=jnp.float32) * E**-0.5
-    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-    s_BxKxGxLxL = jnp.where(causal_LxL, s_BxKxGxLxL, jnp.finfo(jnp.float32).min)
-    p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
-    o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxL, v_BxLxKxE)
+    if mask_LxS is None:
+        mask_LxS = jnp.tril(jnp.ones((L, L), bool))
+    s_BxKxGxLxS = jnp.where(mask_LxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
+    o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxS, v_BxSxKxE)
     o_BxLxHxE = o_BxLxKxGxE.reshape(B, L, H, E)
     return o_BxLxHxE
 
@@ -121,6 +125,19 @@ class Attention(nnx.Module):
             self.bq = self.bk = self.bv = self.bo = None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(x_BxLxD)
+        if self.impl == "dot_product":
+            # XLA's (or, on NVIDIA GPUs in bf16, cuDNN's fused flash) attention, with native
+            # grouped-query heads: no L x L score tensor where the fused kernel runs.
+            o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
+                                                     is_causal=True)
+        else:
+            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
+        return self.out(o_BxLxHxE)
+
+    def qkv(self, x_BxLxD: jax.Array, start: Any = 0
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ..."""
         q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...])
         k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...])
         v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...])
@@ -129,15 +146,12 @@ class Attention(nnx.Module):
             k_BxLxKxE = k_BxLxKxE + self.bk[...]
             v_BxLxKxE = v_BxLxKxE + self.bv[...]
         if self.pos == "rope":
-            q_BxLxHxE = rope(q_BxLxHxE, self.theta)
-            k_BxLxKxE = rope(k_BxLxKxE, self.theta)
-        if self.impl == "dot_product":
-            # XLA's (or, on NVIDIA GPUs in bf16, cuDNN's fused flash) attention, with native
-            # grouped-query heads: no L x L score tensor where the fused kernel runs.
-            o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                                     is_causal=True)
-        else:
-            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
+            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start)
+            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start)
+        return q_BxLxHxE, k_BxLxKxE, v_BxLxKxE
+
+    def out(self, o_BxLxHxE: jax.Array) -> jax.Array:
+        """The row-parallel output projection of the heads' outputs."""
         y_BxLxD = jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...])
         if self.bo is not None:
             y_BxLxD = y_BxLxD + self.bo[...]
@@ -180,8 +194,14 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None) -> jax.Array:
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        return self.apply(x_BxLxD, self.attn, k1, k2)
+
+    def apply(self, x_BxLxD: jax.Array, attend: Any, k1: jax.Array | None = None,
+              k2: jax.Array | None = None) -> jax.Array:
+        """The block with ``attend`` as its attention: ``self.attn`` when training, attention
+        against a key/value cache when decoding (``dxrun.decode``)."""
         cd = self.attn.wq[...].dtype  # the compute dtype; the residual may be wider (fp32)
-        h = self.attn(self.ln1(x_BxLxD).astype(cd))
+        h = attend(self.ln1(x_BxLxD).astype(cd))
         x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
         x_BxLxD = constrain(x_BxLxD, ACT)
         h = self.mlp(self.ln2(x_BxLxD).astype(cd))
@@ -260,6 +280,12 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits (fp32) for every position, over the padded vocabulary (padding masked)."""
+        x_BxLxD = self.embed(tokens_BxL)
+        x_BxLxD = self.run_blocks(x_BxLxD, dropout_key)
+        return self.head(x_BxLxD)
+
+    def embed(self, tokens_BxL: jax.Array, start: Any = 0) -> jax.Array:
+        """The residual stream's input for tokens at positions ``start``, ``start + 1``, ..."""
         L = tokens_BxL.shape[1]
         # FSDP gathers the table's embed shards first (as for every weight); then the lookup is
         # vocab-parallel (a masked gather over this device's rows, summed over `tensor`).
@@ -268,12 +294,16 @@ class Transformer(nnx.Module):
         wte_VpxD = constrain(self.wte[...], ("vocab", "act_embed"))
         x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
-            x_BxLxD = x_BxLxD + self.wpe[...][:L][None]
-        cd = x_BxLxD.dtype
+            wpe_LxD = (self.wpe[...][:L] if isinstance(start, int) and start == 0
+                       else jax.lax.dynamic_slice_in_dim(self.wpe[...], start, L))
+            x_BxLxD = x_BxLxD + wpe_LxD[None]
         if self.residual_fp32:  # model.residual_dtype=fp32: the stream between blocks in fp32
             x_BxLxD = x_BxLxD.astype(jnp.float32)
-        x_BxLxD = constrain(x_BxLxD, ACT)
-        x_BxLxD = self.run_blocks(x_BxLxD, dropout_key)
+        return constrain(x_BxLxD, ACT)
+
+    def head(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Logits (fp32) over the padded vocabulary (padding masked) of the residual stream."""
+        cd = self.wte[...].dtype  # the compute dtype, whatever the residual stream's
         x_BxLxD = self.ln_f(x_BxLxD).astype(cd)
         if self.lm_head is not None:
             logits_BxLxVp = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],

@@ -53,3 +53,44 @@ def tree_digest(tree: Path) -> dict[str, str]:
 
     return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+# Runs the evaluate and sample tests share (each trained once per session).
+MARKOV_RUN = ["parallelism=dp2", "data.seq_len=32", "train.steps=300", "train.log_every=50",
+              "train.eval_every=100", "checkpoint.every=100"]
+
+
+@pytest.fixture(scope="session")
+def markov_run(tmp_path_factory) -> Path:
+    """The default markov data trained near its floor (300 steps, logged to offline W&B)."""
+    from dxrun.train import train
+
+    run_dir = tmp_path_factory.mktemp("markov_run")
+    train(make_cfg(*MARKOV_RUN), run_dir)
+    return run_dir
+
+
+def write_corpus(path: Path, n_sentences: int = 1500, seed: int = 0) -> Path:
+    """Plain ASCII sentences from a small grammar: learnable in a few hundred steps."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    subjects, verbs = ["the cat", "a dog", "the bird", "my friend"], ["sees", "likes", "finds"]
+    objects = ["the mat", "a ball", "the tree", "some bread"]
+    text = " ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}."
+                    for _ in range(n_sentences))
+    path.write_text(text + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_run(tmp_path_factory) -> Path:
+    """A bytes-level text run on a small corpus (200 steps, no W&B)."""
+    from dxrun.train import train
+
+    root = tmp_path_factory.mktemp("text_run")
+    corpus = write_corpus(root / "corpus.txt")
+    train(make_cfg("data=text", f"data.path={corpus}", "data.seq_len=32", "data.batch_size=16",
+                   "parallelism=dp2", "train.steps=200", "train.log_every=50",
+                   "train.eval_every=200", "checkpoint.every=200", "logger=none"), root / "run")
+    return root / "run"

@@ -60,6 +60,7 @@ class Data:
         self.kind = d.name
         self.entropy_floor: float | None = None
         self.has_eval = True  # the markov source's eval stream is an independent one
+        self.eval_windows: int | None = None  # held-out windows; None: an endless stream
         if d.name == "markov":
             self.markov = MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
                                        branching=d.branching, seed=d.seed,
@@ -77,6 +78,7 @@ class Data:
             log.warning(warning)
         self.vocab_size, self.description = loaded.vocab_size, loaded.description
         self.has_eval = len(loaded.val) >= d.seq_len + 1
+        self.eval_windows = max(0, len(loaded.val) - 1) // d.seq_len
         if not self.has_eval and cfg.train.eval_every > 0:
             fix = (f"raise data.val_fraction (now {d.val_fraction}) or add text"
                    if d.name == "text" else f"put a longer val.bin in data.path={d.path}")

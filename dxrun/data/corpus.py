@@ -122,6 +122,17 @@ class Tokenizer:
         # one end-of-text token (iter_documents), the same whatever the tokenizer's template.
         return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, np.uint32)
 
+    def unencodable(self, text: str) -> list[str]:
+        """Characters of ``text`` this tokenizer cannot represent: dropped by it or mapped to
+        its unknown token (bytes: only lone surrogates, which have no UTF-8)."""
+        if self._hf is None:
+            return [c for c in text if 0xD800 <= ord(c) <= 0xDFFF]
+        enc = self._hf.encode(text, add_special_tokens=False)
+        unk = getattr(self._hf.model, "unk_token", None)
+        covered = {i for tok, (a, b) in zip(enc.tokens, enc.offsets, strict=True) if tok != unk
+                   for i in range(a, b)}
+        return [c for i, c in enumerate(text) if i not in covered and not c.isspace()]
+
     def decode(self, ids: Any) -> str:
         if self._hf is None:
             return bytes(int(i) for i in ids).decode("utf-8", errors="replace")

@@ -1,0 +1,141 @@
+"""Autoregressive decoding with a key/value cache, inside one ``jax.jit``.
+
+The prompt (P tokens) is run once (the prefill), filling each layer's cache; then a
+``lax.fori_loop`` makes one token per iteration, attending over the cache. The cache has a static
+length T = P + N (N new tokens), so the whole generation compiles once: no recompilation per
+token. The model's own modules compute it (``Transformer.embed``, ``Block.apply``,
+``Attention.qkv`` / ``out``, ``Transformer.head``); only the attention over the cache is
+written here. Parameters keep their mesh shardings, so tensor parallelism decodes too.
+
+Sampling: ``temperature=0`` is greedy (argmax); otherwise logits / temperature, cut to the
+``top_k`` most likely tokens and to the smallest set whose probability reaches ``top_p``, then
+drawn with a key folded from (``seed``, position): deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dxrun.model import Attention, reference_attention
+from dxrun.sharding import in_mesh_context
+
+NEG = jnp.finfo(jnp.float32).min
+
+
+class Sampling(NamedTuple):
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 1.0  # 1 = no nucleus cut
+    seed: int = 0
+
+
+class Cache(NamedTuple):
+    k_NxBxTxKxE: jax.Array  # N layers (stacked, like the blocks' parameters)
+    v_NxBxTxKxE: jax.Array
+
+
+def _cached_attention(attn: Attention, x_BxSxD: jax.Array, k_BxTxKxE: jax.Array,
+                      v_BxTxKxE: jax.Array, start: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention of S new tokens at positions start..start+S-1: their keys and values go into
+    the cache, and each query sees the cache up to its own position."""
+    q_BxSxHxE, k_BxSxKxE, v_BxSxKxE = attn.qkv(x_BxSxD, start)
+    k_BxTxKxE = jax.lax.dynamic_update_slice_in_dim(k_BxTxKxE, k_BxSxKxE.astype(
+        k_BxTxKxE.dtype), start, axis=1)
+    v_BxTxKxE = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxE, v_BxSxKxE.astype(
+        v_BxTxKxE.dtype), start, axis=1)
+    S, T = x_BxSxD.shape[1], k_BxTxKxE.shape[1]
+    mask_SxT = jnp.arange(T)[None, :] <= start + jnp.arange(S)[:, None]
+    o_BxSxHxE = reference_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, mask_SxT)
+    return attn.out(o_BxSxHxE), k_BxTxKxE, v_BxTxKxE
+
+
+def forward_cached(model: Any, tokens_BxS: jax.Array, cache: Cache, start: jax.Array
+                   ) -> tuple[jax.Array, Cache]:
+    """Logits of S new tokens at positions start..start+S-1 and the updated cache: the layers
+    under one ``lax.scan`` over the stacked block parameters and their caches."""
+    graphdef, stacked = nnx.split(model.blocks)
+
+    def layer(x_BxSxD: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+        params, k_BxTxKxE, v_BxTxKxE = xs
+        block = nnx.merge(graphdef, params)
+        new: dict[str, jax.Array] = {}
+
+        def attend(h_BxSxD: jax.Array) -> jax.Array:
+            y, new["k"], new["v"] = _cached_attention(block.attn, h_BxSxD, k_BxTxKxE,
+                                                      v_BxTxKxE, start)
+            return y
+
+        x_BxSxD = block.apply(x_BxSxD, attend)
+        return x_BxSxD, (new["k"], new["v"])
+
+    x_BxSxD = model.embed(tokens_BxS, start)
+    x_BxSxD, (k, v) = jax.lax.scan(layer, x_BxSxD, (stacked, *cache))
+    return model.head(x_BxSxD), Cache(k, v)
+
+
+def pick(logits_BxV: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+    """The next token of each row: argmax (temperature 0) or a draw after the top-k/top-p cut."""
+    if s.temperature == 0:
+        return logits_BxV.argmax(-1).astype(jnp.int32)
+    logits_BxV = logits_BxV / s.temperature
+    if s.top_k:
+        kth_Bx1 = jax.lax.top_k(logits_BxV, s.top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth_Bx1, NEG, logits_BxV)
+    if s.top_p < 1.0:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        # Keep a token while the probability of the more likely ones is still short of top_p
+        # (so the most likely token is always kept).
+        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+        cut_Bx1 = jnp.min(jnp.where(before_BxV < s.top_p, sorted_BxV, jnp.inf), axis=-1,
+                          keepdims=True)
+        logits_BxV = jnp.where(logits_BxV < cut_Bx1, NEG, logits_BxV)
+    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def make_generate(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
+                  param_shardings: Any, prompt_len: int, new_tokens: int, sampling: Sampling,
+                  n_layers: int, kv_heads: int, head_dim: int, dtype: Any = jnp.float32,
+                  with_logits: bool = False) -> Any:
+    """``generate(params, prompt_BxP) -> tokens_BxT`` (prompt and continuation; with
+    ``with_logits`` also the logits each new token was picked from, ``B x N x Vp``), jitted
+    once for these static lengths."""
+    T = prompt_len + new_tokens
+
+    def generate(params: dict, prompt_BxP: jax.Array) -> Any:
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
+        B = prompt_BxP.shape[0]
+        zeros = jnp.zeros((n_layers, B, T, kv_heads, head_dim), dtype)
+        logits_BxPxV, cache = forward_cached(model, prompt_BxP, Cache(zeros, zeros),
+                                             jnp.int32(0))
+        tokens_BxT = jnp.zeros((B, T), jnp.int32).at[:, :prompt_len].set(prompt_BxP)
+        seen_BxNxV = jnp.zeros((B, new_tokens, logits_BxPxV.shape[-1]), jnp.float32)
+        root = jax.random.key(sampling.seed)
+
+        def one(i: jax.Array, carry: tuple) -> tuple:
+            tokens_BxT, cache, logits_BxV, seen_BxNxV = carry
+            pos = prompt_len + i
+            token_B = pick(logits_BxV, jax.random.fold_in(root, pos), sampling)
+            tokens_BxT = jax.lax.dynamic_update_slice_in_dim(tokens_BxT, token_B[:, None], pos,
+                                                             axis=1)
+            seen_BxNxV = jax.lax.dynamic_update_slice_in_dim(seen_BxNxV, logits_BxV[:, None],
+                                                             i, axis=1)
+            logits_Bx1xV, cache = forward_cached(model, token_B[:, None], cache, pos)
+            return tokens_BxT, cache, logits_Bx1xV[:, 0], seen_BxNxV
+
+        carry = (tokens_BxT, cache, logits_BxPxV[:, -1], seen_BxNxV)
+        tokens_BxT, _, _, seen_BxNxV = jax.lax.fori_loop(0, new_tokens, one, carry)
+        return (tokens_BxT, seen_BxNxV) if with_logits else tokens_BxT
+
+    jitted = jax.jit(generate, in_shardings=(param_shardings, None))
+
+    def run(params: dict, prompt_BxP: Any) -> Any:
+        with in_mesh_context(mesh, rules):
+            return jitted(params, jnp.asarray(prompt_BxP, jnp.int32))
+
+    return run

@@ -1,0 +1,174 @@
+"""A run's checkpoint, loaded for use after training (``dxrun.evaluate``, ``dxrun.sample``).
+
+``python -m dxrun.<tool> <run dir | checkpoints dir | step dir> [option=value ...]
+[overrides ...]``: the tool's own options (``prompt=``, ``n=``, ...) beside config overrides
+(``parallelism=tp2``, ``data.path=...``, ``eval.batches=8``). The config is the one the
+checkpoint was written with (its meta item), with the overrides applied as ``python -m dxrun``
+would apply them: a group option (``parallelism=tp2``, ``data=tokens``) replaces that section
+with its preset, a key replaces one value. The model's shape and vocabulary are the
+checkpoint's and cannot be overridden. The parameters are read straight into the chosen mesh's
+shardings, as a resume does (``checkpoint.restore``).
+
+Bad input is a ConfigError: one line ``dxrun.<tool>: error: ...``, exit 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dxrun.config import RunConfig, check_keys, composition_error, conf_dir, register, validate
+from dxrun.errors import ConfigError
+
+log = logging.getLogger("dxrun")
+
+DEFAULT_CPU_DEVICES = RunConfig().runtime.cpu_devices
+
+
+def split_args(tool: str, argv: list[str], options: dict[str, Any]
+               ) -> tuple[Path, dict[str, Any], list[str]]:
+    """(checkpoint path, the tool's ``options`` with the given ones parsed to their default's
+    type, config overrides)."""
+    paths = [a for a in argv if "=" not in a]
+    if len(paths) != 1:
+        raise ConfigError(f"give one run dir or checkpoint dir, then key=value arguments "
+                          f"(got {len(paths)} paths: {' '.join(paths) or 'none'}); usage: "
+                          f"python -m dxrun.{tool} <run dir> [key=value ...]")
+    out, overrides = dict(options), []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            continue
+        if key not in options:
+            overrides.append(arg)
+            continue
+        kind = type(options[key])
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value} is not a {kind.__name__}; e.g. "
+                              f"{key}={options[key]}") from None
+    return Path(paths[0]), out, overrides
+
+
+def start_devices(overrides: list[str]) -> None:
+    """Simulate ``runtime.cpu_devices`` CPU devices (default 8, like a run) before JAX starts:
+    reading the checkpoint's meta already starts JAX, so the count comes from the command
+    line, not from the checkpoint."""
+    from dxrun.runtime import simulate_cpu_devices
+
+    given = [o.partition("=")[2] for o in overrides if o.startswith("runtime.cpu_devices=")]
+    try:
+        n = int(given[-1]) if given else DEFAULT_CPU_DEVICES
+    except ValueError:
+        raise ConfigError(f"runtime.cpu_devices={given[-1]} is not an integer; e.g. "
+                          "runtime.cpu_devices=8") from None
+    if n <= 0:
+        raise ConfigError(f"runtime.cpu_devices={n} must be positive; e.g. runtime.cpu_devices=8")
+    simulate_cpu_devices(n)
+
+
+def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
+    """The checkpoint's config with ``overrides`` applied as ``python -m dxrun`` applies them."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    register()
+    try:
+        # The overrides composed on the defaults: Hydra parses their values and checks them
+        # against the schema; a group option brings its preset.
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3",
+                                   job_name="dxrun"):
+            given = hydra_compose(config_name="config", overrides=overrides)
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line for what we can phrase, else Hydra's
+        raise ConfigError(composition_error(e) or str(e).splitlines()[0]) from None
+    check_keys(given)
+    OmegaConf.resolve(given)
+    # (The saved "plan" is the mesh plan, written over the plan section: plan mode only.)
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig),
+                          {k: v for k, v in saved.items()
+                           if k in RunConfig.__dataclass_fields__ and k != "plan"})
+    for o in parsed:
+        key = o.key_or_group.lstrip("+~")
+        if "." in key:
+            OmegaConf.update(cfg, key, OmegaConf.select(given, key), merge=False)
+        else:  # a group option: its whole preset (with any keys given after it)
+            cfg[key] = given[key]
+    given_keys = {o.key_or_group for o in parsed}
+    if not given_keys & {"data.batch_size", "data.per_device_batch_size"}:
+        # The global batch the run used (saved resolved in data.batch_size), whatever the mesh:
+        # a per-device batch would make other batches on another mesh.
+        cfg.data.per_device_batch_size = None
+    if cfg.data.name == "text" and saved["data"].get("name") == "text" and (
+            "data.tokenizer" not in given_keys):
+        # The tokenizer belongs to the model (its ids are the model's vocabulary): another
+        # text corpus is read with the run's own unless one is named.
+        cfg.data.tokenizer, cfg.data.vocab_size = (saved["data"]["tokenizer"],
+                                                   saved["data"]["vocab_size"])
+    return cfg
+
+
+@dataclass
+class Loaded:
+    cfg: DictConfig  # the checkpoint's config with the overrides
+    saved: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
+    step: int
+    path: Path  # the step dir read
+    run_dir: Path  # the dir holding checkpoints/ (eval.json goes there)
+    exp: Any  # the Experiment on the chosen mesh
+    params: dict  # on that mesh
+
+
+def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
+         adjust: Callable[[DictConfig], None] | None = None) -> Loaded:
+    """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
+    the mesh of its config with ``overrides``; ``adjust`` may change the config before the
+    mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
+    from dxrun import checkpoint
+
+    # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
+    resume = checkpoint.locate(path.expanduser().absolute(), key)
+    start_devices(overrides)
+    from dxrun.experiment import Experiment, visible_devices
+    from dxrun.plan import make_plan
+
+    step, meta = checkpoint.newest_meta(resume)
+    where = resume.directory / str(step)
+    cfg = compose(meta["config"], overrides)
+    if diff := checkpoint.changed(cfg, meta["config"],
+                                  checkpoint.MODEL_SHAPE + checkpoint.VOCABULARY):
+        k, now, then = diff
+        raise ConfigError(f"{k}={now} but checkpoint {where} was written with {k}={then} "
+                          f"(a checkpoint's model shape is fixed); drop the {k} override")
+    if adjust is not None:
+        adjust(cfg)
+    validate(cfg)
+    plan = make_plan(cfg, *visible_devices())
+    exp = Experiment.build(cfg, plan, with_data=with_data)
+    resume.step = step  # exactly the step whose config this is
+    state, _, _ = checkpoint.restore(resume, exp.abstract_state())
+    log.info("checkpoint %s (step %d) on mesh %s", where, step,
+             " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
+    return Loaded(cfg, meta, step, where, resume.directory.parent, exp, state.params)
+
+
+def main(tool: str, run: Callable[[list[str]], None]) -> None:
+    """A tool's entry point: bad input is one line and exit 2, never a traceback."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        run(sys.argv[1:])
+    except ConfigError as e:
+        print(f"dxrun.{tool}: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,74 @@
+"""``python -m dxrun.evaluate``: a finished run's checkpoint scored again, on its own mesh (bitwise
+the run's last in-training evaluation) and on another (to 1e-5), its W&B run continued, its
+training files untouched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import tree_digest
+
+from dxrun.evaluate import evaluate_checkpoint
+from dxrun.wandb_file import read_run
+
+
+def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "dxrun.evaluate", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def _last_eval(run_dir) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval/loss" in r][-1]
+
+
+def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
+    want = _last_eval(markov_run)
+    # (W&B's own debug logs are links to the newest W&B process's, not the run's files.)
+    before = {k: v for k, v in tree_digest(markov_run).items()
+              if not (k.startswith("wandb/") and (k.endswith(".log") or "latest-run" in k))}
+    out = _evaluate_cli(markov_run)  # the run's own mesh (parallelism=dp2), its W&B run
+    assert out.returncode == 0, out.stderr[-3000:]
+    (rec,) = json.loads((markov_run / "eval.json").read_text())
+    assert rec["step"] == want["step"] == 300 and rec["mesh"] == {"data": 2, "fsdp": 1,
+                                                                   "tensor": 1}
+    # Bitwise: the same params, batches and jitted evaluation as in training.
+    assert rec["eval/loss"] == want["eval/loss"] and rec["eval/accuracy"] == want["eval/accuracy"]
+    assert rec["eval/ppl"] == want["eval/ppl"]
+    assert rec["eval/tokens"] == 4 * 32 * 32  # eval.batches x data.batch_size x data.seq_len
+    assert f"eval/loss {want['eval/loss']:.4f}" in out.stdout
+    # Training files untouched: every file the run had is byte-identical.
+    after = tree_digest(markov_run)
+    assert {k: after.get(k) for k in before} == before
+    # The run's own W&B run (same id) got eval/* at the checkpoint's step.
+    runs = [read_run(p) for p in markov_run.glob("wandb/offline-run-*/run-*.wandb")]
+    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]
+    logged = [h for r in runs for h in r["history"] if "eval/tokens" in h]
+    assert logged == [{**{k: rec[k] for k in ("eval/loss", "eval/ppl", "eval/accuracy",
+                                              "eval/tokens")}, "step": 300, **{
+        k: v for k, v in logged[0].items() if k.startswith("_")}}]
+
+    # Another mesh (tensor parallel, in process): the same numbers to 1e-5.
+    other = evaluate_checkpoint(markov_run / "checkpoints", ["parallelism=dp2_tp4",
+                                                             "logger=none"])
+    assert other["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert abs(other["eval/loss"] - want["eval/loss"]) <= 1e-5 * want["eval/loss"]
+    assert abs(other["eval/accuracy"] - want["eval/accuracy"]) <= 1e-5
+    assert len(json.loads((markov_run / "eval.json").read_text())) == 2  # appended
+
+
+def test_evaluate_whole_held_out_split_of_a_corpus(text_run):
+    rec = evaluate_checkpoint(text_run, ["eval.batches=all"])
+    n_tokens = len((text_run.parent / "corpus.txt").read_bytes()) + 1  # + end-of-text
+    windows = (int(n_tokens * 0.05) - 1) // 32  # the held-out tail in windows of seq_len
+    assert rec["batches"] == windows // 16 >= 2  # every full batch of data.batch_size=16
+    assert rec["eval/tokens"] == rec["batches"] * 16 * 32
+    assert rec["data"]["path"] == str(text_run.parent / "corpus.txt")
+    # Its first 4 batches are training's: scored alone they give training's number, bitwise.
+    first4 = evaluate_checkpoint(text_run, ["eval.batches=4"])
+    assert first4["eval/loss"] == _last_eval(text_run)["eval/loss"]

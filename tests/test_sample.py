@@ -1,0 +1,146 @@
+"""``python -m dxrun.sample`` and ``dxrun.decode``: greedy markov samples that follow the chain
+(an untrained model's do not), text decoded with the run's tokenizer, the same seed giving the
+same text, the key/value cache equal to recomputing the whole sequence, tensor-parallel
+decoding equal to one device, and each bad input refused in one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from conftest import make_cfg, write_corpus
+from flax import nnx
+
+from dxrun.decode import Sampling, make_generate
+from dxrun.load import load
+from dxrun.sample import OPTIONS, allowed_transitions, sample
+from dxrun.sharding import in_mesh_context
+
+
+def _sample_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "dxrun.sample", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def _generate(loaded, prompt: np.ndarray, new: int, sampling: Sampling | None = None,
+              params=None, with_logits: bool = False):
+    exp, m = loaded.exp, loaded.cfg.model
+    gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
+                        prompt.shape[1], new, sampling or Sampling(), m.n_layers, m.n_kv_heads,
+                        m.d_model // m.n_heads, with_logits=with_logits)
+    return gen(loaded.params if params is None else params, prompt)
+
+
+def test_greedy_markov_samples_follow_the_chain(markov_run):
+    out = _sample_cli(markov_run, "n=8", "max_new_tokens=30")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ok, total = map(int, re.search(r"allowed transitions: (\d+)/(\d+)", out.stdout).groups())
+    assert total == 8 * 30 and ok / total >= 0.95, out.stdout
+    assert len(re.findall(r"^\[\d\] (\d+ ){2}\|( \d+){30}$", out.stdout, re.M)) == 8
+
+    # The same prompts through an untrained model of the same shape: far fewer allowed.
+    loaded = load(markov_run, ["parallelism=dp1", "data.batch_size=8"], "path")
+    chain = loaded.exp.data.markov
+    prompt = sample(markov_run, {**OPTIONS, "n": 8, "max_new_tokens": 30}, [])["tokens"][:, :2]
+    fresh = loaded.exp.init_state().params
+    untrained = np.asarray(_generate(loaded, prompt, 30, params=fresh))
+    bad, _ = allowed_transitions(untrained, chain.succ, chain.S, chain.k, 2)
+    assert bad / total < 0.5 * ok / total, (bad, ok)
+
+    # Greedy is deterministic, and a tensor-parallel mesh decodes the same tokens.
+    trained = np.asarray(_generate(loaded, prompt, 30))
+    np.testing.assert_array_equal(trained, np.asarray(_generate(loaded, prompt, 30)))
+    tp = sample(markov_run, {**OPTIONS, "n": 8, "max_new_tokens": 30}, ["parallelism=tp2"])
+    np.testing.assert_array_equal(tp["tokens"], trained)
+    assert allowed_transitions(trained, chain.succ, chain.S, chain.k, 2) == (ok, total)
+
+
+def test_text_samples_decode_and_kv_cache_equals_recompute(text_run):
+    corpus_chars = set((text_run.parent / "corpus.txt").read_text())
+    opts = {**OPTIONS, "prompt": "the cat ", "max_new_tokens": 24, "n": 2,
+            "temperature": 0.8, "top_k": 20, "top_p": 0.95}
+    one = sample(text_run, {**opts, "seed": 1}, [])
+    again = sample(text_run, {**opts, "seed": 1}, [])
+    other = sample(text_run, {**opts, "seed": 2}, [])
+    assert one["texts"] == again["texts"] and one["texts"] != other["texts"]
+    greedy = sample(text_run, {**OPTIONS, "prompt": "the cat ", "max_new_tokens": 24}, [])
+    for text in one["texts"] + greedy["texts"]:
+        assert text.startswith("the cat ") and len(text) > len("the cat ")
+        assert set(text) <= corpus_chars, text  # the corpus's characters: valid text
+    assert re.fullmatch(r"the cat [a-z. ]+", greedy["texts"][0]), greedy["texts"]
+
+    # The logits each token was picked from (cache) against the whole sequence recomputed,
+    # with the model split over 2 devices (tensor parallel).
+    loaded = load(text_run, ["parallelism=tp2", "data.batch_size=2"], "path", with_data=False)
+    prompt = one["tokens"][:, :one["prompt_len"]]
+    tokens, cached = _generate(loaded, prompt, 24, Sampling(0.8, 20, 0.95, 1), with_logits=True)
+    assert _cache_error(loaded.exp, loaded.params, tokens, cached, prompt.shape[1]) <= 1e-5
+
+
+def _cache_error(exp, params, tokens_BxT, cached_BxNxV, prompt_len: int) -> float:
+    """Largest difference between the logits decoding picked each new token from (with the
+    cache) and the whole sequence's logits recomputed at once, relative to the largest logit."""
+
+    @jax.jit
+    def full(params, tokens_BxT):
+        return nnx.merge(exp.graphdef, params)(tokens_BxT)
+
+    with in_mesh_context(exp.mesh, exp.plan.rules):
+        whole = np.asarray(full(params, tokens_BxT[:, :-1]))
+    real = whole[:, prompt_len - 1:, :exp.cfg.model.vocab_size]  # not the masked padding
+    cached = np.asarray(cached_BxNxV)[..., :exp.cfg.model.vocab_size]
+    return float(np.abs(real - cached).max() / np.abs(real).max())
+
+
+def test_kv_cache_of_a_llama_style_block_equals_recompute():
+    """RoPE at the cache's positions, grouped-query heads, SwiGLU, a padded vocabulary (65 on
+    tp2): an untrained model with large weights, so every position matters."""
+    from dxrun.experiment import Experiment
+
+    exp = Experiment.build(make_cfg("model=tiny_llama", "parallelism=tp2", "data.batch_size=2",
+                                    "data.vocab_size=65", "model.init_std=0.3", "logger=none"))
+    params = exp.init_params()
+    prompt = np.random.default_rng(0).integers(0, 16, (2, 5))
+    m = exp.cfg.model
+    gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings, 5, 12,
+                        Sampling(temperature=1.0, seed=3), m.n_layers, m.n_kv_heads,
+                        m.d_model // m.n_heads, with_logits=True)
+    tokens, cached = gen(params, prompt)
+    assert np.asarray(cached).shape == (2, 12, 66) and int(np.asarray(tokens).max()) < 65
+    assert _cache_error(exp, params, tokens, cached, 5) <= 1e-5
+
+
+def test_bad_input_is_one_line(tmp_path, text_run):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dxrun.train import train
+
+    # A run with a word-level tokenizer.json, which has no way to write "é" or "✓".
+    corpus = write_corpus(tmp_path / "corpus.txt", n_sentences=200)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(corpus)], trainers.WordLevelTrainer(special_tokens=["[UNK]",
+                                                                       "<|endoftext|>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    words = tmp_path / "words"
+    train(make_cfg("data=text", f"data.path={corpus}", f"data.tokenizer={tmp_path}/tokenizer.json",
+                   "data.seq_len=16", "data.batch_size=8", "parallelism=dp2", "train.steps=2",
+                   "train.eval_every=0", "checkpoint.every=2", "logger=none"), words)
+    cases = [
+        ((tmp_path, "prompt=hi"), f"path={tmp_path} holds no committed checkpoint"),
+        ((words, "prompt=the cat é ✓"), "cannot encode 'é✓'"),
+        ((text_run, "prompt=the", "max_new_tokens=1000"),
+         "max_new_tokens=1000 after a 3-token prompt needs 1003 positions, beyond "
+         "model.max_seq_len=128; use max_new_tokens<=125"),
+    ]
+    for args, message in cases:
+        out = _sample_cli(*args)
+        errors = [x for x in out.stderr.splitlines() if "error" in x.lower()]
+        assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+        assert errors[0].startswith("dxrun.sample: error: ") and message in errors[0], errors
+        assert "Traceback" not in out.stderr
