@@ -47,7 +47,9 @@ DATA_SOURCE = ("data.name", "data.path", "data.tokenizer", "data.dtype", "data.s
 
 
 def checkpoint_dir(cfg: Any, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    # Absolute: Orbax refuses relative paths.
+    return (Path(cfg.checkpoint.dir).expanduser().absolute() if cfg.checkpoint.dir
+            else run_dir / "checkpoints")
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -98,6 +100,7 @@ def find_resume(cfg: Any, run_dir: Path) -> Resume | None:
 def locate(path: Path, key: str = "checkpoint.resume") -> Resume:
     """``checkpoint.resume=<path>``: a checkpoints dir, one step dir in it, or a run dir
     (``key`` names what the user gave, for the refusal)."""
+    path = path.expanduser().absolute()  # Orbax refuses relative paths
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if path.name.isdigit() and path.parent.is_dir() and int(path.name) in committed_steps(
