@@ -15,6 +15,7 @@ Bad input is a ConfigError: one line ``dxrun.<tool>: error: ...``, exit 2, no tr
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,3 +173,13 @@ def main(tool: str, run: Callable[[list[str]], None]) -> None:
     except ConfigError as e:
         print(f"dxrun.{tool}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - a crash: one line, the traceback in a file
+        import tempfile
+        import traceback
+
+        path = Path(tempfile.gettempdir()) / f"dxrun.{tool}.{os.getpid()}.log"
+        path.write_text("".join(traceback.format_exception(e)))
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"dxrun.{tool}: error: {type(e).__name__}: {first} (full traceback: {path})",
+              file=sys.stderr)
+        sys.exit(1)
