@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dxrun.runtime import simulate_cpu_devices
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (runtime.py)
     import jax
 
-    from dxrun.bench import gpu, speed, structure
+    from dxrun.bench import allocator, gpu, speed, structure
     from dxrun.bench.report import Report, load_average, write
     from dxrun.experiment import Experiment
 
@@ -75,16 +76,23 @@ def main(argv: list[str] | None = None) -> None:
                "cpu_cores": os.cpu_count(), "load_before": load_average(),
                "date": datetime.date.today().isoformat()}
     report = Report(command, machine, key="gpu" if args.gpu else "suite")
-    add = report.figures.extend
+    t_start = time.perf_counter()
+
+    def add(figs: list) -> None:
+        report.figures.extend(figs)
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {figs[0].section}", file=sys.stderr,
+              flush=True)
+
     if args.gpu:
         add(gpu.measured())
     else:
         shape = QUICK_SHAPE if args.quick else SHAPE
         steps, reps = (3, 2) if args.quick else (30, 3)
         if not args.quick:
-            add(speed.allocator(shape, steps, reps))
+            add(allocator.figures(shape, 10, reps))
         add(speed.step_vs_hand(shape, steps, reps))
-        add(speed.loop_vs_step(shape, 10 if args.quick else 40, reps))
+        add(speed.loop_vs_step(shape, 10 if args.quick else 40, reps,
+                               logger="none" if args.quick else "wandb"))
         add(speed.precision(shape, steps, reps))
         for layout in structure.COLLECTIVE_LAYOUTS:
             add([structure.collectives(Experiment.build(

@@ -97,6 +97,7 @@ def write(report: Report, md_path: Path) -> Path:
         text = f"{head}\n{section}\n\n## {tail}"
     else:
         text = f"{text.rstrip()}\n\n{section}\n"
+    md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text)
     json_path = md_path.with_suffix(".json" if report.key == "suite" else f".{report.key}.json")
     json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")

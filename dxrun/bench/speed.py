@@ -1,11 +1,13 @@
 """The timed figures: dxrun's step against the hand-written one per layout, 8 devices against
-one, the allocator setting on and off, the whole loop against the bare step, bf16 against fp32.
+one, the whole loop against the bare step, bf16 against fp32.
 
 Every figure compares variants timed side by side in one process (``timing.interleaved``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,7 +21,6 @@ from dxrun.bench import reference
 from dxrun.bench.report import Figure, figure
 from dxrun.bench.timing import interleaved
 from dxrun.experiment import Experiment
-from dxrun.runtime import reuse_freed_memory
 
 LAYOUTS = ("dp1", "dp8", "dp4_tp2", "fsdp8")
 
@@ -39,34 +40,46 @@ def _rows(exp: Experiment, n: int = 4) -> list[np.ndarray]:
     return [np.asarray(exp.data.local_batch(k)) for k in range(n)]
 
 
-def dxrun_runner(exp: Experiment) -> Callable[[], Any]:
+def dxrun_runner(exp: Experiment, state: Any = None) -> Callable[[], Any]:
     """One step of dxrun as its loop takes it: the host rows placed by ``global_batch``, then
-    ``exp.step``; blocks on the new state and the metrics."""
-    rows, box = _rows(exp), {"state": exp.init_state(), "i": 0}
+    ``exp.step``; blocks on the new state and the metrics, returns the loss. ``state``: a host
+    copy to start from (None: the seeded init)."""
+    rows = _rows(exp)
+    box = {"state": exp.init_state() if state is None else jax.device_put(
+        state, exp.state_shardings), "i": 0}
 
     def run() -> Any:
         tokens = exp.global_batch(rows[box["i"] % len(rows)])
         box["state"], metrics = exp.step(box["state"], tokens)
         box["i"] += 1
-        return jax.block_until_ready((box["state"], metrics))
+        jax.block_until_ready((box["state"], metrics))
+        return metrics["train/loss"]
 
     return run
 
 
-def hand_runner(exp: Experiment) -> Callable[[], Any]:
-    """One step of the hand-written ``jax.jit`` step on the same parameters (placed by the same
-    rules), optimizer and batches."""
-    rows, state = _rows(exp), exp.init_state()
+def hand_runner(exp: Experiment, state: Any) -> Callable[[], Any]:
+    """One step of the hand-written ``jax.jit`` step from the same parameters (a host copy of
+    ``state``, placed by the same rules), optimizer and batches; returns the loss."""
+    rows = _rows(exp)
     step = reference.make_step(exp.tx)
-    box = {"p": state.params, "o": state.opt_state, "i": 0}
+    placed = jax.device_put(state, exp.state_shardings)
+    box = {"p": placed.params, "o": placed.opt_state, "i": 0}
 
     def run() -> Any:
         tokens = jax.device_put(rows[box["i"] % len(rows)], exp.batch_sharding)
         box["p"], box["o"], loss = step(box["p"], box["o"], tokens)
         box["i"] += 1
-        return jax.block_until_ready((box["p"], box["o"], loss))
+        jax.block_until_ready((box["p"], box["o"], loss))
+        return loss
 
     return run
+
+
+def runners(exp: Experiment) -> dict[str, Callable[[], Any]]:
+    """dxrun's step and the hand-written one, from one seeded init (compiled once)."""
+    state = jax.device_get(exp.init_state())
+    return {"dxrun": dxrun_runner(exp, state), "hand": hand_runner(exp, state)}
 
 
 def step_vs_hand(shape: list[str], steps: int, reps: int,
@@ -76,16 +89,18 @@ def step_vs_hand(shape: list[str], steps: int, reps: int,
     variants = {}
     for layout in layouts:
         exp = Experiment.build(compose_cfg(*shape, f"parallelism={layout}"))
-        variants[(layout, "dxrun")] = dxrun_runner(exp)
-        variants[(layout, "hand")] = hand_runner(exp)
+        variants |= {(layout, name): run for name, run in runners(exp).items()}
+    # The same model: both take their first step from the same state and batch.
+    first_loss = {k: float(run()) for k, run in variants.items()}
     t = interleaved(variants, steps, reps)
     out = []
     for layout in layouts:
         dx, hand = t[(layout, "dxrun")], t[(layout, "hand")]
         out.append(figure(
             "Train step vs a hand-written jax.jit step", f"{layout}: dxrun / hand tokens/s",
-            hand.median_s / dx.median_s, {"dxrun": dx.summary(), "hand": hand.summary()},
-            ">= 1.0"))
+            hand.median_s / dx.median_s,
+            {"dxrun": dx.summary(), "hand": hand.summary(),
+             "first_loss": {n: first_loss[(layout, n)] for n in ("dxrun", "hand")}}, ">= 1.0"))
     one = t[(layouts[0], "dxrun")]
     for layout in layouts[1:]:
         many = t[(layout, "dxrun")]
@@ -97,41 +112,27 @@ def step_vs_hand(shape: list[str], steps: int, reps: int,
     return out
 
 
-def allocator(shape: list[str], steps: int, reps: int, layout: str = "dp8") -> list[Figure]:
-    """The measured cause of the multi-device gap: glibc's fresh mmap of every large block
-    (``runtime.reuse_freed_memory``), switched off and on between turns in the same process."""
-    exp = Experiment.build(compose_cfg(*shape, f"parallelism={layout}"))
-    runners = {"dxrun": dxrun_runner(exp), "hand": hand_runner(exp)}
-    variants = {(s, n): run for s in ("off", "on") for n, run in runners.items()}
-    t = interleaved(variants, steps, reps, before=lambda name: reuse_freed_memory(name[0] == "on"))
-    reuse_freed_memory(True)
-    temp = exp.step.compiled.memory_analysis().temp_size_in_bytes
-    return [figure(
-        "The cause: large blocks mapped afresh every step",
-        f"{layout} {name}: glibc default / reuse_freed_memory tokens/s",
-        t[("off", name)].median_s / t[("on", name)].median_s,
-        {"default": t[("off", name)].summary(), "reuse": t[("on", name)].summary(),
-         "temp_MB_per_device": round(temp / 1e6, 1)},
-        note="≥ 1 = the setting is faster; the default's minor faults and system time per step "
-             "are the pages of the step's temporaries mapped anew") for name in ("dxrun", "hand")]
-
-
-def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8") -> list[Figure]:
-    """``train()`` (data, W&B offline logging every 10 steps, the progress bar) for ``steps``
-    and for ``2 * steps`` steps: the difference is the loop's time for ``steps`` steps, free of
-    its fixed costs (compile, W&B start, the last log); against the bare step dispatched
-    ``steps`` times back to back. Evaluation and checkpoints are off (their own figures)."""
+def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8",
+                 logger: str = "wandb") -> list[Figure]:
+    """``train()`` as ``python -m dxrun`` runs it (the data pipeline, the step, metrics logged
+    every 10 steps to metrics.jsonl and W&B offline, the progress bar): its throughput from
+    the end of the compiling step to the end (``loop_tokens_per_s``), against the bare step
+    dispatched ``steps`` times back to back on batches already placed. Evaluation and
+    checkpoints are off (their own figures); runs and bare blocks alternate."""
     from dxrun.runtime import enable_compile_cache
     from dxrun.train import train
 
+    os.environ["WANDB_SILENT"] = "true"  # the suite's own output stays readable
+    logging.getLogger("dxrun").setLevel(logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="dxrun-bench-"))
     enable_compile_cache(str(tmp / "cache"))  # each train() builds its step anew
-    loop = [*shape, f"parallelism={layout}", "logger=wandb", "logger.mode=offline",
-            "train.log_every=10", "train.eval_every=0", "checkpoint.every=0"]
+    loop = compose_cfg(*shape, f"parallelism={layout}", f"logger={logger}",
+                       "train.log_every=10", "train.eval_every=0", "checkpoint.every=0",
+                       f"train.steps={steps + 1}")
     exp = Experiment.build(compose_cfg(*shape, f"parallelism={layout}"))
-    rows = _rows(exp)
     state = exp.init_state()
-    batches = [exp.global_batch(r) for r in rows]
+    batches = [exp.global_batch(r) for r in _rows(exp)]
+    tokens = loop.data.batch_size * loop.data.seq_len
 
     def bare() -> float:
         nonlocal state
@@ -139,27 +140,25 @@ def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8") -
         for i in range(steps):
             state, metrics = exp.step(state, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
-        return time.perf_counter() - t0
+        return steps * tokens / (time.perf_counter() - t0)
 
-    def whole(n: int) -> float:
-        run_dir = Path(tempfile.mkdtemp(dir=tmp))
-        t0 = time.perf_counter()
-        train(compose_cfg(*loop, f"train.steps={n}"), run_dir)
-        return time.perf_counter() - t0
+    def whole() -> float:
+        return train(loop, Path(tempfile.mkdtemp(dir=tmp)))["loop_tokens_per_s"]
 
     bare()
-    whole(2)  # compiles into the cache
-    b, d = [], []
+    whole()  # compiles into the cache
+    b, w = [], []
     for _ in range(reps):
-        b.append(bare() / steps)
-        short, long_ = whole(steps), whole(2 * steps)
-        d.append((long_ - short) / steps)
-    b_ms, d_ms = 1e3 * float(np.median(b)), 1e3 * float(np.median(d))
+        b.append(bare())
+        w.append(whole())
+    b_tps, w_tps = float(np.median(b)), float(np.median(w))
     return [figure("The whole loop vs the bare step", f"{layout}: python -m dxrun loop / step "
-                   "tokens/s", b_ms / d_ms,
-                   {"step_ms": round(b_ms, 2), "loop_ms": round(d_ms, 2),
-                    "loop_ms_per_rep": [round(1e3 * x, 1) for x in d]}, ">= 0.97",
-                   note=f"loop = (train() of {2 * steps} steps - of {steps}) / {steps}")]
+                   "tokens/s", w_tps / b_tps,
+                   {"step_tokens_per_s": round(b_tps), "loop_tokens_per_s": round(w_tps),
+                    "step_ms": round(1e3 * tokens / b_tps, 2),
+                    "loop_ms": round(1e3 * tokens / w_tps, 2),
+                    "loop_per_rep": [round(x) for x in w], "step_per_rep": [round(x) for x in b]},
+                   ">= 0.97", note=f"{steps} steps after the compiling one, logger={logger}")]
 
 
 def precision(shape: list[str], steps: int, reps: int, layout: str = "dp8") -> list[Figure]:
