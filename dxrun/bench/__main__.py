@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.quick:
             add(allocator.figures(shape, 10, reps))
         add(speed.step_vs_hand(shape, steps, reps))
-        add(speed.loop_vs_step(shape, 10 if args.quick else 40, reps,
+        add(speed.loop_vs_step(shape, 10 if args.quick else 40, 1 if args.quick else reps,
                                logger="none" if args.quick else "wandb"))
         add(speed.precision(shape, steps, reps))
         for layout in structure.COLLECTIVE_LAYOUTS:
