@@ -30,7 +30,7 @@ def reuse_freed_memory() -> bool:
     every step: ~95,000 minor faults and ~150 ms of kernel time per step of the 4-layer
     d_model 256 model in BENCHMARKS.md, on one device as on eight. One arena (no per-thread
     heaps), no mmap and a 1 GiB trim threshold make the next step reuse the same pages: no
-    faults, a third less time. Must run before JAX starts its threads (they keep the arena
+    faults, and 1.2-1.6x the steps/s. Must run before JAX starts its threads (they keep the arena
     they started with). Returns whether it applied."""
     import ctypes
     import platform
