@@ -46,13 +46,9 @@ def _result_bytes(line: str, kind: str) -> int:
                for t, dims in _SHAPE.findall(head))
 
 
-def collective_traffic(hlo_text: str, n_devices: int) -> dict[str, dict[str, float]]:
-    """Per collective kind: executions per step and bytes each device sends per step.
-
-    Ring algorithms over a group of n: all-reduce sends 2(n-1)/n of the buffer, all-gather and
-    all-to-all (n-1)/n of the result, reduce-scatter (n-1) x the result, a permute the buffer.
-    Collectives inside a loop body (the layer scan, accumulation) count once per iteration
-    (XLA's known_trip_count)."""
+def _loops(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Each computation's lines, and how many times per step each one runs: a while body
+    ``known_trip_count`` times its parent's count (nested loops multiply), the rest once."""
     trips: dict[str, tuple[str, int]] = {}
     current = ""
     lines_of: dict[str, list[str]] = defaultdict(list)
@@ -70,17 +66,48 @@ def collective_traffic(hlo_text: str, n_devices: int) -> dict[str, dict[str, flo
         parent, n = trips[comp]
         return n * repeats(parent, depth + 1)
 
+    return lines_of, {comp: repeats(comp) for comp in lines_of}
+
+
+def _sent(line: str, kind: str, n_devices: int) -> tuple[int, float]:
+    """(devices in the group, bytes each device sends) of one collective. Ring algorithms over
+    a group of n: all-reduce sends 2(n-1)/n of the buffer, all-gather and all-to-all (n-1)/n of
+    the result, reduce-scatter (n-1) x the result, a permute the buffer."""
+    size, n = _result_bytes(line, kind), _group_size(line, n_devices)
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+              "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
+              "collective-permute": 1.0}[kind]
+    return n, factor * size
+
+
+def collective_traffic(hlo_text: str, n_devices: int) -> dict[str, dict[str, float]]:
+    """Per collective kind: executions per step and bytes each device sends per step (see
+    ``_sent``). Collectives inside a loop body (the layer scan, accumulation) count once per
+    iteration (XLA's known_trip_count)."""
+    lines_of, runs = _loops(hlo_text)
     out: dict[str, dict[str, float]] = {}
     for comp, lines in lines_of.items():
         for line in lines:
             if not (m := _OP.search(line)):
                 continue
-            kind, k = m.group(1), repeats(comp)
-            size, n = _result_bytes(line, kind), _group_size(line, n_devices)
-            factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
-                      "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
-                      "collective-permute": 1.0}[kind]
+            kind, k = m.group(1), runs[comp]
             entry = out.setdefault(kind, {"count": 0, "bytes": 0.0})
             entry["count"] += k
-            entry["bytes"] += k * factor * size
+            entry["bytes"] += k * _sent(line, kind, n_devices)[1]
+    return out
+
+
+def per_iteration(hlo_text: str, trips: int, n_devices: int) -> dict[tuple[str, int], dict]:
+    """The collectives of one iteration of the loops that run ``trips`` times per step (the
+    layer scan's forward and backward bodies: per layer), by (kind, devices in a group): their
+    count and the bytes each device sends."""
+    lines_of, runs = _loops(hlo_text)
+    out: dict[tuple[str, int], dict] = {}
+    for comp, lines in lines_of.items():
+        for line in lines:
+            if runs[comp] == trips and (m := _OP.search(line)):
+                n, sent = _sent(line, m.group(1), n_devices)
+                entry = out.setdefault((m.group(1), n), {"count": 0, "bytes": 0.0})
+                entry["count"] += 1
+                entry["bytes"] += sent
     return out

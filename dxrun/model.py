@@ -137,14 +137,24 @@ class Attention(nnx.Module):
 
     def qkv(self, x_BxLxD: jax.Array, start: Any = 0
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ..."""
-        q_BxLxHxE = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.wq[...])
-        k_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wk[...])
-        v_BxLxKxE = jnp.einsum("bld,dke->blke", x_BxLxD, self.wv[...])
+        """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ...
+
+        From one matmul: three separate ones each leave a partial sum of the input's gradient
+        per tensor-parallel device, and XLA all-reduces each before adding them: three
+        activation all-reduces in the backward where Megatron needs one. The three weights are
+        laid side by side per kv head (D x K x (G+2) x E): a local concatenation, since
+        ``tensor`` splits q heads in blocks aligned with their kv heads."""
+        K, G, E = self.K, self.H // self.K, self.E
+        w_DxKxCxE = jnp.concatenate([self.wq[...].reshape(-1, K, G, E),
+                                     self.wk[...][:, :, None], self.wv[...][:, :, None]], axis=2)
+        qkv_BxLxKxCxE = jnp.einsum("bld,dkce->blkce", x_BxLxD, w_DxKxCxE)
         if self.bq is not None:
-            q_BxLxHxE = q_BxLxHxE + self.bq[...]
-            k_BxLxKxE = k_BxLxKxE + self.bk[...]
-            v_BxLxKxE = v_BxLxKxE + self.bv[...]
+            qkv_BxLxKxCxE = qkv_BxLxKxCxE + jnp.concatenate(
+                [self.bq[...].reshape(K, G, E), self.bk[...][:, None], self.bv[...][:, None]],
+                axis=1)
+        B, L = x_BxLxD.shape[:2]
+        q_BxLxHxE = qkv_BxLxKxCxE[:, :, :, :G].reshape(B, L, K * G, E)
+        k_BxLxKxE, v_BxLxKxE = qkv_BxLxKxCxE[:, :, :, G], qkv_BxLxKxCxE[:, :, :, G + 1]
         if self.pos == "rope":
             q_BxLxHxE = rope(q_BxLxHxE, self.theta, start)
             k_BxLxKxE = rope(k_BxLxKxE, self.theta, start)

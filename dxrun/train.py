@@ -199,6 +199,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0
+            loop_t, loop_step = 0.0, steps  # from the compiling step's end: the whole loop
             for i in range(start, steps):
                 ckpts.between_steps(i, state)  # save when due; stop on SIGTERM/SIGINT
                 t_wait = time.perf_counter()
@@ -210,6 +211,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if i == start:  # the compiling step: the timing windows start after it
                     jax.block_until_ready(metrics)
                     window_t, window_step, waited = time.perf_counter(), done, 0.0
+                    loop_t, loop_step = window_t, done
                 is_log = done % every == 0 or done == steps
                 is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
                 if not (is_log or is_eval):
@@ -249,6 +251,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 last = {**last, **row}
                 # Evaluation and logging are not part of the next timing window.
                 window_t, window_step, waited = time.perf_counter(), done, 0.0
+            loop_s = time.perf_counter() - loop_t  # the last step was logged: it is done
             ckpts.between_steps(steps, state, last=True)
     finally:
         ckpts.close()
@@ -261,6 +264,10 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         "n_params": n_params,
         "flops_per_token": flops_per_step / tokens_per_step,
         "tokens_per_s": last.get("perf/tokens_per_s"),
+        # Data, the step, logging, evaluation, saves and the progress bar after the first step,
+        # where tokens_per_s is the last window's step time alone.
+        "loop_tokens_per_s": (tokens_per_step * (steps - loop_step) / loop_s
+                              if steps > loop_step else None),
         "compile_time_s": exp.step.compile_time_s,
         "entropy_floor": floor,
         "device_kind": device_kind,

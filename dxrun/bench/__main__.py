@@ -1,0 +1,117 @@
+"""``python -m dxrun.bench``: run the suite, write its section of BENCHMARKS.md and the JSON.
+
+The full suite takes about 15 minutes on the 2-core development machine; ``--quick`` (under two
+minutes; CI runs it) times a smaller model with fewer steps, and skips the allocator figure,
+the plan-mode roofline and the existing compile and checkpoint benchmarks, whose figures stay in
+the file as they are. ``--gpu`` runs the GPU figures only (on a machine with an NVIDIA GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dxrun.runtime import simulate_cpu_devices
+
+ROOT = Path(__file__).resolve().parents[2]
+# The issue's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
+# 16, fp32, AdamW lr 3e-4 wd 0.1 clip 1.0, GPT-2 block, learned positions, tied embeddings.
+SHAPE = ["model=tiny", "model.n_layers=4", "model.d_model=256", "model.d_ff=1024",
+         "model.tie_embeddings=true", "data.vocab_size=256", "data.seq_len=128",
+         "data.batch_size=16", "optimizer.lr=3e-4"]
+QUICK_SHAPE = ["model=tiny", "model.tie_embeddings=true", "data.seq_len=64", "data.batch_size=16"]
+# The benchmarks other issues wrote, run as they are (their own commands) in the full suite.
+EXTERNAL = {
+    "Compile time and step memory (benchmarks/compile_memory.py)":
+        ["benchmarks/compile_memory.py", "--skip-cache"],
+    "Checkpoint cost (benchmarks/checkpoint_cost.py)":
+        ["benchmarks/checkpoint_cost.py", "--rounds", "2", "--every", "20", "--seq-len", "16"],
+}
+
+
+def external(section: str, argv: list[str]):
+    """Run one of benchmarks/*.py and keep each printed ratio line as a figure."""
+    from dxrun.bench.report import figure
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    command = "python " + " ".join(argv)
+    figs = []
+    for line in out.splitlines():
+        if m := re.match(r"^(.*?\S)\s{2,}([\d.]+)\s+\((.*)\)$", line):  # compile_memory rows
+            figs.append(figure(section, m.group(1), float(m.group(2)), {"raw": m.group(3)},
+                               command=command))
+        elif m := re.match(r"^ratio\s+([\d.]+)$", line):  # checkpoint_cost's ratio line
+            figs.append(figure(section, "saves every 20 steps / never, steps/s",
+                               float(m.group(1)), {"output": " / ".join(
+                                   x.strip() for x in out.splitlines() if x.strip())},
+                               ">= 0.95", command=command))
+    return figs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dxrun.bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="CI's run: under two minutes")
+    ap.add_argument("--gpu", action="store_true", help="the GPU figures (needs an NVIDIA GPU)")
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    args = ap.parse_args(argv)
+    simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (runtime.py)
+    import jax
+
+    from dxrun.bench import allocator, gpu, speed, structure
+    from dxrun.bench.report import Report, load_average, write
+    from dxrun.experiment import Experiment
+
+    command = "python -m dxrun.bench" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    machine = {"device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+               "platform": jax.default_backend(), "jax": jax.__version__,
+               "cpu_cores": os.cpu_count(), "load_before": load_average(),
+               "date": datetime.date.today().isoformat()}
+    report = Report(command, machine, key="gpu" if args.gpu else "suite")
+    t_start = time.perf_counter()
+
+    def add(figs: list) -> None:
+        report.figures.extend(figs)
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {figs[0].section}", file=sys.stderr,
+              flush=True)
+
+    if args.gpu:
+        add(gpu.measured())
+    else:
+        shape = QUICK_SHAPE if args.quick else SHAPE
+        steps, reps = (3, 2) if args.quick else (30, 3)
+        if not args.quick:
+            add(allocator.figures(shape, 10, reps))
+        add(speed.step_vs_hand(shape, steps, reps))
+        add(speed.loop_vs_step(shape, 10 if args.quick else 40, 1 if args.quick else reps,
+                               logger="none" if args.quick else "wandb"))
+        add(speed.precision(shape, steps, reps))
+        for layout in structure.COLLECTIVE_LAYOUTS:
+            add([structure.collectives(Experiment.build(
+                speed.compose_cfg(*SHAPE, f"parallelism={layout}")))])
+        for layout in structure.STATE_LAYOUTS:
+            add([structure.state_bytes(Experiment.build(
+                speed.compose_cfg(*SHAPE, f"parallelism={layout}")))])
+        if not args.quick:
+            add(gpu.roofline())
+            for section, cmd in EXTERNAL.items():
+                add(external(section, cmd))
+    machine["load_after"] = load_average()
+    json_path = write(report, Path(args.out))
+    for f in report.figures:
+        ratio = "" if f.ratio is None else f"{f.ratio:8.3f}"
+        mark = {True: "met", False: "NOT met", None: ""}[f.met]
+        print(f"{f.name:<60} {ratio} {f.goal:>8} {mark}", flush=True)
+    print(f"wrote {args.out} and {json_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The hand-written step dxrun's own is measured against: a GPT-2 forward written out in plain
+``jax.numpy`` over the same parameter dict, the same optax optimizer, one bare ``jax.jit``.
+
+It is what someone would write without a framework: no in/out shardings (the parameters arrive
+already placed by the same rules, and the jit follows them), no activation constraints, the loss
+as its only metric, the batch placed with ``jax.device_put``. Only the GPT-2 block (layernorm,
+GELU, biases, learned positions) is written out: it is what the suite measures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _layernorm(x_BxLxD: jax.Array, p: dict) -> jax.Array:
+    mu = x_BxLxD.mean(-1, keepdims=True)
+    var = ((x_BxLxD - mu) ** 2).mean(-1, keepdims=True)
+    return (x_BxLxD - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def _block(x_BxLxD: jax.Array, p: dict) -> tuple[jax.Array, None]:
+    a, m = p["attn"], p["mlp"]
+    h = _layernorm(x_BxLxD, p["ln1"])
+    q = jnp.einsum("bld,dhe->blhe", h, a["wq"]) + a["bq"]
+    k = jnp.einsum("bld,dhe->blhe", h, a["wk"]) + a["bk"]
+    v = jnp.einsum("bld,dhe->blhe", h, a["wv"]) + a["bv"]
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x_BxLxD = x_BxLxD + jnp.einsum("blhe,hed->bld", o, a["wo"]) + a["bo"]
+    h = jax.nn.gelu(_layernorm(x_BxLxD, p["ln2"]) @ m["w_up"] + m["b_up"], approximate=True)
+    return x_BxLxD + h @ m["w_down"] + m["b_down"], None
+
+
+def loss(params: dict, tokens_BxT: jax.Array) -> jax.Array:
+    """Next-token cross-entropy of the tied-embedding GPT-2 whose parameters dxrun made."""
+    inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+    L = inputs_BxL.shape[1]
+    x_BxLxD = params["wte"][inputs_BxL] + params["wpe"][:L]
+    x_BxLxD, _ = jax.lax.scan(_block, x_BxLxD, params["blocks"])
+    x_BxLxD = _layernorm(x_BxLxD, params["ln_f"])
+    head = params["lm_head"].T if "lm_head" in params else params["wte"]
+    logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, head)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
+
+
+def make_step(tx: optax.GradientTransformation, donate: bool = True) -> Any:
+    """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, jitted bare."""
+    def step(params: dict, opt_state: Any, tokens_BxT: jax.Array):
+        value, grads = jax.value_and_grad(loss)(params, tokens_BxT)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
