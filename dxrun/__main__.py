@@ -144,15 +144,21 @@ def main(cfg: DictConfig) -> Any:
             write_hydra_files(run_dir, cfg, hydra_cfg)
             _status(run_dir, "failed", kind="refused", reason=str(e),
                     **_job_fields(hydra_cfg))
-        else:
+        elif is_main():  # the others share its dir: one process tidies it, never two at once
             _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
         return _job_failed(str(e), crashed=False)
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
         if run_dir is None:  # failed before claiming: the traceback still needs a home
             run_dir = (claim_run_dir(Path(hydra_cfg.runtime.output_dir)) if is_main()
                        else Path(hydra_cfg.runtime.output_dir))
-        log_path = run_log.attach(run_dir)
-        run_log.write_traceback(e)
+        try:
+            log_path = run_log.attach(run_dir)
+            run_log.write_traceback(e)
+        except OSError:  # the dir is gone (removed under us): the traceback goes to stderr
+            import traceback
+
+            traceback.print_exception(e)
+            log_path = Path("<stderr>")
         first = (str(e).strip().splitlines() or [""])[0][:300]
         reason = f"{type(e).__name__}: {first}"
         _status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
