@@ -32,12 +32,17 @@ def _env() -> dict[str, str]:
     return env
 
 
+# The processes of one run compile the same programs at the same moment: they leave JAX's
+# shared on-disk compilation cache alone here, so each test stands on its own.
+NO_CACHE = "runtime.compile_cache=null"
+
+
 def launch(cwd: Path, *overrides: str, nproc: int = 2, timeout: int = 300,
            ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dxrun.launch", "--nproc", str(nproc), "--devices-per-proc",
-         str(8 // nproc), "--", *overrides], cwd=cwd, env=_env(), capture_output=True,
-        text=True, timeout=timeout)
+         str(8 // nproc), "--", NO_CACHE, *overrides], cwd=cwd, env=_env(),
+        capture_output=True, text=True, timeout=timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -128,9 +133,9 @@ def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
     ``signum``. Returns the launcher's exit code, its output and the seconds it took to exit."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-         "logger=none", "train.steps=100000", "train.log_every=1", "checkpoint.every=0",
-         *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+         NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
+         "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
     seen, pids = [], {}
     try:
         for line in proc.stdout:
@@ -139,6 +144,8 @@ def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
                 pids[int(m[1])] = int(m[2])
             if line.startswith("[rank 0]") and "step 2/" in line:
                 break
+        else:
+            raise AssertionError("the run ended before step 2:\n" + "".join(seen)[-4000:])
         os.kill(pids[1], signum)
         sent = time.monotonic()
         rest, _ = proc.communicate(timeout=timeout)
