@@ -25,7 +25,7 @@ from dxrun.config import (
     validate,
 )
 from dxrun.distributed import agree, is_main, join
-from dxrun.errors import ConfigError, NonFiniteError
+from dxrun.errors import ConfigError, NonFiniteError, first_line
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -159,7 +159,7 @@ def main(cfg: DictConfig) -> Any:
 
             traceback.print_exception(e)
             log_path = Path("<stderr>")
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = first_line(e)
         reason = f"{type(e).__name__}: {first}"
         _status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
                 **_job_fields(hydra_cfg))

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.errors import ConfigError
+from dxrun.errors import ConfigError, first_line
 
 log = logging.getLogger("dxrun")
 
@@ -133,7 +133,7 @@ def join(dist: Any, env: Mapping[str, str] | None = None) -> Join | None:
             initialization_timeout=dist.init_timeout_s,
             heartbeat_timeout_seconds=dist.heartbeat_timeout_s, **kwargs)
     except Exception as e:  # noqa: BLE001 - JAX raises XlaRuntimeError / RuntimeError here
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        first = first_line(e, 200)
         raise ConfigError(
             f"process {spec.process_id} of {spec.num_processes} could not join the run at "
             f"{where} within distributed.init_timeout_s="

@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config import RunConfig, check_keys, composition_error, conf_dir, register, validate
-from dxrun.errors import ConfigError
+from dxrun.errors import ConfigError, first_line
 
 log = logging.getLogger("dxrun")
 
@@ -179,7 +179,7 @@ def main(tool: str, run: Callable[[list[str]], None]) -> None:
 
         path = Path(tempfile.gettempdir()) / f"dxrun.{tool}.{os.getpid()}.log"
         path.write_text("".join(traceback.format_exception(e)))
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = first_line(e)
         print(f"dxrun.{tool}: error: {type(e).__name__}: {first} (full traceback: {path})",
               file=sys.stderr)
         sys.exit(1)
