@@ -61,7 +61,7 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     cfg, exp = loaded.cfg, loaded.exp
     n = batch_count(cfg, exp.data, all_batches)
     t0 = time.perf_counter()
-    metrics = evaluate(exp, loaded.params, [exp.batch(k, EVAL) for k in range(n)])
+    metrics = evaluate(exp, loaded.params, (exp.batch(k, EVAL) for k in range(n)))
     metrics["eval/tokens"] = n * cfg.data.batch_size * cfg.data.seq_len
     record = {
         "step": loaded.step,

@@ -19,8 +19,33 @@ from flax import nnx
 
 from dxrun.sharding import in_mesh_context, replicated
 
-MAX_IN_FLIGHT = 4  # CPU only; see make_train_step
+MAX_IN_FLIGHT = 4  # CPU only; see InFlight
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+class InFlight:
+    """How far the host may dispatch ahead of the devices: every loop that dispatches device
+    work (train steps, evaluation batches) passes each call's output through one of these.
+
+    XLA:CPU runs every simulated device on one shared thread pool (8 threads for 8 devices).
+    When the host dispatches more than ~32 programs ahead, those threads block waiting to
+    launch later programs while the current one's all-reduce waits for a device that then
+    never gets a thread: a real deadlock ("Expected 8 threads ... only 7 arrived"). So on a
+    multi-device CPU mesh at most MAX_IN_FLIGHT outputs are queued; the host blocks only when
+    it is that far ahead, which costs no throughput. Accelerators never wait here."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, limit: int = MAX_IN_FLIGHT):
+        self.bounded = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+        self.limit = limit
+        self.queue: collections.deque = collections.deque()
+
+    def __call__(self, out: Any) -> Any:
+        """``out`` (a call's not-donated output) joins the queue; returns it unchanged."""
+        if self.bounded:
+            self.queue.append(out)
+            if len(self.queue) > self.limit:
+                jax.block_until_ready(self.queue.popleft())
+        return out
 
 
 class TrainState(NamedTuple):
@@ -127,10 +152,11 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
 
     jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding),
                      out_shardings=replicated(mesh))
+    in_flight = InFlight(mesh)  # however many batches a loop feeds it (eval.batches=all)
 
     def run(params: dict, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
         with in_mesh_context(mesh, rules):
-            return jitted(params, tokens_BxT)
+            return in_flight(jitted(params, tokens_BxT))
 
     return run
 
@@ -153,14 +179,7 @@ class TrainStep:
         self.jitted, self.mesh, self.rules = jitted, mesh, rules
         self.compiled: Any = None
         self.compile_time_s = 0.0
-        # XLA:CPU runs every simulated device on one shared thread pool (8 threads for 8
-        # devices). When the host dispatches more than ~32 steps ahead, those threads block
-        # waiting to launch later steps while the current step's all-reduce waits for a device
-        # that then never gets a thread: a real deadlock ("Expected 8 threads ... only 7
-        # arrived"). So on CPU at most MAX_IN_FLIGHT steps are queued; the host blocks only
-        # when it is that far ahead, which costs no throughput. Accelerators never wait here.
-        self.bounded = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
-        self.in_flight: collections.deque = collections.deque()
+        self.in_flight = InFlight(mesh)  # the CPU deadlock bound (see InFlight)
 
     def compile(self, state: TrainState, tokens_BxT: Any) -> Any:
         if self.compiled is None:
@@ -175,8 +194,4 @@ class TrainStep:
 
     def __call__(self, state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         new_state, metrics = self.compile(state, tokens_BxT)(state, tokens_BxT)
-        if self.bounded:
-            self.in_flight.append(metrics)  # not donated, unlike the state
-            if len(self.in_flight) > MAX_IN_FLIGHT:
-                jax.block_until_ready(self.in_flight.popleft())
-        return new_state, metrics
+        return new_state, self.in_flight(metrics)  # the metrics: not donated, unlike the state

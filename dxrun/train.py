@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,10 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))  # capped: a diverged run logs a large number, not inf
 
 
-def evaluate(exp: Experiment, params: dict, batches: list[jax.Array]) -> dict[str, float]:
-    """Mean held-out loss and accuracy over the same ``eval.batches`` batches every time."""
+def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dict[str, float]:
+    """Mean held-out loss and accuracy over ``batches``: in training the same ``eval.batches``
+    every time (a list); ``dxrun.evaluate`` passes a generator, so that a whole split is never
+    on the devices at once."""
     results = [exp.eval_step(params, b) for b in batches]
     loss = sum(float(r["eval/loss"]) for r in results) / len(results)
     acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)

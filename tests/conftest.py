@@ -83,6 +83,24 @@ def write_corpus(path: Path, n_sentences: int = 1500, seed: int = 0) -> Path:
     return path
 
 
+def write_tokens(root: Path, val_batches: int, vocab: int = 65, seq_len: int = 8,
+                 batch_size: int = 8) -> Path:
+    """A ``data=tokens`` corpus (train.bin, val.bin, meta.json) of random ids whose held-out
+    split is exactly ``val_batches`` batches of ``batch_size`` x ``seq_len``; the vocabulary
+    (65 by default) is padded differently on every tp."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    rng.integers(0, vocab, 4096).astype(np.uint16).tofile(root / "train.bin")
+    n_val = val_batches * batch_size * seq_len + 1  # + the last window's target
+    rng.integers(0, vocab, n_val).astype(np.uint16).tofile(root / "val.bin")
+    (root / "meta.json").write_text(json.dumps({"vocab_size": vocab, "dtype": "uint16"}))
+    return root
+
+
 @pytest.fixture(scope="session")
 def text_run(tmp_path_factory) -> Path:
     """A bytes-level text run on a small corpus (200 steps, no W&B)."""

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from conftest import tree_digest
+from conftest import run_cli, tree_digest, write_tokens
 
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.wandb_file import read_run
@@ -72,3 +72,23 @@ def test_evaluate_whole_held_out_split_of_a_corpus(text_run):
     # Its first 4 batches are training's: scored alone they give training's number, bitwise.
     first4 = evaluate_checkpoint(text_run, ["eval.batches=4"])
     assert first4["eval/loss"] == _last_eval(text_run)["eval/loss"]
+
+
+def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path):
+    # XLA:CPU deadlocks when the host dispatches ~32+ programs ahead of 8 simulated devices:
+    # 200 held-out batches, in training and in dxrun.evaluate, must each run to the end.
+    corpus = write_tokens(tmp_path / "corpus", val_batches=200)
+    run_dir = tmp_path / "run"
+    out = run_cli("data=tokens", f"data.path={corpus}", "data.seq_len=8", "data.batch_size=8",
+                  "train.steps=2", "train.eval_every=2", "eval.batches=200", "checkpoint.every=2",
+                  "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = _last_eval(run_dir)
+    assert want["step"] == 2 and 3.5 < want["eval/loss"] < 5  # ~ln(65) for random ids
+    out = _evaluate_cli(run_dir, "eval.batches=all")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (rec,) = json.loads((run_dir / "eval.json").read_text())
+    assert rec["batches"] == 200 and rec["eval/tokens"] == 200 * 8 * 8
+    assert rec["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    # The whole split is training's 200 batches: the same number, bitwise.
+    assert rec["eval/loss"] == want["eval/loss"] and rec["eval/accuracy"] == want["eval/accuracy"]
