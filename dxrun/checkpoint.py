@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState
+from dxrun.vocab_padding import restore_args
 
 log = logging.getLogger("dxrun")
 
@@ -198,7 +199,8 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
         for step in _candidates(resume):
             try:
                 out = mgr.restore(step, args=ocp.args.Composite(**{
-                    STATE: ocp.args.StandardRestore(target._asdict()),
+                    # Another mesh may pad the vocabulary differently (vocab_padding.py).
+                    STATE: restore_args(resume.directory / str(step) / STATE, target._asdict()),
                     META: ocp.args.JsonRestore()}))
             except Exception as e:  # noqa: BLE001 - a damaged checkpoint: use the one before
                 log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before",

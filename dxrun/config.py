@@ -53,6 +53,9 @@ class ParallelismConfig:
     fsdp: int = 1
     tp: int = 1
     on_mismatch: str = "error"  # error | shrink
+    # The vocab axis (wte / lm_head rows) is padded to a multiple of tp and of this; 0 = the
+    # platform's (128 on GPU/TPU, 1 on CPU). E.g. 128 lays a GPU run's checkpoint out on CPU.
+    vocab_align: int = 0
     # A multi-process run refuses a tensor-parallel group that spans processes (hosts): its
     # per-layer all-reduces would cross the network. true = allow it anyway.
     allow_cross_host_tp: bool = False
@@ -332,7 +335,7 @@ RANGES: dict[str, Range] = {
     "model.n_kv_heads": POSITIVE, "model.d_ff": POSITIVE, "model.vocab_size": POSITIVE,
     "model.max_seq_len": POSITIVE, "model.dropout": FRACTION, "model.rope_theta": POSITIVE,
     "model.init_std": POSITIVE,
-    "parallelism.n_devices": NON_NEGATIVE,
+    "parallelism.n_devices": NON_NEGATIVE, "parallelism.vocab_align": NON_NEGATIVE,
     "data.batch_size": POSITIVE, "data.per_device_batch_size": POSITIVE,
     "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
     "data.val_fraction": FRACTION, "data.workers": NON_NEGATIVE, "data.order": POSITIVE,

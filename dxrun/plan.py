@@ -55,9 +55,11 @@ class MeshPlan:
     rules: dict[str, Any]
     warnings: tuple[str, ...] = ()
     # The model's vocabulary and the rows its wte / lm_head really have: a multiple of tp (the
-    # vocab axis is split over `tensor`) and of VOCAB_ALIGN. 0 = no model (a bare mesh).
+    # vocab axis is split over `tensor`) and of VOCAB_ALIGN (or parallelism.vocab_align). 0 =
+    # no model (a bare mesh).
     vocab_size: int = 0
     padded_vocab: int = 0
+    vocab_align: int = 1  # the alignment padded_vocab has beside tp (VOCAB_ALIGN's or the key's)
     grad_accum: int = 1
     # JAX processes (hosts) the mesh spans, and the part of each mesh axis that runs across
     # them (the rest of the axis is inside one process): data spans hosts first, tensor never
@@ -141,19 +143,26 @@ class MeshPlan:
         ]
         if self.padded_vocab != self.vocab_size:
             rows.append(("vocab", f"{self.vocab_size} padded to {self.padded_vocab} for "
-                                  f"tp={self.tp}{_align_note(self.platform)} (padding rows "
+                                  f"tp={self.tp}{_align_note(self.vocab_align)} (padding rows "
                                   "masked out of the loss)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def _align_note(platform: str) -> str:
-    return f" and {VOCAB_ALIGN[platform]}-alignment" if platform in VOCAB_ALIGN else ""
+def _align_note(align: int) -> str:
+    return f" and {align}-alignment" if align > 1 else ""
 
 
-def padded_vocab(vocab_size: int, tp: int, platform: str) -> int:
-    """The smallest multiple of lcm(tp, alignment) that holds ``vocab_size`` rows."""
-    multiple = math.lcm(tp, VOCAB_ALIGN.get(platform, 1))
+def vocab_align(platform: str, given: int = 0) -> int:
+    """``parallelism.vocab_align`` when set (> 0), else the platform's (VOCAB_ALIGN; 1 on CPU).
+    Setting it makes another platform's layout here, e.g. a GPU run's 128-padding on CPU."""
+    return given or VOCAB_ALIGN.get(platform, 1)
+
+
+def padded_vocab(vocab_size: int, tp: int, platform: str, align: int = 0) -> int:
+    """The smallest multiple of lcm(tp, alignment) that holds ``vocab_size`` rows (``align``:
+    ``parallelism.vocab_align``, 0 = the platform's)."""
+    multiple = math.lcm(tp, vocab_align(platform, align))
     return -(-vocab_size // multiple) * multiple
 
 
@@ -316,7 +325,8 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
-        padded_vocab=padded_vocab(model.vocab_size, tp, platform),
+        padded_vocab=padded_vocab(model.vocab_size, tp, platform, par.vocab_align),
+        vocab_align=vocab_align(platform, par.vocab_align),
         processes=processes,
         dcn_shape=dcn,
     )

@@ -105,6 +105,17 @@ REPLICAS = {"dp1": (1, 1), "dp2": (2, 2), "dp4": (4, 4), "dp8": (8, 8), "dp4_tp2
             "fsdp8": (8, 8)}
 
 
+def test_vocab_align_lays_out_another_platforms_padding(cfg_factory):
+    # parallelism.vocab_align=128: a GPU's padding on CPU (0: the platform's, 1 on CPU).
+    cfg = cfg_factory("parallelism=tp2", "data.vocab_size=65", "parallelism.vocab_align=128")
+    plan = make_plan(cfg, 8, "cpu")
+    assert (plan.padded_vocab, plan.vocab_align) == (128, 128)
+    assert "65 padded to 128 for tp=2 and 128-alignment" in plan.table()
+    cfg.parallelism.vocab_align = 0
+    assert make_plan(cfg, 8, "cpu").padded_vocab == 66
+    assert make_plan(cfg, 8, "gpu").padded_vocab == 128
+
+
 @pytest.mark.parametrize("preset", sorted(REPLICAS))
 @pytest.mark.parametrize("accum", [1, 2])
 def test_per_device_batch_gives_the_global_batch(cfg_factory, preset, accum):

@@ -1,0 +1,74 @@
+"""A checkpoint restored where the vocabulary is padded differently.
+
+The vocab axis of ``wte`` / ``lm_head`` (and of their optimizer moments) has
+``plan.padded_vocab`` rows: a multiple of tp and of the platform's alignment (128 on GPU/TPU).
+So a checkpoint of vocab 65 has 65 rows under dp1 on CPU, 66 under tp2 and 128 on a GPU. Its
+arrays are read at the target's padding: the rows both have, read straight into the target's
+shards, zeros beyond (Orbax's non-strict read). That is exact: padding rows start at zero, their
+logits are masked and their gradients are zero, so every padding row of a checkpoint is zero,
+and the real rows always come first.
+
+Only that difference is read this way. The callers have already refused a checkpoint of another
+model shape or vocabulary (``checkpoint.check_compatible``, ``load``); any other shape
+difference is read strictly and fails as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+Shapes = dict[tuple[str, ...], tuple[int, ...]]
+
+
+def _key(path: tuple) -> tuple[str, ...]:
+    """A leaf's path by names and indices alone: the target's optimizer states are named
+    tuples (attributes), the checkpoint's metadata holds them as dicts and lists."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+def shapes(tree: Any) -> Shapes:
+    """Every array leaf's shape, by its path (``_key``)."""
+    return {_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(x, "shape")}
+
+
+def stored_shapes(state_dir: Path) -> Shapes:
+    """The shapes a checkpoint's ``state`` item was written with (its metadata alone)."""
+    return shapes(ocp.StandardCheckpointHandler().metadata(state_dir).tree)
+
+
+def padding_differs(stored: Shapes, target: Shapes) -> bool:
+    """True when the two differ only by one padding: the same leaves, and every leaf that
+    differs does so in one axis with the same (stored, target) sizes as every other."""
+    if stored.keys() != target.keys():
+        return False
+    pairs = set()
+    for key, want in target.items():
+        have = stored[key]
+        if have == want:
+            continue
+        axes = [i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b]
+        if len(have) != len(want) or len(axes) != 1:
+            return False
+        pairs.add((have[axes[0]], want[axes[0]]))
+    return len(pairs) == 1
+
+
+def restore_args(state_dir: Path, target: dict[str, Any]) -> ocp.args.StandardRestore:
+    """How to read ``state_dir`` (a step dir's ``state`` item) into ``target`` (abstract arrays
+    with this mesh's shardings): strictly, or re-padded when only the vocab padding differs."""
+    stored = stored_shapes(state_dir)
+    repad = padding_differs(stored, shapes(target))
+    return ocp.args.StandardRestore(target, strict=not repad)
