@@ -10,7 +10,8 @@ another source given as overrides (``data.path=...``, ``data=tokens data.path=..
 ``eval.batches=all`` takes every full batch of one pass over the held-out windows (a corpus's
 split; the markov stream is endless and is refused).
 
-The result is printed, appended to ``eval.json`` in the run dir (a list: one record per
+The result is printed, appended to ``eval.json`` in the run dir (the run that wrote the
+checkpoint, also when ``checkpoint.dir`` put its checkpoints elsewhere; a list: one record per
 evaluation; no training file is touched) and, when the run logged to W&B (and ``logger`` is not
 ``none``), logged to that same W&B run as ``eval/...`` at the checkpoint's step.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,7 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
         "overrides": overrides,
     }
     _append(loaded.run_dir / "eval.json", record)
+    log.info("wrote %s", loaded.run_dir / "eval.json")
     _log_wandb(loaded, metrics)
     return record
 
@@ -116,7 +117,6 @@ def run(argv: list[str]) -> None:
           f"({r['batches']} batch{'es' if r['batches'] != 1 else ''} of {r['batch_size']} x "
           f"{r['data']['seq_len']}, "
           f"data {r['data']['name']}, mesh {mesh})")
-    print(f"wrote {Path(r['checkpoint']).parent.parent / 'eval.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

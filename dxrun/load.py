@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,17 +36,18 @@ DEFAULT_CPU_DEVICES = RunConfig().runtime.cpu_devices
 def split_args(tool: str, argv: list[str], options: dict[str, Any]
                ) -> tuple[Path, dict[str, Any], list[str]]:
     """(checkpoint path, the tool's ``options`` with the given ones parsed to their default's
-    type, config overrides)."""
-    paths = [a for a in argv if "=" not in a]
+    type, config overrides). The path is the argument that is not ``key=value`` (``is_path``):
+    Hydra's override_dirname names dirs like ``runs/optimizer.lr=0.1``."""
+    paths = [a for a in argv if is_path(a)]
     if len(paths) != 1:
         raise ConfigError(f"give one run dir or checkpoint dir, then key=value arguments "
                           f"(got {len(paths)} paths: {' '.join(paths) or 'none'}); usage: "
                           f"python -m dxrun.{tool} <run dir> [key=value ...]")
     out, overrides = dict(options), []
     for arg in argv:
-        key, eq, value = arg.partition("=")
-        if not eq:
+        if is_path(arg):
             continue
+        key, _, value = arg.partition("=")
         if key not in options:
             overrides.append(arg)
             continue
@@ -56,6 +58,16 @@ def split_args(tool: str, argv: list[str], options: dict[str, Any]
             raise ConfigError(f"{key}={value} is not a {kind.__name__}; e.g. "
                               f"{key}={options[key]}") from None
     return Path(paths[0]), out, overrides
+
+
+KEY = re.compile(r"[+~]{0,2}[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
+
+
+def is_path(arg: str) -> bool:
+    """An existing file or dir, or an argument that is not ``key=value`` with a dotted key
+    (``n=2``, ``parallelism=tp2``, ``+data.x=1``): ``outputs/lr=0.1`` is a path."""
+    key, eq, _ = arg.partition("=")
+    return not eq or not KEY.fullmatch(key) or Path(arg).expanduser().exists()
 
 
 def start_devices(overrides: list[str]) -> None:
@@ -125,7 +137,7 @@ class Loaded:
     saved: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
     step: int
     path: Path  # the step dir read
-    run_dir: Path  # the dir holding checkpoints/ (eval.json goes there)
+    run_dir: Path  # the run that wrote the checkpoint (eval.json and W&B go there)
     exp: Any  # the Experiment on the chosen mesh
     params: dict  # on that mesh
 
@@ -160,7 +172,10 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     state, _, _ = checkpoint.restore(resume, exp.abstract_state())
     log.info("checkpoint %s (step %d) on mesh %s", where, step,
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
-    return Loaded(cfg, meta, step, where, resume.directory.parent, exp, state.params)
+    # The run that wrote it: recorded in its meta (a shared checkpoint.dir is not in the run
+    # dir); older checkpoints sit in <run dir>/checkpoints.
+    run_dir = Path(meta["run_dir"]) if meta.get("run_dir") else resume.directory.parent
+    return Loaded(cfg, meta, step, where, run_dir, exp, state.params)
 
 
 def main(tool: str, run: Callable[[list[str]], None]) -> None:
@@ -177,8 +192,12 @@ def main(tool: str, run: Callable[[list[str]], None]) -> None:
         import tempfile
         import traceback
 
-        path = Path(tempfile.gettempdir()) / f"dxrun.{tool}.{os.getpid()}.log"
-        path.write_text("".join(traceback.format_exception(e)))
+        # A new file only this user can read: a predictable name in a shared /tmp could be
+        # a planted link to another file (mkstemp never follows one).
+        fd, name = tempfile.mkstemp(prefix=f"dxrun.{tool}.", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(traceback.format_exception(e)))
+        path = Path(name)
         first = first_line(e)
         print(f"dxrun.{tool}: error: {type(e).__name__}: {first} (full traceback: {path})",
               file=sys.stderr)

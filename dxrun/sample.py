@@ -122,6 +122,10 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                           "multiple of them, or decode on a mesh with dp=fsdp=1 (no "
                           "parallelism override: one device; or parallelism=tp2)") from None
     cfg, exp = loaded.cfg, loaded.exp
+    if options["top_k"] > cfg.model.vocab_size:
+        raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
+                          f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
+                          f"{cfg.model.vocab_size}, or top_k=0 for no cut")
     from dxrun.data import Data
 
     chain = Data(cfg).markov if cfg.data.name == "markov" else None

@@ -197,8 +197,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     batches = exp.data.train_iterator()
     if resumed:
         batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
-    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
-                           Preemption())
+    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config, "run_dir": str(
+        run_dir.absolute())}, batches, logger, Preemption())
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0

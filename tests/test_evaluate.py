@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from conftest import run_cli, tree_digest, write_tokens
+from conftest import make_cfg, run_cli, tree_digest, write_tokens
 
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.wandb_file import read_run
@@ -92,3 +92,22 @@ def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path):
     assert rec["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
     # The whole split is training's 200 batches: the same number, bitwise.
     assert rec["eval/loss"] == want["eval/loss"] and rec["eval/accuracy"] == want["eval/accuracy"]
+
+
+def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
+    # checkpoint.dir elsewhere (a shared dir): eval.json and the W&B log go to the run dir.
+    from dxrun.train import train
+
+    corpus = write_tokens(tmp_path / "corpus", val_batches=2)
+    run_dir, shared = tmp_path / "runs" / "a", tmp_path / "shared"
+    train(make_cfg("data=tokens", f"data.path={corpus}", "data.seq_len=8", "data.batch_size=8",
+                   "parallelism=dp1", "train.steps=1", "train.eval_every=0", "eval.batches=2",
+                   "checkpoint.every=1", f"checkpoint.dir={shared}"), run_dir)
+    (step_dir,) = [p for p in shared.rglob("1") if (p / "state").is_dir()]
+    rec = evaluate_checkpoint(step_dir, [])
+    assert rec["step"] == 1 and json.loads((run_dir / "eval.json").read_text()) == [rec]
+    assert not [p for p in tmp_path.rglob("*") if p.name in ("eval.json", "wandb")
+                and p.parent != run_dir]
+    runs = [read_run(p) for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")]
+    assert [h["eval/loss"] for r in runs for h in r["history"] if "eval/tokens" in h] == [
+        rec["eval/loss"]]

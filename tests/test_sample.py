@@ -137,6 +137,8 @@ def test_bad_input_is_one_line(tmp_path, text_run):
         ((text_run, "prompt=the", "max_new_tokens=1000"),
          "max_new_tokens=1000 after a 3-token prompt needs 1003 positions, beyond "
          "model.max_seq_len=128; use max_new_tokens<=125"),
+        ((text_run, "prompt=the", "temperature=1", "top_k=300"),
+         "top_k=300 is larger than the vocabulary (model.vocab_size=256); use top_k<=256"),
     ]
     for args, message in cases:
         out = _sample_cli(*args)
