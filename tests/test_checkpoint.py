@@ -220,6 +220,12 @@ def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
     assert rows[7]["train/param_norm"] == rows[6]["train/param_norm"]  # parameters unchanged
     assert rows[8]["train/loss"] < rows[6]["train/loss"]  # and training went on
     assert checkpoint.committed_steps(tmp_path / "checkpoints") == [4, 8, 10]
+    # train/lr is the lr the update used: the schedule at the optimizer's count, one behind
+    # state.step after the skipped step 7.
+    schedule = Experiment.build(make_cfg(*NAN, "train.nan_policy=skip")).schedule
+    applied = [s - 1 if s <= 7 else s - 2 for s in range(1, 11)]
+    np.testing.assert_allclose([rows[s]["train/lr"] for s in range(1, 11)],
+                               [float(schedule(c)) for c in applied], rtol=1e-6)
 
 
 def test_what_cannot_change_on_resume_is_refused():
