@@ -11,6 +11,7 @@ import pytest
 from dxrun import config
 from dxrun.errors import ConfigError
 
+
 def _numeric_keys() -> list[str]:
     keys = []
     for group in dataclasses.fields(config.RunConfig):
