@@ -227,8 +227,9 @@ def data_meta(path: Any, key: str, default: Any) -> Any:
     W&B and the model built from ``${data.vocab_size}`` all see the data's own values."""
     if path:
         try:
-            value = json.loads((Path(str(path)).expanduser() / "meta.json").read_text()).get(key)
-        except (OSError, ValueError):
+            meta = json.loads((Path(str(path)).expanduser() / "meta.json").read_text())
+            value = meta.get(key) if isinstance(meta, dict) else None
+        except (OSError, ValueError):  # the data loader refuses a bad meta.json in one line
             value = None
         if value is not None:
             return value
