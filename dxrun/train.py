@@ -27,7 +27,7 @@ from dxrun.distributed import is_main
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.plan import make_plan
-from dxrun.preempt import Preemption
+from dxrun.preempt import Preemption, relaunch_command
 from dxrun.runtime import AllocatorPeak, write_json
 
 log = logging.getLogger("dxrun")
@@ -199,7 +199,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     if resumed:
         batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
     ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
-                           Preemption())
+                           Preemption(), relaunch_command(job.overrides, run_dir))
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0

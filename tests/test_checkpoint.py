@@ -23,7 +23,7 @@ from dxrun.checkpoint import Resume
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
 from dxrun.train import train
-from dxrun.wandb_file import read_run
+from dxrun.wandb_file import read_history, read_run
 
 STEPS = 100
 # Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.
@@ -126,6 +126,7 @@ def test_preempted_run_ends_bitwise_equal_to_uninterrupted(reference, preempted)
     assert len(files) == 3
     ids = {read_run(f)["id"] for f in files}
     assert ids == {meta["wandb_id"]}, ids
+    assert [h["step"] for h in read_history(files)] == [r["step"] for r in _rows(run_dir)]
 
 
 @pytest.mark.e2e
@@ -133,7 +134,11 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
     # SIGUSR1 wrote a checkpoint off the checkpoint.every grid, and the run trained on past it
     # until SIGTERM stopped it.
     assert 5 <= preempted["usr1"] < preempted["stopped"], preempted
-    assert "SIGTERM: stopped at step" in preempted["outputs"][0]
+    run_dir, stopped = preempted["run_dir"], preempted["stopped"]
+    # The stop line gives the command that resumes the run, overrides and run dir included.
+    assert (f"SIGTERM: stopped at step {stopped}; checkpoint {run_dir / 'checkpoints' / str(stopped)}"
+            f" committed. Resume with: python -m dxrun {' '.join(BASE)} hydra.run.dir={run_dir}"
+            ) in preempted["outputs"][0]
 
 
 @pytest.mark.e2e

@@ -121,3 +121,16 @@ def test_plan_refuses_over_two_processes(cfg_factory, overrides, message):
 def test_processes_sharing_the_host(env, num_processes, want):
     assert local_processes(env, num_processes) == want
 
+
+def test_launch_keeps_the_users_xla_flags_but_the_device_count():
+    from dxrun.launch import child_env
+
+    base = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 "
+                         "--xla_gpu_enable_latency_hiding_scheduler=true"}
+    env = child_env(base, 1, 2, 1234, 4)
+    assert env["XLA_FLAGS"] == ("--xla_dump_to=/tmp/d "
+                                "--xla_gpu_enable_latency_hiding_scheduler=true")
+    assert env[LOCAL_PROCESSES] == "2"
+    only_count = child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, 0, 2, 1,
+                           None)
+    assert "XLA_FLAGS" not in only_count
