@@ -124,18 +124,29 @@ def open_wandb(run_dir: Path, lc: Any, run_config: dict[str, Any] | None, name: 
         import wandb
 
         mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
-        rewind = resume_id is not None and rewind_to is not None
-        run = wandb.init(
-            project=lc.project, entity=lc.entity, name=name, group=group,
-            job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
-            config=run_config, reinit="finish_previous", id=resume_id,
-            # A resumed run continues its W&B run: one id, one curve on the dashboard. When the
-            # interrupted attempt logged steps past the checkpoint, W&B's rewind drops them
-            # (they are retrained and logged again, as in metrics.jsonl); W&B keys its rewind
-            # point by its own _step, which MetricsLogger.log keeps equal to the train step.
-            resume=None if rewind else "allow" if resume_id else None,
-            resume_from=f"{resume_id}?_step={rewind_to}" if rewind else None,
-        )
+        # A resumed run continues its W&B run: one id, one curve on the dashboard. When the
+        # interrupted attempt logged steps past the checkpoint, W&B's rewind drops them (they
+        # are retrained and logged again, as in metrics.jsonl); W&B keys its rewind point by
+        # its own _step, which MetricsLogger.log keeps equal to the train step.
+        resumes = [{"resume": "allow"}] if resume_id else [{}]
+        if resume_id is not None and rewind_to is not None:
+            resumes.insert(0, {"resume_from": f"{resume_id}?_step={rewind_to}"})
+        for i, how in enumerate(resumes):
+            try:
+                run = wandb.init(
+                    project=lc.project, entity=lc.entity, name=name, group=group,
+                    job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
+                    config=run_config, reinit="finish_previous", id=resume_id, **how)
+                break
+            except Exception as e:  # noqa: BLE001
+                if i == len(resumes) - 1:
+                    raise
+                # A server without rewind: continue the run as it is. W&B then ignores the
+                # steps it already holds (logged steps must increase), so those keep the
+                # interrupted attempt's values, unlike metrics.jsonl.
+                log.warning("W&B could not rewind run %s to step %d (%s); continuing it "
+                            "without rewinding: its steps %d+ keep the interrupted attempt's "
+                            "values", resume_id, rewind_to, e, rewind_to + 1)
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         run.define_metric("train/loss", summary="min")

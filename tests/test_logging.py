@@ -163,7 +163,9 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     from dxrun.wandb_file import read_history
 
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # Not this process's W&B service (set once a test here used W&B): each attempt has its own,
+    # as a relaunch does; a shared one would still hold the killed attempt's run open.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WANDB_SERVICE")}
     cmd = [sys.executable, "-m", "dxrun", *KILLED, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
