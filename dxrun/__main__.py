@@ -127,7 +127,8 @@ def main(cfg: DictConfig) -> Any:
         try:
             summary = train(cfg, run_dir, job, prepared)
         except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
-            _status(run_dir, "failed", kind="stopped", reason=str(e),
+            _status(run_dir, "stopped", signal=e.signal_name, step=e.step,
+                    checkpoint=str(e.checkpoint), relaunch=e.relaunch, reason=str(e),
                     **_job_fields(hydra_cfg))
             sys.exit(e.code)
         _status(run_dir, "ok", **_job_fields(hydra_cfg))
@@ -291,14 +292,24 @@ def cli() -> None:
 
 def _exit_for_failed_jobs(sweep_dir: Path) -> None:
     """Exit non-zero naming the failed jobs, read from their status.json like the report
-    does: this also covers jobs that ran in other processes (submitit) or were killed."""
+    does: this also covers jobs that ran in other processes (submitit) or were killed.
+
+    A job stopped by a signal after committing its checkpoint did not fail: it is named with
+    its resume command, and with no failed job the sweep exits as a stopped single run does,
+    0 for SIGTERM (a scheduler's requeue point) and 130 once any job was stopped by SIGINT."""
     from dxrun.report.collect import find_jobs
 
-    failed = [j for j in find_jobs(sweep_dir) if j.status != "ok"]
+    jobs = find_jobs(sweep_dir)
+    stopped = [j for j in jobs if j.status == "stopped"]
+    for j in stopped:
+        print(f"dxrun: job #{j.label_num} {j.reason}", file=sys.stderr)
+    failed = [j for j in jobs if j.status == "failed"]
     if failed:
         names = "; ".join(f"#{j.label_num} ({' '.join(j.overrides)})" for j in failed)
         _fail(f"{len(failed)} sweep job(s) failed: {names} (details: {sweep_dir}/report.md)",
               code=2 if all(j.kind == "refused" for j in failed) else 1)
+    if any(j.kind == "SIGINT" for j in stopped):
+        sys.exit(130)
 
 
 if __name__ == "__main__":

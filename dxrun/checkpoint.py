@@ -270,13 +270,15 @@ class RunCheckpoints:
     those, without a save of the bad state."""
 
     def __init__(self, cfg: Any, run_dir: Path, start: int, meta: dict[str, Any],
-                 iterator: Any, logger: Any, preemption: Preemption):
+                 iterator: Any, logger: Any, preemption: Preemption,
+                 relaunch: str | None = None):
         self.start = start  # the step this attempt began at: saved already, or the init
         self.every, self.log_every = cfg.checkpoint.every, cfg.train.log_every
         self.halt = cfg.train.nan_policy == "halt"
         self.meta, self.iterator, self.logger, self.preemption = meta, iterator, logger, preemption
         self.saver = Checkpointer(checkpoint_dir(cfg, run_dir), cfg.checkpoint.keep)
         self.last_saved: Path | None = None
+        self.relaunch = relaunch  # the command that resumes this run, for the stop line
         # Several processes act on a signal at one agreed step (a save is collective).
         self.agreement = ProcessAgreement() if jax.process_count() > 1 else None
 
@@ -298,9 +300,9 @@ class RunCheckpoints:
             self._check_finite(done, state)
         if stop:
             self.saver.wait()
-            log.info("%s: stopped at step %d; checkpoint %s committed. Relaunch with the same "
-                     "run dir to resume.", stop, done, self.last_saved)
-            raise Stopped(stop, done)
+            log.info("%s: stopped at step %d; checkpoint %s committed. Resume with: %s", stop,
+                     done, self.last_saved, self.relaunch or "the same command and run dir")
+            raise Stopped(stop, done, self.last_saved, self.relaunch)
 
     def _check_finite(self, done: int, state: TrainState) -> None:
         if not self.halt:

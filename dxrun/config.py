@@ -230,8 +230,9 @@ def data_meta(path: Any, key: str, default: Any) -> Any:
     W&B and the model built from ``${data.vocab_size}`` all see the data's own values."""
     if path:
         try:
-            value = json.loads((Path(str(path)).expanduser() / "meta.json").read_text()).get(key)
-        except (OSError, ValueError):
+            meta = json.loads((Path(str(path)).expanduser() / "meta.json").read_text())
+            value = meta.get(key) if isinstance(meta, dict) else None
+        except (OSError, ValueError):  # the data loader refuses a bad meta.json in one line
             value = None
         if value is not None:
             return value
@@ -353,6 +354,19 @@ RANGES: dict[str, Range] = {
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
     "checkpoint.keep": Range(1),
     "distributed.init_timeout_s": POSITIVE, "distributed.heartbeat_timeout_s": POSITIVE,
+    "data.seed": NON_NEGATIVE, "train.seed": NON_NEGATIVE,  # PRNG seeds
+    "distributed.num_processes": POSITIVE, "distributed.process_id": NON_NEGATIVE,
+}
+# Keys whose null means "not given" (a range applies only to a value).
+NULLABLE = ("distributed.num_processes", "distributed.process_id")
+
+# The integer and float keys of the schema that RANGES leaves out, and why: every numeric key is
+# in one of the two (a test walks the schema).
+UNRANGED = {
+    "parallelism.dp": "-1 (inferred) or a size >= 1: plan._resolve_axes",
+    "parallelism.fsdp": "-1 (inferred) or a size >= 1: plan._resolve_axes",
+    "parallelism.tp": "-1 (inferred) or a size >= 1: plan._resolve_axes",
+    "runtime.memory_gb": "positive or null: its own check in validate",
 }
 
 
@@ -494,6 +508,8 @@ def validate(cfg: Any) -> None:
             continue  # the one of the two not given (check_batch_keys)
         if value is None and group == "data" and cfg.data.name not in DATA_SOURCE_KEYS[name]:
             continue  # a key this source does not read
+        if value is None and key in NULLABLE:
+            continue
         if value is None or value not in r:
             raise ConfigError(f"{key}={value} is outside its range {r}; {_range_fix(key, r)}")
     peak = cfg.runtime.peak_tflops

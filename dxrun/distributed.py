@@ -60,6 +60,32 @@ def _tasks_per_node(env: Mapping[str, str]) -> int:
     return max(1, _int(env, "SLURM_NTASKS") // max(1, int(nodes)))
 
 
+# Set by python -m dxrun.launch: how many of the run's processes share this host.
+LOCAL_PROCESSES = "DXRUN_LOCAL_PROCESSES"
+
+
+def local_processes(env: Mapping[str, str], num_processes: int) -> int:
+    """How many processes of this run (``num_processes`` in all) share this host and its RAM:
+    the launcher's count, SLURM's tasks per node, else 1 per host (manual joins, whose hosts
+    dxrun cannot see)."""
+    if num_processes <= 1:
+        return 1
+    if LOCAL_PROCESSES in env:
+        return max(1, min(_int(env, LOCAL_PROCESSES), num_processes))
+    if all(k in env for k in _SLURM):
+        return min(_tasks_per_node(env), num_processes)
+    return 1
+
+
+def check_address(key: str, address: str) -> None:
+    """A coordinator address is ``host:port``: refuse one without a port before JAX (or the
+    reachability probe) trips over it."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{key}={address} is not host:port; give the address of process 0 "
+                          "with its port, e.g. host0:12345")
+
+
 def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
     """This process's place in a multi-process run per ``distributed`` and ``env``; None for
     a single-process run. Raises ConfigError (key, value, fix)."""
@@ -82,6 +108,7 @@ def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
                 f"0..{dist.num_processes - 1}")
         if dist.num_processes == 1:
             return None
+        check_address("distributed.coordinator", dist.coordinator)
         return Join("manual", dist.num_processes, dist.process_id, dist.coordinator, ids)
     if env.get(COORDINATOR) and NUM_PROCESSES in env:
         n = _int(env, NUM_PROCESSES)
@@ -91,6 +118,7 @@ def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
             raise ConfigError(f"{COORDINATOR} and {NUM_PROCESSES}={n} are set but "
                               f"{PROCESS_ID} is not; set it for every process (0..{n - 1}), "
                               "or set distributed.mode=off")
+        check_address(f"environment variable {COORDINATOR}", env[COORDINATOR])
         return Join("launch", n, _int(env, PROCESS_ID), env[COORDINATOR], ids)
     if all(k in env for k in _SLURM) and _int(env, "SLURM_NTASKS") > 1:
         if ids is None and _tasks_per_node(env) == 1:

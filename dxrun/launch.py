@@ -6,8 +6,11 @@ is ``python -m dxrun <overrides>`` with the coordinator variables ``distributed.
 reads (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); with ``-K``
 it drives K devices: K simulated CPU devices (``runtime.cpu_devices=K``) or accelerators
 ``rank*K .. rank*K+K-1`` (``JAX_LOCAL_DEVICE_IDS``). Their output comes prefixed with the rank;
-SIGINT, SIGTERM and SIGUSR1 are passed on to every process. The exit code is the first
-non-zero one a process returned (a process killed by signal S counts as 128+S), else 0. On
+SIGINT, SIGTERM and SIGUSR1 are passed on to every process (which run outside the
+terminal's process group, so a Ctrl-C reaches each once). When such a stop ends every process
+cleanly (checkpoint committed), the launcher says so with the resume command and exits with the
+stop's code (0 for SIGTERM, 130 for SIGINT); otherwise the exit code is the first non-zero one a
+process returned (a process killed by signal S counts as 128+S), else 0. On
 several nodes use SLURM instead (README, "Multi-node").
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,7 +28,9 @@ import threading
 import time
 from typing import IO
 
-from dxrun.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+from dxrun.distributed import COORDINATOR, LOCAL_PROCESSES, NUM_PROCESSES, PROCESS_ID
+from dxrun.preempt import EXIT_CODES, relaunch_command
+from dxrun.runtime import DEVICE_COUNT_FLAG
 
 
 def free_port() -> int:
@@ -32,11 +39,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` minus the host device-count flag (what each process sets itself)."""
+    return " ".join(f for f in flags.split()
+                    if not f.startswith(f"{DEVICE_COUNT_FLAG}="))
+
+
 def child_env(base: dict[str, str], rank: int, nproc: int, port: int,
               devices_per_proc: int | None) -> dict[str, str]:
     env = {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(nproc),
-           PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)  # each process sets its own device count
+           PROCESS_ID: str(rank), LOCAL_PROCESSES: str(nproc), "PYTHONUNBUFFERED": "1"}
+    # Each process sets its own simulated device count; the user's other flags stay.
+    flags = without_device_count(base.get("XLA_FLAGS", ""))
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
     if devices_per_proc:
         env["JAX_LOCAL_DEVICE_IDS"] = ",".join(
             str(i) for i in range(rank * devices_per_proc, (rank + 1) * devices_per_proc))
@@ -58,12 +76,35 @@ def describe(returncode: int) -> str:
 _NOISE = "peer ranks. Expected number of connected peer ranks"
 
 
-def _pump(stream: IO[str], out: IO[str], prefix: str) -> None:
+_STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
+                        r"Resume with: (.+)$")
+
+
+def _pump(stream: IO[str], out: IO[str], prefix: str, stops: list[re.Match] | None = None
+          ) -> None:
     for line in stream:
         if _NOISE in line:
             continue
+        if stops is not None and (m := _STOP_LINE.search(line.rstrip("\n"))):
+            stops.append(m)
         out.write(prefix + line)
         out.flush()
+
+
+def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | None,
+               launch_args: list[str], overrides: list[str]) -> str | None:
+    """The launcher's closing line when a signal it passed on stopped every rank cleanly (each
+    exited with the stop's own code after rank 0 committed the checkpoint); None otherwise."""
+    if signalled is None or stop is None or any(c != EXIT_CODES[signalled] for c in returncodes):
+        return None
+    words = shlex.split(stop.group(4))
+    run_dir = next((w.partition("=")[2] for w in words if w.startswith("hydra.run.dir=")), None)
+    if run_dir is None:
+        return None
+    command = relaunch_command(overrides, run_dir,
+                               " ".join(["python -m dxrun.launch", *launch_args, "--"]))
+    return (f"dxrun.launch: stopped by {signalled}: every rank saved and stopped at step "
+            f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -92,25 +133,36 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
            port: int = 0, grace: float = 120.0) -> int:
+    launch_args = [f"--nproc={nproc}"] + ([f"--devices-per-proc={devices_per_proc}"]
+                                          if devices_per_proc else [])
+    user_overrides = list(overrides)
     port = port or free_port()
     if devices_per_proc:
         overrides = [*overrides, f"runtime.cpu_devices={devices_per_proc}"]
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    stops: list[re.Match] = []  # rank 0's stop line: its checkpoint and resume command
     for rank in range(nproc):
         proc = subprocess.Popen(
             [sys.executable, "-m", "dxrun", *overrides],
             env=child_env(dict(os.environ), rank, nproc, port, devices_per_proc),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            # Not in the terminal's process group: a Ctrl-C reaches the processes once, passed
+            # on below (twice would be "exit now without saving").
+            start_new_session=True)
         procs.append(proc)
         print(f"dxrun.launch: rank {rank} pid {proc.pid}", flush=True)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, out, f"[rank {rank}] "),
-                                 daemon=True)
+            t = threading.Thread(target=_pump, daemon=True, args=(
+                stream, out, f"[rank {rank}] ", stops if rank == 0 else None))
             t.start()
             pumps.append(t)
 
+    signalled: list[str] = []  # the stop signals passed on
+
     def forward(signum: int, _frame: object) -> None:
+        if signum != signal.SIGUSR1:
+            signalled.append(signal.Signals(signum).name)
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -136,6 +188,16 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
         t.join(timeout=5)
     if first is None:  # every process has exited; a failure may be the last thing seen
         first = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode), None)
+    if first is None and not signalled:
+        return 0
+    # A stop the ranks agreed on (ProcessAgreement) ends every rank with its code, SIGTERM's
+    # winning over SIGINT's, as each rank's own exit does.
+    agreed = "SIGTERM" if "SIGTERM" in signalled else signalled[0] if signalled else None
+    done = clean_stop(agreed, [p.returncode for p in procs], stops[0] if stops else None,
+                      launch_args, user_overrides)
+    if done is not None:
+        print(done, file=sys.stderr, flush=True)
+        return EXIT_CODES[agreed]
     if first is None:
         return 0
     rank, code = first

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dxrun.runtime import finite_or_null
 
@@ -20,7 +20,8 @@ log = logging.getLogger("dxrun")
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: Any, run_config: dict[str, Any], name: str,
                  group: str | None = None, choices: dict[str, str] | None = None,
-                 is_main: bool = True, resume_id: str | None = None):
+                 is_main: bool = True, resume_id: str | None = None,
+                 rewind_to: int | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.wandb = None
@@ -31,7 +32,7 @@ class MetricsLogger:
                     if choices and g in choices]
             self.wandb = open_wandb(run_dir, cfg.logger, run_config, name,
                                     cfg.logger.group or group, tags + list(cfg.logger.tags),
-                                    resume_id)
+                                    resume_id, rewind_to)
 
     @property
     def run_id(self) -> str | None:
@@ -50,7 +51,8 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb is not None:
             try:
-                self.wandb.log(row)
+                # W&B's own step is the train step: a resume can rewind the run to it.
+                self.wandb.log(row, step=step)
             except Exception as e:  # noqa: BLE001
                 log.warning("W&B log failed (%s); continuing with metrics.jsonl only", e)
                 self.wandb = None
@@ -67,41 +69,84 @@ class MetricsLogger:
             self.wandb = None
 
 
-def rewind_metrics(run_dir: Path, step: int) -> list[dict[str, Any]]:
-    """Resuming at ``step``: rows the interrupted attempt logged after it move to
-    ``metrics.discarded.jsonl`` (never silently dropped), so ``metrics.jsonl`` reads as one
-    uninterrupted run. Returns the rows kept."""
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics row, or None for a line cut short (SIGKILL, a node crash or a full disk
+    mid-write leaves e.g. ``{"step": 4, "train/lo``)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a ``metrics.jsonl`` and the lines that are not rows (cut short)."""
+    lines = [x for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    rows = [_row(x) for x in lines]
+    return [r for r in rows if r is not None], [x for x, r in zip(lines, rows, strict=True) if r is None]
+
+
+class Rewound(NamedTuple):
+    kept: list[dict[str, Any]]  # the rows up to the resumed step
+    moved: int  # lines moved to metrics.discarded.jsonl (rows past the step, lines cut short)
+
+
+def rewind_metrics(run_dir: Path, step: int) -> Rewound:
+    """Resuming at ``step``: rows the interrupted attempt logged after it, and a line it left
+    cut short, move to ``metrics.discarded.jsonl`` (never silently dropped), so
+    ``metrics.jsonl`` reads as one uninterrupted run."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        return []
+        return Rewound([], 0)
     lines = [x for x in path.read_text().splitlines() if x.strip()]
-    keep = [x for x in lines if json.loads(x)["step"] <= step]
-    gone = [x for x in lines if json.loads(x)["step"] > step]
+    rows = [_row(x) for x in lines]
+    keep = [x for x, r in zip(lines, rows, strict=True) if r is not None and r["step"] <= step]
+    gone = [x for x, r in zip(lines, rows, strict=True) if r is None or r["step"] > step]
     if gone:
         with open(run_dir / "metrics.discarded.jsonl", "a") as f:
             f.write("".join(x + "\n" for x in gone))
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(x + "\n" for x in keep))
         tmp.replace(path)
-        log.info("moved %d metrics rows after step %d to metrics.discarded.jsonl", len(gone), step)
-    return [json.loads(x) for x in keep]
+        torn = sum(r is None for r in rows)
+        log.info("moved %d metrics rows after step %d%s to metrics.discarded.jsonl",
+                 len(gone) - torn, step, f" and {torn} line(s) cut short" if torn else "")
+    return Rewound([json.loads(x) for x in keep], len(gone))
 
 
 def open_wandb(run_dir: Path, lc: Any, run_config: dict[str, Any] | None, name: str | None,
-               group: str | None, tags: list[str] | None, resume_id: str | None) -> Any:
-    """A W&B run under ``run_dir`` (``resume_id``: continue that run), its history keyed by
-    ``step``; None, with one warning, if W&B fails: it never stops the caller."""
+               group: str | None, tags: list[str] | None, resume_id: str | None,
+               rewind_to: int | None = None) -> Any:
+    """A W&B run under ``run_dir`` (``resume_id``: continue that run; ``rewind_to``: first
+    rewind it to that step), its history keyed by ``step``; None, with one warning, if W&B
+    fails: it never stops the caller."""
     try:
         import wandb
 
         mode = lc.mode or os.environ.get("WANDB_MODE") or "offline"
-        run = wandb.init(
-            project=lc.project, entity=lc.entity, name=name, group=group,
-            job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
-            config=run_config, reinit="finish_previous",
-            # A resumed run continues its W&B run: one id, one curve on the dashboard.
-            id=resume_id, resume="allow" if resume_id else None,
-        )
+        # A resumed run continues its W&B run: one id, one curve on the dashboard. When the
+        # interrupted attempt logged steps past the checkpoint, W&B's rewind drops them (they
+        # are retrained and logged again, as in metrics.jsonl); W&B keys its rewind point by
+        # its own _step, which MetricsLogger.log keeps equal to the train step.
+        resumes = [{"resume": "allow"}] if resume_id else [{}]
+        if resume_id is not None and rewind_to is not None:
+            resumes.insert(0, {"resume_from": f"{resume_id}?_step={rewind_to}"})
+        for i, how in enumerate(resumes):
+            try:
+                run = wandb.init(
+                    project=lc.project, entity=lc.entity, name=name, group=group,
+                    job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
+                    config=run_config, reinit="finish_previous", id=resume_id, **how)
+                break
+            except Exception as e:  # noqa: BLE001
+                if i == len(resumes) - 1:
+                    raise
+                # A server without rewind: continue the run as it is. W&B then ignores the
+                # steps it already holds (logged steps must increase), so those keep the
+                # interrupted attempt's values, unlike metrics.jsonl.
+                log.warning("W&B could not rewind run %s to step %d (%s); continuing it "
+                            "without rewinding: its steps %d+ keep the interrupted attempt's "
+                            "values", resume_id, rewind_to, e, rewind_to + 1)
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         run.define_metric("train/loss", summary="min")

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from dxrun.distributed import local_processes
 from dxrun.errors import ConfigError
 
 log = logging.getLogger("dxrun")
@@ -286,17 +288,27 @@ class _NoData:
 
 # --- the preflight of every real run ---------------------------------------------------------
 
+def cpu_device_budget(available: float, local_devices: int, processes: int) -> float:
+    """Bytes one simulated CPU device may use: the host's usable RAM split over every device
+    of every process on the host (each process sees the whole host's MemAvailable)."""
+    return available * USABLE_CPU / (local_devices * processes)
+
+
 def device_budget(cfg: Any) -> tuple[float, int, str]:
     """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
     import jax
 
     local = jax.local_device_count()
+    procs = local_processes(os.environ, jax.process_count())
+    per = f" / {procs} processes on this host" if procs > 1 else ""
     if cfg.runtime.memory_gb is not None:
-        total = cfg.runtime.memory_gb * GiB
-        shared = local if jax.default_backend() == "cpu" else 1
-        return total / shared, shared, f"runtime.memory_gb={cfg.runtime.memory_gb}"
+        if jax.default_backend() != "cpu":
+            return cfg.runtime.memory_gb * GiB, 1, f"runtime.memory_gb={cfg.runtime.memory_gb}"
+        return (cfg.runtime.memory_gb * GiB / (local * procs), local,
+                f"runtime.memory_gb={cfg.runtime.memory_gb}{per}")
     if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
-        return host_memory_bytes() * USABLE_CPU / local, local, "this host's available RAM"
+        return (cpu_device_budget(host_memory_bytes(), local, procs), local,
+                f"this host's available RAM{per}")
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit is None:

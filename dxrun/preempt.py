@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import threading
 from types import FrameType
@@ -22,11 +23,22 @@ EXIT_CODES = {"SIGTERM": 0, "SIGINT": 130}
 
 
 class Stopped(Exception):  # noqa: N818 - a normal outcome, not an error
-    """The run stopped on a signal after committing its checkpoint; exit with ``code``."""
+    """The run stopped on a signal after committing ``checkpoint``; exit with ``code``;
+    ``relaunch`` is the command that resumes it."""
 
-    def __init__(self, signal_name: str, step: int):
+    def __init__(self, signal_name: str, step: int, checkpoint: Any = None,
+                 relaunch: str | None = None):
         super().__init__(f"stopped by {signal_name} at step {step}")
         self.signal_name, self.step, self.code = signal_name, step, EXIT_CODES[signal_name]
+        self.checkpoint, self.relaunch = checkpoint, relaunch
+
+
+def relaunch_command(overrides: list[str], run_dir: Any, program: str = "python -m dxrun"
+                     ) -> str:
+    """The command that resumes a stopped run in place: its overrides (Hydra's task
+    overrides, which leave out ``hydra.*``) and its run dir, quoted for a POSIX shell."""
+    kept = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    return " ".join([program, *map(shlex.quote, kept), shlex.quote(f"hydra.run.dir={run_dir}")])
 
 
 class Preemption:

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-_COUNT_FLAG = "--xla_force_host_platform_device_count"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # glibc's mallopt parameters (malloc.h), and the device nodes of accelerators whose hosts keep
 # glibc's defaults: NVIDIA, AMD (ROCm), TPU.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -53,8 +53,8 @@ def simulate_cpu_devices(n: int) -> bool:
         if xla_bridge._backends:  # backends initialised: too late to change anything
             return False
     flags = os.environ.get("XLA_FLAGS", "")
-    if _COUNT_FLAG not in flags:
-        flags = f"{flags} {_COUNT_FLAG}={n}"
+    if DEVICE_COUNT_FLAG not in flags:
+        flags = f"{flags} {DEVICE_COUNT_FLAG}={n}"
     os.environ["XLA_FLAGS"] = flags.strip()
     return True
 

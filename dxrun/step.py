@@ -97,6 +97,16 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
     return jax.tree.map(lambda x: x / accum, out)
 
 
+def applied_count(opt_state: Any, default: jax.Array) -> jax.Array:
+    """The count optax's schedule is evaluated at for the next update (its
+    ``ScaleByScheduleState``, else any ``count`` in the state: they advance together);
+    ``default`` when the optimizer keeps none."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    scheduled = [v for path, v in found
+                 if getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"]
+    return (scheduled or [v for _, v in found] or [default])[0]
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
@@ -131,7 +141,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         metrics["train/loss"] = loss  # the poisoned one when a NaN is injected
         metrics["train/grad_norm"] = grad_norm
         metrics["train/param_norm"] = optax.tree.norm(params)
-        metrics["train/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        # The lr this update used: the schedule at the optimizer's own count, which lags
+        # state.step by the updates nan_policy=skip left out.
+        metrics["train/lr"] = jnp.asarray(schedule(applied_count(state.opt_state, state.step)),
+                                          jnp.float32)
         if nan_policy == "skip":
             metrics["train/skipped_steps"] = skipped
         return TrainState(state.step + 1, params, opt_state, skipped, first_bad), metrics

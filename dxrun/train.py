@@ -26,9 +26,9 @@ from dxrun.console import Progress
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
 from dxrun.experiment import Experiment, process_data, visible_devices
-from dxrun.logger import MetricsLogger, rewind_metrics
+from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.plan import make_plan
-from dxrun.preempt import Preemption
+from dxrun.preempt import Preemption, relaunch_command
 from dxrun.runtime import AllocatorPeak, write_json
 
 log = logging.getLogger("dxrun")
@@ -181,10 +181,14 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 "device_count": jax.device_count(), "process_count": jax.process_count()},
     }
     in_place = resume is not None and resume.in_place
-    kept = rewind_metrics(run_dir, start) if in_place and main else []
+    rewound = rewind_metrics(run_dir, start) if in_place and main else Rewound([], 0)
+    kept = rewound.kept
+    # The W&B run holds what was moved aside too: rewind it to the last row kept.
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
                            choices=job.choices, is_main=main,
-                           resume_id=resumed.get("wandb_id") if in_place else None)
+                           resume_id=resumed.get("wandb_id") if in_place else None,
+                           rewind_to=max((r["step"] for r in kept), default=0)
+                           if rewound.moved else None)
     steps, every = cfg.train.steps, cfg.train.log_every
     eval_every = cfg.train.eval_every if data.has_eval else 0  # no held-out data: no eval/*
     eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
@@ -198,7 +202,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     if resumed:
         batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
     ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config, "run_dir": str(
-        run_dir.absolute())}, batches, logger, Preemption())
+        run_dir.absolute())}, batches, logger, Preemption(), relaunch_command(job.overrides, run_dir))
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0

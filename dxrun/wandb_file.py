@@ -34,6 +34,8 @@ def _chunks(data: bytes) -> Iterator[bytes]:
         if length == 0 and kind == 0:
             pos += left_in_block  # zero padding to the end of the block
             continue
+        if pos + _HEADER.size + length > len(data):
+            return  # a record cut short at the end: its writer was killed mid-write
         payload = data[pos + _HEADER.size: pos + _HEADER.size + length]
         pos += _HEADER.size + length
         if zlib.crc32(payload, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
@@ -75,7 +77,10 @@ def read_run(path: str | Path) -> dict[str, Any]:
         if kind == "run":
             r = rec.run
             run.update(name=r.display_name, group=r.run_group, job_type=r.job_type,
-                       tags=list(r.tags), project=r.project, id=r.run_id)
+                       tags=list(r.tags), project=r.project, id=r.run_id,
+                       start=r.start_time.ToNanoseconds())
+            if r.HasField("branch_point"):  # resume_from: the run was rewound to this step
+                run["rewind"] = (r.branch_point.run, r.branch_point.metric, r.branch_point.value)
             run["config"].update({k: v.get("value", v) if isinstance(v, dict) else v
                                   for k, v in _items(r.config.update).items()})
         elif kind == "config":
@@ -86,3 +91,19 @@ def read_run(path: str | Path) -> dict[str, Any]:
         elif kind == "summary":
             run["summary"].update(_items(rec.summary.update))
     return run
+
+
+def read_history(paths: list[str | Path]) -> list[dict[str, Any]]:
+    """The history of one run written by several attempts (one file each), as W&B shows it
+    once they are synced in order: an attempt started with ``resume_from`` first drops the
+    rows past its rewind point, as the server's rewind does."""
+    history: list[dict[str, Any]] = []
+    # An attempt killed before W&B wrote its first block left only the file header: nothing
+    # of it would sync.
+    runs = [r for r in (read_run(p) for p in paths) if "start" in r]
+    for run in sorted(runs, key=lambda r: r["start"]):
+        if "rewind" in run:
+            _, metric, value = run["rewind"]
+            history = [row for row in history if row[metric] <= value]
+        history += run["history"]
+    return history

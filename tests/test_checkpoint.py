@@ -23,7 +23,7 @@ from dxrun.checkpoint import Resume
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
 from dxrun.train import train
-from dxrun.wandb_file import read_run
+from dxrun.wandb_file import read_history, read_run
 
 STEPS = 100
 # Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.
@@ -126,6 +126,7 @@ def test_preempted_run_ends_bitwise_equal_to_uninterrupted(reference, preempted)
     assert len(files) == 3
     ids = {read_run(f)["id"] for f in files}
     assert ids == {meta["wandb_id"]}, ids
+    assert [h["step"] for h in read_history(files)] == [r["step"] for r in _rows(run_dir)]
 
 
 @pytest.mark.e2e
@@ -133,7 +134,11 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
     # SIGUSR1 wrote a checkpoint off the checkpoint.every grid, and the run trained on past it
     # until SIGTERM stopped it.
     assert 5 <= preempted["usr1"] < preempted["stopped"], preempted
-    assert "SIGTERM: stopped at step" in preempted["outputs"][0]
+    run_dir, stopped = preempted["run_dir"], preempted["stopped"]
+    # The stop line gives the command that resumes the run, overrides and run dir included.
+    assert (f"SIGTERM: stopped at step {stopped}; checkpoint {run_dir / 'checkpoints' / str(stopped)}"
+            f" committed. Resume with: python -m dxrun {' '.join(BASE)} hydra.run.dir={run_dir}"
+            ) in preempted["outputs"][0]
 
 
 @pytest.mark.e2e
@@ -220,6 +225,12 @@ def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
     assert rows[7]["train/param_norm"] == rows[6]["train/param_norm"]  # parameters unchanged
     assert rows[8]["train/loss"] < rows[6]["train/loss"]  # and training went on
     assert checkpoint.committed_steps(tmp_path / "checkpoints") == [4, 8, 10]
+    # train/lr is the lr the update used: the schedule at the optimizer's count, one behind
+    # state.step after the skipped step 7.
+    schedule = Experiment.build(make_cfg(*NAN, "train.nan_policy=skip")).schedule
+    applied = [s - 1 if s <= 7 else s - 2 for s in range(1, 11)]
+    np.testing.assert_allclose([rows[s]["train/lr"] for s in range(1, 11)],
+                               [float(schedule(c)) for c in applied], rtol=1e-6)
 
 
 def test_what_cannot_change_on_resume_is_refused():

@@ -11,13 +11,6 @@ import pytest
 from dxrun import config
 from dxrun.errors import ConfigError
 
-# Numeric keys checked elsewhere, and where: the plan (mesh axes accept -1 = inferred).
-CHECKED_ELSEWHERE = {"parallelism.dp", "parallelism.fsdp", "parallelism.tp", "train.seed",
-                     "data.seed", "runtime.peak_tflops",
-                     "runtime.memory_gb",  # validate: positive or null
-                     "distributed.num_processes",  # distributed.detect, for mode=manual
-                     "distributed.process_id"}
-
 
 def _numeric_keys() -> list[str]:
     keys = []
@@ -32,9 +25,20 @@ def _numeric_keys() -> list[str]:
     return keys
 
 
-def test_every_numeric_key_has_a_range():
-    missing = [k for k in _numeric_keys() if k not in config.RANGES and k not in CHECKED_ELSEWHERE]
-    assert not missing, f"add these to config.RANGES: {missing}"
+def test_every_numeric_key_has_a_range_or_a_reason():
+    missing = [k for k in _numeric_keys() if k not in config.RANGES and k not in config.UNRANGED]
+    assert not missing, f"add these to config.RANGES (or config.UNRANGED, saying why): {missing}"
+    assert set(config.UNRANGED) <= set(_numeric_keys()) - set(config.RANGES)
+    assert all(why.strip() for why in config.UNRANGED.values())
+
+
+@pytest.mark.parametrize("override", ["train.seed=-1", "data.seed=-3",
+                                      "distributed.num_processes=0",
+                                      "distributed.process_id=-1"])
+def test_seeds_and_process_numbers_are_ranged(cfg_factory, override):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError, match=f"^{key}={value} is outside its range .*; set {key} "):
+        config.validate(cfg_factory(override))
 
 
 def test_readme_lists_the_generated_ranges():

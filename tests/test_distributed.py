@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dxrun.config import DistributedConfig
-from dxrun.distributed import Join, detect
+from dxrun.distributed import LOCAL_PROCESSES, Join, detect, local_processes
 from dxrun.errors import ConfigError
 from dxrun.plan import make_plan, split_over_processes
 
@@ -48,6 +48,12 @@ def test_detect(dist, env, want):
     ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"},
      "JAX_PROCESS_ID is not"),
     ({}, {**SLURM_2_NODES, "SLURM_PROCID": "one"}, "SLURM_PROCID='one' is not an integer"),
+    ({"mode": "manual", "coordinator": "h0", "num_processes": 2, "process_id": 1}, {},
+     "distributed.coordinator=h0 is not host:port; give the address of process 0 with its "
+     "port, e.g. host0:12345"),
+    ({}, {"JAX_COORDINATOR_ADDRESS": "10.0.0.1", "JAX_NUM_PROCESSES": "2",
+          "JAX_PROCESS_ID": "1"}, "environment variable JAX_COORDINATOR_ADDRESS=10.0.0.1 is "
+     "not host:port"),
 ])
 def test_detect_refuses_with_one_line(dist, env, message):
     with pytest.raises(ConfigError, match=None) as e:
@@ -103,3 +109,28 @@ def test_plan_refuses_over_two_processes(cfg_factory, overrides, message):
     with pytest.raises(ConfigError) as e:
         make_plan(cfg_factory(*overrides), 8, "cpu", processes=2)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize(("env", "num_processes", "want"), [
+    ({}, 1, 1),
+    ({LOCAL_PROCESSES: "2"}, 2, 2),  # python -m dxrun.launch --nproc 2: one host
+    ({**SLURM_2_NODES, "SLURM_NTASKS": "16"}, 16, 8),  # 8 tasks on each of 2 nodes
+    (SLURM_2_NODES, 2, 1),  # one task per node
+    ({}, 4, 1),  # joined by hand: hosts dxrun cannot see
+])
+def test_processes_sharing_the_host(env, num_processes, want):
+    assert local_processes(env, num_processes) == want
+
+
+def test_launch_keeps_the_users_xla_flags_but_the_device_count():
+    from dxrun.launch import child_env
+
+    base = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 "
+                         "--xla_gpu_enable_latency_hiding_scheduler=true"}
+    env = child_env(base, 1, 2, 1234, 4)
+    assert env["XLA_FLAGS"] == ("--xla_dump_to=/tmp/d "
+                                "--xla_gpu_enable_latency_hiding_scheduler=true")
+    assert env[LOCAL_PROCESSES] == "2"
+    only_count = child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, 0, 2, 1,
+                           None)
+    assert "XLA_FLAGS" not in only_count

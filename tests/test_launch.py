@@ -128,14 +128,15 @@ def test_a_tensor_group_across_processes_is_refused(tmp_path):
 
 
 def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
-                   ) -> tuple[int, str, float]:
+                   ctrl_c: bool = False) -> tuple[int, str, float]:
     """A 2-process run without end; once rank 0 has logged step 2, rank 1 alone gets
-    ``signum``. Returns the launcher's exit code, its output and the seconds it took to exit."""
+    ``signum`` (``ctrl_c``: the launcher's whole process group, as a terminal's Ctrl-C does).
+    Returns the launcher's exit code, its output and the seconds it took to exit."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
          NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
          "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        stderr=subprocess.STDOUT, text=True, start_new_session=ctrl_c)
     seen, pids = [], {}
     try:
         for line in proc.stdout:
@@ -146,7 +147,10 @@ def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
                 break
         else:
             raise AssertionError("the run ended before step 2:\n" + "".join(seen)[-4000:])
-        os.kill(pids[1], signum)
+        if ctrl_c:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(pids[1], signum)
         sent = time.monotonic()
         rest, _ = proc.communicate(timeout=timeout)
         return proc.returncode, "".join(seen) + rest, time.monotonic() - sent
@@ -173,8 +177,23 @@ def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):
     (step,) = committed_steps(tmp_path / "run" / "checkpoints")
     assert step % 10 == 0  # the first step at which the processes compare signals
     status = json.loads((tmp_path / "run" / "status.json").read_text())
-    assert (status["kind"], status["reason"]) == ("stopped", f"stopped by SIGTERM at step {step}")
+    assert (status["status"], status["signal"], status["step"]) == ("stopped", "SIGTERM", step)
+    assert status["checkpoint"] == str(tmp_path / "run" / "checkpoints" / str(step))
     assert max(losses(tmp_path / "run")) == step
+
+
+def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher's process group: every rank saves at one step
+    and stops; the launcher says so with the resume command, not as an error."""
+    code, out, _ = signal_mid_run(tmp_path, signal.SIGINT, "hydra.run.dir=run", ctrl_c=True)
+    assert code == 130, out[-3000:]
+    (step,) = committed_steps(tmp_path / "run" / "checkpoints")
+    assert "error" not in out and "second SIGINT" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        f"dxrun.launch: stopped by SIGINT: every rank saved and stopped at step {step}; "
+        f"checkpoint {tmp_path / 'run' / 'checkpoints' / str(step)} committed. Resume with: "
+        f"python -m dxrun.launch --nproc=2 --devices-per-proc=4 -- {NO_CACHE} logger=none "
+        f"train.steps=100000 train.log_every=1 checkpoint.every=0 hydra.run.dir={tmp_path}/run")
 
 
 def test_a_process_that_cannot_reach_the_coordinator_says_so(tmp_path):

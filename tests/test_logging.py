@@ -125,3 +125,78 @@ def test_run_name_has_no_slash_names_a_custom_size_and_is_cut_between_parts(cfg_
     parts = name.split("-")
     assert parts[-1] in {f"warmup_steps{100 + i}" for i in range(20)}  # whole, never cut
     assert len(name) + len("-warmup_steps1nn") > 120  # and as many as fit
+
+
+def _logged(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return max((json.loads(x)["step"] for x in text.splitlines() if x.endswith("}")), default=0)
+
+
+KILLED = ["model=tiny", "train.steps=150", "train.log_every=1", "train.eval_every=0",
+          "checkpoint.every=40", "parallelism=dp2", "data.batch_size=8"]
+
+
+def _wandb_steps(run_dir) -> list[int]:
+    """The steps the (single, running) attempt's W&B file holds so far: W&B writes it in
+    32 KiB blocks, so the newest rows are not there yet."""
+    try:
+        return [h["step"] for f in run_dir.glob("wandb/offline-run-*/run-*.wandb")
+                for h in read_run(f)["history"]]
+    except ValueError:
+        return []
+
+
+@pytest.mark.e2e
+def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
+    """SIGKILL once the W&B run holds steps past a committed checkpoint, the last line of
+    metrics.jsonl cut short (as a kill mid-write leaves it), then the same command again:
+    metrics.jsonl and the W&B run (both attempts' files, synced in order) hold every step once,
+    with the resumed attempt's values."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dxrun.checkpoint import committed_steps
+    from dxrun.wandb_file import read_history
+
+    run_dir = tmp_path / "run"
+    # Not this process's W&B service (set once a test here used W&B): each attempt has its own,
+    # as a relaunch does; a shared one would still hold the killed attempt's run open.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WANDB_SERVICE")}
+    cmd = [sys.executable, "-m", "dxrun", *KILLED, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while True:  # freeze it once W&B holds a step past a committed checkpoint, then kill it
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        if _logged(run_dir) > 40:
+            proc.send_signal(signal.SIGSTOP)
+            saved = committed_steps(run_dir / "checkpoints")
+            if saved and max(_wandb_steps(run_dir), default=0) > saved[-1]:
+                break
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate()
+    ckpt, killed_at = saved[-1], _logged(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    text = metrics.read_text()
+    torn = text.rstrip("\n").rsplit("\n", 1)[-1][:20]
+    metrics.write_text(text.rstrip("\n").rsplit("\n", 1)[0] + "\n" + torn)
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=240)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert f"resuming from step {ckpt}" in again.stdout + again.stderr
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 151))
+    discarded = (run_dir / "metrics.discarded.jsonl").read_text().splitlines()
+    assert discarded[-1] == torn and len(discarded) == killed_at - ckpt
+    files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    history = read_history(files)
+    assert [h["step"] for h in history] == list(range(1, 151))
+    assert [h["train/loss"] for h in history] == [r["train/loss"] for r in rows]

@@ -320,3 +320,17 @@ def test_explicit_vocab_refused_below_the_data_and_warned_far_above(cfg_factory,
     assert warnings[0].startswith("model.vocab_size=1281 is far above the data's vocabulary "
                                   f"(256): {(1281 - 256) * 64 * 2:,} parameters")
     assert "model.vocab_size=50304" in warnings[1] and "set data.vocab_size=256" in warnings[1]
+
+
+@pytest.mark.parametrize("text, says", [('{"vocab_size": 6', "is not valid JSON"),
+                                        ("[1, 2]", "holds a JSON list, not an object")])
+def test_a_bad_meta_json_is_refused_in_one_line(cfg_factory, tmp_path, text, says):
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "meta.json").write_text(text)
+    cfg = cfg_factory("data=tokens", f"data.path={tmp_path}", "data.vocab_size=256",
+                      "data.dtype=uint16", "logger=none")
+    with pytest.raises(ConfigError) as e:
+        Data(cfg)
+    (line,) = str(e.value).splitlines()
+    assert line.startswith(f"data.path={tmp_path}: {tmp_path / 'meta.json'} {says}")
+    assert line.endswith("or delete it (the token files are then scanned)")

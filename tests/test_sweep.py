@@ -396,3 +396,54 @@ def test_a_users_own_experiment_from_hydra_searchpath(tmp_path):
         "# @package _global_\ndefaults:\n  - override /model: tiny_llama\ntrain:\n  steps: 7\n")
     cfg = _validated(f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine")
     assert cfg.model.name == "tiny_llama" and cfg.train.steps == 7
+
+
+# --- a sweep read back after kills and stops, from the files jobs leave (no training) ---
+
+
+def _job(sweep: Path, num: int, status: dict, metrics: str = "") -> Path:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr=0.0{num + 1}\n")
+    (job / "status.json").write_text(json.dumps({"job": num, **status}))
+    (job / "metrics.jsonl").write_text(metrics)
+    return job
+
+
+def test_report_and_exit_code_of_a_sweep_with_a_stopped_job_and_a_torn_line(tmp_path, capsys,
+                                                                            caplog):
+    """A job killed mid-write left ``{"step": 3, "train/lo``; another was stopped by SIGTERM
+    after committing its checkpoint: the report is written (one warning for the torn line),
+    the stopped job is listed as resumable, not failed, and the sweep exits 0 (130 once a job
+    was stopped by SIGINT)."""
+    import logging
+
+    from dxrun.__main__ import _exit_for_failed_jobs
+    from dxrun.report.table import write_report
+
+    sweep = tmp_path / "sweep"
+    rows = "".join(json.dumps({"step": s, "train/loss": 3.0 - s, "data/tokens_seen": 64.0 * s})
+                   + "\n" for s in (1, 2))
+    ok = _job(sweep, 0, {"status": "ok"}, rows + '{"step": 3, "train/lo')
+    (ok / "summary.json").write_text(json.dumps({"step": 2, "train/loss": 1.0}))
+    resume = f"python -m dxrun optimizer.lr=0.02 hydra.run.dir={sweep / '1'}"
+    stopped = {"status": "stopped", "signal": "SIGTERM", "step": 40,
+               "checkpoint": str(sweep / "1" / "checkpoints" / "40"), "relaunch": resume}
+    _job(sweep, 1, stopped, rows)
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        jobs = write_report(sweep)
+    assert [r.message for r in caplog.records] == [
+        f"{ok / 'metrics.jsonl'}: skipped 1 line(s) cut short (a killed job?): "
+        '{"step": 3, "train/lo']
+    assert [j.status for j in jobs] == ["ok", "stopped"]
+    report = (sweep / "report.md").read_text()
+    assert "2 jobs: 1 ok, 1 stopped, 0 failed." in report and "## Failed jobs" not in report
+    line = (f"- job 1: stopped by SIGTERM at step 40, checkpoint {sweep / '1' / 'checkpoints'}"
+            f"/40 committed; resume with: {resume}")
+    assert line in report.splitlines()
+    _exit_for_failed_jobs(sweep)  # SIGTERM: a requeue point, exit 0
+    assert capsys.readouterr().err == f"dxrun: job #1 {line.partition(': ')[2]}\n"
+    (sweep / "1" / "status.json").write_text(json.dumps({**stopped, "signal": "SIGINT"}))
+    with pytest.raises(SystemExit) as e:
+        _exit_for_failed_jobs(sweep)
+    assert e.value.code == 130

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.errors import ConfigError
+from dxrun.errors import ConfigError, first_line
 
 BYTE_VOCAB = 256
 BYTE_EOT = 0  # NUL never occurs in UTF-8 text, so it can separate documents
@@ -199,6 +199,24 @@ def load_text(d: Any) -> Corpus:
                   int(tokens.max()))
 
 
+def read_meta(meta_path: Path, path: Any) -> dict[str, Any]:
+    """``meta.json`` of a token dir (``data.path={path}``), {} when there is none. Refuses, in
+    one line, a file that is not a JSON object (hand-edited, or cut short)."""
+    if not meta_path.is_file():
+        return {}
+    fix = ("write it again with `python -m dxrun.data.prepare`, or delete it (the token files "
+           "are then scanned)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.path={path}: {meta_path} is not valid JSON ({first_line(e)});"
+                          f" {fix}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"data.path={path}: {meta_path} holds a JSON "
+                          f"{type(meta).__name__}, not an object of keys; {fix}")
+    return meta
+
+
 def load_tokens(d: Any) -> Corpus:
     """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout). The vocabulary and the
     largest id come from ``meta.json`` (``prepare`` writes them) when its token counts match
@@ -208,7 +226,7 @@ def load_tokens(d: Any) -> Corpus:
         raise ConfigError(f"data.path={d.path}: no train.bin there; give the folder that "
                           "`python -m dxrun.data.prepare` wrote (train.bin, val.bin)")
     meta_path = root / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = read_meta(meta_path, d.path)
     if meta.get("dtype", d.dtype) != d.dtype:
         raise ConfigError(f"data.dtype={d.dtype} but {meta_path} says dtype={meta['dtype']}; "
                           f"set data.dtype={meta['dtype']}")

@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dxrun.report: error: {e}", file=sys.stderr)
         return 2
-    n_ok = sum(j.status == "ok" for j in jobs)
-    print(f"{len(jobs)} jobs ({n_ok} ok, {len(jobs) - n_ok} failed): "
+    from dxrun.report.collect import tally
+
+    print(f"{len(jobs)} jobs ({tally(jobs)}): "
           f"{args.sweep_dir / 'report.md'}, report.csv and plots")
     return 0
 

@@ -33,9 +33,9 @@ class SweepReport(Callback):
             from dxrun.report.table import write_report
 
             jobs = write_report(sweep_dir, upload=True)
-            n_ok = sum(j.status == "ok" for j in jobs)
-            log.info("sweep report (%d ok, %d failed): %s", n_ok, len(jobs) - n_ok,
-                     sweep_dir / "report.md")
+            from dxrun.report.collect import tally
+
+            log.info("sweep report (%s): %s", tally(jobs), sweep_dir / "report.md")
         except Exception as e:  # noqa: BLE001 - a report problem must not fail the sweep
             log.warning("sweep report not written (%s); retry with: python -m dxrun.report %s",
                         e, sweep_dir)

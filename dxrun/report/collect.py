@@ -5,13 +5,17 @@ a cluster reads the same. No JAX here."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dxrun.logger import read_metrics
 from dxrun.runtime import STATUS
+
+log = logging.getLogger("dxrun")
 
 # Overrides that choose the devices or the mesh: jobs that differ only in these are the same
 # workload on a different number of devices (the scaling-efficiency comparison).
@@ -23,8 +27,8 @@ class JobRecord:
     dir: Path
     num: int | None
     overrides: list[str]
-    status: str  # ok | failed
-    kind: str | None = None  # failed: refused | crashed | unfinished
+    status: str  # ok | stopped (by a signal, resumable) | failed
+    kind: str | None = None  # failed: refused | crashed | unfinished; stopped: the signal
     reason: str | None = None
     log: str | None = None
     started: float | None = None
@@ -75,9 +79,17 @@ class JobRecord:
 
     def metrics(self) -> list[dict[str, float]]:
         path = self.dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows, torn = read_metrics(path)
+        if torn:  # a job killed mid-write: its complete rows still make its curve
+            log.warning("%s: skipped %d line(s) cut short (a killed job?): %s", path, len(torn),
+                        torn[-1][:60])
+        return rows
+
+
+def tally(jobs: list[JobRecord]) -> str:
+    """``3 ok, 1 stopped, 2 failed`` (stopped only when some job was)."""
+    n = {s: sum(j.status == s for j in jobs) for s in ("ok", "stopped", "failed")}
+    return ", ".join(f"{v} {s}" for s, v in n.items() if v or s != "stopped")
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -102,7 +114,12 @@ def read_job(job_dir: Path) -> JobRecord:
                        config=_yaml(job_dir / ".hydra" / "config.yaml") or {},
                        started=status.get("started"), finished=status.get("finished"))
     state = status.get("status")
-    if state == "failed":
+    if state == "stopped":
+        record.status, record.kind = "stopped", status.get("signal")
+        record.reason = (f"stopped by {status.get('signal')} at step {status.get('step')}, "
+                         f"checkpoint {status.get('checkpoint')} committed; resume with: "
+                         f"{status.get('relaunch')}")
+    elif state == "failed":
         record.status, record.kind = "failed", status.get("kind", "crashed")
         record.reason, record.log = status.get("reason"), status.get("log")
     elif state == "running" or (state is None and not summary):

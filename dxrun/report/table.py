@@ -17,6 +17,7 @@ from dxrun.report.collect import (
     find_jobs,
     overlapping,
     scaling_efficiency,
+    tally,
 )
 
 log = logging.getLogger("dxrun")
@@ -29,7 +30,7 @@ def _summary(key: str) -> Callable[[JobRecord], Any]:
 # (column, value of a job, Markdown format) in report order.
 COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
     ("job", lambda j: j.label_num, str),
-    ("status", lambda j: j.status if j.status == "ok" else f"failed ({j.kind})", str),
+    ("status", lambda j: j.status if j.status == "ok" else f"{j.status} ({j.kind})", str),
     ("overrides", lambda j: " ".join(j.overrides), lambda v: f"`{v}`" if v else ""),
     ("mesh", lambda j: j.mesh, str),
     ("devices", lambda j: j.n_devices, str),
@@ -80,15 +81,17 @@ def _cell(value: Any, fmt: Callable[[Any], str]) -> str:
 
 def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]],
              plots: list[Path], extra: list[str]) -> str:
-    n_ok = sum(j.status == "ok" for j in jobs)
-    lines = [f"# Sweep report: `{sweep_dir}`", "",
-             f"{len(jobs)} jobs: {n_ok} ok, {len(jobs) - n_ok} failed.", ""]
+    lines = [f"# Sweep report: `{sweep_dir}`", "", f"{len(jobs)} jobs: {tally(jobs)}.", ""]
     lines += extra
     shown = [(c, f) for c, _, f in COLUMNS if c not in ("reason", "log")]
     lines += ["| " + " | ".join(c for c, _ in shown) + " |",
               "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_cell(row[c], f) for c, f in shown) + " |" for row in table]
-    failed = [j for j in jobs if j.status != "ok"]
+    stopped = [j for j in jobs if j.status == "stopped"]
+    if stopped:  # not failures: each continues from its checkpoint
+        lines += ["", "## Stopped jobs (resumable)", ""]
+        lines += [f"- job {j.label_num}: {j.reason}" for j in stopped]
+    failed = [j for j in jobs if j.status == "failed"]
     if failed:
         lines += ["", "## Failed jobs", ""]
         lines += [f"- job {j.label_num} ({j.kind}): {j.reason}" + (f" — log: `{j.log}`"
