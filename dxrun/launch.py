@@ -161,13 +161,15 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
     signalled: list[str] = []  # the stop signals passed on
 
     def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
+            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
         if signum != signal.SIGUSR1:
             signalled.append(signal.Signals(signum).name)
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, forward)
 
     first: tuple[int, int] | None = None  # (rank, returncode) of the first failure
