@@ -247,3 +247,35 @@ def test_damaged_meta_is_found_before_restore(shared, tmp_path):
     state, _, got = checkpoint.restore(resume, exp.abstract_state())
     assert got == 2 and (ckpts / "3.corrupt").is_dir()
     assert int(jax.device_get(state.step)) == 2
+
+
+@pytest.mark.e2e
+def test_processes_agree_on_a_step_one_of_them_cannot_read(tmp_path):
+    """fsdp over 2 processes: each reads only its own shards. Process 1's shards of step 3 are
+    truncated; both processes continue from step 2 and process 0 alone sets step 3 aside."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4",
+             "--", "runtime.compile_cache=null", "model=tiny", "parallelism=fsdp8",
+             "data.batch_size=16", "checkpoint.every=1", "train.log_every=1",
+             "train.eval_every=0", "logger=none", "hydra.run.dir=run", *extra],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = launch("train.steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step3 = tmp_path / "run" / "checkpoints" / "3"
+    shards = [f for f in (step3 / "state" / "ocdbt.process_1").rglob("*")
+              if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64]
+    assert shards
+    for f in shards:
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+    second = launch("train.steps=4")
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "resuming from step 2" in out and "FileNotFoundError" not in out
+    assert (step3.parent / "3.corrupt").is_dir()
+    assert checkpoint.committed_steps(step3.parent) == [2, 3, 4]  # 3 saved anew, keep=3
+    assert _steps(tmp_path / "run") == [1, 2, 3, 4]
