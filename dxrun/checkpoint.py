@@ -83,13 +83,11 @@ def committed_steps(directory: Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
-def _manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
-    if keep is None:  # only reading: creates nothing, deletes nothing, never saves
-        options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-    else:
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
-            preservation_policy=ocp.checkpoint_managers.LatestN(keep))
+def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+    """The saving side (reads go through ``_read``)."""
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep))
     return ocp.CheckpointManager(directory, options=options, item_names=(STATE, META))
 
 
@@ -160,29 +158,65 @@ def _candidates(resume: Resume, upto: int | None = None) -> list[int]:
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND")
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from, the root cause first (Orbax wraps
+    tensorstore's error in a bare Exception naming the array index)."""
+    out: list[BaseException] = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out[::-1]
+
+
 def is_damage(e: BaseException) -> bool:
     """Evidence that a checkpoint's files are damaged: missing or truncated files, checksum or
-    format errors. Anything else (an I/O error, out of memory, a tree that does not fit) is
-    not, and never leads to setting a checkpoint aside."""
+    format errors, in ``e`` or what it was raised from. Anything else (an I/O error, out of
+    memory, a tree that does not fit) is not, and never leads to setting a checkpoint aside."""
     import json
 
-    if isinstance(e, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, EOFError)):
-        return True
-    if isinstance(e, (OSError, MemoryError)):
-        return False
-    text = str(e)
-    return (any(text.startswith(f"{c}:") or f" {c}: " in text for c in _DAMAGE_CODES)
-            or "checksum" in text.lower())
+    for link in _chain(e):
+        if isinstance(link, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError,
+                             EOFError)):
+            return True
+        if isinstance(link, (OSError, MemoryError)):
+            return False
+        text = str(link)
+        if (any(text.startswith(f"{c}:") or f" {c}: " in text for c in _DAMAGE_CODES)
+                or "checksum" in text.lower()):
+            return True
+    return False
 
 
-def _read_meta(mgr: ocp.CheckpointManager, directory: Path, step: int,
-               check_state: bool) -> tuple[dict[str, Any], set[str] | None]:
-    meta = mgr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+def _why(e: BaseException) -> str:
+    """The root cause's first line: what a warning or a refusal names."""
+    return _first_line(_chain(e)[0])
+
+
+def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None
+          ) -> tuple[dict[str, Any], Any]:
+    """This process's read of one checkpoint: its meta and, given ``state`` (restore args),
+    its arrays. Through Orbax's handlers, which read without the manager's closing barrier
+    across processes: a process that fails to read must still reach the agreement on the step
+    (``gather``), not wait in a barrier the others never reach."""
+    meta = ocp.JsonCheckpointHandler().restore(step_dir / META, args=ocp.args.JsonRestore())
+    if state is None:
+        return dict(meta), None
+    handler = (ocp.PyTreeCheckpointHandler() if isinstance(state, ocp.args.PyTreeRestore)
+               else ocp.StandardCheckpointHandler())
+    try:
+        return dict(meta), handler.restore(step_dir / STATE, args=state)
+    finally:
+        handler.close()
+
+
+def _read_meta(directory: Path, step: int, check_state: bool
+               ) -> tuple[dict[str, Any], set[str] | None]:
+    meta, _ = _read(directory / str(step))
     names = None
     if check_state:  # the state's tree and array metadata, without reading the arrays
         tree = ocp.StandardCheckpointHandler().metadata(directory / str(step) / STATE).tree
         names = {_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    return dict(meta[META]), names
+    return meta, names
 
 
 def _name(path: tuple) -> str:
@@ -199,24 +233,20 @@ def _name(path: tuple) -> str:
 def _newest_readable(resume: Resume, check_state: bool
                      ) -> tuple[int, dict[str, Any], set[str] | None] | None:
     """The newest step this process can read: (step, meta, state leaf names), or None."""
-    mgr = _manager(resume.directory)
-    try:
-        for step in _candidates(resume):
-            try:
-                meta, names = _read_meta(mgr, resume.directory, step, check_state)
-            except Exception as e:  # noqa: BLE001 - damage: the one before; else: stop
-                if not is_damage(e):
-                    raise ConfigError(
-                        f"checkpoint {resume.directory / str(step)} could not be read "
-                        f"({_first_line(e)}); it is not damaged as far as dxrun can tell and "
-                        "is left as it is: fix the cause and relaunch, or start fresh with "
-                        "checkpoint.resume=none") from e
-                log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before",
-                            resume.directory / str(step), _first_line(e))
-                continue
-            return step, meta, names
-    finally:
-        mgr.close()
+    for step in _candidates(resume):
+        try:
+            meta, names = _read_meta(resume.directory, step, check_state)
+        except Exception as e:  # noqa: BLE001 - damage: the one before; else: stop
+            if not is_damage(e):
+                raise ConfigError(
+                    f"checkpoint {resume.directory / str(step)} could not be read "
+                    f"({_why(e)}); it is not damaged as far as dxrun can tell and "
+                    "is left as it is: fix the cause and relaunch, or start fresh with "
+                    "checkpoint.resume=none") from e
+            log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before",
+                        resume.directory / str(step), _why(e))
+            continue
+        return step, meta, names
     return None
 
 
@@ -358,16 +388,12 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
     upto = resume.meta_step if resume.meta else None
     skipped = list(resume.damaged)
     for step in _candidates(resume, upto):
-        mgr = _manager(resume.directory)  # one per attempt: Orbax binds an item to its handler
         try:
-            out = mgr.restore(step, args=ocp.args.Composite(**{
-                STATE: _restore_args(target, resume.fresh_optimizer is None),
-                META: ocp.args.JsonRestore()}))
+            meta, state = _read(resume.directory / str(step),
+                                _restore_args(target, resume.fresh_optimizer is None))
             outcome, err = "ok", ""
         except Exception as e:  # noqa: BLE001 - sorted below: damage or not
-            outcome, err = ("damaged" if is_damage(e) else "error"), _first_line(e)
-        finally:
-            mgr.close()
+            outcome, err = ("damaged" if is_damage(e) else "error"), _why(e)
         # Every process reads its own shards: all go on only from a step all of them read.
         outcomes = gather(f"restore/{step}", outcome)
         where = resume.directory / str(step)
@@ -383,9 +409,9 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
             continue
         if skipped and resume.in_place and is_main():
             _set_aside(resume.directory, skipped)
-        state = dict(out[STATE])
+        state = dict(state)
         state.setdefault("opt_state", None)
-        return TrainState(**state), dict(out[META]), step
+        return TrainState(**state), meta, step
     raise ConfigError(f"checkpoint.resume: no readable checkpoint in {resume.directory}; "
                       "start fresh with checkpoint.resume=none")
 
