@@ -111,7 +111,10 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     """Everything that can refuse bad input, before anything is written or allocated: the mesh
     plan, the data (its files, tokenizer and vocabulary), the checkpoint to resume from
     (``checkpoint.resume`` for a launch into ``run_dir``) and the memory preflight (the step
-    compiled from shapes alone must fit). Raises ConfigError, or NothingToTrain when the
+    compiled from shapes alone must fit). A resume is decided here in full
+    (``checkpoint.plan_resume``): its step, its data position, and its optimizer state, which
+    is restored when its tree fits the optimizer now and otherwise starts fresh with one
+    warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
     checkpoint has reached ``train.steps`` already."""
     plan = make_plan(cfg, *visible_devices())
     resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for every reader
