@@ -5,7 +5,8 @@ The order is defined globally: a seeded shuffle of all windows, reshuffled each 
 (Grain combines the seed with the epoch). Global batch ``k`` is windows ``[k*B, (k+1)*B)`` of that
 order, and process ``p`` of ``P`` reads rows ``[p*B/P, (p+1)*B/P)`` of it and nothing else. So
 what a step sees depends on (seed, step) only: not on the mesh and not on the number of
-processes. The iterator state is Grain's small JSON-able dict, for an exact mid-epoch resume.
+processes. The iterator state is the number of batches read (``{"next_index": k}``), for an
+exact mid-epoch resume with any number of worker processes.
 """
 
 from __future__ import annotations
