@@ -25,7 +25,7 @@ from dxrun.config import (
     validate,
 )
 from dxrun.distributed import agree, is_main, join
-from dxrun.errors import ConfigError, NonFiniteError, first_line
+from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -138,6 +138,12 @@ def main(cfg: DictConfig) -> Any:
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
                 **_job_fields(hydra_cfg))
         return _job_failed(str(e), crashed=True)
+    except NothingToTrain as e:  # a relaunch of a finished run: its files stay as they are
+        run_log.discard()
+        if is_main():
+            _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+            print(f"dxrun: {e}", file=sys.stderr)
+        return None
     except ConfigError as e:
         run_log.discard()
         if multirun and is_main():  # the sweep report lists the refused job beside the others

@@ -11,7 +11,18 @@ run in a background thread while training goes on. Orbax writes each checkpoint 
 and renames it when complete, so a crash mid-save never leaves a dir that looks finished, and it
 deletes checkpoints beyond ``checkpoint.keep`` only after the new one is committed. A committed
 checkpoint can still be damaged later (a truncated file); that shows only when it is read, so a
-resume tries the newest first and falls back to the one before, naming the one it skipped.
+resume tries the newest first and falls back to the one before, naming the one it skipped. Only
+evidence of damage (missing or truncated files, checksum and format errors: ``is_damage``) leads
+to the one before; any other failure to read (an I/O error, out of memory) stops the run with one
+line and leaves the checkpoint as it is. In a multi-process run the processes agree on the step
+(the newest every process can read) and only process 0 sets damaged ones aside.
+
+Checkpoints belong to their run. Without ``checkpoint.dir`` they live in ``<run dir>/checkpoints``;
+with it, in ``<checkpoint.dir>/<run id>/`` (``run_id``: the run dir's name and a hash of its
+absolute path, so a requeue into the same run dir finds them again), and the run dir names that
+dir in ``checkpoints.txt`` for ``locate``. Each checkpoint's meta also names its run (``run_id``,
+``run_dir``). A resume only ever continues its own run's checkpoints, and rotation deletes only
+its own.
 
 Restoring reads straight into the target mesh's shardings (``Experiment.abstract_state``):
 every process reads only its own shards, on any mesh, and nothing is gathered on one device.
@@ -19,7 +30,9 @@ every process reads only its own shards, on any mesh, and nothing is gathered on
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +41,8 @@ import jax
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
-from dxrun.errors import ConfigError, NonFiniteError
+from dxrun.distributed import gather, is_main
+from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
 from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState
 from dxrun.vocab_padding import restore_args
@@ -47,10 +61,22 @@ DATA_SOURCE = ("data.name", "data.path", "data.tokenizer", "data.dtype", "data.s
                "data.seed", "data.order", "data.symbols", "data.branching")
 
 
+POINTER = "checkpoints.txt"  # in a run dir whose checkpoints live under checkpoint.dir
+
+
+def run_id(run_dir: Path) -> str:
+    """``<run dir name>-<8 hex>``: stable for a run dir (a requeue finds its checkpoints again),
+    distinct for two run dirs of the same name."""
+    path = str(Path(run_dir).expanduser().resolve())
+    return f"{Path(path).name}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
 def checkpoint_dir(cfg: Any, run_dir: Path) -> Path:
-    # Absolute: Orbax refuses relative paths.
-    return (Path(cfg.checkpoint.dir).expanduser().absolute() if cfg.checkpoint.dir
-            else run_dir / "checkpoints")
+    """This run's own checkpoints dir: ``<run dir>/checkpoints``, or ``<checkpoint.dir>/<run id>``
+    (a shared dir holds many runs' checkpoints, each in its own subdir)."""
+    if not cfg.checkpoint.dir:
+        return Path(run_dir).absolute() / "checkpoints"  # absolute: Orbax refuses relative paths
+    return Path(cfg.checkpoint.dir).expanduser().absolute() / run_id(run_dir)
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -58,52 +84,59 @@ def committed_steps(directory: Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
-def _manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
-    if keep is None:  # only reading: creates nothing, deletes nothing, never saves
-        options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-    else:
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
-            preservation_policy=ocp.checkpoint_managers.LatestN(keep))
+def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+    """The saving side (reads go through ``_read``)."""
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep))
     return ocp.CheckpointManager(directory, options=options, item_names=(STATE, META))
 
 
 @dataclass
 class Resume:
     """Where a run continues from: ``directory`` (a checkpoints dir) at its newest readable
-    step, or at ``step``; ``in_place``: the run dir is the interrupted run's own."""
+    step, or at ``step``; ``in_place``: the checkpoints are this run's own."""
 
     directory: Path
     step: int | None
     in_place: bool
     meta: dict[str, Any] = field(default_factory=dict)  # the newest readable checkpoint's meta
     meta_step: int = 0
+    damaged: list[int] = field(default_factory=list)  # newer steps found damaged, newest first
+    # Why the optimizer state starts fresh (its tree does not fit the optimizer now); None: it
+    # is restored with the rest.
+    fresh_optimizer: str | None = None
+    state_names: set[str] | None = None  # the leaves of the checkpoint's state tree
 
 
 def find_resume(cfg: Any, run_dir: Path) -> Resume | None:
     """Apply ``checkpoint.resume`` (auto | none | <path>) for a launch into ``run_dir``; check
-    the checkpoint fits the config. Raises ConfigError; writes nothing."""
+    the checkpoint fits the config. The run's own checkpoints come first: a requeued warm start
+    (``checkpoint.resume=<other run>``) continues its own. Raises ConfigError; writes nothing."""
     mode = str(cfg.checkpoint.resume)
     if mode == "none":
         return None
-    if mode == "auto":
-        directory = checkpoint_dir(cfg, run_dir)
-        if not committed_steps(directory):
-            return None
-        resume = Resume(directory, None, in_place=True)
+    own = checkpoint_dir(cfg, run_dir)
+    if committed_steps(own):
+        resume = Resume(own, None, in_place=True)
+    elif mode == "auto":
+        return None
     else:
         resume = locate(Path(mode))
-    resume.meta_step, resume.meta = newest_meta(resume)
+    resume.meta_step, resume.meta = newest_meta(resume, check_state=True)
     check_compatible(cfg, resume.meta["config"], resume.directory / str(resume.meta_step))
     return resume
 
 
 def locate(path: Path, key: str = "checkpoint.resume") -> Resume:
-    """``checkpoint.resume=<path>``: a checkpoints dir, one step dir in it, or a run dir
-    (``key`` names what the user gave, for the refusal)."""
+    """``checkpoint.resume=<path>``: a checkpoints dir, one step dir in it, or a run dir (its
+    ``checkpoints/`` or, under ``checkpoint.dir``, the dir its ``checkpoints.txt`` names).
+    ``key`` names what the user gave, for the refusal."""
     path = path.expanduser().absolute()  # Orbax refuses relative paths
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
+    elif (path / POINTER).is_file():
+        path = Path((path / POINTER).read_text().strip())
     if path.name.isdigit() and path.parent.is_dir() and int(path.name) in committed_steps(
             path.parent):
         return Resume(path.parent, int(path.name), in_place=False)
@@ -114,27 +147,128 @@ def locate(path: Path, key: str = "checkpoint.resume") -> Resume:
                       f"checkpoints dir or one of its step dirs{fix}")
 
 
-def _candidates(resume: Resume) -> list[int]:
-    """The steps to try, newest first."""
+def _candidates(resume: Resume, upto: int | None = None) -> list[int]:
+    """The steps to try, newest first (none newer than ``upto``)."""
     if resume.step is not None:
         return [resume.step]
-    return committed_steps(resume.directory)[::-1]
+    return [s for s in committed_steps(resume.directory)[::-1] if upto is None or s <= upto]
 
 
-def newest_meta(resume: Resume) -> tuple[int, dict[str, Any]]:
-    mgr = _manager(resume.directory)
+# tensorstore's status codes for a file that is missing, shorter than its index says, or
+# fails its checksum or decoding.
+_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from, the root cause first (Orbax wraps
+    tensorstore's error in a bare Exception naming the array index)."""
+    out: list[BaseException] = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out[::-1]
+
+
+def is_damage(e: BaseException) -> bool:
+    """Evidence that a checkpoint's files are damaged: missing or truncated files, checksum or
+    format errors, in ``e`` or what it was raised from. Anything else (an I/O error, out of
+    memory, a tree that does not fit) is not, and never leads to setting a checkpoint aside."""
+    import json
+
+    for link in _chain(e):
+        if isinstance(link, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError,
+                             EOFError)):
+            return True
+        if isinstance(link, (OSError, MemoryError)):
+            return False
+        text = str(link)
+        if (any(text.startswith(f"{c}:") or f" {c}: " in text for c in _DAMAGE_CODES)
+                or "checksum" in text.lower()):
+            return True
+    return False
+
+
+def _why(e: BaseException) -> str:
+    """The root cause's first line: what a warning or a refusal names."""
+    return _first_line(_chain(e)[0])
+
+
+def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None
+          ) -> tuple[dict[str, Any], Any]:
+    """This process's read of one checkpoint: its meta and, given ``state`` (restore args),
+    its arrays. Through Orbax's handlers, which read without the manager's closing barrier
+    across processes: a process that fails to read must still reach the agreement on the step
+    (``gather``), not wait in a barrier the others never reach."""
+    meta = ocp.JsonCheckpointHandler().restore(step_dir / META, args=ocp.args.JsonRestore())
+    if state is None:
+        return dict(meta), None
+    handler = (ocp.PyTreeCheckpointHandler() if isinstance(state, ocp.args.PyTreeRestore)
+               else ocp.StandardCheckpointHandler())
     try:
-        for step in _candidates(resume):
-            try:
-                meta = mgr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
-                return step, dict(meta[META])
-            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-                log.warning("checkpoint %s is unreadable (%s); trying the one before",
-                            resume.directory / str(step), _first_line(e))
+        return dict(meta), handler.restore(step_dir / STATE, args=state)
     finally:
-        mgr.close()
-    raise ConfigError(f"checkpoint.resume: no readable checkpoint in {resume.directory}; "
-                      "start fresh with checkpoint.resume=none")
+        handler.close()
+
+
+def _read_meta(directory: Path, step: int, check_state: bool
+               ) -> tuple[dict[str, Any], set[str] | None]:
+    meta, _ = _read(directory / str(step))
+    names = None
+    if check_state:  # the state's tree and array metadata, without reading the arrays
+        tree = ocp.StandardCheckpointHandler().metadata(directory / str(step) / STATE).tree
+        names = {_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return meta, names
+
+
+def _name(path: tuple) -> str:
+    """A tree path as Orbax names a saved leaf: ``opt_state.1.0.mu.wte``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return ".".join(parts)
+
+
+def _newest_readable(resume: Resume, check_state: bool
+                     ) -> tuple[int, dict[str, Any], set[str] | None] | None:
+    """The newest step this process can read: (step, meta, state leaf names), or None."""
+    for step in _candidates(resume):
+        try:
+            meta, names = _read_meta(resume.directory, step, check_state)
+        except Exception as e:  # noqa: BLE001 - damage: the one before; else: stop
+            if not is_damage(e):
+                raise ConfigError(
+                    f"checkpoint {resume.directory / str(step)} could not be read "
+                    f"({_why(e)}); it is not damaged as far as dxrun can tell and "
+                    "is left as it is: fix the cause and relaunch, or start fresh with "
+                    "checkpoint.resume=none") from e
+            log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before",
+                        resume.directory / str(step), _why(e))
+            continue
+        return step, meta, names
+    return None
+
+
+def newest_meta(resume: Resume, check_state: bool = False) -> tuple[int, dict[str, Any]]:
+    """The newest step whose meta (and with ``check_state`` its state's tree metadata) every
+    process can read, and that meta. Damaged newer steps are named once and recorded in
+    ``resume.damaged``; any other read failure stops with one line (ConfigError)."""
+    found = _newest_readable(resume, check_state)
+    # Several processes: each reads its own view; all continue from the oldest of theirs.
+    agreed = min(int(v) for v in gather("resume_step", str(found[0] if found else -1)))
+    if found is not None and agreed >= 0 and found[0] != agreed:
+        log.warning("checkpoint %s cannot be read by every process; using step %d",
+                    resume.directory / str(found[0]), agreed)
+        found = _newest_readable(Resume(resume.directory, agreed, resume.in_place), check_state)
+    if agreed < 0 or found is None:
+        raise ConfigError(f"checkpoint.resume: no readable checkpoint in {resume.directory}; "
+                          "start fresh with checkpoint.resume=none")
+    step, meta, names = found
+    resume.damaged = [s for s in _candidates(resume) if s > step]
+    resume.state_names = names
+    return step, meta
 
 
 def _flat(cfg: Any) -> dict[str, Any]:
@@ -175,52 +309,123 @@ def check_compatible(cfg: Any, saved_cfg: dict[str, Any], where: Path) -> None:
 def data_position(meta: dict[str, Any], batch_size: int) -> dict[str, Any]:
     """The data iterator state to continue with. Under a new global batch size (allowed by
     ``checkpoint.allow_batch_change``) the position is recomputed so that the same number of
-    tokens has been read: batches seen x old batch / new batch, rounded down."""
+    tokens has been read: batches seen x old batch / new batch, rounded down. Grain's nested
+    state of a run with ``data.workers`` > 0 (older checkpoints) becomes the one position it
+    stands for, so the worker count may change."""
+    from dxrun.data.pipeline import position
+
     state = dict(meta["data"])
+    if "step" not in state:  # a token corpus (Grain): one position, whatever the workers
+        state = {"next_index": position(state)}
     old = meta["config"]["data"]["batch_size"]
     if old == batch_size:
         return state
-    (key,) = [k for k in ("step", "next_index") if k in state] or [None]
-    if key is None:
-        raise ConfigError(f"checkpoint.allow_batch_change=true cannot map the data position "
-                          f"{state} to another batch size; resume with data.batch_size={old}")
-    state[key] = state[key] * old // batch_size
+    (key,) = [k for k in ("step", "next_index") if k in state]
+    moved = state[key] * old // batch_size
     log.info("data.batch_size %d -> %d: data position %d -> %d batches (same tokens seen)",
-             old, batch_size, meta["data"][key], state[key])
-    return state
+             old, batch_size, state[key], moved)
+    return {key: moved}
+
+
+def tokens_seen(meta: dict[str, Any], step: int) -> int:
+    """Tokens trained on up to checkpoint ``step``: carried in its meta, or for a checkpoint
+    that predates it, its steps at its own batch size."""
+    if "tokens_seen" in meta:
+        return int(meta["tokens_seen"])
+    data = meta["config"]["data"]
+    return step * data["batch_size"] * data["seq_len"]
+
+
+def plan_resume(cfg: Any, resume: Resume, target: TrainState) -> None:
+    """What a resume into ``target`` (the abstract state of this run) does, decided before
+    anything is written: stop when there is nothing to train (NothingToTrain), refuse a data
+    position that cannot be continued (ConfigError), and restore the optimizer state only
+    when its tree fits the optimizer now. A changed optimizer (``optimizer.name``, clipping on
+    or off, SGD momentum) is not refused: the parameters and step are restored and the
+    optimizer state starts fresh (its step count continues), with one warning naming why."""
+    where = resume.directory / str(resume.meta_step)
+    if cfg.train.steps <= resume.meta_step:
+        raise NothingToTrain(
+            f"nothing to train: train.steps={cfg.train.steps} and checkpoint {where} is at step "
+            f"{resume.meta_step}; the run's files are left as they are (raise train.steps to "
+            "train on)")
+    data_position(resume.meta, cfg.data.batch_size)
+    if resume.state_names is None:
+        return
+    want = {_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+    mine = {n.split(".", 1)[1] for n in want if n.startswith("opt_state.")}
+    saved = {n.split(".", 1)[1] for n in resume.state_names if n.startswith("opt_state.")}
+    if mine == saved:
+        return
+    diff = [f"{k}={now} (was {then})" for k, now, then in _changes(cfg, resume.meta["config"],
+                                                                    "optimizer.")]
+    resume.fresh_optimizer = (", ".join(diff) or "the optimizer") + " changes its state's tree"
+    log.warning("checkpoint %s: %s; restoring the parameters and step, with a fresh optimizer "
+                "state (its moments start at zero)", where, resume.fresh_optimizer)
+
+
+def _changes(cfg: Any, saved_cfg: dict[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
+    now, then = _flat(cfg), _flat(saved_cfg)
+    return [(k, now.get(k), then.get(k)) for k in sorted(set(now) | set(then))
+            if k.startswith(prefix) and now.get(k) != then.get(k)]
+
+
+def _restore_args(state_dir: Path, target: TrainState, with_optimizer: bool
+                  ) -> ocp.args.CheckpointArgs:
+    tree = target._asdict()
+    if not with_optimizer:
+        tree.pop("opt_state")
+    # Another mesh or platform may pad the vocabulary differently (vocab_padding.py).
+    return restore_args(state_dir, tree, partial=not with_optimizer)
 
 
 def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, Any], int]:
-    """The newest readable checkpoint of ``resume``, its arrays placed per ``target``'s
-    shardings (``Experiment.abstract_state``). Returns (state, meta, step)."""
-    mgr = _manager(resume.directory)
-    skipped: list[int] = []
-    try:
-        for step in _candidates(resume):
-            try:
-                out = mgr.restore(step, args=ocp.args.Composite(**{
-                    # Another mesh may pad the vocabulary differently (vocab_padding.py).
-                    STATE: restore_args(resume.directory / str(step) / STATE, target._asdict()),
-                    META: ocp.args.JsonRestore()}))
-            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: use the one before
-                log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before",
-                            resume.directory / str(step), _first_line(e))
-                skipped.append(step)
-                continue
-            if skipped and resume.in_place:
-                _set_aside(resume.directory, skipped)
-            return TrainState(**out[STATE]), dict(out[META]), step
-    finally:
-        mgr.close()
+    """The newest readable checkpoint of ``resume`` (from ``resume.meta_step`` down, when
+    ``newest_meta`` chose it), its arrays placed per ``target``'s shardings
+    (``Experiment.abstract_state``). Returns (state, meta, step); the state's ``opt_state`` is
+    None when ``resume.fresh_optimizer`` says it does not fit. A step any process finds damaged
+    is skipped by all; one that cannot be read for another reason stops the run
+    (CheckpointReadError) and is left as it is."""
+    upto = resume.meta_step if resume.meta else None
+    skipped = list(resume.damaged)
+    for step in _candidates(resume, upto):
+        try:
+            step_dir = resume.directory / str(step)
+            meta, state = _read(step_dir, _restore_args(step_dir / STATE, target,
+                                                        resume.fresh_optimizer is None))
+            outcome, err = "ok", ""
+        except Exception as e:  # noqa: BLE001 - sorted below: damage or not
+            outcome, err = ("damaged" if is_damage(e) else "error"), _why(e)
+        # Every process reads its own shards: all go on only from a step all of them read.
+        outcomes = gather(f"restore/{step}", outcome)
+        where = resume.directory / str(step)
+        if "error" in outcomes:
+            raise CheckpointReadError(
+                f"checkpoint {where} could not be read ({err or 'on another process'}); it is "
+                "not damaged as far as dxrun can tell and is left as it is: fix the cause and "
+                "relaunch")
+        if "damaged" in outcomes:
+            log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before", where,
+                        err or f"on process {outcomes.index('damaged')}")
+            skipped.append(step)
+            continue
+        if skipped and resume.in_place and is_main():
+            _set_aside(resume.directory, skipped)
+        state = dict(state)
+        state.setdefault("opt_state", None)
+        return TrainState(**state), meta, step
     raise ConfigError(f"checkpoint.resume: no readable checkpoint in {resume.directory}; "
                       "start fresh with checkpoint.resume=none")
 
 
 def _set_aside(directory: Path, steps: list[int]) -> None:
     """Damaged checkpoints newer than the one resumed from would be overwritten by the run's
-    next saves (same step numbers): rename them out of Orbax's sight, never delete them."""
+    next saves (same step numbers): rename them out of Orbax's sight, never delete them. Only
+    process 0 renames (the dirs are shared)."""
     for step in steps:
         src = directory / str(step)
+        if not src.is_dir():
+            continue
         dst = directory / f"{step}.corrupt"
         i = 0
         while dst.exists():
@@ -271,12 +476,19 @@ class RunCheckpoints:
 
     def __init__(self, cfg: Any, run_dir: Path, start: int, meta: dict[str, Any],
                  iterator: Any, logger: Any, preemption: Preemption,
+                 tokens: Callable[[int], int] | None = None,
                  relaunch: str | None = None):
         self.start = start  # the step this attempt began at: saved already, or the init
         self.every, self.log_every = cfg.checkpoint.every, cfg.train.log_every
         self.halt = cfg.train.nan_policy == "halt"
-        self.meta, self.iterator, self.logger, self.preemption = meta, iterator, logger, preemption
-        self.saver = Checkpointer(checkpoint_dir(cfg, run_dir), cfg.checkpoint.keep)
+        # Every checkpoint names the run that wrote it (evaluation writes its results there).
+        self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
+        self.iterator, self.logger, self.preemption = iterator, logger, preemption
+        self.tokens = tokens  # tokens trained on after a step (carried across resumes)
+        directory = checkpoint_dir(cfg, run_dir)
+        if cfg.checkpoint.dir and is_main():  # the run dir leads to its checkpoints (locate)
+            (Path(run_dir) / POINTER).write_text(f"{directory}\n")
+        self.saver = Checkpointer(directory, cfg.checkpoint.keep)
         self.last_saved: Path | None = None
         self.relaunch = relaunch  # the command that resumes this run, for the stop line
         # Several processes act on a signal at one agreed step (a save is collective).
@@ -293,6 +505,8 @@ class RunCheckpoints:
             self._check_finite(done, state)
             meta = {**self.meta, "step": done, "data": self.iterator.get_state(),
                     "wandb_id": self.logger.run_id}
+            if self.tokens is not None:
+                meta["tokens_seen"] = self.tokens(done)
             self.last_saved = self.saver.save(done, state, meta)
             if asked and not stop:
                 log.info("SIGUSR1: saving checkpoint %s; training goes on", self.last_saved)

@@ -214,3 +214,22 @@ def agree(key: str, value: str, timeout_s: int = 300) -> str:
         global_state.client.key_value_set(key, value, allow_overwrite=True)
         return value
     return global_state.client.blocking_key_value_get(key, timeout_s * 1000)
+
+
+_GATHERS = [0]  # gathers made in this process: each uses its own keys
+
+
+def gather(key: str, value: str, timeout_s: int = 300) -> list[str]:
+    """Every process's ``value``, in process order (the same list on every process). Single
+    process: ``[value]``. Goes through the distributed runtime's key-value store."""
+    import jax
+    from jax._src.distributed import global_state
+
+    if jax.process_count() == 1 or global_state.client is None:
+        return [value]
+    _GATHERS[0] += 1
+    key = f"dxrun/gather/{_GATHERS[0]}/{key}"
+    client = global_state.client
+    client.key_value_set(f"{key}/{jax.process_index()}", value)
+    return [client.blocking_key_value_get(f"{key}/{r}", timeout_s * 1000)
+            for r in range(jax.process_count())]

@@ -14,3 +14,13 @@ class NonFiniteError(RuntimeError):
 def first_line(e: BaseException, limit: int = 300) -> str:
     """An exception's message cut to its first line: what a crash shows in one line."""
     return (str(e).strip().splitlines() or [""])[0][:limit]
+
+
+class NothingToTrain(Exception):  # noqa: N818 - an outcome, not a failure
+    """A relaunch whose ``train.steps`` the checkpoint has already reached: the launcher says so
+    in one line and exits 0, leaving the run's files as they are."""
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint that could not be read for a reason other than damage (an I/O error, out
+    of memory): the run stops with one line and the checkpoint is left as it is."""

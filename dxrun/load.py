@@ -169,6 +169,9 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     plan = make_plan(cfg, *visible_devices())
     exp = Experiment.build(cfg, plan, with_data=with_data)
     resume.step = step  # exactly the step whose config this is
+    # The parameters alone: the optimizer state is not needed, and its tree may not match an
+    # optimizer given as an override.
+    resume.fresh_optimizer = "not needed after training"
     state, _, _ = checkpoint.restore(resume, exp.abstract_state())
     log.info("checkpoint %s (step %d) on mesh %s", where, step,
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))

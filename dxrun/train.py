@@ -112,12 +112,18 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     """Everything that can refuse bad input, before anything is written or allocated: the mesh
     plan, the data (its files, tokenizer and vocabulary), the checkpoint to resume from
     (``checkpoint.resume`` for a launch into ``run_dir``) and the memory preflight (the step
-    compiled from shapes alone must fit). Raises ConfigError."""
+    compiled from shapes alone must fit). A resume is decided here in full
+    (``checkpoint.plan_resume``): its step, its data position, and its optimizer state, which
+    is restored when its tree fits the optimizer now and otherwise starts fresh with one
+    warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
+    checkpoint has reached ``train.steps`` already."""
     plan = make_plan(cfg, *visible_devices())
     resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for every reader
     data = process_data(cfg, plan)
     resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
     exp = Experiment.build(cfg, plan, data)
+    if resume is not None:  # its data position, its optimizer state, whether it trains at all
+        checkpoint.plan_resume(cfg, resume, exp.abstract_state())
     plan_mode.check_memory(cfg, exp, exp.compile_step())
     return exp, resume
 
@@ -142,8 +148,24 @@ def start_state(exp: Experiment, resume: Resume | None) -> tuple[Any, int, dict[
     if resume is None:
         return exp.init_state(), 0, {}
     state, meta, step = checkpoint.restore(resume, exp.abstract_state())
+    if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
+        state = fresh_optimizer(exp, state)
     log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
     return state, step, meta
+
+
+def fresh_optimizer(exp: Experiment, state: Any) -> Any:
+    """``state`` with a freshly initialised optimizer state whose step counts continue from
+    ``state.step`` (so the lr schedule goes on where it was)."""
+    fresh = exp.init_state(state.params).opt_state
+
+    def count(path: tuple, x: jax.Array) -> jax.Array:
+        if path and getattr(path[-1], "name", getattr(path[-1], "key", None)) == "count":
+            # A copy: the step donates its input buffers, and one buffer must not appear twice.
+            return jax.device_put(state.step.astype(x.dtype).copy(), x.sharding)
+        return x
+
+    return state._replace(opt_state=jax.tree_util.tree_map_with_path(count, fresh))
 
 
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
@@ -201,8 +223,16 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     batches = exp.data.train_iterator()
     if resumed:
         batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
-    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config, "run_dir": str(
-        run_dir.absolute())}, batches, logger, Preemption(), relaunch_command(job.overrides, run_dir))
+    # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume may
+    # have changed the batch size).
+    tokens_before = checkpoint.tokens_seen(resumed, start) if resumed else 0
+
+    def tokens_at(done: int) -> int:
+        return tokens_before + (done - start) * tokens_per_step
+
+    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
+                           Preemption(), tokens=tokens_at,
+                           relaunch=relaunch_command(job.overrides, run_dir))
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0
@@ -245,7 +275,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                         mem = {"mem/step_bytes_per_device": exp.step.memory_bytes(),
                                "mem/peak_bytes_per_device": allocator.peak_since_start()}
                         row.update({k: v for k, v in mem.items() if v is not None})
-                    row["data/tokens_seen"] = float(done * tokens_per_step)
+                    row["data/tokens_seen"] = float(tokens_at(done))
                     if floor is not None:
                         row["data/entropy_floor"] = floor
                     loss = row["train/loss"]
@@ -263,6 +293,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     finally:
         ckpts.close()
         logger.finish()
+        if hasattr(batches, "close"):  # Grain's worker processes end with the run
+            batches.close()
     summary = {
         "step": steps,
         **last,

@@ -51,8 +51,9 @@ def stored_shapes(state_dir: Path) -> Shapes:
 
 def padding_differs(stored: Shapes, target: Shapes) -> bool:
     """True when the two differ only by one padding: the same leaves, and every leaf that
-    differs does so in one axis with the same (stored, target) sizes as every other."""
-    if stored.keys() != target.keys():
+    differs does so in one axis with the same (stored, target) sizes as every other (the
+    target may leave leaves out: a partial read)."""
+    if not target.keys() <= stored.keys():
         return False
     pairs = set()
     for key, want in target.items():
@@ -66,9 +67,14 @@ def padding_differs(stored: Shapes, target: Shapes) -> bool:
     return len(pairs) == 1
 
 
-def restore_args(state_dir: Path, target: dict[str, Any]) -> ocp.args.StandardRestore:
+def restore_args(state_dir: Path, target: dict[str, Any], partial: bool = False
+                 ) -> ocp.args.CheckpointArgs:
     """How to read ``state_dir`` (a step dir's ``state`` item) into ``target`` (abstract arrays
-    with this mesh's shardings): strictly, or re-padded when only the vocab padding differs."""
-    stored = stored_shapes(state_dir)
-    repad = padding_differs(stored, shapes(target))
-    return ocp.args.StandardRestore(target, strict=not repad)
+    with this mesh's shardings): strictly, or re-padded when only the vocab padding differs;
+    ``partial``: only the target's leaves (a fresh optimizer state is not read)."""
+    repad = padding_differs(stored_shapes(state_dir), shapes(target))
+    if not partial:
+        return ocp.args.StandardRestore(target, strict=not repad)
+    return ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                      target, strict=not repad))

@@ -1,0 +1,281 @@
+"""What a resume decides, before anything is written: whose checkpoints it continues (a shared
+checkpoint.dir, a requeued warm start), what may change (the optimizer, the batch, the data
+workers), what counts as damage, and a relaunch that has nothing to train. Real runs (model=tiny,
+a few steps), real Orbax files, real subprocesses where the launcher's part is the point."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_cfg, run_cli, tree_digest, write_corpus
+
+from dxrun import checkpoint
+from dxrun.errors import CheckpointReadError
+from dxrun.experiment import Experiment
+from dxrun.train import prepare, train
+
+SHORT = ["model=tiny", "train.steps=3", "checkpoint.every=1", "train.log_every=1",
+         "train.eval_every=0", "logger=none", "parallelism=dp2", "data.batch_size=8"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict:
+    """Run A through the launcher, its checkpoints under a shared checkpoint.dir."""
+    root = tmp_path_factory.mktemp("shared")
+    shared_dir, run_a = root / "ckpts", root / "A"
+    proc = run_cli(*SHORT, f"checkpoint.dir={shared_dir}", f"hydra.run.dir={run_a}", cwd=root,
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"root": root, "dir": shared_dir, "A": run_a,
+            "A_ckpts": shared_dir / checkpoint.run_id(run_a)}
+
+
+def test_shared_checkpoint_dir_keeps_each_runs_own(shared):
+    a_ckpts = shared["A_ckpts"]
+    assert checkpoint.committed_steps(a_ckpts) == [1, 2, 3]
+    before = tree_digest(a_ckpts)
+    run_b = shared["root"] / "B"
+    # Another run on the same checkpoint.dir, another lr, fewer kept: it starts fresh, trains
+    # its own steps, and its rotation leaves A's checkpoints alone.
+    train(make_cfg(*SHORT, f"checkpoint.dir={shared['dir']}", "optimizer.lr=0.001",
+                   "checkpoint.keep=2"), run_b)
+    assert _steps(run_b) == [1, 2, 3]
+    b_ckpts = shared["dir"] / checkpoint.run_id(run_b)
+    assert checkpoint.committed_steps(b_ckpts) == [2, 3]
+    assert tree_digest(a_ckpts) == before
+    # Each checkpoint names its run; a run dir leads to its checkpoints (evaluate, warm starts).
+    for run, ckpts in ((shared["A"], a_ckpts), (run_b, b_ckpts)):
+        found = checkpoint.locate(run)
+        assert found.directory == ckpts
+        step, meta = checkpoint.newest_meta(found)
+        assert step == 3 and meta["run_dir"] == str(run.resolve())
+        assert meta["run_id"] == checkpoint.run_id(run)
+
+
+def test_relaunch_that_trains_nothing_leaves_the_run_untouched(shared):
+    run_a = shared["A"]
+    before = tree_digest(shared["root"])
+    proc = run_cli(*SHORT, f"checkpoint.dir={shared['dir']}", f"hydra.run.dir={run_a}",
+                   "optimizer.lr=0.001", cwd=shared["root"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("dxrun:")]
+    assert len(lines) == 1 and "nothing to train: train.steps=3" in lines[0], proc.stderr
+    assert "is at step 3" in lines[0]
+    assert tree_digest(shared["root"]) == before  # config, status, summary, checkpoints
+
+
+def test_requeued_warm_start_continues_its_own_checkpoints(shared, tmp_path, caplog):
+    ft = tmp_path / "ft"
+    warm = [*SHORT, f"checkpoint.resume={shared['A']}"]
+    train(make_cfg(*warm, "train.steps=5"), ft)
+    assert _steps(ft) == [4, 5]
+    with caplog.at_level(logging.INFO, logger="dxrun"):  # requeued, with a longer schedule
+        train(make_cfg(*warm, "train.steps=7"), ft)
+    assert f"resuming from step 5 (checkpoint {ft / 'checkpoints' / '5'})" in caplog.text
+    assert _steps(ft) == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("change, why", [
+    ("optimizer.clip_norm=0", "optimizer.clip_norm=0.0 (was 1.0)"),
+    ("optimizer=sgd", "optimizer.name=sgd (was adamw)"),
+])
+def test_changed_optimizer_restores_parameters_with_a_fresh_state(shared, change, why):
+    """Decided in prepare() from the checkpoint's tree metadata, before anything is written."""
+    cfg = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5", change)
+    _, resume = prepare(cfg, shared["root"] / "new")
+    assert resume.fresh_optimizer is not None and why in resume.fresh_optimizer
+    same = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
+                    "optimizer.lr=0.5")
+    assert prepare(same, shared["root"] / "new")[1].fresh_optimizer is None
+
+
+def test_fresh_optimizer_state_trains_on(shared, tmp_path, caplog):
+    run = tmp_path / "run"
+    cfg = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
+                   "optimizer=sgd", "optimizer.momentum=0")
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        train(cfg, run)
+    assert "fresh optimizer state" in caplog.text and "corrupt" not in caplog.text
+    assert _steps(run) == [4, 5]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["train/loss"]) for r in rows)
+    # The parameters came from A's step 3: the first step's loss is A's level, not the init's.
+    first_a = json.loads((shared["A"] / "metrics.jsonl").read_text().splitlines()[0])
+    assert rows[0]["train/loss"] < first_a["train/loss"]
+
+
+def test_only_damage_sets_a_checkpoint_aside(shared, tmp_path):
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(shared["A_ckpts"], ckpts)
+    exp = Experiment.build(make_cfg(*SHORT))
+    target = exp.abstract_state()
+    # A tree that does not fit (another optimizer) is no damage: one line, the files stay.
+    sgd = Experiment.build(make_cfg(*SHORT, "optimizer=sgd")).abstract_state()
+    before = tree_digest(ckpts)
+    with pytest.raises(CheckpointReadError, match="is left as it is"):
+        checkpoint.restore(checkpoint.Resume(ckpts, None, in_place=True), sgd)
+    assert tree_digest(ckpts) == before
+    # Truncated array files are damage: the one before, and the damaged one set aside.
+    for f in (ckpts / "3" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64:
+            with open(f, "r+b") as fh:
+                fh.truncate(f.stat().st_size // 2)
+    state, _, step = checkpoint.restore(checkpoint.Resume(ckpts, None, in_place=True), target)
+    assert step == 2 and (ckpts / "3.corrupt").is_dir()
+    assert checkpoint.committed_steps(ckpts) == [1, 2]
+    assert not checkpoint.is_damage(MemoryError()) and not checkpoint.is_damage(OSError(5, "EIO"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def _text(corpus: Path, *extra: str) -> list[str]:
+    return [*SHORT, "data=text", f"data.path={corpus}", "data.seq_len=16", *extra]
+
+
+def test_workers_and_batch_may_change_and_tokens_are_counted(corpus, tmp_path):
+    """Saved with data.workers=0, resumed with 1 and a doubled batch: the position carries over
+    and data/tokens_seen counts the tokens read, not steps x the new batch."""
+    run = tmp_path / "run"
+    train(make_cfg(*_text(corpus, "data.workers=0")), run)
+    cfg = make_cfg(*_text(corpus, "data.workers=1", "train.steps=5", "data.batch_size=16",
+                          "checkpoint.allow_batch_change=true"))
+    prepare(cfg, run)  # the data position is decided here, before anything is written
+    train(cfg, run)
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert rows[3]["data/tokens_seen"] == 3 * 8 * 16
+    assert rows[4]["data/tokens_seen"] == 3 * 8 * 16 + 16 * 16
+    assert rows[5]["data/tokens_seen"] == 3 * 8 * 16 + 2 * 16 * 16
+    _, meta = checkpoint.newest_meta(checkpoint.locate(run))
+    assert meta["data"] == {"next_index": 3 * 8 // 16 + 2}  # same tokens, then 2 batches
+    assert meta["tokens_seen"] == rows[5]["data/tokens_seen"]
+
+
+def test_grain_state_of_any_worker_count_resumes_the_same_position(corpus):
+    nested = {"next_index_in_cycle": 1, "next_index_in_datasets": 2,
+              "iterators_in_use_indices": [0, 1],
+              "iterators_in_use_states": [{"next_index": 3}, {"next_index": 2}],
+              "exhausted": [0, 0], "future_states": {}}  # mp_prefetch, 2 workers, 5 batches
+    meta = {"data": nested, "config": {"data": {"batch_size": 8}}}
+    assert checkpoint.data_position(meta, 8) == {"next_index": 5}
+    assert checkpoint.data_position(meta, 16) == {"next_index": 2}
+    from dxrun.data import Data
+
+    want = Data(make_cfg(*_text(corpus))).local_batch(5)
+    for workers in (0, 1):
+        it = Data(make_cfg(*_text(corpus, f"data.workers={workers}"))).train_iterator()
+        it.set_state(checkpoint.data_position(meta, 8))
+        np.testing.assert_array_equal(next(it), want)
+        assert it.get_state() == {"next_index": 6}
+        it.close()
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_grain_workers_end_with_a_killed_run(corpus, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dxrun", *_text(corpus, "data.workers=1", "train.steps=100000",
+                                               "checkpoint.every=0"), f"hydra.run.dir={run}"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        workers = _children(proc.pid)
+        assert workers, "no Grain worker process found"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in workers if _alive(p)]
+    for p in left:  # never leave them behind, even when the test fails
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"Grain workers outlived their run: {left}"
+
+
+def test_damaged_meta_is_found_before_restore(shared, tmp_path):
+    """prepare() reads the meta and the tree metadata of the newest step; a damaged one is
+    named there, skipped by the restore and set aside after it."""
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(shared["A_ckpts"], ckpts)
+    (ckpts / "3" / "meta" / "metadata").write_text('{"trunc')
+    resume = checkpoint.Resume(ckpts, None, in_place=True)
+    step, _ = checkpoint.newest_meta(resume, check_state=True)
+    assert step == 2 and resume.damaged == [3]
+    exp = Experiment.build(make_cfg(*SHORT))
+    state, _, got = checkpoint.restore(resume, exp.abstract_state())
+    assert got == 2 and (ckpts / "3.corrupt").is_dir()
+    assert int(jax.device_get(state.step)) == 2
+
+
+@pytest.mark.e2e
+def test_processes_agree_on_a_step_one_of_them_cannot_read(tmp_path):
+    """fsdp over 2 processes: each reads only its own shards. Process 1's shards of step 3 are
+    truncated; both processes continue from step 2 and process 0 alone sets step 3 aside."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4",
+             "--", "runtime.compile_cache=null", "model=tiny", "parallelism=fsdp8",
+             "data.batch_size=16", "checkpoint.every=1", "train.log_every=1",
+             "train.eval_every=0", "logger=none", "hydra.run.dir=run", *extra],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = launch("train.steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step3 = tmp_path / "run" / "checkpoints" / "3"
+    shards = [f for f in (step3 / "state" / "ocdbt.process_1").rglob("*")
+              if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64]
+    assert shards
+    for f in shards:
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+    second = launch("train.steps=4")
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "resuming from step 2" in out and "FileNotFoundError" not in out
+    assert (step3.parent / "3.corrupt").is_dir()
+    assert checkpoint.committed_steps(step3.parent) == [2, 3, 4]  # 3 saved anew, keep=3
+    assert _steps(tmp_path / "run") == [1, 2, 3, 4]
