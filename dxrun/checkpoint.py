@@ -45,7 +45,7 @@ from dxrun.distributed import gather, is_main
 from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
 from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState
-from dxrun.vocab_padding import restore_args
+from dxrun.vocab_padding import leaf_key, restore_args
 
 log = logging.getLogger("dxrun")
 
@@ -222,13 +222,7 @@ def _read_meta(directory: Path, step: int, check_state: bool
 
 def _name(path: tuple) -> str:
     """A tree path as Orbax names a saved leaf: ``opt_state.1.0.mu.wte``."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-    return ".".join(parts)
+    return ".".join(leaf_key(path))
 
 
 def _newest_readable(resume: Resume, check_state: bool

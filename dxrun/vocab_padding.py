@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 Shapes = dict[tuple[str, ...], tuple[int, ...]]
 
 
-def _key(path: tuple) -> tuple[str, ...]:
+def leaf_key(path: tuple) -> tuple[str, ...]:
     """A leaf's path by names and indices alone: the target's optimizer states are named
     tuples (attributes), the checkpoint's metadata holds them as dicts and lists."""
     out = []
@@ -39,8 +39,8 @@ def _key(path: tuple) -> tuple[str, ...]:
 
 
 def shapes(tree: Any) -> Shapes:
-    """Every array leaf's shape, by its path (``_key``)."""
-    return {_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    """Every array leaf's shape, by its path (``leaf_key``)."""
+    return {leaf_key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
             if hasattr(x, "shape")}
 
 
@@ -49,11 +49,11 @@ def stored_shapes(state_dir: Path) -> Shapes:
     return shapes(ocp.StandardCheckpointHandler().metadata(state_dir).tree)
 
 
-def padding_differs(stored: Shapes, target: Shapes) -> bool:
+def padding_differs(stored: Shapes, target: Shapes, partial: bool = False) -> bool:
     """True when the two differ only by one padding: the same leaves, and every leaf that
-    differs does so in one axis with the same (stored, target) sizes as every other (the
-    target may leave leaves out: a partial read)."""
-    if not target.keys() <= stored.keys():
+    differs does so in one axis with the same (stored, target) sizes as every other
+    (``partial``: the target may leave stored leaves out)."""
+    if not (target.keys() <= stored.keys() if partial else target.keys() == stored.keys()):
         return False
     pairs = set()
     for key, want in target.items():
@@ -72,7 +72,7 @@ def restore_args(state_dir: Path, target: dict[str, Any], partial: bool = False
     """How to read ``state_dir`` (a step dir's ``state`` item) into ``target`` (abstract arrays
     with this mesh's shardings): strictly, or re-padded when only the vocab padding differs;
     ``partial``: only the target's leaves (a fresh optimizer state is not read)."""
-    repad = padding_differs(stored_shapes(state_dir), shapes(target))
+    repad = padding_differs(stored_shapes(state_dir), shapes(target), partial)
     if not partial:
         return ocp.args.StandardRestore(target, strict=not repad)
     return ocp.args.PyTreeRestore(item=target, partial_restore=True,

@@ -1,0 +1,131 @@
+"""A run killed again and again ends as if nothing had happened.
+
+One ``model=tiny`` run is SIGKILLed (no handler runs, nothing is saved: a node crash or the OOM
+killer) during a checkpoint save, while a relaunch restores, and right after a
+``metrics.jsonl`` row past its newest checkpoint, whose last line is then cut short (as a kill
+mid-write or a full disk leaves it); each time it is relaunched with the same command into the
+same run dir. It ends with the uninterrupted run's metrics and parameters, bitwise, every
+committed checkpoint readable, and each step at most once in the W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_cfg
+
+from dxrun import checkpoint
+from dxrun.checkpoint import Resume
+from dxrun.experiment import Experiment
+from dxrun.train import train
+from dxrun.wandb_file import read_history
+
+STEPS = 40
+CHAOS = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",
+         "checkpoint.every=10", "checkpoint.keep=10"]
+TORN = '{"step": 99, "train/lo'
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def _launch(cwd: Path, run_dir: Path) -> subprocess.Popen:
+    # Each attempt has its own W&B service, as a relaunch on a cluster does (a shared one would
+    # still hold the killed attempt's run open).
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WANDB_SERVICE")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dxrun", *CHAOS, f"hydra.run.dir={run_dir}"],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_when(proc: subprocess.Popen, predicate, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _second_save_started(ckpts: Path) -> bool:
+    """Step 10 committed and the next save under way (Orbax's tmp dir) or just committed."""
+    names = [p.name for p in ckpts.iterdir()] if ckpts.is_dir() else []
+    committed = [n for n in names if n.isdigit()]
+    return bool(committed) and (len(committed) > 1 or len(names) > len(committed))
+
+
+def _logged_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return max((json.loads(x)["step"] for x in text.splitlines() if x.endswith("}")), default=0)
+
+
+def _restore(ckpts: Path, step: int):
+    exp = Experiment.build(make_cfg(*CHAOS, "logger=none"))
+    state, _, got = checkpoint.restore(Resume(ckpts, step, in_place=False), exp.abstract_state())
+    assert got == step
+    return jax.device_get(state)
+
+
+@pytest.mark.e2e
+def test_a_run_killed_three_times_ends_as_if_uninterrupted(tmp_path):
+    reference = tmp_path / "reference"
+    train(make_cfg(*CHAOS, "logger=none"), reference)
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+
+    # 1. Killed while saving its second checkpoint.
+    _kill_when(_launch(tmp_path, run_dir), lambda: _second_save_started(ckpts))
+    # 2. Killed while the relaunch restores (its plan is printed just before the restore).
+    proc = _launch(tmp_path, run_dir)
+    for line in proc.stdout:
+        if "mesh plan" in line:
+            break
+    _kill_when(proc, lambda: True)
+    # 3. Killed right after a metrics row past its newest checkpoint; the last line is torn.
+    _kill_when(_launch(tmp_path, run_dir), lambda: _logged_step(run_dir) > max(
+        checkpoint.committed_steps(ckpts), default=0))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(TORN)
+    resumed_at = max(checkpoint.committed_steps(ckpts))
+    # 4. Relaunched to the end.
+    last = _launch(tmp_path, run_dir)
+    out = last.communicate(timeout=600)[0]
+    assert last.returncode == 0, out[-3000:]
+    assert f"resuming from step {resumed_at}" in out
+
+    assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
+    assert (run_dir / "metrics.discarded.jsonl").read_text().splitlines()[-1] == TORN
+    steps = checkpoint.committed_steps(ckpts)
+    assert steps == list(range(10, STEPS + 1, 10))
+    for step in steps:  # every committed checkpoint reads back
+        _restore(ckpts, step)
+    got, want = _restore(ckpts, STEPS), _restore(reference / "checkpoints", STEPS)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+    # W&B, the attempts' files synced in order: each step once, in order, with the values of
+    # metrics.jsonl; a killed attempt keeps only what its W&B service had written, but every
+    # step the last attempt trained is there.
+    rows = {r["step"]: r for r in _rows(run_dir)}
+    history = read_history(sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")))
+    logged = [h["step"] for h in history]
+    assert logged == sorted(set(logged)) and set(logged) <= set(rows)
+    assert [s for s in logged if s > resumed_at] == [s for s in rows if s > resumed_at]
+    assert all(h["train/loss"] == rows[h["step"]]["train/loss"] for h in history)
