@@ -7,6 +7,7 @@ decide how many CPU devices to simulate.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
+    cpu_fallback_refusal,
     enable_compile_cache,
+    nvidia_device_node,
     simulate_cpu_devices,
     sweep_group,
     write_hydra_files,
@@ -79,6 +82,11 @@ def main(cfg: DictConfig) -> Any:
             run_log.name = RunLog.name_for(joined.process_id, joined.num_processes)
             if not is_main():
                 run_log.quiet_console()
+        # Plan mode compiles on CPU for any target: only a training run needs the GPU.
+        if cfg.run.mode != "plan" and (refusal := cpu_fallback_refusal(
+                jax.default_backend(), nvidia_device_node(), os.environ.get("JAX_PLATFORMS"),
+                cfg.runtime.allow_cpu)):
+            raise ConfigError(refusal)
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
                      jax.local_device_count())

@@ -171,6 +171,9 @@ class RuntimeConfig:
     # Peak TFLOP/s per device for perf/mfu: null = the built-in table by device kind,
     # a number, or "measure" (a one-off matmul probe; meant for CPUs).
     peak_tflops: Any = None
+    # Train on CPU on a host with an NVIDIA GPU (a JAX without its CUDA plugin): refused unless
+    # true (or JAX_PLATFORMS=cpu), since it is almost always a missing pip install -e '.[gpu]'.
+    allow_cpu: bool = False
 
 
 @dataclass

@@ -104,7 +104,9 @@ def make_generate(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
                   with_logits: bool = False) -> Any:
     """``generate(params, prompt_BxP) -> tokens_BxT`` (prompt and continuation; with
     ``with_logits`` also the logits each new token was picked from, ``B x N x Vp``), jitted
-    once for these static lengths."""
+    once for these static lengths. ``dtype``: the compute dtype; the (fp32) parameters are cast
+    to it once per call, before the token loop, so each token reads weights of that width.
+    ``generate.lower(params, prompt_BxP)`` lowers the program without running it."""
     T = prompt_len + new_tokens
 
     def generate(params: dict, prompt_BxP: jax.Array) -> Any:
@@ -138,4 +140,9 @@ def make_generate(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
         with in_mesh_context(mesh, rules):
             return jitted(params, jnp.asarray(prompt_BxP, jnp.int32))
 
+    def lower(params: dict, prompt_BxP: Any) -> Any:
+        with in_mesh_context(mesh, rules):
+            return jitted.lower(params, jnp.asarray(prompt_BxP, jnp.int32))
+
+    run.lower = lower  # type: ignore[attr-defined]
     return run

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
 from dxrun.batch import resolve_batch
 from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer, count_params, resize_vocab
@@ -26,7 +27,7 @@ from dxrun.sharding import (
     param_shardings,
     replicated,
 )
-from dxrun.step import TrainState, make_eval_step, make_train_step
+from dxrun.step import COMPUTE_DTYPES, TrainState, make_eval_step, make_train_step
 
 
 def visible_devices() -> tuple[int, str, int]:
@@ -63,8 +64,10 @@ class Experiment:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
         padded = plan.padded_vocab or cfg.model.vocab_size  # 0: a bare plan, no padding
+        # The attention kernel follows the devices the step runs on (CPU in plan mode).
+        target = attention_target(mesh.devices.flat[0])
         abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0),
-                                                      padded_vocab=padded))
+                                                      padded_vocab=padded, target=target))
         graphdef, abstract_state = nnx.split(abstract)
         axes = param_axes(abstract_state)
         p_shard = param_shardings(axes, mesh, plan.rules)
@@ -94,6 +97,22 @@ class Experiment:
         check_process_rows(b_shard, plan, plan.global_batch)
         return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
                    schedule, data, step, eval_step)
+
+    @property
+    def attention_target(self) -> AttentionTarget:
+        return attention_target(self.mesh.devices.flat[0])
+
+    @property
+    def attention_kernel(self) -> str:
+        """What the step's attention runs: ``reference`` (einsums), else the kernel
+        ``jax.nn.dot_product_attention`` is asked for, ``cudnn`` or ``xla``."""
+        m = self.cfg.model
+        if m.attention != "dot_product":
+            return m.attention
+        t = self.attention_target
+        return attention_implementation(t.platform, COMPUTE_DTYPES[self.cfg.train.precision],
+                                        m.d_model // m.n_heads, t.compute_capability,
+                                        t.cudnn_version)
 
     def init_params(self) -> dict:
         """Parameters initialised from ``train.seed``, created directly in their shards."""

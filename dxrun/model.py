@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dxrun.attention_kernel import CPU_TARGET, AttentionTarget, attention_implementation
 from dxrun.sharding import constrain
 
 ACT = ("batch", "seq", "act_embed")
@@ -101,13 +102,15 @@ def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: j
 
 class Attention(nnx.Module):
     """Causal multi-head / grouped-query attention. q, k, v are column-parallel (heads on
-    ``tensor``), the output projection row-parallel: each device keeps whole heads."""
+    ``tensor``), the output projection row-parallel: each device keeps whole heads.
+    ``target``: the devices it runs on, which decide the fused kernel (``attention_kernel``)."""
 
-    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET):
         D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         E, std = D // H, cfg.init_std
         self.H, self.K, self.E = H, K, E
         self.pos, self.theta, self.impl = cfg.pos, cfg.rope_theta, cfg.attention
+        self.target = target
         self.wq = _param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
@@ -127,10 +130,14 @@ class Attention(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(x_BxLxD)
         if self.impl == "dot_product":
-            # XLA's (or, on NVIDIA GPUs in bf16, cuDNN's fused flash) attention, with native
-            # grouped-query heads: no L x L score tensor where the fused kernel runs.
+            # Native grouped-query heads in BTNH. JAX's default kernel is always XLA's (an
+            # L x L score tensor per head); cuDNN's fused flash attention is asked for by name
+            # where it takes these inputs: NVIDIA GPU, bf16/fp16, a head dim it supports.
+            kernel = attention_implementation(self.target.platform, q_BxLxHxE.dtype, self.E,
+                                              self.target.compute_capability,
+                                              self.target.cudnn_version)
             o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                                     is_causal=True)
+                                                     is_causal=True, implementation=kernel)
         else:
             o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
         return self.out(o_BxLxHxE)
@@ -195,9 +202,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET):
         self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, target)
         self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias)
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
@@ -224,7 +231,8 @@ class Block(nnx.Module):
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots}
 
 
-def stacked_blocks(cfg: Any, rngs: nnx.Rngs) -> Block:
+def stacked_blocks(cfg: Any, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET
+                   ) -> Block:
     """``n_layers`` blocks as one Block whose parameters have a leading ``layers`` axis (which
     the rules table leaves unsharded). Scanning over it compiles one layer, not n; the names
     (``blocks/attn/wq``, ...) are the same whether the layers then scan or loop."""
@@ -232,7 +240,7 @@ def stacked_blocks(cfg: Any, rngs: nnx.Rngs) -> Block:
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs)
+        return Block(cfg, rngs, target)
 
     blocks = make(rngs)
     for _, v in nnx.iter_graph(blocks):
@@ -246,9 +254,11 @@ class Transformer(nnx.Module):
     ``wte`` / columns of ``lm_head``: the vocab axis is split over ``tensor``, so it must be a
     multiple of tp. Padding rows start at zero, their logits are masked to the fp32 minimum
     (no probability, never the argmax, zero gradient), so the model computes exactly what the
-    unpadded one does."""
+    unpadded one does. ``target``: the devices the model runs on (``attention_target`` of a
+    mesh device; the default, CPU, runs XLA's attention)."""
 
-    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, padded_vocab: int | None = None):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, padded_vocab: int | None = None,
+                 target: AttentionTarget = CPU_TARGET):
         D, V = cfg.d_model, cfg.vocab_size
         Vp = padded_vocab or V
         if Vp < V:
@@ -257,7 +267,7 @@ class Transformer(nnx.Module):
         self.wte = _padded_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, Vp)
         self.wpe = (_param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
-        self.blocks = stacked_blocks(cfg, rngs)
+        self.blocks = stacked_blocks(cfg, rngs, target)
         self.scan, self.remat = cfg.scan_layers, cfg.remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"
         self.ln_f = Norm(D, cfg.norm, cfg.bias)

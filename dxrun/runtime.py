@@ -59,6 +59,37 @@ def simulate_cpu_devices(n: int) -> bool:
     return True
 
 
+# The device nodes the NVIDIA driver creates (relative to the filesystem root).
+NVIDIA_NODES = ("dev/nvidiactl", "dev/nvidia0")
+GPU_INSTALL = "pip install -e '.[gpu]'"
+
+
+def nvidia_device_node(root: str | Path = "/") -> Path | None:
+    """The first NVIDIA device node under ``root`` (``/dev/nvidiactl``, ``/dev/nvidia0``):
+    this host has an NVIDIA GPU and its driver loaded, whatever JAX found. None without."""
+    for rel in NVIDIA_NODES:
+        if (path := Path(root) / rel).exists():
+            return path
+    return None
+
+
+def cpu_fallback_refusal(backend: str, gpu_node: Path | None, jax_platforms: str | None,
+                         allow_cpu: bool) -> str | None:
+    """The refusal of a run that would train on CPU on a GPU host, or None to go ahead.
+
+    JAX without its CUDA plugin (``pip install -e .``) falls back to CPU on a GPU host with a
+    warning nobody reads, and dxrun then simulates CPU devices: the run "works", 100x slower.
+    CPU is taken as chosen when ``JAX_PLATFORMS`` names only cpu (the test suite sets it) or
+    with ``runtime.allow_cpu=true``."""
+    if backend != "cpu" or gpu_node is None or allow_cpu:
+        return None
+    if jax_platforms and {p.strip() for p in jax_platforms.split(",")} == {"cpu"}:
+        return None
+    return (f"JAX's backend is cpu but this host has an NVIDIA GPU ({gpu_node}): the installed "
+            f"JAX has no CUDA support; run {GPU_INSTALL} (or runtime.allow_cpu=true to train "
+            "on the CPU anyway)")
+
+
 def enable_compile_cache(setting: str | None) -> str | None:
     """JAX's persistent compilation cache, so a second launch of the same config skips XLA's
     compile. ``auto`` = ``$XDG_CACHE_HOME/dxrun/jax`` (``~/.cache/dxrun/jax``)."""

@@ -99,10 +99,24 @@ def prompt_tokens(cfg: Any, prompt: str, n: int, chain: Any = None
     return np.tile(np.asarray(ids, np.int32), (n, 1)), tok
 
 
+def make_decoder(loaded: Any, prompt_len: int, new_tokens: int, sampling: Any) -> Any:
+    """``dxrun.decode``'s generate for a loaded run, in the run's compute dtype
+    (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
+    the weight traffic per token); the logits stay fp32."""
+    from dxrun.decode import make_generate
+    from dxrun.step import COMPUTE_DTYPES
+
+    cfg, exp = loaded.cfg, loaded.exp
+    m = cfg.model
+    return make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
+                         prompt_len, new_tokens, sampling, m.n_layers, m.n_kv_heads,
+                         m.d_model // m.n_heads, dtype=COMPUTE_DTYPES[cfg.train.precision])
+
+
 def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Generate; return the tokens (``n x T``), the prompt length, the printable samples and,
     for markov data, (allowed, total) generated transitions."""
-    from dxrun.decode import Sampling, make_generate
+    from dxrun.decode import Sampling
 
     check_options(options)
     n, new = options["n"], options["max_new_tokens"]
@@ -121,7 +135,7 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                           f"replicas ({str(e).split('dp*fsdp=')[1].split(' ')[0]}); ask for a "
                           "multiple of them, or decode on a mesh with dp=fsdp=1 (no "
                           "parallelism override: one device; or parallelism=tp2)") from None
-    cfg, exp = loaded.cfg, loaded.exp
+    cfg = loaded.cfg
     if options["top_k"] > cfg.model.vocab_size:
         raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
@@ -140,9 +154,7 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                     "of data.seq_len=%d: the later positions were never trained", P + new,
                     cfg.data.seq_len)
     s = Sampling(options["temperature"], options["top_k"], options["top_p"], options["seed"])
-    m = cfg.model
-    generate = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings, P,
-                             new, s, m.n_layers, m.n_kv_heads, m.d_model // m.n_heads)
+    generate = make_decoder(loaded, P, new, s)
     tokens_BxT = np.asarray(generate(loaded.params, prompt_BxP))
     out: dict[str, Any] = {"tokens": tokens_BxT, "prompt_len": P, "step": loaded.step}
     if tok is None:

@@ -188,6 +188,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job), f"{n_params:,}",
              cfg.data.name, data.description)
+    log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference
     device_kind = jax.devices()[0].device_kind
     peak = resolve_peak(cfg, device_kind, exp.mesh.devices.flat)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len

@@ -1,5 +1,10 @@
 """Test setup: 8 simulated CPU devices (set before JAX is imported), offline W&B, and config
-composition through Hydra's compose API exactly as the launcher does."""
+composition through Hydra's compose API exactly as the launcher does.
+
+The suite runs on the CPU platform even on a GPU machine (JAX_PLATFORMS=cpu, which every
+subprocess a test starts inherits): on GPUs it would run with TF32 matmuls and 75% of the memory
+preallocated per process, so numbers and memory would not be what the tests assert.
+DXRUN_TEST_GPU=1 leaves the platform to JAX."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import os
 
 from dxrun.runtime import simulate_cpu_devices
 
+if os.environ.get("DXRUN_TEST_GPU") != "1":
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
 simulate_cpu_devices(8)  # must run before anything imports jax
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["WANDB_ERROR_REPORTING"] = "false"

@@ -62,3 +62,39 @@ def test_non_finite_numbers_become_null_with_their_keys():
     clean, bad = finite_or_null(row)
     assert clean == {"step": 3, "train/loss": None, "ok": 1.5, "nested": {"x": [1.0, None]}}
     assert bad == ["train/loss", "nested.x[1]"]
+
+
+def test_the_suite_runs_on_cpu_whatever_the_machine():
+    """conftest.py sets JAX_PLATFORMS=cpu before JAX starts (unless DXRUN_TEST_GPU=1), so a GPU
+    machine runs the suite, and the subprocesses it starts, on simulated CPU devices."""
+    import os
+
+    import jax
+
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    assert jax.default_backend() == "cpu" and jax.device_count() == 8
+
+
+def test_cpu_fallback_on_a_gpu_host_is_refused(tmp_path):
+    """The probe reads device nodes under a root (here a tmp dir standing for /); JAX on CPU
+    beside an NVIDIA node is refused naming the install, unless CPU was chosen."""
+    from dxrun.runtime import cpu_fallback_refusal, nvidia_device_node
+
+    assert nvidia_device_node(tmp_path) is None
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").touch()
+    node = nvidia_device_node(tmp_path)
+    assert node == tmp_path / "dev" / "nvidia0"
+    (tmp_path / "dev" / "nvidiactl").touch()
+    assert nvidia_device_node(tmp_path) == tmp_path / "dev" / "nvidiactl"
+
+    line = cpu_fallback_refusal("cpu", node, None, allow_cpu=False)
+    assert "pip install -e '.[gpu]'" in line and "runtime.allow_cpu=true" in line
+    assert str(node) in line and "\n" not in line
+    assert cpu_fallback_refusal("cpu", node, "cuda,cpu", allow_cpu=False) == line
+    # Chosen: the override, or JAX_PLATFORMS naming only cpu (as the test suite sets it).
+    assert cpu_fallback_refusal("cpu", node, None, allow_cpu=True) is None
+    assert cpu_fallback_refusal("cpu", node, "cpu", allow_cpu=False) is None
+    # No GPU on the host, or JAX found it: nothing to refuse.
+    assert cpu_fallback_refusal("cpu", None, None, allow_cpu=False) is None
+    assert cpu_fallback_refusal("gpu", node, None, allow_cpu=False) is None
