@@ -82,7 +82,8 @@ def test_state_bytes_per_device_within_3_percent_of_total_over_k(quick):
 
 def test_gpu_figures_run_on_whatever_device_there_is():
     """The prepared GPU script's code path (``--gpu``), on CPU with a tiny model: both
-    attention implementations timed, tokens/s reported; no MFU without a known peak."""
+    attention implementations timed, tokens/s reported, the kernel each ran recorded; no MFU
+    without a known peak."""
     from dxrun.bench import gpu
 
     figs = gpu.measured(models=("tiny",), batch=2, steps=1, reps=1,
@@ -90,3 +91,6 @@ def test_gpu_figures_run_on_whatever_device_there_is():
     assert [f.name for f in figs] == ["tiny, attention=dot_product: MFU",
                                       "tiny, attention=reference: MFU"]
     assert all(f.raw["tokens_per_s"] > 0 and f.ratio is None for f in figs)
+    # Which attention each figure timed: XLA's on CPU, no cuDNN call in the compiled step.
+    assert [(f.raw["kernel"], f.raw["cudnn_calls"]) for f in figs] == [("xla", 0),
+                                                                       ("reference", 0)]

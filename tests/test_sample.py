@@ -146,3 +146,29 @@ def test_bad_input_is_one_line(tmp_path, text_run):
         assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
         assert errors[0].startswith("dxrun.sample: error: ") and message in errors[0], errors
         assert "Traceback" not in out.stderr
+
+
+def test_a_bf16_run_decodes_in_bf16(markov_run):
+    """Decoding takes the run's compute dtype (``train.precision``; here an override of the
+    fp32 run's): with bf16 every matmul of the program reads bf16 weights (cast once, before the
+    token loop) and the logits stay fp32; an fp32 run's program has no bf16 at all. The bf16
+    greedy samples still follow the chain."""
+    from dxrun.sample import make_decoder
+
+    opts = {**OPTIONS, "n": 4, "max_new_tokens": 20}
+    out = sample(markov_run, opts, ["train.precision=bf16"])
+    ok, total = out["allowed"]
+    assert total == 4 * 20 and ok / total >= 0.9, out["texts"]
+
+    prompt = out["tokens"][:, :out["prompt_len"]]
+    loaded = load(markov_run, ["parallelism=dp1", "data.batch_size=4",
+                               "train.precision=bf16"], "path", with_data=False)
+    texts = {}
+    for precision in ("bf16", "fp32"):
+        loaded.cfg.train.precision = precision  # what an fp32 run's config says
+        gen = make_decoder(loaded, prompt.shape[1], 20, Sampling())
+        texts[precision] = gen.lower(loaded.params, prompt).as_text()
+    dots = re.findall(r"stablehlo\.dot_general .*?: \((.*?)\) -> (\S+)", texts["bf16"])
+    assert dots and all(ins.count("bf16") == 2 for ins, _ in dots), dots
+    assert re.search(r"-> tensor<4x\d+xf32>", texts["bf16"])  # fp32 logits (prefill's)
+    assert "bf16" not in texts["fp32"]

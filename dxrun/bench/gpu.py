@@ -1,8 +1,11 @@
 """The GPU figures: GPT-2 small and medium on one device in bf16, tokens/s and MFU against the
-device's dense bf16 peak (989 TFLOP/s for an H200), with the fused attention
-(``model.attention=dot_product``: cuDNN's flash attention on NVIDIA GPUs in bf16) and without
-(``reference``). Without a GPU the plan-mode roofline (``run.mode=plan plan.target=h200``) is
-the estimate, labelled as such.
+device's dense bf16 peak (989 TFLOP/s for an H200), with ``model.attention=dot_product`` and
+with the einsum ``reference``. On an NVIDIA GPU in bf16 (head dim 64) ``dot_product`` asks for
+cuDNN's fused flash attention (``dxrun/attention_kernel.py``); each figure records the kernel the
+step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
+says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU the
+plan-mode roofline (``run.mode=plan plan.target=h200``) is the estimate, labelled as such: it
+compiles on CPU, with XLA's attention.
 
     python -m dxrun.bench --gpu        # on a machine with an NVIDIA GPU: measured
 """
@@ -21,6 +24,13 @@ MODELS = ("small", "medium")
 # GPT-2's padded vocabulary and context; a batch that fills an H200 without remat.
 GPT2 = ("parallelism=dp1", "train.precision=bf16", "data.vocab_size=50304", "data.seq_len=1024")
 SECTION = "GPU: GPT-2 small and medium, one device, bf16"
+CUDNN_CALL = "__cudnn$fmha"  # custom-call targets of cuDNN's fused attention (fwd and bwd)
+
+
+def cudnn_attention_calls(compiled_text: str) -> int:
+    """cuDNN fused-attention custom calls in a compiled program's HLO text (0 off NVIDIA GPUs):
+    what the step really runs, beside what ``Experiment.attention_kernel`` asked for."""
+    return compiled_text.count(CUDNN_CALL)
 
 
 def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
@@ -64,10 +74,14 @@ def measured(models: tuple[str, ...] = MODELS, batch: int = 16, steps: int = 10,
             tokens = cfg.data.batch_size * cfg.data.seq_len
             tflops = (flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
                       / t[a].median_s / 1e12)
+            calls = cudnn_attention_calls(e.step.compiled.as_text())
+            print(f"{model}, attention={a}: kernel {e.attention_kernel}, {calls} cuDNN "
+                  f"fused-attention call(s) in the compiled step", flush=True)
             out.append(figure(
                 f"{SECTION} (measured on {kind})", f"{model}, attention={a}: MFU",
                 flops.mfu(tflops, peak) if peak else None,
-                {"tokens_per_s": round(tokens / t[a].median_s), "tflops": round(tflops, 1),
+                {"kernel": e.attention_kernel, "cudnn_calls": calls,
+                 "tokens_per_s": round(tokens / t[a].median_s), "tflops": round(tflops, 1),
                  "peak_tflops": peak, **t[a].summary()},
                 note="MFU: model FLOPs (6N + attention) / step time / peak"))
     return out
