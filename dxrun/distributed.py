@@ -66,7 +66,11 @@ def _int(env: Mapping[str, str], key: str) -> int:
 def visible_gpus(env: Mapping[str, str], dev: str = "/dev") -> list[str]:
     """This process's GPUs as ``CUDA_VISIBLE_DEVICES`` entries: that variable's (indices or
     UUIDs, as given), else one per NVIDIA device node (``/dev/nvidia0`` ...: CUDA ordinals
-    0..n-1; counting them never starts a GPU runtime). [] = no GPUs."""
+    0..n-1; counting them never starts a GPU runtime). [] = no GPUs, or JAX told to use
+    none (``JAX_PLATFORMS`` without cuda/gpu, e.g. ``cpu``)."""
+    platforms = env.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & set(platforms.lower().split(",")):
+        return []
     if CUDA_VISIBLE in env:
         entries = [e.strip() for e in env[CUDA_VISIBLE].split(",")]
         # CUDA stops at the first invalid entry ("-1" by convention: hide every GPU).

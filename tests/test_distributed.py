@@ -167,6 +167,8 @@ def test_visible_gpus(tmp_path):
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3,GPU-x"}) == ["2", "3", "GPU-x"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == ["1"]  # CUDA stops at -1
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1", "JAX_PLATFORMS": "cpu"}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1", "JAX_PLATFORMS": "cuda,cpu"}) == ["0", "1"]
     for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
         (tmp_path / name).touch()
     assert visible_gpus({}, str(tmp_path)) == ["0", "1", "2"]  # device nodes, not ctl/uvm
@@ -241,6 +243,9 @@ def test_one_task_per_gpu_table_and_refusals(cfg_factory):
     plan = make_plan(cfg, 16, "gpu", processes=16, process_hosts=two_nodes)
     assert ("hosts    2 hosts x 8 processes x 1 devices; across hosts: data=2 x fsdp=1 x "
             "tensor=1") in plan.table()
+    # The recipes' old layout: model=large's 20 heads do not split 8 ways.
+    with pytest.raises(ConfigError, match="model.n_heads=20 is not divisible by parallelism.tp=8"):
+        make_plan(cfg_factory("model=large", "parallelism.tp=8"), 16, "gpu", processes=2)
     # Counted as 16 hosts (what splitting over processes did), each tensor pair would cross.
     with pytest.raises(ConfigError, match="parallelism.tp=2 puts each tensor-parallel group "
                                           "across 2 hosts"):
