@@ -11,9 +11,11 @@ Which processes make one run is decided before JAX touches a device (``join``), 
 - ``off``: always one process.
 - ``manual``: ``distributed.coordinator`` / ``num_processes`` / ``process_id``.
 
-On CPU the cross-process collectives go through gloo, so a multi-process run works on one
-laptop over loopback. ``detect`` is pure (it reads a given environment), so every branch is
-tested without a cluster.
+The processes are grouped by host (``process_hosts``: hostnames exchanged once through the
+key-value store, ``DXRUN_HOSTNAME`` to override) so the plan keeps tensor groups inside a host
+however many processes it runs. On CPU the cross-process collectives go through gloo, so a
+multi-process run works on one laptop over loopback. ``detect`` is pure (it reads a given
+environment), so every branch is tested without a cluster.
 """
 
 from __future__ import annotations

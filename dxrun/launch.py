@@ -79,10 +79,10 @@ def child_env(base: dict[str, str], rank: int, nproc: int, port: int,
     """Rank ``rank``'s environment: the coordinator variables, its GPUs (``gpus``: its slice
     as ``CUDA_VISIBLE_DEVICES``; every accelerator it sees is its own) and, with ``hosts`` > 1,
     the host it declares (``DXRUN_HOSTNAME``: consecutive ranks share a host), so one machine
-    rehearses a multi-node layout."""
+    rehearses a multi-node layout. All ``nproc`` still share this machine's RAM
+    (``DXRUN_LOCAL_PROCESSES``, what the memory preflight divides)."""
     env = {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(nproc),
-           PROCESS_ID: str(rank), LOCAL_PROCESSES: str(nproc // hosts),
-           "PYTHONUNBUFFERED": "1"}
+           PROCESS_ID: str(rank), LOCAL_PROCESSES: str(nproc), "PYTHONUNBUFFERED": "1"}
     # Each process sets its own simulated device count; the user's other flags stay.
     flags = without_device_count(base.get("XLA_FLAGS", ""))
     if flags:

@@ -191,11 +191,11 @@ def test_gpus_are_divided_over_the_launched_processes():
     env = child_env({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "JAX_LOCAL_DEVICE_IDS": "0"}, 1, 2,
                     1234, None, ["2", "3"])
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and "JAX_LOCAL_DEVICE_IDS" not in env
-    # --hosts 2: consecutive ranks declare one host; LOCAL_PROCESSES counts a host's.
+    # --hosts 2: consecutive ranks declare one host (all 4 still share this machine's RAM).
     hosts = [child_env({}, r, 4, 1, 2, hosts=2) for r in range(4)]
-    assert len({e["DXRUN_HOSTNAME"] for e in hosts[:2]} | {e["DXRUN_HOSTNAME"] for e in hosts[2:]}) \
-        == 2 and hosts[0]["DXRUN_HOSTNAME"] == hosts[1]["DXRUN_HOSTNAME"]
-    assert [e[LOCAL_PROCESSES] for e in hosts] == ["2"] * 4
+    assert host_indices([e["DXRUN_HOSTNAME"] for e in hosts]) == (0, 0, 1, 1)
+    assert [e[LOCAL_PROCESSES] for e in hosts] == ["4"] * 4
+    assert "DXRUN_HOSTNAME" not in child_env({}, 0, 4, 1, 2)
 
 
 def _rows_held(plan, grid, process_of):
