@@ -95,8 +95,9 @@ class MeshPlan:
         return tuple(a // b for a, b in zip(self.shape, self.dcn_shape, strict=True))
 
     def _in_host(self) -> tuple[int, int]:
-        """(processes sharing each tensor group's rows inside a host, row blocks per host): a
-        process holds whole tensor groups (1, its share) or part of one (tp/its devices, ...)."""
+        """(processes that share one row block, row blocks per host). Inside a host a process
+        holds whole tensor groups (it alone reads their rows) or an equal part of one (the
+        group's processes read the same rows)."""
         per_host = self.processes // self.hosts
         mine, tensor = self.n_devices // self.processes, self.local_shape[2]
         share = max(1, tensor // mine)
@@ -142,8 +143,9 @@ class MeshPlan:
         mine = self.n_devices // self.processes
         if self.hosts == self.processes:
             return f"{self.processes} processes x {mine} devices; across processes: {across}"
-        return (f"{self.hosts} hosts x {self.processes // self.hosts} processes x {mine} "
-                f"devices; across hosts: {across}")
+        hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+        return (f"{hosts} x {self.processes // self.hosts} processes x {mine} devices; across "
+                f"hosts: {across}")
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
