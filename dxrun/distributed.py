@@ -11,15 +11,20 @@ Which processes make one run is decided before JAX touches a device (``join``), 
 - ``off``: always one process.
 - ``manual``: ``distributed.coordinator`` / ``num_processes`` / ``process_id``.
 
-On CPU the cross-process collectives go through gloo, so a multi-process run works on one
-laptop over loopback. ``detect`` is pure (it reads a given environment), so every branch is
-tested without a cluster.
+The processes are grouped by host (``process_hosts``: hostnames exchanged once through the
+key-value store, ``DXRUN_HOSTNAME`` to override) so the plan keeps tensor groups inside a host
+however many processes it runs. On CPU the cross-process collectives go through gloo, so a
+multi-process run works on one laptop over loopback. ``detect`` is pure (it reads a given
+environment), so every branch is tested without a cluster.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,11 @@ log = logging.getLogger("dxrun")
 # The variables python -m dxrun.launch sets (JAX reads the first itself).
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+# The host name a process declares for grouping processes by host (default: the machine's):
+# for clusters whose hostnames do not tell nodes apart, and for rehearsing several hosts on one
+# machine (python -m dxrun.launch --hosts).
+HOSTNAME = "DXRUN_HOSTNAME"
 _SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 
 
@@ -53,6 +63,46 @@ def _int(env: Mapping[str, str], key: str) -> int:
     except ValueError:
         raise ConfigError(f"environment variable {key}={env[key]!r} is not an integer; "
                           "fix the launch script, or set distributed.mode=off") from None
+
+
+def visible_gpus(env: Mapping[str, str], dev: str = "/dev") -> list[str]:
+    """This process's GPUs as ``CUDA_VISIBLE_DEVICES`` entries: that variable's (indices or
+    UUIDs, as given), else one per NVIDIA device node (``/dev/nvidia0`` ...: CUDA ordinals
+    0..n-1; counting them never starts a GPU runtime). [] = no GPUs, or JAX told to use
+    none (``JAX_PLATFORMS`` without cuda/gpu, e.g. ``cpu``)."""
+    platforms = env.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & set(platforms.lower().split(",")):
+        return []
+    if CUDA_VISIBLE in env:
+        entries = [e.strip() for e in env[CUDA_VISIBLE].split(",")]
+        # CUDA stops at the first invalid entry ("-1" by convention: hide every GPU).
+        return list(itertools.takewhile(lambda e: e and e != "-1", entries))
+    try:
+        nodes = [n for n in os.listdir(dev) if re.fullmatch(r"nvidia\d+", n)]
+    except OSError:
+        return []
+    return [str(i) for i in range(len(nodes))]
+
+
+def slurm_device_ids(env: Mapping[str, str], tasks_per_node: int) -> tuple[int, ...] | None:
+    """The accelerators (ordinals among the ones this task sees) a SLURM task drives; () =
+    every one it sees, None = JAX's default (ordinal ``SLURM_LOCALID``). One task per node
+    drives the node; a task bound to its own GPUs (``CUDA_VISIBLE_DEVICES`` with fewer
+    entries than the node has tasks, or exactly ``SLURM_GPUS_PER_TASK``) drives all of them,
+    where JAX's default would name an ordinal that does not exist; tasks sharing the node's
+    GPUs divide them in ``SLURM_LOCALID`` order."""
+    if tasks_per_node <= 1:
+        return ()
+    if CUDA_VISIBLE not in env:
+        return None
+    n = len(visible_gpus(env))
+    per_task = env.get("SLURM_GPUS_PER_TASK", "").rpartition(":")[2]
+    if n and (n < tasks_per_node or (per_task.isdigit() and n == int(per_task))):
+        return ()
+    if n and n % tasks_per_node == 0 and "SLURM_LOCALID" in env:
+        k, local = n // tasks_per_node, _int(env, "SLURM_LOCALID")
+        return tuple(range(local * k, (local + 1) * k))
+    return None
 
 
 def _tasks_per_node(env: Mapping[str, str]) -> int:
@@ -121,8 +171,8 @@ def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
         check_address(f"environment variable {COORDINATOR}", env[COORDINATOR])
         return Join("launch", n, _int(env, PROCESS_ID), env[COORDINATOR], ids)
     if all(k in env for k in _SLURM) and _int(env, "SLURM_NTASKS") > 1:
-        if ids is None and _tasks_per_node(env) == 1:
-            ids = ()  # one task per node drives all of the node's accelerators
+        if ids is None:
+            ids = slurm_device_ids(env, _tasks_per_node(env))
         return Join("slurm", _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID"), None, ids)
     return None
 
@@ -233,3 +283,36 @@ def gather(key: str, value: str, timeout_s: int = 300) -> list[str]:
     client.key_value_set(f"{key}/{jax.process_index()}", value)
     return [client.blocking_key_value_get(f"{key}/{r}", timeout_s * 1000)
             for r in range(jax.process_count())]
+
+
+def hostname(env: Mapping[str, str]) -> str:
+    """The host this process declares: ``DXRUN_HOSTNAME``, else the machine's name."""
+    return env.get(HOSTNAME) or socket.gethostname()
+
+
+def host_indices(names: list[str]) -> tuple[int, ...]:
+    """Each process's host (``names`` in process order) as an index, numbered in order of
+    first appearance: process 0's host is host 0."""
+    order: dict[str, int] = {}
+    return tuple(order.setdefault(n, len(order)) for n in names)
+
+
+_HOSTS: list[tuple[int, ...]] = []  # this run's process_hosts(), gathered once
+
+
+def process_hosts(timeout_s: int = 300) -> tuple[int, ...] | None:
+    """The host of every process of this run (``host_indices`` of their hostnames, exchanged
+    once through the key-value store under fixed keys, so any process may ask first); None for
+    one process."""
+    import jax
+    from jax._src.distributed import global_state
+
+    if jax.process_count() == 1 or global_state.client is None:
+        return None
+    if not _HOSTS:
+        client, me = global_state.client, jax.process_index()
+        client.key_value_set(f"dxrun/hostname/{me}", hostname(os.environ))
+        _HOSTS.append(host_indices(
+            [client.blocking_key_value_get(f"dxrun/hostname/{r}", timeout_s * 1000)
+             for r in range(jax.process_count())]))
+    return _HOSTS[0]

@@ -16,6 +16,7 @@ from flax import nnx
 from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
 from dxrun.batch import resolve_batch
 from dxrun.data import TRAIN, Data
+from dxrun.distributed import process_hosts
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.optimizer import make_optimizer
 from dxrun.plan import MeshPlan, make_plan
@@ -30,9 +31,10 @@ from dxrun.sharding import (
 from dxrun.step import COMPUTE_DTYPES, TrainState, make_eval_step, make_train_step
 
 
-def visible_devices() -> tuple[int, str, int]:
-    """What ``make_plan`` lays the mesh over: (devices of all processes, platform, processes)."""
-    return jax.device_count(), jax.default_backend(), jax.process_count()
+def visible_devices() -> tuple[int, str, int, tuple[int, ...] | None]:
+    """What ``make_plan`` lays the mesh over: (devices of all processes, platform, processes,
+    the host of each process)."""
+    return jax.device_count(), jax.default_backend(), jax.process_count(), process_hosts()
 
 
 def process_data(cfg: Any, plan: MeshPlan) -> Data:

@@ -3,9 +3,13 @@ processes of one run, joined through JAX's distributed runtime over loopback.
 
 For development, tests and one node with several processes (one per GPU group). Each process
 is ``python -m dxrun <overrides>`` with the coordinator variables ``distributed.mode=auto``
-reads (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); with ``-K``
-it drives K devices: K simulated CPU devices (``runtime.cpu_devices=K``) or accelerators
-``rank*K .. rank*K+K-1`` (``JAX_LOCAL_DEVICE_IDS``). Their output comes prefixed with the rank;
+reads (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). On a GPU host
+each process gets its own GPUs through ``CUDA_VISIBLE_DEVICES`` (the visible GPUs divided over
+the processes, or ``-K`` each; an existing ``CUDA_VISIBLE_DEVICES`` is divided, not replaced),
+so no two processes share a GPU or preallocate each other's memory; without GPUs ``-K`` gives
+each process K simulated CPU devices (``runtime.cpu_devices=K``). ``--hosts H`` declares the
+processes to be on H hosts (``DXRUN_HOSTNAME``) so one machine rehearses a multi-node layout.
+Their output comes prefixed with the rank;
 SIGINT, SIGTERM and SIGUSR1 are passed on to every process (which run outside the
 terminal's process group, so a Ctrl-C reaches each once). When such a stop ends every process
 cleanly (checkpoint committed), the launcher says so with the resume command and exits with the
@@ -28,7 +32,15 @@ import threading
 import time
 from typing import IO
 
-from dxrun.distributed import COORDINATOR, LOCAL_PROCESSES, NUM_PROCESSES, PROCESS_ID
+from dxrun.distributed import (
+    COORDINATOR,
+    CUDA_VISIBLE,
+    HOSTNAME,
+    LOCAL_PROCESSES,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    visible_gpus,
+)
 from dxrun.preempt import EXIT_CODES, relaunch_command
 from dxrun.runtime import DEVICE_COUNT_FLAG
 
@@ -45,8 +57,30 @@ def without_device_count(flags: str) -> str:
                     if not f.startswith(f"{DEVICE_COUNT_FLAG}="))
 
 
+def gpu_slices(gpus: list[str], nproc: int, devices_per_proc: int | None) -> list[list[str]]:
+    """Each rank's own GPUs: consecutive slices of ``gpus``, ``devices_per_proc`` each (None:
+    all of them divided evenly). Raises ValueError (the flag to change) when they do not go
+    round."""
+    n = len(gpus)
+    k = devices_per_proc or n // nproc
+    if devices_per_proc is None and n % nproc:
+        fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ValueError(f"--nproc={nproc} does not divide the {n} visible GPUs; pick --nproc "
+                         f"from {fits}, or give each process --devices-per-proc GPUs")
+    if k < 1 or k * nproc > n:
+        raise ValueError(f"--nproc={nproc} x --devices-per-proc={k} needs {nproc * max(k, 1)} "
+                         f"GPUs but {n} are visible; start fewer processes or give each fewer")
+    return [gpus[r * k:(r + 1) * k] for r in range(nproc)]
+
+
 def child_env(base: dict[str, str], rank: int, nproc: int, port: int,
-              devices_per_proc: int | None) -> dict[str, str]:
+              devices_per_proc: int | None, gpus: list[str] | None = None,
+              hosts: int = 1) -> dict[str, str]:
+    """Rank ``rank``'s environment: the coordinator variables, its GPUs (``gpus``: its slice
+    as ``CUDA_VISIBLE_DEVICES``; every accelerator it sees is its own) and, with ``hosts`` > 1,
+    the host it declares (``DXRUN_HOSTNAME``: consecutive ranks share a host), so one machine
+    rehearses a multi-node layout. All ``nproc`` still share this machine's RAM
+    (``DXRUN_LOCAL_PROCESSES``, what the memory preflight divides)."""
     env = {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(nproc),
            PROCESS_ID: str(rank), LOCAL_PROCESSES: str(nproc), "PYTHONUNBUFFERED": "1"}
     # Each process sets its own simulated device count; the user's other flags stay.
@@ -55,9 +89,11 @@ def child_env(base: dict[str, str], rank: int, nproc: int, port: int,
         env["XLA_FLAGS"] = flags
     else:
         env.pop("XLA_FLAGS", None)
-    if devices_per_proc:
-        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(
-            str(i) for i in range(rank * devices_per_proc, (rank + 1) * devices_per_proc))
+    env.pop("JAX_LOCAL_DEVICE_IDS", None)  # ids within the slice below: all of it, the default
+    if gpus:
+        env[CUDA_VISIBLE] = ",".join(gpus)
+    if hosts > 1:
+        env[HOSTNAME] = f"{socket.gethostname()}/host{rank * hosts // nproc}"
     return env
 
 
@@ -117,7 +153,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, required=True, help="processes to start")
     p.add_argument("--devices-per-proc", type=int, default=None,
-                   help="devices each process drives (CPU: simulated; GPU: rank*K..rank*K+K-1)")
+                   help="devices each process drives (CPU: simulated; GPU: its own K of the "
+                        "visible GPUs; default: the visible GPUs / --nproc)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="hosts the processes declare (DXRUN_HOSTNAME; consecutive ranks share "
+                        "one): rehearse a multi-node layout on one machine")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
     p.add_argument("--grace", type=float, default=120.0,
                    help="seconds the others get to stop by themselves after one fails")
@@ -128,14 +168,24 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--nproc={args.nproc} must be at least 1")
     if args.devices_per_proc is not None and args.devices_per_proc < 1:
         p.error(f"--devices-per-proc={args.devices_per_proc} must be at least 1")
+    if args.hosts < 1 or args.nproc % args.hosts:
+        p.error(f"--hosts={args.hosts} must divide --nproc={args.nproc} (the same number of "
+                "processes on every host)")
     return args, overrides
 
 
 def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
-           port: int = 0, grace: float = 120.0) -> int:
-    launch_args = [f"--nproc={nproc}"] + ([f"--devices-per-proc={devices_per_proc}"]
-                                          if devices_per_proc else [])
+           port: int = 0, grace: float = 120.0, hosts: int = 1) -> int:
+    launch_args = ([f"--nproc={nproc}"]
+                   + ([f"--devices-per-proc={devices_per_proc}"] if devices_per_proc else [])
+                   + ([f"--hosts={hosts}"] if hosts > 1 else []))
     user_overrides = list(overrides)
+    gpus = visible_gpus(dict(os.environ))
+    try:
+        slices = gpu_slices(gpus, nproc, devices_per_proc) if gpus else [None] * nproc
+    except ValueError as e:
+        print(f"dxrun.launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
     port = port or free_port()
     if devices_per_proc:
         overrides = [*overrides, f"runtime.cpu_devices={devices_per_proc}"]
@@ -145,13 +195,15 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
     for rank in range(nproc):
         proc = subprocess.Popen(
             [sys.executable, "-m", "dxrun", *overrides],
-            env=child_env(dict(os.environ), rank, nproc, port, devices_per_proc),
+            env=child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
+                          hosts),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             # Not in the terminal's process group: a Ctrl-C reaches the processes once, passed
             # on below (twice would be "exit now without saving").
             start_new_session=True)
         procs.append(proc)
-        print(f"dxrun.launch: rank {rank} pid {proc.pid}", flush=True)
+        gpu_note = f" (GPUs {','.join(slices[rank])})" if slices[rank] else ""
+        print(f"dxrun.launch: rank {rank} pid {proc.pid}{gpu_note}", flush=True)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, daemon=True, args=(
                 stream, out, f"[rank {rank}] ", stops if rank == 0 else None))
@@ -213,7 +265,8 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
 
 def main(argv: list[str] | None = None) -> None:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
-    sys.exit(launch(args.nproc, overrides, args.devices_per_proc, args.port, args.grace))
+    sys.exit(launch(args.nproc, overrides, args.devices_per_proc, args.port, args.grace,
+                    args.hosts))
 
 
 if __name__ == "__main__":

@@ -61,11 +61,13 @@ class MeshPlan:
     padded_vocab: int = 0
     vocab_align: int = 1  # the alignment padded_vocab has beside tp (VOCAB_ALIGN's or the key's)
     grad_accum: int = 1
-    # JAX processes (hosts) the mesh spans, and the part of each mesh axis that runs across
-    # them (the rest of the axis is inside one process): data spans hosts first, tensor never
-    # (unless parallelism.allow_cross_host_tp).
+    # JAX processes the mesh spans, the host of each (an index; () = each process its own
+    # host), and the part of each mesh axis that runs across hosts (the rest of the axis is
+    # inside one host): data spans hosts first, tensor never (unless
+    # parallelism.allow_cross_host_tp). A host's processes together hold its part of the mesh.
     processes: int = 1
     dcn_shape: tuple[int, int, int] = (1, 1, 1)
+    process_hosts: tuple[int, ...] = ()
     # Which key the global batch came from (data.batch_size or data.per_device_batch_size), and
     # the peak learning rate after optimizer.lr_scaling at that batch (0 = no optimizer given).
     batch_set_by: str = GLOBAL
@@ -81,20 +83,41 @@ class MeshPlan:
         return self.dp * self.fsdp * self.tp
 
     @property
+    def hosts(self) -> int:
+        return max(self.process_hosts) + 1 if self.process_hosts else self.processes
+
+    def host_of(self, process: int) -> int:
+        return self.process_hosts[process] if self.process_hosts else process
+
+    @property
     def local_shape(self) -> tuple[int, int, int]:
-        """The mesh within one process (what ``create_hybrid_device_mesh`` calls mesh_shape)."""
+        """The mesh within one host (what ``create_hybrid_device_mesh`` calls mesh_shape)."""
         return tuple(a // b for a, b in zip(self.shape, self.dcn_shape, strict=True))
+
+    def _in_host(self) -> tuple[int, int]:
+        """(processes that share one row block, row blocks per host). Inside a host a process
+        holds whole tensor groups (it alone reads their rows) or an equal part of one (the
+        group's processes read the same rows)."""
+        per_host = self.processes // self.hosts
+        mine, tensor = self.n_devices // self.processes, self.local_shape[2]
+        share = max(1, tensor // mine)
+        return share, per_host // share
 
     @property
     def data_shards(self) -> int:
-        """How many distinct row blocks the processes read: processes of one cross-host
-        tensor group read the same rows."""
-        return self.dcn_shape[0] * self.dcn_shape[1]
+        """How many distinct row blocks the processes read: processes of one tensor group
+        (inside a host or across hosts) read the same rows."""
+        return self.hosts // self.dcn_shape[2] * self._in_host()[1]
 
     def data_shard(self, process: int) -> int:
-        """The row block of the global batch ``process`` reads: hybrid meshes put processes in
-        row-major order over (data, fsdp, tensor), so this is its (data, fsdp) position."""
-        return process // self.dcn_shape[2]
+        """The row block of the global batch ``process`` reads. The mesh puts hosts in
+        row-major order over (data, fsdp, tensor) and, inside a host, its processes in process
+        order row-major over the host's part: so the block is the host's (data, fsdp) position,
+        then the process's place among the host's row blocks."""
+        host = self.host_of(process)
+        place = sum(1 for p in range(process) if self.host_of(p) == host)
+        share, blocks = self._in_host()
+        return host // self.dcn_shape[2] * blocks + place // share
 
     @property
     def per_device_batch(self) -> int:
@@ -114,6 +137,16 @@ class MeshPlan:
         return (f"{self.global_batch} global = {self.per_device_batch_size} per replica x "
                 f"{self.dp * self.fsdp} replicas{accum}, seq_len {self.seq_len}; set by {given}")
 
+    def _hosts_row(self) -> str:
+        across = (f"data={self.dcn_shape[0]} x fsdp={self.dcn_shape[1]} x "
+                  f"tensor={self.dcn_shape[2]}")
+        mine = self.n_devices // self.processes
+        if self.hosts == self.processes:
+            return f"{self.processes} processes x {mine} devices; across processes: {across}"
+        hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+        return (f"{hosts} x {self.processes // self.hosts} processes x {mine} devices; across "
+                f"hosts: {across}")
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["mesh_axes"] = list(MESH_AXES)
@@ -121,6 +154,7 @@ class MeshPlan:
         out["n_devices"] = self.n_devices
         out["per_device_batch"] = self.per_device_batch
         out["local_shape"] = list(self.local_shape)
+        out["hosts"] = self.hosts
         out["per_device_batch_size"] = self.per_device_batch_size
         out["device_ids"] = list(self.device_ids)
         out["rules"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rules.items()}
@@ -135,10 +169,7 @@ class MeshPlan:
             ("batch", self._batch_row()),
             *([("lr", f"{self.peak_lr:.4g} peak (optimizer.lr_scaling={self.lr_scaling} at "
                       f"batch {self.global_batch})")] if self.peak_lr else []),
-            *([("hosts", f"{self.processes} processes x {self.n_devices // self.processes} "
-                          f"devices; across processes: data={self.dcn_shape[0]} x fsdp="
-                          f"{self.dcn_shape[1]} x tensor={self.dcn_shape[2]}")]
-              if self.processes > 1 else []),
+            *([("hosts", self._hosts_row())] if self.processes > 1 else []),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
         ]
         if self.padded_vocab != self.vocab_size:
@@ -209,21 +240,21 @@ def _shrink(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
     return sizes[0], sizes[1], sizes[2]
 
 
-def split_over_processes(dp: int, fsdp: int, tp: int, processes: int,
-                         allow_cross_host_tp: bool = False) -> tuple[int, int, int]:
-    """The part of (data, fsdp, tensor) that spans ``processes`` equal hosts: tensor stays
+def split_over_hosts(dp: int, fsdp: int, tp: int, hosts: int,
+                     allow_cross_host_tp: bool = False) -> tuple[int, int, int]:
+    """The part of (data, fsdp, tensor) that spans ``hosts`` equal hosts: tensor stays
     inside a host, fsdp takes what the host has left, data spans the hosts. Raises ConfigError
     for a layout whose tensor-parallel group would cross hosts (every layer's activation
     all-reduces over the network) unless allowed."""
-    local = dp * fsdp * tp // processes
+    local = dp * fsdp * tp // hosts
     if local % tp:
         where = (f"parallelism.tp={tp} puts each tensor-parallel group across "
-                 f"{-(-tp // local)} processes ({processes} processes x {local} devices), so "
+                 f"{-(-tp // local)} hosts ({hosts} hosts x {local} devices), so "
                  "every layer's all-reduces would cross the network")
         fits = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
         if not allow_cross_host_tp:
             raise ConfigError(f"{where}; use parallelism.tp from {fits} (the devices of one "
-                              "process), or set parallelism.allow_cross_host_tp=true")
+                              "host), or set parallelism.allow_cross_host_tp=true")
         if tp % local:
             raise ConfigError(f"{where}, and unevenly; use parallelism.tp from {fits} or a "
                               f"multiple of {local}")
@@ -233,18 +264,40 @@ def split_over_processes(dp: int, fsdp: int, tp: int, processes: int,
     data_in = inside // fsdp_in
     dcn = (dp // data_in, fsdp // fsdp_in, 1)
     if data_in > 1 and dcn[1] > 1:
-        # Each process would hold scattered rows of the batch; keep fsdp inside a host or
+        # Each host would hold scattered rows of the batch; keep fsdp inside a host or
         # make it span whole hosts.
         raise ConfigError(
-            f"parallelism.fsdp={fsdp} neither fits in one process's {inside} devices (after "
-            f"tp={tp}) nor spans whole processes; pick parallelism.fsdp dividing {inside} or "
+            f"parallelism.fsdp={fsdp} neither fits in one host's {inside} devices (after "
+            f"tp={tp}) nor spans whole hosts; pick parallelism.fsdp dividing {inside} or "
             f"a multiple of {inside}")
     return dcn
 
 
-def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1) -> MeshPlan:
+def group_by_host(process_hosts: tuple[int, ...], tp: int, host_tp: int, n: int) -> None:
+    """Check that the processes of each host (``process_hosts``: each process's host) can
+    share its part of the mesh: the same number on every host, and each holding whole tensor
+    groups (``host_tp`` wide inside a host) or an equal part of one. Raises ConfigError."""
+    processes, hosts = len(process_hosts), max(process_hosts) + 1
+    counts = [process_hosts.count(h) for h in range(hosts)]
+    if len(set(counts)) > 1:
+        raise ConfigError(
+            f"the {processes} processes are spread unevenly over {hosts} hosts ({counts} "
+            "processes); start the same number of processes on every host (DXRUN_HOSTNAME "
+            "names the host a process declares)")
+    mine = n // processes
+    if mine % host_tp and host_tp % mine:
+        raise ConfigError(
+            f"parallelism.tp={tp} neither fits in one process's {mine} devices nor spans whole "
+            f"processes ({counts[0]} per host x {mine} devices); pick parallelism.tp dividing "
+            f"{mine} or a multiple of it")
+
+
+def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1,
+              process_hosts: tuple[int, ...] | None = None) -> MeshPlan:
     """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
-    processes) and check the model and batch fit.
+    processes; ``process_hosts``: the host of each, None = each process its own host) and
+    check the model and batch fit. Tensor and fsdp groups stay inside a host (whose processes
+    may share them); data spans the hosts.
 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
@@ -280,8 +333,12 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
             f"parallelism.on_mismatch=shrink: dp*fsdp*tp={'*'.join(map(str, old))} does not fit "
             f"{n} devices; using dp={dp} fsdp={fsdp} tp={tp} on {dp * fsdp * tp} devices"
         )
-    dcn = (split_over_processes(dp, fsdp, tp, processes, par.allow_cross_host_tp)
-           if processes > 1 else (1, 1, 1))
+    hosts_of = tuple(process_hosts) if process_hosts and processes > 1 else ()
+    hosts = max(hosts_of) + 1 if hosts_of else processes
+    dcn = (split_over_hosts(dp, fsdp, tp, hosts, par.allow_cross_host_tp)
+           if hosts > 1 else (1, 1, 1))
+    if hosts_of and hosts < processes:
+        group_by_host(hosts_of, tp, tp // dcn[2], dp * fsdp * tp)
     replicas = dp * fsdp
     accum = cfg.train.grad_accum if "train" in cfg else 1
     batch = global_batch(data, replicas, accum)
@@ -329,4 +386,5 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         vocab_align=vocab_align(platform, par.vocab_align),
         processes=processes,
         dcn_shape=dcn,
+        process_hosts=hosts_of if hosts < processes else (),
     )

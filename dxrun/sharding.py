@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,12 +28,29 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvar
 )
 
 
+def host_grid(plan: MeshPlan, process_of: Sequence[int]) -> np.ndarray:
+    """Indices into the devices (``process_of``: each device's process) laid out as the
+    plan's mesh: each host's devices, its processes in process order, fill the local part of
+    every axis (``plan.local_shape``, row-major), and the hosts, in order, the outer part
+    (``plan.dcn_shape``), as JAX's ``create_hybrid_device_mesh`` does with processes as
+    granules, except that a granule is a host, which may run several processes."""
+    order = sorted(range(len(process_of)),
+                   key=lambda i: (plan.host_of(process_of[i]), process_of[i]))
+    per_host = plan.n_devices // plan.hosts
+    grid = np.empty(plan.shape, dtype=np.int64)
+    ld, lf, lt = plan.local_shape
+    for h in range(plan.hosts):
+        hd, hf, ht = np.unravel_index(h, plan.dcn_shape)
+        grid[hd * ld:(hd + 1) * ld, hf * lf:(hf + 1) * lf, ht * lt:(ht + 1) * lt] = np.reshape(
+            order[h * per_host:(h + 1) * per_host], plan.local_shape)
+    return grid
+
+
 def mesh_from_plan(plan: MeshPlan) -> Mesh:
     if plan.processes > 1:
-        # JAX's hybrid helper: each process's devices form the local part of every axis, the
-        # processes (in process order) the outer part (plan.dcn_shape).
-        grid = mesh_utils.create_hybrid_device_mesh(
-            plan.local_shape, plan.dcn_shape, jax.devices(), process_is_granule=True)
+        devices = jax.devices()
+        grid = np.array(devices, dtype=object)[
+            host_grid(plan, [d.process_index for d in devices])]
     else:
         devices = jax.devices()
         grid = np.array([devices[i] for i in plan.device_ids]).reshape(plan.shape)

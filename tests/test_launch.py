@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_cfg, run_cli
+from conftest import ROOT, make_cfg, run_cli
 
 from dxrun.checkpoint import committed_steps
 from dxrun.launch import free_port
@@ -37,12 +37,14 @@ def _env() -> dict[str, str]:
 NO_CACHE = "runtime.compile_cache=null"
 
 
-def launch(cwd: Path, *overrides: str, nproc: int = 2, timeout: int = 300,
-           ) -> subprocess.CompletedProcess:
+def launch(cwd: Path, *overrides: str, nproc: int = 2, timeout: int = 300, hosts: int = 1,
+           devices: int = 8) -> subprocess.CompletedProcess:
+    """``nproc`` processes of ``devices // nproc`` simulated devices each, declaring ``hosts``
+    hosts (1: all on this one)."""
     return subprocess.run(
         [sys.executable, "-m", "dxrun.launch", "--nproc", str(nproc), "--devices-per-proc",
-         str(8 // nproc), "--", NO_CACHE, *overrides], cwd=cwd, env=_env(),
-        capture_output=True, text=True, timeout=timeout)
+         str(devices // nproc), "--hosts", str(hosts), "--", NO_CACHE, *overrides], cwd=cwd,
+        env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -70,7 +72,9 @@ def one_process(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("two")
-    proc = launch(cwd, *COMMON, "parallelism=dp4_tp2", "logger=wandb", "hydra.run.dir=run")
+    # Two hosts (declared): the mesh spans them as on two nodes.
+    proc = launch(cwd, *COMMON, "parallelism=dp4_tp2", "logger=wandb", "hydra.run.dir=run",
+                  hosts=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd / "run", proc
 
@@ -85,18 +89,23 @@ def test_two_processes_train_like_one(one_process, two_processes):
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert (plan["processes"], plan["dcn_shape"], plan["local_shape"]) == (2, [2, 1, 1],
-                                                                          [2, 1, 2])
+    assert (plan["processes"], plan["hosts"], plan["dcn_shape"], plan["local_shape"]) == (
+        2, 2, [2, 1, 1], [2, 1, 2])
     assert "joined a 2-process run as process 1" in (run_dir / "dxrun.1.log").read_text()
     # The progress lines come once, from process 0.
     assert proc.stdout.count("step 6/6") == 1 and "[rank 0]" in proc.stdout
 
 
-def test_two_processes_dp8(tmp_path):
-    proc = launch(tmp_path, *COMMON, "train.steps=3", "parallelism=dp8", "logger=none",
-                  "hydra.run.dir=run")
+def test_four_processes_of_one_host_share_tensor_groups(tmp_path):
+    """4 processes x 2 devices on one host with tp=4: each tensor group spans 2 processes of
+    the host (no network between them), and the run trains like dp2_tp4 in one process."""
+    proc = launch(tmp_path, *COMMON, "train.steps=3", "parallelism.tp=4", "logger=none",
+                  "hydra.run.dir=run", nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want = in_process(tmp_path / "ref", "train.steps=3", "parallelism=dp8")
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["mesh_shape"], plan["processes"], plan["hosts"], plan["dcn_shape"]) == (
+        [2, 1, 4], 4, 1, [1, 1, 1])
+    want = in_process(tmp_path / "ref", "train.steps=3", "parallelism=dp2_tp4")
     assert_same(losses(tmp_path / "run"), want, range(1, 4))
 
 
@@ -116,15 +125,44 @@ def test_checkpoint_of_one_process_resumes_in_two(one_process, tmp_path):
 
 def test_a_tensor_group_across_processes_is_refused(tmp_path):
     # (an indivisible batch and the other refusals: test_distributed.py, without processes)
-    message = ("parallelism.tp=8 puts each tensor-parallel group across 2 processes (2 "
-               "processes x 4 devices)")
+    message = ("parallelism.tp=8 puts each tensor-parallel group across 2 hosts (2 "
+               "hosts x 4 devices)")
     proc = launch(tmp_path, "logger=none", "parallelism=tp8", "distributed.init_timeout_s=60",
-                  timeout=180)
+                  timeout=180, hosts=2)
     assert proc.returncode == 2, proc.stderr[-2000:]
     for rank in (0, 1):
         assert f"[rank {rank}] dxrun: error: {message}" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
+
+
+def documented(path: str, command: str) -> list[str]:
+    """The overrides of the example ``command ...`` line in the comments of ``path``."""
+    lines = (ROOT / path).read_text().splitlines()
+    i = next(i for i, x in enumerate(lines) if command in x)
+    text = lines[i]
+    while text.endswith("\\"):  # a continued line
+        i += 1
+        text = text[:-1] + lines[i].lstrip("# ")
+    words = text.split(command)[1].partition(" #")[0].split()
+    return [w for w in words if w.startswith(("model", "parallelism"))]  # the layout
+
+
+def test_the_documented_multi_node_commands_plan(tmp_path):
+    """The 2-node recipes (sbatch, submitit) as 2 processes x 8 simulated devices declaring 2
+    hosts, in plan mode (compile only): data=8 x tensor=2, the tensor pairs inside a host."""
+    sbatch = documented("experiments/slurm_multinode.sbatch", "slurm_multinode.sbatch")
+    submitit = documented("conf/hydra/launcher/slurm_multinode.yaml", "hydra/launcher=slurm_multinode")
+    assert sbatch == submitit == ["model=large", "parallelism=dp4_tp2"]
+    assert documented("README.md", "slurm_multinode.sbatch") == sbatch
+    assert documented("README.md", "python -m dxrun -m hydra/launcher=slurm_multinode") == sbatch
+    proc = launch(tmp_path, *sbatch, "run.mode=plan", "plan.target=h100", "logger=none",
+                  "hydra.run.dir=run", hosts=2, devices=16)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["mesh_shape"], plan["processes"], plan["hosts"], plan["dcn_shape"],
+            plan["local_shape"]) == ([8, 1, 2], 2, 2, [2, 1, 1], [4, 1, 2])
+    assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 
 def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,

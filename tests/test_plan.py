@@ -16,6 +16,21 @@ PRESETS = {
 }
 
 
+# The presets with a model axis infer data parallelism (dp=-1, n_devices=0): their name is their
+# 8-device layout, and on more devices (2 nodes x 8 GPUs) they add data replicas.
+ON_16 = {"dp4_tp2": (8, 1, 2), "dp2_tp4": (4, 1, 4), "dp2_fsdp2_tp2": (4, 2, 2),
+         "fsdp8": (2, 8, 1), "tp8": (2, 1, 8), "auto": (16, 1, 1)}
+
+
+def test_model_axis_presets_add_data_replicas_on_more_devices(cfg_factory):
+    for preset, shape in ON_16.items():
+        cfg = cfg_factory(f"parallelism={preset}", "model.n_heads=8", "model.n_kv_heads=8",
+                          "data.batch_size=16")
+        assert make_plan(cfg, 16).shape == shape, preset
+    # On 4 devices dp4_tp2 is 2 replicas of the same 2-way tensor-parallel model.
+    assert make_plan(cfg_factory("parallelism=dp4_tp2"), 4).shape == (2, 1, 2)
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_resolves_on_8_devices(cfg_factory, preset):
     cfg = cfg_factory(f"parallelism={preset}", "model.n_heads=8", "model.n_kv_heads=8")
@@ -39,7 +54,7 @@ def test_n_devices_takes_the_first_k(cfg_factory):
 
 
 def test_shrink_uses_largest_mesh_that_fits_and_warns(cfg_factory):
-    cfg = cfg_factory("parallelism=dp4_tp2", "parallelism.n_devices=4",
+    cfg = cfg_factory("parallelism=dp4_tp2", "parallelism.dp=4", "parallelism.n_devices=4",
                       "parallelism.on_mismatch=shrink")
     plan = make_plan(cfg, 8)
     assert plan.shape == (2, 1, 2)
@@ -48,7 +63,9 @@ def test_shrink_uses_largest_mesh_that_fits_and_warns(cfg_factory):
 
 @pytest.mark.parametrize("overrides, needles", [
     (["parallelism.n_devices=16"], ["parallelism.n_devices=16", "8", "runtime.cpu_devices"]),
-    (["parallelism=dp4_tp2", "parallelism.n_devices=4"], ["4*1*2", "on_mismatch=shrink"]),
+    # dp4_tp2 infers dp (2 on 4 devices); a fixed dp that does not fit is the mismatch.
+    (["parallelism=dp4_tp2", "parallelism.dp=4", "parallelism.n_devices=4"],
+     ["4*1*2", "on_mismatch=shrink"]),
     (["data.batch_size=30"], ["data.batch_size=30", "dp*fsdp=8", "multiple of 8"]),
     (["parallelism=tp8"], ["model.n_heads=4", "parallelism.tp=8"]),
     (["parallelism=tp2", "model=tiny_llama", "model.n_kv_heads=1"],
@@ -60,7 +77,7 @@ def test_shrink_uses_largest_mesh_that_fits_and_warns(cfg_factory):
     (["parallelism.tp=3"], ["parallelism.tp=3", "8 devices", "pick parallelism.tp from 1, 2, 4, 8"]),
     (["parallelism.fsdp=2", "parallelism.tp=3"],
      ["parallelism.fsdp=2 x parallelism.tp=3", "8 devices"]),
-    (["parallelism=dp4_tp2", "parallelism.n_devices=4"],
+    (["parallelism=dp4_tp2", "parallelism.dp=4", "parallelism.n_devices=4"],
      ["parallelism=dp4_tp2", "parallelism.dp=4", "tp=2", "parallelism.n_devices=4"]),
 ])
 def test_impossible_meshes_say_what_to_change(cfg_factory, overrides, needles):
