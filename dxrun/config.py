@@ -162,7 +162,8 @@ class PlanConfig:
     # The accelerator plan mode estimates for (dxrun/plan_mode.py: TARGETS); null = the
     # devices this process sees.
     target: str | None = None
-    # The checkpoint write bandwidth (GB/s) plan mode assumes when it costs a save.
+    # The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes when it
+    # costs a save (1: a shared filesystem from one client; local NVMe does several).
     write_gb_per_s: float = 1.0
 
 
