@@ -106,8 +106,9 @@ def main(cfg: DictConfig) -> Any:
             from dxrun.batch import resolve_batch
             from dxrun.experiment import visible_devices
             from dxrun.plan import make_plan
-            from dxrun.plan_mode import run_plan
+            from dxrun.plan_mode import resolve_plan_seq_len, run_plan
 
+            resolve_plan_seq_len(cfg, jax.default_backend())  # data.seq_len=null: the target's
             plan = make_plan(cfg, *visible_devices())
             resolve_batch(cfg, plan)  # the saved config holds the global batch too
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))

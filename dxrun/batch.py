@@ -8,6 +8,11 @@ devices"). Hydra cannot tell a default from a value the user typed, so ``data.ba
 defaults to ``${default_batch:${data.per_device_batch_size}}``: 32 when no per-device batch is
 given, null when one is; a ``data.batch_size`` that is not null beside a per-device batch was set
 on purpose and is refused (``check_batch_keys``).
+
+The sequence length is the batch's other dimension. ``data.seq_len: null`` (the default of the
+real-data presets, ``data=text`` and ``data=tokens``) is the model's context on an accelerator
+and 64 on CPU (``default_seq_len``): 64-token windows keep the CPU run quick, and on a GPU they
+would leave it launch- and all-reduce-bound (model=large: 512 tokens per GPU per step).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from dxrun.errors import ConfigError
 
 DEFAULT_BATCH = 32
+CPU_SEQ_LEN = 64  # data.seq_len=null on CPU (capped by model.max_seq_len)
 GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
 
 
@@ -53,10 +59,20 @@ def global_batch(data: Any, replicas: int, grad_accum: int) -> int:
     return data.batch_size
 
 
+def default_seq_len(seq_len: int | None, max_seq_len: int, platform: str) -> int:
+    """``data.seq_len``, or for null the platform's default: the model's whole context
+    (``model.max_seq_len``) on an accelerator, ``CPU_SEQ_LEN`` (at most the context) on CPU."""
+    if seq_len is not None:
+        return int(seq_len)
+    return min(CPU_SEQ_LEN, max_seq_len) if platform == "cpu" else int(max_seq_len)
+
+
 def resolve_batch(cfg: Any, plan: Any) -> None:
-    """Write the plan's global batch into ``cfg.data.batch_size``: the data, the optimizer, the
-    checkpoints, the run name and the saved config all read the number the mesh gave."""
+    """Write the plan's global batch and sequence length into ``cfg.data``: the data, the
+    optimizer, the checkpoints, the run name and the saved config all read the numbers the mesh
+    and the platform gave."""
     cfg.data.batch_size = plan.global_batch
+    cfg.data.seq_len = plan.seq_len
 
 
 def scaled_lr(opt: Any, batch_size: int) -> float:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from omegaconf import OmegaConf
 
 from dxrun.distributed import gather, is_main
 from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
+from dxrun.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState
 from dxrun.vocab_padding import leaf_key, restore_args
@@ -441,17 +443,23 @@ class Checkpointer:
         self.directory = directory
         self.manager = _manager(directory, keep)
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> Path:
-        """Start saving ``state`` after step ``step``; returns at once the disk writes begin."""
+    def save(self, step: int, state: TrainState, meta: dict[str, Any]
+             ) -> tuple[Path, float | None]:
+        """Start saving ``state`` after step ``step``; returns, once the disk writes begin,
+        the checkpoint's path and how long the save held the loop (None: saved already)."""
         path = self.directory / str(step)
         if step in self.manager.all_steps():
-            return path  # already saved (e.g. the step this run resumed from)
+            return path, None  # already saved (e.g. the step this run resumed from)
         # Wait for the state's steps to finish: Orbax then copies settled shards, and the host
-        # never runs more than MAX_IN_FLIGHT steps ahead of the device (see step.py).
+        # never runs more than MAX_IN_FLIGHT steps ahead of the device (see step.py). That
+        # wait is the steps' own time, not the save's: the clock starts after it.
         jax.block_until_ready(state)
+        t = time.perf_counter()
+        # Blocks for the previous save's writes when they are still running, and for the copy
+        # of this state to host memory.
         self.manager.save(step, force=True, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state._asdict()), META: ocp.args.JsonSave(meta)}))
-        return path
+        return path, time.perf_counter() - t
 
     def wait(self) -> None:
         """Block until the last save is committed (renamed into place)."""
@@ -461,19 +469,40 @@ class Checkpointer:
         self.manager.close()
 
 
+NOTICEABLE_BLOCK_S = 0.5  # a save that holds the loop less is never warned about
+
+
+def time_due(now: float, last_save: float, every_s: float) -> bool:
+    """The wall-clock cadence (``checkpoint.every_minutes``): a save is due when ``every_s``
+    seconds (> 0; 0 = off) have passed since the last save (or the start)."""
+    return every_s > 0 and now - last_save >= every_s
+
+
 class RunCheckpoints:
-    """What the train loop does between two steps: save when due (``checkpoint.every``, the last
-    step, SIGUSR1), stop after a committed save on SIGTERM/SIGINT, and halt on a non-finite
-    step (``train.nan_policy=halt``). The finiteness flag is read only where the host waits
-    anyway (log and save steps), so a halt reports the exact first bad step, at the next of
-    those, without a save of the bad state."""
+    """What the train loop does between two steps: save when due (``checkpoint.every`` steps,
+    ``checkpoint.every_minutes`` of wall clock, the last step, SIGUSR1), stop after a committed
+    save on SIGTERM/SIGINT, and halt on a non-finite step (``train.nan_policy=halt``). The
+    finiteness flag is read only where the host waits anyway (log and save steps), so a halt
+    reports the exact first bad step, at the next of those, without a save of the bad state.
+
+    A save's cost to the loop (``Checkpointer.save``'s blocking time) is kept until the loop's
+    next metrics row takes it (``take_blocks``: ``perf/checkpoint_block_s``) and in total; above
+    ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous save, one warning names a cadence that
+    costs less. With several processes a wall-clock save goes through the same agreement as a
+    signal (``ProcessAgreement``): every process saves at the same step, whichever clock said so."""
 
     def __init__(self, cfg: Any, run_dir: Path, start: int, meta: dict[str, Any],
                  iterator: Any, logger: Any, preemption: Preemption,
                  tokens: Callable[[int], int] | None = None,
-                 relaunch: str | None = None):
+                 relaunch: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.start = start  # the step this attempt began at: saved already, or the init
         self.every, self.log_every = cfg.checkpoint.every, cfg.train.log_every
+        self.every_s = 60.0 * cfg.checkpoint.every_minutes
+        self.clock = clock  # time.monotonic; a test passes its own
+        self.last_save_t = clock()
+        self.block_total_s, self.saves = 0.0, 0
+        self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
+        self.warned_cost = False
         self.halt = cfg.train.nan_policy == "halt"
         # Every checkpoint names the run that wrote it (evaluation writes its results there).
         self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
@@ -490,19 +519,24 @@ class RunCheckpoints:
 
     def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
         """After step ``done`` (the iterator has given exactly ``done`` batches)."""
-        stop, asked = self.preemption.stop, self.preemption.take_save()
+        stop, signalled = self.preemption.stop, self.preemption.take_save()
+        ran = done > self.start
+        timed = ran and time_due(self.clock(), self.last_save_t, self.every_s)
+        asked = signalled or timed
         if self.agreement is not None:
             stop, asked = self.agreement(done, stop, asked)
-        ran = done > self.start
-        due = ran and bool(self.every) and (done % self.every == 0 or last)
+        cadence = bool(self.every) or self.every_s > 0
+        due = ran and ((bool(self.every) and done % self.every == 0) or (last and cadence))
         if due or stop or asked:
             self._check_finite(done, state)
             meta = {**self.meta, "step": done, "data": self.iterator.get_state(),
                     "wandb_id": self.logger.run_id}
             if self.tokens is not None:
                 meta["tokens_seen"] = self.tokens(done)
-            self.last_saved = self.saver.save(done, state, meta)
-            if asked and not stop:
+            self.last_saved, block_s = self.saver.save(done, state, meta)
+            if block_s is not None:
+                self._count(block_s)
+            if signalled and not stop:
                 log.info("SIGUSR1: saving checkpoint %s; training goes on", self.last_saved)
         elif ran and (done % self.log_every == 0 or last):
             self._check_finite(done, state)
@@ -511,6 +545,30 @@ class RunCheckpoints:
             log.info("%s: stopped at step %d; checkpoint %s committed. Resume with: %s", stop,
                      done, self.last_saved, self.relaunch or "the same command and run dir")
             raise Stopped(stop, done, self.last_saved, self.relaunch)
+
+    def _count(self, block_s: float) -> None:
+        """One save held the loop ``block_s``: record it, and warn once when saves cost more
+        than ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous one."""
+        now = self.clock()
+        since = now - self.last_save_t
+        self.last_save_t = now
+        self.unlogged.append(block_s)
+        self.block_total_s += block_s
+        self.saves += 1
+        # A small state's saves (tens of ms: the tiny models on CPU) are not worth a warning
+        # whatever their share; the first save's interval holds the compile: not judged.
+        over = block_s > MAX_CHECKPOINT_OVERHEAD * since and block_s >= NOTICEABLE_BLOCK_S
+        if self.saves > 1 and over and not self.warned_cost:
+            self.warned_cost = True
+            log.warning("checkpoint saves hold the loop %.2f s every %.1f s (%.0f%% of the "
+                        "run, above %.0f%%); save less often: checkpoint.every=0 "
+                        "checkpoint.every_minutes=%d", block_s, since, 100 * block_s / since,
+                        100 * MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead(block_s))
+
+    def take_blocks(self) -> list[float]:
+        """The blocking times of the saves since the last call."""
+        taken, self.unlogged = self.unlogged, []
+        return taken
 
     def _check_finite(self, done: int, state: TrainState) -> None:
         if not self.halt:

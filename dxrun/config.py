@@ -17,7 +17,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from dxrun.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_batch
+from dxrun.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_batch, default_seq_len
 from dxrun.errors import ConfigError
 
 
@@ -69,7 +69,9 @@ class DataConfig:
     batch_size: int | None = "${default_batch:${data.per_device_batch_size}}"  # type: ignore[assignment]
     # Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.
     per_device_batch_size: int | None = None
-    seq_len: int = 64
+    # null = the platform's default: model.max_seq_len on an accelerator, 64 on CPU
+    # (batch.default_seq_len); data=text and data=tokens default to it.
+    seq_len: int | None = 64
     seed: int = 0
     # The vocabulary this data suggests; the small model presets follow it (${data.vocab_size}).
     vocab_size: int = 64
@@ -125,6 +127,9 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 100  # save every this many steps (and at the last step); 0 = never
+    # Also save when this many minutes have passed since the last save (0 = off): bounds the
+    # work lost and, for a large state at fast steps, the time spent saving (plan mode shows it).
+    every_minutes: float = 0.0
     keep: int = 3  # the newest this many are kept
     dir: str | None = None  # None = <run dir>/checkpoints
     resume: str = "auto"  # auto | none | <path to a checkpoints dir or one step dir>
@@ -157,6 +162,9 @@ class PlanConfig:
     # The accelerator plan mode estimates for (dxrun/plan_mode.py: TARGETS); null = the
     # devices this process sees.
     target: str | None = None
+    # The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes when it
+    # costs a save (1: a shared filesystem from one client; local NVMe does several).
+    write_gb_per_s: float = 1.0
 
 
 @dataclass
@@ -355,13 +363,15 @@ RANGES: dict[str, Range] = {
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
     "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
+    "checkpoint.every_minutes": NON_NEGATIVE,  # 0 = off
+    "plan.write_gb_per_s": POSITIVE,
     "checkpoint.keep": Range(1),
     "distributed.init_timeout_s": POSITIVE, "distributed.heartbeat_timeout_s": POSITIVE,
     "data.seed": NON_NEGATIVE, "train.seed": NON_NEGATIVE,  # PRNG seeds
     "distributed.num_processes": POSITIVE, "distributed.process_id": NON_NEGATIVE,
 }
 # Keys whose null means "not given" (a range applies only to a value).
-NULLABLE = ("distributed.num_processes", "distributed.process_id")
+NULLABLE = ("distributed.num_processes", "distributed.process_id", "data.seq_len")
 
 # The integer and float keys of the schema that RANGES leaves out, and why: every numeric key is
 # in one of the two (a test walks the schema).
@@ -509,10 +519,10 @@ def validate(cfg: Any) -> None:
         group, _, name = key.partition(".")
         if value is None and key in (GLOBAL, PER_DEVICE):
             continue  # the one of the two not given (check_batch_keys)
-        if value is None and group == "data" and cfg.data.name not in DATA_SOURCE_KEYS[name]:
-            continue  # a key this source does not read
         if value is None and key in NULLABLE:
             continue
+        if value is None and group == "data" and cfg.data.name not in DATA_SOURCE_KEYS[name]:
+            continue  # a key this source does not read
         if value is None or value not in r:
             raise ConfigError(f"{key}={value} is outside its range {r}; {_range_fix(key, r)}")
     peak = cfg.runtime.peak_tflops
@@ -555,7 +565,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(
             f"model.pos=rope needs an even head dim, got d_model/n_heads={m.d_model // m.n_heads}"
         )
-    if d.seq_len > m.max_seq_len:
+    if d.seq_len is not None and d.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
@@ -585,7 +595,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(
             f"data.order={d.order} with {symbols} symbols makes {symbols**d.order:,} contexts; "
             "lower data.order or data.symbols (at most 4M contexts)")
-    if d.seq_len <= d.order:
+    # null: the shortest it can resolve to (the CPU default) must still exceed the order.
+    if default_seq_len(d.seq_len, m.max_seq_len, "cpu") <= d.order:
         raise ConfigError(f"data.seq_len={d.seq_len} must exceed data.order={d.order}")
 
 

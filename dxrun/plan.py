@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dxrun.batch import GLOBAL, PER_DEVICE, batch_set_by, global_batch, scaled_lr
+from dxrun.batch import GLOBAL, PER_DEVICE, batch_set_by, default_seq_len, global_batch, scaled_lr
 from dxrun.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -378,7 +378,7 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         batch_set_by=batch_set_by(data),
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
-        seq_len=data.seq_len,
+        seq_len=default_seq_len(data.seq_len, model.max_seq_len, platform),
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,

@@ -30,8 +30,13 @@ log = logging.getLogger("dxrun")
 
 GB = 1e9
 GiB = 2**30
-USABLE = 0.9  # of an accelerator's memory; the rest is XLA's and the runtime's own
+USABLE = 0.9  # of a TPU's memory (or a GPU's without a pool); the rest is the runtime's own
 USABLE_CPU = 0.8  # of the host's RAM: the OS, Python and the data pipeline need the rest
+# JAX's GPU client pools this fraction of each GPU's memory (the BFC allocator's bytes_limit,
+# which the preflight reads), preallocated or not: jaxlib's xla_client.py and JAX's "GPU memory
+# allocation" page.
+JAX_GPU_FRACTION = 0.75
+MEM_FRACTION_KEYS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 @dataclass(frozen=True)
@@ -166,19 +171,68 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
     return f1 + (n - 1) * (f2 - f1), b1 + (n - 1) * (b2 - b1)
 
 
-def usable_bytes(target: Target) -> float:
+@dataclass(frozen=True)
+class Usable:
+    """The share of a device's memory a run gets, and where that figure comes from."""
+
+    fraction: float
+    source: str
+
+
+def gpu_memory_fraction(env: Any) -> Usable:
+    """The share of each GPU's memory JAX's allocator will give a run started with ``env`` (the
+    process environment): the fraction it pools (``XLA_CLIENT_MEM_FRACTION``, or the deprecated
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``; 75% unset). ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+    grows the pool on demand up to the same limit, so it changes nothing here;
+    ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool (cudaMalloc per buffer): the device's
+    memory less what the CUDA context and libraries keep (``USABLE``)."""
+    if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower() == "platform":
+        return Usable(USABLE, "XLA_PYTHON_CLIENT_ALLOCATOR=platform: no pool, the rest is the "
+                              "CUDA context's")
+    given = [k for k in MEM_FRACTION_KEYS if env.get(k)]
+    if len(given) == 2:  # jaxlib refuses the pair when the client starts
+        raise ConfigError(f"{given[0]} and {given[1]} are both set (JAX refuses that); unset "
+                          f"{given[1]}, the deprecated name")
+    if not given:
+        return Usable(JAX_GPU_FRACTION, "JAX's default; raise it with "
+                                        "XLA_PYTHON_CLIENT_MEM_FRACTION=.9")
+    key, value = given[0], env[given[0]]
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"{key}={value} is not a fraction of the GPU's memory; set it in "
+                          "(0, 1], e.g. .9, or unset it for JAX's 0.75")
+    return Usable(fraction, f"{key}={value}")
+
+
+def usable_share(target: Target, env: Any = None) -> Usable:
+    """The share of ``target``'s memory a plan may use: JAX's pool on a GPU (from ``env``,
+    default this process's environment), ``USABLE`` on a TPU, ``USABLE_CPU`` of a host's RAM."""
+    if target.device_kind == "cpu":
+        return Usable(USABLE_CPU, "of the host's available RAM")
+    if target.device_kind.startswith("NVIDIA"):
+        return gpu_memory_fraction(os.environ if env is None else env)
+    return Usable(USABLE, "the rest is the runtime's own")
+
+
+def usable_bytes(target: Target, env: Any = None) -> float:
     """What a plan may use of one device's memory."""
-    return target.memory_bytes * (USABLE_CPU if target.device_kind == "cpu" else USABLE)
+    return target.memory_bytes * usable_share(target, env).fraction
 
 
 def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flops: float,
              tokens: int, n_devices: int, precision: str) -> dict[str, Any]:
     """Fit and roofline for one target (per device; labelled as an estimate)."""
-    usable = usable_bytes(target)
+    share = usable_share(target)
+    usable = target.memory_bytes * share.fraction
     out: dict[str, Any] = {
         "target": target.name,
         "memory_per_device_gb": target.memory_bytes / GB,
         "usable_per_device_gb": usable / GB,
+        "usable_fraction": share.fraction,
+        "usable_source": share.source,
         "needs_per_device_gb": fp.total_bytes / GB,
         "fits": fp.total_bytes <= usable,
         "headroom_gb": (usable - fp.total_bytes) / GB,
@@ -199,6 +253,69 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
         "mfu": model_flops / n_devices / step / (peak_tflops * 1e12),
     })
     return out
+
+
+# --- checkpoint cost -------------------------------------------------------------------------
+
+MAX_CHECKPOINT_OVERHEAD = 0.02  # of the run's time: above it plan mode and the run warn
+
+
+def checkpoint_interval_s(every_steps: int, every_minutes: float,
+                          step_time_s: float | None) -> float | None:
+    """Seconds between two saves: the step cadence at ``step_time_s`` or the wall-clock one,
+    whichever comes first; None when neither is known (no cadence, or no step time)."""
+    options = [60.0 * every_minutes] if every_minutes > 0 else []
+    if every_steps > 0 and step_time_s:
+        options.append(every_steps * step_time_s)
+    return min(options) if options else None
+
+
+def minutes_for_overhead(save_s: float, overhead: float = MAX_CHECKPOINT_OVERHEAD) -> int:
+    """The shortest whole-minute wall-clock cadence at which a save of ``save_s`` seconds costs
+    at most ``overhead`` of the run."""
+    return max(1, math.ceil(save_s / overhead / 60))
+
+
+def checkpoint_cost(state_bytes: float, write_bytes_per_s: float, every_steps: int,
+                    every_minutes: float, step_time_s: float | None) -> dict[str, Any]:
+    """What a save of the whole train state costs at the assumed write bandwidth, and its
+    share of the run at the configured cadence. Counted as if the whole write blocked the loop:
+    Orbax's copy to host does, and the background write does too whenever the next save comes
+    before it finished, so this errs high, like the roofline."""
+    save_s = state_bytes / write_bytes_per_s
+    interval = checkpoint_interval_s(every_steps, every_minutes, step_time_s)
+    overhead = save_s / interval if interval else None
+    return {
+        "every_steps": every_steps, "every_minutes": every_minutes,
+        "state_bytes": state_bytes, "write_bytes_per_s": write_bytes_per_s, "save_s": save_s,
+        "interval_s": interval, "overhead": overhead,
+        "too_costly": overhead is not None and overhead > MAX_CHECKPOINT_OVERHEAD,
+        "suggest_every_minutes": minutes_for_overhead(save_s),
+    }
+
+
+def checkpoint_line(c: dict[str, Any]) -> str:
+    """The plan table's checkpoint row: the save's cost and, when too costly, the fix."""
+    every_steps, every_minutes = c["every_steps"], c["every_minutes"]
+    head = (f"{_gb(c['state_bytes'])} per save, ~{c['save_s']:.1f} s at "
+            f"{c['write_bytes_per_s'] / GB:g} GB/s (plan.write_gb_per_s)")
+    cadence = " and ".join(filter(None, [f"every {every_steps} steps" if every_steps else "",
+                                         f"every {every_minutes:g} min" if every_minutes else ""]))
+    if c["overhead"] is None:
+        return f"{head}; {cadence or 'no cadence (checkpoint.every=0)'}"
+    text = (f"{head}; {cadence} = a save every {c['interval_s']:.1f} s: "
+            f"{100 * c['overhead']:.1f}% of the run")
+    if c["too_costly"]:
+        text += (f", above {100 * MAX_CHECKPOINT_OVERHEAD:.0f}%: set checkpoint.every=0 "
+                 f"checkpoint.every_minutes={c['suggest_every_minutes']}")
+    return text
+
+
+def state_bytes(state: Any) -> float:
+    """Bytes of the whole train state (every array once, as a checkpoint holds it)."""
+    import jax
+
+    return float(sum(x.dtype.itemsize * math.prod(x.shape) for x in jax.tree.leaves(state)))
 
 
 def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
@@ -364,6 +481,9 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
         "compile_s": compile_s,
         "target": est,
     }
+    ck = cfg.checkpoint
+    report["checkpoint"] = checkpoint_cost(state_bytes(state), cfg.plan.write_gb_per_s * GB,
+                                           ck.every, ck.every_minutes, est.get("step_time_s"))
     if not est["fits"]:
         report["suggestion"] = first_that_fits(cfg, usable_bytes(target), exp.plan.n_visible,
                                                exp.plan.platform)
@@ -380,8 +500,9 @@ def plan_table(report: dict[str, Any]) -> str:
         ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step"),
         ("collectives", ", ".join(f"{k} x{int(v['count'])} ({_gb(v['bytes'])}/step)"
                                   for k, v in sorted(report["collectives"].items())) or "none"),
-        ("target", f"{t['target']}: {t['memory_per_device_gb']:.1f} GB per device, "
-                   f"{t['usable_per_device_gb']:.1f} GB usable"),
+        ("target", f"{t['target']}: {t['memory_per_device_gb']:.1f} GB per device, usable "
+                   f"{100 * t['usable_fraction']:.0f}% = {t['usable_per_device_gb']:.1f} GB "
+                   f"({t['usable_source']})"),
         ("fits", f"{'yes' if t['fits'] else 'NO'}: needs {t['needs_per_device_gb']:.2f} GB, "
                  f"headroom {t['headroom_gb']:.2f} GB"),
     ]
@@ -392,6 +513,8 @@ def plan_table(report: dict[str, Any]) -> str:
                                  f"{t['collective_s'] * 1e3:.1f} ms), "
                                  f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.0f}%"
                                  f" ({t['precision']}, peak {t['peak_tflops']:g} TFLOP/s)"))
+    if "checkpoint" in report:
+        rows.append(("checkpoint", checkpoint_line(report["checkpoint"])))
     if not t["fits"]:
         s = report.get("suggestion")
         rows.append(("suggestion", " ".join(s) if s else "no candidate fits; a larger mesh"))
@@ -412,4 +535,24 @@ def run_plan(cfg: Any, run_dir: Any, plan: Any) -> dict[str, Any]:
     report = plan_report(cfg, exp)
     write_json(run_dir / "plan.json", {**plan.to_json(), "plan_mode": report})
     log.info("mesh plan\n%s\n%s", plan.table(), plan_table(report))
+    if report["checkpoint"]["too_costly"]:
+        log.warning("checkpoints: %s", checkpoint_line(report["checkpoint"]))
     return report
+
+
+def plan_platform(target: str | None, backend: str) -> str:
+    """The platform a plan is for: ``plan.target``'s (a named GPU or TPU, or cpu), else the
+    backend this process runs on. What ``data.seq_len=null`` resolves by."""
+    if target is None:
+        return backend
+    kind = TARGETS[target].device_kind
+    return "cpu" if kind == "cpu" else "gpu" if kind.startswith("NVIDIA") else "tpu"
+
+
+def resolve_plan_seq_len(cfg: Any, backend: str) -> None:
+    """Plan mode for a named target resolves ``data.seq_len=null`` as a run there would (the
+    model's context on an accelerator), not as this host would."""
+    from dxrun.batch import default_seq_len
+
+    cfg.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len,
+                                       plan_platform(cfg.plan.target, backend))

@@ -234,12 +234,32 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
                            Preemption(), tokens=tokens_at,
                            relaunch=relaunch_command(job.overrides, run_dir))
+    # A step's row is written after the save point that follows the step, so that it holds
+    # how long the saves since the previous row held the loop, this step's save included
+    # (perf/checkpoint_block_s). A save off the log steps (SIGUSR1, the wall clock) adds no
+    # row of its own: the rows stay those of an unsaved run.
+    pending: list[tuple[int, dict[str, float]]] = []
+
+    def write_row() -> None:
+        for step, row in pending:
+            if blocks := ckpts.take_blocks():
+                row["perf/checkpoint_block_s"] = sum(blocks)
+            logger.log(step, row)
+        pending.clear()
+
+    def save_point(done: int, state: Any, last: bool = False) -> None:
+        """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
+        row of step ``done``, if it has one, whatever that raised."""
+        try:
+            ckpts.between_steps(done, state, last=last)
+        finally:
+            write_row()
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0
             loop_t, loop_step = 0.0, steps  # from the compiling step's end: the whole loop
             for i in range(start, steps):
-                ckpts.between_steps(i, state)  # save when due; stop on SIGTERM/SIGINT
+                save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
                 t_wait = time.perf_counter()
                 tokens = exp.global_batch(next(batches))
                 waited += time.perf_counter() - t_wait
@@ -284,14 +304,16 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                         best_loss = loss
                 if is_eval:
                     row.update(evaluate(exp, state.params, eval_batches))
-                logger.log(done, row)
+                pending.append((done, row))  # written after this step's save point
                 progress.update(done, row)  # an evaluation off the log steps too
                 last = {**last, **row}
-                # Evaluation and logging are not part of the next timing window.
+                # Evaluation is not part of the next timing window (the next save point is:
+                # a save holds the loop).
                 window_t, window_step, waited = time.perf_counter(), done, 0.0
             loop_s = time.perf_counter() - loop_t  # the last step was logged: it is done
-            ckpts.between_steps(steps, state, last=True)
+            save_point(steps, state, last=True)
     finally:
+        write_row()  # a crash mid-loop: the rows of the steps that ran
         ckpts.close()
         logger.finish()
         if hasattr(batches, "close"):  # Grain's worker processes end with the run
@@ -312,6 +334,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         "entropy_floor": floor,
         "device_kind": device_kind,
         "peak_tflops": peak,
+        # This attempt's saves (a resumed run counts its own) and the time they held the loop.
+        "checkpoint_saves": ckpts.saves,
+        "checkpoint_block_s": ckpts.block_total_s,
     }
     if main:
         write_json(run_dir / "summary.json", summary)

@@ -286,3 +286,27 @@ def test_second_sigint_exits_at_once_without_saving(tmp_path):
     assert "SIGINT: stopped at step" not in out  # the first SIGINT's save never finished
     committed = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
     assert committed == [], committed
+
+
+def test_the_wall_clock_cadence_is_due_after_its_minutes():
+    assert not checkpoint.time_due(1e9, 0.0, 0.0)  # checkpoint.every_minutes=0: off
+    assert not checkpoint.time_due(59.9, 0.0, 60.0)
+    assert checkpoint.time_due(60.0, 0.0, 60.0)
+    assert not checkpoint.time_due(499.0, 440.0, 60.0) and checkpoint.time_due(500.0, 440.0, 60.0)
+
+
+def test_every_minutes_saves_by_the_clock_and_each_save_logs_its_block(tmp_path):
+    """No step cadence (checkpoint.every=0) and a clock cadence far below a step: a save after
+    every step, each one's time holding the loop in that step's row and their sum in the
+    summary."""
+    train(make_cfg("model=tiny", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+                   "checkpoint.every=0", "checkpoint.every_minutes=1e-7", "checkpoint.keep=5",
+                   "parallelism=dp2", "data.batch_size=8", "logger=none"), tmp_path)
+    assert checkpoint.committed_steps(tmp_path / "checkpoints") == [1, 2, 3]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    blocks = [r["perf/checkpoint_block_s"] for r in rows]
+    assert all(b > 0 for b in blocks)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checkpoint_saves"] == 3
+    assert summary["checkpoint_block_s"] == pytest.approx(sum(blocks))

@@ -136,3 +136,31 @@ def test_cfg_job_shows_the_size_defaults(tmp_path):
     job = yaml.safe_load(proc.stdout)
     assert (job["optimizer"]["lr"], job["optimizer"]["warmup_steps"]) == (3e-4, 300)
     assert job["model"]["n_layers"] == 24
+
+
+def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
+    """data=text and data=tokens leave data.seq_len null: the model's context on an
+    accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
+    from dxrun.batch import default_seq_len, resolve_batch
+    from dxrun.plan import make_plan
+    from dxrun.plan_mode import resolve_plan_seq_len
+
+    assert default_seq_len(None, 1024, "gpu") == default_seq_len(None, 1024, "tpu") == 1024
+    assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32
+    assert default_seq_len(256, 1024, "gpu") == default_seq_len(256, 1024, "cpu") == 256
+    assert cfg_factory().data.seq_len == 64
+    for source in ("text", "tokens"):
+        cfg = cfg_factory(f"data={source}", f"data.path={tmp_path}", "model=large")
+        config.validate(cfg)
+        assert cfg.data.seq_len is None
+        assert make_plan(cfg, 8, "cpu").seq_len == 64
+        plan = make_plan(cfg, 8, "gpu")
+        resolve_batch(cfg, plan)  # what prepare() does: every reader sees the number
+        assert plan.seq_len == cfg.data.seq_len == 1024
+    # Plan mode for a named target resolves as a run there would, whatever this host is.
+    for target, backend, want in [("h100", "cpu", 1024), ("v5e", "cpu", 1024),
+                                  ("cpu", "gpu", 64), (None, "gpu", 1024), (None, "cpu", 64)]:
+        cfg = cfg_factory("data=tokens", f"data.path={tmp_path}", "model=large",
+                          f"plan.target={'null' if target is None else target}")
+        resolve_plan_seq_len(cfg, backend)
+        assert cfg.data.seq_len == want, (target, backend)

@@ -163,3 +163,78 @@ def test_processes_on_one_host_split_its_ram():
     gib = 2**30
     assert cpu_device_budget(64 * gib, 8, 1) == 64 * gib * USABLE_CPU / 8
     assert cpu_device_budget(64 * gib, 4, 2) == 64 * gib * USABLE_CPU / 8
+
+
+def test_usable_gpu_memory_is_what_jax_will_pool():
+    """JAX's GPU client pools 75% of each GPU unless told otherwise; preallocating or not keeps
+    that limit; the platform allocator has no pool."""
+    from dxrun.errors import ConfigError
+    from dxrun.plan_mode import TARGETS, USABLE, USABLE_CPU, Usable, gpu_memory_fraction
+
+    assert gpu_memory_fraction({}).fraction == 0.75
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in gpu_memory_fraction({}).source  # how to raise it
+    assert gpu_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}) == Usable(
+        0.9, "XLA_PYTHON_CLIENT_MEM_FRACTION=.9")
+    assert gpu_memory_fraction({"XLA_CLIENT_MEM_FRACTION": "0.5"}).fraction == 0.5
+    assert gpu_memory_fraction({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}).fraction == 0.75
+    assert gpu_memory_fraction({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
+                                "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}).fraction == USABLE
+    for env, says in [({"XLA_PYTHON_CLIENT_MEM_FRACTION": "1.5"}, "=1.5 is not a fraction"),
+                      ({"XLA_CLIENT_MEM_FRACTION": "most"}, "=most is not a fraction"),
+                      ({"XLA_CLIENT_MEM_FRACTION": ".8", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".8"},
+                       "unset XLA_PYTHON_CLIENT_MEM_FRACTION")]:
+        with pytest.raises(ConfigError, match=says):
+            gpu_memory_fraction(env)
+    assert plan_mode.usable_share(TARGETS["v5p"], {}).fraction == USABLE  # no GPU pool
+    cpu = plan_mode.Target("cpu", "cpu", 1e9, 1.0, 1.0)
+    assert plan_mode.usable_share(cpu, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}).fraction == (
+        USABLE_CPU)
+
+
+def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch):
+    """One plan for an H200: the usable figure follows XLA_PYTHON_CLIENT_MEM_FRACTION and says
+    where it comes from; the checkpoint row costs the whole state at plan.write_gb_per_s."""
+    for key in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    # One device, one unscanned layer: a single compile serves the footprint and the cost.
+    cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
+                      "parallelism=dp1", "plan.target=h200", "logger=none",
+                      "plan.write_gb_per_s=2")
+    exp = Experiment.build(cfg, data=plan_mode._NoData())
+    report = plan_mode.plan_report(cfg, exp)
+    t = report["target"]
+    assert t["usable_per_device_gb"] == pytest.approx(141 * 0.9)
+    assert "usable 90% = 126.9 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in plan_mode.plan_table(
+        report)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's default: 75%
+    pd = {k: v for k, v in report["per_device"].items() if k != "activations_bytes"}
+    fp = plan_mode.Footprint(**pd, collectives=report["collectives"])
+    default = plan_mode.estimate(fp, plan_mode.TARGETS["h200"], t["peak_tflops"], 1.0, 1, 1,
+                                 "fp32")
+    assert default["usable_per_device_gb"] == pytest.approx(141 * 0.75)
+    assert default["headroom_gb"] == pytest.approx(t["headroom_gb"] - 141 * 0.15)
+    c = report["checkpoint"]
+    # fp32 parameters and AdamW's two moments (and a few counters): 3 x 4 bytes a parameter.
+    n_padded = sum(x.size for x in jax.tree.leaves(exp.abstract_state().params))
+    assert c["state_bytes"] == pytest.approx(12 * n_padded, rel=1e-3)
+    assert c["save_s"] == pytest.approx(c["state_bytes"] / 2e9)
+    assert c["interval_s"] == pytest.approx(100 * t["step_time_s"])  # checkpoint.every=100
+    assert "per save" in plan_mode.plan_table(report)
+
+
+def test_checkpoint_cost_at_the_configured_cadence():
+    """model=large's state (9.3 GB) every 100 steps of 50 ms at 1 GB/s: 186% of the run; a
+    wall-clock cadence of the suggested 8 minutes brings it under 2%."""
+    cost = plan_mode.checkpoint_cost
+    c = cost(9.3e9, 1e9, 100, 0.0, 0.05)
+    assert c["save_s"] == pytest.approx(9.3) and c["interval_s"] == pytest.approx(5.0)
+    assert c["overhead"] == pytest.approx(1.86) and c["too_costly"]
+    assert c["suggest_every_minutes"] == 8  # 9.3 s / 2% = 465 s
+    assert "checkpoint.every=0 checkpoint.every_minutes=8" in plan_mode.checkpoint_line(c)
+    ok = cost(9.3e9, 1e9, 0, 8.0, 0.05)
+    assert ok["interval_s"] == 480 and ok["overhead"] < 0.02 and not ok["too_costly"]
+    assert "checkpoint.every_minutes" not in plan_mode.checkpoint_line(ok)
+    assert cost(9.3e9, 1e9, 100, 8.0, 0.05)["interval_s"] == pytest.approx(5.0)  # first wins
+    assert cost(9.3e9, 1e9, 100, 0.0, None)["overhead"] is None  # no step time: no share

@@ -54,6 +54,12 @@ class Data:
 
     def __init__(self, cfg: Any, process_index: int = 0, process_count: int = 1):
         d = cfg.data
+        if d.seq_len is None:  # a config no mesh plan resolved (resolve_batch): this backend's
+            import jax
+
+            from dxrun.batch import default_seq_len
+
+            d.seq_len = default_seq_len(None, cfg.model.max_seq_len, jax.default_backend())
         self.cfg, self.index, self.count = cfg, process_index, process_count
         self.batch_size, self.seq_len, self.workers = d.batch_size, d.seq_len, d.workers
         self.rows = d.batch_size // process_count
