@@ -116,6 +116,15 @@ def per_iteration(hlo_text: str, trips: int, n_devices: int) -> dict[tuple[str, 
     return out
 
 
+def instances(hlo_text: str, kind: str, n_devices: int) -> list[tuple[int, int, int]]:
+    """Each ``kind`` collective as (times it runs per step: more than 1 inside a loop body,
+    devices in its group, bytes of its result)."""
+    lines_of, runs = _loops(hlo_text)
+    return [(runs[comp], _group_size(line, n_devices), _result_bytes(line, kind))
+            for comp, lines in lines_of.items() for line in lines
+            if (m := _OP.search(line)) and m.group(1) == kind]
+
+
 def partitioned(lowered: Any) -> str:
     """The HLO of ``lowered`` (a ``jax.jit(...).lower(...)``) right after XLA's SPMD
     partitioner: where the collectives are inserted, in the dtypes the program computes them

@@ -10,7 +10,7 @@ import re
 import jax
 
 from dxrun.experiment import Experiment
-from dxrun.hlo import _OP, _group_size, _loops, _result_bytes, collective_lines, dots, partitioned
+from dxrun.hlo import collective_lines, dots, instances, partitioned
 from dxrun.sharding import in_mesh_context
 
 
@@ -55,20 +55,17 @@ def test_gradients_all_reduced_in_fp32_and_head_backward_in_bf16(cfg_factory):
 def test_accumulated_gradients_reduced_over_data_once(cfg_factory):
     """train.grad_accum=2 on dp4_tp2: no all-reduce over the 4 data replicas inside any loop
     (the micro-batch scan, the layer scan); after the loop one reduction of exactly one
-    gradient's bytes per device (and the loss and accuracy). The tensor-parallel activation all-reduces (groups of 2) stay
-    inside, as they must. Equal updates to grad_accum=1: tests/test_model.py."""
+    gradient's bytes per device (and the loss and accuracy). The tensor-parallel activation
+    all-reduces (groups of 2) stay inside, as they must. Equal updates to grad_accum=1:
+    tests/test_model.py."""
     exp = Experiment.build(cfg_factory("model=tiny", "model.d_model=32", "logger=none",
                                        "data.seq_len=16", "parallelism=dp4_tp2",
                                        "train.grad_accum=2"))
-    text = exp.compile_step().as_text()
-    lines_of, runs = _loops(text)
-    over_data = [(runs[comp], _result_bytes(line, "all-reduce"))
-                 for comp, lines in lines_of.items() for line in lines
-                 if (m := _OP.search(line)) and m.group(1) == "all-reduce"
-                 and _group_size(line, 8) == 4]
-    in_loops = {n for n, _ in over_data if n > 1}
-    assert in_loops == set() and any(n == 1 for n, _ in over_data), over_data
+    found = instances(exp.compile_step().as_text(), "all-reduce", 8)
+    over_data = [(runs, size) for runs, group, size in found if group == 4]
+    assert {runs for runs, _ in over_data} == {1}, found
+    assert any(runs > 1 and group == 2 for runs, group, _ in found), found
     state = exp.abstract_state()
     grad_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
                      for s in jax.tree.leaves(state.params))
-    assert sum(b for _, b in over_data) == grad_bytes + 2 * 4  # + the loss and accuracy sums
+    assert sum(size for _, size in over_data) == grad_bytes + 2 * 4  # + loss, accuracy sums
