@@ -116,6 +116,10 @@ class TrainConfig:
     # Micro-batches per optimizer step: data.batch_size is still the batch of one update,
     # computed in grad_accum sequential pieces (less activation memory, same result).
     grad_accum: int = 1
+    # The dtype weight gradients are summed over the batch and all-reduced in under
+    # precision=bf16: fp32 (the fp32 master weights are cast at each use; Megatron's default)
+    # | bf16 (the whole tree cast first: half the gradient traffic, bf16-rounded gradients).
+    grad_reduce_dtype: str = "fp32"
     # The summary metric the run returns to a sweeper that minimises one number (Optuna),
     # e.g. "eval/loss"; None returns the whole summary.
     objective: str | None = None
@@ -306,6 +310,7 @@ _CHOICES = {
     "optimizer.schedule": ("constant", "warmup_cosine", "wsd"),
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
     "train.precision": ("fp32", "bf16"),
+    "train.grad_reduce_dtype": ("fp32", "bf16"),
     "train.nan_policy": ("halt", "skip"),
     "logger.name": ("wandb", "none"),
     "run.mode": ("train", "plan"),

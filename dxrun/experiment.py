@@ -88,7 +88,7 @@ class Experiment:
             graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
-            grad_accum=cfg.train.grad_accum,
+            grad_accum=cfg.train.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,

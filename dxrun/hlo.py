@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
 from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction line: `%name = f32[...]{...} all-reduce(...)` (or the -start async form).
@@ -110,4 +113,46 @@ def per_iteration(hlo_text: str, trips: int, n_devices: int) -> dict[tuple[str, 
                 entry = out.setdefault((m.group(1), n), {"count": 0, "bytes": 0.0})
                 entry["count"] += 1
                 entry["bytes"] += sent
+    return out
+
+
+def instances(hlo_text: str, kind: str, n_devices: int) -> list[tuple[int, int, int]]:
+    """Each ``kind`` collective as (times it runs per step: more than 1 inside a loop body,
+    devices in its group, bytes of its result)."""
+    lines_of, runs = _loops(hlo_text)
+    return [(runs[comp], _group_size(line, n_devices), _result_bytes(line, kind))
+            for comp, lines in lines_of.items() for line in lines
+            if (m := _OP.search(line)) and m.group(1) == kind]
+
+
+def partitioned(lowered: Any) -> str:
+    """The HLO of ``lowered`` (a ``jax.jit(...).lower(...)``) right after XLA's SPMD
+    partitioner: where the collectives are inserted, in the dtypes the program computes them
+    in. XLA:CPU later widens bf16 arithmetic (all-reduces included) to f32, so only this dump,
+    the same pass on every platform, shows what a GPU will communicate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # The executable is never run: LLVM's optimisations (most of a CPU compile) are off.
+        lowered.compile(compiler_options={"xla_dump_to": tmp,
+                                          "xla_dump_hlo_pass_re": "spmd-partitioning",
+                                          "xla_backend_optimization_level": 0,
+                                          "xla_llvm_disable_expensive_passes": True})
+        dumps = sorted(Path(tmp).glob("*.after_spmd-partitioning.*.txt"))
+        if not dumps:
+            raise RuntimeError(f"XLA wrote no post-partitioner dump to {tmp}")
+        return dumps[-1].read_text()
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[")
+
+
+def dots(hlo_text: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Each ``dot`` as (the op_name JAX gave it, its result dtype, its operands' dtypes)."""
+    dtype_of = {m.group(1): m.group(2) for line in hlo_text.splitlines()
+                if (m := _DEF.match(line))}
+    out = []
+    for line in hlo_text.splitlines():
+        if (m := _DEF.match(line)) and (d := re.search(r"\sdot\(([^)]*)\)", line)):
+            operands = tuple(dtype_of[o] for o in re.findall(r"%([\w.\-]+)", d.group(1)))
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append((name.group(1) if name else "", m.group(2), operands))
     return out

@@ -2,12 +2,15 @@
 
 Parameters carry logical axis names (``axes=``); ``dxrun.sharding`` maps them to the mesh. Shapes
 are in the names: B batch, L length, D d_model, H heads, K kv heads, G = H/K, E head dim, F d_ff,
-V vocab, Vp padded vocab (see ``Transformer``). The module computes in the dtype of its
-parameters (the step casts them for bf16); norms, softmax and logits run in fp32.
+V vocab, Vp padded vocab (see ``Transformer``). The module computes in the dtype it is called
+with (``dtype``; default: its parameters' dtype); norms, softmax and logits run in fp32. Called
+with fp32 parameters and a bf16 ``dtype`` (the train step's default), every weight is cast at
+its use and every weight gradient is summed over the batch in fp32 (see ``dense``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -34,6 +37,52 @@ def _padded_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],
     pad = [(0, 0)] * len(shape)
     pad[axes.index("vocab")] = (0, n - shape[axes.index("vocab")])
     return nnx.Param(jnp.pad(x, pad), axes=axes)
+
+
+def dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any = None) -> jax.Array:
+    """``einsum(spec, x, w)`` computed in ``x``'s dtype with fp32 accumulation, its output in
+    ``out_dtype`` (default ``x``'s): every weight matmul of the model goes through here.
+
+    When ``w`` is wider than ``x`` (fp32 master weight, bf16 compute) or the output is wider
+    (fp32 logits), a custom VJP keeps the backward in the compute dtype with fp32 accumulation:
+    the incoming gradient is cast to ``x``'s dtype (the LM head's fp32 logit gradient would
+    otherwise make its backward matmuls fp32), and the weight gradient is accumulated in fp32
+    and returned in ``w``'s dtype. The batch-contracted weight gradient is what XLA's
+    partitioner all-reduces over data replicas, so an fp32 ``w`` gets an fp32 all-reduce and
+    an unrounded fp32 gradient, where casting the weight before the matmul gives bf16 partial
+    sums and a bf16 all-reduce. Same dtypes everywhere (fp32 runs): the plain einsum."""
+    if x.dtype == w.dtype == (out_dtype or x.dtype):
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    return _mixed_dense(x, w, spec, jnp.dtype(out_dtype or x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mixed_dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any) -> jax.Array:
+    return jnp.einsum(spec, x, w.astype(x.dtype),
+                      preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _mixed_dense_fwd(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any) -> tuple:
+    return _mixed_dense(x, w, spec, out_dtype), (x, w)
+
+
+def _mixed_dense_bwd(spec: str, out_dtype: Any, res: tuple, g: jax.Array) -> tuple:
+    x, w = res
+    ins, y = spec.split("->")
+    xs, ws = ins.split(",")
+    g = g.astype(x.dtype)  # bf16 operands, fp32 accumulation
+    dx = jnp.einsum(f"{y},{ws}->{xs}", g, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{xs},{y}->{ws}", x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_mixed_dense.defvjp(_mixed_dense_fwd, _mixed_dense_bwd)
+
+
+def add_bias(x: jax.Array, b: jax.Array) -> jax.Array:
+    """``x + b`` in ``x``'s dtype. An fp32 ``b`` is added in fp32 and the sum cast, so the bias
+    gradient (a sum over the batch) is taken, and all-reduced, in fp32 (see ``dense``)."""
+    return (x + b).astype(x.dtype)
 
 
 def _zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
@@ -154,11 +203,11 @@ class Attention(nnx.Module):
         K, G, E = self.K, self.H // self.K, self.E
         w_DxKxCxE = jnp.concatenate([self.wq[...].reshape(-1, K, G, E),
                                      self.wk[...][:, :, None], self.wv[...][:, :, None]], axis=2)
-        qkv_BxLxKxCxE = jnp.einsum("bld,dkce->blkce", x_BxLxD, w_DxKxCxE)
+        qkv_BxLxKxCxE = dense(x_BxLxD, w_DxKxCxE, "bld,dkce->blkce")
         if self.bq is not None:
-            qkv_BxLxKxCxE = qkv_BxLxKxCxE + jnp.concatenate(
+            qkv_BxLxKxCxE = add_bias(qkv_BxLxKxCxE, jnp.concatenate(
                 [self.bq[...].reshape(K, G, E), self.bk[...][:, None], self.bv[...][:, None]],
-                axis=1)
+                axis=1))
         B, L = x_BxLxD.shape[:2]
         q_BxLxHxE = qkv_BxLxKxCxE[:, :, :, :G].reshape(B, L, K * G, E)
         k_BxLxKxE, v_BxLxKxE = qkv_BxLxKxCxE[:, :, :, G], qkv_BxLxKxCxE[:, :, :, G + 1]
@@ -169,9 +218,9 @@ class Attention(nnx.Module):
 
     def out(self, o_BxLxHxE: jax.Array) -> jax.Array:
         """The row-parallel output projection of the heads' outputs."""
-        y_BxLxD = jnp.einsum("blhe,hed->bld", o_BxLxHxE, self.wo[...])
+        y_BxLxD = dense(o_BxLxHxE, self.wo[...], "blhe,hed->bld")
         if self.bo is not None:
-            y_BxLxD = y_BxLxD + self.bo[...]
+            y_BxLxD = add_bias(y_BxLxD, self.bo[...])
         return y_BxLxD
 
 
@@ -188,16 +237,16 @@ class MLP(nnx.Module):
         self.b_down = _zeros((D,), ("norm",)) if cfg.bias else None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        h_BxLxF = x_BxLxD @ self.w_up[...]
+        h_BxLxF = dense(x_BxLxD, self.w_up[...], "bld,df->blf")
         if self.b_up is not None:
-            h_BxLxF = h_BxLxF + self.b_up[...]
+            h_BxLxF = add_bias(h_BxLxF, self.b_up[...])
         if self.w_gate is not None:
-            h_BxLxF = jax.nn.silu(x_BxLxD @ self.w_gate[...]) * h_BxLxF
+            h_BxLxF = jax.nn.silu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf")) * h_BxLxF
         else:
             h_BxLxF = jax.nn.gelu(h_BxLxF, approximate=True)
-        y_BxLxD = h_BxLxF @ self.w_down[...]
+        y_BxLxD = dense(h_BxLxF, self.w_down[...], "blf,fd->bld")
         if self.b_down is not None:
-            y_BxLxD = y_BxLxD + self.b_down[...]
+            y_BxLxD = add_bias(y_BxLxD, self.b_down[...])
         return y_BxLxD
 
 
@@ -209,15 +258,17 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None,
+                 dtype: Any = None) -> jax.Array:
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        return self.apply(x_BxLxD, self.attn, k1, k2)
+        return self.apply(x_BxLxD, self.attn, k1, k2, dtype)
 
     def apply(self, x_BxLxD: jax.Array, attend: Any, k1: jax.Array | None = None,
-              k2: jax.Array | None = None) -> jax.Array:
+              k2: jax.Array | None = None, dtype: Any = None) -> jax.Array:
         """The block with ``attend`` as its attention: ``self.attn`` when training, attention
-        against a key/value cache when decoding (``dxrun.decode``)."""
-        cd = self.attn.wq[...].dtype  # the compute dtype; the residual may be wider (fp32)
+        against a key/value cache when decoding (``dxrun.decode``). ``dtype``: the compute
+        dtype (default the parameters'); the residual may be wider (fp32)."""
+        cd = dtype or self.attn.wq[...].dtype
         h = attend(self.ln1(x_BxLxD).astype(cd))
         x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
         x_BxLxD = constrain(x_BxLxD, ACT)
@@ -275,7 +326,8 @@ class Transformer(nnx.Module):
                         else _padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout
 
-    def run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+    def run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None,
+                   dtype: Any = None) -> jax.Array:
         """All layers over the stacked block parameters: one ``lax.scan`` (compiled once,
         whatever the depth) or, with ``model.scan_layers=false``, a Python loop over the same
         parameters (the reference the scan is tested against). ``model.remat`` wraps each
@@ -287,7 +339,7 @@ class Transformer(nnx.Module):
 
         def layer(x: jax.Array, inputs: tuple) -> tuple[jax.Array, None]:
             params, key = inputs
-            return nnx.merge(graphdef, params)(x, key), None
+            return nnx.merge(graphdef, params)(x, key, dtype), None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
@@ -298,14 +350,18 @@ class Transformer(nnx.Module):
             x_BxLxD = layer(x_BxLxD, at_i)[0]
         return x_BxLxD
 
-    def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits (fp32) for every position, over the padded vocabulary (padding masked)."""
-        x_BxLxD = self.embed(tokens_BxL)
-        x_BxLxD = self.run_blocks(x_BxLxD, dropout_key)
-        return self.head(x_BxLxD)
+    def __call__(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None,
+                 dtype: Any = None) -> jax.Array:
+        """Logits (fp32) for every position, over the padded vocabulary (padding masked),
+        computed in ``dtype`` (default: the parameters' dtype)."""
+        x_BxLxD = self.embed(tokens_BxL, dtype=dtype)
+        x_BxLxD = self.run_blocks(x_BxLxD, dropout_key, dtype)
+        return self.head(x_BxLxD, dtype)
 
-    def embed(self, tokens_BxL: jax.Array, start: Any = 0) -> jax.Array:
-        """The residual stream's input for tokens at positions ``start``, ``start + 1``, ..."""
+    def embed(self, tokens_BxL: jax.Array, start: Any = 0, dtype: Any = None) -> jax.Array:
+        """The residual stream's input for tokens at positions ``start``, ``start + 1``, ...
+        Looked up and summed in the tables' dtype, then cast to ``dtype``: with fp32 tables the
+        tables' gradients (a scatter and a sum over the batch) stay fp32."""
         L = tokens_BxL.shape[1]
         # FSDP gathers the table's embed shards first (as for every weight); then the lookup is
         # vocab-parallel (a masked gather over this device's rows, summed over `tensor`).
@@ -317,20 +373,19 @@ class Transformer(nnx.Module):
             wpe_LxD = (self.wpe[...][:L] if isinstance(start, int) and start == 0
                        else jax.lax.dynamic_slice_in_dim(self.wpe[...], start, L))
             x_BxLxD = x_BxLxD + wpe_LxD[None]
-        if self.residual_fp32:  # model.residual_dtype=fp32: the stream between blocks in fp32
-            x_BxLxD = x_BxLxD.astype(jnp.float32)
+        # model.residual_dtype=fp32: the stream between blocks in fp32
+        x_BxLxD = x_BxLxD.astype(jnp.float32 if self.residual_fp32
+                                 else dtype or self.wte[...].dtype)
         return constrain(x_BxLxD, ACT)
 
-    def head(self, x_BxLxD: jax.Array) -> jax.Array:
-        """Logits (fp32) over the padded vocabulary (padding masked) of the residual stream."""
-        cd = self.wte[...].dtype  # the compute dtype, whatever the residual stream's
-        x_BxLxD = self.ln_f(x_BxLxD).astype(cd)
+    def head(self, x_BxLxD: jax.Array, dtype: Any = None) -> jax.Array:
+        """Logits (fp32) over the padded vocabulary (padding masked) of the residual stream.
+        ``dtype``: the compute dtype (default the parameters'), whatever the stream's."""
+        x_BxLxD = self.ln_f(x_BxLxD).astype(dtype or self.wte[...].dtype)
         if self.lm_head is not None:
-            logits_BxLxVp = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...],
-                                       preferred_element_type=jnp.float32)
+            logits_BxLxVp = dense(x_BxLxD, self.lm_head[...], "bld,dv->blv", jnp.float32)
         else:
-            logits_BxLxVp = jnp.einsum("bld,vd->blv", x_BxLxD, self.wte[...],
-                                       preferred_element_type=jnp.float32)
+            logits_BxLxVp = dense(x_BxLxD, self.wte[...], "bld,vd->blv", jnp.float32)
         Vp = logits_BxLxVp.shape[-1]
         if Vp > self.vocab_size:
             # A mask, not a slice: slicing the tensor-sharded vocab axis at V would reshard it.

@@ -114,6 +114,30 @@ def in_mesh_context(mesh: Mesh, rules: dict[str, Any] | None = None) -> Iterator
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def without_mesh_axis(axis: str) -> Iterator[None]:
+    """While tracing under ``in_mesh_context``: activation constraints leave out mesh axis
+    ``axis``, e.g. for a function ``jax.vmap``-ed with ``spmd_axis_name=axis``, whose mapped
+    axis takes it (see ``dxrun.step.accumulated_grads``)."""
+    active = _ACTIVE.get()
+    if active is None:
+        yield
+        return
+    mesh, rules = active
+
+    def drop(target: Any) -> Any:
+        if isinstance(target, tuple):
+            kept = tuple(a for a in target if a != axis)
+            return kept or None
+        return None if target == axis else target
+
+    token = _ACTIVE.set((mesh, {name: drop(t) for name, t in rules.items()}))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside ``in_mesh_context``."""
     active = _ACTIVE.get()

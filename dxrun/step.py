@@ -16,11 +16,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from dxrun.sharding import in_mesh_context, replicated
+from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
 
 MAX_IN_FLIGHT = 4  # CPU only; see InFlight
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+REPLICA_AXIS = "data"  # the mesh axis gradient accumulation reduces over once per step
 
 
 class InFlight:
@@ -57,44 +60,79 @@ class TrainState(NamedTuple):
 
 
 def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array,
-                     dtype: Any, dropout_key: jax.Array | None = None
+                     dtype: Any, dropout_key: jax.Array | None = None,
+                     grad_reduce_dtype: str = "fp32"
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    compute = jax.tree.map(lambda p: p.astype(dtype), params)
-    model = nnx.merge(graphdef, compute)
+    """``grad_reduce_dtype`` (``train.grad_reduce_dtype``): "fp32" hands the model the fp32
+    master weights and it casts each at its use (``dxrun.model.dense``), so weight gradients
+    are accumulated, all-reduced over data replicas and returned in fp32; "bf16" casts the
+    whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
+    ``dtype`` (half the traffic under bf16). The same thing under fp32 compute."""
+    if grad_reduce_dtype == "fp32":
+        model = nnx.merge(graphdef, params)
+    else:
+        model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
     inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
-    logits_BxLxV = model(inputs_BxL, dropout_key)
+    logits_BxLxV = model(inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
     accuracy = (logits_BxLxV.argmax(-1) == targets_BxL).mean()
     return loss, {"train/loss": loss, "train/accuracy": accuracy}
 
 
 def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
-                      key: jax.Array | None, accum: int, batch_sharding: Any
+                      key: jax.Array | None, accum: int, batch_sharding: Any,
+                      param_shardings: Any = None
                       ) -> tuple[jax.Array, dict[str, jax.Array], dict]:
     """Loss, metrics and mean gradient of the batch, in ``accum`` micro-batches under one
     ``lax.scan`` (``train.grad_accum``): the same update as the whole batch at once, with the
     activations of one micro-batch alive at a time. Micro-batch i is rows i, i+k, i+2k, ... so
     each device keeps computing on its own rows (no data moves). ``loss_fn(params, tokens,
-    key) -> (loss, metrics)``."""
+    key) -> (loss, metrics)``.
+
+    With ``param_shardings`` and more than one replica on the mesh's ``data`` axis, the
+    gradients are reduced over ``data`` once per step, not once per micro-batch: each replica's
+    gradient is computed apart (``jax.vmap`` over a leading replica axis, sharded over ``data``
+    by ``spmd_axis_name``, so it needs no reduction), accumulated in the scan, and summed over
+    the replica axis after it (one all-reduce). ``fsdp`` keeps its own per-micro-batch
+    reduction (each fsdp device holds only its shard of the gradient)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, tokens_BxT, key)
         return loss, metrics, grads
     B, T = tokens_BxT.shape
     micro_KxMxT = tokens_BxT.reshape(B // accum, accum, T).swapaxes(0, 1)
+    mesh = batch_sharding.mesh
+    R = mesh.shape[REPLICA_AXIS] if param_shardings is not None else 1
+    if R > 1:
+        per_replica = jax.vmap(grad_fn, in_axes=(None, 0, 0), spmd_axis_name=REPLICA_AXIS)
+        replica_shardings = jax.tree.map(
+            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)), param_shardings)
 
     def one(carry: tuple, xs: tuple) -> tuple[tuple, None]:
         tokens_MxT, i = xs
         tokens_MxT = jax.lax.with_sharding_constraint(tokens_MxT, batch_sharding)
         mkey = None if key is None else jax.random.fold_in(key, i)
-        (loss, m), g = grad_fn(params, tokens_MxT, mkey)
-        return jax.tree.map(jnp.add, carry, (loss, m, g)), None
+        if R == 1:
+            (loss, m), g = grad_fn(params, tokens_MxT, mkey)
+            return jax.tree.map(jnp.add, carry, (loss, m, g)), None
+        # Replica r's rows of the micro-batch are the ones on data index r already.
+        tokens_RxNxT = tokens_MxT.reshape(R, -1, T)
+        keys = None if mkey is None else jax.random.split(mkey, R)
+        with without_mesh_axis(REPLICA_AXIS):  # the vmapped axis holds `data`
+            (loss_R, m_R), g_R = per_replica(params, tokens_RxNxT, keys)
+        g_R = jax.lax.with_sharding_constraint(g_R, replica_shardings)
+        return jax.tree.map(jnp.add, carry, (loss_R, m_R, g_R)), None
 
-    zero = jnp.zeros((), jnp.float32)
+    shape = () if R == 1 else (R,)
+    zero = jnp.zeros(shape, jnp.float32)
     zeros = (zero, {"train/loss": zero, "train/accuracy": zero},
-             jax.tree.map(jnp.zeros_like, params))
+             jax.tree.map(lambda p: jnp.zeros((*shape, *p.shape), p.dtype), params))
+    if R > 1:
+        zeros = (*zeros[:2], jax.lax.with_sharding_constraint(zeros[2], replica_shardings))
     out, _ = jax.lax.scan(one, zeros, (micro_KxMxT, jnp.arange(accum)))
-    return jax.tree.map(lambda x: x / accum, out)
+    if R > 1:  # the one reduction over the data replicas
+        out = jax.tree.map(lambda x: x.sum(0), out)
+    return jax.tree.map(lambda x: x / (accum * R), out)
 
 
 def applied_count(opt_state: Any, default: jax.Array) -> jax.Array:
@@ -111,11 +149,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
                     dropout_seed: int | None = None, grad_accum: int = 1,
-                    nan_policy: str = "halt", inject_nan_at_step: int = 0) -> TrainStep:
+                    nan_policy: str = "halt", inject_nan_at_step: int = 0,
+                    grad_reduce_dtype: str = "fp32") -> TrainStep:
     dtype = COMPUTE_DTYPES[precision]
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
-        loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key)
+        loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
+                                         grad_reduce_dtype)
         if inject_nan_at_step:  # test-only (train.inject_nan_at_step): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
@@ -125,7 +165,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                else jax.random.fold_in(jax.random.key(dropout_seed), state.step))
         loss, metrics, grads = accumulated_grads(
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, tokens_BxT, key,
-            grad_accum, batch_sharding)
+            grad_accum, batch_sharding, state_shardings.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)

@@ -134,8 +134,10 @@ def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
     whole, p1, temp1 = run(1)
     micro, p4, temp4 = run(4)
     np.testing.assert_allclose(micro, whole, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # atol: the key bias's exact gradient is zero (softmax ignores a shift shared by all keys),
+    # so Adam turns its rounding noise, which depends on the summation order, into ~1e-7 steps.
+    for (path, a), b in zip(jax.tree.leaves_with_path(p4), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path))
     assert temp4 < temp1
 
 
