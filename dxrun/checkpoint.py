@@ -493,11 +493,12 @@ class RunCheckpoints:
 
     def __init__(self, cfg: Any, run_dir: Path, start: int, meta: dict[str, Any],
                  iterator: Any, logger: Any, preemption: Preemption,
-                 tokens: Callable[[int], int] | None = None,
+                 cadence: tuple[int, float], tokens: Callable[[int], int] | None = None,
                  relaunch: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.start = start  # the step this attempt began at: saved already, or the init
-        self.every, self.log_every = cfg.checkpoint.every, cfg.train.log_every
-        self.every_s = 60.0 * cfg.checkpoint.every_minutes
+        every, minutes = cadence  # (steps, minutes) between saves: plan_mode.save_cadence
+        self.every, self.log_every = every, cfg.train.log_every
+        self.every_s = 60.0 * minutes
         self.clock = clock  # time.monotonic; a test passes its own
         self.last_save_t = clock()
         self.block_total_s, self.saves = 0.0, 0

@@ -231,8 +231,13 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     def tokens_at(done: int) -> int:
         return tokens_before + (done - start) * tokens_per_step
 
+    # checkpoint.every=null: by platform, and on an accelerator by the state's size.
+    cadence = plan_mode.save_cadence(cfg.checkpoint.every, cfg.checkpoint.every_minutes,
+                                     plan.platform, plan_mode.state_bytes(state),
+                                     cfg.plan.write_gb_per_s * plan_mode.GB)
+    log.info("checkpoints: %s", plan_mode.cadence_text(*cadence))
     ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
-                           Preemption(), tokens=tokens_at,
+                           Preemption(), cadence, tokens=tokens_at,
                            relaunch=relaunch_command(job.overrides, run_dir))
     # A step's row is written after the save point that follows the step, so that it holds
     # how long the saves since the previous row held the loop, this step's save included

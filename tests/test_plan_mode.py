@@ -220,8 +220,29 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     n_padded = sum(x.size for x in jax.tree.leaves(exp.abstract_state().params))
     assert c["state_bytes"] == pytest.approx(12 * n_padded, rel=1e-3)
     assert c["save_s"] == pytest.approx(c["state_bytes"] / 2e9)
-    assert c["interval_s"] == pytest.approx(100 * t["step_time_s"])  # checkpoint.every=100
-    assert "per save" in plan_mode.plan_table(report)
+    # checkpoint.every=null on a GPU: a wall-clock cadence, at least 10 minutes for a small state
+    assert (c["every_steps"], c["every_minutes"], c["interval_s"]) == (0, 10.0, 600.0)
+    assert "every 10 min = a save every 600.0 s" in plan_mode.plan_table(report)
+
+
+def test_the_default_save_cadence_follows_the_platform_and_the_state():
+    """checkpoint.every=null: 100 steps on CPU; on an accelerator no step cadence and the
+    wall-clock one whose saves cost <= 2% (at least 10 minutes); a given value is kept."""
+    cadence = plan_mode.save_cadence
+    assert cadence(None, 0.0, "cpu", 9.3e9, 1e9) == (100, 0.0)
+    assert cadence(None, 5.0, "cpu", 9.3e9, 1e9) == (100, 5.0)
+    assert cadence(None, 0.0, "gpu", 1e6, 1e9) == (0, 10.0)  # tiny state: the floor
+    assert cadence(None, 0.0, "gpu", 9.3e9, 1e9) == (0, 10.0)  # 9.3 s / 2% = 7.75 -> 8 < 10
+    assert cadence(None, 0.0, "tpu", 30e9, 1e9) == (0, 25.0)  # 30 s / 2% = 25 min
+    assert cadence(None, 3.0, "gpu", 30e9, 1e9) == (0, 3.0)  # every_minutes given
+    assert cadence(100, 0.0, "gpu", 30e9, 1e9) == (100, 0.0)  # every given
+    assert cadence(0, 0.0, "gpu", 30e9, 1e9) == (0, 0.0)  # never
+    for every, minutes in [(None, 0.0), (100, 0.0), (0, 0.0)]:  # CPU: what a run saves by
+        steps, mins = cadence(every, minutes, "cpu", 1e6, 1e9)
+        assert (steps, mins) == ((100 if every is None else every), 0.0)
+    assert plan_mode.cadence_text(0, 10.0) == "every 10 min"
+    assert plan_mode.cadence_text(100, 2.5) == "every 100 steps and every 2.5 min"
+    assert plan_mode.cadence_text(0, 0.0) == "never"
 
 
 def test_checkpoint_cost_at_the_configured_cadence():
