@@ -67,7 +67,7 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
     master weights and it casts each at its use (``dxrun.model.dense``), so weight gradients
     are accumulated, all-reduced over data replicas and returned in fp32; "bf16" casts the
     whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
-    ``dtype`` (half the traffic under bf16). The same thing under fp32 compute."""
+    ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same."""
     if grad_reduce_dtype == "fp32":
         model = nnx.merge(graphdef, params)
     else:
