@@ -136,7 +136,7 @@ def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     cwd, _ = dp4_tp2_run
     before = tree_digest(cwd / "outputs")
     proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])  # 2: bad input; 1 is a crash
     assert "Traceback" not in proc.stderr + proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dxrun: error:")]
     assert len(errors) == 1, proc.stderr
