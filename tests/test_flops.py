@@ -11,12 +11,15 @@ from dxrun.hlo import collectives
 from dxrun.train import resolve_peak
 
 
-@pytest.mark.parametrize("model, extra", [
-    ("tiny", []),
-    ("tiny_llama", []),
-    ("small", ["data.seq_len=1024", "data.batch_size=1"]),
+# The README's bounds, per model: XLA also counts the elementwise work (norms, softmax, GELU,
+# the optimizer), a larger share of a tiny model's step (measured: tiny +4.2%, tiny_llama +3.6%,
+# small +0.9%).
+@pytest.mark.parametrize("model, extra, bound", [
+    ("tiny", [], 0.05),
+    ("tiny_llama", [], 0.04),
+    ("small", ["data.seq_len=1024", "data.batch_size=1"], 0.01),
 ])
-def test_formula_matches_compiled_flops(cfg_factory, model, extra):
+def test_formula_matches_compiled_flops(cfg_factory, model, extra, bound):
     cfg = cfg_factory(f"model={model}", "parallelism=dp1", "logger=none", *extra)
     exp = Experiment.build(cfg)
     # Shapes only (GPT-2 small is never materialised); the layers are scanned, so XLA's count
@@ -27,7 +30,7 @@ def test_formula_matches_compiled_flops(cfg_factory, model, extra):
     formula = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * (
         cfg.data.batch_size * cfg.data.seq_len)
     print(f"{model}: formula {formula:.4g} FLOPs/step, XLA {xla:.4g} ({xla / formula - 1:+.1%})")
-    assert abs(xla / formula - 1) < 0.10
+    assert 0 <= xla / formula - 1 < bound  # XLA counts the formula's matmuls and a little more
 
 
 def test_matmul_params_counts_tied_head_once(cfg_factory):
