@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dxrun.errors import ConfigError, first_line
+from dxrun.runtime import gpus_excluded
 
 log = logging.getLogger("dxrun")
 
@@ -70,8 +71,7 @@ def visible_gpus(env: Mapping[str, str], dev: str = "/dev") -> list[str]:
     UUIDs, as given), else one per NVIDIA device node (``/dev/nvidia0`` ...: CUDA ordinals
     0..n-1; counting them never starts a GPU runtime). [] = no GPUs, or JAX told to use
     none (``JAX_PLATFORMS`` without cuda/gpu, e.g. ``cpu``)."""
-    platforms = env.get("JAX_PLATFORMS", "")
-    if platforms and not {"cuda", "gpu"} & set(platforms.lower().split(",")):
+    if gpus_excluded(env.get("JAX_PLATFORMS")):
         return []
     if CUDA_VISIBLE in env:
         entries = [e.strip() for e in env[CUDA_VISIBLE].split(",")]

@@ -73,17 +73,24 @@ def nvidia_device_node(root: str | Path = "/") -> Path | None:
     return None
 
 
+def gpus_excluded(jax_platforms: str | None) -> bool:
+    """Whether ``JAX_PLATFORMS`` (None/empty: unset) leaves CUDA out, e.g. ``cpu``: JAX will
+    not use a GPU whatever the host has (the test suite sets it)."""
+    return bool(jax_platforms) and not {"cuda", "gpu"} & {
+        p.strip().lower() for p in jax_platforms.split(",")}
+
+
 def cpu_fallback_refusal(backend: str, gpu_node: Path | None, jax_platforms: str | None,
                          allow_cpu: bool) -> str | None:
     """The refusal of a run that would train on CPU on a GPU host, or None to go ahead.
 
     JAX without its CUDA plugin (``pip install -e .``) falls back to CPU on a GPU host with a
     warning nobody reads, and dxrun then simulates CPU devices: the run "works", 100x slower.
-    CPU is taken as chosen when ``JAX_PLATFORMS`` names only cpu (the test suite sets it) or
+    CPU is taken as chosen when ``JAX_PLATFORMS`` leaves CUDA out (the test suite sets cpu) or
     with ``runtime.allow_cpu=true``."""
     if backend != "cpu" or gpu_node is None or allow_cpu:
         return None
-    if jax_platforms and {p.strip() for p in jax_platforms.split(",")} == {"cpu"}:
+    if gpus_excluded(jax_platforms):
         return None
     return (f"JAX's backend is cpu but this host has an NVIDIA GPU ({gpu_node}): the installed "
             f"JAX has no CUDA support; run {GPU_INSTALL} (or runtime.allow_cpu=true to train "
