@@ -181,11 +181,21 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     return Loaded(cfg, meta, step, where, run_dir, exp, state.params)
 
 
+def usage(run: Callable[[list[str]], None]) -> str:
+    """A tool's ``--help``: its module's docstring (which opens with the command line), without
+    the reST markup. ``--help`` is never a path: a run dir named so is ``./--help``."""
+    doc = sys.modules[run.__module__].__doc__ or ""
+    return doc.replace("``", "").strip()
+
+
 def main(tool: str, run: Callable[[list[str]], None]) -> None:
     """A tool's entry point: bad input is one line and exit 2, never a traceback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(usage(run))
+        return
     try:
         run(sys.argv[1:])
     except ConfigError as e:
