@@ -2,8 +2,9 @@
 temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations from a checkpoint.
 
 Text runs encode the prompt and decode the continuation with the run's own tokenizer (bytes or
-its ``tokenizer.json``); a continuation ends at the first end-of-text token. Markov runs (and
-``data=tokens`` runs, whose tokenizer dxrun does not know) take and print token ids; for markov
+its ``tokenizer.json``); a continuation ends at the first end-of-text token. So do
+``data=tokens`` runs whose token dir's ``meta.json`` names its tokenizer (``dxrun.data.prepare``
+writes it). Markov runs (and token dirs that name none) take and print token ids; for markov
 data the share of generated tokens the chain allows after their context is printed too: a
 direct check that the model learned the chain. Without a prompt, a markov sample starts from
 the first ``data.order`` tokens of a held-out sequence (a different one per sample) and a text
@@ -77,24 +78,28 @@ def prompt_tokens(cfg: Any, prompt: str, n: int, chain: Any = None
         if prompt:
             return np.tile(_ids(prompt, chain.S, "markov"), (n, 1)), None
         return chain.batch(0, EVAL)[:n, :d.order], None  # held-out starts: real contexts
-    if d.name == "tokens":
-        if not prompt:
-            raise ConfigError("prompt is empty; data=tokens runs take token ids, e.g. "
-                              "prompt='464 2068'")
-        return np.tile(_ids(prompt, cfg.model.vocab_size, "data=tokens"), (n, 1)), None
-    from dxrun.data.corpus import Tokenizer
+    from dxrun.data.corpus import Tokenizer, recorded_tokenizer
 
-    tok = Tokenizer(d.tokenizer)
+    path, name = d.tokenizer, f"data.tokenizer={d.tokenizer}"
+    if d.name == "tokens":  # text in and out when the token dir's meta.json names its tokenizer
+        known, path = recorded_tokenizer(d)
+        name = f"the tokenizer {path} (data.path={d.path}'s meta.json)"
+        if not known:
+            if not prompt:
+                raise ConfigError(f"prompt is empty; data.path={d.path} records no tokenizer "
+                                  "(meta.json), so this run takes token ids, e.g. "
+                                  "prompt='464 2068'")
+            return np.tile(_ids(prompt, cfg.model.vocab_size, "data=tokens"), (n, 1)), None
+    tok = Tokenizer(path)
     if bad := tok.unencodable(prompt):
-        name = "bytes (UTF-8)" if d.tokenizer is None else f"data.tokenizer={d.tokenizer}"
+        name = "bytes (UTF-8)" if path is None else name
         raise ConfigError(f"prompt={prompt!r}: {name} cannot encode "
                           f"{''.join(dict.fromkeys(bad))!r}; leave those characters out")
     ids = list(tok.encode(prompt)) if prompt else []
     if not ids:
         if tok.eot is None:
-            raise ConfigError(f"prompt={prompt!r} encodes to no tokens and data.tokenizer="
-                              f"{d.tokenizer} has no end-of-text token to start from; give a "
-                              "prompt")
+            raise ConfigError(f"prompt={prompt!r} encodes to no tokens and {name} has no "
+                              "end-of-text token to start from; give a prompt")
         ids = [tok.eot]
     return np.tile(np.asarray(ids, np.int32), (n, 1)), tok
 

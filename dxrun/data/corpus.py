@@ -217,6 +217,25 @@ def read_meta(meta_path: Path, path: Any) -> dict[str, Any]:
     return meta
 
 
+BYTES = "bytes"  # meta.json's "tokenizer" for byte-level tokens (prepare without --tokenizer)
+
+
+def recorded_tokenizer(d: Any) -> tuple[bool, str | None]:
+    """The tokenizer a token dir's ``meta.json`` names, as ``data.tokenizer`` would give it:
+    (True, None) for bytes, (True, path) for a tokenizer.json still there, (False, None) when the
+    dir records none (files written by other tools) or the file is gone: ids only then."""
+    try:
+        meta = read_meta(Path(d.path).expanduser() / "meta.json", d.path)
+    except ConfigError:
+        return False, None
+    name = meta.get("tokenizer")
+    if name == BYTES:
+        return True, None
+    if isinstance(name, str) and Path(name).is_file():
+        return True, name
+    return False, None
+
+
 def load_tokens(d: Any) -> Corpus:
     """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout). The vocabulary and the
     largest id come from ``meta.json`` (``prepare`` writes them) when its token counts match

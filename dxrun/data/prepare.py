@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dxrun.data.corpus import Tokenizer, empty_corpus, iter_documents, n_val_tokens, text_files
+from dxrun.data.corpus import (BYTES, Tokenizer, empty_corpus, iter_documents, n_val_tokens,
+                               text_files)
 from dxrun.errors import ConfigError
 
 OUTPUTS = ("train.bin", "val.bin", "meta.json")
@@ -90,7 +91,7 @@ def prepare(text: str, out_dir: str, tokenizer: str | None = None,
         _move_tail(tmp["train.bin"], tmp["val.bin"], (n - n_val) * dtype.itemsize)
         meta = {"vocab_size": int(tok.vocab_size), "dtype": dtype.name, "train_tokens": n - n_val,
                 "val_tokens": n_val, "max_id": top, "eot": tok.eot,
-                "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else "bytes"}
+                "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else BYTES}
         tmp["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
         for name in OUTPUTS:  # meta.json last: it vouches for the .bin files beside it
             tmp[name].replace(out / name)
