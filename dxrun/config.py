@@ -505,10 +505,12 @@ def _get(cfg: Any, key: str) -> Any:
 def config_warnings(cfg: Any) -> list[str]:
     """Settings that run but probably not as meant; the launcher logs each once."""
     out = []
-    if cfg.optimizer.warmup_steps >= cfg.train.steps:
+    steps = cfg.train.steps
+    if cfg.optimizer.warmup_steps >= steps:  # make_schedule cuts the warmup to the run
         out.append(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} >= train.steps="
-                   f"{cfg.train.steps}: the learning rate never reaches optimizer.lr; lower "
-                   "optimizer.warmup_steps")
+                   f"{steps}: the warmup is cut to the run's {steps} steps, so the learning "
+                   f"rate climbs for the whole run and its last step uses {steps - 1}/{steps} "
+                   "of optimizer.lr; lower optimizer.warmup_steps for a run that holds it")
     return out
 
 

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from dxrun.config import config_warnings
 from dxrun.optimizer import decay_mask, make_schedule, scaled_lr
 
 
@@ -28,6 +29,22 @@ def test_schedules(cfg_factory):
     opt.schedule = "constant"
     const = make_schedule(opt, 1.0, 100)
     assert float(const(5)) == pytest.approx(0.5) and float(const(99)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("schedule", ["warmup_cosine", "constant", "wsd"])
+def test_a_warmup_longer_than_the_run_is_cut_to_it_and_the_warning_says_so(cfg_factory,
+                                                                            schedule):
+    """``model=small train.steps=6`` (warmup 200): the lr the steps use (count 0..5) climbs
+    linearly over the 6 steps to 5/6 of the peak, and the one warning says exactly that."""
+    cfg = cfg_factory("model=small", "train.steps=6", f"optimizer.schedule={schedule}")
+    assert cfg.optimizer.warmup_steps == 200
+    lr = make_schedule(cfg.optimizer, 6e-4, 6)
+    used = [float(lr(count)) for count in range(6)]
+    assert used == pytest.approx([6e-4 * k / 6 for k in range(6)])
+    (warning,) = config_warnings(cfg)
+    assert ("optimizer.warmup_steps=200 >= train.steps=6: the warmup is cut to the run's 6 "
+            "steps, so the learning rate climbs for the whole run and its last step uses 5/6 "
+            "of optimizer.lr") in warning
 
 
 def test_decay_mask_skips_norms_biases_embeddings():
