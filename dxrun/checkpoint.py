@@ -470,6 +470,9 @@ class Checkpointer:
 
 
 NOTICEABLE_BLOCK_S = 0.5  # a save that holds the loop less is never warned about
+# Saves this process made (every RunCheckpoints): Orbax sets its writers up on a process's first
+# save, which holds the loop for seconds on CPU; later saves, of any run, do not pay it again.
+_saves_in_process = 0
 
 
 def time_due(now: float, last_save: float, every_s: float) -> bool:
@@ -502,6 +505,7 @@ class RunCheckpoints:
         self.clock = clock  # time.monotonic; a test passes its own
         self.last_save_t = clock()
         self.block_total_s, self.saves = 0.0, 0
+        self.process_first_save = 0  # which of our saves (1, 2, ...) was the process's first
         self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
         self.warned_cost = False
         self.halt = cfg.train.nan_policy == "halt"
@@ -556,6 +560,10 @@ class RunCheckpoints:
         self.unlogged.append(block_s)
         self.block_total_s += block_s
         self.saves += 1
+        global _saves_in_process
+        if _saves_in_process == 0:
+            self.process_first_save = self.saves
+        _saves_in_process += 1
         # A small state's saves (tens of ms: the tiny models on CPU) are not worth a warning
         # whatever their share; the first save's interval holds the compile: not judged.
         over = block_s > MAX_CHECKPOINT_OVERHEAD * since and block_s >= NOTICEABLE_BLOCK_S

@@ -14,8 +14,15 @@ from typing import Any
 log = logging.getLogger("dxrun")
 
 
-def format_line(step: int, total: int, m: dict[str, float]) -> str:
-    """A log step's line; an evaluation between log steps has only the eval numbers."""
+def save_note(held_s: float, first_save: bool) -> str:
+    """Why a window's tokens/s dropped: checkpoint saves held the loop ``held_s`` of it."""
+    why = "; a process's first save also sets up Orbax's writers" if first_save else ""
+    return f"(tok/s includes {held_s:.1f} s of checkpoint saving{why})"
+
+
+def format_line(step: int, total: int, m: dict[str, float], note: str = "") -> str:
+    """A log step's line; an evaluation between log steps has only the eval numbers. ``note``
+    (e.g. ``save_note``) goes after the tokens/s it explains."""
     parts = [f"step {step}/{total}"]
     if "train/loss" in m:
         parts.append(f"loss {m['train/loss']:.4f}")
@@ -24,7 +31,7 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
         if "train/loss" not in m:
             parts.append(f"eval acc {m['eval/accuracy']:.3f}")
     if "perf/tokens_per_s" in m:
-        parts.append(f"{m['perf/tokens_per_s']:,.0f} tok/s")
+        parts.append(f"{m['perf/tokens_per_s']:,.0f} tok/s" + (f" {note}" if note else ""))
     if "perf/mfu" in m:
         parts.append(f"MFU {100 * m['perf/mfu']:.1f}%")
     if "train/lr" in m:
@@ -76,8 +83,8 @@ class Progress:
         if self._bar is not None:
             self._bar.advance(self._task)
 
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        line = format_line(step, self.total, metrics)
+    def update(self, step: int, metrics: dict[str, float], note: str = "") -> None:
+        line = format_line(step, self.total, metrics, note)
         if self._bar is not None and "train/loss" in metrics:
             info = line.split("  ", 1)[1]
             self._bar.update(self._task, completed=step, info=info)

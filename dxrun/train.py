@@ -20,9 +20,9 @@ from omegaconf import OmegaConf
 
 from dxrun import checkpoint, flops, plan_mode
 from dxrun.batch import resolve_batch
-from dxrun.checkpoint import Resume, RunCheckpoints
+from dxrun.checkpoint import NOTICEABLE_BLOCK_S, Resume, RunCheckpoints
 from dxrun.config import model_changes
-from dxrun.console import Progress
+from dxrun.console import Progress, save_note
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
 from dxrun.experiment import Experiment, process_data, visible_devices
@@ -262,6 +262,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
             window_t, window_step, waited = None, start, 0.0
+            held0, saves0 = 0.0, 0  # checkpoint saving before this window (ckpts' totals)
             loop_t, loop_step = 0.0, steps  # from the compiling step's end: the whole loop
             for i in range(start, steps):
                 save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
@@ -274,6 +275,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if i == start:  # the compiling step: the timing windows start after it
                     jax.block_until_ready(metrics)
                     window_t, window_step, waited = time.perf_counter(), done, 0.0
+                    held0, saves0 = ckpts.block_total_s, ckpts.saves
                     loop_t, loop_step = window_t, done
                 is_log = done % every == 0 or done == steps
                 is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
@@ -310,11 +312,18 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if is_eval:
                     row.update(evaluate(exp, state.params, eval_batches))
                 pending.append((done, row))  # written after this step's save point
-                progress.update(done, row)  # an evaluation off the log steps too
+                # A save inside the window slows its tokens/s: the line says so (the first
+                # save of a process is the slow one: seconds on CPU).
+                held = ckpts.block_total_s - held0
+                first = saves0 < ckpts.process_first_save <= ckpts.saves
+                note = (save_note(held, first) if "perf/tokens_per_s" in row
+                        and held >= NOTICEABLE_BLOCK_S else "")
+                progress.update(done, row, note)  # an evaluation off the log steps too
                 last = {**last, **row}
                 # Evaluation is not part of the next timing window (the next save point is:
                 # a save holds the loop).
                 window_t, window_step, waited = time.perf_counter(), done, 0.0
+                held0, saves0 = ckpts.block_total_s, ckpts.saves
             loop_s = time.perf_counter() - loop_t  # the last step was logged: it is done
             save_point(steps, state, last=True)
     finally:
