@@ -157,8 +157,10 @@ def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -
 # * ``hardware``: what the device executes: ``model`` with the attention a fused kernel runs
 #   (causal half; its backward recomputes the scores: 2.5 x the forward, FlashAttention-2 paper
 #   section 3.1) or XLA's (the full square, 3 x), plus what ``model.remat`` recomputes in the
-#   backward pass (``full``: the blocks' forward; ``dots``: a fused attention's forward, the
-#   one thing the policy does not keep, since the kernel is a custom call, not a dot).
+#   backward pass (``full``: the blocks' forward but the MLP's down projection, whose output
+#   no gradient needs, so XLA drops it from the recomputation (its count agrees); ``dots``: a
+#   fused attention's forward, the one thing the policy does not keep, since the kernel is a
+#   custom call, not a dot).
 
 
 def block_matmul_flops(model: Any) -> float:
@@ -194,7 +196,8 @@ def step_flops(model: Any, tokens: int, seq_len: int, vocab: int, remat: str = "
     else:
         attn_fwd = L * attention_flops(model, seq_len, causal=False) * tokens
         attn_hw = 3 * attn_fwd
-    recompute = {"none": 0.0, "full": blocks / 3 + attn_fwd,
+    down = L * 2 * model.d_ff * model.d_model * tokens  # not recomputed (see above)
+    recompute = {"none": 0.0, "full": blocks / 3 - down + attn_fwd,
                  "dots": attn_fwd if fused_attention else 0.0}[remat]
     return {
         "block_matmuls": blocks,

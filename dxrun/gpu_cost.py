@@ -80,38 +80,42 @@ _NCCL = ("nccl-tests all_reduce_perf bus bandwidth on 8-GPU NVLink nodes: ~230 G
          "(of 300), ~360 GB/s H100 without NVLS (of 450); NVIDIA NCCL docs/blog")
 _NET = ("400 Gb/s InfiniBand NDR / RoCE per GPU (DGX H100, Grand Teton), 200 Gb/s HDR (DGX "
         "A100); A3 VMs 200 Gb/s per GPU")
-_HALF_DIM = ("calibrated: fitted on the llm.c GPT-2 124M run (d_model 768) with the other "
-             "constants fixed; BENCHMARKS.md, 'Plan mode vs published GPU runs'")
+_HALF_DIM = ("assumed, not fitted: cuBLAS/CUTLASS tiles are 128 (or 256) wide, so a matmul "
+             "whose smallest dim is under a tile leaves most of a tile idle")
+_SUSTAINED = ("calibrated: fitted on MaxText's Llama 2 7B run (BENCHMARKS.md, 'Plan mode vs "
+              "published GPU runs'); H100 SXM boards hold ~1.6 GHz of their 1.98 GHz boost "
+              "through a long run (the peak and MAMF assume the boost)")
+
+def _gpu(**own: str) -> dict[str, str]:
+    """An NVIDIA target's sources: the shared ones, with ``own`` in place."""
+    return {"matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
+            "hbm_efficiency": _STREAM, "link_efficiency": _NCCL,
+            "devices_per_node": "8 GPUs per NVLink node (HGX/DGX, Grand Teton, A3)",
+            "network_bytes_per_s": _NET} | own
+
 
 COST: dict[str, Cost] = {
-    "h100": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 1.0, "9.0",
-                 {"matmul_efficiency": _MAMF + ": H100 SXM 794.5 of 989", "matmul_half_dim":
-                  _HALF_DIM, "attention_efficiency": _FA, "hbm_efficiency": _STREAM,
-                  "link_efficiency": _NCCL, "network_bytes_per_s": _NET}),
-    "h100_96gb_500w": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.80, "9.0",
-                           {"matmul_efficiency": _MAMF + ": H100 SXM 794.5 of 989",
-                            "matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
-                            "hbm_efficiency": _STREAM, "link_efficiency": _NCCL,
-                            "network_bytes_per_s": "torchtitan docs/performance.md: 400 Gb/s "
-                            "RDMA per GPU (Grand Teton)",
-                            "clock_scale": "calibrated: fitted on torchtitan's Llama 3.1 8B "
-                            "run (the 500 W limit of its 700 W-TDP parts; torchtitan "
-                            "docs/performance.md); BENCHMARKS.md"}),
-    "h200": Cost(0.836, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 1.0, "9.0",
-                 {"matmul_efficiency": _MAMF + ": GH200 828.6 of 989 (the H200's HBM3e die)",
-                  "matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
-                  "hbm_efficiency": _STREAM, "link_efficiency": _NCCL,
-                  "network_bytes_per_s": _NET}),
-    "a100": Cost(0.869, 96, 0.55, 0.85, 0.77, 8, 25 * GB, 1.0, "8.0",
-                 {"matmul_efficiency": _MAMF + ": A100 SXM 271.2 of 312",
-                  "matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
-                  "hbm_efficiency": _STREAM, "link_efficiency": _NCCL,
-                  "network_bytes_per_s": _NET}),
-    "l40s": Cost(0.80, 96, 0.45, 0.85, 0.80, 8, 25 * GB, 1.0, "8.9",
-                 {"matmul_efficiency": "assumed as the H100's (no MAMF published)",
-                  "matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA + " (assumed)",
-                  "hbm_efficiency": _STREAM, "link_efficiency": "PCIe 4.0 x16, assumed 80%",
-                  "network_bytes_per_s": "200 Gb/s per GPU, assumed"}),
+    "h100": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
+        matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989", clock_scale=_SUSTAINED)),
+    "h100_96gb_500w": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.51, "9.0", _gpu(
+        matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989",
+        network_bytes_per_s="torchtitan docs/performance.md: 400 Gb/s RDMA per GPU",
+        clock_scale="calibrated: fitted on torchtitan's Llama 3.1 8B run (BENCHMARKS.md). It "
+                    "stands for the 500 W limit of 700 W-TDP parts (torchtitan "
+                    "docs/performance.md) and also absorbs what that run does and dxrun would "
+                    "not: eager PyTorch (its compiled row is 16% faster) and op-level AC "
+                    "recomputing every other matmul; 0.51 is not a clock measurement")),
+    "h200": Cost(0.836, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
+        matmul_efficiency=_MAMF + ": GH200 828.6 of 989 (the H200's HBM3e die)",
+        clock_scale="assumed as the H100's (calibrated there)")),
+    "a100": Cost(0.869, 96, 0.55, 0.85, 0.77, 8, 25 * GB, 1.0, "8.0", _gpu(
+        matmul_efficiency=_MAMF + ": A100 SXM 271.2 of 312",
+        clock_scale="1.0, not calibrated: no A100 run calibrates (the A100 row validates)")),
+    "l40s": Cost(0.80, 96, 0.45, 0.85, 0.80, 8, 25 * GB, 0.79, "8.9", _gpu(
+        matmul_efficiency="assumed as the H100's (no MAMF published)",
+        clock_scale="assumed as the H100's", link_efficiency="PCIe 4.0 x16, assumed 80%",
+        devices_per_node="8 PCIe cards per server, assumed",
+        network_bytes_per_s="200 Gb/s per GPU, assumed")),
     # TPUs: no cuDNN, so XLA's attention (dxrun/attention_kernel.py); the MXU's achieved
     # fraction from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results":
     # 55-65% MFU on dense Llama-class models; the matmuls alone do better).
@@ -120,13 +124,13 @@ COST: dict[str, Cost] = {
                  "matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
                  "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
                  "devices_per_node": "a v5e pod slice (256 chips on ICI)",
-                 "network_bytes_per_s": "DCN, assumed"}),
+                 "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
     "v5p": Cost(0.80, 128, 0.0, 0.85, 0.80, 8960, 25 * GB, 1.0, None,
                 {"matmul_efficiency": "MaxText README v5p results (~60% MFU end to end)",
                  "matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
                  "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
                  "devices_per_node": "a v5p pod (8,960 chips on ICI)",
-                 "network_bytes_per_s": "DCN, assumed"}),
+                 "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
 }
 
 # What the estimate row says of its basis: set from the last `python -m dxrun.bench
@@ -201,12 +205,17 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
     m, t = w.model, w.tokens
     a = 2 if w.precision == "bf16" else 4  # operand bytes; weight gradients accumulate in fp32
     fwd = bwd = 0.0
-    for k_in, n_out in _block_matmuls(w):
+    shapes = _block_matmuls(w)
+    for k_in, n_out in shapes:
         fwd += _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a)
         bwd += _matmul_s(t, k_in, n_out, peak, hbm, cost, a, a)  # input gradient
         bwd += _matmul_s(k_in, n_out, t, peak, hbm, cost, a, 4)  # weight gradient (fp32)
+    # remat=full recomputes the forward but its last matmul (the MLP's down projection: no
+    # gradient needs its output; flops.step_flops)
+    k_in, n_out = shapes[-1]
+    redo = fwd - _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a) if m.remat == "full" else 0.0
     L = m.n_layers
-    blocks = L * (fwd + bwd + (fwd if m.remat == "full" else 0.0))
+    blocks = L * (fwd + bwd + redo)
     D, V = m.d_model, w.vocab / w.tp
     head = (_matmul_s(t, V, D, peak, hbm, cost, a, 4) + _matmul_s(t, D, V, peak, hbm, cost, a, a)
             + _matmul_s(D, V, t, peak, hbm, cost, a, 4))
