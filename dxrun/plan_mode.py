@@ -252,8 +252,8 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
         "peak_tflops": peak_tflops,
         "precision": precision,
     }
-    if not peak_tflops or not target.hbm_bytes_per_s:
-        return out
+    if not peak_tflops or not target.hbm_bytes_per_s or (timing is None and not fp.flops):
+        return out  # no peak, or an accelerator footprint without XLA's counts and no timing
     if timing is not None:
         from dxrun.gpu_cost import basis_text
 

@@ -57,7 +57,7 @@ RUNS: tuple[Run, ...] = (
          "data.seq_len=8192", "data.batch_size=16", "train.precision=bf16",
          "model.remat=dots"),
         "8x H100 96GB HBM2e, 500 W, NVLink", "FSDP 8, selective AC, bf16, 2 x 8192 per GPU",
-        "5,762 tokens/s per GPU; 82.4 GiB", 5762.0, 82.4,
+        "table 1: 5,762 TPS/GPU", 5762.0, 82.4,
         nearest="selective (op-level) AC as model.remat=dots (torchtitan's also recomputes "
                 "every other matmul); eager PyTorch (no compile: torchtitan's own compiled row "
                 "is 6,667) as XLA's fused program; FSDP gathers fp32 weights (torchtitan: bf16)",
@@ -152,7 +152,9 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
              "/ published tokens/s per GPU; goal 0.75–1.25 and the runs' order kept. "
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "
              f"are the validation: within ±{b['within_pct']}%. Memory: what plan mode reports "
-             "per device.", "",
+             "per device (`needs_per_device_gb`), here the XLA:CPU compile's memory analysis "
+             "(fp32 temporaries, XLA's T × T attention scores kept for the backward), not yet "
+             "an accelerator memory model; the published figure is the peak reserved.", "",
              "| run | hardware | planned as | est. tokens/s/GPU | published | ratio | | "
              "est. memory | published memory | used for | dxrun's nearest setting |",
              "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
@@ -168,10 +170,12 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
             f"{r['ratio']:.2f} | {mark} | {r['estimated_memory_gib']:.1f} GiB | {pub_mem} | "
             f"{used} | {s['nearest'] or '—'} |")
     order = "kept" if order_preserved(rows) else "NOT kept"
-    lines += ["", f"Order by tokens/s per GPU: {order}. Step parts (ms: matmuls, attention, "
-              "elementwise, exposed collectives) and plan times: "
-              + "; ".join(f"{r['run']}: {r['parts_ms']} in {r['plan_s']:.0f} s" for r in rows)
-              + ".", "", end]
+    parts = "; ".join(
+        f"{r['run']}: step {r['step_ms']:,.0f} ms = matmuls {p['matmul_s']:,.0f} + attention "
+        f"{p['attention_s']:,.0f} + elementwise {p['elementwise_s']:,.0f} + exposed collectives "
+        f"{p['exposed_collective_s']:,.0f} ms, MFU {100 * r['mfu']:.0f}%, planned in "
+        f"{r['plan_s']:.0f} s" for r in rows for p in [r["parts_ms"]])
+    lines += ["", f"Order by tokens/s per GPU: {order}. Per GPU: {parts}.", "", end]
     return "\n".join(lines)
 
 
