@@ -259,7 +259,7 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     casts = (6 * w.params / tp) * uses if w.precision == "bf16" else 0.0
     accumulate = 8 * w.params_per_device if w.micro_steps > 1 else 0.0
     optimizer = 7 * 4 * w.params_per_device + 4 * w.params_per_device  # AdamW + clip norm
-    return {"activations": (layers + loss) * w.micro_steps if per_micro else 0.0,
+    return {"activations": per_micro * w.micro_steps,
             "weights": (casts + accumulate) * w.micro_steps, "optimizer": optimizer}
 
 

@@ -32,3 +32,19 @@ def test_maxtext_tflops_convert_to_tokens_with_its_convention():
     assert published.maxtext_tokens_per_s(492, published.LLAMA2_7B_PARAMS, 32, 4096, 4096) == (
         492e12 / per_token)
     assert 11_200 < 492e12 / per_token < 11_350  # the issue's ~11.3k
+
+
+def test_the_estimate_basis_is_the_last_published_benchmarks():
+    """Plan mode's estimate row quotes gpu_cost.ESTIMATE_BASIS: it is what the committed
+    BENCHMARKS.published.json says (2 calibration runs, the rest validation), whose every
+    ratio is in the goal with the runs' order kept."""
+    import json
+    from pathlib import Path
+
+    from dxrun import gpu_cost
+
+    data = json.loads((Path(__file__).parents[1] / "BENCHMARKS.published.json").read_text())
+    assert data["basis"] == gpu_cost.ESTIMATE_BASIS
+    assert data["basis"]["calibrated_on"] <= 2 and data["order_preserved"]
+    assert {r["run"] for r in data["rows"]} == {r.name for r in published.RUNS}
+    assert all(published.GOAL[0] <= r["ratio"] <= published.GOAL[1] for r in data["rows"])

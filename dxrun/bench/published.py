@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 GOAL = (0.75, 1.25)
+CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T x T attention "
+              "scores kept for the backward), not an accelerator memory model")
 SECTION = "Plan mode vs published GPU runs"
 
 
@@ -110,9 +112,11 @@ def plan_run(run: Run) -> dict[str, Any]:
         "estimated_tokens_per_s_per_gpu": per_gpu,
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
         "ratio": ratio, "in_goal": GOAL[0] <= ratio <= GOAL[1],
-        # plan mode's per-device memory, whatever model reports it (the CPU compile's memory
-        # analysis today; the per-device memory model for accelerator targets once merged)
+        # THE MEMORY HOOK: plan mode's per-device need, whichever model computes it (the CPU
+        # compile's memory analysis today; the accelerator memory model where plan mode uses
+        # one, which names itself in target["memory_source"])
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
+        "memory_source": t.get("memory_source", CPU_MEMORY),
         "published_memory_gib": run.memory_gib,
         "step_ms": 1e3 * t["step_time_s"], "mfu": t["mfu"],
         "parts_ms": {k: round(1e3 * g[k], 1) for k in ("matmul_s", "attention_s",
@@ -152,9 +156,9 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
              "/ published tokens/s per GPU; goal 0.75–1.25 and the runs' order kept. "
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "
              f"are the validation: within ±{b['within_pct']}%. Memory: what plan mode reports "
-             "per device (`needs_per_device_gb`), here the XLA:CPU compile's memory analysis "
-             "(fp32 temporaries, XLA's T × T attention scores kept for the backward), not yet "
-             "an accelerator memory model; the published figure is the peak reserved.", "",
+             f"per device (`needs_per_device_gb`): "
+             f"{'; '.join(sorted({r.get('memory_source', CPU_MEMORY) for r in rows}))}; the "
+             "published figure is the peak reserved.", "",
              "| run | hardware | planned as | est. tokens/s/GPU | published | ratio | | "
              "est. memory | published memory | used for | dxrun's nearest setting |",
              "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
