@@ -165,7 +165,8 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]]:
 
     if m := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
         shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(n_devices).reshape([int(x) for x in m.group(2).split(",")])
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(-1, shape[-1]).tolist()
@@ -174,7 +175,7 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]]:
         names, sizes = [a for a, _ in named], [int(s) for _, s in named]
         inner = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
         outer = [i for i in range(len(names)) if i not in inner]
-        ids = np.arange(n_devices).reshape(sizes).transpose(outer + inner)
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(outer + inner)
         return ids.reshape(-1, math.prod(sizes[i] for i in inner) if inner else 1).tolist()
     if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
