@@ -46,6 +46,9 @@ PEAK_TFLOPS: dict[str, tuple[float, float]] = {
     "NVIDIA H100 SXM5 80GB": _H100_SXM,
     "NVIDIA H100 PCIe": _H100_PCIE,
     "NVIDIA H100 NVL": _NVL,
+    # Meta's Grand Teton H100 (96 GB HBM2e; torchtitan docs/performance.md): the SXM die. Its
+    # 500 W limit is a clock, not a datasheet peak: dxrun/gpu_cost.py's clock_scale.
+    "NVIDIA H100 96GB HBM2e": _H100_SXM,
     "NVIDIA H800": _H100_SXM,
     "NVIDIA H800 PCIe": _H100_PCIE,
     "NVIDIA H20": (148.0, 74.0),
@@ -139,3 +142,70 @@ def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -
         compiled(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best / 1e12  # every device did one n x n matmul in `best` seconds
+
+
+# --- the FLOPs of one step, counted from the model's shapes ----------------------------------
+#
+# Conventions (2 FLOPs per multiply-add; per step, all devices together; divide by the device
+# count for one device's share, which every layout splits evenly):
+#
+# * ``model``: what MFU's numerator is (``flops_per_token`` above, unchanged): every matmul of
+#   the forward pass three times (forward, input gradient, weight gradient) and the attention
+#   scores and weighted sum over the full ``seq_len x seq_len`` square, no recomputation.
+# * ``attention_causal``: the same attention with the causal half only, the convention of
+#   MaxText's and FlashAttention's TFLOP/s figures (a fused kernel skips the masked blocks).
+# * ``hardware``: what the device executes: ``model`` with the attention a fused kernel runs
+#   (causal half; its backward recomputes the scores: 2.5 x the forward, FlashAttention-2 paper
+#   section 3.1) or XLA's (the full square, 3 x), plus what ``model.remat`` recomputes in the
+#   backward pass (``full``: the blocks' forward but the MLP's down projection, whose output
+#   no gradient needs, so XLA drops it from the recomputation (its count agrees); ``dots``: a
+#   fused attention's forward, the one thing the policy does not keep, since the kernel is a
+#   custom call, not a dot).
+
+
+def block_matmul_flops(model: Any) -> float:
+    """Forward FLOPs per token of one block's weight matmuls: q/k/v, the output projection and
+    the MLP (two matmuls for GELU, three for SwiGLU)."""
+    D, H, K, F = model.d_model, model.n_heads, model.n_kv_heads, model.d_ff
+    E = D // H
+    qkv = 2 * D * (H + 2 * K) * E
+    out = 2 * H * E * D
+    mlp = 2 * D * F * (3 if model.mlp == "swiglu" else 2)
+    return float(qkv + out + mlp)
+
+
+def attention_flops(model: Any, seq_len: int, causal: bool) -> float:
+    """Forward FLOPs per token of one block's scores ``Q K^T`` and weighted sum ``P V``: the
+    full square, or its causal half."""
+    full = 2 * 2 * seq_len * model.n_heads * (model.d_model // model.n_heads)
+    return full / 2 if causal else float(full)
+
+
+def step_flops(model: Any, tokens: int, seq_len: int, vocab: int, remat: str = "none",
+               fused_attention: bool = False) -> dict[str, float]:
+    """One training step's FLOPs by part (see the conventions above). ``vocab``: the output
+    layer's columns as computed (the padded vocabulary)."""
+    L = model.n_layers
+    blocks = 3 * L * block_matmul_flops(model) * tokens
+    attn_full = 3 * L * attention_flops(model, seq_len, causal=False) * tokens
+    attn_causal = attn_full / 2
+    head = 3 * 2 * model.d_model * vocab * tokens
+    if fused_attention:
+        attn_fwd = L * attention_flops(model, seq_len, causal=True) * tokens
+        attn_hw = 3.5 * attn_fwd
+    else:
+        attn_fwd = L * attention_flops(model, seq_len, causal=False) * tokens
+        attn_hw = 3 * attn_fwd
+    down = L * 2 * model.d_ff * model.d_model * tokens  # not recomputed (see above)
+    recompute = {"none": 0.0, "full": blocks / 3 - down + attn_fwd,
+                 "dots": attn_fwd if fused_attention else 0.0}[remat]
+    return {
+        "block_matmuls": blocks,
+        "attention_full": attn_full,
+        "attention_causal": attn_causal,
+        "output_layer": head,
+        "model": blocks + attn_full + head,
+        "model_causal": blocks + attn_causal + head,
+        "recompute": recompute,
+        "hardware": blocks + attn_hw + head + recompute,
+    }

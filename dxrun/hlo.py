@@ -156,3 +156,46 @@ def dots(hlo_text: str) -> list[tuple[str, str, tuple[str, ...]]]:
             name = re.search(r'op_name="([^"]*)"', line)
             out.append((name.group(1) if name else "", m.group(2), operands))
     return out
+
+
+def replica_groups(line: str, n_devices: int) -> list[list[int]]:
+    """The device groups of one collective (partition ids, which plan mode's meshes number as
+    the devices, row-major over data, fsdp, tensor), from any of XLA's three spellings."""
+    import numpy as np
+
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(-1, shape[-1]).tolist()
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
+        named = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in named], [int(s) for _, s in named]
+        inner = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+        outer = [i for i in range(len(names)) if i not in inner]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(outer + inner)
+        return ids.reshape(-1, math.prod(sizes[i] for i in inner) if inner else 1).tolist()
+    if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
+                                                                         m.group(1))]
+    return [list(range(n_devices))]
+
+
+def collective_list(hlo_text: str, n_devices: int) -> list[dict[str, Any]]:
+    """Every collective of the compiled step: its kind, executions per step (loop trip counts
+    multiplied in), device groups, result dtypes and the bytes each device sends per execution
+    (ring algorithms, see ``_sent``). What the accelerator time model prices link by link."""
+    lines_of, runs = _loops(hlo_text)
+    out = []
+    for comp, lines in lines_of.items():
+        for line in lines:
+            if m := _OP.search(line):
+                kind = m.group(1)
+                head = line.split("=", 1)[1].split(f" {kind}", 1)[0]
+                out.append({"kind": kind, "runs": runs[comp],
+                            "groups": replica_groups(line, n_devices),
+                            "dtypes": sorted({t for t, _ in _SHAPE.findall(head)}),
+                            "bytes": _sent(line, kind, n_devices)[1]})
+    return out

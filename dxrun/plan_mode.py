@@ -7,9 +7,12 @@ no weight is allocated), and XLA's own analyses of that executable give the per-
 * **fits**: the per-device footprint against a target's memory (or, for every real run, what
   this host or device has), and when it does not fit, the nearest setting that does, found by
   compiling the candidates;
-* **speed** (an estimate, a roofline): compute time = FLOPs / peak, memory time = bytes accessed
-  / HBM bandwidth, collective time = bytes sent / interconnect bandwidth; step time = max(compute,
-  memory) + collectives (no overlap assumed, so it errs slow).
+* **speed** (an estimate): on an accelerator target, ``dxrun.gpu_cost``'s model of the GPU/TPU
+  program (FLOPs and bytes counted from the shapes, collectives from the compiled HLO, constants
+  per target with their sources), since XLA:CPU's FLOPs and bytes describe a CPU program; on
+  ``plan.target=cpu`` a roofline of XLA's own counts: compute time = FLOPs / peak, memory time =
+  bytes accessed / memory bandwidth, collective time = bytes sent / bandwidth; step time =
+  max(compute, memory) + collectives (no overlap assumed, so it errs slow).
 
 No JAX import at module level: the config check reads TARGETS before JAX starts.
 """
@@ -59,6 +62,11 @@ TARGETS: dict[str, Target] = {
     "h100": Target("H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB),
     "h200": Target("H200 141GB", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB),
     "a100": Target("A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB),
+    # Meta's Grand Teton H100 (torchtitan docs/performance.md: 96 GB HBM2e at 2.4 TB/s, NVLink,
+    # run at a 500 W power limit): the SXM die (flops.PEAK_TFLOPS), its clock at 500 W in
+    # gpu_cost.COST.
+    "h100_96gb_500w": Target("H100 96GB HBM2e 500W", "NVIDIA H100 96GB HBM2e", 96 * GB, 2.4e12,
+                             450 * GB),
     "l40s": Target("L40S 48GB", "NVIDIA L40S", 48 * GB, 0.864e12, 32 * GB),
     "v5e": Target("TPU v5e", "TPU v5 lite", 16 * GB, 0.819e12, 200 * GB),
     "v5p": Target("TPU v5p", "TPU v5", 95 * GB, 2.765e12, 600 * GB),
@@ -123,14 +131,16 @@ def _shard_bytes(tree: Any) -> float:
     return total
 
 
-def footprint(exp: Any, compiled: Any) -> Footprint:
+def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
+    """``xla_cost=False``: skip XLA's FLOPs and bytes (two more compiles of a scanned model;
+    an accelerator target's time model counts its own from the shapes): reported as 0."""
     from dxrun.hlo import collective_traffic
     from dxrun.step import step_bytes
 
     state, batch = exp.abstract_state(), exp.abstract_batch()
     m = compiled.memory_analysis()
     params = _shard_bytes(state.params)
-    flops, bytes_accessed = cost_per_device(exp)
+    flops, bytes_accessed = cost_per_device(exp) if xla_cost else (0.0, 0.0)
     return Footprint(
         params_bytes=params,
         opt_state_bytes=_shard_bytes(state.opt_state),
@@ -223,8 +233,11 @@ def usable_bytes(target: Target, env: Any = None) -> float:
 
 
 def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flops: float,
-             tokens: int, n_devices: int, precision: str) -> dict[str, Any]:
-    """Fit and roofline for one target (per device; labelled as an estimate)."""
+             tokens: int, n_devices: int, precision: str,
+             timing: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fit and speed for one target (per device; labelled as an estimate). ``timing``: the
+    accelerator time model's step (``gpu_cost.step_time``); None: the roofline of XLA's counts
+    (``plan.target=cpu``)."""
     share = usable_share(target)
     usable = target.memory_bytes * share.fraction
     out: dict[str, Any] = {
@@ -239,7 +252,22 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
         "peak_tflops": peak_tflops,
         "precision": precision,
     }
-    if not peak_tflops or not target.hbm_bytes_per_s:
+    if not peak_tflops or not target.hbm_bytes_per_s or (timing is None and not fp.flops):
+        return out  # no peak, or an accelerator footprint without XLA's counts and no timing
+    if timing is not None:
+        from dxrun.gpu_cost import basis_text
+
+        step = timing["step_time_s"]
+        parts = {"compute": timing["matmul_s"] + timing["attention_s"],
+                 "memory": timing["elementwise_s"], "collectives": timing["exposed_collective_s"]}
+        out.update({
+            "estimate": basis_text(), "timing": timing,
+            "compute_s": parts["compute"], "memory_s": parts["memory"],
+            "collective_s": parts["collectives"], "step_time_s": step,
+            "bound": max((v, k) for k, v in parts.items())[1],
+            "tokens_per_s": tokens / step,
+            "mfu": model_flops / n_devices / step / (peak_tflops * 1e12),
+        })
         return out
     compute = fp.flops / (peak_tflops * 1e12)
     memory = fp.bytes_accessed / target.hbm_bytes_per_s
@@ -484,27 +512,70 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
 
 # --- plan mode ----------------------------------------------------------------------------------
 
-def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
-    """Everything plan mode prints and writes into plan.json (beside the mesh plan)."""
+def target_key(target: Target) -> str | None:
+    """The TARGETS name of ``target`` (None for a measured CPU target)."""
+    return next((k for k, t in TARGETS.items() if t == target), None)
 
-    from dxrun import flops
 
+TYPICAL_STEP = ("a typical pretraining step uses the model's full context and 0.5M-4M tokens "
+                "(GPT-3 125M: 0.5M, Llama 2: 4M)")
+MIN_TOKENS_PER_STEP = 65_536
+
+
+def shape_warning(platform: str, seq_len: int, max_seq_len: int, tokens: int) -> str | None:
+    """One line when a plan for an accelerator is for a toy shape (shorter sequences than the
+    model's context, or under 64k tokens per step): its memory and speed say little about a
+    real run. None when the shape is a real one, or the target is this CPU."""
+    if platform == "cpu" or (seq_len >= max_seq_len and tokens >= MIN_TOKENS_PER_STEP):
+        return None
+    return (f"planning {tokens:,} tokens per step (data.batch_size x data.seq_len={seq_len}, "
+            f"model.max_seq_len={max_seq_len}): {TYPICAL_STEP}; set data.seq_len and "
+            f"data.batch_size to the run's")
+
+
+def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
+    """Everything plan mode prints and writes into plan.json (beside the mesh plan).
+    ``suggest=False``: no search for a setting that fits (the published-runs benchmark)."""
+
+    from dxrun import flops, gpu_cost
+
+    target, peak = resolve_target(cfg, exp.plan.n_devices)
+    key = target_key(target)
+    accelerator = key in gpu_cost.COST
     t0 = time.perf_counter()
     compiled = exp.compile_step()
     compile_s = time.perf_counter() - t0
-    fp = footprint(exp, compiled)
+    fp = footprint(exp, compiled, xla_cost=not accelerator)
     state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     tokens = exp.plan.global_batch * cfg.data.seq_len
     model_flops = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
-    target, peak = resolve_target(cfg, exp.plan.n_devices)
+    timing = None
+    if accelerator and peak:
+        from dxrun.hlo import collective_list
+
+        w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4)
+        t = TARGETS[key]
+        timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
+                                    t.link_bytes_per_s,
+                                    collective_list(compiled.as_text(), exp.plan.n_devices))
+        parts = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, w.vocab, cfg.model.remat,
+                                 timing["fused_attention"])
+    else:
+        parts = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
+                                 cfg.model.remat)
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
-                   cfg.train.precision)
+                   cfg.train.precision, timing)
+    warning = shape_warning(plan_platform(cfg.plan.target, exp.plan.platform), cfg.data.seq_len,
+                            cfg.model.max_seq_len, tokens)
     report: dict[str, Any] = {
         "n_params": n_params,
         "per_device": {k: v for k, v in asdict(fp).items() if k != "collectives"}
         | {"activations_bytes": fp.activations_bytes},
         "model_flops_per_step": model_flops,
+        # counted from the shapes (flops.step_flops): per step, all devices; MFU's numerator
+        # is "model" (full attention square), "hardware" adds what the device really runs
+        "flops": parts | {"per_device_hardware": parts["hardware"] / exp.plan.n_devices},
         "collectives": fp.collectives,
         "compile_s": compile_s,
         "target": est,
@@ -513,7 +584,8 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
     every, minutes = save_cadence(ck.every, ck.every_minutes,
                                   plan_platform(cfg.plan.target, exp.plan.platform), nbytes, write)
     report["checkpoint"] = checkpoint_cost(nbytes, write, every, minutes, est.get("step_time_s"))
-    if not est["fits"]:
+    report["warnings"] = [warning] if warning else []
+    if not est["fits"] and suggest:
         report["suggestion"] = first_that_fits(cfg, usable_bytes(target), exp.plan.n_visible,
                                                exp.plan.platform)
     return report
@@ -526,7 +598,7 @@ def plan_table(report: dict[str, Any]) -> str:
         ("per device", f"params {_gb(pd['params_bytes'])}, optimizer {_gb(pd['opt_state_bytes'])}, "
                        f"gradients {_gb(pd['grads_bytes'])}, activations+temps "
                        f"{_gb(pd['activations_bytes'])}; total {_gb(pd['total_bytes'])}"),
-        ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step"),
+        ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step" + _flops_parts(report)),
         ("collectives", ", ".join(f"{k} x{int(v['count'])} ({_gb(v['bytes'])}/step)"
                                   for k, v in sorted(report["collectives"].items())) or "none"),
         ("target", f"{t['target']}: {t['memory_per_device_gb']:.1f} GB per device, usable "
@@ -535,7 +607,18 @@ def plan_table(report: dict[str, Any]) -> str:
         ("fits", f"{'yes' if t['fits'] else 'NO'}: needs {t['needs_per_device_gb']:.2f} GB, "
                  f"headroom {t['headroom_gb']:.2f} GB"),
     ]
-    if "step_time_s" in t:
+    if "timing" in t:
+        g = t["timing"]
+        rows.append(("estimate", t["estimate"]))
+        rows.append(("step", f"{t['step_time_s'] * 1e3:.1f} ms ({t['bound']}-bound: matmuls "
+                             f"{g['matmul_s'] * 1e3:.1f} ms, attention {g['attention_s'] * 1e3:.1f}"
+                             f" ms ({'fused' if g['fused_attention'] else 'XLA'}), elementwise "
+                             f"{g['elementwise_s'] * 1e3:.1f} ms, collectives "
+                             f"{(g['tensor_collective_s'] + g['data_collective_s']) * 1e3:.1f} ms"
+                             f" of which exposed {g['exposed_collective_s'] * 1e3:.1f} ms), "
+                             f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.0f}%"
+                             f" ({t['precision']}, peak {t['peak_tflops']:g} TFLOP/s)"))
+    elif "step_time_s" in t:
         rows.append(("estimate", f"step {t['step_time_s'] * 1e3:.1f} ms ({t['bound']}-bound: "
                                  f"compute {t['compute_s'] * 1e3:.1f} ms, memory "
                                  f"{t['memory_s'] * 1e3:.1f} ms, collectives "
@@ -551,6 +634,15 @@ def plan_table(report: dict[str, Any]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _flops_parts(report: dict[str, Any]) -> str:
+    f = report.get("flops")
+    if not f:
+        return ""
+    return (f" (matmuls {f['block_matmuls']:.2e}, attention {f['attention_full']:.2e} full / "
+            f"{f['attention_causal']:.2e} causal, output layer {f['output_layer']:.2e}); "
+            f"hardware {f['per_device_hardware']:.3e} per device with recomputation")
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.2f} GB" if nbytes >= 0.01 * GB else f"{nbytes / 2**20:.1f} MiB"
 
@@ -564,6 +656,8 @@ def run_plan(cfg: Any, run_dir: Any, plan: Any) -> dict[str, Any]:
     report = plan_report(cfg, exp)
     write_json(run_dir / "plan.json", {**plan.to_json(), "plan_mode": report})
     log.info("mesh plan\n%s\n%s", plan.table(), plan_table(report))
+    for warning in report.get("warnings", []):
+        log.warning("%s", warning)
     if report["checkpoint"]["too_costly"]:
         log.warning("checkpoints: %s", checkpoint_line(report["checkpoint"]))
     return report

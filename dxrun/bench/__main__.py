@@ -4,6 +4,8 @@ The full suite takes about 15 minutes on the 2-core development machine; ``--qui
 minutes; CI runs it) times a smaller model with fewer steps, and skips the allocator figure,
 the plan-mode roofline and the existing compile and checkpoint benchmarks, whose figures stay in
 the file as they are. ``--gpu`` runs the GPU figures only (on a machine with an NVIDIA GPU).
+``--published`` plans the published GPU runs of ``dxrun/bench/published.py`` (shapes only,
+minutes on 2 cores) and writes the "Plan mode vs published GPU runs" section.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dxrun.bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="CI's run: under two minutes")
     ap.add_argument("--gpu", action="store_true", help="the GPU figures (needs an NVIDIA GPU)")
+    ap.add_argument("--published", action="store_true",
+                    help="plan mode against published GPU runs (shapes only)")
+    ap.add_argument("--only", default=None,
+                    help="with --published: the runs whose name contains this (e.g. 124M)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = ap.parse_args(argv)
     simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (runtime.py)
@@ -75,6 +81,18 @@ def main(argv: list[str] | None = None) -> None:
                "platform": jax.default_backend(), "jax": jax.__version__,
                "cpu_cores": os.cpu_count(), "load_before": load_average(),
                "date": datetime.date.today().isoformat()}
+    if args.published:
+        from dxrun.bench import published
+
+        runs = tuple(r for r in published.RUNS if not args.only or args.only in r.name)
+        rows = published.run(Path(args.out), command, machine, runs)
+        for r in rows:
+            print(f"{r['run']:<28} estimated {r['estimated_tokens_per_s_per_gpu']:>10,.0f} "
+                  f"published {r['published_tokens_per_s_per_gpu']:>10,.0f} ratio "
+                  f"{r['ratio']:.2f} {'met' if r['in_goal'] else 'NOT met'}")
+        print(f"basis {published.basis(rows)}; order "
+              f"{'kept' if published.order_preserved(rows) else 'NOT kept'}; wrote {args.out}")
+        return
     report = Report(command, machine, key="gpu" if args.gpu else "suite")
     t_start = time.perf_counter()
 

@@ -3,9 +3,10 @@ device's dense bf16 peak (989 TFLOP/s for an H200), with ``model.attention=dot_p
 with the einsum ``reference``. On an NVIDIA GPU in bf16 (head dim 64) ``dot_product`` asks for
 cuDNN's fused flash attention (``dxrun/attention_kernel.py``); each figure records the kernel the
 step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
-says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU the
-plan-mode roofline (``run.mode=plan plan.target=h200``) is the estimate, labelled as such: it
-compiles on CPU, with XLA's attention.
+says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU plan mode's
+estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the accelerator time
+model of ``dxrun/gpu_cost.py`` (the GPU program's FLOPs, fused attention and fused elementwise
+traffic; the CPU compile only for the collectives).
 
     python -m dxrun.bench --gpu        # on a machine with an NVIDIA GPU: measured
 """
@@ -49,7 +50,7 @@ def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
              "tokens_per_s": round(t["tokens_per_s"]), "bound": t["bound"],
              "compute_ms": round(1e3 * t["compute_s"], 1),
              "memory_ms": round(1e3 * t["memory_s"], 1), "peak_tflops": t["peak_tflops"]},
-            note="an estimate: XLA:CPU's FLOPs and bytes accessed, no fused attention",
+            note=f"an estimate (dxrun/gpu_cost.py): {t['estimate']}",
             command=f"python -m dxrun run.mode=plan plan.target={target} model={model} "
                     + " ".join(GPT2) + f" data.batch_size={batch}"))
     return out

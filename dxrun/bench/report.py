@@ -82,13 +82,11 @@ def markdown(report: Report) -> str:
     return "\n".join([*lines, "", end])
 
 
-def write(report: Report, md_path: Path) -> Path:
-    """Replace this run's section of ``md_path`` (or add it before the first ``##``), keeping
-    everything else; the JSON (``BENCHMARKS.json``, ``BENCHMARKS.gpu.json``) goes beside it.
-    Returns the JSON's path."""
+def replace_section(md_path: Path, key: str, section: str) -> None:
+    """Put ``section`` (its markers included) in place of ``key``'s section of ``md_path`` (or
+    before the first ``##``), keeping everything else."""
     text = md_path.read_text() if md_path.is_file() else "# Benchmarks\n"
-    section = markdown(report)
-    begin, end = markers(report.key)
+    begin, end = markers(key)
     if begin in text and end in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text,
                       flags=re.S)
@@ -99,6 +97,13 @@ def write(report: Report, md_path: Path) -> Path:
         text = f"{text.rstrip()}\n\n{section}\n"
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text)
+
+
+def write(report: Report, md_path: Path) -> Path:
+    """Replace this run's section of ``md_path`` (or add it before the first ``##``), keeping
+    everything else; the JSON (``BENCHMARKS.json``, ``BENCHMARKS.gpu.json``) goes beside it.
+    Returns the JSON's path."""
+    replace_section(md_path, report.key, markdown(report))
     json_path = md_path.with_suffix(".json" if report.key == "suite" else f".{report.key}.json")
     json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return json_path

@@ -1,0 +1,339 @@
+"""The accelerator time model: one train step's time on a GPU or TPU target, from the model's
+shapes, the mesh and the collectives of the compiled step (pure functions; no JAX).
+
+Plan mode compiles on CPU, and XLA:CPU's program is not the GPU's: it computes bf16 through
+converts and fp32 temporaries and fuses far less, so its "bytes accessed" describe a CPU program.
+What the CPU compile is faithful about (the shardings, the collectives and their groups) is read
+from it; the rest is counted from the shapes, kernel by kernel class:
+
+* **matmuls** (every weight matmul, forward and both backward ones, the output layer; XLA's
+  attention's two batched matmuls when the attention is not fused): each priced alone as a
+  roofline, ``max(FLOPs / (peak x efficiency(shape)), bytes / (HBM x hbm_efficiency))``. The
+  efficiency is the target's best-shape fraction of the peak (a published measurement),
+  scaled by ``s / (s + matmul_half_dim)`` with ``s`` the matmul's smallest dimension: a skinny
+  or small matmul fills fewer tiles and waves, so it runs further below the peak.
+* **fused attention** (cuDNN flash attention: an NVIDIA target, bf16, a head dim it takes, as
+  ``dxrun/attention_kernel.py`` decides for the real run): its FLOPs (causal half; backward
+  2.5 x forward, recomputing the scores) at the kernel's own measured efficiency.
+* **elementwise work** (norms, rotary embedding, activation functions, residual adds, the
+  cross-entropy, the softmax of an unfused attention, weight casts, the optimizer) as HBM
+  traffic, assuming XLA:GPU's fusion: each fused kernel reads its inputs once and writes its
+  outputs once (the tally is ``elementwise_bytes``), at ``hbm_efficiency`` of the datasheet
+  bandwidth.
+* **collectives** from the compiled HLO (``dxrun.hlo.collective_list``: kind, groups, bytes
+  each device sends under ring algorithms, loop trip counts multiplied in), over NVLink (or the
+  TPU's ICI) when a group stays inside one node and over the network when it spans nodes, at
+  the measured bus-bandwidth fraction of the link. XLA:CPU widens bf16 collectives to f32, so
+  under bf16 the tensor-parallel activation all-reduces count half their compiled bytes, and
+  the gradient reductions over data replicas half when ``train.grad_reduce_dtype=bf16``
+  (fp32 master weights are gathered in fp32: those keep their bytes).
+
+**Overlap** (stated, not measured): the kernels of one device run one after another (matmul +
+attention + elementwise); the collectives over data replicas (FSDP gathers, gradient
+reductions) run asynchronously beside them (XLA:GPU's latency-hiding scheduler), so only what
+exceeds the compute time shows; the tensor-parallel all-reduces sit between a layer's matmuls and
+are waited on, so their time adds in full::
+
+    step = compute + tensor_collectives + max(0, data_collectives - compute)
+
+Every constant is in ``COST`` below, one row per target, each with its source. Two constants
+are marked "calibrated": fitted on at most two of the published runs in BENCHMARKS.md ("Plan
+mode vs published GPU runs"), the other runs being the validation (``ESTIMATE_BASIS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dxrun import flops
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A target's cost-model constants (beside its datasheet row, ``plan_mode.TARGETS``, and its
+    peak, ``flops.PEAK_TFLOPS``). ``sources``: where each number comes from."""
+
+    matmul_efficiency: float  # best-shape achieved / dense peak (bf16 GEMM)
+    matmul_half_dim: float  # smallest matmul dim at which the efficiency is half the best
+    attention_efficiency: float  # fused attention, forward + backward, of the bf16 peak
+    hbm_efficiency: float  # achieved / datasheet HBM bandwidth of a streaming kernel
+    link_efficiency: float  # collective bus bandwidth / datasheet link bandwidth (one way)
+    devices_per_node: int  # devices behind one NVLink / ICI domain
+    network_bytes_per_s: float  # per device, across nodes, one way
+    clock_scale: float = 1.0  # sustained / boost clock (a power limit below the datasheet's)
+    fused_attention_capability: str | None = None  # compute capability for attention_kernel
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+_MAMF = ("stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul "
+         "FLOPS comparison table' (bf16 torch.matmul, best shape)")
+_FA = ("FlashAttention-2 paper (Dao 2023) fig. 7 (A100, fwd+bwd, causal, head dim 128: 50-60% "
+       "of peak); FlashAttention-3 paper (Shah et al. 2024) figs. 5-6 (H100 cuDNN/FA2 "
+       "fwd+bwd, causal: 40-55% of the 989 TFLOP/s peak)")
+_STREAM = ("BabelStream/nvbandwidth device-to-device copies: ~90% of the HBM datasheet figure "
+           "on A100/H100 (NVIDIA's 'CUDA C++ Best Practices', effective bandwidth); 0.85 kept "
+           "for XLA's multi-operand fusions")
+_NCCL = ("nccl-tests all_reduce_perf bus bandwidth on 8-GPU NVLink nodes: ~230 GB/s A100 "
+         "(of 300), ~360 GB/s H100 without NVLS (of 450); NVIDIA NCCL docs/blog")
+_NET = ("400 Gb/s InfiniBand NDR / RoCE per GPU (DGX H100, Grand Teton), 200 Gb/s HDR (DGX "
+        "A100); A3 VMs 200 Gb/s per GPU")
+_HALF_DIM = ("assumed, not fitted: cuBLAS/CUTLASS tiles are 128 (or 256) wide, so a matmul "
+             "whose smallest dim is under a tile leaves most of a tile idle")
+_SUSTAINED = ("calibrated: fitted on MaxText's Llama 2 7B run (BENCHMARKS.md, 'Plan mode vs "
+              "published GPU runs'); H100 SXM boards hold ~1.6 GHz of their 1.98 GHz boost "
+              "through a long run (the peak and MAMF assume the boost)")
+
+def _gpu(**own: str) -> dict[str, str]:
+    """An NVIDIA target's sources: the shared ones, with ``own`` in place."""
+    return {"matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
+            "hbm_efficiency": _STREAM, "link_efficiency": _NCCL,
+            "devices_per_node": "8 GPUs per NVLink node (HGX/DGX, Grand Teton, A3)",
+            "network_bytes_per_s": _NET} | own
+
+
+COST: dict[str, Cost] = {
+    "h100": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
+        matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989", clock_scale=_SUSTAINED)),
+    "h100_96gb_500w": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.51, "9.0", _gpu(
+        matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989",
+        network_bytes_per_s="torchtitan docs/performance.md: 400 Gb/s RDMA per GPU",
+        clock_scale="calibrated: fitted on torchtitan's Llama 3.1 8B run (BENCHMARKS.md). It "
+                    "stands for the 500 W limit of 700 W-TDP parts (torchtitan "
+                    "docs/performance.md) and also absorbs what that run does and dxrun would "
+                    "not: eager PyTorch (its compiled row is 16% faster) and op-level AC "
+                    "recomputing every other matmul; 0.51 is not a clock measurement")),
+    "h200": Cost(0.836, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
+        matmul_efficiency=_MAMF + ": GH200 828.6 of 989 (the H200's HBM3e die)",
+        clock_scale="assumed as the H100's (calibrated there)")),
+    "a100": Cost(0.869, 96, 0.55, 0.85, 0.77, 8, 25 * GB, 1.0, "8.0", _gpu(
+        matmul_efficiency=_MAMF + ": A100 SXM 271.2 of 312",
+        clock_scale="1.0, not calibrated: no A100 run calibrates (the A100 row validates)")),
+    "l40s": Cost(0.80, 96, 0.45, 0.85, 0.80, 8, 25 * GB, 0.79, "8.9", _gpu(
+        matmul_efficiency="assumed as the H100's (no MAMF published)",
+        clock_scale="assumed as the H100's", link_efficiency="PCIe 4.0 x16, assumed 80%",
+        devices_per_node="8 PCIe cards per server, assumed",
+        network_bytes_per_s="200 Gb/s per GPU, assumed")),
+    # TPUs: no cuDNN, so XLA's attention (dxrun/attention_kernel.py); the MXU's achieved
+    # fraction from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results":
+    # 55-65% MFU on dense Llama-class models; the matmuls alone do better).
+    "v5e": Cost(0.80, 128, 0.0, 0.85, 0.80, 256, 25 * GB, 1.0, None,
+                {"matmul_efficiency": "MaxText README v5e results (~60% MFU end to end)",
+                 "matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
+                 "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
+                 "devices_per_node": "a v5e pod slice (256 chips on ICI)",
+                 "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
+    "v5p": Cost(0.80, 128, 0.0, 0.85, 0.80, 8960, 25 * GB, 1.0, None,
+                {"matmul_efficiency": "MaxText README v5p results (~60% MFU end to end)",
+                 "matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
+                 "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
+                 "devices_per_node": "a v5p pod (8,960 chips on ICI)",
+                 "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
+}
+
+# What the estimate row says of its basis: set from the last `python -m dxrun.bench
+# --published` (BENCHMARKS.md, "Plan mode vs published GPU runs").
+ESTIMATE_BASIS = {"calibrated_on": 2, "validated_on": 2, "within_pct": 5}
+
+
+def basis_text(basis: dict[str, int] = ESTIMATE_BASIS) -> str:
+    return (f"roofline calibrated on {basis['calibrated_on']} runs, validated within "
+            f"±{basis['within_pct']}% on {basis['validated_on']} published runs (BENCHMARKS.md)")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One device's share of one train step, as the time model reads it."""
+
+    model: Any  # the model config (n_layers, d_model, n_heads, n_kv_heads, d_ff, mlp, pos, ...)
+    seq_len: int
+    rows: int  # sequences per device per micro-batch (the tensor group shares them)
+    micro_steps: int  # train.grad_accum
+    vocab: int  # the output layer's columns (padded vocabulary)
+    tp: int
+    n_devices: int
+    params: float  # all parameters (the model's, padded)
+    params_per_device: float  # this device's shard (the optimizer updates these)
+    precision: str  # fp32 | bf16
+    grad_reduce_dtype: str = "fp32"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one device computes per micro-batch."""
+        return self.rows * self.seq_len
+
+
+def fused_attention(cost: Cost, w: Workload) -> bool:
+    """Whether the real run on this target gets cuDNN's flash attention (the run's own rule)."""
+    from dxrun.attention_kernel import CUDNN, attention_implementation
+
+    if cost.fused_attention_capability is None or w.model.attention != "dot_product":
+        return False
+    import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
+
+    dtype = ml_dtypes.bfloat16 if w.precision == "bf16" else "float32"
+    kernel = attention_implementation("gpu", dtype, w.model.d_model // w.model.n_heads,
+                                      cost.fused_attention_capability, 90000)
+    return kernel == CUDNN
+
+
+def _matmul_s(m: float, n: float, k: float, peak: float, hbm: float, cost: Cost,
+              in_bytes: int, out_bytes: int) -> float:
+    """One ``m x k`` by ``k x n`` matmul: the slower of its compute and its operands' traffic."""
+    s = min(m, n, k)
+    eff = cost.matmul_efficiency * s / (s + cost.matmul_half_dim)
+    compute = 2 * m * n * k / (peak * eff)
+    memory = (in_bytes * (m * k + k * n) + out_bytes * m * n) / hbm
+    return max(compute, memory)
+
+
+def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
+    """(input width, output width) of one block's weight matmuls on one device (tp-split)."""
+    m = w.model
+    E, tp = m.d_model // m.n_heads, w.tp
+    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp == "swiglu" else 1)
+    return [(m.d_model, (m.n_heads + 2 * m.n_kv_heads) * E / tp), (m.n_heads * E / tp, m.d_model),
+            *mlp_in, (m.d_ff / tp, m.d_model)]
+
+
+def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -> dict:
+    """Seconds of one device's matmuls per step: the blocks' (forward, input gradient, weight
+    gradient; plus the forward again under model.remat=full), the output layer's, and XLA's
+    attention matmuls when the attention is not fused."""
+    m, t = w.model, w.tokens
+    a = 2 if w.precision == "bf16" else 4  # operand bytes; weight gradients accumulate in fp32
+    fwd = bwd = 0.0
+    shapes = _block_matmuls(w)
+    for k_in, n_out in shapes:
+        fwd += _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a)
+        bwd += _matmul_s(t, k_in, n_out, peak, hbm, cost, a, a)  # input gradient
+        bwd += _matmul_s(k_in, n_out, t, peak, hbm, cost, a, 4)  # weight gradient (fp32)
+    # remat=full recomputes the forward but its last matmul (the MLP's down projection: no
+    # gradient needs its output; flops.step_flops)
+    k_in, n_out = shapes[-1]
+    redo = fwd - _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a) if m.remat == "full" else 0.0
+    L = m.n_layers
+    blocks = L * (fwd + bwd + redo)
+    D, V = m.d_model, w.vocab / w.tp
+    head = (_matmul_s(t, V, D, peak, hbm, cost, a, 4) + _matmul_s(t, D, V, peak, hbm, cost, a, a)
+            + _matmul_s(D, V, t, peak, hbm, cost, a, 4))
+    attn = 0.0
+    if not fused:  # XLA's: per (sequence, head) a T x E by E x T and a T x T by T x E matmul
+        H, E, T = m.n_heads / w.tp, D // m.n_heads, w.seq_len
+        one = (_matmul_s(T, T, E, peak, hbm, cost, a, 4)  # scores, fp32
+               + _matmul_s(T, E, T, peak, hbm, cost, a, a))  # weighted sum
+        # backward: four matmuls of the same sizes (2 x); remat=full: the forward again
+        attn = one * (3 + (m.remat == "full")) * H * w.rows * L
+    return {"blocks": blocks * w.micro_steps, "output_layer": head * w.micro_steps,
+            "attention": attn * w.micro_steps}
+
+
+def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
+    """HBM bytes of one device's non-matmul work per step, under XLA:GPU's fusion (each fused
+    kernel reads its inputs and writes its outputs once). Per token and layer, forward: the two
+    norms (read the residual, write the normed input), rotary embedding (q and k), the MLP's
+    activation, the two residual adds; the backward reads twice what the forward did and writes
+    as much (2 x), remat recomputes the forward (+1 x). Per step: the cross-entropy over the
+    logits (two fp32 reads, a compute-dtype gradient write), the weights' casts to bf16 at each
+    use (after the FSDP gather: whole tp shards), the gradient accumulation across micro-batches,
+    and AdamW on this device's shard (reads weight, gradient, two moments; writes three)."""
+    m, t = w.model, w.tokens
+    a = 2 if w.precision == "bf16" else 4
+    r = 4 if m.residual_dtype == "fp32" else a
+    D, E, tp = m.d_model, m.d_model // m.n_heads, w.tp
+    H, K, F = m.n_heads / tp, m.n_kv_heads / tp, m.d_ff / tp
+    norms = 2 * (r * D + a * D)
+    residual = 2 * (2 * r * D + a * D)
+    rope = 2 * a * (H + K) * E if m.pos == "rope" else 0.0
+    act = (3 if m.mlp == "swiglu" else 2) * a * F
+    softmax = 0.0 if fused else H * w.seq_len * (4 + a)  # read fp32 scores, write probabilities
+    fwd = norms + residual + rope + act + softmax
+    passes = 3 + (1 if m.remat != "none" else 0)  # forward, backward (2 x), recomputation
+    layers = m.n_layers * fwd * passes * t
+    V = w.vocab / tp
+    loss = (8 + a) * V * t
+    per_micro = layers + loss
+    uses = 3 if m.remat == "full" else 2  # forward, input gradient (+ recomputed forward)
+    casts = (6 * w.params / tp) * uses if w.precision == "bf16" else 0.0
+    accumulate = 8 * w.params_per_device if w.micro_steps > 1 else 0.0
+    optimizer = 7 * 4 * w.params_per_device + 4 * w.params_per_device  # AdamW + clip norm
+    return {"activations": per_micro * w.micro_steps,
+            "weights": (casts + accumulate) * w.micro_steps, "optimizer": optimizer}
+
+
+def _is_tensor_group(groups: list[list[int]], tp: int) -> bool:
+    """A group of consecutive devices of size tp: the innermost mesh axis, ``tensor``."""
+    return tp > 1 and all(len(g) == tp and sorted(g) == list(range(min(g), min(g) + tp))
+                          and min(g) % tp == 0 for g in groups)
+
+
+def collective_time(colls: list[dict], w: Workload, link: float, cost: Cost) -> dict:
+    """Seconds of the step's collectives: (tensor-parallel, over data replicas). bf16 halves
+    what the GPU program sends in bf16 (see the module docstring)."""
+    out = {"tensor": 0.0, "data": 0.0, "tensor_bytes": 0.0, "data_bytes": 0.0}
+    per_node = cost.devices_per_node
+    for c in colls:
+        tensor = _is_tensor_group(c["groups"], w.tp)
+        n = max(len(g) for g in c["groups"])
+        if n <= 1:
+            continue
+        nbytes = c["bytes"] * c["runs"]
+        if w.precision == "bf16" and "f32" in c["dtypes"] and (
+                tensor or (w.grad_reduce_dtype == "bf16" and c["kind"] != "all-gather")):
+            nbytes /= 2
+        spans = any(len({d // per_node for d in g}) > 1 for g in c["groups"])
+        bw = cost.network_bytes_per_s if spans else link * cost.link_efficiency
+        key = "tensor" if tensor else "data"
+        out[key] += nbytes / bw
+        out[f"{key}_bytes"] += nbytes
+    return out
+
+
+def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: float,
+              link_bytes_per_s: float, collectives: list[dict]) -> dict[str, Any]:
+    """One device's step: the parts (seconds) and their sum under the overlap assumption."""
+    peak = peak_tflops * 1e12 * cost.clock_scale
+    hbm = hbm_bytes_per_s * cost.hbm_efficiency
+    fused = fused_attention(cost, w)
+    mm = matmul_time(w, peak, hbm, cost, fused)
+    attention = 0.0
+    if fused:
+        per_token = flops.attention_flops(w.model, w.seq_len, causal=True)
+        fwd = w.model.n_layers * per_token * w.tokens * w.micro_steps
+        recompute = fwd if w.model.remat in ("full", "dots") else 0.0
+        attention = (3.5 * fwd + recompute) / (peak * cost.attention_efficiency)
+    eb = elementwise_bytes(w, fused)
+    elementwise = sum(eb.values()) / hbm
+    comm = collective_time(collectives, w, link_bytes_per_s, cost)
+    compute = sum(mm.values()) + attention + elementwise
+    step = compute + comm["tensor"] + max(0.0, comm["data"] - compute)
+    return {
+        "model": "accelerator cost model (dxrun/gpu_cost.py)",
+        "fused_attention": fused,
+        "matmul_s": mm["blocks"] + mm["output_layer"], "matmul_parts_s": mm,
+        "attention_s": attention + mm["attention"],
+        "elementwise_s": elementwise, "elementwise_bytes": eb,
+        "compute_s": compute,
+        "tensor_collective_s": comm["tensor"], "data_collective_s": comm["data"],
+        "collective_bytes": comm["tensor_bytes"] + comm["data_bytes"],
+        "exposed_collective_s": comm["tensor"] + max(0.0, comm["data"] - compute),
+        "step_time_s": step,
+    }
+
+
+def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> Workload:
+    """The time model's view of a run config and its mesh plan (the vocabulary padded as the
+    accelerator run pads it, whatever the CPU compile did)."""
+    from dxrun.plan import padded_vocab
+
+    replicas = plan.dp * plan.fsdp
+    accum = cfg.train.grad_accum
+    return Workload(
+        model=cfg.model, seq_len=cfg.data.seq_len,
+        rows=plan.global_batch // replicas // accum, micro_steps=accum,
+        vocab=padded_vocab(cfg.model.vocab_size, plan.tp, "gpu", cfg.parallelism.vocab_align),
+        tp=plan.tp, n_devices=plan.n_devices, params=n_params,
+        params_per_device=params_per_device, precision=cfg.train.precision,
+        grad_reduce_dtype=cfg.train.grad_reduce_dtype)

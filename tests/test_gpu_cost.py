@@ -1,0 +1,159 @@
+"""The accelerator time model (dxrun/gpu_cost.py) and the FLOPs it counts from the shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dxrun import flops, gpu_cost, plan_mode
+from dxrun.experiment import Experiment
+from dxrun.hlo import replica_groups
+
+ACCELERATORS = sorted(gpu_cost.COST)
+PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", "llama3_8b")
+
+
+def _xla_and_counted(cfg_factory, *overrides: str) -> tuple[float, dict]:
+    cfg = cfg_factory("parallelism=dp1", "logger=none", "data.batch_size=1", *overrides)
+    exp = Experiment.build(cfg)
+    xla, _ = plan_mode.cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    counted = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
+                               cfg.model.remat, fused_attention=False)
+    return xla, counted
+
+
+def test_counted_flops_match_xla_for_a_gpt2_block_with_recomputation(cfg_factory):
+    """GPT-2 small's block (d 768, GELU, biases, tied head) under model.remat=full, fp32 on
+    CPU (XLA's attention: the full square): XLA's count is the hardware FLOPs (the model's and
+    the recomputed forward but its down projections) plus the elementwise work, under 2%
+    here; without the recomputation the count would be 15% short of XLA's."""
+    xla, c = _xla_and_counted(cfg_factory, "model=small", "model.vocab_size=4096",
+                              "data.seq_len=256", "model.remat=full")
+    print({k: f"{v:.4g}" for k, v in c.items()}, f"xla {xla:.4g}")
+    assert c["hardware"] == pytest.approx(c["model"] + c["recompute"])
+    down = 12 * 2 * 3072 * 768 * 256  # the down projections: not recomputed
+    assert c["recompute"] == pytest.approx((c["block_matmuls"] + c["attention_full"]) / 3 - down)
+    assert 0 <= xla / c["hardware"] - 1 < 0.02
+    assert xla / c["model"] - 1 > 0.1
+
+
+def test_counted_flops_match_xla_for_a_llama_block(cfg_factory):
+    """A Llama block (RMSNorm, SwiGLU, RoPE, 4 kv heads for 16 query heads, untied head) at
+    cheap widths: the counted model FLOPs (full attention square) within 5% of XLA's (measured
+    +3.8%: XLA also counts RMSNorm, RoPE, SiLU, the softmax and AdamW, a larger share at d 512
+    than at GPT-2 small's 768), and the causal half is exactly half of the attention."""
+    xla, c = _xla_and_counted(cfg_factory, "model=tiny_llama", "model.d_model=512",
+                              "model.n_heads=16", "model.n_kv_heads=4", "model.d_ff=1408",
+                              "data.vocab_size=2048", "data.seq_len=128")
+    print({k: f"{v:.4g}" for k, v in c.items()}, f"xla {xla:.4g}")
+    assert c["attention_causal"] == pytest.approx(c["attention_full"] / 2)
+    assert c["hardware"] == pytest.approx(c["model"])  # no remat, XLA's attention
+    assert 0 <= xla / c["model"] - 1 < 0.05
+
+
+def test_fused_attention_counts_the_causal_half_and_the_backward_recomputation(cfg_factory):
+    m = cfg_factory("model=llama2_7b").model
+    f = flops.step_flops(m, 4096, 4096, 32000, "dots", fused_attention=True)
+    fwd = f["attention_causal"] / 3
+    # flash backward = 2.5 forward; remat=dots recomputes the kernel's forward (a custom call)
+    assert f["hardware"] == pytest.approx(f["block_matmuls"] + f["output_layer"] + 4.5 * fwd)
+
+
+_MODELS: dict = {}
+
+
+def _workload(cfg_factory, model: str, precision: str, n: int = 8) -> gpu_cost.Workload:
+    """A realistic step: the model's full context, 4 sequences per GPU (FSDP over 8)."""
+    if model not in _MODELS:  # composed once per preset: Hydra's compose is the slow part
+        _MODELS[model] = cfg_factory(f"model={model}").model
+    m = _MODELS[model]
+    params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model
+    return gpu_cost.Workload(m, m.max_seq_len, 4, 1, -(-m.vocab_size // 128) * 128, 1, n,
+                             params, params / n, precision)
+
+
+@pytest.mark.parametrize("target", ACCELERATORS)
+def test_bf16_is_faster_than_fp32_for_every_preset(cfg_factory, target):
+    """Every preset on this target: bf16 (its peak, half the activation bytes, the fused
+    attention on NVIDIA) estimates a shorter step than fp32 (no collectives: one device's
+    share; the collectives' halving is tested below)."""
+    t, cost = plan_mode.TARGETS[target], gpu_cost.COST[target]
+    for model in PRESETS:
+        steps = {}
+        for precision in ("fp32", "bf16"):
+            w = _workload(cfg_factory, model, precision)
+            steps[precision] = gpu_cost.step_time(
+                w, cost, flops.peak_tflops(t.device_kind, precision), t.hbm_bytes_per_s,
+                t.link_bytes_per_s, [])
+        assert steps["bf16"]["step_time_s"] < steps["fp32"]["step_time_s"], (target, model)
+        assert not steps["fp32"]["fused_attention"]
+        nvidia = t.device_kind.startswith("NVIDIA")
+        assert steps["bf16"]["fused_attention"] == nvidia, (target, model)
+
+
+def test_a_small_matmul_runs_further_below_the_peak():
+    cost, peak, hbm = gpu_cost.COST["h100"], 989e12, 3.35e12
+    big = gpu_cost._matmul_s(8192, 8192, 8192, peak, hbm, cost, 2, 2)
+    small = gpu_cost._matmul_s(8192, 128, 128, peak, hbm, cost, 2, 2)
+    per_flop = (small / (8192 * 128 * 128)) / (big / 8192**3)
+    assert per_flop > 2  # the skinny one is memory- and tile-bound
+    assert 2 * 8192**3 / big == pytest.approx(
+        peak * cost.matmul_efficiency * 8192 / (8192 + cost.matmul_half_dim))
+
+
+def test_collectives_priced_by_group_dtype_and_link(cfg_factory):
+    """bf16: a tensor-parallel (consecutive groups of tp) f32 all-reduce counts half its
+    compiled bytes (XLA:CPU widened it); the fp32 weights' FSDP gather keeps its bytes; the
+    gradient reduction halves only under grad_reduce_dtype=bf16. A group spanning two nodes
+    goes over the network. Data collectives overlap the compute; tensor ones add."""
+    cost = dataclasses.replace(gpu_cost.COST["h100"], devices_per_node=4)
+    link = 450e9
+    tp_ar = {"kind": "all-reduce", "runs": 2, "groups": [[0, 1], [2, 3], [4, 5], [6, 7]],
+             "dtypes": ["f32"], "bytes": 1e9}
+    gather = {"kind": "all-gather", "runs": 1, "groups": [[0, 2], [1, 3], [4, 6], [5, 7]],
+              "dtypes": ["f32"], "bytes": 1e9}
+    grads = {"kind": "all-reduce", "runs": 1, "groups": [[0, 4], [1, 5], [2, 6], [3, 7]],
+             "dtypes": ["f32"], "bytes": 1e9}
+    w = gpu_cost.Workload(cfg_factory("model=tiny").model, 1024, 1, 1, 1024, 2, 8, 1e6, 1e6, "bf16")
+    c = gpu_cost.collective_time([tp_ar, gather, grads], w, link, cost)
+    assert c["tensor_bytes"] == 1e9  # 2 runs x 1 GB, halved
+    assert c["data_bytes"] == 2e9  # neither halved
+    on_link = link * cost.link_efficiency
+    assert c["data"] == pytest.approx(1e9 / on_link + 1e9 / cost.network_bytes_per_s)
+    w16 = dataclasses.replace(w, grad_reduce_dtype="bf16")
+    assert gpu_cost.collective_time([grads], w16, link, cost)["data_bytes"] == 0.5e9
+    assert gpu_cost.collective_time([tp_ar], dataclasses.replace(w, precision="fp32"), link,
+                                    cost)["tensor_bytes"] == 2e9
+
+
+def test_replica_groups_from_each_spelling():
+    assert replica_groups("x replica_groups=[4,2]<=[8], y", 8) == [[0, 1], [2, 3], [4, 5],
+                                                                   [6, 7]]
+    assert replica_groups("x replica_groups=[2,4]<=[4,2]T(1,0), y", 8) == [[0, 2, 4, 6],
+                                                                          [1, 3, 5, 7]]
+    mesh = "x replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2]{'axis_1'}, y"
+    assert replica_groups(mesh, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert replica_groups("x replica_groups={{0,1},{2,3}}, y", 4) == [[0, 1], [2, 3]]
+
+
+def test_shape_warning_names_the_keys_and_a_typical_step():
+    line = plan_mode.shape_warning("gpu", 64, 1024, 32 * 64)
+    assert "data.seq_len=64" in line and "data.batch_size" in line and "4M tokens" in line
+    assert "\n" not in line
+    assert plan_mode.shape_warning("gpu", 1024, 1024, 32 * 1024) is not None  # 32k tokens
+    assert plan_mode.shape_warning("tpu", 1024, 1024, 512 * 1024) is None
+    assert plan_mode.shape_warning("cpu", 64, 1024, 2048) is None
+
+
+def test_every_constant_has_a_source():
+    for name, cost in gpu_cost.COST.items():
+        assert name in plan_mode.TARGETS
+        numbers = [f.name for f in dataclasses.fields(cost)
+                   if f.name not in ("sources", "fused_attention_capability")]
+        missing = [k for k in numbers if k not in cost.sources
+                   and k not in ("attention_efficiency",)]  # TPUs: no fused attention
+        if cost.fused_attention_capability:
+            missing += [] if "attention_efficiency" in cost.sources else ["attention"]
+        assert not missing, (name, missing)
