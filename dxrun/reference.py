@@ -56,7 +56,8 @@ MEANING: dict[str, str] = {
     "parallelism.tp": "tensor-parallel axis size (-1 = inferred)",
     "data.seed": "the data's seed: the batch of step k depends only on (data.seed, k)",
     "optimizer.lr": "peak learning rate (the model size's preset sets it for adamw)",
-    "optimizer.weight_decay": "decoupled weight decay (skips norms, biases, embeddings unless decay_all)",
+    "optimizer.weight_decay": "decoupled weight decay (skips norms, biases, embeddings unless "
+                              "decay_all)",
     "optimizer.b1": "first-moment decay (adamw, lion)",
     "optimizer.b2": "second-moment decay (adamw, lion)",
     "optimizer.eps": "adamw's epsilon",
@@ -76,10 +77,12 @@ MEANING: dict[str, str] = {
     "optimizer.name": "the optimizer (the optimizer=NAME option)",
     "optimizer.momentum": "SGD's momentum",
     "optimizer.schedule": "the lr schedule: constant, linear warmup then cosine, or warmup-stable-decay",
-    "optimizer.lr_scaling": "scale optimizer.lr by global batch / base_batch_size (linear) or its square root",
+    "optimizer.lr_scaling": "scale optimizer.lr by global batch / base_batch_size (linear) or its "
+                            "square root",
     "logger.name": "where metrics go beside metrics.jsonl (the logger=NAME option)",
     "train.precision": "compute dtype: bf16 computes in bf16 with fp32 master weights",
-    "runtime.memory_gb": "the memory (GiB) the preflight believes this host/device has; null = what it reports",
+    "runtime.memory_gb": "the memory (GiB) the preflight believes this host/device has; null = "
+                         "what it reports",
     "distributed.num_processes": "processes in the run (distributed.mode=manual)",
     "distributed.process_id": "this process's rank (distributed.mode=manual)",
 }
@@ -311,7 +314,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                "achieved model TFLOP/s per device"),
     "perf/mfu": ("fraction", "perf/tflops_per_device / peak (only where the peak is known)",
                  "model FLOPs utilisation"),
-    "perf/data_wait_frac": ("fraction", "share of the log window", "host time getting the next batch onto the devices"),
+    "perf/data_wait_frac": ("fraction", "share of the log window", "host time getting the next "
+                            "batch onto the devices"),
     "perf/compile_time_s": ("s", "once (first row)", "lowering + compiling the train step"),
     "perf/checkpoint_block_s": ("s", "sum of the saves since the previous row",
                                 "how long saves held the loop; absent without a save"),
@@ -336,12 +340,14 @@ RUN_FILES: dict[str, str] = {
     "dxrun.log": "the console lines (a multi-process run: dxrun.<rank>.log per process)",
     "plan.json": "the mesh plan (keys below); plan mode adds `plan_mode`",
     "metrics.jsonl": "one JSON object per log step: `step` and every metric of the row (see Metrics)",
-    "metrics.discarded.jsonl": "rows a resume moved aside (logged after the last checkpoint, or cut short)",
+    "metrics.discarded.jsonl": "rows a resume moved aside (logged after the last checkpoint, or "
+                               "cut short)",
     "summary.json": "the last row plus the run's totals (keys below)",
     "status.json": "running | ok | stopped | failed, with the fields below",
     "eval.json": "a list: one record per `python -m dxrun.evaluate` of this run",
     "checkpoints/": "Orbax checkpoints `<step>/` (the newest checkpoint.keep)",
-    "checkpoints.txt": "with checkpoint.dir: the dir `<checkpoint.dir>/<run id>/` holding this run's checkpoints",
+    "checkpoints.txt": "with checkpoint.dir: the dir `<checkpoint.dir>/<run id>/` holding this "
+                       "run's checkpoints",
     "wandb/": "the offline W&B run: `wandb sync <run dir>/wandb/offline-run-*`",
 }
 
@@ -353,7 +359,8 @@ SUMMARY: dict[str, str] = {
     "n_params": "parameters (the real vocabulary, without padding)",
     "flops_per_token": "model FLOPs per token (dxrun/flops.py)",
     "tokens_per_s": "the last window's perf/tokens_per_s",
-    "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, evaluation, saves)",
+    "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, "
+                         "evaluation, saves)",
     "compile_time_s": "lowering + compiling the train step",
     "entropy_floor": "markov data: the best achievable loss; else null",
     "device_kind": "jax.devices()[0].device_kind",
@@ -365,13 +372,14 @@ SUMMARY: dict[str, str] = {
 STATUS: dict[str, str] = {
     "status": "running | ok | stopped | failed",
     "kind": "failed: refused (bad input) | crashed | nonfinite",
-    "reason": "failed: the one line that was printed",
+    "reason": "failed or stopped: the one line that was printed",
     "log": "failed: the file holding the traceback",
     "signal": "stopped: SIGTERM | SIGINT",
     "step": "stopped: the step it stopped at",
     "checkpoint": "stopped: the committed checkpoint",
-    "resume": "stopped: the command that continues the run",
-    "job": "a multirun job: its number and overrides",
+    "relaunch": "stopped: the command that continues the run",
+    "job": "the job's number in its multirun (its dir name)",
+    "overrides": "the job's command-line overrides",
     "started": "epoch seconds the run started (kept over a resume)",
     "finished": "epoch seconds it ended (absent while running)",
 }
@@ -383,8 +391,10 @@ PLAN_EXTRA: dict[str, str] = {
 }
 
 CHECKPOINT: dict[str, str] = {
-    "state": "step, fp32 parameters, optimizer state, the NaN counters; each process writes its own shards",
-    "meta": "data iterator position, tokens seen, resolved config, mesh plan, W&B run id, run_id and run_dir",
+    "state": "step, fp32 parameters, optimizer state, the NaN counters; each process writes its "
+             "own shards",
+    "meta": "data iterator position, tokens seen, resolved config, mesh plan, W&B run id, run_id "
+            "and run_dir",
 }
 
 
