@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def on_files(files, config):
     from dxrun import reference
 
-    pages = {**reference.pages(), "benchmarks-results.md": (ROOT / "BENCHMARKS.md").read_text()}
+    pages = {**reference.pages(), **reference.figures(),
+             "benchmarks-results.md": (ROOT / "BENCHMARKS.md").read_text()}
     for path, text in pages.items():
         files.append(File.generated(config, path, content=text))
     return files

@@ -90,6 +90,19 @@ def test_every_tool_has_its_usage(pages):
 
 
 def test_generating_the_reference_imports_no_jax():
-    code = ("import sys; from dxrun import reference; reference.pages(); "
+    code = ("import sys; from dxrun import reference; reference.pages(); reference.figures(); "
             "assert 'jax' not in sys.modules, 'reference imported jax'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_mesh_figures_are_the_plans():
+    """dp4_tp2: device 1 is data replica 1's second tensor rank; fsdp8: 8 batch shards, each
+    device one eighth of every weight's embed axis."""
+    figs = reference.figures()
+    tp = figs["figures/mesh_dp4_tp2.svg"]
+    assert "data=4 x fsdp=1 x tensor=2" in tp and tp.count("<rect") == 8
+    dev1 = tp.split("device 1</text>")[1].split("<rect")[0]
+    assert "batch rows 1/4" in dev1 and "heads, kv_heads, mlp, vocab: part 2/2" in dev1
+    fsdp = figs["figures/mesh_fsdp8.svg"]
+    assert "batch rows 8/8" in fsdp and "embed: part 8/8" in fsdp and "tensor" not in fsdp.split(
+        "</text>", 2)[2]
