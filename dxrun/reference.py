@@ -179,11 +179,15 @@ def _composed_defaults() -> dict[str, Any]:
 
 
 def _cell(v: Any) -> str:
+    """A table cell: ``|`` escaped, and ``<name>`` outside code spans escaped so Markdown does
+    not take it for an HTML tag (``dxrun.<rank>.log``)."""
     if v is None:
         return "null"
     if isinstance(v, bool):
         return str(v).lower()
-    return str(v).replace("|", "\\|")
+    parts = str(v).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;")
+                    for i, p in enumerate(parts))
 
 
 def config_markdown() -> str:
@@ -557,12 +561,18 @@ def _argparse_help(module: str) -> str:
 
 
 def _hydra_help() -> str:
+    import sys
+
     from hydra._internal.utils import get_args_parser
 
-    parser = get_args_parser()
+    argv0, sys.argv[0] = sys.argv[0], "python -m dxrun"  # the shell-completion help names it
+    try:
+        parser = get_args_parser()
+        for action in parser._actions:  # Hydra's completion help is a lazy object, not a str
+            action.help = None if action.help is None else str(action.help)
+    finally:
+        sys.argv[0] = argv0
     parser.prog = "python -m dxrun"
-    for action in parser._actions:  # Hydra's completion help is a lazy object, not a str
-        action.help = None if action.help is None else str(action.help)
     with contextlib.redirect_stdout(io.StringIO()):
         old = os.environ.get("COLUMNS")
         os.environ["COLUMNS"] = "100"
