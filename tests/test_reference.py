@@ -106,3 +106,16 @@ def test_the_mesh_figures_are_the_plans():
     fsdp = figs["figures/mesh_fsdp8.svg"]
     assert "batch rows 8/8" in fsdp and "embed: part 8/8" in fsdp and "tensor" not in fsdp.split(
         "</text>", 2)[2]
+
+
+def test_the_readme_stays_short_and_its_links_lead_somewhere():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README is the entry point: move detail to docs/"
+    links = re.findall(r"\]\(((?:docs/|BENCHMARKS)[^)#]*)", readme)
+    assert len(links) >= 14 and all((ROOT / link).is_file() for link in links), links
+    # CI runs the README's commands: they must stay the ones .ci/run runs.
+    ci = (ROOT / ".ci/run").read_text()
+    assert "python -m pip install -e '.[dev]'" in readme
+    assert re.search(r"^python -m pip install (--quiet )?-e '\.\[dev", ci, re.M)
+    for command in ("python -m dxrun", "python -m pytest"):
+        assert f"\n{command}" in readme and f"\n{command}\n" in ci
