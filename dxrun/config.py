@@ -323,7 +323,7 @@ _CHOICES = {
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key accepts: ``lo``/``hi`` bounds (None = unbounded), each closed
-    or open. The README's table of ranges is generated from RANGES (``ranges_markdown``)."""
+    or open. The docs' tables of ranges are generated from RANGES (``ranges_markdown``)."""
 
     lo: float | None = None
     hi: float | None = None
@@ -393,7 +393,8 @@ UNRANGED = {
 
 
 def ranges_markdown() -> str:
-    """The README's table of accepted ranges, generated so it is never written twice."""
+    """The table of accepted ranges (docs/guide/bad-input.md, the Reference), generated so it
+    is never written twice."""
     by_range: dict[str, list[str]] = {}
     for key, r in RANGES.items():
         by_range.setdefault(str(r), []).append(f"`{key}`")

@@ -15,7 +15,7 @@ terminal's process group, so a Ctrl-C reaches each once). When such a stop ends 
 cleanly (checkpoint committed), the launcher says so with the resume command and exits with the
 stop's code (0 for SIGTERM, 130 for SIGINT); otherwise the exit code is the first non-zero one a
 process returned (a process killed by signal S counts as 128+S), else 0. On
-several nodes use SLURM instead (README, "Multi-node").
+several nodes use SLURM instead (docs/guide/multi-node.md).
 """
 
 from __future__ import annotations

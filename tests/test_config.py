@@ -42,7 +42,7 @@ def test_seeds_and_process_numbers_are_ranged(cfg_factory, override):
 
 
 def test_readme_lists_the_generated_ranges():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs/guide/bad-input.md").read_text()
     assert config.ranges_markdown() in readme, (
         "README's table of ranges is stale: paste the output of "
         "python -c 'from dxrun.config import ranges_markdown; print(ranges_markdown())'")

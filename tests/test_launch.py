@@ -154,8 +154,9 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     sbatch = documented("experiments/slurm_multinode.sbatch", "slurm_multinode.sbatch")
     submitit = documented("conf/hydra/launcher/slurm_multinode.yaml", "hydra/launcher=slurm_multinode")
     assert sbatch == submitit == ["model=large", "parallelism=dp4_tp2"]
-    assert documented("README.md", "slurm_multinode.sbatch") == sbatch
-    assert documented("README.md", "python -m dxrun -m hydra/launcher=slurm_multinode") == sbatch
+    assert documented("docs/guide/multi-node.md", "slurm_multinode.sbatch") == sbatch
+    assert documented("docs/guide/multi-node.md",
+                      "python -m dxrun -m hydra/launcher=slurm_multinode") == sbatch
     proc = launch(tmp_path, *sbatch, "run.mode=plan", "plan.target=h100", "logger=none",
                   "hydra.run.dir=run", hosts=2, devices=16)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,121 @@
+"""The docs' Reference (dxrun/reference.py) is complete: every config key, preset, metric, output
+key and command-line tool that exists in the code has its entry, and nothing stale stays."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dxrun import config, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pages():
+    return reference.pages()
+
+
+def test_every_config_key_has_a_row_with_type_default_and_meaning(pages):
+    schema = [f"{s.name}.{f.name}" for s in dataclasses.fields(config.RunConfig)
+              for f in dataclasses.fields(s.default_factory)]
+    keys = {k.key: k for k in reference.config_keys()}
+    assert list(keys) == schema
+    assert not [k for k, v in keys.items() if not v.meaning], "keys without a meaning: add a " \
+        "comment beside the field in dxrun/config.py (or reference.MEANING)"
+    rows = {m.group(1): m.group(0) for m in
+            re.finditer(r"^\| `([\w.]+)` \| .*$", pages["reference/config.md"], re.M)}
+    assert set(schema) <= set(rows)
+    # The ranges and choices the validation uses are what the rows say.
+    assert "| `optimizer.decay_frac` | `float` | `0.2` | (0, 1] |" in rows["optimizer.decay_frac"]
+    assert "`layernorm` \\| `rmsnorm`" in rows["model.norm"]
+    assert "| `train.steps` | `int` | `600` | > 0 |" in rows["train.steps"]
+    assert "`h100`" in rows["plan.target"]
+    assert config.ranges_markdown() in pages["reference/config.md"]
+    assert not [k for k in reference.MEANING if k not in schema], "MEANING names a removed key"
+
+
+def test_every_preset_file_is_listed_with_what_it_sets(pages):
+    text = pages["reference/presets.md"]
+    files = [*ROOT.glob("conf/*/*.yaml"), *ROOT.glob("conf/hydra/launcher/*.yaml"),
+             *ROOT.glob("experiments/*"), *ROOT.glob("sweeps/*.yaml"),
+             *ROOT.glob("sweeps/wandb/*.yaml")]
+    assert len(files) >= 38
+    for f in files:
+        assert f"### `{f.name}`" in text, f"{f.relative_to(ROOT)} has no entry"
+    section = text.split("### `llama_fsdp.yaml`")[1].split("###")[0]
+    assert "`model=tiny_llama`" in section and "`parallelism=fsdp8`" in section
+    assert "`train.steps=300`" in section and "Llama-style block" in section
+
+
+def test_every_metric_the_code_logs_has_unit_and_reduction(pages):
+    in_code = reference.metric_names_in_code()
+    assert {"train/loss", "perf/mfu", "eval/tokens", "train/skipped_steps"} <= in_code
+    assert in_code - set(reference.METRICS) == set(), "metrics without an entry in METRICS"
+    assert set(reference.METRICS) - in_code == set(), "METRICS lists a metric nothing logs"
+    for name, (unit, reduction, meaning) in reference.METRICS.items():
+        assert unit and reduction and meaning
+        assert f"| `{name}` | {unit} |" in pages["reference/outputs.md"]
+
+
+def test_every_output_key_is_documented(pages):
+    summary, status = reference.summary_keys(), reference.status_keys()
+    assert {"n_params", "checkpoint_block_s", "**last"} <= set(summary)
+    assert {"kind", "signal", "relaunch", "finished"} <= set(status)
+    assert not [k for k in summary if not reference.SUMMARY.get(k)], "summary.json keys"
+    assert not [k for k in status if not reference.STATUS.get(k)], "status.json keys"
+    assert not set(reference.SUMMARY) - set(summary) and not set(reference.STATUS) - set(status)
+    plan = reference.plan_keys()
+    assert {"dp", "fsdp", "tp", "global_batch", "padded_vocab", "mesh_shape", "per_device_batch",
+            "plan_mode"} <= set(plan)
+    text = pages["reference/outputs.md"]
+    for name in [*reference.RUN_FILES, *summary, *status, *plan]:
+        assert f"| `{name}` |" in text
+
+
+def test_every_tool_has_its_usage(pages):
+    assert reference.entry_points() == set(reference.TOOLS) | set(reference.INTERNAL)
+    text = pages["reference/tools.md"]
+    for tool in reference.TOOLS:
+        assert f"## `python -m {tool}`" in text
+    launch = reference.tool_usage("dxrun.launch")
+    assert launch.startswith("usage: python -m dxrun.launch")
+    assert all(o in launch for o in ("--nproc", "--devices-per-proc", "--hosts", "--grace"))
+    assert "--tokenizer" in reference.tool_usage("dxrun.data.prepare")
+    assert "--multirun" in reference.tool_usage("dxrun")
+    assert "max_new_tokens=64" in reference.tool_usage("dxrun.sample")
+
+
+def test_generating_the_reference_imports_no_jax():
+    code = ("import sys; from dxrun import reference; reference.pages(); reference.figures(); "
+            "assert 'jax' not in sys.modules, 'reference imported jax'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_mesh_figures_are_the_plans():
+    """dp4_tp2: device 1 is data replica 1's second tensor rank; fsdp8: 8 batch shards, each
+    device one eighth of every weight's embed axis."""
+    figs = reference.figures()
+    tp = figs["figures/mesh_dp4_tp2.svg"]
+    assert "data=4 x fsdp=1 x tensor=2" in tp and tp.count("<rect") == 8
+    dev1 = tp.split("device 1</text>")[1].split("<rect")[0]
+    assert "batch rows 1/4" in dev1 and "heads, kv_heads, mlp, vocab: part 2/2" in dev1
+    fsdp = figs["figures/mesh_fsdp8.svg"]
+    assert "batch rows 8/8" in fsdp and "embed: part 8/8" in fsdp and "tensor" not in fsdp.split(
+        "</text>", 2)[2]
+
+
+def test_the_readme_stays_short_and_its_links_lead_somewhere():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README is the entry point: move detail to docs/"
+    links = re.findall(r"\]\(((?:docs/|BENCHMARKS)[^)#]*)", readme)
+    assert len(links) >= 14 and all((ROOT / link).is_file() for link in links), links
+    # CI runs the README's commands: they must stay the ones .ci/run runs.
+    ci = (ROOT / ".ci/run").read_text()
+    assert "python -m pip install -e '.[dev]'" in readme
+    assert re.search(r"^python -m pip install (--quiet )?-e '\.\[dev", ci, re.M)
+    for command in ("python -m dxrun", "python -m pytest"):
+        assert f"\n{command}" in readme and f"\n{command}\n" in ci
