@@ -554,7 +554,7 @@ def plan_report(cfg: Any, exp: Any) -> dict[str, Any]:
 
 
 def plan_table(report: dict[str, Any]) -> str:
-    pd, t = report["per_device"], report["target"]
+    t = report["target"]
     rows = [("params", f"{report['n_params']:,}"), *memory_rows(report)]
     rows += [
         ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step"),

@@ -144,3 +144,24 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     assert "total" in rows["XLA:CPU"] and "memory model" in rows["per device"]
     close = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.05}}
     assert "XLA:CPU" not in dict(plan_mode.memory_rows(close))
+
+
+def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
+    """A plan that does not fit an H100 by the model's count: the candidates are sized by the
+    model too (built from shapes, nothing compiled), and the first that fits is returned."""
+    from omegaconf import OmegaConf
+
+    h100 = plan_mode.TARGETS["h100"]
+
+    def need(c) -> float:
+        return plan_mode.accelerator_memory(Experiment.build(c, data=plan_mode._NoData()),
+                                            h100).total_bytes
+
+    cfg = cfg_factory("model=small", "parallelism=dp8", "data.seq_len=1024",
+                      "data.batch_size=64", "logger=none")
+    full = OmegaConf.merge(cfg, {"model": {"remat": "full"}})
+    budget = (need(cfg) + need(full)) / 2
+    fix = plan_mode.first_that_fits(cfg, budget, 8, "cpu",
+                                    need=lambda e: plan_mode.accelerator_memory(e, h100).total_bytes)
+    assert fix == ["model.remat=full"]
+    assert need(cfg) > budget >= need(OmegaConf.merge(cfg, OmegaConf.from_dotlist(fix)))
