@@ -8,7 +8,8 @@ this module counts what the step keeps instead. Everything is per device and in 
 **State** (read from the real abstract state's shardings by the caller, so any future
 sharding of the optimizer state flows through): fp32 master parameters, optimizer state, one
 fp32 gradient per parameter shard (``dxrun.model.dense`` returns fp32 weight gradients under
-bf16 too), and the token batch.
+bf16 too; two under ``train.grad_accum`` > 1: the accumulated sum and the micro-batch's), and
+the token batch.
 
 **Activations**, the standard per-layer accounting (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models": ``34·s·b·h + 5·a·s²·b`` bytes per
@@ -50,8 +51,8 @@ tanh GELU keeps five intermediates where a hand-written kernel keeps its input (
   layer input: bf16 ``dots`` is nearly ``full``;
 * ``full``: the layer input only.
 
-With remat, one layer's recomputation is alive during its backward pass: its ``none`` set
-(the working set below covers it). TP divides heads, kv heads, ``f`` and the vocabulary by
+With remat, one layer's recomputation is alive during its backward pass (the working set
+below). TP divides heads, kv heads, ``f`` and the vocabulary by
 ``tp`` (the norms' and the residual stream's ``s·b·h`` are replicated: no sequence
 parallelism); data and fsdp divide the batch; ``train.grad_accum`` divides it again (one
 micro-batch alive at a time).
@@ -71,9 +72,11 @@ the backward pass: state + gradients + batch + gathers + every layer's saved ten
 working set + head.
 
 Cross-checked against XLA:CPU's memory analysis of the compiled step in fp32 with the
-attention XLA runs on CPU (``tests/test_memory_model.py``); the residual (XLA:CPU materialises
-a loop-invariant broadcast of the mask constant, copies a stacked residual, and packs its
-heap with gaps) is documented there.
+attention XLA runs on CPU (``tests/test_memory_model.py``: within 10% for every remat policy).
+What XLA:CPU holds beyond the model, read from its buffer assignment: a softmax row statistic
+broadcast to score size to feed a YNNPACK library fusion (which takes no broadcast operand;
+XLA:GPU fuses it), elementwise temporaries its fusion leaves unfused (recomputed SwiGLU), and
+gaps in its heap packing (``dots``: about a fifth of its temporaries is never live at once).
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class Shapes:
     remat: str  # none | dots | full
     kernel: str  # cudnn | xla | reference
     residual: int  # bytes of the residual stream between layers
+    accum: int = 1  # train.grad_accum: micro-batches per step
 
     @property
     def tokens(self) -> int:
@@ -133,7 +137,7 @@ def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
         head_dim=m.d_model // m.n_heads,
         vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
         mlp=m.mlp, bias=bool(m.bias), remat=m.remat, kernel=kernel,
-        residual=FP32 if m.residual_dtype == "fp32" else c)
+        residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum)
 
 
 def layer_none(x: Shapes) -> dict[str, float]:
@@ -238,10 +242,12 @@ def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
     the FSDP gathers, all alive at the start of the backward pass."""
     acts = x.n_layers * layer_saved(x)
     work, head, gathers = working_set(x), head_bytes(x), gather_bytes(x, fsdp)
-    total = params + opt_state + params + batch + gathers + acts + work + head
+    # Accumulating: the scan's carry of summed gradients beside the micro-batch's own.
+    grads = params * (2 if x.accum > 1 else 1)
+    total = params + opt_state + grads + batch + gathers + acts + work + head
     basis = (f"memory model: remat={x.remat}, attention {x.kernel}, "
              f"{'fp32' if x.c == FP32 else 'bf16'} activations, micro-batch {x.b}x{x.s}")
-    return MemoryEstimate(params, opt_state, params, batch, gathers, acts, work, head, total,
+    return MemoryEstimate(params, opt_state, grads, batch, gathers, acts, work, head, total,
                           basis)
 
 
