@@ -154,6 +154,22 @@ def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
     )
 
 
+def accelerator_memory(exp: Any, target: Target) -> Any:
+    """The memory model's per-device estimate (``dxrun.memory_model``) of ``exp``'s step on
+    ``target``: the state's shards read from the abstract state's shardings, activations
+    from the shapes, with the attention kernel a run on that target would use."""
+    from dxrun import memory_model
+
+    cfg = exp.cfg
+    state = exp.abstract_state()
+    kernel = memory_model.target_kernel(cfg.model.attention, target.device_kind,
+                                        cfg.train.precision,
+                                        cfg.model.d_model // cfg.model.n_heads)
+    return memory_model.estimate_memory(
+        memory_model.shapes(cfg, exp.plan, kernel), _shard_bytes(state.params),
+        _shard_bytes(state.opt_state), _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+
+
 def _cost(compiled: Any) -> tuple[float, float]:
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per program
@@ -234,21 +250,25 @@ def usable_bytes(target: Target, env: Any = None) -> float:
 
 def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flops: float,
              tokens: int, n_devices: int, precision: str,
-             timing: dict[str, Any] | None = None) -> dict[str, Any]:
+             timing: dict[str, Any] | None = None,
+             need_bytes: float | None = None) -> dict[str, Any]:
     """Fit and speed for one target (per device; labelled as an estimate). ``timing``: the
     accelerator time model's step (``gpu_cost.step_time``); None: the roofline of XLA's counts
-    (``plan.target=cpu``)."""
+    (``plan.target=cpu``). ``need_bytes``: the per-device need when it does not come from the
+    compile (an accelerator target's memory model, ``dxrun.memory_model``)."""
     share = usable_share(target)
     usable = target.memory_bytes * share.fraction
+    need = fp.total_bytes if need_bytes is None else need_bytes
     out: dict[str, Any] = {
         "target": target.name,
         "memory_per_device_gb": target.memory_bytes / GB,
         "usable_per_device_gb": usable / GB,
         "usable_fraction": share.fraction,
         "usable_source": share.source,
-        "needs_per_device_gb": fp.total_bytes / GB,
-        "fits": fp.total_bytes <= usable,
-        "headroom_gb": (usable - fp.total_bytes) / GB,
+        "needs_per_device_gb": need / GB,
+        "needs_from": "XLA:CPU compile" if need_bytes is None else "memory model",
+        "fits": need <= usable,
+        "headroom_gb": (usable - need) / GB,
         "peak_tflops": peak_tflops,
         "precision": precision,
     }
@@ -430,10 +450,13 @@ def candidates(cfg: Any) -> list[list[str]]:
 
 
 def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str,
-                    max_tries: int = 8, time_budget_s: float = 40.0) -> list[str] | None:
+                    max_tries: int = 8, time_budget_s: float = 40.0,
+                    need: Any = None) -> list[str] | None:
     """Compile the candidates in order (shapes only) and return the first whose per-device need
     is within ``budget_bytes``; None if none does within ``time_budget_s`` (a refused run must
-    answer within a minute, whatever the model)."""
+    answer within a minute, whatever the model). ``need(exp)``: the per-device bytes of a
+    candidate when not its compiled step's (an accelerator target's memory model: nothing
+    compiled)."""
     deadline = time.perf_counter() + time_budget_s
     from omegaconf import OmegaConf
 
@@ -449,8 +472,8 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
             exp = Experiment.build(trial, make_plan(trial, n_visible, platform), data=_NoData())
         except ConfigError:
             continue
-        need = step_bytes(exp.compile_step())
-        if need is not None and need <= budget_bytes:
+        needs = step_bytes(exp.compile_step()) if need is None else need(exp)
+        if needs is not None and needs <= budget_bytes:
             return overrides
     return None
 
@@ -564,8 +587,11 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
     else:
         parts = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
                                  cfg.model.remat)
+    # An accelerator's need comes from the memory model: XLA:CPU's temporaries describe a CPU
+    # program (bf16 through fp32 temporaries); the compile's figure is kept beside it.
+    mem = accelerator_memory(exp, target) if target.device_kind != "cpu" else None
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
-                   cfg.train.precision, timing)
+                   cfg.train.precision, timing, None if mem is None else mem.total_bytes)
     warning = shape_warning(plan_platform(cfg.plan.target, exp.plan.platform), cfg.data.seq_len,
                             cfg.model.max_seq_len, tokens)
     report: dict[str, Any] = {
@@ -580,24 +606,28 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
         "compile_s": compile_s,
         "target": est,
     }
+    if mem is not None:
+        from dxrun.memory_model import disagreement
+
+        report["memory_model"] = mem.to_json() | {
+            "xla_cpu_total_bytes": fp.total_bytes, "precision": cfg.train.precision,
+            "disagreement": disagreement(mem.total_bytes, fp.total_bytes)}
     ck, nbytes, write = cfg.checkpoint, state_bytes(state), cfg.plan.write_gb_per_s * GB
     every, minutes = save_cadence(ck.every, ck.every_minutes,
                                   plan_platform(cfg.plan.target, exp.plan.platform), nbytes, write)
     report["checkpoint"] = checkpoint_cost(nbytes, write, every, minutes, est.get("step_time_s"))
     report["warnings"] = [warning] if warning else []
     if not est["fits"] and suggest:
-        report["suggestion"] = first_that_fits(cfg, usable_bytes(target), exp.plan.n_visible,
-                                               exp.plan.platform)
+        report["suggestion"] = first_that_fits(
+            cfg, usable_bytes(target), exp.plan.n_visible, exp.plan.platform,
+            need=None if mem is None else lambda e: accelerator_memory(e, target).total_bytes)
     return report
 
 
 def plan_table(report: dict[str, Any]) -> str:
-    pd, t = report["per_device"], report["target"]
-    rows = [
-        ("params", f"{report['n_params']:,}"),
-        ("per device", f"params {_gb(pd['params_bytes'])}, optimizer {_gb(pd['opt_state_bytes'])}, "
-                       f"gradients {_gb(pd['grads_bytes'])}, activations+temps "
-                       f"{_gb(pd['activations_bytes'])}; total {_gb(pd['total_bytes'])}"),
+    t = report["target"]
+    rows = [("params", f"{report['n_params']:,}"), *memory_rows(report)]
+    rows += [
         ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step" + _flops_parts(report)),
         ("collectives", ", ".join(f"{k} x{int(v['count'])} ({_gb(v['bytes'])}/step)"
                                   for k, v in sorted(report["collectives"].items())) or "none"),
@@ -641,6 +671,31 @@ def _flops_parts(report: dict[str, Any]) -> str:
     return (f" (matmuls {f['block_matmuls']:.2e}, attention {f['attention_full']:.2e} full / "
             f"{f['attention_causal']:.2e} causal, output layer {f['output_layer']:.2e}); "
             f"hardware {f['per_device_hardware']:.3e} per device with recomputation")
+
+
+MEMORY_AGREEMENT = 0.10  # beyond it (fp32) the table shows the CPU compile's figure as well
+
+
+def memory_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's per-device memory: XLA's compile on a CPU target; on an accelerator the
+    memory model's breakdown, and the CPU compile's figure beside it when the two disagree by
+    more than 10% in fp32 (in bf16 the CPU program is not the accelerator's, so never)."""
+    pd, mm = report["per_device"], report.get("memory_model")
+    xla = (f"params {_gb(pd['params_bytes'])}, optimizer {_gb(pd['opt_state_bytes'])}, "
+           f"gradients {_gb(pd['grads_bytes'])}, activations+temps "
+           f"{_gb(pd['activations_bytes'])}; total {_gb(pd['total_bytes'])}")
+    if mm is None:
+        return [("per device", xla)]
+    gathers = f", FSDP gathers {_gb(mm['gathers_bytes'])}" if mm["gathers_bytes"] else ""
+    rows = [("per device",
+             f"params {_gb(mm['params_bytes'])}, optimizer {_gb(mm['opt_state_bytes'])}, "
+             f"gradients {_gb(mm['grads_bytes'])}, activations {_gb(mm['activations_bytes'])} "
+             f"+ one layer's backward {_gb(mm['working_bytes'])} + logits "
+             f"{_gb(mm['head_bytes'])}{gathers}; total {_gb(mm['total_bytes'])} "
+             f"({mm['basis']})")]
+    if mm["precision"] == "fp32" and mm["disagreement"] > MEMORY_AGREEMENT:
+        rows.append(("XLA:CPU", f"{xla} ({100 * mm['disagreement']:.0f}% from the model)"))
+    return rows
 
 
 def _gb(nbytes: float) -> str:

@@ -215,7 +215,7 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     pd = {k: v for k, v in report["per_device"].items() if k != "activations_bytes"}
     fp = plan_mode.Footprint(**pd, collectives=report["collectives"])
     default = plan_mode.estimate(fp, plan_mode.TARGETS["h200"], t["peak_tflops"], 1.0, 1, 1,
-                                 "fp32")
+                                 "fp32", need_bytes=report["memory_model"]["total_bytes"])
     assert default["usable_per_device_gb"] == pytest.approx(141 * 0.75)
     assert default["headroom_gb"] == pytest.approx(t["headroom_gb"] - 141 * 0.15)
     c = report["checkpoint"]

@@ -24,6 +24,9 @@ from typing import Any
 GOAL = (0.75, 1.25)
 CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T x T attention "
               "scores kept for the backward), not an accelerator memory model")
+MODEL_MEMORY = ("the accelerator memory model (dxrun/memory_model.py: the state's shards, every "
+                "layer's saved activations for the run's precision, remat and attention kernel, "
+                "one layer's backward, the logits, FSDP's gathers)")
 SECTION = "Plan mode vs published GPU runs"
 
 
@@ -112,11 +115,10 @@ def plan_run(run: Run) -> dict[str, Any]:
         "estimated_tokens_per_s_per_gpu": per_gpu,
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
         "ratio": ratio, "in_goal": GOAL[0] <= ratio <= GOAL[1],
-        # THE MEMORY HOOK: plan mode's per-device need, whichever model computes it (the CPU
-        # compile's memory analysis today; the accelerator memory model where plan mode uses
-        # one, which names itself in target["memory_source"])
+        # Plan mode's per-device need: on an accelerator target the memory model's
+        # (dxrun/memory_model.py), otherwise the CPU compile's memory analysis.
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
-        "memory_source": t.get("memory_source", CPU_MEMORY),
+        "memory_source": MODEL_MEMORY if t.get("needs_from") == "memory model" else CPU_MEMORY,
         "published_memory_gib": run.memory_gib,
         "step_ms": 1e3 * t["step_time_s"], "mfu": t["mfu"],
         "parts_ms": {k: round(1e3 * g[k], 1) for k in ("matmul_s", "attention_s",

@@ -1,0 +1,282 @@
+"""Per-device memory of one train step on an accelerator, from the shapes (plan mode's model).
+
+Plan mode compiles the step on XLA:CPU, whose temporaries describe a CPU program: bf16 is
+computed through converts and fp32 temporaries, and loop-invariant broadcasts are
+materialised, so a bf16 plan shows *more* memory than an fp32 one. For an accelerator target
+this module counts what the step keeps instead. Everything is per device and in bytes.
+
+**State** (read from the real abstract state's shardings by the caller, so any future
+sharding of the optimizer state flows through): fp32 master parameters, optimizer state, one
+fp32 gradient per parameter shard (``dxrun.model.dense`` returns fp32 weight gradients under
+bf16 too; two under ``train.grad_accum`` > 1: the accumulated sum and the micro-batch's), and
+the token batch.
+
+**Activations**, the standard per-layer accounting (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models": ``34·s·b·h + 5·a·s²·b`` bytes per
+layer in fp16 without recompute; ``s·b·h`` the layer's input, ``a·s²·b`` one score tensor),
+recounted for the tensors dxrun's block keeps for its backward pass as JAX differentiates it
+(``jax.ad_checkpoint.print_saved_residuals`` of a ``Block``) and XLA keeps them (the stacked
+residuals of the scan in the compiled step). Per layer, per micro-batch of ``b`` sequences of
+``s`` tokens on this device; ``h`` = d_model, ``f`` = d_ff, ``qkv`` = (heads + 2·kv_heads)·
+head_dim, ``a`` = heads; ``c`` the compute dtype's bytes (``train.precision``), 4 for fp32:
+
+* each norm (LayerNorm or RMSNorm, statistics in fp32): its centred/fp32 input and the
+  normalised tensor in fp32, its output in ``c``: ``2·4 + c`` per ``s·b·h``;
+* attention projections: q, k, v (``s·b·qkv``) and the heads' output (``s·b·h``) in ``c``;
+  the qkv weight concatenated for use, in ``c`` (weight-sized, not batch-sized);
+* attention core: XLA's kernel and ``model.attention=reference`` keep the exponentiated
+  scores in fp32 and the probabilities in ``c``: ``(4 + c)·a·s²·b``; cuDNN's fused flash
+  attention (``attention_kernel.attention_implementation``: NVIDIA, bf16, supported head
+  dim) keeps only the log-sum-exp, ``4·a·s·b`` (O(s));
+* MLP: GELU (tanh) keeps its input, the cube, the tanh, its derivative's factor, the CDF and
+  its output; SwiGLU the up and gate outputs, the sigmoid, the SiLU and the product and its
+  output: six ``s·b·f`` tensors in ``c`` either way, plus the fp32 bias sum when a bias is
+  added under bf16 (``add_bias``);
+* the residual stream needs nothing (its adds' gradients are the identity).
+
+Summed for a GPT-2 block (f = 4h, qkv = 3h): ``136·s·b·h + 8·a·s²·b`` bytes per layer in
+fp32; in bf16 with cuDNN ``92·s·b·h + 4·a·s·b`` (76 without biases). The paper's count
+without dropout is ``32·s·b·h + 2·a·s²·b`` (fp16): dxrun keeps more because JAX's VJP of the
+tanh GELU keeps five intermediates where a hand-written kernel keeps its input (48 against
+16 in bf16), and the norms keep fp32 copies (20 against 4).
+
+``model.remat`` (``jax.checkpoint`` per layer):
+
+* ``none``: the above for every layer;
+* ``dots`` (``checkpoint_dots``: matmul outputs kept): under fp32 the qkv projection, the
+  scores (fp32), the attention and output projections' and the MLP's matmul outputs, and the
+  layer input; under bf16 every weight matmul goes through ``dense``'s custom VJP, whose
+  matmuls the policy does not see, so only the attention's own two matmuls are kept (the
+  scores, fp32, and the probabilities times values, in ``c``; nothing with cuDNN) plus the
+  layer input: bf16 ``dots`` is nearly ``full``;
+* ``full``: the layer input only.
+
+With remat, one layer's recomputation is alive during its backward pass (the working set
+below). TP divides heads, kv heads, ``f`` and the vocabulary by
+``tp`` (the norms' and the residual stream's ``s·b·h`` are replicated: no sequence
+parallelism); data and fsdp divide the batch; ``train.grad_accum`` divides it again (one
+micro-batch alive at a time).
+
+**Working set**: one layer's backward pass beyond what is saved (``working_set``): the
+gradients flowing through it, the larger of the MLP's (``c·s·b·(f + h)``) and the attention
+core's (dP and dS, ``2·4·a·s²·b`` where scores are materialised, and the q, k, v and output
+gradients). Without remat the saved tensors are the scan's stacked buffers, freed only after
+the loop, so that comes on top of all of them; with remat the layer's recomputed residuals
+are alive too (its MLP's elementwise chain recomputed inside the backward's fusions: the
+matmul outputs, the activation's output and its derivative), the MLP's and the second norm's
+dead before the attention core's backward. **Head**: the final norm's residuals and fp32
+logits of the (padded, tp-split) vocabulary with their gradient: ``(8 + c)·s·b·h +
+2·4·s·b·V``. **Gathers**: under FSDP one layer's weights gathered in ``c`` for its forward
+and one for its backward (XLA gathers per layer inside the scan). The peak is at the start of
+the backward pass: state + gradients + batch + gathers + every layer's saved tensors +
+working set + head.
+
+Cross-checked against XLA:CPU's memory analysis of the compiled step in fp32 with the
+attention XLA runs on CPU (``tests/test_memory_model.py``: within 10% for every remat policy).
+What XLA:CPU holds beyond the model, read from its buffer assignment: a softmax row statistic
+broadcast to score size to feed a YNNPACK library fusion (which takes no broadcast operand;
+XLA:GPU fuses it), elementwise temporaries its fusion leaves unfused (recomputed SwiGLU), and
+gaps in its heap packing (``dots``: about a fifth of its temporaries is never live at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+FP32 = 4
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+MLP_TENSORS = 6  # s·b·f tensors the MLP keeps (GELU tanh or SwiGLU), see the docstring
+REMAT = ("none", "dots", "full")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What one device computes on for one micro-batch, from the config and the mesh."""
+
+    b: int  # sequences per device per micro-batch
+    s: int  # tokens per sequence
+    h: int  # d_model (the residual stream, replicated over tp)
+    f: int  # d_ff / tp
+    heads: int  # heads / tp
+    kv_heads: int  # kv heads / tp
+    head_dim: int
+    vocab: int  # padded vocabulary / tp
+    n_layers: int
+    c: int  # compute dtype bytes
+    mlp: str  # gelu | swiglu
+    bias: bool
+    remat: str  # none | dots | full
+    kernel: str  # cudnn | xla | reference
+    residual: int  # bytes of the residual stream between layers
+    accum: int = 1  # train.grad_accum: micro-batches per step
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def qkv(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def scores(self) -> int:
+        """Elements of one score tensor (a·s²·b), 0 when the kernel never materialises it."""
+        return 0 if self.kernel == "cudnn" else self.heads * self.s * self.s * self.b
+
+
+def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
+    """The per-device shapes of ``cfg`` on ``plan``'s mesh (dp, fsdp, tp)."""
+    m = cfg.model
+    tp, replicas = plan.tp, plan.dp * plan.fsdp
+    accum = cfg.train.grad_accum
+    c = DTYPE_BYTES[cfg.train.precision]
+    return Shapes(
+        b=max(1, plan.global_batch // (replicas * accum)), s=cfg.data.seq_len, h=m.d_model,
+        f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
+        head_dim=m.d_model // m.n_heads,
+        vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
+        mlp=m.mlp, bias=bool(m.bias), remat=m.remat, kernel=kernel,
+        residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum)
+
+
+def layer_none(x: Shapes) -> dict[str, float]:
+    """Bytes one layer keeps for its backward pass without recompute, by part."""
+    t, c = x.tokens, x.c
+    attn_core = ((FP32 + c) * x.scores if x.scores
+                 else FP32 * x.heads * x.s * x.b)  # cuDNN: the log-sum-exp only
+    mlp_extra = FP32 * t * x.f if (x.bias and c != FP32) else 0
+    return {
+        "norms": 2 * (2 * FP32 + c) * t * x.h,
+        "attention": c * t * (x.qkv + x.heads * x.head_dim) + c * x.h * x.qkv,
+        "scores": attn_core,
+        "mlp": MLP_TENSORS * c * t * x.f + mlp_extra,
+    }
+
+
+def layer_saved(x: Shapes) -> float:
+    """Bytes one layer keeps between its forward and backward pass under ``x.remat``."""
+    t, c = x.tokens, x.c
+    if x.remat == "none":
+        return sum(layer_none(x).values())
+    layer_input = x.residual * t * x.h
+    if x.remat == "full":
+        return layer_input
+    # dots: the outputs of the matmuls the policy sees
+    core = 0.0 if x.kernel == "cudnn" else FP32 * x.scores + c * t * x.heads * x.head_dim
+    if c != FP32:  # bf16: dense's custom VJP hides the weight matmuls from the policy
+        return layer_input + core
+    ups = 2 if x.mlp == "swiglu" else 1
+    weights = c * t * (x.qkv + 2 * x.h) + ups * c * t * x.f
+    return layer_input + core + weights
+
+
+def recomputed(x: Shapes) -> dict[str, float]:
+    """What one layer's recomputation (remat) materialises for its backward pass: as
+    ``layer_none`` except the MLP, whose elementwise chain is recomputed inside the fusions
+    of its backward: its matmul outputs, the activation's output and its derivative."""
+    parts = layer_none(x)
+    ups = 2 if x.mlp == "swiglu" else 1
+    parts["mlp"] = (ups + 2) * x.c * x.tokens * x.f
+    return parts
+
+
+def working_set(x: Shapes) -> float:
+    """One layer's backward pass beyond what is saved: the gradients flowing through it and,
+    under remat, its recomputed residuals. The MLP's backward runs first (the gradient of its
+    hidden layer and of its output); the attention core's then materialises dP and dS (two
+    fp32 score-sized tensors where the kernel materialises scores) and the gradients of q, k,
+    v and the heads' output. Without remat the layers' saved tensors are the scan's stacked
+    buffers, freed only after the loop, so the gradients come on top of all of them; with
+    remat the recomputed MLP residuals (and the second norm's) are dead before the attention
+    core's backward starts."""
+    t, c = x.tokens, x.c
+    grads_mlp = c * t * (x.f + x.h)
+    grads_core = 2 * FP32 * x.scores + c * t * (x.qkv + x.h)
+    if x.remat == "none":
+        return max(grads_mlp, grads_core)
+    parts = recomputed(x)
+    alive = sum(parts.values())
+    norm2 = (2 * FP32 + c) * t * x.h
+    return max(alive + grads_mlp, alive - parts["mlp"] - norm2 + grads_core)
+
+
+def head_bytes(x: Shapes) -> float:
+    """The final norm's residuals and the fp32 logits with their gradient."""
+    return (2 * FP32 + x.c) * x.tokens * x.h + 2 * FP32 * x.tokens * x.vocab
+
+
+def gather_bytes(x: Shapes, fsdp: int) -> float:
+    """FSDP: one layer's weights gathered (in the compute dtype) for the forward and one for
+    the backward pass; TP-split weights are never gathered."""
+    if fsdp == 1:
+        return 0.0
+    ups = 2 if x.mlp == "swiglu" else 1
+    per_layer = x.h * x.qkv + x.heads * x.head_dim * x.h + (ups + 1) * x.h * x.f
+    return 2 * x.c * per_layer
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-device bytes of one train step on the accelerator, by part."""
+
+    params_bytes: float
+    opt_state_bytes: float
+    grads_bytes: float
+    batch_bytes: float
+    gathers_bytes: float
+    activations_bytes: float  # every layer's saved tensors, one micro-batch
+    working_bytes: float  # one layer's backward pass (and recompute)
+    head_bytes: float  # final norm and fp32 logits with their gradient
+    total_bytes: float
+    basis: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
+                    fsdp: int) -> MemoryEstimate:
+    """The step's per-device peak: the state, one fp32 gradient per parameter shard, the
+    batch, every layer's saved activations, one layer's backward working set, the head and
+    the FSDP gathers, all alive at the start of the backward pass."""
+    acts = x.n_layers * layer_saved(x)
+    work, head, gathers = working_set(x), head_bytes(x), gather_bytes(x, fsdp)
+    # Accumulating: the scan's carry of summed gradients beside the micro-batch's own.
+    grads = params * (2 if x.accum > 1 else 1)
+    total = params + opt_state + grads + batch + gathers + acts + work + head
+    basis = (f"memory model: remat={x.remat}, attention {x.kernel}, "
+             f"{'fp32' if x.c == FP32 else 'bf16'} activations, micro-batch {x.b}x{x.s}")
+    return MemoryEstimate(params, opt_state, grads, batch, gathers, acts, work, head, total,
+                          basis)
+
+
+# The compute capability of each NVIDIA target (plan_mode.TARGETS' device kinds), which decides
+# whether cuDNN's fused attention runs there (attention_kernel.attention_implementation).
+CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H200": "9.0",
+              "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
+ASSUMED_CUDNN = 91000  # a CUDA 12 jaxlib's cuDNN 9 (JAX's own wheels ship one)
+
+
+def target_kernel(attention: str, device_kind: str, precision: str, head_dim: int) -> str:
+    """The attention a run of this config would run on ``device_kind``: ``reference`` as
+    configured, else the kernel ``jax.nn.dot_product_attention`` is asked for there (cuDNN on
+    an NVIDIA GPU with bf16 and a head dim it takes, XLA everywhere else)."""
+    import ml_dtypes
+    import numpy as np
+
+    from dxrun.attention_kernel import attention_implementation
+
+    if attention != "dot_product":
+        return attention
+    nvidia = device_kind.startswith("NVIDIA")
+    platform = "gpu" if nvidia else "tpu" if device_kind.startswith("TPU") else "cpu"
+    return attention_implementation(platform, ml_dtypes.bfloat16 if precision == "bf16"
+                                    else np.float32,
+                                    head_dim, CAPABILITY.get(device_kind),
+                                    ASSUMED_CUDNN if nvidia else None)
+
+
+def disagreement(model_bytes: float, xla_bytes: float) -> float:
+    """|model - XLA| / XLA: how far the model is from the CPU compile's figure."""
+    return abs(model_bytes - xla_bytes) / xla_bytes if xla_bytes else 0.0
