@@ -43,12 +43,10 @@ tanh GELU keeps five intermediates where a hand-written kernel keeps its input (
 ``model.remat`` (``jax.checkpoint`` per layer):
 
 * ``none``: the above for every layer;
-* ``dots`` (``checkpoint_dots``: matmul outputs kept): under fp32 the qkv projection, the
-  scores (fp32), the attention and output projections' and the MLP's matmul outputs, and the
-  layer input; under bf16 every weight matmul goes through ``dense``'s custom VJP, whose
-  matmuls the policy does not see, so only the attention's own two matmuls are kept (the
-  scores, fp32, and the probabilities times values, in ``c``; nothing with cuDNN) plus the
-  layer input: bf16 ``dots`` is nearly ``full``;
+* ``dots`` (matmul outputs kept): the qkv projection, the scores (fp32; nothing with cuDNN),
+  the attention and output projections' and the MLP's matmul outputs, in ``c``, and the layer
+  input. Under bf16 the weight matmuls are ``dense``'s custom VJP, which ``checkpoint_dots``
+  cannot see; the policy keeps them by their checkpoint name (``model.DENSE``);
 * ``full``: the layer input only.
 
 With remat, one layer's recomputation is alive during its backward pass (the working set
@@ -164,10 +162,8 @@ def layer_saved(x: Shapes) -> float:
         return layer_input
     # dots: the outputs of the matmuls the policy sees
     core = 0.0 if x.kernel == "cudnn" else FP32 * x.scores + c * t * x.heads * x.head_dim
-    if c != FP32:  # bf16: dense's custom VJP hides the weight matmuls from the policy
-        return layer_input + core
     ups = 2 if x.mlp == "swiglu" else 1
-    weights = c * t * (x.qkv + 2 * x.h) + ups * c * t * x.f
+    weights = c * t * (x.qkv + x.h) + ups * c * t * x.f  # qkv, attention out, MLP up(s)
     return layer_input + core + weights
 
 
@@ -253,8 +249,8 @@ def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
 
 # The compute capability of each NVIDIA target (plan_mode.TARGETS' device kinds), which decides
 # whether cuDNN's fused attention runs there (attention_kernel.attention_implementation).
-CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H200": "9.0",
-              "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
+CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 96GB HBM2e": "9.0",
+              "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
 ASSUMED_CUDNN = 91000  # a CUDA 12 jaxlib's cuDNN 9 (JAX's own wheels ship one)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dxrun.attention_kernel import CPU_TARGET, AttentionTarget, attention_implementation
 from dxrun.sharding import constrain
@@ -53,7 +54,12 @@ def dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any = None) -> jax.A
     sums and a bf16 all-reduce. Same dtypes everywhere (fp32 runs): the plain einsum."""
     if x.dtype == w.dtype == (out_dtype or x.dtype):
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
-    return _mixed_dense(x, w, spec, jnp.dtype(out_dtype or x.dtype))
+    # Named for model.remat=dots: checkpoint_dots sees only a custom VJP's call, not the matmul
+    # inside it, so without the name a bf16 "dots" layer would keep nothing and recompute all.
+    return checkpoint_name(_mixed_dense(x, w, spec, jnp.dtype(out_dtype or x.dtype)), DENSE)
+
+
+DENSE = "dense"  # the checkpoint name of a mixed-precision weight matmul's output
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -278,8 +284,12 @@ class Block(nnx.Module):
 
 
 # model.remat: "full" recomputes each layer in the backward pass (only its input is kept);
-# "dots" keeps the matmul outputs and recomputes the cheap elementwise rest.
-REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots}
+# "dots" keeps the matmul outputs and recomputes the cheap elementwise rest: the plain matmuls
+# (fp32 runs, attention's own) by checkpoint_dots, the mixed-precision weight matmuls (bf16
+# compute, fp32 weights: a custom VJP) by their name.
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.checkpoint_dots,
+    jax.checkpoint_policies.save_only_these_names(DENSE))}
 
 
 def stacked_blocks(cfg: Any, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET
