@@ -12,10 +12,12 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from conftest import make_cfg, write_corpus
 from flax import nnx
 
 from dxrun.decode import Sampling, make_generate
+from dxrun.errors import ConfigError
 from dxrun.load import load
 from dxrun.sample import OPTIONS, allowed_transitions, sample
 from dxrun.sharding import in_mesh_context
@@ -146,6 +148,29 @@ def test_bad_input_is_one_line(tmp_path, text_run):
         assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
         assert errors[0].startswith("dxrun.sample: error: ") and message in errors[0], errors
         assert "Traceback" not in out.stderr
+
+
+def test_sampling_refusals(markov_run):
+    """Options out of range, n samples that do not split over the data-parallel replicas, and
+    a markov prompt that is not the chain's ids: one ConfigError each (the CLI's one line and
+    exit 2), before anything is decoded."""
+    for options, overrides, says in [
+        ({"temperature": -0.5}, [], r"^temperature=-0.5 must be >= 0 \(0 = greedy\)$"),
+        ({"top_k": -1}, [], r"^top_k=-1 must be >= 0 \(0 = no cut\)$"),
+        ({"top_p": 0.0}, [], r"^top_p=0.0 must be in \(0, 1\] \(1 = no cut\)$"),
+        ({"top_p": 1.5}, [], r"^top_p=1.5 must be in \(0, 1\]"),
+        ({"max_new_tokens": 0}, [], "^max_new_tokens=0 must be >= 1$"),
+        ({"n": 0}, [], "^n=0 must be >= 1$"),
+        ({"temperature": 1.0, "top_k": 65}, [], "^top_k=65 is larger than the vocabulary "
+                                                r"\(model.vocab_size=64\); use top_k<=64"),
+        ({"n": 3}, ["parallelism=dp2"], r"^n=3 samples do not split over this mesh's "
+                                        r"data-parallel replicas \(2\); ask for a multiple"),
+        ({"prompt": "the cat"}, [], "^prompt='the cat': markov prompts are token ids 0-15 "
+                                    "separated by spaces, e.g. prompt='3 7'$"),
+        ({"prompt": "3 16"}, [], "^prompt='3 16': markov prompts are token ids 0-15 "),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            sample(markov_run, {**OPTIONS, **options}, overrides)
 
 
 def test_a_bf16_run_decodes_in_bf16(markov_run):
