@@ -106,6 +106,26 @@ def test_every_listed_key_is_refused_on_resume(shared):
     assert tree_digest(shared["root"]) == before and not (shared["root"] / "new").exists()
 
 
+def test_dropout_resumes_exactly(tmp_path):
+    """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
+    after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
+    bitwise those of the run that never stopped (that dropout changes the numbers at all is
+    test_train's)."""
+    # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
+    drop = [*SHORT, "model.dropout=0.1", "train.steps=4", "checkpoint.every=2",
+            "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+    train(make_cfg(*drop), tmp_path / "straight")
+    train(make_cfg(*drop, "train.steps=2"), tmp_path / "split")
+    train(make_cfg(*drop), tmp_path / "split")  # resumes from its step 2
+    rows = {run: {r["step"]: r for r in map(json.loads, (tmp_path / run / "metrics.jsonl")
+                                             .read_text().splitlines())}
+            for run in ("straight", "split")}
+    assert sorted(rows["split"]) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("train/loss", "train/grad_norm", "train/param_norm"):
+            assert rows["split"][step][key] == rows["straight"][step][key], (step, key)
+
+
 def test_relaunch_that_trains_nothing_leaves_the_run_untouched(shared):
     run_a = shared["A"]
     before = tree_digest(shared["root"])
