@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import make_cfg, run_cli, tree_digest, write_tokens
 
 from dxrun.errors import ConfigError

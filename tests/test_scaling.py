@@ -13,8 +13,8 @@ from conftest import run_cli
 from test_sweep import _compose, _csv, _jobs, _num, _sweep_jobs, _validated
 
 from dxrun.batch import resolve_batch
-from dxrun.report.collect import JobRecord, scaling_efficiency
 from dxrun.plan import make_plan
+from dxrun.report.collect import JobRecord, scaling_efficiency
 
 
 @pytest.mark.parametrize("preset, extra, want", [
