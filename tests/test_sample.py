@@ -173,6 +173,16 @@ def test_sampling_refusals(markov_run):
             sample(markov_run, {**OPTIONS, **options}, overrides)
 
 
+def test_sampled_tokens_are_the_same_on_tp2(markov_run):
+    """temperature > 0 with top-k and top-p: the same seed draws the same tokens on one device
+    and split over 2 (tensor parallel). (That another seed draws other text is the text test's.)"""
+    opts = {**OPTIONS, "n": 4, "max_new_tokens": 20, "temperature": 0.8, "top_k": 10,
+            "top_p": 0.95, "seed": 5}
+    one = sample(markov_run, opts, [])
+    tp = sample(markov_run, opts, ["parallelism=tp2"])
+    np.testing.assert_array_equal(tp["tokens"], one["tokens"])
+
+
 def test_a_bf16_run_decodes_in_bf16(markov_run):
     """Decoding takes the run's compute dtype (``train.precision``; here an override of the
     fp32 run's): with bf16 every matmul of the program reads bf16 weights (cast once, before the
