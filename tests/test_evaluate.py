@@ -5,11 +5,14 @@ training files untouched."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import pytest
 from conftest import make_cfg, run_cli, tree_digest, write_tokens
 
+from dxrun.errors import ConfigError
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.wandb_file import read_run
 
@@ -60,6 +63,27 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     assert abs(other["eval/loss"] - want["eval/loss"]) <= 1e-5 * want["eval/loss"]
     assert abs(other["eval/accuracy"] - want["eval/accuracy"]) <= 1e-5
     assert len(json.loads((markov_run / "eval.json").read_text())) == 2  # appended
+
+
+def test_what_evaluate_cannot_score_is_refused(markov_run):
+    """A model shape other than the checkpoint's (alone, or through another model preset) and
+    eval.batches=all on markov's endless held-out stream: one ConfigError naming the key and the
+    fix (the CLI's one line and exit 2), and nothing written."""
+    before = tree_digest(markov_run)
+    ckpt = re.escape(str(markov_run / "checkpoints" / "300"))
+    for overrides, says in [
+        (["model.n_layers=3"], f"^model.n_layers=3 but checkpoint {ckpt} was written with "
+                               r"model.n_layers=2 \(a checkpoint's model shape is fixed\); drop "
+                               "the model.n_layers override$"),
+        (["model=tiny_llama"], "^model.n_kv_heads=2 but checkpoint .* drop the model.n_kv_heads "
+                               "override$"),
+        (["model.d_ff=128"], "^model.d_ff=128 but checkpoint .* drop the model.d_ff override$"),
+        (["eval.batches=all"], "^eval.batches=all: data=markov has an endless held-out stream; "
+                               "give a number, e.g. eval.batches=16$"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            evaluate_checkpoint(markov_run, overrides)
+    assert tree_digest(markov_run) == before
 
 
 def test_evaluate_whole_held_out_split_of_a_corpus(text_run):

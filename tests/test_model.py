@@ -83,12 +83,14 @@ def _losses(cfg_factory, *overrides: str, steps: int = 3) -> list[float]:
 
 
 def test_scan_remat_and_fused_attention_equal_the_reference(cfg_factory):
-    """Same parameters (the stacked layout is shared), same losses: the layer scan against a
-    Python loop, each remat policy against none, jax.nn.dot_product_attention (native GQA:
-    4 heads over 2 kv heads) against the einsum reference."""
+    """Same parameters (the stacked layout is shared), same losses, one change at a time from
+    the reference (a Python loop over the layers, einsum attention): the layer scan alone,
+    jax.nn.dot_product_attention alone (native GQA: 4 heads over 2 kv heads), and each remat
+    policy (full on the defaults, which scan and fuse; dots on the loop)."""
     ref = _losses(cfg_factory, "model.scan_layers=false", "model.attention=reference")
     assert ref[-1] < ref[0]
-    for variant in (["model.scan_layers=true"], ["model.attention=dot_product"],
+    for variant in (["model.scan_layers=true", "model.attention=reference"],
+                    ["model.scan_layers=false", "model.attention=dot_product"],
                     ["model.remat=full"], ["model.remat=dots", "model.scan_layers=false"]):
         got = _losses(cfg_factory, *variant)
         np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=" ".join(variant))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 from conftest import make_cfg, run_cli, tree_digest, write_corpus
 
 from dxrun import checkpoint
-from dxrun.errors import CheckpointReadError
+from dxrun.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
 from dxrun.train import prepare, train
 
@@ -65,6 +66,64 @@ def test_shared_checkpoint_dir_keeps_each_runs_own(shared):
         step, meta = checkpoint.newest_meta(found)
         assert step == 3 and meta["run_dir"] == str(run.resolve())
         assert meta["run_id"] == checkpoint.run_id(run)
+
+
+# The README's list ("Refused, with one line naming both values, before anything is written"),
+# key by key, with a value each that validates.
+REFUSED = {"model.n_layers": "3", "model.d_model": "32", "model.n_heads": "2",
+           "model.n_kv_heads": "2", "model.d_ff": "128", "model.max_seq_len": "64",
+           "model.bias": "false", "model.norm": "rmsnorm", "model.mlp": "swiglu",
+           "model.pos": "rope", "model.tie_embeddings": "true", "model.vocab_size": "128",
+           "data.name": "tokens", "data.path": "/elsewhere", "data.tokenizer": "gpt2",
+           "data.dtype": "uint32", "data.seq_len": "32", "data.seed": "7", "data.order": "1",
+           "data.symbols": "8", "data.branching": "2"}
+
+
+def test_every_listed_key_is_refused_on_resume(shared):
+    """Each key the README lists as fixed, changed alone against run A's checkpoint: one
+    ConfigError naming both values; prepare() (what a relaunch runs first) refuses before
+    anything is written."""
+    assert set(REFUSED) == set(checkpoint.MODEL_SHAPE + checkpoint.VOCABULARY
+                               + checkpoint.DATA_SOURCE)  # the README's list is the code's
+    where = shared["A_ckpts"] / "3"
+    _, meta = checkpoint.newest_meta(checkpoint.locate(shared["A"]))
+    now = make_cfg(*SHORT)
+    for key, value in REFUSED.items():
+        group, name = key.split(".")
+        saved = {**meta["config"], group: {**meta["config"][group], name: value}}
+        then = saved[group][name]
+        with pytest.raises(ConfigError,
+                           match=f"^{key}=.* but checkpoint {re.escape(str(where))} was written with "
+                                 f"{key}={then} .*resume with {key}={then}, or start fresh"):
+            checkpoint.check_compatible(now, saved, where)
+    before = tree_digest(shared["root"])
+    for change, says in [("model.tie_embeddings=true", "model.tie_embeddings=True but "),
+                         ("data.seed=7", "data.seed=7 but "),
+                         ("model.norm=rmsnorm", "model.norm=rmsnorm but ")]:
+        with pytest.raises(ConfigError, match=f"^{says}checkpoint .* was written with"):
+            prepare(make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
+                             change), shared["root"] / "new")
+    assert tree_digest(shared["root"]) == before and not (shared["root"] / "new").exists()
+
+
+def test_dropout_resumes_exactly(tmp_path):
+    """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
+    after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
+    bitwise those of the run that never stopped (that dropout changes the numbers at all is
+    test_train's)."""
+    # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
+    drop = [*SHORT, "model.dropout=0.1", "train.steps=4", "checkpoint.every=2",
+            "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+    train(make_cfg(*drop), tmp_path / "straight")
+    train(make_cfg(*drop, "train.steps=2"), tmp_path / "split")
+    train(make_cfg(*drop), tmp_path / "split")  # resumes from its step 2
+    rows = {run: {r["step"]: r for r in map(json.loads, (tmp_path / run / "metrics.jsonl")
+                                             .read_text().splitlines())}
+            for run in ("straight", "split")}
+    assert sorted(rows["split"]) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("train/loss", "train/grad_norm", "train/param_norm"):
+            assert rows["split"][step][key] == rows["straight"][step][key], (step, key)
 
 
 def test_relaunch_that_trains_nothing_leaves_the_run_untouched(shared):

@@ -12,10 +12,12 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from conftest import make_cfg, write_corpus
 from flax import nnx
 
 from dxrun.decode import Sampling, make_generate
+from dxrun.errors import ConfigError
 from dxrun.load import load
 from dxrun.sample import OPTIONS, allowed_transitions, sample
 from dxrun.sharding import in_mesh_context
@@ -79,12 +81,12 @@ def test_text_samples_decode_and_kv_cache_equals_recompute(text_run):
     loaded = load(text_run, ["parallelism=tp2", "data.batch_size=2"], "path", with_data=False)
     prompt = one["tokens"][:, :one["prompt_len"]]
     tokens, cached = _generate(loaded, prompt, 24, Sampling(0.8, 20, 0.95, 1), with_logits=True)
-    assert _cache_error(loaded.exp, loaded.params, tokens, cached, prompt.shape[1]) <= 1e-5
+    _assert_cache_equals_recompute(loaded.exp, loaded.params, tokens, cached, prompt.shape[1])
 
 
-def _cache_error(exp, params, tokens_BxT, cached_BxNxV, prompt_len: int) -> float:
-    """Largest difference between the logits decoding picked each new token from (with the
-    cache) and the whole sequence's logits recomputed at once, relative to the largest logit."""
+def _assert_cache_equals_recompute(exp, params, tokens_BxT, cached_BxNxV, prompt_len: int):
+    """The logits decoding picked each new token from (with the cache) against the whole
+    sequence's logits recomputed at once, element by element (not the masked padding)."""
 
     @jax.jit
     def full(params, tokens_BxT):
@@ -92,9 +94,9 @@ def _cache_error(exp, params, tokens_BxT, cached_BxNxV, prompt_len: int) -> floa
 
     with in_mesh_context(exp.mesh, exp.plan.rules):
         whole = np.asarray(full(params, tokens_BxT[:, :-1]))
-    real = whole[:, prompt_len - 1:, :exp.cfg.model.vocab_size]  # not the masked padding
+    real = whole[:, prompt_len - 1:, :exp.cfg.model.vocab_size]
     cached = np.asarray(cached_BxNxV)[..., :exp.cfg.model.vocab_size]
-    return float(np.abs(real - cached).max() / np.abs(real).max())
+    np.testing.assert_allclose(cached, real, rtol=1e-5, atol=1e-5)
 
 
 def test_kv_cache_of_a_llama_style_block_equals_recompute():
@@ -112,7 +114,7 @@ def test_kv_cache_of_a_llama_style_block_equals_recompute():
                         m.d_model // m.n_heads, with_logits=True)
     tokens, cached = gen(params, prompt)
     assert np.asarray(cached).shape == (2, 12, 66) and int(np.asarray(tokens).max()) < 65
-    assert _cache_error(exp, params, tokens, cached, 5) <= 1e-5
+    _assert_cache_equals_recompute(exp, params, tokens, cached, 5)
 
 
 def test_bad_input_is_one_line(tmp_path, text_run):
@@ -146,6 +148,39 @@ def test_bad_input_is_one_line(tmp_path, text_run):
         assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
         assert errors[0].startswith("dxrun.sample: error: ") and message in errors[0], errors
         assert "Traceback" not in out.stderr
+
+
+def test_sampling_refusals(markov_run):
+    """Options out of range, n samples that do not split over the data-parallel replicas, and
+    a markov prompt that is not the chain's ids: one ConfigError each (the CLI's one line and
+    exit 2), before anything is decoded."""
+    for options, overrides, says in [
+        ({"temperature": -0.5}, [], r"^temperature=-0.5 must be >= 0 \(0 = greedy\)$"),
+        ({"top_k": -1}, [], r"^top_k=-1 must be >= 0 \(0 = no cut\)$"),
+        ({"top_p": 0.0}, [], r"^top_p=0.0 must be in \(0, 1\] \(1 = no cut\)$"),
+        ({"top_p": 1.5}, [], r"^top_p=1.5 must be in \(0, 1\]"),
+        ({"max_new_tokens": 0}, [], "^max_new_tokens=0 must be >= 1$"),
+        ({"n": 0}, [], "^n=0 must be >= 1$"),
+        ({"temperature": 1.0, "top_k": 65}, [], "^top_k=65 is larger than the vocabulary "
+                                                r"\(model.vocab_size=64\); use top_k<=64"),
+        ({"n": 3}, ["parallelism=dp2"], r"^n=3 samples do not split over this mesh's "
+                                        r"data-parallel replicas \(2\); ask for a multiple"),
+        ({"prompt": "the cat"}, [], "^prompt='the cat': markov prompts are token ids 0-15 "
+                                    "separated by spaces, e.g. prompt='3 7'$"),
+        ({"prompt": "3 16"}, [], "^prompt='3 16': markov prompts are token ids 0-15 "),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            sample(markov_run, {**OPTIONS, **options}, overrides)
+
+
+def test_sampled_tokens_are_the_same_on_tp2(markov_run):
+    """temperature > 0 with top-k and top-p: the same seed draws the same tokens on one device
+    and split over 2 (tensor parallel). (That another seed draws other text is the text test's.)"""
+    opts = {**OPTIONS, "n": 4, "max_new_tokens": 20, "temperature": 0.8, "top_k": 10,
+            "top_p": 0.95, "seed": 5}
+    one = sample(markov_run, opts, [])
+    tp = sample(markov_run, opts, ["parallelism=tp2"])
+    np.testing.assert_array_equal(tp["tokens"], one["tokens"])
 
 
 def test_a_bf16_run_decodes_in_bf16(markov_run):

@@ -14,6 +14,7 @@ from test_sweep import _compose, _csv, _jobs, _num, _sweep_jobs, _validated
 
 from dxrun.batch import resolve_batch
 from dxrun.plan import make_plan
+from dxrun.report.collect import JobRecord, scaling_efficiency
 
 
 @pytest.mark.parametrize("preset, extra, want", [
@@ -92,6 +93,34 @@ def test_lr_after_sqrt_scaling_is_in_metrics(weak: Path):
     # The dp8 job's saved config holds the global batch the mesh gave.
     cfg = (_jobs(weak)[-1] / ".hydra" / "config.yaml").read_text()
     assert "batch_size: 32" in cfg and "per_device_batch_size: 4" in cfg
+
+
+def _job(mesh: str, n: int, batch: int, tokens_per_s: float, fixed: str) -> JobRecord:
+    """A finished job as the report reads it back: overrides, plan.json, summary.json."""
+    return JobRecord(dir=Path(f"{mesh}_b{batch}"), num=None, status="ok",
+                     overrides=[f"parallelism={mesh}", fixed],
+                     plan={"n_devices": n, "global_batch": batch,
+                           "per_device_batch_size": batch // n},
+                     summary={"perf/tokens_per_s_per_device": tokens_per_s / n})
+
+
+def test_scaling_efficiency_by_hand():
+    """Efficiencies of made-up throughputs, worked out by hand: weak is tokens/s per device
+    over the fewest devices'; strong is the speed-up over the device ratio; with two meshes at
+    the fewest devices the faster one is the base."""
+    # weak: 4 a device; 1000 tokens/s on 1 device; per device 950, 800, 500 on 2, 4 and 8
+    weak = [_job(f"dp{n}", n, 4 * n, t, "data.per_device_batch_size=4")
+            for n, t in [(1, 1000), (2, 1900), (4, 3200), (8, 4000)]]
+    # strong: 64 in all, on 2 devices two ways (dp2 1800 tokens/s, tp2 1200), then 4 and 8:
+    # tp2 1200/1800; dp4 (3000/1800) / 2; dp8 (4000/1800) / 4.
+    strong = [_job(mesh, n, 64, t, "data.batch_size=64")
+              for mesh, n, t in [("dp2", 2, 1800), ("tp2", 2, 1200), ("dp4", 4, 3000),
+                                 ("dp8", 8, 4000)]]
+    got = {str(p): (kind, round(e, 6)) for p, (kind, e) in scaling_efficiency(weak + strong).items()}
+    assert got == {"dp1_b4": ("weak", 1.0), "dp2_b8": ("weak", 0.95), "dp4_b16": ("weak", 0.8),
+                   "dp8_b32": ("weak", 0.5),
+                   "dp2_b64": ("strong", 1.0), "tp2_b64": ("strong", 0.666667),
+                   "dp4_b64": ("strong", 0.833333), "dp8_b64": ("strong", 0.555556)}
 
 
 def test_resolved_config_plans_again_on_another_mesh():
