@@ -182,10 +182,10 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
 
 
 def usage(run: Callable[[list[str]], None]) -> str:
-    """A tool's ``--help``: its module's docstring (which opens with the command line), without
-    the reST markup. ``--help`` is never a path: a run dir named so is ``./--help``."""
+    """A tool's ``--help``: ``usage:`` and its module's docstring (which opens with the command
+    line), without the reST markup. ``--help`` is never a path: a run dir named so is ``./--help``."""
     doc = sys.modules[run.__module__].__doc__ or ""
-    return doc.replace("``", "").strip()
+    return "usage: " + doc.replace("``", "").strip()
 
 
 def main(tool: str, run: Callable[[list[str]], None]) -> None:

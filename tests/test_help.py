@@ -9,12 +9,13 @@ import pytest
 # (module, a phrase its usage must contain)
 TOOLS = [
     ("dxrun", "Configuration groups"),  # Hydra's app help
-    ("dxrun.evaluate", "python -m dxrun.evaluate <run dir"),
-    ("dxrun.sample", "python -m dxrun.sample <run dir"),
+    ("dxrun.evaluate", "usage: python -m dxrun.evaluate <run dir"),
+    ("dxrun.sample", "usage: python -m dxrun.sample <run dir"),
     ("dxrun.launch", "--nproc"),
     ("dxrun.report", "sweep_dir"),
     ("dxrun.bench", "--quick"),
     ("dxrun.data.prepare", "out_dir"),
+    ("dxrun.dashboard", "--entity"),
 ]
 
 
