@@ -131,7 +131,8 @@ def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8",
     os.environ["WANDB_SILENT"] = "true"  # the suite's own output stays readable
     logging.getLogger("dxrun").setLevel(logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="dxrun-bench-"))
-    enable_compile_cache(str(tmp / "cache"))  # each train() builds its step anew
+    if not jax.config.jax_compilation_cache_dir:  # (python -m dxrun.bench sets one)
+        enable_compile_cache(str(tmp / "cache"))  # each train() builds its step anew
     loop = compose_cfg(*shape, f"parallelism={layout}", f"logger={logger}",
                        "train.log_every=10", "train.eval_every=0", "checkpoint.every=0",
                        f"train.steps={steps + 1}")
