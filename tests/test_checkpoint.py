@@ -157,6 +157,7 @@ def test_refused_resume_leaves_the_run_untouched(preempted, change, key, ours, t
     assert tree_digest(run_dir) == before
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mesh", ["dp2_tp4", "fsdp8", "dp2_fsdp2_tp2", "dp1"])
 def test_resume_onto_another_mesh(reference, tmp_path, mesh):
     """Written under dp8, read straight into the new mesh's shards; the run goes on the same."""
@@ -177,6 +178,7 @@ def test_resume_onto_another_mesh(reference, tmp_path, mesh):
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.e2e
 def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)

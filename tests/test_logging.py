@@ -41,6 +41,7 @@ def two_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_wandb_history_equals_metrics_jsonl(two_runs):
     for run_dir in two_runs:
         run = _wandb_run(run_dir)
@@ -49,6 +50,7 @@ def test_wandb_history_equals_metrics_jsonl(two_runs):
         assert [r["step"] for r in history] == [3, 6]
 
 
+@pytest.mark.e2e
 def test_wandb_config_name_group_tags(two_runs):
     run = _wandb_run(two_runs[1])
     cfg = run["config"]
@@ -62,6 +64,7 @@ def test_wandb_config_name_group_tags(two_runs):
     assert run["summary"]["train/loss"]["min"] == min(r["train/loss"] for r in _rows(two_runs[1]))
 
 
+@pytest.mark.e2e
 def test_two_runs_in_one_process_are_distinct(two_runs):
     a, b = (_wandb_run(d) for d in two_runs)
     assert a["id"] != b["id"]
@@ -91,6 +94,7 @@ def test_run_name_from_choices_and_overrides(cfg_factory):
     assert run_name(cfg, job) == "tiny-dp4_tp2-bs64-lr0.01"
 
 
+@pytest.mark.e2e
 def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
     from dxrun.dashboard import load_spec, main, metrics_in
 

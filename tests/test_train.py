@@ -25,6 +25,7 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert plan["mesh_shape"] == [8, 1, 1]  # parallelism=auto: every device data-parallel
 
 
+@pytest.mark.e2e
 def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     base = ["logger=none", "train.steps=30", "train.log_every=30", "parallelism=dp2_tp4",
             "model.n_heads=8", "model.n_kv_heads=8"]
@@ -34,6 +35,7 @@ def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     assert bf16["train/loss"] != fp32["train/loss"]  # it really computed in bf16
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
 def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
     s = train(cfg_factory(f"optimizer={optimizer}", "logger=none", "parallelism=dp2",
@@ -43,6 +45,7 @@ def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
     assert s["train/lr"] > 0
 
 
+@pytest.mark.e2e
 def test_dropout_is_applied_in_training_only(cfg_factory, tmp_path):
     base = ["logger=none", "parallelism=dp2", "train.steps=2", "train.log_every=1",
             "train.eval_every=1", "eval.batches=1", "optimizer.warmup_steps=0",
@@ -96,6 +99,7 @@ def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path)
     assert s["train/loss"] > 0
 
 
+@pytest.mark.e2e
 def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
     """Every program (init, step, eval, metrics) compiles in the first steps; more steps,
     log rows and evaluations compile nothing new."""
@@ -107,7 +111,14 @@ def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
+    def hit(event: str, **_) -> None:
+        # A program the session's persistent cache hands back instead of compiling it: counted
+        # as the compile it replaces, so a recompile of the same program still shows.
+        if event == "/jax/compilation_cache/cache_hits":
+            compiles.append(event)
+
     jax.monitoring.register_event_duration_secs_listener(listen)
+    jax.monitoring.register_event_listener(hit)
     try:
         base = ["logger=none", "parallelism=dp4_tp2", "model.n_heads=8", "model.n_kv_heads=8",
                 "train.log_every=2", "train.eval_every=2", "eval.batches=2"]
@@ -118,6 +129,7 @@ def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
         assert len(compiles) <= short and short > 0
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+        jax.monitoring.unregister_event_listener(hit)
 
 
 def test_console_shows_off_step_evals_and_a_modified_model(cfg_factory, tmp_path, caplog):

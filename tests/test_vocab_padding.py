@@ -67,6 +67,7 @@ def _greedy(loaded, prompt: np.ndarray, new: int) -> np.ndarray:
     return np.asarray(gen(loaded.params, prompt))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("saved, read_on", [
     ("tp1", ["parallelism=tp2", "parallelism.n_devices=2"]),  # 65 -> 66
     ("tp2", ["parallelism=dp1"]),  # 66 -> 65
@@ -97,6 +98,7 @@ def test_restore_onto_another_padding(runs, saved, read_on):
         assert tokens.shape == (1, 15) and tokens.max() < 65
 
 
+@pytest.mark.e2e
 def test_resume_onto_another_padding(runs, tmp_path):
     from dxrun.train import train
 
