@@ -205,6 +205,7 @@ NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0"
        "parallelism=dp2", "data.batch_size=8"]
 
 
+@pytest.mark.e2e
 def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError, match="non-finite loss or gradients at step 7") as e:
         train(make_cfg(*NAN), tmp_path)
@@ -218,6 +219,7 @@ def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
 
 
+@pytest.mark.e2e
 def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
     train(make_cfg(*NAN, "train.nan_policy=skip"), tmp_path)
     rows = {r["step"]: r for r in _rows(tmp_path)}

@@ -82,6 +82,7 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
     assert warning.startswith("step 3: ") and "train/loss" in warning
 
 
+@pytest.mark.e2e
 def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path):
     from dxrun import flops
     from dxrun.experiment import Experiment
@@ -133,6 +134,7 @@ def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
         jax.monitoring.unregister_event_listener(hit)
 
 
+@pytest.mark.e2e
 def test_console_shows_off_step_evals_and_a_modified_model(cfg_factory, tmp_path, caplog):
     """An evaluation between log steps reaches the console, and a size made of overrides is
     never logged as the bare preset."""
