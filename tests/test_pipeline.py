@@ -176,11 +176,12 @@ def test_bad_data_inputs_fail_before_compile(cfg_factory, tmp_path, make, needle
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_no_held_out_data_turns_eval_off_with_one_warning(cfg_factory, corpus, tmp_path, caplog):
-    from dxrun.train import train
+NO_HELD_OUT = ["data.val_fraction=0", "parallelism=dp1", "train.steps=2", "train.log_every=1",
+               "train.eval_every=1", "eval.batches=1"]
 
-    cfg = _cfg(cfg_factory, corpus, "data.val_fraction=0", "parallelism=dp1", "train.steps=2",
-               "train.log_every=1", "train.eval_every=1", "eval.batches=1")
+
+def test_no_held_out_data_turns_eval_off_with_one_warning(cfg_factory, corpus, caplog):
+    cfg = _cfg(cfg_factory, corpus, *NO_HELD_OUT)
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         data = Data(cfg)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -189,11 +190,17 @@ def test_no_held_out_data_turns_eval_off_with_one_warning(cfg_factory, corpus, t
     assert not data.has_eval
     with pytest.raises(ValueError, match="no held-out data"):
         data.local_batch(0, EVAL)  # never the training split in its place
-    train(cfg, tmp_path)
+    assert Data(_cfg(cfg_factory, corpus)).has_eval  # the default 5% holds windows
+
+
+@pytest.mark.e2e
+def test_no_held_out_data_trains_without_eval(cfg_factory, corpus, tmp_path):
+    from dxrun.train import train
+
+    train(_cfg(cfg_factory, corpus, *NO_HELD_OUT), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert not any(k.startswith("eval/") for r in rows for k in r), rows
-    assert Data(_cfg(cfg_factory, corpus)).has_eval  # the default 5% holds windows
 
 
 def _token_dir(root, ids, meta=None):
