@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         add(gpu.measured())
     else:
         shape = QUICK_SHAPE if args.quick else SHAPE
-        steps, reps = (3, 2) if args.quick else (30, 3)
+        steps, reps = (2, 1) if args.quick else (30, 3)  # quick: a smoke run, few steps
         if not args.quick:
             add(allocator.figures(shape, 10, reps))
         add(speed.step_vs_hand(shape, steps, reps))
