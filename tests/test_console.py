@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from conftest import run_cli
 
 from dxrun.console import format_line, save_note
@@ -23,6 +24,7 @@ def test_format_line_puts_the_note_after_the_tokens_per_s_it_explains():
     assert format_line(20, 40, m) == "step 20/40  loss 2.5000  1,234 tok/s  lr 1.00e-03"
 
 
+@pytest.mark.e2e
 def test_the_line_after_the_first_save_says_why_it_is_slow(tmp_path):
     # Saves at 10 and 20; the save at step 10 holds the loop in the window (10, 20].
     p = run_cli("train.steps=20", "checkpoint.every=10", "train.log_every=10",

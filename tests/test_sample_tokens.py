@@ -14,6 +14,7 @@ from dxrun.errors import ConfigError
 from dxrun.sample import OPTIONS, sample
 
 
+@pytest.mark.e2e
 def test_a_prepared_tokens_run_samples_text_and_ids_without_a_recorded_tokenizer(tmp_path):
     from dxrun.train import train
 
