@@ -22,9 +22,9 @@ def test_a_prepared_tokens_run_samples_text_and_ids_without_a_recorded_tokenizer
     prepare(str(write_corpus(tmp_path / "corpus.txt", n_sentences=200)), str(tokens))
     assert json.loads((tokens / "meta.json").read_text())["tokenizer"] == "bytes"
     run = tmp_path / "run"
-    train(make_cfg("data=tokens", f"data.path={tokens}", "data.seq_len=16", "data.batch_size=8", "model.n_layers=1",
-                   "train.steps=2", "train.eval_every=0", "checkpoint.every=2", "logger=none"),
-          run)
+    train(make_cfg("data=tokens", f"data.path={tokens}", "data.seq_len=16", "data.batch_size=8",
+                   "model.n_layers=1", "train.steps=2", "train.eval_every=0", "checkpoint.every=2",
+                   "logger=none"), run)
 
     opts = {**OPTIONS, "prompt": "the cat ", "max_new_tokens": 12}
     out = sample(run, opts, [])
