@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dxrun.data.corpus import (BYTES, Tokenizer, empty_corpus, iter_documents, n_val_tokens,
-                               text_files)
+from dxrun.data.corpus import BYTES, Tokenizer, empty_corpus, iter_documents, n_val_tokens, text_files
 from dxrun.errors import ConfigError
 
 OUTPUTS = ("train.bin", "val.bin", "meta.json")
