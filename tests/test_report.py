@@ -88,10 +88,13 @@ def test_rank_layouts_by_hand():
                            LayoutRun("fsdp8", (), 8, excluded="does not fit: 31.2 of 18.3 GiB"),
                            LayoutRun("dp4_tp2", (1100.0, 1120.0, 1150.0, 1130.0, 1110.0), 8),
                            LayoutRun("dp2_tp4", (1090.0, 1135.0, 1200.0), 8),
-                           LayoutRun("tp8", (600.0,), 8)])
+                           LayoutRun("tp8", (600.0,), 8),
+                           LayoutRun("fsdp4_tp2", (), 8, estimated_ms=450.0)])
+    # unmeasured last, by their estimate (none: after those with one)
     assert [(r.layout, r.rank) for r in ranked] == [("dp2_tp4", 1), ("dp4_tp2", 2), ("dp8", 3),
-                                                   ("tp8", 4), ("fsdp8", None)]
-    best, tp2, dp8, tp8, fsdp = ranked
+                                                   ("tp8", 4), ("fsdp4_tp2", None),
+                                                   ("fsdp8", None)]
+    best, _, dp8, tp8, _, _ = ranked
     assert (best.q1, best.median, best.q3) == (1112.5, 1135.0, 1167.5)
     assert (dp8.q1, dp8.median, dp8.q3) == (995.0, 1000.0, 1005.0)
     assert (tp8.q1, tp8.median, tp8.q3) == (600.0, 600.0, 600.0)
@@ -100,7 +103,7 @@ def test_rank_layouts_by_hand():
         "fastest", "within the spread of dp2_tp4 (1.01×)",
         "slower: 1.14× behind dp2_tp4, beyond the spread",
         "within the spread of dp2_tp4 (1.89×)",  # one window: no spread, never told apart
-        "does not fit: 31.2 of 18.3 GiB"]
+        "not measured", "does not fit: 31.2 of 18.3 GiB"]
     assert verdict(ranked, "at batch 64") == (
         "at batch 64: not distinguishable: dp2_tp4 1.01× dp4_tp2, spreads overlap")
     assert verdict(ranked[1:3], "at batch 64") == (

@@ -109,8 +109,8 @@ def loss_figure(jobs: list[JobRecord]) -> Any | None:
         meshes = list(dict.fromkeys(j.mesh for j, _ in same if j.mesh))  # in job order
         label = _workload_label(same[0][0], vary) if len(same) > 1 or len(groups) > 1 else ""
         if len(same) > 1:
-            label = " ".join(filter(None, [label, f"({len(same)} jobs, one curve: "
-                                                  f"{', '.join(meshes) or 'same config'})"]))
+            shared = f"{len(same)} jobs, one curve: {', '.join(meshes) or 'same config'}"
+            label = f"{label} ({shared})" if label else shared
         label = label or _label(same[0][0], vary)
         for k, (_, rows) in enumerate(same):
             ax.plot([r["data/tokens_seen"] for r in rows], [r["train/loss"] for r in rows],

@@ -69,8 +69,9 @@ def beyond_spread(fast: Ranked, slow: Ranked) -> bool:
 
 
 def rank_layouts(runs: list[LayoutRun]) -> list[Ranked]:
-    """The measured layouts fastest first (by median tokens/s), then the unmeasured ones in the
-    order given. Each row says how it compares with the fastest."""
+    """The measured layouts fastest first (by median tokens/s), then the unmeasured ones by
+    their estimate (those without one last, in the order given). Each row says how it compares
+    with the fastest, or why it was not measured."""
     measured = [r for r in runs if r.windows]
     stats = {id(r): quartiles(r.windows) for r in measured}
     order = sorted(measured, key=lambda r: -stats[id(r)][1])
@@ -91,8 +92,10 @@ def rank_layouts(runs: list[LayoutRun]) -> list[Ranked]:
                 why = f"within the spread of {best.layout} ({ratio:.2f}×)"
             rows.append(Ranked(row.run, row.rank, row.median, row.q1, row.q3, ratio, why))
         out = rows
-    out += [Ranked(r, None, None, None, None, None, r.excluded or "not measured")
-            for r in runs if not r.windows]
+    # Unmeasured: by their estimate where they have one (auto's model-only ranking), else as given.
+    rest = sorted((r for r in runs if not r.windows),
+                  key=lambda r: (r.estimated_ms is None, r.estimated_ms or 0.0))
+    out += [Ranked(r, None, None, None, None, None, r.excluded or "not measured") for r in rest]
     return out
 
 
