@@ -92,8 +92,8 @@ def throughput_figure(jobs: list[JobRecord]) -> Any | None:
 
 def loss_figure(jobs: list[JobRecord]) -> Any | None:
     """Train loss against tokens seen, one colour and one legend entry per workload: the jobs
-    that differ only in their mesh draw the same curve, so the entry names their meshes instead
-    of repeating the line."""
+    that differ only in their mesh draw the same curve (mesh equivalence), so the entry names
+    their meshes instead of repeating the line."""
     curves = [(j, [r for r in j.metrics() if "train/loss" in r and "data/tokens_seen" in r])
               for j in jobs if j.status == "ok"]
     curves = [(j, rows) for j, rows in curves if rows]
@@ -109,7 +109,7 @@ def loss_figure(jobs: list[JobRecord]) -> Any | None:
         meshes = list(dict.fromkeys(j.mesh for j, _ in same if j.mesh))  # in job order
         label = _workload_label(same[0][0], vary) if len(same) > 1 or len(groups) > 1 else ""
         if len(same) > 1:
-            shared = f"{len(same)} jobs, one curve: {', '.join(meshes) or 'same config'}"
+            shared = f"{len(same)} jobs" + (f": {', '.join(meshes)}" if meshes else "")
             label = f"{label} ({shared})" if label else shared
         label = label or _label(same[0][0], vary)
         for k, (_, rows) in enumerate(same):
