@@ -36,6 +36,7 @@ class JobRecord:
     summary: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    _rows: list[dict[str, float]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def label_num(self) -> str:
@@ -78,12 +79,28 @@ class JobRecord:
                             and not o.startswith("runtime.cpu_devices")))
 
     def metrics(self) -> list[dict[str, float]]:
-        path = self.dir / "metrics.jsonl"
-        rows, torn = read_metrics(path)
-        if torn:  # a job killed mid-write: its complete rows still make its curve
-            log.warning("%s: skipped %d line(s) cut short (a killed job?): %s", path, len(torn),
-                        torn[-1][:60])
-        return rows
+        """The rows of the job's metrics.jsonl, read once (the table and every plot use them)."""
+        if self._rows is None:
+            path = self.dir / "metrics.jsonl"
+            rows, torn = read_metrics(path)
+            if torn:  # a job killed mid-write: its complete rows still make its curve
+                log.warning("%s: skipped %d line(s) cut short (a killed job?): %s", path,
+                            len(torn), torn[-1][:60])
+            self._rows = rows
+        return self._rows
+
+    def windows(self) -> tuple[float, ...]:
+        """Tokens/s (all devices) of each post-compile timing window the job logged: every
+        ``perf/tokens_per_s`` row of its metrics.jsonl (the compiling step is never in a window),
+        less the windows a checkpoint save held (their time is the save's, not the layout's)
+        unless every window had one. A job without metrics.jsonl rows: its summary's last
+        window, if any."""
+        rows = [r for r in self.metrics() if r.get("perf/tokens_per_s")]
+        clean = [r for r in rows if not r.get("perf/checkpoint_block_s")]
+        got = tuple(r["perf/tokens_per_s"] for r in (clean or rows))
+        if not got and self.summary.get("tokens_per_s"):
+            return (self.summary["tokens_per_s"],)
+        return got
 
 
 def tally(jobs: list[JobRecord]) -> str:
@@ -141,6 +158,28 @@ def find_jobs(sweep_dir: Path) -> list[JobRecord]:
     jobs = [read_job(d) for d in dirs]
     return sorted(jobs, key=lambda j: (j.num is None, j.num if j.num is not None else 0,
                                        str(j.dir)))
+
+
+def varying(jobs: list[JobRecord]) -> set[str]:
+    """The overrides that are not the same for every job: what the sweep varied."""
+    every = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
+    return {o for j in jobs for o in j.overrides} - every
+
+
+def layout_groups(jobs: list[JobRecord]) -> list[tuple[str, list[JobRecord]]]:
+    """Finished jobs of the same workload and global batch on more than one mesh, each with
+    where it stands (``at batch 64``, plus any other override the sweep varied): the groups
+    whose layouts the report ranks."""
+    ok = [j for j in jobs if j.status == "ok" and j.mesh and j.windows()]
+    vary = varying(jobs)
+    out = []
+    for key in sorted({(j.batch_size or 0, j.workload) for j in ok}):
+        same = [j for j in ok if (j.batch_size or 0, j.workload) == key]
+        if len({j.mesh for j in same}) < 2:
+            continue
+        rest = [o for o in key[1] if o in vary and not o.startswith("data.batch_size=")]
+        out.append((" ".join([f"at batch {key[0]}", *rest]), same))
+    return out
 
 
 WEAK, STRONG = "weak", "strong"

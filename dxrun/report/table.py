@@ -15,10 +15,13 @@ from dxrun.report.collect import (
     WEAK,
     JobRecord,
     find_jobs,
+    layout_groups,
     overlapping,
     scaling_efficiency,
     tally,
+    varying,
 )
+from dxrun.report.ranking import LayoutRun, Ranked, quartiles, rank_layouts, ranking_table, verdict
 
 log = logging.getLogger("dxrun")
 
@@ -39,6 +42,10 @@ COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
     ("train_loss", _summary("train/loss"), "{:.4f}".format),
     ("eval_loss", _summary("eval/loss"), "{:.4f}".format),
     ("tokens_per_s", _summary("tokens_per_s"), "{:,.0f}".format),
+    # Over every post-compile timing window of the job (metrics.jsonl), as the ranking has it.
+    ("median_tokens_per_s", lambda j: quartiles(j.windows())[1] if j.windows() else None,
+     "{:,.0f}".format),
+    ("tokens_per_s_windows", lambda j: len(j.windows()) or None, str),
     ("tokens_per_s_per_device", _summary("perf/tokens_per_s_per_device"), "{:,.0f}".format),
     ("mfu", _summary("perf/mfu"), "{:.2%}".format),
     # Filled in from the whole sweep: each job's group held one of the two batches fixed.
@@ -67,6 +74,37 @@ def rows(jobs: list[JobRecord]) -> list[dict[str, Any]]:
     return out
 
 
+def layout_run(job: JobRecord) -> LayoutRun:
+    """A finished job as a row of the layout ranking (the format ``parallelism=auto`` shares)."""
+    return LayoutRun(layout=job.mesh, windows=job.windows(), devices=job.n_devices,
+                     mem_bytes_per_device=job.summary.get("mem/step_bytes_per_device"))
+
+
+def rankings(jobs: list[JobRecord]) -> list[tuple[str, list[Ranked]]]:
+    """Each group of jobs that differ only in their mesh (``at batch 64``) with its layouts
+    ranked."""
+    return [(where, rank_layouts([layout_run(j) for j in same]))
+            for where, same in layout_groups(jobs)]
+
+
+def headline(jobs: list[JobRecord], ranked: list[tuple[str, list[Ranked]]]) -> str | None:
+    """The answer to the sweep's question, for the report's first line: the fastest layout
+    at each batch (or that the fastest two cannot be told apart); else, for a sweep of other
+    settings, the job with the lowest final loss. None when neither applies."""
+    if ranked:
+        return "; ".join(verdict(r, where) for where, r in ranked)
+    ok = [j for j in jobs if j.status == "ok"]
+    metric = "eval/loss" if ok and all(j.summary.get("eval/loss") is not None for j in ok) \
+        else "train/loss"
+    ok = [j for j in ok if j.summary.get(metric) is not None]
+    vary = varying(jobs)
+    if len(ok) < 2 or not vary:
+        return None
+    best = min(ok, key=lambda j: j.summary[metric])
+    named = " ".join(o for o in best.overrides if o in vary)
+    return f"lowest final {metric}: {named} ({best.summary[metric]:.4f})"
+
+
 def write_csv(path: Path, table: list[dict[str, Any]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[c for c, _, _ in COLUMNS])
@@ -80,9 +118,23 @@ def _cell(value: Any, fmt: Callable[[Any], str]) -> str:
 
 
 def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]],
-             plots: list[Path], extra: list[str]) -> str:
-    lines = [f"# Sweep report: `{sweep_dir}`", "", f"{len(jobs)} jobs: {tally(jobs)}.", ""]
+             plots: list[Path], extra: list[str],
+             ranked: list[tuple[str, list[Ranked]]] | None = None) -> str:
+    first = headline(jobs, ranked or [])
+    lines = ([f"# {first}", "", f"Sweep report: `{sweep_dir}`"] if first
+             else [f"# Sweep report: `{sweep_dir}`"])
+    lines += ["", f"{len(jobs)} jobs: {tally(jobs)}.", ""]
     lines += extra
+    for where, r in ranked or []:
+        lines += [f"## Layouts ranked {where}", "", verdict(r, where) + ".", ""]
+        lines += ranking_table(r)
+        lines += [""]
+    if ranked:
+        lines += ["Ranked by the median tokens/s (all devices) over each job's post-compile "
+                  "timing windows (metrics.jsonl; windows that a checkpoint save held are left "
+                  "out); spread: the interquartile range of those windows. A layout is faster "
+                  "beyond the spread when its lower quartile is above the other's upper one.",
+                  "", "## Jobs", ""]
     shown = [(c, f) for c, _, f in COLUMNS if c not in ("reason", "log")]
     lines += ["| " + " | ".join(c for c, _ in shown) + " |",
               "|" + "---|" * len(shown)]
@@ -98,7 +150,8 @@ def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]]
                                                                    if j.log else "")
                   for j in failed]
     lines += ["", "Columns: losses are the final train / held-out loss (nats/token); tokens/s "
-              "is the last logged window, all devices together; per_device_batch is what one data "
+              "is the last logged window, all devices together (median_tokens_per_s: the median over "
+              "the job's tokens_per_s_windows post-compile windows); per_device_batch is what one data "
               "replica computes at once (global = per-device x dp x fsdp x train.grad_accum). "
               "Jobs with the same overrides but the mesh form a scaling group: weak scaling "
               "when they share the per-device batch (the global batch grows with the devices), "
@@ -146,7 +199,8 @@ def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
         params = " ".join(f"{k}={v}" for k, v in (best.get("best_params") or {}).items())
         extra += [f"Optuna best: {best.get('best_value')} with `{params}` "
                   "(optimization_results.yaml)", ""]
-    (sweep_dir / "report.md").write_text(markdown(sweep_dir, jobs, table, pngs, extra))
+    (sweep_dir / "report.md").write_text(markdown(sweep_dir, jobs, table, pngs, extra,
+                                                  rankings(jobs)))
     if upload:
         from dxrun.report.publish import upload_report
 

@@ -1,0 +1,268 @@
+"""The sweep report read from job dirs written here by hand (the files a job leaves: .hydra/,
+status.json, plan.json, summary.json, metrics.jsonl): the layout ranking and its first line,
+the plots chosen by what the sweep varied (labels read from the figures, PNGs read back), a
+job killed from outside, and a W&B upload that fails. No training but one killed run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from dxrun.report import plots
+from dxrun.report.collect import find_jobs
+from dxrun.report.ranking import LayoutRun, rank_layouts, ranking_table, verdict
+from dxrun.report.table import write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _mesh(name: str) -> dict[str, int]:
+    axes = {"dp": 1, "fsdp": 1, "tp": 1}
+    axes.update({k: int(n) for k, n in re.findall(r"([a-z]+?)(\d+)", name)})
+    return axes
+
+
+def _job(sweep: Path, num: int, overrides: list[str], windows: list[float], *, mesh: str = "dp8",
+         batch: int = 64, loss: float = 2.0, eval_loss: float | None = None,
+         held: tuple[int, ...] = (), logger: dict | None = None) -> Path:
+    """A finished job: ``windows`` are its logged tokens/s (one row every 10 steps after the
+    compiling step); the windows at positions ``held`` also held a checkpoint save; the loss
+    falls the same way on every mesh (it is the same workload)."""
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (job / ".hydra" / "config.yaml").write_text(json.dumps({"logger": logger or {"name": "none"}}))
+    m = _mesh(mesh)
+    n = m["dp"] * m["fsdp"] * m["tp"]
+    (job / "plan.json").write_text(json.dumps({**m, "n_devices": n, "global_batch": batch,
+                                               "per_device_batch_size": batch // (m["dp"] * m["fsdp"]),
+                                               "platform": "cpu"}))
+    rows = []
+    for k, t in enumerate(windows):
+        row = {"step": 10 * (k + 1), "train/loss": loss + 0.5 / (k + 1),
+               "data/tokens_seen": 10.0 * (k + 1) * batch * 32, "perf/tokens_per_s": t}
+        if k in held:
+            row["perf/checkpoint_block_s"] = 2.0
+        rows.append(row)
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"train/loss": loss, "tokens_per_s": windows[-1],
+               "perf/tokens_per_s_per_device": windows[-1] / n,
+               "mem/step_bytes_per_device": 2.0**20 * batch / n}
+    if eval_loss is not None:
+        summary["eval/loss"] = eval_loss
+    (job / "summary.json").write_text(json.dumps(summary))
+    # one after another: the report would otherwise warn that their throughputs shared the host
+    (job / "status.json").write_text(json.dumps({"status": "ok", "job": num, "started": num * 10.0,
+                                                 "finished": num * 10.0 + 5}))
+    return job
+
+
+# batch 32: dp8 and dp4_tp2 overlap; batch 64: dp4_tp2 beats dp8 beyond the spread (by hand:
+# medians 1120 and 1000, quartiles 1110-1130 and 995-1005; dp8's window of 300 held a save).
+LAYOUTS = {
+    (32, "dp8"): [800, 900, 700, 850, 750],
+    (32, "dp4_tp2"): [770, 790, 780, 800, 760],
+    (32, "tp2"): [400, 410, 405, 395, 390],
+    (64, "dp8"): [1000, 990, 1010, 300, 1005, 995],
+    (64, "dp4_tp2"): [1100, 1120, 1150, 1130, 1110],
+    (64, "tp2"): [500, 505, 510, 495, 490],
+}
+
+
+@pytest.fixture
+def layout_sweep(tmp_path) -> Path:
+    sweep = tmp_path / "sweep"
+    for num, ((batch, mesh), windows) in enumerate(LAYOUTS.items()):
+        _job(sweep, num, [f"data.batch_size={batch}", f"parallelism={mesh}"], windows,
+             mesh=mesh, batch=batch, held=(3,) if windows[3] == 300 else ())
+    return sweep
+
+
+def test_rank_layouts_by_hand():
+    ranked = rank_layouts([LayoutRun("dp8", (1000.0, 990.0, 1010.0, 1005.0, 995.0), 8),
+                           LayoutRun("fsdp8", (), 8, excluded="does not fit: 31.2 of 18.3 GiB"),
+                           LayoutRun("dp4_tp2", (1100.0, 1120.0, 1150.0, 1130.0, 1110.0), 8),
+                           LayoutRun("dp2_tp4", (1090.0, 1135.0, 1200.0), 8),
+                           LayoutRun("tp8", (600.0,), 8),
+                           LayoutRun("fsdp4_tp2", (), 8, estimated_ms=450.0)])
+    # unmeasured last, by their estimate (none: after those with one)
+    assert [(r.layout, r.rank) for r in ranked] == [("dp2_tp4", 1), ("dp4_tp2", 2), ("dp8", 3),
+                                                   ("tp8", 4), ("fsdp4_tp2", None),
+                                                   ("fsdp8", None)]
+    best, _, dp8, tp8, _, _ = ranked
+    assert (best.q1, best.median, best.q3) == (1112.5, 1135.0, 1167.5)
+    assert (dp8.q1, dp8.median, dp8.q3) == (995.0, 1000.0, 1005.0)
+    assert (tp8.q1, tp8.median, tp8.q3) == (600.0, 600.0, 600.0)
+    assert dp8.vs_best == pytest.approx(1.135) and best.vs_best == 1.0
+    assert [r.why for r in ranked] == [
+        "fastest", "within the spread of dp2_tp4 (1.01×)",
+        "slower: 1.14× behind dp2_tp4, beyond the spread",
+        "within the spread of dp2_tp4 (1.89×)",  # one window: no spread, never told apart
+        "not measured", "does not fit: 31.2 of 18.3 GiB"]
+    assert verdict(ranked, "at batch 64") == (
+        "at batch 64: not distinguishable: dp2_tp4 1.01× dp4_tp2, spreads overlap")
+    assert verdict(ranked[1:3], "at batch 64") == (
+        "fastest at batch 64: dp4_tp2, 1.12× dp8, beyond the spread")
+    assert verdict(rank_layouts([LayoutRun("a", (2.0,)), LayoutRun("b", (1.0, 1.0))]), "here") \
+        == "here: not distinguishable: a 2.00× b, a timed in one window only"
+    # The table auto shares: its estimate and measured ms (64 x 128 tokens a step) when given.
+    lines = ranking_table(rank_layouts([LayoutRun("dp4_tp2", (8192.0, 8192.0), 8, 2.0**21, 900.0),
+                                        LayoutRun("fsdp8", (), 8, 2.0**30, 700.0, "does not fit")]),
+                          tokens_per_step=64 * 128)
+    assert lines[0] == ("| rank | layout | devices | memory/device | estimated ms | median tokens/s "
+                        "| spread (IQR) | windows | measured ms | × best |  | why |")
+    assert lines[2] == ("| 1 | `dp4_tp2` | 8 | 2.0 MiB | 900.0 | 8,192 | 8,192–8,192 | 2 | 1,000.0 "
+                        "| 1.00 | ✓ | fastest |")
+    assert lines[3] == "| – | `fsdp8` | 8 | 1,024.0 MiB | 700.0 | – | – | 0 | – | – |  | does not fit |"
+
+
+def test_report_names_the_fastest_layout_per_batch_in_its_first_line(layout_sweep):
+    write_report(layout_sweep)
+    md = (layout_sweep / "report.md").read_text().splitlines()
+    assert md[0] == ("# at batch 32: not distinguishable: dp8 1.03× dp4_tp2, spreads overlap; "
+                     "fastest at batch 64: dp4_tp2, 1.12× dp8, beyond the spread")
+    at64 = md.index("## Layouts ranked at batch 64")
+    assert md[at64 + 2] == "fastest at batch 64: dp4_tp2, 1.12× dp8, beyond the spread."
+    assert md[at64 + 6] == ("| 1 | `dp4_tp2` | 8 | 8.0 MiB | 1,120 | 1,110–1,130 | 5 | 1.00 | ✓ "
+                            "| fastest |")
+    # dp8: five windows, its save-held 300 left out
+    assert md[at64 + 7] == ("| 2 | `dp8` | 8 | 8.0 MiB | 1,000 | 995–1,005 | 5 | 1.12 |  "
+                            "| slower: 1.12× behind dp4_tp2, beyond the spread |")
+    assert md[at64 + 8].startswith("| 3 | `tp2` | 2 | 32.0 MiB | 500 | 495–505 | 5 | 2.24 |")
+    with open(layout_sweep / "report.csv") as f:
+        rows = {(r["batch_size"], r["mesh"]): r for r in csv.DictReader(f)}
+    assert float(rows[("64", "dp8")]["median_tokens_per_s"]) == 1000.0
+    assert rows[("64", "dp8")]["tokens_per_s_windows"] == "5"
+    assert float(rows[("64", "dp8")]["tokens_per_s"]) == 995.0  # the last window, as before
+
+
+def test_throughput_plot_labels_every_layout_once_without_overlap(layout_sweep):
+    jobs = find_jobs(layout_sweep)
+    fig = plots.throughput_figure(jobs)
+    (ax,) = fig.axes
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert names == ["dp8 (8 dev)", "dp4_tp2 (8 dev)", "tp2 (2 dev)",  # batch 32, fastest first
+                     "dp4_tp2 (8 dev)", "dp8 (8 dev)", "tp2 (2 dev)"]  # batch 64
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["batch 32", "batch 64"]
+    assert [round(b.get_width()) for b in ax.patches] == [800, 780, 400, 1120, 1000, 500]
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.get_yticklabels() + ax.texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    made = plots.write_plots(layout_sweep, jobs)
+    assert [p.name for p in made] == ["throughput.png", "loss.png", "efficiency.png",
+                                      "scaling.png"]
+    assert all(p.read_bytes()[:8] == PNG for p in made)
+
+
+def test_loss_legend_has_one_entry_per_workload(layout_sweep):
+    fig = plots.loss_figure(find_jobs(layout_sweep))
+    (ax,) = fig.axes
+    assert len(ax.get_lines()) == 6  # every job's curve is drawn (two visible: the same
+    # workload draws the same curve on every mesh) ...
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [  # ... named once a workload
+        "data.batch_size=32 (3 jobs: dp8, dp4_tp2, tp2)",
+        "data.batch_size=64 (3 jobs: dp8, dp4_tp2, tp2)"]
+
+
+def test_lr_sweep_plots_final_loss_against_lr_and_names_the_lowest(tmp_path):
+    sweep = tmp_path / "sweep"
+    for num, (lr, loss) in enumerate([(0.0001, 3.1), (0.001, 2.4), (0.01, 2.2), (0.1, 2.9)]):
+        _job(sweep, num, [f"optimizer.lr={lr}", "train.steps=40"], [900.0, 910.0],
+             loss=loss + 0.05, eval_loss=loss)
+    jobs = write_report(sweep)
+    assert (sweep / "report.md").read_text().splitlines()[0] == (
+        "# lowest final eval/loss: optimizer.lr=0.01 (2.2000)")
+    assert sorted(p.name for p in sweep.glob("*.png")) == ["final_loss.png", "loss.png"]
+    assert (sweep / "final_loss.png").read_bytes()[:8] == PNG
+    fig = plots.final_loss_figure(jobs)
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "optimizer.lr" and ax.get_xscale() == "log"
+    points, best = ax.collections
+    assert points.get_offsets().tolist() == [[0.0001, 3.1], [0.001, 2.4], [0.01, 2.2], [0.1, 2.9]]
+    assert best.get_offsets().tolist() == [[0.01, 2.2]]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lowest: optimizer.lr=0.01"]
+    (ax,) = plots.loss_figure(jobs).axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        f"optimizer.lr={lr}" for lr in (0.0001, 0.001, 0.01, 0.1)]
+
+
+@pytest.mark.parametrize("left", ["running", "nothing"])
+def test_a_job_that_never_finished_reads_as_unfinished(tmp_path, left):
+    """What a killed job leaves: status.json still "running" (written as the run starts), or
+    not even that and no summary.json (killed before it wrote its status)."""
+    sweep = tmp_path / "sweep"
+    job = _job(sweep, 0, ["optimizer.lr=0.01"], [900.0, 910.0])
+    (job / "summary.json").unlink()
+    if left == "running":
+        (job / "status.json").write_text(json.dumps({"status": "running", "job": 0}))
+    else:
+        (job / "status.json").unlink()
+    (job / "dxrun.log").write_text("step 10\n")
+    (j,) = write_report(sweep)
+    assert (j.status, j.kind, j.log) == ("failed", "unfinished", str(job / "dxrun.log"))
+    reason = ("did not finish (killed, timed out, or still running)" if left == "running"
+              else "no summary.json: the job never finished")
+    md = (sweep / "report.md").read_text()
+    assert "1 jobs: 0 ok, 1 failed." in md
+    assert f"- job 0 (unfinished): {reason} — log: `{job / 'dxrun.log'}`" in md.splitlines()
+
+
+@pytest.mark.e2e
+def test_a_run_killed_from_outside_is_reported_unfinished(tmp_path):
+    """A real run SIGKILLed (as the OOM killer or a SLURM timeout does) once it has started:
+    nothing of dxrun runs after the kill, and the report still calls it unfinished."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=1000000",
+                             "train.eval_every=0", "logger=none", f"hydra.run.dir={run}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        # killed as soon as the run has said it runs: the cheapest point that is past dxrun's start
+        while not ((run / "status.json").is_file() and (run / "dxrun.log").is_file()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert json.loads((run / "status.json").read_text())["status"] == "running"
+    (j,) = write_report(run)
+    assert (j.status, j.kind) == ("failed", "unfinished")
+    assert j.reason == "did not finish (killed, timed out, or still running)"
+    assert j.log == str(run / "dxrun.log")
+    assert "1 jobs: 0 ok, 1 failed." in (run / "report.md").read_text()
+
+
+def test_a_failed_wandb_upload_is_a_warning(tmp_path, caplog):
+    """The jobs logged to W&B, but W&B cannot write its run (a file where its dir must go): the
+    report is written all the same, the failure is one warning, and the CLI exits 0."""
+    from dxrun.report.__main__ import main
+
+    sweep = tmp_path / "sweep"
+    for num, lr in enumerate((0.001, 0.01)):
+        _job(sweep, num, [f"optimizer.lr={lr}"], [900.0, 910.0],
+             logger={"name": "wandb", "project": "dxrun-test", "mode": "offline"})
+    (sweep / "wandb").write_text("not a dir\n")
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        write_report(sweep, upload=True)
+        assert main([str(sweep), "--wandb"]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2  # one each time
+    assert all(w.startswith("W&B upload of the sweep report failed (") and
+               w.endswith(f"); the report is in {sweep}") for w in warnings)
+    assert "Not a directory" in warnings[0]
+    assert (sweep / "report.md").read_text().startswith("# lowest final train/loss: ")
+    assert (sweep / "report.csv").is_file() and (sweep / "loss.png").read_bytes()[:8] == PNG
