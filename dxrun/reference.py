@@ -148,15 +148,19 @@ def config_keys() -> list[Key]:
     """Every key of the schema in order, with the default the default run composes."""
     defaults = _composed_defaults()
     out = []
-    for section in dataclasses.fields(config.RunConfig):
-        cls = section.default_factory  # type: ignore[misc]
+    def walk(cls: type, prefix: str) -> None:
         comments = _field_comments(cls)
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}
         for f in dataclasses.fields(cls):
-            key = f"{section.name}.{f.name}"
-            type_text = _type_name(hints[f.name])
+            key = f"{prefix}.{f.name}"
+            if dataclasses.is_dataclass(f.default_factory):  # a nested section: train.profile
+                walk(f.default_factory, key)  # type: ignore[arg-type]
+                continue
+            type_text = _type_name(f.type)
             meaning = _meaning(key, comments.get(f.name, ""))
             out.append(Key(key, type_text, defaults.get(key), _allowed(key, type_text), meaning))
+
+    for section in dataclasses.fields(config.RunConfig):
+        walk(section.default_factory, section.name)  # type: ignore[arg-type]
     return out
 
 
@@ -172,9 +176,16 @@ def _composed_defaults() -> dict[str, Any]:
         cfg = compose("config")
     GlobalHydra.instance().clear()
     flat: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and prefix.count(".") == 0 and k == "profile":
+                walk(v, f"{prefix}.{k}")  # a nested section (train.profile)
+            else:
+                flat[f"{prefix}.{k}"] = v
+
     for section, values in OmegaConf.to_container(cfg, resolve=False).items():
-        for k, v in values.items():
-            flat[f"{section}.{k}"] = v
+        walk(values, section)
     return flat
 
 
