@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import jax
-
 log = logging.getLogger("dxrun")
 
 HLO_FILE = "step.hlo.txt"
@@ -50,6 +48,8 @@ class Tracer:
         """Called before running ``step``; True when it starts the trace."""
         if not self.steps or step != self.steps.start:
             return False
+        import jax  # here: dxrun.profile (and the reference) read HLO_FILE without JAX
+
         jax.block_until_ready(pending)  # the earlier steps stay out of the trace
         self.where.mkdir(parents=True, exist_ok=True)
         if self.hlo_text:
@@ -62,6 +62,8 @@ class Tracer:
         """Called after ``step`` ran; True when it stopped the trace."""
         if not self.active or step != self.steps[-1]:
             return False
+        import jax
+
         jax.block_until_ready(pending)
         self.stop()
         log.info("profiler trace of steps %d-%d in %s; open it with: %s (pip install xprof), "
@@ -72,5 +74,7 @@ class Tracer:
 
     def stop(self) -> None:
         if self.active:
+            import jax
+
             jax.profiler.stop_trace()
             self.active = False
