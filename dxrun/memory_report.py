@@ -85,9 +85,10 @@ def render(b: dict[str, Any]) -> str:
     def gib(x: float) -> str:
         return f"{x / GiB:.3f} GiB" if x >= GiB / 100 else f"{x / 2**20:.3f} MiB"
 
-    out = [f"train step: {gib(b['total'])} per device (XLA memory analysis of the compiled step)",
-           "", "part | bytes per device | share", "---|---:|---:"]
-    out += [f"{k} | {gib(v)} | {v / b['total']:.1%}" if b["total"] else f"{k} | {gib(v)} | -"
+    total = b["total"]
+    out = [f"train step: {int(total)} bytes = {gib(total)} per device (XLA's memory analysis of "
+           "the compiled step)", "", "| part | bytes per device | | share |", "|---|---:|---:|---:|"]
+    out += [f"| {k} | {int(v)} | {gib(v)} | {v / total:.1%} |" if total else f"| {k} | 0 | | |"
             for k, v in b["parts"].items()]
     out += ["", "largest arguments (per device):"]
     out += [f"  {gib(size)}  {name}  {what}" for name, size, what in b["largest_args"]]

@@ -22,13 +22,14 @@ def profile_dir(run_dir: Path, rank: int, processes: int) -> Path:
     return run_dir / "profile" / str(rank) if processes > 1 else run_dir / "profile"
 
 
-def traced_steps(start: int, steps: int, first: int, last: int) -> range:
+def traced_steps(start: int, steps: int, done_before: int, last: int) -> range:
     """The step numbers (as logged: 1-based) to trace for ``train.profile.start/steps`` in an
-    attempt that runs steps ``first``..``last``; the attempt's first step compiles, so a start
-    on or before it moves to the step after. Empty when off (start 0) or past the end."""
+    attempt that starts after step ``done_before`` (a resume's checkpoint; 0) and ends at
+    ``last``. The attempt's first step compiles, so a start on or before it moves to the step
+    after. Empty when off (start 0) or past the end."""
     if start <= 0:
         return range(0)
-    begin = max(start, first + 1)
+    begin = max(start, done_before + 2)
     return range(begin, min(begin + steps, last + 1))
 
 

@@ -127,15 +127,20 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     exp = Experiment.build(cfg, plan, data)
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
-    compiled = exp.compile_step()
+    memory_preflight(cfg, exp, exp.compile_step(), run_dir)
+    return exp, resume
+
+
+def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, run_dir: Path | None) -> None:
+    """``plan_mode.check_memory``; a refusal writes where the memory goes into ``run_dir``
+    (``memory_breakdown.txt``) and its one line names the file."""
     try:
         plan_mode.check_memory(cfg, exp, compiled)
-    except ConfigError as e:  # the one line names the breakdown of what did not fit
+    except ConfigError as e:
         if run_dir is None or not is_main():
             raise
-        path = memory_report.write(run_dir, compiled, exp.abstract_state(), plan.platform)
+        path = memory_report.write(run_dir, compiled, exp.abstract_state(), exp.plan.platform)
         raise ConfigError(f"{e}; where the memory goes: {path}") from None
-    return exp, resume
 
 
 def perplexity(loss: float) -> float:
