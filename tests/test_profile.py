@@ -72,7 +72,9 @@ def test_goodput_parts_add_up_to_the_wall_time(traced_run):
 def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
     *_, cfg, exp = traced_run
     small = copy.deepcopy(cfg)
-    small.runtime.memory_gb = 1e-6
+    # Just under the step's need (8 simulated devices share it): the first smaller candidate
+    # the refusal suggests fits, so one more compile, not a search.
+    small.runtime.memory_gb = 0.999 * step_bytes(exp.step.compiled) * 8 / 2**30
     with pytest.raises(ConfigError, match=r"where the memory goes: .*memory_breakdown.txt$"):
         memory_preflight(small, exp, exp.step.compiled, tmp_path)
     b = memory_report.breakdown(exp.step.compiled, exp.abstract_state())
