@@ -59,6 +59,20 @@ class MetricsLogger:
                 log.warning("W&B log failed (%s); continuing with metrics.jsonl only", e)
                 self.wandb = None
 
+    def upload(self, directory: Path, name: str, kind: str) -> None:
+        """``directory`` as an artifact of an online W&B run (offline runs keep it on disk
+        only: a trace can be large)."""
+        if self.wandb is None or self.wandb.offline:
+            return
+        try:
+            import wandb
+
+            art = wandb.Artifact(f"{name}-{self.wandb.id}", type=kind)
+            art.add_dir(str(directory))
+            self.wandb.log_artifact(art)
+        except Exception as e:  # noqa: BLE001
+            log.warning("W&B artifact upload of %s failed (%s)", directory, e)
+
     def summary(self, values: dict[str, Any]) -> None:
         """Run-level figures (goodput) into the W&B run's summary."""
         if self.wandb is not None:

@@ -313,6 +313,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                         jax.block_until_ready(metrics)
                     if tracer.after(done, metrics):
                         window.resume(done)
+                        logger.upload(tracer.where, "profile", "profile")
                 progress.advance()
                 reached = done
                 if i == start:
