@@ -14,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def lost_seconds(attempt: dict[str, Any], resumed_at: int) -> float:
 def run_total(attempts: list[dict[str, Any]]) -> dict[str, float]:
     """Over a run's attempts (in order, each with ``first_step``): wall, productive less the
     steps a later attempt redid, and the run's goodput."""
-    lost = sum(lost_seconds(a, b["first_step"]) for a, b in zip(attempts, attempts[1:]))
+    lost = sum(lost_seconds(a, b["first_step"]) for a, b in pairwise(attempts))
     wall = sum(a["wall_s"] for a in attempts)
     productive = sum(a["productive_s"] for a in attempts) - lost
     return {"attempts": len(attempts), "wall_s": wall, "productive_s": productive,

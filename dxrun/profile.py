@@ -46,6 +46,11 @@ _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 
 def hlo_kinds(hlo_text: str) -> dict[str, str]:
     """Instruction name -> kind, for every instruction of the HLO module's text."""
+    return {name: kind for name, (kind, _) in hlo_ops(hlo_text).items()}
+
+
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Instruction name -> (kind, the JAX op that made it: its ``op_name`` metadata)."""
     bodies: dict[str, list[str]] = {}
     current = None
     for line in hlo_text.splitlines():
@@ -54,14 +59,15 @@ def hlo_kinds(hlo_text: str) -> dict[str, str]:
             bodies[current] = []
         elif current is not None:
             bodies[current].append(line)
-    kinds = {}
+    kinds: dict[str, tuple[str, str]] = {}
     for lines in bodies.values():
         for line in lines:
             if m := _INSTR.match(line):
                 name, opcode, rest = m.groups()
                 called = re.findall(r"calls=%?([\w.\-]+)", rest)
                 inner = "\n".join(" ".join(bodies.get(c, [])) for c in called)
-                kinds[name] = _kind(opcode, rest + inner)
+                source = re.search(r'op_name="([^"]+)"', rest)
+                kinds[name] = (_kind(opcode, rest + inner), source.group(1) if source else "")
     return kinds
 
 
@@ -203,7 +209,12 @@ def summarize(ops: list[Op], kinds: dict[str, str], top: int = 15) -> Summary:
                    sorted(by_kind.items(), key=lambda kv: -kv[1]))
 
 
-def table(s: Summary) -> str:
+def _short(source: str, width: int = 70) -> str:
+    """A JAX op path, its end kept: ``jit(step)/.../transpose(jvp(Block))/attn/dot_general``."""
+    return source if len(source) <= width else "…" + source[-(width - 1):]
+
+
+def table(s: Summary, sources: dict[str, str] | None = None) -> str:
     """The Markdown table ``python -m dxrun.profile`` prints."""
     pct = (lambda x: f"{x / s.step_ms:.1%}") if s.step_ms else (lambda x: "-")
     out = [f"{s.steps} traced step(s) x {s.devices} device(s); per step and device: "
@@ -212,8 +223,10 @@ def table(s: Summary) -> str:
            f"{s.idle_ms:.2f} ms ({pct(s.idle_ms)})", "",
            "| kind | ms/step | share of step |", "|---|---:|---:|"]
     out += [f"| {kind} | {ms:.3f} | {pct(ms)} |" for kind, ms in s.kinds]
-    out += ["", "| op | kind | ms/step | share of step | count/step |", "|---|---|---:|---:|---:|"]
-    out += [f"| `{name}` | {kind} | {ms:.3f} | {share:.1%} | {count} |"
+    out += ["", "| op | kind | ms/step | share of step | count/step | JAX op |",
+            "|---|---|---:|---:|---:|---|"]
+    out += [f"| `{name}` | {kind} | {ms:.3f} | {share:.1%} | {count} | "
+            f"{_short((sources or {}).get(name, '')).replace('|', '/')} |"
             for name, kind, ms, share, count in s.top]
     return "\n".join(out)
 
@@ -223,13 +236,17 @@ def module_name(hlo_text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def read_run(run_dir: Path, top: int = 15) -> list[tuple[Path, Summary]]:
-    """Each process's trace under ``run_dir`` summarized (see ``summarize``)."""
+def read_run(run_dir: Path, top: int = 15) -> list[tuple[Path, Summary, dict[str, str]]]:
+    """Each process's trace under ``run_dir`` summarized (see ``summarize``), with each op's
+    JAX op."""
     out = []
     for pb in trace_files(run_dir):
         hlo = next((p / HLO_FILE for p in pb.parents if (p / HLO_FILE).is_file()), None)
         text = hlo.read_text() if hlo else ""
-        out.append((pb, summarize(read_ops(pb, module_name(text)), hlo_kinds(text), top)))
+        ops = hlo_ops(text)
+        kinds = {k: v[0] for k, v in ops.items()}
+        sources = {k: v[1] for k, v in ops.items()}
+        out.append((pb, summarize(read_ops(pb, module_name(text)), kinds, top), sources))
     return out
 
 
@@ -247,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dxrun.profile: no trace under {args.run_dir}; take one with "
               "train.profile.start=<step> train.profile.steps=<n>", file=sys.stderr)
         return 2
-    for pb, s in results:
-        print(f"{pb}\n\n{table(s)}\n")
+    for pb, s, sources in results:
+        print(f"{pb}\n\n{table(s, sources)}\n")
     return 0
 
 

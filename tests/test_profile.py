@@ -33,7 +33,7 @@ def traced_run(tmp_path_factory):
 @pytest.mark.e2e
 def test_the_trace_is_read_and_lists_matmuls_and_all_reduces(traced_run, capsys):
     run_dir = traced_run[0]
-    (pb, s), = profile.read_run(run_dir)
+    (pb, s, sources), = profile.read_run(run_dir)
     assert pb.name.endswith(".xplane.pb") and (pb.parent / "perfetto_trace.json.gz").is_file()
     assert (s.steps, s.devices) == (2, 8)  # steps 3 and 4, on every device
     kinds = dict(s.kinds)
@@ -43,6 +43,7 @@ def test_the_trace_is_read_and_lists_matmuls_and_all_reduces(traced_run, capsys)
     out = capsys.readouterr().out
     assert re.search(r"^\| matmul \| [\d.]+ \| [\d.]+% \|$", out, re.M)
     assert re.search(r"^\| `all-reduce[.\d]*` \| all-reduce \|", out, re.M)
+    assert any("dot_general" in v for v in sources.values())  # ops named by their JAX op
 
 
 @pytest.mark.e2e
