@@ -86,3 +86,9 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
     rows = re.findall(r"^\| [^|]+ \| (\d+) \|", text, re.M)
     assert sum(map(int, rows)) == int(b["total"])
     assert "params." in text  # the largest arguments by their tree path
+
+
+def test_a_run_without_a_trace_says_how_to_take_one(tmp_path, capsys):
+    assert profile.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train.profile.start=<step>" in err
