@@ -97,6 +97,13 @@ def render(b: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def refusal_dir() -> Path:
+    """A new dir for a refused run's breakdown (a refusal writes nothing into outputs/)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="dxrun-memory-"))
+
+
 def accelerator_profile(platform: str) -> bool:
     """A device memory profile exists only on accelerators (CPU keeps no allocator stats)."""
     return platform in ("gpu", "tpu", "cuda", "rocm")

@@ -374,8 +374,9 @@ RUN_FILES: dict[str, str] = {
     "goodput.json": "`attempts`: each attempt's wall time by part (see `goodput_s`), with its "
                     "first and last step; the run's `goodput`, `wall_s`, `productive_s`, "
                     "`lost_s` over them",
-    "memory_breakdown.txt": "a memory refusal or out-of-memory crash: the compiled step's "
-                            "memory by part, its largest arguments and temporaries",
+    "memory_breakdown.txt": "an out-of-memory step (a memory refusal: in a new dxrun-memory-* "
+                            "dir under the temp dir): the compiled step's memory by part, its "
+                            "largest arguments and temporaries",
     "memory.prof": "with memory_breakdown.txt on a GPU/TPU: the device memory profile (pprof)",
 }
 

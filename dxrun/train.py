@@ -25,7 +25,7 @@ from dxrun.config import model_changes
 from dxrun.console import Progress, save_note
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
-from dxrun.errors import ConfigError
+from dxrun.errors import ConfigError, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.plan import make_plan
@@ -127,19 +127,21 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     exp = Experiment.build(cfg, plan, data)
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
-    memory_preflight(cfg, exp, exp.compile_step(), run_dir)
+    memory_preflight(cfg, exp, exp.compile_step())
     return exp, resume
 
 
-def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, run_dir: Path | None) -> None:
-    """``plan_mode.check_memory``; a refusal writes where the memory goes into ``run_dir``
-    (``memory_breakdown.txt``) and its one line names the file."""
+def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
+    """``plan_mode.check_memory``; a refusal writes where the memory goes and its one line
+    names the file. Bad input leaves no run dir behind, so the file goes to ``out``, by default
+    a new dir under the system's temp dir (``memory_report.refusal_dir``)."""
     try:
         plan_mode.check_memory(cfg, exp, compiled)
     except ConfigError as e:
-        if run_dir is None or not is_main():
+        if not is_main():
             raise
-        path = memory_report.write(run_dir, compiled, exp.abstract_state(), exp.plan.platform)
+        path = memory_report.write(out or memory_report.refusal_dir(), compiled,
+                                   exp.abstract_state(), exp.plan.platform)
         raise ConfigError(f"{e}; where the memory goes: {path}") from None
 
 
@@ -384,7 +386,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         path = memory_report.write(run_dir, exp.step.compiled, exp.abstract_state(),
                                    plan.platform)
         raise memory_report.OutOfMemory(
-            f"out of device memory ({type(e).__name__}); where the memory goes: {path}") from e
+            f"{first_line(e)}; where the memory goes: {path}") from e
     finally:
         tracer.stop()  # a run stopped inside the trace still leaves its trace
         write_row()  # a crash mid-loop: the rows of the steps that ran
