@@ -90,7 +90,7 @@ def render(b: dict[str, Any]) -> str:
            "the compiled step)", "", "| part | bytes per device | | share |", "|---|---:|---:|---:|"]
     out += [f"| {k} | {int(v)} | {gib(v)} | {v / total:.1%} |" if total else f"| {k} | 0 | | |"
             for k, v in b["parts"].items()]
-    out += ["", "largest arguments (per device):"]
+    out += ["", "largest arguments (bytes per device; the global shape):"]
     out += [f"  {gib(size)}  {name}  {what}" for name, size, what in b["largest_args"]]
     out += ["", "largest temporaries (XLA reuses their buffers: these overlap in time):"]
     out += [f"  {gib(size)}  {name}  {what}" for name, size, what in b["largest_temps"]]
