@@ -13,10 +13,11 @@ from dxrun import memory_report, profile
 from dxrun.errors import ConfigError
 from dxrun.step import step_bytes
 from dxrun.train import Job, memory_preflight, prepare, train
+from dxrun.wandb_file import read_run
 from tests.conftest import make_cfg
 
 TRACED = ["parallelism=dp4_tp2", "model=tiny", "data.seq_len=32", "train.steps=6",
-          "train.log_every=2", "train.eval_every=0", "checkpoint.every=0", "logger=none",
+          "train.log_every=2", "train.eval_every=0", "checkpoint.every=0",
           "train.profile.start=3", "train.profile.steps=2"]
 
 
@@ -67,6 +68,10 @@ def test_goodput_parts_add_up_to_the_wall_time(traced_run):
     assert summary["goodput"] == pytest.approx(g["productive_s"] / g["wall_s"])
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved["attempts"] == 1 and saved["goodput"] == pytest.approx(summary["goodput"])
+    (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    wandb_summary = read_run(wandb_file)["summary"]  # the offline W&B run's summary
+    assert wandb_summary["goodput"] == pytest.approx(summary["goodput"])
+    assert wandb_summary["goodput/productive_s"] == pytest.approx(g["productive_s"])
 
 
 @pytest.mark.e2e
