@@ -67,6 +67,9 @@ _register_sweeper()
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> Any:
+    from dxrun.goodput import job_started_at
+
+    started = job_started_at()  # goodput's wall time counts from here (the process's start)
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_log = RunLog()  # lines wait in memory until this run has claimed its own dir
@@ -132,7 +135,7 @@ def main(cfg: DictConfig) -> Any:
         _status(run_dir, "running", **_job_fields(hydra_cfg))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
-        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task))
+        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started)
         try:
             summary = train(cfg, run_dir, job, prepared)
         except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it

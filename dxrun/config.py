@@ -107,6 +107,14 @@ class OptimizerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # Trace steps start..start+steps-1 with jax.profiler into <run dir>/profile/ (0 = off; the
+    # attempt's first step compiles, so a start on it moves to the next step).
+    start: int = 0
+    steps: int = 3  # how many steps to trace
+
+
+@dataclass
 class TrainConfig:
     steps: int = 600
     log_every: int = 50
@@ -126,6 +134,7 @@ class TrainConfig:
     nan_policy: str = "halt"  # halt | skip: what a non-finite loss or gradient does
     # Test-only: make step k's loss NaN (0 = off), to exercise train.nan_policy.
     inject_nan_at_step: int = 0
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass
@@ -368,6 +377,7 @@ RANGES: dict[str, Range] = {
     "optimizer.clip_norm": NON_NEGATIVE, "optimizer.base_batch_size": POSITIVE,
     "train.steps": POSITIVE, "train.log_every": POSITIVE, "train.grad_accum": POSITIVE,
     "train.eval_every": NON_NEGATIVE,
+    "train.profile.start": NON_NEGATIVE, "train.profile.steps": POSITIVE,  # 0 = no trace
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
     "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal

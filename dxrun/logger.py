@@ -42,7 +42,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_main:
             return
-        row, bad = finite_or_null({"step": step, **{k: float(v) for k, v in metrics.items()}})
+        # A flag (perf/profiled) stays a JSON true; every other value is a float.
+        row, bad = finite_or_null({"step": step, **{
+            k: v if isinstance(v, bool) else float(v) for k, v in metrics.items()}})
         if bad and not self.warned_non_finite:
             log.warning("step %d: %s not finite (the run diverged?); written as null, here and "
                         "in every later row, without another warning", step, ", ".join(bad))
@@ -56,6 +58,28 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("W&B log failed (%s); continuing with metrics.jsonl only", e)
                 self.wandb = None
+
+    def upload(self, directory: Path, name: str, kind: str) -> None:
+        """``directory`` as an artifact of an online W&B run (offline runs keep it on disk
+        only: a trace can be large)."""
+        if self.wandb is None or self.wandb.offline:
+            return
+        try:
+            import wandb
+
+            art = wandb.Artifact(f"{name}-{self.wandb.id}", type=kind)
+            art.add_dir(str(directory))
+            self.wandb.log_artifact(art)
+        except Exception as e:  # noqa: BLE001
+            log.warning("W&B artifact upload of %s failed (%s)", directory, e)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Run-level figures (goodput) into the W&B run's summary."""
+        if self.wandb is not None:
+            try:
+                self.wandb.summary.update(values)
+            except Exception as e:  # noqa: BLE001
+                log.warning("W&B summary update failed (%s)", e)
 
     def finish(self) -> None:
         if self._file is not None:

@@ -148,15 +148,19 @@ def config_keys() -> list[Key]:
     """Every key of the schema in order, with the default the default run composes."""
     defaults = _composed_defaults()
     out = []
-    for section in dataclasses.fields(config.RunConfig):
-        cls = section.default_factory  # type: ignore[misc]
+    def walk(cls: type, prefix: str) -> None:
         comments = _field_comments(cls)
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}
         for f in dataclasses.fields(cls):
-            key = f"{section.name}.{f.name}"
-            type_text = _type_name(hints[f.name])
+            key = f"{prefix}.{f.name}"
+            if dataclasses.is_dataclass(f.default_factory):  # a nested section: train.profile
+                walk(f.default_factory, key)  # type: ignore[arg-type]
+                continue
+            type_text = _type_name(f.type)
             meaning = _meaning(key, comments.get(f.name, ""))
             out.append(Key(key, type_text, defaults.get(key), _allowed(key, type_text), meaning))
+
+    for section in dataclasses.fields(config.RunConfig):
+        walk(section.default_factory, section.name)  # type: ignore[arg-type]
     return out
 
 
@@ -172,9 +176,16 @@ def _composed_defaults() -> dict[str, Any]:
         cfg = compose("config")
     GlobalHydra.instance().clear()
     flat: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and prefix.count(".") == 0 and k == "profile":
+                walk(v, f"{prefix}.{k}")  # a nested section (train.profile)
+            else:
+                flat[f"{prefix}.{k}"] = v
+
     for section, values in OmegaConf.to_container(cfg, resolve=False).items():
-        for k, v in values.items():
-            flat[f"{section}.{k}"] = v
+        walk(values, section)
     return flat
 
 
@@ -325,8 +336,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
                                 "how long saves held the loop; absent without a save"),
     "mem/step_bytes_per_device": ("bytes", "once (first row); XLA's memory analysis",
                                   "arguments + outputs - donated state + temporaries per device"),
-    "mem/peak_bytes_per_device": ("bytes", "once (first row); GPU/TPU allocator high-water mark",
-                                  "peak device memory during this run (when it rose)"),
+    "mem/peak_bytes_per_device": ("bytes", "every log row; GPU/TPU allocator high-water mark "
+                                  "(Device.memory_stats), the largest over this process's "
+                                  "devices", "peak device memory during this run so far (when "
+                                  "it rose above an earlier job's)"),
+    "perf/profiled": ("true", "log rows whose window held traced steps (train.profile)",
+                      "the traced steps are left out of this row's perf/* figures"),
     "data/tokens_seen": ("tokens", "cumulative", "tokens trained on, summed over batch changes"),
     "data/entropy_floor": ("nats/token", "constant (markov data)", "the best achievable train/loss"),
     "eval/loss": ("nats/token", "mean over eval.batches held-out batches", "held-out cross-entropy"),
@@ -353,6 +368,16 @@ RUN_FILES: dict[str, str] = {
     "checkpoints.txt": "with checkpoint.dir: the dir `<checkpoint.dir>/<run id>/` holding this "
                        "run's checkpoints",
     "wandb/": "the offline W&B run: `wandb sync <run dir>/wandb/offline-run-*`",
+    "profile/": "train.profile's trace (`plugins/profile/<time>/*.xplane.pb`, "
+                "`perfetto_trace.json.gz`) and the step's HLO (`step.hlo.txt`); "
+                "`profile/<rank>/` per process of a multi-process run",
+    "goodput.json": "`attempts`: each attempt's wall time by part (see `goodput_s`), with its "
+                    "first and last step; the run's `goodput`, `wall_s`, `productive_s`, "
+                    "`lost_s` over them",
+    "memory_breakdown.txt": "an out-of-memory step (a memory refusal: in a new dxrun-memory-* "
+                            "dir under the temp dir): the compiled step's memory by part, its "
+                            "largest arguments and temporaries",
+    "memory.prof": "with memory_breakdown.txt on a GPU/TPU: the device memory profile (pprof)",
 }
 
 SUMMARY: dict[str, str] = {
@@ -371,6 +396,12 @@ SUMMARY: dict[str, str] = {
     "peak_tflops": "the peak perf/mfu divides by; null when unknown",
     "checkpoint_saves": "saves this attempt made",
     "checkpoint_block_s": "total seconds those saves held the loop",
+    "goodput": "productive step time / wall time, over all attempts of the run (steps a resume "
+               "redid count as lost)",
+    "goodput_s": "this attempt's wall time by part: wall, startup, compile (the preflight's and "
+                 "the first step), data, productive, eval, checkpoint, logging, profile, rest; "
+                 "its goodput, first_step and last_step",
+    "attempts": "attempts of this run (a resume in place adds one)",
 }
 
 STATUS: dict[str, str] = {
@@ -498,6 +529,7 @@ TOOLS: dict[str, str] = {
     "dxrun.bench": "argparse",
     "dxrun.data.prepare": "argparse",
     "dxrun.dashboard": "argparse",
+    "dxrun.profile": "argparse",
 }
 INTERNAL = {"dxrun.bench.allocator": "one variant of the allocator benchmark, started by dxrun.bench"}
 

@@ -240,9 +240,14 @@ class AllocatorPeak:
         self.start = [d.memory_stats() for d in self.devices]
 
     def peak_since_start(self) -> float | None:
-        peaks = [peak_bytes_since(s, d.memory_stats())
-                 for s, d in zip(self.start, self.devices, strict=True)]
-        return max((p for p in peaks if p is not None), default=None)
+        return peak_over_devices(self.start, [d.memory_stats() for d in self.devices])
+
+
+def peak_over_devices(starts: list[dict | None], nows: list[dict | None]) -> float | None:
+    """``mem/peak_bytes_per_device`` of a log row: the largest ``peak_bytes_since`` over this
+    process's devices (None on CPU, or where no device's peak rose during this run)."""
+    peaks = [peak_bytes_since(s, n) for s, n in zip(starts, nows, strict=True)]
+    return max((p for p in peaks if p is not None), default=None)
 
 
 def finite_or_null(obj: Any, key: str = "") -> tuple[Any, list[str]]:

@@ -18,18 +18,20 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun import checkpoint, flops, plan_mode
+from dxrun import checkpoint, flops, goodput, memory_report, plan_mode
 from dxrun.batch import resolve_batch
 from dxrun.checkpoint import NOTICEABLE_BLOCK_S, Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.console import Progress, save_note
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
+from dxrun.errors import ConfigError, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.plan import make_plan
 from dxrun.preempt import Preemption, relaunch_command
 from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.trace import Tracer, profile_dir, traced_steps
 
 log = logging.getLogger("dxrun")
 
@@ -42,6 +44,7 @@ class Job:
     choices: dict[str, str] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
     group: str | None = None
+    started: float | None = None  # epoch seconds the job began (goodput's startup); None = now
 
 
 MAX_NAME = 120
@@ -124,8 +127,22 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     exp = Experiment.build(cfg, plan, data)
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
-    plan_mode.check_memory(cfg, exp, exp.compile_step())
+    memory_preflight(cfg, exp, exp.compile_step())
     return exp, resume
+
+
+def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
+    """``plan_mode.check_memory``; a refusal writes where the memory goes and its one line
+    names the file. Bad input leaves no run dir behind, so the file goes to ``out``, by default
+    a new dir under the system's temp dir (``memory_report.refusal_dir``)."""
+    try:
+        plan_mode.check_memory(cfg, exp, compiled)
+    except ConfigError as e:
+        if not is_main():
+            raise
+        path = memory_report.write(out or memory_report.refusal_dir(), compiled,
+                                   exp.abstract_state(), exp.plan.platform)
+        raise ConfigError(f"{e}; where the memory goes: {path}") from None
 
 
 def perplexity(loss: float) -> float:
@@ -172,7 +189,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
           prepared: Prepared | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
     job = job or Job()
+    clock = goodput.Goodput(job.started or time.time())
     exp, resume = prepared or prepare(cfg, run_dir)
+    clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
     plan, data = exp.plan, exp.data
     main = is_main()  # writes the run's files; every process trains
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,92 +265,143 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     pending: list[tuple[int, dict[str, float]]] = []
 
     def write_row() -> None:
-        for step, row in pending:
-            if blocks := ckpts.take_blocks():
-                row["perf/checkpoint_block_s"] = sum(blocks)
-            logger.log(step, row)
-        pending.clear()
+        with clock.span("logging"):
+            for step, row in pending:
+                if blocks := ckpts.take_blocks():
+                    row["perf/checkpoint_block_s"] = sum(blocks)
+                logger.log(step, row)
+            pending.clear()
 
     def save_point(done: int, state: Any, last: bool = False) -> None:
         """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
         row of step ``done``, if it has one, whatever that raised."""
         try:
-            ckpts.between_steps(done, state, last=last)
+            with clock.span("checkpoint"):
+                ckpts.between_steps(done, state, last=last)
         finally:
             write_row()
+
+    rank, procs = jax.process_index(), jax.process_count()
+    tracer = Tracer(traced_steps(cfg.train.profile.start, cfg.train.profile.steps, start, steps),
+                    profile_dir(run_dir, rank, procs), run_dir,
+                    exp.step.compiled.as_text() if exp.step.compiled is not None else None)
+    if cfg.train.profile.start and not tracer.steps:
+        log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
+                    cfg.train.profile.start, start + 2, steps)
+    attempts = goodput.earlier_attempts(run_dir, in_place)
+    reached = start  # the last step this attempt completed
+    clock.end_startup()
     try:
         with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
-            window_t, window_step, waited = None, start, 0.0
+            window = goodput.StepWindow()
             held0, saves0 = 0.0, 0  # checkpoint saving before this window (ckpts' totals)
             loop_t, loop_step = 0.0, steps  # from the compiling step's end: the whole loop
+            metrics: Any = None
             for i in range(start, steps):
                 save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
-                t_wait = time.perf_counter()
-                tokens = exp.global_batch(next(batches))
-                waited += time.perf_counter() - t_wait
-                state, metrics = exp.step(state, tokens)
-                progress.advance()
                 done = i + 1
-                if i == start:  # the compiling step: the timing windows start after it
-                    jax.block_until_ready(metrics)
-                    window_t, window_step, waited = time.perf_counter(), done, 0.0
+                with clock.span("productive"):  # the earlier steps drain first
+                    if tracer.before(done, metrics):
+                        window.pause(i)
+                with clock.span("data"):
+                    t_wait = time.perf_counter()
+                    tokens = exp.global_batch(next(batches))
+                    window.wait(time.perf_counter() - t_wait)
+                part = ("compile" if i == start else "profile" if tracer.active
+                        else "productive")
+                with clock.span(part):
+                    state, metrics = exp.step(state, tokens)
+                    if i == start:  # the compiling step: the timing windows start after it
+                        jax.block_until_ready(metrics)
+                    if tracer.after(done, metrics):
+                        window.resume(done)
+                        logger.upload(tracer.where, "profile", "profile")
+                progress.advance()
+                reached = done
+                if i == start:
+                    window.reset(done)
                     held0, saves0 = ckpts.block_total_s, ckpts.saves
-                    loop_t, loop_step = window_t, done
+                    loop_t, loop_step = window.t, done
                 is_log = done % every == 0 or done == steps
                 is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
                 if not (is_log or is_eval):
                     continue
-                row: dict[str, float] = {}
+                row: dict[str, Any] = {}
                 if is_log:
-                    row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    now = time.perf_counter()  # device_get waited: the device is ready here
+                    with clock.span("profile" if tracer.active else "productive"):
+                        fetched = jax.device_get(metrics)  # waits for the device
+                    t_log = clock.clock()
+                    row = {k: float(v) for k, v in fetched.items()}
                     row["train/ppl"] = perplexity(row["train/loss"])
-                    if done > window_step:
-                        window = now - window_t
-                        step_time = window / (done - window_step)
+                    seconds, n_steps, waited = window.measure(done)
+                    if n_steps > 0 and seconds > 0:
+                        step_time = seconds / n_steps
                         tflops = flops_per_step / step_time / plan.n_devices / 1e12
                         row["perf/step_time_s"] = step_time
                         row["perf/tokens_per_s"] = tokens_per_step / step_time
                         row["perf/tokens_per_s_per_device"] = (row["perf/tokens_per_s"]
                                                                / plan.n_devices)
                         row["perf/tflops_per_device"] = tflops
-                        row["perf/data_wait_frac"] = waited / window
+                        row["perf/data_wait_frac"] = waited / seconds
                         if peak:
                             row["perf/mfu"] = flops.mfu(tflops, peak)
+                    if window.profiled:  # traced steps in this window: left out of perf/*
+                        row["perf/profiled"] = True
                     if not last:  # first log row: the one-off numbers
                         row["perf/compile_time_s"] = exp.step.compile_time_s
-                        mem = {"mem/step_bytes_per_device": exp.step.memory_bytes(),
-                               "mem/peak_bytes_per_device": allocator.peak_since_start()}
-                        row.update({k: v for k, v in mem.items() if v is not None})
+                        if (need := exp.step.memory_bytes()) is not None:
+                            row["mem/step_bytes_per_device"] = need
+                    # Every row on an accelerator (CPU keeps no allocator statistics).
+                    if (high := allocator.peak_since_start()) is not None:
+                        row["mem/peak_bytes_per_device"] = high
                     row["data/tokens_seen"] = float(tokens_at(done))
                     if floor is not None:
                         row["data/entropy_floor"] = floor
                     loss = row["train/loss"]
                     if math.isfinite(loss) and (best_loss is None or loss < best_loss):
                         best_loss = loss
+                    clock.add("logging", clock.clock() - t_log)
                 if is_eval:
-                    row.update(evaluate(exp, state.params, eval_batches))
-                pending.append((done, row))  # written after this step's save point
-                # A save inside the window slows its tokens/s: the line says so (the first
-                # save of a process is the slow one: seconds on CPU).
-                held = ckpts.block_total_s - held0
-                first = saves0 < ckpts.process_first_save <= ckpts.saves
-                note = (save_note(held, first) if "perf/tokens_per_s" in row
-                        and held >= NOTICEABLE_BLOCK_S else "")
-                progress.update(done, row, note)  # an evaluation off the log steps too
+                    with clock.span("eval"):
+                        row.update(evaluate(exp, state.params, eval_batches))
+                with clock.span("logging"):
+                    pending.append((done, row))  # written after this step's save point
+                    # A save inside the window slows its tokens/s: the line says so (the first
+                    # save of a process is the slow one: seconds on CPU).
+                    held = ckpts.block_total_s - held0
+                    first = saves0 < ckpts.process_first_save <= ckpts.saves
+                    note = (save_note(held, first) if "perf/tokens_per_s" in row
+                            and held >= NOTICEABLE_BLOCK_S else "")
+                    progress.update(done, row, note)  # an evaluation off the log steps too
                 last = {**last, **row}
                 # Evaluation is not part of the next timing window (the next save point is:
                 # a save holds the loop).
-                window_t, window_step, waited = time.perf_counter(), done, 0.0
+                window.reset(done)
                 held0, saves0 = ckpts.block_total_s, ckpts.saves
             loop_s = time.perf_counter() - loop_t  # the last step was logged: it is done
             save_point(steps, state, last=True)
+    except Exception as e:
+        if not memory_report.is_out_of_memory(e) or not main:
+            raise
+        path = memory_report.write(run_dir, exp.step.compiled, exp.abstract_state(),
+                                   plan.platform)
+        raise memory_report.OutOfMemory(
+            f"{first_line(e)}; where the memory goes: {path}") from e
     finally:
+        tracer.stop()  # a run stopped inside the trace still leaves its trace
         write_row()  # a crash mid-loop: the rows of the steps that ran
-        ckpts.close()
-        logger.finish()
+        with clock.span("checkpoint"):
+            ckpts.close()  # waits for a save in flight
         if hasattr(batches, "close"):  # Grain's worker processes end with the run
             batches.close()
+        attempt = {**clock.breakdown(), "first_step": start,
+                   "last_step": reached}
+        total = goodput.run_total([*attempts, attempt])
+        if main:
+            write_json(run_dir / goodput.FILE, {"attempts": [*attempts, attempt], **total})
+        logger.summary({"goodput": total["goodput"],
+                        **{f"goodput/{k}": v for k, v in attempt.items()}})
+        logger.finish()
     summary = {
         "step": steps,
         **last,
@@ -351,9 +421,15 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         # This attempt's saves (a resumed run counts its own) and the time they held the loop.
         "checkpoint_saves": ckpts.saves,
         "checkpoint_block_s": ckpts.block_total_s,
+        # Productive step time / wall time over the run's attempts (goodput.json holds each).
+        "goodput": total["goodput"],
+        "goodput_s": attempt,  # this attempt's wall time by part (goodput.PARTS, rest)
+        "attempts": total["attempts"],
     }
     if main:
         write_json(run_dir / "summary.json", summary)
     log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
              f" (floor {floor:.4f})" if floor is not None else "", run_dir)
+    for line in goodput.lines(attempt, total):
+        log.info(line)
     return summary

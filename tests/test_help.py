@@ -16,6 +16,7 @@ TOOLS = [
     ("dxrun.bench", "--quick"),
     ("dxrun.data.prepare", "out_dir"),
     ("dxrun.dashboard", "--entity"),
+    ("dxrun.profile", "run_dir"),
 ]
 
 

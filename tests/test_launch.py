@@ -84,8 +84,8 @@ def test_two_processes_train_like_one(one_process, two_processes):
     assert_same(losses(run_dir), one_process[1], range(1, 7))
     # Process 0 alone wrote the run's files; each process its own log.
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoints", "dxrun.0.log", "dxrun.1.log", "metrics.jsonl", "plan.json",
-        "status.json", "summary.json", "wandb"]
+        ".hydra", "checkpoints", "dxrun.0.log", "dxrun.1.log", "goodput.json", "metrics.jsonl",
+        "plan.json", "status.json", "summary.json", "wandb"]
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     plan = json.loads((run_dir / "plan.json").read_text())

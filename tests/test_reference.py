@@ -20,8 +20,14 @@ def pages():
 
 
 def test_every_config_key_has_a_row_with_type_default_and_meaning(pages):
-    schema = [f"{s.name}.{f.name}" for s in dataclasses.fields(config.RunConfig)
-              for f in dataclasses.fields(s.default_factory)]
+    def keys_of(cls: type, prefix: str) -> list[str]:  # nested sections (train.profile) too
+        return [k for f in dataclasses.fields(cls)
+                for k in (keys_of(f.default_factory, f"{prefix}.{f.name}")
+                          if dataclasses.is_dataclass(f.default_factory)
+                          else [f"{prefix}.{f.name}"])]
+
+    schema = [k for s in dataclasses.fields(config.RunConfig)
+              for k in keys_of(s.default_factory, s.name)]
     keys = {k.key: k for k in reference.config_keys()}
     assert list(keys) == schema
     assert not [k for k, v in keys.items() if not v.meaning], "keys without a meaning: add a " \

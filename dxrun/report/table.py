@@ -58,6 +58,7 @@ COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
     ("peak_mem_bytes_per_device", _summary("mem/peak_bytes_per_device"),
      lambda v: f"{v / 2**20:,.1f} MiB"),
     ("compile_time_s", _summary("compile_time_s"), "{:.2f}".format),
+    ("goodput", _summary("goodput"), "{:.1%}".format),  # productive step time / wall time
     ("reason", lambda j: j.reason, str),
     ("log", lambda j: j.log, str),
 ]

@@ -1,0 +1,170 @@
+"""Where a run's wall time went, and the log window's step time without the traced steps.
+
+Host-side accounting: every second of the job's wall time is given to the part the host was in
+(startup, compile, data, productive steps, eval, checkpoint, logging, profile: the traced steps)
+and what no span covers is ``rest``, so the parts add up to the wall time by construction; a
+large ``rest`` means a span is missing. The device runs ahead of the host, so the productive
+steps are the time in the step call plus the waits for its results at log steps. The clock is a
+parameter so that unit tests drive it by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+PARTS = ("startup", "compile", "data", "productive", "eval", "checkpoint", "logging", "profile")
+FILE = "goodput.json"  # the attempts of a run dir, kept over resumes
+
+_first_job = [True]
+
+
+def process_started_at() -> float | None:
+    """Epoch seconds this process started (Linux /proc), so that startup includes the imports;
+    None elsewhere."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+        ticks = int(fields[19])  # starttime: field 22, counted after the ")" of the name
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def job_started_at(now: float | None = None) -> float:
+    """When this job began: the process's start for the first job of a process (its imports
+    and device setup are this job's startup), the call's time for a multirun's later jobs."""
+    now = time.time() if now is None else now
+    first, _first_job[0] = _first_job[0], False
+    started = process_started_at() if first else None
+    return started if started is not None and started <= now else now
+
+
+class _Span:
+    """``with goodput.span(part):`` books the block's seconds to ``part``, raised or not (a
+    plain class: a few clock reads per step is all that goodput costs)."""
+
+    __slots__ = ("g", "part", "t0")
+
+    def __init__(self, g: Goodput, part: str):
+        self.g, self.part = g, part
+
+    def __enter__(self) -> None:
+        self.t0 = self.g.clock()
+
+    def __exit__(self, *exc: object) -> None:
+        self.g.spent[self.part] += self.g.clock() - self.t0
+
+
+class Goodput:
+    """Seconds per part since ``start``; ``span(part)`` times a block, ``add`` books a figure
+    measured elsewhere (the preflight's compile)."""
+
+    def __init__(self, start: float, clock: Callable[[], float] = time.time):
+        self.clock, self.start = clock, start
+        self.spent = dict.fromkeys(PARTS, 0.0)
+
+    def span(self, part: str) -> _Span:
+        return _Span(self, part)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.spent[part] += seconds
+
+    def end_startup(self) -> None:
+        """Everything before now not booked elsewhere was startup (imports, devices, data,
+        the W&B run, the state's init)."""
+        self.spent["startup"] = max(0.0, self.clock() - self.start - sum(
+            v for k, v in self.spent.items() if k != "startup"))
+
+    def breakdown(self) -> dict[str, float]:
+        """``wall_s``, ``<part>_s`` for every part, ``rest_s`` (what no span covered) and
+        ``goodput`` (productive / wall)."""
+        wall = self.clock() - self.start
+        out = {"wall_s": wall, **{f"{k}_s": v for k, v in self.spent.items()}}
+        out["rest_s"] = wall - sum(self.spent.values())
+        out["goodput"] = self.spent["productive"] / wall if wall > 0 else 0.0
+        return out
+
+
+def lost_seconds(attempt: dict[str, Any], resumed_at: int) -> float:
+    """Productive seconds of ``attempt`` spent on steps after ``resumed_at`` (the checkpoint the
+    next attempt restarted from): done again, so badput."""
+    first, last = attempt.get("first_step", 0), attempt.get("last_step", 0)
+    redone = max(0, last - max(resumed_at, first))
+    return attempt.get("productive_s", 0.0) * redone / (last - first) if last > first else 0.0
+
+
+def run_total(attempts: list[dict[str, Any]]) -> dict[str, float]:
+    """Over a run's attempts (in order, each with ``first_step``): wall, productive less the
+    steps a later attempt redid, and the run's goodput."""
+    lost = sum(lost_seconds(a, b["first_step"]) for a, b in pairwise(attempts))
+    wall = sum(a["wall_s"] for a in attempts)
+    productive = sum(a["productive_s"] for a in attempts) - lost
+    return {"attempts": len(attempts), "wall_s": wall, "productive_s": productive,
+            "lost_s": lost, "goodput": productive / wall if wall > 0 else 0.0}
+
+
+def earlier_attempts(run_dir: Path, resumed_in_place: bool) -> list[dict[str, Any]]:
+    """The attempts a run dir holds (a resume in place continues them); [] for a new run."""
+    path = run_dir / FILE
+    if not resumed_in_place or not path.is_file():
+        return []
+    try:
+        return list(json.loads(path.read_text()).get("attempts", []))
+    except (OSError, ValueError):
+        return []
+
+
+def lines(attempt: dict[str, float], total: dict[str, float]) -> list[str]:
+    """The console's goodput lines: the parts of this attempt, and the run's total over its
+    attempts when it was resumed."""
+    parts = ", ".join(f"{k} {attempt[f'{k}_s']:.1f}s" for k in PARTS if k != "productive")
+    out = [f"goodput {attempt['goodput']:.1%}: productive steps {attempt['productive_s']:.1f}s "
+           f"of {attempt['wall_s']:.1f}s wall; {parts}, rest {attempt['rest_s']:.1f}s"]
+    if total["attempts"] > 1:
+        out.append(f"goodput over {total['attempts']} attempts: {total['goodput']:.1%} "
+                   f"({total['lost_s']:.1f}s of steps redone after a resume)")
+    return out
+
+
+class StepWindow:
+    """The log window: its seconds, steps and data wait, less the traced steps (tracing slows
+    them). ``pause``/``resume`` bracket the trace; a log step inside it starts a paused window."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.reset(0)
+
+    def reset(self, step: int) -> None:
+        paused = getattr(self, "_paused", None) is not None
+        self.t, self.step, self.waited = self.clock(), step, 0.0
+        self.excluded_s, self.excluded_steps, self.profiled = 0.0, 0, paused
+        self._paused = (self.t, step) if paused else None
+
+    def wait(self, seconds: float) -> None:
+        if self._paused is None:
+            self.waited += seconds
+
+    def pause(self, step: int) -> None:
+        self._paused, self.profiled = (self.clock(), step), True
+
+    def resume(self, step: int) -> None:
+        if self._paused is not None:
+            t, s = self._paused
+            self.excluded_s += self.clock() - t
+            self.excluded_steps += step - s
+            self._paused = None
+
+    def measure(self, done: int) -> tuple[float, int, float]:
+        """(seconds, steps, data wait) of the window up to step ``done``, traced steps out."""
+        now, seconds, steps = self.clock(), self.excluded_s, self.excluded_steps
+        if self._paused is not None:
+            seconds += now - self._paused[0]
+            steps += done - self._paused[1]
+        return now - self.t - seconds, done - self.step - steps, self.waited

@@ -1,0 +1,139 @@
+"""Goodput accounting and the log window's traced-step exclusion, on a clock driven by hand; the
+pure pieces of the trace window, the memory report and the per-row allocator peak."""
+
+import json
+
+import pytest
+
+from dxrun import goodput
+from dxrun.memory_report import is_out_of_memory, shape_bytes
+from dxrun.runtime import peak_over_devices
+from dxrun.trace import profile_dir, traced_steps
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self, dt: float) -> None:
+        self.t += dt
+
+
+def test_parts_add_up_to_the_wall_time_and_goodput_is_productive_over_wall():
+    clock = FakeClock()
+    g = goodput.Goodput(start=90.0, clock=clock)  # the job began 10 s before train()
+    g.add("compile", 4.0)  # the preflight's compile, inside those 10 s
+    g.end_startup()
+    assert g.spent["startup"] == pytest.approx(6.0)
+    for part, dt in [("data", 0.5), ("productive", 8.0), ("eval", 1.0), ("checkpoint", 2.0),
+                     ("logging", 0.25), ("profile", 1.5)]:
+        with g.span(part):
+            clock.tick(dt)
+    clock.tick(0.75)  # outside every span
+    b = g.breakdown()
+    assert b["wall_s"] == pytest.approx(24.0)
+    assert b["rest_s"] == pytest.approx(0.75)
+    assert sum(b[f"{p}_s"] for p in goodput.PARTS) + b["rest_s"] == pytest.approx(b["wall_s"])
+    assert b["goodput"] == pytest.approx(8.0 / 24.0)
+    assert "goodput 33.3%: productive steps 8.0s of 24.0s wall" in goodput.lines(
+        b, goodput.run_total([{**b, "first_step": 0, "last_step": 10}]))[0]
+
+
+def test_a_span_that_raises_still_counts():
+    clock = FakeClock()
+    g = goodput.Goodput(start=clock(), clock=clock)
+    with pytest.raises(RuntimeError), g.span("checkpoint"):
+        clock.tick(3.0)
+        raise RuntimeError
+    assert g.spent["checkpoint"] == 3.0
+
+
+def test_a_resume_counts_its_attempts_and_the_redone_steps_as_lost(tmp_path):
+    first = {"wall_s": 100.0, "productive_s": 60.0, "first_step": 0, "last_step": 60}
+    second = {"wall_s": 50.0, "productive_s": 40.0, "first_step": 50, "last_step": 100}
+    # Steps 51-60 ran twice: a sixth of the first attempt's productive time was lost.
+    assert goodput.lost_seconds(first, 50) == pytest.approx(10.0)
+    total = goodput.run_total([first, second])
+    assert total == pytest.approx({"attempts": 2, "wall_s": 150.0, "productive_s": 90.0,
+                                   "lost_s": 10.0, "goodput": 0.6})
+    assert "over 2 attempts: 60.0% (10.0s of steps redone" in goodput.lines(
+        {**second, **{f"{p}_s": 0.0 for p in goodput.PARTS if p != "productive"},
+         "rest_s": 0.0, "goodput": 0.8}, total)[1]
+    (tmp_path / goodput.FILE).write_text(json.dumps({"attempts": [first]}))
+    assert goodput.earlier_attempts(tmp_path, resumed_in_place=True) == [first]
+    assert goodput.earlier_attempts(tmp_path, resumed_in_place=False) == []
+
+
+def test_traced_steps_leave_the_log_window():
+    clock = FakeClock(0.0)
+    w = goodput.StepWindow(clock)
+    w.reset(2)  # after step 2's log row
+    clock.tick(1.0)  # step 3: 1 s
+    w.wait(0.1)
+    w.pause(3)  # steps 4-5 traced: 10 s
+    clock.tick(10.0)
+    w.wait(5.0)  # a traced step's data wait is left out too
+    w.resume(5)
+    clock.tick(2.0)  # step 6: 2 s
+    assert w.measure(6) == (pytest.approx(3.0), 2, pytest.approx(0.1))
+    assert w.profiled
+
+
+def test_a_log_step_inside_the_trace_starts_a_paused_window():
+    clock = FakeClock(0.0)
+    w = goodput.StepWindow(clock)
+    w.reset(0)
+    clock.tick(1.0)
+    w.pause(1)  # steps 2-3 traced, a log row at step 2
+    clock.tick(5.0)
+    assert w.measure(2) == (pytest.approx(1.0), 1, 0.0)
+    w.reset(2)
+    clock.tick(5.0)
+    w.resume(3)
+    clock.tick(1.0)  # step 4
+    assert w.measure(4) == (pytest.approx(1.0), 1, 0.0)
+    assert w.profiled  # the row of step 4 still held a traced step
+
+
+@pytest.mark.parametrize("start,steps,first,last,want", [
+    (0, 3, 0, 100, range(0)),  # off
+    (5, 3, 0, 100, range(5, 8)),
+    (1, 3, 0, 100, range(2, 5)),  # step 1 compiles: moved to 2
+    (10, 3, 40, 100, range(42, 45)),  # a resumed attempt's first step (41) compiles
+    (99, 3, 0, 100, range(99, 101)),  # cut at the run's end
+    (200, 3, 0, 100, range(200, 101)),  # past the end: empty
+])
+def test_traced_steps(start, steps, first, last, want):
+    assert traced_steps(start, steps, first, last) == want
+
+
+def test_each_process_traces_into_its_own_dir(tmp_path):
+    assert profile_dir(tmp_path, 0, 1) == tmp_path / "profile"
+    assert profile_dir(tmp_path, 3, 4) == tmp_path / "profile" / "3"
+
+
+def test_the_first_job_of_a_process_counts_from_the_process_start():
+    goodput._first_job[0] = True
+    now = 1e12
+    started = goodput.job_started_at(now)
+    assert started == goodput.process_started_at() and started < now
+    assert goodput.job_started_at(now) == now  # a multirun's later job: from its own start
+
+
+def test_peak_bytes_per_device_comes_from_the_accelerator_allocator_stats():
+    gpu = [{"peak_bytes_in_use": 2 * 2**30, "bytes_in_use": 2**30}] * 2
+    later = [{"peak_bytes_in_use": 3 * 2**30}, {"peak_bytes_in_use": 5 * 2**30}]
+    assert peak_over_devices(gpu, later) == 5 * 2**30  # the largest device
+    assert peak_over_devices(gpu, gpu) is None  # no rise: an earlier job's peak, not ours
+    assert peak_over_devices([None] * 8, [None] * 8) is None  # CPU keeps no statistics
+
+
+def test_out_of_memory_errors_and_hlo_shape_sizes():
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 1.00GiB"))
+    assert not is_out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"))
+    assert shape_bytes("bf16[4,1024]{1,0}") == 8192
+    assert shape_bytes("(f32[2,3]{1,0}, s32[])") == 28
