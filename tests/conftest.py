@@ -97,7 +97,8 @@ class Output:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"still running after {timeout} s:\n" + self.text()[-4000:])
+            raise AssertionError(f"still running after {timeout} s:\n"
+                                 + self.text()[-4000:]) from None
         self.thread.join(timeout=30)
         return self.text()
 
