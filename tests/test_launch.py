@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -272,6 +273,10 @@ def test_the_launcher_passes_sigusr1_and_sigterm_on_to_every_rank(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+        if proc.wait() < 0:  # a launcher killed by a signal has not waited for its ranks
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, text[-3000:]
     saved_then, stopped = committed_steps(ckpts)
     assert saved_then == saved and saved % 10 == 0 and stopped % 10 == 0 and stopped > saved
