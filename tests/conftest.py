@@ -15,10 +15,12 @@ from dxrun.runtime import simulate_cpu_devices
 if os.environ.get("DXRUN_TEST_GPU") != "1":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
 simulate_cpu_devices(8)  # must run before anything imports jax
-os.environ.setdefault("WANDB_MODE", "offline")
+# Forced, not defaulted: an exported WANDB_MODE=online (or HYDRA_FULL_ERROR=1) would send the
+# W&B tests to a server and put tracebacks where the tests read one-line errors.
+os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_ERROR_REPORTING"] = "false"
 os.environ["WANDB_SILENT"] = "true"
-os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+os.environ["HYDRA_FULL_ERROR"] = "0"
 
 import sys
 from pathlib import Path

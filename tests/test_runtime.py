@@ -122,7 +122,8 @@ def test_a_second_launch_takes_its_compiled_programs_from_the_cache(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         outcome[name] = {program: result.split()[0] for result, program in
                          lookups.findall(proc.stdout + proc.stderr)}
-    assert outcome["first"]["jit_step"] == "PERSISTENT"  # a miss: compiled, then written
+    # The first compiled the step and wrote it (JAX logs its misses even with no cache on).
+    assert outcome["first"]["jit_step"] == "PERSISTENT"
     assert list((tmp_path / "xdg" / "dxrun" / "jax").glob("jit_step-*"))
     assert outcome["second"]["jit_step"] == "Persistent"  # a hit: nothing compiled
     compile_s = [json.loads((tmp_path / name / "summary.json").read_text())["compile_time_s"]
