@@ -509,6 +509,7 @@ class RunCheckpoints:
         self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
         self.warned_cost = False
         self.halt = cfg.train.nan_policy == "halt"
+        self.hold = cfg.train.hold_at_step  # test-only: see between_steps
         # Every checkpoint names the run that wrote it (evaluation writes its results there).
         self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
         self.iterator, self.logger, self.preemption = iterator, logger, preemption
@@ -524,6 +525,10 @@ class RunCheckpoints:
 
     def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
         """After step ``done`` (the iterator has given exactly ``done`` batches)."""
+        # Test-only (train.hold_at_step): from that step on, each step waits for a SIGUSR1, so a
+        # test knows the step its signals are acted on at (a stop waits for one too).
+        while self.hold and done >= self.hold and not self.preemption.save:
+            time.sleep(0.01)
         stop, signalled = self.preemption.stop, self.preemption.take_save()
         ran = done > self.start
         timed = ran and time_due(self.clock(), self.last_save_t, self.every_s)

@@ -135,6 +135,9 @@ class TrainConfig:
     # Test-only: make step k's loss NaN (0 = off), to exercise train.nan_policy.
     inject_nan_at_step: int = 0
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # Test-only: from step k on (0 = off), the loop waits before each step for a SIGUSR1 (which
+    # also asks for a save), so a test's signals land at known steps instead of racing the run.
+    hold_at_step: int = 0
 
 
 @dataclass
@@ -380,6 +383,7 @@ RANGES: dict[str, Range] = {
     "train.profile.start": NON_NEGATIVE, "train.profile.steps": POSITIVE,  # 0 = no trace
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
     "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
+    "train.hold_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
     "checkpoint.every_minutes": NON_NEGATIVE,  # 0 = off
     "plan.write_gb_per_s": POSITIVE,

@@ -15,10 +15,12 @@ from dxrun.runtime import simulate_cpu_devices
 if os.environ.get("DXRUN_TEST_GPU") != "1":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
 simulate_cpu_devices(8)  # must run before anything imports jax
-os.environ.setdefault("WANDB_MODE", "offline")
+# Forced, not defaulted: an exported WANDB_MODE=online (or HYDRA_FULL_ERROR=1) would send the
+# W&B tests to a server and put tracebacks where the tests read one-line errors.
+os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_ERROR_REPORTING"] = "false"
 os.environ["WANDB_SILENT"] = "true"
-os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+os.environ["HYDRA_FULL_ERROR"] = "0"
 
 import sys
 from pathlib import Path
@@ -52,6 +54,58 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None):
     full_env.pop("XLA_FLAGS", None)  # the launcher sets the device count itself
     return subprocess.run([sys.executable, "-m", "dxrun", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+class Output:
+    """A subprocess's stdout (stderr merged into it), read by a thread as it comes, so that a
+    full pipe never blocks the process and every wait has a timeout."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.proc, self.lines = proc, []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        self._seen = 0  # lines wait_for has looked at
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, predicate, timeout: float = 240) -> str:
+        """The first line after the ones earlier waits returned for which ``predicate`` holds;
+        fails when the output ends first or after ``timeout`` seconds."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = not self.thread.is_alive()  # before reading: the lines are all there
+            while self._seen < len(self.lines):
+                line = self.lines[self._seen]
+                self._seen += 1
+                if predicate(line):
+                    return line
+            if ended or time.monotonic() > deadline:
+                self.proc.kill()  # a failed test leaves no process behind
+                raise AssertionError(("the output ended first" if ended else
+                                      f"timed out ({timeout} s)") + ":\n" + self.text()[-4000:])
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = 240) -> str:
+        """The whole output, once the process has exited (within ``timeout`` seconds)."""
+        import subprocess
+
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"still running after {timeout} s:\n"
+                                 + self.text()[-4000:]) from None
+        self.thread.join(timeout=30)
+        return self.text()
+
+    def text(self) -> str:
+        return "".join(self.lines)
 
 
 def tree_digest(tree: Path) -> dict[str, str]:

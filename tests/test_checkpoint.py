@@ -10,13 +10,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, run_cli, tree_digest
+from conftest import Output, make_cfg, run_cli, tree_digest
 
 from dxrun import checkpoint
 from dxrun.checkpoint import Resume
@@ -62,11 +64,15 @@ def _launch(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for(predicate, out: Output, timeout: float = 240) -> None:
+    """Until ``predicate()`` holds; fails (killing the run) when the run ends first or after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "timed out"
+        if out.proc.poll() is not None or time.monotonic() > deadline:
+            out.proc.kill()
+            raise AssertionError(("the run ended first" if out.proc.returncode is not None
+                                  else f"timed out ({timeout} s)") + ":\n" + out.text()[-3000:])
         time.sleep(0.02)
 
 
@@ -76,29 +82,41 @@ def _logged_step(run_dir: Path) -> int:
     return max((json.loads(x)["step"] for x in text.splitlines() if x.endswith("}")), default=0)
 
 
+# The signal tests hold their runs (train.hold_at_step: from that step on, each step waits for
+# a SIGUSR1), so every signal is acted on at a known step, whatever the machine's speed.
+HOLD_FIRST, HOLD_SECOND = 11, 16
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
-    """``python -m dxrun`` sent SIGUSR1 (saves, goes on), then SIGTERM (saves, exits 0);
-    relaunched into the same dir and sent SIGINT (saves, exits 130); relaunched again to the
-    end. Returns the run dir and the three outputs."""
+    """``python -m dxrun`` held at step 11: SIGUSR1 (saves at 11, trains step 12, holds
+    again), then SIGTERM (saves at 12, exits 0); relaunched into the same dir, held at 16, and
+    sent SIGINT (saves at 16, exits 130); relaunched again to the end. Returns the run dir and
+    the three outputs."""
     cwd = tmp_path_factory.mktemp("preempt")
     run_dir = cwd / "run"
-    first = _launch(cwd, run_dir)
-    _wait_for(lambda: _logged_step(run_dir) >= 5, first)
+    first = _launch(cwd, run_dir, f"train.hold_at_step={HOLD_FIRST}")
+    out = Output(first)
+    # Row 10 is written after step 10's save point: the loop is held at step 11 or on its way.
+    _wait_for(lambda: _logged_step(run_dir) >= 10, out)
     first.send_signal(signal.SIGUSR1)
-    _wait_for(lambda: any(s % 25 for s in checkpoint.committed_steps(run_dir / "checkpoints")),
-              first)
+    _wait_for(lambda: HOLD_FIRST in checkpoint.committed_steps(run_dir / "checkpoints"), out)
     (usr1,) = [s for s in checkpoint.committed_steps(run_dir / "checkpoints") if s % 25]
     first.send_signal(signal.SIGTERM)
-    out1 = first.communicate(timeout=240)[0]
+    out.wait_for(lambda line: "SIGTERM received" in line)
+    first.send_signal(signal.SIGUSR1)  # lets the held step act on the stop
+    out1 = out.finish()
     assert first.returncode == 0, out1[-3000:]
     stopped = int(out1.split("SIGTERM: stopped at step ")[1].split(";")[0])
-    second = _launch(cwd, run_dir)
-    _wait_for(lambda: _logged_step(run_dir) > stopped, second)
+    second = _launch(cwd, run_dir, f"train.hold_at_step={HOLD_SECOND}")
+    out = Output(second)
+    _wait_for(lambda: _logged_step(run_dir) >= 15, out)
     second.send_signal(signal.SIGINT)
-    out2 = second.communicate(timeout=240)[0]
+    out.wait_for(lambda line: "SIGINT received" in line)
+    second.send_signal(signal.SIGUSR1)
+    out2 = out.finish()
     third = _launch(cwd, run_dir)
-    out3 = third.communicate(timeout=240)[0]
+    out3 = Output(third).finish()
     assert third.returncode == 0, out3[-3000:]
     return {"run_dir": run_dir, "outputs": (out1, out2, out3), "usr1": usr1,
             "stopped": stopped, "sigint_code": second.returncode}
@@ -108,10 +126,11 @@ def preempted(tmp_path_factory):
 def test_preempted_run_ends_bitwise_equal_to_uninterrupted(reference, preempted):
     run_dir, stopped = preempted["run_dir"], preempted["stopped"]
     _, out2, out3 = preempted["outputs"]
-    assert 5 <= stopped < STEPS and preempted["sigint_code"] == 130, preempted
+    assert stopped == HOLD_FIRST + 1 and preempted["sigint_code"] == 130, preempted
     assert f"resuming from step {stopped} (checkpoint {run_dir / 'checkpoints' / str(stopped)})" \
         in out2
-    assert "SIGINT: stopped at step" in out2 and "resuming from step" in out3
+    assert f"SIGINT: stopped at step {HOLD_SECOND};" in out2
+    assert f"resuming from step {HOLD_SECOND}" in out3
     # metrics.jsonl: the uninterrupted run's, row for row (timing aside), bitwise.
     assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
     # The final parameters and optimizer state, read back from both last checkpoints: bitwise.
@@ -133,12 +152,14 @@ def test_preempted_run_ends_bitwise_equal_to_uninterrupted(reference, preempted)
 def test_sigusr1_saves_and_training_goes_on(preempted):
     # SIGUSR1 wrote a checkpoint off the checkpoint.every grid, and the run trained on past it
     # until SIGTERM stopped it.
-    assert 5 <= preempted["usr1"] < preempted["stopped"], preempted
+    assert (preempted["usr1"], preempted["stopped"]) == (HOLD_FIRST, HOLD_FIRST + 1), preempted
     run_dir, stopped = preempted["run_dir"], preempted["stopped"]
+    assert f"SIGUSR1: saving checkpoint {run_dir / 'checkpoints' / str(HOLD_FIRST)}; training " \
+        "goes on" in preempted["outputs"][0]
     # The stop line gives the command that resumes the run, overrides and run dir included.
     assert (f"SIGTERM: stopped at step {stopped}; checkpoint {run_dir / 'checkpoints' / str(stopped)}"
-            f" committed. Resume with: python -m dxrun {' '.join(BASE)} hydra.run.dir={run_dir}"
-            ) in preempted["outputs"][0]
+            f" committed. Resume with: python -m dxrun {' '.join(BASE)} "
+            f"train.hold_at_step={HOLD_FIRST} hydra.run.dir={run_dir}") in preempted["outputs"][0]
 
 
 @pytest.mark.e2e
@@ -270,24 +291,23 @@ def test_bad_checkpoint_settings_are_refused(tmp_path):
 
 @pytest.mark.e2e
 def test_second_sigint_exits_at_once_without_saving(tmp_path):
-    """Ctrl-C twice: the first asks for a save; the second, before that save is committed,
-    exits 130 at once, and no checkpoint past the last committed one appears."""
+    """Ctrl-C twice: the first asks for a save; the second, before that save, exits 130 at
+    once, and no checkpoint appears. The run is held at step 6 (train.hold_at_step, no SIGUSR1
+    ever comes), so the first SIGINT's save cannot start, let alone be committed, before the
+    second arrives."""
     run_dir = tmp_path / "run"
     proc = _launch(tmp_path, run_dir, "logger=none", "train.steps=100000",
-                   "checkpoint.every=0")
-    _wait_for(lambda: _logged_step(run_dir) >= 5, proc)
+                   "checkpoint.every=0", "train.hold_at_step=6")
+    out = Output(proc)
+    _wait_for(lambda: _logged_step(run_dir) >= 5, out)
     proc.send_signal(signal.SIGINT)
     # Two signals sent back to back arrive as one: the second waits for the first's answer.
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "SIGINT received" in line:
-            break
+    out.wait_for(lambda line: "SIGINT received" in line)
     proc.send_signal(signal.SIGINT)
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, out[-2000:]
-    assert "second SIGINT: exiting now without saving" in out
-    assert "SIGINT: stopped at step" not in out  # the first SIGINT's save never finished
+    text = out.finish(timeout=120)
+    assert proc.returncode == 130, text[-2000:]
+    assert "second SIGINT: exiting now without saving" in text
+    assert "SIGINT: stopped at step" not in text  # the first SIGINT's save never finished
     committed = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
     assert committed == [], committed
 
@@ -314,3 +334,40 @@ def test_every_minutes_saves_by_the_clock_and_each_save_logs_its_block(tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["checkpoint_saves"] == 3
     assert summary["checkpoint_block_s"] == pytest.approx(sum(blocks))
+
+
+class _Big(NamedTuple):
+    """A state whose write takes a while (64 MB of noise: no compression shortens it)."""
+
+    w: jax.Array
+
+
+def test_the_older_checkpoint_goes_only_after_the_new_one_is_committed(tmp_path):
+    """checkpoint.keep=1: while step 2 is written, a watcher lists the committed steps as fast
+    as it can; step 1 is there until step 2 is, so a crash at any moment leaves one to resume
+    from."""
+    directory = tmp_path / "ckpts"
+    saver = checkpoint.Checkpointer(directory, keep=1)
+    noise = np.random.default_rng(0).standard_normal(16 * 2**20, dtype=np.float32)
+    saver.save(1, _Big(jax.numpy.asarray(noise)), {"step": 1})
+    saver.wait()
+    seen: list[tuple[int, ...]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(tuple(checkpoint.committed_steps(directory)))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        saver.save(2, _Big(jax.numpy.asarray(noise + 1)), {"step": 2})
+        saver.wait()
+    finally:
+        done.set()
+        watcher.join()
+        saver.close()
+    seen.append(tuple(checkpoint.committed_steps(directory)))
+    changes = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+    assert changes in ([(1,), (1, 2), (2,)], [(1,), (2,)]), changes
+    assert len(seen) > 10  # the watcher really looked during the save

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, make_cfg, run_cli
+from conftest import ROOT, Output, make_cfg, run_cli
 
 from dxrun.checkpoint import committed_steps
 from dxrun.launch import free_port
@@ -166,33 +167,37 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 
-def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
-                   ctrl_c: bool = False) -> tuple[int, str, float]:
-    """A 2-process run without end; once rank 0 has logged step 2, rank 1 alone gets
-    ``signum`` (``ctrl_c``: the launcher's whole process group, as a terminal's Ctrl-C does).
-    Returns the launcher's exit code, its output and the seconds it took to exit."""
+def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False
+                  ) -> tuple[subprocess.Popen, Output, dict[int, int]]:
+    """A 2-process run without end (4 devices each), once rank 0 has logged step 2: the
+    launcher, its output and each rank's pid. ``ctrl_c``: the launcher in a process group of
+    its own, which a test can signal as a terminal's Ctrl-C does."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
          NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
          "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=ctrl_c)
-    seen, pids = [], {}
+    out = Output(proc)
+    out.wait_for(lambda line: line.startswith("[rank 0]") and "step 2/" in line)
+    pids = {int(m[1]): int(m[2]) for m in re.finditer(r"dxrun.launch: rank (\d) pid (\d+)",
+                                                        out.text())}
+    return proc, out, pids
+
+
+def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
+                   ctrl_c: bool = False) -> tuple[int, str, float]:
+    """A 2-process run without end; once rank 0 has logged step 2, rank 1 alone gets
+    ``signum`` (``ctrl_c``: the launcher's whole process group, as a terminal's Ctrl-C does).
+    Returns the launcher's exit code, its output and the seconds it took to exit."""
+    proc, out, pids = start_endless(cwd, *overrides, ctrl_c=ctrl_c)
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if m := re.match(r"dxrun.launch: rank (\d) pid (\d+)", line):
-                pids[int(m[1])] = int(m[2])
-            if line.startswith("[rank 0]") and "step 2/" in line:
-                break
-        else:
-            raise AssertionError("the run ended before step 2:\n" + "".join(seen)[-4000:])
         if ctrl_c:
             os.killpg(proc.pid, signum)
         else:
             os.kill(pids[1], signum)
         sent = time.monotonic()
-        rest, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, "".join(seen) + rest, time.monotonic() - sent
+        text = out.finish(timeout=timeout)
+        return proc.returncode, text, time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -246,3 +251,36 @@ def test_a_process_that_cannot_reach_the_coordinator_says_so(tmp_path):
         f"{env['JAX_COORDINATOR_ADDRESS']} within distributed.init_timeout_s=2; check that "
         "process 0 was started and that its host and port are reachable")
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
+
+
+def test_the_launcher_passes_sigusr1_and_sigterm_on_to_every_rank(tmp_path):
+    """SIGUSR1, then SIGTERM, sent to the launcher alone (its ranks run in sessions of their
+    own, so nothing else reaches them; Ctrl-C's SIGINT: the test above): every rank saves at
+    one step and trains on, then every rank saves at a later one and stops, exit 0."""
+    proc, out, pids = start_endless(tmp_path, "hydra.run.dir=run")
+    ckpts = tmp_path / "run" / "checkpoints"
+    try:
+        assert all(os.getsid(pid) != os.getsid(proc.pid) for pid in pids.values())
+        os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 120
+        while not committed_steps(ckpts):
+            assert proc.poll() is None and time.monotonic() < deadline, out.text()[-3000:]
+            time.sleep(0.05)
+        (saved,) = committed_steps(ckpts)
+        out.wait_for(lambda line: line.startswith("[rank 0]") and f"step {saved + 1}/" in line)
+        os.kill(proc.pid, signal.SIGTERM)
+        text = out.finish(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.wait() < 0:  # a launcher killed by a signal has not waited for its ranks
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, text[-3000:]
+    saved_then, stopped = committed_steps(ckpts)
+    assert saved_then == saved and saved % 10 == 0 and stopped % 10 == 0 and stopped > saved
+    assert (f"dxrun.launch: stopped by SIGTERM: every rank saved and stopped at step {stopped}"
+            in text), text[-3000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["signal"], status["step"]) == ("stopped", "SIGTERM", stopped)

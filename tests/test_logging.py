@@ -96,12 +96,16 @@ def test_run_name_from_choices_and_overrides(cfg_factory):
 
 @pytest.mark.e2e
 def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
-    from dxrun.dashboard import load_spec, main, metrics_in
+    from dxrun.dashboard import load_spec, main, metrics_in, panel_lines
 
     logged = set().union(*(_rows(two_runs[0])))
     assert metrics_in(load_spec()) <= logged | {"perf/mfu"}  # mfu: where the peak is known
-    main(["--entity", "someone"])  # without wandb-workspaces: prints the panels to add by hand
-    assert "loss vs entropy floor: train/loss, data/entropy_floor" in capsys.readouterr().out
+    # --print: the panels to add by hand, whether wandb-workspaces is installed or not (with it,
+    # a plain call would try to save the workspace on the W&B server).
+    main(["--entity", "someone", "--print"])
+    out = capsys.readouterr().out.splitlines()
+    assert "  [Loss] loss vs entropy floor: train/loss, data/entropy_floor" in out
+    assert len(out) == 1 + len(panel_lines(load_spec())) and out[1:] == panel_lines(load_spec())
 
 
 def test_failed_wandb_log_warns_once_and_keeps_jsonl(cfg_factory, tmp_path, caplog):

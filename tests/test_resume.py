@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, run_cli, tree_digest, write_corpus
+from conftest import make_cfg, run_cli, tree_digest, write_corpus, write_tokens
 
 from dxrun import checkpoint
 from dxrun.errors import CheckpointReadError, ConfigError
@@ -245,6 +245,30 @@ def test_grain_state_of_any_worker_count_resumes_the_same_position(corpus):
         np.testing.assert_array_equal(next(it), want)
         assert it.get_state() == {"next_index": 6}
         it.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("data", ["text", "tokens"])
+def test_a_corpus_run_resumes_at_its_readers_position(corpus, tmp_path, data):
+    """A data=text / data=tokens run continued from its step-2 checkpoint in a new run dir:
+    Grain's position comes back from the checkpoint, so steps 3 and 4 read the batches the run
+    that went on read there, and their numbers are bitwise its own (a reader started from its
+    beginning again would train on steps 1 and 2's batches)."""
+    path = corpus if data == "text" else write_tokens(tmp_path / "corpus", val_batches=1)
+    run = [*SHORT, f"data={data}", f"data.path={path}", "data.seq_len=16", "train.steps=4",
+           "checkpoint.every=2"]
+    train(make_cfg(*run), tmp_path / "straight")
+    step2 = tmp_path / "straight" / "checkpoints" / "2"
+    _, meta = checkpoint.newest_meta(checkpoint.Resume(step2.parent, 2, in_place=False))
+    assert meta["data"] == {"next_index": 2}  # the reader's position, in the checkpoint
+    train(make_cfg(*run, f"checkpoint.resume={step2}"), tmp_path / "resumed")
+    rows = {name: {r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl")
+                                              .read_text().splitlines())}
+            for name in ("straight", "resumed")}
+    assert sorted(rows["resumed"]) == [3, 4]
+    for step in (3, 4):
+        for key in ("train/loss", "train/grad_norm", "train/param_norm"):
+            assert rows["resumed"][step][key] == rows["straight"][step][key], (step, key)
 
 
 def _children(pid: int) -> set[int]:

@@ -3,9 +3,14 @@ allocator peak of this run, JSON-safe numbers."""
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing as mp
+import re
 from pathlib import Path
+
+import pytest
+from conftest import run_cli
 
 from dxrun.runtime import claim_run_dir, finite_or_null, peak_bytes_since
 
@@ -98,3 +103,29 @@ def test_cpu_fallback_on_a_gpu_host_is_refused(tmp_path):
     # No GPU on the host, or JAX found it: nothing to refuse.
     assert cpu_fallback_refusal("cpu", None, None, allow_cpu=False) is None
     assert cpu_fallback_refusal("gpu", node, None, allow_cpu=False) is None
+
+
+@pytest.mark.e2e
+def test_a_second_launch_takes_its_compiled_programs_from_the_cache(tmp_path):
+    """runtime.compile_cache=auto (the default): the first launch writes the compiled step to
+    $XDG_CACHE_HOME/dxrun/jax; a second launch of the same config reads it back instead of
+    compiling (JAX's own log of each lookup, at debug level), and its counted compile time
+    drops."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+    run = ["model=tiny", "train.steps=1", "train.eval_every=0", "checkpoint.every=0",
+           "logger=none", "runtime.compile_cache=auto"]
+    lookups = re.compile(r"(PERSISTENT COMPILATION CACHE MISS|Persistent compilation cache "
+                         r"hit) for '(jit_\w+)'")
+    outcome = {}
+    for name in ("first", "second"):
+        proc = run_cli(*run, f"hydra.run.dir={name}", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outcome[name] = {program: result.split()[0] for result, program in
+                         lookups.findall(proc.stdout + proc.stderr)}
+    # The first compiled the step and wrote it (JAX logs its misses even with no cache on).
+    assert outcome["first"]["jit_step"] == "PERSISTENT"
+    assert list((tmp_path / "xdg" / "dxrun" / "jax").glob("jit_step-*"))
+    assert outcome["second"]["jit_step"] == "Persistent"  # a hit: nothing compiled
+    compile_s = [json.loads((tmp_path / name / "summary.json").read_text())["compile_time_s"]
+                 for name in ("first", "second")]
+    assert compile_s[1] < compile_s[0], compile_s
