@@ -18,13 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from dxrun.errors import ConfigError
 
-AUTO_ON_BYTES = 256 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
-CHUNK_BYTES = 64 * 2**20  # null: the largest chunk whose fp32 logits fit in this
+AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
+CHUNK_BYTES = 256 * 2**20  # null: the largest chunk whose fp32 logits fit in this
 
 
 def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -> int:
@@ -59,17 +56,20 @@ def loss_chunk_for(cfg: Any, plan: Any) -> int:
     return resolve_loss_chunk(cfg.model.loss_chunk, rows, cfg.data.seq_len, vocab)
 
 
-def chunked_cross_entropy(logits_fn: Any, w: jax.Array, x_BxLxD: jax.Array,
-                          targets_BxL: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+def chunked_cross_entropy(logits_fn: Any, w: Any, x_BxLxD: Any, targets_BxL: Any,
+                          chunk: int) -> tuple[Any, Any]:
     """Mean cross-entropy and accuracy of ``logits_fn(w, x) -> fp32 logits`` (the model's
     output layer, padding masked) over ``targets_BxL``, ``chunk`` positions at a time."""
+    import jax  # here: the resolving above is imported by config validation, without JAX
+    import jax.numpy as jnp
+
     B, L, D = x_BxLxD.shape
     N = L // chunk
     x_NxBxCxD = x_BxLxD.reshape(B, N, chunk, D).swapaxes(0, 1)
     t_NxBxC = targets_BxL.reshape(B, N, chunk).swapaxes(0, 1)
 
     @jax.checkpoint  # nothing saved: the backward recomputes the chunk's logits
-    def one(w: jax.Array, x_BxCxD: jax.Array, t_BxC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def one(w: Any, x_BxCxD: Any, t_BxC: Any) -> tuple[Any, Any]:
         logits_BxCxV = logits_fn(w, x_BxCxD)
         # optax.softmax_cross_entropy_with_integer_labels' formula, in fp32
         shifted = logits_BxCxV - jax.lax.stop_gradient(logits_BxCxV.max(-1, keepdims=True))

@@ -45,7 +45,7 @@ class ModelConfig:
     residual_dtype: str = "compute"  # compute (the train.precision dtype) | fp32
     # Cross-entropy and accuracy over chunks of this many positions of each sequence (the
     # logits of one chunk alive at a time); 0 = off; null = auto: on when one micro-batch's
-    # fp32 logits would exceed 256 MiB per device (dxrun.chunked_loss).
+    # fp32 logits would exceed 512 MiB per device (dxrun.chunked_loss).
     loss_chunk: int | None = None
 
 
@@ -590,6 +590,10 @@ def validate(cfg: Any) -> None:
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    if m.loss_chunk is not None and d.seq_len is not None:
+        from dxrun.chunked_loss import resolve_loss_chunk
+
+        resolve_loss_chunk(m.loss_chunk, 1, d.seq_len, 1)  # refuses a chunk that does not divide
     if d.name != "markov":
         return
     symbols = d.symbols or m.vocab_size
