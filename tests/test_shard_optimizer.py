@@ -123,3 +123,17 @@ def test_checkpoint_restores_across_the_flag(runs, tmp_path, saved_with):
     for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(got)),
                     strict=True):
         np.testing.assert_array_equal(a, b)  # bitwise
+
+
+def test_plan_table_says_the_optimizer_is_split(runs):
+    from dxrun import plan_mode
+
+    from omegaconf import OmegaConf
+
+    exp = runs["dp8"][True][0]  # its step compiled already: plan mode compiles nothing more
+    cfg = OmegaConf.merge(exp.cfg, {"plan": {"target": "h100"}})
+    report = plan_mode.plan_report(cfg, exp, suggest=False)
+    unsplit = report["opt_state_unsplit_bytes"]
+    assert report["shard_optimizer"] is True and 0 < unsplit < 0.03 * report["per_device"][
+        "opt_state_bytes"]
+    assert f"(split over data; {plan_mode._gb(unsplit)} not)" in plan_mode.plan_table(report)
