@@ -25,8 +25,8 @@ from dxrun.sharding import (
     batch_sharding,
     check_process_rows,
     mesh_from_plan,
-    param_axes,
     optimizer_param_shardings,
+    param_axes,
     param_shardings,
     replicated,
 )

@@ -64,7 +64,8 @@ are alive too (its MLP's elementwise chain recomputed inside the backward's fusi
 matmul outputs, the activation's output and its derivative), the MLP's and the second norm's
 dead before the attention core's backward. **Head**: the final norm's residuals and fp32
 logits of the (padded, tp-split) vocabulary with their gradient: ``(8 + c)·s·b·h +
-2·4·s·b·V``, with ``model.loss_chunk`` = C only one chunk's: ``2·4·C·b·V``. **Gathers**: under FSDP one layer's weights gathered in ``c`` for its forward
+2·4·s·b·V``, with ``model.loss_chunk`` = C only one chunk's: ``2·4·C·b·V``.
+**Gathers**: under FSDP one layer's weights gathered in ``c`` for its forward
 and one for its backward (XLA gathers per layer inside the scan). The peak is at the start of
 the backward pass: state + gradients + batch + gathers + every layer's saved tensors +
 working set + head.

@@ -39,24 +39,26 @@ def _train(exp: Experiment, params) -> tuple:
                                                               for m in metrics]
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict:
-    """Per mesh, both settings trained from the same parameters: {mesh: {zero: (exp, state,
-    losses, grad norms)}}."""
+def _pair(mesh: str) -> dict:
+    """Both settings on ``mesh`` trained from the same parameters: {zero: (exp, state, losses,
+    grad norms)}."""
+    params = jax.device_get(Experiment.build(_cfg(mesh, False)).init_params())
     out = {}
-    for mesh in MESHES:
-        params = jax.device_get(Experiment.build(_cfg(mesh, False)).init_params())
-        out[mesh] = {}
-        for zero in (True, False):
-            exp = Experiment.build(_cfg(mesh, zero))
-            out[mesh][zero] = (exp, *_train(exp, params))
+    for zero in (True, False):
+        exp = Experiment.build(_cfg(mesh, zero))
+        out[zero] = (exp, *_train(exp, params))
     return out
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_losses_equal_with_and_without(runs, mesh):
-    _, _, on_loss, on_norm = runs[mesh][True]
-    _, _, off_loss, off_norm = runs[mesh][False]
+@pytest.fixture(scope="module")
+def dp8() -> dict:
+    """The dp8 pair every test below shares (one compile per setting)."""
+    return _pair("dp8")
+
+
+def _check_equal(pair: dict) -> None:
+    _, _, on_loss, on_norm = pair[True]
+    _, _, off_loss, off_norm = pair[False]
     assert on_loss[-1] < on_loss[0]  # it trains
     np.testing.assert_allclose(on_loss, off_loss, rtol=1e-6)
     # The clip saw the global norm (every update clipped: the norm is far above clip_norm).
@@ -64,18 +66,40 @@ def test_losses_equal_with_and_without(runs, mesh):
     assert min(on_norm) > 0.05 * 10
 
 
-@pytest.mark.parametrize("mesh, dp", [("dp8", 8), ("dp4_tp2", 4), ("dp2_fsdp2_tp2", 2)])
-def test_optimizer_bytes_per_device_are_total_over_dp(runs, mesh, dp):
-    """Measured from the live arrays' shards: with ZeRO-1 each device holds 1/dp of what it
+def test_losses_equal_with_and_without_on_dp8(dp8):
+    _check_equal(dp8)
+
+
+@pytest.mark.e2e  # two more compiled pairs: tensor and fsdp axes beside data
+@pytest.mark.parametrize("mesh", ["dp4_tp2", "dp2_fsdp2_tp2"])
+def test_losses_equal_with_and_without_on_mixed_meshes(mesh):
+    _check_equal(_pair(mesh))
+
+
+def test_optimizer_bytes_per_device_on_dp8(dp8):
+    """Measured from the live arrays' shards: with ZeRO-1 each device holds 1/8 of what it
     holds without, except the tensors with no axis the data axis divides (and counters)."""
-    on, off = runs[mesh][True][1].opt_state, runs[mesh][False][1].opt_state
+    on, off = dp8[True][1].opt_state, dp8[False][1].opt_state
     per_on, per_off = shd.bytes_per_device(on), shd.bytes_per_device(off)
     remainder = shd.replicated_bytes_over(on)
     assert shd.replicated_bytes_over(off) == pytest.approx(max(per_off.values()))
     for dev, nbytes in per_on.items():
-        assert nbytes == pytest.approx((per_off[dev] - remainder) / dp + remainder), dev
+        assert nbytes == pytest.approx((per_off[dev] - remainder) / 8 + remainder), dev
     # The replicated remainder is only the step counters here: within the goal's 3%.
-    assert max(per_on.values()) <= max(per_off.values()) / dp * 1.03
+    assert max(per_on.values()) <= max(per_off.values()) / 8 * 1.03
+
+
+@pytest.mark.parametrize("mesh, dp", [("dp4_tp2", 4), ("dp2_fsdp2_tp2", 2)])
+def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
+    """From the shardings alone (nothing compiled): 1/dp of the state without ZeRO-1 on top
+    of the tensor and fsdp split, up to what the data axis cannot split."""
+    from dxrun.plan_mode import _shard_bytes
+
+    on = Experiment.build(_cfg(mesh, True)).abstract_state().opt_state
+    off = Experiment.build(_cfg(mesh, False)).abstract_state().opt_state
+    remainder = shd.replicated_bytes_over(on)
+    assert _shard_bytes(on) == pytest.approx((_shard_bytes(off) - remainder) / dp + remainder)
+    assert _shard_bytes(on) <= _shard_bytes(off) / dp * 1.03
 
 
 def test_default_follows_data_replicas():
@@ -88,28 +112,28 @@ def test_default_follows_data_replicas():
         assert shard_optimizer(cfg, make_plan(cfg, 8)) is want, mesh
 
 
-def test_plan_mode_optimizer_bytes_follow_the_flag(runs):
+def test_plan_mode_optimizer_bytes_follow_the_flag():
     for mesh, dp in (("dp8", 8), ("dp4_tp2", 4)):
-        on = accelerator_memory(runs[mesh][True][0], TARGETS["h100"])
-        off = accelerator_memory(runs[mesh][False][0], TARGETS["h100"])
+        on = accelerator_memory(Experiment.build(_cfg(mesh, True)), TARGETS["h100"])
+        off = accelerator_memory(Experiment.build(_cfg(mesh, False)), TARGETS["h100"])
         assert on.opt_state_bytes <= off.opt_state_bytes / dp * 1.03
         assert on.params_bytes == off.params_bytes
         assert on.total_bytes == pytest.approx(
             off.total_bytes - off.opt_state_bytes + on.opt_state_bytes)
 
 
-def test_update_runs_on_shards_in_the_hlo(runs):
+def test_update_runs_on_shards_in_the_hlo(dp8):
     """dp8 without ZeRO-1: parameters are replicated, nothing is gathered. With it, each
     replica updates its shard and the parameters are all-gathered after the update."""
-    on = collectives(runs["dp8"][True][0].step.compiled.as_text())
-    off = collectives(runs["dp8"][False][0].step.compiled.as_text())
+    on = collectives(dp8[True][0].step.compiled.as_text())
+    off = collectives(dp8[False][0].step.compiled.as_text())
     assert off["all-gather"] == 0 and on["all-gather"] > 0
 
 
 @pytest.mark.parametrize("saved_with", [True, False])
-def test_checkpoint_restores_across_the_flag(runs, tmp_path, saved_with):
-    exp_saved, state, _, _ = runs["dp8"][saved_with]
-    exp_into = runs["dp8"][not saved_with][0]
+def test_checkpoint_restores_across_the_flag(dp8, tmp_path, saved_with):
+    _, state, _, _ = dp8[saved_with]
+    exp_into = dp8[not saved_with][0]
     ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save(STEPS, state, {"step": STEPS})
     ckpt.wait()
@@ -125,12 +149,12 @@ def test_checkpoint_restores_across_the_flag(runs, tmp_path, saved_with):
         np.testing.assert_array_equal(a, b)  # bitwise
 
 
-def test_plan_table_says_the_optimizer_is_split(runs):
-    from dxrun import plan_mode
-
+def test_plan_table_says_the_optimizer_is_split(dp8):
     from omegaconf import OmegaConf
 
-    exp = runs["dp8"][True][0]  # its step compiled already: plan mode compiles nothing more
+    from dxrun import plan_mode
+
+    exp = dp8[True][0]  # its step compiled already: plan mode compiles nothing more
     cfg = OmegaConf.merge(exp.cfg, {"plan": {"target": "h100"}})
     report = plan_mode.plan_report(cfg, exp, suggest=False)
     unsplit = report["opt_state_unsplit_bytes"]
