@@ -43,6 +43,10 @@ class ModelConfig:
     remat: str = "none"  # none | full | dots (keep matmul outputs, recompute the rest)
     attention: str = "dot_product"  # dot_product (jax.nn, fused where available) | reference
     residual_dtype: str = "compute"  # compute (the train.precision dtype) | fp32
+    # Cross-entropy and accuracy over chunks of this many positions of each sequence (the
+    # logits of one chunk alive at a time); 0 = off; null = auto: on when one micro-batch's
+    # fp32 logits would exceed 512 MiB per device (dxrun.chunked_loss).
+    loss_chunk: int | None = None
 
 
 @dataclass
@@ -59,6 +63,9 @@ class ParallelismConfig:
     # A multi-process run refuses a tensor-parallel group that spans processes (hosts): its
     # per-layer all-reduces would cross the network. true = allow it anyway.
     allow_cross_host_tp: bool = False
+    # ZeRO-1: optimizer state (Adam/Lion moments, SGD momentum) also split over the `data`
+    # replicas; null = auto (on when dp > 1). Same losses either way; checkpoints restore across.
+    shard_optimizer: bool | None = None
 
 
 @dataclass
@@ -367,6 +374,7 @@ RANGES: dict[str, Range] = {
     "model.n_kv_heads": POSITIVE, "model.d_ff": POSITIVE, "model.vocab_size": POSITIVE,
     "model.max_seq_len": POSITIVE, "model.dropout": FRACTION, "model.rope_theta": POSITIVE,
     "model.init_std": POSITIVE,
+    "model.loss_chunk": NON_NEGATIVE,
     "parallelism.n_devices": NON_NEGATIVE, "parallelism.vocab_align": NON_NEGATIVE,
     "data.batch_size": POSITIVE, "data.per_device_batch_size": POSITIVE,
     "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
@@ -394,7 +402,7 @@ RANGES: dict[str, Range] = {
 }
 # Keys whose null means "not given" (a range applies only to a value).
 NULLABLE = ("distributed.num_processes", "distributed.process_id", "data.seq_len",
-            "checkpoint.every")
+            "checkpoint.every", "model.loss_chunk")
 
 # The integer and float keys of the schema that RANGES leaves out, and why: every numeric key is
 # in one of the two (a test walks the schema).
@@ -596,6 +604,10 @@ def validate(cfg: Any) -> None:
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    if m.loss_chunk is not None and d.seq_len is not None:
+        from dxrun.chunked_loss import resolve_loss_chunk
+
+        resolve_loss_chunk(m.loss_chunk, 1, d.seq_len, 1)  # refuses a chunk that does not divide
     if d.name != "markov":
         return
     symbols = d.symbols or m.vocab_size

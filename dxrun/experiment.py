@@ -15,6 +15,7 @@ from flax import nnx
 
 from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
 from dxrun.batch import resolve_batch
+from dxrun.chunked_loss import loss_chunk_for
 from dxrun.data import TRAIN, Data
 from dxrun.distributed import process_hosts
 from dxrun.model import Transformer, count_params, resize_vocab
@@ -24,6 +25,7 @@ from dxrun.sharding import (
     batch_sharding,
     check_process_rows,
     mesh_from_plan,
+    optimizer_param_shardings,
     param_axes,
     param_shardings,
     replicated,
@@ -40,6 +42,12 @@ def visible_devices() -> tuple[int, str, int, tuple[int, ...] | None]:
 def process_data(cfg: Any, plan: MeshPlan) -> Data:
     """This process's reader of the data: the row block of every batch its devices hold."""
     return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards)
+
+
+def shard_optimizer(cfg: Any, plan: MeshPlan) -> bool:
+    """ZeRO-1 on? ``parallelism.shard_optimizer``; null = when there are data replicas."""
+    value = cfg.parallelism.get("shard_optimizer")
+    return plan.dp > 1 if value is None else bool(value)
 
 
 @dataclass
@@ -76,11 +84,15 @@ class Experiment:
         abstract_params = nnx.to_pure_dict(abstract_state)
         tx, schedule = make_optimizer(cfg.optimizer, abstract_params, plan.global_batch,
                                       cfg.train.steps)
-        # Optimizer moments take their parameter's sharding; counters are replicated.
+        # Optimizer moments take their parameter's sharding, split over the data replicas as
+        # well under ZeRO-1 (parallelism.shard_optimizer); counters are replicated.
+        zero = shard_optimizer(cfg, plan)
+        u_shard = optimizer_param_shardings(axes, abstract_params, mesh, plan.rules, zero)
         opt_shard = optax.tree_map_params(
-            tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), p_shard,
+            tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), u_shard,
             transform_non_params=lambda _: replicated(mesh),
         )
+        loss_chunk = loss_chunk_for(cfg, plan)
         state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
                                      replicated(mesh))
         b_shard = batch_sharding(mesh)
@@ -90,9 +102,10 @@ class Experiment:
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
             grad_accum=cfg.train.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
+            loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
-                                   cfg.train.precision)
+                                   cfg.train.precision, loss_chunk)
         if data is None and with_data:
             resolve_batch(cfg, plan)  # the data reads the global batch from the config
             data = process_data(cfg, plan)

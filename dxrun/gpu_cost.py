@@ -158,6 +158,10 @@ class Workload:
     params_per_device: float  # this device's shard (the optimizer updates these)
     precision: str  # fp32 | bf16
     grad_reduce_dtype: str = "fp32"
+    # ZeRO-1 (parallelism.shard_optimizer): the parameters this device's optimizer updates
+    # (its shard of params_per_device, 1/dp of it); None = params_per_device
+    updated_per_device: float | None = None
+    loss_chunk: int = 0  # model.loss_chunk resolved: the chunks' backward redoes the head's forward
 
     @property
     def tokens(self) -> int:
@@ -217,8 +221,8 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
     L = m.n_layers
     blocks = L * (fwd + bwd + redo)
     D, V = m.d_model, w.vocab / w.tp
-    head = (_matmul_s(t, V, D, peak, hbm, cost, a, 4) + _matmul_s(t, D, V, peak, hbm, cost, a, a)
-            + _matmul_s(D, V, t, peak, hbm, cost, a, 4))
+    head = (_matmul_s(t, V, D, peak, hbm, cost, a, 4) * (2 if w.loss_chunk else 1)
+            + _matmul_s(t, D, V, peak, hbm, cost, a, a) + _matmul_s(D, V, t, peak, hbm, cost, a, 4))
     attn = 0.0
     if not fused:  # XLA's: per (sequence, head) a T x E by E x T and a T x T by T x E matmul
         H, E, T = m.n_heads / w.tp, D // m.n_heads, w.seq_len
@@ -258,7 +262,8 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     uses = 3 if m.remat == "full" else 2  # forward, input gradient (+ recomputed forward)
     casts = (6 * w.params / tp) * uses if w.precision == "bf16" else 0.0
     accumulate = 8 * w.params_per_device if w.micro_steps > 1 else 0.0
-    optimizer = 7 * 4 * w.params_per_device + 4 * w.params_per_device  # AdamW + clip norm
+    updated = w.params_per_device if w.updated_per_device is None else w.updated_per_device
+    optimizer = 7 * 4 * updated + 4 * updated  # AdamW + clip norm, on this device's shard
     return {"activations": per_micro * w.micro_steps,
             "weights": (casts + accumulate) * w.micro_steps, "optimizer": optimizer}
 
@@ -326,6 +331,8 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
 def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> Workload:
     """The time model's view of a run config and its mesh plan (the vocabulary padded as the
     accelerator run pads it, whatever the CPU compile did)."""
+    from dxrun.chunked_loss import loss_chunk_for
+    from dxrun.experiment import shard_optimizer
     from dxrun.plan import padded_vocab
 
     replicas = plan.dp * plan.fsdp
@@ -336,4 +343,6 @@ def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> 
         vocab=padded_vocab(cfg.model.vocab_size, plan.tp, "gpu", cfg.parallelism.vocab_align),
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
         params_per_device=params_per_device, precision=cfg.train.precision,
-        grad_reduce_dtype=cfg.train.grad_reduce_dtype)
+        grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+        updated_per_device=params_per_device / plan.dp if shard_optimizer(cfg, plan) else None,
+        loss_chunk=loss_chunk_for(cfg, plan))

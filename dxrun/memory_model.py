@@ -64,7 +64,8 @@ are alive too (its MLP's elementwise chain recomputed inside the backward's fusi
 matmul outputs, the activation's output and its derivative), the MLP's and the second norm's
 dead before the attention core's backward. **Head**: the final norm's residuals and fp32
 logits of the (padded, tp-split) vocabulary with their gradient: ``(8 + c)·s·b·h +
-2·4·s·b·V``. **Gathers**: under FSDP one layer's weights gathered in ``c`` for its forward
+2·4·s·b·V``, with ``model.loss_chunk`` = C only one chunk's: ``2·4·C·b·V``.
+**Gathers**: under FSDP one layer's weights gathered in ``c`` for its forward
 and one for its backward (XLA gathers per layer inside the scan). The peak is at the start of
 the backward pass: state + gradients + batch + gathers + every layer's saved tensors +
 working set + head.
@@ -81,6 +82,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from dxrun.chunked_loss import loss_chunk_for
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -108,6 +111,7 @@ class Shapes:
     kernel: str  # cudnn | xla | reference
     residual: int  # bytes of the residual stream between layers
     accum: int = 1  # train.grad_accum: micro-batches per step
+    loss_chunk: int = 0  # model.loss_chunk resolved: positions per loss chunk (0 = whole)
 
     @property
     def tokens(self) -> int:
@@ -135,7 +139,8 @@ def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
         head_dim=m.d_model // m.n_heads,
         vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
         mlp=m.mlp, bias=bool(m.bias), remat=m.remat, kernel=kernel,
-        residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum)
+        residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
+        loss_chunk=loss_chunk_for(cfg, plan))
 
 
 def layer_none(x: Shapes) -> dict[str, float]:
@@ -198,8 +203,11 @@ def working_set(x: Shapes) -> float:
 
 
 def head_bytes(x: Shapes) -> float:
-    """The final norm's residuals and the fp32 logits with their gradient."""
-    return (2 * FP32 + x.c) * x.tokens * x.h + 2 * FP32 * x.tokens * x.vocab
+    """The final norm's residuals and the fp32 logits with their gradient: of the whole
+    micro-batch, or with ``model.loss_chunk`` of one chunk (``b`` x ``loss_chunk`` tokens;
+    its backward recomputes them, ``dxrun.chunked_loss``)."""
+    logit_tokens = x.b * x.loss_chunk if x.loss_chunk else x.tokens
+    return (2 * FP32 + x.c) * x.tokens * x.h + 2 * FP32 * logit_tokens * x.vocab
 
 
 def gather_bytes(x: Shapes, fsdp: int) -> float:

@@ -364,9 +364,13 @@ class Transformer(nnx.Module):
                  dtype: Any = None) -> jax.Array:
         """Logits (fp32) for every position, over the padded vocabulary (padding masked),
         computed in ``dtype`` (default: the parameters' dtype)."""
+        return self.head(self.stream(tokens_BxL, dropout_key, dtype), dtype)
+
+    def stream(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None,
+               dtype: Any = None) -> jax.Array:
+        """The residual stream after the last block (the head's input)."""
         x_BxLxD = self.embed(tokens_BxL, dtype=dtype)
-        x_BxLxD = self.run_blocks(x_BxLxD, dropout_key, dtype)
-        return self.head(x_BxLxD, dtype)
+        return self.run_blocks(x_BxLxD, dropout_key, dtype)
 
     def embed(self, tokens_BxL: jax.Array, start: Any = 0, dtype: Any = None) -> jax.Array:
         """The residual stream's input for tokens at positions ``start``, ``start + 1``, ...
@@ -391,11 +395,24 @@ class Transformer(nnx.Module):
     def head(self, x_BxLxD: jax.Array, dtype: Any = None) -> jax.Array:
         """Logits (fp32) over the padded vocabulary (padding masked) of the residual stream.
         ``dtype``: the compute dtype (default the parameters'), whatever the stream's."""
-        x_BxLxD = self.ln_f(x_BxLxD).astype(dtype or self.wte[...].dtype)
+        return self.logits(self.output_weight(), self.final_norm(x_BxLxD, dtype))
+
+    def final_norm(self, x_BxLxD: jax.Array, dtype: Any = None) -> jax.Array:
+        """The output layer's input: the final norm of the stream, in the compute dtype."""
+        return self.ln_f(x_BxLxD).astype(dtype or self.wte[...].dtype)
+
+    def output_weight(self) -> jax.Array:
+        """``lm_head`` (D x Vp), or ``wte`` (Vp x D) with tied embeddings."""
+        return self.wte[...] if self.lm_head is None else self.lm_head[...]
+
+    def logits(self, w: jax.Array, x_BxLxD: jax.Array) -> jax.Array:
+        """Logits (fp32) of the output layer ``w`` (``output_weight``) over the padded
+        vocabulary, padding masked; ``x_BxLxD`` the final norm's output (any number of
+        positions: ``dxrun.chunked_loss`` calls it per chunk)."""
         if self.lm_head is not None:
-            logits_BxLxVp = dense(x_BxLxD, self.lm_head[...], "bld,dv->blv", jnp.float32)
+            logits_BxLxVp = dense(x_BxLxD, w, "bld,dv->blv", jnp.float32)
         else:
-            logits_BxLxVp = dense(x_BxLxD, self.wte[...], "bld,vd->blv", jnp.float32)
+            logits_BxLxVp = dense(x_BxLxD, w, "bld,vd->blv", jnp.float32)
         Vp = logits_BxLxVp.shape[-1]
         if Vp > self.vocab_size:
             # A mask, not a slice: slicing the tensor-sharded vocab axis at V would reshard it.

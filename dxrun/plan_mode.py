@@ -561,6 +561,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
     ``suggest=False``: no search for a setting that fits (the published-runs benchmark)."""
 
     from dxrun import flops, gpu_cost
+    from dxrun.chunked_loss import loss_chunk_for
 
     target, peak = resolve_target(cfg, exp.plan.n_devices)
     key = target_key(target)
@@ -594,10 +595,19 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
                    cfg.train.precision, timing, None if mem is None else mem.total_bytes)
     warning = shape_warning(plan_platform(cfg.plan.target, exp.plan.platform), cfg.data.seq_len,
                             cfg.model.max_seq_len, tokens)
+    from dxrun.experiment import shard_optimizer
+    from dxrun.sharding import replicated_bytes_over
+
+    zero = shard_optimizer(cfg, exp.plan)
     report: dict[str, Any] = {
         "n_params": n_params,
         "per_device": {k: v for k, v in asdict(fp).items() if k != "collectives"}
         | {"activations_bytes": fp.activations_bytes},
+        "shard_optimizer": zero,
+        # ZeRO-1 (parallelism.shard_optimizer): per device, the optimizer state no axis of
+        # which the data replicas divide, held whole by every replica (counters at least)
+        "opt_state_unsplit_bytes": replicated_bytes_over(state.opt_state) if zero else 0.0,
+        "loss_chunk": loss_chunk_for(cfg, exp.plan),
         "model_flops_per_step": model_flops,
         # counted from the shapes (flops.step_flops): per step, all devices; MFU's numerator
         # is "model" (full attention square), "hardware" adds what the device really runs
@@ -681,17 +691,22 @@ def memory_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     memory model's breakdown, and the CPU compile's figure beside it when the two disagree by
     more than 10% in fp32 (in bf16 the CPU program is not the accelerator's, so never)."""
     pd, mm = report["per_device"], report.get("memory_model")
-    xla = (f"params {_gb(pd['params_bytes'])}, optimizer {_gb(pd['opt_state_bytes'])}, "
+    opt = _gb(pd["opt_state_bytes"] if mm is None else mm["opt_state_bytes"])
+    if report.get("shard_optimizer"):
+        opt += f" (split over data; {_gb(report.get('opt_state_unsplit_bytes', 0.0))} not)"
+    xla = (f"params {_gb(pd['params_bytes'])}, optimizer {opt}, "
            f"gradients {_gb(pd['grads_bytes'])}, activations+temps "
            f"{_gb(pd['activations_bytes'])}; total {_gb(pd['total_bytes'])}")
     if mm is None:
         return [("per device", xla)]
     gathers = f", FSDP gathers {_gb(mm['gathers_bytes'])}" if mm["gathers_bytes"] else ""
+    chunk = (f" (in chunks of {report['loss_chunk']} positions)" if report.get("loss_chunk")
+             else "")
     rows = [("per device",
-             f"params {_gb(mm['params_bytes'])}, optimizer {_gb(mm['opt_state_bytes'])}, "
+             f"params {_gb(mm['params_bytes'])}, optimizer {opt}, "
              f"gradients {_gb(mm['grads_bytes'])}, activations {_gb(mm['activations_bytes'])} "
              f"+ one layer's backward {_gb(mm['working_bytes'])} + logits "
-             f"{_gb(mm['head_bytes'])}{gathers}; total {_gb(mm['total_bytes'])} "
+             f"{_gb(mm['head_bytes'])}{chunk}{gathers}; total {_gb(mm['total_bytes'])} "
              f"({mm['basis']})")]
     if mm["precision"] == "fp32" and mm["disagreement"] > MEMORY_AGREEMENT:
         rows.append(("XLA:CPU", f"{xla} ({100 * mm['disagreement']:.0f}% from the model)"))

@@ -20,7 +20,14 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.plan import BATCH_AXES, LOGICAL_RULES, MESH_AXES, MeshPlan, _resolve_axes
+from dxrun.plan import (
+    BATCH_AXES,
+    LOGICAL_RULES,
+    MESH_AXES,
+    OPTIMIZER_DATA_AXES,
+    MeshPlan,
+    _resolve_axes,
+)
 
 # (mesh, rules) active while a step is traced; model code calls ``constrain`` with logical names.
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvars.ContextVar(
@@ -78,6 +85,58 @@ def param_shardings(axes: dict, mesh: Mesh, rules: dict[str, Any]) -> dict:
         lambda names: NamedSharding(mesh, logical_to_spec(names, rules)), axes,
         is_leaf=lambda x: isinstance(x, tuple) or x is None,
     )
+
+
+def _mesh_axes_of(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def data_sharded_spec(names: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
+                      rules: dict[str, Any], axis: str = "data") -> P:
+    """The rules' spec of a tensor with logical ``names`` and ``shape``, also split over mesh
+    axis ``axis`` along its first logical axis (in ``OPTIMIZER_DATA_AXES`` order) whose
+    per-shard size ``axis`` divides: ZeRO-1's layout of an optimizer-state tensor. The rules'
+    spec unchanged when no axis divides (the tensor stays replicated over ``axis``)."""
+    spec = list(logical_to_spec(names, rules))
+    n = mesh.shape[axis]
+    if names is None or n == 1:
+        return P(*spec)
+    for name in OPTIMIZER_DATA_AXES:
+        if name not in names:
+            continue
+        i = list(names).index(name)
+        held = _mesh_axes_of(spec[i])
+        if axis in held:
+            return P(*spec)
+        split = math.prod(mesh.shape[a] for a in held)
+        if shape[i] % (split * n) == 0:
+            spec[i] = (*held, axis)
+            return P(*spec)
+    return P(*spec)
+
+
+def optimizer_param_shardings(axes: dict, shapes: dict, mesh: Mesh, rules: dict[str, Any],
+                              shard_over_data: bool) -> dict:
+    """The sharding each parameter's optimizer state (moments, momentum) takes: its
+    parameter's, and with ``shard_over_data`` (``parallelism.shard_optimizer``) split over the
+    ``data`` replicas as well (``data_sharded_spec``)."""
+    if not shard_over_data:
+        return param_shardings(axes, mesh, rules)
+    return jax.tree.map(
+        lambda names, x: NamedSharding(mesh, data_sharded_spec(names, x.shape, mesh, rules)),
+        axes, shapes, is_leaf=lambda x: isinstance(x, tuple) or x is None)
+
+
+def replicated_bytes_over(tree: Any, axis: str = "data") -> float:
+    """Bytes per device of the (abstract or real) arrays of ``tree`` that mesh axis ``axis``
+    does not split: what ZeRO-1 leaves replicated over the data replicas."""
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        s = x.sharding
+        if isinstance(s, NamedSharding) and s.mesh.shape.get(axis, 1) > 1 and not any(
+                axis in _mesh_axes_of(e) for e in s.spec):
+            total += x.dtype.itemsize * math.prod(s.shard_shape(x.shape))
+    return total
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dxrun.chunked_loss import chunked_cross_entropy
 from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
 
 MAX_IN_FLIGHT = 4  # CPU only; see InFlight
@@ -61,18 +62,25 @@ class TrainState(NamedTuple):
 
 def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array,
                      dtype: Any, dropout_key: jax.Array | None = None,
-                     grad_reduce_dtype: str = "fp32"
+                     grad_reduce_dtype: str = "fp32", loss_chunk: int = 0
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``grad_reduce_dtype`` (``train.grad_reduce_dtype``): "fp32" hands the model the fp32
     master weights and it casts each at its use (``dxrun.model.dense``), so weight gradients
     are accumulated, all-reduced over data replicas and returned in fp32; "bf16" casts the
     whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
-    ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same."""
+    ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same.
+    ``loss_chunk`` > 0: the loss and accuracy over that many positions at a time, never the
+    whole logits tensor (``dxrun.chunked_loss``)."""
     if grad_reduce_dtype == "fp32":
         model = nnx.merge(graphdef, params)
     else:
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
     inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+    if loss_chunk:
+        x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)
+        loss, accuracy = chunked_cross_entropy(model.logits, model.output_weight(), x_BxLxD,
+                                               targets_BxL, loss_chunk)
+        return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = model(inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
     accuracy = (logits_BxLxV.argmax(-1) == targets_BxL).mean()
@@ -150,12 +158,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     state_shardings: TrainState, batch_sharding: Any, precision: str,
                     dropout_seed: int | None = None, grad_accum: int = 1,
                     nan_policy: str = "halt", inject_nan_at_step: int = 0,
-                    grad_reduce_dtype: str = "fp32") -> TrainStep:
+                    grad_reduce_dtype: str = "fp32", loss_chunk: int = 0,
+                    update_shardings: Any = None) -> TrainStep:
+    """``update_shardings`` (ZeRO-1, ``parallelism.shard_optimizer``): per parameter, the
+    sharding of its optimizer state, split over the data replicas as well. The gradients and
+    parameters are constrained to it before the optimizer update, so each replica updates its
+    shard only: XLA turns the gradient all-reduce into a reduce-scatter where it can, and the
+    parameters' out-sharding all-gathers the updated shards. None: the update runs on the
+    parameters' own layout (every data replica updates the whole of it)."""
     dtype = COMPUTE_DTYPES[precision]
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
-                                         grad_reduce_dtype)
+                                         grad_reduce_dtype, loss_chunk)
         if inject_nan_at_step:  # test-only (train.inject_nan_at_step): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
@@ -166,9 +181,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         loss, metrics, grads = accumulated_grads(
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, tokens_BxT, key,
             grad_accum, batch_sharding, state_shardings.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.tree.norm(grads)
+        old_params = state.params
+        if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
+            grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+            old_params = jax.lax.with_sharding_constraint(old_params, update_shardings)
+        updates, opt_state = tx.update(grads, state.opt_state, old_params)
+        params = optax.apply_updates(old_params, updates)
+        if update_shardings is not None:  # gathered back to the parameters' layout
+            params = jax.lax.with_sharding_constraint(params, state_shardings.params)
+        grad_norm = optax.tree.norm(grads)  # the global norm, whatever the layout
         # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if nan_policy == "skip":  # leave the update out on device; the host never waits
@@ -195,12 +216,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
-                   param_shardings: Any, batch_sharding: Any, precision: str) -> Callable:
+                   param_shardings: Any, batch_sharding: Any, precision: str,
+                   loss_chunk: int = 0) -> Callable:
     """Held-out loss and accuracy of a batch: forward only, jitted once, same shardings."""
     dtype = COMPUTE_DTYPES[precision]
 
     def evaluate(params: dict, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
-        _, m = loss_and_metrics(graphdef, params, tokens_BxT, dtype)
+        _, m = loss_and_metrics(graphdef, params, tokens_BxT, dtype, loss_chunk=loss_chunk)
         return {"eval/loss": m["train/loss"], "eval/accuracy": m["train/accuracy"]}
 
     jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding),

@@ -123,9 +123,12 @@ def main(argv: list[str] | None = None) -> None:
         for layout in structure.COLLECTIVE_LAYOUTS:
             add([structure.collectives(Experiment.build(
                 speed.compose_cfg(*SHAPE, f"parallelism={layout}")))])
-        for layout in structure.STATE_LAYOUTS:
-            add([structure.state_bytes(Experiment.build(
-                speed.compose_cfg(*SHAPE, f"parallelism={layout}")))])
+        for layout in structure.STATE_LAYOUTS:  # the tp/fsdp split alone: no ZeRO-1
+            add([structure.state_bytes(Experiment.build(speed.compose_cfg(
+                *SHAPE, f"parallelism={layout}", "parallelism.shard_optimizer=false")))])
+        add([structure.optimizer_bytes(
+            Experiment.build(speed.compose_cfg(*SHAPE, "parallelism=dp8")),
+            Experiment.build(speed.compose_cfg(*SHAPE, "parallelism=dp1")))])
         if not args.quick:
             add(gpu.roofline())
             for section, cmd in EXTERNAL.items():

@@ -83,7 +83,7 @@ RUNS: tuple[Run, ...] = (
          "data.batch_size=512", "train.precision=bf16", "model.remat=none"),
         "8x A100 80GB SXM", "data parallel + optimizer sharding, bf16, cuDNN flash, 64 x 1024 "
         "per GPU", "~300 ms per step (524,288 tokens)", 524_288 / 0.300 / 8,
-        nearest="optimizer sharding (ZeRO-1) as plain data parallelism (not yet in dxrun)"),
+        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8)"),
     Run("llm.c GPT-2 1.5B",
         "github.com/karpathy/llm.c discussion #677 (GPT-2 1.5B in 24 h, 8x H100)",
         ("model=xl", "plan.target=h100", "parallelism=dp8", "data.seq_len=1024",
@@ -91,7 +91,7 @@ RUNS: tuple[Run, ...] = (
          "model.remat=none"),
         "8x H100 80GB SXM", "data parallel + optimizer sharding, bf16, 16 x 1024 per GPU x 8 "
         "micro-steps", "~2.80 s per step (1,048,576 tokens)", 1_048_576 / 2.80 / 8,
-        nearest="optimizer sharding (ZeRO-1) as plain data parallelism (not yet in dxrun)"),
+        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8)"),
 )
 
 

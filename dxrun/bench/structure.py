@@ -117,3 +117,22 @@ def state_bytes(exp: Experiment) -> Figure:
                   note=f"replicated on every device: {100 * whole / total:.2f}% of the state "
                        "(tp: positions, norms, row biases; fsdp: norms, biases): the ratio is "
                        "1 + (k-1) x that")
+
+
+def optimizer_bytes(zero: Experiment, one: Experiment) -> Figure:
+    """ZeRO-1 (``parallelism.shard_optimizer``, on by default for dp8): the optimizer state's
+    bytes on the fullest device of ``zero``'s mesh against one device's whole state (``one``,
+    dp1), goal 1/dp x 1.03 (what the data axis cannot split stays whole)."""
+    def fullest(exp: Experiment) -> int:
+        return sum(_nbytes(x.sharding.shard_shape(x.shape), x.dtype)
+                   for x in jax.tree.leaves(exp.abstract_state().opt_state))
+
+    dp = zero.plan.dp
+    per_device, whole = fullest(zero), fullest(one)
+    return figure("Optimizer state per device over the data replicas (ZeRO-1)",
+                  f"{zero.cfg.parallelism.name} / {one.cfg.parallelism.name}: optimizer bytes "
+                  "per device", per_device / whole,
+                  {"per_device_MB": round(per_device / 1e6, 3), "dp1_MB": round(whole / 1e6, 3)},
+                  f"<= {1.03 / dp:.4f}",
+                  note="parallelism.shard_optimizer: each moment split over `data` along one "
+                       "axis dp divides; the rest (counters) stays whole")

@@ -1,0 +1,103 @@
+"""model.loss_chunk: the loss and accuracy over chunks of the sequence equal the whole-logits
+ones (values and gradients), and the compiled step's temporaries shrink."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_cfg
+
+from dxrun import memory_model
+from dxrun.chunked_loss import AUTO_ON_BYTES, loss_chunk_for, resolve_loss_chunk
+from dxrun.errors import ConfigError
+from dxrun.experiment import Experiment
+from dxrun.plan_mode import _NoData
+from dxrun.sharding import in_mesh_context
+from dxrun.step import loss_and_metrics
+
+CHUNK = 8  # of data.seq_len=32: four chunks
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallelism=dp2", "model.tie_embeddings=true"],
+    # vocab 65 padded to 66 under tp2: the padding column masked in every chunk
+    ["parallelism=dp4_tp2", "data.vocab_size=65"],
+], ids=["dp2_tied", "dp4_tp2_padded"])
+def test_chunked_equals_whole(overrides):
+    cfg = make_cfg("model=tiny", "logger=none", "train.precision=fp32", "data.seq_len=32",
+                   *overrides)
+    exp = Experiment.build(cfg)
+    params, tokens = exp.init_params(), exp.batch(0)
+
+    def both(p):
+        def grad(chunk):
+            return jax.value_and_grad(
+                lambda q: loss_and_metrics(exp.graphdef, q, tokens, jnp.float32,
+                                           loss_chunk=chunk), has_aux=True)(p)
+        return grad(0), grad(CHUNK)
+
+    with in_mesh_context(exp.mesh, exp.plan.rules):
+        whole, chunked = jax.device_get(jax.jit(both)(params))
+    (loss0, m0), g0 = whole
+    (loss1, m1), g1 = chunked
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    assert m1["train/accuracy"] == m0["train/accuracy"]
+    # Relative to the largest gradient: some are 0 up to rounding (the key bias's: softmax
+    # ignores a shift of every score), and rounding noise is all either computes there.
+    scale = max(np.abs(b).max() for b in jax.tree.leaves(g0))
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
+
+
+def _temp_bytes(chunk: int) -> float:
+    cfg = make_cfg("model=tiny", "logger=none", "parallelism=dp1", "data.seq_len=64",
+                   "data.batch_size=8", "model.vocab_size=4096", "data.symbols=64",
+                   f"model.loss_chunk={chunk}")
+    return Experiment.build(cfg, data=_NoData()).compile_step().memory_analysis().temp_size_in_bytes
+
+
+def test_temporaries_shrink_with_chunking():
+    """Compile-only: the whole batch's fp32 logits (8 x 64 x 4096 x 4 = 8 MiB) and their
+    gradient are gone from the temporaries; one chunk's (1 MiB) remains."""
+    logits = 8 * 64 * 4096 * 4
+    whole, chunked = _temp_bytes(0), _temp_bytes(8)
+    assert chunked < whole - logits, (whole, chunked)
+
+
+def test_auto_chunks_only_large_logits():
+    # model=small, seq 1024, vocab 50304, 8 rows per device: 1.6 GB of fp32 logits
+    assert resolve_loss_chunk(None, 8, 1024, 50304) == 128  # 8 x 128 x 50304 x 4 = 206 MB
+    assert resolve_loss_chunk(None, 1, 64, 64) == 0  # tiny: whole
+    rows = AUTO_ON_BYTES // (1024 * 50304 * 4)
+    assert resolve_loss_chunk(None, rows, 1024, 50304) == 0  # at the threshold: whole
+    assert resolve_loss_chunk(0, 8, 1024, 50304) == 0  # off
+    assert resolve_loss_chunk(256, 1, 1024, 64) == 256  # as given
+    assert resolve_loss_chunk(1024, 1, 1024, 64) == 0  # the whole sequence: unchunked
+    cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
+                   "data.batch_size=64")
+    from dxrun.plan import make_plan
+    assert loss_chunk_for(cfg, make_plan(cfg, 8)) == 128
+
+
+def test_a_chunk_that_does_not_divide_is_refused():
+    with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
+                                          r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
+        from dxrun.config import validate
+
+        validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
+
+
+def test_memory_model_counts_one_chunk():
+    cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
+                   "data.batch_size=64")
+    from dxrun.plan import make_plan
+    plan = make_plan(cfg, 8)
+    chunked = memory_model.shapes(cfg, plan, "xla")
+    cfg.model.loss_chunk = 0
+    whole = memory_model.shapes(cfg, plan, "xla")
+    V = whole.vocab
+    assert chunked.loss_chunk == 128 and whole.loss_chunk == 0
+    drop = memory_model.head_bytes(whole) - memory_model.head_bytes(chunked)
+    assert drop == 2 * 4 * 8 * (1024 - 128) * V
