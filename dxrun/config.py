@@ -59,6 +59,11 @@ class ParallelismConfig:
     # A multi-process run refuses a tensor-parallel group that spans processes (hosts): its
     # per-layer all-reduces would cross the network. true = allow it anyway.
     allow_cross_host_tp: bool = False
+    # parallelism=auto's layout search (dxrun/layout_search.py): none = dp/fsdp/tp as given |
+    # measure = rank by estimate, time the top search_top, the fastest wins | model = the
+    # estimate's first | fresh = measure, ignoring the cached decision.
+    search: str = "none"
+    search_top: int = 3  # parallelism.search=measure times this many of the ranking's best
 
 
 @dataclass
@@ -307,6 +312,7 @@ _CHOICES = {
     "model.attention": ("dot_product", "reference"),
     "model.residual_dtype": ("compute", "fp32"),
     "parallelism.on_mismatch": ("error", "shrink"),
+    "parallelism.search": ("none", "measure", "model", "fresh"),
     "data.name": ("markov", "text", "tokens"),
     "data.dtype": ("uint16", "uint32"),
     "optimizer.name": ("adamw", "sgd", "lion"),
@@ -356,6 +362,7 @@ RANGES: dict[str, Range] = {
     "model.max_seq_len": POSITIVE, "model.dropout": FRACTION, "model.rope_theta": POSITIVE,
     "model.init_std": POSITIVE,
     "parallelism.n_devices": NON_NEGATIVE, "parallelism.vocab_align": NON_NEGATIVE,
+    "parallelism.search_top": POSITIVE,
     "data.batch_size": POSITIVE, "data.per_device_batch_size": POSITIVE,
     "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
     "data.val_fraction": FRACTION, "data.workers": NON_NEGATIVE, "data.order": POSITIVE,

@@ -321,6 +321,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "perf/data_wait_frac": ("fraction", "share of the log window", "host time getting the next "
                             "batch onto the devices"),
     "perf/compile_time_s": ("s", "once (first row)", "lowering + compiling the train step"),
+    "perf/layout_search_s": ("s", "once (first row); parallelism=auto",
+                             "the layout search: compiles, timed steps (a cache hit: ~0)"),
     "perf/checkpoint_block_s": ("s", "sum of the saves since the previous row",
                                 "how long saves held the loop; absent without a save"),
     "mem/step_bytes_per_device": ("bytes", "once (first row); XLA's memory analysis",

@@ -33,10 +33,20 @@ CONF = ROOT / "conf"
 register()
 
 
+def no_search(args) -> list[str]:
+    """``parallelism=dp`` (all devices data-parallel, no layout search) added, unless the args
+    choose a parallelism or an experiment: a test whose subject is not the search does not pay
+    for one (parallelism=auto, the default, searches)."""
+    chosen = any(a.lstrip("+~").startswith(("parallelism=", "parallelism.search",
+                                            "experiment=", "sweep=")) for a in args)
+    return list(args) if chosen else [*args, "parallelism=dp"]
+
+
 def make_cfg(*overrides: str):
-    """The run config the launcher would build for ``python -m dxrun <overrides>``."""
+    """The run config the launcher would build for ``python -m dxrun <overrides>`` (with
+    ``parallelism=dp`` where none is chosen: ``no_search``)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="dxrun"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=no_search(overrides))
 
 
 @pytest.fixture
@@ -50,7 +60,7 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None):
 
     full_env = {**os.environ, **(env or {})}
     full_env.pop("XLA_FLAGS", None)  # the launcher sets the device count itself
-    return subprocess.run([sys.executable, "-m", "dxrun", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "dxrun", *no_search(args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
