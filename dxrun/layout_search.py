@@ -311,7 +311,7 @@ def search(cfg: Any, plan_mode: bool = False,
         return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
                 "rows": [row.to_json()], "search_s": time.perf_counter() - t0, "cached": True}
     devices = visible_devices()
-    fix_global_batch(cfg, devices)
+    fix_batch(cfg, devices)
     _SEARCHES[0] += 1
     n = cfg.parallelism.n_devices or devices[0]
     key = cache_key(cfg, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
@@ -359,11 +359,14 @@ def _rows(text: str) -> list[Row]:
     return out
 
 
-def fix_global_batch(cfg: Any, devices: tuple) -> None:
-    """With ``data.per_device_batch_size`` the global batch is resolved once, on the preset's
-    own layout, and held fixed while the layouts change (a search never changes the update)."""
+def fix_batch(cfg: Any, devices: tuple) -> None:
+    """Resolve ``data.seq_len`` (null: the platform's) and, with ``data.per_device_batch_size``,
+    the global batch once, on the preset's own layout: held fixed while the layouts change (a
+    search never changes the update)."""
+    from dxrun.batch import default_seq_len
     from dxrun.plan import make_plan
 
+    cfg.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, devices[1])
     if cfg.data.per_device_batch_size is None:
         return
     batch = make_plan(cfg, *devices).global_batch

@@ -117,11 +117,16 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     is restored when its tree fits the optimizer now and otherwise starts fresh with one
     warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
     checkpoint has reached ``train.steps`` already."""
-    resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
-    # parallelism=auto: the chosen layout written into cfg (a resume keeps its checkpoint's)
-    searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume))
-    plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
-    resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for every reader
+    if cfg.parallelism.search == "none":
+        plan = make_plan(cfg, *visible_devices())
+        resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for all
+        resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
+    else:  # parallelism=auto: the chosen layout written into cfg; a resume keeps its own
+        layout_search.fix_batch(cfg, visible_devices())
+        resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
+        searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume))
+        plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
+        resolve_batch(cfg, plan)
     data = process_data(cfg, plan)
     exp = Experiment.build(cfg, plan, data)
     if resume is not None:  # its data position, its optimizer state, whether it trains at all

@@ -116,6 +116,7 @@ def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypat
                         jax.devices()[0].device_kind, jax.__version__, 1) == key
 
 
+@pytest.mark.e2e
 def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
     """The winner is an ordinary mesh: its losses are dp1's (a cached choice of dp2_fsdp2_tp2
     with full recomputation)."""
