@@ -223,7 +223,9 @@ def _gib(v: float | None) -> str:
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if v >= 1 else f"{v:.3f}"  # an accelerator's tiny step: sub-ms
 
 
 def markdown(record: dict[str, Any]) -> str:

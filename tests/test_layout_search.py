@@ -150,6 +150,7 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
     from omegaconf import OmegaConf
 
     r = run_cli("-m", "data.batch_size=16,32", "parallelism=auto", "parallelism.search_top=2",
+                "parallelism.n_devices=2",  # 3 candidates: dp2, fsdp2, tp2
                 "data.seq_len=16", "train.steps=4", "train.log_every=2", "train.eval_every=0",
                 "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path,
                 env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
