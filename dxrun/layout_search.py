@@ -190,9 +190,9 @@ def _choose(rows: list[Row], best: Row, top: int) -> Row:
         if r is best or r.why:
             continue
         if r.measured_ms is not None and best.measured_ms is not None:
-            r.why = f"slower: {r.measured_ms:.1f} ms measured"
+            r.why = f"slower: {_ms(r.measured_ms)} ms measured"
         elif r.est_ms is not None and best.est_ms is not None:
-            r.why = (f"slower: {r.est_ms:.1f} ms estimated"
+            r.why = (f"slower: {_ms(r.est_ms)} ms estimated"
                      + (f" (not in the top {top} measured)" if top and best.measured_ms else ""))
         else:
             r.why = "not measured"

@@ -153,7 +153,7 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
                 "parallelism.n_devices=2",  # 3 candidates: dp2, fsdp2, tp2
                 "data.seq_len=16", "train.steps=4", "train.log_every=2", "train.eval_every=0",
                 "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path,
-                env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+                timeout=1200, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-3000:]
     keys = set()
     for job in ("0", "1"):
