@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,16 @@ def main(cfg: DictConfig) -> Any:
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
+            from dxrun import layout_search
             from dxrun.batch import resolve_batch
             from dxrun.experiment import visible_devices
             from dxrun.plan import make_plan
             from dxrun.plan_mode import resolve_plan_seq_len, run_plan
 
             resolve_plan_seq_len(cfg, jax.default_backend())  # data.seq_len=null: the target's
-            plan = make_plan(cfg, *visible_devices())
+            # parallelism=auto: the ranking from the estimate alone, for plan.target
+            searched = layout_search.search(cfg, plan_mode=True)
+            plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
             resolve_batch(cfg, plan)  # the saved config holds the global batch too
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)

@@ -66,6 +66,11 @@ class ParallelismConfig:
     # ZeRO-1: optimizer state (Adam/Lion moments, SGD momentum) also split over the `data`
     # replicas; null = auto (on when dp > 1). Same losses either way; checkpoints restore across.
     shard_optimizer: bool | None = None
+    # parallelism=auto's layout search (dxrun/layout_search.py): none = dp/fsdp/tp as given |
+    # measure = rank by estimate, time the top search_top, the fastest wins | model = the
+    # estimate's first | fresh = measure, ignoring the cached decision.
+    search: str = "none"
+    search_top: int = 3  # parallelism.search=measure times this many of the ranking's best
 
 
 @dataclass
@@ -326,6 +331,7 @@ _CHOICES = {
     "model.attention": ("dot_product", "reference"),
     "model.residual_dtype": ("compute", "fp32"),
     "parallelism.on_mismatch": ("error", "shrink"),
+    "parallelism.search": ("none", "measure", "model", "fresh"),
     "data.name": ("markov", "text", "tokens"),
     "data.dtype": ("uint16", "uint32"),
     "optimizer.name": ("adamw", "sgd", "lion"),
@@ -376,6 +382,7 @@ RANGES: dict[str, Range] = {
     "model.init_std": POSITIVE,
     "model.loss_chunk": NON_NEGATIVE,
     "parallelism.n_devices": NON_NEGATIVE, "parallelism.vocab_align": NON_NEGATIVE,
+    "parallelism.search_top": POSITIVE,
     "data.batch_size": POSITIVE, "data.per_device_batch_size": POSITIVE,
     "data.seq_len": POSITIVE, "data.vocab_size": POSITIVE,
     "data.val_fraction": FRACTION, "data.workers": NON_NEGATIVE, "data.order": POSITIVE,

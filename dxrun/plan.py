@@ -80,6 +80,8 @@ class MeshPlan:
     batch_set_by: str = GLOBAL
     peak_lr: float = 0.0
     lr_scaling: str = "none"
+    # parallelism=auto's ranking (dxrun/layout_search.py) when this layout was searched for.
+    layout_search: dict[str, Any] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:

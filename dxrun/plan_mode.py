@@ -556,20 +556,31 @@ def shape_warning(platform: str, seq_len: int, max_seq_len: int, tokens: int) ->
             f"data.batch_size to the run's")
 
 
-def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
-    """Everything plan mode prints and writes into plan.json (beside the mesh plan).
-    ``suggest=False``: no search for a setting that fits (the published-runs benchmark)."""
+@dataclass
+class StepEstimate:
+    """Plan mode's figures for one compiled step: footprint, the accelerator memory model's
+    need (None on a CPU target), the fit-and-speed estimate, FLOPs counted from the shapes."""
 
+    fp: Footprint
+    mem: Any
+    est: dict[str, Any]
+    parts: dict[str, float]
+    model_flops: float
+    n_params: int
+
+
+def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
+                  peak: float | None, xla_cost: bool = True) -> StepEstimate:
+    """Fit and speed of ``exp``'s compiled step on ``target`` (plan mode, and the layout
+    search's ranking): the accelerator time model on a GPU/TPU target, else the roofline of
+    XLA's counts. ``xla_cost=False`` (the layout search: one compile per candidate, not three):
+    on a CPU target the FLOPs are counted from the shapes and memory traffic is left out."""
     from dxrun import flops, gpu_cost
     from dxrun.chunked_loss import loss_chunk_for
 
-    target, peak = resolve_target(cfg, exp.plan.n_devices)
     key = target_key(target)
     accelerator = key in gpu_cost.COST
-    t0 = time.perf_counter()
-    compiled = exp.compile_step()
-    compile_s = time.perf_counter() - t0
-    fp = footprint(exp, compiled, xla_cost=not accelerator)
+    fp = footprint(exp, compiled, xla_cost=xla_cost and not accelerator)
     state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     tokens = exp.plan.global_batch * cfg.data.seq_len
@@ -588,11 +599,27 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
     else:
         parts = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
                                  cfg.model.remat)
+        if not xla_cost:
+            fp = replace(fp, flops=parts["hardware"] / exp.plan.n_devices)
     # An accelerator's need comes from the memory model: XLA:CPU's temporaries describe a CPU
     # program (bf16 through fp32 temporaries); the compile's figure is kept beside it.
     mem = accelerator_memory(exp, target) if target.device_kind != "cpu" else None
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
                    cfg.train.precision, timing, None if mem is None else mem.total_bytes)
+    return StepEstimate(fp, mem, est, parts, model_flops, n_params)
+
+
+def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
+    """Everything plan mode prints and writes into plan.json (beside the mesh plan).
+    ``suggest=False``: no search for a setting that fits (the published-runs benchmark)."""
+    target, peak = resolve_target(cfg, exp.plan.n_devices)
+    t0 = time.perf_counter()
+    compiled = exp.compile_step()
+    compile_s = time.perf_counter() - t0
+    s = step_estimate(cfg, exp, compiled, target, peak)
+    fp, mem, est, parts, model_flops = s.fp, s.mem, s.est, s.parts, s.model_flops
+    state = exp.abstract_state()
+    tokens = exp.plan.global_batch * cfg.data.seq_len
     warning = shape_warning(plan_platform(cfg.plan.target, exp.plan.platform), cfg.data.seq_len,
                             cfg.model.max_seq_len, tokens)
     from dxrun.experiment import shard_optimizer
@@ -600,7 +627,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
 
     zero = shard_optimizer(cfg, exp.plan)
     report: dict[str, Any] = {
-        "n_params": n_params,
+        "n_params": s.n_params,
         "per_device": {k: v for k, v in asdict(fp).items() if k != "collectives"}
         | {"activations_bytes": fp.activations_bytes},
         "shard_optimizer": zero,
@@ -726,6 +753,10 @@ def run_plan(cfg: Any, run_dir: Any, plan: Any) -> dict[str, Any]:
     report = plan_report(cfg, exp)
     write_json(run_dir / "plan.json", {**plan.to_json(), "plan_mode": report})
     log.info("mesh plan\n%s\n%s", plan.table(), plan_table(report))
+    if plan.layout_search:
+        from dxrun.layout_search import table
+
+        log.info("parallelism=auto\n%s", table(plan.layout_search))
     for warning in report.get("warnings", []):
         log.warning("%s", warning)
     if report["checkpoint"]["too_costly"]:

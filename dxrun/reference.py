@@ -207,7 +207,7 @@ def config_markdown() -> str:
     out = ["# Config keys", "",
            "Every key of the run config, generated from the schema in `dxrun/config.py` (types, "
            "defaults, the comments beside the fields), `RANGES` and `_CHOICES`. The default is "
-           "what `python -m dxrun` composes (`model=tiny`, `parallelism=auto`, `data=markov`, "
+           "what `python -m dxrun` composes (`model=tiny`, `parallelism=dp`, `data=markov`, "
            "`optimizer=adamw`, `logger=wandb`); a preset of a group may set another "
            "(see [Presets](presets.md)). Set any key on the command line: "
            "`python -m dxrun section.key=value`. A value outside its range is refused in one "
@@ -332,6 +332,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "perf/data_wait_frac": ("fraction", "share of the log window", "host time getting the next "
                             "batch onto the devices"),
     "perf/compile_time_s": ("s", "once (first row)", "lowering + compiling the train step"),
+    "perf/layout_search_s": ("s", "once (first row); parallelism=auto",
+                             "the layout search: compiles, timed steps (a cache hit: ~0)"),
     "perf/checkpoint_block_s": ("s", "sum of the saves since the previous row",
                                 "how long saves held the loop; absent without a save"),
     "mem/step_bytes_per_device": ("bytes", "once (first row); XLA's memory analysis",

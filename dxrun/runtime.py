@@ -97,6 +97,13 @@ def cpu_fallback_refusal(backend: str, gpu_node: Path | None, jax_platforms: str
             "on the CPU anyway)")
 
 
+def user_cache_dir() -> str:
+    """dxrun's cache dir: ``$XDG_CACHE_HOME/dxrun`` (``~/.cache/dxrun``): the compile cache and
+    the layout search's decisions."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dxrun")
+
+
 def enable_compile_cache(setting: str | None) -> str | None:
     """JAX's persistent compilation cache, so a second launch of the same config skips XLA's
     compile. ``auto`` = ``$XDG_CACHE_HOME/dxrun/jax`` (``~/.cache/dxrun/jax``)."""
@@ -104,10 +111,7 @@ def enable_compile_cache(setting: str | None) -> str | None:
         return None
     import jax
 
-    path = setting
-    if setting == "auto":
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "dxrun", "jax")
+    path = os.path.join(user_cache_dir(), "jax") if setting == "auto" else setting
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

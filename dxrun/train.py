@@ -11,14 +11,14 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import jax
 from omegaconf import OmegaConf
 
-from dxrun import checkpoint, flops, goodput, memory_report, plan_mode
+from dxrun import checkpoint, flops, goodput, layout_search, memory_report, plan_mode
 from dxrun.batch import resolve_batch
 from dxrun.checkpoint import NOTICEABLE_BLOCK_S, Resume, RunCheckpoints
 from dxrun.config import model_changes
@@ -120,10 +120,17 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     is restored when its tree fits the optimizer now and otherwise starts fresh with one
     warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
     checkpoint has reached ``train.steps`` already."""
-    plan = make_plan(cfg, *visible_devices())
-    resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for every reader
+    if cfg.parallelism.search == "none":
+        plan = make_plan(cfg, *visible_devices())
+        resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for all
+        resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
+    else:  # parallelism=auto: the chosen layout written into cfg; a resume keeps its own
+        layout_search.fix_batch(cfg, visible_devices())
+        resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
+        searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume))
+        plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
+        resolve_batch(cfg, plan)
     data = process_data(cfg, plan)
-    resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
     exp = Experiment.build(cfg, plan, data)
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
@@ -200,6 +207,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     if main:
         write_json(run_dir / "plan.json", plan.to_json())
     log.info("mesh plan\n%s", plan.table())
+    if plan.layout_search:
+        log.info("parallelism=auto\n%s", layout_search.table(plan.layout_search))
 
     allocator = AllocatorPeak()  # before this run allocates anything
     state, start, resumed = start_state(exp, resume)
@@ -349,6 +358,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                         row["perf/profiled"] = True
                     if not last:  # first log row: the one-off numbers
                         row["perf/compile_time_s"] = exp.step.compile_time_s
+                        if plan.layout_search:
+                            row["perf/layout_search_s"] = plan.layout_search["search_s"]
                         if (need := exp.step.memory_bytes()) is not None:
                             row["mem/step_bytes_per_device"] = need
                     # Every row on an accelerator (CPU keeps no allocator statistics).

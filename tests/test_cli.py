@@ -222,7 +222,7 @@ def test_wandb_name_of_a_path_override_and_the_vocab_from_meta(tokens_runs):
     assert first.returncode == 0, first.stderr[-3000:]
     (path,) = (cwd / "run").glob("wandb/offline-run-*/run-*.wandb")
     run = read_run(path)
-    assert run["name"] == "tiny-auto-bs32-pathmycorpus-n_layers1-steps2-log_every1-eval_every0"
+    assert run["name"] == "tiny-dp-bs32-pathmycorpus-n_layers1-steps2-log_every1-eval_every0"
     assert run["config"]["model"]["vocab_size"] == run["config"]["data"]["vocab_size"] == 256
     log = (cwd / "run" / "dxrun.log").read_text()
     assert "model tiny (modified: n_layers=1): " in log

@@ -10,7 +10,8 @@ from dxrun.errors import ConfigError
 from dxrun.plan import make_plan
 
 PRESETS = {
-    "auto": (8, 1, 1), "dp1": (1, 1, 1), "dp2": (2, 1, 1), "dp4": (4, 1, 1), "dp8": (8, 1, 1),
+    "auto": (8, 1, 1), "dp": (8, 1, 1), "dp1": (1, 1, 1), "dp2": (2, 1, 1), "dp4": (4, 1, 1),
+    "dp8": (8, 1, 1),
     "tp2": (1, 1, 2), "tp4": (1, 1, 4), "tp8": (1, 1, 8), "dp4_tp2": (4, 1, 2),
     "dp2_tp4": (2, 1, 4), "fsdp8": (1, 8, 1), "dp2_fsdp2_tp2": (2, 2, 2),
 }

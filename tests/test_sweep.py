@@ -209,7 +209,7 @@ def test_submitit_local_runs_each_job_with_its_own_device_count(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job, n in zip(_jobs(sweep), (2, 4), strict=True):
         plan = json.loads((job / "plan.json").read_text())
-        assert plan["n_visible"] == n and plan["n_devices"] == n  # parallelism=auto: all
+        assert plan["n_visible"] == n and plan["n_devices"] == n  # parallelism=dp (the default): all
         assert f"simulating {n} CPU devices" in (job / "dxrun.log").read_text()
     assert list(sweep.glob(".submitit/*"))  # really submitit: its job folders
     assert [r["status"] for r in _csv(sweep)] == ["ok", "ok"]

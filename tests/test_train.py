@@ -22,7 +22,7 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert all(r["data/entropy_floor"] == floor for r in rows)
     assert rows[0]["train/loss"] > floor + 1.0  # it did learn, from far above the floor
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["mesh_shape"] == [8, 1, 1]  # parallelism=auto: every device data-parallel
+    assert plan["mesh_shape"] == [8, 1, 1]  # parallelism=dp (the default): every device data-parallel
 
 
 @pytest.mark.e2e

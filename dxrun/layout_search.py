@@ -1,0 +1,440 @@
+"""``parallelism=auto``: the fastest layout (mesh, remat, gradient accumulation) that fits.
+
+Three stages, each a small function:
+
+* **candidates** (pure): every ``dp x fsdp x tp`` factorisation of the devices in use that
+  ``plan.make_plan`` accepts (its own checks: heads, kv heads, d_ff, d_model, batch, hosts);
+* **model**: each mesh's step compiled from shapes (plan mode's machinery, nothing allocated),
+  with the user's ``model.remat`` and ``train.grad_accum`` first and, only when that does not
+  fit, ``remat=dots``, ``remat=full``, then 2/4/8 micro-batches; the fitting ones ranked by plan
+  mode's estimate (``plan_mode.step_estimate``) for the visible hardware or ``plan.target``;
+* **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top`` are
+  timed side by side for a few real steps (``bench.timing.interleaved``); the fastest wins.
+
+The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
+resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
+decision is cached in the user's cache dir (``cache_key``); every process takes process 0's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from dxrun.errors import ConfigError
+
+log = logging.getLogger("dxrun")
+
+SEARCHES = ("none", "measure", "model", "fresh")
+REMATS = ("none", "dots", "full")  # cheapest to most recomputation
+ACCUMS = (1, 2, 4, 8)
+MEASURE_STEPS, MEASURE_REPS = 3, 2  # timed steps per turn, turns per candidate
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    fsdp: int
+    tp: int
+    remat: str = "none"
+    grad_accum: int = 1
+
+    @property
+    def mesh(self) -> str:
+        """The preset-style name: ``dp4_tp2``, ``fsdp8``, ``dp2_fsdp2_tp2``, ``dp1``."""
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
+                 if v > 1]
+        return "_".join(parts) or "dp1"
+
+    @property
+    def label(self) -> str:
+        extra = [f"remat={self.remat}"] * (self.remat != "none") + [
+            f"accum={self.grad_accum}"] * (self.grad_accum > 1)
+        return " ".join([self.mesh, *extra])
+
+    def overrides(self) -> dict[str, Any]:
+        return {"parallelism": {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp},
+                "model": {"remat": self.remat}, "train": {"grad_accum": self.grad_accum}}
+
+
+def with_layout(cfg: Any, layout: Layout) -> Any:
+    """A copy of ``cfg`` laid out as ``layout`` (the search's candidates; the run's own config
+    takes the winner through ``apply``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg, layout.overrides())
+
+
+def apply(cfg: Any, layout: Layout) -> None:
+    """Write the chosen layout into the run config as ordinary keys (W&B and sweeps group by
+    them)."""
+    cfg.parallelism.dp, cfg.parallelism.fsdp, cfg.parallelism.tp = (layout.dp, layout.fsdp,
+                                                                   layout.tp)
+    cfg.model.remat, cfg.train.grad_accum = layout.remat, layout.grad_accum
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+    """Every (dp, fsdp, tp) with dp * fsdp * tp = n."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return [(n // (f * t), f, t) for t in divisors for f in divisors if (n // t) % f == 0]
+
+
+def candidates(cfg: Any, n_visible: int, platform: str, processes: int = 1,
+               process_hosts: tuple[int, ...] | None = None
+               ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """(meshes the plan accepts, [(mesh, why the plan refuses it)]), each with the user's remat
+    and accumulation. Pure: ``plan.make_plan`` is the one place the rules live."""
+    from dxrun.plan import make_plan
+
+    n = cfg.parallelism.n_devices or n_visible
+    ok, refused = [], []
+    for dp, fsdp, tp in factorisations(n):
+        layout = Layout(dp, fsdp, tp, cfg.model.remat, cfg.train.grad_accum)
+        try:
+            make_plan(with_layout(cfg, layout), n_visible, platform, processes, process_hosts)
+        except ConfigError as e:
+            refused.append((layout, str(e).split(";")[0]))
+            continue
+        ok.append(layout)
+    return ok, refused
+
+
+def fit_variants(layout: Layout) -> list[Layout]:
+    """The mesh with the user's remat and accumulation, then more recomputation, then more
+    micro-batches (the same update): tried in order until one fits."""
+    out = [layout]
+    for remat in REMATS[REMATS.index(layout.remat) + 1:]:
+        out.append(replace(layout, remat=remat))
+    last = out[-1]
+    out += [replace(last, grad_accum=a) for a in ACCUMS if a > last.grad_accum]
+    return out
+
+
+@dataclass
+class Row:
+    """One line of the ranking."""
+
+    layout: Layout
+    need_gb: float | None = None  # GiB per device
+    est_ms: float | None = None
+    measured_ms: float | None = None
+    chosen: bool = False
+    fits: bool = False  # compiled and within the memory budget
+    why: str = ""  # why it lost (or was never a candidate)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self.layout), "mesh": self.layout.mesh, "need_gb": self.need_gb,
+                "est_ms": self.est_ms, "measured_ms": self.measured_ms, "chosen": self.chosen,
+                "fits": self.fits, "why": self.why}
+
+
+def model_stage(cfg: Any, layouts: list[Layout], budget_gb: float | None,
+                score: Callable[[Any, Layout], tuple[float, float | None]]) -> list[Row]:
+    """Each mesh at its first variant that fits, ranked by estimated step time (fastest
+    first; those that fit nowhere last). ``score(trial_cfg, layout)``: (GB per device, est.
+    seconds or None) of one candidate; ``budget_gb`` None: fit by the score's own verdict
+    (a plan target's usable memory, passed as a negative need)."""
+    rows = []
+    for base in layouts:
+        row = Row(base)
+        for layout in fit_variants(base):
+            try:
+                need, est = score(with_layout(cfg, layout), layout)
+            except ConfigError as e:  # e.g. accumulation not dividing the per-replica batch
+                row.why = row.why or str(e).split(";")[0]
+                continue
+            if budget_gb is not None and need > budget_gb:
+                if row.need_gb is None:
+                    row.need_gb = need
+                    row.why = f"does not fit: {need:.2f} of {budget_gb:.2f} GiB"
+                continue
+            row = Row(layout, need, None if est is None else 1e3 * est, fits=True)
+            break
+        rows.append(row)
+    return sorted(rows, key=lambda r: (not r.fits, r.est_ms if r.est_ms is not None else 0.0))
+
+
+def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, float]]
+                  ) -> Row:
+    """Time the first ``top`` fitting rows (``timer``: layout -> seconds per step, all timed
+    side by side) and mark the fastest chosen; the others say why they lost."""
+    fitting = [r for r in rows if r.fits][:top]
+    if not fitting:
+        raise ConfigError("parallelism=auto: no layout fits the device memory; try a smaller "
+                          "model or data.batch_size, or a larger runtime.memory_gb")
+    times = timer([r.layout for r in fitting]) if len(fitting) > 1 else {}
+    for r in fitting:
+        r.measured_ms = 1e3 * times[r.layout] if r.layout in times else None
+    best = min(fitting, key=lambda r: r.measured_ms if r.measured_ms is not None else 0.0)
+    return _choose(rows, best, top)
+
+
+def model_choice(rows: list[Row], top: int = 0) -> Row:
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        raise ConfigError("parallelism=auto: no layout fits the device memory; try a smaller "
+                          "model or data.batch_size, or a larger runtime.memory_gb")
+    return _choose(rows, fitting[0], top)
+
+
+def _choose(rows: list[Row], best: Row, top: int) -> Row:
+    best.chosen, best.why = True, ""
+    for r in rows:
+        if r is best or r.why:
+            continue
+        if r.measured_ms is not None and best.measured_ms is not None:
+            r.why = f"slower: {_ms(r.measured_ms)} ms measured"
+        elif r.est_ms is not None and best.est_ms is not None:
+            r.why = (f"slower: {_ms(r.est_ms)} ms estimated"
+                     + (f" (not in the top {top} measured)" if top and best.measured_ms else ""))
+        else:
+            r.why = "not measured"
+    return best
+
+
+def table(record: dict[str, Any]) -> str:
+    """The ranking as the plan table prints it."""
+    head = ("layout", "per device", "est ms", "measured ms", "", "why not")
+    lines = [head]
+    for r in record["rows"]:
+        layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+        lines.append((layout.label, _gib(r["need_gb"]),
+                      _ms(r["est_ms"]), _ms(r["measured_ms"]), "✓" if r["chosen"] else "",
+                      r["why"]))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    text = "\n".join("  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True))
+                     .rstrip() for line in lines)
+    source = " (cached)" if record.get("cached") else ""
+    return (f"  layout search: parallelism.search={record['search']}, estimate for "
+            f"{record['target']}, {record['search_s']:.1f} s{source}\n{text}")
+
+
+def _gib(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f} GiB" if v >= 0.01 else f"{v * 1024:.1f} MiB"
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if v >= 1 else f"{v:.3f}"  # an accelerator's tiny step: sub-ms
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The ranking as a Markdown table (the docs' auto section)."""
+    out = ["| layout | per device | est ms | measured ms | chosen | why not |",
+           "|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+        need = _gib(r["need_gb"])
+        out.append(f"| {layout.label} | {need} | {_ms(r['est_ms'])} | {_ms(r['measured_ms'])} "
+                   f"| {'✓' if r['chosen'] else ''} | {r['why']} |")
+    return "\n".join(out)
+
+
+# --- the cache ---------------------------------------------------------------------------------
+
+def cache_key(cfg: Any, n_devices: int, device_kind: str, jax_version: str,
+              processes: int) -> str:
+    """What decides the answer: the model's shape, batch, seq_len, precision, optimizer,
+    devices and their kind, JAX's version, and whether it was measured."""
+    from omegaconf import OmegaConf
+
+    key = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+           "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
+           "precision": cfg.train.precision, "optimizer": cfg.optimizer.name,
+           "devices": n_devices, "processes": processes, "device_kind": device_kind,
+           "jax": jax_version, "measured": cfg.parallelism.search != "model",
+           "top": cfg.parallelism.search_top, "target": cfg.plan.target,
+           "memory_gb": cfg.runtime.memory_gb}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    from dxrun.runtime import user_cache_dir
+
+    return Path(user_cache_dir()) / "layouts"
+
+
+def read_cache(key: str) -> dict[str, Any] | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cache(key: str, record: dict[str, Any]) -> None:
+    path = cache_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)  # concurrent sweep jobs: the last writer wins, never a torn file
+
+
+def chosen_layout(record: dict[str, Any]) -> Layout:
+    r = next(r for r in record["rows"] if r["chosen"])
+    return Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+
+
+# --- the search in a run or in plan mode ---------------------------------------------------------
+
+_SEARCHES = [0]  # searches made in this process: each agrees on its own keys
+
+
+def search(cfg: Any, plan_mode: bool = False,
+           timer: Callable[[Any, list[Layout]], dict[Layout, float]] | None = None,
+           resumed: Layout | None = None) -> dict[str, Any] | None:
+    """Choose the layout (``parallelism.search``; plan mode: from the estimate alone), write it
+    into ``cfg`` and return the ranking's record (None: no search). ``timer(cfg, layouts)``:
+    seconds per step of each layout (default ``time_layouts``). ``resumed``: the layout of
+    the checkpoint a run resumes, kept (no search). Every process takes process 0's."""
+    import jax
+
+    from dxrun import plan_mode as pm
+    from dxrun.distributed import agree, is_main
+    from dxrun.experiment import visible_devices
+
+    mode = cfg.parallelism.search
+    if mode == "none":
+        return None
+    t0 = time.perf_counter()
+    if resumed is not None:
+        apply(cfg, resumed)
+        row = Row(resumed, chosen=True, fits=True, why="")
+        return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
+                "rows": [row.to_json()], "search_s": time.perf_counter() - t0, "cached": True}
+    devices = visible_devices()
+    fix_batch(cfg, devices)
+    _SEARCHES[0] += 1
+    n = cfg.parallelism.n_devices or devices[0]
+    key = cache_key(cfg, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
+    mode = "model" if plan_mode else mode
+    cached = read_cache(key) if mode != "fresh" and is_main() else None
+    record = json.loads(agree(f"layout_search/{_SEARCHES[0]}/cache", json.dumps(cached)))
+    if record is not None:
+        apply(cfg, chosen_layout(record))
+        return {**record, "cached": True, "search_s": time.perf_counter() - t0}
+    layouts, refused = candidates(cfg, *devices)
+    target, peak = pm.resolve_target(cfg, n)
+    if plan_mode:  # the target's usable memory, as plan mode's fit
+        budget_gb = pm.usable_bytes(target) / pm.GiB if target.memory_bytes else None
+    else:  # the memory preflight's budget
+        budget_gb = pm.device_budget(cfg)[0] / pm.GiB
+    rows = model_stage(cfg, layouts, budget_gb, _scorer(devices, target, peak, plan_mode))
+    # Process 0's ranking (memory readings differ per process): every process measures the
+    # same candidates in the same order.
+    rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/rows",
+                       json.dumps([r.to_json() for r in rows])))
+    top = cfg.parallelism.search_top
+    if mode == "model":
+        model_choice(rows, top=0)
+    else:
+        timer = timer or (lambda c, ls: time_layouts(c, ls, devices))
+        measure_stage(rows, top, lambda ls: timer(cfg, ls))
+        rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/chosen",
+                           json.dumps([r.to_json() for r in rows])))
+    rows += [Row(layout, why=why) for layout, why in refused]
+    record = {"search": mode, "target": target.name, "key": key, "top": top,
+              "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
+              "cached": False}
+    apply(cfg, chosen_layout(record))
+    if is_main() and not plan_mode:
+        write_cache(key, record)
+    return record
+
+
+def _rows(text: str) -> list[Row]:
+    out = []
+    for r in json.loads(text):
+        layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+        out.append(Row(layout, r["need_gb"], r["est_ms"], r["measured_ms"], r["chosen"],
+                       r["fits"], r["why"]))
+    return out
+
+
+def fix_batch(cfg: Any, devices: tuple) -> None:
+    """Resolve ``data.seq_len`` (null: the platform's) and, with ``data.per_device_batch_size``,
+    the global batch once, on the preset's own layout: held fixed while the layouts change (a
+    search never changes the update)."""
+    from dxrun.batch import default_seq_len
+    from dxrun.plan import make_plan
+
+    cfg.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, devices[1])
+    if cfg.data.per_device_batch_size is None:
+        return
+    batch = make_plan(cfg, *devices).global_batch
+    cfg.data.per_device_batch_size = None
+    cfg.data.batch_size = batch
+    log.info("parallelism=auto: the global batch is held at %d (data.per_device_batch_size "
+             "on the starting layout) while the layouts change", batch)
+
+
+def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool
+            ) -> Callable[[Any, Layout], tuple[float, float | None]]:
+    def score(trial: Any, layout: Layout) -> tuple[float, float | None]:
+        from dxrun import plan_mode as pm
+        from dxrun.experiment import Experiment
+        from dxrun.plan import make_plan
+        from dxrun.step import step_bytes
+
+        exp = Experiment.build(trial, make_plan(trial, *devices), data=pm._NoData())
+        compiled = exp.compile_step()
+        s = pm.step_estimate(trial, exp, compiled, target, peak, xla_cost=False)
+        need = (s.mem.total_bytes if s.mem is not None and plan_mode
+                else step_bytes(compiled) or s.fp.total_bytes)
+        est = s.est.get("step_time_s")
+        log.info("layout search: %s needs %.3f GiB per device, est. %s ms", layout.label,
+                 need / pm.GiB, _ms(None if est is None else 1e3 * est))
+        return need / pm.GiB, est
+
+    return score
+
+
+def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple) -> dict[Layout, float]:
+    """Seconds per step of each layout: a few real steps on the run's own data after the
+    compile, one layout at a time (each one's state is freed before the next is made, so that
+    only one has to fit)."""
+    import jax
+
+    from dxrun.bench.timing import interleaved
+    from dxrun.experiment import Experiment
+    from dxrun.plan import make_plan
+
+    out = {}
+    for layout in layouts:
+        trial = with_layout(cfg, layout)
+        exp = Experiment.build(trial, make_plan(trial, *devices))
+        box = {"state": exp.init_state(), "i": 0}
+        rows = [exp.data.local_batch(k) for k in range(2)]
+
+        def run(exp: Any = exp, box: dict = box, rows: list = rows) -> None:
+            tokens = exp.global_batch(rows[box["i"] % len(rows)])
+            box["state"], metrics = exp.step(box["state"], tokens)
+            box["i"] += 1
+            jax.block_until_ready((box["state"], metrics))
+
+        out[layout] = interleaved({layout: run}, MEASURE_STEPS, MEASURE_REPS)[layout].median_s
+        del box["state"]
+    return out
+
+
+def resumed_layout(resume: Any) -> Layout | None:
+    """The layout a checkpoint's run trained on (its saved config), None without a resume."""
+    if resume is None:
+        return None
+    try:
+        c = resume.meta["config"]
+        p = c["plan"]
+        return Layout(p["dp"], p["fsdp"], p["tp"], c["model"]["remat"],
+                      c["train"]["grad_accum"])
+    except (KeyError, TypeError):  # a checkpoint from before plans were saved with it
+        return None

@@ -1,0 +1,173 @@
+"""parallelism=auto (dxrun/layout_search.py): candidates, the fit rule, the measured choice,
+the cache, and that the chosen layout is an ordinary mesh (same losses as one device)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_cfg, run_cli
+
+from dxrun import layout_search as ls
+from dxrun.layout_search import Layout, Row
+
+
+def meshes(layouts):
+    return {(x.dp, x.fsdp, x.tp) for x in layouts}
+
+
+def test_factorisations_cover_every_product():
+    assert sorted(ls.factorisations(8)) == sorted(
+        [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2),
+         (2, 1, 4), (1, 2, 4), (1, 1, 8)])
+
+
+def test_candidates_follow_the_plan_rules():
+    # tiny: 4 heads -> no tp8; everything else divides.
+    ok, refused = ls.candidates(make_cfg("parallelism=auto"), 8, "cpu")
+    assert (1, 1, 8) not in meshes(ok) and len(ok) == 9
+    assert any("model.n_heads=4" in why for _, why in refused)
+    # 2 kv heads: tp4 goes too; a global batch of 4: no more than 4 replicas.
+    ok, refused = ls.candidates(make_cfg("parallelism=auto", "model.n_kv_heads=2",
+                                         "data.batch_size=4"), 8, "cpu")
+    assert all(x.tp <= 2 and x.dp * x.fsdp <= 4 for x in ok)
+    assert meshes(ok) == {(2, 2, 2), (1, 4, 2), (4, 1, 2)}
+    assert any("data.batch_size=4" in why for _, why in refused)
+    # 8 heads, 2 processes of 4 devices: tp8 would cross processes.
+    cfg = make_cfg("parallelism=auto", "model.n_heads=8", "model.n_kv_heads=8")
+    assert (1, 1, 8) in meshes(ls.candidates(cfg, 8, "cpu")[0])
+    ok, refused = ls.candidates(cfg, 8, "cpu", processes=2)
+    assert (1, 1, 8) not in meshes(ok)
+    assert any("tp=8" in why for _, why in refused)
+
+
+def test_fit_variants_add_recomputation_then_micro_batches():
+    labels = [x.label for x in ls.fit_variants(Layout(8, 1, 1))]
+    assert labels == ["dp8", "dp8 remat=dots", "dp8 remat=full", "dp8 remat=full accum=2",
+                      "dp8 remat=full accum=4", "dp8 remat=full accum=8"]
+    assert [x.label for x in ls.fit_variants(Layout(1, 1, 8, "full", 4))] == [
+        "tp8 remat=full accum=4", "tp8 remat=full accum=8"]
+
+
+def test_a_layout_that_does_not_fit_is_never_chosen():
+    # dp8 would be the fastest by far, but needs 3 GB of a 1 GB budget at every setting.
+    def score(trial, layout):
+        need = 3.0 if layout.dp == 8 else 0.5
+        return need, 0.001 if layout.dp == 8 else 0.010 * layout.tp
+    layouts = [Layout(8, 1, 1), Layout(4, 1, 2), Layout(2, 1, 4)]
+    rows = ls.model_stage(make_cfg(), layouts, 1.0, score)
+    assert [r.layout.mesh for r in rows] == ["dp4_tp2", "dp2_tp4", "dp8"]
+    assert not rows[-1].fits and rows[-1].why == "does not fit: 3.00 of 1.00 GiB"
+    chosen = ls.measure_stage(rows, 3, lambda layouts: {x: 0.001 for x in layouts})
+    assert chosen.layout.mesh == "dp4_tp2"
+    assert ls.model_choice(ls.model_stage(make_cfg(), layouts, 1.0, score)).layout.tp == 2
+
+
+def test_a_layout_fits_with_recomputation_when_it_must():
+    def score(trial, layout):
+        return (0.5 if trial.model.remat == "full" else 2.0), 0.01
+    rows = ls.model_stage(make_cfg(), [Layout(8, 1, 1)], 1.0, score)
+    assert rows[0].fits and rows[0].layout == Layout(8, 1, 1, "full", 1)
+
+
+def test_the_fastest_measured_wins_over_the_estimate():
+    rows = [Row(Layout(8, 1, 1), 0.1, 1.0, fits=True), Row(Layout(4, 1, 2), 0.1, 2.0, fits=True),
+            Row(Layout(2, 1, 4), 0.1, 3.0, fits=True), Row(Layout(1, 1, 8), 0.1, 4.0, fits=True)]
+    timed = []
+
+    def timer(layouts):
+        timed.extend(layouts)
+        return {Layout(8, 1, 1): 0.030, Layout(4, 1, 2): 0.010, Layout(2, 1, 4): 0.020}
+
+    chosen = ls.measure_stage(rows, 3, timer)
+    assert chosen.layout == Layout(4, 1, 2) and chosen.chosen
+    assert timed == [Layout(8, 1, 1), Layout(4, 1, 2), Layout(2, 1, 4)]  # the top 3 only
+    assert rows[0].why == "slower: 30.0 ms measured"
+    assert rows[3].why == "slower: 4.0 ms estimated (not in the top 3 measured)"
+    record = {"search": "measure", "target": "cpu", "search_s": 1.0,
+              "rows": [r.to_json() for r in rows]}
+    assert "✓" in ls.table(record).splitlines()[3]
+    assert ls.chosen_layout(record) == Layout(4, 1, 2)
+
+
+def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = make_cfg("parallelism=auto")
+    key = ls.cache_key(cfg, 8, "cpu", "0.10.2", 1)
+    assert key != ls.cache_key(make_cfg("parallelism=auto", "data.batch_size=64"), 8, "cpu",
+                               "0.10.2", 1)
+    assert key != ls.cache_key(cfg, 4, "cpu", "0.10.2", 1)
+    assert key != ls.cache_key(cfg, 8, "cpu", "0.10.3", 1)
+    import jax
+
+    key = ls.cache_key(cfg, 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    row = Row(Layout(2, 2, 2, "dots", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
+    ls.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+                         "rows": [row.to_json()]})
+
+    def timer(cfg, layouts):
+        raise AssertionError("a cache hit measures nothing")
+    record = ls.search(cfg, timer=timer)
+    assert record["cached"] and record["search_s"] < 1.0
+    assert (cfg.parallelism.dp, cfg.parallelism.fsdp, cfg.parallelism.tp) == (2, 2, 2)
+    assert cfg.model.remat == "dots"
+    # parallelism.search=fresh never reads it (the key is the same: fresh measures too).
+    assert ls.cache_key(make_cfg("parallelism=auto", "parallelism.search=fresh"), 8,
+                        jax.devices()[0].device_kind, jax.__version__, 1) == key
+
+
+@pytest.mark.e2e
+def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
+    """The winner is an ordinary mesh: its losses are dp1's (a cached choice of dp2_fsdp2_tp2
+    with full recomputation)."""
+    import jax
+
+    from dxrun.train import train
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = ["data.seq_len=16", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+              "checkpoint.every=0", "logger=none"]
+    cfg = make_cfg("parallelism=auto", *common)
+    key = ls.cache_key(cfg, 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    row = Row(Layout(2, 2, 2, "full", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
+    ls.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+                         "rows": [row.to_json()]})
+    train(cfg, tmp_path / "auto")
+    train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
+
+    def losses(run):
+        return [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text()
+                .splitlines() if "train/loss" in x]
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert plan["mesh_shape"] == [2, 2, 2] and plan["layout_search"]["cached"]
+    assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
+
+
+@pytest.mark.e2e
+def test_a_sweep_records_each_jobs_own_choice(tmp_path):
+    """``-m data.batch_size=16,32 parallelism=auto``: each job searches for its own batch (one
+    job's decision is not another's: the key holds the batch) and trains on what it chose."""
+    from omegaconf import OmegaConf
+
+    r = run_cli("-m", "data.batch_size=16,32", "parallelism=auto", "parallelism.search_top=2",
+                "parallelism.n_devices=2",  # 3 candidates: dp2, fsdp2, tp2
+                "data.seq_len=16", "train.steps=4", "train.log_every=2", "train.eval_every=0",
+                "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path,
+                timeout=1200, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    keys = set()
+    for job in ("0", "1"):
+        run = tmp_path / "sweep" / job
+        plan = json.loads((run / "plan.json").read_text())
+        record = plan["layout_search"]
+        chosen = [x for x in record["rows"] if x["chosen"]]
+        assert len(chosen) == 1 and not record["cached"]
+        assert sum(x["measured_ms"] is not None for x in record["rows"]) == 2
+        saved = OmegaConf.load(run / ".hydra" / "config.yaml")
+        assert [saved.parallelism.dp, saved.parallelism.fsdp, saved.parallelism.tp] == [
+            chosen[0]["dp"], chosen[0]["fsdp"], chosen[0]["tp"]] == plan["mesh_shape"]
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert any("perf/layout_search_s" in x for x in rows)
+        keys.add(record["key"])
+    assert len(keys) == 2
+    assert len(list((tmp_path / "cache" / "dxrun" / "layouts").glob("*.json"))) == 2
