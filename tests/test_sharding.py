@@ -132,7 +132,7 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=tp8",
                       "logger=none", "data.batch_size=24", "data.seq_len=40")
     exp = Experiment.build(cfg)
-    text = exp.compile_step().as_text()  # shapes only: nothing is allocated
+    text = exp.analyse_step().as_text()  # shapes only: nothing is allocated
     assert " while(" in text  # the layers scan: their weights are used in the loop's body
     found = collectives(text)
     assert found["collective-permute"] == 0
