@@ -175,6 +175,11 @@ class Experiment:
         """The train step compiled for this mesh from shapes alone (no weights allocated)."""
         return self.step.compile(self.abstract_state(), self.abstract_batch())
 
+    def analyse_step(self) -> Any:
+        """As ``compile_step`` for a step that will never run: its HLO text, memory and cost
+        analyses only, compiled cheaper (``step.analysis_options``) and not kept."""
+        return self.step.analyse(self.abstract_state(), self.abstract_batch())
+
     @property
     def padded_vocab(self) -> int:
         return self.plan.padded_vocab or self.cfg.model.vocab_size

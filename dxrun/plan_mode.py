@@ -191,7 +191,7 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
     costs = []
     for n in (1, 2):
         small = OmegaConf.merge(cfg, {"model": {"n_layers": n, "scan_layers": False}})
-        costs.append(_cost(Experiment.build(small, exp.plan, data=_NoData()).compile_step()))
+        costs.append(_cost(Experiment.build(small, exp.plan, data=_NoData()).analyse_step()))
     (f1, b1), (f2, b2) = costs
     n = cfg.model.n_layers
     return f1 + (n - 1) * (f2 - f1), b1 + (n - 1) * (b2 - b1)
@@ -472,7 +472,7 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
             exp = Experiment.build(trial, make_plan(trial, n_visible, platform), data=_NoData())
         except ConfigError:
             continue
-        needs = step_bytes(exp.compile_step()) if need is None else need(exp)
+        needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
         if needs is not None and needs <= budget_bytes:
             return overrides
     return None

@@ -246,6 +246,17 @@ def step_bytes(compiled: Any) -> float | None:
                  + m.temp_size_in_bytes)
 
 
+def analysis_options(platform: str) -> dict[str, Any]:
+    """XLA options for a compile whose executable never runs (plan mode's cost and candidate
+    compiles, compile-only tests), which read only the optimised HLO, its buffer assignment and
+    its cost analysis: all settled before code generation. On XLA:CPU, LLVM's optimisation is
+    then about half the compile for nothing (text, memory and cost analyses come out identical:
+    tests/test_plan_mode.py). Other platforms compile as ever."""
+    if platform != "cpu":
+        return {}
+    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 class TrainStep:
     """The jitted step, compiled ahead of its first call so that the same executable reports
     its FLOPs, memory and collectives and the compile time is measured exactly."""
@@ -263,6 +274,13 @@ class TrainStep:
                 self.compiled = self.jitted.lower(state, tokens_BxT).compile()
             self.compile_time_s = time.perf_counter() - t0
         return self.compiled
+
+    def analyse(self, state: TrainState, tokens_BxT: Any) -> Any:
+        """The step compiled for its analyses only (``analysis_options``): never kept, never
+        run (the run's own compile is ``compile``)."""
+        options = analysis_options(self.mesh.devices.flat[0].platform)
+        with in_mesh_context(self.mesh, self.rules):
+            return self.jitted.lower(state, tokens_BxT).compile(options)
 
     def memory_bytes(self) -> float | None:
         return step_bytes(self.compiled) if self.compiled is not None else None

@@ -22,6 +22,22 @@ os.environ["WANDB_ERROR_REPORTING"] = "false"
 os.environ["WANDB_SILENT"] = "true"
 os.environ["HYDRA_FULL_ERROR"] = "0"
 
+# One persistent XLA compilation cache for the whole session, in process and in every
+# subprocess a test starts (``runtime.compile_cache=auto`` is ``$XDG_CACHE_HOME/dxrun/jax``):
+# the many runs of the same small configs compile each program once. A fresh directory per
+# session unless DXRUN_TEST_CACHE names one, so a session never reads programs an older JAX or
+# dxrun wrote and its time is a fresh clone's (DXRUN_TEST_CACHE=~/.cache/dxrun-tests keeps
+# one across sessions: a faster inner loop). Subprocesses inherit the variable. A test that
+# counts compiles counts each cache hit as the compile it replaces (test_train.py).
+import atexit
+import shutil
+import tempfile
+
+if not os.environ.get("DXRUN_TEST_CACHE"):
+    os.environ["DXRUN_TEST_CACHE"] = tempfile.mkdtemp(prefix="dxrun-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["DXRUN_TEST_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["DXRUN_TEST_CACHE"]
+
 import sys
 from pathlib import Path
 
@@ -29,10 +45,18 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dxrun.config import register
+from dxrun.runtime import enable_compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 register()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache():
+    """The session's cache in this process too, as ``python -m dxrun`` sets it (a fixture, not
+    at import: the multi-process workers that import this file leave the cache alone)."""
+    return enable_compile_cache("auto")
 
 
 def make_cfg(*overrides: str):

@@ -48,19 +48,53 @@ def test_collectives_in_a_loop_count_once_per_iteration():
 
 
 def _need(exp: Experiment) -> float:
-    return step_bytes(exp.compile_step())
+    return step_bytes(exp.analyse_step())  # never run: its memory analysis only
+
+
+def test_an_analysis_compile_reads_as_the_runs_compile(cfg_factory):
+    """Plan mode's cost and candidate compiles (and the compile-only tests) skip LLVM's
+    optimisation on CPU: the HLO, the memory and the cost analyses are the run's own."""
+    from dxrun.step import analysis_options
+
+    cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
+                      "parallelism=fsdp8", "logger=none")
+    exp = Experiment.build(cfg, data=plan_mode._NoData())
+    real, cheap = exp.compile_step(), exp.analyse_step()
+    assert exp.step.compiled is real  # the run's executable is the real compile, never this one
+    assert cheap.as_text() == real.as_text()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes")
+    assert [getattr(cheap.memory_analysis(), f) for f in fields] == [
+        getattr(real.memory_analysis(), f) for f in fields]
+    assert cheap.cost_analysis() == real.cost_analysis()
+    assert analysis_options("gpu") == analysis_options("tpu") == {}  # those compile as ever
 
 
 WIDE = ["model=tiny", "model.d_model=256", "model.d_ff=1024", "model.n_heads=8",
         "model.n_kv_heads=8", "logger=none"]
 
 
-def test_footprint_is_per_device_and_follows_the_mesh(cfg_factory):
-    # ZeRO-1 off: the optimizer state replicated like the parameters (tests/test_shard_optimizer)
-    dp = Experiment.build(cfg_factory(*WIDE, "parallelism=dp8",
-                                      "parallelism.shard_optimizer=false"))
-    fsdp = Experiment.build(cfg_factory(*WIDE, "parallelism=fsdp8"))
-    a, b = (plan_mode.footprint(e, e.compile_step()) for e in (dp, fsdp))
+@pytest.fixture(scope="module")
+def wide():
+    """WIDE's step on dp8 (ZeRO-1 on, the default, and off) and on fsdp8, compiled once for the
+    tests that read them."""
+    from conftest import make_cfg
+
+    out = {}
+    for name, args in (("dp8", ["parallelism=dp8"]), ("fsdp8", ["parallelism=fsdp8"]),
+                       # ZeRO-1 off: the optimizer state replicated like the parameters
+                       # (tests/test_shard_optimizer.py)
+                       ("dp8_replicated", ["parallelism=dp8",
+                                           "parallelism.shard_optimizer=false"])):
+        exp = Experiment.build(make_cfg(*WIDE, *args))
+        out[name] = exp, exp.analyse_step()
+    return out
+
+
+def test_footprint_is_per_device_and_follows_the_mesh(wide):
+    dp = wide["dp8_replicated"][0]
+    a, b = (plan_mode.footprint(e, compiled)
+            for e, compiled in (wide["dp8_replicated"], wide["fsdp8"]))
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(dp.init_params)))
     assert a.params_bytes == 4 * n_params  # replicated on every device
     assert b.params_bytes < a.params_bytes / 6  # all but norms and biases split 8 ways
@@ -69,9 +103,8 @@ def test_footprint_is_per_device_and_follows_the_mesh(cfg_factory):
     assert a.flops > 0 and "all-reduce" in a.collectives and "all-gather" in b.collectives
 
 
-def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory):
-    need_dp = _need(Experiment.build(cfg_factory(*WIDE, "parallelism=dp8")))
-    need_fsdp = _need(Experiment.build(cfg_factory(*WIDE, "parallelism=fsdp8")))
+def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
+    need_dp, need_fsdp = (step_bytes(wide[mesh][1]) for mesh in ("dp8", "fsdp8"))
     assert need_fsdp < need_dp
     # A CPU "machine" whose 8 devices get (80% of) a budget between the two needs.
     per_device = (need_dp + need_fsdp) / 2

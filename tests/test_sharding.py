@@ -132,7 +132,7 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=tp8",
                       "logger=none", "data.batch_size=24", "data.seq_len=40")
     exp = Experiment.build(cfg)
-    text = exp.compile_step().as_text()  # shapes only: nothing is allocated
+    text = exp.analyse_step().as_text()  # shapes only: nothing is allocated
     assert " while(" in text  # the layers scan: their weights are used in the loop's body
     found = collectives(text)
     assert found["collective-permute"] == 0
@@ -177,7 +177,20 @@ def test_low_level_api_on_the_same_rules():
         shd.make_mesh(dp=3, tp=2)
 
 
-def test_no_preset_makes_xla_replicate_activations(cfg_factory, capfd):
+@pytest.fixture
+def real_compiles():
+    """The session's persistent compilation cache off (conftest.py): a program it handed back
+    would skip XLA's partitioner, and with it the warning a test looks for."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    cc.reset_cache()  # JAX reads jax_enable_compilation_cache once per reset
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    cc.reset_cache()
+
+
+def test_no_preset_makes_xla_replicate_activations(cfg_factory, capfd, real_compiles):
     """XLA warns (on stderr, from C++) when it cannot reshard efficiently and replicates a whole
     tensor instead; the token-embedding gather under FSDP+TP used to. No preset may: GPT-2's
     block on every one, Llama's (RoPE, grouped-query heads, SwiGLU, RMSNorm) on every one that

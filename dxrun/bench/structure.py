@@ -71,7 +71,7 @@ def _fmt(c: dict) -> dict[str, str]:
 
 def collectives(exp: Experiment) -> Figure:
     """Measured collectives per layer of ``exp``'s compiled step against the minimum."""
-    text = exp.compile_step().as_text()
+    text = exp.analyse_step().as_text()  # never run: its HLO only
     plan, cfg = exp.plan, exp.cfg
     n = plan.n_devices
     measured = hlo.per_iteration(text, cfg.model.n_layers, n)
