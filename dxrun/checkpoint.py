@@ -510,6 +510,9 @@ class RunCheckpoints:
         self.warned_cost = False
         self.halt = cfg.train.nan_policy == "halt"
         self.hold = cfg.train.hold_at_step  # test-only: see between_steps
+        # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
+        # step they agree on, some steps after the signal cleared its flag.
+        self.usr1_pending = False
         # Every checkpoint names the run that wrote it (evaluation writes its results there).
         self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
         self.iterator, self.logger, self.preemption = iterator, logger, preemption
@@ -530,6 +533,7 @@ class RunCheckpoints:
         while self.hold and done >= self.hold and not self.preemption.save:
             time.sleep(0.01)
         stop, signalled = self.preemption.stop, self.preemption.take_save()
+        self.usr1_pending |= signalled
         ran = done > self.start
         timed = ran and time_due(self.clock(), self.last_save_t, self.every_s)
         asked = signalled or timed
@@ -546,8 +550,9 @@ class RunCheckpoints:
             self.last_saved, block_s = self.saver.save(done, state, meta)
             if block_s is not None:
                 self._count(block_s)
-            if signalled and not stop:
+            if self.usr1_pending and not stop:
                 log.info("SIGUSR1: saving checkpoint %s; training goes on", self.last_saved)
+            self.usr1_pending = False
         elif ran and (done % self.log_every == 0 or last):
             self._check_finite(done, state)
         if stop:

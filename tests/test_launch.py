@@ -282,5 +282,9 @@ def test_the_launcher_passes_sigusr1_and_sigterm_on_to_every_rank(tmp_path):
     assert saved_then == saved and saved % 10 == 0 and stopped % 10 == 0 and stopped > saved
     assert (f"dxrun.launch: stopped by SIGTERM: every rank saved and stopped at step {stopped}"
             in text), text[-3000:]
+    # Rank 0 (the one that logs) says so at the step the processes agreed on, some steps after
+    # the signal's own step.
+    said = rf"\[rank 0\].*SIGUSR1: saving checkpoint \S+/{saved}; training goes on"
+    assert re.search(said, text), text[-3000:]
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert (status["status"], status["signal"], status["step"]) == ("stopped", "SIGTERM", stopped)
