@@ -353,8 +353,13 @@ def search(cfg: Any, plan_mode: bool = False,
 
 
 def _rows(text: str) -> list[Row]:
+    return rows_of({"rows": json.loads(text)})
+
+
+def rows_of(record: dict[str, Any]) -> list[Row]:
+    """A record's ranking rows (as ``plan.json`` holds them), in the ranking's order."""
     out = []
-    for r in json.loads(text):
+    for r in record["rows"]:
         layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
         out.append(Row(layout, r["need_gb"], r["est_ms"], r["measured_ms"], r["chosen"],
                        r["fits"], r["why"]))

@@ -4,8 +4,10 @@ The full suite takes about 15 minutes on the 2-core development machine; ``--qui
 minutes; CI runs it) times a smaller model with fewer steps, and skips the allocator figure,
 the plan-mode roofline and the existing compile and checkpoint benchmarks, whose figures stay in
 the file as they are. ``--gpu`` runs the GPU figures only (on a machine with an NVIDIA GPU).
-``--published`` plans the published GPU runs of ``dxrun/bench/published.py`` (shapes only,
-minutes on 2 cores) and writes the "Plan mode vs published GPU runs" section.
+``--auto`` times ``parallelism=auto``'s choice against every layout that fits (the "auto vs
+best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the published GPU
+runs of ``dxrun/bench/published.py`` (shapes only, minutes on 2 cores) and writes the "Plan
+mode vs published GPU runs" section.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu", action="store_true", help="the GPU figures (needs an NVIDIA GPU)")
     ap.add_argument("--published", action="store_true",
                     help="plan mode against published GPU runs (shapes only)")
+    ap.add_argument("--auto", action="store_true",
+                    help="parallelism=auto's choice against every layout measured (minutes)")
     ap.add_argument("--only", default=None,
                     help="with --published: the runs whose name contains this (e.g. 124M)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"basis {published.basis(rows)}; order "
               f"{'kept' if published.order_preserved(rows) else 'NOT kept'}; wrote {args.out}")
         return
-    report = Report(command, machine, key="gpu" if args.gpu else "suite")
+    report = Report(command, machine, key="gpu" if args.gpu else "auto" if args.auto else "suite")
     t_start = time.perf_counter()
 
     def add(figs: list) -> None:
@@ -111,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.gpu:
         add(gpu.measured())
+    elif args.auto:
+        from dxrun.bench import auto
+
+        add(auto.figures(args.quick, command))
     else:
         shape = QUICK_SHAPE if args.quick else SHAPE
         steps, reps = (2, 1) if args.quick else (30, 3)  # quick: a smoke run, few steps

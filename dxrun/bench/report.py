@@ -12,7 +12,8 @@ from typing import Any
 
 
 def markers(key: str) -> tuple[str, str]:
-    """The comments around one generated section (``suite``, or ``gpu`` for ``--gpu``)."""
+    """The comments around one generated section (``suite``; ``gpu``, ``auto`` for ``--gpu``,
+    ``--auto``)."""
     return f"<!-- dxrun.bench {key}: begin -->", f"<!-- dxrun.bench {key}: end -->"
 
 
@@ -62,7 +63,8 @@ def _raw(raw: dict[str, Any]) -> str:
 def markdown(report: Report) -> str:
     m = report.machine
     begin, end = markers(report.key)
-    title = {"suite": "The suite", "gpu": "GPU figures"}[report.key]
+    title = {"suite": "The suite", "gpu": "GPU figures",
+             "auto": "parallelism=auto vs the best layout"}[report.key]
     lines = [begin, f"## {title}: `{report.command}`", "",
              f"`{report.command}` on {m['device_count']} × {m['device_kind']} "
              f"({m['cpu_cores']} cores), JAX {m['jax']}, {m['date']}; load average "

@@ -1,0 +1,66 @@
+"""``parallelism=auto`` against the best layout measured: for each case, the search runs as a
+run would (``parallelism.search=fresh``: ranked by plan mode's estimate, the top timed), then
+every layout that fits is timed in alternating rounds (one layout's state alive at a time, so
+the larger models fit the host), and the choice's step time is compared with the fastest's.
+
+Two figures per section: each case's tokens/s of auto's choice / the best measured (goal
+>= 0.95), and how often the roofline's first choice alone was the measured best (what the
+measured stage buys)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+
+from dxrun.bench.report import Figure, figure
+
+SECTION = "parallelism=auto vs the best layout measured (8 simulated CPU devices)"
+# (name, overrides, global batches): the issue's tiny and small at a short sequence.
+CASES = [("tiny", ["model=tiny", "data.seq_len=64"], (16, 64)),
+         ("small", ["model=small", "data.seq_len=64"], (8, 32))]
+QUICK_CASES = [("tiny", ["model=tiny", "model.n_layers=1", "data.seq_len=16"], (16,))]
+
+
+def case(name: str, shape: list[str], batch: int, rounds: int, command: str
+         ) -> tuple[Figure, bool]:
+    """(the choice / best figure, whether the roofline's first choice was the measured best)."""
+    from dxrun import layout_search
+    from dxrun.bench.speed import compose_cfg
+    from dxrun.experiment import visible_devices
+
+    cfg = compose_cfg(*shape, f"data.batch_size={batch}", "parallelism=auto",
+                      "parallelism.search=fresh")
+    record = layout_search.search(cfg)
+    chosen = layout_search.chosen_layout(record)
+    fitting = [r for r in layout_search.rows_of(record) if r.fits]
+    layouts = [r.layout for r in fitting]
+    first_by_model = layouts[0]  # the model stage's order: estimated fastest first
+    devices = visible_devices()
+    per_round = [layout_search.time_layouts(cfg, layouts[::1 if k % 2 == 0 else -1], devices)
+                 for k in range(rounds)]  # alternate the order: drift falls on all alike
+    step_s = {lay: statistics.median(r[lay] for r in per_round) for lay in layouts}
+    best = min(layouts, key=step_s.__getitem__)
+    raw = {lay.label: f"{1e3 * s:.1f} ms" for lay, s in sorted(step_s.items(),
+                                                                  key=lambda kv: kv[1])}
+    raw |= {"auto chose": chosen.label, "roofline's first": first_by_model.label,
+            "search_s": round(record["search_s"], 1)}
+    fig = figure(SECTION, f"{name} batch {batch}: tokens/s of auto's choice ({chosen.label}) "
+                 f"/ the best measured ({best.label})", step_s[best] / step_s[chosen], raw,
+                 ">= 0.95", command=command)
+    return fig, first_by_model == best
+
+
+def figures(quick: bool, command: str, rounds: int = 2) -> list[Figure]:
+    # The decision cache in a scratch dir: every case searches afresh and the user's is untouched.
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dxrun-bench-auto-")
+    figs, hits = [], []
+    for name, shape, batches in QUICK_CASES if quick else CASES:
+        for batch in batches:
+            fig, hit = case(name, shape, batch, 1 if quick else rounds, command)
+            figs.append(fig)
+            hits.append(hit)
+    figs.append(figure(SECTION, "cases where the roofline's first choice was the measured best",
+                       sum(hits) / len(hits), {"cases": len(hits), "hits": sum(hits)},
+                       command=command))
+    return figs
