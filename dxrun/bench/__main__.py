@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--auto", action="store_true",
                     help="parallelism=auto's choice against every layout measured (minutes)")
     ap.add_argument("--only", default=None,
-                    help="with --published: the runs whose name contains this (e.g. 124M)")
+                    help="with --published: the runs whose name contains this (e.g. 124M); "
+                    "with --auto: the models (e.g. tiny)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = ap.parse_args(argv)
     simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (runtime.py)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.auto:
         from dxrun.bench import auto
 
-        add(auto.figures(args.quick, command))
+        add(auto.figures(args.quick, command, only=args.only))
     else:
         shape = QUICK_SHAPE if args.quick else SHAPE
         steps, reps = (2, 1) if args.quick else (30, 3)  # quick: a smoke run, few steps

@@ -51,11 +51,15 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     return fig, first_by_model == best
 
 
-def figures(quick: bool, command: str, rounds: int = 2) -> list[Figure]:
+def figures(quick: bool, command: str, rounds: int = 2, only: str | None = None
+            ) -> list[Figure]:
+    """Every case (``only``: those whose model name contains it)."""
     # The decision cache in a scratch dir: every case searches afresh and the user's is untouched.
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dxrun-bench-auto-")
     figs, hits = [], []
     for name, shape, batches in QUICK_CASES if quick else CASES:
+        if only and only not in name:
+            continue
         for batch in batches:
             fig, hit = case(name, shape, batch, 1 if quick else rounds, command)
             figs.append(fig)
