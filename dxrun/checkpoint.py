@@ -510,6 +510,7 @@ class RunCheckpoints:
         self.warned_cost = False
         self.halt = cfg.train.nan_policy == "halt"
         self.hold = cfg.train.hold_at_step  # test-only: see between_steps
+        self.fail_at = cfg.train.inject_error_at_step  # test-only: see between_steps
         # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
         # step they agree on, some steps after the signal cleared its flag.
         self.usr1_pending = False
@@ -532,6 +533,9 @@ class RunCheckpoints:
         # test knows the step its signals are acted on at (a stop waits for one too).
         while self.hold and done >= self.hold and not self.preemption.save:
             time.sleep(0.01)
+        if self.fail_at and done == self.fail_at:  # test-only (train.inject_error_at_step)
+            raise RuntimeError(f"injected failure after step {done} "
+                               "(train.inject_error_at_step, a test-only key)")
         stop, signalled = self.preemption.stop, self.preemption.take_save()
         self.usr1_pending |= signalled
         ran = done > self.start

@@ -150,6 +150,9 @@ class TrainConfig:
     # Test-only: from step k on (0 = off), the loop waits before each step for a SIGUSR1 (which
     # also asks for a save), so a test's signals land at known steps instead of racing the run.
     hold_at_step: int = 0
+    # Test-only: after step k (0 = off) the loop raises an error that is not bad input, so the
+    # crash path (one line, the traceback in the run's log) is tested on any host.
+    inject_error_at_step: int = 0
 
 
 @dataclass
@@ -399,6 +402,7 @@ RANGES: dict[str, Range] = {
     "eval.batches": POSITIVE, "runtime.cpu_devices": POSITIVE,
     "train.inject_nan_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "train.hold_at_step": NON_NEGATIVE,  # test-only; 0 = off
+    "train.inject_error_at_step": NON_NEGATIVE,  # test-only; 0 = off
     "checkpoint.every": NON_NEGATIVE,  # 0 = only on a signal
     "checkpoint.every_minutes": NON_NEGATIVE,  # 0 = off
     "plan.write_gb_per_s": POSITIVE,

@@ -576,7 +576,6 @@ def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
     XLA's counts. ``xla_cost=False`` (the layout search: one compile per candidate, not three):
     on a CPU target the FLOPs are counted from the shapes and memory traffic is left out."""
     from dxrun import flops, gpu_cost
-    from dxrun.chunked_loss import loss_chunk_for
 
     key = target_key(target)
     accelerator = key in gpu_cost.COST
@@ -622,6 +621,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
     tokens = exp.plan.global_batch * cfg.data.seq_len
     warning = shape_warning(plan_platform(cfg.plan.target, exp.plan.platform), cfg.data.seq_len,
                             cfg.model.max_seq_len, tokens)
+    from dxrun.chunked_loss import loss_chunk_for
     from dxrun.experiment import shard_optimizer
     from dxrun.sharding import replicated_bytes_over
 
