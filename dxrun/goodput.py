@@ -110,6 +110,13 @@ def run_total(attempts: list[dict[str, Any]]) -> dict[str, float]:
             "lost_s": lost, "goodput": productive / wall if wall > 0 else 0.0}
 
 
+def file_content(earlier: list[dict[str, Any]], attempt: dict[str, Any],
+                 total: dict[str, float]) -> dict[str, Any]:
+    """``goodput.json``: the run's totals and the list of its attempts (which a resume in place
+    reads back with ``earlier_attempts``; the totals' own count must not replace it)."""
+    return {**total, "attempts": [*earlier, attempt]}
+
+
 def earlier_attempts(run_dir: Path, resumed_in_place: bool) -> list[dict[str, Any]]:
     """The attempts a run dir holds (a resume in place continues them); [] for a new run."""
     path = run_dir / FILE

@@ -409,7 +409,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                    "last_step": reached}
         total = goodput.run_total([*attempts, attempt])
         if main:
-            write_json(run_dir / goodput.FILE, {"attempts": [*attempts, attempt], **total})
+            write_json(run_dir / goodput.FILE, goodput.file_content(attempts, attempt, total))
         logger.summary({"goodput": total["goodput"],
                         **{f"goodput/{k}": v for k, v in attempt.items()}})
         logger.finish()

@@ -62,8 +62,9 @@ def test_a_resume_counts_its_attempts_and_the_redone_steps_as_lost(tmp_path):
     assert "over 2 attempts: 60.0% (10.0s of steps redone" in goodput.lines(
         {**second, **{f"{p}_s": 0.0 for p in goodput.PARTS if p != "productive"},
          "rest_s": 0.0, "goodput": 0.8}, total)[1]
-    (tmp_path / goodput.FILE).write_text(json.dumps({"attempts": [first]}))
-    assert goodput.earlier_attempts(tmp_path, resumed_in_place=True) == [first]
+    # The file as a run writes it (its totals beside the list), read back by the next attempt.
+    (tmp_path / goodput.FILE).write_text(json.dumps(goodput.file_content([first], second, total)))
+    assert goodput.earlier_attempts(tmp_path, resumed_in_place=True) == [first, second]
     assert goodput.earlier_attempts(tmp_path, resumed_in_place=False) == []
 
 
