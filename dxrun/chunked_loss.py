@@ -53,7 +53,8 @@ def loss_chunk_for(cfg: Any, plan: Any) -> int:
     device and the vocabulary's padded rows per tensor-parallel device."""
     rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * cfg.train.grad_accum))
     vocab = (plan.padded_vocab or cfg.model.vocab_size) // plan.tp
-    return resolve_loss_chunk(cfg.model.loss_chunk, rows, cfg.data.seq_len, vocab)
+    # The plan's sequence length: data.seq_len may still be null (the platform's default) here.
+    return resolve_loss_chunk(cfg.model.loss_chunk, rows, plan.seq_len, vocab)
 
 
 def chunked_cross_entropy(logits_fn: Any, w: Any, x_BxLxD: Any, targets_BxL: Any,
