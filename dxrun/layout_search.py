@@ -392,7 +392,9 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool
         from dxrun.step import step_bytes
 
         exp = Experiment.build(trial, make_plan(trial, *devices), data=pm._NoData())
-        compiled = exp.compile_step()
+        # Read for its analyses only (the measure stage and the run compile their own): the
+        # cheaper analysis compile, whose memory and cost figures are the run compile's.
+        compiled = exp.analyse_step()
         s = pm.step_estimate(trial, exp, compiled, target, peak, xla_cost=False)
         need = (s.mem.total_bytes if s.mem is not None and plan_mode
                 else step_bytes(compiled) or s.fp.total_bytes)
