@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from dxrun import config
+from dxrun import config, schema
 
 PACKAGE = Path(__file__).resolve().parent
 
@@ -67,13 +67,13 @@ def _type_name(tp: Any) -> str:
 
 def _allowed(key: str, type_text: str) -> str:
     """What the key's field says it accepts: its choices, its range, or why it has none."""
-    null = " or null" if config.null_is_a_value(key) else ""
-    if config.choices_of(key):
-        return " \\| ".join(f"`{c}`" for c in config.choices_of(key)) + null
-    if key in config.RANGES:
-        return str(config.RANGES[key]) + null
-    if key in config.UNRANGED:
-        return config.UNRANGED[key].partition(":")[0]
+    null = " or null" if schema.null_is_a_value(key) else ""
+    if schema.choices_of(key):
+        return " \\| ".join(f"`{c}`" for c in schema.choices_of(key)) + null
+    if key in schema.RANGES:
+        return str(schema.RANGES[key]) + null
+    if key in schema.UNRANGED:
+        return schema.UNRANGED[key].partition(":")[0]
     if type_text == "bool":
         return "`true` \\| `false`"
     return ""
@@ -81,10 +81,10 @@ def _allowed(key: str, type_text: str) -> str:
 
 def config_keys() -> list[Key]:
     """Every key of the schema in order, with the default the default run composes and what its
-    field says (``dxrun.config.key``): the accepted values and the meaning."""
+    field says (``dxrun.schema.key``): the accepted values and the meaning."""
     defaults = _composed_defaults()
     out = []
-    for key, f in config.FIELDS.items():
+    for key, f in schema.FIELDS.items():
         type_text = _type_name(f.type)
         out.append(Key(key, type_text, defaults.get(key), _allowed(key, type_text),
                        f.metadata["meaning"]))
@@ -132,7 +132,7 @@ def config_markdown() -> str:
     groups = {g: sorted(p.stem for p in (config.conf_dir() / g).glob("*.yaml"))
               for g in ("model", "parallelism", "data", "optimizer", "logger")}
     out = ["# Config keys", "",
-           "Every key of the run config, generated from the schema in `dxrun/config.py`: each "
+           "Every key of the run config, generated from the schema in `dxrun/schema.py`: each "
            "field's type and default, and the meaning, range or choices its `key(...)` carries. "
            "The default is what `python -m dxrun` composes (`model=tiny`, `parallelism=dp`, "
            "`data=markov`, `optimizer=adamw`, `logger=wandb`); a preset of a group may set another "
@@ -142,7 +142,7 @@ def config_markdown() -> str:
     by_section: dict[str, list[Key]] = {}
     for k in config_keys():
         by_section.setdefault(k.key.partition(".")[0], []).append(k)
-    sections = {f.name: f.metadata["meaning"] for f in dataclasses.fields(config.RunConfig)}
+    sections = {f.name: f.metadata["meaning"] for f in dataclasses.fields(schema.RunConfig)}
     for section, keys in by_section.items():
         out += [f"## {section}", "", sections[section][:1].upper() + sections[section][1:] + ".",
                 ""]
@@ -154,9 +154,9 @@ def config_markdown() -> str:
                 f"{_cell(k.meaning)} |" for k in keys]
         out.append("")
     out += ["## Accepted ranges", "",
-            "The same ranges by kind (`dxrun.config.ranges_markdown()`); the numeric keys left "
-            "out, each with its reason, are `dxrun/config.py: UNRANGED`.", "",
-            config.ranges_markdown(), ""]
+            "The same ranges by kind (`dxrun.schema.ranges_markdown()`); the numeric keys left "
+            "out, each with its reason, are `dxrun/schema.py: UNRANGED`.", "",
+            schema.ranges_markdown(), ""]
     return "\n".join(out)
 
 

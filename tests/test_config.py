@@ -11,52 +11,52 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun import config
+from dxrun import config, schema
 from dxrun.errors import ConfigError
 
 
 def _numeric_keys() -> list[str]:
-    hints = {k: h for k, _, h in config._walk(config.RunConfig)}
+    hints = {k: h for k, _, h in schema._walk(schema.RunConfig)}
     # Optional numbers too (the data keys only some sources read).
     return [k for k, h in hints.items()
             if set(typing.get_args(h) or [h]) - {type(None)} <= {int, float}]
 
 
 def test_every_section_and_key_has_a_meaning():
-    sections = [f for cls in (config.RunConfig, config.TrainConfig)
+    sections = [f for cls in (schema.RunConfig, schema.TrainConfig)
                 for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default_factory)]
-    assert len(sections) == 13 and len(config.FIELDS) > 100
+    assert len(sections) == 13 and len(schema.FIELDS) > 100
     missing = [f.name for f in sections if not f.metadata.get("meaning")]
-    missing += [k for k, f in config.FIELDS.items() if not f.metadata.get("meaning", "").strip()]
+    missing += [k for k, f in schema.FIELDS.items() if not f.metadata.get("meaning", "").strip()]
     assert not missing, f"give these a meaning in their key(...): {missing}"
 
 
 def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
     """A number without a bound would be checked nowhere: each carries a Range or says where it
     is checked (``unranged``), never both; RANGES and UNRANGED are exactly what fields say."""
-    meta = {k: f.metadata for k, f in config.FIELDS.items()}
+    meta = {k: f.metadata for k, f in schema.FIELDS.items()}
     numeric = _numeric_keys()
     assert {"train.steps", "parallelism.dp", "data.order", "runtime.memory_gb"} <= set(numeric)
     assert not [k for k in numeric if bool(meta[k]["range"]) == bool(meta[k]["unranged"])]
-    assert config.RANGES == {k: meta[k]["range"] for k in numeric if meta[k]["range"]}
-    assert config.UNRANGED == {k: meta[k]["unranged"] for k in numeric if meta[k]["unranged"]}
-    assert all(":" in why for why in config.UNRANGED.values())  # accepted: where it is checked
+    assert schema.RANGES == {k: meta[k]["range"] for k in numeric if meta[k]["range"]}
+    assert schema.UNRANGED == {k: meta[k]["unranged"] for k in numeric if meta[k]["unranged"]}
+    assert all(":" in why for why in schema.UNRANGED.values())  # accepted: where it is checked
     assert not [k for k, m in meta.items() if (m["range"] or m["unranged"]) and k not in numeric]
-    assert config.RANGES["optimizer.decay_frac"] == config.Range(0, 1, lo_closed=False,
+    assert schema.RANGES["optimizer.decay_frac"] == schema.Range(0, 1, lo_closed=False,
                                                                  hi_closed=True)
     # null is a setting of its own for these; for the source keys and the batch pair it is not.
-    assert set(config.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
+    assert set(schema.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
                                     "data.seq_len", "checkpoint.every", "model.loss_chunk"}
-    assert config.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
-    assert config.DATA_SOURCE_KEYS["order"] == ("markov",)
+    assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
+    assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
 
 
 def test_the_schema_with_metadata_is_still_a_structured_config():
     from hydra.core.config_store import ConfigStore
 
-    node = OmegaConf.structured(config.RunConfig)
+    node = OmegaConf.structured(schema.RunConfig)
     assert node.train.profile.steps == 3 and node.logger.tags == []
-    assert OmegaConf.get_type(node.model) is config.ModelConfig
+    assert OmegaConf.get_type(node.model) is schema.ModelConfig
     config.register()
     assert "dxrun_schema.yaml" in ConfigStore.instance().list("/")
 
@@ -98,11 +98,11 @@ def _choosing(compose, key: str):
     return compose().copy()
 
 
-@pytest.mark.parametrize("key", sorted(k for k, f in config.FIELDS.items()
+@pytest.mark.parametrize("key", sorted(k for k, f in schema.FIELDS.items()
                                        if f.metadata["choices"]))
 def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
-    allowed = config.choices_of(key)
-    assert allowed and allowed == config._CHOICES.get(key, allowed)
+    allowed = schema.choices_of(key)
+    assert allowed and allowed == schema._CHOICES.get(key, allowed)
     cfg = _choosing(compose, key)
     for value in allowed:
         if cfg is None:
@@ -119,7 +119,7 @@ def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
     assert msg.startswith((f"{key}='bogus' is not one of ", f"{key}=bogus is not a known"))
     assert ", ".join(allowed) in msg and "\n" not in msg
     null_ok = key in ("logger.mode", "plan.target")  # null: follow $WANDB_MODE, these devices
-    assert config.null_is_a_value(key) == null_ok
+    assert schema.null_is_a_value(key) == null_ok
     if null_ok:
         OmegaConf.update(cfg, key, None, merge=False)
         config.validate(cfg)
@@ -140,7 +140,7 @@ def test_choice_refusals_keep_their_words(base_cfg):
 def test_validate_is_one_short_check_per_section():
     import inspect
 
-    for section in (f.name for f in dataclasses.fields(config.RunConfig)):
+    for section in (f.name for f in dataclasses.fields(schema.RunConfig)):
         check = getattr(config, f"check_{section}")
         assert check.__name__ in inspect.getsource(config.validate)
         assert len(inspect.getsource(check).splitlines()) <= 30, section
@@ -157,7 +157,7 @@ def test_seeds_and_process_numbers_are_ranged(cfg_factory, override):
 
 def test_readme_lists_the_generated_ranges():
     readme = (Path(__file__).resolve().parents[1] / "docs/guide/bad-input.md").read_text()
-    assert config.ranges_markdown() in readme, (
+    assert schema.ranges_markdown() in readme, (
         "README's table of ranges is stale: paste the output of "
         "python -c 'from dxrun.config import ranges_markdown; print(ranges_markdown())'")
 
