@@ -218,7 +218,8 @@ def config_warnings(cfg: Any) -> list[str]:
 
 
 def validate(cfg: Any) -> None:
-    """Check values the schema's types cannot; raise ConfigError naming key, value and fix."""
+    """Check values the schema's types cannot; raise ConfigError naming key, value and fix.
+    The model comes before the data: the data's checks read the model's (checked) sizes."""
     for check in (check_checkpoint, check_model, check_parallelism, check_data, check_optimizer,
                   check_logger, check_train, check_eval, check_runtime, check_run, check_plan,
                   check_distributed):
