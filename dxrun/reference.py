@@ -8,8 +8,8 @@ CI fails on a page that does not render. ``tests/test_reference.py`` fails when 
 in the code without its entry here (a key without a meaning, a metric the train loop logs but
 METRICS lacks, a tool without its usage).
 
-Pure: reads the schema dataclasses, the comments beside their fields, the YAML presets and the
-tools' argument parsers; never imports JAX (a docs build needs no accelerator stack).
+Pure: reads the schema dataclasses and their fields' metadata, the YAML presets and the tools'
+argument parsers; never imports JAX (a docs build needs no accelerator stack).
 """
 
 from __future__ import annotations
@@ -27,66 +27,12 @@ from typing import Any
 
 import yaml
 
-from dxrun import config
+from dxrun import config, schema
 
 PACKAGE = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------
 # Config keys
-
-# Meanings for schema fields that carry no comment in dxrun/config.py (the names say most of it;
-# a comment there, when one is added, takes precedence). A new field without either fails the
-# tests.
-MEANING: dict[str, str] = {
-    "model.name": "the preset's name: W&B run name and tags; set it to name a model made of overrides",
-    "model.n_layers": "transformer blocks",
-    "model.d_model": "width of the residual stream",
-    "model.n_heads": "attention (query) heads; divisible by parallelism.tp",
-    "model.n_kv_heads": "key/value heads (grouped-query attention when fewer than n_heads)",
-    "model.d_ff": "hidden width of the MLP",
-    "model.vocab_size": "the model's vocabulary (the small presets follow data.vocab_size)",
-    "model.max_seq_len": "the context: positions the model has",
-    "model.bias": "biases in the linear layers and norms (GPT-2 style)",
-    "model.dropout": "dropout rate (keys derived from seed and step)",
-    "model.tie_embeddings": "the LM head reuses the token embedding",
-    "model.rope_theta": "RoPE base frequency (model.pos=rope)",
-    "model.init_std": "standard deviation of the weights' normal initialisation",
-    "parallelism.name": "the preset's name (run names and tags)",
-    "parallelism.fsdp": "fully-sharded data-parallel axis size (-1 = inferred)",
-    "parallelism.tp": "tensor-parallel axis size (-1 = inferred)",
-    "data.seed": "the data's seed: the batch of step k depends only on (data.seed, k)",
-    "optimizer.lr": "peak learning rate (the model size's preset sets it for adamw)",
-    "optimizer.weight_decay": "decoupled weight decay (skips norms, biases, embeddings unless "
-                              "decay_all)",
-    "optimizer.b1": "first-moment decay (adamw, lion)",
-    "optimizer.b2": "second-moment decay (adamw, lion)",
-    "optimizer.eps": "adamw's epsilon",
-    "optimizer.warmup_steps": "linear warmup steps to the peak lr",
-    "train.steps": "optimizer steps of the run",
-    "train.log_every": "a metrics row every this many steps",
-    "train.seed": "the model's seed (initialisation, dropout)",
-    "logger.project": "the W&B project",
-    "logger.entity": "the W&B entity (user or team); null = W&B's default",
-    "logger.group": "the W&B group; null = the sweep's (sweep-<date>_<time>) in a multirun",
-    "logger.tags": "extra W&B tags beside the model/parallelism/data/optimizer choices",
-    "model.norm": "the blocks' normalisation (GPT-2: layernorm; Llama: rmsnorm)",
-    "model.mlp": "the MLP (GPT-2: gelu; Llama: swiglu, gated)",
-    "model.pos": "positions: learned embeddings (GPT-2) or rotary (Llama)",
-    "parallelism.on_mismatch": "a mesh that does not match the devices: refuse, or shrink it to fit",
-    "data.name": "the data source (the data=NAME option)",
-    "optimizer.name": "the optimizer (the optimizer=NAME option)",
-    "optimizer.momentum": "SGD's momentum",
-    "optimizer.schedule": "the lr schedule: constant, linear warmup then cosine, or warmup-stable-decay",
-    "optimizer.lr_scaling": "scale optimizer.lr by global batch / base_batch_size (linear) or its "
-                            "square root",
-    "logger.name": "where metrics go beside metrics.jsonl (the logger=NAME option)",
-    "train.precision": "compute dtype: bf16 computes in bf16 with fp32 master weights",
-    "runtime.memory_gb": "the memory (GiB) the preflight believes this host/device has; null = "
-                         "what it reports",
-    "distributed.num_processes": "processes in the run (distributed.mode=manual)",
-    "distributed.process_id": "this process's rank (distributed.mode=manual)",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Key:
@@ -114,53 +60,34 @@ def _field_comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _meaning(key: str, comment: str) -> str:
-    """The field's comment without a leading list of its choices (the table has a column for
-    them); MEANING's where nothing else is left."""
-    choices = " | ".join(config._CHOICES.get(key, ()))
-    rest = (comment.removeprefix(choices).strip(" :;(),") if choices and comment.startswith(choices)
-            else comment)
-    return MEANING.get(key) or rest
-
-
 def _type_name(tp: Any) -> str:
     text = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     return text.replace("typing.", "").replace("Any", "any")
 
 
 def _allowed(key: str, type_text: str) -> str:
-    if key in config._CHOICES:
-        return " \\| ".join(f"`{c}`" for c in config._CHOICES[key])
-    if key == "plan.target":
-        from dxrun.plan_mode import TARGETS  # no JAX import at its module level
-
-        return " \\| ".join(f"`{t}`" for t in TARGETS) + " or null"
-    if key in config.RANGES:
-        return str(config.RANGES[key]) + (" or null" if key in config.NULLABLE else "")
-    if key in config.UNRANGED:
-        return config.UNRANGED[key].partition(":")[0]
+    """What the key's field says it accepts: its choices, its range, or why it has none."""
+    null = " or null" if schema.null_is_a_value(key) else ""
+    if schema.choices_of(key):
+        return " \\| ".join(f"`{c}`" for c in schema.choices_of(key)) + null
+    if key in schema.RANGES:
+        return str(schema.RANGES[key]) + null
+    if key in schema.UNRANGED:
+        return schema.UNRANGED[key].partition(":")[0]
     if type_text == "bool":
         return "`true` \\| `false`"
     return ""
 
 
 def config_keys() -> list[Key]:
-    """Every key of the schema in order, with the default the default run composes."""
+    """Every key of the schema in order, with the default the default run composes and what its
+    field says (``dxrun.schema.key``): the accepted values and the meaning."""
     defaults = _composed_defaults()
     out = []
-    def walk(cls: type, prefix: str) -> None:
-        comments = _field_comments(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{prefix}.{f.name}"
-            if dataclasses.is_dataclass(f.default_factory):  # a nested section: train.profile
-                walk(f.default_factory, key)  # type: ignore[arg-type]
-                continue
-            type_text = _type_name(f.type)
-            meaning = _meaning(key, comments.get(f.name, ""))
-            out.append(Key(key, type_text, defaults.get(key), _allowed(key, type_text), meaning))
-
-    for section in dataclasses.fields(config.RunConfig):
-        walk(section.default_factory, section.name)  # type: ignore[arg-type]
+    for key, f in schema.FIELDS.items():
+        type_text = _type_name(f.type)
+        out.append(Key(key, type_text, defaults.get(key), _allowed(key, type_text),
+                       f.metadata["meaning"]))
     return out
 
 
@@ -205,18 +132,20 @@ def config_markdown() -> str:
     groups = {g: sorted(p.stem for p in (config.conf_dir() / g).glob("*.yaml"))
               for g in ("model", "parallelism", "data", "optimizer", "logger")}
     out = ["# Config keys", "",
-           "Every key of the run config, generated from the schema in `dxrun/config.py` (types, "
-           "defaults, the comments beside the fields), `RANGES` and `_CHOICES`. The default is "
-           "what `python -m dxrun` composes (`model=tiny`, `parallelism=dp`, `data=markov`, "
-           "`optimizer=adamw`, `logger=wandb`); a preset of a group may set another "
+           "Every key of the run config, generated from the schema in `dxrun/schema.py`: each "
+           "field's type and default, and the meaning, range or choices its `key(...)` carries. "
+           "The default is what `python -m dxrun` composes (`model=tiny`, `parallelism=dp`, "
+           "`data=markov`, `optimizer=adamw`, `logger=wandb`); a preset of a group may set another "
            "(see [Presets](presets.md)). Set any key on the command line: "
            "`python -m dxrun section.key=value`. A value outside its range is refused in one "
            "line before anything runs.", ""]
     by_section: dict[str, list[Key]] = {}
     for k in config_keys():
         by_section.setdefault(k.key.partition(".")[0], []).append(k)
+    sections = {f.name: f.metadata["meaning"] for f in dataclasses.fields(schema.RunConfig)}
     for section, keys in by_section.items():
-        out += [f"## {section}", ""]
+        out += [f"## {section}", "", sections[section][:1].upper() + sections[section][1:] + ".",
+                ""]
         if section in groups:
             out += [f"Group `{section}`: options " + ", ".join(f"`{o}`" for o in groups[section])
                     + f" (`{section}=NAME`, files in `conf/{section}/`).", ""]
@@ -225,9 +154,9 @@ def config_markdown() -> str:
                 f"{_cell(k.meaning)} |" for k in keys]
         out.append("")
     out += ["## Accepted ranges", "",
-            "The same ranges by kind (`dxrun.config.ranges_markdown()`); the numeric keys left "
-            "out, each with its reason, are `dxrun/config.py: UNRANGED`.", "",
-            config.ranges_markdown(), ""]
+            "The same ranges by kind (`dxrun.schema.ranges_markdown()`); the numeric keys left "
+            "out, each with its reason, are `dxrun/schema.py: UNRANGED`.", "",
+            schema.ranges_markdown(), ""]
     return "\n".join(out)
 
 

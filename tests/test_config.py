@@ -1,35 +1,149 @@
-"""The schema's value checks: every numeric key has a range, the README lists them."""
+"""The schema's value checks: each key's facts live in its field (``config.key``), and the
+ranges, choices, checks and tables are what those fields say."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+from omegaconf import OmegaConf
 
-from dxrun import config
+from dxrun import config, schema
 from dxrun.errors import ConfigError
 
 
 def _numeric_keys() -> list[str]:
-    keys = []
-    for group in dataclasses.fields(config.RunConfig):
-        cls = getattr(config, group.type) if isinstance(group.type, str) else group.type
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            # Optional numbers too (the data keys only some sources read).
-            if set(typing.get_args(hints[f.name]) or [hints[f.name]]) - {type(None)} <= {int,
-                                                                                       float}:
-                keys.append(f"{group.name}.{f.name}")
-    return keys
+    hints = {k: h for k, _, h in schema._walk(schema.RunConfig)}
+    # Optional numbers too (the data keys only some sources read).
+    return [k for k, h in hints.items()
+            if set(typing.get_args(h) or [h]) - {type(None)} <= {int, float}]
 
 
-def test_every_numeric_key_has_a_range_or_a_reason():
-    missing = [k for k in _numeric_keys() if k not in config.RANGES and k not in config.UNRANGED]
-    assert not missing, f"add these to config.RANGES (or config.UNRANGED, saying why): {missing}"
-    assert set(config.UNRANGED) <= set(_numeric_keys()) - set(config.RANGES)
-    assert all(why.strip() for why in config.UNRANGED.values())
+def test_every_section_and_key_has_a_meaning():
+    sections = [f for cls in (schema.RunConfig, schema.TrainConfig)
+                for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default_factory)]
+    assert len(sections) == 13 and len(schema.FIELDS) > 100
+    missing = [f.name for f in sections if not f.metadata.get("meaning")]
+    missing += [k for k, f in schema.FIELDS.items() if not f.metadata.get("meaning", "").strip()]
+    assert not missing, f"give these a meaning in their key(...): {missing}"
+
+
+def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
+    """A number without a bound would be checked nowhere: each carries a Range or says where it
+    is checked (``unranged``), never both; RANGES and UNRANGED are exactly what fields say."""
+    meta = {k: f.metadata for k, f in schema.FIELDS.items()}
+    numeric = _numeric_keys()
+    assert {"train.steps", "parallelism.dp", "data.order", "runtime.memory_gb"} <= set(numeric)
+    assert not [k for k in numeric if bool(meta[k]["range"]) == bool(meta[k]["unranged"])]
+    assert schema.RANGES == {k: meta[k]["range"] for k in numeric if meta[k]["range"]}
+    assert schema.UNRANGED == {k: meta[k]["unranged"] for k in numeric if meta[k]["unranged"]}
+    assert all(":" in why for why in schema.UNRANGED.values())  # accepted: where it is checked
+    assert not [k for k, m in meta.items() if (m["range"] or m["unranged"]) and k not in numeric]
+    assert schema.RANGES["optimizer.decay_frac"] == schema.Range(0, 1, lo_closed=False,
+                                                                 hi_closed=True)
+    # null is a setting of its own for these; for the source keys and the batch pair it is not.
+    assert set(schema.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
+                                    "data.seq_len", "checkpoint.every", "model.loss_chunk"}
+    assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
+    assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
+
+
+def test_the_schema_with_metadata_is_still_a_structured_config():
+    from hydra.core.config_store import ConfigStore
+
+    node = OmegaConf.structured(schema.RunConfig)
+    assert node.train.profile.steps == 3 and node.logger.tags == []
+    assert OmegaConf.get_type(node.model) is schema.ModelConfig
+    config.register()
+    assert "dxrun_schema.yaml" in ConfigStore.instance().list("/")
+
+
+@pytest.fixture(scope="module")
+def compose():
+    """A composed config per set of overrides, composed once for the module."""
+    from conftest import make_cfg
+
+    cache: dict[tuple[str, ...], Any] = {}
+
+    def get(*overrides: str) -> Any:
+        if overrides not in cache:
+            cache[overrides] = make_cfg(*overrides)
+        return cache[overrides]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def base_cfg(compose):
+    return compose()
+
+
+def _with(cfg, **values):
+    cfg = cfg.copy()
+    for key, value in values.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def _choosing(compose, key: str):
+    """A copy of the default config in which ``key`` can take each of its choices: a data
+    source comes with its preset's keys and a path; data.dtype is read by data=tokens only."""
+    if key == "data.name":
+        return None  # each source is its own preset: composed per choice
+    if key == "data.dtype":
+        return compose("data=tokens", "data.path=x").copy()
+    return compose().copy()
+
+
+@pytest.mark.parametrize("key", sorted(k for k, f in schema.FIELDS.items()
+                                       if f.metadata["choices"]))
+def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
+    allowed = schema.choices_of(key)
+    assert allowed and allowed == schema._CHOICES.get(key, allowed)
+    cfg = _choosing(compose, key)
+    for value in allowed:
+        if cfg is None:
+            config.validate(compose(*([f"data={value}", "data.path=x"] if value != "markov"
+                                      else [])))
+        else:
+            OmegaConf.update(cfg, key, value, merge=False)
+            config.validate(cfg)
+    cfg = _with(compose(), **{key: "bogus"}) if cfg is None else cfg
+    OmegaConf.update(cfg, key, "bogus", merge=False)
+    with pytest.raises(ConfigError) as err:
+        config.validate(cfg)
+    msg = str(err.value)
+    assert msg.startswith((f"{key}='bogus' is not one of ", f"{key}=bogus is not a known"))
+    assert ", ".join(allowed) in msg and "\n" not in msg
+    null_ok = key in ("logger.mode", "plan.target")  # null: follow $WANDB_MODE, these devices
+    assert schema.null_is_a_value(key) == null_ok
+    if null_ok:
+        OmegaConf.update(cfg, key, None, merge=False)
+        config.validate(cfg)
+
+
+def test_choice_refusals_keep_their_words(base_cfg):
+    cases = {"model.norm": "model.norm='bogus' is not one of layernorm, rmsnorm; pick one of them",
+             "logger.mode": "logger.mode='bogus' is not one of offline, online, disabled; or "
+                            "leave it null to follow $WANDB_MODE"}
+    for key, want in cases.items():
+        with pytest.raises(ConfigError, match=f"^{want.replace('$', '[$]')}$"):
+            config.validate(_with(base_cfg, **{key: "bogus"}))
+    with pytest.raises(ConfigError, match=r"^plan.target=h999 is not a known target; choose one "
+                       r"of h100, .* \(or leave it null for the visible devices\)$"):
+        config.validate(_with(base_cfg, **{"plan.target": "h999"}))
+
+
+def test_validate_is_one_short_check_per_section():
+    import inspect
+
+    for section in (f.name for f in dataclasses.fields(schema.RunConfig)):
+        check = getattr(config, f"check_{section}")
+        assert check.__name__ in inspect.getsource(config.validate)
+        assert len(inspect.getsource(check).splitlines()) <= 30, section
 
 
 @pytest.mark.parametrize("override", ["train.seed=-1", "data.seed=-3",
@@ -43,7 +157,7 @@ def test_seeds_and_process_numbers_are_ranged(cfg_factory, override):
 
 def test_readme_lists_the_generated_ranges():
     readme = (Path(__file__).resolve().parents[1] / "docs/guide/bad-input.md").read_text()
-    assert config.ranges_markdown() in readme, (
+    assert schema.ranges_markdown() in readme, (
         "README's table of ranges is stale: paste the output of "
         "python -c 'from dxrun.config import ranges_markdown; print(ranges_markdown())'")
 

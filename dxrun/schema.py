@@ -1,0 +1,448 @@
+"""The run config's schema: every key of every section, each written once.
+
+A key is one field, ``name: type = key(default, meaning, range=..., choices=...)``: the default,
+the one-line meaning the Reference shows, the values it accepts, and the data sources that read
+it all sit in the field's metadata (OmegaConf's structured configs and Hydra's ConfigStore read
+the dataclasses and ignore the metadata). ``RANGES``, ``_CHOICES``, ``UNRANGED``, ``NULLABLE``
+and ``DATA_SOURCE_KEYS`` are read from the fields; ``dxrun.config`` checks a composed config
+against them and ``dxrun.reference`` turns them into the docs' tables.
+
+No JAX import: the device count is decided from the composed config before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
+from typing import Any
+
+from dxrun.batch import GLOBAL, PER_DEVICE
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``lo``/``hi`` bounds (None = unbounded), each closed
+    or open. The docs' tables of ranges are generated from RANGES (``ranges_markdown``)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_closed: bool = True
+    hi_closed: bool = False
+
+    def __contains__(self, v: float) -> bool:
+        if self.lo is not None and (v < self.lo or (v == self.lo and not self.lo_closed)):
+            return False
+        return not (self.hi is not None and (v > self.hi or (v == self.hi and not self.hi_closed)))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>=' if self.lo_closed else '>'} {_num(self.lo)}"
+        return (f"{'[' if self.lo_closed else '('}{_num(self.lo)}, {_num(self.hi)}"
+                f"{']' if self.hi_closed else ')'}")
+
+    def fix(self, key: str) -> str:
+        """What the refusal of a value outside suggests: ``set KEY > 0``, ``set KEY in [0, 1)``."""
+        if self.hi is None:
+            return f"set {key} {'>=' if self.lo_closed else '>'} {_num(self.lo)}"
+        return f"set {key} in {self}"
+
+
+def _num(x: float | None) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+POSITIVE, NON_NEGATIVE = Range(0, lo_closed=False), Range(0)
+FRACTION = Range(0, 1)  # [0, 1)
+Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
+
+
+def key(default: Any = MISSING, meaning: str = "", *, range: Range | None = None,
+        choices: Choices | None = None, fix: str = "pick one of them",
+        sources: tuple[str, ...] = (), unranged: str = "",
+        factory: Callable[[], Any] | None = None) -> Any:
+    """A schema field and everything about its key, in one place.
+
+    ``meaning``: the Reference's one line. ``range``: the values a number accepts. ``choices``:
+    the strings it accepts (or a function returning them, read when checked); ``fix``: what
+    the refusal of another value suggests. ``sources``: the data sources that read a ``data``
+    key (any other source refuses it). ``unranged``: for a number without a range, what it
+    accepts and where that is checked (``accepted: where``)."""
+    metadata = {"meaning": meaning, "range": range, "choices": choices, "fix": fix,
+                "sources": sources, "unranged": unranged}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def section(cls: type, meaning: str) -> Any:
+    """A nested section of the schema (``train.profile``, the top-level groups)."""
+    return key(meaning=meaning, factory=cls)
+
+
+def _plan_targets() -> tuple[str, ...]:
+    from dxrun.plan_mode import TARGETS  # no JAX import there at module level
+
+    return tuple(TARGETS)
+
+
+@dataclass
+class ModelConfig:
+    name: str = key("tiny", "the preset's name: W&B run name and tags; set it to name a model "
+                    "made of overrides")
+    n_layers: int = key(2, "transformer blocks", range=POSITIVE)
+    d_model: int = key(64, "width of the residual stream", range=POSITIVE)
+    n_heads: int = key(4, "attention (query) heads; divisible by parallelism.tp", range=POSITIVE)
+    n_kv_heads: int = key(4, "key/value heads (grouped-query attention when fewer than n_heads)",
+                          range=POSITIVE)
+    d_ff: int = key(256, "hidden width of the MLP", range=POSITIVE)
+    vocab_size: int = key(64, "the model's vocabulary (the small presets follow data.vocab_size)",
+                          range=POSITIVE)
+    max_seq_len: int = key(128, "the context: positions the model has", range=POSITIVE)
+    bias: bool = key(True, "biases in the linear layers and norms (GPT-2 style)")
+    norm: str = key("layernorm", "the blocks' normalisation (GPT-2: layernorm; Llama: rmsnorm)",
+                    choices=("layernorm", "rmsnorm"))
+    mlp: str = key("gelu", "the MLP (GPT-2: gelu; Llama: swiglu, gated)",
+                   choices=("gelu", "swiglu"))
+    pos: str = key("learned", "positions: learned embeddings (GPT-2) or rotary (Llama)",
+                   choices=("learned", "rope"))
+    dropout: float = key(0.0, "dropout rate (keys derived from seed and step)", range=FRACTION)
+    tie_embeddings: bool = key(False, "the LM head reuses the token embedding")
+    rope_theta: float = key(10000.0, "RoPE base frequency (model.pos=rope)", range=POSITIVE)
+    init_std: float = key(0.02, "standard deviation of the weights' normal initialisation",
+                          range=POSITIVE)
+    scan_layers: bool = key(True, "lax.scan over stacked layers (compile once); false = a loop")
+    remat: str = key("none", "recompute activations in the backward pass: none, all of them "
+                     "(full), or all but the matmul outputs (dots)",
+                     choices=("none", "full", "dots"))
+    attention: str = key("dot_product", "dot_product: jax.nn's (fused where available); "
+                         "reference: the plain einsum and softmax",
+                         choices=("dot_product", "reference"))
+    residual_dtype: str = key("compute", "the residual stream's dtype: compute (the "
+                              "train.precision dtype) or fp32", choices=("compute", "fp32"))
+    loss_chunk: int | None = key(
+        None, "Cross-entropy and accuracy over chunks of this many positions of each sequence "
+        "(the logits of one chunk alive at a time); 0 = off; null = auto: on when one "
+        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.chunked_loss).",
+        range=NON_NEGATIVE)
+
+
+_AXIS = "-1 (inferred) or a size >= 1: plan._resolve_axes"
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = key("auto", "the preset's name (run names and tags)")
+    n_devices: int = key(0, "0 = all visible, k = the first k", range=NON_NEGATIVE)
+    dp: int = key(-1, "data-parallel axis size (-1 = inferred from the device count; at most one "
+                  "axis)", unranged=_AXIS)
+    fsdp: int = key(1, "fully-sharded data-parallel axis size (-1 = inferred)", unranged=_AXIS)
+    tp: int = key(1, "tensor-parallel axis size (-1 = inferred)", unranged=_AXIS)
+    on_mismatch: str = key("error", "a mesh that does not match the devices: refuse, or shrink "
+                           "it to fit", choices=("error", "shrink"))
+    vocab_align: int = key(
+        0, "The vocab axis (wte / lm_head rows) is padded to a multiple of tp and of this; 0 = "
+        "the platform's (128 on GPU/TPU, 1 on CPU). E.g. 128 lays a GPU run's checkpoint out on "
+        "CPU.", range=NON_NEGATIVE)
+    allow_cross_host_tp: bool = key(
+        False, "A multi-process run refuses a tensor-parallel group that spans processes "
+        "(hosts): its per-layer all-reduces would cross the network. true = allow it anyway.")
+    shard_optimizer: bool | None = key(
+        None, "ZeRO-1: optimizer state (Adam/Lion moments, SGD momentum) also split over the "
+        "`data` replicas; null = auto (on when dp > 1). Same losses either way; checkpoints "
+        "restore across.")
+    search: str = key(
+        "none", "parallelism=auto's layout search (dxrun/layout_search.py): none = dp/fsdp/tp as "
+        "given | measure = rank by estimate, time the top search_top, the fastest wins | model = "
+        "the estimate's first | fresh = measure, ignoring the cached decision.",
+        choices=("none", "measure", "model", "fresh"))
+    search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best",
+                          range=POSITIVE)
+
+
+@dataclass
+class DataConfig:
+    name: str = key("markov", "the data source (the data=NAME option)",
+                    choices=("markov", "text", "tokens"))
+    batch_size: int | None = key(
+        "${default_batch:${data.per_device_batch_size}}",
+        "Global (all devices, one optimizer update); its default is 32, or null when a "
+        "per-device batch is given (dxrun/batch.py: how a set value is told from the default).",
+        range=POSITIVE)
+    per_device_batch_size: int | None = key(
+        None, "Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.",
+        range=POSITIVE)
+    seq_len: int | None = key(
+        64, "null = the platform's default: model.max_seq_len on an accelerator, 64 on CPU "
+        "(batch.default_seq_len); data=text and data=tokens default to it.", range=POSITIVE)
+    seed: int = key(0, "the data's seed: the batch of step k depends only on (data.seed, k)",
+                    range=NON_NEGATIVE)
+    vocab_size: int = key(64, "The vocabulary this data suggests; the small model presets follow "
+                          "it (${data.vocab_size}).", range=POSITIVE)
+    # The keys only some sources read default to null and get their values from the source's
+    # preset, so a key set for another source stands out and is refused: data.path given without
+    # data=tokens would otherwise train on markov data without a word.
+    path: str | None = key(None, "text: file, dir or glob; tokens: dir with train.bin/val.bin",
+                           sources=("text", "tokens"))
+    tokenizer: str | None = key(None, "text: a local tokenizer.json; None = bytes (vocab 256)",
+                                sources=("text",))
+    dtype: str | None = key(None, "tokens: the token files' dtype (default: meta.json's)",
+                            choices=("uint16", "uint32"), sources=("tokens",))
+    val_fraction: float | None = key(None, "text: the tail of the corpus held out for eval",
+                                     range=FRACTION, sources=("text",))
+    workers: int | None = key(None, "text/tokens: Grain worker processes (0 = prefetch threads)",
+                              range=NON_NEGATIVE, sources=("text", "tokens"))
+    order: int | None = key(None, "markov: the next token depends on this many previous tokens",
+                            range=POSITIVE, sources=("markov",))
+    symbols: int | None = key(None, "markov: alphabet size; 0 = model.vocab_size",
+                              range=NON_NEGATIVE, sources=("markov",))
+    branching: int | None = key(None, "markov: successors per context (the chain is sparse)",
+                                range=POSITIVE, sources=("markov",))
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = key("adamw", "the optimizer (the optimizer=NAME option)",
+                    choices=("adamw", "sgd", "lion"))
+    lr: float = key(1e-2, "peak learning rate (the model size's preset sets it for adamw)",
+                    range=POSITIVE)
+    weight_decay: float = key(0.1, "decoupled weight decay (skips norms, biases, embeddings "
+                              "unless decay_all)", range=NON_NEGATIVE)
+    decay_all: bool = key(False, "True also decays norms, biases and embeddings")
+    b1: float = key(0.9, "first-moment decay (adamw, lion)", range=FRACTION)
+    b2: float = key(0.95, "second-moment decay (adamw, lion)", range=FRACTION)
+    eps: float = key(1e-8, "adamw's epsilon", range=POSITIVE)
+    momentum: float = key(0.9, "SGD's momentum", range=FRACTION)
+    schedule: str = key("warmup_cosine", "the lr schedule: constant, linear warmup then cosine, "
+                        "or warmup-stable-decay", choices=("constant", "warmup_cosine", "wsd"))
+    warmup_steps: int = key(20, "linear warmup steps to the peak lr", range=NON_NEGATIVE)
+    min_lr_ratio: float = key(0.1, "final lr / peak lr for cosine and wsd",
+                              range=Range(0, 1, hi_closed=True))
+    decay_frac: float = key(0.2, "wsd: fraction of steps spent decaying",
+                            range=Range(0, 1, lo_closed=False, hi_closed=True))
+    clip_norm: float = key(1.0, "0 disables clipping", range=NON_NEGATIVE)
+    lr_scaling: str = key("none", "scale optimizer.lr by global batch / base_batch_size (linear) "
+                          "or its square root", choices=("none", "linear", "sqrt"))
+    base_batch_size: int = key(32, "the batch size at which optimizer.lr is the lr",
+                               range=POSITIVE)
+
+
+@dataclass
+class ProfileConfig:
+    start: int = key(
+        0, "Trace steps start..start+steps-1 with jax.profiler into <run dir>/profile/ (0 = off; "
+        "the attempt's first step compiles, so a start on it moves to the next step).",
+        range=NON_NEGATIVE)
+    steps: int = key(3, "how many steps to trace", range=POSITIVE)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = key(600, "optimizer steps of the run", range=POSITIVE)
+    log_every: int = key(50, "a metrics row every this many steps", range=POSITIVE)
+    eval_every: int = key(100, "0 = no evaluation", range=NON_NEGATIVE)
+    seed: int = key(0, "the model's seed (initialisation, dropout)", range=NON_NEGATIVE)
+    precision: str = key("fp32", "compute dtype: bf16 computes in bf16 with fp32 master weights",
+                         choices=("fp32", "bf16"))
+    grad_accum: int = key(
+        1, "Micro-batches per optimizer step: data.batch_size is still the batch of one update, "
+        "computed in grad_accum sequential pieces (less activation memory, same result).",
+        range=POSITIVE)
+    grad_reduce_dtype: str = key(
+        "fp32", "The dtype weight gradients are summed over the batch and all-reduced in under "
+        "precision=bf16: fp32 (the fp32 master weights are cast at each use; Megatron's default) "
+        "| bf16 (the whole tree cast first: half the gradient traffic, bf16-rounded gradients).",
+        choices=("fp32", "bf16"))
+    objective: str | None = key(
+        None, "The summary metric the run returns to a sweeper that minimises one number "
+        "(Optuna), e.g. \"eval/loss\"; None returns the whole summary.")
+    nan_policy: str = key("halt", "what a non-finite loss or gradient does",
+                          choices=("halt", "skip"))
+    inject_nan_at_step: int = key(0, "Test-only: make step k's loss NaN (0 = off), to exercise "
+                                  "train.nan_policy.", range=NON_NEGATIVE)
+    profile: ProfileConfig = section(ProfileConfig, "tracing a few steps with jax.profiler")
+    hold_at_step: int = key(
+        0, "Test-only: from step k on (0 = off), the loop waits before each step for a SIGUSR1 "
+        "(which also asks for a save), so a test's signals land at known steps instead of "
+        "racing the run.", range=NON_NEGATIVE)
+    inject_error_at_step: int = key(
+        0, "Test-only: after step k (0 = off) the loop raises an error that is not bad input, "
+        "so the crash path (one line, the traceback in the run's log) is tested on any host.",
+        range=NON_NEGATIVE)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int | None = key(
+        None, "Save every this many steps (and at the last step); 0 = never; null (the default) "
+        "= by platform: 100 on CPU, on an accelerator a wall-clock cadence whose saves cost < 2% "
+        "of the run (``plan_mode.save_cadence``).", range=NON_NEGATIVE)
+    every_minutes: float = key(
+        0.0, "Also save when this many minutes have passed since the last save (0 = off): "
+        "bounds the work lost and, for a large state at fast steps, the time spent saving (plan "
+        "mode shows it).", range=NON_NEGATIVE)
+    keep: int = key(3, "the newest this many are kept", range=Range(1))
+    dir: str | None = key(None, "None = <run dir>/checkpoints")
+    resume: str = key("auto", "auto | none | <path to a checkpoints dir or one step dir>")
+    allow_batch_change: bool = key(False, "resume with another data.batch_size")
+
+
+@dataclass
+class EvalConfig:
+    batches: int = key(4, "held-out batches per evaluation (the same ones every time)",
+                       range=POSITIVE)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = key("wandb", "where metrics go beside metrics.jsonl (the logger=NAME option)",
+                    choices=("wandb", "none"))
+    project: str = key("dxrun", "the W&B project")
+    entity: str | None = key(None, "the W&B entity (user or team); null = W&B's default")
+    mode: str | None = key(None, "W&B's mode; null = $WANDB_MODE, else offline",
+                           choices=("offline", "online", "disabled"),
+                           fix="or leave it null to follow $WANDB_MODE")
+    group: str | None = key(None, "the W&B group; null = the sweep's (sweep-<date>_<time>) in a "
+                            "multirun")
+    job_type: str | None = key(None, "None: \"train\" for a single run, \"sweep\" for a "
+                               "multirun job")
+    tags: list[str] = key(meaning="extra W&B tags beside the model/parallelism/data/optimizer "
+                          "choices", factory=list)
+
+
+@dataclass
+class RunSection:
+    mode: str = key("train", "plan: compile for the mesh, estimate, train nothing",
+                    choices=("train", "plan"))
+
+
+@dataclass
+class PlanConfig:
+    target: str | None = key(
+        None, "The accelerator plan mode estimates for (dxrun/plan_mode.py: TARGETS); null = "
+        "the devices this process sees.", choices=_plan_targets)
+    write_gb_per_s: float = key(
+        1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
+        "when it costs a save (1: a shared filesystem from one client; local NVMe does "
+        "several).", range=POSITIVE)
+
+
+@dataclass
+class RuntimeConfig:
+    cpu_devices: int = key(8, "simulated CPU devices when no accelerator is present",
+                           range=POSITIVE)
+    skip_memory_check: bool = key(
+        False, "The memory preflight: refuse a run whose compiled step will not fit (skip = run "
+        "anyway); memory_gb overrides the memory the preflight believes this host/device has.")
+    memory_gb: float | None = key(
+        None, "the memory (GiB) the preflight believes this host/device has; null = what it "
+        "reports", unranged="positive or null: check_runtime")
+    compile_cache: str | None = key(
+        "auto", "JAX's persistent compilation cache: \"auto\" = <user cache dir>/dxrun/jax, a "
+        "path, or null.")
+    peak_tflops: Any = key(
+        None, "Peak TFLOP/s per device for perf/mfu: null = the built-in table by device kind, "
+        "a number, or \"measure\" (a one-off matmul probe; meant for CPUs).")
+    allow_cpu: bool = key(
+        False, "Train on CPU on a host with an NVIDIA GPU (a JAX without its CUDA plugin): "
+        "refused unless true (or JAX_PLATFORMS=cpu), since it is almost always a missing "
+        "pip install -e '.[gpu]'.")
+
+
+@dataclass
+class DistributedConfig:
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/distributed.py)."""
+
+    mode: str = key(
+        "auto", "auto: join when the environment says this process is one of several (srun "
+        "with several tasks; JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, as "
+        "python -m dxrun.launch sets them) | off | manual (the keys below)",
+        choices=("auto", "off", "manual"))
+    coordinator: str | None = key(None, "host:port of process 0")
+    num_processes: int | None = key(None, "processes in the run (distributed.mode=manual)",
+                                    range=POSITIVE)
+    process_id: int | None = key(None, "this process's rank (distributed.mode=manual)",
+                                 range=NON_NEGATIVE)
+    local_device_ids: list[int] | None = key(
+        None, "The accelerators this process drives: null = JAX's choice (under SLURM one per "
+        "task when a node runs several tasks, all when it runs one).")
+    init_timeout_s: int = key(300, "wait at most this long for every process to arrive",
+                              range=POSITIVE)
+    heartbeat_timeout_s: int = key(100, "a process silent this long is dead: the others exit",
+                                   range=POSITIVE)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = section(ModelConfig, "the transformer's shape and blocks")
+    parallelism: ParallelismConfig = section(ParallelismConfig, "the device mesh")
+    data: DataConfig = section(DataConfig, "the training and held-out batches")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "the update rule and lr schedule")
+    logger: LoggerConfig = section(LoggerConfig, "where metrics go beside metrics.jsonl")
+    train: TrainConfig = section(TrainConfig, "the loop: steps, cadences, precision, seeds")
+    eval: EvalConfig = section(EvalConfig, "the held-out evaluation")
+    runtime: RuntimeConfig = section(RuntimeConfig, "this host: devices, memory, caches")
+    run: RunSection = section(RunSection, "what the command does")
+    plan: PlanConfig = section(PlanConfig, "plan mode's estimate")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "saving and resuming")
+    distributed: DistributedConfig = section(DistributedConfig, "joining a multi-process run")
+
+
+def _walk(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(``section.key``, field, resolved type) for every key, nested sections walked."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(f.default_factory):
+            out += _walk(f.default_factory, f"{name}.")  # type: ignore[arg-type]
+        elif prefix:
+            out.append((name, f, hints[f.name]))
+    return out
+
+
+# Every key of the schema and its field: the metadata ``key()`` put there is all a key's facts.
+FIELDS: dict[str, dataclasses.Field] = {k: f for k, f, _ in _walk(RunConfig)}
+_TAKES_NULL = {k for k, _, hint in _walk(RunConfig) if type(None) in typing.get_args(hint)}
+# Every numeric key and the values it accepts, checked before anything runs.
+RANGES: dict[str, Range] = {k: f.metadata["range"] for k, f in FIELDS.items()
+                            if f.metadata["range"]}
+# The numeric keys without a range: what they accept and where that is checked.
+UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
+                            if f.metadata["unranged"]}
+# The string keys with a fixed list of values (plan.target's is plan_mode.TARGETS).
+_CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
+                                        if isinstance(f.metadata["choices"], tuple)}
+# The data keys only some sources read; any other source refuses them.
+DATA_SOURCE_KEYS: dict[str, tuple[str, ...]] = {k.partition(".")[2]: f.metadata["sources"]
+                                                for k, f in FIELDS.items()
+                                                if f.metadata["sources"]}
+
+
+def null_is_a_value(key: str) -> bool:
+    """Whether null is a setting of its own for ``key`` (auto, the default, not given), rather
+    than "the source does not read it" (DATA_SOURCE_KEYS) or "the other batch key decides"."""
+    return (key in _TAKES_NULL and not FIELDS[key].metadata["sources"]
+            and key not in (GLOBAL, PER_DEVICE))
+
+
+# The ranged keys whose null means "not given" (a range applies only to a value).
+NULLABLE = tuple(k for k in RANGES if null_is_a_value(k))
+
+
+def choices_of(key: str) -> tuple[str, ...]:
+    """The values a string key accepts (empty: any)."""
+    choices = FIELDS[key].metadata["choices"] or ()
+    return choices() if callable(choices) else choices
+
+
+def ranges_markdown() -> str:
+    """The table of accepted ranges (docs/guide/bad-input.md, the Reference), generated so it
+    is never written twice."""
+    by_range: dict[str, list[str]] = {}
+    for key, r in RANGES.items():
+        by_range.setdefault(str(r), []).append(f"`{key}`")
+    rows = ["| accepted | keys |", "|---|---|"]
+    rows += [f"| {r} | {', '.join(keys)} |" for r, keys in by_range.items()]
+    return "\n".join(rows)
