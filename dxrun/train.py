@@ -25,11 +25,12 @@ from dxrun.config import model_changes
 from dxrun.console import Progress, save_note
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.plan import make_plan
 from dxrun.preempt import Preemption, relaunch_command
+from dxrun.preflight import memory_preflight
 from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 
@@ -136,20 +137,6 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
     memory_preflight(cfg, exp, exp.compile_step())
     return exp, resume
-
-
-def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
-    """``plan_mode.check_memory``; a refusal writes where the memory goes and its one line
-    names the file. Bad input leaves no run dir behind, so the file goes to ``out``, by default
-    a new dir under the system's temp dir (``memory_report.refusal_dir``)."""
-    try:
-        plan_mode.check_memory(cfg, exp, compiled)
-    except ConfigError as e:
-        if not is_main():
-            raise
-        path = memory_report.write(out or memory_report.refusal_dir(), compiled,
-                                   exp.abstract_state(), exp.plan.platform)
-        raise ConfigError(f"{e}; where the memory goes: {path}") from None
 
 
 def perplexity(loss: float) -> float:
