@@ -127,7 +127,7 @@ def main(cfg: DictConfig) -> Any:
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
         prepared = prepare(cfg, asked)
-        resume = prepared[1]
+        resume = prepared.resume
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
         reuse = resume is not None and resume.in_place
         run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",

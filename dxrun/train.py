@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from omegaconf import OmegaConf
@@ -108,8 +108,11 @@ def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | Non
     return peak
 
 
-# The built experiment (its plan and data inside) and the checkpoint to resume, if any.
-Prepared = tuple[Experiment, "Resume | None"]
+class Prepared(NamedTuple):
+    """What ``prepare`` decided before anything is written."""
+
+    exp: Experiment  # the built experiment, its plan and data inside
+    resume: Resume | None  # the checkpoint to continue from; None: a fresh start
 
 
 def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
@@ -136,7 +139,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
     memory_preflight(cfg, exp, exp.compile_step())
-    return exp, resume
+    return Prepared(exp, resume)
 
 
 def perplexity(loss: float) -> float:
@@ -153,16 +156,25 @@ def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dic
     return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
 
 
-def start_state(exp: Experiment, resume: Resume | None) -> tuple[Any, int, dict[str, Any]]:
-    """The seeded init, or the resumed checkpoint placed on this run's mesh: (state, step,
-    checkpoint meta)."""
+class Start(NamedTuple):
+    """Where training begins."""
+
+    state: Any  # the TrainState on this run's mesh
+    step: int  # steps already done: 0, or the checkpoint's step
+    # The resumed checkpoint's metadata (its config, W&B run id, data position, tokens seen);
+    # {} on a fresh start.
+    ckpt_meta: dict[str, Any]
+
+
+def start_state(exp: Experiment, resume: Resume | None) -> Start:
+    """The seeded init, or the resumed checkpoint placed on this run's mesh."""
     if resume is None:
-        return exp.init_state(), 0, {}
-    state, meta, step = checkpoint.restore(resume, exp.abstract_state())
+        return Start(exp.init_state(), 0, {})
+    state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
     log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
-    return state, step, meta
+    return Start(state, step, ckpt_meta)
 
 
 def fresh_optimizer(exp: Experiment, state: Any) -> Any:
