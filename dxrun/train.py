@@ -210,7 +210,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         log.info("parallelism=auto\n%s", layout_search.table(plan.layout_search))
 
     allocator = AllocatorPeak()  # before this run allocates anything
-    state, start, resumed = start_state(exp, resume)
+    state, start, ckpt_meta = start_state(exp, resume)
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job), f"{n_params:,}",
@@ -236,7 +236,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     # The W&B run holds what was moved aside too: rewind it to the last row kept.
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
                            choices=job.choices, is_main=main,
-                           resume_id=resumed.get("wandb_id") if in_place else None,
+                           resume_id=ckpt_meta.get("wandb_id") if in_place else None,
                            rewind_to=max((r["step"] for r in kept), default=0)
                            if rewound.moved else None)
     steps, every = cfg.train.steps, cfg.train.log_every
@@ -249,11 +249,11 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                                    if isinstance(r.get("train/loss"), float)
                                    and math.isfinite(r["train/loss"])), default=None)
     batches = exp.data.train_iterator()
-    if resumed:
-        batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
+    if ckpt_meta:
+        batches.set_state(checkpoint.data_position(ckpt_meta, cfg.data.batch_size))
     # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume may
     # have changed the batch size).
-    tokens_before = checkpoint.tokens_seen(resumed, start) if resumed else 0
+    tokens_before = checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta else 0
 
     def tokens_at(done: int) -> int:
         return tokens_before + (done - start) * tokens_per_step
