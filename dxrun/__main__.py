@@ -254,7 +254,7 @@ def _discard_empty_dir(run_dir: Path) -> None:
             return
 
 
-def preflight(argv: list[str]) -> None:
+def check_composition(argv: list[str]) -> None:
     """Compose the config the way Hydra will and turn a composition error (unknown option, unknown
     key, wrong type) into one line naming the key and the fix: for a single run, for every value
     of a multirun's sweeps, and beside ``hydra.*`` overrides (how schedulers launch). Other
@@ -304,7 +304,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def cli() -> None:
-    preflight(sys.argv[1:])
+    check_composition(sys.argv[1:])
     main()
     from dxrun.report.callback import SWEEP_DIRS
 
