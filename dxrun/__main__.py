@@ -127,7 +127,7 @@ def main(cfg: DictConfig) -> Any:
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
         prepared = prepare(cfg, asked)
-        resume = prepared[1]
+        resume = prepared.resume
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
         reuse = resume is not None and resume.in_place
         run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",
@@ -254,7 +254,7 @@ def _discard_empty_dir(run_dir: Path) -> None:
             return
 
 
-def preflight(argv: list[str]) -> None:
+def check_composition(argv: list[str]) -> None:
     """Compose the config the way Hydra will and turn a composition error (unknown option, unknown
     key, wrong type) into one line naming the key and the fix: for a single run, for every value
     of a multirun's sweeps, and beside ``hydra.*`` overrides (how schedulers launch). Other
@@ -304,7 +304,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def cli() -> None:
-    preflight(sys.argv[1:])
+    check_composition(sys.argv[1:])
     main()
     from dxrun.report.callback import SWEEP_DIRS
 

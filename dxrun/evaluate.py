@@ -90,7 +90,7 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 
 def _log_wandb(loaded: Loaded, metrics: dict[str, float]) -> None:
     """The numbers into the run's own W&B run, at the checkpoint's step."""
-    run_id = loaded.saved.get("wandb_id")
+    run_id = loaded.ckpt_meta.get("wandb_id")
     if loaded.cfg.logger.name != "wandb" or not run_id:
         return
     from dxrun.logger import open_wandb

@@ -302,6 +302,7 @@ def search(cfg: Any, plan_mode: bool = False,
     from dxrun import plan_mode as pm
     from dxrun.distributed import agree, is_main
     from dxrun.experiment import visible_devices
+    from dxrun.preflight import device_budget
 
     mode = cfg.parallelism.search
     if mode == "none":
@@ -328,7 +329,7 @@ def search(cfg: Any, plan_mode: bool = False,
     if plan_mode:  # the target's usable memory, as plan mode's fit
         budget_gb = pm.usable_bytes(target) / pm.GiB if target.memory_bytes else None
     else:  # the memory preflight's budget
-        budget_gb = pm.device_budget(cfg)[0] / pm.GiB
+        budget_gb = device_budget(cfg)[0] / pm.GiB
     rows = model_stage(cfg, layouts, budget_gb, _scorer(devices, target, peak, plan_mode))
     # Process 0's ranking (memory readings differ per process): every process measures the
     # same candidates in the same order.

@@ -134,7 +134,7 @@ def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
 @dataclass
 class Loaded:
     cfg: DictConfig  # the checkpoint's config with the overrides
-    saved: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
+    ckpt_meta: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
     step: int
     path: Path  # the step dir read
     run_dir: Path  # the run that wrote the checkpoint (eval.json and W&B go there)

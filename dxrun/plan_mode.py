@@ -1,12 +1,12 @@
-"""Plan mode and the memory preflight: the mesh plan extended with what the compiled step needs.
+"""Plan mode: the mesh plan extended with what the compiled step needs.
 
 The train step is compiled for the requested mesh from shapes alone (``Experiment.compile_step``:
 no weight is allocated), and XLA's own analyses of that executable give the per-device memory
 (arguments, outputs, temporaries), FLOPs, bytes accessed and collectives. From those:
 
-* **fits**: the per-device footprint against a target's memory (or, for every real run, what
-  this host or device has), and when it does not fit, the nearest setting that does, found by
-  compiling the candidates;
+* **fits**: the per-device footprint against a target's memory, and when it does not fit, the
+  nearest setting that does, found by compiling the candidates (also what the memory preflight
+  of every real run suggests: ``dxrun.preflight``);
 * **speed** (an estimate): on an accelerator target, ``dxrun.gpu_cost``'s model of the GPU/TPU
   program (FLOPs and bytes counted from the shapes, collectives from the compiled HLO, constants
   per target with their sources), since XLA:CPU's FLOPs and bytes describe a CPU program; on
@@ -26,7 +26,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from dxrun.distributed import local_processes
 from dxrun.errors import ConfigError
 
 log = logging.getLogger("dxrun")
@@ -480,57 +479,6 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
 
 class _NoData:
     """Plan mode and suggestions compile the step only; they never read data."""
-
-
-# --- the preflight of every real run ---------------------------------------------------------
-
-def cpu_device_budget(available: float, local_devices: int, processes: int) -> float:
-    """Bytes one simulated CPU device may use: the host's usable RAM split over every device
-    of every process on the host (each process sees the whole host's MemAvailable)."""
-    return available * USABLE_CPU / (local_devices * processes)
-
-
-def device_budget(cfg: Any) -> tuple[float, int, str]:
-    """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
-    import jax
-
-    local = jax.local_device_count()
-    procs = local_processes(os.environ, jax.process_count())
-    per = f" / {procs} processes on this host" if procs > 1 else ""
-    if cfg.runtime.memory_gb is not None:
-        if jax.default_backend() != "cpu":
-            return cfg.runtime.memory_gb * GiB, 1, f"runtime.memory_gb={cfg.runtime.memory_gb}"
-        return (cfg.runtime.memory_gb * GiB / (local * procs), local,
-                f"runtime.memory_gb={cfg.runtime.memory_gb}{per}")
-    if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
-        return (cpu_device_budget(host_memory_bytes(), local, procs), local,
-                f"this host's available RAM{per}")
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if limit is None:
-        return float("inf"), 1, "unknown"
-    return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
-
-
-def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
-    """Refuse, with one line and the nearest setting that fits, a run whose compiled step will
-    not fit; before any weight is allocated."""
-    from dxrun.step import step_bytes
-
-    if cfg.runtime.skip_memory_check:
-        return
-    need = step_bytes(compiled)
-    if need is None:
-        return
-    budget, shared, source = device_budget(cfg)
-    if need <= budget:
-        return
-    fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
-    fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
-    raise ConfigError(
-        f"the train step needs {need / GiB:.2f} GiB per device x {shared} device(s) = "
-        f"{need * shared / GiB:.1f} GiB, but {source} gives {budget * shared / GiB:.1f} GiB; "
-        f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
 
 
 # --- plan mode ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from omegaconf import OmegaConf
@@ -25,11 +25,12 @@ from dxrun.config import model_changes
 from dxrun.console import Progress, save_note
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.plan import make_plan
 from dxrun.preempt import Preemption, relaunch_command
+from dxrun.preflight import memory_preflight
 from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 
@@ -107,8 +108,11 @@ def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | Non
     return peak
 
 
-# The built experiment (its plan and data inside) and the checkpoint to resume, if any.
-Prepared = tuple[Experiment, "Resume | None"]
+class Prepared(NamedTuple):
+    """What ``prepare`` decided before anything is written."""
+
+    exp: Experiment  # the built experiment, its plan and data inside
+    resume: Resume | None  # the checkpoint to continue from; None: a fresh start
 
 
 def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
@@ -135,21 +139,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state())
     memory_preflight(cfg, exp, exp.compile_step())
-    return exp, resume
-
-
-def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
-    """``plan_mode.check_memory``; a refusal writes where the memory goes and its one line
-    names the file. Bad input leaves no run dir behind, so the file goes to ``out``, by default
-    a new dir under the system's temp dir (``memory_report.refusal_dir``)."""
-    try:
-        plan_mode.check_memory(cfg, exp, compiled)
-    except ConfigError as e:
-        if not is_main():
-            raise
-        path = memory_report.write(out or memory_report.refusal_dir(), compiled,
-                                   exp.abstract_state(), exp.plan.platform)
-        raise ConfigError(f"{e}; where the memory goes: {path}") from None
+    return Prepared(exp, resume)
 
 
 def perplexity(loss: float) -> float:
@@ -166,16 +156,25 @@ def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dic
     return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
 
 
-def start_state(exp: Experiment, resume: Resume | None) -> tuple[Any, int, dict[str, Any]]:
-    """The seeded init, or the resumed checkpoint placed on this run's mesh: (state, step,
-    checkpoint meta)."""
+class Start(NamedTuple):
+    """Where training begins."""
+
+    state: Any  # the TrainState on this run's mesh
+    step: int  # steps already done: 0, or the checkpoint's step
+    # The resumed checkpoint's metadata (its config, W&B run id, data position, tokens seen);
+    # {} on a fresh start.
+    ckpt_meta: dict[str, Any]
+
+
+def start_state(exp: Experiment, resume: Resume | None) -> Start:
+    """The seeded init, or the resumed checkpoint placed on this run's mesh."""
     if resume is None:
-        return exp.init_state(), 0, {}
-    state, meta, step = checkpoint.restore(resume, exp.abstract_state())
+        return Start(exp.init_state(), 0, {})
+    state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
     log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
-    return state, step, meta
+    return Start(state, step, ckpt_meta)
 
 
 def fresh_optimizer(exp: Experiment, state: Any) -> Any:
@@ -211,7 +210,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         log.info("parallelism=auto\n%s", layout_search.table(plan.layout_search))
 
     allocator = AllocatorPeak()  # before this run allocates anything
-    state, start, resumed = start_state(exp, resume)
+    state, start, ckpt_meta = start_state(exp, resume)
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     floor = data.entropy_floor
     log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job), f"{n_params:,}",
@@ -237,7 +236,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     # The W&B run holds what was moved aside too: rewind it to the last row kept.
     logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
                            choices=job.choices, is_main=main,
-                           resume_id=resumed.get("wandb_id") if in_place else None,
+                           resume_id=ckpt_meta.get("wandb_id") if in_place else None,
                            rewind_to=max((r["step"] for r in kept), default=0)
                            if rewound.moved else None)
     steps, every = cfg.train.steps, cfg.train.log_every
@@ -250,11 +249,11 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                                    if isinstance(r.get("train/loss"), float)
                                    and math.isfinite(r["train/loss"])), default=None)
     batches = exp.data.train_iterator()
-    if resumed:
-        batches.set_state(checkpoint.data_position(resumed, cfg.data.batch_size))
+    if ckpt_meta:
+        batches.set_state(checkpoint.data_position(ckpt_meta, cfg.data.batch_size))
     # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume may
     # have changed the batch size).
-    tokens_before = checkpoint.tokens_seen(resumed, start) if resumed else 0
+    tokens_before = checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta else 0
 
     def tokens_at(done: int) -> int:
         return tokens_before + (done - start) * tokens_per_step

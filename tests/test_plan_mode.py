@@ -222,7 +222,8 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
 def test_processes_on_one_host_split_its_ram():
     """dxrun.launch --nproc 2 on one host: each process sees the whole MemAvailable, and gets
     half of it for its devices."""
-    from dxrun.plan_mode import USABLE_CPU, cpu_device_budget
+    from dxrun.plan_mode import USABLE_CPU
+    from dxrun.preflight import cpu_device_budget
 
     gib = 2**30
     assert cpu_device_budget(64 * gib, 8, 1) == 64 * gib * USABLE_CPU / 8

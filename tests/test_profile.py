@@ -11,8 +11,9 @@ import pytest
 
 from dxrun import memory_report, profile
 from dxrun.errors import ConfigError
+from dxrun.preflight import memory_preflight
 from dxrun.step import step_bytes
-from dxrun.train import Job, memory_preflight, prepare, train
+from dxrun.train import Job, prepare, train
 from dxrun.wandb_file import read_run
 from tests.conftest import make_cfg
 

@@ -1,4 +1,5 @@
-"""Reductions equal NumPy on the gathered arrays, in jit and under a real shard_map."""
+"""Reductions equal NumPy on the gathered arrays, in jit and under a real shard_map; the first
+import path (``dxrun.metrics``) still gives them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun import metrics as M
+from dxrun import reductions as M
 from dxrun import sharding as shd
 
 
@@ -83,3 +84,10 @@ def test_collective_forms_under_shard_map(data, mesh):
         np.testing.assert_allclose(total[k], cols.sum(), rtol=1e-5)
     np.testing.assert_array_equal(gathered, host)
     np.testing.assert_allclose(everything, host.sum(), rtol=1e-5)
+
+
+def test_the_first_import_path_gives_the_same_functions():
+    from dxrun import metrics
+
+    assert metrics.__all__ == M.__all__
+    assert all(getattr(metrics, name) is getattr(M, name) for name in M.__all__)

@@ -1,0 +1,83 @@
+"""The memory preflight of every real run: before any weight is allocated, the train step
+compiled from shapes alone must fit what this host or device gives one device; a refusal names
+the nearest setting that fits (plan mode's suggestion search) and writes where the memory goes.
+
+No JAX import at module level, as in plan mode.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dxrun import memory_report
+from dxrun.distributed import is_main, local_processes
+from dxrun.errors import ConfigError
+from dxrun.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes
+
+if TYPE_CHECKING:
+    from dxrun.experiment import Experiment
+
+
+def cpu_device_budget(available: float, local_devices: int, processes: int) -> float:
+    """Bytes one simulated CPU device may use: the host's usable RAM split over every device
+    of every process on the host (each process sees the whole host's MemAvailable)."""
+    return available * USABLE_CPU / (local_devices * processes)
+
+
+def device_budget(cfg: Any) -> tuple[float, int, str]:
+    """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
+    import jax
+
+    local = jax.local_device_count()
+    procs = local_processes(os.environ, jax.process_count())
+    per = f" / {procs} processes on this host" if procs > 1 else ""
+    if cfg.runtime.memory_gb is not None:
+        if jax.default_backend() != "cpu":
+            return cfg.runtime.memory_gb * GiB, 1, f"runtime.memory_gb={cfg.runtime.memory_gb}"
+        return (cfg.runtime.memory_gb * GiB / (local * procs), local,
+                f"runtime.memory_gb={cfg.runtime.memory_gb}{per}")
+    if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
+        return (cpu_device_budget(host_memory_bytes(), local, procs), local,
+                f"this host's available RAM{per}")
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        return float("inf"), 1, "unknown"
+    return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
+
+
+def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
+    """Refuse, with one line and the nearest setting that fits, a run whose compiled step will
+    not fit; before any weight is allocated."""
+    from dxrun.step import step_bytes
+
+    if cfg.runtime.skip_memory_check:
+        return
+    need = step_bytes(compiled)
+    if need is None:
+        return
+    budget, shared, source = device_budget(cfg)
+    if need <= budget:
+        return
+    fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
+    fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
+    raise ConfigError(
+        f"the train step needs {need / GiB:.2f} GiB per device x {shared} device(s) = "
+        f"{need * shared / GiB:.1f} GiB, but {source} gives {budget * shared / GiB:.1f} GiB; "
+        f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
+
+
+def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
+    """``check_memory``; a refusal writes where the memory goes and its one line
+    names the file. Bad input leaves no run dir behind, so the file goes to ``out``, by default
+    a new dir under the system's temp dir (``memory_report.refusal_dir``)."""
+    try:
+        check_memory(cfg, exp, compiled)
+    except ConfigError as e:
+        if not is_main():
+            raise
+        path = memory_report.write(out or memory_report.refusal_dir(), compiled,
+                                   exp.abstract_state(), exp.plan.platform)
+        raise ConfigError(f"{e}; where the memory goes: {path}") from None
