@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from dxrun import memory_report
 from dxrun.distributed import is_main, local_processes
 from dxrun.errors import ConfigError
-from dxrun.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes
+from dxrun.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes, state_bytes
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -61,8 +61,16 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
     budget, shared, source = device_budget(cfg)
     if need <= budget:
         return
-    fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
-    fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
+    # No suggestion changes the model: sharded over every visible device, its weights and
+    # optimizer state alone are the least any of them needs. Below that, a search of compiles
+    # would only make the refusal slow.
+    floor = state_bytes(exp.abstract_state()) / exp.plan.n_visible
+    if floor > budget:
+        fix_text = (f"the weights and optimizer state alone need {floor / GiB:.4f} GiB per "
+                    f"device on all {exp.plan.n_visible}: try a larger mesh or a smaller model")
+    else:
+        fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
+        fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
     raise ConfigError(
         f"the train step needs {need / GiB:.2f} GiB per device x {shared} device(s) = "
         f"{need * shared / GiB:.1f} GiB, but {source} gives {budget * shared / GiB:.1f} GiB; "

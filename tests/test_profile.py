@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dxrun import memory_report, profile
+from dxrun import memory_report, plan_mode, profile
 from dxrun.errors import ConfigError
 from dxrun.preflight import memory_preflight
 from dxrun.step import step_bytes
@@ -92,6 +92,22 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
     rows = re.findall(r"^\| [^|]+ \| (\d+) \|", text, re.M)
     assert sum(map(int, rows)) == int(b["total"])
     assert "params." in text  # the largest arguments by their tree path
+
+
+@pytest.mark.e2e
+def test_a_run_whose_weights_alone_do_not_fit_is_refused_without_a_search(traced_run, tmp_path):
+    *_, cfg, exp = traced_run
+    small = copy.deepcopy(cfg)
+    floor = plan_mode.state_bytes(exp.abstract_state()) / exp.plan.n_visible
+    # Half the state's share of one device per device: no remat, accumulation, batch or FSDP
+    # suggestion can fit, so the line says why instead of naming one.
+    small.runtime.memory_gb = 0.5 * floor * 8 / 2**30
+    with pytest.raises(ConfigError) as e:
+        memory_preflight(small, exp, exp.step.compiled, tmp_path)
+    line = str(e.value)
+    assert f"weights and optimizer state alone need {floor / 2**30:.4f} GiB per device" in line
+    assert "try a larger mesh or a smaller model" in line and "try model." not in line
+    assert line.endswith("memory_breakdown.txt") and "\n" not in line
 
 
 def test_a_run_without_a_trace_says_how_to_take_one(tmp_path, capsys):
