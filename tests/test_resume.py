@@ -36,12 +36,12 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> dict:
-    """Run A through the launcher, its checkpoints under a shared checkpoint.dir."""
+    """Run A, its checkpoints under a shared checkpoint.dir. In process (``python -m dxrun``
+    runs this same train() after prepare(); the launcher's own part, a relaunch, is
+    test_relaunch_that_trains_nothing_leaves_the_run_untouched's): no second Python to start."""
     root = tmp_path_factory.mktemp("shared")
     shared_dir, run_a = root / "ckpts", root / "A"
-    proc = run_cli(*SHORT, f"checkpoint.dir={shared_dir}", f"hydra.run.dir={run_a}", cwd=root,
-                   timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(make_cfg(*SHORT, f"checkpoint.dir={shared_dir}"), run_a)
     return {"root": root, "dir": shared_dir, "A": run_a,
             "A_ckpts": shared_dir / checkpoint.run_id(run_a)}
 
