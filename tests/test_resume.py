@@ -152,11 +152,12 @@ def test_requeued_warm_start_continues_its_own_checkpoints(shared, tmp_path, cap
 
 @pytest.mark.parametrize("change, why", [
     ("optimizer.clip_norm=0", "optimizer.clip_norm=0.0 (was 1.0)"),
-    ("optimizer=sgd", "optimizer.name=sgd (was adamw)"),
+    # (momentum=0: the program test_fresh_optimizer_state_trains_on trains, compiled once)
+    ("optimizer=sgd optimizer.momentum=0", "optimizer.name=sgd (was adamw)"),
 ])
 def test_changed_optimizer_restores_parameters_with_a_fresh_state(shared, change, why):
     """Decided in prepare() from the checkpoint's tree metadata, before anything is written."""
-    cfg = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5", change)
+    cfg = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5", *change.split())
     _, resume = prepare(cfg, shared["root"] / "new")
     assert resume.fresh_optimizer is not None and why in resume.fresh_optimizer
     same = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
