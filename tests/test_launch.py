@@ -34,7 +34,9 @@ def _env() -> dict[str, str]:
 
 
 # The processes of one run compile the same programs at the same moment: they leave JAX's
-# shared on-disk compilation cache alone here, so each test stands on its own.
+# shared on-disk compilation cache alone here, so each test stands on its own. (Not for speed:
+# a cache of their own for the four signal tests' runs, one config, failed three of them with
+# "Gloo context initialization failed: ... GetKeyValue() timed out with key: cpu:gloo/0,...".)
 NO_CACHE = "runtime.compile_cache=null"
 
 
