@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_cfg, run_cli, tree_digest, write_tokens
+from conftest import make_cfg, tree_digest, write_tokens
 
 from dxrun.errors import ConfigError
 from dxrun.evaluate import evaluate_checkpoint
@@ -100,17 +100,19 @@ def test_evaluate_whole_held_out_split_of_a_corpus(text_run):
 
 def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path):
     # XLA:CPU deadlocks when the host dispatches ~32+ programs ahead of 8 simulated devices:
-    # 200 held-out batches, in training and in dxrun.evaluate, must each run to the end.
+    # 200 held-out batches, in training and in dxrun.evaluate, must each run to the end. In
+    # process (the bound is step.InFlight's, the same under the CLI; the CLI's own exit code and
+    # output are test_evaluate_equals_in_training_eval_on_any_mesh's): no two interpreter starts.
+    from dxrun.train import train
+
     corpus = write_tokens(tmp_path / "corpus", val_batches=200)
     run_dir = tmp_path / "run"
-    out = run_cli("data=tokens", f"data.path={corpus}", "data.seq_len=8", "data.batch_size=8",
-                  "train.steps=2", "train.eval_every=2", "eval.batches=200", "checkpoint.every=2",
-                  "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
+    train(make_cfg("data=tokens", f"data.path={corpus}", "data.seq_len=8", "data.batch_size=8",
+                   "train.steps=2", "train.eval_every=2", "eval.batches=200",
+                   "checkpoint.every=2", "logger=none"), run_dir)
     want = _last_eval(run_dir)
     assert want["step"] == 2 and 3.5 < want["eval/loss"] < 5  # ~ln(65) for random ids
-    out = _evaluate_cli(run_dir, "eval.batches=all")
-    assert out.returncode == 0, out.stderr[-3000:]
+    evaluate_checkpoint(run_dir, ["eval.batches=all"])
     (rec,) = json.loads((run_dir / "eval.json").read_text())
     assert rec["batches"] == 200 and rec["eval/tokens"] == 200 * 8 * 8
     assert rec["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
@@ -120,12 +122,14 @@ def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path):
 
 def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
     # checkpoint.dir elsewhere (a shared dir): eval.json and the W&B log go to the run dir.
+    # The mesh and shapes of the test above (dp over 8, 8 x 8 tokens of 65 ids): its train and
+    # eval steps come from the session's compile cache.
     from dxrun.train import train
 
     corpus = write_tokens(tmp_path / "corpus", val_batches=2)
     run_dir, shared = tmp_path / "runs" / "a", tmp_path / "shared"
     train(make_cfg("data=tokens", f"data.path={corpus}", "data.seq_len=8", "data.batch_size=8",
-                   "parallelism=dp1", "train.steps=1", "train.eval_every=0", "eval.batches=2",
+                   "train.steps=1", "train.eval_every=0", "eval.batches=2",
                    "checkpoint.every=1", f"checkpoint.dir={shared}"), run_dir)
     (step_dir,) = [p for p in shared.rglob("1") if (p / "state").is_dir()]
     rec = evaluate_checkpoint(step_dir, [])

@@ -50,6 +50,7 @@ def weak(tmp_path_factory):
                    "optimizer.base_batch_size=4", "optimizer.lr=0.01",
                    "optimizer.schedule=constant", "optimizer.warmup_steps=0",
                    "train.steps=3", "train.log_every=1", "logger=none",
+                   "checkpoint.every=0",  # no test reads a checkpoint: no saves to wait for
                    f"hydra.sweep.dir={sweep}", cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep

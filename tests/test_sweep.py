@@ -15,6 +15,7 @@ from dxrun.config import PRESETS, check_keys, preset_dir, validate
 from dxrun.wandb_file import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")
+NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for
 
 
 def _jobs(sweep: Path) -> list[Path]:
@@ -39,7 +40,8 @@ def grid(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("grid")
     sweep = cwd / "sweep"
     proc = run_cli("-m", "data.batch_size=16,32", "parallelism=dp1,dp2,dp4", *QUICK,
-                   "train.eval_every=3", "eval.batches=1", f"hydra.sweep.dir={sweep}", cwd=cwd)
+                   "train.eval_every=3", "eval.batches=1", NO_SAVES, f"hydra.sweep.dir={sweep}",
+                   cwd=cwd)
     return sweep, proc
 
 
@@ -125,9 +127,8 @@ def test_jobs_share_one_wandb_group_and_the_report_is_uploaded_to_it(grid):
     groups = {r["group"] for r in runs}
     assert groups == {f"sweep-{sweep.parent.name}_sweep"}
     assert {r["job_type"] for r in runs} == {"sweep"}
-    assert [r["name"] for r in runs][:3] == ["tiny-dp1-bs16-steps3-log_every1-eval_every3-batches1",
-                                            "tiny-dp2-bs16-steps3-log_every1-eval_every3-batches1",
-                                            "tiny-dp4-bs16-steps3-log_every1-eval_every3-batches1"]
+    assert [r["name"] for r in runs][:3] == [
+        f"tiny-dp{n}-bs16-steps3-log_every1-eval_every3-batches1-every0" for n in (1, 2, 4)]
     (path,) = sweep.glob("wandb/offline-run-*/run-*.wandb")
     report = read_run(path)
     assert report["group"] in groups and report["job_type"] == "sweep-report"
@@ -177,7 +178,8 @@ def test_failed_jobs_are_reported_and_the_others_finish(tmp_path):
     train.inject_error_at_step, the same on every host)."""
     sweep = tmp_path / "sweep"
     proc = run_cli("-m", "train.inject_error_at_step=0,-1,1", "train.steps=2",
-                   "train.eval_every=0", "logger=none", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+                   "train.eval_every=0", "logger=none", NO_SAVES, f"hydra.sweep.dir={sweep}",
+                   cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr  # 1: a job crashed
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("dxrun: error: 2 sweep job(s) failed: #1 (train.inject_error_at_step=-1 ")
@@ -203,7 +205,7 @@ def test_failed_jobs_are_reported_and_the_others_finish(tmp_path):
 def test_submitit_local_runs_each_job_with_its_own_device_count(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli("-m", "hydra/launcher=submitit_local", "runtime.cpu_devices=2,4",
-                   "train.steps=2", "train.eval_every=0", "logger=none",
+                   "train.steps=2", "train.eval_every=0", "logger=none", NO_SAVES,
                    f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job, n in zip(_jobs(sweep), (2, 4), strict=True):
@@ -227,7 +229,8 @@ def test_optuna_sweep_reports_a_failed_trial_as_failed(tmp_path):
     proc = run_cli("-m", "sweep=lr_optuna", "hydra.sweeper.sampler.seed=6",
                    "hydra.sweeper.n_trials=3", "data.batch_size=choice(8,16,30)",
                    "parallelism=dp8", "train.steps=4", "train.log_every=2", "train.eval_every=2",
-                   "eval.batches=1", "logger=none", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+                   "eval.batches=1", "logger=none", NO_SAVES, f"hydra.sweep.dir={sweep}",
+                   cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]  # 2: the only failure was refused
     out = proc.stdout + proc.stderr
     assert out.count("Failed experiment: Return value must be float-castable. Got 'None'") == 1
