@@ -103,12 +103,12 @@ def main(cfg: DictConfig) -> Any:
         enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
             log.warning(w)
+        from dxrun.batch import resolved_config
         from dxrun.preempt import Stopped
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
             from dxrun import layout_search
-            from dxrun.batch import resolve_batch
             from dxrun.experiment import visible_devices
             from dxrun.plan import make_plan
             from dxrun.plan_mode import resolve_plan_seq_len, run_plan
@@ -117,10 +117,10 @@ def main(cfg: DictConfig) -> Any:
             # parallelism=auto: the ranking from the estimate alone, for plan.target
             searched = layout_search.search(cfg, plan_mode=True)
             plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
-            resolve_batch(cfg, plan)  # the saved config holds the global batch too
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
-            write_hydra_files(run_dir, cfg, hydra_cfg)
+            # The saved config holds the global batch too.
+            write_hydra_files(run_dir, resolved_config(cfg, plan), hydra_cfg)
             return run_plan(cfg, run_dir, plan)
         # Every process uses process 0's run dir (their clocks may name it differently).
         asked = _asked_dir(hydra_cfg)
@@ -134,8 +134,8 @@ def main(cfg: DictConfig) -> Any:
                              str(_claim(asked, reuse) if is_main() else asked)))
         run_log.attach(run_dir)
         _name_for_wandb(cfg, hydra_cfg, multirun)
-        if is_main():
-            write_hydra_files(run_dir, cfg, hydra_cfg)
+        if is_main():  # the plan's global batch and sequence length, written once
+            write_hydra_files(run_dir, resolved_config(cfg, prepared[0].plan), hydra_cfg)
         _status(run_dir, "running", **_job_fields(hydra_cfg))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}

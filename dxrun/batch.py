@@ -17,10 +17,16 @@ would leave it launch- and all-reduce-bound (model=large: 512 tokens per GPU per
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from dxrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dxrun.plan import MeshPlan
 
 DEFAULT_BATCH = 32
 CPU_SEQ_LEN = 64  # data.seq_len=null on CPU (capped by model.max_seq_len)
@@ -46,9 +52,10 @@ def check_batch_keys(data: Any) -> None:
 
 
 def batch_set_by(data: Any) -> str:
-    """The key the global batch comes from. The per-device batch wins: a run writes the
-    resolved global batch back into ``data.batch_size`` (``resolve_batch``), and planning
-    that config again must follow the per-device batch on whatever mesh it is planned for."""
+    """The key the global batch comes from. The per-device batch wins: a run's saved config
+    records the resolved global batch in ``data.batch_size`` (``resolved_config``), and
+    planning that config again must follow the per-device batch on whatever mesh it is planned
+    for."""
     return PER_DEVICE if data.per_device_batch_size is not None else GLOBAL
 
 
@@ -67,12 +74,19 @@ def default_seq_len(seq_len: int | None, max_seq_len: int, platform: str) -> int
     return min(CPU_SEQ_LEN, max_seq_len) if platform == "cpu" else int(max_seq_len)
 
 
-def resolve_batch(cfg: Any, plan: Any) -> None:
-    """Write the plan's global batch and sequence length into ``cfg.data``: the data, the
-    optimizer, the checkpoints, the run name and the saved config all read the numbers the mesh
-    and the platform gave."""
-    cfg.data.batch_size = plan.global_batch
-    cfg.data.seq_len = plan.seq_len
+def resolved_config(cfg: DictConfig, plan: MeshPlan) -> DictConfig:
+    """A copy of ``cfg`` holding the plan's global batch and sequence length in
+    ``data.batch_size`` and ``data.seq_len``: what the run's files record (``config.yaml``, the
+    W&B config, each checkpoint's config). ``cfg`` itself is read, never rewritten: the run
+    takes the numbers from the plan (``plan.global_batch``, ``plan.seq_len``)."""
+    out = copy.deepcopy(cfg)
+    out.data.batch_size, out.data.seq_len = plan.global_batch, plan.seq_len
+    return out
+
+
+def saved_config(cfg: DictConfig, plan: MeshPlan) -> dict[str, Any]:
+    """``resolved_config`` as the plain dict the run's files are written from."""
+    return OmegaConf.to_container(resolved_config(cfg, plan), resolve=True)
 
 
 def scaled_lr(opt: Any, batch_size: int) -> float:

@@ -42,11 +42,13 @@ import jax
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
+from dxrun.config import CheckpointConfig, TrainConfig
 from dxrun.distributed import gather, is_main
 from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
 from dxrun.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState
+from dxrun.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 from dxrun.vocab_padding import leaf_key, restore_args
 
 log = logging.getLogger("dxrun")
@@ -73,12 +75,12 @@ def run_id(run_dir: Path) -> str:
     return f"{Path(path).name}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
-def checkpoint_dir(cfg: Any, run_dir: Path) -> Path:
+def checkpoint_dir(ckpt: CheckpointConfig, run_dir: Path) -> Path:
     """This run's own checkpoints dir: ``<run dir>/checkpoints``, or ``<checkpoint.dir>/<run id>``
     (a shared dir holds many runs' checkpoints, each in its own subdir)."""
-    if not cfg.checkpoint.dir:
+    if not ckpt.dir:
         return Path(run_dir).absolute() / "checkpoints"  # absolute: Orbax refuses relative paths
-    return Path(cfg.checkpoint.dir).expanduser().absolute() / run_id(run_dir)
+    return Path(ckpt.dir).expanduser().absolute() / run_id(run_dir)
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -111,14 +113,16 @@ class Resume:
     state_names: set[str] | None = None  # the leaves of the checkpoint's state tree
 
 
-def find_resume(cfg: Any, run_dir: Path) -> Resume | None:
+def find_resume(cfg: Any, run_dir: Path, saved: dict[str, Any] | None = None) -> Resume | None:
     """Apply ``checkpoint.resume`` (auto | none | <path>) for a launch into ``run_dir``; check
-    the checkpoint fits the config. The run's own checkpoints come first: a requeued warm start
-    (``checkpoint.resume=<other run>``) continues its own. Raises ConfigError; writes nothing."""
+    the checkpoint fits the config (``saved``: the run's config as its files will record it,
+    ``batch.saved_config``, its global batch and sequence length resolved; None: ``cfg``). The
+    run's own checkpoints come first: a requeued warm start (``checkpoint.resume=<other run>``)
+    continues its own. Raises ConfigError; writes nothing."""
     mode = str(cfg.checkpoint.resume)
     if mode == "none":
         return None
-    own = checkpoint_dir(cfg, run_dir)
+    own = checkpoint_dir(cfg.checkpoint, run_dir)
     if committed_steps(own):
         resume = Resume(own, None, in_place=True)
     elif mode == "auto":
@@ -126,7 +130,8 @@ def find_resume(cfg: Any, run_dir: Path) -> Resume | None:
     else:
         resume = locate(Path(mode))
     resume.meta_step, resume.meta = newest_meta(resume, check_state=True)
-    check_compatible(cfg, resume.meta["config"], resume.directory / str(resume.meta_step))
+    check_compatible(cfg if saved is None else saved, resume.meta["config"],
+                     resume.directory / str(resume.meta_step))
     return resume
 
 
@@ -284,7 +289,8 @@ def changed(cfg: Any, saved_cfg: dict[str, Any], keys: tuple[str, ...]
 
 
 def check_compatible(cfg: Any, saved_cfg: dict[str, Any], where: Path) -> None:
-    """Refuse a resume that cannot continue the checkpoint: one line naming both values."""
+    """Refuse a resume that cannot continue the checkpoint: one line naming both values.
+    ``cfg``: the config now, or the dict the run saves of it."""
     for what, keys in (("model shape", MODEL_SHAPE), ("vocabulary", VOCABULARY),
                        ("data source", DATA_SOURCE)):
         if diff := changed(cfg, saved_cfg, keys):
@@ -295,7 +301,7 @@ def check_compatible(cfg: Any, saved_cfg: dict[str, Any], where: Path) -> None:
                 "with checkpoint.resume=none")
     now, then = _flat(cfg), _flat(saved_cfg)
     key = "data.batch_size"
-    if now[key] != then[key] and not cfg.checkpoint.allow_batch_change:
+    if now[key] != then[key] and not now["checkpoint.allow_batch_change"]:
         raise ConfigError(
             f"{key}={now[key]} but checkpoint {where} was written with {key}={then[key]}; "
             f"resume with {key}={then[key]}, or set checkpoint.allow_batch_change=true to "
@@ -332,7 +338,7 @@ def tokens_seen(meta: dict[str, Any], step: int) -> int:
     return step * data["batch_size"] * data["seq_len"]
 
 
-def plan_resume(cfg: Any, resume: Resume, target: TrainState) -> None:
+def plan_resume(cfg: Any, resume: Resume, target: TrainState, global_batch: int) -> None:
     """What a resume into ``target`` (the abstract state of this run) does, decided before
     anything is written: stop when there is nothing to train (NothingToTrain), refuse a data
     position that cannot be continued (ConfigError), and restore the optimizer state only
@@ -345,7 +351,7 @@ def plan_resume(cfg: Any, resume: Resume, target: TrainState) -> None:
             f"nothing to train: train.steps={cfg.train.steps} and checkpoint {where} is at step "
             f"{resume.meta_step}; the run's files are left as they are (raise train.steps to "
             "train on)")
-    data_position(resume.meta, cfg.data.batch_size)
+    data_position(resume.meta, global_batch)
     if resume.state_names is None:
         return
     want = {_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
@@ -469,7 +475,6 @@ class Checkpointer:
         self.manager.close()
 
 
-NOTICEABLE_BLOCK_S = 0.5  # a save that holds the loop less is never warned about
 # Saves this process made (every RunCheckpoints): Orbax sets its writers up on a process's first
 # save, which holds the loop for seconds on CPU; later saves, of any run, do not pay it again.
 _saves_in_process = 0
@@ -494,13 +499,13 @@ class RunCheckpoints:
     costs less. With several processes a wall-clock save goes through the same agreement as a
     signal (``ProcessAgreement``): every process saves at the same step, whichever clock said so."""
 
-    def __init__(self, cfg: Any, run_dir: Path, start: int, meta: dict[str, Any],
-                 iterator: Any, logger: Any, preemption: Preemption,
+    def __init__(self, ckpt: CheckpointConfig, train: TrainConfig, run_dir: Path, start: int,
+                 meta: dict[str, Any], iterator: Any, logger: Any, preemption: Preemption,
                  cadence: tuple[int, float], tokens: Callable[[int], int] | None = None,
                  relaunch: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.start = start  # the step this attempt began at: saved already, or the init
         every, minutes = cadence  # (steps, minutes) between saves: plan_mode.save_cadence
-        self.every, self.log_every = every, cfg.train.log_every
+        self.every, self.log_every = every, train.log_every
         self.every_s = 60.0 * minutes
         self.clock = clock  # time.monotonic; a test passes its own
         self.last_save_t = clock()
@@ -508,9 +513,9 @@ class RunCheckpoints:
         self.process_first_save = 0  # which of our saves (1, 2, ...) was the process's first
         self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
         self.warned_cost = False
-        self.halt = cfg.train.nan_policy == "halt"
-        self.hold = cfg.train.hold_at_step  # test-only: see between_steps
-        self.fail_at = cfg.train.inject_error_at_step  # test-only: see between_steps
+        self.halt = train.nan_policy == "halt"
+        self.hold = train.hold_at_step  # test-only: see between_steps
+        self.fail_at = train.inject_error_at_step  # test-only: see between_steps
         # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
         # step they agree on, some steps after the signal cleared its flag.
         self.usr1_pending = False
@@ -518,10 +523,10 @@ class RunCheckpoints:
         self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
         self.iterator, self.logger, self.preemption = iterator, logger, preemption
         self.tokens = tokens  # tokens trained on after a step (carried across resumes)
-        directory = checkpoint_dir(cfg, run_dir)
-        if cfg.checkpoint.dir and is_main():  # the run dir leads to its checkpoints (locate)
+        directory = checkpoint_dir(ckpt, run_dir)
+        if ckpt.dir and is_main():  # the run dir leads to its checkpoints (locate)
             (Path(run_dir) / POINTER).write_text(f"{directory}\n")
-        self.saver = Checkpointer(directory, cfg.checkpoint.keep)
+        self.saver = Checkpointer(directory, ckpt.keep)
         self.last_saved: Path | None = None
         self.relaunch = relaunch  # the command that resumes this run, for the stop line
         # Several processes act on a signal at one agreed step (a save is collective).
@@ -587,6 +592,10 @@ class RunCheckpoints:
                         "run, above %.0f%%); save less often: checkpoint.every=0 "
                         "checkpoint.every_minutes=%d", block_s, since, 100 * block_s / since,
                         100 * MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead(block_s))
+
+    def totals(self) -> SaveTotals:
+        """This attempt's saves so far (what the step timer's note compares)."""
+        return SaveTotals(self.block_total_s, self.saves, self.process_first_save)
 
     def take_blocks(self) -> list[float]:
         """The blocking times of the saves since the last call."""

@@ -14,7 +14,6 @@ import optax
 from flax import nnx
 
 from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
-from dxrun.batch import resolve_batch
 from dxrun.chunked_loss import loss_chunk_for
 from dxrun.data import TRAIN, Data
 from dxrun.distributed import process_hosts
@@ -40,8 +39,10 @@ def visible_devices() -> tuple[int, str, int, tuple[int, ...] | None]:
 
 
 def process_data(cfg: Any, plan: MeshPlan) -> Data:
-    """This process's reader of the data: the row block of every batch its devices hold."""
-    return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards)
+    """This process's reader of the data: the row block of every batch its devices hold, of the
+    plan's global batch and sequence length."""
+    return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards, plan.global_batch,
+                plan.seq_len)
 
 
 def shard_optimizer(cfg: Any, plan: MeshPlan) -> bool:
@@ -107,7 +108,6 @@ class Experiment:
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision, loss_chunk)
         if data is None and with_data:
-            resolve_batch(cfg, plan)  # the data reads the global batch from the config
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)
         return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
@@ -168,7 +168,7 @@ class Experiment:
                           spec(opt_state, self.state_shardings.opt_state), counter, counter)
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((self.plan.global_batch, self.cfg.data.seq_len + 1), np.int32,
+        return jax.ShapeDtypeStruct((self.plan.global_batch, self.plan.seq_len + 1), np.int32,
                                     sharding=self.batch_sharding)
 
     def compile_step(self) -> Any:
@@ -190,7 +190,7 @@ class Experiment:
 
     def global_batch(self, local_rows: np.ndarray) -> jax.Array:
         """One global array, sharded over (data, fsdp), from each process's rows."""
-        shape = (self.plan.global_batch, self.cfg.data.seq_len + 1)
+        shape = (self.plan.global_batch, self.plan.seq_len + 1)
         return jax.make_array_from_process_local_data(self.batch_sharding, local_rows, shape)
 
     def batch(self, step: int, stream: int = TRAIN) -> jax.Array:

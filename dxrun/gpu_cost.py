@@ -338,7 +338,7 @@ def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> 
     replicas = plan.dp * plan.fsdp
     accum = cfg.train.grad_accum
     return Workload(
-        model=cfg.model, seq_len=cfg.data.seq_len,
+        model=cfg.model, seq_len=plan.seq_len,
         rows=plan.global_batch // replicas // accum, micro_steps=accum,
         vocab=padded_vocab(cfg.model.vocab_size, plan.tp, "gpu", cfg.parallelism.vocab_align),
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,

@@ -12,13 +12,14 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from dxrun.config import LoggerConfig
 from dxrun.runtime import finite_or_null
 
 log = logging.getLogger("dxrun")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, cfg: Any, run_config: dict[str, Any], name: str,
+    def __init__(self, run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any], name: str,
                  group: str | None = None, choices: dict[str, str] | None = None,
                  is_main: bool = True, resume_id: str | None = None,
                  rewind_to: int | None = None):
@@ -27,12 +28,11 @@ class MetricsLogger:
         self.wandb = None
         self.warned_non_finite = False
         self._file = open(self.path, "a") if is_main else None  # noqa: SIM115 - closed in finish
-        if is_main and cfg.logger.name == "wandb":
+        if is_main and lc.name == "wandb":
             tags = [f"{g}:{choices[g]}" for g in ("model", "parallelism", "data", "optimizer")
                     if choices and g in choices]
-            self.wandb = open_wandb(run_dir, cfg.logger, run_config, name,
-                                    cfg.logger.group or group, tags + list(cfg.logger.tags),
-                                    resume_id, rewind_to)
+            self.wandb = open_wandb(run_dir, lc, run_config, name, lc.group or group,
+                                    tags + list(lc.tags), resume_id, rewind_to)
 
     @property
     def run_id(self) -> str | None:
@@ -138,7 +138,7 @@ def rewind_metrics(run_dir: Path, step: int) -> Rewound:
     return Rewound([json.loads(x) for x in keep], len(gone))
 
 
-def open_wandb(run_dir: Path, lc: Any, run_config: dict[str, Any] | None, name: str | None,
+def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | None, name: str | None,
                group: str | None, tags: list[str] | None, resume_id: str | None,
                rewind_to: int | None = None) -> Any:
     """A W&B run under ``run_dir`` (``resume_id``: continue that run; ``rewind_to``: first

@@ -134,7 +134,7 @@ def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
     accum = cfg.train.grad_accum
     c = DTYPE_BYTES[cfg.train.precision]
     return Shapes(
-        b=max(1, plan.global_batch // (replicas * accum)), s=cfg.data.seq_len, h=m.d_model,
+        b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
         head_dim=m.d_model // m.n_heads,
         vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,

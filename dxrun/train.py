@@ -8,7 +8,6 @@ steps; the first (compiling) step is never in a window.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -16,22 +15,24 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-from omegaconf import OmegaConf
 
 from dxrun import checkpoint, flops, goodput, layout_search, memory_report, plan_mode
-from dxrun.batch import resolve_batch
-from dxrun.checkpoint import NOTICEABLE_BLOCK_S, Resume, RunCheckpoints
+from dxrun.batch import saved_config
+from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.config import model_changes
-from dxrun.console import Progress, save_note
+from dxrun.console import Progress
 from dxrun.data import EVAL
 from dxrun.distributed import is_main
 from dxrun.errors import first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
-from dxrun.plan import make_plan
+from dxrun.metrics_row import StepCost, first_row, log_row, perplexity
+from dxrun.plan import MeshPlan, make_plan
 from dxrun.preempt import Preemption, relaunch_command
 from dxrun.preflight import memory_preflight
+from dxrun.run_summary import RunSummary
 from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.step_timer import StepTimer
 from dxrun.trace import Tracer, profile_dir, traced_steps
 
 log = logging.getLogger("dxrun")
@@ -57,12 +58,14 @@ def _model_label(cfg: Any, job: Job) -> str:
     return cfg.model.name if named else job.choices.get("model", cfg.model.name)
 
 
-def run_name(cfg: Any, job: Job) -> str:
+def run_name(cfg: Any, job: Job, global_batch: int | None = None) -> str:
     """``tiny-dp4_tp2-bs64`` plus the key overrides, e.g. ``-lr0.01``. No slashes: a path
     value is its last component (``data.path=data/mycorpus`` gives ``pathmycorpus``), and a
-    long name is cut between parts, never inside one."""
+    long name is cut between parts, never inside one. ``global_batch``: the plan's (None:
+    ``data.batch_size``)."""
+    batch = cfg.data.batch_size if global_batch is None else global_batch
     parts = [_model_label(cfg, job), job.choices.get("parallelism", cfg.parallelism.name),
-             f"bs{cfg.data.batch_size}"]
+             f"bs{batch}"]
     for ov in job.overrides:
         key, _, value = ov.lstrip("+~").partition("=")
         if "." in key and key not in ("data.batch_size", "model.name") and not key.startswith(
@@ -125,25 +128,20 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
     checkpoint has reached ``train.steps`` already."""
     if cfg.parallelism.search == "none":
-        plan = make_plan(cfg, *visible_devices())
-        resolve_batch(cfg, plan)  # data.per_device_batch_size -> the global batch, for all
-        resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
+        plan = make_plan(cfg, *visible_devices())  # the global batch, whichever key gave it
+        resume = (checkpoint.find_resume(cfg, run_dir, saved_config(cfg, plan))
+                  if run_dir is not None else None)
     else:  # parallelism=auto: the chosen layout written into cfg; a resume keeps its own
         layout_search.fix_batch(cfg, visible_devices())
         resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
         searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume))
         plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
-        resolve_batch(cfg, plan)
     data = process_data(cfg, plan)
     exp = Experiment.build(cfg, plan, data)
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
-        checkpoint.plan_resume(cfg, resume, exp.abstract_state())
+        checkpoint.plan_resume(cfg, resume, exp.abstract_state(), plan.global_batch)
     memory_preflight(cfg, exp, exp.compile_step())
     return Prepared(exp, resume)
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))  # capped: a diverged run logs a large number, not inf
 
 
 def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dict[str, float]:
@@ -193,13 +191,61 @@ def fresh_optimizer(exp: Experiment, state: Any) -> Any:
 
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
           prepared: Prepared | None = None) -> dict[str, Any]:
-    """Train per ``cfg``; write the run's files under ``run_dir``; return the summary."""
+    """Train per ``cfg``; write the run's files under ``run_dir``; return the summary. The loop
+    is a schedule: a save point, the step (its trace, its data wait), and at a log or eval step
+    a log point; ``Attempt`` holds the parts it calls."""
     job = job or Job()
     clock = goodput.Goodput(job.started or time.time())
     exp, resume = prepared or prepare(cfg, run_dir)
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
-    plan, data = exp.plan, exp.data
     main = is_main()  # writes the run's files; every process trains
+    show_plan(exp.plan, run_dir, main)
+    allocator = AllocatorPeak()  # before this run allocates anything
+    state, start, ckpt_meta = start_state(exp, resume)
+    run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, clock, allocator, main)
+    steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
+    timer, tracer, batches = run.timer, run.tracer, run.batches
+    metrics: Any = None
+    reached = start  # the last step this attempt completed
+    clock.end_startup()
+    try:
+        with Progress(steps, enabled=None if main else False) as progress, run.ckpts.preemption:
+            for i in range(start, steps):
+                run.save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
+                done = i + 1
+                with clock.span("productive"):  # the earlier steps drain first
+                    if tracer.before(done, metrics):
+                        timer.pause(i)
+                with clock.span("data"), timer.data_wait():
+                    tokens = exp.global_batch(next(batches))
+                with clock.span("compile" if i == start else "profile" if tracer.active
+                                else "productive"):
+                    state, metrics = exp.step(state, tokens)
+                    if i == start:  # the compiling step: the timing windows start after it
+                        jax.block_until_ready(metrics)
+                    if tracer.after(done, metrics):
+                        timer.resume(done)
+                        run.logger.upload(tracer.where, "profile", "profile")
+                progress.advance()
+                reached = done
+                timer.stepped(done, run.ckpts.totals())
+                is_log = done % every == 0 or done == steps
+                is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
+                if is_log or is_eval:
+                    run.log_point(done, state, metrics if is_log else None, is_eval, progress)
+            timer.end_loop()
+            run.save_point(steps, state, last=True)
+    except Exception as e:
+        if memory_report.is_out_of_memory(e) and main:
+            raise run.out_of_memory(e) from e
+        raise
+    finally:
+        run.close(reached)  # a run stopped or crashed mid-loop still writes its files
+    return run.finish()
+
+
+def show_plan(plan: MeshPlan, run_dir: Path, main: bool) -> None:
+    """The mesh plan: its warnings and table in the log, ``plan.json`` in the run dir."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log.warning(w)
@@ -209,237 +255,176 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     if plan.layout_search:
         log.info("parallelism=auto\n%s", layout_search.table(plan.layout_search))
 
-    allocator = AllocatorPeak()  # before this run allocates anything
-    state, start, ckpt_meta = start_state(exp, resume)
-    n_params = exp.count_params(state.params)  # the real vocabulary, without padding
-    floor = data.entropy_floor
-    log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job), f"{n_params:,}",
-             cfg.data.name, data.description)
-    log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference
-    device_kind = jax.devices()[0].device_kind
-    peak = resolve_peak(cfg, device_kind, exp.mesh.devices.flat)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_step = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens_per_step
 
-    run_config = {
-        **OmegaConf.to_container(cfg, resolve=True),
-        "choices": job.choices,
-        "plan": plan.to_json(),
-        "n_params": n_params,
-        "flops_per_token": flops_per_step / tokens_per_step,
-        "jax": {"version": jax.__version__, "device_kind": device_kind,
-                "device_count": jax.device_count(), "process_count": jax.process_count()},
-    }
-    in_place = resume is not None and resume.in_place
-    rewound = rewind_metrics(run_dir, start) if in_place and main else Rewound([], 0)
-    kept = rewound.kept
-    # The W&B run holds what was moved aside too: rewind it to the last row kept.
-    logger = MetricsLogger(run_dir, cfg, run_config, name=run_name(cfg, job), group=job.group,
-                           choices=job.choices, is_main=main,
-                           resume_id=ckpt_meta.get("wandb_id") if in_place else None,
-                           rewind_to=max((r["step"] for r in kept), default=0)
-                           if rewound.moved else None)
-    steps, every = cfg.train.steps, cfg.train.log_every
-    eval_every = cfg.train.eval_every if data.has_eval else 0  # no held-out data: no eval/*
-    eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
-                    if eval_every > 0 else [])
-    last: dict[str, float] = {k: v for row in kept for k, v in row.items() if k != "step"}
-    # The lowest finite train/loss (None: none was finite), over the kept rows of a resume too.
-    best_loss: float | None = min((r["train/loss"] for r in kept
-                                   if isinstance(r.get("train/loss"), float)
-                                   and math.isfinite(r["train/loss"])), default=None)
-    batches = exp.data.train_iterator()
-    if ckpt_meta:
-        batches.set_state(checkpoint.data_position(ckpt_meta, cfg.data.batch_size))
-    # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume may
-    # have changed the batch size).
-    tokens_before = checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta else 0
+class Attempt:
+    """What one attempt of a run (a fresh start or a resume) opens around its loop: the metrics
+    logger, the checkpoints, the tracer, the step timer, the step's cost and the summary; and
+    the loop's points that use them.
 
-    def tokens_at(done: int) -> int:
-        return tokens_before + (done - start) * tokens_per_step
+    A step's row is written after the save point that follows the step, so that it holds how
+    long the saves since the previous row held the loop, this step's save included
+    (perf/checkpoint_block_s). A save off the log steps (SIGUSR1, the wall clock) adds no row of
+    its own: the rows stay those of an unsaved run."""
 
-    # checkpoint.every=null: by platform, and on an accelerator by the state's size.
-    cadence = plan_mode.save_cadence(cfg.checkpoint.every, cfg.checkpoint.every_minutes,
-                                     plan.platform, plan_mode.state_bytes(state),
-                                     cfg.plan.write_gb_per_s * plan_mode.GB)
-    log.info("checkpoints: %s", plan_mode.cadence_text(*cadence))
-    ckpts = RunCheckpoints(cfg, run_dir, start, {"config": run_config}, batches, logger,
-                           Preemption(), cadence, tokens=tokens_at,
-                           relaunch=relaunch_command(job.overrides, run_dir))
-    # A step's row is written after the save point that follows the step, so that it holds
-    # how long the saves since the previous row held the loop, this step's save included
-    # (perf/checkpoint_block_s). A save off the log steps (SIGUSR1, the wall clock) adds no
-    # row of its own: the rows stay those of an unsaved run.
-    pending: list[tuple[int, dict[str, float]]] = []
+    def __init__(self, cfg: Any, exp: Experiment, state: Any, start: int,
+                 resume: Resume | None, ckpt_meta: dict[str, Any], run_dir: Path, job: Job,
+                 clock: goodput.Goodput, allocator: AllocatorPeak, main: bool):
+        self.exp, self.clock, self.allocator, self.main = exp, clock, allocator, main
+        self.run_dir, self.steps = run_dir, cfg.train.steps
+        plan, data = exp.plan, exp.data
+        self.n_params = exp.count_params(state.params)  # the real vocabulary, without padding
+        self.floor = data.entropy_floor
+        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job),
+                 f"{self.n_params:,}", cfg.data.name, data.description)
+        log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference
+        self.device_kind = jax.devices()[0].device_kind
+        peak = resolve_peak(cfg, self.device_kind, exp.mesh.devices.flat)
+        tokens_per_step = plan.global_batch * plan.seq_len
+        self.cost = StepCost(tokens_per_step, flops.flops_per_token(
+            cfg.model, self.n_params, plan.seq_len) * tokens_per_step, plan.n_devices, peak)
+        run_config = {  # the W&B config and each checkpoint's: the resolved batch written once
+            **saved_config(cfg, plan),
+            "choices": job.choices,
+            "plan": plan.to_json(),
+            "n_params": self.n_params,
+            "flops_per_token": self.cost.flops / self.cost.tokens,
+            "jax": {"version": jax.__version__, "device_kind": self.device_kind,
+                    "device_count": jax.device_count(), "process_count": jax.process_count()},
+        }
+        in_place = resume is not None and resume.in_place
+        rewound = rewind_metrics(run_dir, start) if in_place and main else Rewound([], 0)
+        # The W&B run holds what was moved aside too: rewind it to the last row kept.
+        self.logger = MetricsLogger(
+            run_dir, cfg.logger, run_config, name=run_name(cfg, job, plan.global_batch),
+            group=job.group,
+            choices=job.choices, is_main=main,
+            resume_id=ckpt_meta.get("wandb_id") if in_place else None,
+            rewind_to=max((r["step"] for r in rewound.kept), default=0)
+            if rewound.moved else None)
+        # No held-out data: no eval/*.
+        self.eval_every = cfg.train.eval_every if data.has_eval else 0
+        self.eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
+                             if self.eval_every > 0 else [])
+        self.summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
+        self.batches = data.train_iterator()
+        if ckpt_meta:
+            self.batches.set_state(checkpoint.data_position(ckpt_meta, plan.global_batch))
+        # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume
+        # may have changed the batch size).
+        self.tokens_before = checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta else 0
+        self.start = start
+        # checkpoint.every=null: by platform, and on an accelerator by the state's size.
+        cadence = plan_mode.save_cadence(cfg.checkpoint.every, cfg.checkpoint.every_minutes,
+                                         plan.platform, plan_mode.state_bytes(state),
+                                         cfg.plan.write_gb_per_s * plan_mode.GB)
+        log.info("checkpoints: %s", plan_mode.cadence_text(*cadence))
+        self.ckpts = RunCheckpoints(cfg.checkpoint, cfg.train, run_dir, start,
+                                    {"config": run_config}, self.batches, self.logger,
+                                    Preemption(), cadence, tokens=self.tokens_at,
+                                    relaunch=relaunch_command(job.overrides, run_dir))
+        self.pending: list[tuple[int, dict[str, Any]]] = []  # rows before their save point
+        rank, procs = jax.process_index(), jax.process_count()
+        self.tracer = Tracer(
+            traced_steps(cfg.train.profile.start, cfg.train.profile.steps, start, self.steps),
+            profile_dir(run_dir, rank, procs), run_dir,
+            exp.step.compiled.as_text() if exp.step.compiled is not None else None)
+        if cfg.train.profile.start and not self.tracer.steps:
+            log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
+                        cfg.train.profile.start, start + 2, self.steps)
+        self.attempts = goodput.earlier_attempts(run_dir, in_place)
+        self.timer = StepTimer(start, self.steps)
 
-    def write_row() -> None:
-        with clock.span("logging"):
-            for step, row in pending:
-                if blocks := ckpts.take_blocks():
+    def tokens_at(self, done: int) -> int:
+        return self.tokens_before + (done - self.start) * self.cost.tokens
+
+    def write_rows(self) -> None:
+        with self.clock.span("logging"):
+            for step, row in self.pending:
+                if blocks := self.ckpts.take_blocks():
                     row["perf/checkpoint_block_s"] = sum(blocks)
-                logger.log(step, row)
-            pending.clear()
+                self.logger.log(step, row)
+            self.pending.clear()
 
-    def save_point(done: int, state: Any, last: bool = False) -> None:
+    def save_point(self, done: int, state: Any, last: bool = False) -> None:
         """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
         row of step ``done``, if it has one, whatever that raised."""
         try:
-            with clock.span("checkpoint"):
-                ckpts.between_steps(done, state, last=last)
+            with self.clock.span("checkpoint"):
+                self.ckpts.between_steps(done, state, last=last)
         finally:
-            write_row()
+            self.write_rows()
 
-    rank, procs = jax.process_index(), jax.process_count()
-    tracer = Tracer(traced_steps(cfg.train.profile.start, cfg.train.profile.steps, start, steps),
-                    profile_dir(run_dir, rank, procs), run_dir,
-                    exp.step.compiled.as_text() if exp.step.compiled is not None else None)
-    if cfg.train.profile.start and not tracer.steps:
-        log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
-                    cfg.train.profile.start, start + 2, steps)
-    attempts = goodput.earlier_attempts(run_dir, in_place)
-    reached = start  # the last step this attempt completed
-    clock.end_startup()
-    try:
-        with Progress(steps, enabled=None if main else False) as progress, ckpts.preemption:
-            window = goodput.StepWindow()
-            held0, saves0 = 0.0, 0  # checkpoint saving before this window (ckpts' totals)
-            loop_t, loop_step = 0.0, steps  # from the compiling step's end: the whole loop
-            metrics: Any = None
-            for i in range(start, steps):
-                save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
-                done = i + 1
-                with clock.span("productive"):  # the earlier steps drain first
-                    if tracer.before(done, metrics):
-                        window.pause(i)
-                with clock.span("data"):
-                    t_wait = time.perf_counter()
-                    tokens = exp.global_batch(next(batches))
-                    window.wait(time.perf_counter() - t_wait)
-                part = ("compile" if i == start else "profile" if tracer.active
-                        else "productive")
-                with clock.span(part):
-                    state, metrics = exp.step(state, tokens)
-                    if i == start:  # the compiling step: the timing windows start after it
-                        jax.block_until_ready(metrics)
-                    if tracer.after(done, metrics):
-                        window.resume(done)
-                        logger.upload(tracer.where, "profile", "profile")
-                progress.advance()
-                reached = done
-                if i == start:
-                    window.reset(done)
-                    held0, saves0 = ckpts.block_total_s, ckpts.saves
-                    loop_t, loop_step = window.t, done
-                is_log = done % every == 0 or done == steps
-                is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
-                if not (is_log or is_eval):
-                    continue
-                row: dict[str, Any] = {}
-                if is_log:
-                    with clock.span("profile" if tracer.active else "productive"):
-                        fetched = jax.device_get(metrics)  # waits for the device
-                    t_log = clock.clock()
-                    row = {k: float(v) for k, v in fetched.items()}
-                    row["train/ppl"] = perplexity(row["train/loss"])
-                    seconds, n_steps, waited = window.measure(done)
-                    if n_steps > 0 and seconds > 0:
-                        step_time = seconds / n_steps
-                        tflops = flops_per_step / step_time / plan.n_devices / 1e12
-                        row["perf/step_time_s"] = step_time
-                        row["perf/tokens_per_s"] = tokens_per_step / step_time
-                        row["perf/tokens_per_s_per_device"] = (row["perf/tokens_per_s"]
-                                                               / plan.n_devices)
-                        row["perf/tflops_per_device"] = tflops
-                        row["perf/data_wait_frac"] = waited / seconds
-                        if peak:
-                            row["perf/mfu"] = flops.mfu(tflops, peak)
-                    if window.profiled:  # traced steps in this window: left out of perf/*
-                        row["perf/profiled"] = True
-                    if not last:  # first log row: the one-off numbers
-                        row["perf/compile_time_s"] = exp.step.compile_time_s
-                        if plan.layout_search:
-                            row["perf/layout_search_s"] = plan.layout_search["search_s"]
-                        if (need := exp.step.memory_bytes()) is not None:
-                            row["mem/step_bytes_per_device"] = need
-                    # Every row on an accelerator (CPU keeps no allocator statistics).
-                    if (high := allocator.peak_since_start()) is not None:
-                        row["mem/peak_bytes_per_device"] = high
-                    row["data/tokens_seen"] = float(tokens_at(done))
-                    if floor is not None:
-                        row["data/entropy_floor"] = floor
-                    loss = row["train/loss"]
-                    if math.isfinite(loss) and (best_loss is None or loss < best_loss):
-                        best_loss = loss
-                    clock.add("logging", clock.clock() - t_log)
-                if is_eval:
-                    with clock.span("eval"):
-                        row.update(evaluate(exp, state.params, eval_batches))
-                with clock.span("logging"):
-                    pending.append((done, row))  # written after this step's save point
-                    # A save inside the window slows its tokens/s: the line says so (the first
-                    # save of a process is the slow one: seconds on CPU).
-                    held = ckpts.block_total_s - held0
-                    first = saves0 < ckpts.process_first_save <= ckpts.saves
-                    note = (save_note(held, first) if "perf/tokens_per_s" in row
-                            and held >= NOTICEABLE_BLOCK_S else "")
-                    progress.update(done, row, note)  # an evaluation off the log steps too
-                last = {**last, **row}
-                # Evaluation is not part of the next timing window (the next save point is:
-                # a save holds the loop).
-                window.reset(done)
-                held0, saves0 = ckpts.block_total_s, ckpts.saves
-            loop_s = time.perf_counter() - loop_t  # the last step was logged: it is done
-            save_point(steps, state, last=True)
-    except Exception as e:
-        if not memory_report.is_out_of_memory(e) or not main:
-            raise
-        path = memory_report.write(run_dir, exp.step.compiled, exp.abstract_state(),
-                                   plan.platform)
-        raise memory_report.OutOfMemory(
-            f"{first_line(e)}; where the memory goes: {path}") from e
-    finally:
-        tracer.stop()  # a run stopped inside the trace still leaves its trace
-        write_row()  # a crash mid-loop: the rows of the steps that ran
-        with clock.span("checkpoint"):
-            ckpts.close()  # waits for a save in flight
-        if hasattr(batches, "close"):  # Grain's worker processes end with the run
-            batches.close()
-        attempt = {**clock.breakdown(), "first_step": start,
-                   "last_step": reached}
-        total = goodput.run_total([*attempts, attempt])
-        if main:
-            write_json(run_dir / goodput.FILE, goodput.file_content(attempts, attempt, total))
-        logger.summary({"goodput": total["goodput"],
-                        **{f"goodput/{k}": v for k, v in attempt.items()}})
-        logger.finish()
-    summary = {
-        "step": steps,
-        **last,
-        "train/loss": last.get("train/loss"),
-        "best/train_loss": best_loss,
-        "n_params": n_params,
-        "flops_per_token": flops_per_step / tokens_per_step,
-        "tokens_per_s": last.get("perf/tokens_per_s"),
-        # Data, the step, logging, evaluation, saves and the progress bar after the first step,
-        # where tokens_per_s is the last window's step time alone.
-        "loop_tokens_per_s": (tokens_per_step * (steps - loop_step) / loop_s
-                              if steps > loop_step else None),
-        "compile_time_s": exp.step.compile_time_s,
-        "entropy_floor": floor,
-        "device_kind": device_kind,
-        "peak_tflops": peak,
-        # This attempt's saves (a resumed run counts its own) and the time they held the loop.
-        "checkpoint_saves": ckpts.saves,
-        "checkpoint_block_s": ckpts.block_total_s,
-        # Productive step time / wall time over the run's attempts (goodput.json holds each).
-        "goodput": total["goodput"],
-        "goodput_s": attempt,  # this attempt's wall time by part (goodput.PARTS, rest)
-        "attempts": total["attempts"],
-    }
-    if main:
-        write_json(run_dir / "summary.json", summary)
-    log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
-             f" (floor {floor:.4f})" if floor is not None else "", run_dir)
-    for line in goodput.lines(attempt, total):
-        log.info(line)
-    return summary
+    def log_point(self, done: int, state: Any, metrics: Any, is_eval: bool,
+                  progress: Progress) -> None:
+        """Step ``done``'s row: its ``metrics`` (None: not a log step) and its evaluation,
+        queued for its save point, and its progress line. A new timing window starts after."""
+        clock, exp = self.clock, self.exp
+        row: dict[str, Any] = {}
+        if metrics is not None:
+            with clock.span("profile" if self.tracer.active else "productive"):
+                fetched = jax.device_get(metrics)  # waits for the device
+            t_log = clock.clock()
+            window = self.timer.measure(done)
+            search = exp.plan.layout_search
+            first = None if self.summary.logged else first_row(
+                exp.step.compile_time_s, search["search_s"] if search else None,
+                exp.step.memory_bytes())
+            # mem/peak_bytes_per_device: every row on an accelerator (CPU keeps no statistics).
+            row = log_row(fetched, window, self.cost, first, self.allocator.peak_since_start(),
+                          self.tokens_at(done), self.floor)
+            clock.add("logging", clock.clock() - t_log)
+        if is_eval:
+            with clock.span("eval"):
+                row.update(evaluate(exp, state.params, self.eval_batches))
+        with clock.span("logging"):
+            self.pending.append((done, row))  # written after this step's save point
+            # A save inside the window slows its tokens/s: the line says so.
+            progress.update(done, row, self.timer.note(self.ckpts.totals(),
+                                                       "perf/tokens_per_s" in row))
+        self.summary.add(row)
+        # Evaluation is not part of the next timing window (the next save point is: a save
+        # holds the loop).
+        self.timer.reset(done, self.ckpts.totals())
+
+    def out_of_memory(self, e: Exception) -> memory_report.OutOfMemory:
+        """The device ran out of memory: where the memory goes, written to the run dir."""
+        path = memory_report.write(self.run_dir, self.exp.step.compiled,
+                                   self.exp.abstract_state(), self.exp.plan.platform)
+        return memory_report.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+
+    def close(self, reached: int) -> None:
+        """The end of the attempt, however it ended: the trace, the rows of the steps that ran,
+        the save in flight, the data's workers, and the attempt's goodput."""
+        self.tracer.stop()  # a run stopped inside the trace still leaves its trace
+        self.write_rows()  # a crash mid-loop: the rows of the steps that ran
+        with self.clock.span("checkpoint"):
+            self.ckpts.close()  # waits for a save in flight
+        if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
+            self.batches.close()
+        self.attempt = {**self.clock.breakdown(), "first_step": self.start, "last_step": reached}
+        self.total = goodput.run_total([*self.attempts, self.attempt])
+        if self.main:
+            write_json(self.run_dir / goodput.FILE,
+                       goodput.file_content(self.attempts, self.attempt, self.total))
+        self.logger.summary({"goodput": self.total["goodput"],
+                             **{f"goodput/{k}": v for k, v in self.attempt.items()}})
+        self.logger.finish()
+
+    def finish(self) -> dict[str, Any]:
+        """``summary.json`` and the closing lines; the summary."""
+        summary = self.summary.record(
+            steps=self.steps, n_params=self.n_params,
+            flops_per_token=self.cost.flops / self.cost.tokens,
+            loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.steps),
+            compile_time_s=self.exp.step.compile_time_s, entropy_floor=self.floor,
+            device_kind=self.device_kind, peak_tflops=self.cost.peak_tflops,
+            checkpoint_saves=self.ckpts.saves, checkpoint_block_s=self.ckpts.block_total_s,
+            goodput_total=self.total, attempt=self.attempt)
+        if self.main:
+            write_json(self.run_dir / "summary.json", summary)
+        last, floor = self.summary.last, self.floor
+        log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
+                 f" (floor {floor:.4f})" if floor is not None else "", self.run_dir)
+        for line in goodput.lines(self.attempt, self.total):
+            log.info(line)
+        return summary

@@ -255,7 +255,7 @@ def test_cfg_job_shows_the_size_defaults(tmp_path):
 def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     """data=text and data=tokens leave data.seq_len null: the model's context on an
     accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
-    from dxrun.batch import default_seq_len, resolve_batch
+    from dxrun.batch import default_seq_len, resolved_config
     from dxrun.plan import make_plan
     from dxrun.plan_mode import resolve_plan_seq_len
 
@@ -269,7 +269,7 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
         assert cfg.data.seq_len is None
         assert make_plan(cfg, 8, "cpu").seq_len == 64
         plan = make_plan(cfg, 8, "gpu")
-        resolve_batch(cfg, plan)  # what prepare() does: every reader sees the number
+        cfg = resolved_config(cfg, plan)  # what the run's saved config records
         assert plan.seq_len == cfg.data.seq_len == 1024
     # Plan mode for a named target resolves as a run there would, whatever this host is.
     for target, backend, want in [("h100", "cpu", 1024), ("v5e", "cpu", 1024),

@@ -111,7 +111,7 @@ def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
 def test_failed_wandb_log_warns_once_and_keeps_jsonl(cfg_factory, tmp_path, caplog):
     from dxrun.logger import MetricsLogger
 
-    logger = MetricsLogger(tmp_path, cfg_factory(), {"a": 1}, name="t")
+    logger = MetricsLogger(tmp_path, cfg_factory().logger, {"a": 1}, name="t")
     logger.log(1, {"train/loss": 3.0})
     logger.wandb.finish()  # the W&B run goes away under us: its next log call raises
     with caplog.at_level(logging.WARNING, logger="dxrun"):

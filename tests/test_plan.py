@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.batch import resolve_batch
+from dxrun.batch import resolved_config
 from dxrun.config import validate
 from dxrun.errors import ConfigError
 from dxrun.plan import make_plan
@@ -151,8 +151,8 @@ def test_per_device_batch_gives_the_global_batch(cfg_factory, preset, accum):
     assert f"{4 * replicas * accum} global = 4 per replica x {replicas} replicas" in row
     assert ("x 2 micro-batches (train.grad_accum)" in row) == (accum == 2)
     assert row.endswith("set by data.per_device_batch_size=4")
-    # The run writes the global batch back; planning that config again follows the mesh.
-    resolve_batch(cfg, plan)
+    # The run saves the global batch; planning that config again follows the mesh.
+    cfg = resolved_config(cfg, plan)
     assert cfg.data.batch_size == plan.global_batch
     assert make_plan(cfg, 8).global_batch == plan.global_batch
 

@@ -75,7 +75,7 @@ def collectives(exp: Experiment) -> Figure:
     plan, cfg = exp.plan, exp.cfg
     n = plan.n_devices
     measured = hlo.per_iteration(text, cfg.model.n_layers, n)
-    activation = (cfg.data.batch_size // (plan.dp * plan.fsdp) * cfg.data.seq_len
+    activation = (plan.global_batch // (plan.dp * plan.fsdp) * plan.seq_len
                   * cfg.model.d_model * 4)  # fp32: XLA:CPU reduces bf16 in fp32 as well
     minimum = minimum_per_layer(plan.dp, plan.fsdp, plan.tp, activation, layer_params(exp))
     got = sum(v["bytes"] for v in measured.values())

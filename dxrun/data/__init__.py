@@ -52,17 +52,22 @@ class _MarkovIterator:
 class Data:
     """One data source for one process: ``process_index`` of ``process_count`` reads its rows."""
 
-    def __init__(self, cfg: Any, process_index: int = 0, process_count: int = 1):
+    def __init__(self, cfg: Any, process_index: int = 0, process_count: int = 1,
+                 batch_size: int | None = None, seq_len: int | None = None):
+        """``batch_size`` and ``seq_len``: the run's global batch and window (``plan.global_batch``,
+        ``plan.seq_len``); None: ``data.batch_size``, and ``data.seq_len`` or for null this
+        backend's default (a config no mesh plan resolved). The config is only read."""
         d = cfg.data
-        if d.seq_len is None:  # a config no mesh plan resolved (resolve_batch): this backend's
+        if seq_len is None:  # no plan: data.seq_len, or for null this backend's default
             import jax
 
             from dxrun.batch import default_seq_len
 
-            d.seq_len = default_seq_len(None, cfg.model.max_seq_len, jax.default_backend())
+            seq_len = default_seq_len(d.seq_len, cfg.model.max_seq_len, jax.default_backend())
+        batch_size = d.batch_size if batch_size is None else batch_size
         self.cfg, self.index, self.count = cfg, process_index, process_count
-        self.batch_size, self.seq_len, self.workers = d.batch_size, d.seq_len, d.workers
-        self.rows = d.batch_size // process_count
+        self.batch_size, self.seq_len, self.workers = batch_size, seq_len, d.workers
+        self.rows = batch_size // process_count
         self.kind = d.name
         self.entropy_floor: float | None = None
         self.has_eval = True  # the markov source's eval stream is an independent one
@@ -70,7 +75,7 @@ class Data:
         if d.name == "markov":
             self.markov = MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
                                        branching=d.branching, seed=d.seed,
-                                       batch_size=d.batch_size, seq_len=d.seq_len)
+                                       batch_size=batch_size, seq_len=seq_len)
             self.entropy_floor = self.markov.entropy_floor
             self.vocab_size = self.markov.S
             self.description = (f"order {d.order}, {self.markov.S} symbols "
@@ -79,23 +84,23 @@ class Data:
         from dxrun.data import corpus, pipeline
 
         loaded = corpus.load_text(d) if d.name == "text" else corpus.load_tokens(d)
-        corpus.check_fits(loaded, cfg)
+        corpus.check_fits(loaded, cfg, seq_len)
         if warning := corpus.vocab_warning(loaded, cfg):
             log.warning(warning)
         self.vocab_size, self.description = loaded.vocab_size, loaded.description
-        self.has_eval = len(loaded.val) >= d.seq_len + 1
-        self.eval_windows = max(0, len(loaded.val) - 1) // d.seq_len
+        self.has_eval = len(loaded.val) >= seq_len + 1
+        self.eval_windows = max(0, len(loaded.val) - 1) // seq_len
         if not self.has_eval and cfg.train.eval_every > 0:
             fix = (f"raise data.val_fraction (now {d.val_fraction}) or add text"
                    if d.name == "text" else f"put a longer val.bin in data.path={d.path}")
             log.warning("no evaluation: the held-out split has %d tokens, fewer than one window "
                         "(data.seq_len+1=%d); %s, or set train.eval_every=0 to silence this",
-                        len(loaded.val), d.seq_len + 1, fix)
+                        len(loaded.val), seq_len + 1, fix)
         self._splits = {}
         for stream, tokens in ((TRAIN, loaded.train), (EVAL, loaded.val)):
             if stream == TRAIN or self.has_eval:
                 self._splits[stream] = pipeline.local_batches(
-                    tokens, d.seq_len, d.batch_size, d.seed + stream, process_index,
+                    tokens, seq_len, batch_size, d.seed + stream, process_index,
                     process_count)
 
     def local_batch(self, step: int, stream: int = TRAIN) -> np.ndarray:
@@ -115,5 +120,6 @@ class Data:
         return GrainBatches(self._splits[TRAIN], self.workers)
 
 
-def build_data(cfg: Any, process_index: int = 0, process_count: int = 1) -> Data:
-    return Data(cfg, process_index, process_count)
+def build_data(cfg: Any, process_index: int = 0, process_count: int = 1,
+               batch_size: int | None = None, seq_len: int | None = None) -> Data:
+    return Data(cfg, process_index, process_count, batch_size, seq_len)

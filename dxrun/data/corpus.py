@@ -288,8 +288,9 @@ def vocab_warning(corpus: Corpus, cfg: Any) -> str | None:
             f"(or model.vocab_size={v}) to train the model the data needs")
 
 
-def check_fits(corpus: Corpus, cfg: Any) -> None:
-    """Vocabulary and window checks against the model, before anything compiles."""
+def check_fits(corpus: Corpus, cfg: Any, seq_len: int) -> None:
+    """Vocabulary and window (``seq_len``: the run's) checks against the model, before anything
+    compiles."""
     d, m = cfg.data, cfg.model
     top = corpus.max_id
     if top >= m.vocab_size:
@@ -304,7 +305,7 @@ def check_fits(corpus: Corpus, cfg: Any) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary "
                           f"({corpus.vocab_size}); set data.vocab_size (or model.vocab_size) to "
                           f"{corpus.vocab_size} or more")
-    if len(corpus.train) < d.seq_len + 1:
+    if len(corpus.train) < seq_len + 1:
         raise ConfigError(f"data.path={d.path}: the corpus has {len(corpus.train)} training "
-                          f"tokens, shorter than one window of data.seq_len+1={d.seq_len + 1}; "
+                          f"tokens, shorter than one window of data.seq_len+1={seq_len + 1}; "
                           "add text or lower data.seq_len")

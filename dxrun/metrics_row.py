@@ -1,0 +1,96 @@
+"""The numbers of a logged row: pure functions of the step's metrics, the timer's window and
+the run's constants (no JAX, no run needed).
+
+A log row holds, in this order: the step's own metrics (train/*) and train/ppl; perf/* of the
+window since the previous log point (left out when the window has no step or no time);
+perf/profiled when traced steps were in it; on the run's first row the one-off numbers
+(perf/compile_time_s, perf/layout_search_s, mem/step_bytes_per_device); mem/peak_bytes_per_device
+where the allocator keeps statistics; data/tokens_seen and data/entropy_floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dxrun.flops import mfu
+from dxrun.step_timer import Measured
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: a diverged run logs a large number, not inf
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one step does, the same every step: its tokens and FLOPs, over how many devices,
+    against which peak (TFLOP/s per device; None: unknown, no perf/mfu)."""
+
+    tokens: int
+    flops: float
+    n_devices: int
+    peak_tflops: float | None
+
+
+def train_row(fetched: Mapping[str, Any]) -> dict[str, Any]:
+    """The step's metrics as floats, and the perplexity of its loss."""
+    row: dict[str, Any] = {k: float(v) for k, v in fetched.items()}
+    row["train/ppl"] = perplexity(row["train/loss"])
+    return row
+
+
+def perf_row(window: Measured, cost: StepCost) -> dict[str, Any]:
+    """perf/* of a window; perf/profiled when traced steps were left out of it."""
+    row: dict[str, Any] = {}
+    if window.steps > 0 and window.seconds > 0:
+        step_time = window.seconds / window.steps
+        tflops = cost.flops / step_time / cost.n_devices / 1e12
+        row["perf/step_time_s"] = step_time
+        row["perf/tokens_per_s"] = cost.tokens / step_time
+        row["perf/tokens_per_s_per_device"] = row["perf/tokens_per_s"] / cost.n_devices
+        row["perf/tflops_per_device"] = tflops
+        row["perf/data_wait_frac"] = window.waited / window.seconds
+        if cost.peak_tflops:
+            row["perf/mfu"] = mfu(tflops, cost.peak_tflops)
+    if window.profiled:
+        row["perf/profiled"] = True
+    return row
+
+
+def first_row(compile_time_s: float, layout_search_s: float | None,
+              step_bytes: float | None) -> dict[str, Any]:
+    """The one-off numbers, on the first row of a run: the step's compile, the layout search
+    (parallelism=auto) and the compiled step's memory per device."""
+    row: dict[str, Any] = {"perf/compile_time_s": compile_time_s}
+    if layout_search_s is not None:
+        row["perf/layout_search_s"] = layout_search_s
+    if step_bytes is not None:
+        row["mem/step_bytes_per_device"] = step_bytes
+    return row
+
+
+def data_row(tokens_seen: int, entropy_floor: float | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"data/tokens_seen": float(tokens_seen)}
+    if entropy_floor is not None:
+        row["data/entropy_floor"] = entropy_floor
+    return row
+
+
+def log_row(fetched: Mapping[str, Any], window: Measured, cost: StepCost,
+            first: dict[str, Any] | None, peak_bytes: float | None, tokens_seen: int,
+            entropy_floor: float | None) -> dict[str, Any]:
+    """A log step's row. ``first``: the one-off numbers (``first_row``) on the run's first
+    row, else None; ``peak_bytes``: the allocator's peak (None: CPU keeps no statistics)."""
+    row = {**train_row(fetched), **perf_row(window, cost), **(first or {})}
+    if peak_bytes is not None:
+        row["mem/peak_bytes_per_device"] = peak_bytes
+    return {**row, **data_row(tokens_seen, entropy_floor)}
+
+
+def best_loss(best: float | None, loss: float | None) -> float | None:
+    """The lower finite train/loss of the two (None: none was finite)."""
+    if not isinstance(loss, float) or not math.isfinite(loss):
+        return best
+    return loss if best is None or loss < best else best
