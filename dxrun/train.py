@@ -339,11 +339,24 @@ class Attempt:
 
     def write_rows(self) -> None:
         with self.clock.span("logging"):
+            if self.pending:  # the attempt so far first: a row logged is a row accounted for
+                self.write_goodput(self.pending[-1][0])
             for step, row in self.pending:
                 if blocks := self.ckpts.take_blocks():
                     row["perf/checkpoint_block_s"] = sum(blocks)
                 self.logger.log(step, row)
             self.pending.clear()
+
+    def write_goodput(self, last_step: int) -> None:
+        """``goodput.json`` with this attempt up to ``last_step``: at every row, because a
+        process killed outright (kill -9, the OOM killer, a lost node) never reaches ``close``,
+        and the next attempt must still find this one's time and the steps it will redo."""
+        self.attempt = {**self.clock.breakdown(), "first_step": self.start,
+                        "last_step": last_step}
+        self.total = goodput.run_total([*self.attempts, self.attempt])
+        if self.main:
+            write_json(self.run_dir / goodput.FILE,
+                       goodput.file_content(self.attempts, self.attempt, self.total))
 
     def save_point(self, done: int, state: Any, last: bool = False) -> None:
         """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
@@ -401,11 +414,7 @@ class Attempt:
             self.ckpts.close()  # waits for a save in flight
         if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
             self.batches.close()
-        self.attempt = {**self.clock.breakdown(), "first_step": self.start, "last_step": reached}
-        self.total = goodput.run_total([*self.attempts, self.attempt])
-        if self.main:
-            write_json(self.run_dir / goodput.FILE,
-                       goodput.file_content(self.attempts, self.attempt, self.total))
+        self.write_goodput(reached)
         self.logger.summary({"goodput": self.total["goodput"],
                              **{f"goodput/{k}": v for k, v in self.attempt.items()}})
         self.logger.finish()

@@ -208,3 +208,12 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     history = read_history(files)
     assert [h["step"] for h in history] == list(range(1, 151))
     assert [h["train/loss"] for h in history] == [r["train/loss"] for r in rows]
+    # The killed attempt ran no exit path, yet goodput.json counts it (written before each
+    # row): its time, up to the last row it logged, and the steps past the checkpoint that
+    # the second attempt did again.
+    g = json.loads((run_dir / "goodput.json").read_text())
+    first, second = g["attempts"]
+    assert (first["first_step"], second["first_step"]) == (0, ckpt)
+    assert killed_at <= first["last_step"] <= killed_at + 1
+    assert g["lost_s"] > 0 and g["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
+    assert json.loads((run_dir / "summary.json").read_text())["attempts"] == 2
