@@ -131,7 +131,9 @@ def earlier_attempts(run_dir: Path, resumed_in_place: bool) -> list[dict[str, An
 def lines(attempt: dict[str, float], total: dict[str, float]) -> list[str]:
     """The console's goodput lines: the parts of this attempt, and the run's total over its
     attempts when it was resumed."""
-    parts = ", ".join(f"{k} {attempt[f'{k}_s']:.1f}s" for k in PARTS if k != "productive")
+    # Tracing is off unless asked for (train.profile.start): its part shows only when it ran.
+    parts = ", ".join(f"{k} {attempt[f'{k}_s']:.1f}s" for k in PARTS
+                      if k != "productive" and (k != "profile" or attempt[f"{k}_s"] > 0))
     out = [f"goodput {attempt['goodput']:.1%}: productive steps {attempt['productive_s']:.1f}s "
            f"of {attempt['wall_s']:.1f}s wall; {parts}, rest {attempt['rest_s']:.1f}s"]
     if total["attempts"] > 1:

@@ -38,8 +38,12 @@ def test_parts_add_up_to_the_wall_time_and_goodput_is_productive_over_wall():
     assert b["rest_s"] == pytest.approx(0.75)
     assert sum(b[f"{p}_s"] for p in goodput.PARTS) + b["rest_s"] == pytest.approx(b["wall_s"])
     assert b["goodput"] == pytest.approx(8.0 / 24.0)
-    assert "goodput 33.3%: productive steps 8.0s of 24.0s wall" in goodput.lines(
-        b, goodput.run_total([{**b, "first_step": 0, "last_step": 10}]))[0]
+    line = goodput.lines(b, goodput.run_total([{**b, "first_step": 0, "last_step": 10}]))[0]
+    assert line.startswith("goodput 33.3%: productive steps 8.0s of 24.0s wall")
+    assert "profile 1.5s" in line
+    untraced = {**b, "profile_s": 0.0}
+    assert "profile" not in goodput.lines(untraced, goodput.run_total([
+        {**untraced, "first_step": 0, "last_step": 10}]))[0]
 
 
 def test_a_span_that_raises_still_counts():
