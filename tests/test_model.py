@@ -71,10 +71,19 @@ def test_params_counted_and_resized_for_the_real_vocabulary():
         np.testing.assert_array_equal(a, b)
 
 
+def _cheap_step(exp: Experiment) -> Experiment:
+    """The step compiled with LLVM's optimisation off (``Experiment.analyse_step``'s options)
+    and kept as the one that runs: the same HLO passes and buffer assignment (so the same
+    memory analysis), only the CPU code generation is cheaper (about half of each compile).
+    Every side of each comparison below compiles this way."""
+    exp.step.compiled = exp.analyse_step()
+    return exp
+
+
 def _losses(cfg_factory, *overrides: str, steps: int = 3) -> list[float]:
-    exp = Experiment.build(cfg_factory("model=tiny_llama", "model.n_heads=4", "model.n_kv_heads=2",
-                                       "model.n_layers=3", "parallelism=dp4_tp2", "logger=none",
-                                       *overrides))
+    exp = _cheap_step(Experiment.build(cfg_factory(
+        "model=tiny_llama", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=3",
+        "parallelism=dp4_tp2", "logger=none", *overrides)))
     state, out = exp.init_state(), []
     for i in range(steps):
         state, m = exp.step(state, exp.batch(i))
@@ -123,9 +132,9 @@ def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
     """train.grad_accum=4 (micro-batches under lax.scan) gives the update of the whole batch
     at once, on a mesh that shards the batch, and holds fewer activations."""
     def run(accum: int) -> tuple[list[float], dict, float]:
-        exp = Experiment.build(cfg_factory("model=tiny", "parallelism=dp2_fsdp2_tp2",
-                                           "model.n_heads=8", "model.n_kv_heads=8",
-                                           "logger=none", f"train.grad_accum={accum}"))
+        exp = _cheap_step(Experiment.build(cfg_factory(
+            "model=tiny", "parallelism=dp2_fsdp2_tp2", "model.n_heads=8", "model.n_kv_heads=8",
+            "logger=none", f"train.grad_accum={accum}")))
         state, losses = exp.init_state(), []
         for i in range(3):
             state, m = exp.step(state, exp.batch(i))

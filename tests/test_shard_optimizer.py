@@ -46,6 +46,10 @@ def _pair(mesh: str) -> dict:
     out = {}
     for zero in (True, False):
         exp = Experiment.build(_cfg(mesh, zero))
+        # Compiled with LLVM's optimisation off (analyse_step's options) and run: the same
+        # HLO and buffer assignment as the run's compile (tests/test_plan_mode.py), only
+        # cheaper CPU code generation; both settings alike.
+        exp.step.compiled = exp.analyse_step()
         out[zero] = (exp, *_train(exp, params))
     return out
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_cfg
 from flax import nnx
 
 from dxrun import sharding as shd
@@ -18,17 +22,20 @@ from dxrun.model import Block
 from dxrun.plan import make_plan
 
 MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2"]
-# n_heads=8 so tp8 splits whole heads; Llama-style gets biases too so both are tested non-zero.
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob("*.yaml"))
+# n_heads=8 so tp8 splits whole heads; Llama-style gets biases too so both are tested non-zero,
+# and grouped-query heads (16 over 8: tp8 still splits whole kv heads).
 MODELS = {
     "gpt2": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8"],
-    "llama": ["model=tiny_llama", "model.n_heads=8", "model.n_kv_heads=8", "model.bias=true"],
+    "llama": ["model=tiny_llama", "model.n_heads=16", "model.n_kv_heads=8", "model.bias=true"],
     # An odd vocabulary: padded to 66 on tp2 and 72 on tp8, masked out of the loss.
     "gpt2_vocab65": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                      "data.vocab_size=65"],
 }
 # The odd vocabulary only changes the meshes that split the vocab axis: two different paddings.
 MESHES_OF = {"gpt2_vocab65": ["dp1", "tp2", "tp8"]}
-STEPS = 11  # the 11th step's loss is the loss after 10 updates
+STEPS = 6  # the 6th step's loss is the loss after 5 updates (2 of warmup, 3 at the peak lr)
+BASE = ["logger=none", "train.precision=fp32", "optimizer.warmup_steps=2"]
 
 
 def _host_params(exp: Experiment, seed: int) -> dict:
@@ -44,8 +51,21 @@ def _host_params(exp: Experiment, seed: int) -> dict:
     return jax.tree_util.tree_map_with_path(perturb, params)
 
 
-def _losses(cfg, params) -> list[float]:
-    exp = Experiment.build(cfg)
+def _n_nonzero_biases(params: dict) -> int:
+    return sum(1 for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+               if str(getattr(p[-1], "key", "")).startswith("b") and np.abs(x).min() > 0)
+
+
+def _compile_cheaply(exp: Experiment) -> str:
+    """The step compiled with LLVM's optimisation off (``Experiment.analyse_step``'s options)
+    and kept as the step that runs: XLA's partitioner and HLO passes, which decide what each
+    mesh computes and what it communicates, run as ever; only CPU code generation is cheaper
+    (about half of each compile). Its HLO text."""
+    exp.step.compiled = exp.analyse_step()
+    return exp.step.compiled.as_text()
+
+
+def _losses(exp: Experiment, params) -> list[float]:
     state = exp.init_state(params)
     out = []
     for i in range(STEPS):
@@ -54,19 +74,91 @@ def _losses(cfg, params) -> list[float]:
     return [float(x) for x in jax.device_get(out)]
 
 
+@contextlib.contextmanager
+def _real_compiles():
+    """The session's persistent compilation cache off (conftest.py): a program it handed back
+    would skip XLA's partitioner, and with it the warning a test looks for."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    cc.reset_cache()  # JAX reads jax_enable_compilation_cache once per reset
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        cc.reset_cache()
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path):
+    """File descriptor 2 (where XLA's C++ warnings go) written to ``path`` meanwhile: a module
+    fixture cannot use capfd."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "wb") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@pytest.fixture(scope="module")
+def preset_runs(tmp_path_factory) -> dict:
+    """Every parallelism preset's step for GPT-2's and Llama's block, each compiled once (really:
+    cache off) and cheaply (``_compile_cheaply``); on the MESHES the same program then trains
+    STEPS steps from one shared dp1 init. Shared by the mesh-equivalence and the no-preset-
+    replicates tests, which used to compile every one of these programs each."""
+    stderr = tmp_path_factory.mktemp("xla_stderr") / "stderr.txt"
+    out: dict = {"compiled": {}, "losses": {}, "n_bias": {}}
+    with _real_compiles(), _stderr_into(stderr):
+        for block, overrides in MODELS.items():
+            if block in MESHES_OF:
+                continue  # the odd vocabulary: its own test (three meshes, no presets)
+            ref_cfg = make_cfg(*overrides, *BASE, "parallelism=dp1")
+            params = _host_params(Experiment.build(ref_cfg), seed=1)
+            out["n_bias"][block] = _n_nonzero_biases(params)
+            # The reference first, then the other MESHES (each is run: a preset with the same
+            # mesh, parallelism=auto and dp as dp8 here, is one program and compiles no more).
+            for preset in [*MESHES, *(p for p in PRESETS if p not in MESHES)]:
+                exp = Experiment.build(make_cfg(*overrides, *BASE, f"parallelism={preset}"))
+                mesh = tuple(exp.mesh.shape.items())
+                splits = exp.plan.fsdp > 1 or exp.plan.tp > 1
+                if (block, mesh) in out["compiled"]:  # parallelism=auto and dp are dp8 here
+                    continue
+                if preset not in MESHES and block == "llama" and not splits:
+                    continue  # pure data parallelism: weights whole, activations split on batch only
+                text = _compile_cheaply(exp)
+                out["compiled"][block, mesh] = (preset, splits, collectives(text))
+                if preset in MESHES:
+                    out["losses"][block, preset] = _losses(exp, params)
+    out["stderr"] = stderr.read_text(errors="replace")
+    return out
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_loss_equal_on_every_mesh(cfg_factory, model):
-    base = [*MODELS[model], "logger=none", "train.precision=fp32", "optimizer.warmup_steps=2"]
-    ref_cfg = cfg_factory(*base, "parallelism=dp1")
-    params = _host_params(Experiment.build(ref_cfg), seed=1)
-    n_bias = sum(1 for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-                 if str(getattr(p[-1], "key", "")).startswith("b") and np.abs(x).min() > 0)
+def test_loss_equal_on_every_mesh(cfg_factory, request, model):
+    if model in MESHES_OF:
+        base = [*MODELS[model], *BASE]
+        ref_cfg = cfg_factory(*base, "parallelism=dp1")
+        params = _host_params(Experiment.build(ref_cfg), seed=1)
+        n_bias = _n_nonzero_biases(params)
+        losses = {}
+        for mesh in MESHES_OF[model]:
+            exp = Experiment.build(cfg_factory(*base, f"parallelism={mesh}"))
+            _compile_cheaply(exp)
+            losses[mesh] = _losses(exp, params)
+    else:
+        runs = request.getfixturevalue("preset_runs")
+        n_bias = runs["n_bias"][model]
+        losses = {mesh: runs["losses"][model, mesh] for mesh in MESHES}
     assert n_bias >= 4  # the biases really are non-zero
-    ref = _losses(ref_cfg, params)
+    ref = losses["dp1"]
     assert ref[-1] < ref[0]  # it trains
     for mesh in MESHES_OF.get(model, MESHES)[1:]:
-        got = _losses(cfg_factory(*base, f"parallelism={mesh}"), params)
-        np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"{model} on {mesh}")
+        np.testing.assert_allclose(losses[mesh], ref, rtol=1e-5, err_msg=f"{model} on {mesh}")
 
 
 @pytest.mark.parametrize("mesh, k", [("tp8", 8), ("fsdp8", 8), ("tp2", 2)])
@@ -177,47 +269,17 @@ def test_low_level_api_on_the_same_rules():
         shd.make_mesh(dp=3, tp=2)
 
 
-@pytest.fixture
-def real_compiles():
-    """The session's persistent compilation cache off (conftest.py): a program it handed back
-    would skip XLA's partitioner, and with it the warning a test looks for."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    cc.reset_cache()  # JAX reads jax_enable_compilation_cache once per reset
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    cc.reset_cache()
-
-
-def test_no_preset_makes_xla_replicate_activations(cfg_factory, capfd, real_compiles):
+def test_no_preset_makes_xla_replicate_activations(preset_runs):
     """XLA warns (on stderr, from C++) when it cannot reshard efficiently and replicates a whole
     tensor instead; the token-embedding gather under FSDP+TP used to. No preset may: GPT-2's
     block on every one, Llama's (RoPE, grouped-query heads, SwiGLU, RMSNorm) on every one that
-    splits weights (under pure data parallelism nothing is resharded)."""
-    presets = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob(
-        "*.yaml"))
-    assert len(presets) >= 12
-    # LLVM's optimisation off: XLA's partitioner (which warns) and its HLO passes run as ever,
-    # only the CPU code generation is cheaper (the collectives below are the same either way).
-    cheap_codegen = {"xla_backend_optimization_level": 0,
-                     "xla_llvm_disable_expensive_passes": True}
-    blocks = {"gpt2": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8"],
-              "llama": ["model=tiny_llama", "model.n_heads=16", "model.n_kv_heads=8"]}
-    compiled = set()
-    for preset in presets:
-        for block, overrides in blocks.items():
-            exp = Experiment.build(cfg_factory(*overrides, "logger=none",
-                                               f"parallelism={preset}"))
-            mesh = tuple(exp.mesh.shape.items())
-            if (block, mesh) in compiled:  # parallelism=auto and dp are dp8 here: one program
-                continue
-            if block == "llama" and exp.plan.fsdp == exp.plan.tp == 1:
-                continue  # pure data parallelism: weights whole, activations split on batch only
-            compiled.add((block, mesh))
-            with shd.in_mesh_context(exp.mesh, exp.plan.rules):
-                lowered = exp.step.jitted.lower(exp.abstract_state(), exp.abstract_batch())
-            text = lowered.compile(cheap_codegen).as_text()
-            assert collectives(text)["collective-permute"] == 0, (preset, block)
-    assert len(compiled) == len(presets) - 2 + 7  # Llama's on the 7 that split weights
-    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    splits weights (under pure data parallelism nothing is resharded). The programs are
+    ``preset_runs``': compiled once for this test and the mesh-equivalence one."""
+    assert len(PRESETS) >= 12
+    compiled = preset_runs["compiled"]
+    for (block, _), (preset, _, found) in compiled.items():
+        assert found["collective-permute"] == 0, (preset, block)
+    assert sum(1 for block, _ in compiled if block == "gpt2") == len(PRESETS) - 2
+    assert sum(1 for (block, _), (_, splits, _) in compiled.items()
+               if block == "llama" and splits) == 7  # Llama's on the 7 that split weights
+    assert "Involuntary full rematerialization" not in preset_runs["stderr"]

@@ -28,7 +28,8 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
 @pytest.mark.e2e
 def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     base = ["logger=none", "train.steps=30", "train.log_every=30", "parallelism=dp2_tp4",
-            "model.n_heads=8", "model.n_kv_heads=8"]
+            "model.n_heads=8", "model.n_kv_heads=8",
+            "train.eval_every=0", "checkpoint.every=0"]  # (neither is compared here)
     fp32 = train(cfg_factory(*base), tmp_path / "fp32")
     bf16 = train(cfg_factory(*base, "train.precision=bf16"), tmp_path / "bf16")
     assert abs(bf16["train/loss"] - fp32["train/loss"]) < 0.05 * fp32["train/loss"]
@@ -39,7 +40,8 @@ def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
 def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
     s = train(cfg_factory(f"optimizer={optimizer}", "logger=none", "parallelism=dp2",
-                          "train.steps=30", "train.log_every=1", "train.eval_every=0"), tmp_path)
+                          "train.steps=30", "train.log_every=1", "train.eval_every=0",
+                          "checkpoint.every=0"), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.5, (optimizer, rows[-1])
     assert s["train/lr"] > 0
@@ -49,7 +51,8 @@ def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
 def test_dropout_is_applied_in_training_only(cfg_factory, tmp_path):
     base = ["logger=none", "parallelism=dp2", "train.steps=2", "train.log_every=1",
             "train.eval_every=1", "eval.batches=1", "optimizer.warmup_steps=0",
-            "optimizer.lr=1e-9"]  # (the lr barely moves: both runs keep the same weights)
+            "optimizer.lr=1e-9",  # (the lr barely moves: both runs keep the same weights)
+            "checkpoint.every=0"]
     plain = train(cfg_factory(*base), tmp_path / "plain")
     dropped = train(cfg_factory(*base, "model.dropout=0.3"), tmp_path / "dropout")
     assert dropped["train/loss"] != pytest.approx(plain["train/loss"], rel=1e-4)
@@ -68,7 +71,8 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
                       "optimizer=sgd", "optimizer.lr=1e6", "optimizer.clip_norm=0",
                       "optimizer.schedule=constant", "optimizer.warmup_steps=0",
                       "train.steps=4", "train.log_every=3", "train.eval_every=0",
-                      "train.nan_policy=skip")  # halt would stop the run at step 3
+                      "train.nan_policy=skip",  # halt would stop the run at step 3
+                      "checkpoint.every=0")
     with caplog.at_level("WARNING", logger="dxrun"):
         train(cfg, tmp_path)
     rows = [_strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -89,7 +93,7 @@ def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path)
     from dxrun.model import count_params
 
     base = ["logger=none", "data.vocab_size=65", "train.steps=2", "train.log_every=2",
-            "train.eval_every=0"]
+            "train.eval_every=0", "checkpoint.every=0"]
     s = train(cfg_factory(*base, "parallelism=tp2", "parallelism.n_devices=2"), tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert (plan["vocab_size"], plan["padded_vocab"]) == (65, 66)
@@ -142,7 +146,7 @@ def test_console_shows_off_step_evals_and_a_modified_model(cfg_factory, tmp_path
 
     cfg = cfg_factory("logger=none", "parallelism=dp1", "model.n_layers=1", "model.d_ff=128",
                       "train.steps=4", "train.log_every=4", "train.eval_every=3",
-                      "eval.batches=1")
+                      "eval.batches=1", "checkpoint.every=0")
     with caplog.at_level(logging.INFO, logger="dxrun"):
         train(cfg, tmp_path)
     lines = [r.getMessage() for r in caplog.records]
