@@ -721,10 +721,15 @@ def plan_platform(target: str | None, backend: str) -> str:
     return "cpu" if kind == "cpu" else "gpu" if kind.startswith("NVIDIA") else "tpu"
 
 
-def resolve_plan_seq_len(cfg: Any, backend: str) -> None:
-    """Plan mode for a named target resolves ``data.seq_len=null`` as a run there would (the
-    model's context on an accelerator), not as this host would."""
+def with_plan_seq_len(cfg: Any, backend: str) -> Any:
+    """A copy of ``cfg`` whose ``data.seq_len=null`` is resolved as a run on plan mode's target
+    would (the model's context on an accelerator), not as this host would; ``cfg`` itself is
+    read, never rewritten."""
+    import copy
+
     from dxrun.batch import default_seq_len
 
-    cfg.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len,
+    out = copy.deepcopy(cfg)
+    out.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len,
                                        plan_platform(cfg.plan.target, backend))
+    return out
