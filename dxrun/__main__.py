@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,20 +107,11 @@ def main(cfg: DictConfig) -> Any:
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
-            from dxrun import layout_search
-            from dxrun.experiment import visible_devices
-            from dxrun.plan import make_plan
-            from dxrun.plan_mode import run_plan, with_plan_seq_len
+            from dxrun.plan_mode import planned, run_plan
 
-            # Copies, never cfg itself: data.seq_len=null resolved for the target; for
-            # parallelism=auto the ranking from the estimate alone, for plan.target.
-            plan_cfg, searched = with_plan_seq_len(cfg, jax.default_backend()), None
-            if plan_cfg.parallelism.search != "none":
-                plan_cfg = layout_search.fixed_batch(plan_cfg, visible_devices())
-                searched = layout_search.search(plan_cfg, plan_mode=True)
-                plan_cfg = layout_search.with_layout(plan_cfg,
-                                                     layout_search.chosen_layout(searched))
-            plan = replace(make_plan(plan_cfg, *visible_devices()), layout_search=searched)
+            # A copy of cfg: data.seq_len=null resolved for the target; for parallelism=auto
+            # the layout ranked first by the estimate alone, for plan.target.
+            plan_cfg, plan = planned(cfg, jax.default_backend())
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
             # The saved config holds the global batch too.
