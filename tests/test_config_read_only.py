@@ -37,17 +37,31 @@ def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, t
 
 def test_parallelism_auto_runs_on_a_copy_holding_the_chosen_layout(cfg_factory, tmp_path,
                                                                    monkeypatch):
-    # 2 devices, ranked by the estimate alone: 3 candidates (dp2, fsdp2, tp2), each compiled.
+    # A cached decision (nothing compiled but the preflight's step), one that differs from the
+    # composed config in every key a layout sets: tp2 with dots recomputation, 2 micro-batches.
+    import jax
+
+    from dxrun.experiment import visible_devices
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "parallelism=auto",
-                      "parallelism.search=model", "parallelism.n_devices=2",
-                      "data.per_device_batch_size=2", "data.seq_len=null", "train.steps=2")
+                      "parallelism.n_devices=2", "data.per_device_batch_size=2",
+                      "data.seq_len=null", "train.steps=2")
     config.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
+    layout = layout_search.Layout(1, 1, 2, "dots", 2)
+    fixed = layout_search.fixed_batch(cfg, visible_devices())
+    key = layout_search.cache_key(fixed, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    layout_search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
+                                    "rows": [layout_search.Row(layout, 0.1, 1.0, 1.0, True,
+                                                               True).to_json()]})
+    assert OmegaConf.to_container(cfg, resolve=True) == before
     exp, resume = prepare(cfg, tmp_path / "run")
     assert resume is None
     assert OmegaConf.to_container(cfg, resolve=True) == before
+    assert exp.plan.layout_search["cached"]
     chosen = layout_search.chosen_layout(exp.plan.layout_search)
+    assert chosen == layout and (cfg.model.remat, cfg.train.grad_accum) == ("none", 1)
     run = exp.cfg  # what the run follows, and what its W&B config and config.yaml record
     assert run is not cfg
     assert (run.parallelism.dp, run.parallelism.fsdp, run.parallelism.tp, run.model.remat,
@@ -58,16 +72,18 @@ def test_parallelism_auto_runs_on_a_copy_holding_the_chosen_layout(cfg_factory, 
     assert (run.data.per_device_batch_size, run.data.batch_size, run.data.seq_len) == (
         None, 4, 64)
     saved = saved_config(run, exp.plan)
-    assert saved["parallelism"]["dp"] * saved["parallelism"]["fsdp"] * saved[
-        "parallelism"]["tp"] == 2 and saved["parallelism"]["tp"] == chosen.tp
+    assert ([saved["parallelism"][k] for k in ("dp", "fsdp", "tp")], saved["model"]["remat"],
+            saved["train"]["grad_accum"], saved["data"]["batch_size"]) == ([1, 1, 2], "dots", 2, 4)
     assert OmegaConf.to_container(cfg, resolve=True) == before
 
 
 def test_plan_mode_resolves_seq_len_and_the_layout_on_a_copy(cfg_factory, monkeypatch,
                                                             tmp_path):
-    # data.seq_len=null for an H100 target: the model's context, whatever this host is.
+    # data.seq_len=null for an H100 target: the model's context, whatever this host is. One
+    # head: tp2 is refused, two candidates (dp2, fsdp2) compiled from shapes.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.max_seq_len=128",
+                      "model.n_heads=1", "model.n_kv_heads=1",
                       "parallelism=auto", "parallelism.n_devices=2", "data.seq_len=null",
                       "plan.target=h100")
     config.validate(cfg)
@@ -78,5 +94,6 @@ def test_plan_mode_resolves_seq_len_and_the_layout_on_a_copy(cfg_factory, monkey
     assert cfg.data.seq_len is None and plan_cfg.data.seq_len == plan.seq_len == 128
     chosen = layout_search.chosen_layout(plan.layout_search)
     assert plan.layout_search["search"] == "model"  # plan mode never measures
+    assert sum(r["fits"] for r in plan.layout_search["rows"]) == 2
     assert (plan_cfg.parallelism.dp, plan_cfg.parallelism.fsdp, plan_cfg.parallelism.tp) == (
         chosen.dp, chosen.fsdp, chosen.tp) == tuple(plan.to_json()["mesh_shape"])
