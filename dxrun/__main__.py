@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,40 +107,37 @@ def main(cfg: DictConfig) -> Any:
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
-            from dxrun import layout_search
-            from dxrun.experiment import visible_devices
-            from dxrun.plan import make_plan
-            from dxrun.plan_mode import resolve_plan_seq_len, run_plan
+            from dxrun.plan_mode import planned, run_plan
 
-            resolve_plan_seq_len(cfg, jax.default_backend())  # data.seq_len=null: the target's
-            # parallelism=auto: the ranking from the estimate alone, for plan.target
-            searched = layout_search.search(cfg, plan_mode=True)
-            plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
+            # A copy of cfg: data.seq_len=null resolved for the target; for parallelism=auto
+            # the layout ranked first by the estimate alone, for plan.target.
+            plan_cfg, plan = planned(cfg, jax.default_backend())
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
             # The saved config holds the global batch too.
-            write_hydra_files(run_dir, resolved_config(cfg, plan), hydra_cfg)
-            return run_plan(cfg, run_dir, plan)
+            write_hydra_files(run_dir, resolved_config(plan_cfg, plan), hydra_cfg)
+            return run_plan(plan_cfg, run_dir, plan)
         # Every process uses process 0's run dir (their clocks may name it differently).
         asked = _asked_dir(hydra_cfg)
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
-        prepared = prepare(cfg, asked)
-        resume = prepared.resume
+        # From here on the run follows run_cfg, a copy: the W&B job type and group filled in
+        # (``_wandb_named``) and, for parallelism=auto, the chosen layout (``prepare``).
+        prepared = prepare(_wandb_named(cfg, hydra_cfg, multirun), asked)
+        run_cfg, resume = prepared.exp.cfg, prepared.resume
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
         reuse = resume is not None and resume.in_place
         run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",
                              str(_claim(asked, reuse) if is_main() else asked)))
         run_log.attach(run_dir)
-        _name_for_wandb(cfg, hydra_cfg, multirun)
         if is_main():  # the plan's global batch and sequence length, written once
-            write_hydra_files(run_dir, resolved_config(cfg, prepared[0].plan), hydra_cfg)
+            write_hydra_files(run_dir, resolved_config(run_cfg, prepared.exp.plan), hydra_cfg)
         _status(run_dir, "running", **_job_fields(hydra_cfg))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
         job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started)
         try:
-            summary = train(cfg, run_dir, job, prepared)
+            summary = train(run_cfg, run_dir, job, prepared)
         except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
             _status(run_dir, "stopped", signal=e.signal_name, step=e.step,
                     checkpoint=str(e.checkpoint), relaunch=e.relaunch, reason=str(e),
@@ -149,7 +145,7 @@ def main(cfg: DictConfig) -> Any:
             sys.exit(e.code)
         _status(run_dir, "ok", **_job_fields(hydra_cfg))
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
-        return summary.get(cfg.train.objective) if cfg.train.objective else summary
+        return summary.get(run_cfg.train.objective) if run_cfg.train.objective else summary
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
                 **_job_fields(hydra_cfg))
@@ -223,14 +219,19 @@ def _job_fields(hydra_cfg: Any) -> dict[str, Any]:
             "overrides": list(hydra_cfg.overrides.task)}
 
 
-def _name_for_wandb(cfg: DictConfig, hydra_cfg: Any, multirun: bool) -> None:
-    """Fill in the W&B group and job type the user left unset, in the config itself, so the
-    saved config (and the sweep report, which reads it) says where the run went: the jobs of
-    one multirun share the group of their sweep dir and have job type "sweep"."""
+def _wandb_named(cfg: DictConfig, hydra_cfg: Any, multirun: bool) -> DictConfig:
+    """A copy of ``cfg`` with the W&B group and job type the user left unset filled in, for the
+    run to follow, so its W&B run, its saved config and the sweep report (which reads the saved
+    config) agree on where it went: the jobs of one multirun share the group of their sweep dir
+    and have job type "sweep". ``cfg`` itself is read, never rewritten."""
+    import copy
+
+    out = copy.deepcopy(cfg)
     if cfg.logger.job_type is None:
-        cfg.logger.job_type = "sweep" if multirun else "train"
+        out.logger.job_type = "sweep" if multirun else "train"
     if multirun and cfg.logger.group is None:
-        cfg.logger.group = sweep_group(Path(hydra_cfg.sweep.dir))
+        out.logger.group = sweep_group(Path(hydra_cfg.sweep.dir))
+    return out
 
 
 def _job_failed(msg: str, crashed: bool) -> None:

@@ -65,19 +65,12 @@ class Layout:
 
 
 def with_layout(cfg: Any, layout: Layout) -> Any:
-    """A copy of ``cfg`` laid out as ``layout`` (the search's candidates; the run's own config
-    takes the winner through ``apply``)."""
+    """A copy of ``cfg`` laid out as ``layout``: each candidate of the search, and the config a
+    run follows once ``layout`` is chosen, which holds it as ordinary keys (W&B and sweeps
+    group by them). ``cfg`` itself is never rewritten."""
     from omegaconf import OmegaConf
 
     return OmegaConf.merge(cfg, layout.overrides())
-
-
-def apply(cfg: Any, layout: Layout) -> None:
-    """Write the chosen layout into the run config as ordinary keys (W&B and sweeps group by
-    them)."""
-    cfg.parallelism.dp, cfg.parallelism.fsdp, cfg.parallelism.tp = (layout.dp, layout.fsdp,
-                                                                   layout.tp)
-    cfg.model.remat, cfg.train.grad_accum = layout.remat, layout.grad_accum
 
 
 def factorisations(n: int) -> list[tuple[int, int, int]]:
@@ -293,8 +286,9 @@ _SEARCHES = [0]  # searches made in this process: each agrees on its own keys
 def search(cfg: Any, plan_mode: bool = False,
            timer: Callable[[Any, list[Layout]], dict[Layout, float]] | None = None,
            resumed: Layout | None = None) -> dict[str, Any] | None:
-    """Choose the layout (``parallelism.search``; plan mode: from the estimate alone), write it
-    into ``cfg`` and return the ranking's record (None: no search). ``timer(cfg, layouts)``:
+    """Choose the layout (``parallelism.search``; plan mode: from the estimate alone) and return
+    the ranking's record (None: no search); ``cfg`` is read, never rewritten: the run follows
+    ``with_layout(fixed_batch(cfg, devices), chosen_layout(record))``. ``timer(cfg, layouts)``:
     seconds per step of each layout (default ``time_layouts``). ``resumed``: the layout of
     the checkpoint a run resumes, kept (no search). Every process takes process 0's."""
     import jax
@@ -309,12 +303,11 @@ def search(cfg: Any, plan_mode: bool = False,
         return None
     t0 = time.perf_counter()
     if resumed is not None:
-        apply(cfg, resumed)
         row = Row(resumed, chosen=True, fits=True, why="")
         return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
                 "rows": [row.to_json()], "search_s": time.perf_counter() - t0, "cached": True}
     devices = visible_devices()
-    fix_batch(cfg, devices)
+    cfg = fixed_batch(cfg, devices)  # the candidates' batch and sequence length
     _SEARCHES[0] += 1
     n = cfg.parallelism.n_devices or devices[0]
     key = cache_key(cfg, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
@@ -322,7 +315,6 @@ def search(cfg: Any, plan_mode: bool = False,
     cached = read_cache(key) if mode != "fresh" and is_main() else None
     record = json.loads(agree(f"layout_search/{_SEARCHES[0]}/cache", json.dumps(cached)))
     if record is not None:
-        apply(cfg, chosen_layout(record))
         return {**record, "cached": True, "search_s": time.perf_counter() - t0}
     layouts, refused = candidates(cfg, *devices)
     target, peak = pm.resolve_target(cfg, n)
@@ -347,7 +339,6 @@ def search(cfg: Any, plan_mode: bool = False,
     record = {"search": mode, "target": target.name, "key": key, "top": top,
               "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
               "cached": False}
-    apply(cfg, chosen_layout(record))
     if is_main() and not plan_mode:
         write_cache(key, record)
     return record
@@ -367,21 +358,26 @@ def rows_of(record: dict[str, Any]) -> list[Row]:
     return out
 
 
-def fix_batch(cfg: Any, devices: tuple) -> None:
-    """Resolve ``data.seq_len`` (null: the platform's) and, with ``data.per_device_batch_size``,
-    the global batch once, on the preset's own layout: held fixed while the layouts change (a
-    search never changes the update)."""
+def fixed_batch(cfg: Any, devices: tuple) -> Any:
+    """A copy of ``cfg`` with ``data.seq_len`` resolved (null: the platform's) and, with
+    ``data.per_device_batch_size``, the global batch resolved once, on the preset's own layout:
+    held fixed while the layouts change (a search never changes the update). Resolving a copy
+    that is already fixed changes nothing."""
+    import copy
+
     from dxrun.batch import default_seq_len
     from dxrun.plan import make_plan
 
-    cfg.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, devices[1])
+    out = copy.deepcopy(cfg)
+    out.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, devices[1])
     if cfg.data.per_device_batch_size is None:
-        return
-    batch = make_plan(cfg, *devices).global_batch
-    cfg.data.per_device_batch_size = None
-    cfg.data.batch_size = batch
+        return out
+    batch = make_plan(out, *devices).global_batch
+    out.data.per_device_batch_size = None
+    out.data.batch_size = batch
     log.info("parallelism=auto: the global batch is held at %d (data.per_device_batch_size "
              "on the starting layout) while the layouts change", batch)
+    return out
 
 
 def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool

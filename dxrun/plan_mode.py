@@ -721,10 +721,34 @@ def plan_platform(target: str | None, backend: str) -> str:
     return "cpu" if kind == "cpu" else "gpu" if kind.startswith("NVIDIA") else "tpu"
 
 
-def resolve_plan_seq_len(cfg: Any, backend: str) -> None:
-    """Plan mode for a named target resolves ``data.seq_len=null`` as a run there would (the
-    model's context on an accelerator), not as this host would."""
+def planned(cfg: Any, backend: str) -> tuple[Any, Any]:
+    """(the config plan mode follows, its mesh plan). The config is a copy, ``cfg`` is read,
+    never rewritten: ``data.seq_len=null`` resolved for the target (``with_plan_seq_len``); for
+    ``parallelism=auto`` the batch held fixed and the layout ranked first by the estimate alone
+    for ``plan.target`` (the plan carries the ranking)."""
+    from dataclasses import replace
+
+    from dxrun import layout_search
+    from dxrun.experiment import visible_devices
+    from dxrun.plan import make_plan
+
+    plan_cfg, searched = with_plan_seq_len(cfg, backend), None
+    if plan_cfg.parallelism.search != "none":
+        plan_cfg = layout_search.fixed_batch(plan_cfg, visible_devices())
+        searched = layout_search.search(plan_cfg, plan_mode=True)
+        plan_cfg = layout_search.with_layout(plan_cfg, layout_search.chosen_layout(searched))
+    return plan_cfg, replace(make_plan(plan_cfg, *visible_devices()), layout_search=searched)
+
+
+def with_plan_seq_len(cfg: Any, backend: str) -> Any:
+    """A copy of ``cfg`` whose ``data.seq_len=null`` is resolved as a run on plan mode's target
+    would (the model's context on an accelerator), not as this host would; ``cfg`` itself is
+    read, never rewritten."""
+    import copy
+
     from dxrun.batch import default_seq_len
 
-    cfg.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len,
+    out = copy.deepcopy(cfg)
+    out.data.seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len,
                                        plan_platform(cfg.plan.target, backend))
+    return out

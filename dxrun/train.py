@@ -126,15 +126,18 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     (``checkpoint.plan_resume``): its step, its data position, and its optimizer state, which
     is restored when its tree fits the optimizer now and otherwise starts fresh with one
     warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
-    checkpoint has reached ``train.steps`` already."""
+    checkpoint has reached ``train.steps`` already. ``cfg`` is read, never rewritten:
+    ``exp.cfg`` is the config the run follows (``cfg`` itself, or for ``parallelism=auto`` a
+    copy holding the batch held fixed and the chosen layout)."""
     if cfg.parallelism.search == "none":
         plan = make_plan(cfg, *visible_devices())  # the global batch, whichever key gave it
         resume = (checkpoint.find_resume(cfg, run_dir, saved_config(cfg, plan))
                   if run_dir is not None else None)
-    else:  # parallelism=auto: the chosen layout written into cfg; a resume keeps its own
-        layout_search.fix_batch(cfg, visible_devices())
+    else:  # parallelism=auto: a copy laid out as the search chose; a resume keeps its own
+        cfg = layout_search.fixed_batch(cfg, visible_devices())
         resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
         searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume))
+        cfg = layout_search.with_layout(cfg, layout_search.chosen_layout(searched))
         plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
     data = process_data(cfg, plan)
     exp = Experiment.build(cfg, plan, data)
@@ -191,12 +194,14 @@ def fresh_optimizer(exp: Experiment, state: Any) -> Any:
 
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
           prepared: Prepared | None = None) -> dict[str, Any]:
-    """Train per ``cfg``; write the run's files under ``run_dir``; return the summary. The loop
+    """Train per ``cfg``; write the run's files under ``run_dir``; return the summary. The run
+    follows ``prepared.exp.cfg`` (``prepare``'s; None: ``prepare(cfg, run_dir)``). The loop
     is a schedule: a save point, the step (its trace, its data wait), and at a log or eval step
     a log point; ``Attempt`` holds the parts it calls."""
     job = job or Job()
     clock = goodput.Goodput(job.started or time.time())
     exp, resume = prepared or prepare(cfg, run_dir)
+    cfg = exp.cfg  # what the run follows: parallelism=auto's copy holds the chosen layout
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)

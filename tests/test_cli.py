@@ -185,6 +185,13 @@ def test_sweep_runs_every_valid_job_and_reports_the_bad_one(tmp_path):
     groups = {read_run(next(p.parent.glob("wandb/offline-run-*/run-*.wandb")))["group"]
               for p in done}
     assert len(groups) == 1 and groups.pop().startswith("sweep-")
+    # Their saved configs say the same (the sweep report's W&B upload reads them).
+    from omegaconf import OmegaConf
+
+    for p in done:
+        saved = OmegaConf.load(p.parent / ".hydra" / "config.yaml").logger
+        assert (saved.group, saved.job_type) == (read_run(next(p.parent.glob(
+            "wandb/offline-run-*/run-*.wandb")))["group"], "sweep")
 
 
 @pytest.fixture(scope="module")

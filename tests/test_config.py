@@ -257,7 +257,7 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
     from dxrun.batch import default_seq_len, resolved_config
     from dxrun.plan import make_plan
-    from dxrun.plan_mode import resolve_plan_seq_len
+    from dxrun.plan_mode import with_plan_seq_len
 
     assert default_seq_len(None, 1024, "gpu") == default_seq_len(None, 1024, "tpu") == 1024
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32
@@ -276,5 +276,4 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
                                   ("cpu", "gpu", 64), (None, "gpu", 1024), (None, "cpu", 64)]:
         cfg = cfg_factory("data=tokens", f"data.path={tmp_path}", "model=large",
                           f"plan.target={'null' if target is None else target}")
-        resolve_plan_seq_len(cfg, backend)
-        assert cfg.data.seq_len == want, (target, backend)
+        assert with_plan_seq_len(cfg, backend).data.seq_len == want, (target, backend)

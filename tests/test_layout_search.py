@@ -109,8 +109,9 @@ def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypat
         raise AssertionError("a cache hit measures nothing")
     record = ls.search(cfg, timer=timer)
     assert record["cached"] and record["search_s"] < 1.0
-    assert (cfg.parallelism.dp, cfg.parallelism.fsdp, cfg.parallelism.tp) == (2, 2, 2)
-    assert cfg.model.remat == "dots"
+    run_cfg = ls.with_layout(cfg, ls.chosen_layout(record))  # what the run follows
+    assert (run_cfg.parallelism.dp, run_cfg.parallelism.fsdp, run_cfg.parallelism.tp) == (2, 2, 2)
+    assert run_cfg.model.remat == "dots" and cfg.model.remat == "none"  # cfg is read only
     # parallelism.search=fresh never reads it (the key is the same: fresh measures too).
     assert ls.cache_key(make_cfg("parallelism=auto", "parallelism.search=fresh"), 8,
                         jax.devices()[0].device_kind, jax.__version__, 1) == key

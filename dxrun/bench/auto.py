@@ -29,14 +29,17 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     from dxrun.bench.speed import compose_cfg
     from dxrun.experiment import visible_devices
 
-    cfg = compose_cfg(*shape, f"data.batch_size={batch}", "parallelism=auto",
-                      "parallelism.search=fresh")
+    devices = visible_devices()
+    # The search reads the config and never rewrites it: the timing below uses the same
+    # resolved batch and sequence length as the search did.
+    cfg = layout_search.fixed_batch(compose_cfg(*shape, f"data.batch_size={batch}",
+                                                "parallelism=auto", "parallelism.search=fresh"),
+                                    devices)
     record = layout_search.search(cfg)
     chosen = layout_search.chosen_layout(record)
     fitting = [r for r in layout_search.rows_of(record) if r.fits]
     layouts = [r.layout for r in fitting]
     first_by_model = layouts[0]  # the model stage's order: estimated fastest first
-    devices = visible_devices()
     per_round = [layout_search.time_layouts(cfg, layouts[::1 if k % 2 == 0 else -1], devices)
                  for k in range(rounds)]  # alternate the order: drift falls on all alike
     step_s = {lay: statistics.median(r[lay] for r in per_round) for lay in layouts}
