@@ -132,6 +132,19 @@ class Output:
         return "".join(self.lines)
 
 
+class FakeClock:
+    """A clock the test moves by hand (goodput's and the step timer's unit tests)."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self, dt: float) -> None:
+        self.t += dt
+
+
 def tree_digest(tree: Path) -> dict[str, str]:
     """Every file under ``tree`` by its sha256: "untouched" means equal digests."""
     import hashlib

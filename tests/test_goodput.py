@@ -9,17 +9,7 @@ from dxrun import goodput
 from dxrun.memory_report import is_out_of_memory, shape_bytes
 from dxrun.runtime import peak_over_devices
 from dxrun.trace import profile_dir, traced_steps
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def tick(self, dt: float) -> None:
-        self.t += dt
+from tests.conftest import FakeClock
 
 
 def test_parts_add_up_to_the_wall_time_and_goodput_is_productive_over_wall():

@@ -6,19 +6,9 @@ import pytest
 
 from dxrun.console import save_note
 from dxrun.step_timer import SaveTotals, StepTimer
+from tests.conftest import FakeClock
 
 NO_SAVES = SaveTotals(0.0, 0, 0)
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def tick(self, dt: float) -> None:
-        self.t += dt
 
 
 def test_the_compiling_step_is_in_no_window_and_not_in_the_loop():
