@@ -8,8 +8,12 @@ Three stages, each a small function:
   with the user's ``model.remat`` and ``train.grad_accum`` first and, only when that does not
   fit, ``remat=dots``, ``remat=full``, then 2/4/8 micro-batches; the fitting ones ranked by plan
   mode's estimate (``plan_mode.step_estimate``) for the visible hardware or ``plan.target``;
-* **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top`` are
-  timed side by side for a few real steps (``bench.timing.interleaved``); the fastest wins.
+* **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top``, and
+  any whose estimate ties with the best's, are timed for a few real steps in rounds that
+  alternate their order, the clearly slower dropped after each round; the fastest wins. On
+  simulated CPU devices every layout that fits is timed: the eight "devices" share the host's
+  cores, which a per-device roofline does not model (its estimates there tie within 1%, and its
+  first choice, dp8, was the slowest measured of nine for ``model=tiny``: BENCHMARKS.md).
 
 The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
@@ -35,7 +39,9 @@ log = logging.getLogger("dxrun")
 SEARCHES = ("none", "measure", "model", "fresh")
 REMATS = ("none", "dots", "full")  # cheapest to most recomputation
 ACCUMS = (1, 2, 4, 8)
-MEASURE_STEPS, MEASURE_REPS = 3, 2  # timed steps per turn, turns per candidate
+MEASURE_STEPS, MEASURE_ROUNDS = 3, 3  # timed steps per turn, rounds (a turn per layout each)
+PRUNE = 1.25  # after a round, a layout slower than this x the best's median is timed no more
+TIE = 1.10  # estimates this close to the best's are within the roofline's error: measure them
 
 
 @dataclass(frozen=True)
@@ -154,19 +160,29 @@ def model_stage(cfg: Any, layouts: list[Layout], budget_gb: float | None,
     return sorted(rows, key=lambda r: (not r.fits, r.est_ms if r.est_ms is not None else 0.0))
 
 
-def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, float]]
-                  ) -> Row:
-    """Time the first ``top`` fitting rows (``timer``: layout -> seconds per step, all timed
-    side by side) and mark the fastest chosen; the others say why they lost."""
-    fitting = [r for r in rows if r.fits][:top]
-    if not fitting:
+def to_measure(rows: list[Row], top: int, every: bool = False) -> list[Row]:
+    """The fitting rows the measure stage times: the first ``top`` and any whose estimate is
+    within ``TIE`` of the best's (``every``: all that fit)."""
+    fitting = [r for r in rows if r.fits]
+    if every or not fitting or fitting[0].est_ms is None:
+        return fitting if every else fitting[:top]
+    return [r for i, r in enumerate(fitting)
+            if i < top or (r.est_ms is not None and r.est_ms <= TIE * fitting[0].est_ms)]
+
+
+def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, float]],
+                  every: bool = False) -> Row:
+    """Time the rows ``to_measure`` picks (``timer``: layout -> seconds per step) and mark the
+    fastest chosen; the others say why they lost."""
+    timed = to_measure(rows, top, every)
+    if not timed:
         raise ConfigError("parallelism=auto: no layout fits the device memory; try a smaller "
                           "model or data.batch_size, or a larger runtime.memory_gb")
-    times = timer([r.layout for r in fitting]) if len(fitting) > 1 else {}
-    for r in fitting:
+    times = timer([r.layout for r in timed]) if len(timed) > 1 else {}
+    for r in timed:
         r.measured_ms = 1e3 * times[r.layout] if r.layout in times else None
-    best = min(fitting, key=lambda r: r.measured_ms if r.measured_ms is not None else 0.0)
-    return _choose(rows, best, top)
+    best = min(timed, key=lambda r: r.measured_ms if r.measured_ms is not None else 0.0)
+    return _choose(rows, best, len(timed))
 
 
 def model_choice(rows: list[Row], top: int = 0) -> Row:
@@ -322,7 +338,10 @@ def search(cfg: Any, plan_mode: bool = False,
         budget_gb = pm.usable_bytes(target) / pm.GiB if target.memory_bytes else None
     else:  # the memory preflight's budget
         budget_gb = device_budget(cfg)[0] / pm.GiB
-    rows = model_stage(cfg, layouts, budget_gb, _scorer(devices, target, peak, plan_mode))
+    # A search that measures keeps each candidate's full compile for its timing: one compile
+    # per candidate, whose memory and cost figures are the analysis compile's.
+    built: dict[Layout, Any] | None = {} if mode in ("measure", "fresh") else None
+    rows = model_stage(cfg, layouts, budget_gb, _scorer(devices, target, peak, plan_mode, built))
     # Process 0's ranking (memory readings differ per process): every process measures the
     # same candidates in the same order.
     rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/rows",
@@ -331,8 +350,10 @@ def search(cfg: Any, plan_mode: bool = False,
     if mode == "model":
         model_choice(rows, top=0)
     else:
-        timer = timer or (lambda c, ls: time_layouts(c, ls, devices))
-        measure_stage(rows, top, lambda ls: timer(cfg, ls))
+        built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
+        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built))
+        measure_stage(rows, top, lambda ls: timer(cfg, ls), every=devices[1] == "cpu")
+        built.clear()
         rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/chosen",
                            json.dumps([r.to_json() for r in rows])))
     rows += [Row(layout, why=why) for layout, why in refused]
@@ -380,18 +401,25 @@ def fixed_batch(cfg: Any, devices: tuple) -> Any:
     return out
 
 
-def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool
+def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
+            built: dict[Layout, Any] | None = None
             ) -> Callable[[Any, Layout], tuple[float, float | None]]:
+    """``built`` None: the cheaper analysis compile, not kept; else the run's own compile,
+    kept in ``built`` with its Experiment for the measure stage."""
     def score(trial: Any, layout: Layout) -> tuple[float, float | None]:
         from dxrun import plan_mode as pm
         from dxrun.experiment import Experiment
         from dxrun.plan import make_plan
         from dxrun.step import step_bytes
 
-        exp = Experiment.build(trial, make_plan(trial, *devices), data=pm._NoData())
-        # Read for its analyses only (the measure stage and the run compile their own): the
-        # cheaper analysis compile, whose memory and cost figures are the run compile's.
-        compiled = exp.analyse_step()
+        plan = make_plan(trial, *devices)
+        if built is None:
+            exp = Experiment.build(trial, plan, data=pm._NoData())
+            compiled = exp.analyse_step()  # its memory and cost figures are the run compile's
+        else:
+            exp = Experiment.build(trial, plan)
+            compiled = exp.compile_step()
+            built[layout] = exp
         s = pm.step_estimate(trial, exp, compiled, target, peak, xla_cost=False)
         need = (s.mem.total_bytes if s.mem is not None and plan_mode
                 else step_bytes(compiled) or s.fp.total_bytes)
@@ -403,32 +431,60 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool
     return score
 
 
-def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple) -> dict[Layout, float]:
-    """Seconds per step of each layout: a few real steps on the run's own data after the
-    compile, one layout at a time (each one's state is freed before the next is made, so that
-    only one has to fit)."""
-    import jax
+def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
+                 built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
+                 prune: float | None = PRUNE) -> dict[Layout, float]:
+    """Seconds per step of each layout (the median of its turns): ``rounds`` rounds in which
+    each layout takes a turn of ``MEASURE_STEPS`` timed steps on the run's own data, the order
+    reversed every other round so that drift on a shared host falls on all alike. With
+    ``prune``, a layout slower than ``prune`` x the best after a round is timed no more: the
+    rounds go to the close ones. ``built``: Experiments already compiled (the model stage's).
+    One seeded init is copied into each layout's shardings at its turn and freed after it:
+    one init program, and only one layout's state alive at a time (each has to fit alone)."""
+    import statistics
 
-    from dxrun.bench.timing import interleaved
+    from jax.experimental import multihost_utils
+
     from dxrun.experiment import Experiment
     from dxrun.plan import make_plan
 
-    out = {}
+    exps = {}
     for layout in layouts:
         trial = with_layout(cfg, layout)
-        exp = Experiment.build(trial, make_plan(trial, *devices))
-        box = {"state": exp.init_state(), "i": 0}
-        rows = [exp.data.local_batch(k) for k in range(2)]
+        exps[layout] = (built or {}).get(layout) or Experiment.build(trial,
+                                                                      make_plan(trial, *devices))
+    # Gathered whole on every process (each layout re-shards it; the search's models are small).
+    params = multihost_utils.process_allgather(exps[layouts[0]].init_params(), tiled=True)
+    turns: dict[Layout, list[float]] = {layout: [] for layout in layouts}
+    live = list(layouts)
+    for k in range(rounds):
+        for layout in live if k % 2 == 0 else live[::-1]:
+            turns[layout].append(_turn(exps[layout], params))
+        best = min(statistics.median(turns[x]) for x in live)
+        if prune:
+            live = [x for x in live if statistics.median(turns[x]) <= prune * best]
+        if len(live) == 1:
+            break
+    return {layout: statistics.median(t) for layout, t in turns.items()}
 
-        def run(exp: Any = exp, box: dict = box, rows: list = rows) -> None:
-            tokens = exp.global_batch(rows[box["i"] % len(rows)])
-            box["state"], metrics = exp.step(box["state"], tokens)
-            box["i"] += 1
-            jax.block_until_ready((box["state"], metrics))
 
-        out[layout] = interleaved({layout: run}, MEASURE_STEPS, MEASURE_REPS)[layout].median_s
-        del box["state"]
-    return out
+def _turn(exp: Any, params: Any) -> float:
+    """One layout's turn: its state made from ``params``, one untimed step (the first after a
+    switch pays for it; the first of all compiles), then the median of ``MEASURE_STEPS``."""
+    import statistics
+
+    import jax
+
+    state = exp.init_state(params=params)
+    tokens = [exp.global_batch(exp.data.local_batch(k)) for k in range(2)]
+    times = []
+    for i in range(MEASURE_STEPS + 1):
+        t0 = time.perf_counter()
+        state, metrics = exp.step(state, tokens[i % 2])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    del state
+    return statistics.median(times[1:])
 
 
 def resumed_layout(resume: Any) -> Layout | None:

@@ -157,8 +157,9 @@ class ParallelismConfig:
         "given | measure = rank by estimate, time the top search_top, the fastest wins | model = "
         "the estimate's first | fresh = measure, ignoring the cached decision.",
         choices=("none", "measure", "model", "fresh"))
-    search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best",
-                          range=POSITIVE)
+    search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best "
+                          "(and any estimated within 10% of the first; on simulated CPU devices "
+                          "all that fit)", range=POSITIVE)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """``parallelism=auto`` against the best layout measured: for each case, the search runs as a
-run would (``parallelism.search=fresh``: ranked by plan mode's estimate, the top timed), then
-every layout that fits is timed in alternating rounds (one layout's state alive at a time, so
-the larger models fit the host), and the choice's step time is compared with the fastest's.
+run would (``parallelism.search=fresh``), then every layout that fits is timed again, afresh
+(its own compile), in rounds that alternate their order and drop none (one layout's state alive
+at a time, so the larger models fit the host); the choice's step time is compared with the
+fastest's.
 
 Two figures per section: each case's tokens/s of auto's choice / the best measured (goal
 >= 0.95), and how often the roofline's first choice alone was the measured best (what the
@@ -10,7 +11,6 @@ measured stage buys)."""
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 
 from dxrun.bench.report import Figure, figure
@@ -40,9 +40,8 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     fitting = [r for r in layout_search.rows_of(record) if r.fits]
     layouts = [r.layout for r in fitting]
     first_by_model = layouts[0]  # the model stage's order: estimated fastest first
-    per_round = [layout_search.time_layouts(cfg, layouts[::1 if k % 2 == 0 else -1], devices)
-                 for k in range(rounds)]  # alternate the order: drift falls on all alike
-    step_s = {lay: statistics.median(r[lay] for r in per_round) for lay in layouts}
+    # Every layout in every round (no pruning), the order alternating: drift falls on all alike.
+    step_s = layout_search.time_layouts(cfg, layouts, devices, rounds=rounds, prune=None)
     best = min(layouts, key=step_s.__getitem__)
     raw = {lay.label: f"{1e3 * s:.1f} ms" for lay, s in sorted(step_s.items(),
                                                                   key=lambda kv: kv[1])}
@@ -54,7 +53,7 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     return fig, first_by_model == best
 
 
-def figures(quick: bool, command: str, rounds: int = 2, only: str | None = None
+def figures(quick: bool, command: str, rounds: int = 4, only: str | None = None
             ) -> list[Figure]:
     """Every case (``only``: those whose model name contains it)."""
     # The decision cache in a scratch dir: every case searches afresh and the user's is untouched.
