@@ -156,7 +156,8 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
 
     r = run_cli("-m", "data.batch_size=16,32", "parallelism=auto", "parallelism.search_top=2",
                 "parallelism.n_devices=2",  # 3 candidates: dp2, fsdp2, tp2
-                "data.seq_len=16", "train.steps=4", "train.log_every=2", "train.eval_every=0",
+                "model.n_layers=1",  # tiny with one block: cheaper compiles
+                "data.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0",
                 "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path,
                 timeout=1200, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -231,15 +232,16 @@ def test_a_layout_that_does_not_fit_in_runtime_memory_gb_is_never_chosen(tmp_pat
 
 @pytest.mark.e2e
 def test_two_processes_agree_on_one_choice(tmp_path):
-    """``dxrun.launch --nproc 2`` (1 device each, over loopback) with the measured search: each
-    process times the candidates itself and its clock says something else, yet both train on
-    process 0's choice: each rank's log prints the same ranking, the same mesh and the same
-    losses, and they are the plan's."""
+    """``dxrun.launch --nproc 2`` (1 device each, over loopback, declared as 2 hosts) with the
+    measured search: each process times the candidates itself and its clock says something
+    else, yet both train on process 0's choice: each rank's log prints the same ranking, the
+    same mesh and the same losses, and they are the plan's. Two hosts refuse tp2 (a tensor
+    group across the network) without a compile: dp2 and fsdp2 are both measured."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # no cached decision: both search
     proc = subprocess.run(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
-         "--", *SMALL, "parallelism=auto", "parallelism.search=measure",
+         "--hosts", "2", "--", *SMALL, "parallelism=auto", "parallelism.search=measure",
          "parallelism.search_top=2", "hydra.run.dir=run"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -247,6 +249,7 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     record = json.loads((run / "plan.json").read_text())["layout_search"]
     (chosen,) = [x for x in record["rows"] if x["chosen"]]
     assert sum(x["measured_ms"] is not None for x in record["rows"]) == 2
+    assert [x["mesh"] for x in record["rows"] if not x["fits"]] == ["tp2"]
     table = ls.table(record).splitlines()[1:]  # as rank 0 printed it (less the search time)
     mesh = f"data={chosen['dp']} x fsdp={chosen['fsdp']} x tensor={chosen['tp']}"
     seen = []
