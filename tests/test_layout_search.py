@@ -155,7 +155,8 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
     from omegaconf import OmegaConf
 
     r = run_cli("-m", "data.batch_size=16,32", "parallelism=auto", "parallelism.search_top=2",
-                "parallelism.n_devices=2",  # 3 candidates: dp2, fsdp2, tp2
+                # 2 candidates, both measured: dp2, fsdp2 (one head: tp2 is refused uncompiled)
+                "parallelism.n_devices=2", "model.n_heads=1", "model.n_kv_heads=1",
                 "model.n_layers=1",  # tiny with one block: cheaper compiles
                 "data.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0",
                 "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path,
@@ -169,6 +170,7 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
         chosen = [x for x in record["rows"] if x["chosen"]]
         assert len(chosen) == 1 and not record["cached"]
         assert sum(x["measured_ms"] is not None for x in record["rows"]) == 2
+        assert [x["mesh"] for x in record["rows"] if not x["fits"]] == ["tp2"]
         saved = OmegaConf.load(run / ".hydra" / "config.yaml")
         assert [saved.parallelism.dp, saved.parallelism.fsdp, saved.parallelism.tp] == [
             chosen[0]["dp"], chosen[0]["fsdp"], chosen[0]["tp"]] == plan["mesh_shape"]
