@@ -152,7 +152,7 @@ def model_stage(cfg: Any, layouts: list[Layout], budget_gb: float | None,
             if budget_gb is not None and need > budget_gb:
                 if row.need_gb is None:
                     row.need_gb = need
-                    row.why = f"does not fit: {need:.2f} of {budget_gb:.2f} GiB"
+                    row.why = f"does not fit: {_gib(need)} of {_gib(budget_gb)}"  # MiB if small
                 continue
             row = Row(layout, need, None if est is None else 1e3 * est, fits=True)
             break
