@@ -25,8 +25,8 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.distributed import agree, is_main, join
 from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
+from dxrun.multihost.distributed import agree, is_main, join
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,

@@ -43,8 +43,8 @@ import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
 from dxrun.config import CheckpointConfig, TrainConfig
-from dxrun.distributed import gather, is_main
 from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
+from dxrun.multihost.distributed import gather, is_main
 from dxrun.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.step import TrainState

@@ -294,8 +294,8 @@ def search(cfg: Any, plan_mode: bool = False,
     import jax
 
     from dxrun import plan_mode as pm
-    from dxrun.distributed import agree, is_main
     from dxrun.experiment import visible_devices
+    from dxrun.multihost.distributed import agree, is_main
     from dxrun.preflight import device_budget
 
     mode = cfg.parallelism.search

@@ -352,7 +352,7 @@ class RuntimeConfig:
 
 @dataclass
 class DistributedConfig:
-    """Joining a multi-process run through JAX's distributed runtime (dxrun/distributed.py)."""
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/multihost/distributed.py)."""
 
     mode: str = key(
         "auto", "auto: join when the environment says this process is one of several (srun "

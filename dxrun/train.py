@@ -22,11 +22,11 @@ from dxrun.checkpoint import Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.console import Progress
 from dxrun.data import EVAL
-from dxrun.distributed import is_main
 from dxrun.errors import first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.metrics_row import StepCost, first_row, log_row, perplexity
+from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
 from dxrun.preempt import Preemption, relaunch_command
 from dxrun.preflight import memory_preflight
