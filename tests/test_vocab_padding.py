@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_tokens
 
-from dxrun.evaluate import evaluate_checkpoint
-from dxrun.load import load
-from dxrun.sample import OPTIONS, sample
+from dxrun.tools.evaluate import evaluate_checkpoint
+from dxrun.tools.load import load
+from dxrun.tools.sample import OPTIONS, sample
 from dxrun.vocab_padding import padding_differs
 
 RUN = ["data=tokens", "data.seq_len=8", "data.batch_size=8", "train.eval_every=0",
@@ -58,7 +58,7 @@ def _loss(loaded) -> float:
 
 
 def _greedy(loaded, prompt: np.ndarray, new: int) -> np.ndarray:
-    from dxrun.decode import Sampling, make_generate
+    from dxrun.tools.decode import Sampling, make_generate
 
     exp, m = loaded.exp, loaded.cfg.model
     gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
