@@ -103,7 +103,7 @@ def main(cfg: DictConfig) -> Any:
         for w in config_warnings(cfg):
             log.warning(w)
         from dxrun.batch import resolved_config
-        from dxrun.preempt import Stopped
+        from dxrun.checkpointing.preempt import Stopped
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":

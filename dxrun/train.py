@@ -16,9 +16,11 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dxrun import checkpoint, flops, goodput, layout_search, memory_report, plan_mode
+from dxrun import flops, goodput, layout_search, memory_report, plan_mode
 from dxrun.batch import saved_config
-from dxrun.checkpoint import Resume, RunCheckpoints
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
+from dxrun.checkpointing.preempt import Preemption, relaunch_command
 from dxrun.config import model_changes
 from dxrun.console import Progress
 from dxrun.data import EVAL
@@ -28,7 +30,6 @@ from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.metrics_row import StepCost, first_row, log_row, perplexity
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.preempt import Preemption, relaunch_command
 from dxrun.preflight import memory_preflight
 from dxrun.run_summary import RunSummary
 from dxrun.runtime import AllocatorPeak, write_json

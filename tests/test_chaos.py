@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun import checkpoint
-from dxrun.checkpoint import Resume
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume
 from dxrun.experiment import Experiment
 from dxrun.train import train
 from dxrun.wandb_file import read_history

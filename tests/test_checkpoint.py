@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, run_cli, tree_digest
 
-from dxrun import checkpoint
-from dxrun.checkpoint import Resume
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
 from dxrun.train import train

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, Output, make_cfg, run_cli
 
-from dxrun.checkpoint import committed_steps
+from dxrun.checkpointing.checkpoint import committed_steps
 from dxrun.multihost.launch import free_port
 from dxrun.train import train
 

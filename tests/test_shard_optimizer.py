@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun import checkpoint
 from dxrun import sharding as shd
-from dxrun.checkpoint import Checkpointer, Resume
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Checkpointer, Resume
 from dxrun.experiment import Experiment
 from dxrun.hlo import collectives
 from dxrun.plan_mode import TARGETS, accelerator_memory

@@ -32,6 +32,7 @@ import threading
 import time
 from typing import IO
 
+from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command
 from dxrun.multihost.distributed import (
     COORDINATOR,
     CUDA_VISIBLE,
@@ -41,7 +42,6 @@ from dxrun.multihost.distributed import (
     PROCESS_ID,
     visible_gpus,
 )
-from dxrun.preempt import EXIT_CODES, relaunch_command
 from dxrun.runtime import DEVICE_COUNT_FLAG
 
 
