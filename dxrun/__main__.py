@@ -67,7 +67,7 @@ _register_sweeper()
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> Any:
-    from dxrun.goodput import job_started_at
+    from dxrun.tracking.goodput import job_started_at
 
     started = job_started_at()  # goodput's wall time counts from here (the process's start)
     hydra_cfg = HydraConfig.get()

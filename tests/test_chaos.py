@@ -26,8 +26,8 @@ from conftest import make_cfg
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Resume
 from dxrun.experiment import Experiment
+from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train
-from dxrun.wandb_file import read_history
 
 STEPS = 40
 CHAOS = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",

@@ -14,7 +14,7 @@ from conftest import make_cfg, tree_digest, write_tokens
 
 from dxrun.errors import ConfigError
 from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.wandb_file import read_run
+from dxrun.tracking.wandb_file import read_run
 
 
 def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:

@@ -49,7 +49,7 @@ from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, Nothi
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.step import TrainState
-from dxrun.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
+from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 
 log = logging.getLogger("dxrun")
 

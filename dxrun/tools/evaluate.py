@@ -93,7 +93,7 @@ def _log_wandb(loaded: Loaded, metrics: dict[str, float]) -> None:
     run_id = loaded.ckpt_meta.get("wandb_id")
     if loaded.cfg.logger.name != "wandb" or not run_id:
         return
-    from dxrun.logger import open_wandb
+    from dxrun.tracking.logger import open_wandb
 
     run = open_wandb(loaded.run_dir, loaded.cfg.logger, None, None, None, None, run_id)
     if run is None:

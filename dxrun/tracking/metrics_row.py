@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dxrun.flops import mfu
-from dxrun.step_timer import Measured
+from dxrun.tracking.step_timer import Measured
 
 
 def perplexity(loss: float) -> float:
