@@ -107,7 +107,7 @@ def main(cfg: DictConfig) -> Any:
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
-            from dxrun.plan_mode import planned, run_plan
+            from dxrun.capacity.plan_mode import planned, run_plan
 
             # A copy of cfg: data.seq_len=null resolved for the target; for parallelism=auto
             # the layout ranked first by the estimate alone, for plan.target.

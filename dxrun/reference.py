@@ -317,7 +317,7 @@ SUMMARY: dict[str, str] = {
     "train/loss": "the last logged train loss",
     "best/train_loss": "the lowest finite train loss logged",
     "n_params": "parameters (the real vocabulary, without padding)",
-    "flops_per_token": "model FLOPs per token (dxrun/flops.py)",
+    "flops_per_token": "model FLOPs per token (dxrun/capacity/flops.py)",
     "tokens_per_s": "the last window's perf/tokens_per_s",
     "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, "
                          "evaluation, saves)",

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dxrun import flops, layout_search, memory_report, plan_mode
 from dxrun.batch import saved_config
+from dxrun.capacity import flops, layout_search, memory_report, plan_mode
+from dxrun.capacity.preflight import memory_preflight
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
 from dxrun.checkpointing.preempt import Preemption, relaunch_command
@@ -27,7 +28,6 @@ from dxrun.errors import first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.preflight import memory_preflight
 from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput

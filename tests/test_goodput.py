@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dxrun.memory_report import is_out_of_memory, shape_bytes
+from dxrun.capacity.memory_report import is_out_of_memory, shape_bytes
 from dxrun.runtime import peak_over_devices
 from dxrun.trace import profile_dir, traced_steps
 from dxrun.tracking import goodput

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from dxrun import memory_report, plan_mode, profile
+from dxrun import profile
+from dxrun.capacity import memory_report, plan_mode
+from dxrun.capacity.preflight import memory_preflight
 from dxrun.errors import ConfigError
-from dxrun.preflight import memory_preflight
 from dxrun.step import step_bytes
 from dxrun.tracking.wandb_file import read_run
 from dxrun.train import Job, prepare, train

@@ -42,12 +42,12 @@ import jax
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
+from dxrun.capacity.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.checkpointing.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.config import CheckpointConfig, TrainConfig
 from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
 from dxrun.multihost.distributed import gather, is_main
-from dxrun.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.step import TrainState
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 

@@ -293,10 +293,10 @@ def search(cfg: Any, plan_mode: bool = False,
     the checkpoint a run resumes, kept (no search). Every process takes process 0's."""
     import jax
 
-    from dxrun import plan_mode as pm
+    from dxrun.capacity import plan_mode as pm
+    from dxrun.capacity.preflight import device_budget
     from dxrun.experiment import visible_devices
     from dxrun.multihost.distributed import agree, is_main
-    from dxrun.preflight import device_budget
 
     mode = cfg.parallelism.search
     if mode == "none":
@@ -383,7 +383,7 @@ def fixed_batch(cfg: Any, devices: tuple) -> Any:
 def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool
             ) -> Callable[[Any, Layout], tuple[float, float | None]]:
     def score(trial: Any, layout: Layout) -> tuple[float, float | None]:
-        from dxrun import plan_mode as pm
+        from dxrun.capacity import plan_mode as pm
         from dxrun.experiment import Experiment
         from dxrun.plan import make_plan
         from dxrun.step import step_bytes
