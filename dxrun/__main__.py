@@ -25,8 +25,8 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.distributed import agree, is_main, join
 from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
+from dxrun.multihost.distributed import agree, is_main, join
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -67,7 +67,7 @@ _register_sweeper()
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> Any:
-    from dxrun.goodput import job_started_at
+    from dxrun.tracking.goodput import job_started_at
 
     started = job_started_at()  # goodput's wall time counts from here (the process's start)
     hydra_cfg = HydraConfig.get()
@@ -103,11 +103,11 @@ def main(cfg: DictConfig) -> Any:
         for w in config_warnings(cfg):
             log.warning(w)
         from dxrun.batch import resolved_config
-        from dxrun.preempt import Stopped
+        from dxrun.checkpointing.preempt import Stopped
         from dxrun.train import Job, prepare, train
 
         if cfg.run.mode == "plan":
-            from dxrun.plan_mode import planned, run_plan
+            from dxrun.capacity.plan_mode import planned, run_plan
 
             # A copy of cfg: data.seq_len=null resolved for the target; for parallelism=auto
             # the layout ranked first by the estimate alone, for plan.target.

@@ -16,8 +16,8 @@ from flax import nnx
 from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
 from dxrun.chunked_loss import loss_chunk_for
 from dxrun.data import TRAIN, Data
-from dxrun.distributed import process_hosts
 from dxrun.model import Transformer, count_params, resize_vocab
+from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
 from dxrun.plan import MeshPlan, make_plan
 from dxrun.sharding import (

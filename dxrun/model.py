@@ -272,7 +272,7 @@ class Block(nnx.Module):
     def apply(self, x_BxLxD: jax.Array, attend: Any, k1: jax.Array | None = None,
               k2: jax.Array | None = None, dtype: Any = None) -> jax.Array:
         """The block with ``attend`` as its attention: ``self.attn`` when training, attention
-        against a key/value cache when decoding (``dxrun.decode``). ``dtype``: the compute
+        against a key/value cache when decoding (``dxrun.tools.decode``). ``dtype``: the compute
         dtype (default the parameters'); the residual may be wider (fp32)."""
         cd = dtype or self.attn.wq[...].dtype
         h = attend(self.ln1(x_BxLxD).astype(cd))

@@ -80,7 +80,7 @@ class MeshPlan:
     batch_set_by: str = GLOBAL
     peak_lr: float = 0.0
     lr_scaling: str = "none"
-    # parallelism=auto's ranking (dxrun/layout_search.py) when this layout was searched for.
+    # parallelism=auto's ranking (dxrun/capacity/layout_search.py) when this layout was searched for.
     layout_search: dict[str, Any] | None = None
 
     @property

@@ -317,7 +317,7 @@ SUMMARY: dict[str, str] = {
     "train/loss": "the last logged train loss",
     "best/train_loss": "the lowest finite train loss logged",
     "n_params": "parameters (the real vocabulary, without padding)",
-    "flops_per_token": "model FLOPs per token (dxrun/flops.py)",
+    "flops_per_token": "model FLOPs per token (dxrun/capacity/flops.py)",
     "tokens_per_s": "the last window's perf/tokens_per_s",
     "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, "
                          "evaluation, saves)",
@@ -365,16 +365,16 @@ CHECKPOINT: dict[str, str] = {
 
 
 def summary_keys() -> list[str]:
-    """The keys of the dict ``RunSummary.record`` returns (dxrun/run_summary.py; ``**last`` for
+    """The keys of the dict ``RunSummary.record`` returns (dxrun/tracking/run_summary.py; ``**last`` for
     the splat of the last values)."""
-    tree = ast.parse((PACKAGE / "run_summary.py").read_text())
+    tree = ast.parse((PACKAGE / "tracking" / "run_summary.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "record":
             d = next(n.value for n in ast.walk(node)
                      if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
             return [k.value if k is not None else "**" + getattr(v, "attr", getattr(v, "id", ""))
                     for k, v in zip(d.keys, d.values, strict=True)]
-    raise LookupError("dxrun/run_summary.py: RunSummary.record returns no summary dict")
+    raise LookupError("dxrun/tracking/run_summary.py: RunSummary.record returns no summary dict")
 
 
 def status_keys() -> list[str]:
@@ -424,7 +424,7 @@ def outputs_markdown() -> str:
 
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`dxrun/reference.py`: the metric "
-           "table, the keys read from `dxrun/run_summary.py`, `dxrun/__main__.py` and "
+           "table, the keys read from `dxrun/tracking/run_summary.py`, `dxrun/__main__.py` and "
            "`dxrun/plan.py`). A run dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
     out += table("file", RUN_FILES)

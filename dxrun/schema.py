@@ -82,7 +82,7 @@ def section(cls: type, meaning: str) -> Any:
 
 
 def _plan_targets() -> tuple[str, ...]:
-    from dxrun.plan_mode import TARGETS  # no JAX import there at module level
+    from dxrun.capacity.plan_mode import TARGETS  # no JAX import there at module level
 
     return tuple(TARGETS)
 
@@ -153,9 +153,9 @@ class ParallelismConfig:
         "`data` replicas; null = auto (on when dp > 1). Same losses either way; checkpoints "
         "restore across.")
     search: str = key(
-        "none", "parallelism=auto's layout search (dxrun/layout_search.py): none = dp/fsdp/tp as "
-        "given | measure = rank by estimate, time the top search_top, the fastest wins | model = "
-        "the estimate's first | fresh = measure, ignoring the cached decision.",
+        "none", "parallelism=auto's layout search (dxrun/capacity/layout_search.py): none = "
+        "dp/fsdp/tp as given | measure = rank by estimate, time the top search_top, the fastest "
+        "wins | model = the estimate's first | fresh = measure, ignoring the cached decision.",
         choices=("none", "measure", "model", "fresh"))
     search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best "
                           "(and any estimated within 10% of the first; on simulated CPU devices "
@@ -321,7 +321,7 @@ class RunSection:
 @dataclass
 class PlanConfig:
     target: str | None = key(
-        None, "The accelerator plan mode estimates for (dxrun/plan_mode.py: TARGETS); null = "
+        None, "The accelerator plan mode estimates for (dxrun/capacity/plan_mode.py: TARGETS); null = "
         "the devices this process sees.", choices=_plan_targets)
     write_gb_per_s: float = key(
         1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
@@ -353,7 +353,7 @@ class RuntimeConfig:
 
 @dataclass
 class DistributedConfig:
-    """Joining a multi-process run through JAX's distributed runtime (dxrun/distributed.py)."""
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/multihost/distributed.py)."""
 
     mode: str = key(
         "auto", "auto: join when the environment says this process is one of several (srun "

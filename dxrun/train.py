@@ -16,24 +16,26 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dxrun import checkpoint, flops, goodput, layout_search, memory_report, plan_mode
 from dxrun.batch import saved_config
-from dxrun.checkpoint import Resume, RunCheckpoints
+from dxrun.capacity import flops, layout_search, memory_report, plan_mode
+from dxrun.capacity.preflight import memory_preflight
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
+from dxrun.checkpointing.preempt import Preemption, relaunch_command
 from dxrun.config import model_changes
-from dxrun.console import Progress
 from dxrun.data import EVAL
-from dxrun.distributed import is_main
 from dxrun.errors import first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
-from dxrun.logger import MetricsLogger, Rewound, rewind_metrics
-from dxrun.metrics_row import StepCost, first_row, log_row, perplexity
+from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.preempt import Preemption, relaunch_command
-from dxrun.preflight import memory_preflight
-from dxrun.run_summary import RunSummary
 from dxrun.runtime import AllocatorPeak, write_json
-from dxrun.step_timer import StepTimer
 from dxrun.trace import Tracer, profile_dir, traced_steps
+from dxrun.tracking import goodput
+from dxrun.tracking.console import Progress
+from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
+from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perplexity
+from dxrun.tracking.run_summary import RunSummary
+from dxrun.tracking.step_timer import StepTimer
 
 log = logging.getLogger("dxrun")
 

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun import checkpoint
-from dxrun.checkpoint import Resume
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume
 from dxrun.experiment import Experiment
+from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train
-from dxrun.wandb_file import read_history
 
 STEPS = 40
 CHAOS = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",

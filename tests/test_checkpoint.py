@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, run_cli, tree_digest
 
-from dxrun import checkpoint
-from dxrun.checkpoint import Resume
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
+from dxrun.tracking.wandb_file import read_history, read_run
 from dxrun.train import train
-from dxrun.wandb_file import read_history, read_run
 
 STEPS = 100
 # Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.

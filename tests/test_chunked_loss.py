@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun import memory_model
+from dxrun.capacity import memory_model
+from dxrun.capacity.plan_mode import _NoData
 from dxrun.chunked_loss import AUTO_ON_BYTES, loss_chunk_for, resolve_loss_chunk
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
-from dxrun.plan_mode import _NoData
 from dxrun.sharding import in_mesh_context
 from dxrun.step import loss_and_metrics
 

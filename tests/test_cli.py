@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, tree_digest
 
-from dxrun.wandb_file import read_run
+from dxrun.tracking.wandb_file import read_run
 
 
 def _run_dirs(cwd: Path) -> list[Path]:

@@ -256,8 +256,8 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     """data=text and data=tokens leave data.seq_len null: the model's context on an
     accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
     from dxrun.batch import default_seq_len, resolved_config
+    from dxrun.capacity.plan_mode import with_plan_seq_len
     from dxrun.plan import make_plan
-    from dxrun.plan_mode import with_plan_seq_len
 
     assert default_seq_len(None, 1024, "gpu") == default_seq_len(None, 1024, "tpu") == 1024
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from dxrun import config, layout_search
+from dxrun import config
 from dxrun.batch import saved_config
-from dxrun.plan_mode import planned, with_plan_seq_len
+from dxrun.capacity import layout_search
+from dxrun.capacity.plan_mode import planned, with_plan_seq_len
 from dxrun.train import prepare
 
 

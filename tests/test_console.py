@@ -10,7 +10,7 @@ import re
 import pytest
 from conftest import run_cli
 
-from dxrun.console import format_line, save_note
+from dxrun.tracking.console import format_line, save_note
 
 
 def test_format_line_puts_the_note_after_the_tokens_per_s_it_explains():

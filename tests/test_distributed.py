@@ -7,7 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from dxrun.config import DistributedConfig
-from dxrun.distributed import (
+from dxrun.errors import ConfigError
+from dxrun.multihost.distributed import (
     LOCAL_PROCESSES,
     Join,
     detect,
@@ -16,7 +17,6 @@ from dxrun.distributed import (
     slurm_device_ids,
     visible_gpus,
 )
-from dxrun.errors import ConfigError
 from dxrun.plan import make_plan, split_over_hosts
 
 
@@ -135,7 +135,7 @@ def test_processes_sharing_the_host(env, num_processes, want):
 
 
 def test_launch_keeps_the_users_xla_flags_but_the_device_count():
-    from dxrun.launch import child_env
+    from dxrun.multihost.launch import child_env
 
     base = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 "
                          "--xla_gpu_enable_latency_hiding_scheduler=true"}
@@ -176,7 +176,7 @@ def test_visible_gpus(tmp_path):
 
 
 def test_gpus_are_divided_over_the_launched_processes():
-    from dxrun.launch import child_env, gpu_slices
+    from dxrun.multihost.launch import child_env, gpu_slices
 
     eight = [str(i) for i in range(8)]
     assert gpu_slices(eight, 2, None) == [eight[:4], eight[4:]]

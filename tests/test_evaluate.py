@@ -13,8 +13,8 @@ import pytest
 from conftest import make_cfg, tree_digest, write_tokens
 
 from dxrun.errors import ConfigError
-from dxrun.evaluate import evaluate_checkpoint
-from dxrun.wandb_file import read_run
+from dxrun.tools.evaluate import evaluate_checkpoint
+from dxrun.tracking.wandb_file import read_run
 
 
 def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dxrun import flops, plan_mode
+from dxrun.capacity import flops, plan_mode
+from dxrun.capacity.hlo import collectives
 from dxrun.experiment import Experiment
-from dxrun.hlo import collectives
 from dxrun.train import resolve_peak
 
 

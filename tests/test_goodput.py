@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from dxrun import goodput
-from dxrun.memory_report import is_out_of_memory, shape_bytes
+from dxrun.capacity.memory_report import is_out_of_memory, shape_bytes
 from dxrun.runtime import peak_over_devices
 from dxrun.trace import profile_dir, traced_steps
+from dxrun.tracking import goodput
 from tests.conftest import FakeClock
 
 

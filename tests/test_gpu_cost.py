@@ -1,4 +1,4 @@
-"""The accelerator time model (dxrun/gpu_cost.py) and the FLOPs it counts from the shapes."""
+"""The accelerator time model (dxrun/capacity/gpu_cost.py) and the FLOPs it counts from the shapes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from dxrun import flops, gpu_cost, plan_mode
+from dxrun.capacity import flops, gpu_cost, plan_mode
+from dxrun.capacity.hlo import replica_groups
 from dxrun.experiment import Experiment
-from dxrun.hlo import replica_groups
 
 ACCELERATORS = sorted(gpu_cost.COST)
 PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", "llama3_8b")

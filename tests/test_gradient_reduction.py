@@ -9,8 +9,8 @@ import re
 
 import jax
 
+from dxrun.capacity.hlo import collective_lines, dots, instances, partitioned
 from dxrun.experiment import Experiment
-from dxrun.hlo import collective_lines, dots, instances, partitioned
 from dxrun.sharding import in_mesh_context
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, Output, make_cfg, run_cli
 
-from dxrun.checkpoint import committed_steps
-from dxrun.launch import free_port
+from dxrun.checkpointing.checkpoint import committed_steps
+from dxrun.multihost.launch import free_port
 from dxrun.train import train
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""parallelism=auto (dxrun/layout_search.py): candidates, the fit rule, the measured choice,
+"""parallelism=auto (dxrun/capacity/layout_search.py): candidates, the fit rule, the measured choice,
 the cache, and that the chosen layout is an ordinary mesh (same losses as one device)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import make_cfg, run_cli
 
-from dxrun import layout_search as ls
-from dxrun.layout_search import Layout, Row
+from dxrun.capacity import layout_search as ls
+from dxrun.capacity.layout_search import Layout, Row
 
 
 def meshes(layouts):

@@ -1,4 +1,4 @@
-"""``dxrun.load``: the arguments of ``dxrun.evaluate`` / ``dxrun.sample`` (a run dir whose
+"""``dxrun.tools.load``: the arguments of ``dxrun.evaluate`` / ``dxrun.sample`` (a run dir whose
 name holds ``=`` is still the path) and a crash's traceback file (never a planted link)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dxrun.load import main, split_args
-from dxrun.sample import OPTIONS
+from dxrun.tools.load import main, split_args
+from dxrun.tools.sample import OPTIONS
 
 
 def test_a_run_dir_named_with_equals_signs_is_the_path(tmp_path, monkeypatch):

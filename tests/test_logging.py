@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from dxrun.tracking.wandb_file import read_run
 from dxrun.train import Job, run_name, train
-from dxrun.wandb_file import read_run
 
 QUICK = ["train.steps=6", "train.log_every=3", "parallelism=dp2", "data.batch_size=8"]
 INTERNAL = ("_timestamp", "_runtime", "_step")
@@ -96,7 +96,7 @@ def test_run_name_from_choices_and_overrides(cfg_factory):
 
 @pytest.mark.e2e
 def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
-    from dxrun.dashboard import load_spec, main, metrics_in, panel_lines
+    from dxrun.tracking.dashboard import load_spec, main, metrics_in, panel_lines
 
     logged = set().union(*(_rows(two_runs[0])))
     assert metrics_in(load_spec()) <= logged | {"perf/mfu"}  # mfu: where the peak is known
@@ -109,7 +109,7 @@ def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
 
 
 def test_failed_wandb_log_warns_once_and_keeps_jsonl(cfg_factory, tmp_path, caplog):
-    from dxrun.logger import MetricsLogger
+    from dxrun.tracking.logger import MetricsLogger
 
     logger = MetricsLogger(tmp_path, cfg_factory().logger, {"a": 1}, name="t")
     logger.log(1, {"train/loss": 3.0})
@@ -167,8 +167,8 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     import sys
     import time
 
-    from dxrun.checkpoint import committed_steps
-    from dxrun.wandb_file import read_history
+    from dxrun.checkpointing.checkpoint import committed_steps
+    from dxrun.tracking.wandb_file import read_history
 
     run_dir = tmp_path / "run"
     # Not this process's W&B service (set once a test here used W&B): each attempt has its own,

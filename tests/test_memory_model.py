@@ -1,12 +1,12 @@
-"""The accelerator memory model (dxrun/memory_model.py): held against XLA's memory analysis of
+"""The accelerator memory model (dxrun/capacity/memory_model.py): held against XLA's memory analysis of
 the compiled step in fp32, and what bf16, fused attention, remat, tp and accumulation change."""
 
 from __future__ import annotations
 
 import pytest
 
-from dxrun import memory_model as mm
-from dxrun import plan_mode
+from dxrun.capacity import memory_model as mm
+from dxrun.capacity import plan_mode
 from dxrun.experiment import Experiment
 from dxrun.step import step_bytes
 

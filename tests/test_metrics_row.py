@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dxrun.metrics_row import StepCost, best_loss, first_row, log_row, perf_row, perplexity
-from dxrun.step_timer import Measured
+from dxrun.tracking.metrics_row import StepCost, best_loss, first_row, log_row, perf_row, perplexity
+from dxrun.tracking.step_timer import Measured
 
 COST = StepCost(tokens=1024, flops=8e12, n_devices=8, peak_tflops=2.0)
 

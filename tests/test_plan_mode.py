@@ -11,10 +11,10 @@ from conftest import run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun import plan_mode
 from dxrun import sharding as shd
+from dxrun.capacity import plan_mode
+from dxrun.capacity.hlo import collective_traffic
 from dxrun.experiment import Experiment
-from dxrun.hlo import collective_traffic
 from dxrun.step import step_bytes
 
 
@@ -135,7 +135,7 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     pm = plan["plan_mode"]
     t = pm["target"]
     assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 494.0
-    # the accelerator time model (dxrun/gpu_cost.py): kernels one after another, the
+    # the accelerator time model (dxrun/capacity/gpu_cost.py): kernels one after another, the
     # collectives' exposed part after them (issue 21; was max(compute, memory) + collectives)
     assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["collective_s"])
     assert t["estimate"].startswith("roofline calibrated on 2 runs")
@@ -201,9 +201,9 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
     data.batch_size beside it would be refused), and accumulation keeps the update's size."""
     from omegaconf import OmegaConf
 
+    from dxrun.capacity.plan_mode import candidates
     from dxrun.config import validate
     from dxrun.plan import make_plan
-    from dxrun.plan_mode import candidates
 
     cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")
     update = make_plan(cfg, 8).global_batch
@@ -222,8 +222,8 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
 def test_processes_on_one_host_split_its_ram():
     """dxrun.launch --nproc 2 on one host: each process sees the whole MemAvailable, and gets
     half of it for its devices."""
-    from dxrun.plan_mode import USABLE_CPU
-    from dxrun.preflight import cpu_device_budget
+    from dxrun.capacity.plan_mode import USABLE_CPU
+    from dxrun.capacity.preflight import cpu_device_budget
 
     gib = 2**30
     assert cpu_device_budget(64 * gib, 8, 1) == 64 * gib * USABLE_CPU / 8
@@ -233,8 +233,8 @@ def test_processes_on_one_host_split_its_ram():
 def test_usable_gpu_memory_is_what_jax_will_pool():
     """JAX's GPU client pools 75% of each GPU unless told otherwise; preallocating or not keeps
     that limit; the platform allocator has no pool."""
+    from dxrun.capacity.plan_mode import TARGETS, USABLE, USABLE_CPU, Usable, gpu_memory_fraction
     from dxrun.errors import ConfigError
-    from dxrun.plan_mode import TARGETS, USABLE, USABLE_CPU, Usable, gpu_memory_fraction
 
     assert gpu_memory_fraction({}).fraction == 0.75
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in gpu_memory_fraction({}).source  # how to raise it

@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from dxrun import memory_report, plan_mode, profile
+from dxrun import profile
+from dxrun.capacity import memory_report, plan_mode
+from dxrun.capacity.preflight import memory_preflight
 from dxrun.errors import ConfigError
-from dxrun.preflight import memory_preflight
 from dxrun.step import step_bytes
+from dxrun.tracking.wandb_file import read_run
 from dxrun.train import Job, prepare, train
-from dxrun.wandb_file import read_run
 from tests.conftest import make_cfg
 
 TRACED = ["parallelism=dp4_tp2", "model=tiny", "data.seq_len=32", "train.steps=6",

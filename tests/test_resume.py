@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import make_cfg, run_cli, tree_digest, write_corpus, write_tokens
 
-from dxrun import checkpoint
+from dxrun.checkpointing import checkpoint
 from dxrun.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
 from dxrun.train import prepare, train

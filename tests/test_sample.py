@@ -1,4 +1,4 @@
-"""``python -m dxrun.sample`` and ``dxrun.decode``: greedy markov samples that follow the chain
+"""``python -m dxrun.sample`` and ``dxrun.tools.decode``: greedy markov samples that follow the chain
 (an untrained model's do not), text decoded with the run's tokenizer, the same seed giving the
 same text, the key/value cache equal to recomputing the whole sequence, tensor-parallel
 decoding equal to one device, and each bad input refused in one line."""
@@ -16,11 +16,11 @@ import pytest
 from conftest import make_cfg, write_corpus
 from flax import nnx
 
-from dxrun.decode import Sampling, make_generate
 from dxrun.errors import ConfigError
-from dxrun.load import load
-from dxrun.sample import OPTIONS, allowed_transitions, sample
 from dxrun.sharding import in_mesh_context
+from dxrun.tools.decode import Sampling, make_generate
+from dxrun.tools.load import load
+from dxrun.tools.sample import OPTIONS, allowed_transitions, sample
 
 
 def _sample_cli(*args: str) -> subprocess.CompletedProcess:
@@ -188,7 +188,7 @@ def test_a_bf16_run_decodes_in_bf16(markov_run):
     fp32 run's): with bf16 every matmul of the program reads bf16 weights (cast once, before the
     token loop) and the logits stay fp32; an fp32 run's program has no bf16 at all. The bf16
     greedy samples still follow the chain."""
-    from dxrun.sample import make_decoder
+    from dxrun.tools.sample import make_decoder
 
     opts = {**OPTIONS, "n": 4, "max_new_tokens": 20}
     out = sample(markov_run, opts, ["train.precision=bf16"])

@@ -11,7 +11,7 @@ from conftest import make_cfg, write_corpus
 
 from dxrun.data.prepare import prepare
 from dxrun.errors import ConfigError
-from dxrun.sample import OPTIONS, sample
+from dxrun.tools.sample import OPTIONS, sample
 
 
 @pytest.mark.e2e

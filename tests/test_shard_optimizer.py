@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun import checkpoint
 from dxrun import sharding as shd
-from dxrun.checkpoint import Checkpointer, Resume
+from dxrun.capacity.hlo import collectives
+from dxrun.capacity.plan_mode import TARGETS, accelerator_memory
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Checkpointer, Resume
 from dxrun.experiment import Experiment
-from dxrun.hlo import collectives
-from dxrun.plan_mode import TARGETS, accelerator_memory
 
 STEPS = 3
 # One optimizer per mesh: Adam's moments, Lion's momentum, SGD's momentum. A clip_norm far
@@ -97,7 +97,7 @@ def test_optimizer_bytes_per_device_on_dp8(dp8):
 def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
     """From the shardings alone (nothing compiled): 1/dp of the state without ZeRO-1 on top
     of the tensor and fsdp split, up to what the data axis cannot split."""
-    from dxrun.plan_mode import _shard_bytes
+    from dxrun.capacity.plan_mode import _shard_bytes
 
     on = Experiment.build(_cfg(mesh, True)).abstract_state().opt_state
     off = Experiment.build(_cfg(mesh, False)).abstract_state().opt_state
@@ -156,7 +156,7 @@ def test_checkpoint_restores_across_the_flag(dp8, tmp_path, saved_with):
 def test_plan_table_says_the_optimizer_is_split(dp8):
     from omegaconf import OmegaConf
 
-    from dxrun import plan_mode
+    from dxrun.capacity import plan_mode
 
     exp = dp8[True][0]  # its step compiled already: plan mode compiles nothing more
     cfg = OmegaConf.merge(exp.cfg, {"plan": {"target": "h100"}})

@@ -16,8 +16,8 @@ from conftest import make_cfg
 from flax import nnx
 
 from dxrun import sharding as shd
+from dxrun.capacity.hlo import collective_lines, collectives
 from dxrun.experiment import Experiment
-from dxrun.hlo import collective_lines, collectives
 from dxrun.model import Block
 from dxrun.plan import make_plan
 

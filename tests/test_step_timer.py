@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.console import save_note
-from dxrun.step_timer import SaveTotals, StepTimer
+from dxrun.tracking.console import save_note
+from dxrun.tracking.step_timer import SaveTotals, StepTimer
 from tests.conftest import FakeClock
 
 NO_SAVES = SaveTotals(0.0, 0, 0)

@@ -12,7 +12,7 @@ import yaml
 from conftest import CONF, ROOT, run_cli
 
 from dxrun.config import PRESETS, check_keys, preset_dir, validate
-from dxrun.wandb_file import read_run
+from dxrun.tracking.wandb_file import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")
 NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for

@@ -1,7 +1,8 @@
-"""Checkpoints restored where the vocabulary is padded differently (``dxrun/vocab_padding.py``):
-vocab 65 saved with 65 rows (tp1) read onto tp2 (66 rows), a tp2 checkpoint onto one device,
-and a GPU's 128-row padding (``parallelism.vocab_align=128``) onto one device, by
-``dxrun.evaluate``, ``dxrun.sample`` and a resume: the same numbers as on the saved layout."""
+"""Checkpoints restored where the vocabulary is padded differently
+(``dxrun/checkpointing/vocab_padding.py``): vocab 65 saved with 65 rows (tp1) read onto tp2 (66
+rows), a tp2 checkpoint onto one device, and a GPU's 128-row padding
+(``parallelism.vocab_align=128``) onto one device, by ``dxrun.evaluate``, ``dxrun.sample`` and a
+resume: the same numbers as on the saved layout."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_tokens
 
-from dxrun.evaluate import evaluate_checkpoint
-from dxrun.load import load
-from dxrun.sample import OPTIONS, sample
-from dxrun.vocab_padding import padding_differs
+from dxrun.checkpointing.vocab_padding import padding_differs
+from dxrun.tools.evaluate import evaluate_checkpoint
+from dxrun.tools.load import load
+from dxrun.tools.sample import OPTIONS, sample
 
 RUN = ["data=tokens", "data.seq_len=8", "data.batch_size=8", "train.eval_every=0",
        "checkpoint.every=2", "logger=none", "eval.batches=4", "train.log_every=1"]
@@ -58,7 +59,7 @@ def _loss(loaded) -> float:
 
 
 def _greedy(loaded, prompt: np.ndarray, new: int) -> np.ndarray:
-    from dxrun.decode import Sampling, make_generate
+    from dxrun.tools.decode import Sampling, make_generate
 
     exp, m = loaded.exp, loaded.cfg.model
     gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,

@@ -25,8 +25,8 @@ QUICK_CASES = [("tiny", ["model=tiny", "model.n_layers=1", "data.seq_len=16"], (
 def case(name: str, shape: list[str], batch: int, rounds: int, command: str
          ) -> tuple[Figure, bool]:
     """(the choice / best figure, whether the roofline's first choice was the measured best)."""
-    from dxrun import layout_search
     from dxrun.bench.speed import compose_cfg
+    from dxrun.capacity import layout_search
     from dxrun.experiment import visible_devices
 
     devices = visible_devices()

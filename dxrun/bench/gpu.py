@@ -5,7 +5,7 @@ cuDNN's fused flash attention (``dxrun/attention_kernel.py``); each figure recor
 step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
 says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU plan mode's
 estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the accelerator time
-model of ``dxrun/gpu_cost.py`` (the GPU program's FLOPs, fused attention and fused elementwise
+model of ``dxrun/capacity/gpu_cost.py`` (the GPU program's FLOPs, fused attention and fused elementwise
 traffic; the CPU compile only for the collectives).
 
     python -m dxrun.bench --gpu        # on a machine with an NVIDIA GPU: measured
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import jax
 
-from dxrun import flops, plan_mode
 from dxrun.bench.report import Figure, figure
 from dxrun.bench.speed import compose_cfg, dxrun_runner
 from dxrun.bench.timing import interleaved
+from dxrun.capacity import flops, plan_mode
 from dxrun.experiment import Experiment
 
 MODELS = ("small", "medium")
@@ -50,7 +50,7 @@ def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
              "tokens_per_s": round(t["tokens_per_s"]), "bound": t["bound"],
              "compute_ms": round(1e3 * t["compute_s"], 1),
              "memory_ms": round(1e3 * t["memory_s"], 1), "peak_tflops": t["peak_tflops"]},
-            note=f"an estimate (dxrun/gpu_cost.py): {t['estimate']}",
+            note=f"an estimate (dxrun/capacity/gpu_cost.py): {t['estimate']}",
             command=f"python -m dxrun run.mode=plan plan.target={target} model={model} "
                     + " ".join(GPT2) + f" data.batch_size={batch}"))
     return out

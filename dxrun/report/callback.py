@@ -10,7 +10,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from dxrun.distributed import is_main
+from dxrun.multihost.distributed import is_main
 
 log = logging.getLogger("dxrun")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from dxrun.logger import read_metrics
 from dxrun.runtime import STATUS
+from dxrun.tracking.logger import read_metrics
 
 log = logging.getLogger("dxrun")
 

@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dxrun import memory_report
-from dxrun.distributed import is_main, local_processes
+from dxrun.capacity import memory_report
+from dxrun.capacity.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes, state_bytes
 from dxrun.errors import ConfigError
-from dxrun.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes, state_bytes
+from dxrun.multihost.distributed import is_main, local_processes
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment

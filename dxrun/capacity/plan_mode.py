@@ -6,8 +6,8 @@ no weight is allocated), and XLA's own analyses of that executable give the per-
 
 * **fits**: the per-device footprint against a target's memory, and when it does not fit, the
   nearest setting that does, found by compiling the candidates (also what the memory preflight
-  of every real run suggests: ``dxrun.preflight``);
-* **speed** (an estimate): on an accelerator target, ``dxrun.gpu_cost``'s model of the GPU/TPU
+  of every real run suggests: ``dxrun.capacity.preflight``);
+* **speed** (an estimate): on an accelerator target, ``dxrun.capacity.gpu_cost``'s model of the GPU/TPU
   program (FLOPs and bytes counted from the shapes, collectives from the compiled HLO, constants
   per target with their sources), since XLA:CPU's FLOPs and bytes describe a CPU program; on
   ``plan.target=cpu`` a roofline of XLA's own counts: compute time = FLOPs / peak, memory time =
@@ -133,7 +133,7 @@ def _shard_bytes(tree: Any) -> float:
 def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
     """``xla_cost=False``: skip XLA's FLOPs and bytes (two more compiles of a scanned model;
     an accelerator target's time model counts its own from the shapes): reported as 0."""
-    from dxrun.hlo import collective_traffic
+    from dxrun.capacity.hlo import collective_traffic
     from dxrun.step import step_bytes
 
     state, batch = exp.abstract_state(), exp.abstract_batch()
@@ -154,10 +154,10 @@ def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
 
 
 def accelerator_memory(exp: Any, target: Target) -> Any:
-    """The memory model's per-device estimate (``dxrun.memory_model``) of ``exp``'s step on
+    """The memory model's per-device estimate (``dxrun.capacity.memory_model``) of ``exp``'s step on
     ``target``: the state's shards read from the abstract state's shardings, activations
     from the shapes, with the attention kernel a run on that target would use."""
-    from dxrun import memory_model
+    from dxrun.capacity import memory_model
 
     cfg = exp.cfg
     state = exp.abstract_state()
@@ -254,7 +254,7 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
     """Fit and speed for one target (per device; labelled as an estimate). ``timing``: the
     accelerator time model's step (``gpu_cost.step_time``); None: the roofline of XLA's counts
     (``plan.target=cpu``). ``need_bytes``: the per-device need when it does not come from the
-    compile (an accelerator target's memory model, ``dxrun.memory_model``)."""
+    compile (an accelerator target's memory model, ``dxrun.capacity.memory_model``)."""
     share = usable_share(target)
     usable = target.memory_bytes * share.fraction
     need = fp.total_bytes if need_bytes is None else need_bytes
@@ -274,7 +274,7 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
     if not peak_tflops or not target.hbm_bytes_per_s or (timing is None and not fp.flops):
         return out  # no peak, or an accelerator footprint without XLA's counts and no timing
     if timing is not None:
-        from dxrun.gpu_cost import basis_text
+        from dxrun.capacity.gpu_cost import basis_text
 
         step = timing["step_time_s"]
         parts = {"compute": timing["matmul_s"] + timing["attention_s"],
@@ -397,7 +397,7 @@ def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
     """The target's numbers and its peak TFLOP/s for the run's precision."""
     import jax
 
-    from dxrun import flops
+    from dxrun.capacity import flops
 
     name = cfg.plan.target
     if name is None:
@@ -523,7 +523,7 @@ def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
     search's ranking): the accelerator time model on a GPU/TPU target, else the roofline of
     XLA's counts. ``xla_cost=False`` (the layout search: one compile per candidate, not three):
     on a CPU target the FLOPs are counted from the shapes and memory traffic is left out."""
-    from dxrun import flops, gpu_cost
+    from dxrun.capacity import flops, gpu_cost
 
     key = target_key(target)
     accelerator = key in gpu_cost.COST
@@ -534,7 +534,7 @@ def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
     model_flops = flops.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
     timing = None
     if accelerator and peak:
-        from dxrun.hlo import collective_list
+        from dxrun.capacity.hlo import collective_list
 
         w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4)
         t = TARGETS[key]
@@ -592,7 +592,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
         "target": est,
     }
     if mem is not None:
-        from dxrun.memory_model import disagreement
+        from dxrun.capacity.memory_model import disagreement
 
         report["memory_model"] = mem.to_json() | {
             "xla_cpu_total_bytes": fp.total_bytes, "precision": cfg.train.precision,
@@ -702,7 +702,7 @@ def run_plan(cfg: Any, run_dir: Any, plan: Any) -> dict[str, Any]:
     write_json(run_dir / "plan.json", {**plan.to_json(), "plan_mode": report})
     log.info("mesh plan\n%s\n%s", plan.table(), plan_table(report))
     if plan.layout_search:
-        from dxrun.layout_search import table
+        from dxrun.capacity.layout_search import table
 
         log.info("parallelism=auto\n%s", table(plan.layout_search))
     for warning in report.get("warnings", []):
@@ -728,7 +728,7 @@ def planned(cfg: Any, backend: str) -> tuple[Any, Any]:
     for ``plan.target`` (the plan carries the ranking)."""
     from dataclasses import replace
 
-    from dxrun import layout_search
+    from dxrun.capacity import layout_search
     from dxrun.experiment import visible_devices
     from dxrun.plan import make_plan
 

@@ -309,10 +309,10 @@ def search(cfg: Any, plan_mode: bool = False,
     the checkpoint a run resumes, kept (no search). Every process takes process 0's."""
     import jax
 
-    from dxrun import plan_mode as pm
-    from dxrun.distributed import agree, is_main
+    from dxrun.capacity import plan_mode as pm
+    from dxrun.capacity.preflight import device_budget
     from dxrun.experiment import visible_devices
-    from dxrun.preflight import device_budget
+    from dxrun.multihost.distributed import agree, is_main
 
     mode = cfg.parallelism.search
     if mode == "none":
@@ -407,7 +407,7 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
     """``built`` None: the cheaper analysis compile, not kept; else the run's own compile,
     kept in ``built`` with its Experiment for the measure stage."""
     def score(trial: Any, layout: Layout) -> tuple[float, float | None]:
-        from dxrun import plan_mode as pm
+        from dxrun.capacity import plan_mode as pm
         from dxrun.experiment import Experiment
         from dxrun.plan import make_plan
         from dxrun.step import step_bytes

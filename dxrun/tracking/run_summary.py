@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dxrun.metrics_row import best_loss
+from dxrun.tracking.metrics_row import best_loss
 
 
 class RunSummary:

@@ -147,7 +147,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
     the mesh of its config with ``overrides``; ``adjust`` may change the config before the
     mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
-    from dxrun import checkpoint
+    from dxrun.checkpointing import checkpoint
 
     # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
     resume = checkpoint.locate(path.expanduser().absolute(), key)

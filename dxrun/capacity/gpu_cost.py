@@ -20,7 +20,7 @@ from it; the rest is counted from the shapes, kernel by kernel class:
   traffic, assuming XLA:GPU's fusion: each fused kernel reads its inputs once and writes its
   outputs once (the tally is ``elementwise_bytes``), at ``hbm_efficiency`` of the datasheet
   bandwidth.
-* **collectives** from the compiled HLO (``dxrun.hlo.collective_list``: kind, groups, bytes
+* **collectives** from the compiled HLO (``dxrun.capacity.hlo.collective_list``: kind, groups, bytes
   each device sends under ring algorithms, loop trip counts multiplied in), over NVLink (or the
   TPU's ICI) when a group stays inside one node and over the network when it spans nodes, at
   the measured bus-bandwidth fraction of the link. XLA:CPU widens bf16 collectives to f32, so
@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dxrun import flops
+from dxrun.capacity import flops
 
 GB = 1e9
 
@@ -315,7 +315,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     compute = sum(mm.values()) + attention + elementwise
     step = compute + comm["tensor"] + max(0.0, comm["data"] - compute)
     return {
-        "model": "accelerator cost model (dxrun/gpu_cost.py)",
+        "model": "accelerator cost model (dxrun/capacity/gpu_cost.py)",
         "fused_attention": fused,
         "matmul_s": mm["blocks"] + mm["output_layer"], "matmul_parts_s": mm,
         "attention_s": attention + mm["attention"],

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from dxrun.console import save_note
-from dxrun.goodput import StepWindow
+from dxrun.tracking.console import save_note
+from dxrun.tracking.goodput import StepWindow
 
 NOTICEABLE_BLOCK_S = 0.5  # a save that holds the loop less is never warned or noted about
 

@@ -42,14 +42,14 @@ import jax
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
+from dxrun.capacity.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
+from dxrun.checkpointing.preempt import Preemption, ProcessAgreement, Stopped
+from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.config import CheckpointConfig, TrainConfig
-from dxrun.distributed import gather, is_main
 from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
-from dxrun.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
-from dxrun.preempt import Preemption, ProcessAgreement, Stopped
+from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
-from dxrun.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
-from dxrun.vocab_padding import leaf_key, restore_args
+from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 
 log = logging.getLogger("dxrun")
 

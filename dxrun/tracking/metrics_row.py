@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.flops import mfu
-from dxrun.step_timer import Measured
+from dxrun.capacity.flops import mfu
+from dxrun.tracking.step_timer import Measured
 
 
 def perplexity(loss: float) -> float:

@@ -1,0 +1,269 @@
+"""``python -m dxrun.launch --nproc N [--devices-per-proc K] -- <overrides>``: N local
+processes of one run, joined through JAX's distributed runtime over loopback.
+
+For development, tests and one node with several processes (one per GPU group). Each process
+is ``python -m dxrun <overrides>`` with the coordinator variables ``distributed.mode=auto``
+reads (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). On a GPU host
+each process gets its own GPUs through ``CUDA_VISIBLE_DEVICES`` (the visible GPUs divided over
+the processes, or ``-K`` each; an existing ``CUDA_VISIBLE_DEVICES`` is divided, not replaced),
+so no two processes share a GPU or preallocate each other's memory; without GPUs ``-K`` gives
+each process K simulated CPU devices (``runtime.cpu_devices=K``). ``--hosts H`` declares the
+processes to be on H hosts (``DXRUN_HOSTNAME``) so one machine rehearses a multi-node layout.
+Their output comes prefixed with the rank;
+SIGINT, SIGTERM and SIGUSR1 are passed on to every process (which run outside the
+terminal's process group, so a Ctrl-C reaches each once). When such a stop ends every process
+cleanly (checkpoint committed), the launcher says so with the resume command and exits with the
+stop's code (0 for SIGTERM, 130 for SIGINT); otherwise the exit code is the first non-zero one a
+process returned (a process killed by signal S counts as 128+S), else 0. On
+several nodes use SLURM instead (docs/guide/multi-node.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command
+from dxrun.multihost.distributed import (
+    COORDINATOR,
+    CUDA_VISIBLE,
+    HOSTNAME,
+    LOCAL_PROCESSES,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    visible_gpus,
+)
+from dxrun.runtime import DEVICE_COUNT_FLAG
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` minus the host device-count flag (what each process sets itself)."""
+    return " ".join(f for f in flags.split()
+                    if not f.startswith(f"{DEVICE_COUNT_FLAG}="))
+
+
+def gpu_slices(gpus: list[str], nproc: int, devices_per_proc: int | None) -> list[list[str]]:
+    """Each rank's own GPUs: consecutive slices of ``gpus``, ``devices_per_proc`` each (None:
+    all of them divided evenly). Raises ValueError (the flag to change) when they do not go
+    round."""
+    n = len(gpus)
+    k = devices_per_proc or n // nproc
+    if devices_per_proc is None and n % nproc:
+        fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ValueError(f"--nproc={nproc} does not divide the {n} visible GPUs; pick --nproc "
+                         f"from {fits}, or give each process --devices-per-proc GPUs")
+    if k < 1 or k * nproc > n:
+        raise ValueError(f"--nproc={nproc} x --devices-per-proc={k} needs {nproc * max(k, 1)} "
+                         f"GPUs but {n} are visible; start fewer processes or give each fewer")
+    return [gpus[r * k:(r + 1) * k] for r in range(nproc)]
+
+
+def child_env(base: dict[str, str], rank: int, nproc: int, port: int,
+              devices_per_proc: int | None, gpus: list[str] | None = None,
+              hosts: int = 1) -> dict[str, str]:
+    """Rank ``rank``'s environment: the coordinator variables, its GPUs (``gpus``: its slice
+    as ``CUDA_VISIBLE_DEVICES``; every accelerator it sees is its own) and, with ``hosts`` > 1,
+    the host it declares (``DXRUN_HOSTNAME``: consecutive ranks share a host), so one machine
+    rehearses a multi-node layout. All ``nproc`` still share this machine's RAM
+    (``DXRUN_LOCAL_PROCESSES``, what the memory preflight divides)."""
+    env = {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(nproc),
+           PROCESS_ID: str(rank), LOCAL_PROCESSES: str(nproc), "PYTHONUNBUFFERED": "1"}
+    # Each process sets its own simulated device count; the user's other flags stay.
+    flags = without_device_count(base.get("XLA_FLAGS", ""))
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    env.pop("JAX_LOCAL_DEVICE_IDS", None)  # ids within the slice below: all of it, the default
+    if gpus:
+        env[CUDA_VISIBLE] = ",".join(gpus)
+    if hosts > 1:
+        env[HOSTNAME] = f"{socket.gethostname()}/host{rank * hosts // nproc}"
+    return env
+
+
+def exit_code(returncode: int) -> int:
+    """A shell's convention: killed by signal S -> 128 + S."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with {returncode}"
+
+
+# gloo's line for every communicator it sets up (two threads' lines may interleave): chatter
+_NOISE = "peer ranks. Expected number of connected peer ranks"
+
+
+_STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
+                        r"Resume with: (.+)$")
+
+
+def _pump(stream: IO[str], out: IO[str], prefix: str, stops: list[re.Match] | None = None
+          ) -> None:
+    for line in stream:
+        if _NOISE in line:
+            continue
+        if stops is not None and (m := _STOP_LINE.search(line.rstrip("\n"))):
+            stops.append(m)
+        out.write(prefix + line)
+        out.flush()
+
+
+def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | None,
+               launch_args: list[str], overrides: list[str]) -> str | None:
+    """The launcher's closing line when a signal it passed on stopped every rank cleanly (each
+    exited with the stop's own code after rank 0 committed the checkpoint); None otherwise."""
+    if signalled is None or stop is None or any(c != EXIT_CODES[signalled] for c in returncodes):
+        return None
+    words = shlex.split(stop.group(4))
+    run_dir = next((w.partition("=")[2] for w in words if w.startswith("hydra.run.dir=")), None)
+    if run_dir is None:
+        return None
+    command = relaunch_command(overrides, run_dir,
+                               " ".join(["python -m dxrun.launch", *launch_args, "--"]))
+    return (f"dxrun.launch: stopped by {signalled}: every rank saved and stopped at step "
+            f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    else:
+        overrides = []
+    p = argparse.ArgumentParser(prog="python -m dxrun.launch", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, required=True, help="processes to start")
+    p.add_argument("--devices-per-proc", type=int, default=None,
+                   help="devices each process drives (CPU: simulated; GPU: its own K of the "
+                        "visible GPUs; default: the visible GPUs / --nproc)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="hosts the processes declare (DXRUN_HOSTNAME; consecutive ranks share "
+                        "one): rehearse a multi-node layout on one machine")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
+    p.add_argument("--grace", type=float, default=120.0,
+                   help="seconds the others get to stop by themselves after one fails")
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # overrides given without "--" are accepted too
+        overrides = [*unknown, *overrides]
+    if args.nproc < 1:
+        p.error(f"--nproc={args.nproc} must be at least 1")
+    if args.devices_per_proc is not None and args.devices_per_proc < 1:
+        p.error(f"--devices-per-proc={args.devices_per_proc} must be at least 1")
+    if args.hosts < 1 or args.nproc % args.hosts:
+        p.error(f"--hosts={args.hosts} must divide --nproc={args.nproc} (the same number of "
+                "processes on every host)")
+    return args, overrides
+
+
+def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
+           port: int = 0, grace: float = 120.0, hosts: int = 1) -> int:
+    launch_args = ([f"--nproc={nproc}"]
+                   + ([f"--devices-per-proc={devices_per_proc}"] if devices_per_proc else [])
+                   + ([f"--hosts={hosts}"] if hosts > 1 else []))
+    user_overrides = list(overrides)
+    gpus = visible_gpus(dict(os.environ))
+    try:
+        slices = gpu_slices(gpus, nproc, devices_per_proc) if gpus else [None] * nproc
+    except ValueError as e:
+        print(f"dxrun.launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    port = port or free_port()
+    if devices_per_proc:
+        overrides = [*overrides, f"runtime.cpu_devices={devices_per_proc}"]
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    stops: list[re.Match] = []  # rank 0's stop line: its checkpoint and resume command
+    for rank in range(nproc):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dxrun", *overrides],
+            env=child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
+                          hosts),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            # Not in the terminal's process group: a Ctrl-C reaches the processes once, passed
+            # on below (twice would be "exit now without saving").
+            start_new_session=True)
+        procs.append(proc)
+        gpu_note = f" (GPUs {','.join(slices[rank])})" if slices[rank] else ""
+        print(f"dxrun.launch: rank {rank} pid {proc.pid}{gpu_note}", flush=True)
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, daemon=True, args=(
+                stream, out, f"[rank {rank}] ", stops if rank == 0 else None))
+            t.start()
+            pumps.append(t)
+
+    signalled: list[str] = []  # the stop signals passed on
+
+    def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
+            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
+        if signum != signal.SIGUSR1:
+            signalled.append(signal.Signals(signum).name)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, forward)
+
+    first: tuple[int, int] | None = None  # (rank, returncode) of the first failure
+    deadline = None
+    while any(p.poll() is None for p in procs):
+        for rank, proc in enumerate(procs):
+            if first is None and proc.poll() not in (None, 0):
+                first = (rank, proc.returncode)
+                deadline = time.monotonic() + grace
+        if deadline is not None and time.monotonic() > deadline:
+            for rank, proc in enumerate(procs):
+                if proc.poll() is None:
+                    print(f"dxrun.launch: rank {rank} still running {grace:.0f} s after rank "
+                          f"{first[0]} failed: killing it", file=sys.stderr, flush=True)
+                    proc.kill()
+        time.sleep(0.1)
+    for t in pumps:
+        t.join(timeout=5)
+    if first is None:  # every process has exited; a failure may be the last thing seen
+        first = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode), None)
+    if first is None and not signalled:
+        return 0
+    # A stop the ranks agreed on (ProcessAgreement) ends every rank with its code, SIGTERM's
+    # winning over SIGINT's, as each rank's own exit does.
+    agreed = "SIGTERM" if "SIGTERM" in signalled else signalled[0] if signalled else None
+    done = clean_stop(agreed, [p.returncode for p in procs], stops[0] if stops else None,
+                      launch_args, user_overrides)
+    if done is not None:
+        print(done, file=sys.stderr, flush=True)
+        return EXIT_CODES[agreed]
+    if first is None:
+        return 0
+    rank, code = first
+    others = ", ".join(f"rank {r} {describe(p.returncode)}" for r, p in enumerate(procs)
+                       if r != rank)
+    print(f"dxrun.launch: error: rank {rank} {describe(code)} first; then {others} (a process "
+          "that loses another stops: see each rank's dxrun.<rank>.log in the run dir)",
+          file=sys.stderr, flush=True)
+    return exit_code(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    sys.exit(launch(args.nproc, overrides, args.devices_per_proc, args.port, args.grace,
+                    args.hosts))

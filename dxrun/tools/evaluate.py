@@ -1,0 +1,119 @@
+"""``python -m dxrun.evaluate <run dir | checkpoints dir | step dir> [overrides]``: score a
+checkpoint on held-out data, on any mesh.
+
+The newest committed checkpoint (or the step dir given) is restored onto the mesh of the run's
+``parallelism`` or of the overrides (``parallelism=tp2``, ``runtime.cpu_devices=4``) and
+evaluated by the training loop's own evaluation (``train.evaluate``, the same jitted step) on
+the held-out split's first ``eval.batches`` batches — the ones the in-training evaluation
+uses, so on the same mesh its numbers are bitwise the run's ``eval/*`` of that step — or on
+another source given as overrides (``data.path=...``, ``data=tokens data.path=...``).
+``eval.batches=all`` takes every full batch of one pass over the held-out windows (a corpus's
+split; the markov stream is endless and is refused).
+
+The result is printed, appended to ``eval.json`` in the run dir (the run that wrote the
+checkpoint, also when ``checkpoint.dir`` put its checkpoints elsewhere; a list: one record per
+evaluation; no training file is touched) and, when the run logged to W&B (and ``logger`` is not
+``none``), logged to that same W&B run as ``eval/...`` at the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from dxrun.errors import ConfigError
+from dxrun.tools.load import Loaded, load
+
+log = logging.getLogger("dxrun")
+
+ALL = "eval.batches=all"
+
+
+def batch_count(cfg: Any, data: Any, all_batches: bool) -> int:
+    """``eval.batches``, or with ``all`` every full global batch of the held-out windows."""
+    if not data.has_eval:
+        raise ConfigError(f"data.path={cfg.data.path}: the held-out split is shorter than one "
+                          f"window (data.seq_len+1={cfg.data.seq_len + 1} tokens); evaluate on "
+                          "other data (data.path=...) or raise data.val_fraction")
+    if not all_batches:
+        return cfg.eval.batches
+    if data.eval_windows is None:
+        raise ConfigError(f"{ALL}: data={cfg.data.name} has an endless held-out stream; give a "
+                          "number, e.g. eval.batches=16")
+    n = data.eval_windows // cfg.data.batch_size
+    if n == 0:
+        raise ConfigError(f"{ALL}: the held-out split has {data.eval_windows} windows, fewer "
+                          f"than one batch of data.batch_size={cfg.data.batch_size}; lower "
+                          "data.batch_size")
+    return n
+
+
+def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
+    """Evaluate, write ``eval.json``, log to W&B; return the record."""
+    from dxrun.data import EVAL
+    from dxrun.train import evaluate
+
+    all_batches = ALL in overrides
+    loaded = load(path, [o for o in overrides if o != ALL], key="path")
+    cfg, exp = loaded.cfg, loaded.exp
+    n = batch_count(cfg, exp.data, all_batches)
+    t0 = time.perf_counter()
+    metrics = evaluate(exp, loaded.params, (exp.batch(k, EVAL) for k in range(n)))
+    metrics["eval/tokens"] = n * cfg.data.batch_size * cfg.data.seq_len
+    record = {
+        "step": loaded.step,
+        "checkpoint": str(loaded.path),
+        "data": {k: cfg.data[k] for k in ("name", "path", "tokenizer", "seed", "seq_len")
+                 if cfg.data[k] is not None},
+        "batches": n,
+        "batch_size": cfg.data.batch_size,
+        "mesh": {k: int(v) for k, v in exp.mesh.shape.items()},
+        **metrics,
+        "seconds": time.perf_counter() - t0,
+        "overrides": overrides,
+    }
+    _append(loaded.run_dir / "eval.json", record)
+    log.info("wrote %s", loaded.run_dir / "eval.json")
+    _log_wandb(loaded, metrics)
+    return record
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    from dxrun.runtime import write_json
+
+    records = json.loads(path.read_text()) if path.is_file() else []
+    write_json(path, [*records, record])
+
+
+def _log_wandb(loaded: Loaded, metrics: dict[str, float]) -> None:
+    """The numbers into the run's own W&B run, at the checkpoint's step."""
+    run_id = loaded.ckpt_meta.get("wandb_id")
+    if loaded.cfg.logger.name != "wandb" or not run_id:
+        return
+    from dxrun.tracking.logger import open_wandb
+
+    run = open_wandb(loaded.run_dir, loaded.cfg.logger, None, None, None, None, run_id)
+    if run is None:
+        return
+    try:
+        run.log({"step": loaded.step, **metrics})
+        run.finish()
+        log.info("logged to W&B run %s at step %d", run_id, loaded.step)
+    except Exception as e:  # noqa: BLE001 - W&B trouble never costs the result
+        log.warning("W&B log failed (%s); the result is in eval.json", e)
+
+
+def run(argv: list[str]) -> None:
+    from dxrun.tools.load import split_args
+
+    path, _, overrides = split_args("evaluate", argv, {})
+    r = evaluate_checkpoint(path, overrides)
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    print(f"step {r['step']}  eval/loss {r['eval/loss']:.4f}  eval/ppl {r['eval/ppl']:.4f}  "
+          f"eval/accuracy {r['eval/accuracy']:.4f}  eval/tokens {r['eval/tokens']:,}  "
+          f"({r['batches']} batch{'es' if r['batches'] != 1 else ''} of {r['batch_size']} x "
+          f"{r['data']['seq_len']}, "
+          f"data {r['data']['name']}, mesh {mesh})")

@@ -1,0 +1,193 @@
+"""``python -m dxrun.sample <run dir | checkpoints dir | step dir> prompt="..." [max_new_tokens=64
+temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations from a checkpoint.
+
+Text runs encode the prompt and decode the continuation with the run's own tokenizer (bytes or
+its ``tokenizer.json``); a continuation ends at the first end-of-text token. So do
+``data=tokens`` runs whose token dir's ``meta.json`` names its tokenizer (``dxrun.data.prepare``
+writes it). Markov runs (and token dirs that name none) take and print token ids; for markov
+data the share of generated tokens the chain allows after their context is printed too: a
+direct check that the model learned the chain. Without a prompt, a markov sample starts from
+the first ``data.order`` tokens of a held-out sequence (a different one per sample) and a text
+sample from the end-of-text token (a document start).
+
+Decoding is ``dxrun.tools.decode``: one jitted program with a key/value cache. It runs on one device
+unless a ``parallelism`` override names a mesh (``parallelism=tp2``: the model split over 2
+devices); ``n`` must then divide over the mesh's data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dxrun.errors import ConfigError
+from dxrun.tools.load import load, split_args
+
+log = logging.getLogger("dxrun")
+
+OPTIONS: dict[str, Any] = {"prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": 0,
+                           "top_p": 1.0, "seed": 0, "n": 1}
+
+
+def check_options(o: dict[str, Any]) -> None:
+    for key, ok, want in (("max_new_tokens", o["max_new_tokens"] >= 1, ">= 1"),
+                          ("n", o["n"] >= 1, ">= 1"),
+                          ("temperature", o["temperature"] >= 0, ">= 0 (0 = greedy)"),
+                          ("top_k", o["top_k"] >= 0, ">= 0 (0 = no cut)"),
+                          ("top_p", 0 < o["top_p"] <= 1, "in (0, 1] (1 = no cut)")):
+        if not ok:
+            raise ConfigError(f"{key}={o[key]} must be {want}")
+
+
+def allowed_transitions(tokens_BxT: np.ndarray, succ: np.ndarray, symbols: int, order: int,
+                        first: int) -> tuple[int, int]:
+    """(allowed, total) over the tokens at positions >= ``first`` that have a full context of
+    ``order`` tokens: allowed when the chain can follow that context with it."""
+    allowed = total = 0
+    for t in range(max(first, order), tokens_BxT.shape[1]):
+        ctx_BxK = tokens_BxT[:, t - order:t]
+        in_alphabet = (ctx_BxK < symbols).all(axis=1)
+        ctx_B = (ctx_BxK % symbols) @ (symbols ** np.arange(order - 1, -1, -1))
+        ok_B = in_alphabet & (succ[ctx_B] == tokens_BxT[:, t:t + 1]).any(axis=1)
+        allowed, total = allowed + int(ok_B.sum()), total + len(ok_B)
+    return allowed, total
+
+
+def _ids(prompt: str, limit: int, what: str) -> list[int]:
+    try:
+        ids = [int(x) for x in prompt.split()]
+    except ValueError:
+        ids = [-1]
+    if any(not 0 <= i < limit for i in ids):
+        raise ConfigError(f"prompt={prompt!r}: {what} prompts are token ids 0-{limit - 1} "
+                          "separated by spaces, e.g. prompt='3 7'")
+    return ids
+
+
+def prompt_tokens(cfg: Any, prompt: str, n: int, chain: Any = None
+                  ) -> tuple[np.ndarray, Any]:
+    """The prompt as ``n x P`` ids, and the tokenizer (None: the run's tokens print as ids).
+    ``chain``: the markov source of a markov run."""
+    d = cfg.data
+    if chain is not None:
+        from dxrun.data import EVAL
+
+        if prompt:
+            return np.tile(_ids(prompt, chain.S, "markov"), (n, 1)), None
+        return chain.batch(0, EVAL)[:n, :d.order], None  # held-out starts: real contexts
+    from dxrun.data.corpus import Tokenizer, recorded_tokenizer
+
+    path, name = d.tokenizer, f"data.tokenizer={d.tokenizer}"
+    if d.name == "tokens":  # text in and out when the token dir's meta.json names its tokenizer
+        known, path = recorded_tokenizer(d)
+        name = f"the tokenizer {path} (data.path={d.path}'s meta.json)"
+        if not known:
+            if not prompt:
+                raise ConfigError(f"prompt is empty; data.path={d.path} records no tokenizer "
+                                  "(meta.json), so this run takes token ids, e.g. "
+                                  "prompt='464 2068'")
+            return np.tile(_ids(prompt, cfg.model.vocab_size, "data=tokens"), (n, 1)), None
+    tok = Tokenizer(path)
+    if bad := tok.unencodable(prompt):
+        name = "bytes (UTF-8)" if path is None else name
+        raise ConfigError(f"prompt={prompt!r}: {name} cannot encode "
+                          f"{''.join(dict.fromkeys(bad))!r}; leave those characters out")
+    ids = list(tok.encode(prompt)) if prompt else []
+    if not ids:
+        if tok.eot is None:
+            raise ConfigError(f"prompt={prompt!r} encodes to no tokens and {name} has no "
+                              "end-of-text token to start from; give a prompt")
+        ids = [tok.eot]
+    return np.tile(np.asarray(ids, np.int32), (n, 1)), tok
+
+
+def make_decoder(loaded: Any, prompt_len: int, new_tokens: int, sampling: Any) -> Any:
+    """``dxrun.tools.decode``'s generate for a loaded run, in the run's compute dtype
+    (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
+    the weight traffic per token); the logits stay fp32."""
+    from dxrun.step import COMPUTE_DTYPES
+    from dxrun.tools.decode import make_generate
+
+    cfg, exp = loaded.cfg, loaded.exp
+    m = cfg.model
+    return make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
+                         prompt_len, new_tokens, sampling, m.n_layers, m.n_kv_heads,
+                         m.d_model // m.n_heads, dtype=COMPUTE_DTYPES[cfg.train.precision])
+
+
+def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Generate; return the tokens (``n x T``), the prompt length, the printable samples and,
+    for markov data, (allowed, total) generated transitions."""
+    from dxrun.tools.decode import Sampling
+
+    check_options(options)
+    n, new = options["n"], options["max_new_tokens"]
+    if not any(o.startswith("parallelism") for o in overrides):
+        overrides = ["parallelism=dp1", *overrides]  # a few sequences: one device is plenty
+
+    def as_batch(cfg: Any) -> None:  # the plan checks the n sequences split over replicas
+        cfg.data.batch_size, cfg.data.per_device_batch_size, cfg.train.grad_accum = n, None, 1
+
+    try:
+        loaded = load(path, overrides, key="path", with_data=False, adjust=as_batch)
+    except ConfigError as e:
+        if not str(e).startswith(f"data.batch_size={n} "):
+            raise
+        raise ConfigError(f"n={n} samples do not split over this mesh's data-parallel "
+                          f"replicas ({str(e).split('dp*fsdp=')[1].split(' ')[0]}); ask for a "
+                          "multiple of them, or decode on a mesh with dp=fsdp=1 (no "
+                          "parallelism override: one device; or parallelism=tp2)") from None
+    cfg = loaded.cfg
+    if options["top_k"] > cfg.model.vocab_size:
+        raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
+                          f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
+                          f"{cfg.model.vocab_size}, or top_k=0 for no cut")
+    from dxrun.data import Data
+
+    chain = Data(cfg).markov if cfg.data.name == "markov" else None
+    prompt_BxP, tok = prompt_tokens(cfg, options["prompt"], n, chain)
+    P, limit = prompt_BxP.shape[1], cfg.model.max_seq_len
+    if P + new > limit:
+        raise ConfigError(f"max_new_tokens={new} after a {P}-token prompt needs {P + new} "
+                          f"positions, beyond model.max_seq_len={limit}; use max_new_tokens<="
+                          f"{max(limit - P, 0)}")
+    if P + new > cfg.data.seq_len:
+        log.warning("%d positions (prompt + max_new_tokens) but the model trained on windows "
+                    "of data.seq_len=%d: the later positions were never trained", P + new,
+                    cfg.data.seq_len)
+    s = Sampling(options["temperature"], options["top_k"], options["top_p"], options["seed"])
+    generate = make_decoder(loaded, P, new, s)
+    tokens_BxT = np.asarray(generate(loaded.params, prompt_BxP))
+    out: dict[str, Any] = {"tokens": tokens_BxT, "prompt_len": P, "step": loaded.step}
+    if tok is None:
+        out["texts"] = [" ".join(map(str, r[:P])) + " | " + " ".join(map(str, r[P:]))
+                        for r in tokens_BxT]
+    else:
+        texts = []
+        for r in tokens_BxT:
+            cont = list(r[P:])
+            if tok.eot is not None and tok.eot in cont:
+                cont = cont[:cont.index(tok.eot)]
+            texts.append(options["prompt"] + tok.decode(cont))
+        out["texts"] = texts
+    if chain is not None:
+        out["allowed"] = allowed_transitions(tokens_BxT, chain.succ, chain.S, chain.k, P)
+    return out
+
+
+def run(argv: list[str]) -> None:
+    path, options, overrides = split_args("sample", argv, OPTIONS)
+    out = sample(path, options, overrides)
+    how = ("greedy" if options["temperature"] == 0 else
+           f"temperature {options['temperature']}, top_k {options['top_k']}, top_p "
+           f"{options['top_p']}, seed {options['seed']}")
+    log.info("%d sample(s) of %d new tokens (%s)", options["n"], options["max_new_tokens"], how)
+    for i, text in enumerate(out["texts"]):
+        print(f"[{i}] {text}")
+    if "allowed" in out:
+        ok, total = out["allowed"]
+        print(f"allowed transitions: {ok}/{total} = {ok / max(total, 1):.1%} of the generated "
+              "tokens follow the markov chain from their context")
