@@ -30,8 +30,9 @@ from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train
 
 STEPS = 40
+# 8 x 16 tokens a step (not 32 x 64): what is tested is the kills and relaunches, not the step.
 CHAOS = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",
-         "checkpoint.every=10", "checkpoint.keep=10"]
+         "checkpoint.every=10", "checkpoint.keep=10", "data.batch_size=8", "data.seq_len=16"]
 TORN = '{"step": 99, "train/lo'
 
 

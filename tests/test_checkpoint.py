@@ -29,8 +29,9 @@ from dxrun.train import train
 
 STEPS = 100
 # Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.
+# 32 x 16 tokens a step (not 32 x 64): what is tested is saving, stopping and resuming.
 BASE = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",
-        "checkpoint.every=25", "checkpoint.keep=3"]
+        "checkpoint.every=25", "checkpoint.keep=3", "data.seq_len=16"]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -224,7 +225,7 @@ def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
 
 NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0",
        "checkpoint.every=4", "logger=none", "train.inject_nan_at_step=7",
-       "parallelism=dp2", "data.batch_size=8"]
+       "parallelism=dp2", "data.batch_size=8", "data.seq_len=16"]
 
 
 @pytest.mark.e2e
@@ -326,6 +327,7 @@ def test_the_wall_clock_cadence_is_due_after_its_minutes():
     assert not checkpoint.time_due(499.0, 440.0, 60.0) and checkpoint.time_due(500.0, 440.0, 60.0)
 
 
+@pytest.mark.e2e  # a whole run (train(), three saves)
 def test_every_minutes_saves_by_the_clock_and_each_save_logs_its_block(tmp_path):
     """No step cadence (checkpoint.every=0) and a clock cadence far below a step: a save after
     every step, each one's time holding the loop in that step's row and their sum in the

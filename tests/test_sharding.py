@@ -35,7 +35,10 @@ MODELS = {
 # The odd vocabulary only changes the meshes that split the vocab axis: two different paddings.
 MESHES_OF = {"gpt2_vocab65": ["dp1", "tp2", "tp8"]}
 STEPS = 6  # the 6th step's loss is the loss after 5 updates (2 of warmup, 3 at the peak lr)
-BASE = ["logger=none", "train.precision=fp32", "optimizer.warmup_steps=2"]
+# 8 x 16 tokens a step (not 32 x 64): the step's cost is in the compile, which the batch barely
+# changes; every mesh's axes (8 ways at most) still divide the batch and the sequence.
+BASE = ["logger=none", "train.precision=fp32", "optimizer.warmup_steps=2", "data.batch_size=8",
+        "data.seq_len=16"]
 
 
 def _host_params(exp: Experiment, seed: int) -> dict:
@@ -138,6 +141,7 @@ def preset_runs(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.e2e  # ~20 compiles and 19 six-step runs: minutes on 2 cores
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_loss_equal_on_every_mesh(cfg_factory, request, model):
     if model in MESHES_OF:
@@ -269,6 +273,7 @@ def test_low_level_api_on_the_same_rules():
         shd.make_mesh(dp=3, tp=2)
 
 
+@pytest.mark.e2e  # reads preset_runs (every preset compiled: minutes on 2 cores)
 def test_no_preset_makes_xla_replicate_activations(preset_runs):
     """XLA warns (on stderr, from C++) when it cannot reshard efficiently and replicates a whole
     tensor instead; the token-embedding gather under FSDP+TP used to. No preset may: GPT-2's
