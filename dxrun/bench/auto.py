@@ -11,7 +11,9 @@ measured stage buys)."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import time
 
 from dxrun.bench.report import Figure, figure
 
@@ -35,14 +37,20 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     cfg = layout_search.fixed_batch(compose_cfg(*shape, f"data.batch_size={batch}",
                                                 "parallelism=auto", "parallelism.search=fresh"),
                                     devices)
+    t0 = time.perf_counter()
+    _progress(f"{name} batch {batch}: searching (parallelism=auto, search=fresh)")
     record = layout_search.search(cfg)
     chosen = layout_search.chosen_layout(record)
     fitting = [r for r in layout_search.rows_of(record) if r.fits]
     layouts = [r.layout for r in fitting]
     first_by_model = layouts[0]  # the model stage's order: estimated fastest first
+    _progress(f"{name} batch {batch}: auto chose {chosen.label} in {record['search_s']:.0f} s; "
+              f"timing {len(layouts)} layouts x {rounds} rounds")
     # Every layout in every round (no pruning), the order alternating: drift falls on all alike.
     step_s = layout_search.time_layouts(cfg, layouts, devices, rounds=rounds, prune=None)
     best = min(layouts, key=step_s.__getitem__)
+    _progress(f"{name} batch {batch}: best measured {best.label}, "
+              f"choice/best {step_s[best] / step_s[chosen]:.3f} ({time.perf_counter() - t0:.0f} s)")
     raw = {lay.label: f"{1e3 * s:.1f} ms" for lay, s in sorted(step_s.items(),
                                                                   key=lambda kv: kv[1])}
     raw |= {"auto chose": chosen.label, "roofline's first": first_by_model.label,
@@ -51,6 +59,11 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
                  f"/ the best measured ({best.label})", step_s[best] / step_s[chosen], raw,
                  ">= 0.95", command=command)
     return fig, first_by_model == best
+
+
+def _progress(line: str) -> None:
+    """A case takes minutes: say where the bench is (stderr; the report is stdout)."""
+    print(f"bench --auto: {line}", file=sys.stderr, flush=True)
 
 
 def figures(quick: bool, command: str, rounds: int = 4, only: str | None = None
