@@ -39,7 +39,11 @@ log = logging.getLogger("dxrun")
 SEARCHES = ("none", "measure", "model", "fresh")
 REMATS = ("none", "dots", "full")  # cheapest to most recomputation
 ACCUMS = (1, 2, 4, 8)
-MEASURE_STEPS, MEASURE_ROUNDS = 3, 3  # timed steps per turn, rounds (a turn per layout each)
+MEASURE_STEPS, MEASURE_ROUNDS = 3, 3  # timed steps per turn (at most), rounds (a turn each)
+# A turn stops timing once its timed steps add up to this: a model whose step takes seconds
+# (model=small on a 2-core host: ~12 s) is timed by one step a turn, whose noise is small
+# against its length, not three; a millisecond step still gets MEASURE_STEPS.
+TURN_S = 1.0
 PRUNE = 1.25  # after a round, a layout slower than this x the best's median is timed no more
 TIE = 1.10  # estimates this close to the best's are within the roofline's error: measure them
 
@@ -435,14 +439,16 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
                  built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
                  prune: float | None = PRUNE) -> dict[Layout, float]:
     """Seconds per step of each layout (the median of its turns): ``rounds`` rounds in which
-    each layout takes a turn of ``MEASURE_STEPS`` timed steps on the run's own data, the order
-    reversed every other round so that drift on a shared host falls on all alike. With
+    each layout takes a turn (``_turn``: up to ``MEASURE_STEPS`` timed steps) on the run's own
+    data, the order reversed every other round so that drift on a shared host falls on all
+    alike. With
     ``prune``, a layout slower than ``prune`` x the best after a round is timed no more: the
     rounds go to the close ones. ``built``: Experiments already compiled (the model stage's).
     One seeded init is copied into each layout's shardings at its turn and freed after it:
     one init program, and only one layout's state alive at a time (each has to fit alone)."""
     import statistics
 
+    import jax
     from jax.experimental import multihost_utils
 
     from dxrun.experiment import Experiment
@@ -453,13 +459,21 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
         trial = with_layout(cfg, layout)
         exps[layout] = (built or {}).get(layout) or Experiment.build(trial,
                                                                       make_plan(trial, *devices))
-    # Gathered whole on every process (each layout re-shards it; the search's models are small).
-    params = multihost_utils.process_allgather(exps[layouts[0]].init_params(), tiled=True)
+    # Made on the layout that shards the weights most, then copied whole to every process's
+    # host: each layout re-shards it at its turn. One process reads its own shards
+    # (process_allgather would first replicate them over the 8 simulated devices: 9 GB of
+    # host memory for model=small, against 0.5 GB).
+    init = exps[max(layouts, key=lambda x: x.fsdp * x.tp)].init_params()
+    params = (jax.device_get(init) if jax.process_count() == 1
+              else multihost_utils.process_allgather(init, tiled=True))
+    del init
     turns: dict[Layout, list[float]] = {layout: [] for layout in layouts}
     live = list(layouts)
     for k in range(rounds):
         for layout in live if k % 2 == 0 else live[::-1]:
-            turns[layout].append(_turn(exps[layout], params))
+            turns[layout].append(_turn(exps[layout], params, warm=k == 0))
+            log.info("layout search: %s %s ms per step (round %d of at most %d)", layout.label,
+                     _ms(1e3 * turns[layout][-1]), k + 1, rounds)
         best = min(statistics.median(turns[x]) for x in live)
         if prune:
             live = [x for x in live if statistics.median(turns[x]) <= prune * best]
@@ -468,23 +482,27 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     return {layout: statistics.median(t) for layout, t in turns.items()}
 
 
-def _turn(exp: Any, params: Any) -> float:
-    """One layout's turn: its state made from ``params``, one untimed step (the first after a
-    switch pays for it; the first of all compiles), then the median of ``MEASURE_STEPS``."""
+def _turn(exp: Any, params: Any, warm: bool) -> float:
+    """One layout's turn: its state made from ``params``; on its first turn (``warm``) one
+    untimed step, whose first execution pays one-off costs; then the median of up to
+    ``MEASURE_STEPS`` timed steps, stopping once they add up to ``TURN_S``."""
     import statistics
 
     import jax
 
     state = exp.init_state(params=params)
     tokens = [exp.global_batch(exp.data.local_batch(k)) for k in range(2)]
-    times = []
-    for i in range(MEASURE_STEPS + 1):
+    times: list[float] = []
+    for i in range(int(warm) + MEASURE_STEPS):
         t0 = time.perf_counter()
         state, metrics = exp.step(state, tokens[i % 2])
         jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - t0)
+        if i >= int(warm):
+            times.append(time.perf_counter() - t0)
+            if sum(times) >= TURN_S:
+                break
     del state
-    return statistics.median(times[1:])
+    return statistics.median(times)
 
 
 def resumed_layout(resume: Any) -> Layout | None:
