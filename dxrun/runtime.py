@@ -42,6 +42,19 @@ def reuse_freed_memory() -> bool:
     return all(libc.mallopt(k, v) == 1 for k, v in settings.items())
 
 
+def release_freed_memory() -> None:
+    """Hand the pages of freed blocks back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing). ``reuse_freed_memory`` keeps freed blocks for the next step of the same program;
+    a process that moves on to programs of other shapes (the layout search times nine) would
+    otherwise hold the union of their peaks: 24 GB for ``model=small``'s search on 8 simulated
+    devices, against the 14 GB its largest layout needs alone."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def simulate_cpu_devices(n: int) -> bool:
     """Make the CPU platform expose ``n`` devices (and reuse freed memory: see
     ``reuse_freed_memory``). Returns False if JAX already started (the device count is then

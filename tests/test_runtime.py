@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from dxrun.runtime import claim_run_dir, finite_or_null, peak_bytes_since
+from dxrun.runtime import (claim_run_dir, finite_or_null, peak_bytes_since,
+                           release_freed_memory)
 
 
 def _claim(path: str, barrier, out) -> None:
@@ -60,6 +61,26 @@ def test_allocator_peak_counts_only_this_run():
     assert peak_bytes_since(_stats(10, 5_000), _stats(10, 7_000)) == 7_000
     # CPU keeps no statistics.
     assert peak_bytes_since(None, None) is None
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def test_freed_memory_is_kept_for_reuse_until_released():
+    """The suite's process runs with ``reuse_freed_memory`` (conftest simulates the devices):
+    a freed 400 MB block stays in the process for the next step, and ``release_freed_memory``
+    (after each layout the search times) hands it back."""
+    import numpy as np
+
+    before = _rss_bytes()
+    block = np.ones(400 * 2**20, np.uint8)  # from the heap: no mmap, under the trim threshold
+    del block
+    kept = _rss_bytes()
+    release_freed_memory()
+    released = _rss_bytes()
+    assert kept - before > 300 * 2**20
+    assert kept - released > 300 * 2**20
 
 
 def test_non_finite_numbers_become_null_with_their_keys():

@@ -453,6 +453,7 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
 
     from dxrun.experiment import Experiment
     from dxrun.plan import make_plan
+    from dxrun.runtime import release_freed_memory
 
     exps = {}
     for layout in layouts:
@@ -471,7 +472,8 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     live = list(layouts)
     for k in range(rounds):
         for layout in live if k % 2 == 0 else live[::-1]:
-            turns[layout].append(_turn(exps[layout], params, warm=k == 0))
+            turns[layout].append(_turn(exps[layout], params))
+            release_freed_memory()  # the next layout's buffers have other shapes
             log.info("layout search: %s %s ms per step (round %d of at most %d)", layout.label,
                      _ms(1e3 * turns[layout][-1]), k + 1, rounds)
         best = min(statistics.median(turns[x]) for x in live)
@@ -482,10 +484,11 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     return {layout: statistics.median(t) for layout, t in turns.items()}
 
 
-def _turn(exp: Any, params: Any, warm: bool) -> float:
-    """One layout's turn: its state made from ``params``; on its first turn (``warm``) one
-    untimed step, whose first execution pays one-off costs; then the median of up to
-    ``MEASURE_STEPS`` timed steps, stopping once they add up to ``TURN_S``."""
+def _turn(exp: Any, params: Any) -> float:
+    """One layout's turn: its state made from ``params``, one untimed step (the first after a
+    switch pays for it: page faults, after ``release_freed_memory``; the first of all,
+    one-off costs), then the median of up to ``MEASURE_STEPS`` timed steps, stopping once
+    they add up to ``TURN_S``."""
     import statistics
 
     import jax
@@ -493,11 +496,11 @@ def _turn(exp: Any, params: Any, warm: bool) -> float:
     state = exp.init_state(params=params)
     tokens = [exp.global_batch(exp.data.local_batch(k)) for k in range(2)]
     times: list[float] = []
-    for i in range(int(warm) + MEASURE_STEPS):
+    for i in range(1 + MEASURE_STEPS):
         t0 = time.perf_counter()
         state, metrics = exp.step(state, tokens[i % 2])
         jax.block_until_ready((state, metrics))
-        if i >= int(warm):
+        if i > 0:
             times.append(time.perf_counter() - t0)
             if sum(times) >= TURN_S:
                 break
