@@ -12,8 +12,8 @@ from typing import Any
 
 
 def markers(key: str) -> tuple[str, str]:
-    """The comments around one generated section (``suite``; ``gpu``, ``auto`` for ``--gpu``,
-    ``--auto``)."""
+    """The comments around one generated section (``suite``; ``gpu``, ``auto``, ``torch`` for
+    ``--gpu``, ``--auto``, ``--torch``)."""
     return f"<!-- dxrun.bench {key}: begin -->", f"<!-- dxrun.bench {key}: end -->"
 
 
@@ -64,7 +64,8 @@ def markdown(report: Report) -> str:
     m = report.machine
     begin, end = markers(report.key)
     title = {"suite": "The suite", "gpu": "GPU figures",
-             "auto": "parallelism=auto vs the best layout"}[report.key]
+             "auto": "parallelism=auto vs the best layout",
+             "torch": "One CPU device: dxrun vs PyTorch eager"}[report.key]
     lines = [begin, f"## {title}: `{report.command}`", "",
              f"`{report.command}` on {m['device_count']} × {m['device_kind']} "
              f"({m['cpu_cores']} cores), JAX {m['jax']}, {m['date']}; load average "
