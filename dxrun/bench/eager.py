@@ -8,7 +8,8 @@ other jobs falls on all of them alike. A process waiting for its next request is
 variant has every core while it runs. The variants:
 
 - ``torch``: the PyTorch eager loop, run by the Python given with ``--torch`` (a separate
-  environment: torch is no dependency of dxrun);
+  environment: torch is no dependency of dxrun), with its default threads (the cores);
+- ``torch_1thread``: the same with one thread, which load from other jobs stretches far less;
 - ``dxrun``: dxrun's step, ``parallelism=dp1`` in a process with one CPU device
   (``runtime.cpu_devices=1``);
 - ``dxrun_sim8``: the same step in a process simulating 8 CPU devices (the default,
@@ -146,8 +147,8 @@ def figures(torch_python: str, steps: int = 100, reps: int = 5, warmup: int = 20
 
     shape = SHAPE if shape is None else shape
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    workers = {"torch": Worker([torch_python, *torch_argv(compose_cfg(*shape)),
-                                f"--warmup={warmup}"], env)}
+    argv = [torch_python, *torch_argv(compose_cfg(*shape)), f"--warmup={warmup}"]
+    workers = {"torch": Worker(argv, env), "torch_1thread": Worker([*argv, "--threads=1"], env)}
     for name, devices in VARIANTS.items():
         workers[name] = Worker([sys.executable, "-m", "dxrun.bench.eager", str(devices),
                                 json.dumps(shape), str(warmup)], env)
@@ -174,6 +175,13 @@ def figures(torch_python: str, steps: int = 100, reps: int = 5, warmup: int = 20
                {"dxrun_sim8": raw("dxrun_sim8"), "torch": raw("torch"),
                 "cpu_ratio": round(cpu["torch"] / cpu["dxrun_sim8"], 3)}, ">= 1.0",
                note="the default runtime.cpu_devices=8, one device used"),
+        figure(SECTION, "dxrun dp1 / PyTorch eager with 1 thread, steps/s",
+               med["torch_1thread"] / med["dxrun"],
+               {"dxrun": raw("dxrun"), "torch_1thread": raw("torch_1thread"),
+                "cpu_ratio": round(cpu["torch_1thread"] / cpu["dxrun"], 3)}, ">= 1.0",
+               note="torch.set_num_threads(1): PyTorch's two threads meet at every op, and "
+                    "under load (another job on the cores) one of them is often descheduled, "
+                    "which slows its default loop far more than the steps differ"),
     ]
 
 
