@@ -464,7 +464,9 @@ TOOLS: dict[str, str] = {
     "dxrun.dashboard": "argparse",
     "dxrun.profile": "argparse",
 }
-INTERNAL = {"dxrun.bench.allocator": "one variant of the allocator benchmark, started by dxrun.bench"}
+INTERNAL = {"dxrun.bench.allocator": "one variant of the allocator benchmark, started by dxrun.bench",
+            "dxrun.bench.eager": "dxrun's worker in the PyTorch comparison, started by dxrun.bench "
+                                 "--torch"}
 
 
 _MAIN_GUARDS = ("__name__ == '__main__'", "'__main__' == __name__")

@@ -7,7 +7,9 @@ the file as they are. ``--gpu`` runs the GPU figures only (on a machine with an 
 ``--auto`` times ``parallelism=auto``'s choice against every layout that fits (the "auto vs
 best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the published GPU
 runs of ``dxrun/bench/published.py`` (shapes only, minutes on 2 cores) and writes the "Plan
-mode vs published GPU runs" section.
+mode vs published GPU runs" section. ``--torch PYTHON`` times dxrun's one-device step against a
+PyTorch eager loop of the same model run by ``PYTHON`` (a Python with torch: the "One CPU device"
+section; ``dxrun/bench/eager.py``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="plan mode against published GPU runs (shapes only)")
     ap.add_argument("--auto", action="store_true",
                     help="parallelism=auto's choice against every layout measured (minutes)")
+    ap.add_argument("--torch", default=None, metavar="PYTHON",
+                    help="dxrun's one-device step against a PyTorch eager loop run by PYTHON "
+                    "(a Python with torch installed)")
+    ap.add_argument("--steps", type=int, default=100, help="with --torch: steps per round")
+    ap.add_argument("--rounds", type=int, default=5, help="with --torch: rounds per variant")
     ap.add_argument("--only", default=None,
                     help="with --published: the runs whose name contains this (e.g. 124M); "
                     "with --auto: the models (e.g. tiny)")
@@ -106,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"basis {published.basis(rows)}; order "
               f"{'kept' if published.order_preserved(rows) else 'NOT kept'}; wrote {args.out}")
         return
-    report = Report(command, machine, key="gpu" if args.gpu else "auto" if args.auto else "suite")
+    key = "gpu" if args.gpu else "auto" if args.auto else "torch" if args.torch else "suite"
+    report = Report(command, machine, key=key)
     t_start = time.perf_counter()
 
     def add(figs: list) -> None:
@@ -116,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.gpu:
         add(gpu.measured())
+    elif args.torch:
+        from dxrun.bench import eager
+
+        add(eager.figures(args.torch, args.steps, args.rounds))
     elif args.auto:
         from dxrun.bench import auto
 

@@ -12,8 +12,8 @@ from typing import Any
 
 
 def markers(key: str) -> tuple[str, str]:
-    """The comments around one generated section (``suite``; ``gpu``, ``auto`` for ``--gpu``,
-    ``--auto``)."""
+    """The comments around one generated section (``suite``; ``gpu``, ``auto``, ``torch`` for
+    ``--gpu``, ``--auto``, ``--torch``)."""
     return f"<!-- dxrun.bench {key}: begin -->", f"<!-- dxrun.bench {key}: end -->"
 
 
@@ -64,7 +64,8 @@ def markdown(report: Report) -> str:
     m = report.machine
     begin, end = markers(report.key)
     title = {"suite": "The suite", "gpu": "GPU figures",
-             "auto": "parallelism=auto vs the best layout"}[report.key]
+             "auto": "parallelism=auto vs the best layout",
+             "torch": "One CPU device: dxrun vs PyTorch eager"}[report.key]
     lines = [begin, f"## {title}: `{report.command}`", "",
              f"`{report.command}` on {m['device_count']} × {m['device_kind']} "
              f"({m['cpu_cores']} cores), JAX {m['jax']}, {m['date']}; load average "
@@ -86,15 +87,16 @@ def markdown(report: Report) -> str:
 
 def replace_section(md_path: Path, key: str, section: str) -> None:
     """Put ``section`` (its markers included) in place of ``key``'s section of ``md_path`` (or
-    before the first ``##``), keeping everything else."""
+    before the first ``##`` or generated section, whichever comes first), keeping everything
+    else."""
     text = md_path.read_text() if md_path.is_file() else "# Benchmarks\n"
     begin, end = markers(key)
     if begin in text and end in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text,
                       flags=re.S)
-    elif "\n## " in text:
-        head, _, tail = text.partition("\n## ")
-        text = f"{head}\n{section}\n\n## {tail}"
+    elif m := re.search(r"^(## |<!-- dxrun\.bench \w+: begin -->)", text, re.M):
+        # never between another section's begin marker and its heading
+        text = f"{text[:m.start()]}{section}\n\n{text[m.start():]}"
     else:
         text = f"{text.rstrip()}\n\n{section}\n"
     md_path.parent.mkdir(parents=True, exist_ok=True)
