@@ -49,10 +49,12 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     # Every layout in every round (no pruning), the order alternating: drift falls on all alike.
     step_s = layout_search.time_layouts(cfg, layouts, devices, rounds=rounds, prune=None)
     best = min(layouts, key=step_s.__getitem__)
-    _progress(f"{name} batch {batch}: best measured {best.label}, "
-              f"choice/best {step_s[best] / step_s[chosen]:.3f} ({time.perf_counter() - t0:.0f} s)")
     raw = {lay.label: f"{1e3 * s:.1f} ms" for lay, s in sorted(step_s.items(),
                                                                   key=lambda kv: kv[1])}
+    # Every time on the progress line: a bench stopped before the end still leaves them.
+    _progress(f"{name} batch {batch}: best measured {best.label}, "
+              f"choice/best {step_s[best] / step_s[chosen]:.3f} ({time.perf_counter() - t0:.0f} s); "
+              + "; ".join(f"{k} {v}" for k, v in raw.items()))
     raw |= {"auto chose": chosen.label, "roofline's first": first_by_model.label,
             "search_s": round(record["search_s"], 1)}
     fig = figure(SECTION, f"{name} batch {batch}: tokens/s of auto's choice ({chosen.label}) "
