@@ -73,6 +73,9 @@ def test_freed_memory_is_kept_for_reuse_until_released():
     (after each layout the search times) hands it back."""
     import numpy as np
 
+    # Earlier tests' freed blocks out of the picture first: the new block could reuse their
+    # pages, already resident, and the process would not grow.
+    release_freed_memory()
     before = _rss_bytes()
     block = np.ones(400 * 2**20, np.uint8)  # from the heap: no mmap, under the trim threshold
     del block
