@@ -41,7 +41,7 @@ REMATS = ("none", "dots", "full")  # cheapest to most recomputation
 ACCUMS = (1, 2, 4, 8)
 MEASURE_STEPS, MEASURE_ROUNDS = 3, 3  # timed steps per turn (at most), rounds (a turn each)
 # A turn stops timing once its timed steps add up to this: a model whose step takes seconds
-# (model=small on a 2-core host: ~12 s) is timed by one step a turn, whose noise is small
+# (model=small on a 2-core host: 22-50 s) is timed by one step a turn, whose noise is small
 # against its length, not three; a millisecond step still gets MEASURE_STEPS.
 TURN_S = 1.0
 PRUNE = 1.25  # after a round, a layout slower than this x the best's median is timed no more
