@@ -105,6 +105,16 @@ def test_estimates_within_the_roofline_error_are_measured_too():
     assert len(ls.to_measure(rows, 1, every=True)) == 6
 
 
+def test_the_three_fastest_are_timed_every_round_and_the_far_slower_dropped():
+    lay = [Layout(8 // t, 1, t) for t in (1, 2, 4, 8)] + [Layout(1, 8, 1)]
+    medians = dict(zip(lay, (1.0, 1.6, 1.2, 3.0, 1.4)))
+    # 1.0, 1.2 are within 1.25x; 1.4 is not but is third fastest; 1.6 and 3.0 go.
+    assert ls.survivors(medians, 1.25) == [lay[0], lay[2], lay[4]]
+    assert ls.survivors(medians, 1.25, keep=1) == [lay[0], lay[2]]
+    assert ls.survivors(medians, 2.0, keep=1) == [lay[0], lay[1], lay[2], lay[4]]
+    assert ls.survivors(dict(list(medians.items())[:2]), 1.25) == lay[:2]
+
+
 def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg("parallelism=auto")

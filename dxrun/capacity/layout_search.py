@@ -10,7 +10,8 @@ Three stages, each a small function:
   mode's estimate (``plan_mode.step_estimate``) for the visible hardware or ``plan.target``;
 * **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top``, and
   any whose estimate ties with the best's, are timed for a few real steps in rounds that
-  alternate their order, the clearly slower dropped after each round; the fastest wins. On
+  alternate their order, the clearly slower dropped after each round (the three fastest always
+  go on); the fastest wins. On
   simulated CPU devices every layout that fits is timed: the eight "devices" share the host's
   cores, which a per-device roofline does not model (its estimates there tie within 1%, and its
   first choice, dp8, was the slowest measured of nine for ``model=tiny``: BENCHMARKS.md).
@@ -45,6 +46,10 @@ MEASURE_STEPS, MEASURE_ROUNDS = 3, 3  # timed steps per turn (at most), rounds (
 # against its length, not three; a millisecond step still gets MEASURE_STEPS.
 TURN_S = 1.0
 PRUNE = 1.25  # after a round, a layout slower than this x the best's median is timed no more
+# ...except the KEEP fastest so far, which take every round: a single one-step turn on a loaded
+# host can be 1.3x off (model=small's first bench case dropped the best layout after round 1
+# and chose one at 0.90 of it), and the choice is made among these few.
+KEEP = 3
 TIE = 1.10  # estimates this close to the best's are within the roofline's error: measure them
 
 
@@ -442,8 +447,8 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     each layout takes a turn (``_turn``: up to ``MEASURE_STEPS`` timed steps) on the run's own
     data, the order reversed every other round so that drift on a shared host falls on all
     alike. With
-    ``prune``, a layout slower than ``prune`` x the best after a round is timed no more: the
-    rounds go to the close ones. ``built``: Experiments already compiled (the model stage's).
+    ``prune``, after each round only ``survivors`` go on (the ``KEEP`` fastest and any within
+    ``prune`` x the best): the rounds go to the close ones. ``built``: Experiments already compiled (the model stage's).
     One seeded init is copied into each layout's shardings at its turn and freed after it:
     one init program, and only one layout's state alive at a time (each has to fit alone)."""
     import statistics
@@ -476,12 +481,20 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
             release_freed_memory()  # the next layout's buffers have other shapes
             log.info("layout search: %s %s ms per step (round %d of at most %d)", layout.label,
                      _ms(1e3 * turns[layout][-1]), k + 1, rounds)
-        best = min(statistics.median(turns[x]) for x in live)
         if prune:
-            live = [x for x in live if statistics.median(turns[x]) <= prune * best]
+            live = survivors({x: statistics.median(turns[x]) for x in live}, prune)
         if len(live) == 1:
             break
     return {layout: statistics.median(t) for layout, t in turns.items()}
+
+
+def survivors(medians: dict[Layout, float], prune: float, keep: int = KEEP) -> list[Layout]:
+    """The layouts timed in the next round, in their order in ``medians``: the ``keep``
+    fastest so far, and any other within ``prune`` x the fastest."""
+    ranked = sorted(medians, key=medians.__getitem__)
+    best = medians[ranked[0]]
+    kept = set(ranked[:keep]) | {x for x in ranked if medians[x] <= prune * best}
+    return [x for x in medians if x in kept]
 
 
 def _turn(exp: Any, params: Any) -> float:
