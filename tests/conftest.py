@@ -15,6 +15,14 @@ from dxrun.runtime import simulate_cpu_devices
 if os.environ.get("DXRUN_TEST_GPU") != "1":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
 simulate_cpu_devices(8)  # must run before anything imports jax
+# XLA:CPU's code generation without LLVM's optimisation, here and in every subprocess a test
+# starts (``subprocess_env``): the suite's programs are tiny and run a few steps, so LLVM's
+# passes were most of their compile. The optimised HLO, its buffer assignment, cost analysis
+# and collectives are settled before code generation and are what the tests read; the
+# numbers a test compares come from programs compiled alike. DXRUN_TEST_LLVM_OPT=1 keeps it.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("DXRUN_TEST_LLVM_OPT") != "1":
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {FAST_COMPILE}"
 # Forced, not defaulted: an exported WANDB_MODE=online (or HYDRA_FULL_ERROR=1) would send the
 # W&B tests to a server and put tracebacks where the tests read one-line errors.
 os.environ["WANDB_MODE"] = "offline"
@@ -70,13 +78,24 @@ def cfg_factory():
     return make_cfg
 
 
+def subprocess_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a ``python -m dxrun...`` a test starts: this session's, less the
+    simulated device count (each run sets its own: ``runtime.cpu_devices``) and ``drop``."""
+    from dxrun.multihost.launch import without_device_count
+
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    flags = without_device_count(env.pop("XLA_FLAGS", ""))
+    if flags:
+        env["XLA_FLAGS"] = flags
+    return env
+
+
 def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None):
     """``python -m dxrun <args>`` as a subprocess in ``cwd`` (its outputs/ land there)."""
     import subprocess
 
-    full_env = {**os.environ, **(env or {})}
-    full_env.pop("XLA_FLAGS", None)  # the launcher sets the device count itself
-    return subprocess.run([sys.executable, "-m", "dxrun", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "dxrun", *args], cwd=cwd,
+                          env={**subprocess_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,7 +11,6 @@ committed checkpoint readable, and each step at most once in the W&B run.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg
+from conftest import make_cfg, subprocess_env
 
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Resume
@@ -47,7 +46,7 @@ def _untimed(rows: list[dict]) -> list[dict]:
 def _launch(cwd: Path, run_dir: Path) -> subprocess.Popen:
     # Each attempt has its own W&B service, as a relaunch on a cluster does (a shared one would
     # still hold the killed attempt's run open).
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WANDB_SERVICE")}
+    env = subprocess_env(drop=("WANDB_SERVICE",))
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *CHAOS, f"hydra.run.dir={run_dir}"],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

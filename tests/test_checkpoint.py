@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from conftest import Output, make_cfg, run_cli, tree_digest
+from conftest import Output, make_cfg, run_cli, subprocess_env, tree_digest
 
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Resume
@@ -59,7 +58,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _launch(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *BASE, f"hydra.run.dir={run_dir}", *extra],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

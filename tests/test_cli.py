@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, tree_digest
+from conftest import run_cli, subprocess_env, tree_digest
 
 from dxrun.tracking.wandb_file import read_run
 
@@ -73,7 +73,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
     import time
 
     main, child = os.openpty()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     env.update(COLUMNS="120", TERM="xterm")
     proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=8", "train.log_every=4",
                              "logger=none", "runtime.peak_tflops=1", "checkpoint.every=0"],

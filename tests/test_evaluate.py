@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_cfg, tree_digest, write_tokens
+from conftest import make_cfg, subprocess_env, tree_digest, write_tokens
 
 from dxrun.errors import ConfigError
 from dxrun.tools.evaluate import evaluate_checkpoint
@@ -18,9 +18,7 @@ from dxrun.tracking.wandb_file import read_run
 
 
 def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "dxrun.evaluate", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=300)
 

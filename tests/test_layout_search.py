@@ -107,7 +107,7 @@ def test_estimates_within_the_roofline_error_are_measured_too():
 
 def test_the_three_fastest_are_timed_every_round_and_the_far_slower_dropped():
     lay = [Layout(8 // t, 1, t) for t in (1, 2, 4, 8)] + [Layout(1, 8, 1)]
-    medians = dict(zip(lay, (1.0, 1.6, 1.2, 3.0, 1.4)))
+    medians = dict(zip(lay, (1.0, 1.6, 1.2, 3.0, 1.4), strict=True))
     # 1.0, 1.2 are within 1.25x; 1.4 is not but is third fastest; 1.6 and 3.0 go.
     assert ls.survivors(medians, 1.25) == [lay[0], lay[2], lay[4]]
     assert ls.survivors(medians, 1.25, keep=1) == [lay[0], lay[2]]

@@ -125,5 +125,5 @@ def test_the_readme_stays_short_and_its_links_lead_somewhere():
     ci = (ROOT / ".ci/run").read_text()
     assert "python -m pip install -e '.[dev]'" in readme
     assert re.search(r"^python -m pip install (--quiet )?-e '\.\[dev", ci, re.M)
-    for command in ("python -m dxrun", "python -m pytest"):
+    for command in ("python -m dxrun", "python -m pytest -n 2 --dist loadfile"):
         assert f"\n{command}" in readme and f"\n{command}\n" in ci

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from dxrun.runtime import (claim_run_dir, finite_or_null, peak_bytes_since,
-                           release_freed_memory)
+from dxrun.runtime import claim_run_dir, finite_or_null, peak_bytes_since, release_freed_memory
 
 
 def _claim(path: str, barrier, out) -> None:
