@@ -15,18 +15,14 @@ from dxrun.bench.report import markers
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    import os
-
     out = tmp_path_factory.mktemp("bench") / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\nintro\n\n## Earlier figures\n\nkept as they are\n")
-    # LLVM's optimisation off (``dxrun.step.analysis_options``' flags): the suite is compiles,
-    # and every figure asserted here is structural (HLO collectives, state bytes, the first
-    # losses of two steps compiled alike), none is a timing; the timings come out of slower code.
-    flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+    # It inherits the session's XLA_FLAGS, LLVM's optimisation off (conftest.FAST_COMPILE): the
+    # suite is compiles, and every figure asserted here is structural (HLO collectives, state
+    # bytes, the first losses of two steps compiled alike), none is a timing; the timings come
+    # out of slower code.
     proc = subprocess.run([sys.executable, "-m", "dxrun.bench", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=2400,  # 2 shared cores: > 1200 s
-                          env=env)
+                          capture_output=True, text=True, timeout=2400)  # 2 shared cores: > 1200 s
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads(out.with_suffix(".json").read_text())
 
