@@ -130,7 +130,8 @@ BAD = [
     # full recomputation, fsdp and 1 sequence per device: no nearer setting to compile and try
     # (plan_mode.candidates is empty), so the refusal costs one compile, not nine.
     (["runtime.memory_gb=0.004", "parallelism=fsdp8", "data.per_device_batch_size=1",
-      "model.remat=full"], "runtime.memory_gb=0.004", "runtime.skip_memory_check=true"),
+      "model.remat=full"], "runtime.memory_gb=0.004 gives 0.004 GiB",  # not "0.0 GiB"
+     "runtime.skip_memory_check=true"),
 ]
 
 

@@ -71,9 +71,10 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
     else:
         fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
         fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
+    # Three significant figures: a tiny budget reads "0.004 GiB", not "0.0 GiB".
     raise ConfigError(
-        f"the train step needs {need / GiB:.2f} GiB per device x {shared} device(s) = "
-        f"{need * shared / GiB:.1f} GiB, but {source} gives {budget * shared / GiB:.1f} GiB; "
+        f"the train step needs {need / GiB:.3g} GiB per device x {shared} device(s) = "
+        f"{need * shared / GiB:.3g} GiB, but {source} gives {budget * shared / GiB:.3g} GiB; "
         f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
 
 
