@@ -99,6 +99,27 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def finished_wandb_run(path: Path, timeout: float = 60) -> dict:
+    """``read_run`` of an offline W&B file once it is complete (its last record, the run's
+    exit, is there): ``wandb.finish()`` can return before W&B's service has written the
+    file's last block (it writes 32 KiB blocks), so a test that reads right after an
+    in-process run could see no history at all under load."""
+    import time
+
+    from dxrun.tracking.wandb_file import read_run, records
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kinds = [r.WhichOneof("record_type") for r in records(path)]
+        except ValueError:  # a block cut short mid-write
+            kinds = []
+        if kinds and kinds[-1] == "exit":
+            return read_run(path)
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout} s"
+        time.sleep(0.2)
+
+
 class Output:
     """A subprocess's stdout (stderr merged into it), read by a thread as it comes, so that a
     full pipe never blocks the process and every wait has a timeout."""

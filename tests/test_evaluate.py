@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_cfg, subprocess_env, tree_digest, write_tokens
+from conftest import finished_wandb_run, make_cfg, subprocess_env, tree_digest, write_tokens
 
 from dxrun.errors import ConfigError
 from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.tracking.wandb_file import read_run
 
 
 def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:
@@ -28,6 +27,7 @@ def _last_eval(run_dir) -> dict:
     return [r for r in rows if "eval/loss" in r][-1]
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     want = _last_eval(markov_run)
     # (W&B's own debug logs are links to the newest W&B process's, not the run's files.)
@@ -47,7 +47,7 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     after = tree_digest(markov_run)
     assert {k: after.get(k) for k in before} == before
     # The run's own W&B run (same id) got eval/* at the checkpoint's step.
-    runs = [read_run(p) for p in markov_run.glob("wandb/offline-run-*/run-*.wandb")]
+    runs = [finished_wandb_run(p) for p in markov_run.glob("wandb/offline-run-*/run-*.wandb")]
     assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]
     logged = [h for r in runs for h in r["history"] if "eval/tokens" in h]
     assert logged == [{**{k: rec[k] for k in ("eval/loss", "eval/ppl", "eval/accuracy",
@@ -63,6 +63,7 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     assert len(json.loads((markov_run / "eval.json").read_text())) == 2  # appended
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_what_evaluate_cannot_score_is_refused(markov_run):
     """A model shape other than the checkpoint's (alone, or through another model preset) and
     eval.batches=all on markov's endless held-out stream: one ConfigError naming the key and the
@@ -84,6 +85,7 @@ def test_what_evaluate_cannot_score_is_refused(markov_run):
     assert tree_digest(markov_run) == before
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_evaluate_whole_held_out_split_of_a_corpus(text_run):
     rec = evaluate_checkpoint(text_run, ["eval.batches=all"])
     n_tokens = len((text_run.parent / "corpus.txt").read_bytes()) + 1  # + end-of-text
@@ -134,6 +136,6 @@ def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
     assert rec["step"] == 1 and json.loads((run_dir / "eval.json").read_text()) == [rec]
     assert not [p for p in tmp_path.rglob("*") if p.name in ("eval.json", "wandb")
                 and p.parent != run_dir]
-    runs = [read_run(p) for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")]
+    runs = [finished_wandb_run(p) for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")]
     assert [h["eval/loss"] for r in runs for h in r["history"] if "eval/tokens" in h] == [
         rec["eval/loss"]]

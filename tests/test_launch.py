@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, Output, make_cfg, run_cli
+from conftest import ROOT, Output, make_cfg, run_cli, subprocess_env
 
 from dxrun.checkpointing.checkpoint import committed_steps
 from dxrun.multihost.launch import free_port
@@ -28,7 +28,7 @@ COMMON = ["data.batch_size=16", "train.steps=6", "train.log_every=1", "train.eva
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     env.update(WANDB_MODE="offline", WANDB_ERROR_REPORTING="false", WANDB_SILENT="true")
     return env
 

@@ -4,13 +4,12 @@ the cache, and that the chosen layout is an ordinary mesh (same losses as one de
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import make_cfg, run_cli
+from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun.capacity import layout_search as ls
 from dxrun.capacity.layout_search import Layout, Row
@@ -263,7 +262,7 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     else, yet both train on process 0's choice: each rank's log prints the same ranking, the
     same mesh and the same losses, and they are the plan's. Two hosts refuse tp2 (a tensor
     group across the network) without a compile: dp2 and fsdp2 are both measured."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # no cached decision: both search
     proc = subprocess.run(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",

@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+from conftest import finished_wandb_run, subprocess_env
 
 from dxrun.tracking.wandb_file import read_run
 from dxrun.train import Job, run_name, train
@@ -20,7 +21,7 @@ def _rows(run_dir):
 
 def _wandb_run(run_dir):
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    return read_run(path)
+    return finished_wandb_run(path)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,6 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     metrics.jsonl cut short (as a kill mid-write leaves it), then the same command again:
     metrics.jsonl and the W&B run (both attempts' files, synced in order) hold every step once,
     with the resumed attempt's values."""
-    import os
     import signal
     import subprocess
     import sys
@@ -173,7 +173,7 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     run_dir = tmp_path / "run"
     # Not this process's W&B service (set once a test here used W&B): each attempt has its own,
     # as a relaunch does; a shared one would still hold the killed attempt's run open.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "WANDB_SERVICE")}
+    env = subprocess_env(drop=("WANDB_SERVICE",))
     cmd = [sys.executable, "-m", "dxrun", *KILLED, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

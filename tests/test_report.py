@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 
 from dxrun.report import plots
 from dxrun.report.collect import find_jobs
@@ -216,15 +217,13 @@ def test_a_job_that_never_finished_reads_as_unfinished(tmp_path, left):
 def test_a_run_killed_from_outside_is_reported_unfinished(tmp_path):
     """A real run SIGKILLed (as the OOM killer or a SLURM timeout does) once it has started:
     nothing of dxrun runs after the kill, and the report still calls it unfinished."""
-    import os
     import signal
     import subprocess
     import sys
     import time
 
     run = tmp_path / "run"
-    env = {**os.environ}
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=1000000",
                              "train.eval_every=0", "logger=none", f"hydra.run.dir={run}"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, run_cli, tree_digest, write_corpus, write_tokens
+from conftest import make_cfg, run_cli, subprocess_env, tree_digest, write_corpus, write_tokens
 
 from dxrun.checkpointing import checkpoint
 from dxrun.errors import CheckpointReadError, ConfigError
@@ -292,8 +292,9 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.e2e  # a subprocess run, killed
 def test_grain_workers_end_with_a_killed_run(corpus, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun", *_text(corpus, "data.workers=1", "train.steps=100000",
@@ -337,7 +338,7 @@ def test_damaged_meta_is_found_before_restore(shared, tmp_path):
 def test_processes_agree_on_a_step_one_of_them_cannot_read(tmp_path):
     """fsdp over 2 processes: each reads only its own shards. Process 1's shards of step 3 are
     truncated; both processes continue from step 2 and process 0 alone sets step 3 aside."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
 
     def launch(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(

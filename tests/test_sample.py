@@ -5,7 +5,6 @@ decoding equal to one device, and each bad input refused in one line."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, write_corpus
+from conftest import make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
 from dxrun.errors import ConfigError
@@ -24,7 +23,7 @@ from dxrun.tools.sample import OPTIONS, allowed_transitions, sample
 
 
 def _sample_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "dxrun.sample", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=300)
 
@@ -38,6 +37,7 @@ def _generate(loaded, prompt: np.ndarray, new: int, sampling: Sampling | None = 
     return gen(loaded.params if params is None else params, prompt)
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_greedy_markov_samples_follow_the_chain(markov_run):
     out = _sample_cli(markov_run, "n=8", "max_new_tokens=30")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -62,6 +62,7 @@ def test_greedy_markov_samples_follow_the_chain(markov_run):
     assert allowed_transitions(trained, chain.succ, chain.S, chain.k, 2) == (ok, total)
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_text_samples_decode_and_kv_cache_equals_recompute(text_run):
     corpus_chars = set((text_run.parent / "corpus.txt").read_text())
     opts = {**OPTIONS, "prompt": "the cat ", "max_new_tokens": 24, "n": 2,
@@ -117,6 +118,7 @@ def test_kv_cache_of_a_llama_style_block_equals_recompute():
     _assert_cache_equals_recompute(exp, params, tokens, cached, 5)
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_bad_input_is_one_line(tmp_path, text_run):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -150,6 +152,7 @@ def test_bad_input_is_one_line(tmp_path, text_run):
         assert "Traceback" not in out.stderr
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_sampling_refusals(markov_run):
     """Options out of range, n samples that do not split over the data-parallel replicas, and
     a markov prompt that is not the chain's ids: one ConfigError each (the CLI's one line and
@@ -173,6 +176,7 @@ def test_sampling_refusals(markov_run):
             sample(markov_run, {**OPTIONS, **options}, overrides)
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_sampled_tokens_are_the_same_on_tp2(markov_run):
     """temperature > 0 with top-k and top-p: the same seed draws the same tokens on one device
     and split over 2 (tensor parallel). (That another seed draws other text is the text test's.)"""
@@ -183,6 +187,7 @@ def test_sampled_tokens_are_the_same_on_tp2(markov_run):
     np.testing.assert_array_equal(tp["tokens"], one["tokens"])
 
 
+@pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_a_bf16_run_decodes_in_bf16(markov_run):
     """Decoding takes the run's compute dtype (``train.precision``; here an override of the
     fp32 run's): with bf16 every matmul of the program reads bf16 weights (cast once, before the
