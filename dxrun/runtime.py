@@ -32,12 +32,9 @@ def reuse_freed_memory() -> bool:
     heaps), no mmap and a 1 GiB trim threshold make the next step reuse the same pages: no
     faults, and 1.2-1.6x the steps/s. Must run before JAX starts its threads (they keep the arena
     they started with). Returns whether it applied."""
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc" or any(map(os.path.exists, _ACCELERATOR_NODES)):
+    libc = _glibc()
+    if libc is None or any(map(os.path.exists, _ACCELERATOR_NODES)):
         return False
-    libc = ctypes.CDLL("libc.so.6")
     settings = {_M_ARENA_MAX: 1, _M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**30}
     return all(libc.mallopt(k, v) == 1 for k, v in settings.items())
 
@@ -48,11 +45,18 @@ def release_freed_memory() -> None:
     a process that moves on to programs of other shapes (the layout search times nine) would
     otherwise hold the union of their peaks: 24 GB for ``model=small``'s search on 8 simulated
     devices, against the 14 GB its largest layout needs alone."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> Any:
+    """The C library when it is glibc (whose allocator the two functions above tune), else
+    None."""
     import ctypes
     import platform
 
-    if platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
 
 
 def simulate_cpu_devices(n: int) -> bool:
