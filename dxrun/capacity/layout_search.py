@@ -11,10 +11,10 @@ Three stages, each a small function:
 * **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top``, and
   any whose estimate ties with the best's, are timed for a few real steps in rounds that
   alternate their order, the clearly slower dropped after each round (the three fastest always
-  go on); the fastest wins. On
-  simulated CPU devices every layout that fits is timed: the eight "devices" share the host's
-  cores, which a per-device roofline does not model (its estimates there tie within 1%, and its
-  first choice, dp8, was the slowest measured of nine for ``model=tiny``: BENCHMARKS.md).
+  go on); the fastest wins. On simulated CPU devices every layout that fits is timed: the
+  eight "devices" share the host's cores, which a per-device roofline does not model (its
+  estimates there tie within 1%, and its first choice, dp8, was the slowest measured of nine
+  for ``model=tiny``: BENCHMARKS.md).
 
 The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
