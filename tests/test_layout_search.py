@@ -261,14 +261,19 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     measured search: each process times the candidates itself and its clock says something
     else, yet both train on process 0's choice: each rank's log prints the same ranking, the
     same mesh and the same losses, and they are the plan's. Two hosts refuse tp2 (a tensor
-    group across the network) without a compile: dp2 and fsdp2 are both measured."""
+    group across the network) without a compile: dp2 and fsdp2 are both measured.
+    Turns of 0.1 s end after 3-5 steps of 20-40 ms, so every turn's end is a decision read
+    off a clock: both processes stop at process 0's count. Each step is a collective program:
+    when each stopped on its own clock, a sum a hair past the bound on one process and a hair
+    short on the other left the second waiting in a collective for ever (CI hung here for
+    900 s, its 1 s turns holding about ten steps of 0.1 s on a loaded host)."""
     env = subprocess_env()
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # no cached decision: both search
     proc = subprocess.run(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
          "--hosts", "2", "--", *SMALL, "parallelism=auto", "parallelism.search=measure",
-         "parallelism.search_top=2", "hydra.run.dir=run"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+         "parallelism.search_top=2", "parallelism.search_turn_s=0.1", "hydra.run.dir=run"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     record = json.loads((run / "plan.json").read_text())["layout_search"]
@@ -277,9 +282,10 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     assert [x["mesh"] for x in record["rows"] if not x["fits"]] == ["tp2"]
     table = ls.table(record).splitlines()[1:]  # as rank 0 printed it (less the search time)
     mesh = f"data={chosen['dp']} x fsdp={chosen['fsdp']} x tensor={chosen['tp']}"
-    seen = []
+    seen, counts = [], []
     for rank in (0, 1):
         text = (run / f"dxrun.{rank}.log").read_text()
+        counts.append(re.findall(r"layout search: (\S+) \S+ ms per step \((\d+) timed", text))
         assert all(line in text for line in table), (rank, text[-3000:])  # process 0's ranking
         assert re.findall(r"^  mesh +(.*)$", text, re.M) == [mesh]
         seen.append(re.findall(r"step (\d+)/2  loss (\S+)", text))
@@ -287,3 +293,4 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     want = [(str(json.loads(x)["step"]), f"{json.loads(x)['train/loss']:.4f}")
             for x in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
     assert seen[0] == seen[1] == want and len(want) == 2
+    assert counts[0] == counts[1] and len(counts[0]) >= 2  # every turn: process 0's step count

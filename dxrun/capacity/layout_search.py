@@ -41,12 +41,11 @@ SEARCHES = ("none", "measure", "model", "fresh")
 REMATS = ("none", "dots", "full")  # cheapest to most recomputation
 ACCUMS = (1, 2, 4, 8)
 MEASURE_STEPS, MEASURE_ROUNDS = 10, 3  # timed steps per turn (at most), rounds (a turn each)
-# A turn stops timing once its timed steps add up to this: a model whose step takes seconds
-# (model=small on a 2-core host: 3-50 s) is timed by one step a turn, whose noise is small
-# against its length; a step of tens of milliseconds gets up to MEASURE_STEPS, whose median
-# is what separates layouts 3% apart (model=tiny at batch 64: seven of nine within 9%; with
-# 3 steps a turn auto's choice measured 0.94 of the best).
-TURN_S = 1.0
+# A turn stops timing once its timed steps add up to parallelism.search_turn_s (1 s): a model
+# whose step takes seconds (model=small on a 2-core host: 3-50 s) is timed by one step a turn,
+# whose noise is small against its length; a step of tens of milliseconds gets up to
+# MEASURE_STEPS, whose median is what separates layouts 3% apart (model=tiny at batch 64: seven
+# of nine within 9%; with 3 steps a turn auto's choice measured 0.94 of the best).
 PRUNE = 1.25  # after a round, a layout slower than this x the best's median is timed no more
 # ...except the KEEP fastest so far, which take every round: a single one-step turn on a loaded
 # host can be 1.3x off (model=small's first bench case dropped the best layout after round 1
@@ -362,7 +361,8 @@ def search(cfg: Any, plan_mode: bool = False,
         model_choice(rows, top=0)
     else:
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
-        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built))
+        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built,
+                                                      tag=f"layout_search/{_SEARCHES[0]}"))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every=devices[1] == "cpu")
         built.clear()
         rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/chosen",
@@ -444,7 +444,7 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
 
 def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
                  built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
-                 prune: float | None = PRUNE) -> dict[Layout, float]:
+                 prune: float | None = PRUNE, tag: str = "layout_search") -> dict[Layout, float]:
     """Seconds per step of each layout (the median of its turns): ``rounds`` rounds in which
     each layout takes a turn (``_turn``: up to ``MEASURE_STEPS`` timed steps) on the run's own
     data, the order reversed every other round so that drift on a shared host falls on all
@@ -452,7 +452,11 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     any within ``prune`` x the best): the rounds go to the close ones. ``built``: Experiments
     already compiled (the model stage's).
     One seeded init is copied into each layout's shardings at its turn and freed after it:
-    one init program, and only one layout's state alive at a time (each has to fit alone)."""
+    one init program, and only one layout's state alive at a time (each has to fit alone).
+    Several processes run every step together (each is one collective program), so every
+    decision read off a clock (when a turn stops, who survives a round) is process 0's, agreed
+    under keys beginning ``tag``: each process's own clock would stop its turn at another step
+    and leave the others waiting in a collective for ever."""
     import statistics
 
     import jax
@@ -477,17 +481,30 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     del init
     turns: dict[Layout, list[float]] = {layout: [] for layout in layouts}
     live = list(layouts)
+    turn_s = float(cfg.parallelism.search_turn_s)
     for k in range(rounds):
         for layout in live if k % 2 == 0 else live[::-1]:
-            turns[layout].append(_turn(exps[layout], params))
+            at = f"{tag}/{k}/{layouts.index(layout)}"
+            times = _turn(exps[layout], params,
+                          lambda t, at=at: _agreed(f"{at}/{len(t)}", sum(t) >= turn_s))
+            turns[layout].append(statistics.median(times))
             release_freed_memory()  # the next layout's buffers have other shapes
-            log.info("layout search: %s %s ms per step (round %d of at most %d)", layout.label,
-                     _ms(1e3 * turns[layout][-1]), k + 1, rounds)
+            log.info("layout search: %s %s ms per step (%d timed, round %d of at most %d)",
+                     layout.label, _ms(1e3 * turns[layout][-1]), len(times), k + 1, rounds)
         if prune:
-            live = survivors({x: statistics.median(turns[x]) for x in live}, prune)
+            kept = survivors({x: statistics.median(turns[x]) for x in live}, prune)
+            live = [layouts[i] for i in _agreed(f"{tag}/{k}/live",
+                                                [layouts.index(x) for x in kept])]
         if len(live) == 1:
             break
     return {layout: statistics.median(t) for layout, t in turns.items()}
+
+
+def _agreed(key: str, value: Any) -> Any:
+    """Process 0's ``value`` (JSON) on every process; one process: ``value``."""
+    from dxrun.multihost.distributed import agree
+
+    return json.loads(agree(key, json.dumps(value)))
 
 
 def survivors(medians: dict[Layout, float], prune: float, keep: int = KEEP) -> list[Layout]:
@@ -499,13 +516,11 @@ def survivors(medians: dict[Layout, float], prune: float, keep: int = KEEP) -> l
     return [x for x in medians if x in kept]
 
 
-def _turn(exp: Any, params: Any) -> float:
+def _turn(exp: Any, params: Any, done: Callable[[list[float]], bool]) -> list[float]:
     """One layout's turn: its state made from ``params``, one untimed step (the first after a
     switch pays for it: page faults, after ``release_freed_memory``; the first of all,
-    one-off costs), then the median of up to ``MEASURE_STEPS`` timed steps, stopping once
-    they add up to ``TURN_S``."""
-    import statistics
-
+    one-off costs), then up to ``MEASURE_STEPS`` timed steps (their seconds, returned),
+    stopping once ``done(times)``."""
     import jax
 
     state = exp.init_state(params=params)
@@ -517,10 +532,10 @@ def _turn(exp: Any, params: Any) -> float:
         jax.block_until_ready((state, metrics))
         if i > 0:
             times.append(time.perf_counter() - t0)
-            if sum(times) >= TURN_S:
+            if done(times):
                 break
     del state
-    return statistics.median(times)
+    return times
 
 
 def resumed_layout(resume: Any) -> Layout | None:
