@@ -67,6 +67,27 @@ def compile_cache():
     return enable_compile_cache("auto")
 
 
+# Files whose tests read the same session fixture's run (markov_run, text_run): under the
+# README's ``-n 2 --dist loadfile`` they go to one worker together, which trains each run
+# once; apart, each worker trained both (about 40 s of the suite).
+SHARES_RUNS_WITH = {"tests/test_evaluate.py": "tests/test_sample.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of SHARES_RUNS_WITH as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRuns(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARES_RUNS_WITH.get(path, path)
+
+    return SharedRuns(config, log)
+
+
 def make_cfg(*overrides: str):
     """The run config the launcher would build for ``python -m dxrun <overrides>``."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="dxrun"):
@@ -78,13 +99,17 @@ def cfg_factory():
     return make_cfg
 
 
-def subprocess_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
+def subprocess_env(drop: tuple[str, ...] = (), optimised: bool = False) -> dict[str, str]:
     """The environment of a ``python -m dxrun...`` a test starts: this session's, less the
-    simulated device count (each run sets its own: ``runtime.cpu_devices``) and ``drop``."""
+    simulated device count (each run sets its own: ``runtime.cpu_devices``) and ``drop``.
+    ``optimised``: LLVM's passes on (no FAST_COMPILE), for a run of hundreds of steps, whose
+    time is in its steps, not its compiles (the default run: 52 CPU s against 101)."""
     from dxrun.multihost.launch import without_device_count
 
     env = {k: v for k, v in os.environ.items() if k not in drop}
     flags = without_device_count(env.pop("XLA_FLAGS", ""))
+    if optimised:
+        flags = flags.replace(FAST_COMPILE, "").strip()
     if flags:
         env["XLA_FLAGS"] = flags
     return env

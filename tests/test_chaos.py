@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, subprocess_env
+from conftest import Output, make_cfg, subprocess_env
 
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Resume
@@ -55,7 +55,7 @@ def _launch(cwd: Path, run_dir: Path) -> subprocess.Popen:
 def _kill_when(proc: subprocess.Popen, predicate, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert proc.poll() is None, proc.communicate(timeout=60)[0][-3000:]
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.002)
     proc.kill()
@@ -94,10 +94,9 @@ def test_a_run_killed_three_times_ends_as_if_uninterrupted(tmp_path):
     _kill_when(_launch(tmp_path, run_dir), lambda: _second_save_started(ckpts))
     # 2. Killed while the relaunch restores (its plan is printed just before the restore).
     proc = _launch(tmp_path, run_dir)
-    for line in proc.stdout:
-        if "mesh plan" in line:
-            break
-    _kill_when(proc, lambda: True)
+    Output(proc).wait_for(lambda line: "mesh plan" in line, timeout=300)
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
     # 3. Killed right after a metrics row past its newest checkpoint; the last line is torn.
     _kill_when(_launch(tmp_path, run_dir), lambda: _logged_step(run_dir) > max(
         checkpoint.committed_steps(ckpts), default=0))

@@ -179,7 +179,7 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while True:  # freeze it once W&B holds a step past a committed checkpoint, then kill it
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert proc.poll() is None, proc.communicate(timeout=60)[0][-3000:]
         assert time.monotonic() < deadline, "timed out"
         if _logged(run_dir) > 40:
             proc.send_signal(signal.SIGSTOP)
@@ -189,7 +189,7 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
             proc.send_signal(signal.SIGCONT)
         time.sleep(0.05)
     proc.kill()
-    proc.communicate()
+    proc.communicate(timeout=60)
     ckpt, killed_at = saved[-1], _logged(run_dir)
     metrics = run_dir / "metrics.jsonl"
     text = metrics.read_text()

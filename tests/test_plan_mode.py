@@ -160,6 +160,29 @@ def _gpt2_params(n_layers: int, d: int, vocab: int = 50304, positions: int = 102
     return n_layers * (12 * d * d + 13 * d) + vocab * d + positions * d + 2 * d
 
 
+def test_the_roofline_step_time_by_hand():
+    """``estimate`` without a GPU time model: max(compute, memory) + collectives, each a
+    hand-computed number (not the code's formula again). 2e12 FLOPs at 100 TFLOP/s = 20 ms;
+    3e10 bytes at 1 TB/s = 30 ms; 4.5e9 collective bytes at 450 GB/s = 10 ms: 30 + 10 = 40 ms
+    a step, memory-bound; 8,192 tokens in 40 ms = 204,800 tokens/s;
+    MFU = 1.6e13 model FLOPs / 8 devices / 40 ms / 100 TFLOP/s = 0.5."""
+    target = plan_mode.Target("hand", "TPU hand", 16e9, 1.0e12, 450e9)
+    fp = plan_mode.Footprint(params_bytes=1e9, opt_state_bytes=2e9, grads_bytes=1e9,
+                             batch_bytes=0.0, temp_bytes=3e9, total_bytes=6e9, flops=2e12,
+                             bytes_accessed=3e10, collectives={
+                                 "all-reduce": {"bytes": 4e9}, "all-gather": {"bytes": 0.5e9}})
+    out = plan_mode.estimate(fp, target, peak_tflops=100.0, model_flops=1.6e13, tokens=8192,
+                             n_devices=8, precision="bf16")
+    assert out["compute_s"] == pytest.approx(0.020)
+    assert out["memory_s"] == pytest.approx(0.030)
+    assert out["collective_s"] == pytest.approx(0.010)
+    assert out["step_time_s"] == pytest.approx(0.040) and out["bound"] == "memory"
+    assert out["tokens_per_s"] == pytest.approx(204_800)
+    assert out["mfu"] == pytest.approx(0.5)
+    usable = 16e9 * plan_mode.USABLE  # a TPU's share; 6 GB needed
+    assert out["fits"] and out["headroom_gb"] == pytest.approx((usable - 6e9) / plan_mode.GB)
+
+
 def test_hand_counted_gpt2_sizes():
     """The table above from the block's formula (the GPT-2 paper's 117M/345M/762M/1542M count a
     50257 vocabulary; the presets pad it to 50304)."""

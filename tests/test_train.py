@@ -1,27 +1,38 @@
-"""The default run, in process: it reaches the markov floor and writes its files."""
+"""The default run: it reaches the markov floor and writes its files."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
+from conftest import subprocess_env
 
 from dxrun.train import train
 
 
 @pytest.mark.e2e
 def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
+    """``python -m dxrun`` as the README runs it (its W&B run aside), compiled as a user's is:
+    600 steps, whose time is in the steps (LLVM's passes on: half the CPU time of the
+    suite's fast compiles)."""
     cfg = cfg_factory("logger=none")  # every other choice is the default
-    summary = train(cfg, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "dxrun", "logger=none", "hydra.run.dir=run"],
+                          cwd=tmp_path, env=subprocess_env(optimised=True), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
     floor = summary["entropy_floor"]
     assert 0.5 < floor < 1.0
     assert summary["train/loss"] - floor < 0.1, summary
     assert summary["eval/loss"] - floor < 0.1, summary  # held-out stream, same chain
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == cfg.train.steps and len(rows) == cfg.train.steps // 50
     assert all(r["data/entropy_floor"] == floor for r in rows)
     assert rows[0]["train/loss"] > floor + 1.0  # it did learn, from far above the floor
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = json.loads((run / "plan.json").read_text())
     assert plan["mesh_shape"] == [8, 1, 1]  # parallelism=dp (the default): every device data-parallel
 
 
