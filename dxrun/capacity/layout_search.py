@@ -322,7 +322,7 @@ def search(cfg: Any, plan_mode: bool = False,
     from dxrun.capacity import plan_mode as pm
     from dxrun.capacity.preflight import device_budget
     from dxrun.experiment import visible_devices
-    from dxrun.multihost.distributed import agree, is_main
+    from dxrun.multihost.distributed import is_main
 
     mode = cfg.parallelism.search
     if mode == "none":
@@ -335,11 +335,12 @@ def search(cfg: Any, plan_mode: bool = False,
     devices = visible_devices()
     cfg = fixed_batch(cfg, devices)  # the candidates' batch and sequence length
     _SEARCHES[0] += 1
+    tag = f"layout_search/{_SEARCHES[0]}"  # this search's keys in the processes' agreement
     n = cfg.parallelism.n_devices or devices[0]
     key = cache_key(cfg, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
     mode = "model" if plan_mode else mode
     cached = read_cache(key) if mode != "fresh" and is_main() else None
-    record = json.loads(agree(f"layout_search/{_SEARCHES[0]}/cache", json.dumps(cached)))
+    record = _agreed(f"{tag}/cache", cached)
     if record is not None:
         return {**record, "cached": True, "search_s": time.perf_counter() - t0}
     layouts, refused = candidates(cfg, *devices)
@@ -354,19 +355,16 @@ def search(cfg: Any, plan_mode: bool = False,
     rows = model_stage(cfg, layouts, budget_gb, _scorer(devices, target, peak, plan_mode, built))
     # Process 0's ranking (memory readings differ per process): every process measures the
     # same candidates in the same order.
-    rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/rows",
-                       json.dumps([r.to_json() for r in rows])))
+    rows = _agreed_rows(f"{tag}/rows", rows)
     top = cfg.parallelism.search_top
     if mode == "model":
         model_choice(rows, top=0)
     else:
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
-        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built,
-                                                      tag=f"layout_search/{_SEARCHES[0]}"))
+        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, tag=tag))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every=devices[1] == "cpu")
         built.clear()
-        rows = _rows(agree(f"layout_search/{_SEARCHES[0]}/chosen",
-                           json.dumps([r.to_json() for r in rows])))
+        rows = _agreed_rows(f"{tag}/chosen", rows)
     rows += [Row(layout, why=why) for layout, why in refused]
     record = {"search": mode, "target": target.name, "key": key, "top": top,
               "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
@@ -376,8 +374,9 @@ def search(cfg: Any, plan_mode: bool = False,
     return record
 
 
-def _rows(text: str) -> list[Row]:
-    return rows_of({"rows": json.loads(text)})
+def _agreed_rows(key: str, rows: list[Row]) -> list[Row]:
+    """Process 0's rows on every process."""
+    return rows_of({"rows": _agreed(key, [r.to_json() for r in rows])})
 
 
 def rows_of(record: dict[str, Any]) -> list[Row]:
