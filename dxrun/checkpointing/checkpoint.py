@@ -88,8 +88,23 @@ def committed_steps(directory: Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
+def _one_writer_per_shard() -> None:
+    """Each shard is written by its first replica, as Orbax does on GPUs. Orbax's default
+    elsewhere splits every replicated shard over its replicas (to spread a TPU pod's writes),
+    which on simulated CPU devices compiles and runs a slice program per array and device: a
+    tiny model's first save held the loop 2.8 s, its copy to the host took 0.01 s. The files
+    are the same either way (either kind restores)."""
+    default = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(default, "_use_replica_parallel", False):
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=False,
+            array_metadata_store=getattr(default, "_array_metadata_store", None)),
+            override=True)
+
+
 def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
     """The saving side (reads go through ``_read``)."""
+    _one_writer_per_shard()
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
         preservation_policy=ocp.checkpoint_managers.LatestN(keep))
