@@ -326,6 +326,37 @@ def test_the_wall_clock_cadence_is_due_after_its_minutes():
     assert not checkpoint.time_due(499.0, 440.0, 60.0) and checkpoint.time_due(500.0, 440.0, 60.0)
 
 
+def test_a_save_compiles_nothing_and_restores_bitwise(tmp_path):
+    """Every leaf replicated over the 8 simulated devices (dp8). Orbax's default save splits a
+    replicated shard over its replicas, which compiled a slice program per array and device:
+    a tiny run's first save held the loop 2.8 s (0.2 s now), model=small's under fsdp8 1.05 s
+    (0.06 s). With one writer per shard a save compiles nothing."""
+    import jax.monitoring
+
+    exp = Experiment.build(make_cfg(*BASE, "logger=none", "parallelism=dp8"))
+    state = exp.init_state()
+    compiled: list[str] = []
+
+    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":  # a cache hit included
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        saver = checkpoint.Checkpointer(tmp_path, keep=1)
+        saver.save(1, state, {"step": 1})
+        saver.close()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == []
+    restored, meta, step = checkpoint.restore(Resume(tmp_path, None, in_place=False),
+                                              exp.abstract_state())
+    assert (step, meta["step"]) == (1, 1)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.e2e  # a whole run (train(), three saves)
 def test_every_minutes_saves_by_the_clock_and_each_save_logs_its_block(tmp_path):
     """No step cadence (checkpoint.every=0) and a clock cadence far below a step: a save after

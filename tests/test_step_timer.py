@@ -8,7 +8,7 @@ from dxrun.tracking.console import save_note
 from dxrun.tracking.step_timer import SaveTotals, StepTimer
 from tests.conftest import FakeClock
 
-NO_SAVES = SaveTotals(0.0, 0, 0)
+NO_SAVES = SaveTotals(0.0, 0)
 
 
 def test_the_compiling_step_is_in_no_window_and_not_in_the_loop():
@@ -63,11 +63,10 @@ def test_no_step_after_the_compiling_one_gives_no_loop_rate():
 
 def test_the_note_names_saves_that_held_the_window():
     timer = StepTimer(start=0, steps=10, clock=FakeClock())
-    timer.stepped(1, SaveTotals(0.2, 1, 1))  # the first window starts after one small save
-    held = SaveTotals(2.2, 2, 1)  # a 2 s save in the window, not the process's first
-    assert timer.note(held, has_rate=True) == save_note(2.0, first_save=False)
+    timer.stepped(1, SaveTotals(0.2, 1))  # the first window starts after one small save
+    held = SaveTotals(2.2, 2)  # a 2 s save in the window
+    assert timer.note(held, has_rate=True) == save_note(2.0)
     assert timer.note(held, has_rate=False) == ""  # no tokens/s on the line to explain
-    assert timer.note(SaveTotals(0.5, 2, 1), has_rate=True) == ""  # 0.3 s: not noticeable
+    assert timer.note(SaveTotals(0.5, 2), has_rate=True) == ""  # 0.3 s: not noticeable
     timer.reset(4, NO_SAVES)
-    first = SaveTotals(3.0, 1, 1)  # the process's first save, in this window
-    assert timer.note(first, has_rate=True) == save_note(3.0, first_save=True)
+    assert timer.note(SaveTotals(3.0, 1), has_rate=True) == save_note(3.0)

@@ -490,11 +490,6 @@ class Checkpointer:
         self.manager.close()
 
 
-# Saves this process made (every RunCheckpoints): Orbax sets its writers up on a process's first
-# save, which holds the loop for seconds on CPU; later saves, of any run, do not pay it again.
-_saves_in_process = 0
-
-
 def time_due(now: float, last_save: float, every_s: float) -> bool:
     """The wall-clock cadence (``checkpoint.every_minutes``): a save is due when ``every_s``
     seconds (> 0; 0 = off) have passed since the last save (or the start)."""
@@ -525,7 +520,6 @@ class RunCheckpoints:
         self.clock = clock  # time.monotonic; a test passes its own
         self.last_save_t = clock()
         self.block_total_s, self.saves = 0.0, 0
-        self.process_first_save = 0  # which of our saves (1, 2, ...) was the process's first
         self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
         self.warned_cost = False
         self.halt = train.nan_policy == "halt"
@@ -594,10 +588,6 @@ class RunCheckpoints:
         self.unlogged.append(block_s)
         self.block_total_s += block_s
         self.saves += 1
-        global _saves_in_process
-        if _saves_in_process == 0:
-            self.process_first_save = self.saves
-        _saves_in_process += 1
         # A small state's saves (tens of ms: the tiny models on CPU) are not worth a warning
         # whatever their share; the first save's interval holds the compile: not judged.
         over = block_s > MAX_CHECKPOINT_OVERHEAD * since and block_s >= NOTICEABLE_BLOCK_S
@@ -610,7 +600,7 @@ class RunCheckpoints:
 
     def totals(self) -> SaveTotals:
         """This attempt's saves so far (what the step timer's note compares)."""
-        return SaveTotals(self.block_total_s, self.saves, self.process_first_save)
+        return SaveTotals(self.block_total_s, self.saves)
 
     def take_blocks(self) -> list[float]:
         """The blocking times of the saves since the last call."""

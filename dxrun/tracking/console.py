@@ -14,10 +14,9 @@ from typing import Any
 log = logging.getLogger("dxrun")
 
 
-def save_note(held_s: float, first_save: bool) -> str:
+def save_note(held_s: float) -> str:
     """Why a window's tokens/s dropped: checkpoint saves held the loop ``held_s`` of it."""
-    why = "; a process's first save also sets up Orbax's writers" if first_save else ""
-    return f"(tok/s includes {held_s:.1f} s of checkpoint saving{why})"
+    return f"(tok/s includes {held_s:.1f} s of checkpoint saving)"
 
 
 def format_line(step: int, total: int, m: dict[str, float], note: str = "") -> str:

@@ -25,7 +25,6 @@ class SaveTotals(NamedTuple):
 
     block_s: float  # seconds the saves held the loop
     saves: int
-    process_first: int  # which of the saves (1, 2, ...) was the process's first; 0: none yet
 
 
 class Measured(NamedTuple):
@@ -60,7 +59,7 @@ class StepTimer:
     def __init__(self, start: int, steps: int, clock: Callable[[], float] = time.perf_counter):
         self.clock, self.start = clock, start
         self.window = StepWindow(clock)
-        self.saves0 = SaveTotals(0.0, 0, 0)  # the saves before this window
+        self.saves0 = SaveTotals(0.0, 0)  # the saves before this window
         self.loop_t, self.loop_step = 0.0, steps  # from the compiling step's end
         self.loop_s: float | None = None
 
@@ -91,11 +90,9 @@ class StepTimer:
         return Measured(seconds, steps, waited, self.window.profiled)
 
     def note(self, saves: SaveTotals, has_rate: bool) -> str:
-        """Why this window's tokens/s dropped, when saves held it noticeably; else ''. The
-        first save of a process is the slow one (seconds on CPU)."""
+        """Why this window's tokens/s dropped, when saves held it noticeably; else ''."""
         held = saves.block_s - self.saves0.block_s
-        first = self.saves0.saves < saves.process_first <= saves.saves
-        return save_note(held, first) if has_rate and held >= NOTICEABLE_BLOCK_S else ""
+        return save_note(held) if has_rate and held >= NOTICEABLE_BLOCK_S else ""
 
     def end_loop(self) -> None:
         """The last step was logged: it is done."""
