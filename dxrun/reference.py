@@ -329,8 +329,9 @@ SUMMARY: dict[str, str] = {
     "checkpoint_block_s": "total seconds those saves held the loop",
     "goodput": "productive step time / wall time, over all attempts of the run (steps a resume "
                "redid count as lost)",
-    "goodput_s": "this attempt's wall time by part: wall, startup, compile (the preflight's and "
-                 "the first step), data, productive, eval, checkpoint, logging, profile, rest; "
+    "goodput_s": "this attempt's wall time by part: wall, startup, search (parallelism=auto's "
+                 "layout search), compile (the preflight's and the first step), data, "
+                 "productive, eval, checkpoint, logging, profile, rest; "
                  "its goodput, first_step and last_step",
     "attempts": "attempts of this run (a resume in place adds one)",
 }

@@ -205,6 +205,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     exp, resume = prepared or prepare(cfg, run_dir)
     cfg = exp.cfg  # what the run follows: parallelism=auto's copy holds the chosen layout
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
+    if exp.plan.layout_search is not None:  # parallelism=auto: timed apart from the startup
+        clock.add("search", exp.plan.layout_search["search_s"])
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
     allocator = AllocatorPeak()  # before this run allocates anything

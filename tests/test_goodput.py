@@ -16,24 +16,26 @@ def test_parts_add_up_to_the_wall_time_and_goodput_is_productive_over_wall():
     clock = FakeClock()
     g = goodput.Goodput(start=90.0, clock=clock)  # the job began 10 s before train()
     g.add("compile", 4.0)  # the preflight's compile, inside those 10 s
+    g.add("search", 3.0)  # parallelism=auto's layout search, before it
     g.end_startup()
-    assert g.spent["startup"] == pytest.approx(6.0)
+    assert g.spent["startup"] == pytest.approx(3.0)
     for part, dt in [("data", 0.5), ("productive", 8.0), ("eval", 1.0), ("checkpoint", 2.0),
                      ("logging", 0.25), ("profile", 1.5)]:
         with g.span(part):
             clock.tick(dt)
     clock.tick(0.75)  # outside every span
     b = g.breakdown()
-    assert b["wall_s"] == pytest.approx(24.0)
+    assert b["wall_s"] == pytest.approx(24.0) and b["search_s"] == pytest.approx(3.0)
     assert b["rest_s"] == pytest.approx(0.75)
     assert sum(b[f"{p}_s"] for p in goodput.PARTS) + b["rest_s"] == pytest.approx(b["wall_s"])
     assert b["goodput"] == pytest.approx(8.0 / 24.0)
     line = goodput.lines(b, goodput.run_total([{**b, "first_step": 0, "last_step": 10}]))[0]
     assert line.startswith("goodput 33.3%: productive steps 8.0s of 24.0s wall")
-    assert "profile 1.5s" in line
-    untraced = {**b, "profile_s": 0.0}
-    assert "profile" not in goodput.lines(untraced, goodput.run_total([
+    assert "startup 3.0s, search 3.0s, compile 4.0s" in line and "profile 1.5s" in line
+    untraced = {**b, "profile_s": 0.0, "search_s": 0.0}  # neither ran: neither is shown
+    plain = goodput.lines(untraced, goodput.run_total([
         {**untraced, "first_step": 0, "last_step": 10}]))[0]
+    assert "profile" not in plain and "search" not in plain
 
 
 def test_a_span_that_raises_still_counts():

@@ -66,6 +66,12 @@ def test_a_layout_that_does_not_fit_is_never_chosen():
     assert ls.model_choice(ls.model_stage(make_cfg(), layouts, 1.0, score)).layout.tp == 2
 
 
+def test_the_memory_column_keeps_one_unit_below_a_gib():
+    # model=tiny's ranking: 8.1 MiB beside 11 MiB used to read "0.01 GiB" (the tp4 rows).
+    assert [ls._gib(v) for v in (0.0079, 0.011, 0.999, 1.0, 31.2, None)] == [
+        "8.1 MiB", "11.3 MiB", "1023.0 MiB", "1.00 GiB", "31.20 GiB", "-"]
+
+
 def test_a_layout_fits_with_recomputation_when_it_must():
     def score(trial, layout):
         return (0.5 if trial.model.remat == "full" else 2.0), 0.01
@@ -165,6 +171,9 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
                 .splitlines() if "train/loss" in x]
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["mesh_shape"] == [2, 2, 2] and plan["layout_search"]["cached"]
+    for run, searched in (("auto", plan["layout_search"]["search_s"]), ("dp1", 0.0)):
+        attempt = json.loads((tmp_path / run / "goodput.json").read_text())["attempts"][0]
+        assert attempt["search_s"] == pytest.approx(searched)  # a cached choice: a file read
     assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
 
 
@@ -199,6 +208,12 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
             chosen[0]["dp"], chosen[0]["fsdp"], chosen[0]["tp"]] == plan["mesh_shape"]
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert any("perf/layout_search_s" in x for x in rows)
+        # Goodput books the search as its own part, not as startup.
+        attempt = json.loads((run / "goodput.json").read_text())["attempts"][0]
+        assert attempt["search_s"] == pytest.approx(record["search_s"])
+        assert attempt["search_s"] > 0
+        assert re.search(r"goodput .*; startup [\d.]+s, search [\d.]+s, compile", r.stdout
+                         + r.stderr)
         keys.add(record["key"])
     assert len(keys) == 2
     assert len(list((tmp_path / "cache" / "dxrun" / "layouts").glob("*.json"))) == 2

@@ -34,6 +34,11 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert rows[0]["train/loss"] > floor + 1.0  # it did learn, from far above the floor
     plan = json.loads((run / "plan.json").read_text())
     assert plan["mesh_shape"] == [8, 1, 1]  # parallelism=dp (the default): every device data-parallel
+    # No library warns in the README's run (Orbax warned of dxrun's own type handler); dxrun's
+    # own warnings name a key to set (on CPU: runtime.peak_tflops for MFU).
+    logged = (run / "dxrun.log").read_text().splitlines()
+    assert not [x for x in logged if ("][WARNING]" in x or "][ERROR]" in x)
+                and "][dxrun][" not in x], logged
 
 
 @pytest.mark.e2e

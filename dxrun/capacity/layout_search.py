@@ -238,7 +238,8 @@ def table(record: dict[str, Any]) -> str:
 def _gib(v: float | None) -> str:
     if v is None:
         return "-"
-    return f"{v:.2f} GiB" if v >= 0.01 else f"{v * 1024:.1f} MiB"
+    # One unit below 1 GiB (a column read down: 8.1 MiB above 11.3 MiB, never 0.01 GiB).
+    return f"{v:.2f} GiB" if v >= 1 else f"{v * 1024:.1f} MiB"
 
 
 def _ms(v: float | None) -> str:

@@ -95,11 +95,18 @@ def _one_writer_per_shard() -> None:
     tiny model's first save held the loop 2.8 s, its copy to the host took 0.01 s. The files
     are the same either way (either kind restores)."""
     default = ocp.type_handlers.get_type_handler(jax.Array)
-    if getattr(default, "_use_replica_parallel", False):
+    if not getattr(default, "_use_replica_parallel", False):
+        return  # set already (or an Orbax without it: test_checkpoint.py would say so)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # Orbax warns of every override; this one is on purpose
+    try:
         ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
             use_replica_parallel=False,
             array_metadata_store=getattr(default, "_array_metadata_store", None)),
             override=True)
+    finally:
+        absl.setLevel(level)
 
 
 def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:

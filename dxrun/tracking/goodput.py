@@ -1,7 +1,8 @@
 """Where a run's wall time went, and the log window's step time without the traced steps.
 
 Host-side accounting: every second of the job's wall time is given to the part the host was in
-(startup, compile, data, productive steps, eval, checkpoint, logging, profile: the traced steps)
+(startup, parallelism=auto's layout search, compile, data, productive steps, eval, checkpoint,
+logging, profile: the traced steps)
 and what no span covers is ``rest``, so the parts add up to the wall time by construction; a
 large ``rest`` means a span is missing. The device runs ahead of the host, so the productive
 steps are the time in the step call plus the waits for its results at log steps. The clock is a
@@ -18,7 +19,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-PARTS = ("startup", "compile", "data", "productive", "eval", "checkpoint", "logging", "profile")
+PARTS = ("startup", "search", "compile", "data", "productive", "eval", "checkpoint", "logging",
+         "profile")
+SHOWN_IF_USED = ("search", "profile")  # parts most runs never have: on the console only if > 0
 FILE = "goodput.json"  # the attempts of a run dir, kept over resumes
 
 _first_job = [True]
@@ -131,9 +134,10 @@ def earlier_attempts(run_dir: Path, resumed_in_place: bool) -> list[dict[str, An
 def lines(attempt: dict[str, float], total: dict[str, float]) -> list[str]:
     """The console's goodput lines: the parts of this attempt, and the run's total over its
     attempts when it was resumed."""
-    # Tracing is off unless asked for (train.profile.start): its part shows only when it ran.
+    # Tracing (train.profile.start) and the layout search (parallelism=auto) are off unless
+    # asked for: their parts show only when they ran.
     parts = ", ".join(f"{k} {attempt[f'{k}_s']:.1f}s" for k in PARTS
-                      if k != "productive" and (k != "profile" or attempt[f"{k}_s"] > 0))
+                      if k != "productive" and (k not in SHOWN_IF_USED or attempt[f"{k}_s"] > 0))
     out = [f"goodput {attempt['goodput']:.1%}: productive steps {attempt['productive_s']:.1f}s "
            f"of {attempt['wall_s']:.1f}s wall; {parts}, rest {attempt['rest_s']:.1f}s"]
     if total["attempts"] > 1:
