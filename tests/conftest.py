@@ -46,6 +46,7 @@ if not os.environ.get("DXRUN_TEST_CACHE"):
     atexit.register(shutil.rmtree, os.environ["DXRUN_TEST_CACHE"], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = os.environ["DXRUN_TEST_CACHE"]
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -86,6 +87,26 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARES_RUNS_WITH.get(path, path)
 
     return SharedRuns(config, log)
+
+
+@contextlib.contextmanager
+def recorded_compiles():
+    """The names of the programs compiled inside the block (a list, filled as they come). JAX
+    times every program's compile request under this event, a persistent-cache hit included
+    (its own cache_hits event comes on top: counting both counts a hit twice)."""
+    import jax.monitoring
+
+    names: list[str] = []
+
+    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def make_cfg(*overrides: str):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from conftest import Output, make_cfg, run_cli, subprocess_env, tree_digest
+from conftest import Output, make_cfg, recorded_compiles, run_cli, subprocess_env, tree_digest
 
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Resume
@@ -331,23 +331,12 @@ def test_a_save_compiles_nothing_and_restores_bitwise(tmp_path):
     replicated shard over its replicas, which compiled a slice program per array and device:
     a tiny run's first save held the loop 2.8 s (0.2 s now), model=small's under fsdp8 1.05 s
     (0.06 s). With one writer per shard a save compiles nothing."""
-    import jax.monitoring
-
     exp = Experiment.build(make_cfg(*BASE, "logger=none", "parallelism=dp8"))
     state = exp.init_state()
-    compiled: list[str] = []
-
-    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":  # a cache hit included
-            compiled.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with recorded_compiles() as compiled:
         saver = checkpoint.Checkpointer(tmp_path, keep=1)
         saver.save(1, state, {"step": 1})
         saver.close()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiled == []
     restored, meta, step = checkpoint.restore(Resume(tmp_path, None, in_place=False),
                                               exp.abstract_state())

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import subprocess_env
+from conftest import recorded_compiles, subprocess_env
 
 from dxrun.train import train
 
@@ -125,30 +125,16 @@ def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path)
 def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
     """Every program (init, step, eval, metrics) compiles in the first steps; more steps,
     log rows and evaluations compile nothing new."""
-    import jax.monitoring
-
-    compiles: list[str] = []
-
-    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
-        # JAX times every program's compile request under this event, a persistent-cache hit
-        # included (its own cache_hits event comes on top: counting both counted a hit twice).
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        base = ["logger=none", "parallelism=dp4_tp2", "model.n_heads=8", "model.n_kv_heads=8",
-                "train.log_every=2", "train.eval_every=2", "eval.batches=2"]
+    base = ["logger=none", "parallelism=dp4_tp2", "model.n_heads=8", "model.n_kv_heads=8",
+            "train.log_every=2", "train.eval_every=2", "eval.batches=2"]
+    with recorded_compiles() as short:
         train(cfg_factory(*base, "train.steps=4"), tmp_path / "short")
-        short = list(compiles)
-        compiles.clear()
+    with recorded_compiles() as compiles:
         train(cfg_factory(*base, "train.steps=12"), tmp_path / "long")
-        # Each program of the longer run once (a new run builds its programs anew), and none
-        # the short run did not have: its 6 log rows and evaluations add no compile.
-        assert {"jit(step)", "jit(init)", "jit(evaluate)"} <= set(short)
-        assert sorted(set(compiles)) == sorted(compiles) and set(compiles) <= set(short)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    # Each program of the longer run once (a new run builds its programs anew), and none the
+    # short run did not have: its 6 log rows and evaluations add no compile.
+    assert {"jit(step)", "jit(init)", "jit(evaluate)"} <= set(short)
+    assert sorted(set(compiles)) == sorted(compiles) and set(compiles) <= set(short)
 
 
 @pytest.mark.e2e
