@@ -43,7 +43,7 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
 
 @pytest.mark.e2e
 def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
-    base = ["logger=none", "train.steps=30", "train.log_every=30", "parallelism=dp2_tp4",
+    base = ["logger=none", "train.steps=10", "train.log_every=10", "parallelism=dp2_tp4",
             "model.n_heads=8", "model.n_kv_heads=8",
             "train.eval_every=0", "checkpoint.every=0"]  # (neither is compared here)
     fp32 = train(cfg_factory(*base), tmp_path / "fp32")
