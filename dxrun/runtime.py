@@ -131,10 +131,7 @@ def enable_compile_cache(setting: str | None) -> str | None:
     path = os.path.join(user_cache_dir(), "jax") if setting == "auto" else setting
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    # Programs of half a second's compile or more (JAX's default: 1 s), unless the environment
-    # sets JAX's own variable, which JAX reads (the test suite keeps every program).
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
 
 

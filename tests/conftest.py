@@ -49,9 +49,6 @@ if not os.environ.get("DXRUN_TEST_CACHE"):
     os.environ["DXRUN_TEST_CACHE"] = tempfile.mkdtemp(prefix="dxrun-tests-cache-")
     atexit.register(shutil.rmtree, os.environ["DXRUN_TEST_CACHE"], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = os.environ["DXRUN_TEST_CACHE"]
-# Every program, however quick to compile (a user's run keeps only those of 0.5 s or more): the
-# suite's cheap compiles put most programs under that, and its runs compile the same ones again.
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import contextlib
 import sys
