@@ -2,9 +2,9 @@
 
 The full suite takes about 30 minutes on the 2-core development machine (28.4 on 2026-12-03);
 ``--quick`` (under two minutes; CI runs it) times a smaller model with fewer steps, and skips
-the allocator figure,
-the plan-mode roofline and the existing compile and checkpoint benchmarks, whose figures stay in
-the file as they are. ``--gpu`` runs the GPU figures only (on a machine with an NVIDIA GPU).
+the allocator figure, the plan-mode roofline and the existing compile and checkpoint
+benchmarks, whose figures stay in the file as they are. ``--gpu`` runs the GPU figures only
+(on a machine with an NVIDIA GPU).
 ``--auto`` times ``parallelism=auto``'s choice against every layout that fits (the "auto vs
 best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the published GPU
 runs of ``dxrun/bench/published.py`` (shapes only, minutes on 2 cores) and writes the "Plan
