@@ -18,11 +18,11 @@ simulate_cpu_devices(8)  # must run before anything imports jax
 # XLA:CPU's code generation made cheap, here and in every subprocess a test starts
 # (``subprocess_env``): the suite's programs are tiny and run a few steps, so code generation
 # was most of their compile. LLVM's optimisation off, and XLA:CPU's older fusion emitters
-# instead of its MLIR ones, which were two thirds of what was left (the tiny dp4_tp2 step:
-# 3.7 s to 1.1 s). The optimised HLO, its buffer assignment, cost analysis and collectives are
-# settled before code generation and are what the tests read (one difference: without the
-# MLIR emitters XLA expands a scatter into a loop); the numbers a test compares come from
-# programs compiled alike. DXRUN_TEST_LLVM_OPT=1 compiles as a user's run does.
+# instead of its MLIR ones, which were most of what was left (the tiny dp4_tp2 step: 3.7 s
+# to 1.5 s; docs/tests.md has the command). The optimised HLO, its buffer assignment, cost
+# analysis and collectives are settled before code generation and are what the tests read
+# (one difference: without the MLIR emitters XLA expands a scatter into a loop); the numbers
+# a test compares come from programs compiled alike. DXRUN_TEST_LLVM_OPT=1 compiles as a user's run does.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
                 " --xla_cpu_use_fusion_emitters=false")
 if os.environ.get("DXRUN_TEST_LLVM_OPT") != "1":
