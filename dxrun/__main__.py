@@ -244,10 +244,21 @@ def _job_failed(msg: str, crashed: bool) -> None:
     print(f"dxrun: error: job #{hydra_cfg.job.num}: {msg}", file=sys.stderr)
 
 
+# The working dir and what it held when this process started (``cli``): the top dir Hydra
+# makes there for a run (``outputs/`` of a first run) is the run's to remove if it never starts.
+_started_in: tuple[Path, frozenset[str]] | None = None
+
+
 def _discard_empty_dir(run_dir: Path) -> None:
     """Hydra made the run dir before the config could be checked; a run that never started
-    leaves nothing behind (and never touches a dir that holds anything)."""
-    for d in (run_dir, run_dir.parent):
+    leaves nothing behind (and never touches a dir that holds anything or was there before)."""
+    dirs = [run_dir, run_dir.parent]
+    if _started_in is not None:
+        cwd, had = _started_in
+        top = run_dir.parent.parent
+        if top.parent == cwd and top.name not in had:
+            dirs.append(top)
+    for d in dirs:
         try:
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
@@ -305,6 +316,8 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def cli() -> None:
+    global _started_in
+    _started_in = (Path.cwd(), frozenset(os.listdir()))
     check_composition(sys.argv[1:])
     main()
     from dxrun.report.callback import SWEEP_DIRS

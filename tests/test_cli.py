@@ -152,6 +152,20 @@ def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
 
 
 @pytest.mark.e2e
+def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path):
+    """Hydra makes outputs/<date>/<time> before dxrun can check the config: a refused run takes
+    it all away again, outputs/ too when the run made it, and keeps an outputs/ that was there."""
+    proc = run_cli("optimizer.lr=0", "logger=none", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "outputs").mkdir()
+    proc = run_cli("optimizer.lr=0", "logger=none", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    assert not list((tmp_path / "outputs").iterdir())
+
+
+@pytest.mark.e2e
 def test_crash_is_one_line_and_the_traceback_is_in_the_log(tmp_path):
     """Not bad input but a failure while training (the test-only train.inject_error_at_step: a
     too-large allocation fails on one host and is overcommitted or OOM-killed on another): one
