@@ -180,6 +180,9 @@ def test_fresh_optimizer_state_trains_on(shared, tmp_path, caplog):
     assert rows[0]["train/loss"] < first_a["train/loss"]
 
 
+# The reads still in flight when a damaged checkpoint's read fails finish after Orbax closed
+# its event loop: no "Event loop is closed" traceback for each of them (checkpoint.py).
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_only_damage_sets_a_checkpoint_aside(shared, tmp_path):
     ckpts = tmp_path / "ckpts"
     shutil.copytree(shared["A_ckpts"], ckpts)
@@ -361,6 +364,7 @@ def test_processes_agree_on_a_step_one_of_them_cannot_read(tmp_path):
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-3000:]
     assert "resuming from step 2" in out and "FileNotFoundError" not in out
+    assert "Traceback" not in out  # one line says it: no traceback per read given up
     assert (step3.parent / "3.corrupt").is_dir()
     assert checkpoint.committed_steps(step3.parent) == [2, 3, 4]  # 3 saved anew, keep=3
     assert _steps(tmp_path / "run") == [1, 2, 3, 4]

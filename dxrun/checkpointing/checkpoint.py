@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,6 +241,29 @@ def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None
         handler.close()
 
 
+def _quiet_reads_that_finish_late() -> None:
+    """A read that fails (a truncated file) leaves the checkpoint's other TensorStore reads (of
+    its arrays, or of their metadata) in flight. Orbax closes the event loop it read in as the
+    error comes out, and each of those reads, finishing, hands its result to that loop
+    (``call_soon_threadsafe``), which raises "Event loop is closed" into
+    ``sys.unraisablehook``: a traceback per read on stderr, from the resume that sets a
+    damaged checkpoint aside and says so in one line. Those results belong to a read already
+    given up; any other unraisable exception still reaches the hook that was there."""
+    previous = sys.unraisablehook
+    if getattr(previous, "dxrun_late_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"
+                and frames and frames[0].name == "call_soon_threadsafe"):
+            previous(unraisable)
+
+    hook.dxrun_late_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def _read_meta(directory: Path, step: int, check_state: bool
                ) -> tuple[dict[str, Any], set[str] | None]:
     meta, _ = _read(directory / str(step))
@@ -257,6 +282,7 @@ def _name(path: tuple) -> str:
 def _newest_readable(resume: Resume, check_state: bool
                      ) -> tuple[int, dict[str, Any], set[str] | None] | None:
     """The newest step this process can read: (step, meta, state leaf names), or None."""
+    _quiet_reads_that_finish_late()
     for step in _candidates(resume):
         try:
             meta, names = _read_meta(resume.directory, step, check_state)
@@ -412,6 +438,7 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
     (CheckpointReadError) and is left as it is."""
     upto = resume.meta_step if resume.meta else None
     skipped = list(resume.damaged)
+    _quiet_reads_that_finish_late()
     for step in _candidates(resume, upto):
         try:
             step_dir = resume.directory / str(step)
