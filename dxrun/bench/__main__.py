@@ -1,6 +1,6 @@
 """``python -m dxrun.bench``: run the suite, write its section of BENCHMARKS.md and the JSON.
 
-The full suite takes about 30 minutes on the 2-core development machine (28.4 on 2026-12-03);
+The full suite takes 25-30 minutes on the 2-core development machine (24.7 on 2026-12-03);
 ``--quick`` (under two minutes; CI runs it) times a smaller model with fewer steps, and skips
 the allocator figure, the plan-mode roofline and the existing compile and checkpoint
 benchmarks, whose figures stay in the file as they are. ``--gpu`` runs the GPU figures only
