@@ -112,12 +112,31 @@ def test_estimates_within_the_roofline_error_are_measured_too():
 
 def test_the_three_fastest_are_timed_every_round_and_the_far_slower_dropped():
     lay = [Layout(8 // t, 1, t) for t in (1, 2, 4, 8)] + [Layout(1, 8, 1)]
-    medians = dict(zip(lay, (1.0, 1.6, 1.2, 3.0, 1.4), strict=True))
-    # 1.0, 1.2 are within 1.25x; 1.4 is not but is third fastest; 1.6 and 3.0 go.
+    medians = dict(zip(lay, (1.0, 1.6, 1.05, 3.0, 1.4), strict=True))
+    # 1.0, 1.05 are within 1.25x; 1.4 is not but is third fastest; 1.6 and 3.0 go.
     assert ls.survivors(medians, 1.25) == [lay[0], lay[2], lay[4]]
     assert ls.survivors(medians, 1.25, keep=1) == [lay[0], lay[2]]
     assert ls.survivors(medians, 2.0, keep=1) == [lay[0], lay[1], lay[2], lay[4]]
-    assert ls.survivors(dict(list(medians.items())[:2]), 1.25) == lay[:2]
+    assert ls.survivors(dict(list(medians.items())[:3]), 1.25) == [lay[0], lay[1], lay[2]]
+
+
+def test_a_leader_clear_of_every_other_ends_the_rounds():
+    lay = [Layout(8 // t, 1, t) for t in (1, 2, 4)]
+    # model=small's first round on this host: 3.4 s, then 4.0 s (1.18x) and 5.8 s.
+    medians = dict(zip(lay, (4.0, 3.4, 5.8), strict=True))
+    assert ls.survivors(medians, 1.25) == [lay[1]]
+    medians[lay[0]] = 1.09 * 3.4  # within CLEAR: the three go on
+    assert ls.survivors(medians, 1.25) == lay
+
+
+def test_every_layout_is_timed_when_their_steps_are_cheap():
+    rows = [Row(Layout(8 // t, 1, t), 0.1, e, fits=True) for t, e in ((1, 30.0), (2, 40.0))]
+    rows.append(Row(Layout(1, 1, 8), why="does not fit"))
+    assert ls.time_every(rows, 1.0)  # 70 ms of steps: time them all
+    rows[1].est_ms = 980.0
+    assert not ls.time_every(rows, 1.0)  # a second of steps: the top few by the estimate
+    rows[1].est_ms = None
+    assert not ls.time_every(rows, 1.0)  # no estimate to go by
 
 
 def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypatch):

@@ -11,10 +11,13 @@ Three stages, each a small function:
 * **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top``, and
   any whose estimate ties with the best's, are timed for a few real steps in rounds that
   alternate their order, the clearly slower dropped after each round (the three fastest always
-  go on); the fastest wins. On simulated CPU devices every layout that fits is timed: the
-  eight "devices" share the host's cores, which a per-device roofline does not model (its
-  estimates there tie within 1%, and its first choice, dp8, was the slowest measured of nine
-  for ``model=tiny``: BENCHMARKS.md).
+  go on, until one leads the rest by ``CLEAR``); the fastest wins. On simulated CPU devices
+  the estimate is each device's share of the host (the eight "devices" share its cores and
+  memory bus: ``plan_mode.cpu_target``), which ranks a step that moves gigabytes
+  (``model=small``: its top three by the estimate held the fastest measured) but not one whose
+  time is dispatch and per-op overhead (``model=tiny``, where the roofline's first choice was
+  the slowest measured of nine: BENCHMARKS.md); so every layout that fits is timed when their
+  estimated steps add up to under ``parallelism.search_turn_s``, the cost of one turn.
 
 The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
@@ -52,6 +55,10 @@ PRUNE = 1.25  # after a round, a layout slower than this x the best's median is 
 # and chose one at 0.90 of it), and the choice is made among these few.
 KEEP = 3
 TIE = 1.10  # estimates this close to the best's are within the roofline's error: measure them
+# After a round, a leader this much faster than every other layout has won: no more rounds.
+# The layouts a search times differ by more than this (model=small: 1.18-1.27x from the best
+# to the next) or tie within the 0.95 the choice must reach (model=tiny: seven of nine in 9%).
+CLEAR = 1.10
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,14 @@ def model_stage(cfg: Any, layouts: list[Layout], budget_gb: float | None,
             break
         rows.append(row)
     return sorted(rows, key=lambda r: (not r.fits, r.est_ms if r.est_ms is not None else 0.0))
+
+
+def time_every(rows: list[Row], budget_s: float) -> bool:
+    """On simulated CPU devices: time every layout that fits? When one step of each, by the
+    estimates, adds up to less than ``budget_s`` (a turn's time): the steps are cheap, and
+    their time is overhead the estimate does not rank."""
+    est = [r.est_ms for r in rows if r.fits]
+    return all(e is not None for e in est) and sum(est) < 1e3 * budget_s
 
 
 def to_measure(rows: list[Row], top: int, every: bool = False) -> list[Row]:
@@ -363,7 +378,8 @@ def search(cfg: Any, plan_mode: bool = False,
     else:
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
         timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, tag=tag))
-        measure_stage(rows, top, lambda ls: timer(cfg, ls), every=devices[1] == "cpu")
+        every = devices[1] == "cpu" and time_every(rows, cfg.parallelism.search_turn_s)
+        measure_stage(rows, top, lambda ls: timer(cfg, ls), every=every)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
     rows += [Row(layout, why=why) for layout, why in refused]
@@ -509,9 +525,12 @@ def _agreed(key: str, value: Any) -> Any:
 
 def survivors(medians: dict[Layout, float], prune: float, keep: int = KEEP) -> list[Layout]:
     """The layouts timed in the next round, in their order in ``medians``: the ``keep``
-    fastest so far, and any other within ``prune`` x the fastest."""
+    fastest so far, and any other within ``prune`` x the fastest; the fastest alone when it
+    leads every other by ``CLEAR`` (it has won)."""
     ranked = sorted(medians, key=medians.__getitem__)
     best = medians[ranked[0]]
+    if all(medians[x] >= CLEAR * best for x in ranked[1:]):
+        return [ranked[0]]
     kept = set(ranked[:keep]) | {x for x in ranked if medians[x] <= prune * best}
     return [x for x in medians if x in kept]
 

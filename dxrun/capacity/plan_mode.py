@@ -82,7 +82,10 @@ def host_memory_bytes() -> float:
 
 def cpu_target(n_devices: int) -> Target:
     """This machine: its RAM shared by the simulated devices, a measured matmul peak and a
-    measured memory bandwidth (collectives between simulated devices are memory copies)."""
+    measured memory bandwidth (collectives between simulated devices are memory copies). Each
+    figure is one device's share when all run at once, as the peak is
+    (``flops.measure_peak_tflops``): the simulated devices share the host's memory bus, so a
+    layout that moves 8x the bytes on each of 8 devices takes 8x the time, not the same."""
     import jax
     import jax.numpy as jnp
 
@@ -90,9 +93,8 @@ def cpu_target(n_devices: int) -> Target:
     f = jax.jit(lambda v: v * 2.0)
     f(x).block_until_ready()
     best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
-    bandwidth = 2 * x.nbytes / best  # read + write
-    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, bandwidth,
-                  bandwidth)
+    share = 2 * x.nbytes / best / n_devices  # read + write, the whole host's bus shared
+    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, share, share)
 
 
 def _timed(fn: Any) -> float:
@@ -522,7 +524,8 @@ def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
     """Fit and speed of ``exp``'s compiled step on ``target`` (plan mode, and the layout
     search's ranking): the accelerator time model on a GPU/TPU target, else the roofline of
     XLA's counts. ``xla_cost=False`` (the layout search: one compile per candidate, not three):
-    on a CPU target the FLOPs are counted from the shapes and memory traffic is left out."""
+    on a CPU target the FLOPs are counted from the shapes and the bytes are the compile's own
+    count (a scanned layer loop counted once)."""
     from dxrun.capacity import flops, gpu_cost
 
     key = target_key(target)
@@ -547,7 +550,11 @@ def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
         parts = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
                                  cfg.model.remat)
         if not xla_cost:
-            fp = replace(fp, flops=parts["hardware"] / exp.plan.n_devices)
+            # The bytes: the compile's own count (free). A scanned model's layer loop is
+            # counted once, on every candidate alike: a ranking of layouts more than a time
+            # (on simulated devices the bytes decide it: model=small's step time follows them).
+            fp = replace(fp, flops=parts["hardware"] / exp.plan.n_devices,
+                         bytes_accessed=_cost(compiled)[1])
     # An accelerator's need comes from the memory model: XLA:CPU's temporaries describe a CPU
     # program (bf16 through fp32 temporaries); the compile's figure is kept beside it.
     mem = accelerator_memory(exp, target) if target.device_kind != "cpu" else None
