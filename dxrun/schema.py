@@ -158,8 +158,9 @@ class ParallelismConfig:
         "wins | model = the estimate's first | fresh = measure, ignoring the cached decision.",
         choices=("none", "measure", "model", "fresh"))
     search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best "
-                          "(and any estimated within 10% of the first; on simulated CPU devices "
-                          "all that fit)", range=POSITIVE)
+                          "(and any estimated within 10% of the first at under search_turn_s "
+                          "a step; on simulated CPU devices, when the steps are cheap, all that "
+                          "fit)", range=POSITIVE)
     search_turn_s: float = key(
         1.0, "parallelism.search=measure: a layout's turn stops timing once its steps add up to "
         "this many seconds (up to 10 steps a turn, at least 1): longer = steadier medians, a "

@@ -106,6 +106,10 @@ def test_estimates_within_the_roofline_error_are_measured_too():
     assert [r.est_ms for r in ls.to_measure(rows, 2)] == [1.0, 2.0]
     rows[1].est_ms, rows[2].est_ms = 1.05, 1.10  # within 10% of the first: measured as well
     assert [r.est_ms for r in ls.to_measure(rows, 1)] == [1.0, 1.05, 1.10]
+    # ...unless a step of them takes longer than a turn (1.05 ms against a 1.08 ms turn): there
+    # a turn costs two whole steps, and the top alone are timed.
+    assert [r.est_ms for r in ls.to_measure(rows, 1, turn_s=1.08e-3)] == [1.0, 1.05]
+    assert [r.est_ms for r in ls.to_measure(rows, 2, turn_s=1e-6)] == [1.0, 1.05]
     # Simulated CPU devices: every layout that fits, never one that does not.
     assert len(ls.to_measure(rows, 1, every=True)) == 6
 

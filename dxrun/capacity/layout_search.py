@@ -9,13 +9,13 @@ Three stages, each a small function:
   fit, ``remat=dots``, ``remat=full``, then 2/4/8 micro-batches; the fitting ones ranked by plan
   mode's estimate (``plan_mode.step_estimate``) for the visible hardware or ``plan.target``;
 * **measure** (``parallelism.search=measure|fresh``): the top ``parallelism.search_top``, and
-  any whose estimate ties with the best's, are timed for a few real steps in rounds that
-  alternate their order, the clearly slower dropped after each round (the three fastest always
-  go on, until one leads the rest by ``CLEAR``); the fastest wins. On simulated CPU devices
-  the estimate is each device's share of the host (the eight "devices" share its cores and
-  memory bus: ``plan_mode.cpu_target``), which ranks a step that moves gigabytes
-  (``model=small``: its top three by the estimate held the fastest measured) but not one whose
-  time is dispatch and per-op overhead (``model=tiny``, where the roofline's first choice was
+  any whose estimate ties with the best's and whose step is cheap, are timed for a few real
+  steps in rounds that alternate their order, the clearly slower dropped after each round (the
+  three fastest always go on, until one leads the rest by ``CLEAR``); the fastest wins. On
+  simulated CPU devices the estimate is each device's share of the host (the eight "devices"
+  share its cores and memory bus: ``plan_mode.cpu_target``), which ranks a step that moves
+  gigabytes (``model=small``: its top three by the estimate held the fastest measured) but not
+  one whose time is dispatch and per-op overhead (``model=tiny``, where the roofline's first choice was
   the slowest measured of nine: BENCHMARKS.md); so every layout that fits is timed when their
   estimated steps add up to under ``parallelism.search_turn_s``, the cost of one turn.
 
@@ -55,6 +55,10 @@ PRUNE = 1.25  # after a round, a layout slower than this x the best's median is 
 # and chose one at 0.90 of it), and the choice is made among these few.
 KEEP = 3
 TIE = 1.10  # estimates this close to the best's are within the roofline's error: measure them
+# ...when a step of them is cheap (estimated under parallelism.search_turn_s): a turn of a step
+# that takes seconds costs two of them (the untimed first, the timed), and there the estimate
+# ranks (model=small: its top three held the fastest measured at both of the bench's batches;
+# its ties added two turns, 20-25 s, to a 2-core search).
 # After a round, a leader this much faster than every other layout has won: no more rounds.
 # The layouts a search times differ by more than this (model=small: 1.18-1.27x from the best
 # to the next) or tie within the 0.95 the choice must reach (model=tiny: seven of nine in 9%).
@@ -185,21 +189,23 @@ def time_every(rows: list[Row], budget_s: float) -> bool:
     return all(e is not None for e in est) and sum(est) < 1e3 * budget_s
 
 
-def to_measure(rows: list[Row], top: int, every: bool = False) -> list[Row]:
+def to_measure(rows: list[Row], top: int, every: bool = False,
+               turn_s: float = float("inf")) -> list[Row]:
     """The fitting rows the measure stage times: the first ``top`` and any whose estimate is
-    within ``TIE`` of the best's (``every``: all that fit)."""
+    within ``TIE`` of the best's and under ``turn_s`` seconds (``every``: all that fit)."""
     fitting = [r for r in rows if r.fits]
     if every or not fitting or fitting[0].est_ms is None:
         return fitting if every else fitting[:top]
     return [r for i, r in enumerate(fitting)
-            if i < top or (r.est_ms is not None and r.est_ms <= TIE * fitting[0].est_ms)]
+            if i < top or (r.est_ms is not None and r.est_ms <= TIE * fitting[0].est_ms
+                           and r.est_ms < 1e3 * turn_s)]
 
 
 def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, float]],
-                  every: bool = False) -> Row:
+                  every: bool = False, turn_s: float = float("inf")) -> Row:
     """Time the rows ``to_measure`` picks (``timer``: layout -> seconds per step) and mark the
     fastest chosen; the others say why they lost."""
-    timed = to_measure(rows, top, every)
+    timed = to_measure(rows, top, every, turn_s)
     if not timed:
         raise ConfigError("parallelism=auto: no layout fits the device memory; try a smaller "
                           "model or data.batch_size, or a larger runtime.memory_gb")
@@ -378,8 +384,9 @@ def search(cfg: Any, plan_mode: bool = False,
     else:
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
         timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, tag=tag))
-        every = devices[1] == "cpu" and time_every(rows, cfg.parallelism.search_turn_s)
-        measure_stage(rows, top, lambda ls: timer(cfg, ls), every=every)
+        turn_s = cfg.parallelism.search_turn_s
+        every = devices[1] == "cpu" and time_every(rows, turn_s)
+        measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
     rows += [Row(layout, why=why) for layout, why in refused]
