@@ -137,8 +137,11 @@ def test_every_layout_is_timed_when_their_steps_are_cheap():
     rows = [Row(Layout(8 // t, 1, t), 0.1, e, fits=True) for t, e in ((1, 30.0), (2, 40.0))]
     rows.append(Row(Layout(1, 1, 8), why="does not fit"))
     assert ls.time_every(rows, 1.0)  # 70 ms of steps: time them all
+    assert ls.measure_rule(rows, 1.0, simulated=True) == (True, None)  # ...in every round
+    assert ls.measure_rule(rows, 1.0, simulated=False) == (False, ls.PRUNE)
     rows[1].est_ms = 980.0
     assert not ls.time_every(rows, 1.0)  # a second of steps: the top few by the estimate
+    assert ls.measure_rule(rows, 1.0, simulated=True) == (False, ls.PRUNE)  # pruned by round
     rows[1].est_ms = None
     assert not ls.time_every(rows, 1.0)  # no estimate to go by
 

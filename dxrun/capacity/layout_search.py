@@ -189,6 +189,17 @@ def time_every(rows: list[Row], budget_s: float) -> bool:
     return all(e is not None for e in est) and sum(est) < 1e3 * budget_s
 
 
+def measure_rule(rows: list[Row], turn_s: float, simulated: bool) -> tuple[bool, float | None]:
+    """(time every layout that fits?, ``prune`` between rounds). On simulated CPU devices whose
+    steps are cheap (``time_every``) every layout takes every round: they lie within a few
+    percent and one turn on a shared host can be 1.3x off, so a prune after round 1 dropped
+    the best (model=tiny at batch 64: fsdp8's first turn 102 ms, its median over the bench's
+    four rounds 79.7 ms, the best of nine); their rounds cost about a second a layout.
+    Otherwise the top few by the estimate, the clearly slower dropped after each round."""
+    every = simulated and time_every(rows, turn_s)
+    return every, None if every else PRUNE
+
+
 def to_measure(rows: list[Row], top: int, every: bool = False,
                turn_s: float = float("inf")) -> list[Row]:
     """The fitting rows the measure stage times: the first ``top`` and any whose estimate is
@@ -383,9 +394,9 @@ def search(cfg: Any, plan_mode: bool = False,
         model_choice(rows, top=0)
     else:
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
-        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, tag=tag))
         turn_s = cfg.parallelism.search_turn_s
-        every = devices[1] == "cpu" and time_every(rows, turn_s)
+        every, prune = measure_rule(rows, turn_s, devices[1] == "cpu")
+        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, prune=prune, tag=tag))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
