@@ -162,6 +162,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def spread_shardings(shapes: Any, mesh: Mesh, shardings: Any) -> Any:
+    """Each array split over every device of ``mesh`` along its first axis that the device count
+    divides (its own sharding in ``shardings`` where that already splits it over every device,
+    or where no axis divides): where an array's init is computed with the least work per
+    device, whatever layout it is used in."""
+    def spread(x: Any, own: NamedSharding) -> NamedSharding:
+        if math.prod(mesh.shape[a] for e in own.spec for a in _mesh_axes_of(e)) == mesh.size:
+            return own  # already split over every device
+        for i, n in enumerate(x.shape):
+            if n % mesh.size == 0:
+                return NamedSharding(mesh, P(*([None] * i), mesh.axis_names))
+        return own
+    return jax.tree.map(spread, shapes, shardings)
+
+
 @contextlib.contextmanager
 def in_mesh_context(mesh: Mesh, rules: dict[str, Any] | None = None) -> Iterator[Mesh]:
     """Activate ``mesh`` (and the rules table) for tracing: activation constraints apply."""

@@ -288,3 +288,24 @@ def test_no_preset_makes_xla_replicate_activations(preset_runs):
     assert sum(1 for (block, _), (_, splits, _) in compiled.items()
                if block == "llama" and splits) == 7  # Llama's on the 7 that split weights
     assert "Involuntary full rematerialization" not in preset_runs["stderr"]
+
+
+def test_the_seeded_init_is_the_same_bits_on_every_layout(cfg_factory):
+    """``init_params`` draws every weight spread over the 8 devices, then lays it out: dp8's
+    replicated weights, tp8's and dp2_fsdp2_tp2's split ones hold the same bits."""
+    def init(mesh: str) -> tuple[dict, dict]:
+        exp = Experiment.build(cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
+                                           "logger=none", f"parallelism={mesh}"))
+        params = exp.init_params()
+        assert jax.tree.map(lambda x: x.sharding, params) == exp.param_shardings  # its layout
+        return jax.device_get(params), shd.spread_shardings(params, exp.mesh,
+                                                            exp.param_shardings)
+    ref, spread = init("dp8")
+    # On dp8 every weight whose axis 8 divides was drawn split 8 ways, not whole on each device.
+    n_split = sum(math.prod(s.shard_shape(x.shape)) * 8 == x.size
+                  for x, s in zip(jax.tree.leaves(ref), jax.tree.leaves(spread), strict=True))
+    assert n_split >= len(jax.tree.leaves(ref)) // 2
+    for mesh in ("tp8", "dp2_fsdp2_tp2", "dp1"):
+        params, _ = init(mesh)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=mesh)
