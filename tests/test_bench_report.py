@@ -18,3 +18,27 @@ def test_a_new_section_goes_before_the_first_heading_or_section_and_then_stays(t
     md.write_text(moved)  # a section someone moved keeps its place when rewritten
     replace_section(md, "torch", "\n".join((markers("torch")[0], "new", markers("torch")[1])))
     assert md.read_text() == moved.replace("old", "new")
+
+
+def test_other_processes_cpu_share_counts_a_process_that_is_not_the_bench(tmp_path):
+    """A busy process the bench has not waited for (a stranger's, as far as the bench's rusage
+    goes) is counted: one core of the machine's kept busy for a second is a share of about
+    1 / cores (more when the machine is busier still), not the near zero of a quiet machine."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from dxrun.bench.report import OtherLoad
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                             "while time.time() - t < 5: pass"])
+    try:
+        time.sleep(0.3)  # the interpreter started and spinning
+        others = OtherLoad()
+        time.sleep(1.0)
+        share = others.share()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert share is not None and share >= 0.8 / (os.cpu_count() or 1)

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     enable_compile_cache(tempfile.mkdtemp(prefix="dxrun-bench-cache-"))
 
     from dxrun.bench import allocator, gpu, speed, structure
-    from dxrun.bench.report import Report, load_average, write
+    from dxrun.bench.report import OtherLoad, Report, load_average, write
     from dxrun.experiment import Experiment
 
     command = "python -m dxrun.bench" + "".join(
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                "platform": jax.default_backend(), "jax": jax.__version__,
                "cpu_cores": os.cpu_count(), "load_before": load_average(),
                "date": datetime.date.today().isoformat()}
+    others = OtherLoad()
     if args.published:
         from dxrun.bench import published
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             for section, cmd in EXTERNAL.items():
                 add(external(section, cmd))
     machine["load_after"] = load_average()
+    machine["others_cpu_share"] = others.share()
     json_path = write(report, Path(args.out))
     for f in report.figures:
         ratio = "" if f.ratio is None else f"{f.ratio:8.3f}"

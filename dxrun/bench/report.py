@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,9 +70,9 @@ def markdown(report: Report) -> str:
     lines = [begin, f"## {title}: `{report.command}`", "",
              f"`{report.command}` on {m['device_count']} × {m['device_kind']} "
              f"({m['cpu_cores']} cores), JAX {m['jax']}, {m['date']}; load average "
-             f"{m['load_before']} before, {m['load_after']} after. Ratios are side by side in "
-             "this one run (variants interleaved, median of per-repetition medians); raw times "
-             "beside them. Goal met: ✓, not met: ✗ (the reason is in the note).", ""]
+             f"{m['load_before']} before, {m['load_after']} after{_others(m)}. Ratios are side "
+             "by side in this one run (variants interleaved, median of per-repetition "
+             "medians); raw times beside them. Goal met: ✓, not met: ✗ (the reason is in the note).", ""]
     section = None
     for f in report.figures:
         if f.section != section:
@@ -115,3 +116,41 @@ def write(report: Report, md_path: Path) -> Path:
 
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _others(m: dict[str, Any]) -> str:
+    share = m.get("others_cpu_share")
+    return "" if share is None else (
+        f"; other processes used {100 * share:.1f}% of the {m['cpu_cores']} cores meanwhile")
+
+
+class OtherLoad:
+    """The CPU time other processes took while the bench ran, as a share of the cores: the
+    machine's busy time (``/proc/stat``) less this process's and its children's. The load
+    average cannot say it: the bench itself keeps both cores busy, so its 1-minute average
+    reads about 2 after any run, quiet or not. None where ``/proc/stat`` is missing."""
+
+    def __init__(self) -> None:
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float] | None:
+        import resource
+
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        except OSError:
+            return None
+        # user nice system idle iowait irq softirq steal (guest time is inside user)
+        busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+        own = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+        return busy, own, time.monotonic()
+
+    def share(self) -> float | None:
+        """Other processes' CPU seconds / (cores x wall seconds) since construction."""
+        now = self._now()
+        if self.start is None or now is None:
+            return None
+        busy, own, t = (b - a for a, b in zip(self.start, now, strict=True))
+        return max(0.0, busy - own) / ((os.cpu_count() or 1) * t)
