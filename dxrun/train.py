@@ -118,6 +118,10 @@ class Prepared(NamedTuple):
 
     exp: Experiment  # the built experiment, its plan and data inside
     resume: Resume | None  # the checkpoint to continue from; None: a fresh start
+    # What parallelism=auto's search made that the run takes over (``layout_search.search``'s
+    # ``handover``: the seeded init its timing drew, host arrays), popped when taken so that
+    # the host copy is freed once it is on the devices.
+    handover: dict[str, Any] | None = None
 
 
 def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
@@ -131,6 +135,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     checkpoint has reached ``train.steps`` already. ``cfg`` is read, never rewritten:
     ``exp.cfg`` is the config the run follows (``cfg`` itself, or for ``parallelism=auto`` a
     copy holding the batch held fixed and the chosen layout)."""
+    handover: dict[str, Any] = {}  # what the layout search made that the run takes over
     if cfg.parallelism.search == "none":
         plan = make_plan(cfg, *visible_devices())  # the global batch, whichever key gave it
         resume = (checkpoint.find_resume(cfg, run_dir, saved_config(cfg, plan))
@@ -138,7 +143,8 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     else:  # parallelism=auto: a copy laid out as the search chose; a resume keeps its own
         cfg = layout_search.fixed_batch(cfg, visible_devices())
         resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
-        searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume))
+        searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume),
+                                        handover=handover)
         cfg = layout_search.with_layout(cfg, layout_search.chosen_layout(searched))
         plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
     data = process_data(cfg, plan)
@@ -146,7 +152,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state(), plan.global_batch)
     memory_preflight(cfg, exp, exp.compile_step())
-    return Prepared(exp, resume)
+    return Prepared(exp, resume, handover)
 
 
 def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dict[str, float]:
@@ -169,10 +175,11 @@ class Start(NamedTuple):
     ckpt_meta: dict[str, Any]
 
 
-def start_state(exp: Experiment, resume: Resume | None) -> Start:
-    """The seeded init, or the resumed checkpoint placed on this run's mesh."""
+def start_state(exp: Experiment, resume: Resume | None, params: Any = None) -> Start:
+    """The seeded init (``params``: already drawn), or the resumed checkpoint placed on this
+    run's mesh."""
     if resume is None:
-        return Start(exp.init_state(), 0, {})
+        return Start(exp.init_state(params), 0, {})
     state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
@@ -202,7 +209,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     a log point; ``Attempt`` holds the parts it calls."""
     job = job or Job()
     clock = goodput.Goodput(job.started or time.time())
-    exp, resume = prepared or prepare(cfg, run_dir)
+    prepared = prepared or prepare(cfg, run_dir)
+    exp, resume = prepared.exp, prepared.resume
     cfg = exp.cfg  # what the run follows: parallelism=auto's copy holds the chosen layout
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
     if exp.plan.layout_search is not None:  # parallelism=auto: timed apart from the startup
@@ -210,7 +218,9 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
     allocator = AllocatorPeak()  # before this run allocates anything
-    state, start, ckpt_meta = start_state(exp, resume)
+    params = (prepared.handover or {}).pop("params", None)  # parallelism=auto's, when drawn
+    state, start, ckpt_meta = start_state(exp, resume, params)
+    del params  # the host copy, now on the devices
     run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, clock, allocator, main)
     steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
     timer, tracer, batches = run.timer, run.tracer, run.batches

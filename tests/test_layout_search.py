@@ -203,6 +203,39 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
     assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
 
 
+def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
+    """A measured search draws the seeded init to time the layouts; the run takes that host copy
+    over (``Prepared.handover``) instead of drawing it again, and trains as one device does."""
+    import jax
+    import numpy as np
+
+    from dxrun.train import prepare, train
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = ["model.n_heads=1", "model.n_kv_heads=1", "model.n_layers=1", "data.seq_len=16",
+              "train.steps=3", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+              "logger=none"]
+    cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
+                   *common)
+    prepared = prepare(cfg)
+    drawn = prepared.handover["params"]
+    own = prepared.exp.init_params()
+    for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(own), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same bits
+    del own
+    record = prepared.exp.plan.layout_search
+    assert sum(r["measured_ms"] is not None for r in record["rows"]) == 2  # dp2 and fsdp2
+    train(prepared.exp.cfg, tmp_path / "auto", prepared=prepared)
+    assert "params" not in prepared.handover  # taken, and its host copy let go
+    train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
+
+    def losses(run):
+        return [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text()
+                .splitlines() if "train/loss" in x]
+    assert len(losses(tmp_path / "auto")) == 3
+    assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
+
+
 @pytest.mark.e2e
 def test_a_sweep_records_each_jobs_own_choice(tmp_path):
     """``-m data.batch_size=16,32 parallelism=auto``: each job searches for its own batch (one

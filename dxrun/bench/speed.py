@@ -121,8 +121,9 @@ def step_vs_hand(shape: list[str], steps: int, reps: int,
                                            f"{layout}_ms": many.summary()["wall_ms"],
                                            "cpu_ratio": round(one.cpu_s / many.cpu_s, 3)},
             ">= 1.0", note="8 simulated devices share the 2 cores one device has alone; "
-                           "cpu_ratio < 1 is extra work, mostly each data-parallel replica's "
-                           "own whole optimizer update (fsdp shards it)"))
+                           "cpu_ratio < 1 is work the many devices add: their collectives and, "
+                           "with parallelism.shard_optimizer=false, each data-parallel "
+                           "replica's whole optimizer update"))
     return out
 
 

@@ -344,12 +344,15 @@ _SEARCHES = [0]  # searches made in this process: each agrees on its own keys
 
 def search(cfg: Any, plan_mode: bool = False,
            timer: Callable[[Any, list[Layout]], dict[Layout, float]] | None = None,
-           resumed: Layout | None = None) -> dict[str, Any] | None:
+           resumed: Layout | None = None,
+           handover: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Choose the layout (``parallelism.search``; plan mode: from the estimate alone) and return
     the ranking's record (None: no search); ``cfg`` is read, never rewritten: the run follows
     ``with_layout(fixed_batch(cfg, devices), chosen_layout(record))``. ``timer(cfg, layouts)``:
     seconds per step of each layout (default ``time_layouts``). ``resumed``: the layout of
-    the checkpoint a run resumes, kept (no search). Every process takes process 0's."""
+    the checkpoint a run resumes, kept (no search). ``handover``: filled with what the run
+    takes over instead of making it again: ``params``, the seeded init the timing drew (host
+    arrays; the same bits on every layout). Every process takes process 0's."""
     import jax
 
     from dxrun.capacity import plan_mode as pm
@@ -396,7 +399,8 @@ def search(cfg: Any, plan_mode: bool = False,
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
         turn_s = cfg.parallelism.search_turn_s
         every, prune = measure_rule(rows, turn_s, devices[1] == "cpu")
-        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, prune=prune, tag=tag))
+        timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, prune=prune, tag=tag,
+                                                     keep=handover))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
@@ -478,7 +482,8 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
 
 def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
                  built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
-                 prune: float | None = PRUNE, tag: str = "layout_search") -> dict[Layout, float]:
+                 prune: float | None = PRUNE, tag: str = "layout_search",
+                 keep: dict[str, Any] | None = None) -> dict[Layout, float]:
     """Seconds per step of each layout (the median of its turns): ``rounds`` rounds in which
     each layout takes a turn (``_turn``: up to ``MEASURE_STEPS`` timed steps) on the run's own
     data, the order reversed every other round so that drift on a shared host falls on all
@@ -486,7 +491,9 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     any within ``prune`` x the best): the rounds go to the close ones. ``built``: Experiments
     already compiled (the model stage's).
     One seeded init is copied into each layout's shardings at its turn and freed after it:
-    one init program, and only one layout's state alive at a time (each has to fit alone).
+    one init program, and only one layout's state alive at a time (each has to fit alone);
+    ``keep["params"]`` gets it, for the run to start from (``model=small``: 7-10 s not drawn
+    twice).
     Several processes run every step together (each is one collective program), so every
     decision read off a clock (when a turn stops, who survives a round) is process 0's, agreed
     under keys beginning ``tag``: each process's own clock would stop its turn at another step
@@ -513,6 +520,8 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     params = (jax.device_get(init) if jax.process_count() == 1
               else multihost_utils.process_allgather(init, tiled=True))
     del init
+    if keep is not None:
+        keep["params"] = params
     turns: dict[Layout, list[float]] = {layout: [] for layout in layouts}
     live = list(layouts)
     turn_s = float(cfg.parallelism.search_turn_s)
