@@ -35,6 +35,7 @@ from dxrun.runtime import (
     nvidia_device_node,
     simulate_cpu_devices,
     sweep_group,
+    thread_pool_note,
     write_hydra_files,
     write_status,
 )
@@ -125,6 +126,9 @@ def main(cfg: DictConfig) -> Any:
         # (``_wandb_named``) and, for parallelism=auto, the chosen layout (``prepare``).
         prepared = prepare(_wandb_named(cfg, hydra_cfg, multirun), asked)
         run_cfg, resume = prepared.exp.cfg, prepared.resume
+        if simulated and not multirun and (note := thread_pool_note(
+                len(prepared.exp.plan.device_ids), jax.local_device_count(), os.cpu_count())):
+            log.info(note)
         # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
         reuse = resume is not None and resume.in_place
         run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",

@@ -76,6 +76,20 @@ def simulate_cpu_devices(n: int) -> bool:
     return True
 
 
+def thread_pool_note(used: int, simulated: int, cores: int | None) -> str | None:
+    """The line for a run whose mesh uses fewer simulated CPU devices than the process has,
+    where there are more of them than cores; None elsewhere. XLA:CPU's client gives its thread
+    pool a thread per device (or per core, whichever is more), and every program of the process
+    runs on that pool: a one-device step among 8 simulated devices on 2 cores took 1.35x the
+    time it took with 1 (the same with 1 device and NPROC=8: BENCHMARKS.md)."""
+    if cores is None or used >= simulated or simulated <= cores:
+        return None
+    return (f"the mesh uses {used} of {simulated} simulated CPU devices, and XLA:CPU runs every "
+            f"program on a thread per device ({simulated} on {cores} cores), which slows this "
+            f"step (dp1 on 2 cores: 1.35x); runtime.cpu_devices={used} gives it the threads it "
+            "uses")
+
+
 # The device nodes the NVIDIA driver creates (relative to the filesystem root).
 NVIDIA_NODES = ("dev/nvidiactl", "dev/nvidia0")
 GPU_INSTALL = "pip install -e '.[gpu]'"

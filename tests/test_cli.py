@@ -42,6 +42,7 @@ def test_dp4_tp2_subprocess_run(dp4_tp2_run):
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     log = (run_dir / "dxrun.log").read_text()
     assert "data=4 x fsdp=1 x tensor=2" in log and "simulating 8 CPU devices" in log
+    assert "simulated CPU devices, and XLA:CPU" not in log  # the mesh uses all 8
     assert "step 20/20  loss" in log and "step 20/20  loss" in proc.stdout + proc.stderr
 
 

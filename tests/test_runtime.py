@@ -152,3 +152,15 @@ def test_a_second_launch_takes_its_compiled_programs_from_the_cache(tmp_path):
     compile_s = [json.loads((tmp_path / name / "summary.json").read_text())["compile_time_s"]
                  for name in ("first", "second")]
     assert compile_s[1] < compile_s[0], compile_s
+
+
+def test_the_thread_pool_note_only_where_a_mesh_uses_fewer_simulated_devices_than_cores_run():
+    from dxrun.runtime import thread_pool_note
+
+    note = thread_pool_note(1, 8, 2)
+    assert note is not None and "1 of 8 simulated CPU devices" in note
+    assert "8 on 2 cores" in note and "runtime.cpu_devices=1" in note
+    assert thread_pool_note(8, 8, 2) is None  # the mesh uses them all
+    assert thread_pool_note(1, 8, 16) is None  # a thread per core already: none added
+    assert thread_pool_note(1, 2, 2) is None
+    assert thread_pool_note(2, 8, None) is None  # cores unknown
