@@ -20,7 +20,7 @@ def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, t
                       "data.per_device_batch_size=2", "data.seq_len=null", "train.steps=2")
     config.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
-    exp, resume = prepare(cfg, tmp_path / "run")  # plan, data, resume check, preflight
+    exp, resume = prepare(cfg, tmp_path / "run")[:2]  # plan, data, resume check, preflight
     assert resume is None
     assert OmegaConf.to_container(cfg, resolve=True) == before
     assert (cfg.data.batch_size, cfg.data.seq_len) == (None, None)
@@ -57,7 +57,7 @@ def test_parallelism_auto_runs_on_a_copy_holding_the_chosen_layout(cfg_factory, 
                                     "rows": [layout_search.Row(layout, 0.1, 1.0, 1.0, True,
                                                                True).to_json()]})
     assert OmegaConf.to_container(cfg, resolve=True) == before
-    exp, resume = prepare(cfg, tmp_path / "run")
+    exp, resume = prepare(cfg, tmp_path / "run")[:2]
     assert resume is None
     assert OmegaConf.to_container(cfg, resolve=True) == before
     assert exp.plan.layout_search["cached"]

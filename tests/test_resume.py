@@ -158,7 +158,7 @@ def test_requeued_warm_start_continues_its_own_checkpoints(shared, tmp_path, cap
 def test_changed_optimizer_restores_parameters_with_a_fresh_state(shared, change, why):
     """Decided in prepare() from the checkpoint's tree metadata, before anything is written."""
     cfg = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5", *change.split())
-    _, resume = prepare(cfg, shared["root"] / "new")
+    resume = prepare(cfg, shared["root"] / "new").resume
     assert resume.fresh_optimizer is not None and why in resume.fresh_optimizer
     same = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
                     "optimizer.lr=0.5")
