@@ -213,8 +213,10 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     exp, resume = prepared.exp, prepared.resume
     cfg = exp.cfg  # what the run follows: parallelism=auto's copy holds the chosen layout
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
-    if exp.plan.layout_search is not None:  # parallelism=auto: timed apart from the startup
-        clock.add("search", exp.plan.layout_search["search_s"])
+    search = exp.plan.layout_search
+    if search is not None:  # parallelism=auto: timed apart from the startup, less the seeded
+        # init it drew for the run (a run without a search draws it in its startup too)
+        clock.add("search", search["search_s"] - (search.get("init_s") or 0.0))
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
     allocator = AllocatorPeak()  # before this run allocates anything

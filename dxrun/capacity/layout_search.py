@@ -263,6 +263,8 @@ def table(record: dict[str, Any]) -> str:
     text = "\n".join("  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True))
                      .rstrip() for line in lines)
     source = " (cached)" if record.get("cached") else ""
+    if not record.get("cached") and record.get("init_s"):
+        source = f" ({record['init_s']:.1f} s of it the seeded init the run starts from)"
     return (f"  layout search: parallelism.search={record['search']}, estimate for "
             f"{record['target']}, {record['search_s']:.1f} s{source}\n{text}")
 
@@ -378,7 +380,7 @@ def search(cfg: Any, plan_mode: bool = False,
     cached = read_cache(key) if mode != "fresh" and is_main() else None
     record = _agreed(f"{tag}/cache", cached)
     if record is not None:
-        return {**record, "cached": True, "search_s": time.perf_counter() - t0}
+        return {**record, "cached": True, "search_s": time.perf_counter() - t0, "init_s": None}
     layouts, refused = candidates(cfg, *devices)
     target, peak = pm.resolve_target(cfg, n)
     if plan_mode:  # the target's usable memory, as plan mode's fit
@@ -407,7 +409,7 @@ def search(cfg: Any, plan_mode: bool = False,
     rows += [Row(layout, why=why) for layout, why in refused]
     record = {"search": mode, "target": target.name, "key": key, "top": top,
               "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
-              "cached": False}
+              "init_s": (handover or {}).get("init_s"), "cached": False}
     if is_main() and not plan_mode:
         write_cache(key, record)
     return record
@@ -512,16 +514,17 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
         trial = with_layout(cfg, layout)
         exps[layout] = (built or {}).get(layout) or Experiment.build(trial,
                                                                       make_plan(trial, *devices))
-    # Made on the layout that shards the weights most, then copied whole to every process's
-    # host: each layout re-shards it at its turn. One process reads its own shards
-    # (process_allgather would first replicate them over the 8 simulated devices: 9 GB of
-    # host memory for model=small, against 0.5 GB).
-    init = exps[max(layouts, key=lambda x: x.fsdp * x.tp)].init_params()
+    # Drawn spread over every device, then copied whole to every process's host: each layout
+    # re-shards it at its turn. One process reads its own shards (process_allgather would
+    # first replicate them over the 8 simulated devices: 9 GB of host memory for
+    # model=small, against 0.5 GB).
+    t0 = time.perf_counter()
+    init = exps[layouts[0]].init_spread()
     params = (jax.device_get(init) if jax.process_count() == 1
               else multihost_utils.process_allgather(init, tiled=True))
     del init
-    if keep is not None:
-        keep["params"] = params
+    if keep is not None:  # the run's own init, drawn here: its time is the run's startup
+        keep["params"], keep["init_s"] = params, time.perf_counter() - t0
     turns: dict[Layout, list[float]] = {layout: [] for layout in layouts}
     live = list(layouts)
     turn_s = float(cfg.parallelism.search_turn_s)
