@@ -100,6 +100,24 @@ def test_the_fastest_measured_wins_over_the_estimate():
     assert ls.chosen_layout(record) == Layout(4, 1, 2)
 
 
+def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
+    """Turns of two layouts that overlap: the slower median loses, and its row says the two are
+    within each other's noise; one clear of it (or timed once) just says slower."""
+    rows = [Row(Layout(8, 1, 1), 0.1, 1.0, fits=True), Row(Layout(4, 2, 1), 0.1, 1.0, fits=True),
+            Row(Layout(4, 1, 2), 0.1, 1.0, fits=True), Row(Layout(2, 1, 4), 0.1, 1.0, fits=True)]
+    turns = {Layout(8, 1, 1): [0.080, 0.077, 0.081], Layout(4, 2, 1): [0.079, 0.084, 0.083],
+             Layout(4, 1, 2): [0.090, 0.092, 0.095], Layout(2, 1, 4): [0.082]}
+    chosen = ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
+    assert chosen.layout == Layout(8, 1, 1) and chosen.measured_ms == pytest.approx(80.0)
+    assert chosen.spread_ms == pytest.approx([77.0, 81.0])
+    assert rows[1].why == ("slower: 83.0 ms measured; not distinguishable, spreads overlap: "
+                           "turns 79.0-84.0 against 77.0-81.0 ms")
+    assert rows[2].why == "slower: 92.0 ms measured"  # its fastest turn is past the chosen's
+    assert rows[3].why == "slower: 82.0 ms measured" and rows[3].spread_ms is None  # one turn
+    record = {"rows": [r.to_json() for r in rows]}
+    assert ls.rows_of(record)[1].spread_ms == pytest.approx([79.0, 84.0])  # plan.json keeps it
+
+
 def test_estimates_within_the_roofline_error_are_measured_too():
     est = [1.0, 2.0, 3.0, 3.05, 3.3, 9.0]  # ms; the top 2, then ties with the first's 1.10x
     rows = [Row(Layout(8 // 2 ** i if i < 4 else 1, 1, 1), 0.1, e, fits=True)

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -148,11 +149,12 @@ class Row:
     chosen: bool = False
     fits: bool = False  # compiled and within the memory budget
     why: str = ""  # why it lost (or was never a candidate)
+    spread_ms: list[float] | None = None  # [fastest, slowest] of its turns (two or more)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self.layout), "mesh": self.layout.mesh, "need_gb": self.need_gb,
                 "est_ms": self.est_ms, "measured_ms": self.measured_ms, "chosen": self.chosen,
-                "fits": self.fits, "why": self.why}
+                "fits": self.fits, "why": self.why, "spread_ms": self.spread_ms}
 
 
 def model_stage(cfg: Any, layouts: list[Layout], budget_gb: float | None,
@@ -212,9 +214,10 @@ def to_measure(rows: list[Row], top: int, every: bool = False,
                            and r.est_ms < 1e3 * turn_s)]
 
 
-def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, float]],
+def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, Any]],
                   every: bool = False, turn_s: float = float("inf")) -> Row:
-    """Time the rows ``to_measure`` picks (``timer``: layout -> seconds per step) and mark the
+    """Time the rows ``to_measure`` picks (``timer``: layout -> seconds per step, or the list
+    of its turns' seconds, whose median ranks and whose range is its spread) and mark the
     fastest chosen; the others say why they lost."""
     timed = to_measure(rows, top, every, turn_s)
     if not timed:
@@ -222,7 +225,11 @@ def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dic
                           "model or data.batch_size, or a larger runtime.memory_gb")
     times = timer([r.layout for r in timed]) if len(timed) > 1 else {}
     for r in timed:
-        r.measured_ms = 1e3 * times[r.layout] if r.layout in times else None
+        t = times.get(r.layout)
+        turns = [1e3 * x for x in (t if isinstance(t, (list, tuple)) else [] if t is None
+                                   else [t])]
+        r.measured_ms = statistics.median(turns) if turns else None
+        r.spread_ms = [min(turns), max(turns)] if len(turns) > 1 else None
     best = min(timed, key=lambda r: r.measured_ms if r.measured_ms is not None else 0.0)
     return _choose(rows, best, len(timed))
 
@@ -242,6 +249,12 @@ def _choose(rows: list[Row], best: Row, top: int) -> Row:
             continue
         if r.measured_ms is not None and best.measured_ms is not None:
             r.why = f"slower: {_ms(r.measured_ms)} ms measured"
+            if r.spread_ms and best.spread_ms and r.spread_ms[0] <= best.spread_ms[1]:
+                # A turn of it was as fast as one of the chosen's: on this host the two are
+                # within each other's noise (the choice among them is a toss-up).
+                r.why += (f"; not distinguishable, spreads overlap: turns "
+                          f"{_ms(r.spread_ms[0])}-{_ms(r.spread_ms[1])} against "
+                          f"{_ms(best.spread_ms[0])}-{_ms(best.spread_ms[1])} ms")
         elif r.est_ms is not None and best.est_ms is not None:
             r.why = (f"slower: {_ms(r.est_ms)} ms estimated"
                      + (f" (not in the top {top} measured)" if top and best.measured_ms else ""))
@@ -351,10 +364,11 @@ def search(cfg: Any, plan_mode: bool = False,
     """Choose the layout (``parallelism.search``; plan mode: from the estimate alone) and return
     the ranking's record (None: no search); ``cfg`` is read, never rewritten: the run follows
     ``with_layout(fixed_batch(cfg, devices), chosen_layout(record))``. ``timer(cfg, layouts)``:
-    seconds per step of each layout (default ``time_layouts``). ``resumed``: the layout of
-    the checkpoint a run resumes, kept (no search). ``handover``: filled with what the run
-    takes over instead of making it again: ``params``, the seeded init the timing drew (host
-    arrays; the same bits on every layout). Every process takes process 0's."""
+    seconds per step of each layout, or its turns' (default ``time_layouts``'s turns).
+    ``resumed``: the layout of the checkpoint a run resumes, kept (no search). ``handover``:
+    filled with what the run takes over instead of making it again: ``params``, the seeded
+    init the timing drew (host arrays; the same bits on every layout), and ``init_s``, its
+    seconds. Every process takes process 0's."""
     import jax
 
     from dxrun.capacity import plan_mode as pm
@@ -402,7 +416,7 @@ def search(cfg: Any, plan_mode: bool = False,
         turn_s = cfg.parallelism.search_turn_s
         every, prune = measure_rule(rows, turn_s, devices[1] == "cpu")
         timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, prune=prune, tag=tag,
-                                                     keep=handover))
+                                                     keep=handover, with_turns=True))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
@@ -426,7 +440,7 @@ def rows_of(record: dict[str, Any]) -> list[Row]:
     for r in record["rows"]:
         layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
         out.append(Row(layout, r["need_gb"], r["est_ms"], r["measured_ms"], r["chosen"],
-                       r["fits"], r["why"]))
+                       r["fits"], r["why"], r.get("spread_ms")))
     return out
 
 
@@ -485,8 +499,10 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
 def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
                  built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
                  prune: float | None = PRUNE, tag: str = "layout_search",
-                 keep: dict[str, Any] | None = None) -> dict[Layout, float]:
-    """Seconds per step of each layout (the median of its turns): ``rounds`` rounds in which
+                 keep: dict[str, Any] | None = None, with_turns: bool = False
+                 ) -> dict[Layout, Any]:
+    """Seconds per step of each layout (the median of its turns; ``with_turns``: the list of
+    its turns' medians, for the ranking's spread): ``rounds`` rounds in which
     each layout takes a turn (``_turn``: up to ``MEASURE_STEPS`` timed steps) on the run's own
     data, the order reversed every other round so that drift on a shared host falls on all
     alike. With ``prune``, after each round only ``survivors`` go on (the ``KEEP`` fastest and
@@ -500,8 +516,6 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     decision read off a clock (when a turn stops, who survives a round) is process 0's, agreed
     under keys beginning ``tag``: each process's own clock would stop its turn at another step
     and leave the others waiting in a collective for ever."""
-    import statistics
-
     import jax
     from jax.experimental import multihost_utils
 
@@ -543,6 +557,8 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
                                                 [layouts.index(x) for x in kept])]
         if len(live) == 1:
             break
+    if with_turns:
+        return {layout: list(t) for layout, t in turns.items()}
     return {layout: statistics.median(t) for layout, t in turns.items()}
 
 
