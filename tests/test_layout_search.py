@@ -110,8 +110,8 @@ def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
     chosen = ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
     assert chosen.layout == Layout(8, 1, 1) and chosen.measured_ms == pytest.approx(80.0)
     assert chosen.spread_ms == pytest.approx([77.0, 81.0])
-    assert rows[1].why == ("slower: 83.0 ms measured; not distinguishable, spreads overlap: "
-                           "turns 79.0-84.0 against 77.0-81.0 ms")
+    assert rows[1].why == ("slower: 83.0 ms measured, not distinguishable (turns 79.0-84.0, "
+                           "chosen 77.0-81.0)")
     assert rows[2].why == "slower: 92.0 ms measured"  # its fastest turn is past the chosen's
     assert rows[3].why == "slower: 82.0 ms measured" and rows[3].spread_ms is None  # one turn
     record = {"rows": [r.to_json() for r in rows]}

@@ -252,9 +252,9 @@ def _choose(rows: list[Row], best: Row, top: int) -> Row:
             if r.spread_ms and best.spread_ms and r.spread_ms[0] <= best.spread_ms[1]:
                 # A turn of it was as fast as one of the chosen's: on this host the two are
                 # within each other's noise (the choice among them is a toss-up).
-                r.why += (f"; not distinguishable, spreads overlap: turns "
-                          f"{_ms(r.spread_ms[0])}-{_ms(r.spread_ms[1])} against "
-                          f"{_ms(best.spread_ms[0])}-{_ms(best.spread_ms[1])} ms")
+                r.why += (f", not distinguishable (turns {_ms(r.spread_ms[0])}-"
+                          f"{_ms(r.spread_ms[1])}, chosen {_ms(best.spread_ms[0])}-"
+                          f"{_ms(best.spread_ms[1])})")
         elif r.est_ms is not None and best.est_ms is not None:
             r.why = (f"slower: {_ms(r.est_ms)} ms estimated"
                      + (f" (not in the top {top} measured)" if top and best.measured_ms else ""))
