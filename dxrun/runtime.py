@@ -5,6 +5,7 @@ No JAX import at module level: ``simulate_cpu_devices`` has to set XLA_FLAGS fir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -193,8 +194,9 @@ class RunLog:
             root.removeHandler(h)
             h.close()
             path = Path(h.baseFilename)
-            if path.is_file() and path.stat().st_size == 0:
-                path.unlink()  # Hydra's empty file; an earlier run's log is left as it was
+            with contextlib.suppress(FileNotFoundError):  # the ranks of one run share the file
+                if path.stat().st_size == 0:  # Hydra's empty file; an earlier run's log stays
+                    path.unlink()
         self.buffer = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=100)
         root.addHandler(self.buffer)
         self.file: logging.FileHandler | None = None

@@ -211,8 +211,22 @@ def test_a_dead_process_stops_the_other(tmp_path):
     code, out, took = signal_mid_run(tmp_path, signal.SIGKILL,
                                      "distributed.heartbeat_timeout_s=10", timeout=90)
     assert code != 0 and took < 60, out[-3000:]
-    assert "another task died" in out  # rank 0, from JAX's distributed runtime
-    assert "dxrun.launch: error: rank 1 was killed by SIGKILL first; then rank 0" in out
+    # Rank 0 stops on its own and says why: JAX's distributed runtime (its heartbeat), or gloo
+    # aborting the collective rank 1 died in (about one run in ten, more under load).
+    assert re.search(r"\[rank 0\].*(another task died|gloo::EnforceNotMet)", out), out[-3000:]
+    # ...after rank 1, though both often end between two looks of the launcher's loop.
+    assert "dxrun.launch: error: rank 1 was killed by SIGKILL first; then rank 0" in out, (
+        out[-3000:])
+
+
+def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
+    """Ranks 0 and 1 both ended before the launcher looked: the one that ended first is named,
+    a rank that ended cleanly is never a failure, and none failed gives None."""
+    from dxrun.multihost.launch import first_failure
+
+    assert first_failure({0: 10.002, 1: 10.001}, [-6, -9]) == (1, -9)
+    assert first_failure({0: 10.0, 1: 10.1}, [0, 1]) == (1, 1)
+    assert first_failure({0: 10.0}, [0, None]) is None
 
 
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):

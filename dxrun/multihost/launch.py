@@ -174,6 +174,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
+def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that failed first, by ``ended`` (rank -> when it exited);
+    None while none has failed."""
+    failed = sorted((t, r) for r, t in ended.items() if codes[r])
+    return (failed[0][1], codes[failed[0][1]]) if failed else None
+
+
 def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
            port: int = 0, grace: float = 120.0, hosts: int = 1) -> int:
     launch_args = ([f"--nproc={nproc}"]
@@ -224,12 +231,23 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, forward)
 
+    # Each rank's exit is timed by a thread blocked in its wait: a rank killed outright and the
+    # rank that aborts on losing it (gloo's "Received data size doesn't match") often both end
+    # between two looks of the loop below, which then named rank 0 first whichever died first.
+    ended: dict[int, float] = {}
+
+    def waiter(rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        ended[rank] = time.monotonic()
+
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=waiter, args=(rank, proc), daemon=True).start()
     first: tuple[int, int] | None = None  # (rank, returncode) of the first failure
     deadline = None
-    while any(p.poll() is None for p in procs):
-        for rank, proc in enumerate(procs):
-            if first is None and proc.poll() not in (None, 0):
-                first = (rank, proc.returncode)
+    while len(ended) < len(procs):
+        if first is None:
+            first = first_failure(dict(ended), [p.returncode for p in procs])
+            if first is not None:
                 deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() > deadline:
             for rank, proc in enumerate(procs):
@@ -237,11 +255,11 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
                     print(f"dxrun.launch: rank {rank} still running {grace:.0f} s after rank "
                           f"{first[0]} failed: killing it", file=sys.stderr, flush=True)
                     proc.kill()
-        time.sleep(0.1)
+        time.sleep(0.05)
     for t in pumps:
         t.join(timeout=5)
     if first is None:  # every process has exited; a failure may be the last thing seen
-        first = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode), None)
+        first = first_failure(ended, [p.returncode for p in procs])
     if first is None and not signalled:
         return 0
     # A stop the ranks agreed on (ProcessAgreement) ends every rank with its code, SIGTERM's
