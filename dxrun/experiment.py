@@ -175,6 +175,12 @@ class Experiment:
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
 
+    def adopt(self, state: TrainState) -> TrainState:
+        """A train state of this run on another of its layouts (``parallelism=auto``'s turns)
+        laid out in this mesh's shardings: a reshard, the bits unchanged. One process, one
+        padding of the vocabulary (``layout_search.search`` trains through only then)."""
+        return jax.block_until_ready(jax.device_put(state, self.state_shardings))
+
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and this mesh's shardings of the train state, allocating nothing: what
         plan mode and the memory preflight compile the step for, and the target a checkpoint

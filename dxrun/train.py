@@ -175,11 +175,20 @@ class Start(NamedTuple):
     ckpt_meta: dict[str, Any]
 
 
-def start_state(exp: Experiment, resume: Resume | None, params: Any = None) -> Start:
-    """The seeded init (``params``: already drawn), or the resumed checkpoint placed on this
-    run's mesh."""
+def start_state(exp: Experiment, resume: Resume | None,
+                handover: dict[str, Any] | None = None) -> Start:
+    """The seeded init, or the resumed checkpoint placed on this run's mesh. ``handover``
+    (parallelism=auto's search, ``Prepared.handover``): the init it drew (``params``), or the
+    state after the first steps it trained (``state``, ``step``): taken, so that their host or
+    device copies are let go once on this mesh."""
     if resume is None:
-        return Start(exp.init_state(params), 0, {})
+        handover = handover or {}
+        if "state" in handover:  # the search trained the run's first steps
+            step = handover.pop("step")
+            log.info("parallelism=auto: the layouts' turns trained steps 1-%d; the run goes on "
+                     "from step %d", step, step + 1)
+            return Start(exp.adopt(handover.pop("state")), step, {})
+        return Start(exp.init_state(handover.pop("params", None)), 0, {})
     state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
@@ -215,14 +224,15 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
     search = exp.plan.layout_search
     if search is not None:  # parallelism=auto: timed apart from the startup, less the seeded
-        # init it drew for the run (a run without a search draws it in its startup too)
-        clock.add("search", search["search_s"] - (search.get("init_s") or 0.0))
+        # init it drew for the run (a run without a search draws it in its startup too) and
+        # the steps it trained for the run (productive: the run does not take them again)
+        trained_s = search.get("trained_s") or 0.0
+        clock.add("search", search["search_s"] - (search.get("init_s") or 0.0) - trained_s)
+        clock.add("productive", trained_s)
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
     allocator = AllocatorPeak()  # before this run allocates anything
-    params = (prepared.handover or {}).pop("params", None)  # parallelism=auto's, when drawn
-    state, start, ckpt_meta = start_state(exp, resume, params)
-    del params  # the host copy, now on the devices
+    state, start, ckpt_meta = start_state(exp, resume, prepared.handover)
     run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, clock, allocator, main)
     steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
     timer, tracer, batches = run.timer, run.tracer, run.batches
@@ -313,6 +323,9 @@ class Attempt:
                     "device_count": jax.device_count(), "process_count": jax.process_count()},
         }
         in_place = resume is not None and resume.in_place
+        # A fresh start past step 0: parallelism=auto's turns trained the steps before it, in
+        # this attempt, on the batches before it.
+        self.trained = start if resume is None else 0
         rewound = rewind_metrics(run_dir, start) if in_place and main else Rewound([], 0)
         # The W&B run holds what was moved aside too: rewind it to the last row kept.
         self.logger = MetricsLogger(
@@ -330,9 +343,13 @@ class Attempt:
         self.batches = data.train_iterator()
         if ckpt_meta:
             self.batches.set_state(checkpoint.data_position(ckpt_meta, plan.global_batch))
+        elif self.trained:
+            (key,) = self.batches.get_state()  # the batches read: "step" or "next_index"
+            self.batches.set_state({key: self.trained})
         # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume
         # may have changed the batch size).
-        self.tokens_before = checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta else 0
+        self.tokens_before = (checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta
+                              else self.trained * tokens_per_step)
         self.start = start
         # checkpoint.every=null: by platform, and on an accelerator by the state's size.
         cadence = plan_mode.save_cadence(cfg.checkpoint.every, cfg.checkpoint.every_minutes,
@@ -372,7 +389,7 @@ class Attempt:
         """``goodput.json`` with this attempt up to ``last_step``: at every row, because a
         process killed outright (kill -9, the OOM killer, a lost node) never reaches ``close``,
         and the next attempt must still find this one's time and the steps it will redo."""
-        self.attempt = {**self.clock.breakdown(), "first_step": self.start,
+        self.attempt = {**self.clock.breakdown(), "first_step": self.start - self.trained,
                         "last_step": last_step}
         self.total = goodput.run_total([*self.attempts, self.attempt])
         if self.main:

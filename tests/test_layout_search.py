@@ -255,6 +255,54 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
 
 
+def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
+    """Steps that take a turn's time each (``parallelism.search_turn_s`` below them) are timed
+    as the run's own first steps: one state carried from layout to layout on the run's batches
+    in order, and the run goes on from it on the chosen layout. Its rows are those of a run
+    that did not search: the losses one device's, the tokens counted from step 1, goodput's
+    attempt from step 0 with those steps productive."""
+    import jax
+
+    from dxrun.train import prepare, train
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = ["model.n_heads=1", "model.n_kv_heads=1", "model.n_layers=1", "data.seq_len=16",
+              "train.steps=16", "train.log_every=14", "train.eval_every=0",
+              "checkpoint.every=0", "logger=none"]
+    cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
+                   "parallelism.search_turn_s=1e-6", *common)
+    assert ls.train_budget(cfg) == 13  # the steps before the first row (step 14)
+    prepared = prepare(cfg)
+    record = prepared.exp.plan.layout_search
+    trained = record["trained_steps"]
+    # two layouts (dp2, fsdp2), a turn of two steps each (the untimed, one timed), one round
+    # at least and three at most
+    assert sum(r["measured_ms"] is not None for r in record["rows"]) == 2
+    assert trained in (4, 8, 12) and 0 < record["trained_s"] < record["search_s"]
+    assert prepared.handover["step"] == trained and "params" not in prepared.handover
+    assert isinstance(jax.tree.leaves(prepared.handover["state"])[0], jax.Array)
+    own = record["search_s"] - record["init_s"] - record["trained_s"]
+    assert (f"the run's steps 1-{trained} trained in the turns: {own:.1f} s the search's own"
+            in ls.table(record).splitlines()[0])
+    train(prepared.exp.cfg, tmp_path / "auto", prepared=prepared)
+    assert "state" not in prepared.handover  # taken: the state is the run's
+    train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
+
+    def rows(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()
+                if "train/loss" in x]
+    auto, one = rows(tmp_path / "auto"), rows(tmp_path / "dp1")
+    assert [r["step"] for r in auto] == [r["step"] for r in one] == [14, 16]
+    assert [r["train/loss"] for r in auto] == pytest.approx([r["train/loss"] for r in one],
+                                                            abs=1e-5)
+    assert [r["data/tokens_seen"] for r in auto] == [r["data/tokens_seen"] for r in one]
+    attempt = json.loads((tmp_path / "auto" / "goodput.json").read_text())["attempts"][0]
+    assert attempt["first_step"] == 0 and attempt["last_step"] == 16
+    assert attempt["productive_s"] > record["trained_s"]
+    assert attempt["search_s"] == pytest.approx(record["search_s"] - record["init_s"]
+                                                - record["trained_s"])
+
+
 @pytest.mark.e2e
 def test_a_sweep_records_each_jobs_own_choice(tmp_path):
     """``-m data.batch_size=16,32 parallelism=auto``: each job searches for its own batch (one

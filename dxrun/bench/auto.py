@@ -59,7 +59,8 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
               + "; ".join(f"{k} {v}" for k, v in raw.items()))
     raw |= {"auto chose": chosen.label, "roofline's first": first_by_model.label,
             "search_s": round(record["search_s"], 1),
-            "init_s": round(record["init_s"] or 0.0, 1)}
+            "init_s": round(record["init_s"] or 0.0, 1),
+            "trained_s": round(record.get("trained_s") or 0.0, 1)}
     fig = figure(SECTION, f"{name} batch {batch}: tokens/s of auto's choice ({chosen.label}) "
                  f"/ the best measured ({best.label})", step_s[best] / step_s[chosen], raw,
                  ">= 0.95", command=command)

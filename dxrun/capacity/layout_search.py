@@ -214,6 +214,31 @@ def to_measure(rows: list[Row], top: int, every: bool = False,
                            and r.est_ms < 1e3 * turn_s)]
 
 
+def train_budget(cfg: Any) -> int:
+    """Steps a search may train for the run: those before the first at which the run's loop
+    does more than step (a log row, an evaluation, a save, a trace, a test's hook), so that a
+    run whose first steps the search trained writes what one that did not would."""
+    t, every = cfg.train, cfg.checkpoint.every
+    points = [t.steps, t.log_every, t.eval_every, 100 if every is None else every,
+              t.profile.start, t.inject_nan_at_step, t.hold_at_step, t.inject_error_at_step]
+    return min(p for p in points if p and p > 0) - 1
+
+
+def train_through(cfg: Any, timed: list[Row], rounds: int = MEASURE_ROUNDS) -> int:
+    """Timed steps a turn may take when the search's turns train the run's first steps (0: they
+    do not; ``time_layouts``'s ``train_cap``): when every turn, however the rounds go, fits in
+    ``train_budget`` at up to ``MEASURE_STEPS`` timed steps, or at one when each step is
+    estimated to take a turn's time (``parallelism.search_turn_s``: one timed step a turn
+    anyway). A cheap step timed in turns of ten (``model=tiny``: 27 turns of 11 steps) is
+    timed on fresh states, as before."""
+    per_turn = train_budget(cfg) // max(1, rounds * len(timed))
+    if per_turn < 2:
+        return 0
+    slow = all(r.est_ms is not None and r.est_ms >= 1e3 * cfg.parallelism.search_turn_s
+               for r in timed)
+    return min(MEASURE_STEPS, per_turn - 1) if per_turn > MEASURE_STEPS or slow else 0
+
+
 def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, Any]],
                   every: bool = False, turn_s: float = float("inf")) -> Row:
     """Time the rows ``to_measure`` picks (``timer``: layout -> seconds per step, or the list
@@ -276,8 +301,16 @@ def table(record: dict[str, Any]) -> str:
     text = "\n".join("  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True))
                      .rstrip() for line in lines)
     source = " (cached)" if record.get("cached") else ""
-    if not record.get("cached") and record.get("init_s"):
-        source = f" ({record['init_s']:.1f} s of it the seeded init the run starts from)"
+    if not record.get("cached"):  # what of its time the run would have spent anyway
+        parts = []
+        if record.get("init_s"):
+            parts.append(f"{record['init_s']:.1f} s of it the seeded init the run starts from")
+        if record.get("trained_steps"):
+            own = record["search_s"] - (record.get("init_s") or 0.0) - record["trained_s"]
+            parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
+                         f"{record['trained_steps']} trained in the turns: {own:.1f} s the "
+                         "search's own")
+        source = f" ({', '.join(parts)})" if parts else ""
     return (f"  layout search: parallelism.search={record['search']}, estimate for "
             f"{record['target']}, {record['search_s']:.1f} s{source}\n{text}")
 
@@ -394,7 +427,8 @@ def search(cfg: Any, plan_mode: bool = False,
     cached = read_cache(key) if mode != "fresh" and is_main() else None
     record = _agreed(f"{tag}/cache", cached)
     if record is not None:
-        return {**record, "cached": True, "search_s": time.perf_counter() - t0, "init_s": None}
+        return {**record, "cached": True, "search_s": time.perf_counter() - t0, "init_s": None,
+                "trained_steps": 0, "trained_s": 0.0}
     layouts, refused = candidates(cfg, *devices)
     target, peak = pm.resolve_target(cfg, n)
     if plan_mode:  # the target's usable memory, as plan mode's fit
@@ -415,15 +449,24 @@ def search(cfg: Any, plan_mode: bool = False,
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
         turn_s = cfg.parallelism.search_turn_s
         every, prune = measure_rule(rows, turn_s, devices[1] == "cpu")
+        cap = 0
+        if handover is not None and devices[2] == 1:  # the run's own search: train through?
+            timed = to_measure(rows, top, every, turn_s)
+            # One padding of the vocabulary: the state moves between layouts as it is.
+            if len({built[r.layout].padded_vocab for r in timed if r.layout in built}) == 1:
+                cap = train_through(cfg, timed)
         timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, prune=prune, tag=tag,
-                                                     keep=handover, with_turns=True))
+                                                     keep=handover, with_turns=True,
+                                                     train_cap=cap))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
     rows += [Row(layout, why=why) for layout, why in refused]
     record = {"search": mode, "target": target.name, "key": key, "top": top,
               "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
-              "init_s": (handover or {}).get("init_s"), "cached": False}
+              "init_s": (handover or {}).get("init_s"), "cached": False,
+              "trained_steps": (handover or {}).get("step", 0),
+              "trained_s": (handover or {}).get("trained_s", 0.0)}
     if is_main() and not plan_mode:
         write_cache(key, record)
     return record
@@ -499,8 +542,8 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
 def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
                  built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
                  prune: float | None = PRUNE, tag: str = "layout_search",
-                 keep: dict[str, Any] | None = None, with_turns: bool = False
-                 ) -> dict[Layout, Any]:
+                 keep: dict[str, Any] | None = None, with_turns: bool = False,
+                 train_cap: int = 0) -> dict[Layout, Any]:
     """Seconds per step of each layout (the median of its turns; ``with_turns``: the list of
     its turns' medians, for the ranking's spread): ``rounds`` rounds in which
     each layout takes a turn (``_turn``: up to ``MEASURE_STEPS`` timed steps) on the run's own
@@ -512,6 +555,11 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
     one init program, and only one layout's state alive at a time (each has to fit alone);
     ``keep["params"]`` gets it, for the run to start from (``model=small``: 7-10 s not drawn
     twice).
+    ``train_cap`` (``train_through``; needs ``keep``): the turns train the run's first steps
+    instead, each at most ``train_cap`` timed steps: one state carried from layout to layout
+    on the run's batches in order, left in ``keep["state"]`` after ``keep["step"]`` steps of
+    ``keep["trained_s"]`` seconds, from which the run goes on (the steps a search times are
+    not thrown away: ``model=small``'s turns are steps of 10-19 s on a 2-core host).
     Several processes run every step together (each is one collective program), so every
     decision read off a clock (when a turn stops, who survives a round) is process 0's, agreed
     under keys beginning ``tag``: each process's own clock would stop its turn at another step
@@ -538,7 +586,9 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
               else multihost_utils.process_allgather(init, tiled=True))
     del init
     if keep is not None:  # the run's own init, drawn here: its time is the run's startup
-        keep["params"], keep["init_s"] = params, time.perf_counter() - t0
+        keep["init_s"] = time.perf_counter() - t0
+        if not train_cap:
+            keep["params"] = params
     turns: dict[Layout, list[float]] = {layout: [] for layout in layouts}
     live = list(layouts)
     turn_s = float(cfg.parallelism.search_turn_s)
@@ -546,7 +596,10 @@ def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
         for layout in live if k % 2 == 0 else live[::-1]:
             at = f"{tag}/{k}/{layouts.index(layout)}"
             times = _turn(exps[layout], params,
-                          lambda t, at=at: _agreed(f"{at}/{len(t)}", sum(t) >= turn_s))
+                          lambda t, at=at: _agreed(f"{at}/{len(t)}", sum(t) >= turn_s),
+                          keep if train_cap else None, train_cap or MEASURE_STEPS)
+            if train_cap:
+                params = None  # in the run's state now
             turns[layout].append(statistics.median(times))
             release_freed_memory()  # the next layout's buffers have other shapes
             log.info("layout search: %s %s ms per step (%d timed, round %d of at most %d)",
@@ -581,24 +634,38 @@ def survivors(medians: dict[Layout, float], prune: float, keep: int = KEEP) -> l
     return [x for x in medians if x in kept]
 
 
-def _turn(exp: Any, params: Any, done: Callable[[list[float]], bool]) -> list[float]:
-    """One layout's turn: its state made from ``params``, one untimed step (the first after a
-    switch pays for it: page faults, after ``release_freed_memory``; the first of all,
-    one-off costs), then up to ``MEASURE_STEPS`` timed steps (their seconds, returned),
-    stopping once ``done(times)``."""
+def _turn(exp: Any, params: Any, done: Callable[[list[float]], bool],
+          run: dict[str, Any] | None = None, cap: int = MEASURE_STEPS) -> list[float]:
+    """One layout's turn: one untimed step (the first after a switch pays for it: page faults,
+    after ``release_freed_memory``; the first of all, one-off costs), then up to ``cap``
+    timed steps (their seconds, returned), stopping once ``done(times)``. Its state is made
+    from ``params`` and dropped after it, its steps on the first two batches; or with ``run``
+    (``train_cap``) the run's own: ``run["state"]`` moved onto this layout (the first turn
+    makes it from ``params``), trained on the run's next batches and left in ``run`` with the
+    steps done and their seconds."""
     import jax
 
-    state = exp.init_state(params=params)
-    tokens = [exp.global_batch(exp.data.local_batch(k)) for k in range(2)]
+    if run is None:
+        state, first = exp.init_state(params=params), 0
+    else:
+        state = exp.init_state(params=params) if "state" not in run else exp.adopt(run["state"])
+        run["state"], first = None, run.setdefault("step", 0)
     times: list[float] = []
-    for i in range(1 + MEASURE_STEPS):
+    for i in range(1 + cap):
+        # A fresh state's steps alternate the first two batches; the run's take its next ones.
+        tokens = exp.global_batch(exp.data.local_batch(i % 2 if run is None else first + i))
         t0 = time.perf_counter()
-        state, metrics = exp.step(state, tokens[i % 2])
+        state, metrics = exp.step(state, tokens)
         jax.block_until_ready((state, metrics))
+        took = time.perf_counter() - t0
+        if run is not None:
+            run["step"], run["trained_s"] = run["step"] + 1, run.get("trained_s", 0.0) + took
         if i > 0:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
             if done(times):
                 break
+    if run is not None:
+        run["state"] = state
     del state
     return times
 
