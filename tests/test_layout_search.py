@@ -255,6 +255,32 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
 
 
+def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row():
+    """``train_through``: the timed steps a turn may take when the turns train the run's first
+    steps, 0 where they do not (pure)."""
+    cfg = make_cfg("parallelism=auto")  # log_every 50, eval_every 100, a save every 100
+    assert ls.train_budget(cfg) == 49
+    assert ls.train_budget(make_cfg("parallelism=auto", "train.profile.start=10")) == 9
+    assert ls.train_budget(make_cfg("parallelism=auto", "train.steps=5")) == 4
+    # steps estimated at a turn's time or more (1 s): one timed step a turn anyway; 3 layouts
+    # x 3 rounds in 49 steps leaves 5 a turn
+    slow = [Row(Layout(8 // t, 1, t), 1.0, 5000.0 + t, fits=True) for t in (1, 2, 4)]
+    assert ls.train_through(cfg, slow) == 4
+    # two states a move holds must fit the memory budget together
+    assert ls.train_through(cfg, slow, budget_gb=1.9) == 0
+    assert ls.train_through(cfg, slow, budget_gb=2.0) == 4
+    # cheap steps timed in turns of ten: 9 layouts x 3 rounds x 11 steps do not fit in 49...
+    cheap = [Row(Layout(d, f, t), 0.01, 10.0, fits=True) for d, f, t in ls.factorisations(8)
+             if t < 8]
+    assert len(cheap) == 9 and ls.train_through(cfg, cheap) == 0
+    # ...and do before a first row at step 400 (399 // 27 = 14 a turn: all ten timed)
+    far = make_cfg("parallelism=auto", "train.log_every=400", "train.eval_every=0",
+                   "checkpoint.every=0")
+    assert ls.train_budget(far) == 399 and ls.train_through(far, cheap) == 10
+    # a budget short of two steps a turn: none
+    assert ls.train_through(make_cfg("parallelism=auto", "train.log_every=10"), slow) == 0
+
+
 def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     """Steps that take a turn's time each (``parallelism.search_turn_s`` below them) are timed
     as the run's own first steps: one state carried from layout to layout on the run's batches

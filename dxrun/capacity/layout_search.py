@@ -224,13 +224,19 @@ def train_budget(cfg: Any) -> int:
     return min(p for p in points if p and p > 0) - 1
 
 
-def train_through(cfg: Any, timed: list[Row], rounds: int = MEASURE_ROUNDS) -> int:
+def train_through(cfg: Any, timed: list[Row], budget_gb: float | None = None,
+                  rounds: int = MEASURE_ROUNDS) -> int:
     """Timed steps a turn may take when the search's turns train the run's first steps (0: they
     do not; ``time_layouts``'s ``train_cap``): when every turn, however the rounds go, fits in
     ``train_budget`` at up to ``MEASURE_STEPS`` timed steps, or at one when each step is
     estimated to take a turn's time (``parallelism.search_turn_s``: one timed step a turn
     anyway). A cheap step timed in turns of ten (``model=tiny``: 27 turns of 11 steps) is
-    timed on fresh states, as before."""
+    timed on fresh states, as before; so are layouts two of whose steps exceed ``budget_gb``
+    (GiB per device): a move between layouts holds the state twice (on an accelerator, a
+    layout that fits at 60% of the memory does not move)."""
+    if budget_gb is not None and 2 * max((r.need_gb or 0.0 for r in timed),
+                                         default=0.0) > budget_gb:
+        return 0
     per_turn = train_budget(cfg) // max(1, rounds * len(timed))
     if per_turn < 2:
         return 0
@@ -454,7 +460,7 @@ def search(cfg: Any, plan_mode: bool = False,
             timed = to_measure(rows, top, every, turn_s)
             # One padding of the vocabulary: the state moves between layouts as it is.
             if len({built[r.layout].padded_vocab for r in timed if r.layout in built}) == 1:
-                cap = train_through(cfg, timed)
+                cap = train_through(cfg, timed, budget_gb)
         timer = timer or (lambda c, ls: time_layouts(c, ls, devices, built, prune=prune, tag=tag,
                                                      keep=handover, with_turns=True,
                                                      train_cap=cap))
