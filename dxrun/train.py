@@ -119,8 +119,8 @@ class Prepared(NamedTuple):
     exp: Experiment  # the built experiment, its plan and data inside
     resume: Resume | None  # the checkpoint to continue from; None: a fresh start
     # What parallelism=auto's search made that the run takes over (``layout_search.search``'s
-    # ``handover``: the seeded init its timing drew, host arrays), popped when taken so that
-    # the host copy is freed once it is on the devices.
+    # ``handover``: the seeded init its timing drew, host arrays, or the state after the first
+    # steps its turns trained), popped when taken so that the copy is freed once on this mesh.
     handover: dict[str, Any] | None = None
 
 

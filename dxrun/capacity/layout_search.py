@@ -407,7 +407,8 @@ def search(cfg: Any, plan_mode: bool = False,
     ``resumed``: the layout of the checkpoint a run resumes, kept (no search). ``handover``:
     filled with what the run takes over instead of making it again: ``params``, the seeded
     init the timing drew (host arrays; the same bits on every layout), and ``init_s``, its
-    seconds. Every process takes process 0's."""
+    seconds; or, where the turns trained the run (``train_through``), ``state`` after its
+    first ``step`` steps and ``trained_s``, their seconds. Every process takes process 0's."""
     import jax
 
     from dxrun.capacity import plan_mode as pm
