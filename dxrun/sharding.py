@@ -163,16 +163,24 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def spread_shardings(shapes: Any, mesh: Mesh, shardings: Any) -> Any:
-    """Each array split over every device of ``mesh`` along its first axis that the device count
-    divides (its own sharding in ``shardings`` where that already splits it over every device,
-    or where no axis divides): where an array's init is computed with the least work per
-    device, whatever layout it is used in."""
+    """Each array split over every device of ``mesh``: where its init is computed with the
+    least work per device, whatever layout it is used in. Its own sharding in ``shardings``,
+    with the mesh axes it is replicated over added to the first axis of the array that takes
+    them too: laying it out in its own sharding is then a gather within groups of devices.
+    (Spread along some other axis, XLA's partitioner replicates the whole array first and warns
+    "Involuntary full rematerialization".) Its own sharding where no axis takes them."""
     def spread(x: Any, own: NamedSharding) -> NamedSharding:
-        if math.prod(mesh.shape[a] for e in own.spec for a in _mesh_axes_of(e)) == mesh.size:
+        used = {a for e in own.spec for a in _mesh_axes_of(e)}
+        rest = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+        if not rest:
             return own  # already split over every device
-        for i, n in enumerate(x.shape):
-            if n % mesh.size == 0:
-                return NamedSharding(mesh, P(*([None] * i), mesh.axis_names))
+        k = math.prod(mesh.shape[a] for a in rest)
+        spec = [*own.spec, *[None] * (len(x.shape) - len(own.spec))]
+        for i, e in enumerate(spec):
+            held = _mesh_axes_of(e)
+            if x.shape[i] % (math.prod(mesh.shape[a] for a in held) * k) == 0:
+                spec[i] = (*held, *rest)
+                return NamedSharding(mesh, P(*spec))
         return own
     return jax.tree.map(spread, shapes, shardings)
 

@@ -309,3 +309,29 @@ def test_the_seeded_init_is_the_same_bits_on_every_layout(cfg_factory):
         params, _ = init(mesh)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=mesh)
+
+
+def test_the_seeded_init_is_laid_out_without_replicating_it_first(tmp_path, cfg_factory):
+    """``spread_shardings`` adds the mesh axes a weight is replicated over to its own split
+    (the same bits on every layout, above): laying it out is a gather within groups, and XLA's
+    partitioner never replicates a weight whole first. Spread along another axis, dp2_tp4
+    printed nine "Involuntary full rematerialization" warnings for tiny's weights."""
+    stderr = tmp_path / "stderr.txt"
+    with _real_compiles(), _stderr_into(stderr):
+        for mesh in ("dp2_tp4", "dp2_fsdp2_tp2", "dp4_tp2"):
+            exp = Experiment.build(cfg_factory("model=tiny", "logger=none",
+                                               f"parallelism={mesh}"))
+            shapes = jax.eval_shape(exp._init_fn())
+            spread = shd.spread_shardings(shapes, exp.mesh, exp.param_shardings)
+            for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(spread), strict=True):
+                # over every device where an axis of the weight takes all of them
+                assert math.prod(s.shard_shape(x.shape)) * 8 == x.size or s in jax.tree.leaves(
+                    exp.param_shardings), (mesh, x.shape, s)
+            n_spread = sum(math.prod(s.shard_shape(x.shape)) * 8 == x.size
+                           for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(spread),
+                                           strict=True))
+            assert n_spread >= len(jax.tree.leaves(shapes)) // 2, mesh
+            jax.block_until_ready(exp.init_params())
+    text = stderr.read_text(errors="replace")
+    assert "Involuntary full rematerialization" not in text, text[-2000:]
+
