@@ -6,6 +6,7 @@ after two untimed ones (median), with the minor page faults per step.
 
     python benchmarks/malloc_arenas.py --shape tiny --layouts dp1,dp8 --reps 2
     python benchmarks/malloc_arenas.py --shape mid --layouts dp1,dp8 --reps 2
+    python benchmarks/malloc_arenas.py --shape small --layouts fsdp8 --variants a1,a2 --steps 5
 
 A variant is ``none`` (glibc's defaults) or ``aN``: no mmap, a 1 GiB trim threshold and at most
 N arenas (``a1`` was ``reuse_freed_memory`` until 2026-12-04).
@@ -26,7 +27,9 @@ import time
 SHAPES = {"tiny": [],  # the default run's: 2 layers, d_model 64, batch 32 x 64
           # the suite's SHAPE (BENCHMARKS.md, "The multi-device gap")
           "mid": ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
-                  "data.vocab_size=256", "data.seq_len=128", "data.batch_size=16"]}
+                  "data.vocab_size=256", "data.seq_len=128", "data.batch_size=16"],
+          # benchmarks/checkpoint_cost.py's: GPT-2 124M at batch 8 x 16
+          "small": ["model=small", "data.batch_size=8", "data.seq_len=16"]}
 
 
 def child(variant: str, shape: str, layouts: list[str], steps: int) -> dict:

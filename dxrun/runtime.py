@@ -19,23 +19,25 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # glibc's mallopt parameters (malloc.h), and the device nodes of accelerators whose hosts keep
 # glibc's defaults: NVIDIA, AMD (ROCm), TPU.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-ARENAS = 2  # malloc arenas under reuse_freed_memory: benchmarks/malloc_arenas.py on 2 cores
+ARENAS = 1  # malloc arenas under reuse_freed_memory (benchmarks/malloc_arenas.py, 2 cores:
+# two compiled 1.3x faster but made model=small's fsdp8 step 1.24x slower; not adopted)
 _ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
 
 
 def reuse_freed_memory() -> bool:
-    """On a CPU-only glibc host, serve every block from two heaps that keep up to 1 GiB freed.
+    """On a CPU-only glibc host, serve every block from one heap that keeps up to 1 GiB freed.
 
     XLA:CPU mallocs each device's temporaries at every execution and frees them after. glibc
     gives blocks of 32 MiB or more a fresh mmap, and a thread's own arena a fresh 64 MiB heap
     that it unmaps again once empty, so the pages of the step's temporaries fault in anew at
     every step: ~95,000 minor faults and ~150 ms of kernel time per step of the 4-layer
     d_model 256 model in BENCHMARKS.md, on one device as on eight. No mmap, a 1 GiB trim
-    threshold and few arenas make the next step reuse the same pages: 1.2-1.6x the steps/s.
-    ``ARENAS`` arenas, not one: every thread of the process (XLA's compile threads, a thread
-    per simulated device) taking one arena's lock made each XLA:CPU compile 1.2-1.4x slower and
-    the default run's dp8 step 1.38x slower (BENCHMARKS.md, "How many malloc arenas"); with
-    more than two, a thread's own heaps are unmapped again (96,000 faults per step, mid dp1).
+    threshold and one arena make the next step reuse the same pages: 1.2-1.6x the steps/s.
+    One arena's lock, taken by every thread (XLA's compile threads, a thread per simulated
+    device), makes each XLA:CPU compile 1.2-1.4x slower and the default run's dp8 step 1.38x
+    slower than two arenas would; but two made model=small's fsdp8 step 1.24x slower (twice
+    the faults), and more than two unmap a thread's heaps again (BENCHMARKS.md, "How many
+    malloc arenas").
     Must run before JAX starts its threads (they keep the arena they started with). Returns
     whether it applied."""
     libc = _glibc()
