@@ -147,8 +147,11 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
                                         handover=handover)
         cfg = layout_search.with_layout(cfg, layout_search.chosen_layout(searched))
         plan = replace(make_plan(cfg, *visible_devices()), layout_search=searched)
-    data = process_data(cfg, plan)
-    exp = Experiment.build(cfg, plan, data)
+    exp = handover.pop("exp", None)  # the search compiled the chosen layout: the run's step
+    if exp is not None:
+        exp = replace(exp, cfg=cfg, plan=plan)
+    else:
+        exp = Experiment.build(cfg, plan, process_data(cfg, plan))
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         checkpoint.plan_resume(cfg, resume, exp.abstract_state(), plan.global_batch)
     memory_preflight(cfg, exp, exp.compile_step())
@@ -224,11 +227,11 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
     search = exp.plan.layout_search
     if search is not None:  # parallelism=auto: timed apart from the startup, less the seeded
-        # init it drew for the run (a run without a search draws it in its startup too) and
-        # the steps it trained for the run (productive: the run does not take them again)
-        trained_s = search.get("trained_s") or 0.0
-        clock.add("search", search["search_s"] - (search.get("init_s") or 0.0) - trained_s)
-        clock.add("productive", trained_s)
+        # init it drew for the run (a run without a search draws it in its startup too), the
+        # chosen layout's compile (booked above) and the steps it trained for the run
+        # (productive: the run does not take them again)
+        clock.add("search", layout_search.own_s(search))
+        clock.add("productive", search.get("trained_s") or 0.0)
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
     allocator = AllocatorPeak()  # before this run allocates anything

@@ -234,8 +234,9 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     common = ["model.n_heads=1", "model.n_kv_heads=1", "model.n_layers=1", "data.seq_len=16",
               "train.steps=3", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
               "logger=none"]
+    # A run of 3 steps is too short for a search to pay (search_budget): searched anyway.
     cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
-                   *common)
+                   "parallelism.search_budget=null", *common)
     prepared = prepare(cfg)
     drawn = prepared.handover["params"]
     own = prepared.exp.init_params()
@@ -281,6 +282,65 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     assert ls.train_through(make_cfg("parallelism=auto", "train.log_every=10"), slow) == 0
 
 
+def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
+    """``search_cost``: what a search would add to a run, every layout taken to compile and
+    step as the starting one does (pure)."""
+    cfg = make_cfg("parallelism=auto")  # 600 steps, a first row at step 50
+    cheap = Row(Layout(8, 1, 1), 0.01, 18.0, fits=True)
+    # 9 layouts, all timed (cheap steps on simulated devices), 3 rounds of 1 + 10 steps each:
+    # 297 steps that do not train the run, and 8 compiles beside the run's own
+    cost, steps, run_s = ls.search_cost(cfg, cheap, 9, 4.0, simulated=True)
+    assert steps == 297 and run_s == pytest.approx(600 * 0.018)
+    assert cost == pytest.approx(8 * 4.0 + 297 * 0.018)
+    # a step of a turn's time or more: the top 3, one timed step a turn, 3 x 3 turns of 2
+    # steps in the 49 before the first row: the turns train the run and cost nothing
+    slow = Row(Layout(8, 1, 1), 1.0, 5000.0, fits=True)
+    assert ls.search_cost(cfg, slow, 9, 5.0, simulated=True) == (40.0, 0, 3000.0)
+    # ...unless two states do not fit the memory budget together: 3 x 3 x 2 steps of turns
+    cost, steps, _ = ls.search_cost(cfg, slow, 9, 5.0, simulated=True, budget_gb=1.5)
+    assert steps == 18 and cost == pytest.approx(40.0 + 18 * 5.0)
+
+
+def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkeypatch):
+    """``parallelism.search_budget``: a search predicted to cost more than that fraction of the
+    run is not made; the run takes the starting layout (all devices data-parallel), whose
+    compile it needed anyway, and the ranking says why. A longer run searches."""
+    from dxrun.experiment import visible_devices
+    from dxrun.train import prepare
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    devices = visible_devices()
+    cfg = ls.fixed_batch(make_cfg("parallelism=auto", "train.steps=10"), devices)
+    calls = []
+
+    def score(trial, layout):  # instant compiles: the turns alone decide
+        calls.append(layout)
+        return 0.01, 0.05
+    layouts = ls.candidates(cfg, *devices)[0]
+    assert len(layouts) == 9
+    # 9 x 3 x 11 steps of turns against 0.25 x the run's: kept at 1000 steps, searched at 1200
+    for steps, kept in ((1000, True), (1200, False)):
+        trial = ls.fixed_batch(make_cfg("parallelism=auto", f"train.steps={steps}"), devices)
+        scorer, row = ls._worth_it(trial, layouts, score, 0.25, None, devices, "t")
+        assert (row is not None) == kept
+        assert calls[-1] == Layout(8, 1, 1) == ls.start_layout(trial, devices)
+        n = len(calls)
+        assert scorer(trial, Layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
+    # A real run of 10 steps: dp8 kept, its compile the run's step
+    prepared = prepare(cfg)
+    record = prepared.exp.plan.layout_search
+    assert prepared.exp.plan.dp == 8 and "exp" not in prepared.handover
+    assert prepared.exp.step.compiled is not None
+    assert record["compile_s"] == prepared.exp.step.compile_time_s > 0
+    assert [r["mesh"] for r in record["rows"] if r["chosen"]] == ["dp8"]
+    assert all(r["measured_ms"] is None for r in record["rows"])
+    assert {r["why"] for r in record["rows"] if not r["chosen"] and r["mesh"] != "tp8"} == {
+        "not searched"}
+    assert "parallelism.search_budget=0.25 of the run's est." in record["unsearched"]
+    assert record["unsearched"] in ls.table(record) and not record["cached"]
+    assert not ls.read_cache(record["key"])  # a run's length is not the cache key's
+
+
 def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     """Steps that take a turn's time each (``parallelism.search_turn_s`` below them) are timed
     as the run's own first steps: one state carried from layout to layout on the run's batches
@@ -296,7 +356,7 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
               "train.steps=16", "train.log_every=14", "train.eval_every=0",
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
-                   "parallelism.search_turn_s=1e-6", *common)
+                   "parallelism.search_turn_s=1e-6", "parallelism.search_budget=null", *common)
     assert ls.train_budget(cfg) == 13  # the steps before the first row (step 14)
     prepared = prepare(cfg)
     record = prepared.exp.plan.layout_search
@@ -307,7 +367,9 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     assert trained in (4, 8, 12) and 0 < record["trained_s"] < record["search_s"]
     assert prepared.handover["step"] == trained and "params" not in prepared.handover
     assert isinstance(jax.tree.leaves(prepared.handover["state"])[0], jax.Array)
-    own = record["search_s"] - record["init_s"] - record["trained_s"]
+    own = record["search_s"] - record["init_s"] - record["trained_s"] - record["compile_s"]
+    assert 0 < record["compile_s"] < own  # the chosen layout's compile: the run's step
+    assert prepared.exp.step.compiled is not None
     assert (f"the run's steps 1-{trained} trained in the turns: {own:.1f} s the search's own"
             in ls.table(record).splitlines()[0])
     train(prepared.exp.cfg, tmp_path / "auto", prepared=prepared)
@@ -325,8 +387,7 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     attempt = json.loads((tmp_path / "auto" / "goodput.json").read_text())["attempts"][0]
     assert attempt["first_step"] == 0 and attempt["last_step"] == 16
     assert attempt["productive_s"] > record["trained_s"]
-    assert attempt["search_s"] == pytest.approx(record["search_s"] - record["init_s"]
-                                                - record["trained_s"])
+    assert attempt["search_s"] == pytest.approx(own)
 
 
 @pytest.mark.e2e
@@ -336,6 +397,7 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
     from omegaconf import OmegaConf
 
     r = run_cli("-m", "data.batch_size=16,32", "parallelism=auto", "parallelism.search_top=2",
+                "parallelism.search_budget=null",  # 2 steps: too short for a search to pay
                 # 2 candidates, both measured: dp2, fsdp2 (one head: tp2 is refused uncompiled)
                 "parallelism.n_devices=2", "model.n_heads=1", "model.n_kv_heads=1",
                 "model.n_layers=1",  # tiny with one block: cheaper compiles
@@ -361,10 +423,12 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert any("perf/layout_search_s" in x for x in rows)
         # Goodput books the search as its own part, not as startup, less the seeded init it
-        # drew for the run (a run without a search draws it in its startup).
+        # drew for the run (a run without a search draws it in its startup) and the chosen
+        # layout's compile (the run's step: booked as compile).
         attempt = json.loads((run / "goodput.json").read_text())["attempts"][0]
         assert 0 < record["init_s"] < record["search_s"]
-        assert attempt["search_s"] == pytest.approx(record["search_s"] - record["init_s"])
+        assert attempt["search_s"] == pytest.approx(record["search_s"] - record["init_s"]
+                                                    - record["compile_s"])
         assert f"{record['init_s']:.1f} s of it the seeded init the run starts from" in (
             r.stdout + r.stderr)
         assert re.search(r"goodput .*; startup [\d.]+s, search [\d.]+s, compile", r.stdout
@@ -446,7 +510,8 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
          "--hosts", "2", "--", *SMALL, "parallelism=auto", "parallelism.search=measure",
-         "parallelism.search_top=2", "parallelism.search_turn_s=0.1", "hydra.run.dir=run"],
+         "parallelism.search_top=2", "parallelism.search_turn_s=0.1",
+         "parallelism.search_budget=null", "hydra.run.dir=run"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"

@@ -34,8 +34,10 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     devices = visible_devices()
     # The search reads the config and never rewrites it: the timing below uses the same
     # resolved batch and sequence length as the search did.
+    # search_budget=null: the search itself is what is measured, whatever the run's length.
     cfg = layout_search.fixed_batch(compose_cfg(*shape, f"data.batch_size={batch}",
-                                                "parallelism=auto", "parallelism.search=fresh"),
+                                                "parallelism=auto", "parallelism.search=fresh",
+                                                "parallelism.search_budget=null"),
                                     devices)
     t0 = time.perf_counter()
     _progress(f"{name} batch {batch}: searching (parallelism=auto, search=fresh)")

@@ -19,6 +19,13 @@ Three stages, each a small function:
   the slowest measured of nine: BENCHMARKS.md); so every layout that fits is timed when their
   estimated steps add up to under ``parallelism.search_turn_s``, the cost of one turn.
 
+Before them, in a run, **is it worth it** (``parallelism.search_budget``): the starting layout
+(the preset's own, all devices data-parallel) is compiled first, as the run would, and a search
+predicted (``search_cost``: that compile and that estimated step standing for every layout's)
+to cost more than that fraction of the run's steps is not made: the run keeps its start, and
+the ranking says why (the default run, 600 steps of ``model=tiny``: nine compiles and 297
+steps of turns against 600 steps that take 30 s).
+
 The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
 decision is cached in the user's cache dir (``cache_key``); every process takes process 0's.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -245,6 +253,26 @@ def train_through(cfg: Any, timed: list[Row], budget_gb: float | None = None,
     return min(MEASURE_STEPS, per_turn - 1) if per_turn > MEASURE_STEPS or slow else 0
 
 
+def search_cost(cfg: Any, start: Row, n: int, compile_s: float, simulated: bool,
+                budget_gb: float | None = None) -> tuple[float, int, float]:
+    """(seconds a search of ``n`` layouts is predicted to add to a run, the steps of its turns
+    that do not train the run, the seconds of the run's ``train.steps``), the starting layout's
+    figures standing for every layout's: its compile (``compile_s``, the run's own; each other
+    layout one more) and its estimated step (``start.est_ms``), timed as ``measure_rule``,
+    ``to_measure`` and ``train_through`` would time ``n`` layouts estimated alike, every round
+    taken. An estimate below the measured step (simulated CPU devices: ``model=tiny``'s 17 ms
+    against 50 ms) makes the run look shorter against the compiles: it errs to not searching."""
+    step_s = start.est_ms / 1e3
+    turn_s = cfg.parallelism.search_turn_s
+    rows = [replace(start) for _ in range(n)]
+    every, _ = measure_rule(rows, turn_s, simulated)
+    timed = to_measure(rows, cfg.parallelism.search_top, every, turn_s)
+    timed_steps = min(MEASURE_STEPS, max(1, math.ceil(turn_s / step_s)))  # a turn stops there
+    steps = (0 if train_through(cfg, timed, budget_gb)
+             else MEASURE_ROUNDS * len(timed) * (1 + timed_steps))
+    return (n - 1) * compile_s + steps * step_s, steps, cfg.train.steps * step_s
+
+
 def measure_stage(rows: list[Row], top: int, timer: Callable[[list[Layout]], dict[Layout, Any]],
                   every: bool = False, turn_s: float = float("inf")) -> Row:
     """Time the rows ``to_measure`` picks (``timer``: layout -> seconds per step, or the list
@@ -311,14 +339,24 @@ def table(record: dict[str, Any]) -> str:
         parts = []
         if record.get("init_s"):
             parts.append(f"{record['init_s']:.1f} s of it the seeded init the run starts from")
+        if record.get("compile_s"):
+            parts.append(f"{record['compile_s']:.1f} s the compile of the layout it runs")
         if record.get("trained_steps"):
-            own = record["search_s"] - (record.get("init_s") or 0.0) - record["trained_s"]
             parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
-                         f"{record['trained_steps']} trained in the turns: {own:.1f} s the "
-                         "search's own")
-        source = f" ({', '.join(parts)})" if parts else ""
+                         f"{record['trained_steps']} trained in the turns")
+        source = f" ({', '.join(parts)}: {own_s(record):.1f} s the search's own)" if parts else ""
+    if record.get("unsearched"):  # the run too short for a search to pay: the start kept
+        source += f"\n  {chosen_layout(record).label} {record['unsearched']}"
     return (f"  layout search: parallelism.search={record['search']}, estimate for "
             f"{record['target']}, {record['search_s']:.1f} s{source}\n{text}")
+
+
+def own_s(record: dict[str, Any]) -> float:
+    """Seconds of a search that a run without one would not spend: less the seeded init, the
+    chosen layout's compile and the steps it trained, all of which the run takes over (what
+    goodput books as ``search``)."""
+    return record["search_s"] - sum(record.get(k) or 0.0
+                                    for k in ("init_s", "compile_s", "trained_s"))
 
 
 def _gib(v: float | None) -> str:
@@ -435,7 +473,7 @@ def search(cfg: Any, plan_mode: bool = False,
     record = _agreed(f"{tag}/cache", cached)
     if record is not None:
         return {**record, "cached": True, "search_s": time.perf_counter() - t0, "init_s": None,
-                "trained_steps": 0, "trained_s": 0.0}
+                "trained_steps": 0, "trained_s": 0.0, "compile_s": 0.0}
     layouts, refused = candidates(cfg, *devices)
     target, peak = pm.resolve_target(cfg, n)
     if plan_mode:  # the target's usable memory, as plan mode's fit
@@ -445,7 +483,22 @@ def search(cfg: Any, plan_mode: bool = False,
     # A search that measures keeps each candidate's full compile for its timing: one compile
     # per candidate, whose memory and cost figures are the analysis compile's.
     built: dict[Layout, Any] | None = {} if mode in ("measure", "fresh") else None
-    rows = model_stage(cfg, layouts, budget_gb, _scorer(devices, target, peak, plan_mode, built))
+    score = _scorer(devices, target, peak, plan_mode, built)
+    budget = cfg.parallelism.get("search_budget")
+    if not plan_mode and budget is not None:  # a run: would its search pay?
+        score, unsearched = _worth_it(cfg, layouts, score, budget, budget_gb, devices, tag)
+        if unsearched is not None:
+            verdict, unsearched.why = unsearched.why, ""
+            rows = [unsearched] + [Row(x, why="not searched") for x in layouts
+                                   if x != unsearched.layout]
+            rows += [Row(layout, why=why) for layout, why in refused]
+            if handover is not None and built:
+                handover["exp"] = built.pop(unsearched.layout)
+            return {"search": mode, "target": target.name, "key": key, "top": 0,
+                    "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
+                    "init_s": None, "cached": False, "trained_steps": 0, "trained_s": 0.0,
+                    "compile_s": _compile_s(handover), "unsearched": verdict}
+    rows = model_stage(cfg, layouts, budget_gb, score)
     # Process 0's ranking (memory readings differ per process): every process measures the
     # same candidates in the same order.
     rows = _agreed_rows(f"{tag}/rows", rows)
@@ -466,6 +519,9 @@ def search(cfg: Any, plan_mode: bool = False,
                                                      keep=handover, with_turns=True,
                                                      train_cap=cap))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
+        chosen = next(r.layout for r in rows if r.chosen)
+        if handover is not None and chosen in built:  # its compile: the run's
+            handover["exp"] = built.pop(chosen)
         built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
     rows += [Row(layout, why=why) for layout, why in refused]
@@ -473,10 +529,63 @@ def search(cfg: Any, plan_mode: bool = False,
               "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
               "init_s": (handover or {}).get("init_s"), "cached": False,
               "trained_steps": (handover or {}).get("step", 0),
-              "trained_s": (handover or {}).get("trained_s", 0.0)}
+              "trained_s": (handover or {}).get("trained_s", 0.0),
+              "compile_s": _compile_s(handover)}
     if is_main() and not plan_mode:
         write_cache(key, record)
     return record
+
+
+def start_layout(cfg: Any, devices: tuple) -> Layout | None:
+    """The layout the run would take unsearched: the preset's own (``parallelism=auto``: every
+    device data-parallel); None where the plan refuses it (the batch does not divide...)."""
+    from dxrun.plan import make_plan
+
+    try:
+        plan = make_plan(cfg, *devices)
+    except ConfigError:
+        return None
+    return Layout(plan.dp, plan.fsdp, plan.tp, cfg.model.remat, cfg.train.grad_accum)
+
+
+def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
+              budget_gb: float | None, devices: tuple, tag: str) -> tuple[Callable, Row | None]:
+    """(the scorer, with the starting layout's score kept for the model stage; the starting
+    layout's row, chosen, when a search would cost more than ``budget`` of the run
+    (``search_cost``), else None). The start is scored first: its compile is the run's own
+    either way, and its time is what each other layout's compile is predicted to take. Process
+    0's verdict on every process."""
+    start, verdict = start_layout(cfg, devices), None
+    if start in layouts and len(layouts) > 1:
+        t = time.perf_counter()
+        need, est = score(with_layout(cfg, start), start)
+        compile_s = time.perf_counter() - t
+        kept = {start: (need, est)}
+        score = (lambda trial, layout, inner=score: kept.pop(layout) if layout in kept
+                 else inner(trial, layout))
+        if est is not None and (budget_gb is None or need <= budget_gb):
+            row = Row(start, need, 1e3 * est, fits=True)
+            cost, steps, run_s = search_cost(cfg, row, len(layouts), compile_s,
+                                             devices[1] == "cpu", budget_gb)
+            if cost > budget * run_s:
+                turns = f", {steps} steps of turns" if steps else ""
+                verdict = (f"kept, unsearched: a search of {len(layouts)} layouts ("
+                           f"{len(layouts) - 1} more compiles of {compile_s:.1f} s{turns}) "
+                           f"would take est. {cost:.0f} s, more than parallelism.search_budget="
+                           f"{budget:g} of the run's est. {run_s:.0f} s ({cfg.train.steps} "
+                           f"steps at {_ms(1e3 * est)} ms); parallelism.search_budget=null "
+                           "searches anyway")
+                log.info("parallelism=auto: %s %s", start.label, verdict)
+    verdict = _agreed(f"{tag}/budget", verdict)
+    if verdict is None:
+        return score, None
+    return score, Row(start, need, 1e3 * est, chosen=True, fits=True, why=verdict)
+
+
+def _compile_s(handover: dict[str, Any] | None) -> float:
+    """Seconds of the search that were the compile of the layout the run takes over."""
+    exp = (handover or {}).get("exp")
+    return exp.step.compile_time_s if exp is not None else 0.0
 
 
 def _agreed_rows(key: str, rows: list[Row]) -> list[Row]:
