@@ -134,7 +134,7 @@ def config_markdown() -> str:
     out = ["# Config keys", "",
            "Every key of the run config, generated from the schema in `dxrun/schema.py`: each "
            "field's type and default, and the meaning, range or choices its `key(...)` carries. "
-           "The default is what `python -m dxrun` composes (`model=tiny`, `parallelism=dp`, "
+           "The default is what `python -m dxrun` composes (`model=tiny`, `parallelism=auto`, "
            "`data=markov`, `optimizer=adamw`, `logger=wandb`); a preset of a group may set another "
            "(see [Presets](presets.md)). Set any key on the command line: "
            "`python -m dxrun section.key=value`. A value outside its range is refused in one "

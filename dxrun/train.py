@@ -136,7 +136,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     ``exp.cfg`` is the config the run follows (``cfg`` itself, or for ``parallelism=auto`` a
     copy holding the batch held fixed and the chosen layout)."""
     handover: dict[str, Any] = {}  # what the layout search made that the run takes over
-    if cfg.parallelism.search == "none":
+    if not layout_search.searches(cfg):
         plan = make_plan(cfg, *visible_devices())  # the global batch, whichever key gave it
         resume = (checkpoint.find_resume(cfg, run_dir, saved_config(cfg, plan))
                   if run_dir is not None else None)

@@ -106,7 +106,8 @@ BAD = [
     (["train.steps=abc"], "train.steps", "Integer"),
     (["parallelism=dp4_tp2", "parallelism.dp=4", "parallelism.n_devices=4"], "4*1*2",
      "on_mismatch=shrink"),
-    (["data.batch_size=30"], "data.batch_size=30", "multiple of 8"),
+    # (parallelism=auto, the default, would take a layout whose data axes divide 30)
+    (["parallelism=dp", "data.batch_size=30"], "data.batch_size=30", "multiple of 8"),
     (["parallelism=tp8"], "model.n_heads=4", "parallelism.tp=8"),
     (["parallelism.n_devices=16"], "parallelism.n_devices=16", "runtime.cpu_devices"),
     (["optimizer.lr=0"], "optimizer.lr", "> 0"),
@@ -235,7 +236,7 @@ def test_wandb_name_of_a_path_override_and_the_vocab_from_meta(tokens_runs):
     assert first.returncode == 0, first.stderr[-3000:]
     (path,) = (cwd / "run").glob("wandb/offline-run-*/run-*.wandb")
     run = read_run(path)
-    assert run["name"] == "tiny-dp-bs32-pathmycorpus-n_layers1-steps2-log_every1-eval_every0"
+    assert run["name"] == "tiny-auto-bs32-pathmycorpus-n_layers1-steps2-log_every1-eval_every0"
     assert run["config"]["model"]["vocab_size"] == run["config"]["data"]["vocab_size"] == 256
     log = (cwd / "run" / "dxrun.log").read_text()
     assert "model tiny (modified: n_layers=1): " in log

@@ -46,7 +46,8 @@ def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
                                                                  hi_closed=True)
     # null is a setting of its own for these; for the source keys and the batch pair it is not.
     assert set(schema.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
-                                    "data.seq_len", "checkpoint.every", "model.loss_chunk"}
+                                    "data.seq_len", "checkpoint.every", "model.loss_chunk",
+                                    "parallelism.search_budget"}
     assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
     assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
 

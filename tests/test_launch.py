@@ -177,6 +177,7 @@ def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
          NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
+         "parallelism=dp",  # 100000 steps would pay for a layout search
          "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=ctrl_c)
     out = Output(proc)
@@ -253,7 +254,8 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
         f"dxrun.launch: stopped by SIGINT: every rank saved and stopped at step {step}; "
         f"checkpoint {tmp_path / 'run' / 'checkpoints' / str(step)} committed. Resume with: "
         f"python -m dxrun.launch --nproc=2 --devices-per-proc=4 -- {NO_CACHE} logger=none "
-        f"train.steps=100000 train.log_every=1 checkpoint.every=0 hydra.run.dir={tmp_path}/run")
+        f"train.steps=100000 train.log_every=1 parallelism=dp checkpoint.every=0 "
+        f"hydra.run.dir={tmp_path}/run")
 
 
 def test_a_process_that_cannot_reach_the_coordinator_says_so(tmp_path):

@@ -313,7 +313,7 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkey
     cfg = ls.fixed_batch(make_cfg("parallelism=auto", "train.steps=10"), devices)
     calls = []
 
-    def score(trial, layout):  # instant compiles: the turns alone decide
+    def score(trial, layout, say=True):  # instant compiles: the turns alone decide
         calls.append(layout)
         return 0.01, 0.05
     layouts = ls.candidates(cfg, *devices)[0]
@@ -336,7 +336,16 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkey
     assert all(r["measured_ms"] is None for r in record["rows"])
     assert {r["why"] for r in record["rows"] if not r["chosen"] and r["mesh"] != "tp8"} == {
         "not searched"}
+    assert record["unsearched"].startswith("(all devices data-parallel), not searched: a "
+                                           "search of 9 layouts (8 more compiles of ")
     assert "parallelism.search_budget=0.25 of the run's est." in record["unsearched"]
+    # A batch the devices do not divide: the first layout the plan accepts is the start
+    odd = ls.fixed_batch(make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100"),
+                         devices)
+    first = ls.candidates(odd, *devices)[0]
+    assert ls.start_layout(odd, devices) is None and first[0] == Layout(2, 1, 4)
+    _, row = ls._worth_it(odd, first, score, 0.25, None, devices, "t2")
+    assert row.layout == Layout(2, 1, 4) and "(the first layout the plan accepts)" in row.why
     assert record["unsearched"] in ls.table(record) and not record["cached"]
     assert not ls.read_cache(record["key"])  # a run's length is not the cache key's
 

@@ -225,6 +225,7 @@ def test_a_run_killed_from_outside_is_reported_unfinished(tmp_path):
     run = tmp_path / "run"
     env = subprocess_env()
     proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=1000000",
+                             "parallelism=dp",  # a run this long would search its layout
                              "train.eval_every=0", "logger=none", f"hydra.run.dir={run}"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

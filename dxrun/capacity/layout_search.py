@@ -345,8 +345,9 @@ def table(record: dict[str, Any]) -> str:
             parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
                          f"{record['trained_steps']} trained in the turns")
         source = f" ({', '.join(parts)}: {own_s(record):.1f} s the search's own)" if parts else ""
-    if record.get("unsearched"):  # the run too short for a search to pay: the start kept
-        source += f"\n  {chosen_layout(record).label} {record['unsearched']}"
+    if record.get("unsearched"):  # the run too short for a search to pay: the start kept,
+        # the others never compiled (plan.json lists them)
+        text = f"  {chosen_layout(record).label} {record['unsearched']}"
     return (f"  layout search: parallelism.search={record['search']}, estimate for "
             f"{record['target']}, {record['search_s']:.1f} s{source}\n{text}")
 
@@ -453,6 +454,7 @@ def search(cfg: Any, plan_mode: bool = False,
     from dxrun.capacity.preflight import device_budget
     from dxrun.experiment import visible_devices
     from dxrun.multihost.distributed import is_main
+    from dxrun.plan import make_plan
 
     mode = cfg.parallelism.search
     if mode == "none":
@@ -475,6 +477,8 @@ def search(cfg: Any, plan_mode: bool = False,
         return {**record, "cached": True, "search_s": time.perf_counter() - t0, "init_s": None,
                 "trained_steps": 0, "trained_s": 0.0, "compile_s": 0.0}
     layouts, refused = candidates(cfg, *devices)
+    if not layouts:  # the plan refuses every layout (more devices than there are...): its words
+        make_plan(cfg, *devices)
     target, peak = pm.resolve_target(cfg, n)
     if plan_mode:  # the target's usable memory, as plan mode's fit
         budget_gb = pm.usable_bytes(target) / pm.GiB if target.memory_bytes else None
@@ -536,6 +540,14 @@ def search(cfg: Any, plan_mode: bool = False,
     return record
 
 
+def searches(cfg: Any) -> bool:
+    """Does this run search? ``parallelism.search`` is not ``none`` and no axis was named: a run
+    that sets ``parallelism.dp``, ``fsdp`` or ``tp`` on ``auto`` (the default preset:
+    ``python -m dxrun parallelism.tp=2``) takes that layout as given, as a named preset does."""
+    p = cfg.parallelism
+    return p.search != "none" and (p.dp, p.fsdp, p.tp) == (-1, 1, 1)
+
+
 def start_layout(cfg: Any, devices: tuple) -> Layout | None:
     """The layout the run would take unsearched: the preset's own (``parallelism=auto``: every
     device data-parallel); None where the plan refuses it (the batch does not divide...)."""
@@ -556,9 +568,12 @@ def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
     either way, and its time is what each other layout's compile is predicted to take. Process
     0's verdict on every process."""
     start, verdict = start_layout(cfg, devices), None
-    if start in layouts and len(layouts) > 1:
+    what = "all devices data-parallel"
+    if start not in layouts and layouts:  # e.g. a batch the devices do not divide
+        start, what = layouts[0], "the first layout the plan accepts"
+    if len(layouts) > 1:
         t = time.perf_counter()
-        need, est = score(with_layout(cfg, start), start)
+        need, est = score(with_layout(cfg, start), start, say=False)
         compile_s = time.perf_counter() - t
         kept = {start: (need, est)}
         score = (lambda trial, layout, inner=score: kept.pop(layout) if layout in kept
@@ -569,15 +584,16 @@ def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
                                              devices[1] == "cpu", budget_gb)
             if cost > budget * run_s:
                 turns = f", {steps} steps of turns" if steps else ""
-                verdict = (f"kept, unsearched: a search of {len(layouts)} layouts ("
+                verdict = (f"({what}), not searched: a search of {len(layouts)} layouts ("
                            f"{len(layouts) - 1} more compiles of {compile_s:.1f} s{turns}) "
                            f"would take est. {cost:.0f} s, more than parallelism.search_budget="
                            f"{budget:g} of the run's est. {run_s:.0f} s ({cfg.train.steps} "
                            f"steps at {_ms(1e3 * est)} ms); parallelism.search_budget=null "
                            "searches anyway")
-                log.info("parallelism=auto: %s %s", start.label, verdict)
     verdict = _agreed(f"{tag}/budget", verdict)
     if verdict is None:
+        if len(layouts) > 1:
+            _say(start, need, est)  # the model stage's first
         return score, None
     return score, Row(start, need, 1e3 * est, chosen=True, fits=True, why=verdict)
 
@@ -630,7 +646,7 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
             ) -> Callable[[Any, Layout], tuple[float, float | None]]:
     """``built`` None: the cheaper analysis compile, not kept; else the run's own compile,
     kept in ``built`` with its Experiment for the measure stage."""
-    def score(trial: Any, layout: Layout) -> tuple[float, float | None]:
+    def score(trial: Any, layout: Layout, say: bool = True) -> tuple[float, float | None]:
         from dxrun.capacity import plan_mode as pm
         from dxrun.experiment import Experiment
         from dxrun.plan import make_plan
@@ -648,11 +664,17 @@ def _scorer(devices: tuple, target: Any, peak: float | None, plan_mode: bool,
         need = (s.mem.total_bytes if s.mem is not None and plan_mode
                 else step_bytes(compiled) or s.fp.total_bytes)
         est = s.est.get("step_time_s")
-        log.info("layout search: %s needs %.3f GiB per device, est. %s ms", layout.label,
-                 need / pm.GiB, _ms(None if est is None else 1e3 * est))
+        if say:
+            _say(layout, need / pm.GiB, est)
         return need / pm.GiB, est
 
     return score
+
+
+def _say(layout: Layout, need_gb: float, est_s: float | None) -> None:
+    """A candidate's score in the log as the model stage takes it (a compile takes seconds)."""
+    log.info("layout search: %s needs %.3f GiB per device, est. %s ms", layout.label, need_gb,
+             _ms(None if est_s is None else 1e3 * est_s))
 
 
 def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,

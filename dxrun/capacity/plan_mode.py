@@ -19,6 +19,7 @@ No JAX import at module level: the config check reads TARGETS before JAX starts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -86,15 +87,32 @@ def cpu_target(n_devices: int) -> Target:
     figure is one device's share when all run at once, as the peak is
     (``flops.measure_peak_tflops``): the simulated devices share the host's memory bus, so a
     layout that moves 8x the bytes on each of 8 devices takes 8x the time, not the same."""
+    share = host_bus_bytes_per_s() / n_devices  # the whole host's bus shared
+    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, share, share)
+
+
+@functools.cache
+def host_bus_bytes_per_s() -> float:
+    """The host's memory bandwidth (read + write of 128 MiB, beyond the caches), measured once
+    per process, as ``host_peak_tflops``: the host does not change within a run, and each
+    measure took a quarter of a second of every plan and every ``parallelism=auto`` run."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((32 * 2**20,), jnp.float32)  # 128 MiB: beyond the caches
+    x = jnp.ones((32 * 2**20,), jnp.float32)
     f = jax.jit(lambda v: v * 2.0)
     f(x).block_until_ready()
     best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
-    share = 2 * x.nbytes / best / n_devices  # read + write, the whole host's bus shared
-    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, share, share)
+    return 2 * x.nbytes / best
+
+
+@functools.cache
+def host_peak_tflops() -> float:
+    """``flops.measure_peak_tflops`` of this process's devices, measured once per process
+    (0.7 s a measure on the 2-core host)."""
+    from dxrun.capacity import flops
+
+    return flops.measure_peak_tflops()
 
 
 def _timed(fn: Any) -> float:
@@ -412,7 +430,7 @@ def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
     if name == "cpu":
         override = cfg.runtime.peak_tflops
         peak = (float(override) if isinstance(override, (int, float)) and override
-                else flops.measure_peak_tflops())
+                else host_peak_tflops())
         target = cpu_target(n_devices)
         if cfg.runtime.memory_gb is not None:
             target = replace(target, memory_bytes=cfg.runtime.memory_gb * GiB / n_devices)
@@ -740,7 +758,7 @@ def planned(cfg: Any, backend: str) -> tuple[Any, Any]:
     from dxrun.plan import make_plan
 
     plan_cfg, searched = with_plan_seq_len(cfg, backend), None
-    if plan_cfg.parallelism.search != "none":
+    if layout_search.searches(plan_cfg):
         plan_cfg = layout_search.fixed_batch(plan_cfg, visible_devices())
         searched = layout_search.search(plan_cfg, plan_mode=True)
         plan_cfg = layout_search.with_layout(plan_cfg, layout_search.chosen_layout(searched))
