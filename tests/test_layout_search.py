@@ -296,8 +296,9 @@ def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
     # steps in the 49 before the first row: the turns train the run and cost nothing
     slow = Row(Layout(8, 1, 1), 1.0, 5000.0, fits=True)
     assert ls.search_cost(cfg, slow, 9, 5.0, simulated=True) == (40.0, 0, 3000.0)
-    # ...unless two states do not fit the memory budget together: 3 x 3 x 2 steps of turns
-    cost, steps, _ = ls.search_cost(cfg, slow, 9, 5.0, simulated=True, budget_gb=1.5)
+    # ...unless the first row comes too soon for them: 3 x 3 x 2 steps of turns
+    soon = make_cfg("parallelism=auto", "train.log_every=10")
+    cost, steps, _ = ls.search_cost(soon, slow, 9, 5.0, simulated=True)
     assert steps == 18 and cost == pytest.approx(40.0 + 18 * 5.0)
 
 
