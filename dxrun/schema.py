@@ -166,10 +166,10 @@ class ParallelismConfig:
         "this many seconds (up to 10 steps a turn, at least 1): longer = steadier medians, a "
         "slower search. Several processes stop on process 0's clock.", range=POSITIVE)
     search_budget: float | None = key(
-        0.25, "parallelism=auto in a run: the starting layout (all devices data-parallel) is "
-        "kept, unsearched, when a search is predicted to cost more than this fraction of the "
-        "run's steps (from the starting layout's compile time and estimated step: "
-        "layout_search.search_cost); null = always search", range=POSITIVE)
+        0.25, "parallelism=auto (a run, or the run plan mode plans): the starting layout (all "
+        "devices data-parallel) is kept, unsearched, when a search is predicted to cost more "
+        "than this fraction of the run's steps (from the starting layout's compile time and "
+        "estimated step: layout_search.search_cost); null = always search", range=POSITIVE)
 
 
 @dataclass

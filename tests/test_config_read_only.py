@@ -86,7 +86,7 @@ def test_plan_mode_resolves_seq_len_and_the_layout_on_a_copy(cfg_factory, monkey
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.max_seq_len=128",
                       "model.n_heads=1", "model.n_kv_heads=1",
                       "parallelism=auto", "parallelism.n_devices=2", "data.seq_len=null",
-                      "plan.target=h100")
+                      "plan.target=h100", "parallelism.search_budget=null")
     config.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     assert with_plan_seq_len(cfg, "cpu").data.seq_len == 128

@@ -351,6 +351,28 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkey
     assert not ls.read_cache(record["key"])  # a run's length is not the cache key's
 
 
+def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, monkeypatch):
+    """Plan mode applies ``parallelism.search_budget`` to the run it plans, on its target's
+    estimate: 600 steps of a one-block model on an H100 take milliseconds, against a compile
+    per layout; it plans the start and says why. ``null`` ranks them all."""
+    from dxrun.experiment import visible_devices
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = ["model.n_layers=1", "model.n_heads=1", "model.n_kv_heads=1", "parallelism=auto",
+              "parallelism.n_devices=2", "plan.target=h100"]  # dp2, fsdp2 (tp2: one head)
+    devices = visible_devices()
+    record = ls.search(ls.fixed_batch(make_cfg(*common), devices), plan_mode=True)
+    assert record["search"] == "model" and record["target"].startswith("H100")
+    assert record["unsearched"].startswith("(all devices data-parallel), not searched: a "
+                                           "search of 2 layouts (1 more compiles of ")
+    assert [(r["mesh"], r["why"]) for r in record["rows"] if r["fits"] or r["why"]] == [
+        ("dp2", ""), ("fsdp2", "not searched"), ("tp2", record["rows"][2]["why"])]
+    assert ls.chosen_layout(record) == Layout(2, 1, 1)
+    ranked = ls.search(ls.fixed_batch(make_cfg(*common, "parallelism.search_budget=null"),
+                                      devices), plan_mode=True)
+    assert "unsearched" not in ranked and sum(r["fits"] for r in ranked["rows"]) == 2
+
+
 def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     """Steps that take a turn's time each (``parallelism.search_turn_s`` below them) are timed
     as the run's own first steps: one state carried from layout to layout on the run's batches

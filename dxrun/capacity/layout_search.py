@@ -19,12 +19,13 @@ Three stages, each a small function:
   the slowest measured of nine: BENCHMARKS.md); so every layout that fits is timed when their
   estimated steps add up to under ``parallelism.search_turn_s``, the cost of one turn.
 
-Before them, in a run, **is it worth it** (``parallelism.search_budget``): the starting layout
-(the preset's own, all devices data-parallel) is compiled first, as the run would, and a search
+Before them, **is it worth it** (``parallelism.search_budget``): the starting layout (the
+preset's own, all devices data-parallel) is compiled first, as the run would, and a search
 predicted (``search_cost``: that compile and that estimated step standing for every layout's)
 to cost more than that fraction of the run's steps is not made: the run keeps its start, and
 the ranking says why (the default run, 600 steps of ``model=tiny``: nine compiles and 297
-steps of turns against 600 steps that take 30 s).
+steps of turns against 600 steps that take 30 s). Plan mode says the same of the run it
+plans, on its target's estimate.
 
 The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
@@ -492,7 +493,7 @@ def search(cfg: Any, plan_mode: bool = False,
     built: dict[Layout, Any] | None = {} if mode in ("measure", "fresh") else None
     score = _scorer(devices, target, peak, plan_mode, built)
     budget = cfg.parallelism.get("search_budget")
-    if not plan_mode and budget is not None:  # a run: would its search pay?
+    if budget is not None:  # would the run's search pay? (plan mode: the planned run's)
         score, unsearched = _worth_it(cfg, layouts, score, budget, budget_gb, devices, tag)
         if unsearched is not None:
             verdict, unsearched.why = unsearched.why, ""
