@@ -371,6 +371,12 @@ def _gib(v: float | None) -> str:
     return f"{v:.2f} GiB" if v >= 1 else f"{v * 1024:.1f} MiB"
 
 
+def _s(v: float) -> str:
+    """Seconds in a sentence: whole above one (41 s), two digits below (a planned GPU run's
+    0.0048 s)."""
+    return f"{v:.0f}" if v >= 1 else f"{v:.2g}"
+
+
 def _ms(v: float | None) -> str:
     if v is None:
         return "-"
@@ -590,8 +596,8 @@ def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
                 turns = f", {steps} steps of turns" if steps else ""
                 verdict = (f"({what}), not searched: a search of {len(layouts)} layouts ("
                            f"{len(layouts) - 1} more compiles of {compile_s:.1f} s{turns}) "
-                           f"would take est. {cost:.0f} s, more than parallelism.search_budget="
-                           f"{budget:g} of the run's est. {run_s:.0f} s ({cfg.train.steps} "
+                           f"would take est. {_s(cost)} s, more than parallelism.search_budget="
+                           f"{budget:g} of the run's est. {_s(run_s)} s ({cfg.train.steps} "
                            f"steps at {_ms(1e3 * est)} ms); parallelism.search_budget=null "
                            "searches anyway")
     verdict = _agreed(f"{tag}/budget", verdict)
