@@ -265,7 +265,7 @@ def search_cost(cfg: Any, start: Row, n: int, compile_s: float, simulated: bool
     against 50 ms) makes the run look shorter against the compiles: it errs to not searching.
     The memory a move between layouts holds is not counted: the start, every weight replicated
     over the data replicas, overstates the others' (``model=small``: dp8 1.40 GiB a device,
-    the layouts its search timed 0.94-1.04)."""
+    the layouts its search timed 0.92-1.05)."""
     step_s = start.est_ms / 1e3
     turn_s = cfg.parallelism.search_turn_s
     rows = [replace(start) for _ in range(n)]
@@ -498,28 +498,22 @@ def search(cfg: Any, plan_mode: bool = False,
     # per candidate, whose memory and cost figures are the analysis compile's.
     built: dict[Layout, Any] | None = {} if mode in ("measure", "fresh") else None
     score = _scorer(devices, target, peak, plan_mode, built)
-    budget = cfg.parallelism.get("search_budget")
+    budget, unsearched, verdict = cfg.parallelism.get("search_budget"), None, None
     if budget is not None:  # would the run's search pay? (plan mode: the planned run's)
         score, unsearched = _worth_it(cfg, layouts, score, budget, budget_gb, devices, tag)
-        if unsearched is not None:
-            verdict, unsearched.why = unsearched.why, ""
-            rows = [unsearched] + [Row(x, why="not searched") for x in layouts
-                                   if x != unsearched.layout]
-            rows += [Row(layout, why=why) for layout, why in refused]
-            if handover is not None and built:
-                handover["exp"] = built.pop(unsearched.layout)
-            return {"search": mode, "target": target.name, "key": key, "top": 0,
-                    "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
-                    "init_s": None, "cached": False, "trained_steps": 0, "trained_s": 0.0,
-                    "compile_s": _compile_s(handover), "unsearched": verdict}
-    rows = model_stage(cfg, layouts, budget_gb, score)
-    # Process 0's ranking (memory readings differ per process): every process measures the
-    # same candidates in the same order.
-    rows = _agreed_rows(f"{tag}/rows", rows)
     top = cfg.parallelism.search_top
-    if mode == "model":
-        model_choice(rows, top=0)
+    if unsearched is not None:  # the start, chosen; the others never compiled
+        verdict, unsearched.why, top = unsearched.why, "", 0
+        rows = [unsearched] + [Row(x, why="not searched") for x in layouts
+                               if x != unsearched.layout]
     else:
+        rows = model_stage(cfg, layouts, budget_gb, score)
+        # Process 0's ranking (memory readings differ per process): every process measures
+        # the same candidates in the same order.
+        rows = _agreed_rows(f"{tag}/rows", rows)
+    if unsearched is None and mode == "model":
+        model_choice(rows, top=0)
+    elif unsearched is None:
         built = {r.layout: built[r.layout] for r in rows if r.fits and r.layout in built}
         turn_s = cfg.parallelism.search_turn_s
         every, prune = measure_rule(rows, turn_s, devices[1] == "cpu")
@@ -533,11 +527,12 @@ def search(cfg: Any, plan_mode: bool = False,
                                                      keep=handover, with_turns=True,
                                                      train_cap=cap))
         measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
-        chosen = next(r.layout for r in rows if r.chosen)
-        if handover is not None and chosen in built:  # its compile: the run's
-            handover["exp"] = built.pop(chosen)
-        built.clear()
         rows = _agreed_rows(f"{tag}/chosen", rows)
+    chosen = next(r.layout for r in rows if r.chosen)
+    if handover is not None and built and chosen in built:  # its compile: the run's step
+        handover["exp"] = built.pop(chosen)
+    if built:
+        built.clear()
     rows += [Row(layout, why=why) for layout, why in refused]
     record = {"search": mode, "target": target.name, "key": key, "top": top,
               "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
@@ -545,7 +540,9 @@ def search(cfg: Any, plan_mode: bool = False,
               "trained_steps": (handover or {}).get("step", 0),
               "trained_s": (handover or {}).get("trained_s", 0.0),
               "compile_s": _compile_s(handover)}
-    if is_main() and not plan_mode:
+    if verdict is not None:
+        record["unsearched"] = verdict
+    elif is_main() and not plan_mode:  # a run's length is not in the key: no verdict cached
         write_cache(key, record)
     return record
 
