@@ -364,7 +364,7 @@ def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, mo
     record = ls.search(ls.fixed_batch(make_cfg(*common), devices), plan_mode=True)
     assert record["search"] == "model" and record["target"].startswith("H100")
     assert record["unsearched"].startswith("(all devices data-parallel), not searched: a "
-                                           "search of 2 layouts (1 more compiles of ")
+                                           "search of 2 layouts (1 more compile of ")
     assert [(r["mesh"], r["why"]) for r in record["rows"] if r["fits"] or r["why"]] == [
         ("dp2", ""), ("fsdp2", "not searched"), ("tp2", record["rows"][2]["why"])]
     assert ls.chosen_layout(record) == Layout(2, 1, 1)

@@ -591,8 +591,9 @@ def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
                                              devices[1] == "cpu")
             if cost > budget * run_s:
                 turns = f", {steps} steps of turns" if steps else ""
+                more = len(layouts) - 1
                 verdict = (f"({what}), not searched: a search of {len(layouts)} layouts ("
-                           f"{len(layouts) - 1} more compiles of {compile_s:.1f} s{turns}) "
+                           f"{more} more compile{'s' * (more != 1)} of {compile_s:.1f} s{turns}) "
                            f"would take est. {_s(cost)} s, more than parallelism.search_budget="
                            f"{budget:g} of the run's est. {_s(run_s)} s ({cfg.train.steps} "
                            f"steps at {_ms(1e3 * est)} ms); parallelism.search_budget=null "
