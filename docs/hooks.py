@@ -3,6 +3,7 @@ and BENCHMARKS.md, which lives at the top of the repository, as a page of the si
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -10,11 +11,18 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def site_links(markdown: str) -> str:
+    """BENCHMARKS.md links into the docs the way a reader of the repository follows them
+    (``docs/guide/x.md``); on the site the page sits at the docs root, where the same page is
+    ``guide/x.md``."""
+    return re.sub(r"\]\(docs/", "](", markdown)
+
+
 def on_files(files, config):
     from dxrun import reference
 
     pages = {**reference.pages(), **reference.figures(),
-             "benchmarks-results.md": (ROOT / "BENCHMARKS.md").read_text()}
+             "benchmarks-results.md": site_links((ROOT / "BENCHMARKS.md").read_text())}
     for path, text in pages.items():
         files.append(File.generated(config, path, content=text))
     return files
