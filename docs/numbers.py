@@ -14,7 +14,8 @@ Each `$ <command>` line of the block is run (after the marker's `setup` commands
 dropped) in one scratch directory that links the checkout's top-level files, so a block's commands
 see each other's outputs, `README.md` and `benchmarks/` as a user in the checkout would. The lines
 after a command, up to the next `$` line, become the command's output: every line of stdout and
-stderr, or only those matching `keep` (a regular expression). The exit code is whatever the
+stderr, or only those matching `keep` (a regular expression), log lines without Hydra's
+`[time][dxrun][LEVEL] - ` prefix. The exit code is whatever the
 command returns (bad-input examples exit 2 on purpose). Run it before a release, on a quiet
 machine, and read the diff: timings move from run to run, the rest should not.
 
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- numbers:(?P<opts>.*?)-->\n(?P<fence>```[^\n]*)\n(?P<body>.*?)^```$",
                     re.M | re.S)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Hydra's log-line prefix, `[2026-01-01 12:00:00,000][dxrun][INFO] - `: the docs quote the message.
+LOG_PREFIX = re.compile(r"^\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ")
 
 
 @dataclass
@@ -91,7 +94,9 @@ def run(command: str, cwd: Path, keep: str | None) -> list[str]:
            "COLUMNS": "200"}
     proc = subprocess.run(command, shell=True, cwd=cwd, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = [ANSI.sub("", line).rstrip() for line in proc.stdout.splitlines()]
+    # paths as the reader sees them, relative to where they ran the command
+    text = proc.stdout.replace(f"{cwd}/", "")
+    lines = [LOG_PREFIX.sub("", ANSI.sub("", line)).rstrip() for line in text.splitlines()]
     if keep:
         lines = [line for line in lines if re.search(keep, line)]
     return lines

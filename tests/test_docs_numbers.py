@@ -52,3 +52,9 @@ def test_every_marked_block_of_the_docs_parses_and_names_a_dxrun_command():
 def test_a_marker_with_an_unknown_option_is_one_clear_line():
     with pytest.raises(SystemExit, match="unknown marker option 'grep=x'.*keep="):
         numbers.blocks('<!-- numbers: grep=x -->\n```\n$ true\n```\n')
+
+
+def test_log_lines_are_quoted_without_hydras_prefix_and_paths_relative(tmp_path):
+    line = f"[2026-01-01 12:00:00,000][dxrun][WARNING] - step 5/10  in {tmp_path}/run"
+    assert numbers.run(f"echo '{line}'; echo '[x] kept'", tmp_path, None) == [
+        "step 5/10  in run", "[x] kept"]

@@ -84,6 +84,12 @@ def test_every_output_key_is_documented(pages):
         assert f"| `{name}` |" in text
 
 
+def test_the_guides_run_dir_tree_names_every_file_the_reference_lists():
+    tree = (ROOT / "docs/guide/outputs.md").read_text().split("```")[1]
+    names = re.findall(r"── (\S+)", tree)
+    assert not [f for f in reference.RUN_FILES if f not in names], names
+
+
 def test_every_tool_has_its_usage(pages):
     assert reference.entry_points() == set(reference.TOOLS) | set(reference.INTERNAL)
     text = pages["reference/tools.md"]
@@ -119,6 +125,8 @@ def test_the_mesh_figures_are_the_plans():
 def test_the_readme_stays_short_and_its_links_lead_somewhere():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250, "the README is the entry point: move detail to docs/"
+    prose = re.sub(r"^```.*?^```$", "", readme, flags=re.M | re.S)
+    assert not [line for line in prose.splitlines() if len(line) > 100 and line[:4] != "<!--"]
     links = re.findall(r"\]\(((?:docs/|BENCHMARKS)[^)#]*)", readme)
     assert len(links) >= 14 and all((ROOT / link).is_file() for link in links), links
     # CI runs the README's commands: they must stay the ones .ci/run runs.
