@@ -164,7 +164,7 @@ def dir_refusal(key: str, value: Any, fix: str) -> str | None:
     None when it can. The dir, or its nearest parent that exists, is tried with a real mkdir
     (removed at once): permission bits pass root, and /proc or a read-only mount refuse only
     the mkdir itself. Nothing is left behind."""
-    path = Path(str(value)).expanduser().absolute()
+    path = Path(str(value)).expanduser()  # relative stays relative: named as the user gave it
     nearest = path
     while not os.path.lexists(nearest):  # a parent that is a file ends the walk too
         nearest = nearest.parent
