@@ -31,6 +31,7 @@ from dxrun.runtime import (
     RunLog,
     claim_run_dir,
     cpu_fallback_refusal,
+    dir_refusal,
     enable_compile_cache,
     nvidia_device_node,
     simulate_cpu_devices,
@@ -272,21 +273,33 @@ def _discard_empty_dir(run_dir: Path) -> None:
 
 def check_composition(argv: list[str]) -> None:
     """Compose the config the way Hydra will and turn a composition error (unknown option, unknown
-    key, wrong type) into one line naming the key and the fix: for a single run, for every value
-    of a multirun's sweeps, and beside ``hydra.*`` overrides (how schedulers launch). Other
-    Hydra flags (--cfg, --help, -cn, ...) are left to Hydra."""
+    key, wrong type) or a run (sweep) dir that cannot be made into one line naming the key and
+    the fix: for a single run, for every value of a multirun's sweeps, and beside ``hydra.*``
+    overrides (how schedulers launch). Other Hydra flags (--cfg, --help, -cn, ...) are left to
+    Hydra."""
     flags = [a for a in argv if a.startswith("-")]
     if any(f not in ("-m", "--multirun") for f in flags):
         return
     from hydra import compose, initialize_config_dir
 
+    # Hydra makes the run (or sweep) dir before dxrun's main runs: a dir it cannot make would
+    # end in Hydra's traceback, so it is tried here first.
+    out_key, default_dir = (("hydra.sweep.dir", "multirun/<date>/<time>") if flags
+                            else ("hydra.run.dir", "outputs/<date>/<time>"))
+    checked: set[str] = set()
     try:
         with initialize_config_dir(config_dir=_conf_dir(), version_base="1.3", job_name="dxrun"):
             for overrides in _one_job_per_sweep_value([a for a in argv if a not in flags]):
                 cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+                out_dir = OmegaConf.select(cfg, out_key)
                 with open_dict(cfg):
                     del cfg["hydra"]
                 check_keys(cfg)
+                if out_dir not in checked:
+                    checked.add(out_dir)
+                    if why := dir_refusal(out_key, out_dir, f"give a dir you can write to, or "
+                                          f"leave {out_key} out ({default_dir})"):
+                        raise ConfigError(why)
     except ConfigError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - anything we cannot phrase better goes to Hydra

@@ -24,11 +24,11 @@ from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
 from dxrun.checkpointing.preempt import Preemption, relaunch_command
 from dxrun.config import model_changes
 from dxrun.data import EVAL
-from dxrun.errors import first_line
+from dxrun.errors import ConfigError, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.runtime import AllocatorPeak, dir_refusal, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
@@ -125,16 +125,23 @@ class Prepared(NamedTuple):
 
 
 def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
-    """Everything that can refuse bad input, before anything is written or allocated: the mesh
-    plan, the data (its files, tokenizer and vocabulary), the checkpoint to resume from
-    (``checkpoint.resume`` for a launch into ``run_dir``) and the memory preflight (the step
-    compiled from shapes alone must fit). A resume is decided here in full
-    (``checkpoint.plan_resume``): its step, its data position, and its optimizer state, which
-    is restored when its tree fits the optimizer now and otherwise starts fresh with one
-    warning (a changed optimizer is not refused). Raises ConfigError, or NothingToTrain when the
-    checkpoint has reached ``train.steps`` already. ``cfg`` is read, never rewritten:
-    ``exp.cfg`` is the config the run follows (``cfg`` itself, or for ``parallelism=auto`` a
-    copy holding the batch held fixed and the chosen layout)."""
+    """Everything that can refuse bad input, before anything is written or allocated: a
+    ``checkpoint.dir`` that cannot be made, the mesh plan, the data (its files, tokenizer and
+    vocabulary), the checkpoint to resume from (``checkpoint.resume`` for a launch into
+    ``run_dir``) and the memory preflight (the step compiled from shapes alone must fit). A
+    resume is decided here in full (``checkpoint.plan_resume``): its step, its data position,
+    and its optimizer state, which is restored when its tree fits the optimizer now and
+    otherwise starts fresh with one warning (a changed optimizer is not refused). Raises
+    ConfigError, or NothingToTrain when the checkpoint has reached ``train.steps`` already.
+    ``cfg`` is read, never rewritten: ``exp.cfg`` is the config the run follows (``cfg``
+    itself, or for ``parallelism=auto`` a copy holding the batch held fixed and the chosen
+    layout)."""
+    # Every run that trains into a run dir may save (a signal asks for a save at any cadence),
+    # so its checkpoint.dir must take a dir before the search and the step compile.
+    if run_dir is not None and cfg.checkpoint.dir and (why := dir_refusal(
+            "checkpoint.dir", cfg.checkpoint.dir,
+            "give a dir you can write to, or leave checkpoint.dir null (<run dir>/checkpoints)")):
+        raise ConfigError(why)
     handover: dict[str, Any] = {}  # what the layout search made that the run takes over
     if not layout_search.searches(cfg):
         plan = make_plan(cfg, *visible_devices())  # the global batch, whichever key gave it

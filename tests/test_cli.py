@@ -153,6 +153,60 @@ def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     assert not (cwd / "multirun").exists()
 
 
+# Dirs that cannot be made, refused before Hydra makes its run or sweep dir and before anything
+# compiles. {file} is a file of the earlier run, {run} its dir. /proc takes no new dir even from
+# root, whom permission bits never refuse (tests may run as root).
+BAD_DIRS = [
+    (["hydra.run.dir=/proc/x"],
+     "hydra.run.dir=/proc/x cannot be created: /proc is not writable", "leave hydra.run.dir out"),
+    (["hydra.run.dir={file}/run"],
+     "hydra.run.dir={file}/run cannot be created: {file} is a file, not a directory",
+     "leave hydra.run.dir out"),
+    (["-m", "hydra.sweep.dir=/proc/y", "train.steps=5"],
+     "hydra.sweep.dir=/proc/y cannot be created: /proc is not writable",
+     "leave hydra.sweep.dir out"),
+    (["-m", "hydra.sweep.dir={file}", "train.steps=5"],
+     "hydra.sweep.dir={file} is a file, not a directory", "leave hydra.sweep.dir out"),
+    (["checkpoint.dir={file}", "train.steps=20"],
+     "checkpoint.dir={file} is a file, not a directory", "leave checkpoint.dir null"),
+    (["checkpoint.dir={file}/ckpt"],
+     "checkpoint.dir={file}/ckpt cannot be created: {file} is a file, not a directory",
+     "leave checkpoint.dir null"),
+    (["checkpoint.dir=/proc/ckpt"],
+     "checkpoint.dir=/proc/ckpt cannot be created: /proc is not writable",
+     "leave checkpoint.dir null"),
+    # A relaunch into the earlier run's dir: refused before that dir is claimed or written to.
+    (["hydra.run.dir={run}", "checkpoint.dir=/proc/ckpt"],
+     "checkpoint.dir=/proc/ckpt cannot be created", "leave checkpoint.dir null"),
+]
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path under ``root``, dirs too (an empty dir left behind counts), files by digest."""
+    files = tree_digest(root)
+    return {str(p.relative_to(root)): files.get(str(p.relative_to(root)), "dir")
+            for p in root.rglob("*")}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, key, fix", BAD_DIRS, ids=[" ".join(a) for a, _, _ in BAD_DIRS])
+def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, args, key, fix):
+    cwd, _ = dp4_tp2_run
+    (run_dir,) = _run_dirs(cwd)
+    names = {"file": run_dir / "plan.json", "run": run_dir}
+    before = _tree(cwd)
+    # JAX logs every compile under JAX_LOG_COMPILES: the refusal comes before the first.
+    proc = run_cli(*[a.format(**names) for a in args], "logger=none", cwd=cwd, timeout=120,
+                   env={"JAX_LOG_COMPILES": "1"})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "Compiling" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dxrun: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert key.format(**names) in errors[0] and fix in errors[0], errors[0]
+    assert _tree(cwd) == before  # no dir made, the earlier run's files as they were
+
+
 @pytest.mark.e2e
 def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path):
     """Hydra makes outputs/<date>/<time> before dxrun can check the config: a refused run takes
