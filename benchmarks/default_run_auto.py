@@ -3,8 +3,8 @@ search (``parallelism=dp``), side by side: each a ``python -m dxrun`` process of
 two alternating, ``--reps`` times; wall seconds from the launch to the exit. ``cold``: each run
 with a fresh ``XDG_CACHE_HOME`` (no compile and no decision cached: a first run); ``warm``: one
 ``XDG_CACHE_HOME`` for the series, its compiles cached by an untimed run of each first (a
-relaunch; a run that does not search caches no decision, so each decides afresh). The issue's
-bar: the default run searching stays within 1.3x.
+relaunch; a run that does not search caches no decision, so each decides afresh). What it
+answers: what the default run pays for deciding whether to search, against naming a layout.
 
     python benchmarks/default_run_auto.py --reps 2
 

@@ -9,7 +9,7 @@ after two untimed ones (median), with the minor page faults per step.
     python benchmarks/malloc_arenas.py --shape small --layouts fsdp8 --variants a1,a2 --steps 5
 
 A variant is ``none`` (glibc's defaults) or ``aN``: no mmap, a 1 GiB trim threshold and at most
-N arenas (``a1`` was ``reuse_freed_memory`` until 2026-12-04).
+N arenas (``a1`` is what ``reuse_freed_memory`` sets).
 """
 
 from __future__ import annotations

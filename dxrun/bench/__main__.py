@@ -28,13 +28,13 @@ from pathlib import Path
 from dxrun.runtime import simulate_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[2]
-# The issue's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
+# The suite's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
 # 16, fp32, AdamW lr 3e-4 wd 0.1 clip 1.0, GPT-2 block, learned positions, tied embeddings.
 SHAPE = ["model=tiny", "model.n_layers=4", "model.d_model=256", "model.d_ff=1024",
          "model.tie_embeddings=true", "data.vocab_size=256", "data.seq_len=128",
          "data.batch_size=16", "optimizer.lr=3e-4"]
 QUICK_SHAPE = ["model=tiny", "model.tie_embeddings=true", "data.seq_len=64", "data.batch_size=16"]
-# The benchmarks other issues wrote, run as they are (their own commands) in the full suite.
+# The benchmarks of benchmarks/, run as they are (their own commands) in the full suite.
 EXTERNAL = {
     "Compile time and step memory (benchmarks/compile_memory.py)":
         ["benchmarks/compile_memory.py", "--skip-cache"],
