@@ -392,6 +392,33 @@ def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
                                                                 "data.batch_size=64"}
 
 
+@pytest.mark.parametrize("preset", ["sweep=batch_devices", "sweep=strong_scaling",
+                                    "sweep=weak_scaling", "experiment=tp_scaling"])
+def test_throughput_presets_log_enough_windows_to_rank(preset):
+    """The rows each throughput preset's jobs log on CPU, as the loop writes them (a row every
+    train.log_every steps and at the last; the compiling first step in no window; a save's
+    block in the row of the step it was made at or the next row; the final save in the last
+    row: the grid sweep above checks this on real jobs), leave the report's statistic at least
+    ranking.STEADY_WINDOWS windows a job."""
+    from dxrun.capacity.plan_mode import save_cadence
+    from dxrun.report.collect import job_throughput
+    from dxrun.report.ranking import STEADY_WINDOWS
+
+    cfg = _validated(preset)
+    steps, every = cfg.train.steps, cfg.train.log_every
+    save_every, save_minutes = save_cadence(cfg.checkpoint.every, cfg.checkpoint.every_minutes,
+                                            "cpu", 0.0, 1.0)
+    rows, unlogged = [], False
+    for done in range(1, steps + 1):
+        unlogged |= bool(save_every and done % save_every == 0) or (
+            done == steps and bool(save_every or save_minutes))
+        if done % every == 0 or done == steps:
+            row = {"step": done, "perf/tokens_per_s": 1000.0 + done} if done > 1 else {}
+            rows.append({**row, **({"perf/checkpoint_block_s": 0.1} if unlogged else {})})
+            unlogged = False
+    assert len(job_throughput(rows).windows) >= STEADY_WINDOWS == 5
+
+
 def test_lr_optuna_sweep_composes():
     cfg = _compose("sweep=lr_optuna", hydra=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
