@@ -97,12 +97,14 @@ def test_lr_after_sqrt_scaling_is_in_metrics(weak: Path):
 
 
 def _job(mesh: str, n: int, batch: int, tokens_per_s: float, fixed: str) -> JobRecord:
-    """A finished job as the report reads it back: overrides, plan.json, summary.json."""
+    """A finished job as the report reads it back: overrides, plan.json and its timing windows
+    (metrics.jsonl rows), all at ``tokens_per_s``."""
+    window = {"perf/tokens_per_s": tokens_per_s, "perf/tokens_per_s_per_device": tokens_per_s / n}
     return JobRecord(dir=Path(f"{mesh}_b{batch}"), num=None, status="ok",
                      overrides=[f"parallelism={mesh}", fixed],
                      plan={"n_devices": n, "global_batch": batch,
                            "per_device_batch_size": batch // n},
-                     summary={"perf/tokens_per_s_per_device": tokens_per_s / n})
+                     _rows=[window, window])
 
 
 def test_scaling_efficiency_by_hand():

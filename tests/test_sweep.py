@@ -34,15 +34,24 @@ def _num(cell: str) -> float | None:
 
 # --- one real 2 x 3 multirun (batch 16, 32 x dp1, dp2, dp4), shared by the tests below ---
 
+# Eight steps logged every step, saved at 4 and 8: windows 2-8 (step 1 compiles), the save at 4
+# recorded in row 4 and holding window 5, the last save recorded in row 8.
+GRID_SAVES = (4, 8)
+GRID_COUNTED = (2, 3, 6, 7)  # the windows the report counts
+
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("grid")
     sweep = cwd / "sweep"
-    proc = run_cli("-m", "data.batch_size=16,32", "parallelism=dp1,dp2,dp4", *QUICK,
-                   "train.eval_every=3", "eval.batches=1", NO_SAVES, f"hydra.sweep.dir={sweep}",
-                   cwd=cwd)
+    proc = run_cli("-m", "data.batch_size=16,32", "parallelism=dp1,dp2,dp4", "train.steps=8",
+                   "train.log_every=1", "train.eval_every=3", "eval.batches=1",
+                   "checkpoint.every=4", f"hydra.sweep.dir={sweep}", cwd=cwd)
     return sweep, proc
+
+
+def _rows(job: Path) -> list[dict]:
+    return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.e2e
@@ -60,11 +69,10 @@ def test_grid_sweep_runs_six_jobs_on_the_devices_they_asked_for(grid):
 
 
 @pytest.mark.e2e
-def test_report_rows_equal_the_jobs_summaries(grid):
+def test_report_rows_equal_the_jobs_files(grid):
     sweep, _ = grid
     rows = _csv(sweep)
     assert len(rows) == 6
-    tpd = {}
     for row, job in zip(rows, _jobs(sweep), strict=True):
         s = json.loads((job / "summary.json").read_text())
         plan = json.loads((job / "plan.json").read_text())
@@ -75,13 +83,10 @@ def test_report_rows_equal_the_jobs_summaries(grid):
         assert int(row["batch_size"]) == plan["global_batch"]
         assert _num(row["train_loss"]) == s["train/loss"]
         assert _num(row["eval_loss"]) == s["eval/loss"]
-        assert _num(row["tokens_per_s"]) == s["tokens_per_s"] > 0
-        assert _num(row["tokens_per_s_per_device"]) == s["perf/tokens_per_s_per_device"]
         assert _num(row["step_mem_bytes_per_device"]) == s["mem/step_bytes_per_device"] > 0
         assert row["peak_mem_bytes_per_device"] == ""  # CPU: no allocator statistics
         assert _num(row["compile_time_s"]) == s["compile_time_s"] > 0
         assert row["mfu"] == ""  # CPU: no known peak, so no MFU (never a made-up number)
-        tpd[(plan["global_batch"], plan["n_devices"])] = s["perf/tokens_per_s_per_device"]
     # Per-job figures are the job's own: each compiled its own step, and the memory per device
     # falls as the same batch spreads over more devices (no job sees another's peak).
     mem = {(int(r["batch_size"]), int(r["devices"])): _num(r["step_mem_bytes_per_device"])
@@ -89,18 +94,61 @@ def test_report_rows_equal_the_jobs_summaries(grid):
     for bs in (16, 32):
         assert mem[(bs, 1)] > mem[(bs, 2)] > mem[(bs, 4)]
     assert mem[(32, 1)] > mem[(16, 1)]
-    for row in rows:  # the global batch held fixed: strong scaling over dp1 at that batch
-        key = (int(row["batch_size"]), int(row["devices"]))
-        assert int(row["per_device_batch"]) == key[0] // key[1]
-        assert _num(row["strong_scaling_efficiency"]) == pytest.approx(
-            tpd[key] / tpd[(key[0], 1)])
-        assert row["weak_scaling_efficiency"] == ""
     md = (sweep / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ") and "| ok |" in line]
     assert len(table) == 6
     assert f"{float(rows[4]['train_loss']):.4f}" in table[4]
     assert f"{float(rows[4]['tokens_per_s']):,.0f}" in table[4]
     assert "6 jobs: 6 ok, 0 failed" in md and "![throughput](throughput.png)" in md
+
+
+@pytest.mark.e2e
+def test_every_throughput_figure_is_the_rankings_median(grid):
+    """Saves inside the timed windows: each job's tokens_per_s, per device, scaling efficiency
+    and plotted points are the median the ranking sorts by, over the windows no save held,
+    worked out here from the jobs' metrics.jsonl."""
+    import statistics
+
+    from dxrun.report import plots
+    from dxrun.report.collect import find_jobs
+
+    sweep, _ = grid
+    rows = _csv(sweep)
+    medians, per_device = {}, {}
+    for row, job in zip(rows, _jobs(sweep), strict=True):
+        logged = _rows(job)
+        assert [r["step"] for r in logged if "perf/checkpoint_block_s" in r] == list(GRID_SAVES)
+        assert [r["step"] for r in logged if "perf/tokens_per_s" in r] == list(range(2, 9))
+        windows = [r["perf/tokens_per_s"] for r in logged if r["step"] in GRID_COUNTED]
+        key = (int(row["batch_size"]), int(row["devices"]))
+        medians[key] = statistics.median(windows)
+        per_device[key] = medians[key] / key[1]
+        assert int(row["tokens_per_s_windows"]) == len(GRID_COUNTED)
+        assert _num(row["tokens_per_s"]) == medians[key]
+        assert _num(row["tokens_per_s_per_device"]) == pytest.approx(per_device[key], rel=1e-12)
+        assert int(row["per_device_batch"]) == key[0] // key[1]
+        # the global batch held fixed: strong scaling over dp1 at that batch
+        assert _num(row["strong_scaling_efficiency"]) == pytest.approx(
+            per_device[key] / per_device[(key[0], 1)])
+        assert row["weak_scaling_efficiency"] == ""
+    md = (sweep / "report.md").read_text().splitlines()
+    assert "is the job's median over its post-compile timing windows (4 a job: " in md[6]
+    for bs in (16, 32):  # the ranking's median column: the table's tokens_per_s
+        at = md.index(f"## Layouts ranked at batch {bs}")
+        ranked = {cells[2].strip("` "): cells[5].strip() for cells in
+                  (line.split("|") for line in md[at + 6:at + 9])}
+        assert ranked == {f"dp{n}": f"{medians[(bs, n)]:,.0f}" for n in (1, 2, 4)}
+    jobs = find_jobs(sweep)
+    (ax,) = plots.throughput_figure(jobs).axes
+    assert sorted(b.get_width() for b in ax.patches) == sorted(medians.values())
+    (ax,) = plots.scaling_figure(jobs).axes
+    speedups = [list(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() == "-"]
+    assert speedups == [pytest.approx([medians[(bs, n)] / medians[(bs, 1)] for n in (1, 2, 4)])
+                        for bs in (16, 32)]
+    (ax,) = plots.efficiency_figure(jobs).axes
+    assert {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} == {
+        f"dp{n} ({n} dev)": pytest.approx([per_device[(bs, n)] for bs in (16, 32)])
+        for n in (1, 2, 4)}
 
 
 @pytest.mark.e2e
@@ -128,7 +176,7 @@ def test_jobs_share_one_wandb_group_and_the_report_is_uploaded_to_it(grid):
     assert groups == {f"sweep-{sweep.parent.name}_sweep"}
     assert {r["job_type"] for r in runs} == {"sweep"}
     assert [r["name"] for r in runs][:3] == [
-        f"tiny-dp{n}-bs16-steps3-log_every1-eval_every3-batches1-every0" for n in (1, 2, 4)]
+        f"tiny-dp{n}-bs16-steps8-log_every1-eval_every3-batches1-every4" for n in (1, 2, 4)]
     (path,) = sweep.glob("wandb/offline-run-*/run-*.wandb")
     report = read_run(path)
     assert report["group"] in groups and report["job_type"] == "sweep-report"
@@ -342,6 +390,33 @@ def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
     (batches,) = BasicSweeper.split_arguments(parsed, None)
     assert len(batches) == 2 * 7 and {j[0] for j in batches} == {"data.batch_size=32",
                                                                 "data.batch_size=64"}
+
+
+@pytest.mark.parametrize("preset", ["sweep=batch_devices", "sweep=strong_scaling",
+                                    "sweep=weak_scaling", "experiment=tp_scaling"])
+def test_throughput_presets_log_enough_windows_to_rank(preset):
+    """The rows each throughput preset's jobs log on CPU, as the loop writes them (a row every
+    train.log_every steps and at the last; the compiling first step in no window; a save's
+    block in the row of the step it was made at or the next row; the final save in the last
+    row: the grid sweep above checks this on real jobs), leave the report's statistic at least
+    ranking.STEADY_WINDOWS windows a job."""
+    from dxrun.capacity.plan_mode import save_cadence
+    from dxrun.report.collect import job_throughput
+    from dxrun.report.ranking import STEADY_WINDOWS
+
+    cfg = _validated(preset)
+    steps, every = cfg.train.steps, cfg.train.log_every
+    save_every, save_minutes = save_cadence(cfg.checkpoint.every, cfg.checkpoint.every_minutes,
+                                            "cpu", 0.0, 1.0)
+    rows, unlogged = [], False
+    for done in range(1, steps + 1):
+        unlogged |= bool(save_every and done % save_every == 0) or (
+            done == steps and bool(save_every or save_minutes))
+        if done % every == 0 or done == steps:
+            row = {"step": done, "perf/tokens_per_s": 1000.0 + done} if done > 1 else {}
+            rows.append({**row, **({"perf/checkpoint_block_s": 0.1} if unlogged else {})})
+            unlogged = False
+    assert len(job_throughput(rows).windows) >= STEADY_WINDOWS == 5
 
 
 def test_lr_optuna_sweep_composes():

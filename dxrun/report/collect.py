@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dxrun.report.ranking import LayoutRun
 from dxrun.runtime import STATUS
 from dxrun.tracking.logger import read_metrics
 
@@ -89,18 +92,74 @@ class JobRecord:
             self._rows = rows
         return self._rows
 
+    @cached_property
+    def throughput(self) -> Throughput | None:
+        """The job's throughput statistic (``job_throughput`` of its metrics.jsonl rows, else
+        of its summary's last window); None: it timed no window."""
+        return job_throughput(self.metrics() or [self.summary])
+
     def windows(self) -> tuple[float, ...]:
-        """Tokens/s (all devices) of each post-compile timing window the job logged: every
-        ``perf/tokens_per_s`` row of its metrics.jsonl (the compiling step is never in a window),
-        less the windows a checkpoint save held (their time is the save's, not the layout's)
-        unless every window had one. A job without metrics.jsonl rows: its summary's last
-        window, if any."""
-        rows = [r for r in self.metrics() if r.get("perf/tokens_per_s")]
-        clean = [r for r in rows if not r.get("perf/checkpoint_block_s")]
-        got = tuple(r["perf/tokens_per_s"] for r in (clean or rows))
-        if not got and self.summary.get("tokens_per_s"):
-            return (self.summary["tokens_per_s"],)
-        return got
+        """Tokens/s (all devices) of the timing windows its throughput counts."""
+        return self.throughput.windows if self.throughput else ()
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A job's tokens/s as every figure of the sweep report reads it: the ranking, the table's
+    tokens_per_s, tokens_per_s_per_device and mfu, the scaling efficiencies and the plots."""
+
+    windows: tuple[float, ...]  # tokens/s (all devices) of each window counted, in step order
+    median: float  # of ``windows``: what the ranking sorts by
+    per_device: float | None  # median perf/tokens_per_s_per_device of the same windows
+    mfu: float | None  # median perf/mfu of the same windows; None: no known peak
+
+
+SAVE = "perf/checkpoint_block_s"
+
+
+def job_throughput(rows: list[dict[str, Any]]) -> Throughput | None:
+    """The median tokens/s over a job's post-compile timing windows: its metrics rows
+    that carry ``perf/tokens_per_s`` (the compiling step is never in a window), less those a
+    checkpoint save may have held, unless that is all of them. A save made at a log step is
+    recorded in that step's row (``perf/checkpoint_block_s``) but runs after that row's window
+    has closed, inside the next one; a save off the log steps is recorded in the row whose
+    window it held. So a window is left out when its row or the row before it records a save.
+    Per-device tokens/s and MFU are medians over the same windows (within a job both are
+    proportional to tokens/s). None: no row with tokens/s."""
+    timed = [(i, r) for i, r in enumerate(rows) if r.get("perf/tokens_per_s")]
+    clean = [r for i, r in timed if not r.get(SAVE) and not (i and rows[i - 1].get(SAVE))]
+    counted = clean or [r for _, r in timed]
+    if not counted:
+        return None
+
+    def median_of(key: str) -> float | None:
+        got = [r[key] for r in counted if r.get(key) is not None]
+        return statistics.median(got) if len(got) == len(counted) else None
+
+    windows = tuple(r["perf/tokens_per_s"] for r in counted)
+    return Throughput(windows, statistics.median(windows),
+                      median_of("perf/tokens_per_s_per_device"), median_of("perf/mfu"))
+
+
+def layout_run(job: JobRecord) -> LayoutRun:
+    """A finished job as a row of the layout ranking (the format ``parallelism=auto`` shares):
+    its counted windows, so the ranking's median is its throughput statistic's."""
+    return LayoutRun(layout=job.mesh, windows=job.windows(), devices=job.n_devices,
+                     mem_bytes_per_device=job.summary.get("mem/step_bytes_per_device"))
+
+
+def statistic_sentence(jobs: list[JobRecord]) -> str | None:
+    """The one sentence of report.md that says what every throughput figure in it is; None
+    when no job timed a window."""
+    counts = sorted({len(j.windows()) for j in jobs if j.windows()})
+    if not counts:
+        return None
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    return ("Every throughput figure in this report (the ranking, tokens_per_s, "
+            "tokens_per_s_per_device, mfu, the scaling efficiencies and the plots) is the job's "
+            f"median over its post-compile timing windows ({n} a job: tokens_per_s_windows; one "
+            "every train.log_every steps), leaving out the windows a checkpoint save may have "
+            "held (the row that records a save and the row after it).")
 
 
 def tally(jobs: list[JobRecord]) -> str:
@@ -191,7 +250,7 @@ def scaling_groups(jobs: list[JobRecord]) -> list[tuple[str, list[JobRecord]]]:
     batch that grows, the per-device batch (weak scaling). A group that held neither is left
     out: its jobs differ in more than the devices."""
     ok = [j for j in jobs if j.status == "ok" and j.n_devices
-          and j.summary.get("perf/tokens_per_s_per_device")]
+          and j.throughput and j.throughput.per_device]
     out = []
     for key in sorted({j.workload for j in ok}):
         same = [j for j in ok if j.workload == key]
@@ -206,16 +265,16 @@ def scaling_groups(jobs: list[JobRecord]) -> list[tuple[str, list[JobRecord]]]:
 
 def scaling_efficiency(jobs: list[JobRecord]) -> dict[Path, tuple[str, float]]:
     """(kind, efficiency) of each job of a scaling group, against the group's fewest devices
-    (with several meshes at that count, the fastest is the base). Weak: tokens/s per device at
+    (with several meshes at that count, the fastest is the base), from each job's throughput
+    statistic (``job_throughput``). Weak: tokens/s per device at
     n ÷ at the fewest. Strong: speed-up ÷ device ratio, (T_n / T_0) / (n / n_0), which is the
     same quotient of tokens/s per device; the kinds differ in what was held fixed."""
     out: dict[Path, tuple[str, float]] = {}
     for kind, same in scaling_groups(jobs):
         fewest = min(j.n_devices for j in same)
-        base = max(j.summary["perf/tokens_per_s_per_device"] for j in same
-                   if j.n_devices == fewest)
+        base = max(j.throughput.per_device for j in same if j.n_devices == fewest)
         for j in same:
-            out[j.dir] = (kind, j.summary["perf/tokens_per_s_per_device"] / base)
+            out[j.dir] = (kind, j.throughput.per_device / base)
     return out
 
 

@@ -9,8 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from dxrun.report.collect import STRONG, WEAK, JobRecord, scaling_groups, varying
-from dxrun.report.ranking import LayoutRun, rank_layouts
+from dxrun.report.collect import STRONG, WEAK, JobRecord, layout_run, scaling_groups, varying
+from dxrun.report.ranking import rank_layouts
 
 
 def _figure(panels: int = 1, height: float = 4.2):
@@ -71,7 +71,7 @@ def throughput_figure(jobs: list[JobRecord]) -> Any | None:
     for i, (key, same) in enumerate(sorted(groups.items(), key=lambda kv: kv[0][0])):
         color = f"C{i % 10}"
         by_layout = {j.mesh: j for j in same}
-        ranked = rank_layouts([LayoutRun(j.mesh, j.windows(), j.n_devices) for j in same])
+        ranked = rank_layouts([layout_run(j) for j in same])
         rest = [o for o in key[1] if o in vary and not o.startswith("data.batch_size=")]
         label = " ".join([f"batch {key[0]}", *rest])
         for k, r in enumerate(ranked):
@@ -185,20 +185,24 @@ def final_loss_figure(jobs: list[JobRecord]) -> Any | None:
 
 def efficiency_figure(jobs: list[JobRecord]) -> Any | None:
     """MFU against batch size, one line per mesh; tokens/s per device where a job has no MFU
-    (no known peak, e.g. CPUs). Drawn when the sweep ran more than one batch size."""
+    (no known peak, e.g. CPUs); both the jobs' throughput statistic. Drawn when the sweep ran
+    more than one batch size."""
     ok = [j for j in jobs if j.status == "ok" and j.batch_size
-          and j.summary.get("perf/tokens_per_s_per_device")]
+          and j.throughput and j.throughput.per_device]
     if len({j.batch_size for j in ok}) < 2:
         return None
-    use_mfu = all(j.summary.get("perf/mfu") is not None for j in ok)
-    key = "perf/mfu" if use_mfu else "perf/tokens_per_s_per_device"
+    use_mfu = all(j.throughput.mfu is not None for j in ok)
+
+    def value(j: JobRecord) -> float:
+        return j.throughput.mfu if use_mfu else j.throughput.per_device
+
     fig, ax = _figure()
     meshes: dict[str, list[JobRecord]] = defaultdict(list)
     for j in ok:
         meshes[f"{j.mesh} ({j.n_devices} dev)"].append(j)
     for label, same in sorted(meshes.items(), key=lambda kv: (kv[1][0].n_devices, kv[0])):
         same = sorted(same, key=lambda j: j.batch_size)
-        ax.plot([j.batch_size for j in same], [j.summary[key] for j in same], "-o", label=label)
+        ax.plot([j.batch_size for j in same], [value(j) for j in same], "-o", label=label)
     ax.set_xscale("log", base=2)
     sizes = sorted({j.batch_size for j in ok})
     ax.set_xticks(sizes, [str(b) for b in sizes])
@@ -220,7 +224,8 @@ _SCALING = {
 
 def scaling_figure(jobs: list[JobRecord]) -> Any | None:
     """One panel per kind of scaling group in the sweep (weak, strong): each group's best mesh
-    at each device count, and the dashed ideal of that kind from its fewest devices."""
+    at each device count (the jobs' throughput statistic, as the efficiency columns), and the
+    dashed ideal of that kind from its fewest devices."""
     groups = scaling_groups(jobs)
     kinds = [k for k in (WEAK, STRONG) if any(kind == k for kind, _ in groups)]
     if not kinds:
@@ -234,8 +239,7 @@ def scaling_figure(jobs: list[JobRecord]) -> Any | None:
         for i, same in enumerate(mine):
             best: dict[int, float] = {}
             for j in same:
-                best[j.n_devices] = max(best.get(j.n_devices, 0.0),
-                                        j.summary["perf/tokens_per_s_per_device"])
+                best[j.n_devices] = max(best.get(j.n_devices, 0.0), j.throughput.per_device)
             xs = sorted(best)
             n0 = xs[0]
             # tokens/s per device (weak); speed-up T_n / T_0 = (t_n * n) / (t_0 * n0) (strong)

@@ -3,15 +3,23 @@ report and of ``parallelism=auto`` (a sweep over every layout is the check of au
 Pure functions of numbers: no JAX, no files.
 
 A layout's speed is the median of its timing windows (tokens/s, all devices, one value per
-post-compile log window) and its spread the interquartile range of those windows (robust to one
-window slowed by something else on the host). Two layouts are told apart only when the faster's
-lower quartile is above the slower's upper quartile; a layout with one window has no spread,
-so it is never told apart from another."""
+post-compile log window) and its spread the interquartile range of those windows. Two layouts
+are told apart only when the faster's lower quartile is above the slower's upper quartile; a
+layout with fewer than ``MIN_WINDOWS`` windows has no spread, so it is never told apart from
+another. From ``STEADY_WINDOWS`` windows on, the quartiles are robust to one window slowed by
+something else on the host."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+
+# One window has no spread: a layout needs two to be told apart from another.
+MIN_WINDOWS = 2
+# The quartiles sit at positions 0.25 (n - 1) and 0.75 (n - 1) of the sorted windows; from
+# five windows on they are inner windows, so one stray window (the slowest or the fastest)
+# moves neither past its neighbour. With four or fewer it drags a quartile part of its way.
+STEADY_WINDOWS = 5
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ def quartiles(xs: list[float] | tuple[float, ...]) -> tuple[float, float, float]
 def beyond_spread(fast: Ranked, slow: Ranked) -> bool:
     """``fast`` is faster than ``slow`` beyond both spreads: its lower quartile is above the
     other's upper one, and each has more than one window (one window has no spread)."""
-    return (len(fast.run.windows) > 1 and len(slow.run.windows) > 1
+    return (len(fast.run.windows) >= MIN_WINDOWS and len(slow.run.windows) >= MIN_WINDOWS
             and fast.q1 > slow.q3)
 
 
@@ -113,7 +121,7 @@ def verdict(ranked: list[Ranked], where: str) -> str:
     ratio = best.median / second.median
     if beyond_spread(best, second):
         return f"fastest {where}: {best.layout}, {ratio:.2f}× {second.layout}, beyond the spread"
-    one = [r.layout for r in (best, second) if len(r.run.windows) < 2]
+    one = [r.layout for r in (best, second) if len(r.run.windows) < MIN_WINDOWS]
     cause = (f"{' and '.join(one)} timed in one window only" if one else "spreads overlap")
     return (f"{where}: not distinguishable: {best.layout} {ratio:.2f}× {second.layout}, "
             f"{cause}")

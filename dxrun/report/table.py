@@ -1,5 +1,6 @@
-"""``report.md`` and ``report.csv``: one row per job. The CSV holds the numbers exactly as the
-jobs' ``summary.json`` has them; the Markdown rounds them for reading."""
+"""``report.md`` and ``report.csv``: one row per job. The CSV holds the numbers unrounded (the
+jobs' ``summary.json`` figures, and their throughput statistic: ``collect.job_throughput``); the
+Markdown rounds them for reading."""
 
 from __future__ import annotations
 
@@ -16,18 +17,24 @@ from dxrun.report.collect import (
     JobRecord,
     find_jobs,
     layout_groups,
+    layout_run,
     overlapping,
     scaling_efficiency,
+    statistic_sentence,
     tally,
     varying,
 )
-from dxrun.report.ranking import LayoutRun, Ranked, quartiles, rank_layouts, ranking_table, verdict
+from dxrun.report.ranking import Ranked, rank_layouts, ranking_table, verdict
 
 log = logging.getLogger("dxrun")
 
 
 def _summary(key: str) -> Callable[[JobRecord], Any]:
     return lambda j: j.summary.get(key)
+
+
+def _throughput(field: str) -> Callable[[JobRecord], Any]:
+    return lambda j: getattr(j.throughput, field) if j.throughput else None
 
 
 # (column, value of a job, Markdown format) in report order.
@@ -41,13 +48,12 @@ COLUMNS: list[tuple[str, Callable[[JobRecord], Any], Callable[[Any], str]]] = [
     ("per_device_batch", lambda j: j.per_device_batch, str),
     ("train_loss", _summary("train/loss"), "{:.4f}".format),
     ("eval_loss", _summary("eval/loss"), "{:.4f}".format),
-    ("tokens_per_s", _summary("tokens_per_s"), "{:,.0f}".format),
-    # Over every post-compile timing window of the job (metrics.jsonl), as the ranking has it.
-    ("median_tokens_per_s", lambda j: quartiles(j.windows())[1] if j.windows() else None,
-     "{:,.0f}".format),
+    # The job's throughput statistic (collect.job_throughput), the number the ranking sorts by;
+    # never the last window alone, which is the one the final checkpoint save is recorded in.
+    ("tokens_per_s", _throughput("median"), "{:,.0f}".format),
     ("tokens_per_s_windows", lambda j: len(j.windows()) or None, str),
-    ("tokens_per_s_per_device", _summary("perf/tokens_per_s_per_device"), "{:,.0f}".format),
-    ("mfu", _summary("perf/mfu"), "{:.2%}".format),
+    ("tokens_per_s_per_device", _throughput("per_device"), "{:,.0f}".format),
+    ("mfu", _throughput("mfu"), "{:.2%}".format),
     # Filled in from the whole sweep: each job's group held one of the two batches fixed.
     (f"{WEAK}_scaling_efficiency", None, "{:.2f}".format),
     (f"{STRONG}_scaling_efficiency", None, "{:.2f}".format),
@@ -73,12 +79,6 @@ def rows(jobs: list[JobRecord]) -> list[dict[str, Any]]:
                else get(j) for name, get, _ in COLUMNS}
         out.append(row)
     return out
-
-
-def layout_run(job: JobRecord) -> LayoutRun:
-    """A finished job as a row of the layout ranking (the format ``parallelism=auto`` shares)."""
-    return LayoutRun(layout=job.mesh, windows=job.windows(), devices=job.n_devices,
-                     mem_bytes_per_device=job.summary.get("mem/step_bytes_per_device"))
 
 
 def rankings(jobs: list[JobRecord]) -> list[tuple[str, list[Ranked]]]:
@@ -125,15 +125,15 @@ def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]]
     lines = ([f"# {first}", "", f"Sweep report: `{sweep_dir}`"] if first
              else [f"# Sweep report: `{sweep_dir}`"])
     lines += ["", f"{len(jobs)} jobs: {tally(jobs)}.", ""]
+    statistic = statistic_sentence(jobs)
+    lines += [statistic, ""] if statistic else []
     lines += extra
     for where, r in ranked or []:
         lines += [f"## Layouts ranked {where}", "", verdict(r, where) + ".", ""]
         lines += ranking_table(r)
         lines += [""]
     if ranked:
-        lines += ["Ranked by the median tokens/s (all devices) over each job's post-compile "
-                  "timing windows (metrics.jsonl; windows that a checkpoint save held are left "
-                  "out); spread: the interquartile range of those windows. A layout is faster "
+        lines += ["Spread: the interquartile range of a job's timing windows. A layout is faster "
                   "beyond the spread when its lower quartile is above the other's upper one.",
                   "", "## Jobs", ""]
     shown = [(c, f) for c, _, f in COLUMNS if c not in ("reason", "log")]
@@ -150,9 +150,8 @@ def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]]
         lines += [f"- job {j.label_num} ({j.kind}): {j.reason}" + (f" — log: `{j.log}`"
                                                                    if j.log else "")
                   for j in failed]
-    lines += ["", "Columns: losses are the final train / held-out loss (nats/token); tokens/s "
-              "is the last logged window, all devices together (median_tokens_per_s: the median over "
-              "the job's tokens_per_s_windows post-compile windows); per_device_batch is what one data "
+    lines += ["", "Columns: losses are the final train / held-out loss (nats/token); tokens_per_s "
+              "counts all devices together; per_device_batch is what one data "
               "replica computes at once (global = per-device x dp x fsdp x train.grad_accum). "
               "Jobs with the same overrides but the mesh form a scaling group: weak scaling "
               "when they share the per-device batch (the global batch grows with the devices), "
