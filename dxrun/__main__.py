@@ -6,6 +6,7 @@ decide how many CPU devices to simulate.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -17,6 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dxrun import run_dir as run_dirs
+from dxrun.checkpointing.preempt import SIGNALS, Interrupted, guard_signals, relaunch_command
 from dxrun.config import (
     check_keys,
     composition_error,
@@ -27,6 +30,7 @@ from dxrun.config import (
 )
 from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
 from dxrun.multihost.distributed import agree, is_main, join
+from dxrun.run_dir import Claim
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -72,10 +76,12 @@ def main(cfg: DictConfig) -> Any:
     from dxrun.tracking.goodput import job_started_at
 
     started = job_started_at()  # goodput's wall time counts from here (the process's start)
+    SIGNALS.start_job()
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_log = RunLog()  # lines wait in memory until this run has claimed its own dir
     run_dir: Path | None = None
+    claim: Claim | None = None  # the run dir this job trains in, held until it ends
     try:
         check_keys(cfg)
         validate(cfg)
@@ -106,7 +112,7 @@ def main(cfg: DictConfig) -> Any:
             log.warning(w)
         from dxrun.batch import resolved_config
         from dxrun.checkpointing.preempt import Stopped
-        from dxrun.train import Job, prepare, train
+        from dxrun.train import Job, prepare, record_end, train
 
         if cfg.run.mode == "plan":
             from dxrun.capacity.plan_mode import planned, run_plan
@@ -120,56 +126,74 @@ def main(cfg: DictConfig) -> Any:
             write_hydra_files(run_dir, resolved_config(plan_cfg, plan), hydra_cfg)
             return run_plan(plan_cfg, run_dir, plan)
         # Every process uses process 0's run dir (their clocks may name it differently).
-        asked = _asked_dir(hydra_cfg)
+        # Claimed and held before the plan and the compile, so that a second launch into a
+        # held dir is refused at once (or waits) instead of compiling beside it.
+        claim = _claim_to_train(cfg, hydra_cfg, _asked_dir(hydra_cfg))
+        run_dir = claim.dir
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
         # From here on the run follows run_cfg, a copy: the W&B job type and group filled in
         # (``_wandb_named``) and, for parallelism=auto, the chosen layout (``prepare``).
-        prepared = prepare(_wandb_named(cfg, hydra_cfg, multirun), asked)
+        prepared = prepare(_wandb_named(cfg, hydra_cfg, multirun), run_dir)
         run_cfg, resume = prepared.exp.cfg, prepared.resume
         if simulated and not multirun and (note := thread_pool_note(
                 len(prepared.exp.plan.device_ids), jax.local_device_count(), os.cpu_count())):
             log.info(note)
-        # Relaunched into a dir holding its checkpoints (a requeued job): continue in place.
-        reuse = resume is not None and resume.in_place
-        run_dir = Path(agree(f"run_dir/{_job_key(hydra_cfg)}",
-                             str(_claim(asked, reuse) if is_main() else asked)))
         run_log.attach(run_dir)
+        if claim.continues and not (resume is not None and resume.in_place):
+            last = {"running": "died (killed: its status still said running)",
+                    "stopped": "was stopped", "failed": "failed"}.get(
+                        (claim.earlier or {}).get("status"), "ended")
+            log.warning("%s: attempt %d of its run; the last one %s before its first "
+                        "checkpoint, so this one starts again from %s", run_dir, claim.attempt,
+                        last, resume.directory if resume is not None else "step 0")
         if is_main():  # the plan's global batch and sequence length, written once
             write_hydra_files(run_dir, resolved_config(run_cfg, prepared.exp.plan), hydra_cfg)
-        _status(run_dir, "running", **_job_fields(hydra_cfg))
+        _status(run_dir, "running", **_job_fields(hydra_cfg, claim))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}
-        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started)
+        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started,
+                  continues=claim.continues)
         try:
             summary = train(run_cfg, run_dir, job, prepared)
         except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
             _status(run_dir, "stopped", signal=e.signal_name, step=e.step,
                     checkpoint=str(e.checkpoint), relaunch=e.relaunch, reason=str(e),
-                    **_job_fields(hydra_cfg))
+                    **_job_fields(hydra_cfg, claim))
             sys.exit(e.code)
-        _status(run_dir, "ok", **_job_fields(hydra_cfg))
+        _status(run_dir, "ok", **_job_fields(hydra_cfg, claim))
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
         return summary.get(run_cfg.train.objective) if run_cfg.train.objective else summary
+    except Interrupted as e:  # a signal outside the train loop
+        _interrupted(e, cfg, hydra_cfg, run_log, claim)
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
-                **_job_fields(hydra_cfg))
+                **_job_fields(hydra_cfg, claim))
         return _job_failed(str(e), crashed=True)
     except NothingToTrain as e:  # a relaunch of a finished run: its files stay as they are
+        # ... unless it reached its end and was stopped or killed before recording it.
+        if claim is not None and record_end(claim.dir, e.meta):
+            run_log.attach(claim.dir)
+            _status(claim.dir, "ok", **_job_fields(hydra_cfg, claim))
+            if is_main():
+                print(f"dxrun: checkpoint {e.checkpoint} is at the run's end, which it had not "
+                      "recorded (stopped or killed after its last save): summary.json (from "
+                      "metrics.jsonl) and status ok written", file=sys.stderr)
+            return None
         run_log.discard()
         if is_main():
-            _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+            _give_up(claim, hydra_cfg)
             print(f"dxrun: {e}", file=sys.stderr)
         return None
     except ConfigError as e:
         run_log.discard()
         if multirun and is_main():  # the sweep report lists the refused job beside the others
-            run_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+            run_dir = claim.dir if claim else claim_run_dir(Path(hydra_cfg.runtime.output_dir))
             write_hydra_files(run_dir, cfg, hydra_cfg)
             _status(run_dir, "failed", kind="refused", reason=str(e),
-                    **_job_fields(hydra_cfg))
+                    **_job_fields(hydra_cfg, claim))
         elif is_main():  # the others share its dir: one process tidies it, never two at once
-            _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+            _give_up(claim, hydra_cfg)
         return _job_failed(str(e), crashed=False)
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
         if run_dir is None:  # failed before claiming: the traceback still needs a home
@@ -186,17 +210,95 @@ def main(cfg: DictConfig) -> Any:
         first = first_line(e)
         reason = f"{type(e).__name__}: {first}"
         _status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
-                **_job_fields(hydra_cfg))
+                **_job_fields(hydra_cfg, claim))
         return _job_failed(f"{reason} (full traceback: {log_path})", crashed=True)
+    finally:
+        if claim is not None:  # the next job of a multirun, or a relaunch, may take it
+            claim.release()
 
 
-def _claim(asked: Path, reuse: bool = False) -> Path:
-    """Claim this run's dir; a relaunch into a used one gets a sibling, said at once rather
-    than only in the last line (unless it resumes there: ``reuse``)."""
-    run_dir = claim_run_dir(asked, reuse=reuse)
+def _claim(asked: Path) -> Path:
+    """Claim a new run's dir (plan mode); a used one gets a sibling, said at once rather than
+    only in the last line."""
+    run_dir = claim_run_dir(asked)
     if run_dir != asked:
         log.warning("%s already holds a run: this run writes to %s", asked, run_dir)
     return run_dir
+
+
+def _claim_to_train(cfg: DictConfig, hydra_cfg: Any, asked: Path) -> Claim:
+    """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
+    job's life; every process gets process 0's decision, a refusal included. A move away from
+    ``asked`` is said at once rather than only in the last line."""
+    from dxrun.checkpointing.checkpoint import checkpoint_dir, committed_steps
+
+    wait_s = run_dirs.wait_seconds(cfg.run.wait_for_lock)
+    claim, decision = None, {}
+    if is_main():
+        try:
+            claim = run_dirs.claim(
+                asked, named=_names_its_dir(hydra_cfg),
+                fresh=str(cfg.checkpoint.resume) == "none", wait_s=wait_s,
+                has_checkpoints=lambda d: bool(committed_steps(checkpoint_dir(cfg.checkpoint, d))))
+            decision = {"dir": str(claim.dir), "continues": claim.continues}
+        except ConfigError as e:
+            decision = {"refusal": str(e)}
+    # The others wait here while process 0 waits for the lock.
+    decision = json.loads(agree(f"run_dir/{_job_key(hydra_cfg)}", json.dumps(decision),
+                                timeout_s=300 + int(min(wait_s, 7 * 24 * 3600))))
+    if "refusal" in decision:
+        raise ConfigError(decision["refusal"])
+    if claim is None:  # another process: the dir, never the lock
+        claim = Claim(Path(decision["dir"]), earlier={} if decision["continues"] else None)
+    if claim.dir != asked:
+        log.warning("%s already holds a run: this run %s %s", asked,
+                    "continues it in" if claim.continues else "writes to", claim.dir)
+    return claim
+
+
+def _names_its_dir(hydra_cfg: Any) -> bool:
+    """Whether the run dir was named (``hydra.run.dir=<dir>``, a preset's, a fixed sweep dir)
+    rather than generated from the clock (Hydra's default ``outputs/${now:...}``): only a named
+    dir is continued by a relaunch; two launches in the same second share a generated name by
+    chance and each takes its own dir."""
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    where = OmegaConf.to_container(hydra_cfg.sweep if multirun else hydra_cfg.run, resolve=False)
+    return "${now:" not in str(where.get("dir", "")) + str(where.get("subdir", ""))
+
+
+def _give_up(claim: Claim | None, hydra_cfg: Any) -> None:
+    """A job that trains nothing leaves the dirs as they were: its lock goes, and a dir
+    Hydra or the claim made for it goes too when nothing else is in it."""
+    if claim is not None:
+        claim.release()
+        _discard_empty_dir(claim.dir)
+    _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+
+
+def _interrupted(e: Interrupted, cfg: DictConfig, hydra_cfg: Any, run_log: RunLog,
+                 claim: Claim | None) -> None:
+    """A signal outside the train loop: one line, status ``stopped`` naming the newest
+    checkpoint (if any) and the command that continues the run, and the signal's exit code. A
+    job stopped before it claimed a dir leaves nothing behind."""
+    if claim is None:
+        log.info("%s: stopped %s; nothing was written", e.signal_name, e.when)
+        run_log.discard()
+        if is_main():
+            _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+        sys.exit(e.code)
+    from dxrun.checkpointing.checkpoint import checkpoint_dir, committed_steps
+
+    run_log.attach(claim.dir)
+    steps = committed_steps(checkpoint_dir(cfg.checkpoint, claim.dir))
+    ckpt = checkpoint_dir(cfg.checkpoint, claim.dir) / str(steps[-1]) if steps else None
+    relaunch = relaunch_command(list(hydra_cfg.overrides.task), claim.dir)
+    saved = f"checkpoint {ckpt} is the newest" if ckpt else "no checkpoint yet"
+    reason = f"{e.signal_name}: stopped {e.when}; {saved}. Resume with: {relaunch}"
+    log.info(reason)
+    _status(claim.dir, "stopped", signal=e.signal_name, step=steps[-1] if steps else 0,
+            checkpoint=str(ckpt) if ckpt else None, relaunch=relaunch, reason=reason,
+            **_job_fields(hydra_cfg, claim))
+    sys.exit(e.code)
 
 
 def _status(run_dir: Path, status: str, **fields: Any) -> None:
@@ -219,9 +321,11 @@ def _asked_dir(hydra_cfg: Any) -> Path:
     return asked
 
 
-def _job_fields(hydra_cfg: Any) -> dict[str, Any]:
+def _job_fields(hydra_cfg: Any, claim: Claim | None = None) -> dict[str, Any]:
     return {"job": hydra_cfg.job.num if hydra_cfg.mode == RunMode.MULTIRUN else None,
-            "overrides": list(hydra_cfg.overrides.task)}
+            "overrides": list(hydra_cfg.overrides.task),
+            "attempt": claim.attempt if claim else 1,
+            "lost_attempts": claim.lost_attempts if claim else 0}
 
 
 def _wandb_named(cfg: DictConfig, hydra_cfg: Any, multirun: bool) -> DictConfig:
@@ -334,9 +438,14 @@ def _fail(msg: str, code: int = 2) -> None:
 
 def cli() -> None:
     global _started_in
+    guard_signals()  # before anything slow: a signal from here on ends the run in one line
     _started_in = (Path.cwd(), frozenset(os.listdir()))
-    check_composition(sys.argv[1:])
-    main()
+    try:
+        check_composition(sys.argv[1:])
+        main()
+    except Interrupted as e:  # outside a job (composing the config), or while it was failing
+        print(f"dxrun: {e.signal_name}: stopped {e.when}", file=sys.stderr)
+        sys.exit(e.code)
     from dxrun.report.callback import SWEEP_DIRS
 
     for sweep_dir in SWEEP_DIRS:

@@ -299,6 +299,10 @@ def check_eval(cfg: Any) -> None:
 
 def check_run(cfg: Any) -> None:
     check_section(cfg, "run")
+    wait = cfg.run.wait_for_lock
+    if not isinstance(wait, bool) and (not isinstance(wait, (int, float)) or not wait >= 0):
+        raise ConfigError(f"run.wait_for_lock={wait!r} must be true, false or a number of "
+                          "seconds >= 0")
 
 
 def check_distributed(cfg: Any) -> None:

@@ -18,7 +18,13 @@ def first_line(e: BaseException, limit: int = 300) -> str:
 
 class NothingToTrain(Exception):  # noqa: N818 - an outcome, not a failure
     """A relaunch whose ``train.steps`` the checkpoint has already reached: the launcher says so
-    in one line and exits 0, leaving the run's files as they are."""
+    in one line and exits 0, leaving the run's files as they are (or, for a run that reached
+    its end but was stopped before recording it, records it). ``checkpoint``: the step dir,
+    ``meta`` its meta."""
+
+    def __init__(self, message: str, checkpoint: object = None, meta: dict | None = None):
+        super().__init__(message)
+        self.checkpoint, self.meta = checkpoint, meta or {}
 
 
 class CheckpointReadError(RuntimeError):

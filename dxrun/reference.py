@@ -286,7 +286,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
 
 # Every file a run (or a tool run on it) writes into the run dir.
 RUN_FILES: dict[str, str] = {
-    ".hydra/": "config.yaml (resolved), hydra.yaml, overrides.yaml; written after validation",
+    ".hydra/": "config.yaml (resolved), hydra.yaml, overrides.yaml; written after validation; "
+               "`lock` while a run holds the dir (its pid, host and start)",
     "dxrun.log": "the console lines (a multi-process run: dxrun.<rank>.log per process)",
     "plan.json": "the mesh plan (keys below); plan mode adds `plan_mode`",
     "metrics.jsonl": "one JSON object per log step: `step` and every metric of the row (see Metrics)",
@@ -341,11 +342,15 @@ STATUS: dict[str, str] = {
     "kind": "failed: refused (bad input) | crashed | nonfinite",
     "reason": "failed or stopped: the one line that was printed",
     "log": "failed: the file holding the traceback",
-    "signal": "stopped: SIGTERM | SIGINT",
-    "step": "stopped: the step it stopped at",
-    "checkpoint": "stopped: the committed checkpoint",
+    "signal": "stopped: SIGTERM | SIGINT | SIGUSR1 (outside the train loop)",
+    "step": "stopped: the step it stopped at (outside the loop: its newest checkpoint's, or 0)",
+    "checkpoint": "stopped: the committed checkpoint (null: none yet)",
     "relaunch": "stopped: the command that continues the run",
     "job": "the job's number in its multirun (its dir name)",
+    "attempt": "which launch of this run dir this is (1: the first; a relaunch that continues "
+               "the run adds one)",
+    "lost_attempts": "earlier attempts that ended without recording it (killed outright: their "
+                     "status still said running)",
     "overrides": "the job's command-line overrides",
     "started": "epoch seconds the run started (kept over a resume)",
     "finished": "epoch seconds it ended (absent while running)",

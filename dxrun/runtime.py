@@ -181,15 +181,12 @@ def dir_refusal(key: str, value: Any, fix: str) -> str | None:
     return None
 
 
-def claim_run_dir(run_dir: Path, reuse: bool = False) -> Path:
-    """The run dir Hydra made, claimed for this run alone. ``reuse`` takes it as it is (a
-    requeued run resuming in place). Otherwise the claim is creating ``.hydra/`` with an atomic
-    mkdir: a dir whose ``.hydra/`` exists belongs to an earlier or a concurrent run (two launches
-    in the same second, a SLURM array), and this run takes the first free sibling
-    ``<name>_1``, ``<name>_2``, ... so no two runs ever share a dir."""
-    if reuse:
-        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-        return run_dir
+def claim_run_dir(run_dir: Path) -> Path:
+    """The run dir Hydra made, claimed for a new run: the claim is creating ``.hydra/`` with an
+    atomic mkdir: a dir whose ``.hydra/`` exists belongs to an earlier or a concurrent run (two
+    launches in the same second, a SLURM array), and this run takes the first free sibling
+    ``<name>_1``, ``<name>_2``, ... so no two runs ever share a dir. (A relaunch that continues
+    a run claims its dir through ``dxrun.run_dir.claim``.)"""
     candidate, i = run_dir, 0
     while True:
         candidate.mkdir(parents=True, exist_ok=True)

@@ -326,6 +326,10 @@ class LoggerConfig:
 class RunSection:
     mode: str = key("train", "plan: compile for the mesh, estimate, train nothing",
                     choices=("train", "plan"))
+    wait_for_lock: Any = key(
+        False, "A launch into a run dir a live run holds (its .hydra/lock): false = refuse "
+        "(exit 2, naming the holder), true = wait until it ends, a number = wait at most this "
+        "many seconds, then refuse.")
 
 
 @dataclass

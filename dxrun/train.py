@@ -28,11 +28,12 @@ from dxrun.errors import ConfigError, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
+from dxrun.run_dir import UNFINISHED, read_status
 from dxrun.runtime import AllocatorPeak, dir_refusal, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
-from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
+from dxrun.tracking.logger import MetricsLogger, Rewound, read_metrics, rewind_metrics
 from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perplexity
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
@@ -49,6 +50,9 @@ class Job:
     overrides: list[str] = field(default_factory=list)
     group: str | None = None
     started: float | None = None  # epoch seconds the job began (goodput's startup); None = now
+    # The run dir holds earlier attempts of this run (a relaunch continues them, with or without
+    # a checkpoint): their rows after this attempt's start move aside, their goodput is kept.
+    continues: bool = False
 
 
 MAX_NAME = 120
@@ -71,7 +75,7 @@ def run_name(cfg: Any, job: Job, global_batch: int | None = None) -> str:
     for ov in job.overrides:
         key, _, value = ov.lstrip("+~").partition("=")
         if "." in key and key not in ("data.batch_size", "model.name") and not key.startswith(
-                ("logger.", "hydra", "runtime.", "distributed.")):
+                ("logger.", "hydra", "runtime.", "distributed.", "run.")):
             value = (Path(value.rstrip("/")).name or value) if "/" in value else value
             parts.append(f"{key.rsplit('.', 1)[1]}{value}".replace("/", "_"))
     name = parts[0][:MAX_NAME]
@@ -333,10 +337,11 @@ class Attempt:
                     "device_count": jax.device_count(), "process_count": jax.process_count()},
         }
         in_place = resume is not None and resume.in_place
+        continues = in_place or job.continues
         # A fresh start past step 0: parallelism=auto's turns trained the steps before it, in
         # this attempt, on the batches before it.
         self.trained = start if resume is None else 0
-        rewound = rewind_metrics(run_dir, start) if in_place and main else Rewound([], 0)
+        rewound = rewind_metrics(run_dir, start) if continues and main else Rewound([], 0)
         # The W&B run holds what was moved aside too: rewind it to the last row kept.
         self.logger = MetricsLogger(
             run_dir, cfg.logger, run_config, name=run_name(cfg, job, plan.global_batch),
@@ -379,7 +384,7 @@ class Attempt:
         if cfg.train.profile.start and not self.tracer.steps:
             log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
                         cfg.train.profile.start, start + 2, self.steps)
-        self.attempts = goodput.earlier_attempts(run_dir, in_place)
+        self.attempts = goodput.earlier_attempts(run_dir, continues)
         self.timer = StepTimer(start, self.steps)
 
     def tokens_at(self, done: int) -> int:
@@ -485,3 +490,32 @@ class Attempt:
         for line in goodput.lines(self.attempt, self.total):
             log.info(line)
         return summary
+
+
+def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> bool:
+    """A relaunch of a run whose checkpoint (``checkpoint_meta``: its meta) is at the run's own
+    ``train.steps`` but which was stopped or killed before it recorded its end (no summary.json,
+    or status.json still unfinished): write summary.json from metrics.jsonl and goodput.json
+    (the figures only the last attempt itself measured, its compile and loop times and saves,
+    are null or 0) and return True; the launcher then writes status ok. False, writing
+    nothing, for a run that recorded its end or had not reached it."""
+    steps = checkpoint_meta.get("config", {}).get("train", {}).get("steps")
+    summary_path = run_dir / "summary.json"
+    recorded = summary_path.is_file() and read_status(run_dir).get("status") not in UNFINISHED
+    if steps is None or checkpoint_meta.get("step", 0) < steps or recorded:
+        return False
+    # Written anew even where a summary is there: an earlier end's, before the run trained on.
+    rows, _ = read_metrics(run_dir / "metrics.jsonl")
+    attempts = goodput.earlier_attempts(run_dir, True)
+    total = goodput.run_total(attempts) if attempts else {"goodput": None, "attempts": 0}
+    run_config = checkpoint_meta["config"]
+    summary = RunSummary(rows).record(
+        steps=steps, n_params=run_config.get("n_params"),
+        flops_per_token=run_config.get("flops_per_token"), loop_tokens_per_s=None,
+        compile_time_s=None, entropy_floor=None,
+        device_kind=run_config.get("jax", {}).get("device_kind"), peak_tflops=None,
+        checkpoint_saves=0, checkpoint_block_s=0.0, goodput_total=total,
+        attempt=attempts[-1] if attempts else {})
+    if is_main():
+        write_json(summary_path, summary)
+    return True

@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,8 +34,8 @@ BASE = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_e
         "checkpoint.every=25", "checkpoint.keep=3", "data.seq_len=16"]
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
 
 
 def _untimed(rows: list[dict]) -> list[dict]:
@@ -160,6 +161,145 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
     assert (f"SIGTERM: stopped at step {stopped}; checkpoint {run_dir / 'checkpoints' / str(stopped)}"
             f" committed. Resume with: python -m dxrun {' '.join(BASE)} "
             f"train.hold_at_step={HOLD_FIRST} hydra.run.dir={run_dir}") in preempted["outputs"][0]
+
+
+@pytest.fixture(scope="module")
+def requeued(tmp_path_factory):
+    """SLURM's ``--requeue`` recipe: the same command (``hydra.run.dir=<dir>``) launched again
+    after each end. Killed outright (SIGKILL) at step 6, before the first checkpoint; relaunched
+    and killed at step 26, after checkpoint 25; relaunched and held at the last step's save
+    point, sent SIGTERM (checkpoint 100 is committed, the summary never written); relaunched
+    once more. Returns the run dir, the four outputs, and status.json after the third."""
+    cwd = tmp_path_factory.mktemp("requeue")
+    run_dir = cwd / "rq"
+    outs = []
+    for hold, until in ((6, lambda: _logged_step(run_dir) >= 5),
+                        (26, lambda: _logged_step(run_dir) >= 25 and 25 in
+                         checkpoint.committed_steps(run_dir / "checkpoints"))):
+        proc = _launch(cwd, run_dir, "logger=none", f"train.hold_at_step={hold}")
+        out = Output(proc)
+        _wait_for(until, out)
+        proc.kill()
+        outs.append(out.finish())
+    proc = _launch(cwd, run_dir, "logger=none", f"train.hold_at_step={STEPS}")
+    out = Output(proc)
+    # The last step's progress line comes before its save point, where the run is held.
+    out.wait_for(lambda line: f"step {STEPS}/{STEPS}" in line)
+    proc.send_signal(signal.SIGTERM)
+    out.wait_for(lambda line: "SIGTERM received" in line)
+    proc.send_signal(signal.SIGUSR1)  # lets the held save point act on the stop
+    outs.append(out.finish())
+    assert proc.returncode == 0, outs[-1][-3000:]
+    stopped = json.loads((run_dir / "status.json").read_text())
+    last = run_cli(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=cwd, timeout=240)
+    outs.append(last.stdout + last.stderr)
+    return {"cwd": cwd, "run_dir": run_dir, "outputs": outs, "stopped": stopped,
+            "last": last}
+
+
+@pytest.mark.e2e
+def test_a_requeue_continues_the_run_in_its_dir_from_the_newest_checkpoint(reference, requeued):
+    """Issue 47.1: an attempt killed before its first checkpoint used to send every relaunch to
+    a new sibling dir, from step 0, each left "running". Now each relaunch continues the run in
+    the dir it names, the killed attempts counted as lost, and the run ends bitwise equal to
+    one never interrupted."""
+    run_dir, (_, second, third, _) = requeued["run_dir"], requeued["outputs"]
+    assert [p.name for p in requeued["cwd"].iterdir()] == ["rq"]  # no rq_1, rq_2
+    assert "already holds a run" not in second + third
+    assert (f"{run_dir}: attempt 2 of its run; the last one died (killed: its status still "
+            "said running) before its first checkpoint, so this one starts again from step 0"
+            ) in second
+    assert f"resuming from step 25 (checkpoint {run_dir / 'checkpoints' / '25'})" in third
+    assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
+    # The first attempt's row is set aside, not lost; the second's rows up to 25 are kept.
+    assert [r["step"] for r in _rows(run_dir, "metrics.discarded.jsonl")] == [5]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["attempt"], status["lost_attempts"]) == ("ok", 4, 2)
+    attempts = json.loads((run_dir / "goodput.json").read_text())["attempts"]
+    assert [(a["first_step"], a["last_step"]) for a in attempts] == [(0, 5), (0, 25),
+                                                                     (25, STEPS)]
+
+
+@pytest.mark.e2e
+def test_a_run_stopped_after_its_last_save_is_finished_by_the_relaunch(reference, requeued):
+    """Issue 47.3: a run that committed its last checkpoint but was stopped (or killed) before
+    its summary stayed "stopped" (or "running") for good: the relaunch said "nothing to train".
+    Now the relaunch records its end: summary.json from metrics.jsonl, status ok."""
+    run_dir, stopped, last = requeued["run_dir"], requeued["stopped"], requeued["last"]
+    assert (stopped["status"], stopped["step"]) == ("stopped", STEPS)
+    assert last.returncode == 0 and "Traceback" not in last.stdout + last.stderr
+    (line,) = [x for x in last.stderr.splitlines() if x.startswith("dxrun:")]
+    assert line == (f"dxrun: checkpoint {run_dir / 'checkpoints' / str(STEPS)} is at the run's "
+                    "end, which it had not recorded (stopped or killed after its last save): "
+                    "summary.json (from metrics.jsonl) and status ok written")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    want = _rows(reference)[-1]
+    assert summary["step"] == STEPS and summary["train/loss"] == want["train/loss"]
+    assert summary["n_params"] == json.loads((reference / "summary.json").read_text())["n_params"]
+    assert summary["attempts"] == 3  # the attempts goodput.json holds
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.e2e
+def test_a_second_launch_into_a_held_run_dir_is_refused_or_waits(reference, tmp_path):
+    """Issue 47.2: two launches into a run dir with checkpoints both resumed and trained in
+    place at once (metrics.jsonl held every step twice). Now the live run holds the dir: a
+    second launch is refused in one line naming it, before it plans or compiles anything; with
+    run.wait_for_lock it waits for the first to end and then continues the run from where
+    the first stopped."""
+    run_dir = tmp_path / "run"
+    first = _launch(tmp_path, run_dir, "logger=none", "train.hold_at_step=26")
+    out = Output(first)
+    _wait_for(lambda: _logged_step(run_dir) >= 25
+              and 25 in checkpoint.committed_steps(run_dir / "checkpoints"), out)
+    before = tree_digest(run_dir)
+    second = run_cli(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                     timeout=240)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "Traceback" not in second.stdout + second.stderr
+    (line,) = [x for x in second.stderr.splitlines() if x.startswith("dxrun:")]
+    assert line.startswith(f"dxrun: error: {run_dir} is in use by a live run: pid {first.pid} "
+                           f"on {socket.gethostname()} since "), line
+    assert "run.wait_for_lock=true" in line
+    assert "mesh plan" not in second.stdout + second.stderr  # refused before planning
+    assert tree_digest(run_dir) == before
+    third = _launch(tmp_path, run_dir, "logger=none", "run.wait_for_lock=600")
+    waiting = Output(third)
+    waiting.wait_for(lambda line: "waiting for it to end (run.wait_for_lock=600)" in line)
+    first.send_signal(signal.SIGTERM)
+    out.wait_for(lambda line: "SIGTERM received" in line)
+    first.send_signal(signal.SIGUSR1)
+    out.finish()
+    assert first.returncode == 0
+    text = waiting.finish()
+    assert third.returncode == 0, text[-3000:]
+    assert "resuming from step 26" in text
+    assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))  # every step once
+    assert not (tmp_path / "run_1").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1],
+                         ids=["SIGINT", "SIGTERM", "SIGUSR1"])
+def test_a_signal_while_starting_stops_the_run_in_one_line(tmp_path, sig):
+    """Issue 47.3: outside the train loop SIGINT printed a KeyboardInterrupt traceback, SIGTERM
+    and SIGUSR1 killed the run silently, and status.json never said it stopped. The signal
+    comes once the run holds its dir (its lock file is there), while it plans and compiles."""
+    run_dir, name = tmp_path / "run", signal.Signals(sig).name
+    proc = _launch(tmp_path, run_dir, "logger=none")
+    out = Output(proc)
+    _wait_for(lambda: (run_dir / ".hydra" / "lock").exists(), out)
+    proc.send_signal(sig)
+    text = out.finish()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 0), text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert "mesh plan" not in text  # stopped while starting
+    (line,) = [x for x in text.splitlines() if name in x]
+    assert line.endswith(f" - {name}: stopped while starting; no checkpoint yet. Resume with: "
+                         f"python -m dxrun {' '.join(BASE)} logger=none hydra.run.dir={run_dir}")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["signal"], status["checkpoint"]) == ("stopped", name, None)
+    assert not (run_dir / ".hydra" / "lock").exists()  # the dir is free for the relaunch
 
 
 @pytest.mark.e2e
@@ -289,7 +429,9 @@ def test_bad_checkpoint_settings_are_refused(tmp_path):
 
     for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
                           ("checkpoint.keep=0", "checkpoint.keep=0"),
-                          ("train.nan_policy=ignore", "train.nan_policy='ignore'")]:
+                          ("train.nan_policy=ignore", "train.nan_policy='ignore'"),
+                          ("run.wait_for_lock=soon", "run.wait_for_lock='soon'"),
+                          ("run.wait_for_lock=-1", "run.wait_for_lock=-1")]:
         with pytest.raises(ConfigError, match=key):
             validate(make_cfg(override))
     with pytest.raises(ConfigError, match="holds no committed checkpoint"):

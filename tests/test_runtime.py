@@ -1,18 +1,32 @@
-"""Run bookkeeping: the run dir claimed atomically (concurrent launches never share one), the
-allocator peak of this run, JSON-safe numbers."""
+"""Run bookkeeping: the run dir claimed atomically (concurrent launches never share one) and
+held by one live run (a relaunch continues the newest run of its dir), the allocator peak of
+this run, JSON-safe numbers."""
 
 from __future__ import annotations
 
 import json
 import math
 import multiprocessing as mp
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import run_cli, subprocess_env
 
-from dxrun.runtime import claim_run_dir, finite_or_null, peak_bytes_since, release_freed_memory
+from dxrun import run_dir as run_dirs
+from dxrun.errors import ConfigError
+from dxrun.runtime import (
+    claim_run_dir,
+    finite_or_null,
+    peak_bytes_since,
+    release_freed_memory,
+    write_status,
+)
 
 
 def _claim(path: str, barrier, out) -> None:
@@ -36,11 +50,87 @@ def test_concurrent_launches_claim_distinct_dirs(tmp_path):
     assert all((Path(d) / ".hydra").is_dir() for d in got)
 
 
-def test_reuse_takes_the_dir_as_it_is(tmp_path):
-    first = claim_run_dir(tmp_path / "run")
-    (first / "plan.json").write_text("{}")
-    assert claim_run_dir(tmp_path / "run", reuse=True) == first
-    assert claim_run_dir(tmp_path / "run") == tmp_path / "run_1"
+def _hold(run_dir: Path, then: str) -> subprocess.Popen:
+    """Another process that takes ``run_dir``'s lock, says so, then runs ``then``."""
+    code = ("import os, sys, time; from pathlib import Path; from dxrun.run_dir import RunLock; "
+            f"lock = RunLock.acquire(Path({str(run_dir)!r})); print('held', flush=True); {then}")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_one_owner_per_run_dir_while_it_lives(tmp_path):
+    """The lock names its holder; a second claim is refused naming it, or waits for its end; a
+    holder killed outright (SIGKILL) leaves its lock file but no obstacle."""
+    run = tmp_path / "run"
+    run.mkdir()
+    write_status(run, "running")  # a run whose holder is alive (or was killed)
+    named = {"named": True, "fresh": False, "has_checkpoints": lambda d: False}
+    holder = _hold(run, "time.sleep(60)")
+    try:
+        assert run_dirs.holder(run).pid == holder.pid
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(run))} is in use by a live run: "
+                                              f"pid {holder.pid} on {socket.gethostname()} since "):
+            run_dirs.claim(run, **named)
+        with pytest.raises(ConfigError, match=r"\(waited 0.2 s, run.wait_for_lock\)"):
+            run_dirs.claim(run, wait_s=0.2, **named)
+        # A generated dir (Hydra's timestamp, shared by chance) takes the next sibling instead.
+        got = run_dirs.claim(run, named=False, fresh=False, has_checkpoints=lambda d: False)
+        assert got.dir == tmp_path / "run_1" and not got.continues
+        got.release()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run / run_dirs.LOCK).is_file()  # left by the killed holder: no obstacle
+    mine = run_dirs.claim(run, **named)
+    assert mine.continues and run_dirs.holder(run).pid == os.getpid()
+    assert run_dirs.RunLock.acquire(run) is None  # held, in this process too
+    mine.release()
+    assert not (run / run_dirs.LOCK).exists()  # a lock file only while a run holds the dir
+    ended = _hold(run, "time.sleep(1)")  # ends on its own
+    t = time.monotonic()
+    waited = run_dirs.claim(run, wait_s=60, **named)
+    assert ended.wait(timeout=10) == 0 and time.monotonic() - t > 0.5
+    waited.release()
+
+
+def test_a_relaunch_continues_the_newest_run_of_its_dir(tmp_path):
+    """What ``run_dir.pick`` decides from the files: an unfinished run, or one with checkpoints,
+    is continued; a finished one without checkpoints (or a plan-mode dir) leads to the next
+    sibling, which the next relaunch follows."""
+    rq = tmp_path / "rq"
+    ckpts = lambda d: (d / "checkpoints").is_dir()  # noqa: E731
+
+    def make(path: Path, status: str | None = None, checkpoint: bool = False) -> None:
+        (path / ".hydra").mkdir(parents=True)
+        if status:
+            write_status(path, status)
+        if checkpoint:
+            (path / "checkpoints").mkdir()
+
+    assert run_dirs.pick(rq, ckpts) == (rq, False)  # nothing there yet
+    make(rq, "running")  # killed before its first checkpoint: continued in place
+    assert run_dirs.pick(rq, ckpts) == (rq, True)
+    write_status(rq, "ok")  # finished, no checkpoint: a new run beside it
+    assert run_dirs.pick(rq, ckpts) == (tmp_path / "rq_1", False)
+    make(tmp_path / "rq_1", "stopped")  # ... which the next relaunch follows
+    assert run_dirs.pick(rq, ckpts) == (tmp_path / "rq_1", True)
+    write_status(tmp_path / "rq_1", "ok")
+    (tmp_path / "rq_1" / "checkpoints").mkdir()  # finished with checkpoints: its own to judge
+    assert run_dirs.pick(rq, ckpts) == (tmp_path / "rq_1", True)
+    plan = tmp_path / "plan"  # a plan-mode dir: its config and plan, no status
+    (plan / ".hydra").mkdir(parents=True)
+    (plan / ".hydra" / "config.yaml").write_text("{}")
+    assert run_dirs.pick(plan, ckpts) == (tmp_path / "plan_1", False)
+    # An attempt that continues counts the ones before it, and those that died without a word.
+    claim = run_dirs.Claim(rq, earlier={"status": "running", "attempt": 2, "lost_attempts": 1})
+    assert (claim.attempt, claim.lost_attempts) == (3, 2)
+    assert (run_dirs.Claim(rq).attempt, run_dirs.Claim(rq).lost_attempts) == (1, 0)
+    # checkpoint.resume=none: a new run in the first dir no run has taken.
+    fresh = run_dirs.claim(rq, named=True, fresh=True, has_checkpoints=ckpts)
+    assert fresh.dir == tmp_path / "rq_2" and not fresh.continues
+    fresh.release()
 
 
 def _stats(in_use: int, peak: int) -> dict:

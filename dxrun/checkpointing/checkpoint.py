@@ -417,7 +417,7 @@ def plan_resume(cfg: Any, resume: Resume, target: TrainState, global_batch: int)
         raise NothingToTrain(
             f"nothing to train: train.steps={cfg.train.steps} and checkpoint {where} is at step "
             f"{resume.meta_step}; the run's files are left as they are (raise train.steps to "
-            "train on)")
+            "train on)", where, {**resume.meta, "step": resume.meta_step})
     data_position(resume.meta, global_batch)
     if resume.state_names is None:
         return

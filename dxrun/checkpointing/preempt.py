@@ -5,6 +5,13 @@ finish its step, save, wait for the save to be committed and stop: exit code 0 f
 clean requeue point), 130 for SIGINT. A second SIGINT exits at once. SIGUSR1 (SLURM's
 ``--signal`` warning) asks for a save and training goes on. A handler only sets a flag: the
 loop acts between steps, so no device work is interrupted and nothing syncs per step.
+
+Outside the loop (from the launcher's start: the plan, the compile, the layout search, the
+init; and after the last step: the final commit, W&B's finish, the summary) there is no step
+to finish and nothing new to save: ``guard_signals``' handlers raise ``Interrupted`` for any of
+the three, which the launcher turns into one line and status ``stopped``. It derives from
+BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way (JAX's,
+Orbax's, W&B's, dxrun's own) takes it for an error of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from typing import Any
 
 log = logging.getLogger("dxrun")
 
-EXIT_CODES = {"SIGTERM": 0, "SIGINT": 130}
+# SIGUSR1 stops a run only outside the loop (its scheduler's warning: the end is near), as
+# SIGTERM does.
+EXIT_CODES = {"SIGTERM": 0, "SIGINT": 130, "SIGUSR1": 0}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Stopped(Exception):  # noqa: N818 - a normal outcome, not an error
@@ -41,6 +51,51 @@ def relaunch_command(overrides: list[str], run_dir: Any, program: str = "python 
     return " ".join([program, *map(shlex.quote, kept), shlex.quote(f"hydra.run.dir={run_dir}")])
 
 
+class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, an outcome
+    """A signal outside the train loop stopped the run ``when`` (``Signals.phase``)."""
+
+    def __init__(self, signal_name: str, when: str):
+        super().__init__(f"stopped by {signal_name} {when}")
+        self.signal_name, self.when, self.code = signal_name, when, EXIT_CODES[signal_name]
+
+
+class Signals:
+    """The process's answer to a signal outside the loop: ``phase`` says where the run is
+    (the launcher sets it at each job's start, ``Preemption`` after the loop), ``stopping`` the
+    signal a stop is already under way for (a later SIGTERM or SIGUSR1 then changes nothing;
+    a later SIGINT exits at once, as in the loop)."""
+
+    STARTING, FINISHING = "while starting", "after the last step"
+
+    def __init__(self) -> None:
+        self.phase = self.STARTING
+        self.stopping: str | None = None
+
+    def start_job(self) -> None:
+        self.phase, self.stopping = self.STARTING, None
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.stopping is not None:
+            if signum == signal.SIGINT:
+                os.write(2, b"dxrun: second SIGINT: exiting now\n")
+                os._exit(130)
+            return
+        self.stopping = name
+        raise Interrupted(name, self.phase)
+
+
+SIGNALS = Signals()
+
+
+def guard_signals() -> None:
+    """From here on SIGTERM, SIGINT and SIGUSR1 stop the process through ``Interrupted``
+    (the train loop swaps in its own handlers while it runs). The launcher calls this first."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, SIGNALS.handle)
+
+
 class Preemption:
     """While active (a context manager around the train loop), SIGTERM/SIGINT set ``stop`` and
     SIGUSR1 sets ``save``; the previous handlers come back on exit. Outside the main thread
@@ -53,11 +108,12 @@ class Preemption:
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        SIGNALS.phase = Signals.FINISHING
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -73,7 +129,7 @@ class Preemption:
             os.write(2, b"dxrun: second SIGINT: exiting now without saving\n")
             os._exit(130)
         if self.stop is None:
-            self.stop = name
+            self.stop = SIGNALS.stopping = name  # the shutdown after the loop: no second stop
             # Logging from a signal handler can deadlock on the handler's lock; write directly.
             os.write(2, f"dxrun: {name} received: finishing the step, then saving\n".encode())
 

@@ -1,0 +1,258 @@
+"""Which run dir a training launch writes to, and holding it for the run's life.
+
+One owner per run dir: the launch that trains in a dir holds an exclusive ``flock`` on
+``.hydra/lock`` from before its plan and compile until it ends; the file names the holder (pid,
+host, since when). The kernel drops a process's locks when it dies, however it dies, so a lock
+file left by a killed run is no obstacle. A second launch into a held dir refuses in one line,
+or waits for it (``run.wait_for_lock``).
+
+Which dir. A launch whose run dir is generated (Hydra's ``${now:...}`` default) or that asks for
+a fresh start (``checkpoint.resume=none``) takes the dir, or the first sibling ``<dir>_1``,
+``<dir>_2``, ... that no run has taken. A launch that names its dir (``hydra.run.dir=<dir>``,
+what a scheduler's requeue repeats) continues the newest run of the dir's chain (the dir and
+the siblings earlier launches naming it moved to) when that run is unfinished (its status.json
+says running, stopped or failed) or holds checkpoints of its own; otherwise (a finished run
+without checkpoints, a plan-mode dir) it starts a new run in the next sibling, which the next
+relaunch then follows. The config plays no part in "the same run": a relaunch continues the
+dir's run whatever its overrides, under the checks a resume makes against a checkpoint.
+
+No JAX: the claim comes before the plan and the compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dxrun.errors import ConfigError
+from dxrun.runtime import STATUS, claim_run_dir
+
+log = logging.getLogger("dxrun")
+
+LOCK = Path(".hydra") / "lock"
+# What says a dir holds a run (a plan-mode dir included), beside its checkpoints.
+_RUN_FILES = (STATUS, "summary.json", "metrics.jsonl", ".hydra/config.yaml", "checkpoints",
+              "checkpoints.txt")
+UNFINISHED = ("running", "stopped", "failed")
+POLL_S = 0.5  # how often a waiting launch tries the lock again
+
+
+def wait_seconds(setting: Any) -> float:
+    """``run.wait_for_lock``: false = do not wait (0), true = as long as it takes (inf), a
+    number = at most that many seconds."""
+    if setting is True:
+        return math.inf
+    return float(setting or 0)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The live run a lock file names (what the refusal says)."""
+
+    pid: int | None = None
+    host: str | None = None
+    since: float | None = None
+
+    def describe(self, now: float | None = None) -> str:
+        if self.pid is None:
+            return "a live run (its lock file names no holder yet)"
+        ago = "" if self.since is None else (
+            f" since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}, "
+            f"{max(0, int((now or time.time()) - self.since))} s ago")
+        return f"pid {self.pid} on {self.host}{ago}"
+
+
+def holder(run_dir: Path) -> Holder:
+    """Who the lock file of ``run_dir`` names (a half-written or missing file: nobody named)."""
+    try:
+        info = json.loads((Path(run_dir) / LOCK).read_text())
+        return Holder(int(info["pid"]), str(info["host"]), float(info["since"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return Holder()
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run dir>/.hydra/lock``, held until ``release`` or the
+    process's end. The file exists only while a run holds it (or after a holder was killed):
+    ``release`` unlinks it while still holding it, and ``acquire`` checks that the file it
+    locked is still the one at the path, so a launch that locked a file just unlinked tries
+    again instead of holding a lock nobody else sees."""
+
+    def __init__(self, run_dir: Path, fd: int):
+        self.run_dir, self.fd = Path(run_dir), fd
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock | None:
+        """The lock of ``run_dir`` (its ``.hydra/`` made if need be), or None while a live
+        process holds it."""
+        path = Path(run_dir) / LOCK
+        while True:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # .hydra/ removed by a launch discarding it: again
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except OSError as e:  # a filesystem without flock (Lustre without -o flock)
+                log.warning("%s: this filesystem takes no lock (%s): the run dir is not held "
+                            "against a second launch", path, e.strerror)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # unlinked by its last holder between our open and our lock
+                os.close(fd)
+                continue
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+            os.ftruncate(fd, 0)
+            os.write(fd, (json.dumps(info) + "\n").encode())
+            return cls(run_dir, fd)
+
+    def release(self) -> None:
+        """Give the dir up; ``.hydra/`` goes too when the lock was all it held."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.run_dir / LOCK)
+        os.close(self.fd)
+        self.fd = -1
+        with contextlib.suppress(OSError):  # holds the run's config: stays
+            (self.run_dir / LOCK.parent).rmdir()
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether a run (training or plan mode) has written into ``run_dir``."""
+    return any((Path(run_dir) / name).exists() for name in _RUN_FILES)
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """The run's status.json ({} when there is none or it cannot be read)."""
+    try:
+        status = json.loads((Path(run_dir) / STATUS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def continues(run_dir: Path, has_checkpoints: Callable[[Path], bool]) -> bool:
+    """Whether a relaunch naming the dir continues the run in ``run_dir``: it holds checkpoints
+    of its own (a resume, or "nothing to train"), or it is unfinished."""
+    return has_checkpoints(run_dir) or read_status(run_dir).get("status") in UNFINISHED
+
+
+def chain(asked: Path) -> list[Path]:
+    """``asked`` and its siblings ``<asked>_1``, ``<asked>_2``, ... that exist, in order."""
+    asked = Path(asked)
+    pattern = re.compile(re.escape(asked.name) + r"_(\d+)")
+    siblings = []
+    with contextlib.suppress(OSError):
+        for p in asked.parent.iterdir():
+            if (m := pattern.fullmatch(p.name)) and p.is_dir():
+                siblings.append((int(m.group(1)), p))
+    return [asked, *(p for _, p in sorted(siblings))]
+
+
+def sibling(asked: Path, i: int) -> Path:
+    return asked if i == 0 else asked.with_name(f"{asked.name}_{i}")
+
+
+def pick(asked: Path, has_checkpoints: Callable[[Path], bool]) -> tuple[Path, bool]:
+    """Where a launch naming ``asked`` trains: (dir, whether it continues the run there)."""
+    dirs = chain(asked)
+    runs = [d for d in dirs if holds_run(d)]
+    if not runs:
+        return asked, False
+    newest = runs[-1]
+    if continues(newest, has_checkpoints):
+        return newest, True
+    index = 0 if newest == asked else int(newest.name.rsplit("_", 1)[1])
+    return sibling(asked, index + 1), False
+
+
+@dataclass
+class Claim:
+    """The run dir a launch trains in, held (``lock``) until ``release``."""
+
+    dir: Path
+    lock: RunLock | None = None
+    # The status.json of the run it continues ({}: a new run); its attempt number and the
+    # attempts that ended without recording their end (killed outright) carry on.
+    earlier: dict[str, Any] | None = None
+
+    @property
+    def continues(self) -> bool:
+        return self.earlier is not None
+
+    @property
+    def attempt(self) -> int:
+        """This launch's number among the run's attempts (1: a new run)."""
+        if self.earlier is None:
+            return 1
+        return int(self.earlier.get("attempt") or 1) + 1
+
+    @property
+    def lost_attempts(self) -> int:
+        """Earlier attempts that died without saying how they ended (status still running)."""
+        if not self.earlier:
+            return 0
+        return (int(self.earlier.get("lost_attempts") or 0)
+                + (self.earlier.get("status") == "running"))
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def claim(asked: Path, *, named: bool, fresh: bool, has_checkpoints: Callable[[Path], bool],
+          wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> Claim:
+    """The dir a training launch asking for ``asked`` trains in, locked (module docstring).
+    ``named``: the user named the dir (no generated timestamp); ``fresh``: a new run
+    (``checkpoint.resume=none``). A named dir held by a live run: wait up to ``wait_s``, then
+    ConfigError naming the holder."""
+    if fresh or not named:
+        while True:
+            run_dir = claim_run_dir(asked)  # the first dir whose .hydra/ this launch made
+            if (lock := RunLock.acquire(run_dir)) is not None:
+                return Claim(run_dir, lock)
+    deadline, said = clock() + wait_s, False
+    while True:
+        target, cont = pick(asked, has_checkpoints)
+        lock = RunLock.acquire(target)
+        if lock is None:
+            if clock() >= deadline:
+                raise ConfigError(busy(target, wait_s))
+            if not said:
+                log.info("%s is held by %s: waiting for it to end (run.wait_for_lock=%s)",
+                         target, holder(target).describe(),
+                         "true" if math.isinf(wait_s) else f"{wait_s:g}")
+                said = True
+            time.sleep(POLL_S)
+            continue
+        if pick(asked, has_checkpoints) != (target, cont):  # it changed before we held it
+            lock.release()
+            continue
+        return Claim(target, lock, read_status(target) if cont else None)
+
+
+def busy(run_dir: Path, wait_s: float) -> str:
+    """The refusal of a launch into a dir a live run holds."""
+    waited = f" (waited {wait_s:g} s, run.wait_for_lock)" if wait_s > 0 else ""
+    return (f"{run_dir} is in use by a live run: {holder(run_dir).describe()}{waited}; let it "
+            "end or stop it, or set run.wait_for_lock=true (or a number of seconds) to wait "
+            "for it")
