@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,8 @@ def check_ranges(cfg: Any, section: str) -> None:
         if value is None and (key in (GLOBAL, PER_DEVICE) or null_is_a_value(key)
                               or not _source_reads(cfg, key)):
             continue  # the batch key not given (check_batch_keys), auto, a key not read
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number; {r.fix(key)}")
         if value is None or value not in r:
             raise ConfigError(f"{key}={value} is outside its range {r}; {r.fix(key)}")
 
@@ -391,13 +394,14 @@ def check_runtime(cfg: Any) -> None:
     check_section(cfg, "runtime")
     peak = cfg.runtime.peak_tflops
     if peak is not None and peak != "measure" and (
-            isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
-        raise ConfigError(f"runtime.peak_tflops={peak!r} must be a positive number, 'measure' "
-                          "or null (the built-in table)")
+            isinstance(peak, bool) or not isinstance(peak, (int, float))
+            or not 0 < peak < math.inf):  # NaN fails both comparisons
+        raise ConfigError(f"runtime.peak_tflops={peak!r} must be a finite positive number, "
+                          "'measure' or null (the built-in table)")
     mem = cfg.runtime.memory_gb
-    if mem is not None and not mem > 0:
-        raise ConfigError(f"runtime.memory_gb={mem} must be positive, or null (what the host "
-                          "or device reports)")
+    if mem is not None and not 0 < mem < math.inf:  # NaN fails both comparisons
+        raise ConfigError(f"runtime.memory_gb={mem} must be a finite positive number, or null "
+                          "(what the host or device reports)")
 
 
 def check_plan(cfg: Any) -> None:
