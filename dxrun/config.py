@@ -252,8 +252,8 @@ def check_choices(cfg: Any, section: str) -> None:
         allowed = FIELDS[key].metadata["choices"]
         if not isinstance(allowed, tuple) or (value := _get(cfg, key)) in allowed:
             continue  # plan.target's list is plan_mode's: check_plan
-        if value is None and (null_is_a_value(key) or not _source_reads(cfg, key)):
-            continue
+        if value is None and (null_is_a_value(key) or FIELDS[key].metadata["sources"]):
+            continue  # a source's key left null: not read, or check_data's (data.dtype)
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; "
                           f"{FIELDS[key].metadata['fix']}")
 
@@ -329,15 +329,17 @@ def check_model(cfg: Any) -> None:
 
 def check_data(cfg: Any) -> None:
     """The ``data`` section, against the model it feeds (checked first)."""
-    check_choices(cfg, "data")
-    _check_source_keys(cfg.data)
-    check_batch_keys(cfg.data)
-    check_ranges(cfg, "data")
     m, d = cfg.model, cfg.data
     if d.name in ("text", "tokens") and not d.path:
         raise ConfigError(f"data={d.name} needs data.path; e.g. data.path=corpus.txt"
                           if d.name == "text" else
                           f"data={d.name} needs data.path, the folder with train.bin/val.bin")
+    check_choices(cfg, "data")
+    _check_source_keys(cfg.data)
+    if d.name == "tokens" and d.dtype is None:
+        raise no_token_dtype(d.path)
+    check_batch_keys(cfg.data)
+    check_ranges(cfg, "data")
     if d.seq_len is not None and d.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
@@ -349,6 +351,18 @@ def check_data(cfg: Any) -> None:
         resolve_loss_chunk(m.loss_chunk, 1, d.seq_len, 1)  # refuses a chunk that does not divide
     if d.name == "markov":
         check_markov(d, m)
+
+
+def no_token_dtype(path: Any) -> ConfigError:
+    """data=tokens whose meta.json gives no dtype (``data_meta`` found none) and no data.dtype:
+    refused, never guessed (uint32 ids read as uint16 are other ids, and twice as many)."""
+    meta = Path(str(path)).expanduser() / "meta.json"
+    which = '("uint32" when ids reach 65536; `python -m dxrun.data.prepare` writes it)'
+    if not meta.is_file():
+        return ConfigError(f"data.path={path}: no {meta} to say the token files' dtype; write "
+                           f'{{"dtype": "uint16"}} there {which}, or set data.dtype')
+    return ConfigError(f"data.path={path}: {meta} gives no dtype of the token files; add "
+                       f'"dtype": "uint16" to it {which}, or set data.dtype')
 
 
 def check_markov(d: Any, m: Any) -> None:

@@ -107,8 +107,8 @@ def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
     cfg = _choosing(compose, key)
     for value in allowed:
         if cfg is None:
-            config.validate(compose(*([f"data={value}", "data.path=x"] if value != "markov"
-                                      else [])))
+            config.validate(compose(*({"markov": [], "text": ["data=text", "data.path=x"]}.get(
+                value, [f"data={value}", "data.path=x", "data.dtype=uint16"]))))
         else:
             OmegaConf.update(cfg, key, value, merge=False)
             config.validate(cfg)
@@ -345,8 +345,8 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32
     assert default_seq_len(256, 1024, "gpu") == default_seq_len(256, 1024, "cpu") == 256
     assert cfg_factory().data.seq_len == 64
-    for source in ("text", "tokens"):
-        cfg = cfg_factory(f"data={source}", f"data.path={tmp_path}", "model=large")
+    for source, dtype in (("text", []), ("tokens", ["data.dtype=uint16"])):
+        cfg = cfg_factory(f"data={source}", f"data.path={tmp_path}", "model=large", *dtype)
         config.validate(cfg)
         assert cfg.data.seq_len is None
         assert make_plan(cfg, 8, "cpu").seq_len == 64
