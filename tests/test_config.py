@@ -245,6 +245,7 @@ def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
             f"int32 the loss divides by (at most 2,147,483,647); lower {key} or data.seq_len")
 
 
+@pytest.mark.e2e  # the launcher as a subprocess
 @pytest.mark.parametrize("args, line", [
     (["optimizer.lr=nan", "train.nan_policy=skip"],
      "optimizer.lr=nan is not a finite number; set optimizer.lr > 0"),

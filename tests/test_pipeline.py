@@ -264,6 +264,7 @@ def test_token_files_need_their_dtype(cfg_factory, tmp_path):
     assert cfg().data.dtype == "uint32"
 
 
+@pytest.mark.e2e  # the launcher as a subprocess
 @pytest.mark.parametrize("case", ["no dtype", "understated max_id"])
 def test_token_file_refusals_are_one_line_at_the_cli(tmp_path, case):
     from conftest import run_cli
