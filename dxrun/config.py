@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -251,8 +252,8 @@ def check_choices(cfg: Any, section: str) -> None:
         allowed = FIELDS[key].metadata["choices"]
         if not isinstance(allowed, tuple) or (value := _get(cfg, key)) in allowed:
             continue  # plan.target's list is plan_mode's: check_plan
-        if value is None and (null_is_a_value(key) or not _source_reads(cfg, key)):
-            continue
+        if value is None and (null_is_a_value(key) or FIELDS[key].metadata["sources"]):
+            continue  # a source's key left null: not read, or check_data's (data.dtype)
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; "
                           f"{FIELDS[key].metadata['fix']}")
 
@@ -266,6 +267,8 @@ def check_ranges(cfg: Any, section: str) -> None:
         if value is None and (key in (GLOBAL, PER_DEVICE) or null_is_a_value(key)
                               or not _source_reads(cfg, key)):
             continue  # the batch key not given (check_batch_keys), auto, a key not read
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number; {r.fix(key)}")
         if value is None or value not in r:
             raise ConfigError(f"{key}={value} is outside its range {r}; {r.fix(key)}")
 
@@ -330,15 +333,17 @@ def check_model(cfg: Any) -> None:
 
 def check_data(cfg: Any) -> None:
     """The ``data`` section, against the model it feeds (checked first)."""
-    check_choices(cfg, "data")
-    _check_source_keys(cfg.data)
-    check_batch_keys(cfg.data)
-    check_ranges(cfg, "data")
     m, d = cfg.model, cfg.data
     if d.name in ("text", "tokens") and not d.path:
         raise ConfigError(f"data={d.name} needs data.path; e.g. data.path=corpus.txt"
                           if d.name == "text" else
                           f"data={d.name} needs data.path, the folder with train.bin/val.bin")
+    check_choices(cfg, "data")
+    _check_source_keys(cfg.data)
+    if d.name == "tokens" and d.dtype is None:
+        raise no_token_dtype(d.path)
+    check_batch_keys(cfg.data)
+    check_ranges(cfg, "data")
     if d.seq_len is not None and d.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
@@ -350,6 +355,18 @@ def check_data(cfg: Any) -> None:
         resolve_loss_chunk(m.loss_chunk, 1, d.seq_len, 1)  # refuses a chunk that does not divide
     if d.name == "markov":
         check_markov(d, m)
+
+
+def no_token_dtype(path: Any) -> ConfigError:
+    """data=tokens whose meta.json gives no dtype (``data_meta`` found none) and no data.dtype:
+    refused, never guessed (uint32 ids read as uint16 are other ids, and twice as many)."""
+    meta = Path(str(path)).expanduser() / "meta.json"
+    which = '("uint32" when ids reach 65536; `python -m dxrun.data.prepare` writes it)'
+    if not meta.is_file():
+        return ConfigError(f"data.path={path}: no {meta} to say the token files' dtype; write "
+                           f'{{"dtype": "uint16"}} there {which}, or set data.dtype')
+    return ConfigError(f"data.path={path}: {meta} gives no dtype of the token files; add "
+                       f'"dtype": "uint16" to it {which}, or set data.dtype')
 
 
 def check_markov(d: Any, m: Any) -> None:
@@ -395,13 +412,14 @@ def check_runtime(cfg: Any) -> None:
     check_section(cfg, "runtime")
     peak = cfg.runtime.peak_tflops
     if peak is not None and peak != "measure" and (
-            isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
-        raise ConfigError(f"runtime.peak_tflops={peak!r} must be a positive number, 'measure' "
-                          "or null (the built-in table)")
+            isinstance(peak, bool) or not isinstance(peak, (int, float))
+            or not 0 < peak < math.inf):  # NaN fails both comparisons
+        raise ConfigError(f"runtime.peak_tflops={peak!r} must be a finite positive number, "
+                          "'measure' or null (the built-in table)")
     mem = cfg.runtime.memory_gb
-    if mem is not None and not mem > 0:
-        raise ConfigError(f"runtime.memory_gb={mem} must be positive, or null (what the host "
-                          "or device reports)")
+    if mem is not None and not 0 < mem < math.inf:  # NaN fails both comparisons
+        raise ConfigError(f"runtime.memory_gb={mem} must be a finite positive number, or null "
+                          "(what the host or device reports)")
 
 
 def check_plan(cfg: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from dxrun.batch import GLOBAL, PER_DEVICE, batch_set_by, default_seq_len, global_batch, scaled_lr
 from dxrun.errors import ConfigError
+from dxrun.schema import INT32
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -301,6 +302,20 @@ def group_by_host(process_hosts: tuple[int, ...], tp: int, host_tp: int, n: int)
             f"{mine} or a multiple of it")
 
 
+def check_tokens_per_step(data: Any, batch: int, seq_len: int) -> None:
+    """The loss divides by a step's tokens (global batch x seq_len), a Python int that JAX
+    makes an int32: from 2^31 the jitted step fails to trace with an OverflowError."""
+    if batch * seq_len < INT32:
+        return
+    key = batch_set_by(data)
+    given = f"{key}={data[key.partition('.')[2]]}"
+    if key == PER_DEVICE:
+        given += f" (a global batch of {batch})"
+    raise ConfigError(f"{given} with data.seq_len={seq_len} makes {batch * seq_len:,} tokens a "
+                      f"step, beyond the int32 the loss divides by (at most {INT32 - 1:,}); "
+                      f"lower {key} or data.seq_len")
+
+
 def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1,
               process_hosts: tuple[int, ...] | None = None) -> MeshPlan:
     """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
@@ -365,6 +380,8 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
             f"(data.batch_size={data.batch_size} over dp*fsdp={replicas}); pick a "
             f"train.grad_accum that divides {per}, or data.batch_size="
             f"{replicas * accum * max(1, per // accum)}")
+    seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
+    check_tokens_per_step(data, batch, seq_len)
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
@@ -387,7 +404,7 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         batch_set_by=batch_set_by(data),
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
-        seq_len=default_seq_len(data.seq_len, model.max_seq_len, platform),
+        seq_len=seq_len,
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,

@@ -13,6 +13,7 @@ No JAX import: the device count is decided from the composed config before JAX s
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass
@@ -32,6 +33,8 @@ class Range:
     hi_closed: bool = False
 
     def __contains__(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False  # NaN compares false with every bound, so it would pass them all
         if self.lo is not None and (v < self.lo or (v == self.lo and not self.lo_closed)):
             return False
         return not (self.hi is not None and (v > self.hi or (v == self.hi and not self.hi_closed)))
@@ -50,11 +53,23 @@ class Range:
 
 
 def _num(x: float | None) -> str:
+    """A bound as the tables show it: the integer limits as powers of two (2^31, 2^32 - 1)."""
+    if isinstance(x, int) and x >= 2**16:
+        for off, tail in ((0, ""), (1, " - 1")):
+            if (x + off) & (x + off - 1) == 0:
+                return f"2^{(x + off).bit_length() - 1}{tail}"
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 POSITIVE, NON_NEGATIVE = Range(0, lo_closed=False), Range(0)
 FRACTION = Range(0, 1)  # [0, 1)
+# Integer keys end where what they feed overflows (each use says which), so a huge value is
+# refused here rather than crashing in JAX or silently wrapping. INT32: the step counter
+# (TrainState.step) and the jitted step's integer constants are int32 (JAX without x64).
+INT32 = 2**31
+# The loss divides by the batch's tokens, an int32 in the jitted step: one key alone must stay
+# below it (the product with data.seq_len: plan.make_plan).
+BATCH = Range(0, INT32, lo_closed=False)
 Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
 
 
@@ -180,15 +195,16 @@ class DataConfig:
         "${default_batch:${data.per_device_batch_size}}",
         "Global (all devices, one optimizer update); its default is 32, or null when a "
         "per-device batch is given (dxrun/batch.py: how a set value is told from the default).",
-        range=POSITIVE)
+        range=BATCH)
     per_device_batch_size: int | None = key(
         None, "Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.",
-        range=POSITIVE)
+        range=BATCH)
     seq_len: int | None = key(
         64, "null = the platform's default: model.max_seq_len on an accelerator, 64 on CPU "
         "(batch.default_seq_len); data=text and data=tokens default to it.", range=POSITIVE)
+    # Grain's shuffle seed is data.seed + the stream (0 training, 1 held-out), below 2^32.
     seed: int = key(0, "the data's seed: the batch of step k depends only on (data.seed, k)",
-                    range=NON_NEGATIVE)
+                    range=Range(0, 2**32 - 1))
     vocab_size: int = key(64, "The vocabulary this data suggests; the small model presets follow "
                           "it (${data.vocab_size}).", range=POSITIVE)
     # The keys only some sources read default to null and get their values from the source's
@@ -250,10 +266,12 @@ class ProfileConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = key(600, "optimizer steps of the run", range=POSITIVE)
+    steps: int = key(600, "optimizer steps of the run", range=Range(0, INT32, lo_closed=False))
     log_every: int = key(50, "a metrics row every this many steps", range=POSITIVE)
     eval_every: int = key(100, "0 = no evaluation", range=NON_NEGATIVE)
-    seed: int = key(0, "the model's seed (initialisation, dropout)", range=NON_NEGATIVE)
+    # jax.random.key keeps a seed's low 32 bits (no x64): 2^32 would be seed 0 again, and from
+    # 2^63 it overflows a C long.
+    seed: int = key(0, "the model's seed (initialisation, dropout)", range=Range(0, 2**32))
     precision: str = key("fp32", "compute dtype: bf16 computes in bf16 with fp32 master weights",
                          choices=("fp32", "bf16"))
     grad_accum: int = key(
@@ -271,7 +289,7 @@ class TrainConfig:
     nan_policy: str = key("halt", "what a non-finite loss or gradient does",
                           choices=("halt", "skip"))
     inject_nan_at_step: int = key(0, "Test-only: make step k's loss NaN (0 = off), to exercise "
-                                  "train.nan_policy.", range=NON_NEGATIVE)
+                                  "train.nan_policy.", range=Range(0, INT32))  # vs the int32 step
     profile: ProfileConfig = section(ProfileConfig, "tracing a few steps with jax.profiler")
     hold_at_step: int = key(
         0, "Test-only: from step k on (0 = off), the loop waits before each step for a SIGUSR1 "

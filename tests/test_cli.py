@@ -111,7 +111,7 @@ BAD = [
     (["parallelism=tp8"], "model.n_heads=4", "parallelism.tp=8"),
     (["parallelism.n_devices=16"], "parallelism.n_devices=16", "runtime.cpu_devices"),
     (["optimizer.lr=0"], "optimizer.lr", "> 0"),
-    (["train.steps=0"], "train.steps", "> 0"),
+    (["train.steps=0"], "train.steps", "(0, 2^31)"),
     (["data.seq_len=-8"], "data.seq_len", "> 0"),
     (["data=text", "data.path=/no/such/corpus.txt"], "data.path=/no/such/corpus.txt",
      "give the path"),

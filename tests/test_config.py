@@ -107,8 +107,8 @@ def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
     cfg = _choosing(compose, key)
     for value in allowed:
         if cfg is None:
-            config.validate(compose(*([f"data={value}", "data.path=x"] if value != "markov"
-                                      else [])))
+            config.validate(compose(*({"markov": [], "text": ["data=text", "data.path=x"]}.get(
+                value, [f"data={value}", "data.path=x", "data.dtype=uint16"]))))
         else:
             OmegaConf.update(cfg, key, value, merge=False)
             config.validate(cfg)
@@ -171,6 +171,14 @@ def test_readme_lists_the_generated_ranges():
     ("model.init_std=0", True), ("model.rope_theta=-1", True), ("model.dropout=1.0", True),
     ("model.dropout=0.0", False), ("data.val_fraction=1.0", True),
     ("data.val_fraction=0.0", False),
+    # NaN compares false with every bound; inf is no learning rate or fraction either.
+    ("optimizer.lr=nan", True), ("optimizer.lr=inf", True), ("optimizer.min_lr_ratio=nan", True),
+    ("data.val_fraction=nan", True), ("model.dropout=-inf", True),
+    # Integers end where what they feed overflows (schema.INT32 and the seeds' comments).
+    ("train.seed=4294967295", False), ("train.seed=4294967296", True),
+    ("data.seed=4294967294", False), ("data.seed=4294967295", True),
+    ("train.steps=2147483647", False), ("train.steps=2147483648", True),
+    ("data.batch_size=2147483648", True), ("train.inject_nan_at_step=2147483648", True),
 ])
 def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     source = ["data=text", "data.path=x.txt"] if override.startswith("data.") else []
@@ -183,6 +191,80 @@ def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     key, value = override.split("=")
     msg = str(err.value)
     assert msg.startswith(f"{key}={value}") and "set " + key in msg and "\n" not in msg
+
+
+def _float_ranged_keys() -> list[str]:
+    return sorted(k for k, _, hint in schema._walk(schema.RunConfig)
+                  if k in schema.RANGES and float in (typing.get_args(hint) or (hint,)))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_no_range_holds_nan_or_inf(compose, value):
+    keys = _float_ranged_keys()
+    assert {"optimizer.lr", "optimizer.min_lr_ratio", "data.val_fraction"} <= set(keys)
+    for key in keys:
+        reads = schema.FIELDS[key].metadata["sources"]
+        cfg = compose(*(["data=text", "data.path=x.txt"] if "text" in reads else []))
+        with pytest.raises(ConfigError) as err:
+            config.validate(_with(cfg, **{key: value}))
+        assert str(err.value) == (f"{key}={value} is not a finite number; "
+                                  f"{schema.RANGES[key].fix(key)}")
+    for key in ("runtime.memory_gb", "runtime.peak_tflops"):  # unranged, checked by hand
+        with pytest.raises(ConfigError, match=f"^{key}={value} must be a finite positive "):
+            config.validate(_with(compose(), **{key: value}))
+
+
+def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
+    """The schema's integer bounds, each against the thing it guards: JAX's 32-bit keys,
+    Grain's seed, and the int32 token count of a step (refused by the plan, before compile)."""
+    import grain
+    import jax
+    import numpy as np
+
+    from dxrun.plan import make_plan
+
+    top = schema.RANGES["train.seed"].hi - 1
+    data = lambda seed: np.asarray(jax.random.key_data(jax.random.key(seed))).tolist()
+    assert data(top) != data(0) and data(top + 1) == data(0)  # 2^32 would be seed 0 again
+    top = schema.RANGES["data.seed"].hi - 1
+    grain.MapDataset.source([0, 1]).shuffle(seed=top + 1)  # + the held-out stream
+    with pytest.raises(ValueError):
+        grain.MapDataset.source([0, 1]).shuffle(seed=top + 2)
+    ok = cfg_factory("data.batch_size=32768", "data.seq_len=65535", "model.max_seq_len=65536")
+    assert make_plan(ok, 8).global_batch * 65535 == 2**31 - 32768
+    for overrides, given in [(["data.batch_size=32768"], "data.batch_size=32768"),
+                             (["data.batch_size=null", "data.per_device_batch_size=4096"],
+                              "data.per_device_batch_size=4096 (a global batch of 32768)")]:
+        cfg = cfg_factory(*overrides, "data.seq_len=65536", "model.max_seq_len=65536")
+        config.validate(cfg)
+        with pytest.raises(ConfigError) as err:
+            make_plan(cfg, 8)
+        key = given.partition("=")[0]
+        assert str(err.value) == (
+            f"{given} with data.seq_len=65536 makes 2,147,483,648 tokens a step, beyond the "
+            f"int32 the loss divides by (at most 2,147,483,647); lower {key} or data.seq_len")
+
+
+@pytest.mark.e2e  # the launcher as a subprocess
+@pytest.mark.parametrize("args, line", [
+    (["optimizer.lr=nan", "train.nan_policy=skip"],
+     "optimizer.lr=nan is not a finite number; set optimizer.lr > 0"),
+    (["optimizer.min_lr_ratio=nan"],
+     "optimizer.min_lr_ratio=nan is not a finite number; set optimizer.min_lr_ratio in [0, 1]"),
+    (["train.seed=9223372036854775808"], "train.seed=9223372036854775808 is outside its range "
+                                         "[0, 2^32); set train.seed in [0, 2^32)"),
+    (["data.batch_size=1099511627776"], "data.batch_size=1099511627776 is outside its range "
+                                        "(0, 2^31); set data.batch_size in (0, 2^31)"),
+])
+def test_nan_inf_and_overflowing_integers_are_one_line_at_the_cli(tmp_path, args, line):
+    from conftest import run_cli
+
+    proc = run_cli(*args, "logger=none", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert errors == [f"dxrun: error: {line}"], proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # refused before the run dir: nothing left
 
 
 def test_warmup_longer_than_training_warns(cfg_factory):
@@ -264,8 +346,8 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32
     assert default_seq_len(256, 1024, "gpu") == default_seq_len(256, 1024, "cpu") == 256
     assert cfg_factory().data.seq_len == 64
-    for source in ("text", "tokens"):
-        cfg = cfg_factory(f"data={source}", f"data.path={tmp_path}", "model=large")
+    for source, dtype in (("text", []), ("tokens", ["data.dtype=uint16"])):
+        cfg = cfg_factory(f"data={source}", f"data.path={tmp_path}", "model=large", *dtype)
         config.validate(cfg)
         assert cfg.data.seq_len is None
         assert make_plan(cfg, 8, "cpu").seq_len == 64

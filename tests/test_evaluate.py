@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -121,7 +122,8 @@ def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path):
 
 
 def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
-    # checkpoint.dir elsewhere (a shared dir): eval.json and the W&B log go to the run dir.
+    # checkpoint.dir elsewhere (a shared dir): eval.json and the W&B log go to the run dir
+    # given; a step dir of the shared dir, outside any run dir, gets its result printed only.
     # The mesh and shapes of the test above (dp over 8, 8 x 8 tokens of 65 ids): its train and
     # eval steps come from the session's compile cache.
     from dxrun.train import train
@@ -132,10 +134,38 @@ def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
                    "train.steps=1", "train.eval_every=0", "eval.batches=2",
                    "checkpoint.every=1", f"checkpoint.dir={shared}"), run_dir)
     (step_dir,) = [p for p in shared.rglob("1") if (p / "state").is_dir()]
-    rec = evaluate_checkpoint(step_dir, [])
-    assert rec["step"] == 1 and json.loads((run_dir / "eval.json").read_text()) == [rec]
+    (trained,) = [finished_wandb_run(p) for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")]
+    # (W&B's own debug logs are links to the newest W&B process's, not the run's files.)
+    files = lambda: {k: v for k, v in tree_digest(tmp_path).items()
+                     if not (k.endswith(".log") or "latest-run" in k)}
+    before = files()
+    printed = evaluate_checkpoint(step_dir, [])
+    assert printed["step"] == 1 and files() == before  # nothing written
+    rec = evaluate_checkpoint(run_dir, [])  # its checkpoints.txt leads to the shared dir
+    assert rec["eval/loss"] == printed["eval/loss"]
+    assert json.loads((run_dir / "eval.json").read_text()) == [rec]
     assert not [p for p in tmp_path.rglob("*") if p.name in ("eval.json", "wandb")
                 and p.parent != run_dir]
     runs = [finished_wandb_run(p) for p in run_dir.glob("wandb/offline-run-*/run-*.wandb")]
+    assert {r["id"] for r in runs} == {trained["id"]}  # the run's own W&B run, continued
     assert [h["eval/loss"] for r in runs for h in r["history"] if "eval/tokens" in h] == [
         rec["eval/loss"]]
+
+
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_a_copied_or_moved_run_gets_its_own_results(markov_run, tmp_path):
+    """eval.json goes to the run dir given, never to the one the checkpoint recorded: the
+    original run is untouched, and a moved run keeps its results."""
+    original = tree_digest(markov_run)
+    copy = tmp_path / "copy"
+    shutil.copytree(markov_run, copy)
+    had = json.loads((copy / "eval.json").read_text()) if (copy / "eval.json").is_file() else []
+    rec = evaluate_checkpoint(copy, ["logger=none"])
+    assert json.loads((copy / "eval.json").read_text()) == [*had, rec]
+    assert rec["step"] == 300 and rec["checkpoint"] == str(copy / "checkpoints" / "300")
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    again = evaluate_checkpoint(moved / "checkpoints" / "300", ["logger=none"])
+    assert json.loads((moved / "eval.json").read_text()) == [*had, rec, again]
+    assert again["eval/loss"] == rec["eval/loss"]
+    assert not copy.exists() and tree_digest(markov_run) == original

@@ -1,17 +1,21 @@
 """``dxrun.tools.load``: the arguments of ``dxrun.evaluate`` / ``dxrun.sample`` (a run dir whose
-name holds ``=`` is still the path) and a crash's traceback file (never a planted link)."""
+name holds ``=`` is still the path), the checkpoint's config read as data (never interpolated),
+the run dir taken from the path given (never from the checkpoint), and a crash's traceback file
+(never a planted link)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from dxrun.tools.load import main, split_args
+from dxrun.tools.load import as_data, given_run_dir, load, main, split_args
 from dxrun.tools.sample import OPTIONS
 
 
@@ -56,3 +60,55 @@ def test_a_crash_traceback_never_follows_a_planted_link(tmp_path, monkeypatch, c
         assert log.stat().st_mode & 0o077 == 0  # this user's alone
     finally:
         log.unlink()
+
+
+TRICKY = ["${oc.env:HOME}", "${data_meta:/etc,vocab_size,7}", "a\\${x}", "\\\\${x}", "${x:${y}}",
+          "${", "ends with \\", "$${x}", "plain"]
+
+
+def test_stored_strings_come_back_as_written():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"s": [as_data(t) for t in TRICKY], "x": 1, "y": 2})
+    assert list(cfg.s) == OmegaConf.to_container(cfg, resolve=True)["s"] == TRICKY
+    assert as_data({"a": [1, None, 2.5, True]}) == {"a": [1, None, 2.5, True]}
+
+
+def _meta_file(step_dir: Path) -> Path:
+    (path,) = [p for p in (step_dir / "meta").iterdir()
+               if p.is_file() and p.read_bytes().startswith(b"{") and b'"config"' in p.read_bytes()]
+    return path
+
+
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_a_checkpoints_config_is_read_as_data(markov_run, tmp_path):
+    """A ``${...}`` stored in a checkpoint's meta (as a literal string: the saved config was
+    resolved when it was written) is never resolved when a tool composes the config: no
+    environment variable or file is read through it."""
+    run = tmp_path / "run"
+    shutil.copytree(markov_run / "checkpoints", run / "checkpoints")
+    path = _meta_file(run / "checkpoints" / "300")
+    meta = json.loads(path.read_text())
+    meta["config"]["logger"]["project"] = "${oc.env:HOME}"
+    meta["config"]["logger"]["tags"] = TRICKY
+    meta["config"]["train"]["objective"] = "${model.name}"
+    path.write_text(json.dumps(meta))
+    loaded = load(run, ["parallelism=dp1"], "path", with_data=False)
+    assert loaded.cfg.logger.project == "${oc.env:HOME}"
+    assert list(loaded.cfg.logger.tags) == TRICKY
+    assert loaded.cfg.train.objective == "${model.name}"
+    assert loaded.run_dir == run
+
+
+def test_the_run_dir_is_the_path_given_never_the_recorded_one(tmp_path):
+    run = tmp_path / "copy"
+    (run / "checkpoints" / "300").mkdir(parents=True)
+    for given in (run, run / "checkpoints", run / "checkpoints" / "300"):
+        assert given_run_dir(given, run / "checkpoints") == run
+    shared = tmp_path / "shared" / "run-1a2b"  # checkpoint.dir=<shared>: outside any run dir
+    (shared / "300").mkdir(parents=True)
+    assert given_run_dir(shared / "300", shared) is None
+    elsewhere = tmp_path / "mine"  # a run dir whose checkpoints.txt leads to the shared dir
+    elsewhere.mkdir()
+    (elsewhere / "checkpoints.txt").write_text(f"{shared}\n")
+    assert given_run_dir(elsewhere, shared) == elsewhere

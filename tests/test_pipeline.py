@@ -144,8 +144,8 @@ def test_epochs_are_reshuffled_and_cover_every_window():
     (lambda d, c: ["data=text"], "data=text needs data.path"),
     (lambda d, c: ["data=text", f"data.path={c['empty']}"], "is empty"),
     (lambda d, c: ["data=text", f"data.path={c['short']}"], "shorter than one window"),
-    (lambda d, c: ["data=tokens", f"data.path={c['bigid']}", "data.vocab_size=256"],
-     "token id 300 >= model.vocab_size=256"),
+    (lambda d, c: ["data=tokens", f"data.path={c['bigid']}", "data.vocab_size=256",
+                   "data.dtype=uint16"], "train.bin holds token id 300 >= model.vocab_size=256"),
     (lambda d, c: ["data=tokens", f"data.path={c['u32']}", "data.dtype=uint16"],
      "data.dtype=uint16 but"),
     (lambda d, c: ["data=text", f"data.path={c['short']}", f"data.tokenizer={c['badtok']}"],
@@ -212,22 +212,76 @@ def _token_dir(root, ids, meta=None):
     return root
 
 
-def test_meta_max_id_is_used_instead_of_a_scan(cfg_factory, tmp_path):
-    ids = [1, 2, 300] * 100  # a scan finds 300; meta.json says 10
+def test_a_meta_that_understates_the_largest_id_is_refused(cfg_factory, tmp_path):
+    """meta.json's max_id is not taken on trust: the files are scanned, and an id beyond the
+    model's vocabulary is one line naming the file and the id (not a NaN loss later)."""
+    from dxrun.config import validate
+
+    ids = [1, 2, 300] * 100  # a scan finds 300; meta.json says 10, and its counts match
     meta = {"dtype": "uint16", "vocab_size": 256, "max_id": 10, "train_tokens": 300,
             "val_tokens": 200}
     root = _token_dir(tmp_path / "meta", ids, meta)
-    cfg = lambda: cfg_factory("data=tokens", f"data.path={root}", "data.vocab_size=256",
-                              "data.seq_len=16", "logger=none")
-    data = Data(cfg())  # the scan would refuse id 300 >= 256: it did not run
-    assert data.vocab_size == 256
-    stale = {**meta, "train_tokens": 299}  # the files changed after prepare: scan them
-    (root / "meta.json").write_text(json.dumps(stale))
-    with pytest.raises(ConfigError, match="token id 300 >= model.vocab_size=256"):
-        Data(cfg())
-    (root / "meta.json").unlink()  # no meta.json: the scan catches the id
-    with pytest.raises(ConfigError, match="token id 300 >= model.vocab_size=256"):
-        Data(cfg())
+    cfg = cfg_factory("data=tokens", f"data.path={root}", "data.seq_len=16", "logger=none")
+    assert cfg.data.vocab_size == cfg.model.vocab_size == 256
+    validate(cfg)
+    with pytest.raises(ConfigError) as err:
+        Data(cfg)
+    assert str(err.value) == (f"data.path={root}: train.bin holds token id 300 >= "
+                              "model.vocab_size=256; set data.vocab_size (or model.vocab_size) "
+                              "to 301 or more")
+    (root / "val.bin").write_bytes(np.asarray([1, 2, 400], np.uint16).tobytes())
+    with pytest.raises(ConfigError, match=r"^data.path=\S+: val.bin holds token id 400 >= "):
+        Data(cfg)
+
+
+def test_token_files_need_their_dtype(cfg_factory, tmp_path):
+    """No dtype in meta.json (or no meta.json) and no data.dtype: refused in one line naming
+    the file and what to write, never read as uint16 (these uint32 ids would be twice as many
+    uint16 ids, every other one 0)."""
+    from dxrun.config import validate
+
+    root = tmp_path / "wide"
+    root.mkdir()
+    np.arange(70000, 70300, dtype=np.uint32).tofile(root / "train.bin")
+    cfg = lambda *extra: cfg_factory("data=tokens", f"data.path={root}", "data.seq_len=16",
+                                     "logger=none", *extra)
+    which = ('("uint32" when ids reach 65536; `python -m dxrun.data.prepare` writes it), or set '
+             "data.dtype")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg())
+    assert str(err.value) == (f"data.path={root}: no {root / 'meta.json'} to say the token files' "
+                              f'dtype; write {{"dtype": "uint16"}} there {which}')
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 70400}))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg())
+    assert str(err.value) == (f"data.path={root}: {root / 'meta.json'} gives no dtype of the "
+                              f'token files; add "dtype": "uint16" to it {which}')
+    given = cfg("data.dtype=uint32")  # said on the command line: taken
+    validate(given)
+    assert np.asarray(Data(given).local_batch(0)).min() >= 70000
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 70400, "dtype": "uint32"}))
+    validate(cfg())
+    assert cfg().data.dtype == "uint32"
+
+
+@pytest.mark.e2e  # the launcher as a subprocess
+@pytest.mark.parametrize("case", ["no dtype", "understated max_id"])
+def test_token_file_refusals_are_one_line_at_the_cli(tmp_path, case):
+    from conftest import run_cli
+
+    root = tmp_path / "corpus"
+    meta = {"dtype": "uint16", "vocab_size": 256, "max_id": 10, "train_tokens": 300,
+            "val_tokens": 200}
+    _token_dir(root, [1, 2, 300] * 100, None if case == "no dtype" else meta)
+    want = (f"data.path={root}: no {root / 'meta.json'} to say the token files' dtype"
+            if case == "no dtype" else
+            f"data.path={root}: train.bin holds token id 300 >= model.vocab_size=256")
+    proc = run_cli("data=tokens", f"data.path={root}", "data.seq_len=16", "parallelism=dp2",
+                   "logger=none", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"dxrun: error: {want}"), proc.stderr[-2000:]
 
 
 def test_token_file_source_pickles_by_path(cfg_factory, tmp_path):
@@ -285,10 +339,13 @@ def test_hf_special_tokens_are_not_added(corpus, tmp_path):
 def test_vocab_and_dtype_come_from_the_data(cfg_factory, tmp_path, corpus):
     """prepare wrote meta.json (or text names its tokenizer): no data.vocab_size / data.dtype
     needed, the model is sized for the data (256 bytes, not GPT-2's 50,304)."""
+    from dxrun.config import validate
+
     out = tmp_path / "mycorpus"
     prepare(str(corpus / "docs"), str(out))
     cfg = cfg_factory("data=tokens", f"data.path={out}", "logger=none")
     assert (cfg.data.vocab_size, cfg.model.vocab_size, cfg.data.dtype) == (256, 256, "uint16")
+    validate(cfg)  # what prepare writes passes every check
     assert Data(cfg).vocab_size == 256
     wide = tmp_path / "wide"  # a uint32 corpus: the dtype comes along
     wide.mkdir()
@@ -301,10 +358,12 @@ def test_vocab_and_dtype_come_from_the_data(cfg_factory, tmp_path, corpus):
     cfg = cfg_factory("data=text", f"data.path={corpus / 'docs'}", f"data.tokenizer={tj}")
     assert cfg.model.vocab_size == Data(cfg).vocab_size == len(WORDS) + 3
     assert cfg_factory("data=text", f"data.path={corpus / 'docs'}").data.vocab_size == 256
-    bare = tmp_path / "bare"  # no meta.json: nanoGPT's GPT-2 layout is the fallback
+    bare = tmp_path / "bare"  # no meta.json: GPT-2's vocabulary, but no dtype guessed
     bare.mkdir()
     cfg = cfg_factory("data=tokens", f"data.path={bare}")
-    assert (cfg.data.vocab_size, cfg.data.dtype) == (50304, "uint16")
+    assert (cfg.data.vocab_size, cfg.data.dtype) == (50304, None)
+    with pytest.raises(ConfigError, match="to say the token files' dtype"):
+        validate(cfg)
 
 
 def test_explicit_vocab_refused_below_the_data_and_warned_far_above(cfg_factory, tmp_path,

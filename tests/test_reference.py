@@ -38,7 +38,8 @@ def test_every_config_key_has_a_row_with_type_default_and_meaning(pages):
     # The ranges and choices the validation uses are what the rows say.
     assert "| `optimizer.decay_frac` | `float` | `0.2` | (0, 1] |" in rows["optimizer.decay_frac"]
     assert "`layernorm` \\| `rmsnorm`" in rows["model.norm"]
-    assert "| `train.steps` | `int` | `600` | > 0 |" in rows["train.steps"]
+    assert "| `train.steps` | `int` | `600` | (0, 2^31) |" in rows["train.steps"]  # int32 step
+    assert "| `train.log_every` | `int` | `50` | > 0 |" in rows["train.log_every"]
     assert "`h100`" in rows["plan.target"]
     assert schema.ranges_markdown() in pages["reference/config.md"]
     # Each row's meaning is its field's (no second table of meanings beside the schema).

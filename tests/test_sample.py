@@ -158,7 +158,10 @@ def test_sampling_refusals(markov_run):
     a markov prompt that is not the chain's ids: one ConfigError each (the CLI's one line and
     exit 2), before anything is decoded."""
     for options, overrides, says in [
-        ({"temperature": -0.5}, [], r"^temperature=-0.5 must be >= 0 \(0 = greedy\)$"),
+        ({"temperature": -0.5}, [], r"^temperature=-0.5 must be >= 0 and finite \(0 = greedy\)$"),
+        ({"temperature": float("inf")}, [], r"^temperature=inf must be >= 0 and finite "),
+        ({"temperature": float("nan")}, [], r"^temperature=nan must be >= 0 and finite "),
+        ({"seed": 2**32}, [], r"^seed=4294967296 must be in \[0, 2\^32\)$"),
         ({"top_k": -1}, [], r"^top_k=-1 must be >= 0 \(0 = no cut\)$"),
         ({"top_p": 0.0}, [], r"^top_p=0.0 must be in \(0, 1\] \(1 = no cut\)$"),
         ({"top_p": 1.5}, [], r"^top_p=1.5 must be in \(0, 1\]"),

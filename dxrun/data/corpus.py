@@ -77,8 +77,7 @@ def max_id(tokens: Any, name: str = "tokens") -> int:
     chunks = range(0, n, SCAN_CHUNK)
     loud = len(chunks) > 4
     if loud:
-        log.info("scanning %s (%s tokens) for its largest token id (no usable meta.json)",
-                 name, f"{n:,}")
+        log.info("scanning %s (%s tokens) for its largest token id", name, f"{n:,}")
     for k, start in enumerate(chunks):
         top = max(top, int(np.asarray(tokens[start:start + SCAN_CHUNK]).max()))
         if loud and (k + 1) % 16 == 0:
@@ -93,6 +92,7 @@ class Corpus:
     vocab_size: int  # ids are < vocab_size
     description: str
     max_id: int  # the largest id in train and val
+    max_id_in: str = ""  # the token file holding it (empty: text, tokenized here)
 
 
 class Tokenizer:
@@ -237,9 +237,11 @@ def recorded_tokenizer(d: Any) -> tuple[bool, str | None]:
 
 
 def load_tokens(d: Any) -> Corpus:
-    """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout). The vocabulary and the
-    largest id come from ``meta.json`` (``prepare`` writes them) when its token counts match
-    the files; otherwise the files are scanned once."""
+    """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout), read as ``data.dtype``
+    (meta.json's, required: ``config.no_token_dtype``). The vocabulary comes from
+    ``meta.json``; the largest id from a scan of the files, never from meta.json's ``max_id``:
+    an id it understates would pass the vocabulary check and reach the embedding lookup and
+    the loss's gather out of range, as a NaN loss."""
     root = Path(d.path).expanduser()
     if not (root / "train.bin").is_file():
         raise ConfigError(f"data.path={d.path}: no train.bin there; give the folder that "
@@ -263,17 +265,17 @@ def load_tokens(d: Any) -> Corpus:
     train, val = arrays
     if len(train) == 0:
         raise ConfigError(f"data.path={d.path}: train.bin is empty; prepare a corpus with text")
-    counts_match = (meta.get("train_tokens"), meta.get("val_tokens")) == (len(train), len(val))
-    if "max_id" in meta and counts_match:
-        top = int(meta["max_id"])
-    else:
-        if "max_id" in meta:  # stale: the files changed after prepare wrote meta.json
-            log.warning("%s does not match train.bin/val.bin (token counts differ); ignoring "
-                        "its max_id and scanning the files", meta_path)
-        top = max(max_id(train, "train.bin"), max_id(val, "val.bin"))
+    if (meta.get("train_tokens"), meta.get("val_tokens")) not in ((None, None),
+                                                               (len(train), len(val))):
+        log.warning("%s does not match train.bin/val.bin (token counts differ): its vocab_size "
+                    "and dtype may be another corpus's", meta_path)
+    top, where = -1, ""
+    for name, tokens in (("train.bin", train), ("val.bin", val)):
+        if (t := max_id(tokens, name)) > top:
+            top, where = t, name
     vocab = int(meta.get("vocab_size", 0)) or top + 1
     return Corpus(train, val, vocab,
-                  f"{len(train):,} train + {len(val):,} val tokens ({d.dtype})", top)
+                  f"{len(train):,} train + {len(val):,} val tokens ({d.dtype})", top, where)
 
 
 def vocab_warning(corpus: Corpus, cfg: Any) -> str | None:
@@ -294,7 +296,8 @@ def check_fits(corpus: Corpus, cfg: Any, seq_len: int) -> None:
     d, m = cfg.data, cfg.model
     top = corpus.max_id
     if top >= m.vocab_size:
-        raise ConfigError(f"data.path={d.path}: token id {top} >= model.vocab_size="
+        where = f" {corpus.max_id_in} holds" if corpus.max_id_in else ""
+        raise ConfigError(f"data.path={d.path}:{where} token id {top} >= model.vocab_size="
                           f"{m.vocab_size}; set data.vocab_size (or model.vocab_size) to "
                           f"{max(top + 1, corpus.vocab_size)} or more")
     if d.vocab_size <= top:  # the model may not follow it (model=small), but it is wrong

@@ -10,10 +10,13 @@ another source given as overrides (``data.path=...``, ``data=tokens data.path=..
 ``eval.batches=all`` takes every full batch of one pass over the held-out windows (a corpus's
 split; the markov stream is endless and is refused).
 
-The result is printed, appended to ``eval.json`` in the run dir (the run that wrote the
-checkpoint, also when ``checkpoint.dir`` put its checkpoints elsewhere; a list: one record per
-evaluation; no training file is touched) and, when the run logged to W&B (and ``logger`` is not
-``none``), logged to that same W&B run as ``eval/...`` at the checkpoint's step.
+The result is printed, appended to ``eval.json`` in the run dir given (the path, or the run dir
+around the checkpoints dir or step dir given; a list: one record per evaluation; no training
+file is touched) and, when the run logged to W&B (and ``logger`` is not ``none``), logged to
+that same W&B run as ``eval/...`` at the checkpoint's step. Never in a run dir the checkpoint
+records: a copied run's result would land in the original. A checkpoint outside a run dir (in a
+shared ``checkpoint.dir``) gets its result printed only: give the run dir, whose
+``checkpoints.txt`` leads to it, to record it.
 """
 
 from __future__ import annotations
@@ -75,9 +78,13 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "overrides": overrides,
     }
+    if loaded.run_dir is None:
+        log.warning("%s is not in a run dir: eval.json and W&B are not written; give the run "
+                    "dir (its checkpoints.txt leads here) to record the result", path)
+        return record
     _append(loaded.run_dir / "eval.json", record)
     log.info("wrote %s", loaded.run_dir / "eval.json")
-    _log_wandb(loaded, metrics)
+    _log_wandb(loaded, loaded.run_dir, metrics)
     return record
 
 
@@ -88,14 +95,14 @@ def _append(path: Path, record: dict[str, Any]) -> None:
     write_json(path, [*records, record])
 
 
-def _log_wandb(loaded: Loaded, metrics: dict[str, float]) -> None:
+def _log_wandb(loaded: Loaded, run_dir: Path, metrics: dict[str, float]) -> None:
     """The numbers into the run's own W&B run, at the checkpoint's step."""
     run_id = loaded.ckpt_meta.get("wandb_id")
     if loaded.cfg.logger.name != "wandb" or not run_id:
         return
     from dxrun.tracking.logger import open_wandb
 
-    run = open_wandb(loaded.run_dir, loaded.cfg.logger, None, None, None, None, run_id)
+    run = open_wandb(run_dir, loaded.cfg.logger, None, None, None, None, run_id)
     if run is None:
         return
     try:

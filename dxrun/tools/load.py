@@ -3,9 +3,10 @@
 ``python -m dxrun.<tool> <run dir | checkpoints dir | step dir> [option=value ...]
 [overrides ...]``: the tool's own options (``prompt=``, ``n=``, ...) beside config overrides
 (``parallelism=tp2``, ``data.path=...``, ``eval.batches=8``). The config is the one the
-checkpoint was written with (its meta item), with the overrides applied as ``python -m dxrun``
-would apply them: a group option (``parallelism=tp2``, ``data=tokens``) replaces that section
-with its preset, a key replaces one value. The model's shape and vocabulary are the
+checkpoint was written with (its meta item, read as data: a stored ``${...}`` is that string,
+never an interpolation), with the overrides applied as ``python -m dxrun`` would apply them: a
+group option (``parallelism=tp2``, ``data=tokens``) replaces that section with its preset, a
+key replaces one value. The model's shape and vocabulary are the
 checkpoint's and cannot be overridden. The parameters are read straight into the chosen mesh's
 shardings, as a resume does (``checkpoint.restore``).
 
@@ -87,8 +88,27 @@ def start_devices(overrides: list[str]) -> None:
     simulate_cpu_devices(n)
 
 
+INTERPOLATION = re.compile(r"(\\*)\$\{")  # "${" and the backslashes before it
+
+
+def as_data(value: Any) -> Any:
+    """A value read from a checkpoint's meta, escaped so that OmegaConf holds it as written: a
+    string with ``${...}`` in it comes back as that string, never resolved (it could name an
+    environment variable, ``${oc.env:...}``, or a file, ``${data_meta:...}``, and the saved
+    config was resolved when the run wrote it). OmegaConf reads ``\\${`` as a literal ``${``
+    and each ``\\\\`` before it as one backslash: n backslashes before ``${`` become 2n + 1."""
+    if isinstance(value, str):
+        return INTERPOLATION.sub(lambda m: "\\" * (2 * len(m[1]) + 1) + "${", value)
+    if isinstance(value, dict):
+        return {k: as_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_data(v) for v in value]
+    return value
+
+
 def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
-    """The checkpoint's config with ``overrides`` applied as ``python -m dxrun`` applies them."""
+    """The checkpoint's config (``saved``, read as data: ``as_data``) with ``overrides``
+    applied as ``python -m dxrun`` applies them."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -107,6 +127,7 @@ def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
         raise ConfigError(composition_error(e) or str(e).splitlines()[0]) from None
     check_keys(given)
     OmegaConf.resolve(given)
+    saved = as_data(saved)
     # (The saved "plan" is the mesh plan, written over the plan section: plan mode only.)
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig),
                           {k: v for k, v in saved.items()
@@ -137,7 +158,7 @@ class Loaded:
     ckpt_meta: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
     step: int
     path: Path  # the step dir read
-    run_dir: Path  # the run that wrote the checkpoint (eval.json and W&B go there)
+    run_dir: Path | None  # the run dir given (eval.json and W&B go there): ``given_run_dir``
     exp: Any  # the Experiment on the chosen mesh
     params: dict  # on that mesh
 
@@ -175,10 +196,23 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     state, _, _ = checkpoint.restore(resume, exp.abstract_state())
     log.info("checkpoint %s (step %d) on mesh %s", where, step,
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
-    # The run that wrote it: recorded in its meta (a shared checkpoint.dir is not in the run
-    # dir); older checkpoints sit in <run dir>/checkpoints.
-    run_dir = Path(meta["run_dir"]) if meta.get("run_dir") else resume.directory.parent
-    return Loaded(cfg, meta, step, where, run_dir, exp, state.params)
+    return Loaded(cfg, meta, step, where, given_run_dir(path, resume.directory), exp,
+                  state.params)
+
+
+def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
+    """The run dir the command line points at: ``path`` itself when it holds ``checkpoints/``
+    or ``checkpoints.txt``, else the dir around ``<run dir>/checkpoints`` when ``path`` is
+    that dir or a step dir in it (``checkpoints``: the dir ``checkpoint.locate`` found). None
+    for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
+    elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
+    would land in the original, and a moved run's in a dir that is gone."""
+    from dxrun.checkpointing.checkpoint import POINTER
+
+    path = path.expanduser().absolute()
+    if (path / "checkpoints").is_dir() or (path / POINTER).is_file():
+        return path
+    return checkpoints.parent if checkpoints.name == "checkpoints" else None
 
 
 def usage(run: Callable[[list[str]], None]) -> str:

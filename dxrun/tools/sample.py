@@ -18,6 +18,7 @@ devices); ``n`` must then divide over the mesh's data-parallel replicas.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,10 @@ OPTIONS: dict[str, Any] = {"prompt": "", "max_new_tokens": 64, "temperature": 0.
 def check_options(o: dict[str, Any]) -> None:
     for key, ok, want in (("max_new_tokens", o["max_new_tokens"] >= 1, ">= 1"),
                           ("n", o["n"] >= 1, ">= 1"),
-                          ("temperature", o["temperature"] >= 0, ">= 0 (0 = greedy)"),
+                          ("temperature", 0 <= o["temperature"] < math.inf,
+                           ">= 0 and finite (0 = greedy)"),
+                          # jax.random.key keeps 32 bits: 2^32 would be seed 0 again
+                          ("seed", 0 <= o["seed"] < 2**32, "in [0, 2^32)"),
                           ("top_k", o["top_k"] >= 0, ">= 0 (0 = no cut)"),
                           ("top_p", 0 < o["top_p"] <= 1, "in (0, 1] (1 = no cut)")):
         if not ok:
