@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -256,6 +257,77 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
         f"python -m dxrun.launch --nproc=2 --devices-per-proc=4 -- {NO_CACHE} logger=none "
         f"train.steps=100000 train.log_every=1 parallelism=dp checkpoint.every=0 "
         f"hydra.run.dir={tmp_path}/run")
+
+
+# A run dir neither Hydra's override grammar nor a shell takes as it is: "=", both quotes, a
+# space, a comma (a Hydra sweep), non-ASCII.
+AWKWARD = """we=ird 'single' "double" ü,x"""
+
+
+def read_back(command: str) -> str:
+    """The run dir ``command`` resumes in, as a shell and then Hydra (and OmegaConf, which
+    resolves interpolations) read its ``hydra.run.dir=`` word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    (word,) = [w for w in shlex.split(command) if w.startswith("hydra.run.dir=")]
+    value = OverridesParser.create().parse_override(word).value()
+    return OmegaConf.create({"dir": value}).dir
+
+
+# "${x}" too, an interpolation to Hydra, though Hydra itself cannot run in such a dir: the name
+# of its log file resolves the dir a second time.
+@pytest.mark.parametrize("name", ["run", "a=b", "it's", 'say "hi"', "two words", "ü", "a,b",
+                                  "${x}", "back\\", AWKWARD])
+def test_the_resume_command_reads_back_as_its_run_dir(name):
+    """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
+    status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
+    from dxrun.checkpointing.preempt import relaunch_command
+    from dxrun.multihost.launch import _STOP_LINE, clean_stop
+
+    run_dir = f"/tmp/{name}/run"
+    command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)
+    assert read_back(command) == run_dir
+    assert command.startswith("python -m dxrun logger=none ")
+    line = (f"SIGINT: stopped at step 10; checkpoint {run_dir}/checkpoints/10 committed. "
+            f"Resume with: {command}")
+    launcher = clean_stop("SIGINT", [130, 130], _STOP_LINE.search(line), ["--nproc=2"],
+                          ["logger=none"])
+    assert launcher is not None and read_back(launcher.split("Resume with: ")[1]) == run_dir
+
+
+def test_a_run_in_an_awkward_dir_resumes_with_the_command_it_printed(tmp_path):
+    """A run in a dir that Hydra and the shell must quote is stopped (SIGTERM); the command its
+    status.json gives, run by a shell, resumes it there and trains to the end."""
+    run_dir = tmp_path / AWKWARD / "run"
+    hydra_quoted = str(run_dir).replace('"', '\\"')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dxrun", NO_CACHE, "logger=none", "runtime.cpu_devices=2",
+         "parallelism=dp", "data.batch_size=8", "train.steps=4", "train.log_every=1",
+         "train.eval_every=0", "checkpoint.every=0", "train.hold_at_step=2",
+         f'hydra.run.dir="{hydra_quoted}"'], cwd=tmp_path, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = Output(proc)
+    out.wait_for(lambda line: "step 2/4" in line)  # held after step 2 until a SIGUSR1
+    proc.send_signal(signal.SIGTERM)
+    out.wait_for(lambda line: "SIGTERM received" in line)
+    proc.send_signal(signal.SIGUSR1)
+    text = out.finish()
+    assert proc.returncode == 0, text[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("stopped", 2), status
+    assert f"Resume with: {status['relaunch']}" in text
+    # The printed command as a user pastes it (this interpreter for "python"), without the
+    # hold: a later override wins.
+    program, _, rest = status["relaunch"].partition(" -m dxrun ")
+    assert program == "python", status["relaunch"]
+    resumed = subprocess.run(f"{shlex.quote(sys.executable)} -m dxrun {rest} "
+                             "train.hold_at_step=0", shell=True, cwd=tmp_path, env=_env(),
+                             text=True, capture_output=True, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert f"resuming from step 2 (checkpoint {run_dir / 'checkpoints' / '2'})" in resumed.stdout
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
 
 
 def test_a_process_that_cannot_reach_the_coordinator_says_so(tmp_path):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -32,7 +31,7 @@ import threading
 import time
 from typing import IO
 
-from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command
+from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command, run_dir_of
 from dxrun.multihost.distributed import (
     COORDINATOR,
     CUDA_VISIBLE,
@@ -133,8 +132,7 @@ def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | N
     exited with the stop's own code after rank 0 committed the checkpoint); None otherwise."""
     if signalled is None or stop is None or any(c != EXIT_CODES[signalled] for c in returncodes):
         return None
-    words = shlex.split(stop.group(4))
-    run_dir = next((w.partition("=")[2] for w in words if w.startswith("hydra.run.dir=")), None)
+    run_dir = run_dir_of(stop.group(4))
     if run_dir is None:
         return None
     command = relaunch_command(overrides, run_dir,
