@@ -26,7 +26,7 @@ from dxrun.config import (
     validate,
 )
 from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
-from dxrun.multihost.distributed import agree, is_main, join
+from dxrun.multihost.distributed import agree, is_main, join, tell_launcher
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -202,6 +202,7 @@ def _claim(asked: Path, reuse: bool = False) -> Path:
 def _status(run_dir: Path, status: str, **fields: Any) -> None:
     if is_main():
         write_status(run_dir, status, **fields)
+        tell_launcher(run_dir)  # which status.json to mark if the run's ranks are killed
 
 
 def _job_key(hydra_cfg: Any) -> str:

@@ -170,14 +170,15 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 
-def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False
+def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False, port: int = 0
                   ) -> tuple[subprocess.Popen, Output, dict[int, int]]:
     """A 2-process run without end (4 devices each), once rank 0 has logged step 2: the
     launcher, its output and each rank's pid. ``ctrl_c``: the launcher in a process group of
-    its own, which a test can signal as a terminal's Ctrl-C does."""
+    its own, which a test can signal as a terminal's Ctrl-C does. ``port``: the coordinator's
+    (0: a free one)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-         NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4",
+         "--port", str(port), "--", NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
          "parallelism=dp",  # 100000 steps would pay for a layout search
          "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=ctrl_c)
@@ -207,18 +208,74 @@ def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
             proc.kill()
 
 
-def test_a_dead_process_stops_the_other(tmp_path):
-    """Rank 1 is killed mid-run: rank 0 notices through the heartbeat and exits non-zero
-    with a message saying so, and the launcher names the first failure. No hang."""
-    code, out, took = signal_mid_run(tmp_path, signal.SIGKILL,
-                                     "distributed.heartbeat_timeout_s=10", timeout=90)
-    assert code != 0 and took < 60, out[-3000:]
-    # Rank 0 stops on its own and says why: JAX's distributed runtime (its heartbeat), or gloo
-    # aborting the collective rank 1 died in (about one run in ten, more under load).
-    assert re.search(r"\[rank 0\].*(another task died|gloo::EnforceNotMet)", out), out[-3000:]
-    # ...after rank 1, though both often end between two looks of the launcher's loop.
-    assert "dxrun.launch: error: rank 1 was killed by SIGKILL first; then rank 0" in out, (
-        out[-3000:])
+def test_a_dead_process_stops_the_others_at_once(tmp_path):
+    """Rank 1 is killed mid-run: the launcher stops rank 0 at once, not when JAX's heartbeat
+    (distributed.heartbeat_timeout_s=100 by default) would have told it, names the first
+    failure and marks the run failed in its status.json, which rank 1 could not write."""
+    code, out, took = signal_mid_run(tmp_path, signal.SIGKILL, "hydra.run.dir=run", timeout=90)
+    assert code == 128 + signal.SIGKILL and took < 30, out[-3000:]
+    # Rank 0 is stopped, or (rarely: gloo aborts the collective rank 1 died in) ends by itself
+    # between two looks of the launcher's loop.
+    line = re.search(r"dxrun\.launch: error: (rank 1 was killed by SIGKILL first; then rank 0 "
+                     r"(was stopped by the launcher|exited with 1|was killed by SIGABRT)) .*",
+                     out)
+    assert line, out[-3000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["kind"]) == ("failed", "crashed"), status
+    if line[2] == "was stopped by the launcher":  # rank 0 said nothing: the launcher did
+        assert status["reason"].startswith(line[1]) and status["log"] == str(
+            tmp_path / "run" / "dxrun.1.log"), status
+    assert "checkpoint.every=0" in status["overrides"]  # the run's own fields are kept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal")
+def test_a_used_port_is_refused_and_the_ranks_die_with_their_launcher(tmp_path):
+    """A second launch on the --port of a run in progress is refused before it starts any
+    process (its ranks would have joined the first run and aborted it), and the first run
+    trains on. Then its launcher is killed outright (SIGKILL: nothing of it runs again): its
+    ranks, in sessions of their own, die with it."""
+    port = free_port()
+    proc, out, pids = start_endless(tmp_path, "hydra.run.dir=run", port=port)
+    (tmp_path / "second").mkdir()
+    second = subprocess.Popen(
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--port", str(port), "--",
+         NO_CACHE, "logger=none"], cwd=tmp_path / "second", env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second_out = Output(second)
+    try:
+        text = second_out.finish(timeout=60)
+        assert second.returncode == 2, text[-3000:]
+        assert text.strip().splitlines() == [
+            f"dxrun.launch: error: --port={port} is in use on this host (Address already in "
+            "use; another run's coordinator?): give a free port, or leave --port out to take "
+            "a free one"]
+        assert not list((tmp_path / "second").iterdir())
+        # The first run is unharmed: its ranks log further steps.
+        out.wait_for(lambda line: line.startswith("[rank 0]") and "step 3/" in line,
+                     timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in pids.values()), pids
+    finally:
+        # Whatever failed above, no process of either launch is left running.
+        started = re.findall(r"rank \d pid (\d+)", second_out.text())
+        for pid in [*pids.values(), *map(int, started)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in (proc, second):
+            if p.poll() is None:
+                p.kill()
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its new parent to reap it counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
