@@ -140,6 +140,42 @@ def test_a_tensor_group_across_processes_is_refused(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
 
 
+def test_one_process_refusing_the_memory_preflight_ends_every_process_with_its_line(
+        tmp_path):
+    """Each process checks the memory its own host gives: here process 1 shares its host with
+    another (DXRUN_LOCAL_PROCESSES=2: half the budget) and process 0 does not. Process 1's
+    refusal, with its suggestion searched over the run's processes, is every process's one
+    line, exit 2; nothing is left behind."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    # The step needs about 0.0044 GiB per device (4 devices each): 0.026 GiB / 4 devices fits,
+    # / (4 x 2) does not.
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dxrun", NO_CACHE, "logger=none", "runtime.cpu_devices=4",
+         "parallelism=dp", "data.batch_size=16", "runtime.memory_gb=0.026",
+         # (out/run: a refused run also removes its run dir's parent when it is empty)
+         "hydra.run.dir=out/run"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**_env(), "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": "2",
+             "JAX_PROCESS_ID": str(rank), "DXRUN_LOCAL_PROCESSES": str(rank + 1)})
+        for rank in (0, 1)]
+    try:
+        ends = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = [err.strip().splitlines()[-1] for _, err in ends]
+    assert [p.returncode for p in procs] == [2, 2], lines
+    assert lines[0] == lines[1], lines
+    assert re.fullmatch(
+        r"dxrun: error: the train step needs \S+ GiB per device x 4 device\(s\) = \S+ GiB, but "
+        r"runtime\.memory_gb=0\.026 / 2 processes on this host gives 0\.013 GiB; try \S.* "
+        r"\(or runtime\.skip_memory_check=true to run anyway\); where the memory goes: \S+",
+        lines[0]), lines[0]
+    assert "Traceback" not in "".join(out + err for out, err in ends)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
 def documented(path: str, command: str) -> list[str]:
     """The overrides of the example ``command ...`` line in the comments of ``path``."""
     lines = (ROOT / path).read_text().splitlines()
