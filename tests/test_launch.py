@@ -324,6 +324,15 @@ def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
     assert first_failure({0: 10.0}, [0, None]) is None
 
 
+def test_when_the_others_are_stopped_depends_on_how_one_ended():
+    """Killed by a signal: at once. An error: after the grace, time to say the same. A stop's
+    code (0, 130 after SIGINT): never, the others are saving at the same step."""
+    from dxrun.multihost.launch import stop_delay
+
+    assert [stop_delay(c, 10.0) for c in (-9, -6, 1, 2, 0, 130)] == [
+        0.0, 0.0, 10.0, 10.0, None, None]
+
+
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):
     """SIGTERM reaches rank 1 only (SLURM's signals do not arrive at the same instant): both
     processes agree on one step, save it together and exit 0."""
