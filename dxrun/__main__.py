@@ -29,7 +29,7 @@ from dxrun.config import (
     validate,
 )
 from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
-from dxrun.multihost.distributed import agree, is_main, join
+from dxrun.multihost.distributed import agree, is_main, join, tell_launcher
 from dxrun.run_dir import Claim
 from dxrun.runtime import (
     RunLog,
@@ -304,6 +304,7 @@ def _interrupted(e: Interrupted, cfg: DictConfig, hydra_cfg: Any, run_log: RunLo
 def _status(run_dir: Path, status: str, **fields: Any) -> None:
     if is_main():
         write_status(run_dir, status, **fields)
+        tell_launcher(run_dir)  # which status.json to mark if the run's ranks are killed
 
 
 def _job_key(hydra_cfg: Any) -> str:

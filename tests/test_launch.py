@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -139,6 +140,42 @@ def test_a_tensor_group_across_processes_is_refused(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
 
 
+def test_one_process_refusing_the_memory_preflight_ends_every_process_with_its_line(
+        tmp_path):
+    """Each process checks the memory its own host gives: here process 1 shares its host with
+    another (DXRUN_LOCAL_PROCESSES=2: half the budget) and process 0 does not. Process 1's
+    refusal, with its suggestion searched over the run's processes, is every process's one
+    line, exit 2; nothing is left behind."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    # The step needs about 0.0044 GiB per device (4 devices each): 0.026 GiB / 4 devices fits,
+    # / (4 x 2) does not.
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dxrun", NO_CACHE, "logger=none", "runtime.cpu_devices=4",
+         "parallelism=dp", "data.batch_size=16", "runtime.memory_gb=0.026",
+         # (out/run: a refused run also removes its run dir's parent when it is empty)
+         "hydra.run.dir=out/run"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**_env(), "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": "2",
+             "JAX_PROCESS_ID": str(rank), "DXRUN_LOCAL_PROCESSES": str(rank + 1)})
+        for rank in (0, 1)]
+    try:
+        ends = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = [err.strip().splitlines()[-1] for _, err in ends]
+    assert [p.returncode for p in procs] == [2, 2], lines
+    assert lines[0] == lines[1], lines
+    assert re.fullmatch(
+        r"dxrun: error: the train step needs \S+ GiB per device x 4 device\(s\) = \S+ GiB, but "
+        r"runtime\.memory_gb=0\.026 / 2 processes on this host gives 0\.013 GiB; try \S.* "
+        r"\(or runtime\.skip_memory_check=true to run anyway\); where the memory goes: \S+",
+        lines[0]), lines[0]
+    assert "Traceback" not in "".join(out + err for out, err in ends)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
 def documented(path: str, command: str) -> list[str]:
     """The overrides of the example ``command ...`` line in the comments of ``path``."""
     lines = (ROOT / path).read_text().splitlines()
@@ -169,14 +206,15 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 
-def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False
+def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False, port: int = 0
                   ) -> tuple[subprocess.Popen, Output, dict[int, int]]:
     """A 2-process run without end (4 devices each), once rank 0 has logged step 2: the
     launcher, its output and each rank's pid. ``ctrl_c``: the launcher in a process group of
-    its own, which a test can signal as a terminal's Ctrl-C does."""
+    its own, which a test can signal as a terminal's Ctrl-C does. ``port``: the coordinator's
+    (0: a free one)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-         NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4",
+         "--port", str(port), "--", NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
          "parallelism=dp",  # 100000 steps would pay for a layout search
          "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=ctrl_c)
@@ -206,18 +244,74 @@ def signal_mid_run(cwd: Path, signum: int, *overrides: str, timeout: int = 120,
             proc.kill()
 
 
-def test_a_dead_process_stops_the_other(tmp_path):
-    """Rank 1 is killed mid-run: rank 0 notices through the heartbeat and exits non-zero
-    with a message saying so, and the launcher names the first failure. No hang."""
-    code, out, took = signal_mid_run(tmp_path, signal.SIGKILL,
-                                     "distributed.heartbeat_timeout_s=10", timeout=90)
-    assert code != 0 and took < 60, out[-3000:]
-    # Rank 0 stops on its own and says why: JAX's distributed runtime (its heartbeat), or gloo
-    # aborting the collective rank 1 died in (about one run in ten, more under load).
-    assert re.search(r"\[rank 0\].*(another task died|gloo::EnforceNotMet)", out), out[-3000:]
-    # ...after rank 1, though both often end between two looks of the launcher's loop.
-    assert "dxrun.launch: error: rank 1 was killed by SIGKILL first; then rank 0" in out, (
-        out[-3000:])
+def test_a_dead_process_stops_the_others_at_once(tmp_path):
+    """Rank 1 is killed mid-run: the launcher stops rank 0 at once, not when JAX's heartbeat
+    (distributed.heartbeat_timeout_s=100 by default) would have told it, names the first
+    failure and marks the run failed in its status.json, which rank 1 could not write."""
+    code, out, took = signal_mid_run(tmp_path, signal.SIGKILL, "hydra.run.dir=run", timeout=90)
+    assert code == 128 + signal.SIGKILL and took < 30, out[-3000:]
+    # Rank 0 is stopped, or (rarely: gloo aborts the collective rank 1 died in) ends by itself
+    # between two looks of the launcher's loop.
+    line = re.search(r"dxrun\.launch: error: (rank 1 was killed by SIGKILL first; then rank 0 "
+                     r"(was stopped by the launcher|exited with 1|was killed by SIGABRT)) .*",
+                     out)
+    assert line, out[-3000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["kind"]) == ("failed", "crashed"), status
+    if line[2] == "was stopped by the launcher":  # rank 0 said nothing: the launcher did
+        assert status["reason"].startswith(line[1]) and status["log"] == str(
+            tmp_path / "run" / "dxrun.1.log"), status
+    assert "checkpoint.every=0" in status["overrides"]  # the run's own fields are kept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal")
+def test_a_used_port_is_refused_and_the_ranks_die_with_their_launcher(tmp_path):
+    """A second launch on the --port of a run in progress is refused before it starts any
+    process (its ranks would have joined the first run and aborted it), and the first run
+    trains on. Then its launcher is killed outright (SIGKILL: nothing of it runs again): its
+    ranks, in sessions of their own, die with it."""
+    port = free_port()
+    proc, out, pids = start_endless(tmp_path, "hydra.run.dir=run", port=port)
+    (tmp_path / "second").mkdir()
+    second = subprocess.Popen(
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--port", str(port), "--",
+         NO_CACHE, "logger=none"], cwd=tmp_path / "second", env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second_out = Output(second)
+    try:
+        text = second_out.finish(timeout=60)
+        assert second.returncode == 2, text[-3000:]
+        assert text.strip().splitlines() == [
+            f"dxrun.launch: error: --port={port} is in use on this host (Address already in "
+            "use; another run's coordinator?): give a free port, or leave --port out to take "
+            "a free one"]
+        assert not list((tmp_path / "second").iterdir())
+        # The first run is unharmed: its ranks log further steps.
+        out.wait_for(lambda line: line.startswith("[rank 0]") and "step 3/" in line,
+                     timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in pids.values()), pids
+    finally:
+        # Whatever failed above, no process of either launch is left running.
+        started = re.findall(r"rank \d pid (\d+)", second_out.text())
+        for pid in [*pids.values(), *map(int, started)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in (proc, second):
+            if p.poll() is None:
+                p.kill()
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its new parent to reap it counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
@@ -228,6 +322,15 @@ def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
     assert first_failure({0: 10.002, 1: 10.001}, [-6, -9]) == (1, -9)
     assert first_failure({0: 10.0, 1: 10.1}, [0, 1]) == (1, 1)
     assert first_failure({0: 10.0}, [0, None]) is None
+
+
+def test_when_the_others_are_stopped_depends_on_how_one_ended():
+    """Killed by a signal: at once. An error: after the grace, time to say the same. A stop's
+    code (0, 130 after SIGINT): never, the others are saving at the same step."""
+    from dxrun.multihost.launch import stop_delay
+
+    assert [stop_delay(c, 10.0) for c in (-9, -6, 1, 2, 0, 130)] == [
+        0.0, 0.0, 10.0, 10.0, None, None]
 
 
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):
@@ -256,6 +359,77 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
         f"python -m dxrun.launch --nproc=2 --devices-per-proc=4 -- {NO_CACHE} logger=none "
         f"train.steps=100000 train.log_every=1 parallelism=dp checkpoint.every=0 "
         f"hydra.run.dir={tmp_path}/run")
+
+
+# A run dir neither Hydra's override grammar nor a shell takes as it is: "=", both quotes, a
+# space, a comma (a Hydra sweep), non-ASCII.
+AWKWARD = """we=ird 'single' "double" ü,x"""
+
+
+def read_back(command: str) -> str:
+    """The run dir ``command`` resumes in, as a shell and then Hydra (and OmegaConf, which
+    resolves interpolations) read its ``hydra.run.dir=`` word."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    (word,) = [w for w in shlex.split(command) if w.startswith("hydra.run.dir=")]
+    value = OverridesParser.create().parse_override(word).value()
+    return OmegaConf.create({"dir": value}).dir
+
+
+# "${x}" too, an interpolation to Hydra, though Hydra itself cannot run in such a dir: the name
+# of its log file resolves the dir a second time.
+@pytest.mark.parametrize("name", ["run", "a=b", "it's", 'say "hi"', "two words", "ü", "a,b",
+                                  "${x}", "back\\", AWKWARD])
+def test_the_resume_command_reads_back_as_its_run_dir(name):
+    """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
+    status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
+    from dxrun.checkpointing.preempt import relaunch_command
+    from dxrun.multihost.launch import _STOP_LINE, clean_stop
+
+    run_dir = f"/tmp/{name}/run"
+    command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)
+    assert read_back(command) == run_dir
+    assert command.startswith("python -m dxrun logger=none ")
+    line = (f"SIGINT: stopped at step 10; checkpoint {run_dir}/checkpoints/10 committed. "
+            f"Resume with: {command}")
+    launcher = clean_stop("SIGINT", [130, 130], _STOP_LINE.search(line), ["--nproc=2"],
+                          ["logger=none"])
+    assert launcher is not None and read_back(launcher.split("Resume with: ")[1]) == run_dir
+
+
+def test_a_run_in_an_awkward_dir_resumes_with_the_command_it_printed(tmp_path):
+    """A run in a dir that Hydra and the shell must quote is stopped (SIGTERM); the command its
+    status.json gives, run by a shell, resumes it there and trains to the end."""
+    run_dir = tmp_path / AWKWARD / "run"
+    hydra_quoted = str(run_dir).replace('"', '\\"')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dxrun", NO_CACHE, "logger=none", "runtime.cpu_devices=2",
+         "parallelism=dp", "data.batch_size=8", "train.steps=4", "train.log_every=1",
+         "train.eval_every=0", "checkpoint.every=0", "train.hold_at_step=2",
+         f'hydra.run.dir="{hydra_quoted}"'], cwd=tmp_path, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = Output(proc)
+    out.wait_for(lambda line: "step 2/4" in line)  # held after step 2 until a SIGUSR1
+    proc.send_signal(signal.SIGTERM)
+    out.wait_for(lambda line: "SIGTERM received" in line)
+    proc.send_signal(signal.SIGUSR1)
+    text = out.finish()
+    assert proc.returncode == 0, text[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["step"]) == ("stopped", 2), status
+    assert f"Resume with: {status['relaunch']}" in text
+    # The printed command as a user pastes it (this interpreter for "python"), without the
+    # hold: a later override wins.
+    program, _, rest = status["relaunch"].partition(" -m dxrun ")
+    assert program == "python", status["relaunch"]
+    resumed = subprocess.run(f"{shlex.quote(sys.executable)} -m dxrun {rest} "
+                             "train.hold_at_step=0", shell=True, cwd=tmp_path, env=_env(),
+                             text=True, capture_output=True, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert f"resuming from step 2 (checkpoint {run_dir / 'checkpoints' / '2'})" in resumed.stdout
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
 
 
 def test_a_process_that_cannot_reach_the_coordinator_says_so(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from dxrun.capacity import memory_model as mm
 from dxrun.capacity import plan_mode
 from dxrun.experiment import Experiment
+from dxrun.plan import make_plan
 from dxrun.step import step_bytes
 
 # Activations dominate: 4 layers of 256 tokens x 8 sequences at d_model 128 keep ~200 MB of
@@ -162,7 +163,7 @@ def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
                       "data.batch_size=64", "logger=none")
     full = OmegaConf.merge(cfg, {"model": {"remat": "full"}})
     budget = (need(cfg) + need(full)) / 2
-    fix = plan_mode.first_that_fits(cfg, budget, 8, "cpu",
+    fix = plan_mode.first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
                                     need=lambda e: plan_mode.accelerator_memory(e, h100).total_bytes)
     assert fix == ["model.remat=full"]
     assert need(cfg) > budget >= need(OmegaConf.merge(cfg, OmegaConf.from_dotlist(fix)))

@@ -25,9 +25,12 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dxrun.plan import MeshPlan
 
 log = logging.getLogger("dxrun")
 
@@ -468,14 +471,14 @@ def candidates(cfg: Any) -> list[list[str]]:
     return out
 
 
-def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str,
+def first_that_fits(cfg: Any, budget_bytes: float, plan: MeshPlan,
                     max_tries: int = 8, time_budget_s: float = 40.0,
                     need: Any = None) -> list[str] | None:
-    """Compile the candidates in order (shapes only) and return the first whose per-device need
-    is within ``budget_bytes``; None if none does within ``time_budget_s`` (a refused run must
-    answer within a minute, whatever the model). ``need(exp)``: the per-device bytes of a
-    candidate when not its compiled step's (an accelerator target's memory model: nothing
-    compiled)."""
+    """Compile the candidates in order (shapes only), each laid out over ``plan``'s devices,
+    processes and hosts, and return the first whose per-device need is within
+    ``budget_bytes``; None if none does within ``time_budget_s`` (a refused run must answer
+    within a minute, whatever the model). ``need(exp)``: the per-device bytes of a candidate
+    when not its compiled step's (an accelerator target's memory model: nothing compiled)."""
     deadline = time.perf_counter() + time_budget_s
     from omegaconf import OmegaConf
 
@@ -488,7 +491,11 @@ def first_that_fits(cfg: Any, budget_bytes: float, n_visible: int, platform: str
             return None
         trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         try:
-            exp = Experiment.build(trial, make_plan(trial, n_visible, platform), data=_NoData())
+            # Over the run's processes too: a trial planned for one process would put this
+            # process's devices at other rows of the batch than its plan reads (refused).
+            exp = Experiment.build(trial, make_plan(
+                trial, plan.n_visible, plan.platform, plan.processes,
+                plan.process_hosts or None), data=_NoData())
         except ConfigError:
             continue
         needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
@@ -629,7 +636,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True) -> dict[str, Any]:
     report["warnings"] = [warning] if warning else []
     if not est["fits"] and suggest:
         report["suggestion"] = first_that_fits(
-            cfg, usable_bytes(target), exp.plan.n_visible, exp.plan.platform,
+            cfg, usable_bytes(target), exp.plan,
             need=None if mem is None else lambda e: accelerator_memory(e, target).total_bytes)
     return report
 

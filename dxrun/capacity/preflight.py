@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from dxrun.capacity import memory_report
 from dxrun.capacity.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes, state_bytes
 from dxrun.errors import ConfigError
-from dxrun.multihost.distributed import is_main, local_processes
+from dxrun.multihost.distributed import gather, local_processes
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -48,19 +48,19 @@ def device_budget(cfg: Any) -> tuple[float, int, str]:
     return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
 
 
-def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
-    """Refuse, with one line and the nearest setting that fits, a run whose compiled step will
-    not fit; before any weight is allocated."""
+def check_memory(cfg: Any, exp: Any, compiled: Any) -> str | None:
+    """This process's refusal of a run whose compiled step will not fit what its host gives a
+    device, in one line with the nearest setting that fits; None when it fits."""
     from dxrun.step import step_bytes
 
     if cfg.runtime.skip_memory_check:
-        return
+        return None
     need = step_bytes(compiled)
     if need is None:
-        return
+        return None
     budget, shared, source = device_budget(cfg)
     if need <= budget:
-        return
+        return None
     # No suggestion changes the model: sharded over every visible device, its weights and
     # optimizer state alone are the least any of them needs. Below that, a search of compiles
     # would only make the refusal slow.
@@ -69,24 +69,32 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> None:
         fix_text = (f"the weights and optimizer state alone need {floor / GiB:.4f} GiB per "
                     f"device on all {exp.plan.n_visible}: try a larger mesh or a smaller model")
     else:
-        fix = first_that_fits(cfg, budget, exp.plan.n_visible, exp.plan.platform)
+        fix = first_that_fits(cfg, budget, exp.plan)
         fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
     # Three significant figures: a tiny budget reads "0.004 GiB", not "0.0 GiB".
-    raise ConfigError(
-        f"the train step needs {need / GiB:.3g} GiB per device x {shared} device(s) = "
-        f"{need * shared / GiB:.3g} GiB, but {source} gives {budget * shared / GiB:.3g} GiB; "
-        f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
+    return (f"the train step needs {need / GiB:.3g} GiB per device x {shared} device(s) = "
+            f"{need * shared / GiB:.3g} GiB, but {source} gives {budget * shared / GiB:.3g} GiB; "
+            f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
 
 
 def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
-    """``check_memory``; a refusal writes where the memory goes and its one line
-    names the file. Bad input leaves no run dir behind, so the file goes to ``out``, by default
-    a new dir under the system's temp dir (``memory_report.refusal_dir``)."""
-    try:
-        check_memory(cfg, exp, compiled)
-    except ConfigError as e:
-        if not is_main():
-            raise
-        path = memory_report.write(out or memory_report.refusal_dir(), compiled,
-                                   exp.abstract_state(), exp.plan.platform)
-        raise ConfigError(f"{e}; where the memory goes: {path}") from None
+    """Raise ConfigError, before any weight is allocated, when the compiled step will not fit
+    (``check_memory``); the refusal writes where the memory goes and its one line names the
+    file. Bad input leaves no run dir behind, so the file goes to ``out``, by default a new dir
+    under the system's temp dir (``memory_report.refusal_dir``).
+
+    The processes of a run decide together: each checks its own host, and one refusing alone
+    would leave the others waiting for it in their first collective. The first process that
+    refuses says why (its line, its file) and every process raises that one line."""
+    import jax
+
+    lines = gather("memory_preflight", check_memory(cfg, exp, compiled) or "")
+    if not any(lines):
+        return
+    first = next(i for i, line in enumerate(lines) if line)
+    path = ""
+    if jax.process_index() == first:
+        path = str(memory_report.write(out or memory_report.refusal_dir(), compiled,
+                                       exp.abstract_state(), exp.plan.platform))
+    path = gather("memory_preflight/report", path)[first]
+    raise ConfigError(f"{lines[first]}; where the memory goes: {path}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import signal
 import threading
@@ -43,12 +44,45 @@ class Stopped(Exception):  # noqa: N818 - a normal outcome, not an error
         self.checkpoint, self.relaunch = checkpoint, relaunch
 
 
+def hydra_value(text: str) -> str:
+    """``text`` written as the value of a Hydra override that reads back as ``text``: as it
+    is where Hydra's grammar takes it unchanged as a string, else double-quoted. Inside the
+    quotes Hydra unescapes only backslashes before a quote (so a quote gets one, and a run of
+    backslashes before a quote or the end is doubled); OmegaConf would still resolve ``${``,
+    so it is escaped too. ``=``, quotes, spaces, commas and non-ASCII need the quotes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "${" not in text:
+        try:
+            if OverridesParser.create().parse_override(f"k={text}").value() == text:
+                return text
+        except Exception:  # noqa: BLE001 - Hydra's grammar refused it: quote it
+            pass
+    body = re.sub(r'(\\*)"', lambda m: m[1] * 2 + '\\"', text)
+    body = re.sub(r"(\\+)$", lambda m: m[1] * 2, body).replace("${", "\\${")
+    return f'"{body}"'
+
+
 def relaunch_command(overrides: list[str], run_dir: Any, program: str = "python -m dxrun"
                      ) -> str:
     """The command that resumes a stopped run in place: its overrides (Hydra's task
-    overrides, which leave out ``hydra.*``) and its run dir, quoted for a POSIX shell."""
+    overrides, which leave out ``hydra.*``, each as the user wrote it) and its run dir (a path,
+    written for Hydra by ``hydra_value``), quoted for a POSIX shell."""
     kept = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-    return " ".join([program, *map(shlex.quote, kept), shlex.quote(f"hydra.run.dir={run_dir}")])
+    run_dir_override = f"hydra.run.dir={hydra_value(str(run_dir))}"
+    return " ".join([program, *map(shlex.quote, kept), shlex.quote(run_dir_override)])
+
+
+def run_dir_of(command: str) -> str | None:
+    """The run dir a ``relaunch_command`` resumes in, read from its ``hydra.run.dir=`` word as
+    the shell, Hydra and OmegaConf (which undoes the escaped ``${``) read it; None without."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    word = next((w for w in shlex.split(command) if w.startswith("hydra.run.dir=")), None)
+    if word is None:
+        return None
+    return OmegaConf.create({"dir": OverridesParser.create().parse_override(word).value()}).dir
 
 
 class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, an outcome

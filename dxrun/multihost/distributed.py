@@ -43,6 +43,9 @@ CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 # machine (python -m dxrun.launch --hosts).
 HOSTNAME = "DXRUN_HOSTNAME"
 _SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
+# A file python -m dxrun.launch names, where process 0 writes its run dir: a launcher whose
+# ranks died before they could say so in status.json (killed) marks the run failed there.
+LAUNCH_RUN_DIR = "DXRUN_LAUNCH_RUN_DIR"
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,17 @@ def is_main() -> bool:
     import jax
 
     return not jax.distributed.is_initialized() or jax.process_index() == 0
+
+
+def tell_launcher(run_dir: os.PathLike | str, env: Mapping[str, str] | None = None) -> None:
+    """Write ``run_dir`` where the launcher asked (``DXRUN_LAUNCH_RUN_DIR``); nothing when no
+    launcher did. Whole or not at all: the launcher may read it at any moment."""
+    path = (os.environ if env is None else env).get(LAUNCH_RUN_DIR)
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(os.fspath(run_dir))
+        os.replace(tmp, path)
 
 
 def agree(key: str, value: str, timeout_s: int = 300) -> str:

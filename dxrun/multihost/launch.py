@@ -14,41 +14,87 @@ SIGINT, SIGTERM and SIGUSR1 are passed on to every process (which run outside th
 terminal's process group, so a Ctrl-C reaches each once). When such a stop ends every process
 cleanly (checkpoint committed), the launcher says so with the resume command and exits with the
 stop's code (0 for SIGTERM, 130 for SIGINT); otherwise the exit code is the first non-zero one a
-process returned (a process killed by signal S counts as 128+S), else 0. On
-several nodes use SLURM instead (docs/guide/multi-node.md).
+process returned (a process killed by signal S counts as 128+S), else 0.
+
+One run lives and dies as one: a process killed by a signal has the launcher kill the others at
+once (they cannot go on without it), one that exits with an error gives them ``--grace`` seconds
+to end by themselves first, and the run's status.json says ``failed`` if no process could. The
+processes die with the launcher, however it dies (Linux: the kernel's parent-death signal). A
+``--port`` in use is refused before any process starts. On several nodes use SLURM instead
+(docs/guide/multi-node.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
-from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command
+from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command, run_dir_of
 from dxrun.multihost.distributed import (
     COORDINATOR,
     CUDA_VISIBLE,
     HOSTNAME,
+    LAUNCH_RUN_DIR,
     LOCAL_PROCESSES,
     NUM_PROCESSES,
     PROCESS_ID,
     visible_gpus,
 )
-from dxrun.runtime import DEVICE_COUNT_FLAG
+from dxrun.runtime import DEVICE_COUNT_FLAG, STATUS, write_status
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_refusal(port: int) -> str | None:
+    """Why ``--port`` cannot take this run's coordinator, or None when it can: asked before any
+    process starts, since ranks pointed at another run's coordinator would join that run (and
+    abort it) rather than fail by themselves."""
+    with socket.socket() as s:
+        # A run that has ended leaves connections in TIME_WAIT on the port: not a user of it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return (f"--port={port} is in use on this host ({e.strerror}; another run's "
+                    "coordinator?): give a free port, or leave --port out to take a free one")
+    return None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the process when the launcher dies,
+    however it dies (SIGKILL and the OOM killer included): each process runs in a session of
+    its own, so nothing else would end it. Linux only (``prctl``); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    launcher, kill = os.getpid(), int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, kill)
+        if os.getppid() != launcher:  # the launcher died before the request took hold
+            os._exit(1)
+
+    return preexec
 
 
 def without_device_count(flags: str) -> str:
@@ -102,10 +148,25 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def describe(returncode: int) -> str:
+def describe(returncode: int, by_launcher: bool = False) -> str:
+    if by_launcher:
+        return "was stopped by the launcher"
     if returncode < 0:
         return f"was killed by {signal.Signals(-returncode).name}"
     return f"exited with {returncode}"
+
+
+def stop_delay(returncode: int, grace: float) -> float | None:
+    """Seconds the other processes get to end by themselves once one ended with
+    ``returncode``; None: no need to stop them. A process killed by a signal leaves the others
+    waiting in a collective that cannot complete (JAX's heartbeat would end them only after
+    ``distributed.heartbeat_timeout_s``): they go at once. One that exited with an error may
+    share it with the others (a refusal every process makes, each saying it): ``grace``. One
+    that ended with a stop's code (0, or 130 after a SIGINT) stopped at a step the others agreed
+    on and are stopping at too, saving first."""
+    if returncode < 0:
+        return 0.0
+    return None if returncode in (0, *EXIT_CODES.values()) else grace
 
 
 # gloo's line for every communicator it sets up (two threads' lines may interleave): chatter
@@ -133,8 +194,7 @@ def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | N
     exited with the stop's own code after rank 0 committed the checkpoint); None otherwise."""
     if signalled is None or stop is None or any(c != EXIT_CODES[signalled] for c in returncodes):
         return None
-    words = shlex.split(stop.group(4))
-    run_dir = next((w.partition("=")[2] for w in words if w.startswith("hydra.run.dir=")), None)
+    run_dir = run_dir_of(stop.group(4))
     if run_dir is None:
         return None
     command = relaunch_command(overrides, run_dir,
@@ -159,8 +219,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="hosts the processes declare (DXRUN_HOSTNAME; consecutive ranks share "
                         "one): rehearse a multi-node layout on one machine")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
-    p.add_argument("--grace", type=float, default=120.0,
-                   help="seconds the others get to stop by themselves after one fails")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds the others get to stop by themselves after one exits with an "
+                        "error (after one is killed by a signal they are stopped at once)")
     args, unknown = p.parse_known_args(argv)
     if unknown:  # overrides given without "--" are accepted too
         overrides = [*unknown, *overrides]
@@ -181,8 +242,25 @@ def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int
     return (failed[0][1], codes[failed[0][1]]) if failed else None
 
 
+def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
+    """The run's status.json says ``failed`` (crashed, ``reason``) where it still says
+    ``running``: its processes were killed before they could write their own end. The run dir
+    is the one process 0 wrote to ``run_dir_file`` (nothing when it never got that far)."""
+    try:
+        run_dir = Path(run_dir_file.read_text(encoding="utf-8"))
+        status = json.loads((run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return
+    if status.get("status") != "running":
+        return  # a process said how the run ended
+    log = run_dir / f"dxrun.{rank}.log"
+    write_status(run_dir, "failed", kind="crashed", reason=reason,
+                 log=str(log) if log.is_file() else None,
+                 **{k: status[k] for k in ("job", "overrides") if k in status})
+
+
 def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
-           port: int = 0, grace: float = 120.0, hosts: int = 1) -> int:
+           port: int = 0, grace: float = 10.0, hosts: int = 1) -> int:
     launch_args = ([f"--nproc={nproc}"]
                    + ([f"--devices-per-proc={devices_per_proc}"] if devices_per_proc else [])
                    + ([f"--hosts={hosts}"] if hosts > 1 else []))
@@ -193,24 +271,40 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
     except ValueError as e:
         print(f"dxrun.launch: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if port and (why := port_refusal(port)):
+        print(f"dxrun.launch: error: {why}", file=sys.stderr, flush=True)
+        return 2
     port = port or free_port()
     if devices_per_proc:
         overrides = [*overrides, f"runtime.cpu_devices={devices_per_proc}"]
+    with tempfile.TemporaryDirectory(prefix="dxrun-launch-") as tmp:
+        return _run(nproc, overrides, port, slices, devices_per_proc, hosts, grace,
+                    Path(tmp) / "run_dir", launch_args, user_overrides)
+
+
+def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_proc: int | None,
+         hosts: int, grace: float, run_dir_file: Path, launch_args: list[str],
+         user_overrides: list[str]) -> int:
     procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    stops: list[re.Match] = []  # rank 0's stop line: its checkpoint and resume command
+    # Every process is started before any thread: a preexec_fn runs between fork and exec,
+    # where another thread's lock could be held for ever.
+    preexec = die_with_launcher()
     for rank in range(nproc):
+        env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
+                        hosts)
+        env[LAUNCH_RUN_DIR] = str(run_dir_file)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dxrun", *overrides],
-            env=child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
-                          hosts),
+            [sys.executable, "-m", "dxrun", *overrides], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             # Not in the terminal's process group: a Ctrl-C reaches the processes once, passed
             # on below (twice would be "exit now without saving").
-            start_new_session=True)
+            start_new_session=True, preexec_fn=preexec)
         procs.append(proc)
         gpu_note = f" (GPUs {','.join(slices[rank])})" if slices[rank] else ""
         print(f"dxrun.launch: rank {rank} pid {proc.pid}{gpu_note}", flush=True)
+    pumps: list[threading.Thread] = []
+    stops: list[re.Match] = []  # rank 0's stop line: its checkpoint and resume command
+    for rank, proc in enumerate(procs):
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, daemon=True, args=(
                 stream, out, f"[rank {rank}] ", stops if rank == 0 else None))
@@ -242,24 +336,26 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
 
     for rank, proc in enumerate(procs):
         threading.Thread(target=waiter, args=(rank, proc), daemon=True).start()
-    first: tuple[int, int] | None = None  # (rank, returncode) of the first failure
-    deadline = None
+    deadline: float | None = None  # when the ranks still running are stopped
+    seen: set[int] = set()
+    stopped: set[int] = set()  # the ranks the launcher killed
     while len(ended) < len(procs):
-        if first is None:
-            first = first_failure(dict(ended), [p.returncode for p in procs])
-            if first is not None:
-                deadline = time.monotonic() + grace
-        if deadline is not None and time.monotonic() > deadline:
+        for t, rank in sorted((t, r) for r, t in dict(ended).items() if r not in seen):
+            seen.add(rank)
+            delay = stop_delay(procs[rank].returncode, grace)
+            if delay is not None and len(ended) < len(procs):
+                deadline = min(deadline or float("inf"), t + delay)
+        if deadline is not None and time.monotonic() >= deadline:
             for rank, proc in enumerate(procs):
-                if proc.poll() is None:
-                    print(f"dxrun.launch: rank {rank} still running {grace:.0f} s after rank "
-                          f"{first[0]} failed: killing it", file=sys.stderr, flush=True)
+                if proc.poll() is None and rank not in stopped:
+                    print(f"dxrun.launch: stopping rank {rank}: the run cannot go on without "
+                          "the rank that failed", file=sys.stderr, flush=True)
                     proc.kill()
+                    stopped.add(rank)
         time.sleep(0.05)
     for t in pumps:
         t.join(timeout=5)
-    if first is None:  # every process has exited; a failure may be the last thing seen
-        first = first_failure(ended, [p.returncode for p in procs])
+    first = first_failure(ended, [p.returncode for p in procs])
     if first is None and not signalled:
         return 0
     # A stop the ranks agreed on (ProcessAgreement) ends every rank with its code, SIGTERM's
@@ -273,11 +369,12 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
     if first is None:
         return 0
     rank, code = first
-    others = ", ".join(f"rank {r} {describe(p.returncode)}" for r, p in enumerate(procs)
-                       if r != rank)
-    print(f"dxrun.launch: error: rank {rank} {describe(code)} first; then {others} (a process "
-          "that loses another stops: see each rank's dxrun.<rank>.log in the run dir)",
-          file=sys.stderr, flush=True)
+    others = ", ".join(f"rank {r} {describe(p.returncode, r in stopped)}"
+                       for r, p in enumerate(procs) if r != rank)
+    reason = (f"rank {rank} {describe(code)} first; then {others} (a process that loses "
+              "another stops: see each rank's dxrun.<rank>.log in the run dir)")
+    mark_failed(run_dir_file, reason, rank)
+    print(f"dxrun.launch: error: {reason}", file=sys.stderr, flush=True)
     return exit_code(code)
 
 
