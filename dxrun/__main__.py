@@ -362,7 +362,11 @@ _started_in: tuple[Path, frozenset[str]] | None = None
 def _discard_empty_dir(run_dir: Path) -> None:
     """Hydra made the run dir before the config could be checked; a run that never started
     leaves nothing behind (and never touches a dir that holds anything or was there before)."""
-    dirs = [run_dir, run_dir.parent]
+    # The run dir and Hydra's <date>/ above it, never the working dir or a dir above it
+    # (hydra.run.dir=run in an empty dir).
+    cwd = Path.cwd().resolve()
+    dirs = [d for d in (run_dir, run_dir.parent)
+            if d.resolve() != cwd and d.resolve() not in cwd.parents]
     if _started_in is not None:
         cwd, had = _started_in
         top = run_dir.parent.parent

@@ -219,6 +219,12 @@ def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
     assert not list((tmp_path / "outputs").iterdir())
+    # A run dir straight under the working dir: the run dir goes, the working dir stays.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("optimizer.lr=0", "logger=none", "hydra.run.dir=run", cwd=empty, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert empty.is_dir() and not list(empty.iterdir())
 
 
 @pytest.mark.e2e
