@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dxrun.bookkeeping import read_json
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # glibc's mallopt parameters (malloc.h), and the device nodes of accelerators whose hosts keep
 # glibc's defaults: NVIDIA, AMD (ROCm), TPU.
@@ -24,6 +27,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 ARENAS = 1  # malloc arenas under reuse_freed_memory (benchmarks/malloc_arenas.py, 2 cores:
 # two compiled 1.3x faster but made model=small's fsdp8 step 1.24x slower; not adopted)
 _ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
+log = logging.getLogger("dxrun")
 
 
 def reuse_freed_memory() -> bool:
@@ -340,8 +344,13 @@ def finite_or_null(obj: Any, key: str = "") -> tuple[Any, list[str]]:
 def write_json(path: Path, obj: Any) -> None:
     """Atomically; non-finite floats are written as null (see ``finite_or_null``)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
+        tmp.replace(path)
+    except OSError:  # a full disk: no half-written tmp file left beside the intact one
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 STATUS = "status.json"
@@ -355,12 +364,17 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     import time
 
     path = run_dir / STATUS
-    started = json.loads(path.read_text()).get("started") if path.is_file() else None
+    # A damaged status.json is set aside: the status it held is history, this one is news.
+    old = read_json(path, lambda x: isinstance(x, dict)) or {}
     now = time.time()
-    record = {"status": status, **fields, "started": started or now}
+    record = {"status": status, **fields, "started": old.get("started") or now}
     if status != "running":
         record["finished"] = now
-    write_json(path, record)
+    try:
+        write_json(path, record)
+    except OSError as e:  # a full disk: the run's own line still says what happened
+        log.warning("could not write %s (%s): it still says %r", path, e.strerror or e,
+                    old.get("status"))
 
 
 def sweep_group(sweep_dir: Path) -> str:

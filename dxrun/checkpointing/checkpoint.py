@@ -200,15 +200,36 @@ def _chain(e: BaseException) -> list[BaseException]:
     return out[::-1]
 
 
+class IncompleteMeta(ValueError):
+    """A checkpoint's meta that lacks what a resume reads (``check_meta``): damage."""
+
+
+# What a resume reads from a checkpoint's meta, with no default: the saved config (the checks
+# of what may change, the batch the data position was counted in) and the data position.
+META_KEYS = ("config", "data")
+
+
+def check_meta(meta: dict[str, Any]) -> None:
+    """Raise IncompleteMeta naming what ``meta`` lacks of what a resume reads."""
+    missing = [k for k in META_KEYS if not isinstance(meta.get(k), dict)]
+    if not missing and not isinstance(meta["config"].get("data"), dict):
+        missing.append("config.data")
+    elif not missing and "batch_size" not in meta["config"]["data"]:
+        missing.append("config.data.batch_size")
+    if missing:
+        raise IncompleteMeta(f"its meta has no {', '.join(missing)}")
+
+
 def is_damage(e: BaseException) -> bool:
     """Evidence that a checkpoint's files are damaged: missing or truncated files, checksum or
-    format errors, in ``e`` or what it was raised from. Anything else (an I/O error, out of
-    memory, a tree that does not fit) is not, and never leads to setting a checkpoint aside."""
+    format errors, a meta without what a resume reads, in ``e`` or what it was raised from.
+    Anything else (an I/O error, out of memory, a tree that does not fit) is not, and never
+    leads to setting a checkpoint aside."""
     import json
 
     for link in _chain(e):
         if isinstance(link, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError,
-                             EOFError)):
+                             EOFError, IncompleteMeta)):
             return True
         if isinstance(link, (OSError, MemoryError)):
             return False
@@ -224,13 +245,16 @@ def _why(e: BaseException) -> str:
     return _first_line(_chain(e)[0])
 
 
-def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None
+def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None, resuming: bool = True
           ) -> tuple[dict[str, Any], Any]:
-    """This process's read of one checkpoint: its meta and, given ``state`` (restore args),
-    its arrays. Through Orbax's handlers, which read without the manager's closing barrier
-    across processes: a process that fails to read must still reach the agreement on the step
-    (``gather``), not wait in a barrier the others never reach."""
+    """This process's read of one checkpoint: its meta (``resuming``: checked to hold what a
+    resume reads, ``check_meta``) and, given ``state`` (restore args), its arrays. Through
+    Orbax's handlers, which read without the manager's closing barrier across processes: a
+    process that fails to read must still reach the agreement on the step (``gather``), not
+    wait in a barrier the others never reach."""
     meta = ocp.JsonCheckpointHandler().restore(step_dir / META, args=ocp.args.JsonRestore())
+    if resuming:
+        check_meta(meta)
     if state is None:
         return dict(meta), None
     handler = (ocp.PyTreeCheckpointHandler() if isinstance(state, ocp.args.PyTreeRestore)
@@ -461,8 +485,11 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
     for step in _candidates(resume, upto):
         try:
             step_dir = resume.directory / str(step)
+            # A resume that newest_meta planned reads a run's checkpoints, whose meta must
+            # hold what the run reads of it; a bare restore (a test's own save) may not.
             meta, state = _read(step_dir, _restore_args(step_dir / STATE, target,
-                                                        resume.fresh_optimizer is None))
+                                                        resume.fresh_optimizer is None),
+                                resuming=bool(resume.meta))
             outcome, err = "ok", ""
         except Exception as e:  # noqa: BLE001 - sorted below: damage or not
             outcome, err = ("damaged" if is_damage(e) else "error"), _why(e)

@@ -18,7 +18,6 @@ evaluation; no training file is touched) and, when the run logged to W&B (and ``
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -82,9 +81,11 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
+    from dxrun.bookkeeping import read_json
     from dxrun.runtime import write_json
 
-    records = json.loads(path.read_text()) if path.is_file() else []
+    # A damaged eval.json is set aside (eval.json.damaged): the new record is not lost to it.
+    records = read_json(path, lambda x: isinstance(x, list)) or []
     write_json(path, [*records, record])
 
 

@@ -11,13 +11,14 @@ parameter so that unit tests drive it by hand.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+from dxrun.bookkeeping import read_json
 
 PARTS = ("startup", "search", "compile", "data", "productive", "eval", "checkpoint", "logging",
          "profile")
@@ -120,15 +121,25 @@ def file_content(earlier: list[dict[str, Any]], attempt: dict[str, Any],
     return {**total, "attempts": [*earlier, attempt]}
 
 
+def _holds_attempts(content: Any) -> bool:
+    """``goodput.json`` as ``file_content`` writes it: what ``run_total`` reads of each
+    attempt is there and a number."""
+    attempts = content.get("attempts") if isinstance(content, dict) else None
+    return isinstance(attempts, list) and all(
+        isinstance(a, dict) and all(isinstance(a.get(k), (int, float)) for k in _NEEDED)
+        for a in attempts)
+
+
+_NEEDED = ("wall_s", "productive_s", "first_step", "last_step")
+
+
 def earlier_attempts(run_dir: Path, resumed_in_place: bool) -> list[dict[str, Any]]:
-    """The attempts a run dir holds (a resume in place continues them); [] for a new run."""
-    path = run_dir / FILE
-    if not resumed_in_place or not path.is_file():
+    """The attempts a run dir holds (a resume in place continues them); [] for a new run, and
+    for a damaged file (set aside as ``goodput.json.damaged``, with one warning)."""
+    if not resumed_in_place:
         return []
-    try:
-        return list(json.loads(path.read_text()).get("attempts", []))
-    except (OSError, ValueError):
-        return []
+    content = read_json(run_dir / FILE, _holds_attempts)
+    return list(content["attempts"]) if content is not None else []
 
 
 def lines(attempt: dict[str, float], total: dict[str, float]) -> list[str]:

@@ -93,12 +93,12 @@ class MetricsLogger:
             self.wandb = None
 
 
-def _row(line: str) -> dict[str, Any] | None:
+def _row(line: str | bytes) -> dict[str, Any] | None:
     """A metrics row, or None for a line cut short (SIGKILL, a node crash or a full disk
-    mid-write leaves e.g. ``{"step": 4, "train/lo``)."""
+    mid-write leaves e.g. ``{"step": 4, "train/lo``) or damaged (not UTF-8)."""
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
+        row = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
         return None
     return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
@@ -122,20 +122,26 @@ def rewind_metrics(run_dir: Path, step: int) -> Rewound:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return Rewound([], 0)
-    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    # Bytes, not text: a damaged line (one byte that is not UTF-8) is set aside as it is, and
+    # the rows around it are kept.
+    lines = [x for x in path.read_bytes().splitlines() if x.strip()]
     rows = [_row(x) for x in lines]
-    keep = [x for x, r in zip(lines, rows, strict=True) if r is not None and r["step"] <= step]
+    keep = [r for r in rows if r is not None and r["step"] <= step]
     gone = [x for x, r in zip(lines, rows, strict=True) if r is None or r["step"] > step]
     if gone:
-        with open(run_dir / "metrics.discarded.jsonl", "a") as f:
-            f.write("".join(x + "\n" for x in gone))
+        with open(run_dir / "metrics.discarded.jsonl", "ab") as f:
+            f.write(b"".join(x + b"\n" for x in gone))
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.write_bytes(b"".join(x + b"\n" for x, r in zip(lines, rows, strict=True)
+                                 if r is not None and r["step"] <= step))
         tmp.replace(path)
         torn = sum(r is None for r in rows)
-        log.info("moved %d metrics rows after step %d%s to metrics.discarded.jsonl",
-                 len(gone) - torn, step, f" and {torn} line(s) cut short" if torn else "")
-    return Rewound([json.loads(x) for x in keep], len(gone))
+        # A line cut short or damaged is worth a warning; rows past the checkpoint are not.
+        log.log(logging.WARNING if torn else logging.INFO,
+                "moved %d metrics rows after step %d%s to metrics.discarded.jsonl",
+                len(gone) - torn, step,
+                f" and {torn} line(s) cut short or damaged" if torn else "")
+    return Rewound(keep, len(gone))
 
 
 def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | None, name: str | None,
