@@ -25,7 +25,7 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
+from dxrun.errors import ConfigError, DiskError, NonFiniteError, NothingToTrain, first_line
 from dxrun.multihost.distributed import agree, is_main, join
 from dxrun.runtime import (
     RunLog,
@@ -153,6 +153,12 @@ def main(cfg: DictConfig) -> Any:
         return summary.get(run_cfg.train.objective) if run_cfg.train.objective else summary
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
+                **_job_fields(hydra_cfg))
+        return _job_failed(str(e), crashed=True)
+    except DiskError as e:  # a write the disk refused: the checkpoint kept is named
+        log_path = run_log.attach(run_dir)
+        run_log.write_traceback(e)
+        _status(run_dir, "failed", kind="disk", reason=str(e), log=str(log_path),
                 **_job_fields(hydra_cfg))
         return _job_failed(str(e), crashed=True)
     except NothingToTrain as e:  # a relaunch of a finished run: its files stay as they are

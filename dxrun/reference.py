@@ -338,7 +338,8 @@ SUMMARY: dict[str, str] = {
 
 STATUS: dict[str, str] = {
     "status": "running | ok | stopped | failed",
-    "kind": "failed: refused (bad input) | crashed | nonfinite",
+    "kind": "failed: refused (bad input) | crashed | nonfinite | disk (a write the disk "
+            "refused: no space, an I/O error)",
     "reason": "failed or stopped: the one line that was printed",
     "log": "failed: the file holding the traceback",
     "signal": "stopped: SIGTERM | SIGINT",

@@ -205,6 +205,26 @@ def claim_run_dir(run_dir: Path, reuse: bool = False) -> Path:
             candidate = run_dir.with_name(f"{run_dir.name}_{i}")
 
 
+class _LogFile(logging.FileHandler):
+    """The run's log file. A line it cannot write (a full disk) costs one line on stderr for
+    the whole run, not logging's traceback per line (or, from ``write_traceback``, the crash's
+    traceback on the terminal): the console still has every line."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if not self.failed:
+            self.failed = True
+            print(f"dxrun: warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                  "its lines go to the console only", file=sys.stderr)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            self.handleError(None)  # type: ignore[arg-type]
+
+
 class RunLog:
     """The run's log file follows the run dir it claimed. Hydra opens ``<its dir>/dxrun.log``
     before dxrun knows whether that dir is free; this holds the lines in memory until
@@ -242,7 +262,7 @@ class RunLog:
 
         if self.file is None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.file = logging.FileHandler(run_dir / self.name)
+            self.file = _LogFile(run_dir / self.name)
             self.file.setFormatter(self.formatter)
             self.buffer.setTarget(self.file)
             self.buffer.flush()
@@ -359,8 +379,9 @@ STATUS = "status.json"
 def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     """The run's state for the sweep report and the multirun's exit code: ``running`` when it
     starts (a job killed mid-run stays so), then ``ok`` or ``failed`` with ``kind`` (refused |
-    crashed), ``reason`` and ``log``. ``started``/``finished`` (epoch seconds) let the report
-    see jobs that ran at the same time, whose throughputs are not comparable."""
+    crashed | nonfinite | disk), ``reason`` and ``log``. ``started``/``finished`` (epoch
+    seconds) let the report see jobs that ran at the same time, whose throughputs are not
+    comparable."""
     import time
 
     path = run_dir / STATUS

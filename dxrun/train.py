@@ -24,7 +24,7 @@ from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
 from dxrun.checkpointing.preempt import Preemption, relaunch_command
 from dxrun.config import model_changes
 from dxrun.data import EVAL
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import ConfigError, DiskError, disk_error, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
@@ -249,6 +249,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     metrics: Any = None
     reached = start  # the last step this attempt completed
     clock.end_startup()
+    ended = False  # the loop's own end: only then are close()'s errors the ones reported
     try:
         with Progress(steps, enabled=None if main else False) as progress, run.ckpts.preemption:
             for i in range(start, steps):
@@ -276,12 +277,13 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                     run.log_point(done, state, metrics if is_log else None, is_eval, progress)
             timer.end_loop()
             run.save_point(steps, state, last=True)
+        ended = True
     except Exception as e:
-        if memory_report.is_out_of_memory(e) and main:
-            raise run.out_of_memory(e) from e
-        raise
+        if (told := run.told(e)) is None:
+            raise
+        raise told from e
     finally:
-        run.close(reached)  # a run stopped or crashed mid-loop still writes its files
+        run.close(reached, quiet=not ended)  # a run stopped or crashed mid-loop writes its files
     return run.finish()
 
 
@@ -408,12 +410,15 @@ class Attempt:
 
     def save_point(self, done: int, state: Any, last: bool = False) -> None:
         """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
-        row of step ``done``, if it has one, whatever that raised."""
+        row of step ``done``, if it has one, whatever that raised (the save's failure stays
+        the one reported)."""
         try:
             with self.clock.span("checkpoint"):
                 self.ckpts.between_steps(done, state, last=last)
-        finally:
-            self.write_rows()
+        except BaseException:
+            _quietly(self.write_rows)
+            raise
+        self.write_rows()
 
     def log_point(self, done: int, state: Any, metrics: Any, is_eval: bool,
                   progress: Progress) -> None:
@@ -447,25 +452,55 @@ class Attempt:
         # holds the loop).
         self.timer.reset(done, self.ckpts.totals())
 
-    def out_of_memory(self, e: Exception) -> memory_report.OutOfMemory:
-        """The device ran out of memory: where the memory goes, written to the run dir."""
-        path = memory_report.write(self.run_dir, self.exp.step.compiled,
-                                   self.exp.abstract_state(), self.exp.plan.platform)
-        return memory_report.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+    def told(self, e: Exception) -> Exception | None:
+        """What to raise for ``e``, in one line where its cause is known: a write the disk
+        refused (DiskError, naming the checkpoint kept), the device out of memory (OutOfMemory,
+        naming where the memory goes, written to the run dir); None: ``e`` as it is."""
+        if isinstance(e, (DiskError, memory_report.OutOfMemory)):
+            return None
+        if (why := disk_error(e)) is not None:
+            return checkpoint.refused_write(_written(e), why, self.ckpts.saver.directory)
+        if memory_report.is_out_of_memory(e) and self.main:
+            path = memory_report.write(self.run_dir, self.exp.step.compiled,
+                                       self.exp.abstract_state(), self.exp.plan.platform)
+            return memory_report.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+        return None
 
-    def close(self, reached: int) -> None:
+    def close(self, reached: int, quiet: bool = False) -> None:
         """The end of the attempt, however it ended: the trace, the rows of the steps that ran,
-        the save in flight, the data's workers, and the attempt's goodput."""
-        self.tracer.stop()  # a run stopped inside the trace still leaves its trace
-        self.write_rows()  # a crash mid-loop: the rows of the steps that ran
-        with self.clock.span("checkpoint"):
-            self.ckpts.close()  # waits for a save in flight
-        if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
-            self.batches.close()
-        self.write_goodput(reached)
-        self.logger.summary({"goodput": self.total["goodput"],
-                             **{f"goodput/{k}": v for k, v in self.attempt.items()}})
-        self.logger.finish()
+        the save in flight, the data's workers, the attempt's goodput and the W&B run. Each
+        part runs whatever an earlier one raised; the first error is raised at the end
+        (``told``), or with ``quiet`` (the loop failed: its failure is the one reported) each
+        is one warning line."""
+        def stop_batches() -> None:
+            if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
+                self.batches.close()
+
+        def wait_for_saves() -> None:
+            with self.clock.span("checkpoint"):
+                self.ckpts.close()  # waits for a save in flight
+
+        def end_logger() -> None:
+            self.logger.summary({"goodput": self.total["goodput"],
+                                 **{f"goodput/{k}": v for k, v in self.attempt.items()}})
+            self.logger.finish()
+
+        error: Exception | None = None
+        # The trace first (a run stopped inside it still leaves it), then the rows of the
+        # steps that ran (a crash mid-loop).
+        for part in (self.tracer.stop, self.write_rows, wait_for_saves, stop_batches,
+                     lambda: self.write_goodput(reached), end_logger):
+            if quiet or error is not None:
+                _quietly(part)
+                continue
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 - raised below, once the rest has run
+                error = e
+        if error is not None:
+            if (told := self.told(error)) is None:
+                raise error
+            raise told from error
 
     def finish(self) -> dict[str, Any]:
         """``summary.json`` and the closing lines; the summary."""
@@ -478,10 +513,34 @@ class Attempt:
             checkpoint_saves=self.ckpts.saves, checkpoint_block_s=self.ckpts.block_total_s,
             goodput_total=self.total, attempt=self.attempt)
         if self.main:
-            write_json(self.run_dir / "summary.json", summary)
+            try:
+                write_json(self.run_dir / "summary.json", summary)
+            except OSError as e:
+                if (told := self.told(e)) is None:
+                    raise
+                raise told from e
         last, floor = self.summary.last, self.floor
         log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
                  f" (floor {floor:.4f})" if floor is not None else "", self.run_dir)
         for line in goodput.lines(self.attempt, self.total):
             log.info(line)
         return summary
+
+
+def _quietly(part: Any) -> None:
+    """``part()`` while a failure is under way: its own error is one warning line, and the
+    failure stays the one reported."""
+    try:
+        part()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s: %s (while the run ends on an earlier error)", type(e).__name__,
+                    first_line(e))
+
+
+def _written(e: BaseException) -> str:
+    """The file a refused write was writing (an OSError's filename), for its one line."""
+    while e is not None:
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename).removesuffix(".tmp")  # write_json's tmp file: its target
+        e = e.__cause__ or e.__context__
+    return "a run file"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import sys
 import time
 import traceback
@@ -48,7 +49,14 @@ from dxrun.capacity.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhe
 from dxrun.checkpointing.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.config import CheckpointConfig, TrainConfig
-from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
+from dxrun.errors import (
+    CheckpointReadError,
+    ConfigError,
+    DiskError,
+    NonFiniteError,
+    NothingToTrain,
+    disk_error,
+)
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
@@ -288,6 +296,26 @@ def _quiet_reads_that_finish_late() -> None:
     logging.getLogger("asyncio").addFilter(
         lambda record: not (record.exc_info and "exception was never retrieved" in str(record.msg)
                             and is_a_given_up_read(record.exc_info[1])))
+
+
+def _quiet_failed_writes() -> None:
+    """A save the disk refuses fails in Orbax's background threads, which log the failure with
+    its traceback (absl, three times), while the writes of the other arrays fail alongside, each
+    logged by asyncio as "exception was never retrieved" when collected. The run says it once,
+    in one line (DiskError), the traceback in its log: those records of a disk error are
+    dropped. Every other failure Orbax logs is logged as it was."""
+    def keep(record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or disk_error(exc) is None
+
+    # The writes still in flight then finish after Orbax closed their event loop, as a failed
+    # read's do: "Event loop is closed" per write, on stderr.
+    _quiet_reads_that_finish_late()
+    keep.dxrun_failed_writes = True  # type: ignore[attr-defined]
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "dxrun_failed_writes", False) for f in logger.filters):
+            logger.addFilter(keep)
 
 
 def is_a_given_up_read(unraisable: Any) -> bool:
@@ -537,12 +565,29 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
+def refused_write(what: str, why: str, directory: Path) -> DiskError:
+    """The one line of a write the disk refused (``errors.disk_error``'s ``why``): what was
+    being written, and the newest checkpoint of ``directory``, which the relaunch resumes."""
+    kept = committed_steps(directory)
+    then = (f"checkpoint {kept[-1]} kept); free space and relaunch the same command to resume "
+            "from it" if kept else "no checkpoint kept); free space and relaunch")
+    return DiskError(f"{what}: {why} ({then}")
+
+
 class Checkpointer:
-    """Saves of one run into one checkpoints dir, every ``checkpoint.every`` steps."""
+    """Saves of one run into one checkpoints dir, every ``checkpoint.every`` steps.
+
+    A save the disk refuses (``errors.disk_error``: no space left, an I/O error), whether its
+    own call or its background writes fail (those show at the next save, ``wait`` or
+    ``close``), raises DiskError naming that save's step and the checkpoint kept, never
+    tensorstore's RESOURCE_EXHAUSTED (which would read as out of memory); the failed save's
+    partial files go, so that the space they took is the run's again for its last records."""
 
     def __init__(self, directory: Path, keep: int):
         self.directory = directory
         self.manager = _manager(directory, keep)
+        self.in_flight: int | None = None  # the step whose writes may still be running
+        _quiet_failed_writes()
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]
              ) -> tuple[Path, float | None]:
@@ -556,18 +601,38 @@ class Checkpointer:
         # wait is the steps' own time, not the save's: the clock starts after it.
         jax.block_until_ready(state)
         t = time.perf_counter()
-        # Blocks for the previous save's writes when they are still running, and for the copy
-        # of this state to host memory.
-        self.manager.save(step, force=True, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(state._asdict()), META: ocp.args.JsonSave(meta)}))
+        # Blocks for the previous save's writes when they are still running (as Orbax's save
+        # would: waited for here, a failure of theirs is named as theirs), and for the copy of
+        # this state to host memory.
+        self.wait()
+        self.in_flight = step
+        self._on_disk(lambda: self.manager.save(step, force=True, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardSave(state._asdict()), META: ocp.args.JsonSave(meta)})))
         return path, time.perf_counter() - t
 
     def wait(self) -> None:
         """Block until the last save is committed (renamed into place)."""
-        self.manager.wait_until_finished()
+        self._on_disk(self.manager.wait_until_finished)
+        self.in_flight = None
 
     def close(self) -> None:
-        self.manager.close()
+        self._on_disk(self.manager.close)
+        self.in_flight = None
+
+    def _on_disk(self, call: Callable[[], Any]) -> None:
+        """``call()``, a disk error of the save in flight raised as DiskError."""
+        try:
+            call()
+        except Exception as e:
+            why, step = disk_error(e), self.in_flight
+            if why is None or step is None:
+                raise
+            self.in_flight = None
+            # Orbax deletes an unfinished save's tmp dir only at the next start.
+            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise refused_write(f"checkpoint {self.directory / str(step)}", why,
+                                self.directory) from e
 
 
 def time_due(now: float, last_save: float, every_s: float) -> bool:
