@@ -297,14 +297,31 @@ class RunLog:
         self.buffer.buffer.clear()
 
 
+ATTEMPTS = Path(".hydra") / "attempts"  # in a run dir: <n>/, each launch's own config
+
+
+def attempt_numbers(run_dir: Path) -> list[int]:
+    """The launches into ``run_dir`` that kept their config (``.hydra/attempts/<n>/``)."""
+    where = run_dir / ATTEMPTS
+    return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.is_dir() else []
+
+
 def write_hydra_files(run_dir: Path, cfg: Any, hydra_cfg: Any | None) -> None:
-    """What Hydra's .hydra/ holds, written only once the config is known to be valid."""
+    """What Hydra's .hydra/ holds, written only once the config is known to be valid; and
+    this launch's own copy in ``.hydra/attempts/<n>/``: a resume may change the optimizer, the
+    lr or the mesh, and config.yaml, the latest, would say nothing of what the earlier steps
+    ran with."""
     out = run_dir / ".hydra"
     out.mkdir(exist_ok=True)
-    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    attempt = run_dir / ATTEMPTS / str(max(attempt_numbers(run_dir), default=0) + 1)
+    attempt.mkdir(parents=True)
+    for where in (out, attempt):
+        OmegaConf.save(cfg, where / "config.yaml", resolve=True)
+        if hydra_cfg is not None:
+            OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)),
+                           where / "overrides.yaml")
     if hydra_cfg is not None:
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
-        OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), out / "overrides.yaml")
 
 
 def peak_bytes_since(start: dict | None, now: dict | None) -> float | None:
@@ -391,11 +408,33 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     record = {"status": status, **fields, "started": old.get("started") or now}
     if status != "running":
         record["finished"] = now
+    if attempts := _attempts(run_dir, old.get("attempts"), status, now):
+        record["attempts"] = attempts
     try:
         write_json(path, record)
     except OSError as e:  # a full disk: the run's own line still says what happened
         log.warning("could not write %s (%s): it still says %r", path, e.strerror or e,
                     old.get("status"))
+
+
+def _attempts(run_dir: Path, recorded: Any, status: str, now: float) -> list[dict[str, Any]]:
+    """status.json's ``attempts``: one per launch into the run dir that kept its config
+    (``write_hydra_files``), with when it started and how it ended; the one under way is
+    ``status``, and an earlier one that never said how it ended was killed. What the old
+    status.json said of each is kept (none of it when that file was damaged)."""
+    said = {a.get("attempt"): a for a in recorded if isinstance(a, dict)} if isinstance(
+        recorded, list) else {}
+    out = [{**said.get(n, {}), "attempt": n, "config": str(ATTEMPTS / str(n) / "config.yaml")}
+           for n in attempt_numbers(run_dir)]
+    for a in out[:-1]:
+        if a.get("status") == "running":
+            a["status"] = "killed"
+    if out:
+        out[-1].setdefault("started", now)
+        out[-1]["status"] = status
+        if status != "running":
+            out[-1]["finished"] = now
+    return out
 
 
 def sweep_group(sweep_dir: Path) -> str:

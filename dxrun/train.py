@@ -241,14 +241,18 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         clock.add("productive", search.get("trained_s") or 0.0)
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
+    # On record from here (goodput.json): an attempt killed in its restore still counts.
+    record = goodput.RunRecord(run_dir, clock, resume is not None and resume.in_place,
+                               resume.meta_step if resume is not None else 0, write=main)
     allocator = AllocatorPeak()  # before this run allocates anything
     state, start, ckpt_meta = start_state(exp, resume, prepared.handover)
-    run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, clock, allocator, main)
+    run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, record, allocator, main)
     steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
     timer, tracer, batches = run.timer, run.tracer, run.batches
     metrics: Any = None
     reached = start  # the last step this attempt completed
     clock.end_startup()
+    run.write_goodput(start)  # the startup on record: a kill before the first row keeps it
     ended = False  # the loop's own end: only then are close()'s errors the ones reported
     try:
         with Progress(steps, enabled=None if main else False) as progress, run.ckpts.preemption:
@@ -311,8 +315,9 @@ class Attempt:
 
     def __init__(self, cfg: Any, exp: Experiment, state: Any, start: int,
                  resume: Resume | None, ckpt_meta: dict[str, Any], run_dir: Path, job: Job,
-                 clock: goodput.Goodput, allocator: AllocatorPeak, main: bool):
-        self.exp, self.clock, self.allocator, self.main = exp, clock, allocator, main
+                 record: goodput.RunRecord, allocator: AllocatorPeak, main: bool):
+        self.exp, self.allocator, self.main = exp, allocator, main
+        self.record, self.clock = record, record.clock
         self.run_dir, self.steps = run_dir, cfg.train.steps
         plan, data = exp.plan, exp.data
         self.n_params = exp.count_params(state.params)  # the real vocabulary, without padding
@@ -338,15 +343,16 @@ class Attempt:
         # A fresh start past step 0: parallelism=auto's turns trained the steps before it, in
         # this attempt, on the batches before it.
         self.trained = start if resume is None else 0
+        record.first_step = start - self.trained  # the restore may have fallen back
         rewound = rewind_metrics(run_dir, start) if in_place and main else Rewound([], 0)
-        # The W&B run holds what was moved aside too: rewind it to the last row kept.
+        # The W&B run continues as metrics.jsonl reads: what was moved aside out of it, the
+        # kept rows it lacks into it.
         self.logger = MetricsLogger(
             run_dir, cfg.logger, run_config, name=run_name(cfg, job, plan.global_batch),
             group=job.group,
             choices=job.choices, is_main=main,
             resume_id=ckpt_meta.get("wandb_id") if in_place else None,
-            rewind_to=max((r["step"] for r in rewound.kept), default=0)
-            if rewound.moved else None)
+            kept=rewound.kept if in_place else None)
         # No held-out data: no eval/*.
         self.eval_every = cfg.train.eval_every if data.has_eval else 0
         self.eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
@@ -381,16 +387,20 @@ class Attempt:
         if cfg.train.profile.start and not self.tracer.steps:
             log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
                         cfg.train.profile.start, start + 2, self.steps)
-        self.attempts = goodput.earlier_attempts(run_dir, in_place)
         self.timer = StepTimer(start, self.steps)
 
     def tokens_at(self, done: int) -> int:
         return self.tokens_before + (done - self.start) * self.cost.tokens
 
-    def write_rows(self) -> None:
+    def write_rows(self, done: int | None = None) -> None:
+        """The rows waiting for their save point (``done``: that save point's step), after
+        the attempt so far (a row logged is a row accounted for, and so is a save off the log
+        steps)."""
         with self.clock.span("logging"):
-            if self.pending:  # the attempt so far first: a row logged is a row accounted for
-                self.write_goodput(self.pending[-1][0])
+            last = self.pending[-1][0] if self.pending else done
+            if last is not None and (self.pending or self.ckpts.saves != self.record.attempt[
+                    "checkpoint_saves"]):
+                self.write_goodput(last)
             for step, row in self.pending:
                 if blocks := self.ckpts.take_blocks():
                     row["perf/checkpoint_block_s"] = sum(blocks)
@@ -398,15 +408,8 @@ class Attempt:
             self.pending.clear()
 
     def write_goodput(self, last_step: int) -> None:
-        """``goodput.json`` with this attempt up to ``last_step``: at every row, because a
-        process killed outright (kill -9, the OOM killer, a lost node) never reaches ``close``,
-        and the next attempt must still find this one's time and the steps it will redo."""
-        self.attempt = {**self.clock.breakdown(), "first_step": self.start - self.trained,
-                        "last_step": last_step}
-        self.total = goodput.run_total([*self.attempts, self.attempt])
-        if self.main:
-            write_json(self.run_dir / goodput.FILE,
-                       goodput.file_content(self.attempts, self.attempt, self.total))
+        """``goodput.json`` with this attempt up to ``last_step`` (``goodput.RunRecord``)."""
+        self.record.update(last_step, self.ckpts.saves, self.ckpts.block_total_s)
 
     def save_point(self, done: int, state: Any, last: bool = False) -> None:
         """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
@@ -418,7 +421,7 @@ class Attempt:
         except BaseException:
             _quietly(self.write_rows)
             raise
-        self.write_rows()
+        self.write_rows(done)
 
     def log_point(self, done: int, state: Any, metrics: Any, is_eval: bool,
                   progress: Progress) -> None:
@@ -481,8 +484,10 @@ class Attempt:
                 self.ckpts.close()  # waits for a save in flight
 
         def end_logger() -> None:
-            self.logger.summary({"goodput": self.total["goodput"],
-                                 **{f"goodput/{k}": v for k, v in self.attempt.items()}})
+            attempt = self.record.attempt
+            self.logger.summary({"goodput": self.record.total["goodput"],
+                                 **{f"goodput/{k}": v for k, v in attempt.items()
+                                    if not k.startswith("checkpoint_")}})
             self.logger.finish()
 
         error: Exception | None = None
@@ -510,8 +515,9 @@ class Attempt:
             loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.steps),
             compile_time_s=self.exp.step.compile_time_s, entropy_floor=self.floor,
             device_kind=self.device_kind, peak_tflops=self.cost.peak_tflops,
-            checkpoint_saves=self.ckpts.saves, checkpoint_block_s=self.ckpts.block_total_s,
-            goodput_total=self.total, attempt=self.attempt)
+            checkpoint_saves=int(self.record.over_attempts("checkpoint_saves")),
+            checkpoint_block_s=self.record.over_attempts("checkpoint_block_s"),
+            goodput_total=self.record.total, attempt=self.record.attempt)
         if self.main:
             try:
                 write_json(self.run_dir / "summary.json", summary)
@@ -522,7 +528,7 @@ class Attempt:
         last, floor = self.summary.last, self.floor
         log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
                  f" (floor {floor:.4f})" if floor is not None else "", self.run_dir)
-        for line in goodput.lines(self.attempt, self.total):
+        for line in goodput.lines(self.record.attempt, self.record.total):
             log.info(line)
         return summary
 

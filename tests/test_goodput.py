@@ -40,6 +40,20 @@ def test_parts_add_up_to_the_wall_time_and_goodput_is_productive_over_wall():
     assert "profile" not in plain and "search" not in plain
 
 
+def test_before_the_loop_the_time_so_far_is_startup():
+    """An attempt on record from its start (killed before its first step, it still counts):
+    until end_startup, what no part took is startup, not rest."""
+    clock = FakeClock()
+    g = goodput.Goodput(start=90.0, clock=clock)
+    g.add("compile", 4.0)
+    b = g.breakdown()
+    assert (b["wall_s"], b["startup_s"], b["rest_s"]) == (10.0, 6.0, 0.0)
+    g.end_startup()
+    clock.tick(1.0)
+    b = g.breakdown()
+    assert (b["startup_s"], b["rest_s"]) == (6.0, 1.0)
+
+
 def test_a_span_that_raises_still_counts():
     clock = FakeClock()
     g = goodput.Goodput(start=clock(), clock=clock)
