@@ -119,14 +119,12 @@ def test_a_run_killed_three_times_ends_as_if_uninterrupted(tmp_path):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
-    # W&B, the attempts' files synced in order: each step once, in order, with the values of
-    # metrics.jsonl; a killed attempt keeps only what its W&B service had written, but every
-    # step the last attempt trained is there.
+    # W&B, the attempts' files synced in order: each step of metrics.jsonl once, in order, with
+    # its values; a killed attempt keeps only what its W&B service had written, and a resume
+    # logs again the kept rows it lost.
     rows = {r["step"]: r for r in _rows(run_dir)}
     history = read_history(sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")))
-    logged = [h["step"] for h in history]
-    assert logged == sorted(set(logged)) and set(logged) <= set(rows)
-    assert [s for s in logged if s > resumed_at] == [s for s in rows if s > resumed_at]
+    assert [h["step"] for h in history] == list(rows)
     assert all(h["train/loss"] == rows[h["step"]]["train/loss"] for h in history)
 
 
