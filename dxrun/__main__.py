@@ -28,7 +28,7 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.errors import ConfigError, NonFiniteError, NothingToTrain, first_line
+from dxrun.errors import ConfigError, DiskError, NonFiniteError, NothingToTrain, first_line
 from dxrun.multihost.distributed import agree, is_main, join, tell_launcher
 from dxrun.run_dir import Claim
 from dxrun.runtime import (
@@ -168,6 +168,12 @@ def main(cfg: DictConfig) -> Any:
         _interrupted(e, cfg, hydra_cfg, run_log, claim)
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
+                **_job_fields(hydra_cfg, claim))
+        return _job_failed(str(e), crashed=True)
+    except DiskError as e:  # a write the disk refused: the checkpoint kept is named
+        log_path = run_log.attach(run_dir)
+        run_log.write_traceback(e)
+        _status(run_dir, "failed", kind="disk", reason=str(e), log=str(log_path),
                 **_job_fields(hydra_cfg, claim))
         return _job_failed(str(e), crashed=True)
     except NothingToTrain as e:  # a relaunch of a finished run: its files stay as they are

@@ -1,4 +1,7 @@
-"""The one exception type for bad user input."""
+"""The exceptions a run reports in one line: bad input, and failures with a known cause."""
+
+import errno
+import os
 
 
 class ConfigError(ValueError):
@@ -30,3 +33,33 @@ class NothingToTrain(Exception):  # noqa: N818 - an outcome, not a failure
 class CheckpointReadError(RuntimeError):
     """A checkpoint that could not be read for a reason other than damage (an I/O error, out
     of memory): the run stops with one line and the checkpoint is left as it is."""
+
+
+class DiskError(RuntimeError):
+    """A write the disk refused (no space left, an I/O error). Its message names what was being
+    written, why, and what is kept; the launcher prints it as one line and exits 1, with status
+    ``failed`` of kind ``disk`` (never an out-of-memory report: tensorstore calls a full disk
+    RESOURCE_EXHAUSTED, as XLA calls a full device)."""
+
+
+# What the disk said, by errno. tensorstore's errors (which Orbax raises as they are, or wraps)
+# are not OSErrors: their text carries the errno (``[os_error_code='28']``) and strerror.
+DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EIO: "input/output error",
+               errno.EDQUOT: "disk quota exceeded"}
+
+
+def disk_error(e: BaseException) -> str | None:
+    """What the disk refused, when ``e`` or an exception it was raised from is a disk error
+    (``DISK_ERRNOS``); else None."""
+    seen: list[BaseException] = []
+    link: BaseException | None = e
+    while link is not None and link not in seen:
+        seen.append(link)
+        if isinstance(link, OSError) and link.errno in DISK_ERRNOS:
+            return DISK_ERRNOS[link.errno]
+        text = str(link)
+        for code, what in DISK_ERRNOS.items():
+            if f"os_error_code='{code}'" in text or os.strerror(code) in text:
+                return what
+        link = link.__cause__ or link.__context__
+    return None

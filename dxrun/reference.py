@@ -287,6 +287,7 @@ METRICS: dict[str, tuple[str, str, str]] = {
 # Every file a run (or a tool run on it) writes into the run dir.
 RUN_FILES: dict[str, str] = {
     ".hydra/": "config.yaml (resolved), hydra.yaml, overrides.yaml; written after validation; "
+               "`attempts/<n>/` keeps each launch's config.yaml and overrides.yaml; "
                "`lock` while a run holds the dir (its pid, host and start)",
     "dxrun.log": "the console lines (a multi-process run: dxrun.<rank>.log per process)",
     "plan.json": "the mesh plan (keys below); plan mode adds `plan_mode`",
@@ -304,8 +305,9 @@ RUN_FILES: dict[str, str] = {
                 "`perfetto_trace.json.gz`) and the step's HLO (`step.hlo.txt`); "
                 "`profile/<rank>/` per process of a multi-process run",
     "goodput.json": "`attempts`: each attempt's wall time by part (see `goodput_s`), with its "
-                    "first and last step; the run's `goodput`, `wall_s`, `productive_s`, "
-                    "`lost_s` over them",
+                    "first and last step and its `checkpoint_saves` and `checkpoint_block_s`, "
+                    "recorded from its start (an attempt killed before its first step counts); "
+                    "the run's `goodput`, `wall_s`, `productive_s`, `lost_s` over them",
     "memory_breakdown.txt": "an out-of-memory step (a memory refusal: in a new dxrun-memory-* "
                             "dir under the temp dir): the compiled step's memory by part, its "
                             "largest arguments and temporaries",
@@ -326,20 +328,22 @@ SUMMARY: dict[str, str] = {
     "entropy_floor": "markov data: the best achievable loss; else null",
     "device_kind": "jax.devices()[0].device_kind",
     "peak_tflops": "the peak perf/mfu divides by; null when unknown",
-    "checkpoint_saves": "saves this attempt made",
+    "checkpoint_saves": "saves made, over all attempts of the run (goodput.json has each's)",
     "checkpoint_block_s": "total seconds those saves held the loop",
     "goodput": "productive step time / wall time, over all attempts of the run (steps a resume "
                "redid count as lost)",
     "goodput_s": "this attempt's wall time by part: wall, startup, search (parallelism=auto's "
                  "layout search), compile (the preflight's and the first step), data, "
                  "productive, eval, checkpoint, logging, profile, rest; "
-                 "its goodput, first_step and last_step",
+                 "its goodput, first_step and last_step, and its checkpoint_saves and "
+                 "checkpoint_block_s",
     "attempts": "attempts of this run (a resume in place adds one)",
 }
 
 STATUS: dict[str, str] = {
     "status": "running | ok | stopped | failed",
-    "kind": "failed: refused (bad input) | crashed | nonfinite",
+    "kind": "failed: refused (bad input) | crashed | nonfinite | disk (a write the disk "
+            "refused: no space, an I/O error)",
     "reason": "failed or stopped: the one line that was printed",
     "log": "failed: the file holding the traceback",
     "signal": "stopped: SIGTERM | SIGINT | SIGUSR1 (outside the train loop)",
@@ -354,6 +358,9 @@ STATUS: dict[str, str] = {
     "overrides": "the job's command-line overrides",
     "started": "epoch seconds the run started (kept over a resume)",
     "finished": "epoch seconds it ended (absent while running)",
+    "attempts": "one per launch into the run dir: `attempt` (n), `config` "
+                "(`.hydra/attempts/<n>/config.yaml`), `started`, `status` (an earlier one that "
+                "never ended: killed), `finished`",
 }
 
 # plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan.py's comments.
@@ -393,7 +400,7 @@ def status_keys() -> list[str]:
         if isinstance(node, ast.FunctionDef) and node.name == "_job_fields":
             keys += [k.value for n in ast.walk(node) if isinstance(n, ast.Dict)
                      for k in n.keys if isinstance(k, ast.Constant) and k.value not in keys]
-    return [*keys, "started", "finished"]
+    return [*keys, "started", "finished", "attempts"]
 
 
 def plan_keys() -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dxrun.bookkeeping import read_json
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # glibc's mallopt parameters (malloc.h), and the device nodes of accelerators whose hosts keep
 # glibc's defaults: NVIDIA, AMD (ROCm), TPU.
@@ -24,6 +27,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 ARENAS = 1  # malloc arenas under reuse_freed_memory (benchmarks/malloc_arenas.py, 2 cores:
 # two compiled 1.3x faster but made model=small's fsdp8 step 1.24x slower; not adopted)
 _ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
+log = logging.getLogger("dxrun")
 
 
 def reuse_freed_memory() -> bool:
@@ -198,6 +202,26 @@ def claim_run_dir(run_dir: Path) -> Path:
             candidate = run_dir.with_name(f"{run_dir.name}_{i}")
 
 
+class _LogFile(logging.FileHandler):
+    """The run's log file. A line it cannot write (a full disk) costs one line on stderr for
+    the whole run, not logging's traceback per line (or, from ``write_traceback``, the crash's
+    traceback on the terminal): the console still has every line."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if not self.failed:
+            self.failed = True
+            print(f"dxrun: warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                  "its lines go to the console only", file=sys.stderr)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            self.handleError(None)  # type: ignore[arg-type]
+
+
 class RunLog:
     """The run's log file follows the run dir it claimed. Hydra opens ``<its dir>/dxrun.log``
     before dxrun knows whether that dir is free; this holds the lines in memory until
@@ -235,7 +259,7 @@ class RunLog:
 
         if self.file is None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.file = logging.FileHandler(run_dir / self.name)
+            self.file = _LogFile(run_dir / self.name)
             self.file.setFormatter(self.formatter)
             self.buffer.setTarget(self.file)
             self.buffer.flush()
@@ -270,14 +294,31 @@ class RunLog:
         self.buffer.buffer.clear()
 
 
+ATTEMPTS = Path(".hydra") / "attempts"  # in a run dir: <n>/, each launch's own config
+
+
+def attempt_numbers(run_dir: Path) -> list[int]:
+    """The launches into ``run_dir`` that kept their config (``.hydra/attempts/<n>/``)."""
+    where = run_dir / ATTEMPTS
+    return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.is_dir() else []
+
+
 def write_hydra_files(run_dir: Path, cfg: Any, hydra_cfg: Any | None) -> None:
-    """What Hydra's .hydra/ holds, written only once the config is known to be valid."""
+    """What Hydra's .hydra/ holds, written only once the config is known to be valid; and
+    this launch's own copy in ``.hydra/attempts/<n>/``: a resume may change the optimizer, the
+    lr or the mesh, and config.yaml, the latest, would say nothing of what the earlier steps
+    ran with."""
     out = run_dir / ".hydra"
     out.mkdir(exist_ok=True)
-    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    attempt = run_dir / ATTEMPTS / str(max(attempt_numbers(run_dir), default=0) + 1)
+    attempt.mkdir(parents=True)
+    for where in (out, attempt):
+        OmegaConf.save(cfg, where / "config.yaml", resolve=True)
+        if hydra_cfg is not None:
+            OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)),
+                           where / "overrides.yaml")
     if hydra_cfg is not None:
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
-        OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), out / "overrides.yaml")
 
 
 def peak_bytes_since(start: dict | None, now: dict | None) -> float | None:
@@ -337,8 +378,13 @@ def finite_or_null(obj: Any, key: str = "") -> tuple[Any, list[str]]:
 def write_json(path: Path, obj: Any) -> None:
     """Atomically; non-finite floats are written as null (see ``finite_or_null``)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
+        tmp.replace(path)
+    except OSError:  # a full disk: no half-written tmp file left beside the intact one
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 STATUS = "status.json"
@@ -347,17 +393,45 @@ STATUS = "status.json"
 def write_status(run_dir: Path, status: str, **fields: Any) -> None:
     """The run's state for the sweep report and the multirun's exit code: ``running`` when it
     starts (a job killed mid-run stays so), then ``ok`` or ``failed`` with ``kind`` (refused |
-    crashed), ``reason`` and ``log``. ``started``/``finished`` (epoch seconds) let the report
-    see jobs that ran at the same time, whose throughputs are not comparable."""
+    crashed | nonfinite | disk), ``reason`` and ``log``. ``started``/``finished`` (epoch
+    seconds) let the report see jobs that ran at the same time, whose throughputs are not
+    comparable."""
     import time
 
     path = run_dir / STATUS
-    started = json.loads(path.read_text()).get("started") if path.is_file() else None
+    # A damaged status.json is set aside: the status it held is history, this one is news.
+    old = read_json(path, lambda x: isinstance(x, dict)) or {}
     now = time.time()
-    record = {"status": status, **fields, "started": started or now}
+    record = {"status": status, **fields, "started": old.get("started") or now}
     if status != "running":
         record["finished"] = now
-    write_json(path, record)
+    if attempts := _attempts(run_dir, old.get("attempts"), status, now):
+        record["attempts"] = attempts
+    try:
+        write_json(path, record)
+    except OSError as e:  # a full disk: the run's own line still says what happened
+        log.warning("could not write %s (%s): it still says %r", path, e.strerror or e,
+                    old.get("status"))
+
+
+def _attempts(run_dir: Path, recorded: Any, status: str, now: float) -> list[dict[str, Any]]:
+    """status.json's ``attempts``: one per launch into the run dir that kept its config
+    (``write_hydra_files``), with when it started and how it ended; the one under way is
+    ``status``, and an earlier one that never said how it ended was killed. What the old
+    status.json said of each is kept (none of it when that file was damaged)."""
+    said = {a.get("attempt"): a for a in recorded if isinstance(a, dict)} if isinstance(
+        recorded, list) else {}
+    out = [{**said.get(n, {}), "attempt": n, "config": str(ATTEMPTS / str(n) / "config.yaml")}
+           for n in attempt_numbers(run_dir)]
+    for a in out[:-1]:
+        if a.get("status") == "running":
+            a["status"] = "killed"
+    if out:
+        out[-1].setdefault("started", now)
+        out[-1]["status"] = status
+        if status != "running":
+            out[-1]["finished"] = now
+    return out
 
 
 def sweep_group(sweep_dir: Path) -> str:

@@ -24,7 +24,7 @@ from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
 from dxrun.checkpointing.preempt import Preemption, relaunch_command
 from dxrun.config import model_changes
 from dxrun.data import EVAL
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import ConfigError, DiskError, disk_error, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
@@ -245,14 +245,22 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         clock.add("productive", search.get("trained_s") or 0.0)
     main = is_main()  # writes the run's files; every process trains
     show_plan(exp.plan, run_dir, main)
+    # On record from here (goodput.json): an attempt killed in its restore still counts.
+    # A relaunch continues the dir's run (its attempts) where it resumes in place, or where
+    # the attempt before died ahead of its first checkpoint (``Job.continues``).
+    continues = (resume is not None and resume.in_place) or job.continues
+    record = goodput.RunRecord(run_dir, clock, continues,
+                               resume.meta_step if resume is not None else 0, write=main)
     allocator = AllocatorPeak()  # before this run allocates anything
     state, start, ckpt_meta = start_state(exp, resume, prepared.handover)
-    run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, clock, allocator, main)
+    run = Attempt(cfg, exp, state, start, resume, ckpt_meta, run_dir, job, record, allocator, main)
     steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
     timer, tracer, batches = run.timer, run.tracer, run.batches
     metrics: Any = None
     reached = start  # the last step this attempt completed
     clock.end_startup()
+    run.write_goodput(start)  # the startup on record: a kill before the first row keeps it
+    ended = False  # the loop's own end: only then are close()'s errors the ones reported
     try:
         with Progress(steps, enabled=None if main else False) as progress, run.ckpts.preemption:
             for i in range(start, steps):
@@ -280,12 +288,13 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                     run.log_point(done, state, metrics if is_log else None, is_eval, progress)
             timer.end_loop()
             run.save_point(steps, state, last=True)
+        ended = True
     except Exception as e:
-        if memory_report.is_out_of_memory(e) and main:
-            raise run.out_of_memory(e) from e
-        raise
+        if (told := run.told(e)) is None:
+            raise
+        raise told from e
     finally:
-        run.close(reached)  # a run stopped or crashed mid-loop still writes its files
+        run.close(reached, quiet=not ended)  # a run stopped or crashed mid-loop writes its files
     return run.finish()
 
 
@@ -313,8 +322,9 @@ class Attempt:
 
     def __init__(self, cfg: Any, exp: Experiment, state: Any, start: int,
                  resume: Resume | None, ckpt_meta: dict[str, Any], run_dir: Path, job: Job,
-                 clock: goodput.Goodput, allocator: AllocatorPeak, main: bool):
-        self.exp, self.clock, self.allocator, self.main = exp, clock, allocator, main
+                 record: goodput.RunRecord, allocator: AllocatorPeak, main: bool):
+        self.exp, self.allocator, self.main = exp, allocator, main
+        self.record, self.clock = record, record.clock
         self.run_dir, self.steps = run_dir, cfg.train.steps
         plan, data = exp.plan, exp.data
         self.n_params = exp.count_params(state.params)  # the real vocabulary, without padding
@@ -341,15 +351,16 @@ class Attempt:
         # A fresh start past step 0: parallelism=auto's turns trained the steps before it, in
         # this attempt, on the batches before it.
         self.trained = start if resume is None else 0
+        record.first_step = start - self.trained  # the restore may have fallen back
         rewound = rewind_metrics(run_dir, start) if continues and main else Rewound([], 0)
-        # The W&B run holds what was moved aside too: rewind it to the last row kept.
+        # The W&B run continues as metrics.jsonl reads: what was moved aside out of it, the
+        # kept rows it lacks into it.
         self.logger = MetricsLogger(
             run_dir, cfg.logger, run_config, name=run_name(cfg, job, plan.global_batch),
             group=job.group,
             choices=job.choices, is_main=main,
             resume_id=ckpt_meta.get("wandb_id") if in_place else None,
-            rewind_to=max((r["step"] for r in rewound.kept), default=0)
-            if rewound.moved else None)
+            kept=rewound.kept if in_place else None)
         # No held-out data: no eval/*.
         self.eval_every = cfg.train.eval_every if data.has_eval else 0
         self.eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
@@ -384,16 +395,20 @@ class Attempt:
         if cfg.train.profile.start and not self.tracer.steps:
             log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
                         cfg.train.profile.start, start + 2, self.steps)
-        self.attempts = goodput.earlier_attempts(run_dir, continues)
         self.timer = StepTimer(start, self.steps)
 
     def tokens_at(self, done: int) -> int:
         return self.tokens_before + (done - self.start) * self.cost.tokens
 
-    def write_rows(self) -> None:
+    def write_rows(self, done: int | None = None) -> None:
+        """The rows waiting for their save point (``done``: that save point's step), after
+        the attempt so far (a row logged is a row accounted for, and so is a save off the log
+        steps)."""
         with self.clock.span("logging"):
-            if self.pending:  # the attempt so far first: a row logged is a row accounted for
-                self.write_goodput(self.pending[-1][0])
+            last = self.pending[-1][0] if self.pending else done
+            if last is not None and (self.pending or self.ckpts.saves != self.record.attempt[
+                    "checkpoint_saves"]):
+                self.write_goodput(last)
             for step, row in self.pending:
                 if blocks := self.ckpts.take_blocks():
                     row["perf/checkpoint_block_s"] = sum(blocks)
@@ -401,24 +416,20 @@ class Attempt:
             self.pending.clear()
 
     def write_goodput(self, last_step: int) -> None:
-        """``goodput.json`` with this attempt up to ``last_step``: at every row, because a
-        process killed outright (kill -9, the OOM killer, a lost node) never reaches ``close``,
-        and the next attempt must still find this one's time and the steps it will redo."""
-        self.attempt = {**self.clock.breakdown(), "first_step": self.start - self.trained,
-                        "last_step": last_step}
-        self.total = goodput.run_total([*self.attempts, self.attempt])
-        if self.main:
-            write_json(self.run_dir / goodput.FILE,
-                       goodput.file_content(self.attempts, self.attempt, self.total))
+        """``goodput.json`` with this attempt up to ``last_step`` (``goodput.RunRecord``)."""
+        self.record.update(last_step, self.ckpts.saves, self.ckpts.block_total_s)
 
     def save_point(self, done: int, state: Any, last: bool = False) -> None:
         """Save when due, stop on a signal (``RunCheckpoints.between_steps``), then write the
-        row of step ``done``, if it has one, whatever that raised."""
+        row of step ``done``, if it has one, whatever that raised (the save's failure stays
+        the one reported)."""
         try:
             with self.clock.span("checkpoint"):
                 self.ckpts.between_steps(done, state, last=last)
-        finally:
-            self.write_rows()
+        except BaseException:
+            _quietly(self.write_rows)
+            raise
+        self.write_rows(done)
 
     def log_point(self, done: int, state: Any, metrics: Any, is_eval: bool,
                   progress: Progress) -> None:
@@ -452,25 +463,57 @@ class Attempt:
         # holds the loop).
         self.timer.reset(done, self.ckpts.totals())
 
-    def out_of_memory(self, e: Exception) -> memory_report.OutOfMemory:
-        """The device ran out of memory: where the memory goes, written to the run dir."""
-        path = memory_report.write(self.run_dir, self.exp.step.compiled,
-                                   self.exp.abstract_state(), self.exp.plan.platform)
-        return memory_report.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+    def told(self, e: Exception) -> Exception | None:
+        """What to raise for ``e``, in one line where its cause is known: a write the disk
+        refused (DiskError, naming the checkpoint kept), the device out of memory (OutOfMemory,
+        naming where the memory goes, written to the run dir); None: ``e`` as it is."""
+        if isinstance(e, (DiskError, memory_report.OutOfMemory)):
+            return None
+        if (why := disk_error(e)) is not None:
+            return checkpoint.refused_write(_written(e), why, self.ckpts.saver.directory)
+        if memory_report.is_out_of_memory(e) and self.main:
+            path = memory_report.write(self.run_dir, self.exp.step.compiled,
+                                       self.exp.abstract_state(), self.exp.plan.platform)
+            return memory_report.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+        return None
 
-    def close(self, reached: int) -> None:
+    def close(self, reached: int, quiet: bool = False) -> None:
         """The end of the attempt, however it ended: the trace, the rows of the steps that ran,
-        the save in flight, the data's workers, and the attempt's goodput."""
-        self.tracer.stop()  # a run stopped inside the trace still leaves its trace
-        self.write_rows()  # a crash mid-loop: the rows of the steps that ran
-        with self.clock.span("checkpoint"):
-            self.ckpts.close()  # waits for a save in flight
-        if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
-            self.batches.close()
-        self.write_goodput(reached)
-        self.logger.summary({"goodput": self.total["goodput"],
-                             **{f"goodput/{k}": v for k, v in self.attempt.items()}})
-        self.logger.finish()
+        the save in flight, the data's workers, the attempt's goodput and the W&B run. Each
+        part runs whatever an earlier one raised; the first error is raised at the end
+        (``told``), or with ``quiet`` (the loop failed: its failure is the one reported) each
+        is one warning line."""
+        def stop_batches() -> None:
+            if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
+                self.batches.close()
+
+        def wait_for_saves() -> None:
+            with self.clock.span("checkpoint"):
+                self.ckpts.close()  # waits for a save in flight
+
+        def end_logger() -> None:
+            attempt = self.record.attempt
+            self.logger.summary({"goodput": self.record.total["goodput"],
+                                 **{f"goodput/{k}": v for k, v in attempt.items()
+                                    if not k.startswith("checkpoint_")}})
+            self.logger.finish()
+
+        error: Exception | None = None
+        # The trace first (a run stopped inside it still leaves it), then the rows of the
+        # steps that ran (a crash mid-loop).
+        for part in (self.tracer.stop, self.write_rows, wait_for_saves, stop_batches,
+                     lambda: self.write_goodput(reached), end_logger):
+            if quiet or error is not None:
+                _quietly(part)
+                continue
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 - raised below, once the rest has run
+                error = e
+        if error is not None:
+            if (told := self.told(error)) is None:
+                raise error
+            raise told from error
 
     def finish(self) -> dict[str, Any]:
         """``summary.json`` and the closing lines; the summary."""
@@ -480,14 +523,20 @@ class Attempt:
             loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.steps),
             compile_time_s=self.exp.step.compile_time_s, entropy_floor=self.floor,
             device_kind=self.device_kind, peak_tflops=self.cost.peak_tflops,
-            checkpoint_saves=self.ckpts.saves, checkpoint_block_s=self.ckpts.block_total_s,
-            goodput_total=self.total, attempt=self.attempt)
+            checkpoint_saves=int(self.record.over_attempts("checkpoint_saves")),
+            checkpoint_block_s=self.record.over_attempts("checkpoint_block_s"),
+            goodput_total=self.record.total, attempt=self.record.attempt)
         if self.main:
-            write_json(self.run_dir / "summary.json", summary)
+            try:
+                write_json(self.run_dir / "summary.json", summary)
+            except OSError as e:
+                if (told := self.told(e)) is None:
+                    raise
+                raise told from e
         last, floor = self.summary.last, self.floor
         log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
                  f" (floor {floor:.4f})" if floor is not None else "", self.run_dir)
-        for line in goodput.lines(self.attempt, self.total):
+        for line in goodput.lines(self.record.attempt, self.record.total):
             log.info(line)
         return summary
 
@@ -519,3 +568,22 @@ def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> bool:
     if is_main():
         write_json(summary_path, summary)
     return True
+
+
+def _quietly(part: Any) -> None:
+    """``part()`` while a failure is under way: its own error is one warning line, and the
+    failure stays the one reported."""
+    try:
+        part()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s: %s (while the run ends on an earlier error)", type(e).__name__,
+                    first_line(e))
+
+
+def _written(e: BaseException) -> str:
+    """The file a refused write was writing (an OSError's filename), for its one line."""
+    while e is not None:
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename).removesuffix(".tmp")  # write_json's tmp file: its target
+        e = e.__cause__ or e.__context__
+    return "a run file"

@@ -119,12 +119,85 @@ def test_a_run_killed_three_times_ends_as_if_uninterrupted(tmp_path):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
-    # W&B, the attempts' files synced in order: each step once, in order, with the values of
-    # metrics.jsonl; a killed attempt keeps only what its W&B service had written, but every
-    # step the last attempt trained is there.
+    # W&B, the attempts' files synced in order: each step of metrics.jsonl once, in order, with
+    # its values; a killed attempt keeps only what its W&B service had written, and a resume
+    # logs again the kept rows it lost.
     rows = {r["step"]: r for r in _rows(run_dir)}
     history = read_history(sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")))
-    logged = [h["step"] for h in history]
-    assert logged == sorted(set(logged)) and set(logged) <= set(rows)
-    assert [s for s in logged if s > resumed_at] == [s for s in rows if s > resumed_at]
+    assert [h["step"] for h in history] == list(rows)
+    assert all(h["train/loss"] == rows[h["step"]]["train/loss"] for h in history)
+
+
+# Three attempts into one run dir: killed (kill -9) while held at step 5 after its rows 1-4 and
+# checkpoints 2 and 4; relaunched and killed again before its first row (held at step 5 again,
+# whose row waits for that save point); relaunched with another lr to the end. W&B on: a kill
+# loses what W&B's writer had not written (here, all of the first attempt's rows).
+RECORDS = ["model=tiny", "train.steps=8", "train.log_every=1", "train.eval_every=0",
+           "checkpoint.every=2", "checkpoint.keep=10", "parallelism=dp2", "data.batch_size=8",
+           "data.seq_len=16"]
+
+
+def _launch_records(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dxrun", *RECORDS, f"hydra.run.dir={run_dir}", *extra],
+        cwd=cwd, env=subprocess_env(drop=("WANDB_SERVICE",)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def three_attempts(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("records")
+    run_dir = cwd / "run"
+    first = _launch_records(cwd, run_dir, "train.hold_at_step=5")
+    _kill_when(first, lambda: _logged_step(run_dir) >= 4 and 4 in checkpoint.committed_steps(
+        run_dir / "checkpoints"))
+    second = _launch_records(cwd, run_dir, "train.hold_at_step=5")
+    Output(second).wait_for(lambda line: "step 5/8" in line)  # its row waits for step 5's save
+    second.kill()
+    assert second.wait(timeout=60) == -signal.SIGKILL
+    assert _logged_step(run_dir) == 4
+    third = _launch_records(cwd, run_dir, "optimizer.lr=0.005")
+    out = third.communicate(timeout=600)[0]
+    assert third.returncode == 0, out[-3000:]
+    assert "resuming from step 4" in out
+    return run_dir
+
+
+@pytest.mark.e2e
+def test_goodput_and_saves_count_every_attempt(three_attempts):
+    """The attempt killed before its first row is on record from its start; the summary's saves
+    are the run's, over its attempts."""
+    record = json.loads((three_attempts / "goodput.json").read_text())
+    attempts = record["attempts"]
+    assert [(a["first_step"], a["last_step"]) for a in attempts] == [(0, 4), (4, 4), (4, 8)]
+    assert all(a["wall_s"] > 0 for a in attempts) and attempts[1]["startup_s"] > 0
+    assert record["wall_s"] == pytest.approx(sum(a["wall_s"] for a in attempts))
+    assert [a["checkpoint_saves"] for a in attempts] == [2, 0, 2]
+    summary = json.loads((three_attempts / "summary.json").read_text())
+    assert summary["attempts"] == 3 and summary["checkpoint_saves"] == 4
+    assert summary["checkpoint_block_s"] == pytest.approx(
+        sum(a["checkpoint_block_s"] for a in attempts))
+
+
+@pytest.mark.e2e
+def test_each_attempt_keeps_its_config_and_the_status_lists_them(three_attempts):
+    import yaml
+
+    lrs = [yaml.safe_load((three_attempts / ".hydra" / "attempts" / str(n) / "config.yaml")
+                          .read_text())["optimizer"]["lr"] for n in (1, 2, 3)]
+    assert lrs == [0.01, 0.01, 0.005]
+    status = json.loads((three_attempts / "status.json").read_text())
+    assert status["status"] == "ok"
+    assert [(a["attempt"], a["status"], a["config"]) for a in status["attempts"]] == [
+        (n, s, f".hydra/attempts/{n}/config.yaml")
+        for n, s in ((1, "killed"), (2, "killed"), (3, "ok"))]
+    assert status["attempts"][0]["started"] == status["started"]
+
+
+@pytest.mark.e2e
+def test_wandb_gets_the_kept_rows_its_killed_attempts_lost(three_attempts):
+    rows = {r["step"]: r for r in _rows(three_attempts)}
+    assert sorted(rows) == list(range(1, 9))
+    history = read_history(sorted(three_attempts.glob("wandb/offline-run-*/run-*.wandb")))
+    assert [h["step"] for h in history] == list(rows)
     assert all(h["train/loss"] == rows[h["step"]]["train/loss"] for h in history)

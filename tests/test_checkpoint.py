@@ -3,6 +3,7 @@ files damaged on disk; resumed runs compared number for number with uninterrupte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -541,3 +542,106 @@ def test_the_older_checkpoint_goes_only_after_the_new_one_is_committed(tmp_path)
     changes = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
     assert changes in ([(1,), (1, 2), (2,)], [(1,), (2,)]), changes
     assert len(seen) > 10  # the watcher really looked during the save
+
+
+# A full disk. Tests run as root and mount a small tmpfs (a real full disk); where mounting is
+# refused they fall back to injecting the error the disk would give (never skipped).
+SMALL = ["model=tiny", "train.steps=3", "checkpoint.every=1", "train.log_every=1",
+         "train.eval_every=0", "logger=none", "parallelism=dp2", "data.batch_size=8"]
+# model=tiny's checkpoint takes 1.4 MB: the first save fits, the second does not.
+DISK_KIB = 2200
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, kib: int):
+    """``path`` as a tmpfs of ``kib`` KiB; yields whether it could be mounted (else ``path`` is
+    a plain dir). Unmounted after, whatever happened."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+# Where no tmpfs can be mounted: the checkpoint writer's save of step 2 fails as a full disk
+# makes it fail (tensorstore's ENOSPC, raised by Orbax as it is).
+_INJECT_ENOSPC = """
+import sys, orbax.checkpoint as ocp
+save = ocp.CheckpointManager.save
+def full(self, step, *a, **k):
+    if step == 2:
+        raise ValueError("RESOURCE_EXHAUSTED: Failed to write 205453 bytes to file 6: No space "
+                         "left on device [os_error_code='28']")
+    return save(self, step, *a, **k)
+ocp.CheckpointManager.save = full
+sys.argv = ["dxrun", *sys.argv[1:]]
+from dxrun.__main__ import cli
+cli()
+"""
+
+
+@pytest.mark.e2e  # two runs through the CLI
+def test_a_full_disk_is_one_line_and_the_relaunch_resumes(tmp_path):
+    """The second save finds no space: one line naming it and the checkpoint kept, status
+    failed with kind disk (not an out-of-memory report, though tensorstore says
+    RESOURCE_EXHAUSTED), no traceback, the failed save's partial files gone; with space again
+    the same command resumes from the checkpoint kept."""
+    disk = tmp_path / "disk"
+    run_dir = disk / "run"
+    ckpts = run_dir / "checkpoints"
+    args = [*SMALL, f"hydra.run.dir={run_dir}"]
+    with small_disk(disk, DISK_KIB) as mounted:
+        if mounted:
+            proc = run_cli(*args, cwd=tmp_path, timeout=300)
+        else:
+            proc = subprocess.run([sys.executable, "-c", _INJECT_ENOSPC, *args], cwd=tmp_path,
+                                  env=subprocess_env(), capture_output=True, text=True,
+                                  timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1, out[-3000:]
+        line = (f"checkpoint {ckpts / '2'}: no space left on device (checkpoint 1 kept); free "
+                "space and relaunch the same command to resume from it")
+        assert [x for x in proc.stderr.splitlines() if x.startswith("dxrun:")] == [
+            f"dxrun: error: {line}"], out[-3000:]
+        assert "Traceback" not in out and "OutOfMemory" not in out and "[ERROR]" not in out
+        status = json.loads((run_dir / "status.json").read_text())
+        assert (status["status"], status["kind"], status["reason"]) == ("failed", "disk", line)
+        assert not (run_dir / "memory_breakdown.txt").exists()
+        assert sorted(p.name for p in ckpts.iterdir()) == ["1"]  # the partial save is gone
+        if mounted:  # space again
+            subprocess.run(["mount", "-o", f"remount,size={8 * DISK_KIB}k", str(disk)],
+                           check=True)
+        again = run_cli(*args, cwd=tmp_path, timeout=300)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+        assert f"resuming from step 1 (checkpoint {ckpts / '1'})" in again.stdout + again.stderr
+        assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
+                .splitlines()] == [1, 2, 3]
+        assert checkpoint.committed_steps(ckpts) == [1, 2, 3]
+        assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+
+
+def test_a_status_the_full_disk_refuses_is_one_warning(tmp_path, caplog):
+    """The failure path's own status write on a full disk: one warning naming the status the
+    file still holds, nothing raised, the intact file and no half-written one left."""
+    from dxrun.runtime import write_status
+
+    run_dir = tmp_path / "disk"
+    with small_disk(run_dir, 64) as mounted:
+        write_status(run_dir, "running")
+        if mounted:
+            with contextlib.suppress(OSError), open(run_dir / "filler", "wb", buffering=0) as f:
+                while True:
+                    f.write(b"\0" * 4096)
+        else:  # writes to /dev/full fail with ENOSPC, as those to a full disk do
+            (run_dir / "status.json.tmp").symlink_to("/dev/full")
+        before = (run_dir / "status.json").read_text()
+        with caplog.at_level(logging.WARNING, logger="dxrun"):
+            write_status(run_dir, "failed", kind="disk", reason="no space")
+        assert [r.getMessage() for r in caplog.records] == [
+            f"could not write {run_dir / 'status.json'} (No space left on device): it still "
+            "says 'running'"]
+        assert (run_dir / "status.json").read_text() == before
+        assert not (run_dir / "status.json.tmp").exists()

@@ -1,11 +1,13 @@
 """Goodput accounting and the log window's traced-step exclusion, on a clock driven by hand; the
 pure pieces of the trace window, the memory report and the per-row allocator peak."""
 
+import errno
 import json
 
 import pytest
 
 from dxrun.capacity.memory_report import is_out_of_memory, shape_bytes
+from dxrun.errors import disk_error
 from dxrun.runtime import peak_over_devices
 from dxrun.trace import profile_dir, traced_steps
 from dxrun.tracking import goodput
@@ -36,6 +38,20 @@ def test_parts_add_up_to_the_wall_time_and_goodput_is_productive_over_wall():
     plain = goodput.lines(untraced, goodput.run_total([
         {**untraced, "first_step": 0, "last_step": 10}]))[0]
     assert "profile" not in plain and "search" not in plain
+
+
+def test_before_the_loop_the_time_so_far_is_startup():
+    """An attempt on record from its start (killed before its first step, it still counts):
+    until end_startup, what no part took is startup, not rest."""
+    clock = FakeClock()
+    g = goodput.Goodput(start=90.0, clock=clock)
+    g.add("compile", 4.0)
+    b = g.breakdown()
+    assert (b["wall_s"], b["startup_s"], b["rest_s"]) == (10.0, 6.0, 0.0)
+    g.end_startup()
+    clock.tick(1.0)
+    b = g.breakdown()
+    assert (b["startup_s"], b["rest_s"]) == (6.0, 1.0)
 
 
 def test_a_span_that_raises_still_counts():
@@ -132,5 +148,14 @@ def test_out_of_memory_errors_and_hlo_shape_sizes():
     assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
                                          "allocate 1.00GiB"))
     assert not is_out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"))
+    # tensorstore (Orbax's writer) says RESOURCE_EXHAUSTED of a full disk too: a disk error.
+    full = ValueError("RESOURCE_EXHAUSTED: Error writing \"params.wte/0.0\" in OCDBT database: "
+                      "Failed to write 205453 bytes to file 6: No space left on device "
+                      "[os_error_code='28']")
+    assert not is_out_of_memory(full) and disk_error(full) == "no space left on device"
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = OSError(errno.EIO, "Input/output error")
+    assert disk_error(wrapped) == "input/output error"
+    assert disk_error(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
     assert shape_bytes("bf16[4,1024]{1,0}") == 8192
     assert shape_bytes("(f32[2,3]{1,0}, s32[])") == 28

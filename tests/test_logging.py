@@ -217,3 +217,17 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     assert killed_at <= first["last_step"] <= killed_at + 1
     assert g["lost_s"] > 0 and g["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
     assert json.loads((run_dir / "summary.json").read_text())["attempts"] == 2
+
+
+def test_a_resumed_wandb_run_catches_up_with_metrics_jsonl():
+    """Where a resume rewinds its W&B run to and which kept rows it logs again, from the steps
+    the run holds (``held``) and the rows metrics.jsonl kept."""
+    from dxrun.tracking.logger import catch_up
+
+    kept = [{"step": s} for s in (1, 2, 3, 4)]
+    assert catch_up(kept, [1, 2, 3, 4]) == (None, [])  # all there: continued as it is
+    assert catch_up(kept, [1, 2, 3, 4, 5, 6]) == (4, [])  # 5, 6 moved aside: rewound past them
+    assert catch_up(kept, []) == (None, kept)  # a killed attempt's writer lost them all
+    assert catch_up(kept, [1, 2]) == (None, kept[2:])
+    assert catch_up(kept, [1, 2, 4, 5]) == (2, kept[2:])  # a gap: rewound to before it
+    assert catch_up(kept, None) == (0, kept)  # a file unreadable: all of them again

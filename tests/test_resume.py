@@ -431,3 +431,46 @@ def test_a_given_up_orbax_read_is_not_logged_by_asyncio(caplog):
         never_awaited(elsewhere)
         assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
             "Task exception was never retrieved"]
+
+
+@pytest.mark.e2e  # a run, then a relaunch through the CLI (status.json is the launcher's)
+def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
+    """status.json cut short, goodput.json malformed, one byte of metrics.jsonl that is not
+    UTF-8, and the newest checkpoint's meta without its data position: each is set aside with
+    one warning, and the relaunch resumes in the same run dir from the checkpoint before."""
+    run = tmp_path / "run"
+    train(make_cfg(*SHORT), run)
+    (run / "status.json").write_text('{"status": "ok", "star')  # a write cut short
+    (run / "goodput.json").write_text('{"attempts": [{"wall_s": "soon"}]}')
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    lines[0] = lines[0].replace(b'"step"', b'"st\xffep"')
+    (run / "metrics.jsonl").write_bytes(b"".join(lines))
+    meta_file = run / "checkpoints" / "3" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["data"]
+    meta_file.write_text(json.dumps(meta))
+    proc = run_cli(*SHORT, "train.steps=5", f"hydra.run.dir={run}", cwd=tmp_path, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no sibling dir
+    for name in ("status.json", "goodput.json"):
+        assert len(re.findall(rf"{run / name} is damaged \(.*\); moved it to {name}.damaged", out)) == 1
+    assert f"checkpoint {run / 'checkpoints' / '3'} is incomplete or corrupt (IncompleteMeta: " \
+        "its meta has no data); using the one before" in out
+    assert "moved 1 metrics rows after step 2 and 1 line(s) cut short or damaged" in out
+    assert f"resuming from step 2 (checkpoint {run / 'checkpoints' / '2'})" in out
+    assert _steps(run) == [2, 3, 4, 5]
+    assert (run / "metrics.discarded.jsonl").read_bytes().splitlines()[0] == lines[0].rstrip()
+    assert (run / "status.json.damaged").read_text() == '{"status": "ok", "star'
+    assert json.loads((run / "status.json").read_text())["status"] == "ok"
+    assert json.loads((run / "goodput.json").read_text())["attempts"][0]["first_step"] == 2
+    assert (run / "checkpoints" / "3.corrupt").is_dir()
+    assert checkpoint.committed_steps(run / "checkpoints") == [3, 4, 5]
+    # dxrun.evaluate appends to eval.json: a damaged one is set aside, not a crash.
+    from dxrun.tools.evaluate import evaluate_checkpoint
+
+    (run / "eval.json").write_bytes(b'[{"step": 3, "eval/loss": \xff')
+    evaluate_checkpoint(run, [])
+    assert [r["step"] for r in json.loads((run / "eval.json").read_text())] == [5]
+    assert (run / "eval.json.damaged").read_bytes().endswith(b"\xff")

@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dxrun.errors import disk_error
+
 FILE = "memory_breakdown.txt"
 PPROF = "memory.prof"
 GiB = 1024 ** 3
@@ -126,9 +128,11 @@ def write(run_dir: Path, compiled: Any, state: Any, platform: str) -> Path:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """XLA's out-of-memory errors (RESOURCE_EXHAUSTED on every backend)."""
+    """XLA's out-of-memory errors (RESOURCE_EXHAUSTED on every backend); not a full disk,
+    which tensorstore (Orbax's writer) reports as RESOURCE_EXHAUSTED too."""
     text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+    return disk_error(e) is None and (
+        "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text)
 
 
 class OutOfMemory(RuntimeError):

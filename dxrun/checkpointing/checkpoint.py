@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import sys
 import time
 import traceback
@@ -48,7 +49,14 @@ from dxrun.capacity.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhe
 from dxrun.checkpointing.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.config import CheckpointConfig, TrainConfig
-from dxrun.errors import CheckpointReadError, ConfigError, NonFiniteError, NothingToTrain
+from dxrun.errors import (
+    CheckpointReadError,
+    ConfigError,
+    DiskError,
+    NonFiniteError,
+    NothingToTrain,
+    disk_error,
+)
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
@@ -200,15 +208,36 @@ def _chain(e: BaseException) -> list[BaseException]:
     return out[::-1]
 
 
+class IncompleteMeta(ValueError):
+    """A checkpoint's meta that lacks what a resume reads (``check_meta``): damage."""
+
+
+# What a resume reads from a checkpoint's meta, with no default: the saved config (the checks
+# of what may change, the batch the data position was counted in) and the data position.
+META_KEYS = ("config", "data")
+
+
+def check_meta(meta: dict[str, Any]) -> None:
+    """Raise IncompleteMeta naming what ``meta`` lacks of what a resume reads."""
+    missing = [k for k in META_KEYS if not isinstance(meta.get(k), dict)]
+    if not missing and not isinstance(meta["config"].get("data"), dict):
+        missing.append("config.data")
+    elif not missing and "batch_size" not in meta["config"]["data"]:
+        missing.append("config.data.batch_size")
+    if missing:
+        raise IncompleteMeta(f"its meta has no {', '.join(missing)}")
+
+
 def is_damage(e: BaseException) -> bool:
     """Evidence that a checkpoint's files are damaged: missing or truncated files, checksum or
-    format errors, in ``e`` or what it was raised from. Anything else (an I/O error, out of
-    memory, a tree that does not fit) is not, and never leads to setting a checkpoint aside."""
+    format errors, a meta without what a resume reads, in ``e`` or what it was raised from.
+    Anything else (an I/O error, out of memory, a tree that does not fit) is not, and never
+    leads to setting a checkpoint aside."""
     import json
 
     for link in _chain(e):
         if isinstance(link, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError,
-                             EOFError)):
+                             EOFError, IncompleteMeta)):
             return True
         if isinstance(link, (OSError, MemoryError)):
             return False
@@ -224,13 +253,16 @@ def _why(e: BaseException) -> str:
     return _first_line(_chain(e)[0])
 
 
-def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None
+def _read(step_dir: Path, state: ocp.args.CheckpointArgs | None = None, resuming: bool = True
           ) -> tuple[dict[str, Any], Any]:
-    """This process's read of one checkpoint: its meta and, given ``state`` (restore args),
-    its arrays. Through Orbax's handlers, which read without the manager's closing barrier
-    across processes: a process that fails to read must still reach the agreement on the step
-    (``gather``), not wait in a barrier the others never reach."""
+    """This process's read of one checkpoint: its meta (``resuming``: checked to hold what a
+    resume reads, ``check_meta``) and, given ``state`` (restore args), its arrays. Through
+    Orbax's handlers, which read without the manager's closing barrier across processes: a
+    process that fails to read must still reach the agreement on the step (``gather``), not
+    wait in a barrier the others never reach."""
     meta = ocp.JsonCheckpointHandler().restore(step_dir / META, args=ocp.args.JsonRestore())
+    if resuming:
+        check_meta(meta)
     if state is None:
         return dict(meta), None
     handler = (ocp.PyTreeCheckpointHandler() if isinstance(state, ocp.args.PyTreeRestore)
@@ -264,6 +296,26 @@ def _quiet_reads_that_finish_late() -> None:
     logging.getLogger("asyncio").addFilter(
         lambda record: not (record.exc_info and "exception was never retrieved" in str(record.msg)
                             and is_a_given_up_read(record.exc_info[1])))
+
+
+def _quiet_failed_writes() -> None:
+    """A save the disk refuses fails in Orbax's background threads, which log the failure with
+    its traceback (absl, three times), while the writes of the other arrays fail alongside, each
+    logged by asyncio as "exception was never retrieved" when collected. The run says it once,
+    in one line (DiskError), the traceback in its log: those records of a disk error are
+    dropped. Every other failure Orbax logs is logged as it was."""
+    def keep(record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or disk_error(exc) is None
+
+    # The writes still in flight then finish after Orbax closed their event loop, as a failed
+    # read's do: "Event loop is closed" per write, on stderr.
+    _quiet_reads_that_finish_late()
+    keep.dxrun_failed_writes = True  # type: ignore[attr-defined]
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "dxrun_failed_writes", False) for f in logger.filters):
+            logger.addFilter(keep)
 
 
 def is_a_given_up_read(unraisable: Any) -> bool:
@@ -461,8 +513,11 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
     for step in _candidates(resume, upto):
         try:
             step_dir = resume.directory / str(step)
+            # A resume that newest_meta planned reads a run's checkpoints, whose meta must
+            # hold what the run reads of it; a bare restore (a test's own save) may not.
             meta, state = _read(step_dir, _restore_args(step_dir / STATE, target,
-                                                        resume.fresh_optimizer is None))
+                                                        resume.fresh_optimizer is None),
+                                resuming=bool(resume.meta))
             outcome, err = "ok", ""
         except Exception as e:  # noqa: BLE001 - sorted below: damage or not
             outcome, err = ("damaged" if is_damage(e) else "error"), _why(e)
@@ -510,12 +565,29 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
+def refused_write(what: str, why: str, directory: Path) -> DiskError:
+    """The one line of a write the disk refused (``errors.disk_error``'s ``why``): what was
+    being written, and the newest checkpoint of ``directory``, which the relaunch resumes."""
+    kept = committed_steps(directory)
+    then = (f"checkpoint {kept[-1]} kept); free space and relaunch the same command to resume "
+            "from it" if kept else "no checkpoint kept); free space and relaunch")
+    return DiskError(f"{what}: {why} ({then}")
+
+
 class Checkpointer:
-    """Saves of one run into one checkpoints dir, every ``checkpoint.every`` steps."""
+    """Saves of one run into one checkpoints dir, every ``checkpoint.every`` steps.
+
+    A save the disk refuses (``errors.disk_error``: no space left, an I/O error), whether its
+    own call or its background writes fail (those show at the next save, ``wait`` or
+    ``close``), raises DiskError naming that save's step and the checkpoint kept, never
+    tensorstore's RESOURCE_EXHAUSTED (which would read as out of memory); the failed save's
+    partial files go, so that the space they took is the run's again for its last records."""
 
     def __init__(self, directory: Path, keep: int):
         self.directory = directory
         self.manager = _manager(directory, keep)
+        self.in_flight: int | None = None  # the step whose writes may still be running
+        _quiet_failed_writes()
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]
              ) -> tuple[Path, float | None]:
@@ -529,18 +601,38 @@ class Checkpointer:
         # wait is the steps' own time, not the save's: the clock starts after it.
         jax.block_until_ready(state)
         t = time.perf_counter()
-        # Blocks for the previous save's writes when they are still running, and for the copy
-        # of this state to host memory.
-        self.manager.save(step, force=True, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(state._asdict()), META: ocp.args.JsonSave(meta)}))
+        # Blocks for the previous save's writes when they are still running (as Orbax's save
+        # would: waited for here, a failure of theirs is named as theirs), and for the copy of
+        # this state to host memory.
+        self.wait()
+        self.in_flight = step
+        self._on_disk(lambda: self.manager.save(step, force=True, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardSave(state._asdict()), META: ocp.args.JsonSave(meta)})))
         return path, time.perf_counter() - t
 
     def wait(self) -> None:
         """Block until the last save is committed (renamed into place)."""
-        self.manager.wait_until_finished()
+        self._on_disk(self.manager.wait_until_finished)
+        self.in_flight = None
 
     def close(self) -> None:
-        self.manager.close()
+        self._on_disk(self.manager.close)
+        self.in_flight = None
+
+    def _on_disk(self, call: Callable[[], Any]) -> None:
+        """``call()``, a disk error of the save in flight raised as DiskError."""
+        try:
+            call()
+        except Exception as e:
+            why, step = disk_error(e), self.in_flight
+            if why is None or step is None:
+                raise
+            self.in_flight = None
+            # Orbax deletes an unfinished save's tmp dir only at the next start.
+            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise refused_write(f"checkpoint {self.directory / str(step)}", why,
+                                self.directory) from e
 
 
 def time_due(now: float, last_save: float, every_s: float) -> bool:

@@ -21,7 +21,6 @@ shared ``checkpoint.dir``) gets its result printed only: give the run dir, whose
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -89,9 +88,11 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
+    from dxrun.bookkeeping import read_json
     from dxrun.runtime import write_json
 
-    records = json.loads(path.read_text()) if path.is_file() else []
+    # A damaged eval.json is set aside (eval.json.damaged): the new record is not lost to it.
+    records = read_json(path, lambda x: isinstance(x, list)) or []
     write_json(path, [*records, record])
 
 

@@ -11,13 +11,15 @@ parameter so that unit tests drive it by hand.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+from dxrun.bookkeeping import read_json
+from dxrun.runtime import write_json
 
 PARTS = ("startup", "search", "compile", "data", "productive", "eval", "checkpoint", "logging",
          "profile")
@@ -72,6 +74,7 @@ class Goodput:
     def __init__(self, start: float, clock: Callable[[], float] = time.time):
         self.clock, self.start = clock, start
         self.spent = dict.fromkeys(PARTS, 0.0)
+        self.in_startup = True  # until end_startup: the time no part took is startup's
 
     def span(self, part: str) -> _Span:
         return _Span(self, part)
@@ -82,16 +85,22 @@ class Goodput:
     def end_startup(self) -> None:
         """Everything before now not booked elsewhere was startup (imports, devices, data,
         the W&B run, the state's init)."""
-        self.spent["startup"] = max(0.0, self.clock() - self.start - sum(
+        self.spent["startup"] = self._startup()
+        self.in_startup = False
+
+    def _startup(self) -> float:
+        return max(0.0, self.clock() - self.start - sum(
             v for k, v in self.spent.items() if k != "startup"))
 
     def breakdown(self) -> dict[str, float]:
         """``wall_s``, ``<part>_s`` for every part, ``rest_s`` (what no span covered) and
-        ``goodput`` (productive / wall)."""
+        ``goodput`` (productive / wall). Before ``end_startup`` (an attempt recorded as it
+        starts, in case it is killed there) the startup so far."""
         wall = self.clock() - self.start
-        out = {"wall_s": wall, **{f"{k}_s": v for k, v in self.spent.items()}}
-        out["rest_s"] = wall - sum(self.spent.values())
-        out["goodput"] = self.spent["productive"] / wall if wall > 0 else 0.0
+        spent = {**self.spent, "startup": self._startup()} if self.in_startup else self.spent
+        out = {"wall_s": wall, **{f"{k}_s": v for k, v in spent.items()}}
+        out["rest_s"] = wall - sum(spent.values())
+        out["goodput"] = spent["productive"] / wall if wall > 0 else 0.0
         return out
 
 
@@ -120,15 +129,57 @@ def file_content(earlier: list[dict[str, Any]], attempt: dict[str, Any],
     return {**total, "attempts": [*earlier, attempt]}
 
 
+def _holds_attempts(content: Any) -> bool:
+    """``goodput.json`` as ``file_content`` writes it: what ``run_total`` reads of each
+    attempt is there and a number."""
+    attempts = content.get("attempts") if isinstance(content, dict) else None
+    return isinstance(attempts, list) and all(
+        isinstance(a, dict) and all(isinstance(a.get(k), (int, float)) for k in _NEEDED)
+        for a in attempts)
+
+
+_NEEDED = ("wall_s", "productive_s", "first_step", "last_step")
+
+
 def earlier_attempts(run_dir: Path, resumed_in_place: bool) -> list[dict[str, Any]]:
-    """The attempts a run dir holds (a resume in place continues them); [] for a new run."""
-    path = run_dir / FILE
-    if not resumed_in_place or not path.is_file():
+    """The attempts a run dir holds (a resume in place continues them); [] for a new run, and
+    for a damaged file (set aside as ``goodput.json.damaged``, with one warning)."""
+    if not resumed_in_place:
         return []
-    try:
-        return list(json.loads(path.read_text()).get("attempts", []))
-    except (OSError, ValueError):
-        return []
+    content = read_json(run_dir / FILE, _holds_attempts)
+    return list(content["attempts"]) if content is not None else []
+
+
+class RunRecord:
+    """``goodput.json`` as an attempt goes: the run dir's earlier attempts (a resume in place
+    continues them) and this one's record, written from the attempt's start on and again at
+    every ``update``, because a process killed outright (kill -9, the OOM killer, a lost node)
+    never reaches its end, and the next attempt must still find this one's time (its startup,
+    when it was killed before its first step), its saves and the steps it will redo. Only
+    ``write``, the process that writes the run's files, reads and writes the file (another
+    process setting a damaged file aside too would race it)."""
+
+    def __init__(self, run_dir: Path, clock: Goodput, resumed_in_place: bool, first_step: int,
+                 write: bool):
+        self.path, self.clock, self.write = run_dir / FILE, clock, write
+        self.earlier = earlier_attempts(run_dir, resumed_in_place and write)
+        self.first_step = first_step  # the step the attempt starts from: its resume's, or 0
+        self.update(first_step)
+
+    def update(self, last_step: int, checkpoint_saves: int = 0,
+               checkpoint_block_s: float = 0.0) -> None:
+        """This attempt up to ``last_step``, with the saves it made and how long they held its
+        loop."""
+        self.attempt: dict[str, Any] = {
+            **self.clock.breakdown(), "first_step": self.first_step, "last_step": last_step,
+            "checkpoint_saves": checkpoint_saves, "checkpoint_block_s": checkpoint_block_s}
+        self.total = run_total([*self.earlier, self.attempt])
+        if self.write:
+            write_json(self.path, file_content(self.earlier, self.attempt, self.total))
+
+    def over_attempts(self, key: str) -> float:
+        """``key`` summed over the run's attempts (an attempt recorded before it was kept: 0)."""
+        return sum(a.get(key, 0) for a in [*self.earlier, self.attempt])
 
 
 def lines(attempt: dict[str, float], total: dict[str, float]) -> list[str]:

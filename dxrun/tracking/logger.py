@@ -1,7 +1,9 @@
 """The one metrics path: every logged row goes to ``metrics.jsonl`` and, if enabled, to W&B.
 
 W&B trouble never stops training: a failing init or log call is warned about once and the run
-goes on with the local file. Only process 0 logs.
+goes on with the local file. Only process 0 logs. A resume in place gives its W&B run the rows
+of ``metrics.jsonl`` it lacks (``catch_up``): a killed attempt's W&B writer loses what it had
+not written yet, which ``metrics.jsonl``, written row by row, keeps.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, NamedTuple
 
 from dxrun.config import LoggerConfig
 from dxrun.runtime import finite_or_null
+from dxrun.tracking.wandb_file import held_steps
 
 log = logging.getLogger("dxrun")
 
@@ -22,7 +25,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any], name: str,
                  group: str | None = None, choices: dict[str, str] | None = None,
                  is_main: bool = True, resume_id: str | None = None,
-                 rewind_to: int | None = None):
+                 kept: list[dict[str, Any]] | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.wandb = None
@@ -31,8 +34,18 @@ class MetricsLogger:
         if is_main and lc.name == "wandb":
             tags = [f"{g}:{choices[g]}" for g in ("model", "parallelism", "data", "optimizer")
                     if choices and g in choices]
-            self.wandb = open_wandb(run_dir, lc, run_config, name, lc.group or group,
-                                    tags + list(lc.tags), resume_id, rewind_to)
+            # A resume in place (``kept``: the rows of metrics.jsonl it kept) continues its W&B
+            # run as metrics.jsonl reads: rewound past what metrics.jsonl moved aside, and given
+            # again the kept rows W&B lacks.
+            held = held_steps(sorted(run_dir.glob(f"wandb/*run-*/run-{resume_id}.wandb"))
+                              ) if resume_id and kept is not None else []
+            rewind_to, missing = catch_up(kept or [], held) if resume_id else (None, [])
+            self.wandb, rewound = _open_wandb(run_dir, lc, run_config, name, lc.group or group,
+                                              tags + list(lc.tags), resume_id, rewind_to)
+            if not rewound:  # continued as it is: W&B ignores steps at or below its last
+                missing = [r for r in missing if held is not None and r["step"] > max(
+                    held, default=0)]
+            self._log_again(missing)
 
     @property
     def run_id(self) -> str | None:
@@ -58,6 +71,20 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("W&B log failed (%s); continuing with metrics.jsonl only", e)
                 self.wandb = None
+
+    def _log_again(self, rows: list[dict[str, Any]]) -> None:
+        """Rows of metrics.jsonl, as they were written, into the W&B run."""
+        if self.wandb is None or not rows:
+            return
+        try:
+            for row in rows:
+                self.wandb.log(row, step=row["step"])
+        except Exception as e:  # noqa: BLE001
+            log.warning("W&B log failed (%s); continuing with metrics.jsonl only", e)
+            self.wandb = None
+            return
+        log.info("W&B: logged again the %d row(s) of metrics.jsonl its run lacked (steps %d-%d)",
+                 len(rows), rows[0]["step"], rows[-1]["step"])
 
     def upload(self, directory: Path, name: str, kind: str) -> None:
         """``directory`` as an artifact of an online W&B run (offline runs keep it on disk
@@ -93,12 +120,12 @@ class MetricsLogger:
             self.wandb = None
 
 
-def _row(line: str) -> dict[str, Any] | None:
+def _row(line: str | bytes) -> dict[str, Any] | None:
     """A metrics row, or None for a line cut short (SIGKILL, a node crash or a full disk
-    mid-write leaves e.g. ``{"step": 4, "train/lo``)."""
+    mid-write leaves e.g. ``{"step": 4, "train/lo``) or damaged (not UTF-8)."""
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
+        row = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
         return None
     return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
@@ -122,20 +149,43 @@ def rewind_metrics(run_dir: Path, step: int) -> Rewound:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return Rewound([], 0)
-    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    # Bytes, not text: a damaged line (one byte that is not UTF-8) is set aside as it is, and
+    # the rows around it are kept.
+    lines = [x for x in path.read_bytes().splitlines() if x.strip()]
     rows = [_row(x) for x in lines]
-    keep = [x for x, r in zip(lines, rows, strict=True) if r is not None and r["step"] <= step]
+    keep = [r for r in rows if r is not None and r["step"] <= step]
     gone = [x for x, r in zip(lines, rows, strict=True) if r is None or r["step"] > step]
     if gone:
-        with open(run_dir / "metrics.discarded.jsonl", "a") as f:
-            f.write("".join(x + "\n" for x in gone))
+        with open(run_dir / "metrics.discarded.jsonl", "ab") as f:
+            f.write(b"".join(x + b"\n" for x in gone))
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.write_bytes(b"".join(x + b"\n" for x, r in zip(lines, rows, strict=True)
+                                 if r is not None and r["step"] <= step))
         tmp.replace(path)
         torn = sum(r is None for r in rows)
-        log.info("moved %d metrics rows after step %d%s to metrics.discarded.jsonl",
-                 len(gone) - torn, step, f" and {torn} line(s) cut short" if torn else "")
-    return Rewound([json.loads(x) for x in keep], len(gone))
+        # A line cut short or damaged is worth a warning; rows past the checkpoint are not.
+        log.log(logging.WARNING if torn else logging.INFO,
+                "moved %d metrics rows after step %d%s to metrics.discarded.jsonl",
+                len(gone) - torn, step,
+                f" and {torn} line(s) cut short or damaged" if torn else "")
+    return Rewound(keep, len(gone))
+
+
+def catch_up(kept: list[dict[str, Any]], held: list[int] | None
+             ) -> tuple[int | None, list[dict[str, Any]]]:
+    """How a resumed W&B run comes to hold ``kept`` (the rows of metrics.jsonl a resume kept)
+    when it holds ``held`` (its steps, ``wandb_file.held_steps``; None: unknown, so all of
+    them again): the step to rewind it to (None: no rewind) and the kept rows to log again. Up
+    to the first kept row it lacks, it holds them all; the rest are logged again after it, and
+    a rewind to there first drops whatever it holds past it (rows metrics.jsonl moved aside,
+    or kept rows that would otherwise come twice)."""
+    if held is None:
+        return 0, kept
+    have = set(held)
+    first_missing = next((i for i, r in enumerate(kept) if r["step"] not in have), len(kept))
+    upto = kept[first_missing - 1]["step"] if first_missing else 0
+    rewind = upto if max(held, default=0) > upto else None
+    return rewind, kept[first_missing:]
 
 
 def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | None, name: str | None,
@@ -144,6 +194,14 @@ def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | Non
     """A W&B run under ``run_dir`` (``resume_id``: continue that run; ``rewind_to``: first
     rewind it to that step), its history keyed by ``step``; None, with one warning, if W&B
     fails: it never stops the caller."""
+    return _open_wandb(run_dir, lc, run_config, name, group, tags, resume_id, rewind_to)[0]
+
+
+def _open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | None,
+                name: str | None, group: str | None, tags: list[str] | None,
+                resume_id: str | None, rewind_to: int | None) -> tuple[Any, bool]:
+    """``open_wandb``'s run, and whether it was rewound as asked (True when no rewind was
+    asked)."""
     try:
         import wandb
 
@@ -161,6 +219,7 @@ def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | Non
                     project=lc.project, entity=lc.entity, name=name, group=group,
                     job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
                     config=run_config, reinit="finish_previous", id=resume_id, **how)
+                rewound = rewind_to is None or "resume_from" in how
                 break
             except Exception as e:  # noqa: BLE001
                 if i == len(resumes) - 1:
@@ -174,7 +233,7 @@ def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | Non
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         run.define_metric("train/loss", summary="min")
-        return run
+        return run, rewound
     except Exception as e:  # noqa: BLE001 - any W&B failure must not stop training
         log.warning("W&B init failed (%s); continuing with metrics.jsonl only", e)
-        return None
+        return None, True

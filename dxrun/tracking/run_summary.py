@@ -48,7 +48,8 @@ class RunSummary:
             "entropy_floor": entropy_floor,
             "device_kind": device_kind,
             "peak_tflops": peak_tflops,
-            # This attempt's saves (a resumed run counts its own) and the time they held the loop.
+            # The run's saves over its attempts (goodput.json's records), and the time they held
+            # the loop.
             "checkpoint_saves": checkpoint_saves,
             "checkpoint_block_s": checkpoint_block_s,
             # Productive step time / wall time over the run's attempts (goodput.json holds each).

@@ -97,10 +97,24 @@ def read_history(paths: list[str | Path]) -> list[dict[str, Any]]:
     """The history of one run written by several attempts (one file each), as W&B shows it
     once they are synced in order: an attempt started with ``resume_from`` first drops the
     rows past its rewind point, as the server's rewind does."""
+    return _synced([read_run(p) for p in paths])
+
+
+def held_steps(paths: list[str | Path]) -> list[int] | None:
+    """The steps of ``read_history(paths)``; None when a file cannot be read (damaged, or not
+    W&B's): what the run holds is then unknown."""
+    try:
+        runs = [read_run(p) for p in paths]
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError is no ValueError
+        return None
+    return [row["step"] for row in _synced(runs) if isinstance(row.get("step"), int)]
+
+
+def _synced(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     history: list[dict[str, Any]] = []
     # An attempt killed before W&B wrote its first block left only the file header: nothing
     # of it would sync.
-    runs = [r for r in (read_run(p) for p in paths) if "start" in r]
+    runs = [r for r in runs if "start" in r]
     for run in sorted(runs, key=lambda r: r["start"]):
         if "rewind" in run:
             _, metric, value = run["rewind"]
