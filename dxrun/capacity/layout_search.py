@@ -375,6 +375,54 @@ def table(record: dict[str, Any], run: bool = True) -> str:
                 f"({record['start']}); deciding took {record['decide_s']:.1f} s{booked}\n"
                 f"  why: {record['unsearched']}")
     rows = ranked(record["rows"])
+    cached = bool(record.get("cached"))
+    if cached:
+        when = f" on {record['decided_at']}" if record.get("decided_at") else ""
+        first = (f"  no layout search: {chosen.label}, the decision a parallelism.search="
+                 f"{record['decided_by']} run cached{when}, taken by this "
+                 f"{'run' if run else 'plan'}'s parallelism.search={record['search']} "
+                 "(parallelism.search=fresh searches again)")
+    else:
+        first = _searched_line(record)
+    tossed = _toss_up_line(rows, chosen, cached)
+    return "\n".join([first, *([tossed] if tossed else []), *_columns(rows)])
+
+
+def _searched_line(record: dict[str, Any]) -> str:
+    """The first line of a search's ranking: its mode, target and seconds, and what of them
+    the run would have spent anyway."""
+    parts = []
+    if record.get("init_s"):
+        parts.append(f"{record['init_s']:.1f} s of it the seeded init the run starts from")
+    if record.get("compile_s"):
+        parts.append(f"{record['compile_s']:.1f} s the compile of the layout it runs")
+    if record.get("trained_steps"):
+        parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
+                     f"{record['trained_steps']} trained in the turns")
+    source = f" ({', '.join(parts)}: {own_s(record):.1f} s the search's own)" if parts else ""
+    return (f"  layout search: parallelism.search={record['search']}, estimate for "
+            f"{record['target']}, {record['search_s']:.1f} s{source}")
+
+
+def _toss_up_line(rows: list[dict[str, Any]], chosen: Layout, cached: bool) -> str | None:
+    """One plain line when the choice was a toss-up (``toss_up``), else None; ``cached``: said
+    of the search that cached it, which this run does not repeat."""
+    tied = toss_up(rows)
+    if not tied:
+        return None
+    n, others = len(tied), sum(r["measured_ms"] is not None for r in rows) - 1
+    names = ", ".join(Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"]).label
+                      for r in tied)
+    which = ("the other layout timed" if others == 1 else f"all {n} other layouts timed"
+             if n == others else f"{n} of the {others} other layouts timed")
+    verb = ("was" if n == 1 else "were") if cached else ("is" if n == 1 else "are")
+    return (f"  a toss-up{' when it was timed' if cached else ''}: {which} ({names}) {verb} not "
+            f"distinguishable from {chosen.label} on {'that' if cached else 'this'} host; it was "
+            f"taken for its median{', and is not timed again' if cached else ''}")
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The ranking's rows as aligned columns, under their header."""
     head = ("layout", "per device", "est ms", "measured ms", "", "why not")
     lines = [head]
     for r in rows:
@@ -383,40 +431,8 @@ def table(record: dict[str, Any], run: bool = True) -> str:
                       _ms(r["est_ms"]), _ms(r["measured_ms"]), "✓" if r["chosen"] else "",
                       r["why"]))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-    text = ["  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True)).rstrip()
+    return ["  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True)).rstrip()
             for line in lines]
-    cached = record.get("cached")
-    if cached:
-        when = f" on {record['decided_at']}" if record.get("decided_at") else ""
-        first = (f"  no layout search: {chosen.label}, the decision a parallelism.search="
-                 f"{record['decided_by']} run cached{when}, taken by this "
-                 f"{'run' if run else 'plan'}'s parallelism.search={record['search']} "
-                 "(parallelism.search=fresh searches again)")
-    else:  # what of its time the run would have spent anyway
-        parts = []
-        if record.get("init_s"):
-            parts.append(f"{record['init_s']:.1f} s of it the seeded init the run starts from")
-        if record.get("compile_s"):
-            parts.append(f"{record['compile_s']:.1f} s the compile of the layout it runs")
-        if record.get("trained_steps"):
-            parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
-                         f"{record['trained_steps']} trained in the turns")
-        source = f" ({', '.join(parts)}: {own_s(record):.1f} s the search's own)" if parts else ""
-        first = (f"  layout search: parallelism.search={record['search']}, estimate for "
-                 f"{record['target']}, {record['search_s']:.1f} s{source}")
-    tied = toss_up(rows)
-    if tied:
-        n, others = len(tied), sum(r["measured_ms"] is not None for r in rows) - 1
-        names = ", ".join(Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"]).label
-                          for r in tied)
-        which = ("the other layout timed" if others == 1 else f"all {n} other layouts timed"
-                 if n == others else f"{n} of the {others} other layouts timed")
-        verb = ("was" if n == 1 else "were") if cached else ("is" if n == 1 else "are")
-        first += (f"\n  a toss-up{' when it was timed' if cached else ''}: {which} ({names}) "
-                  f"{verb} not distinguishable from {chosen.label} on "
-                  f"{'that' if cached else 'this'} host; it was taken for its median"
-                  f"{', and is not timed again' if cached else ''}")
-    return "\n".join([first, *text])
 
 
 def own_s(record: dict[str, Any]) -> float:
