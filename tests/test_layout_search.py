@@ -386,10 +386,11 @@ def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched)
     assert "goodput" not in ls.table(record, run=False)
 
 
-# Two layouts on 2 devices (dp2, fsdp2; tp2 refused: one head), a one-block model, 2 steps:
-# far too short for a search to pay.
+# Two layouts on 2 devices (dp2, fsdp2; tp2 refused: one head), a one-block model, 3 steps:
+# far too short for a search to pay (test_a_run_starts_from_the_init_its_search_drew's steps and
+# layouts: in one session their programs are compiled once).
 TWO = ["parallelism=auto", "parallelism.n_devices=2", "model.n_heads=1", "model.n_kv_heads=1",
-       "model.n_layers=1", "data.seq_len=16", "train.steps=2"]
+       "model.n_layers=1", "data.seq_len=16", "train.steps=3"]
 # Turns as a loaded host times them: dp2 the faster median, fsdp2's fastest turn inside dp2's
 # spread (not distinguishable: a toss-up).
 TOSS_UP_TURNS = {Layout(2, 1, 1): [0.030, 0.031, 0.033], Layout(1, 2, 1): [0.032, 0.034, 0.036]}
@@ -410,7 +411,7 @@ def fresh_search(tmp_path_factory):
 
 
 def test_search_fresh_searches_whatever_the_budget(fresh_search):
-    """A user who writes ``parallelism.search=fresh`` asked for a search: a run of 2 steps,
+    """A user who writes ``parallelism.search=fresh`` asked for a search: a run of 3 steps,
     which the budget would keep on its start, is searched (every layout that fits timed), and
     the decision cached; ``measure`` on the same run keeps its start."""
     from dxrun.experiment import visible_devices
