@@ -384,6 +384,11 @@ def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched)
     assert ls.table(record, run=False).splitlines()[0].startswith(
         "  no layout search: the planned run keeps its starting layout, dp8")
     assert "goodput" not in ls.table(record, run=False)
+    # nor does a resumed run, which keeps its checkpoint's layout
+    resumed = ls.search(make_cfg("parallelism=auto"), resumed=Layout(4, 1, 2))
+    assert ls.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
+                                 "run resumes")
+    assert ls.own_s(resumed) == 0.0
 
 
 # Two layouts on 2 devices (dp2, fsdp2; tp2 refused: one head), a one-block model, 3 steps:
