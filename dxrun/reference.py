@@ -262,7 +262,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
                             "batch onto the devices"),
     "perf/compile_time_s": ("s", "once (first row)", "lowering + compiling the train step"),
     "perf/layout_search_s": ("s", "once (first row); parallelism=auto",
-                             "the layout search: compiles, timed steps (a cache hit: ~0)"),
+                             "the layout search's own time, goodput's search: the other "
+                             "layouts' compiles and timed steps (0 when the run did not search)"),
     "perf/checkpoint_block_s": ("s", "sum of the saves since the previous row",
                                 "how long saves held the loop; absent without a save"),
     "mem/step_bytes_per_device": ("bytes", "once (first row); XLA's memory analysis",

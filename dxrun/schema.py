@@ -170,7 +170,8 @@ class ParallelismConfig:
     search: str = key(
         "none", "parallelism=auto's layout search (dxrun/capacity/layout_search.py): none = "
         "dp/fsdp/tp as given | measure = rank by estimate, time the top search_top, the fastest "
-        "wins | model = the estimate's first | fresh = measure, ignoring the cached decision.",
+        "wins | model = the estimate's first | fresh = measure, ignoring the cached decision and "
+        "search_budget (a search asked for).",
         choices=("none", "measure", "model", "fresh"))
     search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best "
                           "(and any estimated within 10% of the first at under search_turn_s "
@@ -184,7 +185,8 @@ class ParallelismConfig:
         0.25, "parallelism=auto (a run, or the run plan mode plans): the starting layout (all "
         "devices data-parallel) is kept, unsearched, when a search is predicted to cost more "
         "than this fraction of the run's steps (from the starting layout's compile time and "
-        "estimated step: layout_search.search_cost); null = always search", range=POSITIVE)
+        "estimated step: layout_search.search_cost); null = always search (a cached decision "
+        "is still taken; search=fresh searches whatever this is)", range=POSITIVE)
 
 
 @dataclass

@@ -240,7 +240,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     if search is not None:  # parallelism=auto: timed apart from the startup, less the seeded
         # init it drew for the run (a run without a search draws it in its startup too), the
         # chosen layout's compile (booked above) and the steps it trained for the run
-        # (productive: the run does not take them again)
+        # (productive: the run does not take them again); a run that did not search (too short
+        # for one to pay, a cached decision, a resume) books none: deciding is startup
         clock.add("search", layout_search.own_s(search))
         clock.add("productive", search.get("trained_s") or 0.0)
     main = is_main()  # writes the run's files; every process trains
@@ -444,7 +445,7 @@ class Attempt:
             window = self.timer.measure(done)
             search = exp.plan.layout_search
             first = None if self.summary.logged else first_row(
-                exp.step.compile_time_s, search["search_s"] if search else None,
+                exp.step.compile_time_s, layout_search.own_s(search) if search else None,
                 exp.step.memory_bytes())
             # mem/peak_bytes_per_device: every row on an accelerator (CPU keeps no statistics).
             row = log_row(fetched, window, self.cost, first, self.allocator.peak_since_start(),

@@ -96,7 +96,7 @@ def test_the_fastest_measured_wins_over_the_estimate():
     assert rows[3].why == "slower: 4.0 ms estimated (not in the top 3 measured)"
     record = {"search": "measure", "target": "cpu", "search_s": 1.0,
               "rows": [r.to_json() for r in rows]}
-    assert "✓" in ls.table(record).splitlines()[3]
+    assert "✓" in ls.table(record).splitlines()[2]  # the first row under the header
     assert ls.chosen_layout(record) == Layout(4, 1, 2)
 
 
@@ -302,16 +302,28 @@ def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
     assert steps == 18 and cost == pytest.approx(40.0 + 18 * 5.0)
 
 
-def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkeypatch):
-    """``parallelism.search_budget``: a search predicted to cost more than that fraction of the
-    run is not made; the run takes the starting layout (all devices data-parallel), whose
-    compile it needed anyway, and the ranking says why. A longer run searches."""
+@pytest.fixture(scope="module")
+def unsearched(tmp_path_factory):
+    """``prepare`` of a 10-step default run (``model=tiny`` on 8 devices), too short for a
+    search to pay: (its Prepared, the config it was given). Its own cache dir: no decision
+    cached by another test."""
     from dxrun.experiment import visible_devices
     from dxrun.train import prepare
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("unsearched") / "cache"))
+        cfg = ls.fixed_batch(make_cfg("parallelism=auto", "train.steps=10"), visible_devices())
+        return prepare(cfg), cfg
+
+
+def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
+    """``parallelism.search_budget``: a search predicted to cost more than that fraction of the
+    run is not made; the run takes the starting layout (all devices data-parallel), whose
+    compile it needed anyway, and the record says why. A longer run searches."""
+    from dxrun.experiment import visible_devices
+
+    prepared, cfg = unsearched
     devices = visible_devices()
-    cfg = ls.fixed_batch(make_cfg("parallelism=auto", "train.steps=10"), devices)
     calls = []
 
     def score(trial, layout, say=True):  # instant compiles: the turns alone decide
@@ -319,16 +331,16 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkey
         return 0.01, 0.05
     layouts = ls.candidates(cfg, *devices)[0]
     assert len(layouts) == 9
-    # 9 x 3 x 11 steps of turns against 0.25 x the run's: kept at 1000 steps, searched at 1200
-    for steps, kept in ((1000, True), (1200, False)):
+    # 9 x 3 x 11 steps of turns against 0.25 x the run's: kept at 1000 steps, searched at 1400
+    # (at 1200 the 8 "compiles", each the time a config merge takes, tipped it on a loaded host)
+    for steps, kept in ((1000, True), (1400, False)):
         trial = ls.fixed_batch(make_cfg("parallelism=auto", f"train.steps={steps}"), devices)
-        scorer, row = ls._worth_it(trial, layouts, score, 0.25, None, devices, "t")
-        assert (row is not None) == kept
+        scorer, row, what = ls._worth_it(trial, layouts, score, 0.25, None, devices, "t", "cpu")
+        assert (row is not None) == kept and what == "all devices data-parallel"
         assert calls[-1] == Layout(8, 1, 1) == ls.start_layout(trial, devices)
         n = len(calls)
         assert scorer(trial, Layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
     # A real run of 10 steps: dp8 kept, its compile the run's step
-    prepared = prepare(cfg)
     record = prepared.exp.plan.layout_search
     assert prepared.exp.plan.dp == 8 and "exp" not in prepared.handover
     assert prepared.exp.step.compiled is not None
@@ -337,18 +349,151 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(tmp_path, monkey
     assert all(r["measured_ms"] is None for r in record["rows"])
     assert {r["why"] for r in record["rows"] if not r["chosen"] and r["mesh"] != "tp8"} == {
         "not searched"}
-    assert record["unsearched"].startswith("(all devices data-parallel), not searched: a "
-                                           "search of 9 layouts (8 more compiles of ")
+    assert record["start"] == "all devices data-parallel"
+    assert record["unsearched"].startswith("a search of 9 layouts (8 more compiles of ")
     assert "parallelism.search_budget=0.25 of the run's est." in record["unsearched"]
+    assert record["unsearched"].endswith("; parallelism.search=fresh searches anyway")
     # A batch the devices do not divide: the first layout the plan accepts is the start
     odd = ls.fixed_batch(make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100"),
                          devices)
     first = ls.candidates(odd, *devices)[0]
     assert ls.start_layout(odd, devices) is None and first[0] == Layout(2, 1, 4)
-    _, row = ls._worth_it(odd, first, score, 0.25, None, devices, "t2")
-    assert row.layout == Layout(2, 1, 4) and "(the first layout the plan accepts)" in row.why
-    assert record["unsearched"] in ls.table(record) and not record["cached"]
+    _, row, what = ls._worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu")
+    assert row.layout == Layout(2, 1, 4) and what == "the first layout the plan accepts"
+    assert not record["cached"]
     assert not ls.read_cache(record["key"])  # a run's length is not the cache key's
+
+
+def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched):
+    """The short run above did not search, and its log says so in its first words, with why;
+    no search time is claimed: goodput's ``search`` (and ``perf/layout_search_s``) gets 0, the
+    starting layout's compile is the run's compile, and deciding (the estimate) is startup,
+    its seconds on the line."""
+    prepared, _ = unsearched
+    record = prepared.exp.plan.layout_search
+    assert "layout search: parallelism.search" not in ls.table(record)
+    first, why = ls.table(record).splitlines()
+    assert first == ("  no layout search: the run keeps its starting layout, dp8 (all devices "
+                     f"data-parallel); deciding took {record['decide_s']:.1f} s "
+                     "(goodput's startup)")
+    assert why == f"  why: {record['unsearched']}"
+    assert ls.own_s(record) == 0.0  # what train() books as search and logs as layout_search_s
+    assert not record["searched"] and record["search_s"] == 0.0
+    assert record["decide_s"] > 0 and record["compile_s"] > 0
+    # plan mode books nothing
+    assert ls.table(record, run=False).splitlines()[0].startswith(
+        "  no layout search: the planned run keeps its starting layout, dp8")
+    assert "goodput" not in ls.table(record, run=False)
+    # nor does a resumed run, which keeps its checkpoint's layout
+    resumed = ls.search(make_cfg("parallelism=auto"), resumed=Layout(4, 1, 2))
+    assert ls.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
+                                 "run resumes")
+    assert ls.own_s(resumed) == 0.0
+
+
+# Two layouts on 2 devices (dp2, fsdp2; tp2 refused: one head), a one-block model, 3 steps:
+# far too short for a search to pay (test_a_run_starts_from_the_init_its_search_drew's steps and
+# layouts: in one session their programs are compiled once).
+TWO = ["parallelism=auto", "parallelism.n_devices=2", "model.n_heads=1", "model.n_kv_heads=1",
+       "model.n_layers=1", "data.seq_len=16", "train.steps=3"]
+# Turns as a loaded host times them: dp2 the faster median, fsdp2's fastest turn inside dp2's
+# spread (not distinguishable: a toss-up).
+TOSS_UP_TURNS = {Layout(2, 1, 1): [0.030, 0.031, 0.033], Layout(1, 2, 1): [0.032, 0.034, 0.036]}
+
+
+@pytest.fixture(scope="module")
+def fresh_search(tmp_path_factory):
+    """``parallelism.search=fresh`` on ``TWO`` in its own cache dir, the turns ``TOSS_UP_TURNS``
+    (the candidates compiled as a run's): (its record, the cache dir)."""
+    from dxrun.experiment import visible_devices
+
+    cache = tmp_path_factory.mktemp("fresh") / "cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        cfg = ls.fixed_batch(make_cfg(*TWO, "parallelism.search=fresh"), visible_devices())
+        record = ls.search(cfg, timer=lambda c, layouts: {x: TOSS_UP_TURNS[x] for x in layouts})
+    return record, cache
+
+
+def test_search_fresh_searches_whatever_the_budget(fresh_search):
+    """A user who writes ``parallelism.search=fresh`` asked for a search: a run of 3 steps,
+    which the budget would keep on its start, is searched (every layout that fits timed), and
+    the decision cached; ``measure`` on the same run keeps its start."""
+    from dxrun.experiment import visible_devices
+
+    record, cache = fresh_search
+    assert "unsearched" not in record
+    assert [r["mesh"] for r in record["rows"] if r["measured_ms"] is not None] == ["dp2",
+                                                                                  "fsdp2"]
+    assert record["searched"] and record["search"] == "fresh"
+    assert ls.chosen_layout(record) == Layout(2, 1, 1)
+    assert (cache / "dxrun" / "layouts" / f"{record['key']}.json").is_file()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache.parent / "other"))
+        kept = ls.search(ls.fixed_batch(make_cfg(*TWO), visible_devices()),
+                         timer=lambda c, layouts: pytest.fail("measure kept its start"))
+    assert not kept["searched"] and kept["unsearched"].startswith("a search of 2 layouts")
+
+
+def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
+    """The table reads from the answer down: the chosen layout in the first row (here the
+    estimate's fourth), then the others timed by their medians, then the untimed by their
+    estimates, then the rest; and a choice among layouts not distinguishable from each other
+    says so in one plain line (pure: hand-made turns)."""
+    rows = [Row(Layout(8, 1, 1), 0.1, 1.0, fits=True), Row(Layout(4, 2, 1), 0.1, 1.1, fits=True),
+            Row(Layout(4, 1, 2), 0.1, 1.2, fits=True), Row(Layout(2, 2, 2), 0.1, 1.3, fits=True),
+            Row(Layout(2, 1, 4), 0.1, 9.0, fits=True), Row(Layout(1, 1, 8), why="refused")]
+    turns = {Layout(8, 1, 1): [0.090, 0.092, 0.095], Layout(4, 2, 1): [0.079, 0.084, 0.083],
+             Layout(4, 1, 2): [0.078, 0.082, 0.086], Layout(2, 2, 2): [0.080, 0.077, 0.081]}
+    chosen = ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
+    assert chosen.layout == Layout(2, 2, 2)
+    record = {"search": "measure", "target": "this machine (CPU)", "search_s": 30.0,
+              "searched": True, "rows": [r.to_json() for r in rows]}
+    lines = ls.table(record).splitlines()
+    assert lines[0].startswith("  layout search: parallelism.search=measure")
+    assert lines[1] == ("  a toss-up: 2 of the 3 other layouts timed (dp4_tp2, dp4_fsdp2) are "
+                        "not distinguishable from dp2_fsdp2_tp2 on this host; it was taken "
+                        "for its median")
+    assert lines[2].split()[:2] == ["layout", "per"]
+    assert [x.split()[0] for x in lines[3:]] == ["dp2_fsdp2_tp2", "dp4_tp2", "dp4_fsdp2", "dp8",
+                                                "dp2_tp4", "tp8"]
+    assert "✓" in lines[3] and "✓" not in "".join(lines[4:])
+    assert ls.markdown(record).splitlines()[2].startswith("| dp2_fsdp2_tp2 |")
+    # plan.json keeps the estimate's order (the bench reads the roofline's first there)
+    assert [r["mesh"] for r in record["rows"]][:2] == ["dp8", "dp4_fsdp2"]
+    # One clearly fastest: no toss-up line
+    turns[Layout(4, 2, 1)], turns[Layout(4, 1, 2)] = [0.090, 0.091, 0.092], [0.095, 0.09, 0.1]
+    rows = [Row(r.layout, r.need_gb, r.est_ms, fits=r.fits, why=r.why if not r.fits else "")
+            for r in rows]
+    ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
+    record["rows"] = [r.to_json() for r in rows]
+    assert "toss-up" not in ls.table(record)
+
+
+def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monkeypatch):
+    """The fresh search above was a toss-up, and cached. A later run that asks for ``measure``
+    takes the cached layout without searching, and its log does not present it as a measured
+    winner: it names the mode and date of the run that decided (distinct from its own mode)
+    and says the choice was a toss-up when timed, which it does not time again. Goodput books
+    no search time for it."""
+    from dxrun.experiment import visible_devices
+
+    decided, cache = fresh_search
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    cfg = ls.fixed_batch(make_cfg(*TWO), visible_devices())  # the default: measure
+    record = ls.search(cfg, timer=lambda c, layouts: pytest.fail("a cache hit times nothing"))
+    assert record["cached"], "the fresh search cached no decision"
+    lines = ls.table(record).splitlines()
+    assert lines[0] == ("  no layout search: dp2, the decision a parallelism.search=fresh run "
+                        f"cached on {decided['decided_at']}, taken by this run's "
+                        "parallelism.search=measure (parallelism.search=fresh searches again)")
+    assert lines[1] == ("  a toss-up when it was timed: the other layout timed (fsdp2) was "
+                        "not distinguishable from dp2 on that host; it was taken for its median, "
+                        "and is not timed again")
+    assert "✓" in lines[3]
+    assert record["search"] == "measure" and record["decided_by"] == "fresh"
+    assert record["decided_at"] == decided["decided_at"]
+    assert not record["searched"] and ls.own_s(record) == 0.0
 
 
 def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, monkeypatch):
@@ -363,8 +508,8 @@ def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, mo
     devices = visible_devices()
     record = ls.search(ls.fixed_batch(make_cfg(*common), devices), plan_mode=True)
     assert record["search"] == "model" and record["target"].startswith("H100")
-    assert record["unsearched"].startswith("(all devices data-parallel), not searched: a "
-                                           "search of 2 layouts (1 more compile of ")
+    assert record["unsearched"].startswith("a search of 2 layouts (1 more compile of ")
+    assert "ms on H100 SXM 80GB)" in record["unsearched"]
     assert [(r["mesh"], r["why"]) for r in record["rows"] if r["fits"] or r["why"]] == [
         ("dp2", ""), ("fsdp2", "not searched"), ("tp2", record["rows"][2]["why"])]
     assert ls.chosen_layout(record) == Layout(2, 1, 1)

@@ -33,7 +33,17 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert all(r["data/entropy_floor"] == floor for r in rows)
     assert rows[0]["train/loss"] > floor + 1.0  # it did learn, from far above the floor
     plan = json.loads((run / "plan.json").read_text())
-    assert plan["mesh_shape"] == [8, 1, 1]  # parallelism=dp (the default): every device data-parallel
+    assert plan["mesh_shape"] == [8, 1, 1]  # every device data-parallel
+    # parallelism=auto, the default, does not search here (600 steps of a tiny model pay for no
+    # search): the log says so in its first words, and no search time is booked anywhere
+    log = (run / "dxrun.log").read_text()
+    assert ("  no layout search: the run keeps its starting layout, dp8 (all devices "
+            "data-parallel); deciding took ") in log
+    assert "layout search: parallelism.search" not in log
+    attempt = json.loads((run / "goodput.json").read_text())["attempts"][0]
+    assert attempt["search_s"] == 0.0 and rows[0]["perf/layout_search_s"] == 0.0
+    (goodput,) = [x for x in log.splitlines() if "goodput " in x]
+    assert ", search " not in goodput and ", compile " in goodput
     # No library warns in the README's run (Orbax warned of dxrun's own type handler); dxrun's
     # own warnings name a key to set (on CPU: runtime.peak_tflops for MFU).
     logged = (run / "dxrun.log").read_text().splitlines()

@@ -23,13 +23,17 @@ Before them, **is it worth it** (``parallelism.search_budget``): the starting la
 preset's own, all devices data-parallel) is compiled first, as the run would, and a search
 predicted (``search_cost``: that compile and that estimated step standing for every layout's)
 to cost more than that fraction of the run's steps is not made: the run keeps its start, and
-the ranking says why (the default run, 600 steps of ``model=tiny``: nine compiles and 297
-steps of turns against 600 steps that take 30 s). Plan mode says the same of the run it
-plans, on its target's estimate.
+the log says so and why (the default run, 600 steps of ``model=tiny``: nine compiles and 297
+steps of turns against 600 steps that take 30 s). Deciding is the run's startup, the start's
+compile its compile: a run that does not search books no search time. Plan mode says the same
+of the run it plans, on its target's estimate. ``parallelism.search=fresh`` asks for a search:
+it searches whatever the budget.
 
 The global batch is the user's and never changes: with ``data.per_device_batch_size`` it is
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
-decision is cached in the user's cache dir (``cache_key``); every process takes process 0's.
+decision is cached in the user's cache dir (``cache_key``) with its ranking, the mode that made
+it and when, so a later run that takes it says so (and calls a toss-up one); every process
+takes process 0's.
 """
 
 from __future__ import annotations
@@ -312,9 +316,7 @@ def _choose(rows: list[Row], best: Row, top: int) -> Row:
             continue
         if r.measured_ms is not None and best.measured_ms is not None:
             r.why = f"slower: {_ms(r.measured_ms)} ms measured"
-            if r.spread_ms and best.spread_ms and r.spread_ms[0] <= best.spread_ms[1]:
-                # A turn of it was as fast as one of the chosen's: on this host the two are
-                # within each other's noise (the choice among them is a toss-up).
+            if overlaps(r.spread_ms, best.spread_ms):
                 r.why += (f", not distinguishable (turns {_ms(r.spread_ms[0])}-"
                           f"{_ms(r.spread_ms[1])}, chosen {_ms(best.spread_ms[0])}-"
                           f"{_ms(best.spread_ms[1])})")
@@ -326,40 +328,121 @@ def _choose(rows: list[Row], best: Row, top: int) -> Row:
     return best
 
 
-def table(record: dict[str, Any]) -> str:
-    """The ranking as the plan table prints it."""
+def overlaps(spread_ms: list[float] | None, chosen_ms: list[float] | None) -> bool:
+    """Does a layout's spread of turns reach into the chosen one's? A turn of it was as fast as
+    one of the chosen's: on this host the two are within each other's noise, and the choice
+    between them is a toss-up."""
+    return bool(spread_ms and chosen_ms and spread_ms[0] <= chosen_ms[1])
+
+
+def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A record's rows in the order the ranking is read: the chosen layout first, then those
+    timed by their measured median, then those that fit by their estimate, then the rest (do
+    not fit, refused, not searched) as the record holds them. The record keeps the model
+    stage's order (estimated fastest first), which the bench reads."""
+    def place(r: dict[str, Any]) -> tuple[int, float]:
+        if r["chosen"]:
+            return 0, 0.0
+        if r["measured_ms"] is not None:
+            return 1, r["measured_ms"]
+        if r["fits"] and r["est_ms"] is not None:
+            return 2, r["est_ms"]
+        return 3, 0.0
+
+    return sorted(rows, key=place)
+
+
+def toss_up(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timed rows not distinguishable from the chosen one (``overlaps``): with any, the
+    choice was a toss-up among them."""
+    chosen = next(r for r in rows if r["chosen"])
+    return [r for r in rows if not r["chosen"] and r["measured_ms"] is not None
+            and overlaps(r.get("spread_ms"), chosen.get("spread_ms"))]
+
+
+def table(record: dict[str, Any], run: bool = True) -> str:
+    """The ranking as the log prints it after the mesh plan: first what happened (searched, or
+    why not: a run too short for a search to pay, a decision cached by an earlier run, a
+    resumed layout), a toss-up called one, then the layouts, the chosen first. ``run``: a run's
+    (False: plan mode's, which books no time)."""
+    chosen = chosen_layout(record)
+    if record.get("search") == "resume":
+        return f"  no layout search: {chosen.label}, the layout of the checkpoint the run resumes"
+    if record.get("unsearched"):  # the others never compiled (plan.json lists them)
+        who = "the run keeps" if run else "the planned run keeps"
+        booked = " (goodput's startup)" if run else ""
+        return (f"  no layout search: {who} its starting layout, {chosen.label} "
+                f"({record['start']}); deciding took {record['decide_s']:.1f} s{booked}\n"
+                f"  why: {record['unsearched']}")
+    rows = ranked(record["rows"])
+    cached = bool(record.get("cached"))
+    if cached:
+        when = f" on {record['decided_at']}" if record.get("decided_at") else ""
+        first = (f"  no layout search: {chosen.label}, the decision a parallelism.search="
+                 f"{record['decided_by']} run cached{when}, taken by this "
+                 f"{'run' if run else 'plan'}'s parallelism.search={record['search']} "
+                 "(parallelism.search=fresh searches again)")
+    else:
+        first = _searched_line(record)
+    tossed = _toss_up_line(rows, chosen, cached)
+    return "\n".join([first, *([tossed] if tossed else []), *_columns(rows)])
+
+
+def _searched_line(record: dict[str, Any]) -> str:
+    """The first line of a search's ranking: its mode, target and seconds, and what of them
+    the run would have spent anyway."""
+    parts = []
+    if record.get("init_s"):
+        parts.append(f"{record['init_s']:.1f} s of it the seeded init the run starts from")
+    if record.get("compile_s"):
+        parts.append(f"{record['compile_s']:.1f} s the compile of the layout it runs")
+    if record.get("trained_steps"):
+        parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
+                     f"{record['trained_steps']} trained in the turns")
+    source = f" ({', '.join(parts)}: {own_s(record):.1f} s the search's own)" if parts else ""
+    return (f"  layout search: parallelism.search={record['search']}, estimate for "
+            f"{record['target']}, {record['search_s']:.1f} s{source}")
+
+
+def _toss_up_line(rows: list[dict[str, Any]], chosen: Layout, cached: bool) -> str | None:
+    """One plain line when the choice was a toss-up (``toss_up``), else None; ``cached``: said
+    of the search that cached it, which this run does not repeat."""
+    tied = toss_up(rows)
+    if not tied:
+        return None
+    n, others = len(tied), sum(r["measured_ms"] is not None for r in rows) - 1
+    names = ", ".join(Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"]).label
+                      for r in tied)
+    which = ("the other layout timed" if others == 1 else f"all {n} other layouts timed"
+             if n == others else f"{n} of the {others} other layouts timed")
+    verb = ("was" if n == 1 else "were") if cached else ("is" if n == 1 else "are")
+    return (f"  a toss-up{' when it was timed' if cached else ''}: {which} ({names}) {verb} not "
+            f"distinguishable from {chosen.label} on {'that' if cached else 'this'} host; it was "
+            f"taken for its median{', and is not timed again' if cached else ''}")
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The ranking's rows as aligned columns, under their header."""
     head = ("layout", "per device", "est ms", "measured ms", "", "why not")
     lines = [head]
-    for r in record["rows"]:
+    for r in rows:
         layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
         lines.append((layout.label, _gib(r["need_gb"]),
                       _ms(r["est_ms"]), _ms(r["measured_ms"]), "✓" if r["chosen"] else "",
                       r["why"]))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-    text = "\n".join("  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True))
-                     .rstrip() for line in lines)
-    source = " (cached)" if record.get("cached") else ""
-    if not record.get("cached"):  # what of its time the run would have spent anyway
-        parts = []
-        if record.get("init_s"):
-            parts.append(f"{record['init_s']:.1f} s of it the seeded init the run starts from")
-        if record.get("compile_s"):
-            parts.append(f"{record['compile_s']:.1f} s the compile of the layout it runs")
-        if record.get("trained_steps"):
-            parts.append(f"{record['trained_s']:.1f} s the run's steps 1-"
-                         f"{record['trained_steps']} trained in the turns")
-        source = f" ({', '.join(parts)}: {own_s(record):.1f} s the search's own)" if parts else ""
-    if record.get("unsearched"):  # the run too short for a search to pay: the start kept,
-        # the others never compiled (plan.json lists them)
-        text = f"  {chosen_layout(record).label} {record['unsearched']}"
-    return (f"  layout search: parallelism.search={record['search']}, estimate for "
-            f"{record['target']}, {record['search_s']:.1f} s{source}\n{text}")
+    return ["  " + "  ".join(f"{c:<{w}}" for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in lines]
 
 
 def own_s(record: dict[str, Any]) -> float:
     """Seconds of a search that a run without one would not spend: less the seeded init, the
     chosen layout's compile and the steps it trained, all of which the run takes over (what
-    goodput books as ``search``)."""
+    goodput books as ``search``). 0 where the run did not search (too short for one to pay, a
+    cached decision, a resumed layout): deciding that is the run's startup, and the compile
+    of the layout it runs its compile."""
+    if not record.get("searched", True):
+        return 0.0
     return record["search_s"] - sum(record.get(k) or 0.0
                                     for k in ("init_s", "compile_s", "trained_s"))
 
@@ -387,7 +470,7 @@ def markdown(record: dict[str, Any]) -> str:
     """The ranking as a Markdown table (the docs' auto section)."""
     out = ["| layout | per device | est ms | measured ms | chosen | why not |",
            "|---|---|---|---|---|---|"]
-    for r in record["rows"]:
+    for r in ranked(record["rows"]):
         layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
         need = _gib(r["need_gb"])
         out.append(f"| {layout.label} | {need} | {_ms(r['est_ms'])} | {_ms(r['measured_ms'])} "
@@ -473,19 +556,22 @@ def search(cfg: Any, plan_mode: bool = False,
     if resumed is not None:
         row = Row(resumed, chosen=True, fits=True, why="")
         return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
-                "rows": [row.to_json()], "search_s": time.perf_counter() - t0, "cached": True}
+                "rows": [row.to_json()], "searched": False, "cached": False, "search_s": 0.0,
+                "decide_s": time.perf_counter() - t0}
     devices = visible_devices()
     cfg = fixed_batch(cfg, devices)  # the candidates' batch and sequence length
     _SEARCHES[0] += 1
     tag = f"layout_search/{_SEARCHES[0]}"  # this search's keys in the processes' agreement
     n = cfg.parallelism.n_devices or devices[0]
     key = cache_key(cfg, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
+    fresh = mode == "fresh"  # a search asked for: no cached decision, whatever the budget
     mode = "model" if plan_mode else mode
-    cached = read_cache(key) if mode != "fresh" and is_main() else None
+    cached = read_cache(key) if not fresh and is_main() else None
     record = _agreed(f"{tag}/cache", cached)
-    if record is not None:
-        return {**record, "cached": True, "search_s": time.perf_counter() - t0, "init_s": None,
-                "trained_steps": 0, "trained_s": 0.0, "compile_s": 0.0}
+    if record is not None:  # an earlier run's decision: this run searches nothing
+        return {**record, "search": mode, "decided_by": record["search"], "cached": True,
+                "searched": False, "search_s": 0.0, "decide_s": time.perf_counter() - t0,
+                "init_s": None, "trained_steps": 0, "trained_s": 0.0, "compile_s": 0.0}
     layouts, refused = candidates(cfg, *devices)
     if not layouts:  # the plan refuses every layout (more devices than there are...): its words
         make_plan(cfg, *devices)
@@ -498,9 +584,11 @@ def search(cfg: Any, plan_mode: bool = False,
     # per candidate, whose memory and cost figures are the analysis compile's.
     built: dict[Layout, Any] | None = {} if mode in ("measure", "fresh") else None
     score = _scorer(devices, target, peak, plan_mode, built)
-    budget, unsearched, verdict = cfg.parallelism.get("search_budget"), None, None
+    budget = None if fresh else cfg.parallelism.get("search_budget")
+    unsearched, verdict, start = None, None, ""
     if budget is not None:  # would the run's search pay? (plan mode: the planned run's)
-        score, unsearched = _worth_it(cfg, layouts, score, budget, budget_gb, devices, tag)
+        score, unsearched, start = _worth_it(cfg, layouts, score, budget, budget_gb, devices,
+                                             tag, target.name)
     top = cfg.parallelism.search_top
     if unsearched is not None:  # the start, chosen; the others never compiled
         verdict, unsearched.why, top = unsearched.why, "", 0
@@ -535,13 +623,16 @@ def search(cfg: Any, plan_mode: bool = False,
         built.clear()
     rows += [Row(layout, why=why) for layout, why in refused]
     record = {"search": mode, "target": target.name, "key": key, "top": top,
-              "rows": [r.to_json() for r in rows], "search_s": time.perf_counter() - t0,
+              "rows": [r.to_json() for r in rows], "searched": verdict is None,
+              "search_s": time.perf_counter() - t0, "decided_at": time.strftime("%Y-%m-%d %H:%M"),
               "init_s": (handover or {}).get("init_s"), "cached": False,
               "trained_steps": (handover or {}).get("step", 0),
               "trained_s": (handover or {}).get("trained_s", 0.0),
               "compile_s": _compile_s(handover)}
-    if verdict is not None:
-        record["unsearched"] = verdict
+    if verdict is not None:  # no search: the time went to deciding (startup) and to the
+        # starting layout's compile (the run's own: compile)
+        record.update(unsearched=verdict, start=start, search_s=0.0,
+                      decide_s=record["search_s"] - record["compile_s"])
     elif is_main() and not plan_mode:  # a run's length is not in the key: no verdict cached
         write_cache(key, record)
     return record
@@ -568,12 +659,14 @@ def start_layout(cfg: Any, devices: tuple) -> Layout | None:
 
 
 def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
-              budget_gb: float | None, devices: tuple, tag: str) -> tuple[Callable, Row | None]:
+              budget_gb: float | None, devices: tuple, tag: str, target: str
+              ) -> tuple[Callable, Row | None, str]:
     """(the scorer, with the starting layout's score kept for the model stage; the starting
-    layout's row, chosen, when a search would cost more than ``budget`` of the run
-    (``search_cost``), else None). The start is scored first: its compile is the run's own
-    either way, and its time is what each other layout's compile is predicted to take. Process
-    0's verdict on every process."""
+    layout's row, chosen, its ``why`` the reason, when a search would cost more than ``budget``
+    of the run (``search_cost``), else None; what the start is: "all devices data-parallel").
+    The start is scored first: its compile is the run's own either way, and its time is what
+    each other layout's compile is predicted to take. ``target``: the estimate's, named in the
+    reason. Process 0's verdict on every process."""
     start, verdict = start_layout(cfg, devices), None
     what = "all devices data-parallel"
     if start not in layouts and layouts:  # e.g. a batch the devices do not divide
@@ -592,18 +685,18 @@ def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,
             if cost > budget * run_s:
                 turns = f", {steps} steps of turns" if steps else ""
                 more = len(layouts) - 1
-                verdict = (f"({what}), not searched: a search of {len(layouts)} layouts ("
-                           f"{more} more compile{'s' * (more != 1)} of {compile_s:.1f} s{turns}) "
-                           f"would take est. {_s(cost)} s, more than parallelism.search_budget="
-                           f"{budget:g} of the run's est. {_s(run_s)} s ({cfg.train.steps} "
-                           f"steps at {_ms(1e3 * est)} ms); parallelism.search_budget=null "
+                verdict = (f"a search of {len(layouts)} layouts ({more} more "
+                           f"compile{'s' * (more != 1)} of {compile_s:.1f} s{turns}) would take "
+                           f"est. {_s(cost)} s, more than parallelism.search_budget={budget:g} "
+                           f"of the run's est. {_s(run_s)} s ({cfg.train.steps} steps at "
+                           f"{_ms(1e3 * est)} ms on {target}); parallelism.search=fresh "
                            "searches anyway")
     verdict = _agreed(f"{tag}/budget", verdict)
     if verdict is None:
         if len(layouts) > 1:
             _say(start, need, est)  # the model stage's first
-        return score, None
-    return score, Row(start, need, 1e3 * est, chosen=True, fits=True, why=verdict)
+        return score, None, what
+    return score, Row(start, need, 1e3 * est, chosen=True, fits=True, why=verdict), what
 
 
 def _compile_s(handover: dict[str, Any] | None) -> float:

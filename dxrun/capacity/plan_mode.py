@@ -736,7 +736,7 @@ def run_plan(cfg: Any, run_dir: Any, plan: Any) -> dict[str, Any]:
     if plan.layout_search:
         from dxrun.capacity.layout_search import table
 
-        log.info("parallelism=auto\n%s", table(plan.layout_search))
+        log.info("parallelism=auto\n%s", table(plan.layout_search, run=False))
     for warning in report.get("warnings", []):
         log.warning("%s", warning)
     if report["checkpoint"]["too_costly"]:
