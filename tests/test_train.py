@@ -59,7 +59,9 @@ def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
                           "train.steps=30", "train.log_every=1", "train.eval_every=0",
                           "checkpoint.every=0"), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.5, (optimizer, rows[-1])
+    # The first step's loss is a uniform guess over the chain's 16 symbols (2.77 nats), and its
+    # symbol frequencies alone are worth only 0.02 nats: 0.15 below it is the context learned.
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.15, (optimizer, rows[-1])
     assert s["train/lr"] > 0
 
 
