@@ -33,7 +33,7 @@ def test_dp4_tp2_subprocess_run(dp4_tp2_run):
     assert plan["mesh_shape"] == [4, 1, 2] and plan["n_devices"] == 8
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
-    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3  # loss falls
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.1  # loss falls
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 20 and summary["n_params"] > 0 and summary["tokens_per_s"] > 0
     assert summary["train/loss"] == rows[-1]["train/loss"]

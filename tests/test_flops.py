@@ -35,13 +35,13 @@ def test_formula_matches_compiled_flops(cfg_factory, model, extra, bound):
 
 def test_flops_per_token_by_hand(cfg_factory):
     """6 N + 12 L D T, counted by hand (N: the matmul weights; T: the sequence length)."""
-    # tiny (116,480 params, untied, learned positions): N = 116,480 - 64x64 (wte) - 128x64 (wpe)
-    # = 104,192; 6 N = 625,152; attention 12 x 2 x 64 x 64 = 98,304.
+    # tiny (110,336 params, untied, learned positions): N = 110,336 - 16x64 (wte) - 128x64 (wpe)
+    # = 101,120; 6 N = 606,720; attention 12 x 2 x 64 x 64 = 98,304.
     tiny = cfg_factory("model=tiny").model
-    assert flops.flops_per_token(tiny, 116_480, 64) == 723_456
-    # tiny_llama (106,816, RoPE: no position table): N = 106,816 - 4,096 = 102,720.
+    assert flops.flops_per_token(tiny, 110_336, 64) == 705_024
+    # tiny_llama (100,672, RoPE: no position table): N = 100,672 - 1,024 = 99,648.
     llama = cfg_factory("model=tiny_llama").model
-    assert flops.flops_per_token(llama, 106_816, 64) == 6 * 102_720 + 98_304 == 714_624
+    assert flops.flops_per_token(llama, 100_672, 64) == 6 * 99_648 + 98_304 == 696_192
     # GPT-2 small (124,475,904, tied: the table is the head's matmul): N = all but wpe
     # (1024 x 768) = 123,689,472; 6 N = 742,136,832; attention 12 x 12 x 768 x 1024 = 113,246,208.
     small = cfg_factory("model=small").model
@@ -53,7 +53,7 @@ def test_matmul_params_counts_tied_head_once(cfg_factory):
     n = 124_000_000
     assert flops.matmul_params(small, n) == n - 1024 * 768  # only the position table drops
     tiny = cfg_factory("model=tiny").model
-    assert flops.matmul_params(tiny, 116_480) == 116_480 - 64 * 64 - 128 * 64
+    assert flops.matmul_params(tiny, 110_336) == 110_336 - 16 * 64 - 128 * 64
 
 
 @pytest.mark.parametrize("kind, precision, peak", [
@@ -105,13 +105,13 @@ def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
 
     s = train(cfg_factory("logger=none", "train.steps=4", "train.log_every=2",
                           "runtime.peak_tflops=0.5"), tmp_path)
-    # By hand: the default run (tiny, 116,480 params, markov 32 x 64 tokens a step, dp8) does
-    # 723,456 FLOPs a token (test above) x 2,048 tokens = 1,481,637,888 FLOPs a step.
+    # By hand: the default run (tiny, 110,336 params, markov 32 x 64 tokens a step, dp8) does
+    # 705,024 FLOPs a token (test above) x 2,048 tokens = 1,443,889,152 FLOPs a step.
     step_s = s["perf/step_time_s"]
     assert s["perf/tokens_per_s"] == pytest.approx(2048 / step_s)
     assert s["perf/tokens_per_s_per_device"] == pytest.approx(256 / step_s)
-    assert s["perf/tflops_per_device"] == pytest.approx(1_481_637_888 / step_s / 8 / 1e12)
-    assert s["perf/mfu"] == pytest.approx(1_481_637_888 / step_s / 8 / 0.5e12)
+    assert s["perf/tflops_per_device"] == pytest.approx(1_443_889_152 / step_s / 8 / 1e12)
+    assert s["perf/mfu"] == pytest.approx(1_443_889_152 / step_s / 8 / 0.5e12)
     assert s["perf/compile_time_s"] > 0 and s["mem/step_bytes_per_device"] > 0
     assert "mem/peak_bytes_per_device" not in s  # CPU: the allocator keeps no statistics
 

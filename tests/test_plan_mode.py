@@ -145,14 +145,14 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     assert "fits         yes" in log and "estimate" in log
 
 
-# Hand-counted (vocabulary 64 for the tiny models, from data=markov; 50304 for GPT-2's):
+# Hand-counted (vocabulary 16 for the tiny models, from data=markov; 50304 for GPT-2's):
 # GPT-2 block 12 D^2 + 13 D (qkv 3D^2+3D, out D^2+D, MLP 8D^2+5D, two layernorms 4D), plus the
 # token and position tables and the final layernorm (2D); tied but for tiny's separate head.
-#   tiny: 2 x 49,984 + 64x64 (wte) + 64x64 (head) + 128x64 (wpe) + 128 = 116,480
+#   tiny: 2 x 49,984 + 16x64 (wte) + 64x16 (head) + 128x64 (wpe) + 128 = 110,336
 #   tiny_llama (no biases, kv 2 of 4 heads, SwiGLU 3 x 64x192, RMSNorm, RoPE): 2 x (4096 + 2 x
-#   2048 + 4096 + 36,864 + 128) + 2 x 64x64 + 64 = 106,816
+#   2048 + 4096 + 36,864 + 128) + 2 x 16x64 + 64 = 100,672
 #   small: 12 x (12 x 768^2 + 13 x 768) + 50304 x 768 + 1024 x 768 + 2 x 768 = 124,475,904
-PARAMS = {"tiny": 116_480, "tiny_llama": 106_816, "small": 124_475_904,
+PARAMS = {"tiny": 110_336, "tiny_llama": 100_672, "small": 124_475_904,
           "medium": 354_871_296, "large": 774_090_240, "xl": 1_557_686_400}
 
 

@@ -167,8 +167,8 @@ def test_sampling_refusals(markov_run):
         ({"top_p": 1.5}, [], r"^top_p=1.5 must be in \(0, 1\]"),
         ({"max_new_tokens": 0}, [], "^max_new_tokens=0 must be >= 1$"),
         ({"n": 0}, [], "^n=0 must be >= 1$"),
-        ({"temperature": 1.0, "top_k": 65}, [], "^top_k=65 is larger than the vocabulary "
-                                                r"\(model.vocab_size=64\); use top_k<=64"),
+        ({"temperature": 1.0, "top_k": 17}, [], "^top_k=17 is larger than the vocabulary "
+                                                r"\(model.vocab_size=16\); use top_k<=16"),
         ({"n": 3}, ["parallelism=dp2"], r"^n=3 samples do not split over this mesh's "
                                         r"data-parallel replicas \(2\); ask for a multiple"),
         ({"prompt": "the cat"}, [], "^prompt='the cat': markov prompts are token ids 0-15 "

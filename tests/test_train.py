@@ -1,14 +1,17 @@
-"""The default run: it reaches the markov floor and writes its files."""
+"""The default run: it reaches the markov floor and writes its files; short runs never spike."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import recorded_compiles, subprocess_env
+from conftest import CONF, make_cfg, recorded_compiles, subprocess_env
 
+from dxrun.optimizer import make_schedule
 from dxrun.train import train
 
 
@@ -51,6 +54,67 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
                 and "][dxrun][" not in x], logged
 
 
+# Every model preset (conf/model/*.yaml), each with its own optimizer defaults.
+PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+# What a larger preset takes from its family's tiny preset (tiny for the GPT-2 blocks,
+# tiny_llama for the Llama ones) to train in seconds on a CPU.
+SHRUNK = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+
+
+def short_run(model: str, steps: int) -> Any:
+    """A ``steps``-step run of ``model=<model>`` on one device, every step logged; a larger
+    preset shrunk (``SHRUNK``) and on a quarter of the batch."""
+    family = "tiny_llama" if make_cfg(f"model={model}").model.norm == "rmsnorm" else "tiny"
+    tiny = make_cfg(f"model={family}").model
+    shrink = [] if model == family else [f"model.{k}={tiny[k]}" for k in SHRUNK] + [
+        "data.batch_size=8"]
+    return make_cfg(f"model={model}", *shrink, f"train.steps={steps}", "train.log_every=1",
+                    "logger=none", "parallelism=dp1", "train.eval_every=0", "checkpoint.every=0")
+
+
+def lr_of_each_step(cfg: Any) -> list[float]:
+    lr = make_schedule(cfg.optimizer, cfg.optimizer.lr, cfg.train.steps)
+    return [float(lr(count)) for count in range(cfg.train.steps)]
+
+
+def logged_losses(cfg: Any, run_dir: Path) -> list[float]:
+    train(cfg, run_dir)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model", PRESETS)
+def test_short_runs_of_every_preset_never_spike(tmp_path, model):
+    """A 20-step and a 60-step run of every model preset, every step logged, never log a loss
+    above their first step's, nor one 0.25 nats above the best before it (a spike that stays
+    below the first loss).
+
+    tiny and tiny_llama run with every default, on one device (the default's 8 data-parallel
+    devices log the same losses). The larger presets keep what is theirs in a short run: the
+    optimizer section (lr, warmup cut to the run, schedule, betas) and the block (norm, MLP,
+    positions, biases, tying, RoPE theta); they take their family's tiny width, depth and
+    vocabulary and a quarter of the batch, since at their own size 60 steps are far beyond a
+    CPU test. So their lr is checked on their block at tiny's width, not at their own.
+
+    Where the 20-step run's lr is the 60-step run's at every step (a warmup of at most 20
+    steps: the tiny presets), it is the 60-step run's first 20 steps and is not run again. The
+    first update is taken at lr 0 (the warmup starts there), so step 2 scores step 1's weights
+    on another batch, and may lie that batch's noise (under 0.05 nats) above step 1."""
+    long = short_run(model, 60)
+    losses = {60: logged_losses(long, tmp_path / "60")}
+    short = short_run(model, 20)
+    if lr_of_each_step(short) == lr_of_each_step(long)[:20]:
+        losses[20] = losses[60][:20]
+    else:
+        losses[20] = logged_losses(short, tmp_path / "20")
+    for steps, loss in losses.items():
+        assert len(loss) == steps
+        assert max(loss[1:]) <= loss[0] + 0.05, (model, steps, loss)
+        rise = max(x - min(loss[:k]) for k, x in enumerate(loss) if k)
+        assert rise < 0.25, (model, steps, rise, loss)
+
+
 @pytest.mark.e2e
 def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     base = ["logger=none", "train.steps=10", "train.log_every=10", "parallelism=dp2_tp4",
@@ -69,7 +133,9 @@ def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
                           "train.steps=30", "train.log_every=1", "train.eval_every=0",
                           "checkpoint.every=0"), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.5, (optimizer, rows[-1])
+    # The first step's loss is a uniform guess over the chain's 16 symbols (2.77 nats), and its
+    # symbol frequencies alone are worth only 0.02 nats: 0.15 below it is the context learned.
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.15, (optimizer, rows[-1])
     assert s["train/lr"] > 0
 
 
