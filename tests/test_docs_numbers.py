@@ -46,7 +46,7 @@ def test_every_marked_block_of_the_docs_parses_and_names_a_dxrun_command():
               for b in numbers.blocks(path.read_text())]
     assert len(marked) >= 5
     for path, block in marked:
-        assert all(c.startswith("python -m dxrun") for c in block.setup + block.commands), path
+        assert all(c.startswith("python -m dxrun") for c in block.commands), path
 
 
 def test_a_marker_with_an_unknown_option_is_one_clear_line():

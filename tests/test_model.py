@@ -148,10 +148,15 @@ def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
     whole, p1, temp1 = run(1)
     micro, p4, temp4 = run(4)
     np.testing.assert_allclose(micro, whole, rtol=1e-6)
-    # atol: the key bias's exact gradient is zero (softmax ignores a shift shared by all keys),
-    # so Adam turns its rounding noise, which depends on the summation order, into ~1e-7 steps.
+    # The key bias's exact gradient is zero (softmax ignores a shift shared by all keys), so its
+    # value is Adam's normalised rounding noise, which depends on the summation order: it is
+    # held to stay noise, every other parameter to be the same update.
     for (path, a), b in zip(jax.tree.leaves_with_path(p4), jax.tree.leaves(p1), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        if name.endswith("['bk']"):
+            assert np.abs(a).max() < 1e-6 and np.abs(b).max() < 1e-6, name
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-7, err_msg=name)
     assert temp4 < temp1
 
 
