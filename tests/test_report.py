@@ -334,3 +334,70 @@ def test_a_failed_wandb_upload_is_a_warning(tmp_path, caplog):
     assert "Not a directory" in warnings[0]
     assert (sweep / "report.md").read_text().startswith("# lowest final train/loss: ")
     assert (sweep / "report.csv").is_file() and (sweep / "loss.png").read_bytes()[:8] == PNG
+
+
+# (file, what is written there, is the job left out): each damage the report must survive.
+# The JSON files are written atomically and the YAML ones by Hydra, so any damage to them makes
+# the job unreadable; metrics.jsonl is written a row at a time, so a bad line costs that line.
+DAMAGE = {
+    "summary-cut-short": ("summary.json", b'{"train/loss": 2.0, "tok', True),
+    "summary-a-list": ("summary.json", b"[2.0, 1000.0]", True),
+    "summary-string-loss": ("summary.json", b'{"train/loss": "low"}', True),
+    "summary-a-dir": ("summary.json", None, True),
+    "status-cut-short": ("status.json", b'{"status": "ok", "star', True),
+    "status-not-utf8": ("status.json", b'{"status": "ok\xff"}', True),
+    "status-string-time": ("status.json", b'{"status": "ok", "job": 2, "started": "noon"}', True),
+    "plan-empty": ("plan.json", b"", True),
+    "plan-string-axis": ("plan.json", b'{"dp": "8", "fsdp": 1, "tp": 1}', True),
+    "config-invalid": (".hydra/config.yaml", b"data: [batch_size: 64\n", True),
+    "config-a-list": (".hydra/config.yaml", b"- data\n", True),
+    "overrides-a-mapping": (".hydra/overrides.yaml", b"optimizer.lr: 0.1\n", True),
+    "metrics-a-dir": ("metrics.jsonl", None, True),
+    "metrics-not-utf8": ("metrics.jsonl", b'{"step": 15, "train/loss": 2.\xff}\n', False),
+    "metrics-cut-short": ("metrics.jsonl", b'{"step": 15, "train/lo', False),
+    "metrics-not-an-object": ("metrics.jsonl", b"[15, 2.0]\n", False),
+    "metrics-string-value": ("metrics.jsonl", b'{"step": 15, "perf/tokens_per_s": "fast"}\n',
+                             False),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_job_file_costs_that_job_only(tmp_path, caplog, damage):
+    """One job of three has a damaged file: ``python -m dxrun.report`` still writes the report
+    with the other two, names the damaged job in one warning and in report.md, and exits 0 (the
+    report was written; the failed job is in it, as a failed job is)."""
+    from dxrun.report.__main__ import main
+
+    file, written, left_out = DAMAGE[damage]
+    sweep = tmp_path / "sweep"
+    for num in range(3):
+        _job(sweep, num, [f"optimizer.lr=0.0{num + 1}"], [900.0, 910.0, 905.0])
+    path = sweep / "2" / file
+    if written is None:
+        path.unlink()
+        path.mkdir()
+    elif file == "metrics.jsonl":  # a bad line between good ones
+        rows = path.read_bytes().splitlines(keepends=True)
+        path.write_bytes(rows[0] + written.rstrip(b"\n") + b"\n" + b"".join(rows[1:]))
+    else:
+        path.write_bytes(written)
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        assert main([str(sweep)]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    md = (sweep / "report.md").read_text().splitlines()
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    for good in ("0", "1"):  # the others are reported in full
+        assert table[good]["status"] == "ok" and float(table[good]["tokens_per_s"]) == 905.0
+    if left_out:
+        assert warning.startswith(f"{sweep / '2'}: {file} unreadable: ")
+        assert "3 jobs: 2 ok, 1 failed." in md
+        assert table["2"]["status"] == "failed (unreadable)" and not table["2"]["tokens_per_s"]
+        (line,) = [x for x in md if x.startswith("- job 2 (unreadable): ")]
+        assert line == f"- job 2 (unreadable): {warning.partition(': ')[2]}"
+    else:  # the line is left out, the job reported from its other rows
+        assert warning.startswith(f"{path}: skipped 1 line(s) cut short or damaged")
+        assert "3 jobs: 3 ok, 0 failed." in md and float(table["2"]["tokens_per_s"]) == 905.0
+        assert md[md.index("## Lines left out") + 2] == (
+            "- job 2: 1 line(s) of metrics.jsonl cut short or damaged (a killed job?); its other "
+            "rows are reported")

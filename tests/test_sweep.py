@@ -510,7 +510,7 @@ def test_report_and_exit_code_of_a_sweep_with_a_stopped_job_and_a_torn_line(tmp_
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         jobs = write_report(sweep)
     assert [r.message for r in caplog.records] == [
-        f"{ok / 'metrics.jsonl'}: skipped 1 line(s) cut short (a killed job?): "
+        f"{ok / 'metrics.jsonl'}: skipped 1 line(s) cut short or damaged (a killed job?): "
         '{"step": 3, "train/lo']
     assert [j.status for j in jobs] == ["ok", "stopped"]
     report = (sweep / "report.md").read_text()

@@ -40,6 +40,8 @@ class JobRecord:
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     _rows: list[dict[str, float]] | None = field(default=None, repr=False, compare=False)
+    # metrics.jsonl's lines that are not rows (cut short by a kill, or damaged): left out
+    skipped_lines: int = field(default=0, compare=False)
 
     @property
     def label_num(self) -> str:
@@ -87,9 +89,9 @@ class JobRecord:
             path = self.dir / "metrics.jsonl"
             rows, torn = read_metrics(path)
             if torn:  # a job killed mid-write: its complete rows still make its curve
-                log.warning("%s: skipped %d line(s) cut short (a killed job?): %s", path,
-                            len(torn), torn[-1][:60])
-            self._rows = rows
+                log.warning("%s: skipped %d line(s) cut short or damaged (a killed job?): %s",
+                            path, len(torn), torn[-1][:60])
+            self._rows, self.skipped_lines = rows, len(torn)
         return self._rows
 
     @cached_property
@@ -168,26 +170,111 @@ def tally(jobs: list[JobRecord]) -> str:
     return ", ".join(f"{v} {s}" for s, v in n.items() if v or s != "stopped")
 
 
-def _json(path: Path) -> dict[str, Any]:
+class Unreadable(Exception):
+    """A job file that is not what a job writes (a disk error, a copy cut short, a hand edit):
+    the report lists the job as unreadable and reports the others. ``file``: its path in the
+    job dir."""
+
+    def __init__(self, file: str, what: str):
+        super().__init__(f"{file}: {what}")
+        self.file, self.what = file, what
+
+
+NUMBER = (int, float)
+# What the report reads of each file, and the type it must have (or null). summary.json: the
+# figures of the table and, for a job without metrics rows, of its throughput.
+STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "status": str, "job": int, "started": NUMBER, "finished": NUMBER, "overrides": list,
+    "step": int, "signal": str, "kind": str, "reason": str, "log": str, "relaunch": str,
+    "checkpoint": str}
+PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "dp": int, "fsdp": int, "tp": int, "n_devices": int, "global_batch": int,
+    "per_device_batch_size": int, "grad_accum": int, "platform": str}
+SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {k: NUMBER for k in (
+    "train/loss", "eval/loss", "perf/tokens_per_s", "perf/tokens_per_s_per_device", "perf/mfu",
+    "perf/checkpoint_block_s", "mem/step_bytes_per_device", "mem/peak_bytes_per_device",
+    "compile_time_s", "goodput")}
+
+
+def _read(job_dir: Path, file: str, parse: Any) -> Any:
+    """``file`` of ``job_dir`` parsed; None when the job has none. Unreadable: a dir where the
+    file should be, an empty file (JSON and YAML files are never written empty: the JSON ones
+    atomically), a byte that is not UTF-8, a parse error."""
+    path = job_dir / file
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise Unreadable(file, "a directory, not a file")
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}  # a file cut short by a killed job: the job reads as unfinished
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Unreadable(file, f"not UTF-8 text (byte {e.start})") from e
+    except OSError as e:
+        raise Unreadable(file, e.strerror or str(e)) from e
+    if not text.strip():
+        raise Unreadable(file, "empty")
+    try:
+        return parse(text)
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
+        raise Unreadable(file, f"not valid {'JSON' if parse is json.loads else 'YAML'} "
+                               f"({str(e).splitlines()[0]})") from e
 
 
-def _yaml(path: Path) -> Any:
-    return yaml.safe_load(path.read_text()) if path.is_file() else None
+def _typed(file: str, value: Any, want: type, fields: dict[str, Any] | None = None) -> Any:
+    """``value`` when it is a ``want`` whose ``fields`` are of their types (or null)."""
+    if value is None:
+        return None
+    if not isinstance(value, want):
+        raise Unreadable(file, f"a {type(value).__name__}, not a {want.__name__}")
+    for key, kind in (fields or {}).items():
+        got = value.get(key)
+        if got is not None and (not isinstance(got, kind) or isinstance(got, bool)):
+            raise Unreadable(file, f"{key} is {json.dumps(got)[:40]}, not a "
+                                   f"{'number' if kind is NUMBER else kind.__name__}")
+    return value
+
+
+def _strings(file: str, value: Any) -> list[str]:
+    if value is not None and not all(isinstance(o, str) for o in value):
+        raise Unreadable(file, "a list of overrides holds something that is not a string")
+    return list(value or [])
 
 
 def read_job(job_dir: Path) -> JobRecord:
-    status = _json(job_dir / STATUS)
-    summary = _json(job_dir / "summary.json")
-    hydra = (_yaml(job_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {})
-    overrides = status.get("overrides") or _yaml(job_dir / ".hydra" / "overrides.yaml") or []
-    num = status.get("job", hydra.get("job", {}).get("num"))
-    record = JobRecord(dir=job_dir, num=num, overrides=list(overrides), status="ok",
-                       summary=summary, plan=_json(job_dir / "plan.json"),
-                       config=_yaml(job_dir / ".hydra" / "config.yaml") or {},
+    """The job as its files say; a file that is not what a job writes makes it an unreadable
+    failed job (kind ``unreadable``, the file and what is wrong as its reason)."""
+    try:
+        return _read_job(job_dir)
+    except Unreadable as e:
+        record = JobRecord(dir=job_dir, num=int(job_dir.name) if job_dir.name.isdigit() else None,
+                           overrides=[], status="failed", kind="unreadable",
+                           reason=f"{e.file} unreadable: {e.what}; the job is left out")
+        record._rows = []  # its rows are not to be trusted either
+        return record
+
+
+def _read_job(job_dir: Path) -> JobRecord:
+    status = _typed(STATUS, _read(job_dir, STATUS, json.loads), dict, STATUS_FIELDS) or {}
+    summary = _typed("summary.json", _read(job_dir, "summary.json", json.loads), dict,
+                     SUMMARY_FIELDS) or {}
+    plan = _typed("plan.json", _read(job_dir, "plan.json", json.loads), dict, PLAN_FIELDS) or {}
+    if plan and not all(isinstance(plan.get(axis), int) for axis in ("dp", "fsdp", "tp")):
+        raise Unreadable("plan.json", "no dp, fsdp and tp (the mesh)")
+    hydra_file, config_file = ".hydra/hydra.yaml", ".hydra/config.yaml"
+    hydra = _typed(hydra_file, _read(job_dir, hydra_file, yaml.safe_load), dict) or {}
+    hydra = _typed(hydra_file, hydra.get("hydra"), dict) or {}
+    job = _typed(hydra_file, hydra.get("job"), dict, {"num": int}) or {}
+    config = _typed(config_file, _read(job_dir, config_file, yaml.safe_load), dict) or {}
+    _typed(config_file, config.get("data"), dict, {"batch_size": int})
+    _typed(config_file, config.get("logger"), dict)
+    overrides = _strings(STATUS, status.get("overrides")) or _strings(
+        ".hydra/overrides.yaml", _typed(".hydra/overrides.yaml", _read(
+            job_dir, ".hydra/overrides.yaml", yaml.safe_load), list))
+    if (job_dir / "metrics.jsonl").exists() and not (job_dir / "metrics.jsonl").is_file():
+        raise Unreadable("metrics.jsonl", "a directory, not a file")
+    num = status.get("job", job.get("num"))
+    record = JobRecord(dir=job_dir, num=num, overrides=overrides, status="ok",
+                       summary=summary, plan=plan, config=config,
                        started=status.get("started"), finished=status.get("finished"))
     state = status.get("status")
     if state == "stopped":
