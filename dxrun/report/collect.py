@@ -122,15 +122,12 @@ SAVE = "perf/checkpoint_block_s"
 def job_throughput(rows: list[dict[str, Any]]) -> Throughput | None:
     """The median tokens/s over a job's post-compile timing windows: its metrics rows
     that carry ``perf/tokens_per_s`` (the compiling step is never in a window), less those a
-    checkpoint save may have held, unless that is all of them. A save made at a log step is
-    recorded in that step's row (``perf/checkpoint_block_s``) but runs after that row's window
-    has closed, inside the next one; a save off the log steps is recorded in the row whose
-    window it held. So a window is left out when its row or the row before it records a save.
-    Per-device tokens/s and MFU are medians over the same windows (within a job both are
-    proportional to tokens/s). None: no row with tokens/s."""
-    timed = [(i, r) for i, r in enumerate(rows) if r.get("perf/tokens_per_s")]
-    clean = [r for i, r in timed if not r.get(SAVE) and not (i and rows[i - 1].get(SAVE))]
-    counted = clean or [r for _, r in timed]
+    checkpoint save held (``perf/checkpoint_block_s``: the saves inside the row's own window),
+    unless that is all of them. Per-device tokens/s and MFU are medians over the same windows
+    (within a job both are proportional to tokens/s). None: no row with tokens/s."""
+    timed = [r for r in rows if r.get("perf/tokens_per_s")]
+    clean = [r for r in timed if not r.get(SAVE)]
+    counted = clean or timed
     if not counted:
         return None
 
@@ -160,8 +157,8 @@ def statistic_sentence(jobs: list[JobRecord]) -> str | None:
     return ("Every throughput figure in this report (the ranking, tokens_per_s, "
             "tokens_per_s_per_device, mfu, the scaling efficiencies and the plots) is the job's "
             f"median over its post-compile timing windows ({n} a job: tokens_per_s_windows; one "
-            "every train.log_every steps), leaving out the windows a checkpoint save may have "
-            "held (the row that records a save and the row after it).")
+            "every train.log_every steps), leaving out the windows a checkpoint save held "
+            "(perf/checkpoint_block_s).")
 
 
 def tally(jobs: list[JobRecord]) -> str:
