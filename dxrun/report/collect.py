@@ -260,7 +260,9 @@ def _read_job(job_dir: Path) -> JobRecord:
     hydra_file, config_file = ".hydra/hydra.yaml", ".hydra/config.yaml"
     hydra = _typed(hydra_file, _read(job_dir, hydra_file, yaml.safe_load), dict) or {}
     hydra = _typed(hydra_file, hydra.get("hydra"), dict) or {}
-    job = _typed(hydra_file, hydra.get("job"), dict, {"num": int}) or {}
+    job = _typed(hydra_file, hydra.get("job"), dict) or {}
+    hydra_num = job.get("num")  # a single run's is Hydra's "???": no job number
+    hydra_num = hydra_num if isinstance(hydra_num, int) else None
     config = _typed(config_file, _read(job_dir, config_file, yaml.safe_load), dict) or {}
     _typed(config_file, config.get("data"), dict, {"batch_size": int})
     _typed(config_file, config.get("logger"), dict)
@@ -269,7 +271,7 @@ def _read_job(job_dir: Path) -> JobRecord:
             job_dir, ".hydra/overrides.yaml", yaml.safe_load), list))
     if (job_dir / "metrics.jsonl").exists() and not (job_dir / "metrics.jsonl").is_file():
         raise Unreadable("metrics.jsonl", "a directory, not a file")
-    num = status.get("job", job.get("num"))
+    num = status.get("job", hydra_num)
     record = JobRecord(dir=job_dir, num=num, overrides=overrides, status="ok",
                        summary=summary, plan=plan, config=config,
                        started=status.get("started"), finished=status.get("finished"))
