@@ -612,7 +612,9 @@ def search(cfg: Any, plan_mode: bool = False,
     t0 = time.perf_counter()
     devices = visible_devices()
     if resumed is not None:
-        why = _refused(with_layout(cfg, resumed), devices)
+        n, size = cfg.parallelism.n_devices or devices[0], resumed.dp * resumed.fsdp * resumed.tp
+        why = (f"its {size} devices are not this run's {n}" if size != n
+               else _refused(with_layout(cfg, resumed), devices))
         if why is None:
             row = Row(resumed, chosen=True, fits=True, why="")
             return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
@@ -620,7 +622,8 @@ def search(cfg: Any, plan_mode: bool = False,
                     "search_s": 0.0, "decide_s": time.perf_counter() - t0}
         # Resume on any mesh: Orbax reshards the checkpoint onto whatever is chosen here.
         log.info("parallelism=auto: the checkpoint's layout %s does not fit this run (%s); "
-                 "choosing again as a new run would", resumed.label, why)
+                 "choosing again as a new run would, the checkpoint resharded onto the choice",
+                 resumed.label, why)
     cfg = fixed_batch(cfg, devices)  # the candidates' batch and sequence length
     _SEARCHES[0] += 1
     tag = f"layout_search/{_SEARCHES[0]}"  # this search's keys in the processes' agreement
