@@ -33,7 +33,8 @@ The global batch is the user's and never changes: with ``data.per_device_batch_s
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
 decision is cached in the user's cache dir (``cache_key``) with its ranking, the mode that made
 it and when, so a later run that takes it says so (and calls a toss-up one); every process
-takes process 0's.
+takes process 0's. An entry is checked before it is taken (``entry_doubt``, ``_cached_doubt``):
+in doubt, one warning names it and the run decides as if there were none.
 """
 
 from __future__ import annotations
@@ -593,7 +594,8 @@ def search(cfg: Any, plan_mode: bool = False,
     the ranking's record (None: no search); ``cfg`` is read, never rewritten: the run follows
     ``with_layout(fixed_batch(cfg, devices), chosen_layout(record))``. ``timer(cfg, layouts)``:
     seconds per step of each layout, or its turns' (default ``time_layouts``'s turns).
-    ``resumed``: the layout of the checkpoint a run resumes, kept (no search). ``handover``:
+    ``resumed``: the layout of the checkpoint a run resumes, kept (no search) where the plan
+    accepts it on these devices, else chosen again as for a new run. ``handover``:
     filled with what the run takes over instead of making it again: ``params``, the seeded
     init the timing drew (host arrays; the same bits on every layout), and ``init_s``, its
     seconds; or, where the turns trained the run (``train_through``), ``state`` after its

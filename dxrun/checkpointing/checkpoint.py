@@ -20,9 +20,10 @@ line and leaves the checkpoint as it is. In a multi-process run the processes ag
 Checkpoints belong to their run. Without ``checkpoint.dir`` they live in ``<run dir>/checkpoints``;
 with it, in ``<checkpoint.dir>/<run id>/`` (``run_id``: the run dir's name and a hash of its
 absolute path, so a requeue into the same run dir finds them again), and the run dir names that
-dir in ``checkpoints.txt`` for ``locate``. Each checkpoint's meta also names its run (``run_id``,
-``run_dir``). A resume only ever continues its own run's checkpoints, and rotation deletes only
-its own.
+dir in ``checkpoints.txt`` for ``locate`` and for the run dir itself once moved (its run id
+changes with its path; ``checkpoint_dir`` follows the file). Each checkpoint's meta also names
+its run (``run_id``, ``run_dir``). A resume only ever continues its own run's checkpoints, and
+rotation deletes only its own.
 
 Restoring reads straight into the target mesh's shardings (``Experiment.abstract_state``):
 every process reads only its own shards, on any mesh, and nothing is gathered on one device.
