@@ -561,9 +561,11 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
     from dxrun.experiment import visible_devices
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    # runtime.memory_gb is split over the 8 simulated devices: 8 MiB each
+    # runtime.memory_gb is split over the 8 simulated devices: 8 MiB each. model.remat=full:
+    # recomputation frees nothing here, and the search starts its variants there.
     cfg = ls.fixed_batch(make_cfg(*TWO, "data.seq_len=64", "data.batch_size=64",
-                                  "runtime.memory_gb=0.0625", "parallelism.search=model"),
+                                  "runtime.memory_gb=0.0625", "parallelism.search=model",
+                                  "model.remat=full"),
                          visible_devices())
     key = ls.cache_key(cfg, 2, jax.devices()[0].device_kind, jax.__version__, 1)
     path = _put(key, {**_entry(Layout(2, 1, 1)), "schema": ls.CACHE_SCHEMA})
