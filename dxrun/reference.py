@@ -264,8 +264,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "perf/layout_search_s": ("s", "once (first row); parallelism=auto",
                              "the layout search's own time, goodput's search: the other "
                              "layouts' compiles and timed steps (0 when the run did not search)"),
-    "perf/checkpoint_block_s": ("s", "sum of the saves since the previous row",
-                                "how long saves held the loop; absent without a save"),
+    "perf/checkpoint_block_s": ("s", "rows whose window held a save: the saves since the "
+                                "previous row, the one made at its step included",
+                                "how long saves held the loop inside this row's timing window "
+                                "(its tokens/s); absent without one. The save after the last "
+                                "step is in no row: summary.json's checkpoint_block_s counts "
+                                "it"),
     "mem/step_bytes_per_device": ("bytes", "once (first row); XLA's memory analysis",
                                   "arguments + outputs - donated state + temporaries per device"),
     "mem/peak_bytes_per_device": ("bytes", "every log row; GPU/TPU allocator high-water mark "
@@ -330,7 +334,8 @@ SUMMARY: dict[str, str] = {
     "device_kind": "jax.devices()[0].device_kind",
     "peak_tflops": "the peak perf/mfu divides by; null when unknown",
     "checkpoint_saves": "saves made, over all attempts of the run (goodput.json has each's)",
-    "checkpoint_block_s": "total seconds those saves held the loop",
+    "checkpoint_block_s": "total seconds those saves held the loop (the final save "
+                          "included, which no row records)",
     "goodput": "productive step time / wall time, over all attempts of the run (steps a resume "
                "redid count as lost)",
     "goodput_s": "this attempt's wall time by part: wall, startup, search (parallelism=auto's "

@@ -316,10 +316,13 @@ class Attempt:
     logger, the checkpoints, the tracer, the step timer, the step's cost and the summary; and
     the loop's points that use them.
 
-    A step's row is written after the save point that follows the step, so that it holds how
-    long the saves since the previous row held the loop, this step's save included
-    (perf/checkpoint_block_s). A save off the log steps (SIGUSR1, the wall clock) adds no row of
-    its own: the rows stay those of an unsaved run."""
+    A row holds how long the saves inside its own timing window held the loop
+    (perf/checkpoint_block_s): those made since the previous row, the one at that row's step
+    included (it runs after that row's window closed). The save after the last step falls in no
+    window: summary.json's checkpoint_block_s counts it with the others. A save off the log
+    steps (SIGUSR1, the wall clock) adds no row of its own: the rows stay those of an unsaved
+    run. A step's row is written after the save point that follows the step (a halt or a stop
+    there still writes it)."""
 
     def __init__(self, cfg: Any, exp: Experiment, state: Any, start: int,
                  resume: Resume | None, ckpt_meta: dict[str, Any], run_dir: Path, job: Job,
@@ -411,8 +414,6 @@ class Attempt:
                     "checkpoint_saves"]):
                 self.write_goodput(last)
             for step, row in self.pending:
-                if blocks := self.ckpts.take_blocks():
-                    row["perf/checkpoint_block_s"] = sum(blocks)
                 self.logger.log(step, row)
             self.pending.clear()
 
@@ -454,6 +455,11 @@ class Attempt:
         if is_eval:
             with clock.span("eval"):
                 row.update(evaluate(exp, state.params, self.eval_batches))
+        # The saves since the last row (the one made at that row's step included) held the
+        # loop inside this row's window: a row's tokens/s and its save time are one window's.
+        # The save after the last step has no window: summary.json's total counts it.
+        if blocks := self.ckpts.take_blocks():
+            row["perf/checkpoint_block_s"] = sum(blocks)
         with clock.span("logging"):
             self.pending.append((done, row))  # written after this step's save point
             # A save inside the window slows its tokens/s: the line says so.

@@ -4,6 +4,7 @@ the cache, and that the chosen layout is an ordinary mesh (same losses as one de
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -361,7 +362,7 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     _, row, what = ls._worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu")
     assert row.layout == Layout(2, 1, 4) and what == "the first layout the plan accepts"
     assert not record["cached"]
-    assert not ls.read_cache(record["key"])  # a run's length is not the cache key's
+    assert ls.read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
 
 
 def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched):
@@ -494,6 +495,89 @@ def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monke
     assert record["search"] == "measure" and record["decided_by"] == "fresh"
     assert record["decided_at"] == decided["decided_at"]
     assert not record["searched"] and ls.own_s(record) == 0.0
+
+
+def _entry(layout, **fields):
+    """A cache entry as a search writes it, its one row ``layout``, chosen; ``fields`` over it."""
+    return {"search": "measure", "target": "cpu", "search_s": 9.0,
+            "rows": [{**Row(layout, 0.001, 1.0, 2.0, chosen=True, fits=True).to_json(),
+                      **fields}]}
+
+
+def _put(key, entry):
+    """``entry`` written by hand into the cache as it stands, no schema added."""
+    path = ls.cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(entry if isinstance(entry, str) else json.dumps(entry))
+    return path
+
+
+def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch, caplog):
+    """Damaged, stale (another schema; a layout this run's plan refuses) or hand-edited entries
+    are never taken: the run warns once, naming the file and ``parallelism.search=fresh``, and
+    decides as if there were no entry (here: 3 steps, its start kept). A sound entry is taken."""
+    import jax
+
+    from dxrun.experiment import visible_devices
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = ls.fixed_batch(make_cfg(*TWO), visible_devices())
+    key = ls.cache_key(cfg, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    dp2, fsdp2 = Layout(2, 1, 1), Layout(1, 2, 1)
+    sound = {**_entry(fsdp2), "schema": ls.CACHE_SCHEMA}
+    damaged = {
+        "not JSON": "{\"search\": \"meas",
+        "no ranking": {"search": "measure", "schema": ls.CACHE_SCHEMA},
+        "none chosen": {**sound, "rows": [{**sound["rows"][0], "chosen": False}]},
+        "no devices": {**_entry(Layout(0, 2, 1)), "schema": ls.CACHE_SCHEMA},
+        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": ls.CACHE_SCHEMA},
+        "no schema": _entry(fsdp2),  # today's entries: decided once more, then stamped
+        "tp2 (one head)": {**_entry(Layout(1, 1, 2)), "schema": ls.CACHE_SCHEMA},
+    }
+    for what, entry in damaged.items():
+        path = _put(key, entry)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dxrun"):
+            record = ls.search(cfg, timer=lambda c, layouts: pytest.fail("kept its start"))
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1, (what, warned)
+        assert str(path) in warned[0] and "parallelism.search=fresh" in warned[0], what
+        assert not record["cached"] and record["unsearched"], what
+        assert ls.chosen_layout(record) == dp2, what
+    _put(key, sound)
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        caplog.clear()
+        record = ls.search(cfg, timer=lambda c, layouts: pytest.fail("a cache hit"))
+    assert record["cached"] and ls.chosen_layout(record) == fsdp2
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeypatch, caplog):
+    """A cached choice whose step no longer fits the memory preflight's budget (dp2 at 16 MiB a
+    device, 8 MiB given) is not refused: the run warns and searches, as with no entry, and
+    finds a layout that fits (more micro-batches); its decision replaces the entry."""
+    import jax
+
+    from dxrun.experiment import visible_devices
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    # runtime.memory_gb is split over the 8 simulated devices: 8 MiB each. model.remat=full:
+    # recomputation frees nothing here, and the search starts its variants there.
+    cfg = ls.fixed_batch(make_cfg(*TWO, "data.seq_len=64", "data.batch_size=64",
+                                  "runtime.memory_gb=0.0625", "parallelism.search=model",
+                                  "model.remat=full"),
+                         visible_devices())
+    key = ls.cache_key(cfg, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    path = _put(key, {**_entry(Layout(2, 1, 1)), "schema": ls.CACHE_SCHEMA})
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        record = ls.search(cfg)
+    (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{path} chose dp2, which no longer fits: " in warned
+    assert "parallelism.search=fresh" in warned
+    assert record["searched"] and not record["cached"]
+    chosen = next(r for r in record["rows"] if r["chosen"])
+    assert chosen["grad_accum"] > 1 and chosen["need_gb"] <= 0.0625 / 8
+    assert ls.chosen_layout(ls.read_cache(key)[0]) == ls.chosen_layout(record)
 
 
 def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, monkeypatch):

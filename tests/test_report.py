@@ -32,9 +32,8 @@ def _job(sweep: Path, num: int, overrides: list[str], windows: list[float], *, m
          batch: int = 64, loss: float = 2.0, eval_loss: float | None = None,
          held: tuple[int, ...] = (), logger: dict | None = None) -> Path:
     """A finished job: ``windows`` are its logged tokens/s (one row every 10 steps after the
-    compiling step); the rows at positions ``held`` record a checkpoint save made at their step
-    (which held the next window, as a run logs it); the loss falls the same way on every mesh
-    (it is the same workload)."""
+    compiling step); the rows at positions ``held`` record a checkpoint save inside their window
+    (as a run logs it); the loss falls the same way on every mesh (it is the same workload)."""
     job = sweep / str(num)
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
@@ -66,8 +65,8 @@ def _job(sweep: Path, num: int, overrides: list[str], windows: list[float], *, m
 
 
 # batch 32: dp8 and dp4_tp2 overlap; batch 64: dp4_tp2 beats dp8 beyond the spread (by hand:
-# medians 1120 and 1000, quartiles 1110-1130 and 995-1000; dp8's third row records a save,
-# which held its fourth window (300): both left out).
+# medians 1120 and 1000, quartiles 1110-1130 and 996.25-1003.75; dp8's fourth row records a save
+# held inside its window (300): left out).
 LAYOUTS = {
     (32, "dp8"): [800, 900, 700, 850, 750],
     (32, "dp4_tp2"): [770, 790, 780, 800, 760],
@@ -83,14 +82,15 @@ def layout_sweep(tmp_path) -> Path:
     sweep = tmp_path / "sweep"
     for num, ((batch, mesh), windows) in enumerate(LAYOUTS.items()):
         _job(sweep, num, [f"data.batch_size={batch}", f"parallelism={mesh}"], windows,
-             mesh=mesh, batch=batch, held=(2,) if 300 in windows else ())
+             mesh=mesh, batch=batch, held=(3,) if 300 in windows else ())
     return sweep
 
 
 def _rows(tokens_per_s: dict[int, float], saves: tuple[int, ...] = (), n: int = 4,
           mfu: bool = False) -> list[dict]:
     """Metrics rows as a run logs them: step 1's row has no window (the compiling step), the
-    others their tokens/s; a step in ``saves`` records a save made at it."""
+    others their tokens/s; a step in ``saves`` records a save inside its window (a run logs a
+    save made at a step in the next row)."""
     rows = [{"step": 1, "train/loss": 3.0}]
     for step, t in tokens_per_s.items():
         row = {"step": step, "perf/tokens_per_s": t, "perf/tokens_per_s_per_device": t / n}
@@ -105,26 +105,27 @@ def _rows(tokens_per_s: dict[int, float], saves: tuple[int, ...] = (), n: int = 
 
 def test_job_throughput_by_hand():
     """The one statistic every figure of the report reads: the median over the timing windows,
-    leaving out the row that records a save and the row after it (whose window the save held)."""
+    leaving out the rows that record a save (it held their window)."""
     t = {2: 100.0, 3: 120.0, 4: 110.0, 5: 40.0, 6: 130.0, 7: 90.0, 8: 105.0}
-    # saves at steps 4 and 8 (the last): windows 4, 5 (the one the save held) and 8 left out
-    got = job_throughput(_rows(t, saves=(4, 8), mfu=True))
-    assert got.windows == (100.0, 120.0, 130.0, 90.0)
-    assert got.median == 110.0  # (100 + 120) / 2
+    # saves made at steps 4 and 7: recorded in rows 5 and 8, the windows they held, left out
+    got = job_throughput(_rows(t, saves=(5, 8), mfu=True))
+    assert got.windows == (100.0, 120.0, 110.0, 130.0, 90.0)
+    assert got.median == 110.0
     assert got.per_device == 27.5  # the same windows over 4 devices
     assert got.mfu == pytest.approx(0.011)
     # no save: all seven, median 105; no perf/mfu logged (no known peak): no MFU
     got = job_throughput(_rows(t))
     assert (len(got.windows), got.median, got.per_device, got.mfu) == (7, 105.0, 26.25, None)
-    # a save recorded in an evaluation's row (no window of its own) held the next window
+    # a save recorded in an evaluation's row (no window of its own: the evaluation started a
+    # new one) held no window that is timed, so every window counts
     rows = _rows({2: 100.0, 4: 10.0, 5: 120.0})
     rows.insert(2, {"step": 3, "eval/loss": 2.0, "perf/checkpoint_block_s": 0.5})
-    assert job_throughput(rows).windows == (100.0, 120.0)
+    assert job_throughput(rows).windows == (100.0, 10.0, 120.0)
     # every window may have held a save: all of them count (there is nothing cleaner)
     assert job_throughput(_rows({2: 100.0, 3: 50.0}, saves=(2, 3))).windows == (100.0, 50.0)
     assert job_throughput(_rows({})) is None
     # the ranking sorts a job by the same number
-    (ranked,) = rank_layouts([LayoutRun("dp4", job_throughput(_rows(t, saves=(4, 8))).windows)])
+    (ranked,) = rank_layouts([LayoutRun("dp4", job_throughput(_rows(t, saves=(5, 8))).windows)])
     assert ranked.median == 110.0
 
 
@@ -175,22 +176,21 @@ def test_report_names_the_fastest_layout_per_batch_in_its_first_line(layout_swee
     assert md[at64 + 2] == "fastest at batch 64: dp4_tp2, 1.12× dp8, beyond the spread."
     assert md[at64 + 6] == ("| 1 | `dp4_tp2` | 8 | 8.0 MiB | 1,120 | 1,110–1,130 | 5 | 1.00 | ✓ "
                             "| fastest |")
-    # dp8: five of its seven windows, the save's row and the window it held (300) left out
-    assert md[at64 + 7] == ("| 2 | `dp8` | 8 | 8.0 MiB | 1,000 | 995–1,000 | 5 | 1.12 |  "
+    # dp8: six of its seven windows, the one a save held (300) left out
+    assert md[at64 + 7] == ("| 2 | `dp8` | 8 | 8.0 MiB | 1,000 | 996–1,004 | 6 | 1.12 |  "
                             "| slower: 1.12× behind dp4_tp2, beyond the spread |")
     assert md[at64 + 8].startswith("| 3 | `tp2` | 2 | 32.0 MiB | 500 | 495–505 | 5 | 2.24 |")
     assert md[6] == ("Every throughput figure in this report (the ranking, tokens_per_s, "
                      "tokens_per_s_per_device, mfu, the scaling efficiencies and the plots) is "
-                     "the job's median over its post-compile timing windows (5 a job: "
+                     "the job's median over its post-compile timing windows (5–6 a job: "
                      "tokens_per_s_windows; one every train.log_every steps), leaving out the "
-                     "windows a checkpoint save may have held (the row that records a save and "
-                     "the row after it).")
+                     "windows a checkpoint save held (perf/checkpoint_block_s).")
     with open(layout_sweep / "report.csv") as f:
         rows = {(r["batch_size"], r["mesh"]): r for r in csv.DictReader(f)}
     # the table's throughput is the ranking's median, never the last window (1,000 here too,
     # but dp4_tp2's last is 1,110 against its median of 1,120)
     assert float(rows[("64", "dp8")]["tokens_per_s"]) == 1000.0
-    assert rows[("64", "dp8")]["tokens_per_s_windows"] == "5"
+    assert rows[("64", "dp8")]["tokens_per_s_windows"] == "6"
     assert float(rows[("64", "dp8")]["tokens_per_s_per_device"]) == 125.0
     assert float(rows[("64", "dp4_tp2")]["tokens_per_s"]) == 1120.0
     assert float(rows[("64", "tp2")]["tokens_per_s_per_device"]) == 250.0
@@ -334,3 +334,70 @@ def test_a_failed_wandb_upload_is_a_warning(tmp_path, caplog):
     assert "Not a directory" in warnings[0]
     assert (sweep / "report.md").read_text().startswith("# lowest final train/loss: ")
     assert (sweep / "report.csv").is_file() and (sweep / "loss.png").read_bytes()[:8] == PNG
+
+
+# (file, what is written there, is the job left out): each damage the report must survive.
+# The JSON files are written atomically and the YAML ones by Hydra, so any damage to them makes
+# the job unreadable; metrics.jsonl is written a row at a time, so a bad line costs that line.
+DAMAGE = {
+    "summary-cut-short": ("summary.json", b'{"train/loss": 2.0, "tok', True),
+    "summary-a-list": ("summary.json", b"[2.0, 1000.0]", True),
+    "summary-string-loss": ("summary.json", b'{"train/loss": "low"}', True),
+    "summary-a-dir": ("summary.json", None, True),
+    "status-cut-short": ("status.json", b'{"status": "ok", "star', True),
+    "status-not-utf8": ("status.json", b'{"status": "ok\xff"}', True),
+    "status-string-time": ("status.json", b'{"status": "ok", "job": 2, "started": "noon"}', True),
+    "plan-empty": ("plan.json", b"", True),
+    "plan-string-axis": ("plan.json", b'{"dp": "8", "fsdp": 1, "tp": 1}', True),
+    "config-invalid": (".hydra/config.yaml", b"data: [batch_size: 64\n", True),
+    "config-a-list": (".hydra/config.yaml", b"- data\n", True),
+    "overrides-a-mapping": (".hydra/overrides.yaml", b"optimizer.lr: 0.1\n", True),
+    "metrics-a-dir": ("metrics.jsonl", None, True),
+    "metrics-not-utf8": ("metrics.jsonl", b'{"step": 15, "train/loss": 2.\xff}\n', False),
+    "metrics-cut-short": ("metrics.jsonl", b'{"step": 15, "train/lo', False),
+    "metrics-not-an-object": ("metrics.jsonl", b"[15, 2.0]\n", False),
+    "metrics-string-value": ("metrics.jsonl", b'{"step": 15, "perf/tokens_per_s": "fast"}\n',
+                             False),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_job_file_costs_that_job_only(tmp_path, caplog, damage):
+    """One job of three has a damaged file: ``python -m dxrun.report`` still writes the report
+    with the other two, names the damaged job in one warning and in report.md, and exits 0 (the
+    report was written; the failed job is in it, as a failed job is)."""
+    from dxrun.report.__main__ import main
+
+    file, written, left_out = DAMAGE[damage]
+    sweep = tmp_path / "sweep"
+    for num in range(3):
+        _job(sweep, num, [f"optimizer.lr=0.0{num + 1}"], [900.0, 910.0, 905.0])
+    path = sweep / "2" / file
+    if written is None:
+        path.unlink()
+        path.mkdir()
+    elif file == "metrics.jsonl":  # a bad line between good ones
+        rows = path.read_bytes().splitlines(keepends=True)
+        path.write_bytes(rows[0] + written.rstrip(b"\n") + b"\n" + b"".join(rows[1:]))
+    else:
+        path.write_bytes(written)
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        assert main([str(sweep)]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    md = (sweep / "report.md").read_text().splitlines()
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    for good in ("0", "1"):  # the others are reported in full
+        assert table[good]["status"] == "ok" and float(table[good]["tokens_per_s"]) == 905.0
+    if left_out:
+        assert warning.startswith(f"{sweep / '2'}: {file} unreadable: ")
+        assert "3 jobs: 2 ok, 1 failed." in md
+        assert table["2"]["status"] == "failed (unreadable)" and not table["2"]["tokens_per_s"]
+        (line,) = [x for x in md if x.startswith("- job 2 (unreadable): ")]
+        assert line == f"- job 2 (unreadable): {warning.partition(': ')[2]}"
+    else:  # the line is left out, the job reported from its other rows
+        assert warning.startswith(f"{path}: skipped 1 line(s) cut short or damaged")
+        assert "3 jobs: 3 ok, 0 failed." in md and float(table["2"]["tokens_per_s"]) == 905.0
+        assert md[md.index("## Lines left out") + 2] == (
+            "- job 2: 1 line(s) of metrics.jsonl cut short or damaged (a killed job?); its other "
+            "rows are reported")

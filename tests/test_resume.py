@@ -474,3 +474,49 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     evaluate_checkpoint(run, [])
     assert [r["step"] for r in json.loads((run / "eval.json").read_text())] == [5]
     assert (run / "eval.json.damaged").read_bytes().endswith(b"\xff")
+
+
+def test_a_moved_run_dir_resumes_from_its_checkpoint_dir(tmp_path):
+    """With ``checkpoint.dir`` the checkpoints' subdir is named from the run dir's path at its
+    first save; a run dir moved since finds them through its checkpoints.txt, resumes them in
+    place and saves on beside them. A copy of a run dir whose original is still there is
+    refused (the two would rotate each other's checkpoints away)."""
+    ckpts = tmp_path / "ckpts"
+    at = [*SHORT, f"checkpoint.dir={ckpts}"]
+    train(make_cfg(*at, "train.steps=2"), tmp_path / "A")
+    (own,) = ckpts.iterdir()
+    shutil.move(tmp_path / "A", tmp_path / "B")
+    prepared = prepare(make_cfg(*at), tmp_path / "B")
+    assert prepared.resume is not None and prepared.resume.in_place
+    assert prepared.resume.directory == own and prepared.resume.meta_step == 2
+    train(prepared.exp.cfg, tmp_path / "B", prepared=prepared)
+    assert _steps(tmp_path / "B") == [1, 2, 3]
+    assert list(ckpts.iterdir()) == [own] and checkpoint.committed_steps(own) == [1, 2, 3]
+    shutil.copytree(tmp_path / "B", tmp_path / "C")
+    with pytest.raises(ConfigError, match=f"^checkpoints {re.escape(str(own))} belong to run "
+                                          f"dir {re.escape(str((tmp_path / 'B').resolve()))}"):
+        prepare(make_cfg(*at, "train.steps=4"), tmp_path / "C")
+
+
+def test_an_auto_run_resumes_on_fewer_devices(tmp_path, caplog):
+    """Resume on any mesh, ``parallelism=auto`` too: trained on dp8, relaunched on 4 devices, the
+    run says in one line that the checkpoint's layout does not fit and chooses again as a new
+    run would (3 steps: its start, dp4); the checkpoint is resharded onto it. Relaunched on 4
+    devices again, the checkpoint's layout (dp4) is kept."""
+    auto = [*(x for x in SHORT if x != "parallelism=dp2"), "parallelism=auto", "train.steps=2"]
+    train(make_cfg(*auto), tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["mesh_shape"] == [8, 1, 1]
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        prepared = prepare(make_cfg(*auto, "train.steps=3", "parallelism.n_devices=4"),
+                           tmp_path / "run")
+    (said,) = [r.getMessage() for r in caplog.records if "checkpoint's layout" in r.getMessage()]
+    assert said.startswith("parallelism=auto: the checkpoint's layout dp8 does not fit this run "
+                           "(its 8 devices are not this run's 4); choosing again")
+    plan = prepared.exp.plan
+    assert (plan.dp, plan.fsdp, plan.tp, plan.n_devices) == (4, 1, 1, 4)
+    assert prepared.resume.meta_step == 2
+    train(prepared.exp.cfg, tmp_path / "run", prepared=prepared)
+    assert _steps(tmp_path / "run") == [1, 2, 3]
+    kept = prepare(make_cfg(*auto, "train.steps=4", "parallelism.n_devices=4"), tmp_path / "run")
+    assert kept.exp.plan.layout_search["search"] == "resume"
+    assert (kept.exp.plan.dp, kept.exp.plan.n_devices) == (4, 4)

@@ -33,7 +33,8 @@ The global batch is the user's and never changes: with ``data.per_device_batch_s
 resolved once on the layout the preset names (all devices data-parallel for ``auto``). The
 decision is cached in the user's cache dir (``cache_key``) with its ranking, the mode that made
 it and when, so a later run that takes it says so (and calls a toss-up one); every process
-takes process 0's.
+takes process 0's. An entry is checked before it is taken (``entry_doubt``, ``_cached_doubt``):
+in doubt, one warning names it and the run decides as if there were none.
 """
 
 from __future__ import annotations
@@ -502,19 +503,76 @@ def cache_dir() -> Path:
     return Path(user_cache_dir()) / "layouts"
 
 
-def read_cache(key: str) -> dict[str, Any] | None:
-    path = cache_dir() / f"{key}.json"
+def cache_path(key: str) -> Path:
+    return cache_dir() / f"{key}.json"
+
+
+# The entries' layout: an entry written under another (by an older or newer dxrun) is decided
+# again rather than read by guesswork. Raise it when a field's meaning changes.
+CACHE_SCHEMA = 1
+_ROW_FIELDS = {"dp": int, "fsdp": int, "tp": int, "remat": str, "grad_accum": int,
+               "chosen": bool, "fits": bool, "why": str}
+_ROW_NUMBERS = ("need_gb", "est_ms", "measured_ms")  # each a number or null
+
+
+def read_cache(key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the decision cached under ``key``, None); (None, None) when there is none; (None, why)
+    when the entry is in doubt (``entry_doubt``): the run decides again."""
+    path = cache_path(key)
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None, "is not JSON"
+    why = entry_doubt(record)
+    return (None, why) if why else (record, None)
+
+
+def entry_doubt(record: Any) -> str | None:
+    """Why a cache entry cannot be taken as written (pure): another schema, a ranking row
+    missing a field or holding the wrong type, a layout of no devices, or not exactly one
+    chosen row that fits; None when every field the run and its ranking read is sound."""
+    if not isinstance(record, dict):
+        return "is not a decision"
+    if record.get("schema") != CACHE_SCHEMA:
+        return (f"was written under schema {record.get('schema')} (this dxrun reads "
+                f"{CACHE_SCHEMA})")
+    if record.get("search") not in SEARCHES or not isinstance(record.get("rows"), list):
+        return "lacks its mode or its ranking"
+    for r in record["rows"]:
+        if not isinstance(r, dict):
+            return "has a ranking row that is not one"
+        for name, kind in _ROW_FIELDS.items():
+            # bool is an int to isinstance: a size of true is as wrong as one of "2"
+            if not isinstance(r.get(name), kind) or (kind is int and isinstance(r[name], bool)):
+                return f"has a ranking row whose {name} is {r.get(name)!r}"
+        if min(r["dp"], r["fsdp"], r["tp"], r["grad_accum"]) < 1 or r["remat"] not in REMATS:
+            return (f"has a ranking row of no layout ({r['dp']}x{r['fsdp']}x{r['tp']}, "
+                    f"remat={r['remat']}, grad_accum={r['grad_accum']})")
+        for name in _ROW_NUMBERS:
+            v = r.get(name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                return f"has a ranking row whose {name} is {v!r}"
+        spread = r.get("spread_ms")
+        if spread is not None and not (isinstance(spread, list) and len(spread) == 2 and all(
+                isinstance(x, (int, float)) for x in spread)):
+            return f"has a ranking row whose spread_ms is {spread!r}"
+    chosen = [r for r in record["rows"] if r["chosen"]]
+    if len(chosen) != 1 or not chosen[0]["fits"]:
+        return f"has {len(chosen)} chosen layouts that fit, not one"
+    return None
 
 
 def write_cache(key: str, record: dict[str, Any]) -> None:
-    path = cache_dir() / f"{key}.json"
+    path = cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps({**record, "schema": CACHE_SCHEMA}, indent=1))
     tmp.replace(path)  # concurrent sweep jobs: the last writer wins, never a torn file
 
 
@@ -536,7 +594,8 @@ def search(cfg: Any, plan_mode: bool = False,
     the ranking's record (None: no search); ``cfg`` is read, never rewritten: the run follows
     ``with_layout(fixed_batch(cfg, devices), chosen_layout(record))``. ``timer(cfg, layouts)``:
     seconds per step of each layout, or its turns' (default ``time_layouts``'s turns).
-    ``resumed``: the layout of the checkpoint a run resumes, kept (no search). ``handover``:
+    ``resumed``: the layout of the checkpoint a run resumes, kept (no search) where the plan
+    accepts it on these devices, else chosen again as for a new run. ``handover``:
     filled with what the run takes over instead of making it again: ``params``, the seeded
     init the timing drew (host arrays; the same bits on every layout), and ``init_s``, its
     seconds; or, where the turns trained the run (``train_through``), ``state`` after its
@@ -553,12 +612,20 @@ def search(cfg: Any, plan_mode: bool = False,
     if mode == "none":
         return None
     t0 = time.perf_counter()
-    if resumed is not None:
-        row = Row(resumed, chosen=True, fits=True, why="")
-        return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
-                "rows": [row.to_json()], "searched": False, "cached": False, "search_s": 0.0,
-                "decide_s": time.perf_counter() - t0}
     devices = visible_devices()
+    if resumed is not None:
+        n, size = cfg.parallelism.n_devices or devices[0], resumed.dp * resumed.fsdp * resumed.tp
+        why = (f"its {size} devices are not this run's {n}" if size != n
+               else _refused(with_layout(cfg, resumed), devices))
+        if why is None:
+            row = Row(resumed, chosen=True, fits=True, why="")
+            return {"search": "resume", "target": "the checkpoint's layout", "top": 0,
+                    "rows": [row.to_json()], "searched": False, "cached": False,
+                    "search_s": 0.0, "decide_s": time.perf_counter() - t0}
+        # Resume on any mesh: Orbax reshards the checkpoint onto whatever is chosen here.
+        log.info("parallelism=auto: the checkpoint's layout %s does not fit this run (%s); "
+                 "choosing again as a new run would, the checkpoint resharded onto the choice",
+                 resumed.label, why)
     cfg = fixed_batch(cfg, devices)  # the candidates' batch and sequence length
     _SEARCHES[0] += 1
     tag = f"layout_search/{_SEARCHES[0]}"  # this search's keys in the processes' agreement
@@ -566,20 +633,32 @@ def search(cfg: Any, plan_mode: bool = False,
     key = cache_key(cfg, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
     fresh = mode == "fresh"  # a search asked for: no cached decision, whatever the budget
     mode = "model" if plan_mode else mode
-    cached = read_cache(key) if not fresh and is_main() else None
-    record = _agreed(f"{tag}/cache", cached)
-    if record is not None:  # an earlier run's decision: this run searches nothing
-        return {**record, "search": mode, "decided_by": record["search"], "cached": True,
-                "searched": False, "search_s": 0.0, "decide_s": time.perf_counter() - t0,
-                "init_s": None, "trained_steps": 0, "trained_s": 0.0, "compile_s": 0.0}
-    layouts, refused = candidates(cfg, *devices)
-    if not layouts:  # the plan refuses every layout (more devices than there are...): its words
-        make_plan(cfg, *devices)
     target, peak = pm.resolve_target(cfg, n)
     if plan_mode:  # the target's usable memory, as plan mode's fit
         budget_gb = pm.usable_bytes(target) / pm.GiB if target.memory_bytes else None
     else:  # the memory preflight's budget
         budget_gb = device_budget(cfg)[0] / pm.GiB
+    cached, doubt = read_cache(key) if not fresh and is_main() else (None, None)
+    checked: dict[Layout, Any] = {}  # the cached layout's compile, the run's step if taken
+    if cached is not None:  # planned and, for a run, fitted before it is taken
+        doubt = _cached_doubt(cfg, chosen_layout(cached), devices,
+                              None if plan_mode else _scorer(devices, target, peak, False,
+                                                             checked), budget_gb)
+    cached, doubt = _agreed(f"{tag}/cache", [cached, doubt])
+    if doubt:
+        log.warning("parallelism=auto: the cached decision %s %s; deciding again as if there "
+                    "were none (parallelism.search=fresh searches again and replaces it)",
+                    cache_path(key), doubt)
+    elif cached is not None:  # an earlier run's decision: this run searches nothing
+        chosen = chosen_layout(cached)
+        if handover is not None and chosen in checked:  # its compile: the run's step
+            handover["exp"] = checked.pop(chosen)
+        return {**cached, "search": mode, "decided_by": cached["search"], "cached": True,
+                "searched": False, "search_s": 0.0, "decide_s": time.perf_counter() - t0,
+                "init_s": None, "trained_steps": 0, "trained_s": 0.0, "compile_s": 0.0}
+    layouts, refused = candidates(cfg, *devices)
+    if not layouts:  # the plan refuses every layout (more devices than there are...): its words
+        make_plan(cfg, *devices)
     # A search that measures keeps each candidate's full compile for its timing: one compile
     # per candidate, whose memory and cost figures are the analysis compile's.
     built: dict[Layout, Any] | None = {} if mode in ("measure", "fresh") else None
@@ -656,6 +735,37 @@ def start_layout(cfg: Any, devices: tuple) -> Layout | None:
     except ConfigError:
         return None
     return Layout(plan.dp, plan.fsdp, plan.tp, cfg.model.remat, cfg.train.grad_accum)
+
+
+def _refused(trial: Any, devices: tuple) -> str | None:
+    """The plan's refusal of ``trial`` on ``devices``, its first clause; None: accepted."""
+    from dxrun.plan import make_plan
+
+    try:
+        make_plan(trial, *devices)
+    except ConfigError as e:
+        return str(e).split(";")[0]
+    return None
+
+
+def _cached_doubt(cfg: Any, layout: Layout, devices: tuple, score: Callable | None,
+                  budget_gb: float | None) -> str | None:
+    """Why a cached layout cannot be this run's: the plan refuses it here (a model or a mesh
+    rule changed since it was cached), or, with ``score`` (a run's: the step compiled as the
+    run's own), its step no longer fits ``budget_gb`` (the memory preflight's). Plan mode
+    passes no ``score``: it reports the fit itself. None: take it."""
+    trial = with_layout(cfg, layout)
+    if (why := _refused(trial, devices)) is not None:
+        return f"chose {layout.label}, which this run's plan refuses: {why}"
+    if score is None:
+        return None
+    try:
+        need, _ = score(trial, layout, say=False)
+    except ConfigError as e:
+        return f"chose {layout.label}, which this run cannot build: {str(e).split(';')[0]}"
+    if budget_gb is not None and need > budget_gb:
+        return f"chose {layout.label}, which no longer fits: {_gib(need)} of {_gib(budget_gb)}"
+    return None
 
 
 def _worth_it(cfg: Any, layouts: list[Layout], score: Callable, budget: float,

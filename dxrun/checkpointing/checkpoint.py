@@ -20,9 +20,10 @@ line and leaves the checkpoint as it is. In a multi-process run the processes ag
 Checkpoints belong to their run. Without ``checkpoint.dir`` they live in ``<run dir>/checkpoints``;
 with it, in ``<checkpoint.dir>/<run id>/`` (``run_id``: the run dir's name and a hash of its
 absolute path, so a requeue into the same run dir finds them again), and the run dir names that
-dir in ``checkpoints.txt`` for ``locate``. Each checkpoint's meta also names its run (``run_id``,
-``run_dir``). A resume only ever continues its own run's checkpoints, and rotation deletes only
-its own.
+dir in ``checkpoints.txt`` for ``locate`` and for the run dir itself once moved (its run id
+changes with its path; ``checkpoint_dir`` follows the file). Each checkpoint's meta also names
+its run (``run_id``, ``run_dir``). A resume only ever continues its own run's checkpoints, and
+rotation deletes only its own.
 
 Restoring reads straight into the target mesh's shardings (``Experiment.abstract_state``):
 every process reads only its own shards, on any mesh, and nothing is gathered on one device.
@@ -90,7 +91,16 @@ def checkpoint_dir(ckpt: CheckpointConfig, run_dir: Path) -> Path:
     (a shared dir holds many runs' checkpoints, each in its own subdir)."""
     if not ckpt.dir:
         return Path(run_dir).absolute() / "checkpoints"  # absolute: Orbax refuses relative paths
-    return Path(ckpt.dir).expanduser().absolute() / run_id(run_dir)
+    root = Path(ckpt.dir).expanduser().absolute()
+    # A run dir moved after its first save: its run id came from the path it had then, and its
+    # checkpoints.txt, written at that save, still names them.
+    try:
+        named = Path((Path(run_dir) / POINTER).read_text().strip())
+    except (OSError, ValueError):
+        named = None
+    if named is not None and named.name and named.parent.resolve() == root.resolve():
+        return root / named.name
+    return root / run_id(run_dir)
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -162,9 +172,29 @@ def find_resume(cfg: Any, run_dir: Path, saved: dict[str, Any] | None = None) ->
     else:
         resume = locate(Path(mode))
     resume.meta_step, resume.meta = newest_meta(resume, check_state=True)
+    if resume.in_place and cfg.checkpoint.dir:
+        _refuse_a_copy(run_dir, resume)
     check_compatible(cfg if saved is None else saved, resume.meta["config"],
                      resume.directory / str(resume.meta_step))
     return resume
+
+
+def _refuse_a_copy(run_dir: Path, resume: Resume) -> None:
+    """A run dir whose checkpoints.txt names checkpoints that the run dir which wrote them, still
+    there, names too is a copy: followed, the two would save into one dir and rotate each
+    other's checkpoints away. Refused, naming the original (a moved run dir resumes)."""
+    writer = resume.meta.get("run_dir")
+    if not writer or Path(writer) == Path(run_dir).resolve():
+        return
+    try:
+        theirs = Path((Path(writer) / POINTER).read_text().strip())
+    except (OSError, ValueError):
+        return
+    if theirs.name == resume.directory.name:
+        raise ConfigError(
+            f"checkpoints {resume.directory} belong to run dir {writer}, which is still there; "
+            f"{run_dir} is a copy of it: train on in {writer}, or start this copy from them "
+            f"with checkpoint.resume={writer} after removing {Path(run_dir) / POINTER}")
 
 
 def locate(path: Path, key: str = "checkpoint.resume") -> Resume:

@@ -40,6 +40,8 @@ class JobRecord:
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     _rows: list[dict[str, float]] | None = field(default=None, repr=False, compare=False)
+    # metrics.jsonl's lines that are not rows (cut short by a kill, or damaged): left out
+    skipped_lines: int = field(default=0, compare=False)
 
     @property
     def label_num(self) -> str:
@@ -87,9 +89,9 @@ class JobRecord:
             path = self.dir / "metrics.jsonl"
             rows, torn = read_metrics(path)
             if torn:  # a job killed mid-write: its complete rows still make its curve
-                log.warning("%s: skipped %d line(s) cut short (a killed job?): %s", path,
-                            len(torn), torn[-1][:60])
-            self._rows = rows
+                log.warning("%s: skipped %d line(s) cut short or damaged (a killed job?): %s",
+                            path, len(torn), torn[-1][:60])
+            self._rows, self.skipped_lines = rows, len(torn)
         return self._rows
 
     @cached_property
@@ -120,15 +122,12 @@ SAVE = "perf/checkpoint_block_s"
 def job_throughput(rows: list[dict[str, Any]]) -> Throughput | None:
     """The median tokens/s over a job's post-compile timing windows: its metrics rows
     that carry ``perf/tokens_per_s`` (the compiling step is never in a window), less those a
-    checkpoint save may have held, unless that is all of them. A save made at a log step is
-    recorded in that step's row (``perf/checkpoint_block_s``) but runs after that row's window
-    has closed, inside the next one; a save off the log steps is recorded in the row whose
-    window it held. So a window is left out when its row or the row before it records a save.
-    Per-device tokens/s and MFU are medians over the same windows (within a job both are
-    proportional to tokens/s). None: no row with tokens/s."""
-    timed = [(i, r) for i, r in enumerate(rows) if r.get("perf/tokens_per_s")]
-    clean = [r for i, r in timed if not r.get(SAVE) and not (i and rows[i - 1].get(SAVE))]
-    counted = clean or [r for _, r in timed]
+    checkpoint save held (``perf/checkpoint_block_s``: the saves inside the row's own window),
+    unless that is all of them. Per-device tokens/s and MFU are medians over the same windows
+    (within a job both are proportional to tokens/s). None: no row with tokens/s."""
+    timed = [r for r in rows if r.get("perf/tokens_per_s")]
+    clean = [r for r in timed if not r.get(SAVE)]
+    counted = clean or timed
     if not counted:
         return None
 
@@ -158,8 +157,8 @@ def statistic_sentence(jobs: list[JobRecord]) -> str | None:
     return ("Every throughput figure in this report (the ranking, tokens_per_s, "
             "tokens_per_s_per_device, mfu, the scaling efficiencies and the plots) is the job's "
             f"median over its post-compile timing windows ({n} a job: tokens_per_s_windows; one "
-            "every train.log_every steps), leaving out the windows a checkpoint save may have "
-            "held (the row that records a save and the row after it).")
+            "every train.log_every steps), leaving out the windows a checkpoint save held "
+            "(perf/checkpoint_block_s).")
 
 
 def tally(jobs: list[JobRecord]) -> str:
@@ -168,26 +167,113 @@ def tally(jobs: list[JobRecord]) -> str:
     return ", ".join(f"{v} {s}" for s, v in n.items() if v or s != "stopped")
 
 
-def _json(path: Path) -> dict[str, Any]:
+class Unreadable(Exception):
+    """A job file that is not what a job writes (a disk error, a copy cut short, a hand edit):
+    the report lists the job as unreadable and reports the others. ``file``: its path in the
+    job dir."""
+
+    def __init__(self, file: str, what: str):
+        super().__init__(f"{file}: {what}")
+        self.file, self.what = file, what
+
+
+NUMBER = (int, float)
+# What the report reads of each file, and the type it must have (or null). summary.json: the
+# figures of the table and, for a job without metrics rows, of its throughput.
+STATUS_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "status": str, "job": int, "started": NUMBER, "finished": NUMBER, "overrides": list,
+    "step": int, "signal": str, "kind": str, "reason": str, "log": str, "relaunch": str,
+    "checkpoint": str}
+PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "dp": int, "fsdp": int, "tp": int, "n_devices": int, "global_batch": int,
+    "per_device_batch_size": int, "grad_accum": int, "platform": str}
+SUMMARY_FIELDS: dict[str, type | tuple[type, ...]] = {k: NUMBER for k in (
+    "train/loss", "eval/loss", "perf/tokens_per_s", "perf/tokens_per_s_per_device", "perf/mfu",
+    "perf/checkpoint_block_s", "mem/step_bytes_per_device", "mem/peak_bytes_per_device",
+    "compile_time_s", "goodput")}
+
+
+def _read(job_dir: Path, file: str, parse: Any) -> Any:
+    """``file`` of ``job_dir`` parsed; None when the job has none. Unreadable: a dir where the
+    file should be, an empty file (JSON and YAML files are never written empty: the JSON ones
+    atomically), a byte that is not UTF-8, a parse error."""
+    path = job_dir / file
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise Unreadable(file, "a directory, not a file")
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}  # a file cut short by a killed job: the job reads as unfinished
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Unreadable(file, f"not UTF-8 text (byte {e.start})") from e
+    except OSError as e:
+        raise Unreadable(file, e.strerror or str(e)) from e
+    if not text.strip():
+        raise Unreadable(file, "empty")
+    try:
+        return parse(text)
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
+        raise Unreadable(file, f"not valid {'JSON' if parse is json.loads else 'YAML'} "
+                               f"({str(e).splitlines()[0]})") from e
 
 
-def _yaml(path: Path) -> Any:
-    return yaml.safe_load(path.read_text()) if path.is_file() else None
+def _typed(file: str, value: Any, want: type, fields: dict[str, Any] | None = None) -> Any:
+    """``value`` when it is a ``want`` whose ``fields`` are of their types (or null)."""
+    if value is None:
+        return None
+    if not isinstance(value, want):
+        raise Unreadable(file, f"a {type(value).__name__}, not a {want.__name__}")
+    for key, kind in (fields or {}).items():
+        got = value.get(key)
+        if got is not None and (not isinstance(got, kind) or isinstance(got, bool)):
+            raise Unreadable(file, f"{key} is {json.dumps(got)[:40]}, not a "
+                                   f"{'number' if kind is NUMBER else kind.__name__}")
+    return value
+
+
+def _strings(file: str, value: Any) -> list[str]:
+    if value is not None and not all(isinstance(o, str) for o in value):
+        raise Unreadable(file, "a list of overrides holds something that is not a string")
+    return list(value or [])
 
 
 def read_job(job_dir: Path) -> JobRecord:
-    status = _json(job_dir / STATUS)
-    summary = _json(job_dir / "summary.json")
-    hydra = (_yaml(job_dir / ".hydra" / "hydra.yaml") or {}).get("hydra", {})
-    overrides = status.get("overrides") or _yaml(job_dir / ".hydra" / "overrides.yaml") or []
-    num = status.get("job", hydra.get("job", {}).get("num"))
-    record = JobRecord(dir=job_dir, num=num, overrides=list(overrides), status="ok",
-                       summary=summary, plan=_json(job_dir / "plan.json"),
-                       config=_yaml(job_dir / ".hydra" / "config.yaml") or {},
+    """The job as its files say; a file that is not what a job writes makes it an unreadable
+    failed job (kind ``unreadable``, the file and what is wrong as its reason)."""
+    try:
+        return _read_job(job_dir)
+    except Unreadable as e:
+        record = JobRecord(dir=job_dir, num=int(job_dir.name) if job_dir.name.isdigit() else None,
+                           overrides=[], status="failed", kind="unreadable",
+                           reason=f"{e.file} unreadable: {e.what}; the job is left out")
+        record._rows = []  # its rows are not to be trusted either
+        return record
+
+
+def _read_job(job_dir: Path) -> JobRecord:
+    status = _typed(STATUS, _read(job_dir, STATUS, json.loads), dict, STATUS_FIELDS) or {}
+    summary = _typed("summary.json", _read(job_dir, "summary.json", json.loads), dict,
+                     SUMMARY_FIELDS) or {}
+    plan = _typed("plan.json", _read(job_dir, "plan.json", json.loads), dict, PLAN_FIELDS) or {}
+    if plan and not all(isinstance(plan.get(axis), int) for axis in ("dp", "fsdp", "tp")):
+        raise Unreadable("plan.json", "no dp, fsdp and tp (the mesh)")
+    hydra_file, config_file = ".hydra/hydra.yaml", ".hydra/config.yaml"
+    hydra = _typed(hydra_file, _read(job_dir, hydra_file, yaml.safe_load), dict) or {}
+    hydra = _typed(hydra_file, hydra.get("hydra"), dict) or {}
+    job = _typed(hydra_file, hydra.get("job"), dict) or {}
+    hydra_num = job.get("num")  # a single run's is Hydra's "???": no job number
+    hydra_num = hydra_num if isinstance(hydra_num, int) else None
+    config = _typed(config_file, _read(job_dir, config_file, yaml.safe_load), dict) or {}
+    _typed(config_file, config.get("data"), dict, {"batch_size": int})
+    _typed(config_file, config.get("logger"), dict)
+    overrides = _strings(STATUS, status.get("overrides")) or _strings(
+        ".hydra/overrides.yaml", _typed(".hydra/overrides.yaml", _read(
+            job_dir, ".hydra/overrides.yaml", yaml.safe_load), list))
+    if (job_dir / "metrics.jsonl").exists() and not (job_dir / "metrics.jsonl").is_file():
+        raise Unreadable("metrics.jsonl", "a directory, not a file")
+    num = status.get("job", hydra_num)
+    record = JobRecord(dir=job_dir, num=num, overrides=overrides, status="ok",
+                       summary=summary, plan=plan, config=config,
                        started=status.get("started"), finished=status.get("finished"))
     state = status.get("status")
     if state == "stopped":

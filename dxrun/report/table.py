@@ -150,6 +150,11 @@ def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]]
         lines += [f"- job {j.label_num} ({j.kind}): {j.reason}" + (f" — log: `{j.log}`"
                                                                    if j.log else "")
                   for j in failed]
+    skipped = [j for j in jobs if j.metrics() is not None and j.skipped_lines]
+    if skipped:  # the job is reported from its other rows
+        lines += ["", "## Lines left out", ""]
+        lines += [f"- job {j.label_num}: {j.skipped_lines} line(s) of metrics.jsonl cut short or "
+                  "damaged (a killed job?); its other rows are reported" for j in skipped]
     lines += ["", "Columns: losses are the final train / held-out loss (nats/token); tokens_per_s "
               "counts all devices together; per_device_batch is what one data "
               "replica computes at once (global = per-device x dp x fsdp x train.grad_accum). "
@@ -177,6 +182,9 @@ def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
     if not jobs:
         raise ConfigError(f"{sweep_dir} holds no jobs (no job dir with .hydra/ below it); give a "
                           "multirun dir, e.g. multirun/<date>/<time>")
+    for j in jobs:
+        if j.kind == "unreadable":  # its files are not a job's: the others are reported
+            log.warning("%s: %s", j.dir, j.reason)
     table = rows(jobs)
     write_csv(sweep_dir / "report.csv", table)
     pngs = plotting.write_plots(sweep_dir, jobs)

@@ -122,19 +122,25 @@ class MetricsLogger:
 
 def _row(line: str | bytes) -> dict[str, Any] | None:
     """A metrics row, or None for a line cut short (SIGKILL, a node crash or a full disk
-    mid-write leaves e.g. ``{"step": 4, "train/lo``) or damaged (not UTF-8)."""
+    mid-write leaves e.g. ``{"step": 4, "train/lo``) or damaged (not UTF-8, not an object, a
+    value that is not a number: ``log`` writes numbers, a flag or null only)."""
     try:
         row = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
     except ValueError:  # JSONDecodeError, UnicodeDecodeError
         return None
-    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+    if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+        return None
+    return row if all(v is None or isinstance(v, (int, float)) for v in row.values()) else None
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of a ``metrics.jsonl`` and the lines that are not rows (cut short)."""
-    lines = [x for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    """The rows of a ``metrics.jsonl`` and the lines that are not rows (cut short or damaged,
+    as text with any byte that is not UTF-8 replaced)."""
+    # Bytes, not text: one damaged byte costs its own line, not the file.
+    lines = [x for x in path.read_bytes().splitlines() if x.strip()] if path.is_file() else []
     rows = [_row(x) for x in lines]
-    return [r for r in rows if r is not None], [x for x, r in zip(lines, rows, strict=True) if r is None]
+    return ([r for r in rows if r is not None],
+            [x.decode("utf-8", "replace") for x, r in zip(lines, rows, strict=True) if r is None])
 
 
 class Rewound(NamedTuple):
