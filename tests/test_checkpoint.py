@@ -303,6 +303,35 @@ def test_a_signal_while_starting_stops_the_run_in_one_line(tmp_path, sig):
     assert not (run_dir / ".hydra" / "lock").exists()  # the dir is free for the relaunch
 
 
+STOP_IN_A_GC_CALLBACK = """
+import gc, os, signal, time
+from dxrun.checkpointing.preempt import Interrupted, guard_signals
+guard_signals()
+fired = []
+def callback(phase, info):
+    if not fired:
+        fired.append(1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs inside this gc callback
+gc.callbacks.append(callback)
+try:
+    gc.collect()
+    time.sleep(5)
+    print("not stopped")
+except Interrupted as e:
+    print("stopped by", e.signal_name)
+"""
+
+
+def test_a_stop_raised_inside_a_gc_callback_is_not_lost():
+    """A signal whose handler runs inside a callback Python cannot raise from (JAX registers a
+    gc callback; a compile collects garbage) had its stop printed as 'Exception ignored' and
+    dropped, and the run went on: it is sent again and stops the run in ordinary code."""
+    proc = subprocess.run([sys.executable, "-c", STOP_IN_A_GC_CALLBACK], capture_output=True,
+                          text=True, timeout=60, env=subprocess_env())
+    assert proc.stdout.strip() == "stopped by SIGUSR1", proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
 @pytest.mark.e2e
 def test_refused_resume_leaves_the_run_untouched(preempted):
     """Through the CLI: exit 2, one line, nothing written. One refused key is enough here:

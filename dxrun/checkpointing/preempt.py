@@ -16,11 +16,13 @@ Orbax's, W&B's, dxrun's own) takes it for an error of its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shlex
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -104,19 +106,33 @@ class Signals:
     def __init__(self) -> None:
         self.phase = self.STARTING
         self.stopping: str | None = None
+        self.redeliver = False  # the stop was raised where Python drops exceptions: again
 
     def start_job(self) -> None:
-        self.phase, self.stopping = self.STARTING, None
+        self.phase, self.stopping, self.redeliver = self.STARTING, None, False
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.stopping is not None:
+        if self.stopping is not None and not self.redeliver:
             if signum == signal.SIGINT:
                 os.write(2, b"dxrun: second SIGINT: exiting now\n")
                 os._exit(130)
             return
-        self.stopping = name
+        self.stopping, self.redeliver = name, False
         raise Interrupted(name, self.phase)
+
+    def unraisable(self, unraisable: Any, previous: Any) -> None:
+        """``sys.unraisablehook``: a handler's exception raised inside a callback Python cannot
+        propagate from (a gc callback such as JAX's, a finalizer) is printed and dropped, and
+        the run would go on. Such a stop is sent again, from a thread a moment later (sent from
+        here, it would be raised inside this hook, and dropped again), to be raised in ordinary
+        code; anything else goes to the hook before."""
+        if isinstance(unraisable.exc_value, Interrupted) and self.stopping is not None:
+            self.redeliver = True
+            signum = signal.Signals[unraisable.exc_value.signal_name]
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        previous(unraisable)
 
 
 SIGNALS = Signals()
@@ -128,6 +144,9 @@ def guard_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, SIGNALS.handle)
+        if not isinstance(sys.unraisablehook, functools.partial):  # once per process
+            sys.unraisablehook = functools.partial(SIGNALS.unraisable,
+                                                   previous=sys.unraisablehook)
 
 
 class Preemption:
