@@ -75,7 +75,8 @@ def compile_cache():
 # Files whose tests read the same session fixture's run (markov_run, text_run): under the
 # README's ``-n 2 --dist loadfile`` they go to one worker together, which trains each run
 # once; apart, each worker trained both (about 40 s of the suite).
-SHARES_RUNS_WITH = {"tests/test_evaluate.py": "tests/test_sample.py"}
+SHARES_RUNS_WITH = {"tests/test_evaluate.py": "tests/test_sample.py",
+                    "tests/test_load.py": "tests/test_sample.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -347,3 +347,24 @@ def test_checkpoint_cost_at_the_configured_cadence():
     assert "checkpoint.every_minutes" not in plan_mode.checkpoint_line(ok)
     assert cost(9.3e9, 1e9, 100, 8.0, 0.05)["interval_s"] == pytest.approx(5.0)  # first wins
     assert cost(9.3e9, 1e9, 100, 0.0, None)["overhead"] is None  # no step time: no share
+
+
+def test_a_host_figure_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """host.json in dxrun's cache dir keeps each machine's measured figures: a second read
+    measures nothing; a damaged or implausible file is measured again and rewritten."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def measure() -> float:
+        calls.append(1)
+        return 2.5
+
+    assert plan_mode.host_figure("peak_tflops", measure) == 2.5
+    assert plan_mode.host_figure("peak_tflops", measure) == 2.5 and len(calls) == 1
+    path = tmp_path / "dxrun" / plan_mode.HOST_FILE
+    (key, figures), = json.loads(path.read_text()).items()
+    assert figures == {"peak_tflops": 2.5} and "jax" in key
+    for damage in ("{not json", json.dumps({key: {"peak_tflops": -1.0}}), "[]"):
+        path.write_text(damage)
+        assert plan_mode.host_figure("peak_tflops", measure) == 2.5
+    assert len(calls) == 4 and json.loads(path.read_text()) == {key: {"peak_tflops": 2.5}}

@@ -62,14 +62,15 @@ SHRUNK = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
 
 
 def short_run(model: str, steps: int) -> Any:
-    """A ``steps``-step run of ``model=<model>`` on one device, every step logged; a larger
-    preset shrunk (``SHRUNK``) and on a quarter of the batch."""
+    """A ``steps``-step run of ``model=<model>`` on every device data-parallel (the default run's
+    layout, without deciding whether to search), every step logged; a larger preset shrunk
+    (``SHRUNK``) and on a quarter of the batch."""
     family = "tiny_llama" if make_cfg(f"model={model}").model.norm == "rmsnorm" else "tiny"
     tiny = make_cfg(f"model={family}").model
     shrink = [] if model == family else [f"model.{k}={tiny[k]}" for k in SHRUNK] + [
         "data.batch_size=8"]
     return make_cfg(f"model={model}", *shrink, f"train.steps={steps}", "train.log_every=1",
-                    "logger=none", "parallelism=dp1", "train.eval_every=0", "checkpoint.every=0")
+                    "logger=none", "parallelism=dp", "train.eval_every=0", "checkpoint.every=0")
 
 
 def lr_of_each_step(cfg: Any) -> list[float]:
@@ -90,8 +91,8 @@ def test_short_runs_of_every_preset_never_spike(tmp_path, model):
     above their first step's, nor one 0.25 nats above the best before it (a spike that stays
     below the first loss).
 
-    tiny and tiny_llama run with every default, on one device (the default's 8 data-parallel
-    devices log the same losses). The larger presets keep what is theirs in a short run: the
+    tiny and tiny_llama run with every default (``parallelism=dp``: the layout the default run
+    keeps). The larger presets keep what is theirs in a short run: the
     optimizer section (lr, warmup cut to the run, schedule, betas) and the block (norm, MLP,
     positions, biases, tying, RoPE theta); they take their family's tiny width, depth and
     vocabulary and a quarter of the batch, since at their own size 60 steps are far beyond a

@@ -19,12 +19,15 @@ No JAX import at module level: the config check reads TARGETS before JAX starts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError
@@ -94,11 +97,62 @@ def cpu_target(n_devices: int) -> Target:
     return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, share, share)
 
 
-@functools.cache
-def host_bus_bytes_per_s() -> float:
-    """The host's memory bandwidth (read + write of 128 MiB, beyond the caches), measured once
-    per process, as ``host_peak_tflops``: the host does not change within a run, and each
-    measure took a quarter of a second of every plan and every ``parallelism=auto`` run."""
+HOST_FILE = "host.json"  # in dxrun's cache dir: the host's measured figures, by machine
+
+
+def _host_key() -> str:
+    """What the host's figures depend on: the CPU model and cores, JAX's devices and version."""
+    import platform
+
+    import jax
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "")
+    except OSError:  # not Linux: the machine's type and cores still tell hosts apart
+        pass
+    return (f"{platform.machine()} {model} x{os.cpu_count()}: {jax.device_count()} "
+            f"{jax.default_backend()} devices, jax {jax.__version__}")
+
+
+def host_figure(name: str, measure: Any) -> float:
+    """A host figure ``measure()`` gives, measured once per machine: kept in dxrun's cache dir
+    (``host.json``, under ``_host_key``), since every plan on a CPU target and every
+    ``parallelism=auto`` run reads it and measuring took most of their deciding. A missing,
+    unreadable or implausible entry is measured again; delete the file to measure afresh (a
+    figure taken while other jobs loaded the host stays until then)."""
+    from dxrun.runtime import user_cache_dir
+
+    path, key = Path(user_cache_dir()) / HOST_FILE, _host_key()
+    try:
+        figures = json.loads(path.read_text())
+        value = figures[key][name]
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            return float(value)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    value = float(measure())
+    try:  # another process may write it too: its own tmp file, and the last write wins
+        figures = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(figures, dict):
+            figures = {}
+    except (OSError, ValueError):
+        figures = {}
+    entry = figures.get(key) if isinstance(figures.get(key), dict) else {}
+    figures[key] = {**entry, name: value}
+    tmp = path.with_name(f"{HOST_FILE}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(figures, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only or full cache dir: measured again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return value
+
+
+def _measure_bus() -> float:
     import jax
     import jax.numpy as jnp
 
@@ -110,12 +164,19 @@ def host_bus_bytes_per_s() -> float:
 
 
 @functools.cache
+def host_bus_bytes_per_s() -> float:
+    """The host's memory bandwidth (read + write of 128 MiB, beyond the caches), measured once
+    per machine (``host_figure``), as ``host_peak_tflops``."""
+    return host_figure("bus_bytes_per_s", _measure_bus)
+
+
+@functools.cache
 def host_peak_tflops() -> float:
-    """``flops.measure_peak_tflops`` of this process's devices, measured once per process
-    (0.7 s a measure on the 2-core host)."""
+    """``flops.measure_peak_tflops`` of this process's devices, measured once per machine
+    (``host_figure``)."""
     from dxrun.capacity import flops
 
-    return flops.measure_peak_tflops()
+    return host_figure("peak_tflops", flops.measure_peak_tflops)
 
 
 def _timed(fn: Any) -> float:
