@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import pytest
 from conftest import CONF, make_cfg, recorded_compiles, subprocess_env
 
+from dxrun.experiment import Experiment
 from dxrun.optimizer import make_schedule
 from dxrun.train import train
 
@@ -62,15 +64,16 @@ SHRUNK = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
 
 
 def short_run(model: str, steps: int) -> Any:
-    """A ``steps``-step run of ``model=<model>`` on every device data-parallel (the default run's
-    layout, without deciding whether to search), every step logged; a larger preset shrunk
-    (``SHRUNK``) and on a quarter of the batch."""
+    """A ``steps``-step run of ``model=<model>``, every step logged: tiny and tiny_llama on
+    every device data-parallel (the default run's layout, without deciding whether to search);
+    a larger preset shrunk (``SHRUNK``), on a quarter of the batch and one device."""
     family = "tiny_llama" if make_cfg(f"model={model}").model.norm == "rmsnorm" else "tiny"
     tiny = make_cfg(f"model={family}").model
-    shrink = [] if model == family else [f"model.{k}={tiny[k]}" for k in SHRUNK] + [
-        "data.batch_size=8"]
-    return make_cfg(f"model={model}", *shrink, f"train.steps={steps}", "train.log_every=1",
-                    "logger=none", "parallelism=dp", "train.eval_every=0", "checkpoint.every=0")
+    shrink = ["parallelism=dp"] if model == family else [
+        f"model.{k}={tiny[k]}" for k in SHRUNK] + ["data.batch_size=8", "parallelism=dp1"]
+    return make_cfg(f"model={model}", *shrink, f"train.steps={steps}",
+                    "train.log_every=1", "logger=none", "train.eval_every=0",
+                    "checkpoint.every=0")
 
 
 def lr_of_each_step(cfg: Any) -> list[float]:
@@ -79,9 +82,19 @@ def lr_of_each_step(cfg: Any) -> list[float]:
 
 
 def logged_losses(cfg: Any, run_dir: Path) -> list[float]:
-    train(cfg, run_dir)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows]
+    """The loss of every step: a default preset's from the rows its run logs; a shrunk one's
+    from its steps taken one by one on one device (the same step and batches the run takes,
+    without the run's files, which its test does not read)."""
+    if cfg.parallelism.name == "dp":
+        train(cfg, run_dir)
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r["train/loss"] for r in rows]
+    exp = Experiment.build(cfg)
+    state, losses = exp.init_state(), []
+    for i in range(cfg.train.steps):  # one device: no collective for the host to run ahead of
+        state, m = exp.step(state, exp.batch(i))
+        losses.append(m["train/loss"])
+    return [float(x) for x in jax.device_get(losses)]
 
 
 @pytest.mark.e2e
