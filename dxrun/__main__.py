@@ -110,21 +110,23 @@ def main(cfg: DictConfig) -> Any:
         enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
             log.warning(w)
-        from dxrun.batch import resolved_config
         from dxrun.checkpointing.preempt import Stopped
-        from dxrun.train import Job, prepare, record_end, train
+        from dxrun.job import Job
+        from dxrun.plan.run_plan import resolved_config
+        from dxrun.prepare import prepare
+        from dxrun.train import record_end, train
 
         if cfg.run.mode == "plan":
-            from dxrun.capacity.plan_mode import planned, run_plan
+            from dxrun.plan_mode import planned, run_plan
 
-            # A copy of cfg: data.seq_len=null resolved for the target; for parallelism=auto
-            # the layout ranked first by the estimate alone, for plan.target.
-            plan_cfg, plan = planned(cfg, jax.default_backend())
+            # data.seq_len=null resolved for the target; for parallelism=auto the layout
+            # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
+            decided = planned(cfg)
             run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
-            # The saved config holds the global batch too.
-            write_hydra_files(run_dir, resolved_config(plan_cfg, plan), hydra_cfg)
-            return run_plan(plan_cfg, run_dir, plan)
+            # The saved config holds the derived numbers: the global batch, the layout.
+            write_hydra_files(run_dir, resolved_config(cfg, decided.plan), hydra_cfg)
+            return run_plan(cfg, run_dir, decided)
         # Every process uses process 0's run dir (their clocks may name it differently).
         # Claimed and held before the plan and the compile, so that a second launch into a
         # held dir is refused at once (or waits) instead of compiling beside it.
@@ -133,9 +135,10 @@ def main(cfg: DictConfig) -> Any:
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
         # From here on the run follows run_cfg, a copy: the W&B job type and group filled in
-        # (``_wandb_named``) and, for parallelism=auto, the chosen layout (``prepare``).
-        prepared = prepare(_wandb_named(cfg, hydra_cfg, multirun), run_dir)
-        run_cfg, resume = prepared.exp.cfg, prepared.resume
+        # (``_wandb_named``); what is derived from it (the layout...) is in ``prepared.plan``.
+        run_cfg = _wandb_named(cfg, hydra_cfg, multirun)
+        prepared = prepare(run_cfg, run_dir)
+        resume = prepared.resume
         if simulated and not multirun and (note := thread_pool_note(
                 len(prepared.exp.plan.device_ids), jax.local_device_count(), os.cpu_count())):
             log.info(note)
@@ -148,7 +151,7 @@ def main(cfg: DictConfig) -> Any:
                         "checkpoint, so this one starts again from %s", run_dir, claim.attempt,
                         last, resume.directory if resume is not None else "step 0")
         if is_main():  # the plan's global batch and sequence length, written once
-            write_hydra_files(run_dir, resolved_config(run_cfg, prepared.exp.plan), hydra_cfg)
+            write_hydra_files(run_dir, resolved_config(run_cfg, prepared.plan), hydra_cfg)
         _status(run_dir, "running", **_job_fields(hydra_cfg, claim))
         choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
                    if not k.startswith("hydra/") and isinstance(v, str)}

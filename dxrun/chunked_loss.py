@@ -18,51 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from dxrun.errors import ConfigError
-
-AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
-CHUNK_BYTES = 256 * 2**20  # null: the largest chunk whose fp32 logits fit in this
-
-
-def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -> int:
-    """Positions per chunk (0 = unchunked) for ``model.loss_chunk=value`` when each device
-    computes ``rows`` sequences of ``seq_len`` over ``vocab`` (padded, per device) logits.
-    null: unchunked while the fp32 logits fit in ``AUTO_ON_BYTES``, else the largest divisor
-    of ``seq_len`` whose chunk fits in ``CHUNK_BYTES``. A chunk of the whole sequence or more
-    is the unchunked loss."""
-    if value == 0:
-        return 0
-    if value is not None:
-        if value >= seq_len:
-            return 0
-        if seq_len % value:
-            divisors = [d for d in range(1, seq_len) if seq_len % d == 0]
-            near = min(divisors, key=lambda d: abs(d - value))
-            raise ConfigError(f"model.loss_chunk={value} does not divide data.seq_len={seq_len}; "
-                              f"pick a divisor (e.g. {near}), 0 (off) or null (auto)")
-        return value
-    per_position = rows * vocab * 4
-    if per_position * seq_len <= AUTO_ON_BYTES:
-        return 0
-    fits = [d for d in range(1, seq_len) if seq_len % d == 0 and d * per_position <= CHUNK_BYTES]
-    return max(fits, default=1)
-
-
-def loss_chunk_for(cfg: Any, plan: Any) -> int:
-    """``resolve_loss_chunk`` for ``cfg`` on ``plan``'s mesh: one micro-batch's rows per
-    device and the vocabulary's padded rows per tensor-parallel device."""
-    rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * cfg.train.grad_accum))
-    vocab = (plan.padded_vocab or cfg.model.vocab_size) // plan.tp
-    # The plan's sequence length: data.seq_len may still be null (the platform's default) here.
-    return resolve_loss_chunk(cfg.model.loss_chunk, rows, plan.seq_len, vocab)
+import jax
+import jax.numpy as jnp
 
 
 def chunked_cross_entropy(logits_fn: Any, w: Any, x_BxLxD: Any, targets_BxL: Any,
                           chunk: int) -> tuple[Any, Any]:
     """Mean cross-entropy and accuracy of ``logits_fn(w, x) -> fp32 logits`` (the model's
     output layer, padding masked) over ``targets_BxL``, ``chunk`` positions at a time."""
-    import jax  # here: the resolving above is imported by config validation, without JAX
-    import jax.numpy as jnp
 
     B, L, D = x_BxLxD.shape
     N = L // chunk

@@ -22,8 +22,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from dxrun.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_batch, default_seq_len
 from dxrun.errors import ConfigError
+from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_batch, default_seq_len
 from dxrun.schema import (  # noqa: F401 - the schema's names, importable from dxrun.config as before
     _CHOICES,
     DATA_SOURCE_KEYS,
@@ -251,7 +251,7 @@ def check_choices(cfg: Any, section: str) -> None:
     for key in _keys_of(section):
         allowed = FIELDS[key].metadata["choices"]
         if not isinstance(allowed, tuple) or (value := _get(cfg, key)) in allowed:
-            continue  # plan.target's list is plan_mode's: check_plan
+            continue  # plan.target's list is plan.targets': check_plan
         if value is None and (null_is_a_value(key) or FIELDS[key].metadata["sources"]):
             continue  # a source's key left null: not read, or check_data's (data.dtype)
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; "
@@ -350,7 +350,7 @@ def check_data(cfg: Any) -> None:
             f"lower data.seq_len or raise model.max_seq_len"
         )
     if m.loss_chunk is not None and d.seq_len is not None:
-        from dxrun.chunked_loss import resolve_loss_chunk
+        from dxrun.plan.loss_chunk import resolve_loss_chunk
 
         resolve_loss_chunk(m.loss_chunk, 1, d.seq_len, 1)  # refuses a chunk that does not divide
     if d.name == "markov":

@@ -14,12 +14,12 @@ import optax
 from flax import nnx
 
 from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
-from dxrun.chunked_loss import loss_chunk_for
 from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
-from dxrun.plan import MeshPlan, make_plan
+from dxrun.plan.loss_chunk import loss_chunk_for
+from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
 from dxrun.sharding import (
     batch_sharding,
     check_process_rows,
@@ -44,12 +44,6 @@ def process_data(cfg: Any, plan: MeshPlan) -> Data:
     plan's global batch and sequence length."""
     return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards, plan.global_batch,
                 plan.seq_len)
-
-
-def shard_optimizer(cfg: Any, plan: MeshPlan) -> bool:
-    """ZeRO-1 on? ``parallelism.shard_optimizer``; null = when there are data replicas."""
-    value = cfg.parallelism.get("shard_optimizer")
-    return plan.dp > 1 if value is None else bool(value)
 
 
 @dataclass
@@ -79,7 +73,8 @@ class Experiment:
         # The attention kernel follows the devices the step runs on (CPU in plan mode).
         target = attention_target(mesh.devices.flat[0])
         abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0),
-                                                      padded_vocab=padded, target=target))
+                                                      padded_vocab=padded, target=target,
+                                                      remat=plan.remat))
         graphdef, abstract_state = nnx.split(abstract)
         axes = param_axes(abstract_state)
         p_shard = param_shardings(axes, mesh, plan.rules)
@@ -102,7 +97,7 @@ class Experiment:
             graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
-            grad_accum=cfg.train.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+            grad_accum=plan.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
             loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
         )
@@ -178,7 +173,7 @@ class Experiment:
     def adopt(self, state: TrainState) -> TrainState:
         """A train state of this run on another of its layouts (``parallelism=auto``'s turns)
         laid out in this mesh's shardings: a reshard, the bits unchanged. One process, one
-        padding of the vocabulary (``layout_search.search`` trains through only then)."""
+        padding of the vocabulary (``autotune.search`` trains through only then)."""
         return jax.block_until_ready(jax.device_put(state, self.state_shardings))
 
     def abstract_state(self) -> TrainState:

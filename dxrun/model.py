@@ -319,7 +319,7 @@ class Transformer(nnx.Module):
     mesh device; the default, CPU, runs XLA's attention)."""
 
     def __init__(self, cfg: Any, *, rngs: nnx.Rngs, padded_vocab: int | None = None,
-                 target: AttentionTarget = CPU_TARGET):
+                 target: AttentionTarget = CPU_TARGET, remat: str | None = None):
         D, V = cfg.d_model, cfg.vocab_size
         Vp = padded_vocab or V
         if Vp < V:
@@ -329,7 +329,8 @@ class Transformer(nnx.Module):
         self.wpe = (_param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
         self.blocks = stacked_blocks(cfg, rngs, target)
-        self.scan, self.remat = cfg.scan_layers, cfg.remat
+        # remat: the run plan's (a layout search may choose it); None: model.remat
+        self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"
         self.ln_f = Norm(D, cfg.norm, cfg.bias)
         self.lm_head = (None if cfg.tie_embeddings

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import optax
 
-from dxrun.batch import scaled_lr
+from dxrun.plan.batch import scaled_lr
 
 
 def make_schedule(opt: Any, peak_lr: float, steps: int) -> optax.Schedule:

@@ -325,7 +325,7 @@ SUMMARY: dict[str, str] = {
     "train/loss": "the last logged train loss",
     "best/train_loss": "the lowest finite train loss logged",
     "n_params": "parameters (the real vocabulary, without padding)",
-    "flops_per_token": "model FLOPs per token (dxrun/capacity/flops.py)",
+    "flops_per_token": "model FLOPs per token (dxrun/plan/flops.py)",
     "tokens_per_s": "the last window's perf/tokens_per_s",
     "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, "
                          "evaluation, saves)",
@@ -410,7 +410,7 @@ def status_keys() -> list[str]:
 
 
 def plan_keys() -> dict[str, str]:
-    from dxrun.plan import MeshPlan  # pure: dataclasses and arithmetic
+    from dxrun.plan.mesh import MeshPlan  # pure: dataclasses and arithmetic
 
     comments = _field_comments(MeshPlan)
     out = {f.name: comments.get(f.name, "") for f in dataclasses.fields(MeshPlan)}
@@ -444,7 +444,7 @@ def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`dxrun/reference.py`: the metric "
            "table, the keys read from `dxrun/tracking/run_summary.py`, `dxrun/__main__.py` and "
-           "`dxrun/plan.py`). A run dir is `outputs/<date>/<time>/`; a multirun job's is "
+           "`dxrun/plan/mesh.py`). A run dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
     out += table("file", RUN_FILES)
     out += ["## Metrics", "",
@@ -614,7 +614,7 @@ def preset_plan(parallelism: str, n_devices: int = 8) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan
 
     config.register()
     GlobalHydra.instance().clear()

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from dxrun.batch import GLOBAL, PER_DEVICE
+from dxrun.plan.batch import GLOBAL, PER_DEVICE
+from dxrun.plan.targets import TARGETS
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,6 @@ def section(cls: type, meaning: str) -> Any:
 
 
 def _plan_targets() -> tuple[str, ...]:
-    from dxrun.capacity.plan_mode import TARGETS  # no JAX import there at module level
-
     return tuple(TARGETS)
 
 
@@ -168,7 +167,7 @@ class ParallelismConfig:
         "`data` replicas; null = auto (on when dp > 1). Same losses either way; checkpoints "
         "restore across.")
     search: str = key(
-        "none", "parallelism=auto's layout search (dxrun/capacity/layout_search.py): none = "
+        "none", "parallelism=auto's layout search (dxrun/autotune/search.py): none = "
         "dp/fsdp/tp as given | measure = rank by estimate, time the top search_top, the fastest "
         "wins | model = the estimate's first | fresh = measure, ignoring the cached decision and "
         "search_budget (a search asked for).",
@@ -185,7 +184,7 @@ class ParallelismConfig:
         0.25, "parallelism=auto (a run, or the run plan mode plans): the starting layout (all "
         "devices data-parallel) is kept, unsearched, when a search is predicted to cost more "
         "than this fraction of the run's steps (from the starting layout's compile time and "
-        "estimated step: layout_search.search_cost); null = always search (a cached decision "
+        "estimated step: plan.layouts.search_cost); null = always search (a cached decision "
         "is still taken; search=fresh searches whatever this is)", range=POSITIVE)
 
 
@@ -196,7 +195,7 @@ class DataConfig:
     batch_size: int | None = key(
         "${default_batch:${data.per_device_batch_size}}",
         "Global (all devices, one optimizer update); its default is 32, or null when a "
-        "per-device batch is given (dxrun/batch.py: how a set value is told from the default).",
+        "per-device batch is given (dxrun/plan/batch.py: how a set value is told from the default).",
         range=BATCH)
     per_device_batch_size: int | None = key(
         None, "Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.",
@@ -308,7 +307,7 @@ class CheckpointConfig:
     every: int | None = key(
         None, "Save every this many steps (and at the last step); 0 = never; null (the default) "
         "= by platform: 100 on CPU, on an accelerator a wall-clock cadence whose saves cost < 2% "
-        "of the run (``plan_mode.save_cadence``).", range=NON_NEGATIVE)
+        "of the run (``checkpointing.cadence.save_cadence``).", range=NON_NEGATIVE)
     every_minutes: float = key(
         0.0, "Also save when this many minutes have passed since the last save (0 = off): "
         "bounds the work lost and, for a large state at fast steps, the time spent saving (plan "
@@ -355,7 +354,7 @@ class RunSection:
 @dataclass
 class PlanConfig:
     target: str | None = key(
-        None, "The accelerator plan mode estimates for (dxrun/capacity/plan_mode.py: TARGETS); null = "
+        None, "The accelerator plan mode estimates for (dxrun/plan/targets.py: TARGETS); null = "
         "the devices this process sees.", choices=_plan_targets)
     write_gb_per_s: float = key(
         1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
@@ -446,7 +445,7 @@ RANGES: dict[str, Range] = {k: f.metadata["range"] for k, f in FIELDS.items()
 # The numeric keys without a range: what they accept and where that is checked.
 UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
                             if f.metadata["unranged"]}
-# The string keys with a fixed list of values (plan.target's is plan_mode.TARGETS).
+# The string keys with a fixed list of values (plan.target's is plan.targets.TARGETS).
 _CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
                                         if isinstance(f.metadata["choices"], tuple)}
 # The data keys only some sources read; any other source refuses them.

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.plan import (
+from dxrun.plan.mesh import (
     BATCH_AXES,
     LOGICAL_RULES,
     MESH_AXES,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun.capacity import memory_model
-from dxrun.capacity.plan_mode import _NoData
-from dxrun.chunked_loss import AUTO_ON_BYTES, loss_chunk_for, resolve_loss_chunk
+from dxrun.autotune.fit import NoData
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
+from dxrun.plan import memory_model
+from dxrun.plan.loss_chunk import AUTO_ON_BYTES, loss_chunk_for, resolve_loss_chunk
 from dxrun.sharding import in_mesh_context
 from dxrun.step import loss_and_metrics
 
@@ -55,7 +55,7 @@ def _temp_bytes(chunk: int) -> float:
     cfg = make_cfg("model=tiny", "logger=none", "parallelism=dp1", "data.seq_len=64",
                    "data.batch_size=8", "model.vocab_size=4096", "data.symbols=64",
                    f"model.loss_chunk={chunk}")
-    return Experiment.build(cfg, data=_NoData()).compile_step().memory_analysis().temp_size_in_bytes
+    return Experiment.build(cfg, data=NoData()).compile_step().memory_analysis().temp_size_in_bytes
 
 
 def test_temporaries_shrink_with_chunking():
@@ -77,7 +77,7 @@ def test_auto_chunks_only_large_logits():
     assert resolve_loss_chunk(1024, 1, 1024, 64) == 0  # the whole sequence: unchunked
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan
     assert loss_chunk_for(cfg, make_plan(cfg, 8)) == 128
 
 
@@ -92,7 +92,7 @@ def test_a_chunk_that_does_not_divide_is_refused():
 def test_memory_model_counts_one_chunk():
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan
     plan = make_plan(cfg, 8)
     chunked = memory_model.shapes(cfg, plan, "xla")
     cfg.model.loss_chunk = 0

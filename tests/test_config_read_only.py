@@ -1,17 +1,22 @@
-"""Once validated, the run config is read, never rewritten: the derived numbers (the global
-batch, the sequence length) travel in the mesh plan, and only the saved config records them;
-what a later stage must change (parallelism=auto's layout, plan mode's sequence length, the W&B
-names) goes into a copy, the config the run follows (``exp.cfg``)."""
+"""Once validated, the run config is read, never rewritten, and is the config the run trains on:
+the derived numbers (the global batch, the sequence length, parallelism=auto's layout, plan
+mode's sequence length, the save cadence) travel in the run plan (``RunPlan``), decided once by
+``autotune.decide``, and only the saved config (``saved_config``) records them."""
 
 from __future__ import annotations
 
+import jax
 from omegaconf import OmegaConf
 
 from dxrun import config
-from dxrun.batch import saved_config
-from dxrun.capacity import layout_search
-from dxrun.capacity.plan_mode import planned, with_plan_seq_len
-from dxrun.train import prepare
+from dxrun.autotune import cache
+from dxrun.experiment import visible_devices
+from dxrun.plan.layout import Layout
+from dxrun.plan.layouts import Row, chosen_layout
+from dxrun.plan.mesh import held_batch
+from dxrun.plan.run_plan import saved_config
+from dxrun.plan_mode import planned
+from dxrun.prepare import prepare
 
 
 def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, tmp_path):
@@ -20,15 +25,19 @@ def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, t
                       "data.per_device_batch_size=2", "data.seq_len=null", "train.steps=2")
     config.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
-    exp, resume = prepare(cfg, tmp_path / "run")[:2]  # plan, data, resume check, preflight
-    assert resume is None
+    prepared = prepare(cfg, tmp_path / "run")  # plan, data, resume check, preflight
+    exp, plan = prepared.exp, prepared.plan
+    assert prepared.resume is None
+    assert exp.cfg is cfg  # the run trains on the validated config itself
     assert OmegaConf.to_container(cfg, resolve=True) == before
     assert (cfg.data.batch_size, cfg.data.seq_len) == (None, None)
-    assert (exp.plan.global_batch, exp.plan.seq_len) == (8, 64)
+    assert (plan.global_batch, plan.seq_len) == (exp.plan.global_batch, exp.plan.seq_len) == (
+        8, 64)
     assert (exp.data.batch_size, exp.data.seq_len) == (8, 64)
     assert exp.abstract_batch().shape == (8, 65)
+    assert plan.cadence == (100, 0.0)  # checkpoint.every=null on CPU, decided once
     # What config.yaml, the W&B config and each checkpoint record: the resolved numbers.
-    saved = saved_config(cfg, exp.plan)
+    saved = saved_config(cfg, plan)
     assert (saved["data"]["batch_size"], saved["data"]["seq_len"]) == (8, 64)
     assert saved["data"]["per_device_batch_size"] == 2
     assert {k: v for k, v in saved.items() if k != "data"} == {
@@ -36,50 +45,49 @@ def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, t
     assert OmegaConf.to_container(cfg, resolve=True) == before
 
 
-def test_parallelism_auto_runs_on_a_copy_holding_the_chosen_layout(cfg_factory, tmp_path,
-                                                                   monkeypatch):
+def test_parallelism_auto_trains_on_the_validated_config_its_plan_holding_the_layout(
+        cfg_factory, tmp_path, monkeypatch):
     # A cached decision (nothing compiled but the preflight's step), one that differs from the
     # composed config in every key a layout sets: tp2 with dots recomputation, 2 micro-batches.
-    import jax
-
-    from dxrun.experiment import visible_devices
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "parallelism=auto",
                       "parallelism.n_devices=2", "data.per_device_batch_size=2",
                       "data.seq_len=null", "train.steps=2")
     config.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
-    layout = layout_search.Layout(1, 1, 2, "dots", 2)
-    fixed = layout_search.fixed_batch(cfg, visible_devices())
-    key = layout_search.cache_key(fixed, 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    layout_search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
-                                    "rows": [layout_search.Row(layout, 0.1, 1.0, 1.0, True,
-                                                               True).to_json()]})
+    layout = Layout(1, 1, 2, "dots", 2)
+    held = held_batch(cfg, *visible_devices())
+    key = cache.cache_key(cfg, held, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
+                            "rows": [Row(layout, 0.1, 1.0, 1.0, True, True).to_json()]})
     assert OmegaConf.to_container(cfg, resolve=True) == before
-    exp, resume = prepare(cfg, tmp_path / "run")[:2]
-    assert resume is None
+    prepared = prepare(cfg, tmp_path / "run")
+    exp, plan = prepared.exp, prepared.plan
+    assert prepared.resume is None
+    assert exp.cfg is cfg  # what the run trains on: the validated config, not a laid-out copy
     assert OmegaConf.to_container(cfg, resolve=True) == before
-    assert exp.plan.layout_search["cached"]
-    chosen = layout_search.chosen_layout(exp.plan.layout_search)
-    assert chosen == layout and (cfg.model.remat, cfg.train.grad_accum) == ("none", 1)
-    run = exp.cfg  # what the run follows, and what its W&B config and config.yaml record
-    assert run is not cfg
-    assert (run.parallelism.dp, run.parallelism.fsdp, run.parallelism.tp, run.model.remat,
-            run.train.grad_accum) == (chosen.dp, chosen.fsdp, chosen.tp, chosen.remat,
-                                      chosen.grad_accum)
-    assert list(exp.plan.to_json()["mesh_shape"]) == [chosen.dp, chosen.fsdp, chosen.tp]
-    # The batch held at the starting layout's (dp2 x 2), the sequence length resolved.
-    assert (run.data.per_device_batch_size, run.data.batch_size, run.data.seq_len) == (
-        None, 4, 64)
-    saved = saved_config(run, exp.plan)
+    assert plan.search["cached"]
+    chosen = chosen_layout(plan.search)
+    assert chosen == layout == plan.layout and (cfg.model.remat, cfg.train.grad_accum) == (
+        "none", 1)
+    # The plan carries the layout the step was built with (the model's remat, the step's
+    # micro-batches), the batch held at the starting layout's (dp2 x 2), the sequence length.
+    assert (exp.plan.dp, exp.plan.fsdp, exp.plan.tp, exp.plan.remat, exp.plan.grad_accum) == (
+        chosen.dp, chosen.fsdp, chosen.tp, chosen.remat, chosen.grad_accum)
+    assert list(plan.to_json()["mesh_shape"]) == [chosen.dp, chosen.fsdp, chosen.tp]
+    assert (plan.global_batch, plan.seq_len) == (4, 64)
+    assert (cfg.data.per_device_batch_size, cfg.data.batch_size, cfg.data.seq_len) == (
+        2, None, None)
+    saved = saved_config(cfg, plan)
     assert ([saved["parallelism"][k] for k in ("dp", "fsdp", "tp")], saved["model"]["remat"],
-            saved["train"]["grad_accum"], saved["data"]["batch_size"]) == ([1, 1, 2], "dots", 2, 4)
+            saved["train"]["grad_accum"], saved["data"]["batch_size"],
+            saved["data"]["per_device_batch_size"], saved["data"]["seq_len"]) == (
+        [1, 1, 2], "dots", 2, 4, None, 64)
     assert OmegaConf.to_container(cfg, resolve=True) == before
 
 
-def test_plan_mode_resolves_seq_len_and_the_layout_on_a_copy(cfg_factory, monkeypatch,
-                                                            tmp_path):
+def test_plan_mode_resolves_seq_len_and_the_layout_in_its_plan(cfg_factory, monkeypatch,
+                                                               tmp_path):
     # data.seq_len=null for an H100 target: the model's context, whatever this host is. One
     # head: tp2 is refused, two candidates (dp2, fsdp2) compiled from shapes.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -89,12 +97,14 @@ def test_plan_mode_resolves_seq_len_and_the_layout_on_a_copy(cfg_factory, monkey
                       "plan.target=h100", "parallelism.search_budget=null")
     config.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
-    assert with_plan_seq_len(cfg, "cpu").data.seq_len == 128
-    plan_cfg, plan = planned(cfg, "cpu")
+    decided = planned(cfg)
+    plan = decided.plan
+    assert decided.exp.cfg is cfg
     assert OmegaConf.to_container(cfg, resolve=True) == before
-    assert cfg.data.seq_len is None and plan_cfg.data.seq_len == plan.seq_len == 128
-    chosen = layout_search.chosen_layout(plan.layout_search)
-    assert plan.layout_search["search"] == "model"  # plan mode never measures
-    assert sum(r["fits"] for r in plan.layout_search["rows"]) == 2
-    assert (plan_cfg.parallelism.dp, plan_cfg.parallelism.fsdp, plan_cfg.parallelism.tp) == (
+    assert cfg.data.seq_len is None and plan.seq_len == decided.exp.plan.seq_len == 128
+    chosen = chosen_layout(plan.search)
+    assert plan.search["search"] == "model"  # plan mode never measures
+    assert sum(r["fits"] for r in plan.search["rows"]) == 2
+    assert (plan.mesh.dp, plan.mesh.fsdp, plan.mesh.tp) == (
         chosen.dp, chosen.fsdp, chosen.tp) == tuple(plan.to_json()["mesh_shape"])
+    assert saved_config(cfg, plan)["data"]["seq_len"] == 128

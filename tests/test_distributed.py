@@ -17,7 +17,8 @@ from dxrun.multihost.distributed import (
     slurm_device_ids,
     visible_gpus,
 )
-from dxrun.plan import make_plan, split_over_hosts
+from dxrun.plan.hosts import split_over_hosts
+from dxrun.plan.mesh import make_plan
 
 
 def _dist(**kw):

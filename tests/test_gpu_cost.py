@@ -1,4 +1,4 @@
-"""The accelerator time model (dxrun/capacity/gpu_cost.py) and the FLOPs it counts from the shapes."""
+"""The accelerator time model (dxrun/plan/gpu_cost.py) and the FLOPs it counts from the shapes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import dataclasses
 
 import pytest
 
-from dxrun.capacity import flops, gpu_cost, plan_mode
-from dxrun.capacity.hlo import replica_groups
+from dxrun.autotune import fit
+from dxrun.autotune.hlo import replica_groups
 from dxrun.experiment import Experiment
+from dxrun.plan import estimate as plan_estimate
+from dxrun.plan import flops, gpu_cost, targets
 
 ACCELERATORS = sorted(gpu_cost.COST)
 PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", "llama3_8b")
@@ -17,7 +19,7 @@ PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", 
 def _xla_and_counted(cfg_factory, *overrides: str) -> tuple[float, dict]:
     cfg = cfg_factory("parallelism=dp1", "logger=none", "data.batch_size=1", *overrides)
     exp = Experiment.build(cfg)
-    xla, _ = plan_mode.cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
+    xla, _ = fit.cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
     tokens = cfg.data.batch_size * cfg.data.seq_len
     counted = flops.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
                                cfg.model.remat, fused_attention=False)
@@ -79,7 +81,7 @@ def test_bf16_is_faster_than_fp32_for_every_preset(cfg_factory, target):
     """Every preset on this target: bf16 (its peak, half the activation bytes, the fused
     attention on NVIDIA) estimates a shorter step than fp32 (no collectives: one device's
     share; the collectives' halving is tested below)."""
-    t, cost = plan_mode.TARGETS[target], gpu_cost.COST[target]
+    t, cost = targets.TARGETS[target], gpu_cost.COST[target]
     for model in PRESETS:
         steps = {}
         for precision in ("fp32", "bf16"):
@@ -139,17 +141,17 @@ def test_replica_groups_from_each_spelling():
 
 
 def test_shape_warning_names_the_keys_and_a_typical_step():
-    line = plan_mode.shape_warning("gpu", 64, 1024, 32 * 64)
+    line = plan_estimate.shape_warning("gpu", 64, 1024, 32 * 64)
     assert "data.seq_len=64" in line and "data.batch_size" in line and "4M tokens" in line
     assert "\n" not in line
-    assert plan_mode.shape_warning("gpu", 1024, 1024, 32 * 1024) is not None  # 32k tokens
-    assert plan_mode.shape_warning("tpu", 1024, 1024, 512 * 1024) is None
-    assert plan_mode.shape_warning("cpu", 64, 1024, 2048) is None
+    assert plan_estimate.shape_warning("gpu", 1024, 1024, 32 * 1024) is not None  # 32k tokens
+    assert plan_estimate.shape_warning("tpu", 1024, 1024, 512 * 1024) is None
+    assert plan_estimate.shape_warning("cpu", 64, 1024, 2048) is None
 
 
 def test_every_constant_has_a_source():
     for name, cost in gpu_cost.COST.items():
-        assert name in plan_mode.TARGETS
+        assert name in targets.TARGETS
         numbers = [f.name for f in dataclasses.fields(cost)
                    if f.name not in ("sources", "fused_attention_capability")]
         missing = [k for k in numbers if k not in cost.sources

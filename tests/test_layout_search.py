@@ -1,5 +1,6 @@
-"""parallelism=auto (dxrun/capacity/layout_search.py): candidates, the fit rule, the measured choice,
-the cache, and that the chosen layout is an ordinary mesh (same losses as one device)."""
+"""parallelism=auto (dxrun/autotune/search.py, dxrun/plan/layouts.py): candidates, the fit
+rule, the measured choice, the cache, and that the chosen layout is an ordinary mesh (same
+losses as one device)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,24 @@ import sys
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
-from dxrun.capacity import layout_search as ls
-from dxrun.capacity.layout_search import Layout, Row
+from dxrun.autotune import budget, cache
+from dxrun.autotune.search import search
+from dxrun.experiment import visible_devices
+from dxrun.plan import layouts as ls
+from dxrun.plan import ranking
+from dxrun.plan.layout import Layout
+from dxrun.plan.layouts import Row
+from dxrun.plan.mesh import held_batch
+
+
+def held(cfg):
+    """The batch and sequence length a search of ``cfg`` holds on these devices."""
+    return held_batch(cfg, *visible_devices())
+
+
+def search_record(cfg, **kw):
+    """The ranking's record of a layout search (``Searched.record``)."""
+    return search(cfg, **kw).record
 
 
 def meshes(layouts):
@@ -56,7 +73,7 @@ def test_fit_variants_add_recomputation_then_micro_batches():
 
 def test_a_layout_that_does_not_fit_is_never_chosen():
     # dp8 would be the fastest by far, but needs 3 GB of a 1 GB budget at every setting.
-    def score(trial, layout):
+    def score(layout):
         need = 3.0 if layout.dp == 8 else 0.5
         return need, 0.001 if layout.dp == 8 else 0.010 * layout.tp
     layouts = [Layout(8, 1, 1), Layout(4, 1, 2), Layout(2, 1, 4)]
@@ -75,8 +92,8 @@ def test_the_memory_column_keeps_one_unit_below_a_gib():
 
 
 def test_a_layout_fits_with_recomputation_when_it_must():
-    def score(trial, layout):
-        return (0.5 if trial.model.remat == "full" else 2.0), 0.01
+    def score(layout):
+        return (0.5 if layout.remat == "full" else 2.0), 0.01
     rows = ls.model_stage(make_cfg(), [Layout(8, 1, 1)], 1.0, score)
     assert rows[0].fits and rows[0].layout == Layout(8, 1, 1, "full", 1)
 
@@ -97,7 +114,7 @@ def test_the_fastest_measured_wins_over_the_estimate():
     assert rows[3].why == "slower: 4.0 ms estimated (not in the top 3 measured)"
     record = {"search": "measure", "target": "cpu", "search_s": 1.0,
               "rows": [r.to_json() for r in rows]}
-    assert "✓" in ls.table(record).splitlines()[2]  # the first row under the header
+    assert "✓" in ranking.table(record).splitlines()[2]  # the first row under the header
     assert ls.chosen_layout(record) == Layout(4, 1, 2)
 
 
@@ -169,28 +186,29 @@ def test_every_layout_is_timed_when_their_steps_are_cheap():
 def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg("parallelism=auto")
-    key = ls.cache_key(cfg, 8, "cpu", "0.10.2", 1)
-    assert key != ls.cache_key(make_cfg("parallelism=auto", "data.batch_size=64"), 8, "cpu",
-                               "0.10.2", 1)
-    assert key != ls.cache_key(cfg, 4, "cpu", "0.10.2", 1)
-    assert key != ls.cache_key(cfg, 8, "cpu", "0.10.3", 1)
+    key = cache.cache_key(cfg, held(cfg), 8, "cpu", "0.10.2", 1)
+    other = make_cfg("parallelism=auto", "data.batch_size=64")
+    assert key != cache.cache_key(other, held(other), 8, "cpu", "0.10.2", 1)
+    assert key != cache.cache_key(cfg, held(cfg), 4, "cpu", "0.10.2", 1)
+    assert key != cache.cache_key(cfg, held(cfg), 8, "cpu", "0.10.3", 1)
     import jax
 
-    key = ls.cache_key(cfg, 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
     row = Row(Layout(2, 2, 2, "dots", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
-    ls.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+    cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
 
     def timer(cfg, layouts):
         raise AssertionError("a cache hit measures nothing")
-    record = ls.search(cfg, timer=timer)
+    record = search_record(cfg, timer=timer)
     assert record["cached"] and record["search_s"] < 1.0
-    run_cfg = ls.with_layout(cfg, ls.chosen_layout(record))  # what the run follows
-    assert (run_cfg.parallelism.dp, run_cfg.parallelism.fsdp, run_cfg.parallelism.tp) == (2, 2, 2)
-    assert run_cfg.model.remat == "dots" and cfg.model.remat == "none"  # cfg is read only
+    chosen = ls.chosen_layout(record)  # what the run's plan lays out
+    assert (chosen.dp, chosen.fsdp, chosen.tp) == (2, 2, 2)
+    assert chosen.remat == "dots" and cfg.model.remat == "none"  # cfg is read only
     # parallelism.search=fresh never reads it (the key is the same: fresh measures too).
-    assert ls.cache_key(make_cfg("parallelism=auto", "parallelism.search=fresh"), 8,
-                        jax.devices()[0].device_kind, jax.__version__, 1) == key
+    fresh = make_cfg("parallelism=auto", "parallelism.search=fresh")
+    assert cache.cache_key(fresh, held(fresh), 8, jax.devices()[0].device_kind,
+                           jax.__version__, 1) == key
 
 
 @pytest.mark.e2e
@@ -205,9 +223,9 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
     common = ["data.seq_len=16", "train.steps=3", "train.log_every=1", "train.eval_every=0",
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", *common)
-    key = ls.cache_key(cfg, 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
     row = Row(Layout(2, 2, 2, "full", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
-    ls.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+    cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
     train(cfg, tmp_path / "auto")
     train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
@@ -229,7 +247,8 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     import jax
     import numpy as np
 
-    from dxrun.train import prepare, train
+    from dxrun.prepare import prepare
+    from dxrun.train import train
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     common = ["model.n_heads=1", "model.n_kv_heads=1", "model.n_layers=1", "data.seq_len=16",
@@ -239,15 +258,15 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
                    "parallelism.search_budget=null", *common)
     prepared = prepare(cfg)
-    drawn = prepared.handover["params"]
+    drawn = prepared.handover.params
     own = prepared.exp.init_params()
     for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(own), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same bits
     del own
-    record = prepared.exp.plan.layout_search
+    record = prepared.plan.search
     assert sum(r["measured_ms"] is not None for r in record["rows"]) == 2  # dp2 and fsdp2
     train(prepared.exp.cfg, tmp_path / "auto", prepared=prepared)
-    assert "params" not in prepared.handover  # taken, and its host copy let go
+    assert prepared.handover.params is None  # taken, and its host copy let go
     train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
 
     def losses(run):
@@ -308,12 +327,11 @@ def unsearched(tmp_path_factory):
     """``prepare`` of a 10-step default run (``model=tiny`` on 8 devices), too short for a
     search to pay: (its Prepared, the config it was given). Its own cache dir: no decision
     cached by another test."""
-    from dxrun.experiment import visible_devices
-    from dxrun.train import prepare
+    from dxrun.prepare import prepare
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("unsearched") / "cache"))
-        cfg = ls.fixed_batch(make_cfg("parallelism=auto", "train.steps=10"), visible_devices())
+        cfg = make_cfg("parallelism=auto", "train.steps=10")
         return prepare(cfg), cfg
 
 
@@ -327,7 +345,7 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     devices = visible_devices()
     calls = []
 
-    def score(trial, layout, say=True):  # instant compiles: the turns alone decide
+    def score(layout, say=True):  # instant compiles: the turns alone decide
         calls.append(layout)
         return 0.01, 0.05
     layouts = ls.candidates(cfg, *devices)[0]
@@ -335,15 +353,16 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     # 9 x 3 x 11 steps of turns against 0.25 x the run's: kept at 1000 steps, searched at 1400
     # (at 1200 the 8 "compiles", each the time a config merge takes, tipped it on a loaded host)
     for steps, kept in ((1000, True), (1400, False)):
-        trial = ls.fixed_batch(make_cfg("parallelism=auto", f"train.steps={steps}"), devices)
-        scorer, row, what = ls._worth_it(trial, layouts, score, 0.25, None, devices, "t", "cpu")
+        trial = make_cfg("parallelism=auto", f"train.steps={steps}")
+        scorer, row, what = budget.worth_it(trial, layouts, score, 0.25, None, devices, "t",
+                                            "cpu", held(trial))
         assert (row is not None) == kept and what == "all devices data-parallel"
-        assert calls[-1] == Layout(8, 1, 1) == ls.start_layout(trial, devices)
+        assert calls[-1] == Layout(8, 1, 1) == budget.start_layout(trial, devices, held(trial))
         n = len(calls)
-        assert scorer(trial, Layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
+        assert scorer(Layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
     # A real run of 10 steps: dp8 kept, its compile the run's step
-    record = prepared.exp.plan.layout_search
-    assert prepared.exp.plan.dp == 8 and "exp" not in prepared.handover
+    record = prepared.plan.search
+    assert prepared.exp.plan.dp == 8 and prepared.handover.exp is None
     assert prepared.exp.step.compiled is not None
     assert record["compile_s"] == prepared.exp.step.compile_time_s > 0
     assert [r["mesh"] for r in record["rows"] if r["chosen"]] == ["dp8"]
@@ -355,14 +374,14 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     assert "parallelism.search_budget=0.25 of the run's est." in record["unsearched"]
     assert record["unsearched"].endswith("; parallelism.search=fresh searches anyway")
     # A batch the devices do not divide: the first layout the plan accepts is the start
-    odd = ls.fixed_batch(make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100"),
-                         devices)
+    odd = make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100")
     first = ls.candidates(odd, *devices)[0]
-    assert ls.start_layout(odd, devices) is None and first[0] == Layout(2, 1, 4)
-    _, row, what = ls._worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu")
+    assert budget.start_layout(odd, devices, held(odd)) is None and first[0] == Layout(2, 1, 4)
+    _, row, what = budget.worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu",
+                                   held(odd))
     assert row.layout == Layout(2, 1, 4) and what == "the first layout the plan accepts"
     assert not record["cached"]
-    assert ls.read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
+    assert cache.read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
 
 
 def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched):
@@ -371,25 +390,25 @@ def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched)
     starting layout's compile is the run's compile, and deciding (the estimate) is startup,
     its seconds on the line."""
     prepared, _ = unsearched
-    record = prepared.exp.plan.layout_search
-    assert "layout search: parallelism.search" not in ls.table(record)
-    first, why = ls.table(record).splitlines()
+    record = prepared.plan.search
+    assert "layout search: parallelism.search" not in ranking.table(record)
+    first, why = ranking.table(record).splitlines()
     assert first == ("  no layout search: the run keeps its starting layout, dp8 (all devices "
                      f"data-parallel); deciding took {record['decide_s']:.1f} s "
                      "(goodput's startup)")
     assert why == f"  why: {record['unsearched']}"
-    assert ls.own_s(record) == 0.0  # what train() books as search and logs as layout_search_s
+    assert ranking.own_s(record) == 0.0  # what train() books as search and logs as layout_search_s
     assert not record["searched"] and record["search_s"] == 0.0
     assert record["decide_s"] > 0 and record["compile_s"] > 0
     # plan mode books nothing
-    assert ls.table(record, run=False).splitlines()[0].startswith(
+    assert ranking.table(record, run=False).splitlines()[0].startswith(
         "  no layout search: the planned run keeps its starting layout, dp8")
-    assert "goodput" not in ls.table(record, run=False)
+    assert "goodput" not in ranking.table(record, run=False)
     # nor does a resumed run, which keeps its checkpoint's layout
-    resumed = ls.search(make_cfg("parallelism=auto"), resumed=Layout(4, 1, 2))
-    assert ls.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
+    resumed = search_record(make_cfg("parallelism=auto"), resumed=Layout(4, 1, 2))
+    assert ranking.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
                                  "run resumes")
-    assert ls.own_s(resumed) == 0.0
+    assert ranking.own_s(resumed) == 0.0
 
 
 # Two layouts on 2 devices (dp2, fsdp2; tp2 refused: one head), a one-block model, 3 steps:
@@ -406,13 +425,12 @@ TOSS_UP_TURNS = {Layout(2, 1, 1): [0.030, 0.031, 0.033], Layout(1, 2, 1): [0.032
 def fresh_search(tmp_path_factory):
     """``parallelism.search=fresh`` on ``TWO`` in its own cache dir, the turns ``TOSS_UP_TURNS``
     (the candidates compiled as a run's): (its record, the cache dir)."""
-    from dxrun.experiment import visible_devices
 
     cache = tmp_path_factory.mktemp("fresh") / "cache"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache))
-        cfg = ls.fixed_batch(make_cfg(*TWO, "parallelism.search=fresh"), visible_devices())
-        record = ls.search(cfg, timer=lambda c, layouts: {x: TOSS_UP_TURNS[x] for x in layouts})
+        cfg = make_cfg(*TWO, "parallelism.search=fresh")
+        record = search_record(cfg, timer=lambda c, layouts: {x: TOSS_UP_TURNS[x] for x in layouts})
     return record, cache
 
 
@@ -420,7 +438,6 @@ def test_search_fresh_searches_whatever_the_budget(fresh_search):
     """A user who writes ``parallelism.search=fresh`` asked for a search: a run of 3 steps,
     which the budget would keep on its start, is searched (every layout that fits timed), and
     the decision cached; ``measure`` on the same run keeps its start."""
-    from dxrun.experiment import visible_devices
 
     record, cache = fresh_search
     assert "unsearched" not in record
@@ -431,7 +448,7 @@ def test_search_fresh_searches_whatever_the_budget(fresh_search):
     assert (cache / "dxrun" / "layouts" / f"{record['key']}.json").is_file()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache.parent / "other"))
-        kept = ls.search(ls.fixed_batch(make_cfg(*TWO), visible_devices()),
+        kept = search_record(make_cfg(*TWO),
                          timer=lambda c, layouts: pytest.fail("measure kept its start"))
     assert not kept["searched"] and kept["unsearched"].startswith("a search of 2 layouts")
 
@@ -450,7 +467,7 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
     assert chosen.layout == Layout(2, 2, 2)
     record = {"search": "measure", "target": "this machine (CPU)", "search_s": 30.0,
               "searched": True, "rows": [r.to_json() for r in rows]}
-    lines = ls.table(record).splitlines()
+    lines = ranking.table(record).splitlines()
     assert lines[0].startswith("  layout search: parallelism.search=measure")
     assert lines[1] == ("  a toss-up: 2 of the 3 other layouts timed (dp4_tp2, dp4_fsdp2) are "
                         "not distinguishable from dp2_fsdp2_tp2 on this host; it was taken "
@@ -459,7 +476,7 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
     assert [x.split()[0] for x in lines[3:]] == ["dp2_fsdp2_tp2", "dp4_tp2", "dp4_fsdp2", "dp8",
                                                 "dp2_tp4", "tp8"]
     assert "✓" in lines[3] and "✓" not in "".join(lines[4:])
-    assert ls.markdown(record).splitlines()[2].startswith("| dp2_fsdp2_tp2 |")
+    assert ranking.markdown(record).splitlines()[2].startswith("| dp2_fsdp2_tp2 |")
     # plan.json keeps the estimate's order (the bench reads the roofline's first there)
     assert [r["mesh"] for r in record["rows"]][:2] == ["dp8", "dp4_fsdp2"]
     # One clearly fastest: no toss-up line
@@ -468,7 +485,7 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
             for r in rows]
     ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
     record["rows"] = [r.to_json() for r in rows]
-    assert "toss-up" not in ls.table(record)
+    assert "toss-up" not in ranking.table(record)
 
 
 def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monkeypatch):
@@ -477,14 +494,13 @@ def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monke
     winner: it names the mode and date of the run that decided (distinct from its own mode)
     and says the choice was a toss-up when timed, which it does not time again. Goodput books
     no search time for it."""
-    from dxrun.experiment import visible_devices
 
     decided, cache = fresh_search
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    cfg = ls.fixed_batch(make_cfg(*TWO), visible_devices())  # the default: measure
-    record = ls.search(cfg, timer=lambda c, layouts: pytest.fail("a cache hit times nothing"))
+    cfg = make_cfg(*TWO)  # the default: measure
+    record = search_record(cfg, timer=lambda c, layouts: pytest.fail("a cache hit times nothing"))
     assert record["cached"], "the fresh search cached no decision"
-    lines = ls.table(record).splitlines()
+    lines = ranking.table(record).splitlines()
     assert lines[0] == ("  no layout search: dp2, the decision a parallelism.search=fresh run "
                         f"cached on {decided['decided_at']}, taken by this run's "
                         "parallelism.search=measure (parallelism.search=fresh searches again)")
@@ -494,7 +510,7 @@ def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monke
     assert "✓" in lines[3]
     assert record["search"] == "measure" and record["decided_by"] == "fresh"
     assert record["decided_at"] == decided["decided_at"]
-    assert not record["searched"] and ls.own_s(record) == 0.0
+    assert not record["searched"] and ranking.own_s(record) == 0.0
 
 
 def _entry(layout, **fields):
@@ -506,7 +522,7 @@ def _entry(layout, **fields):
 
 def _put(key, entry):
     """``entry`` written by hand into the cache as it stands, no schema added."""
-    path = ls.cache_path(key)
+    path = cache.cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(entry if isinstance(entry, str) else json.dumps(entry))
     return path
@@ -518,27 +534,26 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
     decides as if there were no entry (here: 3 steps, its start kept). A sound entry is taken."""
     import jax
 
-    from dxrun.experiment import visible_devices
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cfg = ls.fixed_batch(make_cfg(*TWO), visible_devices())
-    key = ls.cache_key(cfg, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    cfg = make_cfg(*TWO)
+    key = cache.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
     dp2, fsdp2 = Layout(2, 1, 1), Layout(1, 2, 1)
-    sound = {**_entry(fsdp2), "schema": ls.CACHE_SCHEMA}
+    sound = {**_entry(fsdp2), "schema": cache.CACHE_SCHEMA}
     damaged = {
         "not JSON": "{\"search\": \"meas",
-        "no ranking": {"search": "measure", "schema": ls.CACHE_SCHEMA},
+        "no ranking": {"search": "measure", "schema": cache.CACHE_SCHEMA},
         "none chosen": {**sound, "rows": [{**sound["rows"][0], "chosen": False}]},
-        "no devices": {**_entry(Layout(0, 2, 1)), "schema": ls.CACHE_SCHEMA},
-        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": ls.CACHE_SCHEMA},
+        "no devices": {**_entry(Layout(0, 2, 1)), "schema": cache.CACHE_SCHEMA},
+        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": cache.CACHE_SCHEMA},
         "no schema": _entry(fsdp2),  # today's entries: decided once more, then stamped
-        "tp2 (one head)": {**_entry(Layout(1, 1, 2)), "schema": ls.CACHE_SCHEMA},
+        "tp2 (one head)": {**_entry(Layout(1, 1, 2)), "schema": cache.CACHE_SCHEMA},
     }
     for what, entry in damaged.items():
         path = _put(key, entry)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dxrun"):
-            record = ls.search(cfg, timer=lambda c, layouts: pytest.fail("kept its start"))
+            record = search_record(cfg, timer=lambda c, layouts: pytest.fail("kept its start"))
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1, (what, warned)
         assert str(path) in warned[0] and "parallelism.search=fresh" in warned[0], what
@@ -547,7 +562,7 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
     _put(key, sound)
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         caplog.clear()
-        record = ls.search(cfg, timer=lambda c, layouts: pytest.fail("a cache hit"))
+        record = search_record(cfg, timer=lambda c, layouts: pytest.fail("a cache hit"))
     assert record["cached"] and ls.chosen_layout(record) == fsdp2
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
@@ -558,47 +573,41 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
     finds a layout that fits (more micro-batches); its decision replaces the entry."""
     import jax
 
-    from dxrun.experiment import visible_devices
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     # runtime.memory_gb is split over the 8 simulated devices: 8 MiB each. model.remat=full:
     # recomputation frees nothing here, and the search starts its variants there.
-    cfg = ls.fixed_batch(make_cfg(*TWO, "data.seq_len=64", "data.batch_size=64",
+    cfg = make_cfg(*TWO, "data.seq_len=64", "data.batch_size=64",
                                   "runtime.memory_gb=0.0625", "parallelism.search=model",
-                                  "model.remat=full"),
-                         visible_devices())
-    key = ls.cache_key(cfg, 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    path = _put(key, {**_entry(Layout(2, 1, 1)), "schema": ls.CACHE_SCHEMA})
+                                  "model.remat=full")
+    key = cache.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    path = _put(key, {**_entry(Layout(2, 1, 1)), "schema": cache.CACHE_SCHEMA})
     with caplog.at_level(logging.WARNING, logger="dxrun"):
-        record = ls.search(cfg)
+        record = search_record(cfg)
     (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert f"{path} chose dp2, which no longer fits: " in warned
     assert "parallelism.search=fresh" in warned
     assert record["searched"] and not record["cached"]
     chosen = next(r for r in record["rows"] if r["chosen"])
     assert chosen["grad_accum"] > 1 and chosen["need_gb"] <= 0.0625 / 8
-    assert ls.chosen_layout(ls.read_cache(key)[0]) == ls.chosen_layout(record)
+    assert ls.chosen_layout(cache.read_cache(key)[0]) == ls.chosen_layout(record)
 
 
 def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, monkeypatch):
     """Plan mode applies ``parallelism.search_budget`` to the run it plans, on its target's
     estimate: 600 steps of a one-block model on an H100 take milliseconds, against a compile
     per layout; it plans the start and says why. ``null`` ranks them all."""
-    from dxrun.experiment import visible_devices
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     common = ["model.n_layers=1", "model.n_heads=1", "model.n_kv_heads=1", "parallelism=auto",
               "parallelism.n_devices=2", "plan.target=h100"]  # dp2, fsdp2 (tp2: one head)
-    devices = visible_devices()
-    record = ls.search(ls.fixed_batch(make_cfg(*common), devices), plan_mode=True)
+    record = search_record(make_cfg(*common), plan_mode=True)
     assert record["search"] == "model" and record["target"].startswith("H100")
     assert record["unsearched"].startswith("a search of 2 layouts (1 more compile of ")
     assert "ms on H100 SXM 80GB)" in record["unsearched"]
     assert [(r["mesh"], r["why"]) for r in record["rows"] if r["fits"] or r["why"]] == [
         ("dp2", ""), ("fsdp2", "not searched"), ("tp2", record["rows"][2]["why"])]
     assert ls.chosen_layout(record) == Layout(2, 1, 1)
-    ranked = ls.search(ls.fixed_batch(make_cfg(*common, "parallelism.search_budget=null"),
-                                      devices), plan_mode=True)
+    ranked = search_record(make_cfg(*common, "parallelism.search_budget=null"), plan_mode=True)
     assert "unsearched" not in ranked and sum(r["fits"] for r in ranked["rows"]) == 2
 
 
@@ -610,7 +619,8 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     attempt from step 0 with those steps productive."""
     import jax
 
-    from dxrun.train import prepare, train
+    from dxrun.prepare import prepare
+    from dxrun.train import train
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     common = ["model.n_heads=1", "model.n_kv_heads=1", "model.n_layers=1", "data.seq_len=16",
@@ -620,21 +630,21 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
                    "parallelism.search_turn_s=1e-6", "parallelism.search_budget=null", *common)
     assert ls.train_budget(cfg) == 13  # the steps before the first row (step 14)
     prepared = prepare(cfg)
-    record = prepared.exp.plan.layout_search
+    record = prepared.plan.search
     trained = record["trained_steps"]
     # two layouts (dp2, fsdp2), a turn of two steps each (the untimed, one timed), one round
     # at least and three at most
     assert sum(r["measured_ms"] is not None for r in record["rows"]) == 2
     assert trained in (4, 8, 12) and 0 < record["trained_s"] < record["search_s"]
-    assert prepared.handover["step"] == trained and "params" not in prepared.handover
-    assert isinstance(jax.tree.leaves(prepared.handover["state"])[0], jax.Array)
+    assert prepared.handover.step == trained and prepared.handover.params is None
+    assert isinstance(jax.tree.leaves(prepared.handover.state)[0], jax.Array)
     own = record["search_s"] - record["init_s"] - record["trained_s"] - record["compile_s"]
     assert 0 < record["compile_s"] < own  # the chosen layout's compile: the run's step
     assert prepared.exp.step.compiled is not None
     assert (f"the run's steps 1-{trained} trained in the turns: {own:.1f} s the search's own"
-            in ls.table(record).splitlines()[0])
+            in ranking.table(record).splitlines()[0])
     train(prepared.exp.cfg, tmp_path / "auto", prepared=prepared)
-    assert "state" not in prepared.handover  # taken: the state is the run's
+    assert prepared.handover.state is None  # taken: the state is the run's
     train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
 
     def rows(run):
@@ -780,7 +790,7 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     (chosen,) = [x for x in record["rows"] if x["chosen"]]
     assert sum(x["measured_ms"] is not None for x in record["rows"]) == 2
     assert [x["mesh"] for x in record["rows"] if not x["fits"]] == ["tp2"]
-    table = ls.table(record).splitlines()[1:]  # as rank 0 printed it (less the search time)
+    table = ranking.table(record).splitlines()[1:]  # as rank 0 printed it (less the search time)
     mesh = f"data={chosen['dp']} x fsdp={chosen['fsdp']} x tensor={chosen['tp']}"
     seen, counts = [], []
     for rank in (0, 1):

@@ -8,8 +8,9 @@ import logging
 import pytest
 from conftest import finished_wandb_run, subprocess_env
 
+from dxrun.job import Job, run_name
 from dxrun.tracking.wandb_file import read_run
-from dxrun.train import Job, run_name, train
+from dxrun.train import train
 
 QUICK = ["train.steps=6", "train.log_every=3", "parallelism=dp2", "data.batch_size=8"]
 INTERNAL = ("_timestamp", "_runtime", "_step")

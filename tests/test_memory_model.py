@@ -1,14 +1,16 @@
-"""The accelerator memory model (dxrun/capacity/memory_model.py): held against XLA's memory analysis of
+"""The accelerator memory model (dxrun/plan/memory_model.py): held against XLA's memory analysis of
 the compiled step in fp32, and what bf16, fused attention, remat, tp and accumulation change."""
 
 from __future__ import annotations
 
 import pytest
 
-from dxrun.capacity import memory_model as mm
-from dxrun.capacity import plan_mode
+from dxrun import plan_mode
+from dxrun.autotune import fit
 from dxrun.experiment import Experiment
-from dxrun.plan import make_plan
+from dxrun.plan import memory_model as mm
+from dxrun.plan import targets
+from dxrun.plan.mesh import make_plan
 from dxrun.step import step_bytes
 
 # Activations dominate: 4 layers of 256 tokens x 8 sequences at d_model 128 keep ~200 MB of
@@ -22,9 +24,9 @@ ACTIVATIONS = ["logger=none", "parallelism=dp1", "model=tiny", "model.d_model=12
 def _model_bytes(exp: Experiment, kernel: str | None = None) -> mm.MemoryEstimate:
     state = exp.abstract_state()
     x = mm.shapes(exp.cfg, exp.plan, kernel or exp.attention_kernel)
-    return mm.estimate_memory(x, plan_mode._shard_bytes(state.params),
-                              plan_mode._shard_bytes(state.opt_state),
-                              plan_mode._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+    return mm.estimate_memory(x, fit._shard_bytes(state.params),
+                              fit._shard_bytes(state.opt_state),
+                              fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -71,7 +73,7 @@ def test_the_target_decides_the_kernel():
     assert mm.target_kernel("dot_product", h100, "fp32", 64) == "xla"  # cuDNN: half only
     assert mm.target_kernel("dot_product", v5p, "bf16", 64) == "xla"
     assert mm.target_kernel("reference", h100, "bf16", 64) == "reference"
-    assert set(mm.CAPABILITY) == {t.device_kind for t in plan_mode.TARGETS.values()
+    assert set(mm.CAPABILITY) == {t.device_kind for t in targets.TARGETS.values()
                                   if t.device_kind.startswith("NVIDIA")}
 
 
@@ -105,7 +107,7 @@ def test_bf16_needs_less_than_fp32_for_every_preset_and_target(cfg_factory):
     sequences per device. fp32 master weights, gradients and optimizer state are the same in
     both; the activations shrink (norm statistics and XLA's softmax stay fp32), and on NVIDIA
     targets cuDNN drops the scores."""
-    accelerators = {k: t for k, t in plan_mode.TARGETS.items() if t.device_kind != "cpu"}
+    accelerators = {k: t for k, t in targets.TARGETS.items() if t.device_kind != "cpu"}
     for preset in PRESETS:
         seq = 128 if preset.startswith("tiny") else 1024
         need = {}
@@ -113,8 +115,8 @@ def test_bf16_needs_less_than_fp32_for_every_preset_and_target(cfg_factory):
             cfg = cfg_factory(f"model={preset}", "parallelism=fsdp8", "logger=none",
                               f"data.seq_len={seq}", "data.batch_size=64",
                               f"train.precision={precision}")
-            exp = Experiment.build(cfg, data=plan_mode._NoData())
-            need[precision] = {k: plan_mode.accelerator_memory(exp, t)
+            exp = Experiment.build(cfg, data=fit.NoData())
+            need[precision] = {k: fit.accelerator_memory(exp, t)
                                for k, t in accelerators.items()}
         for k in accelerators:
             fp32, bf16 = need["fp32"][k], need["bf16"][k]
@@ -131,7 +133,7 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=dp1", "plan.target=h100", "logger=none",
                       "train.precision=bf16")
-    report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=plan_mode._NoData()))
+    report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
     m, t = report["memory_model"], report["target"]
     assert t["needs_from"] == "memory model"
     assert t["needs_per_device_gb"] == pytest.approx(m["total_bytes"] / 1e9)
@@ -154,18 +156,18 @@ def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
     model too (built from shapes, nothing compiled), and the first that fits is returned."""
     from omegaconf import OmegaConf
 
-    h100 = plan_mode.TARGETS["h100"]
+    h100 = targets.TARGETS["h100"]
 
     def need(c) -> float:
-        return plan_mode.accelerator_memory(Experiment.build(c, data=plan_mode._NoData()),
+        return fit.accelerator_memory(Experiment.build(c, data=fit.NoData()),
                                             h100).total_bytes
 
     cfg = cfg_factory("model=small", "parallelism=dp8", "data.seq_len=1024",
                       "data.batch_size=64", "logger=none")
     full = OmegaConf.merge(cfg, {"model": {"remat": "full"}})
     budget = (need(cfg) + need(full)) / 2
-    fix = plan_mode.first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
-                                    need=lambda e: plan_mode.accelerator_memory(e, h100).total_bytes)
+    fix = fit.first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
+                                    need=lambda e: fit.accelerator_memory(e, h100).total_bytes)
     assert fix == ["model.remat=full"]
     assert need(cfg) > budget >= need(OmegaConf.merge(cfg, OmegaConf.from_dotlist(fix)))
 

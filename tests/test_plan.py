@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.batch import resolved_config
 from dxrun.config import validate
 from dxrun.errors import ConfigError
-from dxrun.plan import make_plan
+from dxrun.plan.mesh import make_plan
+from dxrun.plan.run_plan import RunPlan, resolved_config
 
 PRESETS = {
     "auto": (8, 1, 1), "dp": (8, 1, 1), "dp1": (1, 1, 1), "dp2": (2, 1, 1), "dp4": (4, 1, 1),
@@ -152,7 +152,7 @@ def test_per_device_batch_gives_the_global_batch(cfg_factory, preset, accum):
     assert ("x 2 micro-batches (train.grad_accum)" in row) == (accum == 2)
     assert row.endswith("set by data.per_device_batch_size=4")
     # The run saves the global batch; planning that config again follows the mesh.
-    cfg = resolved_config(cfg, plan)
+    cfg = resolved_config(cfg, RunPlan(plan))
     assert cfg.data.batch_size == plan.global_batch
     assert make_plan(cfg, 8).global_batch == plan.global_batch
 

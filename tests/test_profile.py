@@ -10,12 +10,15 @@ import time
 import pytest
 
 from dxrun import profile
-from dxrun.capacity import memory_report, plan_mode
-from dxrun.capacity.preflight import memory_preflight
+from dxrun.autotune import memory_report
+from dxrun.autotune.preflight import memory_preflight
+from dxrun.checkpointing import cadence
 from dxrun.errors import ConfigError
+from dxrun.job import Job
+from dxrun.prepare import prepare
 from dxrun.step import step_bytes
 from dxrun.tracking.wandb_file import read_run
-from dxrun.train import Job, prepare, train
+from dxrun.train import train
 from tests.conftest import make_cfg
 
 TRACED = ["parallelism=dp4_tp2", "model=tiny", "data.seq_len=32", "train.steps=6",
@@ -99,7 +102,7 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
 def test_a_run_whose_weights_alone_do_not_fit_is_refused_without_a_search(traced_run, tmp_path):
     *_, cfg, exp = traced_run
     small = copy.deepcopy(cfg)
-    floor = plan_mode.state_bytes(exp.abstract_state()) / exp.plan.n_visible
+    floor = cadence.state_bytes(exp.abstract_state()) / exp.plan.n_visible
     # Half the state's share of one device per device: no remat, accumulation, batch or FSDP
     # suggestion can fit, so the line says why instead of naming one.
     small.runtime.memory_gb = 0.5 * floor * 8 / 2**30

@@ -41,7 +41,7 @@ def test_the_estimate_basis_is_the_last_published_benchmarks():
     import json
     from pathlib import Path
 
-    from dxrun.capacity import gpu_cost
+    from dxrun.plan import gpu_cost
 
     data = json.loads((Path(__file__).parents[1] / "BENCHMARKS.published.json").read_text())
     assert data["basis"] == gpu_cost.ESTIMATE_BASIS

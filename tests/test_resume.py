@@ -24,7 +24,8 @@ from conftest import make_cfg, run_cli, subprocess_env, tree_digest, write_corpu
 from dxrun.checkpointing import checkpoint
 from dxrun.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
-from dxrun.train import prepare, train
+from dxrun.prepare import prepare
+from dxrun.train import train
 
 SHORT = ["model=tiny", "train.steps=3", "checkpoint.every=1", "train.log_every=1",
          "train.eval_every=0", "logger=none", "parallelism=dp2", "data.batch_size=8"]
@@ -518,5 +519,5 @@ def test_an_auto_run_resumes_on_fewer_devices(tmp_path, caplog):
     train(prepared.exp.cfg, tmp_path / "run", prepared=prepared)
     assert _steps(tmp_path / "run") == [1, 2, 3]
     kept = prepare(make_cfg(*auto, "train.steps=4", "parallelism.n_devices=4"), tmp_path / "run")
-    assert kept.exp.plan.layout_search["search"] == "resume"
+    assert kept.plan.search["search"] == "resume"
     assert (kept.exp.plan.dp, kept.exp.plan.n_devices) == (4, 4)

@@ -12,8 +12,8 @@ import pytest
 from conftest import run_cli
 from test_sweep import _compose, _csv, _jobs, _num, _sweep_jobs, _validated
 
-from dxrun.batch import resolved_config
-from dxrun.plan import make_plan
+from dxrun.plan.mesh import make_plan
+from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.report.collect import JobRecord, scaling_efficiency
 
 
@@ -130,7 +130,7 @@ def test_resolved_config_plans_again_on_another_mesh():
     """A config whose batch was written back (a run's saved config) follows the per-device
     batch when planned on another mesh, never the stale global batch."""
     run = _validated("sweep=weak_scaling", "parallelism=dp2")
-    run = resolved_config(run, make_plan(run, 8, "cpu"))
+    run = resolved_config(run, RunPlan(make_plan(run, 8, "cpu")))
     assert run.data.batch_size == 64
     run.parallelism = _validated("parallelism=dp8").parallelism
     assert make_plan(run, 8, "cpu").global_batch == 256

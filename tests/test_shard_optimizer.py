@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
+from dxrun import plan_mode
 from dxrun import sharding as shd
-from dxrun.capacity.hlo import collectives
-from dxrun.capacity.plan_mode import TARGETS, accelerator_memory
+from dxrun.autotune.fit import accelerator_memory
+from dxrun.autotune.hlo import collectives
 from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.checkpoint import Checkpointer, Resume
 from dxrun.experiment import Experiment
+from dxrun.plan import targets
+from dxrun.plan.targets import TARGETS
 
 STEPS = 3
 # One optimizer per mesh: Adam's moments, Lion's momentum, SGD's momentum. A clip_norm far
@@ -99,7 +102,7 @@ def test_optimizer_bytes_per_device_on_dp8(dp8):
 def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
     """From the shardings alone (nothing compiled): 1/dp of the state without ZeRO-1 on top
     of the tensor and fsdp split, up to what the data axis cannot split."""
-    from dxrun.capacity.plan_mode import _shard_bytes
+    from dxrun.autotune.fit import _shard_bytes
 
     on = Experiment.build(_cfg(mesh, True)).abstract_state().opt_state
     off = Experiment.build(_cfg(mesh, False)).abstract_state().opt_state
@@ -109,8 +112,7 @@ def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
 
 
 def test_default_follows_data_replicas():
-    from dxrun.experiment import shard_optimizer
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan, shard_optimizer
 
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
@@ -158,7 +160,6 @@ def test_checkpoint_restores_across_the_flag(dp8, tmp_path, saved_with):
 def test_plan_table_says_the_optimizer_is_split(dp8):
     from omegaconf import OmegaConf
 
-    from dxrun.capacity import plan_mode
 
     exp = dp8[True][0]  # its step compiled already: plan mode compiles nothing more
     cfg = OmegaConf.merge(exp.cfg, {"plan": {"target": "h100"}})
@@ -166,4 +167,4 @@ def test_plan_table_says_the_optimizer_is_split(dp8):
     unsplit = report["opt_state_unsplit_bytes"]
     assert report["shard_optimizer"] is True and 0 < unsplit < 0.03 * report["per_device"][
         "opt_state_bytes"]
-    assert f"(split over data; {plan_mode._gb(unsplit)} not)" in plan_mode.plan_table(report)
+    assert f"(split over data; {targets.gb_text(unsplit)} not)" in plan_mode.plan_table(report)

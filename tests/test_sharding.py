@@ -16,10 +16,10 @@ from conftest import make_cfg
 from flax import nnx
 
 from dxrun import sharding as shd
-from dxrun.capacity.hlo import collective_lines, collectives
+from dxrun.autotune.hlo import collective_lines, collectives
 from dxrun.experiment import Experiment
 from dxrun.model import Block
-from dxrun.plan import make_plan
+from dxrun.plan.mesh import make_plan
 
 MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2"]
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob("*.yaml"))

@@ -351,7 +351,7 @@ def test_every_preset_is_a_global_package():
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in preset_dir("experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_plans(name):
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan
 
     extra = ["data.path=corpus.txt"] if name == "gpt2_small_text" else []
     cfg = _compose(f"experiment={name}", *extra, hydra=True)
@@ -370,7 +370,7 @@ def test_every_experiment_composes_and_plans(name):
 
 
 def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan
 
     cfg = _compose("sweep=batch_devices", hydra=True)
     jobs = _sweep_jobs(cfg.hydra.sweeper.params)
@@ -400,7 +400,7 @@ def test_throughput_presets_log_enough_windows_to_rank(preset):
     block in the next row, whose window it held; the final save in no row: the grid sweep above
     checks this on real jobs), leave the report's statistic at least ranking.STEADY_WINDOWS
     windows a job."""
-    from dxrun.capacity.plan_mode import save_cadence
+    from dxrun.checkpointing.cadence import save_cadence
     from dxrun.report.collect import job_throughput
     from dxrun.report.ranking import STEADY_WINDOWS
 

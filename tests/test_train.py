@@ -195,9 +195,9 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
 
 @pytest.mark.e2e
 def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path):
-    from dxrun.capacity import flops
     from dxrun.experiment import Experiment
     from dxrun.model import count_params
+    from dxrun.plan import flops
 
     base = ["logger=none", "data.vocab_size=65", "train.steps=2", "train.log_every=2",
             "train.eval_every=0", "checkpoint.every=0"]

@@ -28,31 +28,32 @@ QUICK_CASES = [("tiny", ["model=tiny", "model.n_layers=1", "data.seq_len=16"], (
 def case(name: str, shape: list[str], batch: int, rounds: int, command: str
          ) -> tuple[Figure, bool]:
     """(the choice / best figure, whether the roofline's first choice was the measured best)."""
+    from dxrun.autotune.search import search
+    from dxrun.autotune.timing import Handover, time_layouts
     from dxrun.bench.speed import compose_cfg
-    from dxrun.capacity import layout_search
     from dxrun.experiment import visible_devices
+    from dxrun.plan.layouts import chosen_layout, rows_of
+    from dxrun.plan.mesh import held_batch
 
     devices = visible_devices()
     # The search reads the config and never rewrites it: the timing below uses the same
     # resolved batch and sequence length as the search did.
     # search_budget=null: the search itself is what is measured, whatever the run's length.
-    cfg = layout_search.fixed_batch(compose_cfg(*shape, f"data.batch_size={batch}",
-                                                "parallelism=auto", "parallelism.search=fresh",
-                                                "parallelism.search_budget=null"),
-                                    devices)
+    cfg = compose_cfg(*shape, f"data.batch_size={batch}", "parallelism=auto",
+                      "parallelism.search=fresh", "parallelism.search_budget=null")
+    held = held_batch(cfg, *devices)
     t0 = time.perf_counter()
     _progress(f"{name} batch {batch}: searching (parallelism=auto, search=fresh)")
-    handover: dict = {}  # as a run's: the search says what of its time was the run's init
-    record = layout_search.search(cfg, handover=handover)
-    handover.clear()
-    chosen = layout_search.chosen_layout(record)
-    fitting = [r for r in layout_search.rows_of(record) if r.fits]
+    # As a run's: the search says what of its time was the run's init.
+    record = search(cfg, handover=Handover(), held=held).record
+    chosen = chosen_layout(record)
+    fitting = [r for r in rows_of(record) if r.fits]
     layouts = [r.layout for r in fitting]
     first_by_model = layouts[0]  # the model stage's order: estimated fastest first
     _progress(f"{name} batch {batch}: auto chose {chosen.label} in {record['search_s']:.0f} s; "
               f"timing {len(layouts)} layouts x {rounds} rounds")
     # Every layout in every round (no pruning), the order alternating: drift falls on all alike.
-    step_s = layout_search.time_layouts(cfg, layouts, devices, rounds=rounds, prune=None)
+    step_s = time_layouts(cfg, layouts, devices, rounds=rounds, prune=None, held=held)
     best = min(layouts, key=step_s.__getitem__)
     raw = {lay.label: f"{1e3 * s:.1f} ms" for lay, s in sorted(step_s.items(),
                                                                   key=lambda kv: kv[1])}

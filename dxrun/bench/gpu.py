@@ -5,7 +5,7 @@ cuDNN's fused flash attention (``dxrun/attention_kernel.py``); each figure recor
 step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
 says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU plan mode's
 estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the accelerator time
-model of ``dxrun/capacity/gpu_cost.py`` (the GPU program's FLOPs, fused attention and fused elementwise
+model of ``dxrun/plan/gpu_cost.py`` (the GPU program's FLOPs, fused attention and fused elementwise
 traffic; the CPU compile only for the collectives).
 
     python -m dxrun.bench --gpu        # on a machine with an NVIDIA GPU: measured
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import jax
 
+from dxrun import plan_mode
+from dxrun.autotune.fit import NoData
 from dxrun.bench.report import Figure, figure
 from dxrun.bench.speed import compose_cfg, dxrun_runner
 from dxrun.bench.timing import interleaved
-from dxrun.capacity import flops, plan_mode
 from dxrun.experiment import Experiment
+from dxrun.plan import flops
 
 MODELS = ("small", "medium")
 # GPT-2's padded vocabulary and context; a batch that fills an H200 without remat.
@@ -41,7 +43,7 @@ def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
     for model in models:
         cfg = compose_cfg(f"model={model}", *GPT2, f"data.batch_size={batch}",
                           "run.mode=plan", f"plan.target={target}")
-        exp = Experiment.build(cfg, data=plan_mode._NoData())
+        exp = Experiment.build(cfg, data=NoData())
         t = plan_mode.plan_report(cfg, exp)["target"]
         out.append(figure(
             f"{SECTION} (plan-mode roofline estimate, no GPU measured)",
@@ -50,7 +52,7 @@ def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
              "tokens_per_s": round(t["tokens_per_s"]), "bound": t["bound"],
              "compute_ms": round(1e3 * t["compute_s"], 1),
              "memory_ms": round(1e3 * t["memory_s"], 1), "peak_tflops": t["peak_tflops"]},
-            note=f"an estimate (dxrun/capacity/gpu_cost.py): {t['estimate']}",
+            note=f"an estimate (dxrun/plan/gpu_cost.py): {t['estimate']}",
             command=f"python -m dxrun run.mode=plan plan.target={target} model={model} "
                     + " ".join(GPT2) + f" data.batch_size={batch}"))
     return out

@@ -5,7 +5,7 @@ batch, sequence length, precision, recomputation, accumulation and hardware (``p
 or the nearest dxrun setting where dxrun lacks what the run used (``nearest``). The estimated
 tokens/s per GPU is held against the published one: the ratio (estimate / published) is what the
 goal (0.75-1.25) is about, and the runs' order by tokens/s per GPU must be preserved. Two runs
-calibrate one constant each of ``dxrun/capacity/gpu_cost.py: COST`` (marked in the table); the other two
+calibrate one constant each of ``dxrun/plan/gpu_cost.py: COST`` (marked in the table); the other two
 are the validation, whose worst ratio is ``gpu_cost.ESTIMATE_BASIS`` (the basis plan mode's
 estimate row prints).
 
@@ -24,7 +24,7 @@ from typing import Any
 GOAL = (0.75, 1.25)
 CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T x T attention "
               "scores kept for the backward), not an accelerator memory model")
-MODEL_MEMORY = ("the accelerator memory model (dxrun/capacity/memory_model.py: the state's shards, "
+MODEL_MEMORY = ("the accelerator memory model (dxrun/plan/memory_model.py: the state's shards, "
                 "every layer's saved activations for the run's precision, remat and attention kernel, "
                 "one layer's backward, the logits, FSDP's gathers)")
 SECTION = "Plan mode vs published GPU runs"
@@ -97,13 +97,14 @@ RUNS: tuple[Run, ...] = (
 
 def plan_run(run: Run) -> dict[str, Any]:
     """Plan one run (shapes only) and hold its estimate against the published figure."""
+    from dxrun import plan_mode
+    from dxrun.autotune.fit import NoData
     from dxrun.bench.speed import compose_cfg
-    from dxrun.capacity import plan_mode
     from dxrun.experiment import Experiment
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     t0 = time.perf_counter()
-    exp = Experiment.build(cfg, data=plan_mode._NoData())
+    exp = Experiment.build(cfg, data=NoData())
     report = plan_mode.plan_report(cfg, exp, suggest=False)
     seconds = time.perf_counter() - t0
     t = report["target"]
@@ -116,7 +117,7 @@ def plan_run(run: Run) -> dict[str, Any]:
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
         "ratio": ratio, "in_goal": GOAL[0] <= ratio <= GOAL[1],
         # Plan mode's per-device need: on an accelerator target the memory model's
-        # (dxrun/capacity/memory_model.py), otherwise the CPU compile's memory analysis.
+        # (dxrun/plan/memory_model.py), otherwise the CPU compile's memory analysis.
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
         "memory_source": MODEL_MEMORY if t.get("needs_from") == "memory model" else CPU_MEMORY,
         "published_memory_gib": run.memory_gib,
@@ -154,7 +155,7 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
              f"({machine['cpu_cores']} cores), JAX {machine['jax']}, {machine['date']}. Each run "
              "is planned from shapes alone (`run.mode=plan`, 8 simulated devices) with its "
              "published mesh, batch, sequence length, precision, recomputation, accumulation "
-             "and hardware; the estimate is `dxrun/capacity/gpu_cost.py`'s time model. Ratio = "
+             "and hardware; the estimate is `dxrun/plan/gpu_cost.py`'s time model. Ratio = "
              "estimated / published tokens/s per GPU; goal 0.75–1.25 and the runs' order kept. "
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "
              f"are the validation: within ±{b['within_pct']}%. Memory: what plan mode reports "

@@ -46,7 +46,7 @@ import jax
 import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
-from dxrun.capacity.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
+from dxrun.checkpointing.cadence import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.checkpointing.preempt import Preemption, ProcessAgreement, Stopped
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.config import CheckpointConfig, TrainConfig
@@ -689,7 +689,7 @@ class RunCheckpoints:
                  cadence: tuple[int, float], tokens: Callable[[int], int] | None = None,
                  relaunch: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.start = start  # the step this attempt began at: saved already, or the init
-        every, minutes = cadence  # (steps, minutes) between saves: plan_mode.save_cadence
+        every, minutes = cadence  # (steps, minutes) between saves: cadence.save_cadence
         self.every, self.log_every = every, train.log_every
         self.every_s = 60.0 * minutes
         self.clock = clock  # time.monotonic; a test passes its own

@@ -61,7 +61,7 @@ class Data:
         if seq_len is None:  # no plan: data.seq_len, or for null this backend's default
             import jax
 
-            from dxrun.batch import default_seq_len
+            from dxrun.plan.batch import default_seq_len
 
             seq_len = default_seq_len(d.seq_len, cfg.model.max_seq_len, jax.default_backend())
         batch_size = d.batch_size if batch_size is None else batch_size

@@ -55,8 +55,8 @@ def batch_count(cfg: Any, data: Any, all_batches: bool) -> int:
 
 def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     """Evaluate, write ``eval.json``, log to W&B; return the record."""
+    from dxrun.attempt import evaluate
     from dxrun.data import EVAL
-    from dxrun.train import evaluate
 
     all_batches = ALL in overrides
     loaded = load(path, [o for o in overrides if o != ALL], key="path")

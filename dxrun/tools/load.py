@@ -174,7 +174,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     resume = checkpoint.locate(path.expanduser().absolute(), key)
     start_devices(overrides)
     from dxrun.experiment import Experiment, visible_devices
-    from dxrun.plan import make_plan
+    from dxrun.plan.mesh import make_plan
 
     step, meta = checkpoint.newest_meta(resume)
     where = resume.directory / str(step)

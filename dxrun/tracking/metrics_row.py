@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.capacity.flops import mfu
+from dxrun.plan.flops import mfu
 from dxrun.tracking.step_timer import Measured
 
 

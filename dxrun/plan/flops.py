@@ -1,4 +1,4 @@
-"""Model FLOPs, device peaks and MFU: pure functions (no JAX import), except the matmul probe.
+"""Model FLOPs, device peaks and MFU: pure functions (no JAX import).
 
 FLOPs per token of one training step (forward + backward = 3 x forward):
 
@@ -47,7 +47,7 @@ PEAK_TFLOPS: dict[str, tuple[float, float]] = {
     "NVIDIA H100 PCIe": _H100_PCIE,
     "NVIDIA H100 NVL": _NVL,
     # Meta's Grand Teton H100 (96 GB HBM2e; torchtitan docs/performance.md): the SXM die. Its
-    # 500 W limit is a clock, not a datasheet peak: dxrun/capacity/gpu_cost.py's clock_scale.
+    # 500 W limit is a clock, not a datasheet peak: dxrun/plan/gpu_cost.py's clock_scale.
     "NVIDIA H100 96GB HBM2e": _H100_SXM,
     "NVIDIA H800": _H100_SXM,
     "NVIDIA H800 PCIe": _H100_PCIE,
@@ -107,43 +107,6 @@ def mfu(tflops_per_device: float, peak: float) -> float:
     return tflops_per_device / peak
 
 
-def matmul_probe(devices: Any, n: int) -> tuple[Any, Any]:
-    """A compiled batched fp32 matmul with one ``n x n`` matrix per device, and its input,
-    sharded one matrix per device, so that all ``devices`` run the probe at once."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import AxisType, Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.array(devices), ("probe",), axis_types=(AxisType.Auto,))
-    one_per_device = NamedSharding(mesh, P("probe"))
-    x = jax.jit(lambda: jnp.ones((len(devices), n, n), jnp.float32),
-                out_shardings=one_per_device)()
-    f = jax.jit(lambda a: a @ a, in_shardings=one_per_device, out_shardings=one_per_device)
-    return f.lower(x).compile(), x
-
-
-def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -> float:
-    """Achieved TFLOP/s per device of a square fp32 matmul run on all ``devices`` (default: this
-    process's) at once: a stand-in peak for CPUs. Simulated CPU devices share the host's cores,
-    so one device probed alone would get the whole host and MFU would be capped near 1/n."""
-    import time
-
-    import jax
-
-    devices = [d for d in (jax.local_devices() if devices is None else devices)
-               if d.process_index == jax.process_index()]
-    compiled, x = matmul_probe(devices, n)
-    compiled(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        compiled(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12  # every device did one n x n matmul in `best` seconds
-
-
 # --- the FLOPs of one step, counted from the model's shapes ----------------------------------
 #
 # Conventions (2 FLOPs per multiply-add; per step, all devices together; divide by the device
@@ -161,7 +124,6 @@ def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -
 #   no gradient needs, so XLA drops it from the recomputation (its count agrees); ``dots``: a
 #   fused attention's forward, the one thing the policy does not keep, since the kernel is a
 #   custom call, not a dot).
-
 
 def block_matmul_flops(model: Any) -> float:
     """Forward FLOPs per token of one block's weight matmuls: q/k/v, the output projection and

@@ -17,16 +17,10 @@ would leave it launch- and all-reduce-bound (model=large: 512 tokens per GPU per
 
 from __future__ import annotations
 
-import copy
 import math
-from typing import TYPE_CHECKING, Any
-
-from omegaconf import DictConfig, OmegaConf
+from typing import Any
 
 from dxrun.errors import ConfigError
-
-if TYPE_CHECKING:
-    from dxrun.plan import MeshPlan
 
 DEFAULT_BATCH = 32
 CPU_SEQ_LEN = 64  # data.seq_len=null on CPU (capped by model.max_seq_len)
@@ -72,21 +66,6 @@ def default_seq_len(seq_len: int | None, max_seq_len: int, platform: str) -> int
     if seq_len is not None:
         return int(seq_len)
     return min(CPU_SEQ_LEN, max_seq_len) if platform == "cpu" else int(max_seq_len)
-
-
-def resolved_config(cfg: DictConfig, plan: MeshPlan) -> DictConfig:
-    """A copy of ``cfg`` holding the plan's global batch and sequence length in
-    ``data.batch_size`` and ``data.seq_len``: what the run's files record (``config.yaml``, the
-    W&B config, each checkpoint's config). ``cfg`` itself is read, never rewritten: the run
-    takes the numbers from the plan (``plan.global_batch``, ``plan.seq_len``)."""
-    out = copy.deepcopy(cfg)
-    out.data.batch_size, out.data.seq_len = plan.global_batch, plan.seq_len
-    return out
-
-
-def saved_config(cfg: DictConfig, plan: MeshPlan) -> dict[str, Any]:
-    """``resolved_config`` as the plain dict the run's files are written from."""
-    return OmegaConf.to_container(resolved_config(cfg, plan), resolve=True)
 
 
 def scaled_lr(opt: Any, batch_size: int) -> float:

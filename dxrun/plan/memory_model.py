@@ -1,81 +1,13 @@
 """Per-device memory of one train step on an accelerator, from the shapes (plan mode's model).
 
-Plan mode compiles the step on XLA:CPU, whose temporaries describe a CPU program: bf16 is
-computed through converts and fp32 temporaries, and loop-invariant broadcasts are
-materialised, so a bf16 plan shows *more* memory than an fp32 one. For an accelerator target
-this module counts what the step keeps instead. Everything is per device and in bytes.
-
-**State** (read from the real abstract state's shardings by the caller, so any future
-sharding of the optimizer state flows through): fp32 master parameters, optimizer state, one
-fp32 gradient per parameter shard (``dxrun.model.dense`` returns fp32 weight gradients under
-bf16 too; two under ``train.grad_accum`` > 1: the accumulated sum and the micro-batch's), and
-the token batch.
-
-**Activations**, the standard per-layer accounting (Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models": ``34·s·b·h + 5·a·s²·b`` bytes per
-layer in fp16 without recompute; ``s·b·h`` the layer's input, ``a·s²·b`` one score tensor),
-recounted for the tensors dxrun's block keeps for its backward pass as JAX differentiates it
-(``jax.ad_checkpoint.print_saved_residuals`` of a ``Block``) and XLA keeps them (the stacked
-residuals of the scan in the compiled step). Per layer, per micro-batch of ``b`` sequences of
-``s`` tokens on this device; ``h`` = d_model, ``f`` = d_ff, ``qkv`` = (heads + 2·kv_heads)·
-head_dim, ``a`` = heads; ``c`` the compute dtype's bytes (``train.precision``), 4 for fp32:
-
-* each norm (LayerNorm or RMSNorm, statistics in fp32): its centred/fp32 input and the
-  normalised tensor in fp32, its output in ``c``: ``2·4 + c`` per ``s·b·h``;
-* attention projections: q, k, v (``s·b·qkv``) and the heads' output (``s·b·h``) in ``c``;
-  the qkv weight concatenated for use, in ``c`` (weight-sized, not batch-sized);
-* attention core: XLA's kernel and ``model.attention=reference`` keep the exponentiated
-  scores in fp32 and the probabilities in ``c``: ``(4 + c)·a·s²·b``; cuDNN's fused flash
-  attention (``attention_kernel.attention_implementation``: NVIDIA, bf16, supported head
-  dim) keeps only the log-sum-exp, ``4·a·s·b`` (O(s));
-* MLP: GELU (tanh) keeps its input, the cube, the tanh, its derivative's factor, the CDF and
-  its output; SwiGLU the up and gate outputs, the sigmoid, the SiLU and the product and its
-  output: six ``s·b·f`` tensors in ``c`` either way, plus the fp32 bias sum when a bias is
-  added under bf16 (``add_bias``);
-* the residual stream needs nothing (its adds' gradients are the identity).
-
-Summed for a GPT-2 block (f = 4h, qkv = 3h): ``136·s·b·h + 8·a·s²·b`` bytes per layer in
-fp32; in bf16 with cuDNN ``92·s·b·h + 4·a·s·b`` (76 without biases). The paper's count
-without dropout is ``32·s·b·h + 2·a·s²·b`` (fp16): dxrun keeps more because JAX's VJP of the
-tanh GELU keeps five intermediates where a hand-written kernel keeps its input (48 against
-16 in bf16), and the norms keep fp32 copies (20 against 4).
-
-``model.remat`` (``jax.checkpoint`` per layer):
-
-* ``none``: the above for every layer;
-* ``dots`` (matmul outputs kept): the qkv projection, the scores (fp32; nothing with cuDNN),
-  the attention and output projections' and the MLP's matmul outputs, in ``c``, and the layer
-  input. Under bf16 the weight matmuls are ``dense``'s custom VJP, which ``checkpoint_dots``
-  cannot see; the policy keeps them by their checkpoint name (``model.DENSE``);
-* ``full``: the layer input only.
-
-With remat, one layer's recomputation is alive during its backward pass (the working set
-below). TP divides heads, kv heads, ``f`` and the vocabulary by
-``tp`` (the norms' and the residual stream's ``s·b·h`` are replicated: no sequence
-parallelism); data and fsdp divide the batch; ``train.grad_accum`` divides it again (one
-micro-batch alive at a time).
-
-**Working set**: one layer's backward pass beyond what is saved (``working_set``): the
-gradients flowing through it, the larger of the MLP's (``c·s·b·(f + h)``) and the attention
-core's (dP and dS, ``2·4·a·s²·b`` where scores are materialised, and the q, k, v and output
-gradients). Without remat the saved tensors are the scan's stacked buffers, freed only after
-the loop, so that comes on top of all of them; with remat the layer's recomputed residuals
-are alive too (its MLP's elementwise chain recomputed inside the backward's fusions: the
-matmul outputs, the activation's output and its derivative), the MLP's and the second norm's
-dead before the attention core's backward. **Head**: the final norm's residuals and fp32
-logits of the (padded, tp-split) vocabulary with their gradient: ``(8 + c)·s·b·h +
-2·4·s·b·V``, with ``model.loss_chunk`` = C only one chunk's: ``2·4·C·b·V``.
-**Gathers**: under FSDP one layer's weights gathered in ``c`` for its forward
-and one for its backward (XLA gathers per layer inside the scan). The peak is at the start of
-the backward pass: state + gradients + batch + gathers + every layer's saved tensors +
-working set + head.
-
-Cross-checked against XLA:CPU's memory analysis of the compiled step in fp32 with the
-attention XLA runs on CPU (``tests/test_memory_model.py``: within 10% for every remat policy).
-What XLA:CPU holds beyond the model, read from its buffer assignment: a softmax row statistic
-broadcast to score size to feed a YNNPACK library fusion (which takes no broadcast operand;
-XLA:GPU fuses it), elementwise temporaries its fusion leaves unfused (recomputed SwiGLU), and
-gaps in its heap packing (``dots``: about a fifth of its temporaries is never live at once).
+XLA:CPU's temporaries describe a CPU program (bf16 through fp32 temporaries, broadcasts
+materialised), so for an accelerator target this module counts what the step keeps instead:
+the state (read from the abstract state's shardings by the caller), every layer's saved
+activations for the precision, ``model.remat`` and attention kernel (the per-layer accounting
+of Korthikanti et al. 2022, recounted for dxrun's block), one layer's backward working set,
+the logits and FSDP's gathers. Everything is per device and in bytes; the accounting, term by
+term, is in the guide (docs/guide/large-models.md, "The memory model's accounting") and is
+cross-checked against XLA:CPU's memory analysis in ``tests/test_memory_model.py``.
 """
 
 from __future__ import annotations
@@ -83,7 +15,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dxrun.chunked_loss import loss_chunk_for
+import ml_dtypes
+import numpy as np
+
+from dxrun.attention_kernel import attention_implementation
+from dxrun.plan.loss_chunk import loss_chunk_for
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -131,14 +67,14 @@ def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
     """The per-device shapes of ``cfg`` on ``plan``'s mesh (dp, fsdp, tp)."""
     m = cfg.model
     tp, replicas = plan.tp, plan.dp * plan.fsdp
-    accum = cfg.train.grad_accum
+    accum = plan.grad_accum
     c = DTYPE_BYTES[cfg.train.precision]
     return Shapes(
         b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
         head_dim=m.d_model // m.n_heads,
         vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
-        mlp=m.mlp, bias=bool(m.bias), remat=m.remat, kernel=kernel,
+        mlp=m.mlp, bias=bool(m.bias), remat=plan.remat, kernel=kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
         loss_chunk=loss_chunk_for(cfg, plan))
 
@@ -255,7 +191,7 @@ def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
                           basis)
 
 
-# The compute capability of each NVIDIA target (plan_mode.TARGETS' device kinds), which decides
+# The compute capability of each NVIDIA target (plan.targets.TARGETS' device kinds), which decides
 # whether cuDNN's fused attention runs there (attention_kernel.attention_implementation).
 CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 96GB HBM2e": "9.0",
               "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
@@ -266,11 +202,6 @@ def target_kernel(attention: str, device_kind: str, precision: str, head_dim: in
     """The attention a run of this config would run on ``device_kind``: ``reference`` as
     configured, else the kernel ``jax.nn.dot_product_attention`` is asked for there (cuDNN on
     an NVIDIA GPU with bf16 and a head dim it takes, XLA everywhere else)."""
-    import ml_dtypes
-    import numpy as np
-
-    from dxrun.attention_kernel import attention_implementation
-
     if attention != "dot_product":
         return attention
     nvidia = device_kind.startswith("NVIDIA")

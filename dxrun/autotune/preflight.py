@@ -2,7 +2,6 @@
 compiled from shapes alone must fit what this host or device gives one device; a refusal names
 the nearest setting that fits (plan mode's suggestion search) and writes where the memory goes.
 
-No JAX import at module level, as in plan mode.
 """
 
 from __future__ import annotations
@@ -11,10 +10,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dxrun.capacity import memory_report
-from dxrun.capacity.plan_mode import USABLE_CPU, GiB, first_that_fits, host_memory_bytes, state_bytes
+import jax
+
+from dxrun.autotune import memory_report
+from dxrun.autotune.fit import first_that_fits
+from dxrun.autotune.host import host_memory_bytes
+from dxrun.checkpointing.cadence import state_bytes
 from dxrun.errors import ConfigError
 from dxrun.multihost.distributed import gather, local_processes
+from dxrun.plan.run_plan import RunPlan, resolved_config
+from dxrun.plan.targets import USABLE_CPU, GiB
+from dxrun.step import step_bytes
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -28,8 +34,6 @@ def cpu_device_budget(available: float, local_devices: int, processes: int) -> f
 
 def device_budget(cfg: Any) -> tuple[float, int, str]:
     """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
-    import jax
-
     local = jax.local_device_count()
     procs = local_processes(os.environ, jax.process_count())
     per = f" / {procs} processes on this host" if procs > 1 else ""
@@ -48,11 +52,10 @@ def device_budget(cfg: Any) -> tuple[float, int, str]:
     return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
 
 
-def check_memory(cfg: Any, exp: Any, compiled: Any) -> str | None:
+def check_memory(cfg: Any, exp: Any, compiled: Any, plan: RunPlan | None = None) -> str | None:
     """This process's refusal of a run whose compiled step will not fit what its host gives a
-    device, in one line with the nearest setting that fits; None when it fits."""
-    from dxrun.step import step_bytes
-
+    device, in one line with the nearest setting that fits (tried from ``plan``'s layout,
+    batch and sequence length; None: ``exp``'s config as it is); None when it fits."""
     if cfg.runtime.skip_memory_check:
         return None
     need = step_bytes(compiled)
@@ -69,7 +72,8 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> str | None:
         fix_text = (f"the weights and optimizer state alone need {floor / GiB:.4f} GiB per "
                     f"device on all {exp.plan.n_visible}: try a larger mesh or a smaller model")
     else:
-        fix = first_that_fits(cfg, budget, exp.plan)
+        base = cfg if plan is None else resolved_config(cfg, plan)
+        fix = first_that_fits(base, budget, exp.plan)
         fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
     # Three significant figures: a tiny budget reads "0.004 GiB", not "0.0 GiB".
     return (f"the train step needs {need / GiB:.3g} GiB per device x {shared} device(s) = "
@@ -77,7 +81,8 @@ def check_memory(cfg: Any, exp: Any, compiled: Any) -> str | None:
             f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
 
 
-def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None) -> None:
+def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None,
+                     plan: RunPlan | None = None) -> None:
     """Raise ConfigError, before any weight is allocated, when the compiled step will not fit
     (``check_memory``); the refusal writes where the memory goes and its one line names the
     file. Bad input leaves no run dir behind, so the file goes to ``out``, by default a new dir
@@ -85,10 +90,9 @@ def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None 
 
     The processes of a run decide together: each checks its own host, and one refusing alone
     would leave the others waiting for it in their first collective. The first process that
-    refuses says why (its line, its file) and every process raises that one line."""
-    import jax
-
-    lines = gather("memory_preflight", check_memory(cfg, exp, compiled) or "")
+    refuses says why (its line, its file) and every process raises that one line. ``plan``:
+    the run plan ``exp`` was built for (``check_memory``)."""
+    lines = gather("memory_preflight", check_memory(cfg, exp, compiled, plan) or "")
     if not any(lines):
         return
     first = next(i for i, line in enumerate(lines) if line)

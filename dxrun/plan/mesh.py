@@ -11,17 +11,22 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dxrun.batch import GLOBAL, PER_DEVICE, batch_set_by, default_seq_len, global_batch, scaled_lr
 from dxrun.errors import ConfigError
+from dxrun.plan.batch import (
+    GLOBAL,
+    PER_DEVICE,
+    batch_set_by,
+    default_seq_len,
+    global_batch,
+    scaled_lr,
+)
+from dxrun.plan.hosts import group_by_host, split_over_hosts
+from dxrun.plan.layout import Layout
+from dxrun.plan.vocab import padded_vocab, vocab_align
 from dxrun.schema import INT32
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-# Accelerators get the vocabulary padded to a multiple of 128 as well (nanoGPT's 50304, MaxText):
-# the output matmul's vocab axis then tiles the tensor cores / MXU evenly. On CPU only tp matters,
-# so CPU runs (and the tests) keep the smallest table.
-VOCAB_ALIGN = {"gpu": 128, "cuda": 128, "rocm": 128, "tpu": 128}
-
 # The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
 # logical axes only; changing the parallelism changes only the mesh sizes under this table.
 # Megatron TP: heads/kv_heads/mlp are the column-parallel outputs of q/k/v/up/gate and the
@@ -81,8 +86,11 @@ class MeshPlan:
     batch_set_by: str = GLOBAL
     peak_lr: float = 0.0
     lr_scaling: str = "none"
-    # parallelism=auto's ranking (dxrun/capacity/layout_search.py) when this layout was searched for.
-    layout_search: dict[str, Any] | None = None
+    remat: str = "none"  # model.remat, or the layout search's choice
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.dp, self.fsdp, self.tp, self.remat, self.grad_accum)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -159,6 +167,7 @@ class MeshPlan:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["remat"]  # the config's key (model.remat), not the mesh's
         out["mesh_axes"] = list(MESH_AXES)
         out["mesh_shape"] = list(self.shape)
         out["n_devices"] = self.n_devices
@@ -192,19 +201,6 @@ class MeshPlan:
 
 def _align_note(align: int) -> str:
     return f" and {align}-alignment" if align > 1 else ""
-
-
-def vocab_align(platform: str, given: int = 0) -> int:
-    """``parallelism.vocab_align`` when set (> 0), else the platform's (VOCAB_ALIGN; 1 on CPU).
-    Setting it makes another platform's layout here, e.g. a GPU run's 128-padding on CPU."""
-    return given or VOCAB_ALIGN.get(platform, 1)
-
-
-def padded_vocab(vocab_size: int, tp: int, platform: str, align: int = 0) -> int:
-    """The smallest multiple of lcm(tp, alignment) that holds ``vocab_size`` rows (``align``:
-    ``parallelism.vocab_align``, 0 = the platform's)."""
-    multiple = math.lcm(tp, vocab_align(platform, align))
-    return -(-vocab_size // multiple) * multiple
 
 
 def _ids(ids: tuple[int, ...]) -> str:
@@ -250,65 +246,13 @@ def _shrink(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
     return sizes[0], sizes[1], sizes[2]
 
 
-def split_over_hosts(dp: int, fsdp: int, tp: int, hosts: int,
-                     allow_cross_host_tp: bool = False) -> tuple[int, int, int]:
-    """The part of (data, fsdp, tensor) that spans ``hosts`` equal hosts: tensor stays
-    inside a host, fsdp takes what the host has left, data spans the hosts. Raises ConfigError
-    for a layout whose tensor-parallel group would cross hosts (every layer's activation
-    all-reduces over the network) unless allowed."""
-    local = dp * fsdp * tp // hosts
-    if local % tp:
-        where = (f"parallelism.tp={tp} puts each tensor-parallel group across "
-                 f"{-(-tp // local)} hosts ({hosts} hosts x {local} devices), so "
-                 "every layer's all-reduces would cross the network")
-        fits = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
-        if not allow_cross_host_tp:
-            raise ConfigError(f"{where}; use parallelism.tp from {fits} (the devices of one "
-                              "host), or set parallelism.allow_cross_host_tp=true")
-        if tp % local:
-            raise ConfigError(f"{where}, and unevenly; use parallelism.tp from {fits} or a "
-                              f"multiple of {local}")
-        return dp, fsdp, tp // local
-    inside = local // tp  # what the host has for data x fsdp
-    fsdp_in = math.gcd(fsdp, inside)
-    data_in = inside // fsdp_in
-    dcn = (dp // data_in, fsdp // fsdp_in, 1)
-    if data_in > 1 and dcn[1] > 1:
-        # Each host would hold scattered rows of the batch; keep fsdp inside a host or
-        # make it span whole hosts.
-        raise ConfigError(
-            f"parallelism.fsdp={fsdp} neither fits in one host's {inside} devices (after "
-            f"tp={tp}) nor spans whole hosts; pick parallelism.fsdp dividing {inside} or "
-            f"a multiple of {inside}")
-    return dcn
-
-
-def group_by_host(process_hosts: tuple[int, ...], tp: int, host_tp: int, n: int) -> None:
-    """Check that the processes of each host (``process_hosts``: each process's host) can
-    share its part of the mesh: the same number on every host, and each holding whole tensor
-    groups (``host_tp`` wide inside a host) or an equal part of one. Raises ConfigError."""
-    processes, hosts = len(process_hosts), max(process_hosts) + 1
-    counts = [process_hosts.count(h) for h in range(hosts)]
-    if len(set(counts)) > 1:
-        raise ConfigError(
-            f"the {processes} processes are spread unevenly over {hosts} hosts ({counts} "
-            "processes); start the same number of processes on every host (DXRUN_HOSTNAME "
-            "names the host a process declares)")
-    mine = n // processes
-    if mine % host_tp and host_tp % mine:
-        raise ConfigError(
-            f"parallelism.tp={tp} neither fits in one process's {mine} devices nor spans whole "
-            f"processes ({counts[0]} per host x {mine} devices); pick parallelism.tp dividing "
-            f"{mine} or a multiple of it")
-
-
-def check_tokens_per_step(data: Any, batch: int, seq_len: int) -> None:
+def check_tokens_per_step(key: str, value: int, batch: int, seq_len: int) -> None:
     """The loss divides by a step's tokens (global batch x seq_len), a Python int that JAX
-    makes an int32: from 2^31 the jitted step fails to trace with an OverflowError."""
+    makes an int32: from 2^31 the jitted step fails to trace with an OverflowError. ``key``,
+    ``value``: where the batch came from."""
     if batch * seq_len < INT32:
         return
-    key = batch_set_by(data)
-    given = f"{key}={data[key.partition('.')[2]]}"
+    given = f"{key}={value}"
     if key == PER_DEVICE:
         given += f" (a global batch of {batch})"
     raise ConfigError(f"{given} with data.seq_len={seq_len} makes {batch * seq_len:,} tokens a "
@@ -317,15 +261,20 @@ def check_tokens_per_step(data: Any, batch: int, seq_len: int) -> None:
 
 
 def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1,
-              process_hosts: tuple[int, ...] | None = None) -> MeshPlan:
+              process_hosts: tuple[int, ...] | None = None, *, layout: Layout | None = None,
+              batch: int | None = None, seq_len: int | None = None) -> MeshPlan:
     """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
     processes; ``process_hosts``: the host of each, None = each process its own host) and
     check the model and batch fit. Tensor and fsdp groups stay inside a host (whose processes
-    may share them); data spans the hosts.
+    may share them); data spans the hosts. ``layout``: the mesh, remat and accumulation to lay
+    out instead of the config's (a layout search's); ``batch``, ``seq_len``: the global batch
+    and sequence length held fixed instead of the config's (None: resolved from it).
 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
     par, model, data = cfg.parallelism, cfg.model, cfg.data
+    sizes = (par.dp, par.fsdp, par.tp) if layout is None else (layout.dp, layout.fsdp,
+                                                                 layout.tp)
     if par.n_devices > n_visible:
         hint = f" or runtime.cpu_devices={par.n_devices}" if platform == "cpu" else ""
         raise ConfigError(
@@ -333,7 +282,7 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
             f"visible; set parallelism.n_devices<={n_visible}{hint}"
         )
     n = par.n_devices or n_visible
-    dp, fsdp, tp = _resolve_axes(par.dp, par.fsdp, par.tp, n)
+    dp, fsdp, tp = _resolve_axes(*sizes, n)
     warnings: list[str] = []
     if processes > 1 and dp * fsdp * tp != n_visible:
         raise ConfigError(
@@ -364,12 +313,19 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
     if hosts_of and hosts < processes:
         group_by_host(hosts_of, tp, tp // dcn[2], dp * fsdp * tp)
     replicas = dp * fsdp
-    accum = cfg.train.grad_accum if "train" in cfg else 1
-    batch = global_batch(data, replicas, accum)
+    if layout is not None:
+        accum, remat = layout.grad_accum, layout.remat
+    else:
+        accum = cfg.train.grad_accum if "train" in cfg else 1
+        remat = model.get("remat", "none")
+    set_by = GLOBAL if batch is not None else batch_set_by(data)
+    given = batch if batch is not None else data[set_by.partition(".")[2]]
+    batch = global_batch(data, replicas, accum) if batch is None else batch
     if batch % replicas:
         good = replicas * max(1, round(batch / replicas))
         raise ConfigError(
-            f"data.batch_size={data.batch_size} is not divisible by dp*fsdp={replicas} (the "
+            f"data.batch_size={given if set_by == GLOBAL else data.batch_size} is not "
+            f"divisible by dp*fsdp={replicas} (the "
             f"data-parallel replicas of parallelism={par.name}); "
             f"use a multiple of {replicas} (e.g. data.batch_size={good})"
         )
@@ -377,11 +333,13 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         per = batch // replicas
         raise ConfigError(
             f"train.grad_accum={accum} does not divide the {per} examples per replica "
-            f"(data.batch_size={data.batch_size} over dp*fsdp={replicas}); pick a "
+            f"(data.batch_size={given if set_by == GLOBAL else data.batch_size} over dp*fsdp="
+            f"{replicas}); pick a "
             f"train.grad_accum that divides {per}, or data.batch_size="
             f"{replicas * accum * max(1, per // accum)}")
-    seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
-    check_tokens_per_step(data, batch, seq_len)
+    if seq_len is None:
+        seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
+    check_tokens_per_step(set_by, given, batch, seq_len)
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
@@ -401,7 +359,8 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         platform=platform,
         global_batch=batch,
         grad_accum=accum,
-        batch_set_by=batch_set_by(data),
+        batch_set_by=set_by,
+        remat=remat,
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
         seq_len=seq_len,
@@ -414,3 +373,24 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
         dcn_shape=dcn,
         process_hosts=hosts_of if hosts < processes else (),
     )
+
+
+def shard_optimizer(cfg: Any, plan: MeshPlan) -> bool:
+    """ZeRO-1 on? ``parallelism.shard_optimizer``; null = when there are data replicas."""
+    value = cfg.parallelism.get("shard_optimizer")
+    return plan.dp > 1 if value is None else bool(value)
+
+
+def held_batch(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1,
+               process_hosts: tuple[int, ...] | None = None, seq_len: int | None = None
+               ) -> tuple[int, int]:
+    """(global batch, sequence length) a layout search holds fixed while the layouts change
+    (a search never changes the update): ``seq_len``, or ``data.seq_len`` (null: the
+    platform's), and ``data.batch_size``, or with ``data.per_device_batch_size`` the global
+    batch resolved once on the preset's own layout."""
+    if seq_len is None:
+        seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
+    if cfg.data.per_device_batch_size is None:
+        return cfg.data.batch_size, seq_len
+    plan = make_plan(cfg, n_visible, platform, processes, process_hosts, seq_len=seq_len)
+    return plan.global_batch, seq_len

@@ -1,44 +1,13 @@
 """The accelerator time model: one train step's time on a GPU or TPU target, from the model's
 shapes, the mesh and the collectives of the compiled step (pure functions; no JAX).
 
-Plan mode compiles on CPU, and XLA:CPU's program is not the GPU's: it computes bf16 through
-converts and fp32 temporaries and fuses far less, so its "bytes accessed" describe a CPU program.
-What the CPU compile is faithful about (the shardings, the collectives and their groups) is read
-from it; the rest is counted from the shapes, kernel by kernel class:
-
-* **matmuls** (every weight matmul, forward and both backward ones, the output layer; XLA's
-  attention's two batched matmuls when the attention is not fused): each priced alone as a
-  roofline, ``max(FLOPs / (peak x efficiency(shape)), bytes / (HBM x hbm_efficiency))``. The
-  efficiency is the target's best-shape fraction of the peak (a published measurement),
-  scaled by ``s / (s + matmul_half_dim)`` with ``s`` the matmul's smallest dimension: a skinny
-  or small matmul fills fewer tiles and waves, so it runs further below the peak.
-* **fused attention** (cuDNN flash attention: an NVIDIA target, bf16, a head dim it takes, as
-  ``dxrun/attention_kernel.py`` decides for the real run): its FLOPs (causal half; backward
-  2.5 x forward, recomputing the scores) at the kernel's own measured efficiency.
-* **elementwise work** (norms, rotary embedding, activation functions, residual adds, the
-  cross-entropy, the softmax of an unfused attention, weight casts, the optimizer) as HBM
-  traffic, assuming XLA:GPU's fusion: each fused kernel reads its inputs once and writes its
-  outputs once (the tally is ``elementwise_bytes``), at ``hbm_efficiency`` of the datasheet
-  bandwidth.
-* **collectives** from the compiled HLO (``dxrun.capacity.hlo.collective_list``: kind, groups, bytes
-  each device sends under ring algorithms, loop trip counts multiplied in), over NVLink (or the
-  TPU's ICI) when a group stays inside one node and over the network when it spans nodes, at
-  the measured bus-bandwidth fraction of the link. XLA:CPU widens bf16 collectives to f32, so
-  under bf16 the tensor-parallel activation all-reduces count half their compiled bytes, and
-  the gradient reductions over data replicas half when ``train.grad_reduce_dtype=bf16``
-  (fp32 master weights are gathered in fp32: those keep their bytes).
-
-**Overlap** (stated, not measured): the kernels of one device run one after another (matmul +
-attention + elementwise); the collectives over data replicas (FSDP gathers, gradient
-reductions) run asynchronously beside them (XLA:GPU's latency-hiding scheduler), so only what
-exceeds the compute time shows; the tensor-parallel all-reduces sit between a layer's matmuls and
-are waited on, so their time adds in full::
-
-    step = compute + tensor_collectives + max(0, data_collectives - compute)
-
-Every constant is in ``COST`` below, one row per target, each with its source. Two constants
-are marked "calibrated": fitted on at most two of the published runs in BENCHMARKS.md ("Plan
-mode vs published GPU runs"), the other runs being the validation (``ESTIMATE_BASIS``).
+XLA:CPU's program is not the GPU's, so only what the CPU compile is faithful about (the
+shardings, the collectives and their groups) is read from it; the rest is counted from the
+shapes, kernel by kernel class: matmuls (each a roofline at a shape-dependent efficiency),
+fused attention, elementwise work as HBM traffic under XLA:GPU's fusion, and collectives over
+the target's links. The data replicas' collectives overlap compute, the tensor-parallel ones
+do not. Every constant is in ``COST``, one row per target, each with its source; the model,
+term by term, is in the guide (docs/guide/large-models.md, "The time model").
 """
 
 from __future__ import annotations
@@ -46,14 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dxrun.capacity import flops
+import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
+
+from dxrun.attention_kernel import CUDNN, attention_implementation
+from dxrun.plan import flops
+from dxrun.plan.loss_chunk import loss_chunk_for
+from dxrun.plan.mesh import shard_optimizer
+from dxrun.plan.vocab import padded_vocab
 
 GB = 1e9
 
 
 @dataclass(frozen=True)
 class Cost:
-    """A target's cost-model constants (beside its datasheet row, ``plan_mode.TARGETS``, and its
+    """A target's cost-model constants (beside its datasheet row, ``plan.targets.TARGETS``, and its
     peak, ``flops.PEAK_TFLOPS``). ``sources``: where each number comes from."""
 
     matmul_efficiency: float  # best-shape achieved / dense peak (bf16 GEMM)
@@ -162,6 +137,7 @@ class Workload:
     # (its shard of params_per_device, 1/dp of it); None = params_per_device
     updated_per_device: float | None = None
     loss_chunk: int = 0  # model.loss_chunk resolved: the chunks' backward redoes the head's forward
+    remat: str = "none"  # the run plan's model.remat
 
     @property
     def tokens(self) -> int:
@@ -171,12 +147,8 @@ class Workload:
 
 def fused_attention(cost: Cost, w: Workload) -> bool:
     """Whether the real run on this target gets cuDNN's flash attention (the run's own rule)."""
-    from dxrun.attention_kernel import CUDNN, attention_implementation
-
     if cost.fused_attention_capability is None or w.model.attention != "dot_product":
         return False
-    import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
-
     dtype = ml_dtypes.bfloat16 if w.precision == "bf16" else "float32"
     kernel = attention_implementation("gpu", dtype, w.model.d_model // w.model.n_heads,
                                       cost.fused_attention_capability, 90000)
@@ -217,7 +189,7 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
     # remat=full recomputes the forward but its last matmul (the MLP's down projection: no
     # gradient needs its output; flops.step_flops)
     k_in, n_out = shapes[-1]
-    redo = fwd - _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a) if m.remat == "full" else 0.0
+    redo = fwd - _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a) if w.remat == "full" else 0.0
     L = m.n_layers
     blocks = L * (fwd + bwd + redo)
     D, V = m.d_model, w.vocab / w.tp
@@ -229,7 +201,7 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
         one = (_matmul_s(T, T, E, peak, hbm, cost, a, 4)  # scores, fp32
                + _matmul_s(T, E, T, peak, hbm, cost, a, a))  # weighted sum
         # backward: four matmuls of the same sizes (2 x); remat=full: the forward again
-        attn = one * (3 + (m.remat == "full")) * H * w.rows * L
+        attn = one * (3 + (w.remat == "full")) * H * w.rows * L
     return {"blocks": blocks * w.micro_steps, "output_layer": head * w.micro_steps,
             "attention": attn * w.micro_steps}
 
@@ -254,7 +226,7 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     act = (3 if m.mlp == "swiglu" else 2) * a * F
     softmax = 0.0 if fused else H * w.seq_len * (4 + a)  # read fp32 scores, write probabilities
     fwd = norms + residual + rope + act + softmax
-    passes = 3 + (1 if m.remat != "none" else 0)  # forward, backward (2 x), recomputation
+    passes = 3 + (1 if w.remat != "none" else 0)  # forward, backward (2 x), recomputation
     layers = m.n_layers * fwd * passes * t
     V = w.vocab / tp
     loss = (8 + a) * V * t
@@ -307,7 +279,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     if fused:
         per_token = flops.attention_flops(w.model, w.seq_len, causal=True)
         fwd = w.model.n_layers * per_token * w.tokens * w.micro_steps
-        recompute = fwd if w.model.remat in ("full", "dots") else 0.0
+        recompute = fwd if w.remat in ("full", "dots") else 0.0
         attention = (3.5 * fwd + recompute) / (peak * cost.attention_efficiency)
     eb = elementwise_bytes(w, fused)
     elementwise = sum(eb.values()) / hbm
@@ -315,7 +287,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     compute = sum(mm.values()) + attention + elementwise
     step = compute + comm["tensor"] + max(0.0, comm["data"] - compute)
     return {
-        "model": "accelerator cost model (dxrun/capacity/gpu_cost.py)",
+        "model": "accelerator cost model (dxrun/plan/gpu_cost.py)",
         "fused_attention": fused,
         "matmul_s": mm["blocks"] + mm["output_layer"], "matmul_parts_s": mm,
         "attention_s": attention + mm["attention"],
@@ -331,12 +303,8 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
 def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> Workload:
     """The time model's view of a run config and its mesh plan (the vocabulary padded as the
     accelerator run pads it, whatever the CPU compile did)."""
-    from dxrun.chunked_loss import loss_chunk_for
-    from dxrun.experiment import shard_optimizer
-    from dxrun.plan import padded_vocab
-
     replicas = plan.dp * plan.fsdp
-    accum = cfg.train.grad_accum
+    accum = plan.grad_accum
     return Workload(
         model=cfg.model, seq_len=plan.seq_len,
         rows=plan.global_batch // replicas // accum, micro_steps=accum,
@@ -345,4 +313,4 @@ def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> 
         params_per_device=params_per_device, precision=cfg.train.precision,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
         updated_per_device=params_per_device / plan.dp if shard_optimizer(cfg, plan) else None,
-        loss_chunk=loss_chunk_for(cfg, plan))
+        loss_chunk=loss_chunk_for(cfg, plan), remat=plan.remat)

@@ -1,0 +1,75 @@
+"""The run's decision, taken once by one function for a run and for plan mode alike: the
+layout (searched for ``parallelism=auto``), the global batch and sequence length, the save
+cadence, and the checkpoint a run resumes. The validated config is read, never rewritten:
+what is derived travels in the ``RunPlan``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from dxrun.autotune.fit import NoData
+from dxrun.autotune.search import search
+from dxrun.autotune.timing import Handover
+from dxrun.checkpointing.cadence import save_cadence, state_bytes
+from dxrun.experiment import Experiment, process_data
+from dxrun.plan.batch import default_seq_len
+from dxrun.plan.layouts import resumed_layout, searches
+from dxrun.plan.mesh import held_batch, make_plan
+from dxrun.plan.run_plan import RunPlan, recorded, saved_config
+from dxrun.plan.targets import GB, plan_platform
+
+log = logging.getLogger("dxrun")
+
+# A resume's finder: the run's config as its files will record it -> the checkpoint or None.
+FindResume = Callable[[dict[str, Any]], Any]
+
+
+@dataclass
+class Decided:
+    """``decide``'s answer: the plan, the experiment built for it (the search's compile where
+    it made the run's), what else the search made that the run takes over, and the resume."""
+
+    plan: RunPlan
+    exp: Experiment
+    handover: Handover | None = None
+    resume: Any = None  # checkpointing's Resume; None: a fresh start
+
+
+def decide(cfg: Any, devices: tuple, *, plan_mode: bool = False,
+           find_resume: FindResume | None = None) -> Decided:
+    """Decide the run of ``cfg`` on ``devices`` (``experiment.visible_devices``). Plan mode
+    plans for ``plan.target``'s platform (``data.seq_len=null`` as a run there resolves it)
+    and compiles nothing it would train. ``find_resume``: a run's resume finder, asked before
+    a search (the checkpoint's layout is kept where it fits)."""
+    platform = plan_platform(cfg.plan.target, devices[1]) if plan_mode else devices[1]
+    seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
+    handover, searched, resume = (None if plan_mode else Handover()), None, None
+    if not searches(cfg):
+        mesh = make_plan(cfg, *devices, seq_len=seq_len)  # the batch, whichever key gave it
+        if find_resume is not None:
+            resume = find_resume(saved_config(cfg, RunPlan(mesh)))
+    else:  # parallelism=auto: the batch held fixed; a resume keeps its own layout
+        held = held_batch(cfg, *devices, seq_len=seq_len)
+        if cfg.data.per_device_batch_size is not None:
+            log.info("parallelism=auto: the global batch is held at %d (data.per_device_"
+                     "batch_size on the starting layout) while the layouts change", held[0])
+        if find_resume is not None:
+            resume = find_resume(OmegaConf.to_container(recorded(cfg, *held), resolve=True))
+        searched = search(cfg, plan_mode=plan_mode, resumed=resumed_layout(resume),
+                          handover=handover, held=held)
+        mesh = make_plan(cfg, *devices, layout=searched.layout, batch=held[0],
+                         seq_len=held[1])
+    if handover is not None and handover.exp is not None:  # the search compiled the run's step
+        exp, handover.exp = replace(handover.exp, plan=mesh), None
+    else:
+        exp = Experiment.build(cfg, mesh, NoData() if plan_mode else process_data(cfg, mesh))
+    ck = cfg.checkpoint  # checkpoint.every=null: by platform, on an accelerator by the state
+    cadence = save_cadence(ck.every, ck.every_minutes, platform,
+                           state_bytes(exp.abstract_state()), cfg.plan.write_gb_per_s * GB)
+    plan = RunPlan(mesh, cadence, searched.record if searched is not None else None)
+    return Decided(plan, exp, handover, resume)

@@ -1,0 +1,161 @@
+"""A compiled step's footprint and estimate (XLA's memory and cost analyses, the memory and
+time models for an accelerator target), and the nearest setting that fits a memory budget."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import jax
+from omegaconf import OmegaConf
+
+from dxrun.autotune.hlo import collective_list, collective_traffic
+from dxrun.errors import ConfigError
+from dxrun.experiment import Experiment
+from dxrun.plan import flops, gpu_cost, memory_model
+from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
+from dxrun.plan.mesh import MeshPlan, make_plan
+from dxrun.plan.targets import TARGETS, Target, target_key
+from dxrun.step import step_bytes
+
+
+def _shard_bytes(tree: Any) -> float:
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape)
+        total += x.dtype.itemsize * float(math.prod(shape))
+    return total
+
+
+def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
+    """``xla_cost=False``: skip XLA's FLOPs and bytes (two more compiles of a scanned model;
+    an accelerator target's time model counts its own from the shapes): reported as 0."""
+    state, batch = exp.abstract_state(), exp.abstract_batch()
+    m = compiled.memory_analysis()
+    params = _shard_bytes(state.params)
+    flops, bytes_accessed = cost_per_device(exp) if xla_cost else (0.0, 0.0)
+    return Footprint(
+        params_bytes=params,
+        opt_state_bytes=_shard_bytes(state.opt_state),
+        grads_bytes=params,
+        batch_bytes=_shard_bytes(batch),
+        temp_bytes=float(m.temp_size_in_bytes),
+        total_bytes=step_bytes(compiled),
+        flops=flops,
+        bytes_accessed=bytes_accessed,
+        collectives=collective_traffic(compiled.as_text(), exp.plan.n_devices),
+    )
+
+
+def accelerator_memory(exp: Any, target: Target) -> Any:
+    """The memory model's per-device estimate (``plan.memory_model``) of ``exp``'s step on
+    ``target``: the state's shards read from the abstract state's shardings, activations
+    from the shapes, with the attention kernel a run on that target would use."""
+    cfg = exp.cfg
+    state = exp.abstract_state()
+    kernel = memory_model.target_kernel(cfg.model.attention, target.device_kind,
+                                        cfg.train.precision,
+                                        cfg.model.d_model // cfg.model.n_heads)
+    return memory_model.estimate_memory(
+        memory_model.shapes(cfg, exp.plan, kernel), _shard_bytes(state.params),
+        _shard_bytes(state.opt_state), _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+
+
+def _cost(compiled: Any) -> tuple[float, float]:
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def cost_per_device(exp: Any) -> tuple[float, float]:
+    """FLOPs and bytes accessed per device for one step. XLA's cost analysis counts a loop body
+    once, so a scanned model is measured as the unrolled 1- and 2-layer steps of the same
+    config and extrapolated in depth (every layer is the same): cost(n) = c1 + (n-1)(c2 - c1)."""
+    cfg = exp.cfg
+    if not cfg.model.scan_layers:
+        return _cost(exp.compile_step())
+    costs = []
+    for n in (1, 2):
+        small = OmegaConf.merge(cfg, {"model": {"n_layers": n, "scan_layers": False}})
+        costs.append(_cost(Experiment.build(small, exp.plan, data=NoData()).analyse_step()))
+    (f1, b1), (f2, b2) = costs
+    n = cfg.model.n_layers
+    return f1 + (n - 1) * (f2 - f1), b1 + (n - 1) * (b2 - b1)
+
+
+def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
+                    max_tries: int = 8, time_budget_s: float = 40.0,
+                    need: Any = None) -> list[str] | None:
+    """Compile the candidates (``plan.estimate.candidates``) in order (shapes only), each
+    merged into ``base`` (the run's config as its files record it, ``resolved_config``: its
+    layout, batch and sequence length as keys) and laid out over ``plan``'s devices,
+    processes and hosts, and return the first whose per-device need is within
+    ``budget_bytes``; None if none does within ``time_budget_s`` (a refused run must answer
+    within a minute, whatever the model). ``need(exp)``: the per-device bytes of a candidate
+    when not its compiled step's (an accelerator target's memory model: nothing compiled)."""
+    deadline = time.perf_counter() + time_budget_s
+    cfg = base
+    for overrides in candidates(cfg)[:max_tries]:
+        if time.perf_counter() > deadline:
+            return None
+        trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        try:
+            # Over the run's processes too: a trial planned for one process would put this
+            # process's devices at other rows of the batch than its plan reads (refused).
+            exp = Experiment.build(trial, make_plan(
+                trial, plan.n_visible, plan.platform, plan.processes,
+                plan.process_hosts or None), data=NoData())
+        except ConfigError:
+            continue
+        needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
+        if needs is not None and needs <= budget_bytes:
+            return overrides
+    return None
+
+
+class NoData:
+    """Plan mode and suggestions compile the step only; they never read data."""
+
+
+def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
+                  peak: float | None, xla_cost: bool = True) -> StepEstimate:
+    """Fit and speed of ``exp``'s compiled step on ``target`` (plan mode, and the layout
+    search's ranking): the accelerator time model on a GPU/TPU target, else the roofline of
+    XLA's counts. ``xla_cost=False`` (the layout search: one compile per candidate, not three):
+    on a CPU target the FLOPs are counted from the shapes and the bytes are the compile's own
+    count (a scanned layer loop counted once)."""
+    key = target_key(target)
+    accelerator = key in gpu_cost.COST
+    fp = footprint(exp, compiled, xla_cost=xla_cost and not accelerator)
+    state = exp.abstract_state()
+    n_params = exp.count_params(state.params)  # the real vocabulary, without padding
+    plan = exp.plan  # the layout, batch and sequence length: the run plan's, not the config's
+    tokens = plan.global_batch * plan.seq_len
+    model_flops = flops.flops_per_token(cfg.model, n_params, plan.seq_len) * tokens
+    timing = None
+    if accelerator and peak:
+        w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4)
+        t = TARGETS[key]
+        timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
+                                    t.link_bytes_per_s,
+                                    collective_list(compiled.as_text(), exp.plan.n_devices))
+        parts = flops.step_flops(cfg.model, tokens, plan.seq_len, w.vocab, plan.remat,
+                                 timing["fused_attention"])
+    else:
+        parts = flops.step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
+                                 plan.remat)
+        if not xla_cost:
+            # The bytes: the compile's own count (free). A scanned model's layer loop is
+            # counted once, on every candidate alike: a ranking of layouts more than a time
+            # (on simulated devices the bytes decide it).
+            fp = replace(fp, flops=parts["hardware"] / exp.plan.n_devices,
+                         bytes_accessed=_cost(compiled)[1])
+    # An accelerator's need comes from the memory model: XLA:CPU's temporaries describe a CPU
+    # program (bf16 through fp32 temporaries); the compile's figure is kept beside it.
+    mem = accelerator_memory(exp, target) if target.device_kind != "cpu" else None
+    est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
+                   cfg.train.precision, timing, None if mem is None else mem.total_bytes)
+    return StepEstimate(fp, mem, est, parts, model_flops, n_params)

@@ -1,0 +1,141 @@
+"""This host's own figures, measured once per machine and kept in dxrun's cache dir: its
+memory, its matmul peak and its memory bandwidth (a CPU target's numbers)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dxrun.autotune.peak import measure_peak_tflops
+from dxrun.errors import ConfigError
+from dxrun.plan import flops
+from dxrun.plan.targets import TARGETS, GiB, Target
+from dxrun.runtime import user_cache_dir
+
+
+def host_memory_bytes() -> float:
+    """Memory this host can give the run now (MemAvailable), the preflight's CPU budget."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return float(info["MemAvailable"].split()[0]) * 1024
+
+
+def cpu_target(n_devices: int) -> Target:
+    """This machine: its RAM shared by the simulated devices, a measured matmul peak and a
+    measured memory bandwidth (collectives between simulated devices are memory copies). Each
+    figure is one device's share when all run at once, as the peak is
+    (``measure_peak_tflops``): the simulated devices share the host's memory bus, so a
+    layout that moves n times the bytes on each of n devices takes n times as long."""
+    share = host_bus_bytes_per_s() / n_devices  # the whole host's bus shared
+    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, share, share)
+
+
+HOST_FILE = "host.json"  # in dxrun's cache dir: the host's measured figures, by machine
+
+
+def _host_key() -> str:
+    """What the host's figures depend on: the CPU model and cores, JAX's devices and version."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "")
+    except OSError:  # not Linux: the machine's type and cores still tell hosts apart
+        pass
+    return (f"{platform.machine()} {model} x{os.cpu_count()}: {jax.device_count()} "
+            f"{jax.default_backend()} devices, jax {jax.__version__}")
+
+
+def host_figure(name: str, measure: Any) -> float:
+    """A host figure ``measure()`` gives, measured once per machine: kept in dxrun's cache dir
+    (``host.json``, under ``_host_key``), since every plan on a CPU target and every
+    ``parallelism=auto`` run reads it and measuring took most of their deciding. A missing,
+    unreadable or implausible entry is measured again; delete the file to measure afresh (a
+    figure taken while other jobs loaded the host stays until then)."""
+    path, key = Path(user_cache_dir()) / HOST_FILE, _host_key()
+    try:
+        figures = json.loads(path.read_text())
+        value = figures[key][name]
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            return float(value)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    value = float(measure())
+    try:  # another process may write it too: its own tmp file, and the last write wins
+        figures = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(figures, dict):
+            figures = {}
+    except (OSError, ValueError):
+        figures = {}
+    entry = figures.get(key) if isinstance(figures.get(key), dict) else {}
+    figures[key] = {**entry, name: value}
+    tmp = path.with_name(f"{HOST_FILE}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(figures, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only or full cache dir: measured again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return value
+
+
+def _measure_bus() -> float:
+    x = jnp.ones((32 * 2**20,), jnp.float32)
+    f = jax.jit(lambda v: v * 2.0)
+    f(x).block_until_ready()
+    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+    return 2 * x.nbytes / best
+
+
+@functools.cache
+def host_bus_bytes_per_s() -> float:
+    """The host's memory bandwidth (read + write of 128 MiB, beyond the caches), measured once
+    per machine (``host_figure``), as ``host_peak_tflops``."""
+    return host_figure("bus_bytes_per_s", _measure_bus)
+
+
+@functools.cache
+def host_peak_tflops() -> float:
+    """``measure_peak_tflops`` of this process's devices, measured once per machine
+    (``host_figure``)."""
+    return host_figure("peak_tflops", measure_peak_tflops)
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
+    """The target's numbers and its peak TFLOP/s for the run's precision."""
+    name = cfg.plan.target
+    if name is None:
+        kind = jax.devices()[0].device_kind
+        name = next((k for k, t in TARGETS.items() if t.device_kind == kind),
+                    "cpu" if jax.default_backend() == "cpu" else None)
+        if name is None:
+            raise ConfigError(f"plan.target is unset and device kind {kind!r} is not in the "
+                              f"table; set plan.target to one of {', '.join(TARGETS)}")
+    if name == "cpu":
+        override = cfg.runtime.peak_tflops
+        peak = (float(override) if isinstance(override, (int, float)) and override
+                else host_peak_tflops())
+        target = cpu_target(n_devices)
+        if cfg.runtime.memory_gb is not None:
+            target = replace(target, memory_bytes=cfg.runtime.memory_gb * GiB / n_devices)
+        return target, peak
+    target = TARGETS[name]
+    return target, flops.peak_tflops(target.device_kind, cfg.train.precision)
+

@@ -1,0 +1,36 @@
+"""A layout: the mesh, the recomputation and the micro-batches a run is laid out with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is laid out: the mesh, the recomputation (``model.remat``) and the
+    micro-batches of one update (``train.grad_accum``)."""
+
+    dp: int
+    fsdp: int
+    tp: int
+    remat: str = "none"
+    grad_accum: int = 1
+
+    @property
+    def mesh(self) -> str:
+        """The preset-style name: ``dp4_tp2``, ``fsdp8``, ``dp2_fsdp2_tp2``, ``dp1``."""
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
+                 if v > 1]
+        return "_".join(parts) or "dp1"
+
+    @property
+    def label(self) -> str:
+        extra = [f"remat={self.remat}"] * (self.remat != "none") + [
+            f"accum={self.grad_accum}"] * (self.grad_accum > 1)
+        return " ".join([self.mesh, *extra])
+
+    def overrides(self) -> dict[str, Any]:
+        """The config keys that name this layout (what a run's saved record holds)."""
+        return {"parallelism": {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp},
+                "model": {"remat": self.remat}, "train": {"grad_accum": self.grad_accum}}

@@ -1,0 +1,107 @@
+"""Before anything is written or allocated: the run's decision (``autotune.decide``), the
+checkpoint it resumes and the memory preflight; then where training begins (``start_state``:
+the seeded init, what the layout search trained, or the resumed checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+
+from dxrun.autotune.decide import decide
+from dxrun.autotune.preflight import memory_preflight
+from dxrun.autotune.timing import Handover
+from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.checkpoint import Resume
+from dxrun.errors import ConfigError
+from dxrun.experiment import Experiment, visible_devices
+from dxrun.plan.run_plan import RunPlan
+from dxrun.runtime import dir_refusal
+
+log = logging.getLogger("dxrun")
+
+
+class Prepared(NamedTuple):
+    """What ``prepare`` decided before anything is written."""
+
+    exp: Experiment  # the built experiment, its mesh plan and data inside; exp.cfg is cfg
+    resume: Resume | None  # the checkpoint to continue from; None: a fresh start
+    plan: RunPlan  # every number derived from the config: layout, batch, cadence, search
+    # What parallelism=auto's search made that the run takes over (the seeded init its timing
+    # drew, or the state after the first steps its turns trained), each part taken once.
+    handover: Handover | None = None
+
+
+def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
+    """Everything that can refuse bad input, before anything is written or allocated: a
+    ``checkpoint.dir`` that cannot be made, the run's decision (``decide``: the mesh plan,
+    the layout, the data's files, tokenizer and vocabulary, the checkpoint to resume from for
+    a launch into ``run_dir``) and the memory preflight (the step compiled from shapes alone
+    must fit). A resume is decided here in full (``checkpoint.plan_resume``): its step, its
+    data position, and its optimizer state, which is restored when its tree fits the
+    optimizer now and otherwise starts fresh with one warning. Raises ConfigError, or
+    NothingToTrain when the checkpoint has reached ``train.steps`` already. ``cfg`` is read,
+    never rewritten, and is the config the run follows (``exp.cfg``); what is derived from it
+    travels in ``Prepared.plan``."""
+    # Every run that trains into a run dir may save (a signal asks for a save at any cadence),
+    # so its checkpoint.dir must take a dir before the search and the step compile.
+    if run_dir is not None and cfg.checkpoint.dir and (why := dir_refusal(
+            "checkpoint.dir", cfg.checkpoint.dir,
+            "give a dir you can write to, or leave checkpoint.dir null (<run dir>/checkpoints)")):
+        raise ConfigError(why)
+    find = (None if run_dir is None
+            else lambda saved: checkpoint.find_resume(cfg, run_dir, saved))
+    decided = decide(cfg, visible_devices(), find_resume=find)
+    exp, plan, resume = decided.exp, decided.plan, decided.resume
+    if resume is not None:  # its data position, its optimizer state, whether it trains at all
+        checkpoint.plan_resume(cfg, resume, exp.abstract_state(), plan.global_batch)
+    memory_preflight(cfg, exp, exp.compile_step(), plan=plan)
+    return Prepared(exp, resume, plan, decided.handover)
+
+
+class Start(NamedTuple):
+    """Where training begins."""
+
+    state: Any  # the TrainState on this run's mesh
+    step: int  # steps already done: 0, or the checkpoint's step
+    # The resumed checkpoint's metadata (its config, W&B run id, data position, tokens seen);
+    # {} on a fresh start.
+    ckpt_meta: dict[str, Any]
+
+
+def start_state(exp: Experiment, resume: Resume | None,
+                handover: Handover | None = None) -> Start:
+    """The seeded init, or the resumed checkpoint placed on this run's mesh. ``handover``
+    (parallelism=auto's search, ``Prepared.handover``): the init it drew (``params``), or the
+    state after the first steps it trained (``state``, ``step``): taken, so that their host or
+    device copies are let go once on this mesh."""
+    if resume is None:
+        handover = handover or Handover()
+        if handover.state is not None:  # the search trained the run's first steps
+            step, state, handover.state = handover.step, handover.state, None
+            log.info("parallelism=auto: the layouts' turns trained steps 1-%d; the run goes on "
+                     "from step %d", step, step + 1)
+            return Start(exp.adopt(state), step, {})
+        params, handover.params = handover.params, None
+        return Start(exp.init_state(params), 0, {})
+    state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
+    if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
+        state = fresh_optimizer(exp, state)
+    log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
+    return Start(state, step, ckpt_meta)
+
+
+def fresh_optimizer(exp: Experiment, state: Any) -> Any:
+    """``state`` with a freshly initialised optimizer state whose step counts continue from
+    ``state.step`` (so the lr schedule goes on where it was)."""
+    fresh = exp.init_state(state.params).opt_state
+
+    def count(path: tuple, x: jax.Array) -> jax.Array:
+        if path and getattr(path[-1], "name", getattr(path[-1], "key", None)) == "count":
+            # A copy: the step donates its input buffers, and one buffer must not appear twice.
+            return jax.device_put(state.step.astype(x.dtype).copy(), x.sharding)
+        return x
+
+    return state._replace(opt_state=jax.tree_util.tree_map_with_path(count, fresh))
