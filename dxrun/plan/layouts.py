@@ -165,8 +165,8 @@ def train_through(cfg: Any, timed: list[Row], budget_gb: float | None = None,
     ``train_budget`` at up to ``MEASURE_STEPS`` timed steps, or at one when each step is
     estimated to take a turn's time (``parallelism.search_turn_s``: one timed step a turn
     anyway). A cheap step timed in turns of ten is timed on fresh states; so are layouts two
-    of whose steps exceed ``budget_gb``
-    (GiB per device): a move between layouts holds the state twice."""
+    of whose steps exceed ``budget_gb`` (GiB per device): a move between layouts holds the
+    state twice."""
     if budget_gb is not None and 2 * max((r.need_gb or 0.0 for r in timed),
                                          default=0.0) > budget_gb:
         return 0
