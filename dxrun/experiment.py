@@ -13,11 +13,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
+from dxrun.attention_kernel import AttentionTarget, attention_target
 from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
+from dxrun.plan.attention import attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
 from dxrun.sharding import (

@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from dxrun.attention_kernel import CPU_TARGET, AttentionTarget, attention_implementation
+from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
+from dxrun.plan.attention import attention_implementation
 from dxrun.sharding import constrain
 
 ACT = ("batch", "seq", "act_embed")

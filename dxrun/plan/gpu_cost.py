@@ -17,8 +17,8 @@ from typing import Any
 
 import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
 
-from dxrun.attention_kernel import CUDNN, attention_implementation
 from dxrun.plan import flops
+from dxrun.plan.attention import CUDNN, attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import shard_optimizer
 from dxrun.plan.vocab import padded_vocab
@@ -91,7 +91,7 @@ COST: dict[str, Cost] = {
         clock_scale="assumed as the H100's", link_efficiency="PCIe 4.0 x16, assumed 80%",
         devices_per_node="8 PCIe cards per server, assumed",
         network_bytes_per_s="200 Gb/s per GPU, assumed")),
-    # TPUs: no cuDNN, so XLA's attention (dxrun/attention_kernel.py); the MXU's achieved
+    # TPUs: no cuDNN, so XLA's attention (dxrun/plan/attention.py); the MXU's achieved
     # fraction from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results":
     # 55-65% MFU on dense Llama-class models; the matmuls alone do better).
     "v5e": Cost(0.80, 128, 0.0, 0.85, 0.80, 256, 25 * GB, 1.0, None,

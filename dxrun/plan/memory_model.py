@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dxrun.attention_kernel import attention_implementation
+from dxrun.plan.attention import attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 
 FP32 = 4
@@ -192,7 +192,7 @@ def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
 
 
 # The compute capability of each NVIDIA target (plan.targets.TARGETS' device kinds), which decides
-# whether cuDNN's fused attention runs there (attention_kernel.attention_implementation).
+# whether cuDNN's fused attention runs there (plan.attention.attention_implementation).
 CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 96GB HBM2e": "9.0",
               "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
 ASSUMED_CUDNN = 91000  # a CUDA 12 jaxlib's cuDNN 9 (JAX's own wheels ship one)
