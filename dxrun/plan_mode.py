@@ -13,9 +13,9 @@ from dataclasses import asdict
 from typing import Any
 
 from dxrun.autotune.decide import Decided, decide
-from dxrun.autotune.fit import accelerator_memory, first_that_fits, step_estimate
+from dxrun.autotune.fit import accelerator_memory, first_that_fits, state_bytes, step_estimate
 from dxrun.autotune.host import resolve_target
-from dxrun.checkpointing.cadence import checkpoint_cost, checkpoint_line, save_cadence, state_bytes
+from dxrun.checkpointing.cadence import checkpoint_cost, checkpoint_line, save_cadence
 from dxrun.experiment import visible_devices
 from dxrun.plan.estimate import shape_warning
 from dxrun.plan.loss_chunk import loss_chunk_for

@@ -10,9 +10,8 @@ import time
 import pytest
 
 from dxrun import profile
-from dxrun.autotune import memory_report
+from dxrun.autotune import fit, memory_report
 from dxrun.autotune.preflight import memory_preflight
-from dxrun.checkpointing import cadence
 from dxrun.errors import ConfigError
 from dxrun.job import Job
 from dxrun.prepare import prepare
@@ -102,7 +101,7 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
 def test_a_run_whose_weights_alone_do_not_fit_is_refused_without_a_search(traced_run, tmp_path):
     *_, cfg, exp = traced_run
     small = copy.deepcopy(cfg)
-    floor = cadence.state_bytes(exp.abstract_state()) / exp.plan.n_visible
+    floor = fit.state_bytes(exp.abstract_state()) / exp.plan.n_visible
     # Half the state's share of one device per device: no remat, accumulation, batch or FSDP
     # suggestion can fit, so the line says why instead of naming one.
     small.runtime.memory_gb = 0.5 * floor * 8 / 2**30

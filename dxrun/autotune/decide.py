@@ -12,10 +12,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dxrun.autotune.fit import NoData
+from dxrun.autotune.fit import NoData, state_bytes
 from dxrun.autotune.search import search
 from dxrun.autotune.timing import Handover
-from dxrun.checkpointing.cadence import save_cadence, state_bytes
+from dxrun.checkpointing.cadence import save_cadence
 from dxrun.experiment import Experiment, process_data
 from dxrun.plan.batch import default_seq_len
 from dxrun.plan.layouts import resumed_layout, searches

@@ -159,3 +159,9 @@ def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
                    cfg.train.precision, timing, None if mem is None else mem.total_bytes)
     return StepEstimate(fp, mem, est, parts, model_flops, n_params)
+
+
+def state_bytes(state: Any) -> float:
+    """Bytes of the whole train state (every array once, as a checkpoint holds it; its
+    shapes alone do)."""
+    return float(sum(x.dtype.itemsize * math.prod(x.shape) for x in jax.tree.leaves(state)))

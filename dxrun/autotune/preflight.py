@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from dxrun.autotune import memory_report
-from dxrun.autotune.fit import first_that_fits
+from dxrun.autotune.fit import first_that_fits, state_bytes
 from dxrun.autotune.host import host_memory_bytes
-from dxrun.checkpointing.cadence import state_bytes
 from dxrun.errors import ConfigError
 from dxrun.multihost.distributed import gather, local_processes
 from dxrun.plan.run_plan import RunPlan, resolved_config

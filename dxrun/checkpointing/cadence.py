@@ -1,12 +1,11 @@
 """When a run saves: the save cadence (``checkpoint.every``, ``checkpoint.every_minutes``, or
-for null the platform's and the state's own) and what a save costs at that cadence."""
+for null the platform's and the state's own) and what a save costs at that cadence (pure:
+values in, values out; the run plan carries the cadence decided)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
-
-import jax
 
 from dxrun.plan.targets import GB, gb_text
 
@@ -90,9 +89,3 @@ def checkpoint_line(c: dict[str, Any]) -> str:
         text += (f", above {100 * MAX_CHECKPOINT_OVERHEAD:.0f}%: set checkpoint.every=0 "
                  f"checkpoint.every_minutes={c['suggest_every_minutes']}")
     return text
-
-
-def state_bytes(state: Any) -> float:
-    """Bytes of the whole train state (every array once, as a checkpoint holds it; its
-    shapes alone do)."""
-    return float(sum(x.dtype.itemsize * math.prod(x.shape) for x in jax.tree.leaves(state)))
