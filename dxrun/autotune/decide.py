@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -23,10 +23,13 @@ from dxrun.plan.mesh import held_batch, make_plan
 from dxrun.plan.run_plan import RunPlan, recorded, saved_config
 from dxrun.plan.targets import GB, plan_platform
 
+if TYPE_CHECKING:
+    from dxrun.checkpointing.checkpoint import Resume
+
 log = logging.getLogger("dxrun")
 
 # A resume's finder: the run's config as its files will record it -> the checkpoint or None.
-FindResume = Callable[[dict[str, Any]], Any]
+FindResume = Callable[[dict[str, Any]], "Resume | None"]
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Decided:
     plan: RunPlan
     exp: Experiment
     handover: Handover | None = None
-    resume: Any = None  # checkpointing's Resume; None: a fresh start
+    resume: Resume | None = None  # the checkpoint a run resumes; None: a fresh start
 
 
 def decide(cfg: Any, devices: tuple, *, plan_mode: bool = False,
