@@ -3,7 +3,7 @@ checkpoint on held-out data, on any mesh.
 
 The newest committed checkpoint (or the step dir given) is restored onto the mesh of the run's
 ``parallelism`` or of the overrides (``parallelism=tp2``, ``runtime.cpu_devices=4``) and
-evaluated by the training loop's own evaluation (``train.evaluate``, the same jitted step) on
+evaluated by the training loop's own evaluation (``attempt.evaluate``, the same jitted step) on
 the held-out split's first ``eval.batches`` batches — the ones the in-training evaluation
 uses, so on the same mesh its numbers are bitwise the run's ``eval/*`` of that step — or on
 another source given as overrides (``data.path=...``, ``data=tokens data.path=...``).
