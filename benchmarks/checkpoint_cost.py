@@ -5,7 +5,7 @@
 One model, one mesh (8 simulated CPU devices; fsdp8 by default: under dp8 each simulated device
 holds a full copy of model=small's 1.5 GB of parameters and Adam moments, which does not fit a
 small machine's memory), one compiled step. Blocks of ``--every`` steps alternate: a *saving*
-block starts an asynchronous save (``dxrun.checkpointing.checkpoint.Checkpointer``, the train
+block starts an asynchronous save (``dxrun.checkpointing.resume.Checkpointer``, the train
 loop's own) and then trains, and is timed until that save is committed; a *plain* block only
 trains. Counting the commit wait in the saving block is conservative: in a run the write may
 overlap more steps, but it must be done before the next save. Prints steps/s of both, their
@@ -27,7 +27,7 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from dxrun.checkpointing import checkpoint  # noqa: E402
+from dxrun.checkpointing import resume as checkpoint  # noqa: E402
 from dxrun.config import register  # noqa: E402
 from dxrun.experiment import Experiment  # noqa: E402
 

@@ -236,7 +236,7 @@ def _claim_to_train(cfg: DictConfig, hydra_cfg: Any, asked: Path) -> Claim:
     """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
     ``asked`` is said at once rather than only in the last line."""
-    from dxrun.checkpointing.checkpoint import checkpoint_dir, committed_steps
+    from dxrun.checkpointing.resume import checkpoint_dir, committed_steps
 
     wait_s = run_dirs.wait_seconds(cfg.run.wait_for_lock)
     claim, decision = None, {}
@@ -292,7 +292,7 @@ def _interrupted(e: Interrupted, cfg: DictConfig, hydra_cfg: Any, run_log: RunLo
         if is_main():
             _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
         sys.exit(e.code)
-    from dxrun.checkpointing.checkpoint import checkpoint_dir, committed_steps
+    from dxrun.checkpointing.resume import checkpoint_dir, committed_steps
 
     run_log.attach(claim.dir)
     steps = committed_steps(checkpoint_dir(cfg.checkpoint, claim.dir))

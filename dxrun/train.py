@@ -19,9 +19,9 @@ import jax
 from dxrun.batch import saved_config
 from dxrun.capacity import flops, layout_search, memory_report, plan_mode
 from dxrun.capacity.preflight import memory_preflight
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
+from dxrun.checkpointing import resume as checkpoint
 from dxrun.checkpointing.preempt import Preemption, relaunch_command
+from dxrun.checkpointing.resume import Resume, RunCheckpoints
 from dxrun.config import model_changes
 from dxrun.data import EVAL
 from dxrun.errors import ConfigError, DiskError, disk_error, first_line

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, subprocess_env
 
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Resume
+from dxrun.checkpointing import resume as checkpoint
+from dxrun.checkpointing.resume import Resume
 from dxrun.experiment import Experiment
 from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, recorded_compiles, run_cli, subprocess_env, tree_digest
 
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Resume
+from dxrun.checkpointing import resume as checkpoint
+from dxrun.checkpointing.resume import Resume
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
 from dxrun.tracking.wandb_file import read_history, read_run

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, Output, make_cfg, run_cli, subprocess_env
 
-from dxrun.checkpointing.checkpoint import committed_steps
+from dxrun.checkpointing.resume import committed_steps
 from dxrun.multihost.launch import free_port
 from dxrun.train import train
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env, tree_digest, write_corpus, write_tokens
 
-from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing import resume as checkpoint
 from dxrun.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
 from dxrun.train import prepare, train
@@ -377,7 +377,7 @@ def test_a_given_up_orbax_read_is_not_reported_as_unraisable():
     An unraisable exception raised anywhere else still is."""
     import types
 
-    from dxrun.checkpointing.checkpoint import is_a_given_up_read
+    from dxrun.checkpointing.resume import is_a_given_up_read
 
     orbax_read: dict = {}  # a function whose frame is Orbax's serialization module
     exec(compile("def _read_array_index_and_device_put():\n    raise Exception('truncated')\n",
@@ -406,7 +406,7 @@ def test_a_given_up_orbax_read_is_not_logged_by_asyncio(caplog):
     import gc
     import logging
 
-    from dxrun.checkpointing.checkpoint import _quiet_reads_that_finish_late
+    from dxrun.checkpointing.resume import _quiet_reads_that_finish_late
 
     orbax_read: dict = {}
     exec(compile("async def _read_array_index_and_device_put():\n    raise Exception('cut')\n",

@@ -11,8 +11,8 @@ from conftest import make_cfg
 from dxrun import sharding as shd
 from dxrun.capacity.hlo import collectives
 from dxrun.capacity.plan_mode import TARGETS, accelerator_memory
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Checkpointer, Resume
+from dxrun.checkpointing import resume as checkpoint
+from dxrun.checkpointing.resume import Checkpointer, Resume
 from dxrun.experiment import Experiment
 
 STEPS = 3

@@ -168,7 +168,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
     the mesh of its config with ``overrides``; ``adjust`` may change the config before the
     mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
-    from dxrun.checkpointing import checkpoint
+    from dxrun.checkpointing import resume as checkpoint
 
     # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
     resume = checkpoint.locate(path.expanduser().absolute(), key)
@@ -207,7 +207,7 @@ def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""
-    from dxrun.checkpointing.checkpoint import POINTER
+    from dxrun.checkpointing.resume import POINTER
 
     path = path.expanduser().absolute()
     if (path / "checkpoints").is_dir() or (path / POINTER).is_file():
