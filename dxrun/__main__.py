@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dxrun import run_dir as run_dirs
-from dxrun.checkpointing.preempt import SIGNALS, Interrupted, guard_signals, relaunch_command
+from dxrun.checkpointing.preempt import SIGNALS, guard_signals
 from dxrun.config import (
     check_keys,
     composition_error,
@@ -28,9 +28,20 @@ from dxrun.config import (
     register,
     validate,
 )
-from dxrun.errors import ConfigError, DiskError, NonFiniteError, NothingToTrain, first_line
+from dxrun.errors import (
+    EXIT_CODES,
+    EXIT_CRASHED,
+    EXIT_REFUSED,
+    ConfigError,
+    DiskError,
+    Interrupted,
+    NonFiniteError,
+    NothingToTrain,
+    Stopped,
+    first_line,
+)
 from dxrun.multihost.distributed import agree, is_main, join, tell_launcher
-from dxrun.run_dir import Claim
+from dxrun.run_dir import Claim, relaunch_command
 from dxrun.runtime import (
     RunLog,
     claim_run_dir,
@@ -111,7 +122,6 @@ def main(cfg: DictConfig) -> Any:
         for w in config_warnings(cfg):
             log.warning(w)
         from dxrun.batch import resolved_config
-        from dxrun.checkpointing.preempt import Stopped
         from dxrun.train import Job, prepare, record_end, train
 
         if cfg.run.mode == "plan":
@@ -236,7 +246,7 @@ def _claim_to_train(cfg: DictConfig, hydra_cfg: Any, asked: Path) -> Claim:
     """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
     ``asked`` is said at once rather than only in the last line."""
-    from dxrun.checkpointing.resume import checkpoint_dir, committed_steps
+    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX: after the device count
 
     wait_s = run_dirs.wait_seconds(cfg.run.wait_for_lock)
     claim, decision = None, {}
@@ -292,7 +302,7 @@ def _interrupted(e: Interrupted, cfg: DictConfig, hydra_cfg: Any, run_log: RunLo
         if is_main():
             _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
         sys.exit(e.code)
-    from dxrun.checkpointing.resume import checkpoint_dir, committed_steps
+    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX: after the device count
 
     run_log.attach(claim.dir)
     steps = committed_steps(checkpoint_dir(cfg.checkpoint, claim.dir))
@@ -356,7 +366,7 @@ def _job_failed(msg: str, crashed: bool) -> None:
     exit code (``cli``), and the next job runs."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        _fail(msg, code=1 if crashed else 2)
+        _fail(msg, code=EXIT_CRASHED if crashed else EXIT_REFUSED)
     print(f"dxrun: error: job #{hydra_cfg.job.num}: {msg}", file=sys.stderr)
 
 
@@ -442,7 +452,7 @@ def _one_job_per_sweep_value(argv: list[str]) -> list[list[str]]:
     return jobs
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = EXIT_REFUSED) -> None:
     print(f"dxrun: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
@@ -480,9 +490,9 @@ def _exit_for_failed_jobs(sweep_dir: Path) -> None:
     if failed:
         names = "; ".join(f"#{j.label_num} ({' '.join(j.overrides)})" for j in failed)
         _fail(f"{len(failed)} sweep job(s) failed: {names} (details: {sweep_dir}/report.md)",
-              code=2 if all(j.kind == "refused" for j in failed) else 1)
+              code=EXIT_REFUSED if all(j.kind == "refused" for j in failed) else EXIT_CRASHED)
     if any(j.kind == "SIGINT" for j in stopped):
-        sys.exit(130)
+        sys.exit(EXIT_CODES["SIGINT"])
 
 
 if __name__ == "__main__":

@@ -19,16 +19,24 @@ import jax
 from dxrun.batch import saved_config
 from dxrun.capacity import flops, layout_search, memory_report, plan_mode
 from dxrun.capacity.preflight import memory_preflight
-from dxrun.checkpointing import resume as checkpoint
-from dxrun.checkpointing.preempt import Preemption, relaunch_command
-from dxrun.checkpointing.resume import Resume, RunCheckpoints
+from dxrun.checkpointing.preempt import Preemption
+from dxrun.checkpointing.resume import (
+    Resume,
+    data_position,
+    find_resume,
+    plan_resume,
+    restore,
+    tokens_seen,
+)
+from dxrun.checkpointing.saving import RunCheckpoints
+from dxrun.checkpointing.store import refused_write
 from dxrun.config import model_changes
 from dxrun.data import EVAL
-from dxrun.errors import ConfigError, DiskError, disk_error, first_line
+from dxrun.errors import UNFINISHED, ConfigError, DiskError, disk_error, first_line
 from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan import MeshPlan, make_plan
-from dxrun.run_dir import UNFINISHED, read_status
+from dxrun.run_dir import read_status, relaunch_command
 from dxrun.runtime import AllocatorPeak, dir_refusal, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput
@@ -133,7 +141,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     ``checkpoint.dir`` that cannot be made, the mesh plan, the data (its files, tokenizer and
     vocabulary), the checkpoint to resume from (``checkpoint.resume`` for a launch into
     ``run_dir``) and the memory preflight (the step compiled from shapes alone must fit). A
-    resume is decided here in full (``checkpoint.plan_resume``): its step, its data position,
+    resume is decided here in full (``resume.plan_resume``): its step, its data position,
     and its optimizer state, which is restored when its tree fits the optimizer now and
     otherwise starts fresh with one warning (a changed optimizer is not refused). Raises
     ConfigError, or NothingToTrain when the checkpoint has reached ``train.steps`` already.
@@ -149,11 +157,11 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     handover: dict[str, Any] = {}  # what the layout search made that the run takes over
     if not layout_search.searches(cfg):
         plan = make_plan(cfg, *visible_devices())  # the global batch, whichever key gave it
-        resume = (checkpoint.find_resume(cfg, run_dir, saved_config(cfg, plan))
+        resume = (find_resume(cfg.checkpoint, run_dir, saved_config(cfg, plan))
                   if run_dir is not None else None)
     else:  # parallelism=auto: a copy laid out as the search chose; a resume keeps its own
         cfg = layout_search.fixed_batch(cfg, visible_devices())
-        resume = checkpoint.find_resume(cfg, run_dir) if run_dir is not None else None
+        resume = find_resume(cfg.checkpoint, run_dir, cfg) if run_dir is not None else None
         searched = layout_search.search(cfg, resumed=layout_search.resumed_layout(resume),
                                         handover=handover)
         cfg = layout_search.with_layout(cfg, layout_search.chosen_layout(searched))
@@ -164,7 +172,8 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     else:
         exp = Experiment.build(cfg, plan, process_data(cfg, plan))
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
-        checkpoint.plan_resume(cfg, resume, exp.abstract_state(), plan.global_batch)
+        plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
+                    cfg.optimizer)
     memory_preflight(cfg, exp, exp.compile_step())
     return Prepared(exp, resume, handover)
 
@@ -203,7 +212,7 @@ def start_state(exp: Experiment, resume: Resume | None,
                      "from step %d", step, step + 1)
             return Start(exp.adopt(handover.pop("state")), step, {})
         return Start(exp.init_state(handover.pop("params", None)), 0, {})
-    state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
+    state, ckpt_meta, step = restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
     log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
@@ -372,13 +381,13 @@ class Attempt:
         self.summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
         self.batches = data.train_iterator()
         if ckpt_meta:
-            self.batches.set_state(checkpoint.data_position(ckpt_meta, plan.global_batch))
+            self.batches.set_state(data_position(ckpt_meta, plan.global_batch))
         elif self.trained:
             (key,) = self.batches.get_state()  # the batches read: "step" or "next_index"
             self.batches.set_state({key: self.trained})
         # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume
         # may have changed the batch size).
-        self.tokens_before = (checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta
+        self.tokens_before = (tokens_seen(ckpt_meta, start) if ckpt_meta
                               else self.trained * tokens_per_step)
         self.start = start
         # checkpoint.every=null: by platform, and on an accelerator by the state's size.
@@ -477,7 +486,7 @@ class Attempt:
         if isinstance(e, (DiskError, memory_report.OutOfMemory)):
             return None
         if (why := disk_error(e)) is not None:
-            return checkpoint.refused_write(_written(e), why, self.ckpts.saver.directory)
+            return refused_write(_written(e), why, self.ckpts.saver.directory)
         if memory_report.is_out_of_memory(e) and self.main:
             path = memory_report.write(self.run_dir, self.exp.step.compiled,
                                        self.exp.abstract_state(), self.exp.plan.platform)

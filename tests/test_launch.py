@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, Output, make_cfg, run_cli, subprocess_env
 
-from dxrun.checkpointing.resume import committed_steps
+from dxrun.checkpointing.store import committed_steps
 from dxrun.multihost.launch import free_port
 from dxrun.train import train
 
@@ -386,8 +386,8 @@ def read_back(command: str) -> str:
 def test_the_resume_command_reads_back_as_its_run_dir(name):
     """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
     status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
-    from dxrun.checkpointing.preempt import relaunch_command
     from dxrun.multihost.launch import _STOP_LINE, clean_stop
+    from dxrun.run_dir import relaunch_command
 
     run_dir = f"/tmp/{name}/run"
     command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)

@@ -11,8 +11,8 @@ from conftest import make_cfg
 from dxrun import sharding as shd
 from dxrun.capacity.hlo import collectives
 from dxrun.capacity.plan_mode import TARGETS, accelerator_memory
-from dxrun.checkpointing import resume as checkpoint
-from dxrun.checkpointing.resume import Checkpointer, Resume
+from dxrun.checkpointing.resume import Resume, restore
+from dxrun.checkpointing.store import Checkpointer
 from dxrun.experiment import Experiment
 
 STEPS = 3
@@ -144,8 +144,7 @@ def test_checkpoint_restores_across_the_flag(dp8, tmp_path, saved_with):
     ckpt.save(STEPS, state, {"step": STEPS})
     ckpt.wait()
     ckpt.close()
-    got, _, step = checkpoint.restore(Resume(tmp_path, STEPS, in_place=False),
-                                      exp_into.abstract_state())
+    got, _, step = restore(Resume(tmp_path, STEPS, in_place=False), exp_into.abstract_state())
     assert step == STEPS
     want_shardings = jax.tree.leaves(exp_into.state_shardings.opt_state)
     for have, sharding in zip(jax.tree.leaves(got.opt_state), want_shardings, strict=True):

@@ -8,7 +8,7 @@ never an interpolation), with the overrides applied as ``python -m dxrun`` would
 group option (``parallelism=tp2``, ``data=tokens``) replaces that section with its preset, a
 key replaces one value. The model's shape and vocabulary are the
 checkpoint's and cannot be overridden. The parameters are read straight into the chosen mesh's
-shardings, as a resume does (``checkpoint.restore``).
+shardings, as a resume does (``resume.restore``).
 
 Bad input is a ConfigError: one line ``dxrun.<tool>: error: ...``, exit 2, no traceback.
 """
@@ -203,11 +203,11 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
 def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     """The run dir the command line points at: ``path`` itself when it holds ``checkpoints/``
     or ``checkpoints.txt``, else the dir around ``<run dir>/checkpoints`` when ``path`` is
-    that dir or a step dir in it (``checkpoints``: the dir ``checkpoint.locate`` found). None
+    that dir or a step dir in it (``checkpoints``: the dir ``resume.locate`` found). None
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""
-    from dxrun.checkpointing.resume import POINTER
+    from dxrun.checkpointing.store import POINTER
 
     path = path.expanduser().absolute()
     if (path / "checkpoints").is_dir() or (path / POINTER).is_file():
