@@ -28,6 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config import RunConfig, check_keys, composition_error, conf_dir, register, validate
 from dxrun.errors import ConfigError, first_line
+from dxrun.plan import make_plan
+from dxrun.runtime import simulate_cpu_devices
 
 log = logging.getLogger("dxrun")
 
@@ -75,8 +77,6 @@ def start_devices(overrides: list[str]) -> None:
     """Simulate ``runtime.cpu_devices`` CPU devices (default 8, like a run) before JAX starts:
     reading the checkpoint's meta already starts JAX, so the count comes from the command
     line, not from the checkpoint."""
-    from dxrun.runtime import simulate_cpu_devices
-
     given = [o.partition("=")[2] for o in overrides if o.startswith("runtime.cpu_devices=")]
     try:
         n = int(given[-1]) if given else DEFAULT_CPU_DEVICES
@@ -168,13 +168,12 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
     the mesh of its config with ``overrides``; ``adjust`` may change the config before the
     mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
-    from dxrun.checkpointing import checkpoint
+    from dxrun.checkpointing import checkpoint  # imports JAX
 
     # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
     resume = checkpoint.locate(path.expanduser().absolute(), key)
     start_devices(overrides)
-    from dxrun.experiment import Experiment, visible_devices
-    from dxrun.plan import make_plan
+    from dxrun.experiment import Experiment, visible_devices  # imports JAX
 
     step, meta = checkpoint.newest_meta(resume)
     where = resume.directory / str(step)
@@ -207,7 +206,7 @@ def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""
-    from dxrun.checkpointing.checkpoint import POINTER
+    from dxrun.checkpointing.checkpoint import POINTER  # imports JAX
 
     path = path.expanduser().absolute()
     if (path / "checkpoints").is_dir() or (path / POINTER).is_file():
