@@ -24,12 +24,19 @@ MODULES_OVER_400 = {  # goal: none
     "dxrun/reference.py", "dxrun/schema.py", "dxrun/train.py",
 }
 LARGEST_MODULE_DOCSTRING = 79  # source lines of the longest module docstring; goal <= 15
-LOCAL_IMPORTS = 117  # function-local imports of dxrun modules; goal <= 30
-LOCAL_IMPORTS_WITHOUT_REASON = 111  # of those, without a trailing comment saying why; goal 0
+DOCSTRINGS_OVER_15 = {  # modules whose docstring is longer than 15 lines; goal: none
+    "dxrun/batch.py", "dxrun/bench/eager.py", "dxrun/capacity/flops.py",
+    "dxrun/capacity/gpu_cost.py", "dxrun/capacity/layout_search.py",
+    "dxrun/capacity/memory_model.py", "dxrun/capacity/plan_mode.py",
+    "dxrun/checkpointing/checkpoint.py", "dxrun/multihost/distributed.py",
+    "dxrun/multihost/launch.py", "dxrun/run_dir.py",
+}
+LOCAL_IMPORTS = 97  # function-local imports of dxrun modules; goal <= 30
+LOCAL_IMPORTS_WITHOUT_REASON = 84  # of those, without a trailing comment saying why; goal 0
 IMPORT_CIRCLES = 1  # sets of dxrun modules that reach each other through imports; goal 0
 MODULES_IN_CIRCLES = 10  # the modules in those sets; goal 0
-UPWARD_IMPORTS = 40  # imports of a module on a higher floor of LAYERS; goal 0
-FIGURES = 13  # comment/docstring lines quoting a measured time or ratio; goal 0
+UPWARD_IMPORTS = 6  # imports of a module on a higher floor of LAYERS; goal 0
+FIGURES = 12  # comment/docstring lines quoting a measured time or ratio; goal 0
 
 # The floors, lowest first (STYLE.md, "As dxrun grows"; issue 48): a module may import modules
 # on its own floor or below. A module's floor is the one of its longest prefix listed here, so a
@@ -220,6 +227,11 @@ def test_module_docstrings_stay_short():
                and d[0] is _tree(p).body[0]}
     longest = max(lengths, key=lengths.get)
     _at_most("LARGEST_MODULE_DOCSTRING", lengths[longest], LARGEST_MODULE_DOCSTRING, longest)
+    over = {name for name, n in lengths.items() if n > 15}
+    assert over <= DOCSTRINGS_OVER_15, f"docstrings over 15 lines: {sorted(over - DOCSTRINGS_OVER_15)}"
+    if over < DOCSTRINGS_OVER_15:
+        print(f"docstrings no longer over 15 lines: {sorted(DOCSTRINGS_OVER_15 - over)}: drop them "
+              "from DOCSTRINGS_OVER_15")
 
 
 def test_function_local_imports_are_few_and_say_why():

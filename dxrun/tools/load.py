@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,6 +30,9 @@ from dxrun.config import RunConfig, check_keys, composition_error, conf_dir, reg
 from dxrun.errors import ConfigError, first_line
 from dxrun.plan import make_plan
 from dxrun.runtime import simulate_cpu_devices
+
+if TYPE_CHECKING:
+    from dxrun.experiment import Experiment
 
 log = logging.getLogger("dxrun")
 
@@ -154,17 +157,17 @@ def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
 
 @dataclass
 class Loaded:
-    cfg: DictConfig  # the checkpoint's config with the overrides
+    cfg: RunConfig  # the checkpoint's config with the overrides
     ckpt_meta: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
     step: int
     path: Path  # the step dir read
     run_dir: Path | None  # the run dir given (eval.json and W&B go there): ``given_run_dir``
-    exp: Any  # the Experiment on the chosen mesh
+    exp: Experiment  # on the chosen mesh
     params: dict  # on that mesh
 
 
 def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
-         adjust: Callable[[DictConfig], None] | None = None) -> Loaded:
+         adjust: Callable[[RunConfig], None] | None = None) -> Loaded:
     """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
     the mesh of its config with ``overrides``; ``adjust`` may change the config before the
     mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
