@@ -16,9 +16,13 @@ so the chunked loss is the unchunked one under bf16 as well; a chunk's are small
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dxrun.plan import MeshPlan
+    from dxrun.schema import ModelConfig
 
 AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
 CHUNK_BYTES = 256 * 2**20  # null: the largest chunk whose fp32 logits fit in this
@@ -48,13 +52,14 @@ def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -
     return max(fits, default=1)
 
 
-def loss_chunk_for(cfg: Any, plan: Any) -> int:
-    """``resolve_loss_chunk`` for ``cfg`` on ``plan``'s mesh: one micro-batch's rows per
-    device and the vocabulary's padded rows per tensor-parallel device."""
-    rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * cfg.train.grad_accum))
-    vocab = (plan.padded_vocab or cfg.model.vocab_size) // plan.tp
+def loss_chunk_for(m: ModelConfig, grad_accum: int, plan: MeshPlan) -> int:
+    """``resolve_loss_chunk`` for the model ``m`` (``train.grad_accum`` micro-batches) on
+    ``plan``'s mesh: one micro-batch's rows per device and the vocabulary's padded rows per
+    tensor-parallel device."""
+    rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * grad_accum))
+    vocab = (plan.padded_vocab or m.vocab_size) // plan.tp
     # The plan's sequence length: data.seq_len may still be null (the platform's default) here.
-    return resolve_loss_chunk(cfg.model.loss_chunk, rows, plan.seq_len, vocab)
+    return resolve_loss_chunk(m.loss_chunk, rows, plan.seq_len, vocab)
 
 
 def chunked_cross_entropy(logits_fn: Any, w: Any, x_BxLxD: Any, targets_BxL: Any,

@@ -78,7 +78,7 @@ def test_auto_chunks_only_large_logits():
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
     from dxrun.plan import make_plan
-    assert loss_chunk_for(cfg, make_plan(cfg, 8)) == 128
+    assert loss_chunk_for(cfg.model, cfg.train.grad_accum, make_plan(cfg, 8)) == 128
 
 
 def test_a_chunk_that_does_not_divide_is_refused():

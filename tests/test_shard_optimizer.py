@@ -115,7 +115,7 @@ def test_default_follows_data_replicas():
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
         assert cfg.parallelism.shard_optimizer is None
-        assert shard_optimizer(cfg, make_plan(cfg, 8)) is want, mesh
+        assert shard_optimizer(cfg.parallelism, make_plan(cfg, 8)) is want, mesh
 
 
 def test_plan_mode_optimizer_bytes_follow_the_flag():

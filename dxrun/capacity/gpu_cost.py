@@ -344,5 +344,6 @@ def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> 
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
         params_per_device=params_per_device, precision=cfg.train.precision,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-        updated_per_device=params_per_device / plan.dp if shard_optimizer(cfg, plan) else None,
-        loss_chunk=loss_chunk_for(cfg, plan))
+        updated_per_device=(params_per_device / plan.dp
+                            if shard_optimizer(cfg.parallelism, plan) else None),
+        loss_chunk=loss_chunk_for(cfg.model, accum, plan))

@@ -22,12 +22,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config import RunConfig, check_keys, composition_error, conf_dir, register, validate
 from dxrun.errors import ConfigError, first_line
+from dxrun.plan import make_plan
+from dxrun.runtime import simulate_cpu_devices
+
+if TYPE_CHECKING:
+    from dxrun.experiment import Experiment
 
 log = logging.getLogger("dxrun")
 
@@ -75,8 +80,6 @@ def start_devices(overrides: list[str]) -> None:
     """Simulate ``runtime.cpu_devices`` CPU devices (default 8, like a run) before JAX starts:
     reading the checkpoint's meta already starts JAX, so the count comes from the command
     line, not from the checkpoint."""
-    from dxrun.runtime import simulate_cpu_devices
-
     given = [o.partition("=")[2] for o in overrides if o.startswith("runtime.cpu_devices=")]
     try:
         n = int(given[-1]) if given else DEFAULT_CPU_DEVICES
@@ -154,27 +157,26 @@ def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
 
 @dataclass
 class Loaded:
-    cfg: DictConfig  # the checkpoint's config with the overrides
+    cfg: RunConfig  # the checkpoint's config with the overrides
     ckpt_meta: dict[str, Any]  # the checkpoint's meta (config as written, W&B run id, ...)
     step: int
     path: Path  # the step dir read
     run_dir: Path | None  # the run dir given (eval.json and W&B go there): ``given_run_dir``
-    exp: Any  # the Experiment on the chosen mesh
+    exp: Experiment  # on the chosen mesh
     params: dict  # on that mesh
 
 
 def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
-         adjust: Callable[[DictConfig], None] | None = None) -> Loaded:
+         adjust: Callable[[RunConfig], None] | None = None) -> Loaded:
     """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
     the mesh of its config with ``overrides``; ``adjust`` may change the config before the
     mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
-    from dxrun.checkpointing import resume as checkpoint
+    from dxrun.checkpointing import resume as checkpoint  # imports JAX
 
     # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
     resume = checkpoint.locate(path.expanduser().absolute(), key)
     start_devices(overrides)
-    from dxrun.experiment import Experiment, visible_devices
-    from dxrun.plan import make_plan
+    from dxrun.experiment import Experiment, visible_devices  # imports JAX
 
     step, meta = checkpoint.newest_meta(resume)
     where = resume.directory / str(step)
@@ -207,7 +209,7 @@ def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""
-    from dxrun.checkpointing.store import POINTER
+    from dxrun.checkpointing.store import POINTER  # imports JAX
 
     path = path.expanduser().absolute()
     if (path / "checkpoints").is_dir() or (path / POINTER).is_file():
