@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun import config, schema
+from dxrun import config, faults, schema, validation
 from dxrun.errors import ConfigError
 
 
 def _numeric_keys() -> list[str]:
-    hints = {k: h for k, _, h in schema._walk(schema.RunConfig)}
+    hints = {k: h for k, _, h in schema.walk(schema.RunConfig)}
     # Optional numbers too (the data keys only some sources read).
     return [k for k, h in hints.items()
             if set(typing.get_args(h) or [h]) - {type(None)} <= {int, float}]
@@ -60,6 +60,53 @@ def test_the_schema_with_metadata_is_still_a_structured_config():
     assert OmegaConf.get_type(node.model) is schema.ModelConfig
     config.register()
     assert "dxrun_schema.yaml" in ConfigStore.instance().list("/")
+
+
+# The keys conf/config.yaml may set beside its defaults list and Hydra's settings, each with why
+# it must be YAML rather than the schema's default. Empty: every default is the schema's.
+YAML_ONLY: dict[str, str] = {}
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``section.key`` -> value for every leaf (an empty section or list is a leaf)."""
+    if isinstance(node, dict) and (node or not prefix):
+        return {k: v for name, sub in node.items() for k, v in _flat(sub, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: node}
+
+
+def test_config_yaml_writes_no_default_of_the_schemas():
+    """A default is written once, in the schema: conf/config.yaml holds the defaults list and
+    Hydra's settings, and any run key it sets is on YAML_ONLY with its reason."""
+    import yaml
+
+    raw = yaml.safe_load((config.conf_dir() / "config.yaml").read_text())
+    sets = _flat({k: v for k, v in raw.items() if k not in ("defaults", "hydra")})
+    assert set(sets) <= set(YAML_ONLY), f"defaults belong to dxrun/schema.py: {sorted(sets)}"
+    assert {k for k in sets if k in YAML_ONLY} == set(YAML_ONLY), "YAML_ONLY names a stale key"
+
+
+def test_the_default_run_is_the_schema_but_for_its_group_presets(base_cfg):
+    """Every value ``python -m dxrun`` composes is the schema's default, or set by one of the
+    default group options conf/config.yaml chooses (model=tiny, parallelism=auto, ...): nothing
+    else can hold a second default that drifts from the schema's."""
+    import yaml
+
+    conf = config.conf_dir()
+    chosen = [next(iter(e.items())) for e in yaml.safe_load((conf / "config.yaml").read_text())[
+        "defaults"] if isinstance(e, dict) and next(iter(e.values())) is not None]
+    by_presets: set[str] = set()
+    for group, option in chosen:
+        text = (conf / group / f"{option}.yaml").read_text()
+        values = yaml.safe_load(text) or {}
+        by_presets |= set(_flat(values if "@package _global_" in text else {group: values}))
+    composed = _flat(OmegaConf.to_container(base_cfg, resolve=False))
+    schema_defaults = _flat(OmegaConf.to_container(OmegaConf.structured(schema.RunConfig),
+                                                   resolve=False))
+    assert set(composed) == set(schema_defaults)
+    drift = {k: (v, schema_defaults[k]) for k, v in composed.items()
+             if v != schema_defaults[k] and k not in by_presets}
+    assert not drift, f"composed value, schema default: {drift}"
+    assert {"model.vocab_size", "data.vocab_size", "parallelism.search"} <= by_presets
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +189,8 @@ def test_validate_is_one_short_check_per_section():
     import inspect
 
     for section in (f.name for f in dataclasses.fields(schema.RunConfig)):
-        check = getattr(config, f"check_{section}")
-        assert check.__name__ in inspect.getsource(config.validate)
+        check = getattr(validation, f"check_{section}")
+        assert check.__name__ in inspect.getsource(validation.validate)
         assert len(inspect.getsource(check).splitlines()) <= 30, section
 
 
@@ -178,7 +225,7 @@ def test_readme_lists_the_generated_ranges():
     ("train.seed=4294967295", False), ("train.seed=4294967296", True),
     ("data.seed=4294967294", False), ("data.seed=4294967295", True),
     ("train.steps=2147483647", False), ("train.steps=2147483648", True),
-    ("data.batch_size=2147483648", True), ("train.inject_nan_at_step=2147483648", True),
+    ("data.batch_size=2147483648", True),
 ])
 def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     source = ["data=text", "data.path=x.txt"] if override.startswith("data.") else []
@@ -193,8 +240,29 @@ def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     assert msg.startswith(f"{key}={value}") and "set " + key in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("variable, value, bad", [
+    ("DXRUN_TEST_NAN_AT_STEP", "2147483647", False), ("DXRUN_TEST_NAN_AT_STEP", "2147483648", True),
+    ("DXRUN_TEST_HOLD_AT_STEP", "-1", True), ("DXRUN_TEST_ERROR_AT_STEP", "x", True),
+    ("DXRUN_TEST_ERROR_AT_STEP", "3", False),
+])
+def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad):
+    """The tests' faults are no key of the user's config (``dxrun.faults``): each is read from
+    its environment variable, refused outside its range like a key (the NaN step is compared
+    with the int32 step counter)."""
+    assert not [k for k in schema.FIELDS if "inject" in k or "hold_at" in k]
+    assert faults.from_env({}) == faults.Faults()
+    if not bad:
+        got = faults.from_env({variable: value})
+        assert int(value) in got.steps() and sorted(got.steps())[:2] == [0, 0]
+        return
+    with pytest.raises(ConfigError) as err:
+        faults.from_env({variable: value})
+    msg = str(err.value)
+    assert msg.startswith(f"{variable}={value}") and "set " + variable in msg and "\n" not in msg
+
+
 def _float_ranged_keys() -> list[str]:
-    return sorted(k for k, _, hint in schema._walk(schema.RunConfig)
+    return sorted(k for k, _, hint in schema.walk(schema.RunConfig)
                   if k in schema.RANGES and float in (typing.get_args(hint) or (hint,)))
 
 
