@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from dxrun.checkpointing.preempt import SIGNALS, guard_signals
 from dxrun.composition import composition_refusal
-from dxrun.config import check_keys, conf_dir, config_warnings, register, validate
+from dxrun.config import check_keys, conf_dir, register
 from dxrun.errors import (
     EXIT_CODES,
     EXIT_CRASHED,
@@ -57,6 +57,7 @@ from dxrun.runtime import (
     write_status,
 )
 from dxrun.tracking.goodput import job_started_at
+from dxrun.validation import config_warnings, validate
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dxrun import faults
 from dxrun.attention_kernel import AttentionTarget, attention_implementation, attention_target
 from dxrun.chunked_loss import loss_chunk_for
 from dxrun.data import TRAIN, Data
@@ -106,7 +107,7 @@ class Experiment:
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
             grad_accum=cfg.train.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-            nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
+            nan_policy=cfg.train.nan_policy, inject_nan_at_step=faults.from_env().nan_at_step,
             loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,

@@ -171,7 +171,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          grad_reduce_dtype, loss_chunk)
-        if inject_nan_at_step:  # test-only (train.inject_nan_at_step): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 

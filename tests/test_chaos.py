@@ -137,21 +137,24 @@ RECORDS = ["model=tiny", "train.steps=8", "train.log_every=1", "train.eval_every
            "data.seq_len=16"]
 
 
-def _launch_records(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+def _launch_records(cwd: Path, run_dir: Path, *extra: str, hold: int = 0) -> subprocess.Popen:
+    # hold: from that step on, each step waits for a SIGUSR1 (DXRUN_TEST_HOLD_AT_STEP).
+    env = subprocess_env(drop=("WANDB_SERVICE",))
+    if hold:
+        env["DXRUN_TEST_HOLD_AT_STEP"] = str(hold)
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *RECORDS, f"hydra.run.dir={run_dir}", *extra],
-        cwd=cwd, env=subprocess_env(drop=("WANDB_SERVICE",)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
 def three_attempts(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("records")
     run_dir = cwd / "run"
-    first = _launch_records(cwd, run_dir, "train.hold_at_step=5")
+    first = _launch_records(cwd, run_dir, hold=5)
     _kill_when(first, lambda: _logged_step(run_dir) >= 4 and 4 in committed_steps(
         run_dir / "checkpoints"))
-    second = _launch_records(cwd, run_dir, "train.hold_at_step=5")
+    second = _launch_records(cwd, run_dir, hold=5)
     Output(second).wait_for(lambda line: "step 5/8" in line)  # its row waits for step 5's save
     second.kill()
     assert second.wait(timeout=60) == -signal.SIGKILL

@@ -59,8 +59,10 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
-def _launch(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = subprocess_env()
+def _launch(cwd: Path, run_dir: Path, *extra: str, hold: int = 0) -> subprocess.Popen:
+    """``python -m dxrun`` on BASE into ``run_dir``; ``hold``: from that step on, each step
+    waits for a SIGUSR1 (the test-only DXRUN_TEST_HOLD_AT_STEP, dxrun/faults.py)."""
+    env = {**subprocess_env(), **({"DXRUN_TEST_HOLD_AT_STEP": str(hold)} if hold else {})}
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *BASE, f"hydra.run.dir={run_dir}", *extra],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -84,7 +86,7 @@ def _logged_step(run_dir: Path) -> int:
     return max((json.loads(x)["step"] for x in text.splitlines() if x.endswith("}")), default=0)
 
 
-# The signal tests hold their runs (train.hold_at_step: from that step on, each step waits for
+# The signal tests hold their runs (``_launch``'s hold: from that step on, each step waits for
 # a SIGUSR1), so every signal is acted on at a known step, whatever the machine's speed.
 HOLD_FIRST, HOLD_SECOND = 11, 16
 
@@ -97,7 +99,7 @@ def preempted(tmp_path_factory):
     the three outputs."""
     cwd = tmp_path_factory.mktemp("preempt")
     run_dir = cwd / "run"
-    first = _launch(cwd, run_dir, f"train.hold_at_step={HOLD_FIRST}")
+    first = _launch(cwd, run_dir, hold=HOLD_FIRST)
     out = Output(first)
     # Row 10 is written after step 10's save point: the loop is held at step 11 or on its way.
     _wait_for(lambda: _logged_step(run_dir) >= 10, out)
@@ -110,7 +112,7 @@ def preempted(tmp_path_factory):
     out1 = out.finish()
     assert first.returncode == 0, out1[-3000:]
     stopped = int(out1.split("SIGTERM: stopped at step ")[1].split(";")[0])
-    second = _launch(cwd, run_dir, f"train.hold_at_step={HOLD_SECOND}")
+    second = _launch(cwd, run_dir, hold=HOLD_SECOND)
     out = Output(second)
     _wait_for(lambda: _logged_step(run_dir) >= 15, out)
     second.send_signal(signal.SIGINT)
@@ -161,7 +163,7 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
     # The stop line gives the command that resumes the run, overrides and run dir included.
     assert (f"SIGTERM: stopped at step {stopped}; checkpoint {run_dir / 'checkpoints' / str(stopped)}"
             f" committed. Resume with: python -m dxrun {' '.join(BASE)} "
-            f"train.hold_at_step={HOLD_FIRST} hydra.run.dir={run_dir}") in preempted["outputs"][0]
+            f"hydra.run.dir={run_dir}") in preempted["outputs"][0]
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +179,12 @@ def requeued(tmp_path_factory):
     for hold, until in ((6, lambda: _logged_step(run_dir) >= 5),
                         (26, lambda: _logged_step(run_dir) >= 25 and 25 in
                          committed_steps(run_dir / "checkpoints"))):
-        proc = _launch(cwd, run_dir, "logger=none", f"train.hold_at_step={hold}")
+        proc = _launch(cwd, run_dir, "logger=none", hold=hold)
         out = Output(proc)
         _wait_for(until, out)
         proc.kill()
         outs.append(out.finish())
-    proc = _launch(cwd, run_dir, "logger=none", f"train.hold_at_step={STEPS}")
+    proc = _launch(cwd, run_dir, "logger=none", hold=STEPS)
     out = Output(proc)
     # The last step's progress line comes before its save point, where the run is held.
     out.wait_for(lambda line: f"step {STEPS}/{STEPS}" in line)
@@ -249,7 +251,7 @@ def test_a_second_launch_into_a_held_run_dir_is_refused_or_waits(reference, tmp_
     run.wait_for_lock it waits for the first to end and then continues the run from where
     the first stopped."""
     run_dir = tmp_path / "run"
-    first = _launch(tmp_path, run_dir, "logger=none", "train.hold_at_step=26")
+    first = _launch(tmp_path, run_dir, "logger=none", hold=26)
     out = Output(first)
     _wait_for(lambda: _logged_step(run_dir) >= 25
               and 25 in committed_steps(run_dir / "checkpoints"), out)
@@ -394,12 +396,18 @@ def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
 
 
 NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0",
-       "checkpoint.every=4", "logger=none", "train.inject_nan_at_step=7",
-       "parallelism=dp2", "data.batch_size=8", "data.seq_len=16"]
+       "checkpoint.every=4", "logger=none", "parallelism=dp2", "data.batch_size=8",
+       "data.seq_len=16"]
+
+
+@pytest.fixture
+def nan_at_step_7(monkeypatch):
+    """Step 7's loss poisoned (the test-only DXRUN_TEST_NAN_AT_STEP, dxrun/faults.py)."""
+    monkeypatch.setenv("DXRUN_TEST_NAN_AT_STEP", "7")
 
 
 @pytest.mark.e2e
-def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path):
+def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path, nan_at_step_7):
     with pytest.raises(NonFiniteError, match="non-finite loss or gradients at step 7") as e:
         train(make_cfg(*NAN), tmp_path)
     assert f"last good checkpoint is {tmp_path / 'checkpoints' / '4'}" in str(e.value)
@@ -413,7 +421,7 @@ def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.e2e
-def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
+def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path, nan_at_step_7):
     train(make_cfg(*NAN, "train.nan_policy=skip"), tmp_path)
     rows = {r["step"]: r for r in _rows(tmp_path)}
     assert [rows[s]["train/skipped_steps"] for s in (6, 7, 10)] == [0, 1, 1]
@@ -455,7 +463,7 @@ def test_what_cannot_change_on_resume_is_refused():
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-    from dxrun.config import validate
+    from dxrun.validation import validate
 
     for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
                           ("checkpoint.keep=0", "checkpoint.keep=0"),
@@ -472,12 +480,12 @@ def test_bad_checkpoint_settings_are_refused(tmp_path):
 @pytest.mark.e2e
 def test_second_sigint_exits_at_once_without_saving(tmp_path):
     """Ctrl-C twice: the first asks for a save; the second, before that save, exits 130 at
-    once, and no checkpoint appears. The run is held at step 6 (train.hold_at_step, no SIGUSR1
+    once, and no checkpoint appears. The run is held at step 6 (``_launch``'s hold, no SIGUSR1
     ever comes), so the first SIGINT's save cannot start, let alone be committed, before the
     second arrives, nor can the checkpoint.every=25 cadence of BASE save. BASE as it is (the
     hold is host-side): the programs are ``reference``'s, from the session's compile cache."""
     run_dir = tmp_path / "run"
-    proc = _launch(tmp_path, run_dir, "logger=none", "train.hold_at_step=6")
+    proc = _launch(tmp_path, run_dir, "logger=none", hold=6)
     out = Output(proc)
     _wait_for(lambda: _logged_step(run_dir) >= 5, out)
     proc.send_signal(signal.SIGINT)

@@ -84,7 +84,7 @@ def test_auto_chunks_only_large_logits():
 def test_a_chunk_that_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
                                           r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
-        from dxrun.config import validate
+        from dxrun.validation import validate
 
         validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
 

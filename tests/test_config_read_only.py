@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from dxrun import config
+from dxrun import validation
 from dxrun.batch import saved_config
 from dxrun.capacity import layout_search
 from dxrun.capacity.plan_mode import planned, with_plan_seq_len
@@ -18,7 +18,7 @@ def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, t
     # The per-device batch and data.seq_len=null: both resolved by the plan (4 replicas x 2).
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "parallelism=dp4_tp2",
                       "data.per_device_batch_size=2", "data.seq_len=null", "train.steps=2")
-    config.validate(cfg)
+    validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     exp, resume = prepare(cfg, tmp_path / "run")[:2]  # plan, data, resume check, preflight
     assert resume is None
@@ -48,7 +48,7 @@ def test_parallelism_auto_runs_on_a_copy_holding_the_chosen_layout(cfg_factory, 
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "parallelism=auto",
                       "parallelism.n_devices=2", "data.per_device_batch_size=2",
                       "data.seq_len=null", "train.steps=2")
-    config.validate(cfg)
+    validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     layout = layout_search.Layout(1, 1, 2, "dots", 2)
     fixed = layout_search.fixed_batch(cfg, visible_devices())
@@ -87,7 +87,7 @@ def test_plan_mode_resolves_seq_len_and_the_layout_on_a_copy(cfg_factory, monkey
                       "model.n_heads=1", "model.n_kv_heads=1",
                       "parallelism=auto", "parallelism.n_devices=2", "data.seq_len=null",
                       "plan.target=h100", "parallelism.search_budget=null")
-    config.validate(cfg)
+    validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     assert with_plan_seq_len(cfg, "cpu").data.seq_len == 128
     plan_cfg, plan = planned(cfg, "cpu")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dxrun.batch import resolved_config
-from dxrun.config import validate
 from dxrun.errors import ConfigError
 from dxrun.plan import make_plan
+from dxrun.validation import validate
 
 PRESETS = {
     "auto": (8, 1, 1), "dp": (8, 1, 1), "dp1": (1, 1, 1), "dp2": (2, 1, 1), "dp4": (4, 1, 1),

@@ -225,8 +225,8 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
     from omegaconf import OmegaConf
 
     from dxrun.capacity.plan_mode import candidates
-    from dxrun.config import validate
     from dxrun.plan import make_plan
+    from dxrun.validation import validate
 
     cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")
     update = make_plan(cfg, 8).global_batch

@@ -133,7 +133,7 @@ COST: dict[str, Cost] = {
                  "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
 }
 
-# What the estimate row says of its basis: set from the last `python -m dxrun.bench
+# What the estimate row says of its basis: set from the last `python -m benchmarks
 # --published` (BENCHMARKS.md, "Plan mode vs published GPU runs").
 ESTIMATE_BASIS = {"calibrated_on": 2, "validated_on": 2, "within_pct": 5}
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from dxrun import faults
 from dxrun.capacity.plan_mode import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.checkpointing.preempt import Preemption, ProcessAgreement
 from dxrun.checkpointing.store import POINTER, Checkpointer, checkpoint_dir, committed_steps, run_id
@@ -63,8 +64,8 @@ class RunCheckpoints:
         self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
         self.warned_cost = False
         self.halt = train.nan_policy == "halt"
-        self.hold = train.hold_at_step  # test-only: see between_steps
-        self.fail_at = train.inject_error_at_step  # test-only: see between_steps
+        test_faults = faults.from_env()  # test-only: see between_steps
+        self.hold, self.fail_at = test_faults.hold_at_step, test_faults.error_at_step
         # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
         # step they agree on, some steps after the signal cleared its flag.
         self.usr1_pending = False
@@ -83,13 +84,13 @@ class RunCheckpoints:
 
     def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
         """After step ``done`` (the iterator has given exactly ``done`` batches)."""
-        # Test-only (train.hold_at_step): from that step on, each step waits for a SIGUSR1, so a
+        # Test-only (DXRUN_TEST_HOLD_AT_STEP): from that step on, each step waits for a SIGUSR1, so a
         # test knows the step its signals are acted on at (a stop waits for one too).
         while self.hold and done >= self.hold and not self.preemption.save:
             time.sleep(0.01)
-        if self.fail_at and done == self.fail_at:  # test-only (train.inject_error_at_step)
+        if self.fail_at and done == self.fail_at:  # test-only (DXRUN_TEST_ERROR_AT_STEP)
             raise RuntimeError(f"injected failure after step {done} "
-                               "(train.inject_error_at_step, a test-only key)")
+                               "(DXRUN_TEST_ERROR_AT_STEP, a test-only fault)")
         stop, signalled = self.preemption.stop, self.preemption.take_save()
         self.usr1_pending |= signalled
         ran = done > self.start

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from dxrun.bench.report import Figure, figure
+from benchmarks.report import Figure, figure
 from dxrun.capacity import hlo
 from dxrun.experiment import Experiment
 
