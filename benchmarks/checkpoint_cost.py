@@ -5,7 +5,7 @@
 One model, one mesh (8 simulated CPU devices; fsdp8 by default: under dp8 each simulated device
 holds a full copy of model=small's 1.5 GB of parameters and Adam moments, which does not fit a
 small machine's memory), one compiled step. Blocks of ``--every`` steps alternate: a *saving*
-block starts an asynchronous save (``dxrun.checkpointing.checkpoint.Checkpointer``, the train
+block starts an asynchronous save (``dxrun.checkpointing.store.Checkpointer``, the train
 loop's own) and then trains, and is timed until that save is committed; a *plain* block only
 trains. Counting the commit wait in the saving block is conservative: in a run the write may
 overlap more steps, but it must be done before the next save. Prints steps/s of both, their
@@ -27,7 +27,8 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from dxrun.checkpointing import checkpoint  # noqa: E402
+from dxrun.checkpointing.resume import Resume, restore  # noqa: E402
+from dxrun.checkpointing.store import Checkpointer  # noqa: E402
 from dxrun.config import register  # noqa: E402
 from dxrun.experiment import Experiment  # noqa: E402
 
@@ -53,7 +54,7 @@ def main() -> None:
     state = exp.init_state()
     batches = exp.data.train_iterator()
     root = Path(args.dir or tempfile.mkdtemp(prefix="dxrun-ckpt-bench-"))
-    saver = checkpoint.Checkpointer(root / "checkpoints", keep=2)
+    saver = Checkpointer(root / "checkpoints", keep=2)
 
     def steps(n: int):
         nonlocal state
@@ -84,8 +85,8 @@ def main() -> None:
     size = sum(f.stat().st_size for f in (root / "checkpoints" / str(step)).rglob("*")
                if f.is_file())
     t = time.perf_counter()
-    restored, _, _ = checkpoint.restore(
-        checkpoint.Resume(root / "checkpoints", step, in_place=False), exp.abstract_state())
+    restored, _, _ = restore(
+        Resume(root / "checkpoints", step, in_place=False), exp.abstract_state())
     jax.block_until_ready(restored)
     restore_s = time.perf_counter() - t
     plain, saving = n / timed["plain"], n / timed["saving"]

@@ -4,7 +4,7 @@ elementwise backward costs XLA:CPU next to the MLP's matmuls (the activation "no
 matmuls alone). Prints ms per call (median of per-repetition medians) and the loop fusions of
 the compiled program that write a transposed layout.
 
-    python benchmarks/gelu_backward.py [--steps 20 --reps 5]
+    python -m benchmarks.gelu_backward [--steps 20 --reps 5]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from dxrun.bench.timing import interleaved
+from benchmarks.timing import interleaved
 
 ACTIVATIONS = {"none": lambda h: h, "relu": jax.nn.relu,
                "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True)}

@@ -18,4 +18,4 @@ t = attention_target(jax.devices()[0])
 print("attention kernel, bf16, head dim 64 (GPT-2):",
       attention_implementation(t.platform, jnp.bfloat16, 64, t.compute_capability,
                                t.cudnn_version), t)'
-python -m dxrun.bench --gpu "$@"
+python -m benchmarks --gpu "$@"

@@ -4,9 +4,9 @@ the arena it started with), the variants alternating, ``--reps`` times; each com
 every layout (timed: the XLA compile of ``Experiment.compile_step``) and times ``--steps`` steps
 after two untimed ones (median), with the minor page faults per step.
 
-    python benchmarks/malloc_arenas.py --shape tiny --layouts dp1,dp8 --reps 2
-    python benchmarks/malloc_arenas.py --shape mid --layouts dp1,dp8 --reps 2
-    python benchmarks/malloc_arenas.py --shape small --layouts fsdp8 --variants a1,a2 --steps 5
+    python -m benchmarks.malloc_arenas --shape tiny --layouts dp1,dp8 --reps 2
+    python -m benchmarks.malloc_arenas --shape mid --layouts dp1,dp8 --reps 2
+    python -m benchmarks.malloc_arenas --shape small --layouts fsdp8 --variants a1,a2 --steps 5
 
 A variant is ``none`` (glibc's defaults) or ``aN``: no mmap, a 1 GiB trim threshold and at most
 N arenas (``a1`` is what ``reuse_freed_memory`` sets).
@@ -23,7 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"tiny": [],  # the default run's: 2 layers, d_model 64, batch 32 x 64
           # the suite's SHAPE (BENCHMARKS.md, "The multi-device gap")
           "mid": ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
@@ -42,7 +44,7 @@ def child(variant: str, shape: str, layouts: list[str], steps: int) -> dict:
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
-    from dxrun.bench.speed import compose_cfg
+    from benchmarks.speed import compose_cfg
     from dxrun.experiment import Experiment
 
     out = {}
@@ -85,9 +87,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in a.variants.split(",")}
     for _ in range(a.reps):
         for variant in runs:
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--shape",
-                                  a.shape, "--layouts", a.layouts, "--steps", str(a.steps)],
-                                 env=env, capture_output=True, text=True, check=True).stdout
+            out = subprocess.run([sys.executable, "-m", "benchmarks.malloc_arenas", "--child",
+                                  variant, "--shape", a.shape, "--layouts", a.layouts,
+                                  "--steps", str(a.steps)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, check=True).stdout
             runs[variant].append(json.loads(out.strip().splitlines()[-1]))
     print(f"| {a.shape} | " + " | ".join(f"{x} compile s | {x} step ms | {x} faults/step"
                                           for x in layouts) + " |")

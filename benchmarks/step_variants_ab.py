@@ -1,12 +1,12 @@
-"""dxrun's one-device step (``dxrun.bench.eager.SHAPE``) under variants, each in its own process
+"""dxrun's one-device step (``benchmarks.eager.SHAPE``) under variants, each in its own process
 (XLA_FLAGS are read when JAX starts), alternating rounds; optionally the PyTorch reference
 alongside. A variant is an XLA_FLAGS string, or ``{"flags": ..., "overrides": [...]}`` with
 config overrides added to the shape. Prints ms and CPU ms per step per variant (median over
 rounds) and the losses of each round (the same in every variant that computes the same).
 
-    python benchmarks/step_variants_ab.py \
+    python -m benchmarks.step_variants_ab \
         '{"scan": "", "loop": {"overrides": ["model.scan_layers=false"]}}'
-    python benchmarks/step_variants_ab.py \
+    python -m benchmarks.step_variants_ab \
         '{"base": "", "no_ynn": "--xla_cpu_experimental_ynn_fusion_type="}' \
         --steps 50 --rounds 3 [--torch /work/torch-venv/bin/python]
 """
@@ -19,8 +19,8 @@ import os
 import statistics
 import sys
 
-from dxrun.bench.eager import SHAPE, Worker, rounds, torch_argv
-from dxrun.bench.speed import compose_cfg
+from benchmarks.eager import SHAPE, Worker, rounds, torch_argv
+from benchmarks.speed import compose_cfg
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     workers = {}
     for name, v in json.loads(a.variants).items():
         v = {"flags": v} if isinstance(v, str) else v
-        workers[name] = Worker([sys.executable, "-m", "dxrun.bench.eager", "1",
+        workers[name] = Worker([sys.executable, "-m", "benchmarks.eager", "1",
                                 json.dumps(SHAPE + v.get("overrides", [])), "10"],
                                dict(env, XLA_FLAGS=v.get("flags", "")))
     if a.torch:

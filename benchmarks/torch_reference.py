@@ -5,9 +5,9 @@ user would otherwise run for a small model on a laptop (nanoGPT's CPU recipe: 4 
 Run by a Python that has torch (never dxrun's: torch is no dependency of dxrun or its tests):
 
     /work/torch-venv/bin/python benchmarks/torch_reference.py --steps 300 --warmup 20
-    /work/torch-venv/bin/python benchmarks/torch_reference.py --serve  # python -m dxrun.bench --torch
+    /work/torch-venv/bin/python benchmarks/torch_reference.py --serve  # python -m benchmarks --torch
 
-It prints one machine-readable line per timed run (``dxrun.bench.eager.parse_line`` reads it):
+It prints one machine-readable line per timed run (``benchmarks.eager.parse_line`` reads it):
 
     torch_reference ms_per_step=33.41 cpu_ms_per_step=60.2 steps=300 loss=3.912 threads=2 torch=2.13.0
 

@@ -1,9 +1,10 @@
-"""MkDocs hook: the Reference pages, generated from the code at build time (dxrun/reference.py),
+"""MkDocs hook: the Reference pages, generated from the code at build time (docs/reference/),
 and BENCHMARKS.md, which lives at the top of the repository, as a page of the site."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -19,7 +20,9 @@ def site_links(markdown: str) -> str:
 
 
 def on_files(files, config):
-    from dxrun import reference
+    if str(ROOT) not in sys.path:  # the generators are docs/reference/, in the checkout
+        sys.path.insert(0, str(ROOT))
+    from docs import reference
 
     pages = {**reference.pages(), **reference.figures(),
              "benchmarks-results.md": site_links((ROOT / "BENCHMARKS.md").read_text())}

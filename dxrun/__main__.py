@@ -6,36 +6,50 @@ decide how many CPU devices to simulate.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
-from dxrun import run_dir as run_dirs
-from dxrun.checkpointing.preempt import SIGNALS, Interrupted, guard_signals, relaunch_command
-from dxrun.config import (
-    check_keys,
-    composition_error,
-    conf_dir,
-    config_warnings,
-    register,
-    validate,
+from dxrun.checkpointing.preempt import SIGNALS, guard_signals
+from dxrun.composition import composition_refusal
+from dxrun.config import check_keys, conf_dir, register
+from dxrun.errors import (
+    EXIT_CODES,
+    EXIT_CRASHED,
+    EXIT_REFUSED,
+    ConfigError,
+    DiskError,
+    Interrupted,
+    NonFiniteError,
+    NothingToTrain,
+    Stopped,
+    first_line,
 )
-from dxrun.errors import ConfigError, DiskError, NonFiniteError, NothingToTrain, first_line
-from dxrun.multihost.distributed import agree, is_main, join, tell_launcher
-from dxrun.run_dir import Claim
+from dxrun.job import Job
+from dxrun.job_dir import (
+    asked_dir,
+    claim_new,
+    claim_to_train,
+    discard_empty_dir,
+    give_up,
+    remember_start,
+)
+from dxrun.multihost.distributed import is_main, join, tell_launcher
+from dxrun.plan.run_plan import resolved_config
+from dxrun.report.callback import SWEEP_DIRS
+from dxrun.report.collect import find_jobs
+from dxrun.run_dir import Claim, relaunch_command
+from dxrun.run_log import RunLog
 from dxrun.runtime import (
-    RunLog,
     claim_run_dir,
     cpu_fallback_refusal,
-    dir_refusal,
     enable_compile_cache,
     nvidia_device_node,
     simulate_cpu_devices,
@@ -44,6 +58,13 @@ from dxrun.runtime import (
     write_hydra_files,
     write_status,
 )
+from dxrun.tracking.goodput import job_started_at
+from dxrun.validation import config_warnings, validate
+
+if TYPE_CHECKING:
+    from hydra.conf import HydraConf
+
+    from dxrun.schema import CheckpointConfig, RunConfig
 
 
 def _conf_dir() -> str:
@@ -73,8 +94,6 @@ _register_sweeper()
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> Any:
-    from dxrun.tracking.goodput import job_started_at
-
     started = job_started_at()  # goodput's wall time counts from here (the process's start)
     SIGNALS.start_job()
     hydra_cfg = HydraConfig.get()
@@ -110,19 +129,16 @@ def main(cfg: DictConfig) -> Any:
         enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
             log.warning(w)
-        from dxrun.checkpointing.preempt import Stopped
-        from dxrun.job import Job
-        from dxrun.plan.run_plan import resolved_config
-        from dxrun.prepare import prepare
-        from dxrun.train import record_end, train
+        from dxrun.prepare import prepare  # imports JAX
+        from dxrun.train import record_end, train  # imports JAX
 
         if cfg.run.mode == "plan":
-            from dxrun.plan_mode import planned, run_plan
+            from dxrun.plan_mode import planned, run_plan  # imports JAX
 
             # data.seq_len=null resolved for the target; for parallelism=auto the layout
             # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
             decided = planned(cfg)
-            run_dir = _claim(Path(hydra_cfg.runtime.output_dir))
+            run_dir = claim_new(Path(hydra_cfg.runtime.output_dir))
             run_log.attach(run_dir)
             # The saved config holds the derived numbers: the global batch, the layout.
             write_hydra_files(run_dir, resolved_config(cfg, decided.plan), hydra_cfg)
@@ -130,7 +146,7 @@ def main(cfg: DictConfig) -> Any:
         # Every process uses process 0's run dir (their clocks may name it differently).
         # Claimed and held before the plan and the compile, so that a second launch into a
         # held dir is refused at once (or waits) instead of compiling beside it.
-        claim = _claim_to_train(cfg, hydra_cfg, _asked_dir(hydra_cfg))
+        claim = claim_to_train(cfg.run, cfg.checkpoint, hydra_cfg, asked_dir(hydra_cfg))
         run_dir = claim.dir
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written.
@@ -168,7 +184,7 @@ def main(cfg: DictConfig) -> Any:
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
         return summary.get(run_cfg.train.objective) if run_cfg.train.objective else summary
     except Interrupted as e:  # a signal outside the train loop
-        _interrupted(e, cfg, hydra_cfg, run_log, claim)
+        _interrupted(e, cfg.checkpoint, hydra_cfg, run_log, claim)
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
                 **_job_fields(hydra_cfg, claim))
@@ -191,7 +207,7 @@ def main(cfg: DictConfig) -> Any:
             return None
         run_log.discard()
         if is_main():
-            _give_up(claim, hydra_cfg)
+            give_up(claim, hydra_cfg)
             print(f"dxrun: {e}", file=sys.stderr)
         return None
     except ConfigError as e:
@@ -202,7 +218,7 @@ def main(cfg: DictConfig) -> Any:
             _status(run_dir, "failed", kind="refused", reason=str(e),
                     **_job_fields(hydra_cfg, claim))
         elif is_main():  # the others share its dir: one process tidies it, never two at once
-            _give_up(claim, hydra_cfg)
+            give_up(claim, hydra_cfg)
         return _job_failed(str(e), crashed=False)
     except Exception as e:  # noqa: BLE001 - a crash: one line here, the traceback in the log
         if run_dir is None:  # failed before claiming: the traceback still needs a home
@@ -226,66 +242,8 @@ def main(cfg: DictConfig) -> Any:
             claim.release()
 
 
-def _claim(asked: Path) -> Path:
-    """Claim a new run's dir (plan mode); a used one gets a sibling, said at once rather than
-    only in the last line."""
-    run_dir = claim_run_dir(asked)
-    if run_dir != asked:
-        log.warning("%s already holds a run: this run writes to %s", asked, run_dir)
-    return run_dir
-
-
-def _claim_to_train(cfg: DictConfig, hydra_cfg: Any, asked: Path) -> Claim:
-    """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
-    job's life; every process gets process 0's decision, a refusal included. A move away from
-    ``asked`` is said at once rather than only in the last line."""
-    from dxrun.checkpointing.checkpoint import checkpoint_dir, committed_steps
-
-    wait_s = run_dirs.wait_seconds(cfg.run.wait_for_lock)
-    claim, decision = None, {}
-    if is_main():
-        try:
-            claim = run_dirs.claim(
-                asked, named=_names_its_dir(hydra_cfg),
-                fresh=str(cfg.checkpoint.resume) == "none", wait_s=wait_s,
-                has_checkpoints=lambda d: bool(committed_steps(checkpoint_dir(cfg.checkpoint, d))))
-            decision = {"dir": str(claim.dir), "continues": claim.continues}
-        except ConfigError as e:
-            decision = {"refusal": str(e)}
-    # The others wait here while process 0 waits for the lock.
-    decision = json.loads(agree(f"run_dir/{_job_key(hydra_cfg)}", json.dumps(decision),
-                                timeout_s=300 + int(min(wait_s, 7 * 24 * 3600))))
-    if "refusal" in decision:
-        raise ConfigError(decision["refusal"])
-    if claim is None:  # another process: the dir, never the lock
-        claim = Claim(Path(decision["dir"]), earlier={} if decision["continues"] else None)
-    if claim.dir != asked:
-        log.warning("%s already holds a run: this run %s %s", asked,
-                    "continues it in" if claim.continues else "writes to", claim.dir)
-    return claim
-
-
-def _names_its_dir(hydra_cfg: Any) -> bool:
-    """Whether the run dir was named (``hydra.run.dir=<dir>``, a preset's, a fixed sweep dir)
-    rather than generated from the clock (Hydra's default ``outputs/${now:...}``): only a named
-    dir is continued by a relaunch; two launches in the same second share a generated name by
-    chance and each takes its own dir."""
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    where = OmegaConf.to_container(hydra_cfg.sweep if multirun else hydra_cfg.run, resolve=False)
-    return "${now:" not in str(where.get("dir", "")) + str(where.get("subdir", ""))
-
-
-def _give_up(claim: Claim | None, hydra_cfg: Any) -> None:
-    """A job that trains nothing leaves the dirs as they were: its lock goes, and a dir
-    Hydra or the claim made for it goes too when nothing else is in it."""
-    if claim is not None:
-        claim.release()
-        _discard_empty_dir(claim.dir)
-    _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
-
-
-def _interrupted(e: Interrupted, cfg: DictConfig, hydra_cfg: Any, run_log: RunLog,
-                 claim: Claim | None) -> None:
+def _interrupted(e: Interrupted, ckpt: CheckpointConfig, hydra_cfg: HydraConf,
+                 run_log: RunLog, claim: Claim | None) -> None:
     """A signal outside the train loop: one line, status ``stopped`` naming the newest
     checkpoint (if any) and the command that continues the run, and the signal's exit code. A
     job stopped before it claimed a dir leaves nothing behind."""
@@ -293,19 +251,19 @@ def _interrupted(e: Interrupted, cfg: DictConfig, hydra_cfg: Any, run_log: RunLo
         log.info("%s: stopped %s; nothing was written", e.signal_name, e.when)
         run_log.discard()
         if is_main():
-            _discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
+            discard_empty_dir(Path(hydra_cfg.runtime.output_dir))
         sys.exit(e.code)
-    from dxrun.checkpointing.checkpoint import checkpoint_dir, committed_steps
+    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX after device count
 
     run_log.attach(claim.dir)
-    steps = committed_steps(checkpoint_dir(cfg.checkpoint, claim.dir))
-    ckpt = checkpoint_dir(cfg.checkpoint, claim.dir) / str(steps[-1]) if steps else None
+    steps = committed_steps(checkpoint_dir(ckpt, claim.dir))
+    newest = checkpoint_dir(ckpt, claim.dir) / str(steps[-1]) if steps else None
     relaunch = relaunch_command(list(hydra_cfg.overrides.task), claim.dir)
-    saved = f"checkpoint {ckpt} is the newest" if ckpt else "no checkpoint yet"
+    saved = f"checkpoint {newest} is the newest" if newest else "no checkpoint yet"
     reason = f"{e.signal_name}: stopped {e.when}; {saved}. Resume with: {relaunch}"
     log.info(reason)
     _status(claim.dir, "stopped", signal=e.signal_name, step=steps[-1] if steps else 0,
-            checkpoint=str(ckpt) if ckpt else None, relaunch=relaunch, reason=reason,
+            checkpoint=str(newest) if newest else None, relaunch=relaunch, reason=reason,
             **_job_fields(hydra_cfg, claim))
     sys.exit(e.code)
 
@@ -316,29 +274,14 @@ def _status(run_dir: Path, status: str, **fields: Any) -> None:
         tell_launcher(run_dir)  # which status.json to mark if the run's ranks are killed
 
 
-def _job_key(hydra_cfg: Any) -> str:
-    """Which job of this launch (a multirun's jobs run one after another in every process)."""
-    return str(OmegaConf.select(hydra_cfg, "job.num", default=0))
-
-
-def _asked_dir(hydra_cfg: Any) -> Path:
-    """The run dir Hydra named on process 0. Other processes drop the one their own Hydra
-    made when it differs (a launch across a second boundary names it differently)."""
-    own = Path(hydra_cfg.runtime.output_dir)
-    asked = Path(agree(f"asked/{_job_key(hydra_cfg)}", str(own)))
-    if asked != own:
-        _discard_empty_dir(own)
-    return asked
-
-
-def _job_fields(hydra_cfg: Any, claim: Claim | None = None) -> dict[str, Any]:
+def _job_fields(hydra_cfg: HydraConf, claim: Claim | None = None) -> dict[str, Any]:
     return {"job": hydra_cfg.job.num if hydra_cfg.mode == RunMode.MULTIRUN else None,
             "overrides": list(hydra_cfg.overrides.task),
             "attempt": claim.attempt if claim else 1,
             "lost_attempts": claim.lost_attempts if claim else 0}
 
 
-def _wandb_named(cfg: DictConfig, hydra_cfg: Any, multirun: bool) -> DictConfig:
+def _wandb_named(cfg: RunConfig, hydra_cfg: HydraConf, multirun: bool) -> RunConfig:
     """A copy of ``cfg`` with the W&B group and job type the user left unset filled in, for the
     run to follow, so its W&B run, its saved config and the sweep report (which reads the saved
     config) agree on where it went: the jobs of one multirun share the group of their sweep dir
@@ -359,109 +302,25 @@ def _job_failed(msg: str, crashed: bool) -> None:
     exit code (``cli``), and the next job runs."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        _fail(msg, code=1 if crashed else 2)
+        _fail(msg, code=EXIT_CRASHED if crashed else EXIT_REFUSED)
     print(f"dxrun: error: job #{hydra_cfg.job.num}: {msg}", file=sys.stderr)
 
 
-# The working dir and what it held when this process started (``cli``): the top dir Hydra
-# makes there for a run (``outputs/`` of a first run) is the run's to remove if it never starts.
-_started_in: tuple[Path, frozenset[str]] | None = None
-
-
-def _discard_empty_dir(run_dir: Path) -> None:
-    """Hydra made the run dir before the config could be checked; a run that never started
-    leaves nothing behind (and never touches a dir that holds anything or was there before)."""
-    # The run dir and Hydra's <date>/ above it, never the working dir or a dir above it
-    # (hydra.run.dir=run in an empty dir).
-    cwd = Path.cwd().resolve()
-    dirs = [d for d in (run_dir, run_dir.parent)
-            if d.resolve() != cwd and d.resolve() not in cwd.parents]
-    if _started_in is not None:
-        cwd, had = _started_in
-        top = run_dir.parent.parent
-        if top.parent == cwd and top.name not in had:
-            dirs.append(top)
-    for d in dirs:
-        try:
-            if d.is_dir() and not any(d.iterdir()):
-                d.rmdir()
-        except OSError:  # removed (or filled) meanwhile by another process of the run
-            return
-
-
-def check_composition(argv: list[str]) -> None:
-    """Compose the config the way Hydra will and turn a composition error (unknown option, unknown
-    key, wrong type) or a run (sweep) dir that cannot be made into one line naming the key and
-    the fix: for a single run, for every value of a multirun's sweeps, and beside ``hydra.*``
-    overrides (how schedulers launch). Other Hydra flags (--cfg, --help, -cn, ...) are left to
-    Hydra."""
-    flags = [a for a in argv if a.startswith("-")]
-    if any(f not in ("-m", "--multirun") for f in flags):
-        return
-    from hydra import compose, initialize_config_dir
-
-    # Hydra makes the run (or sweep) dir before dxrun's main runs: a dir it cannot make would
-    # end in Hydra's traceback, so it is tried here first.
-    out_key, default_dir = (("hydra.sweep.dir", "multirun/<date>/<time>") if flags
-                            else ("hydra.run.dir", "outputs/<date>/<time>"))
-    checked: set[str] = set()
-    try:
-        with initialize_config_dir(config_dir=_conf_dir(), version_base="1.3", job_name="dxrun"):
-            for overrides in _one_job_per_sweep_value([a for a in argv if a not in flags]):
-                cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-                out_dir = OmegaConf.select(cfg, out_key)
-                with open_dict(cfg):
-                    del cfg["hydra"]
-                check_keys(cfg)
-                if out_dir not in checked:
-                    checked.add(out_dir)
-                    if why := dir_refusal(out_key, out_dir, f"give a dir you can write to, or "
-                                          f"leave {out_key} out ({default_dir})"):
-                        raise ConfigError(why)
-    except ConfigError as e:
-        _fail(str(e))
-    except Exception as e:  # noqa: BLE001 - anything we cannot phrase better goes to Hydra
-        msg = composition_error(e)
-        if msg:
-            _fail(msg)
-
-
-def _one_job_per_sweep_value(argv: list[str]) -> list[list[str]]:
-    """Override lists that together use every value of every sweep (``a=1,2 b=x,y`` gives
-    ``a=1 b=x``, ``a=2 b=x``, ``a=1 b=y``): each value composes once, not the full grid."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
-
-    # glob() sweeps name group options by pattern; Hydra expands (and reports) those itself.
-    parsed = [o for o in OverridesParser.create().parse_overrides(argv)
-              if o.value_type != ValueType.GLOB_CHOICE_SWEEP]
-    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
-             if o.is_sweep_override() else o.input_line for o in parsed]
-    jobs = [first]
-    for i, o in enumerate(parsed):
-        if o.is_sweep_override():
-            for value in list(o.sweep_string_iterator())[1:]:
-                jobs.append([*first[:i], f"{o.get_key_element()}={value}", *first[i + 1:]])
-    return jobs
-
-
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = EXIT_REFUSED) -> None:
     print(f"dxrun: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
 
 def cli() -> None:
-    global _started_in
     guard_signals()  # before anything slow: a signal from here on ends the run in one line
-    _started_in = (Path.cwd(), frozenset(os.listdir()))
+    remember_start()
     try:
-        check_composition(sys.argv[1:])
+        if refusal := composition_refusal(sys.argv[1:]):
+            _fail(refusal)
         main()
     except Interrupted as e:  # outside a job (composing the config), or while it was failing
         print(f"dxrun: {e.signal_name}: stopped {e.when}", file=sys.stderr)
         sys.exit(e.code)
-    from dxrun.report.callback import SWEEP_DIRS
-
     for sweep_dir in SWEEP_DIRS:
         _exit_for_failed_jobs(sweep_dir)
 
@@ -473,8 +332,6 @@ def _exit_for_failed_jobs(sweep_dir: Path) -> None:
     A job stopped by a signal after committing its checkpoint did not fail: it is named with
     its resume command, and with no failed job the sweep exits as a stopped single run does,
     0 for SIGTERM (a scheduler's requeue point) and 130 once any job was stopped by SIGINT."""
-    from dxrun.report.collect import find_jobs
-
     jobs = find_jobs(sweep_dir)
     stopped = [j for j in jobs if j.status == "stopped"]
     for j in stopped:
@@ -483,9 +340,9 @@ def _exit_for_failed_jobs(sweep_dir: Path) -> None:
     if failed:
         names = "; ".join(f"#{j.label_num} ({' '.join(j.overrides)})" for j in failed)
         _fail(f"{len(failed)} sweep job(s) failed: {names} (details: {sweep_dir}/report.md)",
-              code=2 if all(j.kind == "refused" for j in failed) else 1)
+              code=EXIT_REFUSED if all(j.kind == "refused" for j in failed) else EXIT_CRASHED)
     if any(j.kind == "SIGINT" for j in stopped):
-        sys.exit(130)
+        sys.exit(EXIT_CODES["SIGINT"])
 
 
 if __name__ == "__main__":

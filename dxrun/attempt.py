@@ -13,10 +13,11 @@ import jax
 
 from dxrun.autotune import memory_report
 from dxrun.autotune.peak import resolve_peak
-from dxrun.checkpointing import checkpoint
 from dxrun.checkpointing.cadence import cadence_text
-from dxrun.checkpointing.checkpoint import Resume, RunCheckpoints
-from dxrun.checkpointing.preempt import Preemption, relaunch_command
+from dxrun.checkpointing.preempt import Preemption
+from dxrun.checkpointing.resume import Resume, data_position, tokens_seen
+from dxrun.checkpointing.saving import RunCheckpoints
+from dxrun.checkpointing.store import refused_write
 from dxrun.data import EVAL
 from dxrun.errors import DiskError, disk_error, first_line
 from dxrun.experiment import Experiment
@@ -24,6 +25,7 @@ from dxrun.job import Job, describe_model, run_name
 from dxrun.plan import flops
 from dxrun.plan.ranking import own_s
 from dxrun.plan.run_plan import RunPlan, saved_config
+from dxrun.run_dir import relaunch_command
 from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput
@@ -108,13 +110,13 @@ class Attempt:
         self.summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
         self.batches = data.train_iterator()
         if ckpt_meta:
-            self.batches.set_state(checkpoint.data_position(ckpt_meta, plan.global_batch))
+            self.batches.set_state(data_position(ckpt_meta, plan.global_batch))
         elif self.trained:
             (key,) = self.batches.get_state()  # the batches read: "step" or "next_index"
             self.batches.set_state({key: self.trained})
         # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume
         # may have changed the batch size).
-        self.tokens_before = (checkpoint.tokens_seen(ckpt_meta, start) if ckpt_meta
+        self.tokens_before = (tokens_seen(ckpt_meta, start) if ckpt_meta
                               else self.trained * tokens_per_step)
         self.start = start
         cadence = run_plan.cadence  # checkpoint.every=null: decided by platform and state
@@ -210,7 +212,7 @@ class Attempt:
         if isinstance(e, (DiskError, memory_report.OutOfMemory)):
             return None
         if (why := disk_error(e)) is not None:
-            return checkpoint.refused_write(_written(e), why, self.ckpts.saver.directory)
+            return refused_write(_written(e), why, self.ckpts.saver.directory)
         if memory_report.is_out_of_memory(e) and self.main:
             path = memory_report.write(self.run_dir, self.exp.step.compiled,
                                        self.exp.abstract_state(), self.exp.plan.platform)

@@ -6,7 +6,7 @@ careless edit, a copy cut short). They record a run; they never decide whether i
 so an unreadable one is renamed to ``<name>.damaged`` (kept, never deleted) with one warning,
 and the run goes on as if it were not there. ``metrics.jsonl``'s damaged lines go the way of its
 other set-aside lines (``tracking.logger.rewind_metrics``); a checkpoint's meta is checked with
-its checkpoint (``checkpointing.checkpoint``). Imports nothing of dxrun.
+its checkpoint (``checkpointing.damage``). Imports nothing of dxrun but its errors.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dxrun.errors import named_line
 
 log = logging.getLogger("dxrun")
 
@@ -55,14 +57,9 @@ def read_json(path: Path, valid: Callable[[Any], bool] = lambda _: True) -> Any 
     try:
         value = json.loads(data.decode("utf-8"))
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        set_aside(path, _first_line(e))
+        set_aside(path, named_line(e, 120))
         return None
     if not valid(value):
         set_aside(path, "not the structure dxrun writes")
         return None
     return value
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:120] if text else ''}"

@@ -1,7 +1,28 @@
-"""The exceptions a run reports in one line: bad input, and failures with a known cause."""
+"""How a run ends: its outcomes (the exceptions it reports in one line: bad input, failures
+with a known cause, a stop on a signal), the status it records and its exit code.
+
+Imports nothing of dxrun: every floor reads it, the launcher included.
+"""
+
+from __future__ import annotations
 
 import errno
 import os
+from typing import Any
+
+# status.json's "status": running until the run ends ok, stopped (on a signal, after a committed
+# save) or failed (its "kind": refused | crashed | nonfinite | disk).
+RUNNING, OK, STOPPED, FAILED = "running", "ok", "stopped", "failed"
+# A run whose end is not recorded yet: a relaunch naming its dir continues it (run_dir.py).
+UNFINISHED = (RUNNING, STOPPED, FAILED)
+
+# Exit codes. A stop on a signal exits with the signal's: 0 for SIGTERM (what SLURM and
+# Kubernetes send before a requeue: a clean requeue point), 130 for SIGINT (a shell's 128 + 2).
+# SIGUSR1 stops a run only outside the loop (its scheduler's warning: the end is near), as
+# SIGTERM does.
+EXIT_CODES = {"SIGTERM": 0, "SIGINT": 130, "SIGUSR1": 0}
+EXIT_CRASHED = 1  # a crash, a non-finite halt, a write the disk refused
+EXIT_REFUSED = 2  # input dxrun cannot run with (ConfigError), said before anything is written
 
 
 class ConfigError(ValueError):
@@ -17,6 +38,32 @@ class NonFiniteError(RuntimeError):
 def first_line(e: BaseException, limit: int = 300) -> str:
     """An exception's message cut to its first line: what a crash shows in one line."""
     return (str(e).strip().splitlines() or [""])[0][:limit]
+
+
+def named_line(e: BaseException, limit: int = 300) -> str:
+    """``<type>: <first line>``: an exception named in a warning that goes on without it."""
+    return f"{type(e).__name__}: {first_line(e, limit)}"
+
+
+class Stopped(Exception):  # noqa: N818 - a normal outcome, not an error
+    """The run stopped on a signal after committing ``checkpoint``; exit with ``code``;
+    ``relaunch`` is the command that resumes it."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Any = None,
+                 relaunch: str | None = None):
+        super().__init__(f"stopped by {signal_name} at step {step}")
+        self.signal_name, self.step, self.code = signal_name, step, EXIT_CODES[signal_name]
+        self.checkpoint, self.relaunch = checkpoint, relaunch
+
+
+class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, an outcome
+    """A signal outside the train loop stopped the run ``when`` (``preempt.Signals.phase``).
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way (JAX's,
+    Orbax's, W&B's, dxrun's own) takes it for an error of its own."""
+
+    def __init__(self, signal_name: str, when: str):
+        super().__init__(f"stopped by {signal_name} {when}")
+        self.signal_name, self.when, self.code = signal_name, when, EXIT_CODES[signal_name]
 
 
 class NothingToTrain(Exception):  # noqa: N818 - an outcome, not a failure

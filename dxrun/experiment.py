@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+from dxrun import faults
 from dxrun.attention_kernel import AttentionTarget, attention_target
 from dxrun.data import TRAIN, Data
 from dxrun.model import Transformer, count_params, resize_vocab
@@ -33,6 +34,9 @@ from dxrun.sharding import (
 )
 from dxrun.step import COMPUTE_DTYPES, TrainState, make_eval_step, make_train_step
 
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
+
 
 def visible_devices() -> tuple[int, str, int, tuple[int, ...] | None]:
     """What ``make_plan`` lays the mesh over: (devices of all processes, platform, processes,
@@ -40,7 +44,7 @@ def visible_devices() -> tuple[int, str, int, tuple[int, ...] | None]:
     return jax.device_count(), jax.default_backend(), jax.process_count(), process_hosts()
 
 
-def process_data(cfg: Any, plan: MeshPlan) -> Data:
+def process_data(cfg: RunConfig, plan: MeshPlan) -> Data:
     """This process's reader of the data: the row block of every batch its devices hold, of the
     plan's global batch and sequence length."""
     return Data(cfg, plan.data_shard(jax.process_index()), plan.data_shards, plan.global_batch,
@@ -49,7 +53,7 @@ def process_data(cfg: Any, plan: MeshPlan) -> Data:
 
 @dataclass
 class Experiment:
-    cfg: Any
+    cfg: RunConfig
     plan: MeshPlan
     mesh: jax.sharding.Mesh
     graphdef: nnx.GraphDef
@@ -64,7 +68,7 @@ class Experiment:
     eval_step: Any
 
     @classmethod
-    def build(cls, cfg: Any, plan: MeshPlan | None = None, data: Data | None = None,
+    def build(cls, cfg: RunConfig, plan: MeshPlan | None = None, data: Data | None = None,
               with_data: bool = True) -> Experiment:
         """``with_data=False``: no data source (sampling from a checkpoint needs no corpus)."""
         if plan is None:
@@ -84,13 +88,13 @@ class Experiment:
                                       cfg.train.steps)
         # Optimizer moments take their parameter's sharding, split over the data replicas as
         # well under ZeRO-1 (parallelism.shard_optimizer); counters are replicated.
-        zero = shard_optimizer(cfg, plan)
+        zero = shard_optimizer(cfg.parallelism, plan)
         u_shard = optimizer_param_shardings(axes, abstract_params, mesh, plan.rules, zero)
         opt_shard = optax.tree_map_params(
             tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), u_shard,
             transform_non_params=lambda _: replicated(mesh),
         )
-        loss_chunk = loss_chunk_for(cfg, plan)
+        loss_chunk = loss_chunk_for(cfg.model, plan)
         state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
                                      replicated(mesh))
         b_shard = batch_sharding(mesh)
@@ -99,7 +103,7 @@ class Experiment:
             cfg.train.precision,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
             grad_accum=plan.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-            nan_policy=cfg.train.nan_policy, inject_nan_at_step=cfg.train.inject_nan_at_step,
+            nan_policy=cfg.train.nan_policy, inject_nan_at_step=faults.from_env().nan_at_step,
             loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
@@ -129,8 +133,8 @@ class Experiment:
     def init_params(self) -> dict:
         """Parameters initialised from ``train.seed``, drawn spread over every device
         (``spread_shardings``), then laid out in this mesh's shards. Drawn in those shards
-        directly, a layout that replicates the weights draws the whole init on each device:
-        model=small on dp8 took 18.6 s that way, 9.6 s drawn spread and resharded. Threefry is
+        directly, a layout that replicates the weights draws the whole init on each device, where
+        drawn spread each device draws its share and the reshard is cheap. Threefry is
         partitionable (JAX's default), so the bits are the same whatever the sharding."""
         params, spread = self._init_spread()
         if spread == self.param_shardings:
@@ -140,7 +144,7 @@ class Experiment:
     def init_spread(self) -> dict:
         """The seeded init as ``init_params`` draws it, spread over every device and left there:
         for a caller that fetches it whole to the host (the layout search), to which this
-        mesh's layout would be a reshard for nothing (``model=small``: 1.2 s of 6.4)."""
+        mesh's layout would be a reshard for nothing."""
         return self._init_spread()[0]
 
     def _init_spread(self) -> tuple[dict, Any]:

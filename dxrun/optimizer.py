@@ -1,16 +1,19 @@
-"""Optimizer and learning-rate schedule from ``cfg.optimizer`` (optax)."""
+"""Optimizer and learning-rate schedule from the ``optimizer`` section (optax)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
 
 from dxrun.plan.batch import scaled_lr
 
+if TYPE_CHECKING:
+    from dxrun.schema import OptimizerConfig
 
-def make_schedule(opt: Any, peak_lr: float, steps: int) -> optax.Schedule:
+
+def make_schedule(opt: OptimizerConfig, peak_lr: float, steps: int) -> optax.Schedule:
     warmup = min(opt.warmup_steps, steps)
     end_lr = peak_lr * opt.min_lr_ratio
     if opt.schedule == "constant":
@@ -42,7 +45,7 @@ def decay_mask(params: dict, decay_all: bool) -> dict:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(opt: Any, params: dict, batch_size: int, steps: int
+def make_optimizer(opt: OptimizerConfig, params: dict, batch_size: int, steps: int
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(opt, scaled_lr(opt, batch_size), steps)
     mask = decay_mask(params, opt.decay_all)

@@ -51,7 +51,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
                                               write))
     tokens = exp.plan.global_batch * exp.plan.seq_len
     warning = shape_warning(platform, exp.plan.seq_len, cfg.model.max_seq_len, tokens)
-    zero = shard_optimizer(cfg, exp.plan)
+    zero = shard_optimizer(cfg.parallelism, exp.plan)
     report: dict[str, Any] = {
         "n_params": s.n_params,
         "per_device": {k: v for k, v in asdict(fp).items() if k != "collectives"}
@@ -60,7 +60,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
         # ZeRO-1 (parallelism.shard_optimizer): per device, the optimizer state no axis of
         # which the data replicas divide, held whole by every replica (counters at least)
         "opt_state_unsplit_bytes": replicated_bytes_over(state.opt_state) if zero else 0.0,
-        "loss_chunk": loss_chunk_for(cfg, exp.plan),
+        "loss_chunk": loss_chunk_for(cfg.model, exp.plan),
         "model_flops_per_step": model_flops,
         # counted from the shapes (flops.step_flops): per step, all devices; MFU's numerator
         # is "model" (full attention square), "hardware" adds what the device really runs

@@ -13,8 +13,7 @@ import jax
 from dxrun.autotune.decide import decide
 from dxrun.autotune.preflight import memory_preflight
 from dxrun.autotune.timing import Handover
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Resume
+from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.plan.run_plan import RunPlan
@@ -39,7 +38,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     ``checkpoint.dir`` that cannot be made, the run's decision (``decide``: the mesh plan,
     the layout, the data's files, tokenizer and vocabulary, the checkpoint to resume from for
     a launch into ``run_dir``) and the memory preflight (the step compiled from shapes alone
-    must fit). A resume is decided here in full (``checkpoint.plan_resume``): its step, its
+    must fit). A resume is decided here in full (``resume.plan_resume``): its step, its
     data position, and its optimizer state, which is restored when its tree fits the
     optimizer now and otherwise starts fresh with one warning. Raises ConfigError, or
     NothingToTrain when the checkpoint has reached ``train.steps`` already. ``cfg`` is read,
@@ -52,11 +51,12 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
             "give a dir you can write to, or leave checkpoint.dir null (<run dir>/checkpoints)")):
         raise ConfigError(why)
     find = (None if run_dir is None
-            else lambda saved: checkpoint.find_resume(cfg, run_dir, saved))
+            else lambda saved: find_resume(cfg.checkpoint, run_dir, saved))
     decided = decide(cfg, visible_devices(), find_resume=find)
     exp, plan, resume = decided.exp, decided.plan, decided.resume
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
-        checkpoint.plan_resume(cfg, resume, exp.abstract_state(), plan.global_batch)
+        plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
+                    cfg.optimizer)
     memory_preflight(cfg, exp, exp.compile_step(), plan=plan)
     return Prepared(exp, resume, plan, decided.handover)
 
@@ -86,7 +86,7 @@ def start_state(exp: Experiment, resume: Resume | None,
             return Start(exp.adopt(state), step, {})
         params, handover.params = handover.params, None
         return Start(exp.init_state(params), 0, {})
-    state, ckpt_meta, step = checkpoint.restore(resume, exp.abstract_state())
+    state, ckpt_meta, step = restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
     log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))

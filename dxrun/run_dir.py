@@ -1,22 +1,17 @@
-"""Which run dir a training launch writes to, and holding it for the run's life.
+"""Which run dir a training launch writes to, holding it for the run's life, and the command
+that relaunches into it.
 
 One owner per run dir: the launch that trains in a dir holds an exclusive ``flock`` on
-``.hydra/lock`` from before its plan and compile until it ends; the file names the holder (pid,
-host, since when). The kernel drops a process's locks when it dies, however it dies, so a lock
-file left by a killed run is no obstacle. A second launch into a held dir refuses in one line,
-or waits for it (``run.wait_for_lock``).
-
-Which dir. A launch whose run dir is generated (Hydra's ``${now:...}`` default) or that asks for
-a fresh start (``checkpoint.resume=none``) takes the dir, or the first sibling ``<dir>_1``,
-``<dir>_2``, ... that no run has taken. A launch that names its dir (``hydra.run.dir=<dir>``,
-what a scheduler's requeue repeats) continues the newest run of the dir's chain (the dir and
-the siblings earlier launches naming it moved to) when that run is unfinished (its status.json
-says running, stopped or failed) or holds checkpoints of its own; otherwise (a finished run
-without checkpoints, a plan-mode dir) it starts a new run in the next sibling, which the next
-relaunch then follows. The config plays no part in "the same run": a relaunch continues the
-dir's run whatever its overrides, under the checks a resume makes against a checkpoint.
-
-No JAX: the claim comes before the plan and the compile.
+``.hydra/lock`` (``RunLock``, naming its holder) from before its plan and compile until it ends;
+the kernel drops the lock of a process that dies, however it dies. A second launch into a held
+dir refuses in one line, or waits (``run.wait_for_lock``). A generated run dir or a fresh start
+(``checkpoint.resume=none``) takes the dir, or its first sibling ``<dir>_1``, ``<dir>_2``, ...
+no run has taken; a named dir (what a scheduler's requeue repeats) continues the newest run
+of its chain when that run is unfinished or holds checkpoints of its own, else starts a new run
+in the next sibling (``pick``). The config plays no part in "the same run": a relaunch
+continues whatever its overrides, under the checks a resume makes against a checkpoint. A
+stopped run names the command that relaunches it into its dir (``relaunch_command``). No JAX:
+the claim comes before the plan and the compile.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -35,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import ConfigError
+from dxrun.errors import RUNNING, UNFINISHED, ConfigError
 from dxrun.runtime import STATUS, claim_run_dir
 
 log = logging.getLogger("dxrun")
@@ -44,11 +40,10 @@ LOCK = Path(".hydra") / "lock"
 # What says a dir holds a run (a plan-mode dir included), beside its checkpoints.
 _RUN_FILES = (STATUS, "summary.json", "metrics.jsonl", ".hydra/config.yaml", "checkpoints",
               "checkpoints.txt")
-UNFINISHED = ("running", "stopped", "failed")
 POLL_S = 0.5  # how often a waiting launch tries the lock again
 
 
-def wait_seconds(setting: Any) -> float:
+def wait_seconds(setting: bool | float | None) -> float:
     """``run.wait_for_lock``: false = do not wait (0), true = as long as it takes (inf), a
     number = at most that many seconds."""
     if setting is True:
@@ -211,7 +206,7 @@ class Claim:
         if not self.earlier:
             return 0
         return (int(self.earlier.get("lost_attempts") or 0)
-                + (self.earlier.get("status") == "running"))
+                + (self.earlier.get("status") == RUNNING))
 
     def release(self) -> None:
         if self.lock is not None:
@@ -256,3 +251,44 @@ def busy(run_dir: Path, wait_s: float) -> str:
     return (f"{run_dir} is in use by a live run: {holder(run_dir).describe()}{waited}; let it "
             "end or stop it, or set run.wait_for_lock=true (or a number of seconds) to wait "
             "for it")
+
+
+def hydra_value(text: str) -> str:
+    """``text`` written as the value of a Hydra override that reads back as ``text``: as it
+    is where Hydra's grammar takes it unchanged as a string, else double-quoted. Inside the
+    quotes Hydra unescapes only backslashes before a quote (so a quote gets one, and a run of
+    backslashes before a quote or the end is doubled); OmegaConf would still resolve ``${``,
+    so it is escaped too. ``=``, quotes, spaces, commas and non-ASCII need the quotes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "${" not in text:
+        try:
+            if OverridesParser.create().parse_override(f"k={text}").value() == text:
+                return text
+        except Exception:  # noqa: BLE001 - Hydra's grammar refused it: quote it
+            pass
+    body = re.sub(r'(\\*)"', lambda m: m[1] * 2 + '\\"', text)
+    body = re.sub(r"(\\+)$", lambda m: m[1] * 2, body).replace("${", "\\${")
+    return f'"{body}"'
+
+
+def relaunch_command(overrides: list[str], run_dir: Path | str,
+                     program: str = "python -m dxrun") -> str:
+    """The command that resumes a stopped run in place: its overrides (Hydra's task
+    overrides, which leave out ``hydra.*``, each as the user wrote it) and its run dir (a path,
+    written for Hydra by ``hydra_value``), quoted for a POSIX shell."""
+    kept = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    run_dir_override = f"hydra.run.dir={hydra_value(str(run_dir))}"
+    return " ".join([program, *map(shlex.quote, kept), shlex.quote(run_dir_override)])
+
+
+def run_dir_of(command: str) -> str | None:
+    """The run dir a ``relaunch_command`` resumes in, read from its ``hydra.run.dir=`` word as
+    the shell, Hydra and OmegaConf (which undoes the escaped ``${``) read it; None without."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    word = next((w for w in shlex.split(command) if w.startswith("hydra.run.dir=")), None)
+    if word is None:
+        return None
+    return OmegaConf.create({"dir": OverridesParser.create().parse_override(word).value()}).dir

@@ -14,18 +14,23 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from dxrun.bookkeeping import read_json
 
+if TYPE_CHECKING:
+    from hydra.conf import HydraConf
+    from omegaconf import DictConfig
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # glibc's mallopt parameters (malloc.h), and the device nodes of accelerators whose hosts keep
 # glibc's defaults: NVIDIA, AMD (ROCm), TPU.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-ARENAS = 1  # malloc arenas under reuse_freed_memory (benchmarks/malloc_arenas.py, 2 cores:
-# two compiled 1.3x faster but made model=small's fsdp8 step 1.24x slower; not adopted)
+# malloc arenas under reuse_freed_memory: two compile faster but slow model=small's fsdp8 step
+# (BENCHMARKS.md, "How many malloc arenas", with the command that measures it)
+ARENAS = 1
 _ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
 log = logging.getLogger("dxrun")
 
@@ -36,14 +41,11 @@ def reuse_freed_memory() -> bool:
     XLA:CPU mallocs each device's temporaries at every execution and frees them after. glibc
     gives blocks of 32 MiB or more a fresh mmap, and a thread's own arena a fresh 64 MiB heap
     that it unmaps again once empty, so the pages of the step's temporaries fault in anew at
-    every step: ~95,000 minor faults and ~150 ms of kernel time per step of the 4-layer
-    d_model 256 model in BENCHMARKS.md, on one device as on eight. No mmap, a 1 GiB trim
-    threshold and one arena make the next step reuse the same pages: 1.2-1.6x the steps/s.
-    One arena's lock, taken by every thread (XLA's compile threads, a thread per simulated
-    device), makes each XLA:CPU compile 1.2-1.4x slower and the default run's dp8 step 1.38x
-    slower than two arenas would; but two made model=small's fsdp8 step 1.24x slower (twice
-    the faults), and more than two unmap a thread's heaps again (BENCHMARKS.md, "How many
-    malloc arenas").
+    every step, on one device as on eight. No mmap, a 1 GiB trim threshold and one arena make
+    the next step reuse the same pages. One arena's lock, taken by every thread (XLA's compile
+    threads, a thread per simulated device), slows XLA:CPU's compiles against two arenas; but
+    two slow model=small's fsdp8 step (twice the faults), and more than two unmap a thread's
+    heaps again (BENCHMARKS.md, "CPU runs: glibc's allocator", has the measurements).
     Must run before JAX starts its threads (they keep the arena they started with). Returns
     whether it applied."""
     libc = _glibc()
@@ -57,8 +59,7 @@ def release_freed_memory() -> None:
     """Hand the pages of freed blocks back to the OS (glibc's ``malloc_trim``; elsewhere
     nothing). ``reuse_freed_memory`` keeps freed blocks for the next step of the same program;
     a process that moves on to programs of other shapes (the layout search times nine) would
-    otherwise hold the union of their peaks: 24 GB for ``model=small``'s search on 8 simulated
-    devices, against the 14 GB its largest layout needs alone."""
+    otherwise hold the union of their peaks, well above what its largest layout needs alone."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -94,8 +95,8 @@ def thread_pool_note(used: int, simulated: int, cores: int | None) -> str | None
     """The line for a run whose mesh uses fewer simulated CPU devices than the process has,
     where there are more of them than cores; None elsewhere. XLA:CPU's client gives its thread
     pool a thread per device (or per core, whichever is more), and every program of the process
-    runs on that pool: a one-device step among 8 simulated devices on 2 cores took 1.35x the
-    time it took with 1 (the same with 1 device and NPROC=8: BENCHMARKS.md)."""
+    runs on that pool, so a one-device step among more simulated devices than cores is slower
+    than with one (BENCHMARKS.md measures it, with ``NPROC``)."""
     if cores is None or used >= simulated or simulated <= cores:
         return None
     return (f"the mesh uses {used} of {simulated} simulated CPU devices, and XLA:CPU runs every "
@@ -130,7 +131,7 @@ def cpu_fallback_refusal(backend: str, gpu_node: Path | None, jax_platforms: str
     """The refusal of a run that would train on CPU on a GPU host, or None to go ahead.
 
     JAX without its CUDA plugin (``pip install -e .``) falls back to CPU on a GPU host with a
-    warning nobody reads, and dxrun then simulates CPU devices: the run "works", 100x slower.
+    warning nobody reads, and dxrun then simulates CPU devices: the run "works", far slower.
     CPU is taken as chosen when ``JAX_PLATFORMS`` leaves CUDA out (the test suite sets cpu) or
     with ``runtime.allow_cpu=true``."""
     if backend != "cpu" or gpu_node is None or allow_cpu:
@@ -202,98 +203,6 @@ def claim_run_dir(run_dir: Path) -> Path:
             candidate = run_dir.with_name(f"{run_dir.name}_{i}")
 
 
-class _LogFile(logging.FileHandler):
-    """The run's log file. A line it cannot write (a full disk) costs one line on stderr for
-    the whole run, not logging's traceback per line (or, from ``write_traceback``, the crash's
-    traceback on the terminal): the console still has every line."""
-
-    failed = False
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        if not self.failed:
-            self.failed = True
-            print(f"dxrun: warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
-                  "its lines go to the console only", file=sys.stderr)
-
-    def flush(self) -> None:
-        try:
-            super().flush()
-        except OSError:
-            self.handleError(None)  # type: ignore[arg-type]
-
-
-class RunLog:
-    """The run's log file follows the run dir it claimed. Hydra opens ``<its dir>/dxrun.log``
-    before dxrun knows whether that dir is free; this holds the lines in memory until
-    ``attach`` names the claimed dir (so a relaunch never writes into an earlier run's log),
-    and ``discard`` drops them for a run that never started."""
-
-    NAME = "dxrun.log"
-
-    @staticmethod
-    def name_for(rank: int, processes: int) -> str:
-        """``dxrun.log``; in a multi-process run each process its own ``dxrun.<rank>.log``."""
-        return RunLog.NAME if processes == 1 else f"dxrun.{rank}.log"
-
-    def __init__(self) -> None:
-        import logging.handlers
-
-        root = logging.getLogger()
-        hydra_files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
-        self.formatter = (hydra_files[0].formatter if hydra_files else None) or logging.Formatter(
-            "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-        for h in hydra_files:
-            root.removeHandler(h)
-            h.close()
-            path = Path(h.baseFilename)
-            with contextlib.suppress(FileNotFoundError):  # the ranks of one run share the file
-                if path.stat().st_size == 0:  # Hydra's empty file; an earlier run's log stays
-                    path.unlink()
-        self.buffer = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=100)
-        root.addHandler(self.buffer)
-        self.file: logging.FileHandler | None = None
-        self.name = self.NAME
-
-    def attach(self, run_dir: Path) -> Path:
-        import logging
-
-        if self.file is None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.file = _LogFile(run_dir / self.name)
-            self.file.setFormatter(self.formatter)
-            self.buffer.setTarget(self.file)
-            self.buffer.flush()
-            root = logging.getLogger()
-            root.removeHandler(self.buffer)
-            root.addHandler(self.file)
-        return Path(self.file.baseFilename)
-
-    def quiet_console(self) -> None:
-        """Processes other than 0 print only errors (process 0 says the rest, once); their log
-        files still get every line."""
-        import logging
-
-        for h in logging.getLogger().handlers:
-            if type(h) is logging.StreamHandler:
-                h.setLevel(logging.ERROR)
-
-    def write_traceback(self, exc: BaseException) -> None:
-        """The full traceback into the log file only: the terminal gets one line."""
-        import logging
-
-        record = logging.getLogger("dxrun").makeRecord(
-            "dxrun", logging.ERROR, __file__, 0, "run failed", None,
-            (type(exc), exc, exc.__traceback__))
-        self.file.handle(record)
-        self.file.flush()
-
-    def discard(self) -> None:
-        import logging
-
-        logging.getLogger().removeHandler(self.buffer)
-        self.buffer.buffer.clear()
-
-
 ATTEMPTS = Path(".hydra") / "attempts"  # in a run dir: <n>/, each launch's own config
 
 
@@ -303,7 +212,7 @@ def attempt_numbers(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.is_dir() else []
 
 
-def write_hydra_files(run_dir: Path, cfg: Any, hydra_cfg: Any | None) -> None:
+def write_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: HydraConf | None) -> None:
     """What Hydra's .hydra/ holds, written only once the config is known to be valid; and
     this launch's own copy in ``.hydra/attempts/<n>/``: a resume may change the optimizer, the
     lr or the mesh, and config.yaml, the latest, would say nothing of what the earlier steps

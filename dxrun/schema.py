@@ -1,11 +1,13 @@
 """The run config's schema: every key of every section, each written once.
 
-A key is one field, ``name: type = key(default, meaning, range=..., choices=...)``: the default,
-the one-line meaning the Reference shows, the values it accepts, and the data sources that read
-it all sit in the field's metadata (OmegaConf's structured configs and Hydra's ConfigStore read
-the dataclasses and ignore the metadata). ``RANGES``, ``_CHOICES``, ``UNRANGED``, ``NULLABLE``
-and ``DATA_SOURCE_KEYS`` are read from the fields; ``dxrun.config`` checks a composed config
-against them and ``dxrun.reference`` turns them into the docs' tables.
+A key is one field, ``name: type = key(default, meaning, range=..., choices=...)``
+(dxrun/config_key.py): the default, the one-line meaning the Reference shows, the values it
+accepts, and the data sources that read it all sit in the field's metadata (OmegaConf's
+structured configs and Hydra's ConfigStore read the dataclasses and ignore the metadata). A
+default is written here and nowhere else (conf/config.yaml holds only the defaults list).
+``RANGES``, ``_CHOICES``, ``UNRANGED``, ``NULLABLE`` and ``DATA_SOURCE_KEYS`` are read from the
+fields; ``dxrun.validation`` checks a composed config against them and the docs' generator
+(docs/reference/) turns them into tables.
 
 No JAX import: the device count is decided from the composed config before JAX starts.
 """
@@ -13,92 +15,25 @@ No JAX import: the device count is decided from the composed config before JAX s
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from dxrun.plan.batch import GLOBAL, PER_DEVICE
-from dxrun.plan.targets import TARGETS
+from dxrun.config_key import (  # noqa: F401 - Range and the bounds, importable from here too
+    BATCH,
+    FRACTION,
+    INT32,
+    NON_NEGATIVE,
+    POSITIVE,
+    Range,
+    key,
+    ranges_table,
+    section,
+    walk,
+)
 
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key accepts: ``lo``/``hi`` bounds (None = unbounded), each closed
-    or open. The docs' tables of ranges are generated from RANGES (``ranges_markdown``)."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_closed: bool = True
-    hi_closed: bool = False
-
-    def __contains__(self, v: float) -> bool:
-        if isinstance(v, float) and not math.isfinite(v):
-            return False  # NaN compares false with every bound, so it would pass them all
-        if self.lo is not None and (v < self.lo or (v == self.lo and not self.lo_closed)):
-            return False
-        return not (self.hi is not None and (v > self.hi or (v == self.hi and not self.hi_closed)))
-
-    def __str__(self) -> str:
-        if self.hi is None:
-            return f"{'>=' if self.lo_closed else '>'} {_num(self.lo)}"
-        return (f"{'[' if self.lo_closed else '('}{_num(self.lo)}, {_num(self.hi)}"
-                f"{']' if self.hi_closed else ')'}")
-
-    def fix(self, key: str) -> str:
-        """What the refusal of a value outside suggests: ``set KEY > 0``, ``set KEY in [0, 1)``."""
-        if self.hi is None:
-            return f"set {key} {'>=' if self.lo_closed else '>'} {_num(self.lo)}"
-        return f"set {key} in {self}"
-
-
-def _num(x: float | None) -> str:
-    """A bound as the tables show it: the integer limits as powers of two (2^31, 2^32 - 1)."""
-    if isinstance(x, int) and x >= 2**16:
-        for off, tail in ((0, ""), (1, " - 1")):
-            if (x + off) & (x + off - 1) == 0:
-                return f"2^{(x + off).bit_length() - 1}{tail}"
-    return f"{x:g}" if isinstance(x, float) else str(x)
-
-
-POSITIVE, NON_NEGATIVE = Range(0, lo_closed=False), Range(0)
-FRACTION = Range(0, 1)  # [0, 1)
-# Integer keys end where what they feed overflows (each use says which), so a huge value is
-# refused here rather than crashing in JAX or silently wrapping. INT32: the step counter
-# (TrainState.step) and the jitted step's integer constants are int32 (JAX without x64).
-INT32 = 2**31
-# The loss divides by the batch's tokens, an int32 in the jitted step: one key alone must stay
-# below it (the product with data.seq_len: plan.make_plan).
-BATCH = Range(0, INT32, lo_closed=False)
-Choices = tuple[str, ...] | Callable[[], tuple[str, ...]]
-
-
-def key(default: Any = MISSING, meaning: str = "", *, range: Range | None = None,
-        choices: Choices | None = None, fix: str = "pick one of them",
-        sources: tuple[str, ...] = (), unranged: str = "",
-        factory: Callable[[], Any] | None = None) -> Any:
-    """A schema field and everything about its key, in one place.
-
-    ``meaning``: the Reference's one line. ``range``: the values a number accepts. ``choices``:
-    the strings it accepts (or a function returning them, read when checked); ``fix``: what
-    the refusal of another value suggests. ``sources``: the data sources that read a ``data``
-    key (any other source refuses it). ``unranged``: for a number without a range, what it
-    accepts and where that is checked (``accepted: where``)."""
-    metadata = {"meaning": meaning, "range": range, "choices": choices, "fix": fix,
-                "sources": sources, "unranged": unranged}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def section(cls: type, meaning: str) -> Any:
-    """A nested section of the schema (``train.profile``, the top-level groups)."""
-    return key(meaning=meaning, factory=cls)
-
-
-def _plan_targets() -> tuple[str, ...]:
-    return tuple(TARGETS)
+# The two keys that give the batch (dxrun/plan/batch.py tells which one a run set).
+GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
 
 
 @dataclass
@@ -267,6 +202,7 @@ class ProfileConfig:
 
 @dataclass
 class TrainConfig:
+    # 600: long enough for the default markov run to come close to its entropy floor.
     steps: int = key(600, "optimizer steps of the run", range=Range(0, INT32, lo_closed=False))
     log_every: int = key(50, "a metrics row every this many steps", range=POSITIVE)
     eval_every: int = key(100, "0 = no evaluation", range=NON_NEGATIVE)
@@ -289,17 +225,7 @@ class TrainConfig:
         "(Optuna), e.g. \"eval/loss\"; None returns the whole summary.")
     nan_policy: str = key("halt", "what a non-finite loss or gradient does",
                           choices=("halt", "skip"))
-    inject_nan_at_step: int = key(0, "Test-only: make step k's loss NaN (0 = off), to exercise "
-                                  "train.nan_policy.", range=Range(0, INT32))  # vs the int32 step
     profile: ProfileConfig = section(ProfileConfig, "tracing a few steps with jax.profiler")
-    hold_at_step: int = key(
-        0, "Test-only: from step k on (0 = off), the loop waits before each step for a SIGUSR1 "
-        "(which also asks for a save), so a test's signals land at known steps instead of "
-        "racing the run.", range=NON_NEGATIVE)
-    inject_error_at_step: int = key(
-        0, "Test-only: after step k (0 = off) the loop raises an error that is not bad input, "
-        "so the crash path (one line, the traceback in the run's log) is tested on any host.",
-        range=NON_NEGATIVE)
 
 
 @dataclass
@@ -355,7 +281,7 @@ class RunSection:
 class PlanConfig:
     target: str | None = key(
         None, "The accelerator plan mode estimates for (dxrun/plan/targets.py: TARGETS); null = "
-        "the devices this process sees.", choices=_plan_targets)
+        "the devices this process sees.")
     write_gb_per_s: float = key(
         1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
         "when it costs a save (1: a shared filesystem from one client; local NVMe does "
@@ -423,29 +349,16 @@ class RunConfig:
     distributed: DistributedConfig = section(DistributedConfig, "joining a multi-process run")
 
 
-def _walk(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
-    """(``section.key``, field, resolved type) for every key, nested sections walked."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        name = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(f.default_factory):
-            out += _walk(f.default_factory, f"{name}.")  # type: ignore[arg-type]
-        elif prefix:
-            out.append((name, f, hints[f.name]))
-    return out
-
-
 # Every key of the schema and its field: the metadata ``key()`` put there is all a key's facts.
-FIELDS: dict[str, dataclasses.Field] = {k: f for k, f, _ in _walk(RunConfig)}
-_TAKES_NULL = {k for k, _, hint in _walk(RunConfig) if type(None) in typing.get_args(hint)}
+FIELDS: dict[str, dataclasses.Field] = {k: f for k, f, _ in walk(RunConfig)}
+_TAKES_NULL = {k for k, _, hint in walk(RunConfig) if type(None) in typing.get_args(hint)}
 # Every numeric key and the values it accepts, checked before anything runs.
 RANGES: dict[str, Range] = {k: f.metadata["range"] for k, f in FIELDS.items()
                             if f.metadata["range"]}
 # The numeric keys without a range: what they accept and where that is checked.
 UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
                             if f.metadata["unranged"]}
-# The string keys with a fixed list of values (plan.target's is plan.targets.TARGETS).
+# The string keys with a fixed list of values (plan.target's: dxrun/plan/targets.py).
 _CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
                                         if isinstance(f.metadata["choices"], tuple)}
 # The data keys only some sources read; any other source refuses them.
@@ -472,11 +385,5 @@ def choices_of(key: str) -> tuple[str, ...]:
 
 
 def ranges_markdown() -> str:
-    """The table of accepted ranges (docs/guide/bad-input.md, the Reference), generated so it
-    is never written twice."""
-    by_range: dict[str, list[str]] = {}
-    for key, r in RANGES.items():
-        by_range.setdefault(str(r), []).append(f"`{key}`")
-    rows = ["| accepted | keys |", "|---|---|"]
-    rows += [f"| {r} | {', '.join(keys)} |" for r, keys in by_range.items()]
-    return "\n".join(rows)
+    """The table of accepted ranges (docs/guide/bad-input.md, the Reference)."""
+    return ranges_table(RANGES)

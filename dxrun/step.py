@@ -65,7 +65,7 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
                      grad_reduce_dtype: str = "fp32", loss_chunk: int = 0
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``grad_reduce_dtype`` (``train.grad_reduce_dtype``): "fp32" hands the model the fp32
-    master weights and it casts each at its use (``dxrun.model.dense``), so weight gradients
+    master weights and it casts each at its use (``dxrun.layers.dense``), so weight gradients
     are accumulated, all-reduced over data replicas and returned in fp32; "bf16" casts the
     whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
     ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same.
@@ -171,7 +171,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          grad_reduce_dtype, loss_chunk)
-        if inject_nan_at_step:  # test-only (train.inject_nan_at_step): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 

@@ -15,12 +15,13 @@ from typing import Any
 import jax
 
 from dxrun.attempt import Attempt
+from dxrun.errors import UNFINISHED
 from dxrun.job import Job
 from dxrun.multihost.distributed import is_main
 from dxrun.plan.ranking import own_s, table
 from dxrun.plan.run_plan import RunPlan
 from dxrun.prepare import Prepared, prepare, start_state
-from dxrun.run_dir import UNFINISHED, read_status
+from dxrun.run_dir import read_status
 from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress

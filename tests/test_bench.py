@@ -1,4 +1,4 @@
-"""The benchmark suite: ``python -m dxrun.bench --quick`` as CI runs it. Its timings are
+"""The benchmark suite: ``python -m benchmarks --quick`` as CI runs it. Its timings are
 reported, not asserted; its structural figures (collectives per layer, state bytes) are."""
 
 from __future__ import annotations
@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
 
-from dxrun.bench.report import markers
+from benchmarks.report import markers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +24,9 @@ def quick(tmp_path_factory):
     # suite is compiles, and every figure asserted here is structural (HLO collectives, state
     # bytes, the first losses of two steps compiled alike), none is a timing; the timings come
     # out of slower code.
-    proc = subprocess.run([sys.executable, "-m", "dxrun.bench", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=2400)  # 2 shared cores: > 1200 s
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True,
+                          timeout=2400)  # 2 shared cores: > 1200 s
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads(out.with_suffix(".json").read_text())
 
@@ -34,7 +38,7 @@ def _fig(report: dict, name_start: str) -> dict:
 @pytest.mark.e2e
 def test_quick_suite_writes_every_figure_with_command_machine_and_raw_times(quick):
     md_path, report = quick
-    assert report["command"] == f"python -m dxrun.bench --quick --out {md_path}"
+    assert report["command"] == f"python -m benchmarks --quick --out {md_path}"
     assert report["machine"]["device_count"] == 8 and report["machine"]["jax"] == jax.__version__
     sections = {f["section"] for f in report["figures"]}
     assert {"Train step vs a hand-written jax.jit step", "Eight devices vs one, same global batch",
@@ -93,7 +97,7 @@ def test_gpu_figures_run_on_whatever_device_there_is():
     """The prepared GPU script's code path (``--gpu``), on CPU with a tiny model: both
     attention implementations timed, tokens/s reported, the kernel each ran recorded; no MFU
     without a known peak."""
-    from dxrun.bench import gpu
+    from benchmarks import gpu
 
     figs = gpu.measured(models=("tiny",), batch=2, steps=1, reps=1,
                         shape=("parallelism=dp1", "train.precision=bf16", "data.seq_len=16",

@@ -1,4 +1,4 @@
-"""The PyTorch comparison's plumbing (dxrun/bench/eager.py), without torch: the workers' line
+"""The PyTorch comparison's plumbing (benchmarks/eager.py), without torch: the workers' line
 format and the reference's arguments from the compared config."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from dxrun.bench.eager import ROOT, SHAPE, parse_line, torch_argv
-from dxrun.bench.speed import compose_cfg
+from benchmarks.eager import ROOT, SHAPE, parse_line, torch_argv
+from benchmarks.speed import compose_cfg
 
 
 def test_parse_line_reads_both_workers_lines():

@@ -1,8 +1,8 @@
-"""BENCHMARKS.md's generated sections (dxrun/bench/report.py), on a file in tmp_path."""
+"""BENCHMARKS.md's generated sections (benchmarks/report.py), on a file in tmp_path."""
 
 from __future__ import annotations
 
-from dxrun.bench.report import markers, replace_section
+from benchmarks.report import markers, replace_section
 
 
 def test_a_new_section_goes_before_the_first_heading_or_section_and_then_stays(tmp_path):
@@ -29,7 +29,7 @@ def test_other_processes_cpu_share_counts_a_process_that_is_not_the_bench(tmp_pa
     import sys
     import time
 
-    from dxrun.bench.report import OtherLoad
+    from benchmarks.report import OtherLoad
 
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
                              "while time.time() - t < 5: pass"])

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, subprocess_env
 
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Resume
+from dxrun.checkpointing.resume import Resume, restore
+from dxrun.checkpointing.store import committed_steps
 from dxrun.experiment import Experiment
 from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train
@@ -78,7 +78,7 @@ def _logged_step(run_dir: Path) -> int:
 
 def _restore(ckpts: Path, step: int):
     exp = Experiment.build(make_cfg(*CHAOS, "logger=none"))
-    state, _, got = checkpoint.restore(Resume(ckpts, step, in_place=False), exp.abstract_state())
+    state, _, got = restore(Resume(ckpts, step, in_place=False), exp.abstract_state())
     assert got == step
     return jax.device_get(state)
 
@@ -99,10 +99,10 @@ def test_a_run_killed_three_times_ends_as_if_uninterrupted(tmp_path):
     assert proc.wait(timeout=60) == -signal.SIGKILL
     # 3. Killed right after a metrics row past its newest checkpoint; the last line is torn.
     _kill_when(_launch(tmp_path, run_dir), lambda: _logged_step(run_dir) > max(
-        checkpoint.committed_steps(ckpts), default=0))
+        committed_steps(ckpts), default=0))
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(TORN)
-    resumed_at = max(checkpoint.committed_steps(ckpts))
+    resumed_at = max(committed_steps(ckpts))
     # 4. Relaunched to the end.
     last = _launch(tmp_path, run_dir)
     out = last.communicate(timeout=600)[0]
@@ -111,7 +111,7 @@ def test_a_run_killed_three_times_ends_as_if_uninterrupted(tmp_path):
 
     assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
     assert (run_dir / "metrics.discarded.jsonl").read_text().splitlines()[-1] == TORN
-    steps = checkpoint.committed_steps(ckpts)
+    steps = committed_steps(ckpts)
     assert steps == list(range(10, STEPS + 1, 10))
     for step in steps:  # every committed checkpoint reads back
         _restore(ckpts, step)
@@ -137,21 +137,24 @@ RECORDS = ["model=tiny", "train.steps=8", "train.log_every=1", "train.eval_every
            "data.seq_len=16"]
 
 
-def _launch_records(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+def _launch_records(cwd: Path, run_dir: Path, *extra: str, hold: int = 0) -> subprocess.Popen:
+    # hold: from that step on, each step waits for a SIGUSR1 (DXRUN_TEST_HOLD_AT_STEP).
+    env = subprocess_env(drop=("WANDB_SERVICE",))
+    if hold:
+        env["DXRUN_TEST_HOLD_AT_STEP"] = str(hold)
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *RECORDS, f"hydra.run.dir={run_dir}", *extra],
-        cwd=cwd, env=subprocess_env(drop=("WANDB_SERVICE",)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
 def three_attempts(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("records")
     run_dir = cwd / "run"
-    first = _launch_records(cwd, run_dir, "train.hold_at_step=5")
-    _kill_when(first, lambda: _logged_step(run_dir) >= 4 and 4 in checkpoint.committed_steps(
+    first = _launch_records(cwd, run_dir, hold=5)
+    _kill_when(first, lambda: _logged_step(run_dir) >= 4 and 4 in committed_steps(
         run_dir / "checkpoints"))
-    second = _launch_records(cwd, run_dir, "train.hold_at_step=5")
+    second = _launch_records(cwd, run_dir, hold=5)
     Output(second).wait_for(lambda line: "step 5/8" in line)  # its row waits for step 5's save
     second.kill()
     assert second.wait(timeout=60) == -signal.SIGKILL

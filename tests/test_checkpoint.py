@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, recorded_compiles, run_cli, subprocess_env, tree_digest
 
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Resume
+from dxrun.checkpointing.resume import Resume, check_compatible, data_position, find_resume, restore
+from dxrun.checkpointing.saving import time_due
+from dxrun.checkpointing.store import Checkpointer, committed_steps
 from dxrun.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
 from dxrun.tracking.wandb_file import read_history, read_run
@@ -45,8 +46,7 @@ def _untimed(rows: list[dict]) -> list[dict]:
 
 def _restore(ckpt_dir: Path, step: int, *overrides: str):
     exp = Experiment.build(make_cfg(*BASE, "logger=none", *overrides))
-    state, meta, got = checkpoint.restore(Resume(ckpt_dir, step, in_place=False),
-                                          exp.abstract_state())
+    state, meta, got = restore(Resume(ckpt_dir, step, in_place=False), exp.abstract_state())
     assert got == step
     return exp, state, meta
 
@@ -59,8 +59,10 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
-def _launch(cwd: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = subprocess_env()
+def _launch(cwd: Path, run_dir: Path, *extra: str, hold: int = 0) -> subprocess.Popen:
+    """``python -m dxrun`` on BASE into ``run_dir``; ``hold``: from that step on, each step
+    waits for a SIGUSR1 (the test-only DXRUN_TEST_HOLD_AT_STEP, dxrun/faults.py)."""
+    env = {**subprocess_env(), **({"DXRUN_TEST_HOLD_AT_STEP": str(hold)} if hold else {})}
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *BASE, f"hydra.run.dir={run_dir}", *extra],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -84,7 +86,7 @@ def _logged_step(run_dir: Path) -> int:
     return max((json.loads(x)["step"] for x in text.splitlines() if x.endswith("}")), default=0)
 
 
-# The signal tests hold their runs (train.hold_at_step: from that step on, each step waits for
+# The signal tests hold their runs (``_launch``'s hold: from that step on, each step waits for
 # a SIGUSR1), so every signal is acted on at a known step, whatever the machine's speed.
 HOLD_FIRST, HOLD_SECOND = 11, 16
 
@@ -97,20 +99,20 @@ def preempted(tmp_path_factory):
     the three outputs."""
     cwd = tmp_path_factory.mktemp("preempt")
     run_dir = cwd / "run"
-    first = _launch(cwd, run_dir, f"train.hold_at_step={HOLD_FIRST}")
+    first = _launch(cwd, run_dir, hold=HOLD_FIRST)
     out = Output(first)
     # Row 10 is written after step 10's save point: the loop is held at step 11 or on its way.
     _wait_for(lambda: _logged_step(run_dir) >= 10, out)
     first.send_signal(signal.SIGUSR1)
-    _wait_for(lambda: HOLD_FIRST in checkpoint.committed_steps(run_dir / "checkpoints"), out)
-    (usr1,) = [s for s in checkpoint.committed_steps(run_dir / "checkpoints") if s % 25]
+    _wait_for(lambda: HOLD_FIRST in committed_steps(run_dir / "checkpoints"), out)
+    (usr1,) = [s for s in committed_steps(run_dir / "checkpoints") if s % 25]
     first.send_signal(signal.SIGTERM)
     out.wait_for(lambda line: "SIGTERM received" in line)
     first.send_signal(signal.SIGUSR1)  # lets the held step act on the stop
     out1 = out.finish()
     assert first.returncode == 0, out1[-3000:]
     stopped = int(out1.split("SIGTERM: stopped at step ")[1].split(";")[0])
-    second = _launch(cwd, run_dir, f"train.hold_at_step={HOLD_SECOND}")
+    second = _launch(cwd, run_dir, hold=HOLD_SECOND)
     out = Output(second)
     _wait_for(lambda: _logged_step(run_dir) >= 15, out)
     second.send_signal(signal.SIGINT)
@@ -161,7 +163,7 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
     # The stop line gives the command that resumes the run, overrides and run dir included.
     assert (f"SIGTERM: stopped at step {stopped}; checkpoint {run_dir / 'checkpoints' / str(stopped)}"
             f" committed. Resume with: python -m dxrun {' '.join(BASE)} "
-            f"train.hold_at_step={HOLD_FIRST} hydra.run.dir={run_dir}") in preempted["outputs"][0]
+            f"hydra.run.dir={run_dir}") in preempted["outputs"][0]
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +178,13 @@ def requeued(tmp_path_factory):
     outs = []
     for hold, until in ((6, lambda: _logged_step(run_dir) >= 5),
                         (26, lambda: _logged_step(run_dir) >= 25 and 25 in
-                         checkpoint.committed_steps(run_dir / "checkpoints"))):
-        proc = _launch(cwd, run_dir, "logger=none", f"train.hold_at_step={hold}")
+                         committed_steps(run_dir / "checkpoints"))):
+        proc = _launch(cwd, run_dir, "logger=none", hold=hold)
         out = Output(proc)
         _wait_for(until, out)
         proc.kill()
         outs.append(out.finish())
-    proc = _launch(cwd, run_dir, "logger=none", f"train.hold_at_step={STEPS}")
+    proc = _launch(cwd, run_dir, "logger=none", hold=STEPS)
     out = Output(proc)
     # The last step's progress line comes before its save point, where the run is held.
     out.wait_for(lambda line: f"step {STEPS}/{STEPS}" in line)
@@ -249,10 +251,10 @@ def test_a_second_launch_into_a_held_run_dir_is_refused_or_waits(reference, tmp_
     run.wait_for_lock it waits for the first to end and then continues the run from where
     the first stopped."""
     run_dir = tmp_path / "run"
-    first = _launch(tmp_path, run_dir, "logger=none", "train.hold_at_step=26")
+    first = _launch(tmp_path, run_dir, "logger=none", hold=26)
     out = Output(first)
     _wait_for(lambda: _logged_step(run_dir) >= 25
-              and 25 in checkpoint.committed_steps(run_dir / "checkpoints"), out)
+              and 25 in committed_steps(run_dir / "checkpoints"), out)
     before = tree_digest(run_dir)
     second = run_cli(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path,
                      timeout=240)
@@ -305,7 +307,8 @@ def test_a_signal_while_starting_stops_the_run_in_one_line(tmp_path, sig):
 
 STOP_IN_A_GC_CALLBACK = """
 import gc, os, signal, time
-from dxrun.checkpointing.preempt import Interrupted, guard_signals
+from dxrun.checkpointing.preempt import guard_signals
+from dxrun.errors import Interrupted
 guard_signals()
 fired = []
 def callback(phase, info):
@@ -335,7 +338,7 @@ def test_a_stop_raised_inside_a_gc_callback_is_not_lost():
 @pytest.mark.e2e
 def test_refused_resume_leaves_the_run_untouched(preempted):
     """Through the CLI: exit 2, one line, nothing written. One refused key is enough here:
-    every refusal is raised by checkpoint.check_compatible inside prepare(), before anything is
+    every refusal is raised by resume.check_compatible inside prepare(), before anything is
     written, and each one's message (data.batch_size's included) is
     test_what_cannot_change_on_resume_is_refused's (a second subprocess cost ~15 s)."""
     change, key, ours, theirs = "model.d_model=128", "model.d_model", "128", "64"
@@ -389,30 +392,36 @@ def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
                  for x in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
     assert discarded == [80, 85, 90, 95, 100]
     assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
-    assert checkpoint.committed_steps(run_dir / "checkpoints") == [50, 75, 100]
+    assert committed_steps(run_dir / "checkpoints") == [50, 75, 100]
 
 
 NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0",
-       "checkpoint.every=4", "logger=none", "train.inject_nan_at_step=7",
-       "parallelism=dp2", "data.batch_size=8", "data.seq_len=16"]
+       "checkpoint.every=4", "logger=none", "parallelism=dp2", "data.batch_size=8",
+       "data.seq_len=16"]
+
+
+@pytest.fixture
+def nan_at_step_7(monkeypatch):
+    """Step 7's loss poisoned (the test-only DXRUN_TEST_NAN_AT_STEP, dxrun/faults.py)."""
+    monkeypatch.setenv("DXRUN_TEST_NAN_AT_STEP", "7")
 
 
 @pytest.mark.e2e
-def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path):
+def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path, nan_at_step_7):
     with pytest.raises(NonFiniteError, match="non-finite loss or gradients at step 7") as e:
         train(make_cfg(*NAN), tmp_path)
     assert f"last good checkpoint is {tmp_path / 'checkpoints' / '4'}" in str(e.value)
-    assert checkpoint.committed_steps(tmp_path / "checkpoints") == [4]
+    assert committed_steps(tmp_path / "checkpoints") == [4]
     assert [r["step"] for r in _rows(tmp_path)][-1] == 7
     exp = Experiment.build(make_cfg(*NAN))
-    state, meta, step = checkpoint.restore(Resume(tmp_path / "checkpoints", None, False),
-                                           exp.abstract_state())
+    state, meta, step = restore(Resume(tmp_path / "checkpoints", None, False),
+                                exp.abstract_state())
     assert step == 4 and meta["data"] == {"step": 4}
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
 
 
 @pytest.mark.e2e
-def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
+def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path, nan_at_step_7):
     train(make_cfg(*NAN, "train.nan_policy=skip"), tmp_path)
     rows = {r["step"]: r for r in _rows(tmp_path)}
     assert [rows[s]["train/skipped_steps"] for s in (6, 7, 10)] == [0, 1, 1]
@@ -420,7 +429,7 @@ def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
     assert np.isfinite(rows[10]["train/loss"])
     assert rows[7]["train/param_norm"] == rows[6]["train/param_norm"]  # parameters unchanged
     assert rows[8]["train/loss"] < rows[6]["train/loss"]  # and training went on
-    assert checkpoint.committed_steps(tmp_path / "checkpoints") == [4, 8, 10]
+    assert committed_steps(tmp_path / "checkpoints") == [4, 8, 10]
     # train/lr is the lr the update used: the schedule at the optimizer's count, one behind
     # state.step after the skipped step 7.
     schedule = Experiment.build(make_cfg(*NAN, "train.nan_policy=skip")).schedule
@@ -432,7 +441,7 @@ def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path):
 def test_what_cannot_change_on_resume_is_refused():
     saved = make_cfg(*BASE)
     ok = make_cfg(*BASE, "parallelism=dp2_tp4", "optimizer.lr=0.001", "train.steps=200")
-    checkpoint.check_compatible(ok, saved, Path("ckpt/25"))  # mesh, lr, length may change
+    check_compatible(ok, saved, Path("ckpt/25"))  # mesh, lr, length may change
     for change, key in [("model.n_layers=3", "model.n_layers"),
                         ("model=tiny_llama", "model.n_kv_heads"),
                         ("data.vocab_size=128", "model.vocab_size"),
@@ -440,22 +449,21 @@ def test_what_cannot_change_on_resume_is_refused():
                         ("data.seq_len=32", "data.seq_len")]:
         with pytest.raises(ConfigError, match=f"{key}=.* but checkpoint ckpt/25 was written "
                                               f"with {key}="):
-            checkpoint.check_compatible(make_cfg(*BASE, change), saved, Path("ckpt/25"))
+            check_compatible(make_cfg(*BASE, change), saved, Path("ckpt/25"))
     # A new global batch is refused, naming both values, unless allowed.
     with pytest.raises(ConfigError, match="^data.batch_size=64 but checkpoint ckpt/25 was "
                                           "written with data.batch_size=32; resume with "
                                           "data.batch_size=32, or set checkpoint.allow_batch"):
-        checkpoint.check_compatible(make_cfg(*BASE, "data.batch_size=64"), saved,
-                                    Path("ckpt/25"))
+        check_compatible(make_cfg(*BASE, "data.batch_size=64"), saved, Path("ckpt/25"))
     bigger = make_cfg(*BASE, "data.batch_size=64", "checkpoint.allow_batch_change=true")
-    checkpoint.check_compatible(bigger, saved, Path("ckpt/25"))
+    check_compatible(bigger, saved, Path("ckpt/25"))
     meta = {"data": {"step": 75}, "config": {"data": {"batch_size": 32}}}
-    assert checkpoint.data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
-    assert checkpoint.data_position(meta, 32) == {"step": 75}
+    assert data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
+    assert data_position(meta, 32) == {"step": 75}
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-    from dxrun.config import validate
+    from dxrun.validation import validate
 
     for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
                           ("checkpoint.keep=0", "checkpoint.keep=0"),
@@ -465,18 +473,19 @@ def test_bad_checkpoint_settings_are_refused(tmp_path):
         with pytest.raises(ConfigError, match=key):
             validate(make_cfg(override))
     with pytest.raises(ConfigError, match="holds no committed checkpoint"):
-        checkpoint.find_resume(make_cfg(f"checkpoint.resume={tmp_path}"), tmp_path / "new")
+        cfg = make_cfg(f"checkpoint.resume={tmp_path}")
+        find_resume(cfg.checkpoint, tmp_path / "new", cfg)
 
 
 @pytest.mark.e2e
 def test_second_sigint_exits_at_once_without_saving(tmp_path):
     """Ctrl-C twice: the first asks for a save; the second, before that save, exits 130 at
-    once, and no checkpoint appears. The run is held at step 6 (train.hold_at_step, no SIGUSR1
+    once, and no checkpoint appears. The run is held at step 6 (``_launch``'s hold, no SIGUSR1
     ever comes), so the first SIGINT's save cannot start, let alone be committed, before the
     second arrives, nor can the checkpoint.every=25 cadence of BASE save. BASE as it is (the
     hold is host-side): the programs are ``reference``'s, from the session's compile cache."""
     run_dir = tmp_path / "run"
-    proc = _launch(tmp_path, run_dir, "logger=none", "train.hold_at_step=6")
+    proc = _launch(tmp_path, run_dir, "logger=none", hold=6)
     out = Output(proc)
     _wait_for(lambda: _logged_step(run_dir) >= 5, out)
     proc.send_signal(signal.SIGINT)
@@ -492,10 +501,10 @@ def test_second_sigint_exits_at_once_without_saving(tmp_path):
 
 
 def test_the_wall_clock_cadence_is_due_after_its_minutes():
-    assert not checkpoint.time_due(1e9, 0.0, 0.0)  # checkpoint.every_minutes=0: off
-    assert not checkpoint.time_due(59.9, 0.0, 60.0)
-    assert checkpoint.time_due(60.0, 0.0, 60.0)
-    assert not checkpoint.time_due(499.0, 440.0, 60.0) and checkpoint.time_due(500.0, 440.0, 60.0)
+    assert not time_due(1e9, 0.0, 0.0)  # checkpoint.every_minutes=0: off
+    assert not time_due(59.9, 0.0, 60.0)
+    assert time_due(60.0, 0.0, 60.0)
+    assert not time_due(499.0, 440.0, 60.0) and time_due(500.0, 440.0, 60.0)
 
 
 def test_a_save_compiles_nothing_and_restores_bitwise(tmp_path):
@@ -506,12 +515,12 @@ def test_a_save_compiles_nothing_and_restores_bitwise(tmp_path):
     exp = Experiment.build(make_cfg(*BASE, "logger=none", "parallelism=dp8"))
     state = exp.init_state()
     with recorded_compiles() as compiled:
-        saver = checkpoint.Checkpointer(tmp_path, keep=1)
+        saver = Checkpointer(tmp_path, keep=1)
         saver.save(1, state, {"step": 1})
         saver.close()
     assert compiled == []
-    restored, meta, step = checkpoint.restore(Resume(tmp_path, None, in_place=False),
-                                              exp.abstract_state())
+    restored, meta, step = restore(Resume(tmp_path, None, in_place=False),
+                                   exp.abstract_state())
     assert (step, meta["step"]) == (1, 1)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         assert a.sharding == b.sharding
@@ -526,7 +535,7 @@ def test_every_minutes_saves_by_the_clock_and_each_save_logs_its_block(tmp_path)
     train(make_cfg("model=tiny", "train.steps=3", "train.log_every=1", "train.eval_every=0",
                    "checkpoint.every=0", "checkpoint.every_minutes=1e-7", "checkpoint.keep=5",
                    "parallelism=dp2", "data.batch_size=8", "logger=none"), tmp_path)
-    assert checkpoint.committed_steps(tmp_path / "checkpoints") == [1, 2, 3]
+    assert committed_steps(tmp_path / "checkpoints") == [1, 2, 3]
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "perf/checkpoint_block_s" not in rows[0]  # the first save runs after its window
@@ -550,7 +559,7 @@ def test_the_older_checkpoint_goes_only_after_the_new_one_is_committed(tmp_path)
     as it can; step 1 is there until step 2 is, so a crash at any moment leaves one to resume
     from."""
     directory = tmp_path / "ckpts"
-    saver = checkpoint.Checkpointer(directory, keep=1)
+    saver = Checkpointer(directory, keep=1)
     noise = np.random.default_rng(0).standard_normal(16 * 2**20, dtype=np.float32)
     saver.save(1, _Big(jax.numpy.asarray(noise)), {"step": 1})
     saver.wait()
@@ -559,7 +568,7 @@ def test_the_older_checkpoint_goes_only_after_the_new_one_is_committed(tmp_path)
 
     def watch() -> None:
         while not done.is_set():
-            seen.append(tuple(checkpoint.committed_steps(directory)))
+            seen.append(tuple(committed_steps(directory)))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -570,7 +579,7 @@ def test_the_older_checkpoint_goes_only_after_the_new_one_is_committed(tmp_path)
         done.set()
         watcher.join()
         saver.close()
-    seen.append(tuple(checkpoint.committed_steps(directory)))
+    seen.append(tuple(committed_steps(directory)))
     changes = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
     assert changes in ([(1,), (1, 2), (2,)], [(1,), (2,)]), changes
     assert len(seen) > 10  # the watcher really looked during the save
@@ -651,7 +660,7 @@ def test_a_full_disk_is_one_line_and_the_relaunch_resumes(tmp_path):
         assert f"resuming from step 1 (checkpoint {ckpts / '1'})" in again.stdout + again.stderr
         assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
                 .splitlines()] == [1, 2, 3]
-        assert checkpoint.committed_steps(ckpts) == [1, 2, 3]
+        assert committed_steps(ckpts) == [1, 2, 3]
         assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
 
 

@@ -78,13 +78,13 @@ def test_auto_chunks_only_large_logits():
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
     from dxrun.plan.mesh import make_plan
-    assert loss_chunk_for(cfg, make_plan(cfg, 8)) == 128
+    assert loss_chunk_for(cfg.model, make_plan(cfg, 8)) == 128
 
 
 def test_a_chunk_that_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
                                           r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
-        from dxrun.config import validate
+        from dxrun.validation import validate
 
         validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
 

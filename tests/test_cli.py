@@ -229,11 +229,12 @@ def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path):
 
 @pytest.mark.e2e
 def test_crash_is_one_line_and_the_traceback_is_in_the_log(tmp_path):
-    """Not bad input but a failure while training (the test-only train.inject_error_at_step: a
+    """Not bad input but a failure while training (the test-only DXRUN_TEST_ERROR_AT_STEP: a
     too-large allocation fails on one host and is overcommitted or OOM-killed on another): one
     readable line naming the log; the traceback goes to the run dir's log file, not the
     terminal."""
-    proc = run_cli("train.inject_error_at_step=1", "logger=none", "train.steps=2", cwd=tmp_path)
+    proc = run_cli("logger=none", "train.steps=2", cwd=tmp_path,
+                   env={"DXRUN_TEST_ERROR_AT_STEP": "1"})
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr + proc.stdout
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]

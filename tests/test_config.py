@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun import config, schema
+from dxrun import config, faults, schema, validation
 from dxrun.errors import ConfigError
 
 
 def _numeric_keys() -> list[str]:
-    hints = {k: h for k, _, h in schema._walk(schema.RunConfig)}
+    hints = {k: h for k, _, h in schema.walk(schema.RunConfig)}
     # Optional numbers too (the data keys only some sources read).
     return [k for k, h in hints.items()
             if set(typing.get_args(h) or [h]) - {type(None)} <= {int, float}]
@@ -60,6 +60,53 @@ def test_the_schema_with_metadata_is_still_a_structured_config():
     assert OmegaConf.get_type(node.model) is schema.ModelConfig
     config.register()
     assert "dxrun_schema.yaml" in ConfigStore.instance().list("/")
+
+
+# The keys conf/config.yaml may set beside its defaults list and Hydra's settings, each with why
+# it must be YAML rather than the schema's default. Empty: every default is the schema's.
+YAML_ONLY: dict[str, str] = {}
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``section.key`` -> value for every leaf (an empty section or list is a leaf)."""
+    if isinstance(node, dict) and (node or not prefix):
+        return {k: v for name, sub in node.items() for k, v in _flat(sub, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: node}
+
+
+def test_config_yaml_writes_no_default_of_the_schemas():
+    """A default is written once, in the schema: conf/config.yaml holds the defaults list and
+    Hydra's settings, and any run key it sets is on YAML_ONLY with its reason."""
+    import yaml
+
+    raw = yaml.safe_load((config.conf_dir() / "config.yaml").read_text())
+    sets = _flat({k: v for k, v in raw.items() if k not in ("defaults", "hydra")})
+    assert set(sets) <= set(YAML_ONLY), f"defaults belong to dxrun/schema.py: {sorted(sets)}"
+    assert {k for k in sets if k in YAML_ONLY} == set(YAML_ONLY), "YAML_ONLY names a stale key"
+
+
+def test_the_default_run_is_the_schema_but_for_its_group_presets(base_cfg):
+    """Every value ``python -m dxrun`` composes is the schema's default, or set by one of the
+    default group options conf/config.yaml chooses (model=tiny, parallelism=auto, ...): nothing
+    else can hold a second default that drifts from the schema's."""
+    import yaml
+
+    conf = config.conf_dir()
+    chosen = [next(iter(e.items())) for e in yaml.safe_load((conf / "config.yaml").read_text())[
+        "defaults"] if isinstance(e, dict) and next(iter(e.values())) is not None]
+    by_presets: set[str] = set()
+    for group, option in chosen:
+        text = (conf / group / f"{option}.yaml").read_text()
+        values = yaml.safe_load(text) or {}
+        by_presets |= set(_flat(values if "@package _global_" in text else {group: values}))
+    composed = _flat(OmegaConf.to_container(base_cfg, resolve=False))
+    schema_defaults = _flat(OmegaConf.to_container(OmegaConf.structured(schema.RunConfig),
+                                                   resolve=False))
+    assert set(composed) == set(schema_defaults)
+    drift = {k: (v, schema_defaults[k]) for k, v in composed.items()
+             if v != schema_defaults[k] and k not in by_presets}
+    assert not drift, f"composed value, schema default: {drift}"
+    assert {"model.vocab_size", "data.vocab_size", "parallelism.search"} <= by_presets
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +154,15 @@ def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
     cfg = _choosing(compose, key)
     for value in allowed:
         if cfg is None:
-            config.validate(compose(*({"markov": [], "text": ["data=text", "data.path=x"]}.get(
+            validation.validate(compose(*({"markov": [], "text": ["data=text", "data.path=x"]}.get(
                 value, [f"data={value}", "data.path=x", "data.dtype=uint16"]))))
         else:
             OmegaConf.update(cfg, key, value, merge=False)
-            config.validate(cfg)
+            validation.validate(cfg)
     cfg = _with(compose(), **{key: "bogus"}) if cfg is None else cfg
     OmegaConf.update(cfg, key, "bogus", merge=False)
     with pytest.raises(ConfigError) as err:
-        config.validate(cfg)
+        validation.validate(cfg)
     msg = str(err.value)
     assert msg.startswith((f"{key}='bogus' is not one of ", f"{key}=bogus is not a known"))
     assert ", ".join(allowed) in msg and "\n" not in msg
@@ -123,7 +170,7 @@ def test_validate_accepts_exactly_the_choices_in_the_field(compose, key):
     assert schema.null_is_a_value(key) == null_ok
     if null_ok:
         OmegaConf.update(cfg, key, None, merge=False)
-        config.validate(cfg)
+        validation.validate(cfg)
 
 
 def test_choice_refusals_keep_their_words(base_cfg):
@@ -132,18 +179,18 @@ def test_choice_refusals_keep_their_words(base_cfg):
                             "leave it null to follow $WANDB_MODE"}
     for key, want in cases.items():
         with pytest.raises(ConfigError, match=f"^{want.replace('$', '[$]')}$"):
-            config.validate(_with(base_cfg, **{key: "bogus"}))
+            validation.validate(_with(base_cfg, **{key: "bogus"}))
     with pytest.raises(ConfigError, match=r"^plan.target=h999 is not a known target; choose one "
                        r"of h100, .* \(or leave it null for the visible devices\)$"):
-        config.validate(_with(base_cfg, **{"plan.target": "h999"}))
+        validation.validate(_with(base_cfg, **{"plan.target": "h999"}))
 
 
 def test_validate_is_one_short_check_per_section():
     import inspect
 
     for section in (f.name for f in dataclasses.fields(schema.RunConfig)):
-        check = getattr(config, f"check_{section}")
-        assert check.__name__ in inspect.getsource(config.validate)
+        check = getattr(validation, f"check_{section}")
+        assert check.__name__ in inspect.getsource(validation.validate)
         assert len(inspect.getsource(check).splitlines()) <= 30, section
 
 
@@ -153,7 +200,7 @@ def test_validate_is_one_short_check_per_section():
 def test_seeds_and_process_numbers_are_ranged(cfg_factory, override):
     key, _, value = override.partition("=")
     with pytest.raises(ConfigError, match=f"^{key}={value} is outside its range .*; set {key} "):
-        config.validate(cfg_factory(override))
+        validation.validate(cfg_factory(override))
 
 
 def test_readme_lists_the_generated_ranges():
@@ -178,23 +225,44 @@ def test_readme_lists_the_generated_ranges():
     ("train.seed=4294967295", False), ("train.seed=4294967296", True),
     ("data.seed=4294967294", False), ("data.seed=4294967295", True),
     ("train.steps=2147483647", False), ("train.steps=2147483648", True),
-    ("data.batch_size=2147483648", True), ("train.inject_nan_at_step=2147483648", True),
+    ("data.batch_size=2147483648", True),
 ])
 def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     source = ["data=text", "data.path=x.txt"] if override.startswith("data.") else []
     cfg = cfg_factory(*source, override)
     if not bad:
-        config.validate(cfg)
+        validation.validate(cfg)
         return
     with pytest.raises(ConfigError) as err:
-        config.validate(cfg)
+        validation.validate(cfg)
     key, value = override.split("=")
     msg = str(err.value)
     assert msg.startswith(f"{key}={value}") and "set " + key in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("variable, value, bad", [
+    ("DXRUN_TEST_NAN_AT_STEP", "2147483647", False), ("DXRUN_TEST_NAN_AT_STEP", "2147483648", True),
+    ("DXRUN_TEST_HOLD_AT_STEP", "-1", True), ("DXRUN_TEST_ERROR_AT_STEP", "x", True),
+    ("DXRUN_TEST_ERROR_AT_STEP", "3", False),
+])
+def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad):
+    """The tests' faults are no key of the user's config (``dxrun.faults``): each is read from
+    its environment variable, refused outside its range like a key (the NaN step is compared
+    with the int32 step counter)."""
+    assert not [k for k in schema.FIELDS if "inject" in k or "hold_at" in k]
+    assert faults.from_env({}) == faults.Faults()
+    if not bad:
+        got = faults.from_env({variable: value})
+        assert int(value) in got.steps() and sorted(got.steps())[:2] == [0, 0]
+        return
+    with pytest.raises(ConfigError) as err:
+        faults.from_env({variable: value})
+    msg = str(err.value)
+    assert msg.startswith(f"{variable}={value}") and "set " + variable in msg and "\n" not in msg
+
+
 def _float_ranged_keys() -> list[str]:
-    return sorted(k for k, _, hint in schema._walk(schema.RunConfig)
+    return sorted(k for k, _, hint in schema.walk(schema.RunConfig)
                   if k in schema.RANGES and float in (typing.get_args(hint) or (hint,)))
 
 
@@ -206,12 +274,12 @@ def test_no_range_holds_nan_or_inf(compose, value):
         reads = schema.FIELDS[key].metadata["sources"]
         cfg = compose(*(["data=text", "data.path=x.txt"] if "text" in reads else []))
         with pytest.raises(ConfigError) as err:
-            config.validate(_with(cfg, **{key: value}))
+            validation.validate(_with(cfg, **{key: value}))
         assert str(err.value) == (f"{key}={value} is not a finite number; "
                                   f"{schema.RANGES[key].fix(key)}")
     for key in ("runtime.memory_gb", "runtime.peak_tflops"):  # unranged, checked by hand
         with pytest.raises(ConfigError, match=f"^{key}={value} must be a finite positive "):
-            config.validate(_with(compose(), **{key: value}))
+            validation.validate(_with(compose(), **{key: value}))
 
 
 def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
@@ -236,7 +304,7 @@ def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
                              (["data.batch_size=null", "data.per_device_batch_size=4096"],
                               "data.per_device_batch_size=4096 (a global batch of 32768)")]:
         cfg = cfg_factory(*overrides, "data.seq_len=65536", "model.max_seq_len=65536")
-        config.validate(cfg)
+        validation.validate(cfg)
         with pytest.raises(ConfigError) as err:
             make_plan(cfg, 8)
         key = given.partition("=")[0]
@@ -268,9 +336,9 @@ def test_nan_inf_and_overflowing_integers_are_one_line_at_the_cli(tmp_path, args
 
 
 def test_warmup_longer_than_training_warns(cfg_factory):
-    (w,) = config.config_warnings(cfg_factory("train.steps=10", "optimizer.warmup_steps=20"))
+    (w,) = validation.config_warnings(cfg_factory("train.steps=10", "optimizer.warmup_steps=20"))
     assert "optimizer.warmup_steps=20" in w and "train.steps=10" in w
-    assert config.config_warnings(cfg_factory("train.steps=100")) == []
+    assert validation.config_warnings(cfg_factory("train.steps=100")) == []
 
 
 def _prepared_dir(root: Path) -> Path:
@@ -297,7 +365,7 @@ def _prepared_dir(root: Path) -> Path:
 def test_a_data_key_the_source_does_not_read_is_refused(cfg_factory, tmp_path, overrides,
                                                         needle):
     with pytest.raises(ConfigError) as err:
-        config.validate(cfg_factory(*overrides(tmp_path)))
+        validation.validate(cfg_factory(*overrides(tmp_path)))
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
@@ -349,7 +417,7 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     assert cfg_factory().data.seq_len == 64
     for source, dtype in (("text", []), ("tokens", ["data.dtype=uint16"])):
         cfg = cfg_factory(f"data={source}", f"data.path={tmp_path}", "model=large", *dtype)
-        config.validate(cfg)
+        validation.validate(cfg)
         assert cfg.data.seq_len is None
         assert make_plan(cfg, 8, "cpu").seq_len == 64
         plan = make_plan(cfg, 8, "gpu")

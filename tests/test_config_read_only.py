@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 from omegaconf import OmegaConf
 
-from dxrun import config
+from dxrun import validation
 from dxrun.autotune import cache
 from dxrun.experiment import visible_devices
 from dxrun.plan.layout import Layout
@@ -23,7 +23,7 @@ def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, t
     # The per-device batch and data.seq_len=null: both resolved by the plan (4 replicas x 2).
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "parallelism=dp4_tp2",
                       "data.per_device_batch_size=2", "data.seq_len=null", "train.steps=2")
-    config.validate(cfg)
+    validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     prepared = prepare(cfg, tmp_path / "run")  # plan, data, resume check, preflight
     exp, plan = prepared.exp, prepared.plan
@@ -53,7 +53,7 @@ def test_parallelism_auto_trains_on_the_validated_config_its_plan_holding_the_la
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "parallelism=auto",
                       "parallelism.n_devices=2", "data.per_device_batch_size=2",
                       "data.seq_len=null", "train.steps=2")
-    config.validate(cfg)
+    validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     layout = Layout(1, 1, 2, "dots", 2)
     held = held_batch(cfg, *visible_devices())
@@ -95,7 +95,7 @@ def test_plan_mode_resolves_seq_len_and_the_layout_in_its_plan(cfg_factory, monk
                       "model.n_heads=1", "model.n_kv_heads=1",
                       "parallelism=auto", "parallelism.n_devices=2", "data.seq_len=null",
                       "plan.target=h100", "parallelism.search_budget=null")
-    config.validate(cfg)
+    validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
     decided = planned(cfg)
     plan = decided.plan

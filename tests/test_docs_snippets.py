@@ -3,8 +3,8 @@
 A snippet is a fenced ```python block or a `python -c '...'` command, in a fenced block (its
 newlines are the program's) or in an inline code span (which Markdown renders on one line). The
 snippets of the guide, the README and the tests page run in a subprocess from the checkout and
-must exit 0; BENCHMARKS.md's are benchmark runs of minutes each, so for them every `dxrun` name
-they import must exist (an import path that moved fails here, not in a reader's shell).
+must exit 0; BENCHMARKS.md's are benchmark runs of minutes each, so for them every `dxrun` or
+`benchmarks` name they import must exist (an import path that moved fails here, not in a reader's shell).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ RUN = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 IMPORT_ONLY = [ROOT / "BENCHMARKS.md"]
 FENCE = re.compile(r"^```(?P<lang>[^\n]*)\n(?P<body>.*?)^```$", re.M | re.S)
 SPAN = re.compile(r"(`+)(?P<code>.+?)\1", re.S)
+OURS = ("dxrun", "benchmarks")  # the package and the checkout's benchmarks
 COMMAND = re.compile(r"python3? -c (?P<q>['\"])(?P<code>.*?)(?P=q)", re.S)
 
 
@@ -66,12 +67,12 @@ def test_benchmark_snippet_imports_exist(code):
     if "…" in code:  # an elided call: only the text before the ellipsis is a program
         code = code.split("…")[0].rsplit(";", 1)[0]
     for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dxrun"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(OURS):
             module = importlib.import_module(node.module)
             for alias in node.names:
                 assert hasattr(module, alias.name) or importlib.util.find_spec(
                     f"{node.module}.{alias.name}"), f"{node.module} has no {alias.name}"
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("dxrun"):
+                if alias.name.startswith(OURS):
                     importlib.import_module(alias.name)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, Output, make_cfg, run_cli, subprocess_env
 
-from dxrun.checkpointing.checkpoint import committed_steps
+from dxrun.checkpointing.store import committed_steps
 from dxrun.multihost.launch import free_port
 from dxrun.train import train
 
@@ -386,8 +386,8 @@ def read_back(command: str) -> str:
 def test_the_resume_command_reads_back_as_its_run_dir(name):
     """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
     status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
-    from dxrun.checkpointing.preempt import relaunch_command
     from dxrun.multihost.launch import _STOP_LINE, clean_stop
+    from dxrun.run_dir import relaunch_command
 
     run_dir = f"/tmp/{name}/run"
     command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)
@@ -408,8 +408,8 @@ def test_a_run_in_an_awkward_dir_resumes_with_the_command_it_printed(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun", NO_CACHE, "logger=none", "runtime.cpu_devices=2",
          "parallelism=dp", "data.batch_size=8", "train.steps=4", "train.log_every=1",
-         "train.eval_every=0", "checkpoint.every=0", "train.hold_at_step=2",
-         f'hydra.run.dir="{hydra_quoted}"'], cwd=tmp_path, env=_env(), text=True,
+         "train.eval_every=0", "checkpoint.every=0", f'hydra.run.dir="{hydra_quoted}"'],
+        cwd=tmp_path, env={**_env(), "DXRUN_TEST_HOLD_AT_STEP": "2"}, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = Output(proc)
     out.wait_for(lambda line: "step 2/4" in line)  # held after step 2 until a SIGUSR1
@@ -422,11 +422,11 @@ def test_a_run_in_an_awkward_dir_resumes_with_the_command_it_printed(tmp_path):
     assert (status["status"], status["step"]) == ("stopped", 2), status
     assert f"Resume with: {status['relaunch']}" in text
     # The printed command as a user pastes it (this interpreter for "python"), without the
-    # hold: a later override wins.
+    # test's hold (an environment variable the printed command does not carry).
     program, _, rest = status["relaunch"].partition(" -m dxrun ")
     assert program == "python", status["relaunch"]
-    resumed = subprocess.run(f"{shlex.quote(sys.executable)} -m dxrun {rest} "
-                             "train.hold_at_step=0", shell=True, cwd=tmp_path, env=_env(),
+    resumed = subprocess.run(f"{shlex.quote(sys.executable)} -m dxrun {rest}",
+                             shell=True, cwd=tmp_path, env=_env(),
                              text=True, capture_output=True, timeout=300)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert f"resuming from step 2 (checkpoint {run_dir / 'checkpoints' / '2'})" in resumed.stdout

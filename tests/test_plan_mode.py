@@ -229,9 +229,9 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
     data.batch_size beside it would be refused), and accumulation keeps the update's size."""
     from omegaconf import OmegaConf
 
-    from dxrun.config import validate
     from dxrun.plan.estimate import candidates
     from dxrun.plan.mesh import make_plan
+    from dxrun.validation import validate
 
     cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")
     update = make_plan(cfg, 8).global_batch

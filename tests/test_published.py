@@ -1,8 +1,8 @@
-"""The published-runs planner (``python -m dxrun.bench --published``) on its smallest row."""
+"""The published-runs planner (``python -m benchmarks --published``) on its smallest row."""
 
 from __future__ import annotations
 
-from dxrun.bench import published
+from benchmarks import published
 
 
 def test_the_gpt2_124m_row_plans_and_gives_its_ratio(tmp_path):
@@ -14,7 +14,7 @@ def test_the_gpt2_124m_row_plans_and_gives_its_ratio(tmp_path):
                "date": "today"}
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\nkept\n")
-    rows = published.run(out, "python -m dxrun.bench --published --only 124M", machine, (run,))
+    rows = published.run(out, "python -m benchmarks --published --only 124M", machine, (run,))
     r = rows[0]
     assert r["published_tokens_per_s_per_gpu"] == 524_288 / 0.3 / 8
     assert r["ratio"] == r["estimated_tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"]

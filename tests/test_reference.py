@@ -1,4 +1,4 @@
-"""The docs' Reference (dxrun/reference.py) is complete: every config key, preset, metric, output
+"""The docs' Reference (docs/reference/) is complete: every config key, preset, metric, output
 key and command-line tool that exists in the code has its entry, and nothing stale stays."""
 
 import dataclasses
@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dxrun import reference, schema
+from docs import reference
+from docs.reference import keys as config_keys
+from docs.reference import outputs, tools
+from dxrun import schema
+from dxrun.tracking.metric_names import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +32,7 @@ def test_every_config_key_has_a_row_with_type_default_and_meaning(pages):
 
     in_schema = [k for s in dataclasses.fields(schema.RunConfig)
                  for k in keys_of(s.default_factory, s.name)]
-    keys = {k.key: k for k in reference.config_keys()}
+    keys = {k.key: k for k in config_keys.config_keys()}
     assert list(keys) == in_schema
     assert not [k for k, v in keys.items() if not v.meaning], "keys without a meaning: give " \
         "the field's key(...) in dxrun/schema.py one"
@@ -61,51 +65,51 @@ def test_every_preset_file_is_listed_with_what_it_sets(pages):
 
 
 def test_every_metric_the_code_logs_has_unit_and_reduction(pages):
-    in_code = reference.metric_names_in_code()
+    in_code = outputs.metric_names_in_code()
     assert {"train/loss", "perf/mfu", "eval/tokens", "train/skipped_steps"} <= in_code
-    assert in_code - set(reference.METRICS) == set(), "metrics without an entry in METRICS"
-    assert set(reference.METRICS) - in_code == set(), "METRICS lists a metric nothing logs"
-    for name, (unit, reduction, meaning) in reference.METRICS.items():
+    assert in_code - set(METRICS) == set(), "metrics without an entry in METRICS"
+    assert set(METRICS) - in_code == set(), "METRICS lists a metric nothing logs"
+    for name, (unit, reduction, meaning) in METRICS.items():
         assert unit and reduction and meaning
         assert f"| `{name}` | {unit} |" in pages["reference/outputs.md"]
 
 
 def test_every_output_key_is_documented(pages):
-    summary, status = reference.summary_keys(), reference.status_keys()
+    summary, status = outputs.summary_keys(), outputs.status_keys()
     assert {"n_params", "checkpoint_block_s", "**last"} <= set(summary)
     assert {"kind", "signal", "relaunch", "finished"} <= set(status)
-    assert not [k for k in summary if not reference.SUMMARY.get(k)], "summary.json keys"
-    assert not [k for k in status if not reference.STATUS.get(k)], "status.json keys"
-    assert not set(reference.SUMMARY) - set(summary) and not set(reference.STATUS) - set(status)
-    plan = reference.plan_keys()
+    assert not [k for k in summary if not outputs.SUMMARY.get(k)], "summary.json keys"
+    assert not [k for k in status if not outputs.STATUS.get(k)], "status.json keys"
+    assert not set(outputs.SUMMARY) - set(summary) and not set(outputs.STATUS) - set(status)
+    plan = outputs.plan_keys()
     assert {"dp", "fsdp", "tp", "global_batch", "padded_vocab", "mesh_shape", "per_device_batch",
             "plan_mode"} <= set(plan)
     text = pages["reference/outputs.md"]
-    for name in [*reference.RUN_FILES, *summary, *status, *plan]:
+    for name in [*outputs.RUN_FILES, *summary, *status, *plan]:
         assert f"| `{name}` |" in text
 
 
 def test_the_guides_run_dir_tree_names_every_file_the_reference_lists():
     tree = (ROOT / "docs/guide/outputs.md").read_text().split("```")[1]
     names = re.findall(r"── (\S+)", tree)
-    assert not [f for f in reference.RUN_FILES if f not in names], names
+    assert not [f for f in outputs.RUN_FILES if f not in names], names
 
 
 def test_every_tool_has_its_usage(pages):
-    assert reference.entry_points() == set(reference.TOOLS) | set(reference.INTERNAL)
+    assert tools.entry_points() == set(tools.TOOLS)
     text = pages["reference/tools.md"]
-    for tool in reference.TOOLS:
+    for tool in tools.TOOLS:
         assert f"## `python -m {tool}`" in text
-    launch = reference.tool_usage("dxrun.launch")
+    launch = tools.tool_usage("dxrun.launch")
     assert launch.startswith("usage: python -m dxrun.launch")
     assert all(o in launch for o in ("--nproc", "--devices-per-proc", "--hosts", "--grace"))
-    assert "--tokenizer" in reference.tool_usage("dxrun.data.prepare")
-    assert "--multirun" in reference.tool_usage("dxrun")
-    assert "max_new_tokens=64" in reference.tool_usage("dxrun.sample")
+    assert "--tokenizer" in tools.tool_usage("dxrun.data.prepare")
+    assert "--multirun" in tools.tool_usage("dxrun")
+    assert "max_new_tokens=64" in tools.tool_usage("dxrun.sample")
 
 
 def test_generating_the_reference_imports_no_jax():
-    code = ("import sys; from dxrun import reference; reference.pages(); reference.figures(); "
+    code = ("import sys; from docs import reference; reference.pages(); reference.figures(); "
             "assert 'jax' not in sys.modules, 'reference imported jax'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

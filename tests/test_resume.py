@@ -21,7 +21,19 @@ import numpy as np
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env, tree_digest, write_corpus, write_tokens
 
-from dxrun.checkpointing import checkpoint
+from dxrun.checkpointing.damage import is_a_given_up_read, is_damage, quiet_reads_that_finish_late
+from dxrun.checkpointing.resume import (
+    DATA_SOURCE,
+    MODEL_SHAPE,
+    VOCABULARY,
+    Resume,
+    check_compatible,
+    data_position,
+    locate,
+    newest_meta,
+    restore,
+)
+from dxrun.checkpointing.store import committed_steps, run_id
 from dxrun.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
 from dxrun.prepare import prepare
@@ -44,12 +56,12 @@ def shared(tmp_path_factory) -> dict:
     shared_dir, run_a = root / "ckpts", root / "A"
     train(make_cfg(*SHORT, f"checkpoint.dir={shared_dir}"), run_a)
     return {"root": root, "dir": shared_dir, "A": run_a,
-            "A_ckpts": shared_dir / checkpoint.run_id(run_a)}
+            "A_ckpts": shared_dir / run_id(run_a)}
 
 
 def test_shared_checkpoint_dir_keeps_each_runs_own(shared):
     a_ckpts = shared["A_ckpts"]
-    assert checkpoint.committed_steps(a_ckpts) == [1, 2, 3]
+    assert committed_steps(a_ckpts) == [1, 2, 3]
     before = tree_digest(a_ckpts)
     run_b = shared["root"] / "B"
     # Another run on the same checkpoint.dir, another lr, fewer kept: it starts fresh, trains
@@ -57,16 +69,16 @@ def test_shared_checkpoint_dir_keeps_each_runs_own(shared):
     train(make_cfg(*SHORT, f"checkpoint.dir={shared['dir']}", "optimizer.lr=0.001",
                    "checkpoint.keep=2"), run_b)
     assert _steps(run_b) == [1, 2, 3]
-    b_ckpts = shared["dir"] / checkpoint.run_id(run_b)
-    assert checkpoint.committed_steps(b_ckpts) == [2, 3]
+    b_ckpts = shared["dir"] / run_id(run_b)
+    assert committed_steps(b_ckpts) == [2, 3]
     assert tree_digest(a_ckpts) == before
     # Each checkpoint names its run; a run dir leads to its checkpoints (evaluate, warm starts).
     for run, ckpts in ((shared["A"], a_ckpts), (run_b, b_ckpts)):
-        found = checkpoint.locate(run)
+        found = locate(run)
         assert found.directory == ckpts
-        step, meta = checkpoint.newest_meta(found)
+        step, meta = newest_meta(found)
         assert step == 3 and meta["run_dir"] == str(run.resolve())
-        assert meta["run_id"] == checkpoint.run_id(run)
+        assert meta["run_id"] == run_id(run)
 
 
 # The README's list ("Refused, with one line naming both values, before anything is written"),
@@ -84,10 +96,9 @@ def test_every_listed_key_is_refused_on_resume(shared):
     """Each key the README lists as fixed, changed alone against run A's checkpoint: one
     ConfigError naming both values; prepare() (what a relaunch runs first) refuses before
     anything is written."""
-    assert set(REFUSED) == set(checkpoint.MODEL_SHAPE + checkpoint.VOCABULARY
-                               + checkpoint.DATA_SOURCE)  # the README's list is the code's
+    assert set(REFUSED) == set(MODEL_SHAPE + VOCABULARY + DATA_SOURCE)  # the README's list is the code's
     where = shared["A_ckpts"] / "3"
-    _, meta = checkpoint.newest_meta(checkpoint.locate(shared["A"]))
+    _, meta = newest_meta(locate(shared["A"]))
     now = make_cfg(*SHORT)
     for key, value in REFUSED.items():
         group, name = key.split(".")
@@ -96,7 +107,7 @@ def test_every_listed_key_is_refused_on_resume(shared):
         with pytest.raises(ConfigError,
                            match=f"^{key}=.* but checkpoint {re.escape(str(where))} was written with "
                                  f"{key}={then} .*resume with {key}={then}, or start fresh"):
-            checkpoint.check_compatible(now, saved, where)
+            check_compatible(now, saved, where)
     before = tree_digest(shared["root"])
     for change, says in [("model.tie_embeddings=true", "model.tie_embeddings=True but "),
                          ("data.seed=7", "data.seed=7 but "),
@@ -193,17 +204,17 @@ def test_only_damage_sets_a_checkpoint_aside(shared, tmp_path):
     sgd = Experiment.build(make_cfg(*SHORT, "optimizer=sgd")).abstract_state()
     before = tree_digest(ckpts)
     with pytest.raises(CheckpointReadError, match="is left as it is"):
-        checkpoint.restore(checkpoint.Resume(ckpts, None, in_place=True), sgd)
+        restore(Resume(ckpts, None, in_place=True), sgd)
     assert tree_digest(ckpts) == before
     # Truncated array files are damage: the one before, and the damaged one set aside.
     for f in (ckpts / "3" / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64:
             with open(f, "r+b") as fh:
                 fh.truncate(f.stat().st_size // 2)
-    state, _, step = checkpoint.restore(checkpoint.Resume(ckpts, None, in_place=True), target)
+    state, _, step = restore(Resume(ckpts, None, in_place=True), target)
     assert step == 2 and (ckpts / "3.corrupt").is_dir()
-    assert checkpoint.committed_steps(ckpts) == [1, 2]
-    assert not checkpoint.is_damage(MemoryError()) and not checkpoint.is_damage(OSError(5, "EIO"))
+    assert committed_steps(ckpts) == [1, 2]
+    assert not is_damage(MemoryError()) and not is_damage(OSError(5, "EIO"))
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +239,7 @@ def test_workers_and_batch_may_change_and_tokens_are_counted(corpus, tmp_path):
     assert rows[3]["data/tokens_seen"] == 3 * 8 * 16
     assert rows[4]["data/tokens_seen"] == 3 * 8 * 16 + 16 * 16
     assert rows[5]["data/tokens_seen"] == 3 * 8 * 16 + 2 * 16 * 16
-    _, meta = checkpoint.newest_meta(checkpoint.locate(run))
+    _, meta = newest_meta(locate(run))
     assert meta["data"] == {"next_index": 3 * 8 // 16 + 2}  # same tokens, then 2 batches
     assert meta["tokens_seen"] == rows[5]["data/tokens_seen"]
 
@@ -239,14 +250,14 @@ def test_grain_state_of_any_worker_count_resumes_the_same_position(corpus):
               "iterators_in_use_states": [{"next_index": 3}, {"next_index": 2}],
               "exhausted": [0, 0], "future_states": {}}  # mp_prefetch, 2 workers, 5 batches
     meta = {"data": nested, "config": {"data": {"batch_size": 8}}}
-    assert checkpoint.data_position(meta, 8) == {"next_index": 5}
-    assert checkpoint.data_position(meta, 16) == {"next_index": 2}
+    assert data_position(meta, 8) == {"next_index": 5}
+    assert data_position(meta, 16) == {"next_index": 2}
     from dxrun.data import Data
 
     want = Data(make_cfg(*_text(corpus))).local_batch(5)
     for workers in (0, 1):
         it = Data(make_cfg(*_text(corpus, f"data.workers={workers}"))).train_iterator()
-        it.set_state(checkpoint.data_position(meta, 8))
+        it.set_state(data_position(meta, 8))
         np.testing.assert_array_equal(next(it), want)
         assert it.get_state() == {"next_index": 6}
         it.close()
@@ -264,7 +275,7 @@ def test_a_corpus_run_resumes_at_its_readers_position(corpus, tmp_path, data):
            "checkpoint.every=2"]
     train(make_cfg(*run), tmp_path / "straight")
     step2 = tmp_path / "straight" / "checkpoints" / "2"
-    _, meta = checkpoint.newest_meta(checkpoint.Resume(step2.parent, 2, in_place=False))
+    _, meta = newest_meta(Resume(step2.parent, 2, in_place=False))
     assert meta["data"] == {"next_index": 2}  # the reader's position, in the checkpoint
     train(make_cfg(*run, f"checkpoint.resume={step2}"), tmp_path / "resumed")
     rows = {name: {r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl")
@@ -329,11 +340,11 @@ def test_damaged_meta_is_found_before_restore(shared, tmp_path):
     ckpts = tmp_path / "ckpts"
     shutil.copytree(shared["A_ckpts"], ckpts)
     (ckpts / "3" / "meta" / "metadata").write_text('{"trunc')
-    resume = checkpoint.Resume(ckpts, None, in_place=True)
-    step, _ = checkpoint.newest_meta(resume, check_state=True)
+    resume = Resume(ckpts, None, in_place=True)
+    step, _ = newest_meta(resume, check_state=True)
     assert step == 2 and resume.damaged == [3]
     exp = Experiment.build(make_cfg(*SHORT))
-    state, _, got = checkpoint.restore(resume, exp.abstract_state())
+    state, _, got = restore(resume, exp.abstract_state())
     assert got == 2 and (ckpts / "3.corrupt").is_dir()
     assert int(jax.device_get(state.step)) == 2
 
@@ -367,7 +378,7 @@ def test_processes_agree_on_a_step_one_of_them_cannot_read(tmp_path):
     assert "resuming from step 2" in out and "FileNotFoundError" not in out
     assert "Traceback" not in out, out[out.find("Traceback") - 2000:][:3000]  # one line says it
     assert (step3.parent / "3.corrupt").is_dir()
-    assert checkpoint.committed_steps(step3.parent) == [2, 3, 4]  # 3 saved anew, keep=3
+    assert committed_steps(step3.parent) == [2, 3, 4]  # 3 saved anew, keep=3
     assert _steps(tmp_path / "run") == [1, 2, 3, 4]
 
 
@@ -377,8 +388,6 @@ def test_a_given_up_orbax_read_is_not_reported_as_unraisable():
     came out of the restore first) raises its own failure again when collected: not reported.
     An unraisable exception raised anywhere else still is."""
     import types
-
-    from dxrun.checkpointing.checkpoint import is_a_given_up_read
 
     orbax_read: dict = {}  # a function whose frame is Orbax's serialization module
     exec(compile("def _read_array_index_and_device_put():\n    raise Exception('truncated')\n",
@@ -407,8 +416,6 @@ def test_a_given_up_orbax_read_is_not_logged_by_asyncio(caplog):
     import gc
     import logging
 
-    from dxrun.checkpointing.checkpoint import _quiet_reads_that_finish_late
-
     orbax_read: dict = {}
     exec(compile("async def _read_array_index_and_device_put():\n    raise Exception('cut')\n",
                  "/site-packages/orbax/checkpoint/_src/serialization/serialization.py", "exec"),
@@ -425,7 +432,7 @@ def test_a_given_up_orbax_read_is_not_logged_by_asyncio(caplog):
         gc.collect()
         loop.close()
 
-    _quiet_reads_that_finish_late()
+    quiet_reads_that_finish_late()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         never_awaited(orbax_read["_read_array_index_and_device_put"])
         assert not caplog.records
@@ -467,7 +474,7 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert json.loads((run / "status.json").read_text())["status"] == "ok"
     assert json.loads((run / "goodput.json").read_text())["attempts"][0]["first_step"] == 2
     assert (run / "checkpoints" / "3.corrupt").is_dir()
-    assert checkpoint.committed_steps(run / "checkpoints") == [3, 4, 5]
+    assert committed_steps(run / "checkpoints") == [3, 4, 5]
     # dxrun.evaluate appends to eval.json: a damaged one is set aside, not a crash.
     from dxrun.tools.evaluate import evaluate_checkpoint
 
@@ -492,7 +499,7 @@ def test_a_moved_run_dir_resumes_from_its_checkpoint_dir(tmp_path):
     assert prepared.resume.directory == own and prepared.resume.meta_step == 2
     train(prepared.exp.cfg, tmp_path / "B", prepared=prepared)
     assert _steps(tmp_path / "B") == [1, 2, 3]
-    assert list(ckpts.iterdir()) == [own] and checkpoint.committed_steps(own) == [1, 2, 3]
+    assert list(ckpts.iterdir()) == [own] and committed_steps(own) == [1, 2, 3]
     shutil.copytree(tmp_path / "B", tmp_path / "C")
     with pytest.raises(ConfigError, match=f"^checkpoints {re.escape(str(own))} belong to run "
                                           f"dir {re.escape(str((tmp_path / 'B').resolve()))}"):

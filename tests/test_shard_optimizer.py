@@ -12,8 +12,8 @@ from dxrun import plan_mode
 from dxrun import sharding as shd
 from dxrun.autotune.fit import accelerator_memory
 from dxrun.autotune.hlo import collectives
-from dxrun.checkpointing import checkpoint
-from dxrun.checkpointing.checkpoint import Checkpointer, Resume
+from dxrun.checkpointing.resume import Resume, restore
+from dxrun.checkpointing.store import Checkpointer
 from dxrun.experiment import Experiment
 from dxrun.plan import targets
 from dxrun.plan.targets import TARGETS
@@ -117,7 +117,7 @@ def test_default_follows_data_replicas():
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
         assert cfg.parallelism.shard_optimizer is None
-        assert shard_optimizer(cfg, make_plan(cfg, 8)) is want, mesh
+        assert shard_optimizer(cfg.parallelism, make_plan(cfg, 8)) is want, mesh
 
 
 def test_plan_mode_optimizer_bytes_follow_the_flag():
@@ -146,8 +146,7 @@ def test_checkpoint_restores_across_the_flag(dp8, tmp_path, saved_with):
     ckpt.save(STEPS, state, {"step": STEPS})
     ckpt.wait()
     ckpt.close()
-    got, _, step = checkpoint.restore(Resume(tmp_path, STEPS, in_place=False),
-                                      exp_into.abstract_state())
+    got, _, step = restore(Resume(tmp_path, STEPS, in_place=False), exp_into.abstract_state())
     assert step == STEPS
     want_shardings = jax.tree.leaves(exp_into.state_shardings.opt_state)
     for have, sharding in zip(jax.tree.leaves(got.opt_state), want_shardings, strict=True):

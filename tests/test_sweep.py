@@ -11,8 +11,9 @@ import pytest
 import yaml
 from conftest import CONF, ROOT, run_cli
 
-from dxrun.config import PRESETS, check_keys, preset_dir, validate
+from dxrun.config import PRESETS, check_keys, preset_dir
 from dxrun.tracking.wandb_file import read_run
+from dxrun.validation import validate
 
 QUICK = ("train.steps=3", "train.log_every=1")
 NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for
@@ -223,27 +224,28 @@ def test_report_cli_refuses_a_dir_without_jobs(tmp_path, where):
 @pytest.mark.e2e
 def test_failed_jobs_are_reported_and_the_others_finish(tmp_path):
     """Job 0 trains; job 1 is refused (range check); job 2 fails while training (the test-only
-    train.inject_error_at_step, the same on every host)."""
+    DXRUN_TEST_ERROR_AT_STEP after step 3, which job 0's two steps never reach; the same on
+    every host)."""
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "train.inject_error_at_step=0,-1,1", "train.steps=2",
-                   "train.eval_every=0", "logger=none", NO_SAVES, f"hydra.sweep.dir={sweep}",
-                   cwd=tmp_path)
+    proc = run_cli("-m", "train.steps=2,-1,4", "train.eval_every=0", "logger=none", NO_SAVES,
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                   env={"DXRUN_TEST_ERROR_AT_STEP": "3"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr  # 1: a job crashed
     last = proc.stderr.splitlines()[-1]
-    assert last.startswith("dxrun: error: 2 sweep job(s) failed: #1 (train.inject_error_at_step=-1 ")
-    assert "#2 (train.inject_error_at_step=1 " in last
+    assert last.startswith("dxrun: error: 2 sweep job(s) failed: #1 (train.steps=-1 ")
+    assert "#2 (train.steps=4 " in last
     ok, refused, crashed = _csv(sweep)
     assert ok["status"] == "ok" and _num(ok["train_loss"]) == json.loads(
         (sweep / "0" / "summary.json").read_text())["train/loss"]
     assert refused["status"] == "failed (refused)" and refused["log"] == ""
-    assert refused["reason"].startswith("train.inject_error_at_step=-1 is outside its range >= 0")
+    assert refused["reason"].startswith("train.steps=-1 is outside its range (0, 2^31)")
     assert crashed["status"] == "failed (crashed)"
-    assert crashed["reason"].startswith("RuntimeError: injected failure after step 1")
+    assert crashed["reason"].startswith("RuntimeError: injected failure after step 3")
     assert "Traceback (most recent call last)" in Path(crashed["log"]).read_text()
     assert crashed["log"] == str(sweep / "2" / "dxrun.log")
     md = (sweep / "report.md").read_text()
-    assert "3 jobs: 1 ok, 2 failed" in md and "- job 1 (refused): train.inject_error_at_step=-1" in md
-    assert "- job 2 (crashed): RuntimeError: injected failure after step 1" in md
+    assert "3 jobs: 1 ok, 2 failed" in md and "- job 1 (refused): train.steps=-1" in md
+    assert "- job 2 (crashed): RuntimeError: injected failure after step 3" in md
 
 
 # --- one process per job: submitit_local ---

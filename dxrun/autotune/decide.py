@@ -24,7 +24,7 @@ from dxrun.plan.run_plan import RunPlan, recorded, saved_config
 from dxrun.plan.targets import GB, plan_platform
 
 if TYPE_CHECKING:
-    from dxrun.checkpointing.checkpoint import Resume
+    from dxrun.checkpointing.resume import Resume
 
 log = logging.getLogger("dxrun")
 

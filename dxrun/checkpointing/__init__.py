@@ -1,3 +1,4 @@
-"""A run that survives: Orbax saves of the train state and resuming from them (``checkpoint``),
-a checkpoint restored where the vocabulary is padded differently (``vocab_padding``), and
+"""A run that survives: the Orbax store of its checkpoints (``store``), what counts as a damaged
+one (``damage``), resuming from them (``resume``), saving during the run (``saving``), a
+checkpoint restored where the vocabulary is padded differently (``vocab_padding``), and
 SIGTERM/SIGINT/SIGUSR1 turned into a save and a clean stop (``preempt``)."""

@@ -1,17 +1,15 @@
 """Preemption: signals turn into flags the train loop reads once per step.
 
 SIGTERM (what SLURM and Kubernetes send before killing a job) and SIGINT (Ctrl-C) ask the loop to
-finish its step, save, wait for the save to be committed and stop: exit code 0 for SIGTERM (a
-clean requeue point), 130 for SIGINT. A second SIGINT exits at once. SIGUSR1 (SLURM's
-``--signal`` warning) asks for a save and training goes on. A handler only sets a flag: the
+finish its step, save, wait for the save to be committed and stop (``errors.Stopped``, with the
+signal's exit code). A second SIGINT exits at once. SIGUSR1 (SLURM's ``--signal`` warning)
+asks for a save and training goes on. A handler only sets a flag: the
 loop acts between steps, so no device work is interrupted and nothing syncs per step.
 
 Outside the loop (from the launcher's start: the plan, the compile, the layout search, the
 init; and after the last step: the final commit, W&B's finish, the summary) there is no step
-to finish and nothing new to save: ``guard_signals``' handlers raise ``Interrupted`` for any of
-the three, which the launcher turns into one line and status ``stopped``. It derives from
-BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way (JAX's,
-Orbax's, W&B's, dxrun's own) takes it for an error of its own.
+to finish and nothing new to save: ``guard_signals``' handlers raise ``errors.Interrupted`` for
+any of the three, which the launcher turns into one line and status ``stopped``.
 """
 
 from __future__ import annotations
@@ -19,80 +17,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
-import shlex
 import signal
 import sys
 import threading
 from types import FrameType
 from typing import Any
 
+from dxrun.errors import EXIT_CODES, Interrupted
+
 log = logging.getLogger("dxrun")
 
-# SIGUSR1 stops a run only outside the loop (its scheduler's warning: the end is near), as
-# SIGTERM does.
-EXIT_CODES = {"SIGTERM": 0, "SIGINT": 130, "SIGUSR1": 0}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-class Stopped(Exception):  # noqa: N818 - a normal outcome, not an error
-    """The run stopped on a signal after committing ``checkpoint``; exit with ``code``;
-    ``relaunch`` is the command that resumes it."""
-
-    def __init__(self, signal_name: str, step: int, checkpoint: Any = None,
-                 relaunch: str | None = None):
-        super().__init__(f"stopped by {signal_name} at step {step}")
-        self.signal_name, self.step, self.code = signal_name, step, EXIT_CODES[signal_name]
-        self.checkpoint, self.relaunch = checkpoint, relaunch
-
-
-def hydra_value(text: str) -> str:
-    """``text`` written as the value of a Hydra override that reads back as ``text``: as it
-    is where Hydra's grammar takes it unchanged as a string, else double-quoted. Inside the
-    quotes Hydra unescapes only backslashes before a quote (so a quote gets one, and a run of
-    backslashes before a quote or the end is doubled); OmegaConf would still resolve ``${``,
-    so it is escaped too. ``=``, quotes, spaces, commas and non-ASCII need the quotes."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if "${" not in text:
-        try:
-            if OverridesParser.create().parse_override(f"k={text}").value() == text:
-                return text
-        except Exception:  # noqa: BLE001 - Hydra's grammar refused it: quote it
-            pass
-    body = re.sub(r'(\\*)"', lambda m: m[1] * 2 + '\\"', text)
-    body = re.sub(r"(\\+)$", lambda m: m[1] * 2, body).replace("${", "\\${")
-    return f'"{body}"'
-
-
-def relaunch_command(overrides: list[str], run_dir: Any, program: str = "python -m dxrun"
-                     ) -> str:
-    """The command that resumes a stopped run in place: its overrides (Hydra's task
-    overrides, which leave out ``hydra.*``, each as the user wrote it) and its run dir (a path,
-    written for Hydra by ``hydra_value``), quoted for a POSIX shell."""
-    kept = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-    run_dir_override = f"hydra.run.dir={hydra_value(str(run_dir))}"
-    return " ".join([program, *map(shlex.quote, kept), shlex.quote(run_dir_override)])
-
-
-def run_dir_of(command: str) -> str | None:
-    """The run dir a ``relaunch_command`` resumes in, read from its ``hydra.run.dir=`` word as
-    the shell, Hydra and OmegaConf (which undoes the escaped ``${``) read it; None without."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
-    word = next((w for w in shlex.split(command) if w.startswith("hydra.run.dir=")), None)
-    if word is None:
-        return None
-    return OmegaConf.create({"dir": OverridesParser.create().parse_override(word).value()}).dir
-
-
-class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, an outcome
-    """A signal outside the train loop stopped the run ``when`` (``Signals.phase``)."""
-
-    def __init__(self, signal_name: str, when: str):
-        super().__init__(f"stopped by {signal_name} {when}")
-        self.signal_name, self.when, self.code = signal_name, when, EXIT_CODES[signal_name]
 
 
 class Signals:
@@ -116,7 +51,7 @@ class Signals:
         if self.stopping is not None and not self.redeliver:
             if signum == signal.SIGINT:
                 os.write(2, b"dxrun: second SIGINT: exiting now\n")
-                os._exit(130)
+                os._exit(EXIT_CODES["SIGINT"])
             return
         self.stopping, self.redeliver = name, False
         raise Interrupted(name, self.phase)
@@ -180,7 +115,7 @@ class Preemption:
             # The user insists: no save, no cleanup. Committed checkpoints are complete; a save
             # in flight stays in its tmp dir, never taken for a finished one.
             os.write(2, b"dxrun: second SIGINT: exiting now without saving\n")
-            os._exit(130)
+            os._exit(EXIT_CODES["SIGINT"])
         if self.stop is None:
             self.stop = SIGNALS.stopping = name  # the shutdown after the loop: no second stop
             # Logging from a signal handler can deadlock on the handler's lock; write directly.

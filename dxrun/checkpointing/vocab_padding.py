@@ -9,7 +9,7 @@ logits are masked and their gradients are zero, so every padding row of a checkp
 and the real rows always come first.
 
 Only that difference is read this way. The callers have already refused a checkpoint of another
-model shape or vocabulary (``checkpoint.check_compatible``, ``load``); any other shape
+model shape or vocabulary (``resume.check_compatible``, ``load``); any other shape
 difference is read strictly and fails as before.
 """
 

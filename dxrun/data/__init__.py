@@ -13,11 +13,15 @@ training split.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
+from dxrun.plan.batch import default_seq_len
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
 __all__ = ["EVAL", "TRAIN", "Data", "BatchIterator", "build_data"]
 
@@ -52,7 +56,7 @@ class _MarkovIterator:
 class Data:
     """One data source for one process: ``process_index`` of ``process_count`` reads its rows."""
 
-    def __init__(self, cfg: Any, process_index: int = 0, process_count: int = 1,
+    def __init__(self, cfg: RunConfig, process_index: int = 0, process_count: int = 1,
                  batch_size: int | None = None, seq_len: int | None = None):
         """``batch_size`` and ``seq_len``: the run's global batch and window (``plan.global_batch``,
         ``plan.seq_len``); None: ``data.batch_size``, and ``data.seq_len`` or for null this
@@ -60,8 +64,6 @@ class Data:
         d = cfg.data
         if seq_len is None:  # no plan: data.seq_len, or for null this backend's default
             import jax
-
-            from dxrun.plan.batch import default_seq_len
 
             seq_len = default_seq_len(d.seq_len, cfg.model.max_seq_len, jax.default_backend())
         batch_size = d.batch_size if batch_size is None else batch_size
@@ -81,11 +83,11 @@ class Data:
             self.description = (f"order {d.order}, {self.markov.S} symbols "
                                 f"(entropy floor {self.entropy_floor:.4f} nats/token)")
             return
-        from dxrun.data import corpus, pipeline
+        from dxrun.data import corpus, pipeline  # grain: for corpora only
 
         loaded = corpus.load_text(d) if d.name == "text" else corpus.load_tokens(d)
-        corpus.check_fits(loaded, cfg, seq_len)
-        if warning := corpus.vocab_warning(loaded, cfg):
+        corpus.check_fits(loaded, d, cfg.model, seq_len)
+        if warning := corpus.vocab_warning(loaded, cfg.model):
             log.warning(warning)
         self.vocab_size, self.description = loaded.vocab_size, loaded.description
         self.has_eval = len(loaded.val) >= seq_len + 1
@@ -115,11 +117,11 @@ class Data:
     def train_iterator(self) -> BatchIterator:
         if self.kind == "markov":
             return _MarkovIterator(self, TRAIN)
-        from dxrun.data.pipeline import GrainBatches
+        from dxrun.data.pipeline import GrainBatches  # grain: for corpora only
 
         return GrainBatches(self._splits[TRAIN], self.workers)
 
 
-def build_data(cfg: Any, process_index: int = 0, process_count: int = 1,
+def build_data(cfg: RunConfig, process_index: int = 0, process_count: int = 1,
                batch_size: int | None = None, seq_len: int | None = None) -> Data:
     return Data(cfg, process_index, process_count, batch_size, seq_len)

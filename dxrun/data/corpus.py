@@ -15,11 +15,14 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dxrun.errors import ConfigError, first_line
+
+if TYPE_CHECKING:
+    from dxrun.schema import DataConfig, ModelConfig
 
 BYTE_VOCAB = 256
 BYTE_EOT = 0  # NUL never occurs in UTF-8 text, so it can separate documents
@@ -190,7 +193,7 @@ def split(tokens: Any, val_fraction: float) -> tuple[Any, Any]:
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 
-def load_text(d: Any) -> Corpus:
+def load_text(d: DataConfig) -> Corpus:
     tokenizer = Tokenizer(d.tokenizer)
     tokens = encode_files(text_files(d.path), tokenizer)
     train, val = split(tokens, d.val_fraction)
@@ -220,7 +223,7 @@ def read_meta(meta_path: Path, path: Any) -> dict[str, Any]:
 BYTES = "bytes"  # meta.json's "tokenizer" for byte-level tokens (prepare without --tokenizer)
 
 
-def recorded_tokenizer(d: Any) -> tuple[bool, str | None]:
+def recorded_tokenizer(d: DataConfig) -> tuple[bool, str | None]:
     """The tokenizer a token dir's ``meta.json`` names, as ``data.tokenizer`` would give it:
     (True, None) for bytes, (True, path) for a tokenizer.json still there, (False, None) when the
     dir records none (files written by other tools) or the file is gone: ids only then."""
@@ -236,7 +239,7 @@ def recorded_tokenizer(d: Any) -> tuple[bool, str | None]:
     return False, None
 
 
-def load_tokens(d: Any) -> Corpus:
+def load_tokens(d: DataConfig) -> Corpus:
     """``train.bin`` / ``val.bin`` in ``data.path`` (nanoGPT layout), read as ``data.dtype``
     (meta.json's, required: ``config.no_token_dtype``). The vocabulary comes from
     ``meta.json``; the largest id from a scan of the files, never from meta.json's ``max_id``:
@@ -278,10 +281,10 @@ def load_tokens(d: Any) -> Corpus:
                   f"{len(train):,} train + {len(val):,} val tokens ({d.dtype})", top, where)
 
 
-def vocab_warning(corpus: Corpus, cfg: Any) -> str | None:
-    """A model vocabulary far beyond the data's (more than 2x and more than 1,024 over) runs,
-    but spends its output layer on ids that never occur: say so once."""
-    m, v = cfg.model, corpus.vocab_size
+def vocab_warning(corpus: Corpus, m: ModelConfig) -> str | None:
+    """A model vocabulary far beyond the data's (more than twice and more than 1,024 over)
+    runs, but spends its output layer on ids that never occur: say so once."""
+    v = corpus.vocab_size
     if not (m.vocab_size > 2 * v and m.vocab_size > v + 1024):
         return None
     unused = (m.vocab_size - v) * m.d_model * (1 if m.tie_embeddings else 2)
@@ -290,10 +293,9 @@ def vocab_warning(corpus: Corpus, cfg: Any) -> str | None:
             f"(or model.vocab_size={v}) to train the model the data needs")
 
 
-def check_fits(corpus: Corpus, cfg: Any, seq_len: int) -> None:
-    """Vocabulary and window (``seq_len``: the run's) checks against the model, before anything
-    compiles."""
-    d, m = cfg.data, cfg.model
+def check_fits(corpus: Corpus, d: DataConfig, m: ModelConfig, seq_len: int) -> None:
+    """Vocabulary and window (``seq_len``: the run's) checks of the data ``d`` against the model
+    ``m``, before anything compiles."""
     top = corpus.max_id
     if top >= m.vocab_size:
         where = f" {corpus.max_id_in} holds" if corpus.max_id_in else ""

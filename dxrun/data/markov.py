@@ -17,7 +17,7 @@ import numpy as np
 from dxrun.errors import ConfigError
 
 TRAIN, EVAL = 0, 1  # independent streams of the same chain
-MAX_TABLE_BYTES = 2 * 2**30  # refuse chains whose tables need more (config.validate)
+MAX_TABLE_BYTES = 2 * 2**30  # refuse chains whose tables need more (validation.validate)
 
 
 def table_bytes(symbols: int, order: int, branching: int) -> int:

@@ -11,8 +11,7 @@ is copied to ``val.bin`` and cut off the end of the temporary file, which become
 The outputs appear only when everything succeeded; a failure leaves the out dir as it was.
 
 Each document is the tokenizer's ids *without* its special tokens (HF ``add_special_tokens=False``:
-no BOS/CLS/SEP from the tokenizer's post-processor) followed by one end-of-text token
-(``<|endoftext|>``/``</s>``/... if the tokenizer has one; byte 0 for bytes).
+no BOS/CLS/SEP) followed by one end-of-text token (``<|endoftext|>``/``</s>``/...; byte 0 for bytes).
 """
 
 from __future__ import annotations

@@ -2,20 +2,13 @@
 by the scheduler (SLURM's ``srun``), by ``python -m dxrun.launch`` or by hand.
 
 Which processes make one run is decided before JAX touches a device (``join``), from
-``distributed.mode``:
-
-- ``auto`` (default): join when the environment says this process is one of several: SLURM's
-  variables of an ``srun`` step with more than one task, or ``JAX_COORDINATOR_ADDRESS`` with
-  ``JAX_NUM_PROCESSES`` > 1 and ``JAX_PROCESS_ID`` (what ``dxrun.launch`` sets); otherwise stay
-  one process.
-- ``off``: always one process.
-- ``manual``: ``distributed.coordinator`` / ``num_processes`` / ``process_id``.
-
-The processes are grouped by host (``process_hosts``: hostnames exchanged once through the
-key-value store, ``DXRUN_HOSTNAME`` to override) so the plan keeps tensor groups inside a host
-however many processes it runs. On CPU the cross-process collectives go through gloo, so a
-multi-process run works on one laptop over loopback. ``detect`` is pure (it reads a given
-environment), so every branch is tested without a cluster.
+``distributed.mode``: ``auto`` (default) joins when the environment says this process is one
+of several (an ``srun`` step with more than one task, or what ``dxrun.launch`` sets), ``off``
+stays one process, ``manual`` reads ``distributed.coordinator`` / ``num_processes`` /
+``process_id``. ``detect`` is pure (it reads a given environment), so every branch is tested
+without a cluster. The processes are grouped by host (``process_hosts``) so the plan keeps
+tensor groups inside a host. On CPU the cross-process collectives go through gloo, so a
+multi-process run works on one laptop over loopback.
 """
 
 from __future__ import annotations
@@ -25,12 +18,17 @@ import logging
 import os
 import re
 import socket
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError, first_line
 from dxrun.runtime import gpus_excluded
+
+if TYPE_CHECKING:
+    from dxrun.schema import DistributedConfig
 
 log = logging.getLogger("dxrun")
 
@@ -139,7 +137,7 @@ def check_address(key: str, address: str) -> None:
                           "with its port, e.g. host0:12345")
 
 
-def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
+def detect(dist: DistributedConfig, env: Mapping[str, str]) -> Join | None:
     """This process's place in a multi-process run per ``distributed`` and ``env``; None for
     a single-process run. Raises ConfigError (key, value, fix)."""
     ids = tuple(dist.local_device_ids) if dist.local_device_ids is not None else None
@@ -147,7 +145,7 @@ def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
         return None
     if dist.mode == "manual":
         missing = [k for k in ("coordinator", "num_processes", "process_id")
-                   if dist[k] is None]
+                   if getattr(dist, k) is None]
         if missing:
             raise ConfigError(
                 f"distributed.mode=manual needs {', '.join('distributed.' + k for k in missing)}"
@@ -180,7 +178,7 @@ def detect(dist: Any, env: Mapping[str, str]) -> Join | None:
     return None
 
 
-def join(dist: Any, env: Mapping[str, str] | None = None) -> Join | None:
+def join(dist: DistributedConfig, env: Mapping[str, str] | None = None) -> Join | None:
     """Start JAX's distributed runtime if this process is one of several. Call before anything
     touches a JAX device; a second call (the next job of a multirun) does nothing."""
     import jax
@@ -227,9 +225,6 @@ def join(dist: Any, env: Mapping[str, str] | None = None) -> Join | None:
 
 def reachable(address: str, timeout_s: float) -> bool:
     """Whether something listens at ``host:port`` within ``timeout_s`` (retrying)."""
-    import socket
-    import time
-
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -245,8 +240,6 @@ def reachable(address: str, timeout_s: float) -> bool:
 def is_main() -> bool:
     """Process 0 (or the only process): the one that writes the run's shared files (config,
     plan, metrics, summary, status, report, W&B). Never starts a JAX backend to find out."""
-    import sys
-
     if "jax" not in sys.modules:
         return True
     import jax

@@ -3,25 +3,12 @@ processes of one run, joined through JAX's distributed runtime over loopback.
 
 For development, tests and one node with several processes (one per GPU group). Each process
 is ``python -m dxrun <overrides>`` with the coordinator variables ``distributed.mode=auto``
-reads (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). On a GPU host
-each process gets its own GPUs through ``CUDA_VISIBLE_DEVICES`` (the visible GPUs divided over
-the processes, or ``-K`` each; an existing ``CUDA_VISIBLE_DEVICES`` is divided, not replaced),
-so no two processes share a GPU or preallocate each other's memory; without GPUs ``-K`` gives
-each process K simulated CPU devices (``runtime.cpu_devices=K``). ``--hosts H`` declares the
-processes to be on H hosts (``DXRUN_HOSTNAME``) so one machine rehearses a multi-node layout.
-Their output comes prefixed with the rank;
-SIGINT, SIGTERM and SIGUSR1 are passed on to every process (which run outside the
-terminal's process group, so a Ctrl-C reaches each once). When such a stop ends every process
-cleanly (checkpoint committed), the launcher says so with the resume command and exits with the
-stop's code (0 for SIGTERM, 130 for SIGINT); otherwise the exit code is the first non-zero one a
-process returned (a process killed by signal S counts as 128+S), else 0.
-
-One run lives and dies as one: a process killed by a signal has the launcher kill the others at
-once (they cannot go on without it), one that exits with an error gives them ``--grace`` seconds
-to end by themselves first, and the run's status.json says ``failed`` if no process could. The
-processes die with the launcher, however it dies (Linux: the kernel's parent-death signal). A
-``--port`` in use is refused before any process starts. On several nodes use SLURM instead
-(docs/guide/multi-node.md).
+reads, its own GPUs (``gpu_slices``) or K simulated CPU devices, and its output prefixed with
+its rank. Signals are passed on to every process; a stop that ends every rank cleanly exits with
+the stop's code (``errors.EXIT_CODES``) and the resume command, otherwise with the first
+non-zero code a process returned (killed by signal S: 128+S). One run lives and dies as one
+(``stop_delay``), and its processes die with the launcher (``die_with_launcher``). On several
+nodes use SLURM instead (docs/guide/multi-node.md, which tells the whole story).
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from dxrun.checkpointing.preempt import EXIT_CODES, relaunch_command, run_dir_of
+from dxrun.errors import EXIT_CODES, EXIT_REFUSED, FAILED, RUNNING
 from dxrun.multihost.distributed import (
     COORDINATOR,
     CUDA_VISIBLE,
@@ -53,6 +40,7 @@ from dxrun.multihost.distributed import (
     PROCESS_ID,
     visible_gpus,
 )
+from dxrun.run_dir import relaunch_command, run_dir_of
 from dxrun.runtime import DEVICE_COUNT_FLAG, STATUS, write_status
 
 
@@ -251,10 +239,10 @@ def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
         status = json.loads((run_dir / STATUS).read_text())
     except (OSError, ValueError):
         return
-    if status.get("status") != "running":
+    if status.get("status") != RUNNING:
         return  # a process said how the run ended
     log = run_dir / f"dxrun.{rank}.log"
-    write_status(run_dir, "failed", kind="crashed", reason=reason,
+    write_status(run_dir, FAILED, kind="crashed", reason=reason,
                  log=str(log) if log.is_file() else None,
                  **{k: status[k] for k in ("job", "overrides") if k in status})
 
@@ -270,10 +258,10 @@ def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None
         slices = gpu_slices(gpus, nproc, devices_per_proc) if gpus else [None] * nproc
     except ValueError as e:
         print(f"dxrun.launch: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_REFUSED
     if port and (why := port_refusal(port)):
         print(f"dxrun.launch: error: {why}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_REFUSED
     port = port or free_port()
     if devices_per_proc:
         overrides = [*overrides, f"runtime.cpu_devices={devices_per_proc}"]

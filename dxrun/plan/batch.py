@@ -1,35 +1,25 @@
 """The global batch and the learning rate that goes with it: pure, no JAX.
 
 A run gives its batch one of two ways. ``data.batch_size`` is the global batch of one optimizer
-update (all devices together). ``data.per_device_batch_size=B`` is what one data replica (a
-group of ``tp`` devices) computes at once, so the global batch grows with the mesh:
-``B x dp x fsdp x train.grad_accum`` (the scaling rule of "keep the per-device batch, add
-devices"). Hydra cannot tell a default from a value the user typed, so ``data.batch_size``
-defaults to ``${default_batch:${data.per_device_batch_size}}``: 32 when no per-device batch is
-given, null when one is; a ``data.batch_size`` that is not null beside a per-device batch was set
-on purpose and is refused (``check_batch_keys``).
+update (all devices together). ``data.per_device_batch_size=B`` is what one data replica
+computes at once, so the global batch grows with the mesh: ``B x dp x fsdp x
+train.grad_accum``. Hydra cannot tell a default from a value the user typed, so
+``data.batch_size`` defaults to ``${default_batch:${data.per_device_batch_size}}``: 32 when no
+per-device batch is given, null when one is; a ``data.batch_size`` beside a per-device batch
+was set on purpose and is refused (``check_batch_keys``).
 
-The sequence length is the batch's other dimension. ``data.seq_len: null`` (the default of the
-real-data presets, ``data=text`` and ``data=tokens``) is the model's context on an accelerator
-and 64 on CPU (``default_seq_len``): 64-token windows keep the CPU run quick, and on a GPU they
-would leave it launch- and all-reduce-bound (model=large: 512 tokens per GPU per step).
+``data.seq_len: null`` (the real-data presets' default) is the model's context on an
+accelerator and 64 on CPU (``default_seq_len``), where short windows keep the run quick.
 """
-
 from __future__ import annotations
 
 import math
 from typing import Any
 
 from dxrun.errors import ConfigError
+from dxrun.schema import GLOBAL, PER_DEVICE
 
-DEFAULT_BATCH = 32
 CPU_SEQ_LEN = 64  # data.seq_len=null on CPU (capped by model.max_seq_len)
-GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
-
-
-def default_batch(per_device: Any) -> int | None:
-    """The ``default_batch`` resolver behind ``data.batch_size``'s default."""
-    return DEFAULT_BATCH if per_device is None else None
 
 
 def check_batch_keys(data: Any) -> None:

@@ -4,17 +4,14 @@ FLOPs per token of one training step (forward + backward = 3 x forward):
 
     flops/token = 6 * N + 12 * n_layers * d_model * seq_len
 
-* ``N``: the parameters that are matmul weights: all parameters but the embedding lookups
-  (``wte``, ``wpe``); with tied embeddings the table is also the output projection, so it is
-  counted once, as that matmul.
+* ``N``: the matmul weights: all parameters but the embedding lookups (``wte``, ``wpe``); a
+  tied table is also the output projection, so it is counted once, as that matmul.
 * ``12 * n_layers * d_model * seq_len``: the attention scores ``Q K^T`` and the weighted sum
-  ``P V``, 2 FLOPs per multiply-add, each ``seq_len x d_model`` per token per layer, forward
-  and backward. The causal mask is applied to a full ``seq_len x seq_len`` score matrix, which
-  is the work the device does, so it is counted in full and once (no recomputation counted).
+  ``P V``, forward and backward, over the full ``seq_len x seq_len`` score matrix the device
+  computes under the causal mask (no recomputation counted).
 
 MFU = achieved model FLOP/s per device / the device's dense peak for the run's precision.
 """
-
 from __future__ import annotations
 
 import re

@@ -108,7 +108,7 @@ COST: dict[str, Cost] = {
                  "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
 }
 
-# What the estimate row says of its basis: set from the last `python -m dxrun.bench
+# What the estimate row says of its basis: set from the last `python -m benchmarks
 # --published` (BENCHMARKS.md, "Plan mode vs published GPU runs").
 ESTIMATE_BASIS = {"calibrated_on": 2, "validated_on": 2, "within_pct": 5}
 
@@ -312,5 +312,6 @@ def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> 
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
         params_per_device=params_per_device, precision=cfg.train.precision,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-        updated_per_device=params_per_device / plan.dp if shard_optimizer(cfg, plan) else None,
-        loss_chunk=loss_chunk_for(cfg, plan), remat=plan.remat)
+        updated_per_device=(params_per_device / plan.dp
+                            if shard_optimizer(cfg.parallelism, plan) else None),
+        loss_chunk=loss_chunk_for(cfg.model, plan), remat=plan.remat)

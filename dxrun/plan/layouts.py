@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from dxrun import faults
 from dxrun.errors import ConfigError
 from dxrun.plan.layout import Layout
 from dxrun.plan.mesh import make_plan
@@ -154,7 +155,7 @@ def train_budget(cfg: Any) -> int:
     run whose first steps the search trained writes what one that did not would."""
     t, every = cfg.train, cfg.checkpoint.every
     points = [t.steps, t.log_every, t.eval_every, 100 if every is None else every,
-              t.profile.start, t.inject_nan_at_step, t.hold_at_step, t.inject_error_at_step]
+              t.profile.start, *faults.from_env().steps()]
     return min(p for p in points if p and p > 0) - 1
 
 

@@ -3,9 +3,13 @@ the config check before JAX starts, the memory model and the step (``dxrun.chunk
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dxrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dxrun.plan.mesh import MeshPlan
+    from dxrun.schema import ModelConfig
 
 AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
 
@@ -37,10 +41,10 @@ def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -
     return max(fits, default=1)
 
 
-def loss_chunk_for(cfg: Any, plan: Any) -> int:
-    """``resolve_loss_chunk`` for ``cfg`` on ``plan``'s mesh: one micro-batch's rows per
+def loss_chunk_for(m: ModelConfig, plan: MeshPlan) -> int:
+    """``resolve_loss_chunk`` for the model ``m`` on ``plan``'s mesh: one micro-batch's rows per
     device and the vocabulary's padded rows per tensor-parallel device."""
     rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * plan.grad_accum))
-    vocab = (plan.padded_vocab or cfg.model.vocab_size) // plan.tp
+    vocab = (plan.padded_vocab or m.vocab_size) // plan.tp
     # The plan's sequence length: data.seq_len may still be null (the platform's default) here.
-    return resolve_loss_chunk(cfg.model.loss_chunk, rows, plan.seq_len, vocab)
+    return resolve_loss_chunk(m.loss_chunk, rows, plan.seq_len, vocab)

@@ -76,7 +76,7 @@ def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
         vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
         mlp=m.mlp, bias=bool(m.bias), remat=plan.remat, kernel=kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
-        loss_chunk=loss_chunk_for(cfg, plan))
+        loss_chunk=loss_chunk_for(m, plan))
 
 
 def layer_none(x: Shapes) -> dict[str, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError
 from dxrun.plan.batch import (
@@ -24,6 +24,9 @@ from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.vocab import padded_vocab, vocab_align
 from dxrun.schema import INT32
+
+if TYPE_CHECKING:
+    from dxrun.schema import ParallelismConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -375,9 +378,9 @@ def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 
     )
 
 
-def shard_optimizer(cfg: Any, plan: MeshPlan) -> bool:
+def shard_optimizer(p: ParallelismConfig, plan: MeshPlan) -> bool:
     """ZeRO-1 on? ``parallelism.shard_optimizer``; null = when there are data replicas."""
-    value = cfg.parallelism.get("shard_optimizer")
+    value = p.get("shard_optimizer")
     return plan.dp > 1 if value is None else bool(value)
 
 

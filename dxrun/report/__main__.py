@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from dxrun.errors import ConfigError
+from dxrun.report.collect import tally
+from dxrun.report.table import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,15 +20,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also upload the plots and table to the jobs' W&B group")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from dxrun.report.table import write_report
-
     try:
         jobs = write_report(args.sweep_dir, upload=args.wandb)
     except ConfigError as e:
         print(f"dxrun.report: error: {e}", file=sys.stderr)
         return 2
-    from dxrun.report.collect import tally
-
     print(f"{len(jobs)} jobs ({tally(jobs)}): "
           f"{args.sweep_dir / 'report.md'}, report.csv and plots")
     return 0

@@ -11,6 +11,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from dxrun.multihost.distributed import is_main
+from dxrun.report.collect import tally
+from dxrun.report.table import write_report
 
 log = logging.getLogger("dxrun")
 
@@ -30,11 +32,7 @@ class SweepReport(Callback):
             return  # process 0 of a multi-process sweep writes the one report
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
-            from dxrun.report.table import write_report
-
             jobs = write_report(sweep_dir, upload=True)
-            from dxrun.report.collect import tally
-
             log.info("sweep report (%s): %s", tally(jobs), sweep_dir / "report.md")
         except Exception as e:  # noqa: BLE001 - a report problem must not fail the sweep
             log.warning("sweep report not written (%s); retry with: python -m dxrun.report %s",

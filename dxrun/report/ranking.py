@@ -28,7 +28,7 @@ class LayoutRun:
     ``devices`` and ``mem_bytes_per_device`` from a job; ``parallelism=auto`` can fill the same
     from its timed steps (``windows`` = tokens per step / each step's seconds) and add its
     roofline estimate (``estimated_ms``) and, for a candidate it did not time, why
-    (``excluded``: "does not fit: 31.2 of 18.3 GiB")."""
+    (``excluded``: "does not fit: <need> of <have> GiB")."""
 
     layout: str  # dp4_tp2, as the parallelism presets are named (plus remat/accum if they vary)
     windows: tuple[float, ...] = ()  # tokens/s of each post-compile window; () = not measured
@@ -108,8 +108,8 @@ def rank_layouts(runs: list[LayoutRun]) -> list[Ranked]:
 
 
 def verdict(ranked: list[Ranked], where: str) -> str:
-    """One sentence on a ranking: ``fastest at batch 64: dp4_tp2, 1.12× dp8, beyond the
-    spread``, or ``at batch 64: not distinguishable: dp4_tp2 1.02× dp8, spreads overlap``
+    """One sentence on a ranking: ``fastest at batch 64: dp4_tp2, <ratio>× dp8, beyond the
+    spread``, or ``at batch 64: not distinguishable: dp4_tp2 <ratio>× dp8, spreads overlap``
     (``where``: "at batch 64")."""
     measured = [r for r in ranked if r.rank is not None]
     if not measured:

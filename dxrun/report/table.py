@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dxrun.errors import ConfigError
+from dxrun.report import plots as plotting
 from dxrun.report.collect import (
     STRONG,
     WEAK,
@@ -24,6 +25,7 @@ from dxrun.report.collect import (
     tally,
     varying,
 )
+from dxrun.report.publish import upload_report
 from dxrun.report.ranking import Ranked, rank_layouts, ranking_table, verdict
 
 log = logging.getLogger("dxrun")
@@ -172,8 +174,6 @@ def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
     """Write report.md, report.csv and the plots into ``sweep_dir``; with ``upload`` also to
     the sweep's W&B group when its jobs logged to W&B. Raises ConfigError for a dir that
     holds no jobs."""
-    from dxrun.report import plots as plotting
-
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise ConfigError(f"{sweep_dir} is not a directory; give a multirun dir, e.g. "
@@ -210,7 +210,5 @@ def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
     (sweep_dir / "report.md").write_text(markdown(sweep_dir, jobs, table, pngs, extra,
                                                   rankings(jobs)))
     if upload:
-        from dxrun.report.publish import upload_report
-
         upload_report(sweep_dir, jobs, table, pngs)
     return jobs

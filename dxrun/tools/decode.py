@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.model import Attention, reference_attention
+from dxrun.attention import Attention, reference_attention
 from dxrun.sharding import in_mesh_context
 
 NEG = jnp.finfo(jnp.float32).min

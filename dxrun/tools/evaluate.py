@@ -2,21 +2,16 @@
 checkpoint on held-out data, on any mesh.
 
 The newest committed checkpoint (or the step dir given) is restored onto the mesh of the run's
-``parallelism`` or of the overrides (``parallelism=tp2``, ``runtime.cpu_devices=4``) and
-evaluated by the training loop's own evaluation (``attempt.evaluate``, the same jitted step) on
-the held-out split's first ``eval.batches`` batches — the ones the in-training evaluation
-uses, so on the same mesh its numbers are bitwise the run's ``eval/*`` of that step — or on
-another source given as overrides (``data.path=...``, ``data=tokens data.path=...``).
-``eval.batches=all`` takes every full batch of one pass over the held-out windows (a corpus's
-split; the markov stream is endless and is refused).
+``parallelism`` or the overrides' (``parallelism=tp2``) and scored by the loop's own evaluation
+on the held-out split's first ``eval.batches`` batches (on the same mesh: bitwise the run's
+``eval/*`` of that step), or on another source (``data.path=...``). ``eval.batches=all``: every
+full batch of one pass over the held-out windows (a corpus's; the markov stream is refused).
 
-The result is printed, appended to ``eval.json`` in the run dir given (the path, or the run dir
-around the checkpoints dir or step dir given; a list: one record per evaluation; no training
-file is touched) and, when the run logged to W&B (and ``logger`` is not ``none``), logged to
-that same W&B run as ``eval/...`` at the checkpoint's step. Never in a run dir the checkpoint
-records: a copied run's result would land in the original. A checkpoint outside a run dir (in a
-shared ``checkpoint.dir``) gets its result printed only: give the run dir, whose
-``checkpoints.txt`` leads to it, to record it.
+The result is printed, appended to ``eval.json`` in the run dir given (or around the checkpoints
+or step dir given; no training file touched) and, when the run logged to W&B (and ``logger`` is
+not ``none``), to that W&B run as ``eval/...`` at the checkpoint's step. Never in a run dir the
+checkpoint records (a copied run's would land in the original); a checkpoint outside a run dir
+(a shared ``checkpoint.dir``) gets its result printed only: give the run dir to record it.
 """
 
 from __future__ import annotations
@@ -24,44 +19,52 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dxrun.bookkeeping import read_json
+from dxrun.data import EVAL
 from dxrun.errors import ConfigError
-from dxrun.tools.load import Loaded, load
+from dxrun.runtime import write_json
+from dxrun.tools.load import Loaded, load, split_args
+from dxrun.tracking.logger import open_wandb
+
+if TYPE_CHECKING:
+    from dxrun.data import Data
+    from dxrun.schema import DataConfig
 
 log = logging.getLogger("dxrun")
 
 ALL = "eval.batches=all"
 
 
-def batch_count(cfg: Any, data: Any, all_batches: bool) -> int:
-    """``eval.batches``, or with ``all`` every full global batch of the held-out windows."""
+def batch_count(d: DataConfig, batches: int, data: Data, all_batches: bool) -> int:
+    """``batches`` (``eval.batches``), or with ``all`` every full global batch of the held-out
+    windows of the run's data ``d`` (read by ``data``)."""
     if not data.has_eval:
-        raise ConfigError(f"data.path={cfg.data.path}: the held-out split is shorter than one "
-                          f"window (data.seq_len+1={cfg.data.seq_len + 1} tokens); evaluate on "
+        raise ConfigError(f"data.path={d.path}: the held-out split is shorter than one "
+                          f"window (data.seq_len+1={d.seq_len + 1} tokens); evaluate on "
                           "other data (data.path=...) or raise data.val_fraction")
     if not all_batches:
-        return cfg.eval.batches
+        return batches
     if data.eval_windows is None:
-        raise ConfigError(f"{ALL}: data={cfg.data.name} has an endless held-out stream; give a "
+        raise ConfigError(f"{ALL}: data={d.name} has an endless held-out stream; give a "
                           "number, e.g. eval.batches=16")
-    n = data.eval_windows // cfg.data.batch_size
+    n = data.eval_windows // d.batch_size
     if n == 0:
         raise ConfigError(f"{ALL}: the held-out split has {data.eval_windows} windows, fewer "
-                          f"than one batch of data.batch_size={cfg.data.batch_size}; lower "
+                          f"than one batch of data.batch_size={d.batch_size}; lower "
                           "data.batch_size")
     return n
 
 
 def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     """Evaluate, write ``eval.json``, log to W&B; return the record."""
-    from dxrun.attempt import evaluate
-    from dxrun.data import EVAL
+    from dxrun.attempt import evaluate  # imports JAX
 
     all_batches = ALL in overrides
     loaded = load(path, [o for o in overrides if o != ALL], key="path")
     cfg, exp = loaded.cfg, loaded.exp
-    n = batch_count(cfg, exp.data, all_batches)
+    n = batch_count(cfg.data, cfg.eval.batches, exp.data, all_batches)
     t0 = time.perf_counter()
     metrics = evaluate(exp, loaded.params, (exp.batch(k, EVAL) for k in range(n)))
     metrics["eval/tokens"] = n * cfg.data.batch_size * cfg.data.seq_len
@@ -88,9 +91,6 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
-    from dxrun.bookkeeping import read_json
-    from dxrun.runtime import write_json
-
     # A damaged eval.json is set aside (eval.json.damaged): the new record is not lost to it.
     records = read_json(path, lambda x: isinstance(x, list)) or []
     write_json(path, [*records, record])
@@ -101,8 +101,6 @@ def _log_wandb(loaded: Loaded, run_dir: Path, metrics: dict[str, float]) -> None
     run_id = loaded.ckpt_meta.get("wandb_id")
     if loaded.cfg.logger.name != "wandb" or not run_id:
         return
-    from dxrun.tracking.logger import open_wandb
-
     run = open_wandb(run_dir, loaded.cfg.logger, None, None, None, None, run_id)
     if run is None:
         return
@@ -115,8 +113,6 @@ def _log_wandb(loaded: Loaded, run_dir: Path, metrics: dict[str, float]) -> None
 
 
 def run(argv: list[str]) -> None:
-    from dxrun.tools.load import split_args
-
     path, _, overrides = split_args("evaluate", argv, {})
     r = evaluate_checkpoint(path, overrides)
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())

@@ -3,16 +3,15 @@ temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations from a ch
 
 Text runs encode the prompt and decode the continuation with the run's own tokenizer (bytes or
 its ``tokenizer.json``); a continuation ends at the first end-of-text token. So do
-``data=tokens`` runs whose token dir's ``meta.json`` names its tokenizer (``dxrun.data.prepare``
-writes it). Markov runs (and token dirs that name none) take and print token ids; for markov
-data the share of generated tokens the chain allows after their context is printed too: a
-direct check that the model learned the chain. Without a prompt, a markov sample starts from
-the first ``data.order`` tokens of a held-out sequence (a different one per sample) and a text
-sample from the end-of-text token (a document start).
+``data=tokens`` runs whose ``meta.json`` names its tokenizer (``dxrun.data.prepare`` writes it).
+Markov runs (and token dirs that name none) take and print token ids; markov runs also print the
+share of generated tokens the chain allows after their context (did the model learn the chain).
+Without a prompt, a markov sample starts from the first ``data.order`` tokens of a held-out
+sequence (a different one per sample) and a text sample from the end-of-text token.
 
-Decoding is ``dxrun.tools.decode``: one jitted program with a key/value cache. It runs on one device
-unless a ``parallelism`` override names a mesh (``parallelism=tp2``: the model split over 2
-devices); ``n`` must then divide over the mesh's data-parallel replicas.
+Decoding is ``dxrun.tools.decode``: one jitted program with a key/value cache, on one device unless
+a ``parallelism`` override names a mesh (``parallelism=tp2``: the model split over 2 devices);
+``n`` must then divide over the mesh's data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -20,12 +19,17 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dxrun.data import EVAL, Data
+from dxrun.data.corpus import Tokenizer, recorded_tokenizer
 from dxrun.errors import ConfigError
-from dxrun.tools.load import load, split_args
+from dxrun.tools.load import Loaded, load, split_args
+
+if TYPE_CHECKING:
+    from dxrun.schema import DataConfig, RunConfig
 
 log = logging.getLogger("dxrun")
 
@@ -71,19 +75,15 @@ def _ids(prompt: str, limit: int, what: str) -> list[int]:
     return ids
 
 
-def prompt_tokens(cfg: Any, prompt: str, n: int, chain: Any = None
+def prompt_tokens(d: DataConfig, vocab_size: int, prompt: str, n: int, chain: Any = None
                   ) -> tuple[np.ndarray, Any]:
-    """The prompt as ``n x P`` ids, and the tokenizer (None: the run's tokens print as ids).
-    ``chain``: the markov source of a markov run."""
-    d = cfg.data
+    """The prompt as ``n x P`` ids, and the tokenizer (None: the run's tokens print as ids),
+    for the run's data ``d`` and ``model.vocab_size``. ``chain``: the markov source of a markov
+    run."""
     if chain is not None:
-        from dxrun.data import EVAL
-
         if prompt:
             return np.tile(_ids(prompt, chain.S, "markov"), (n, 1)), None
         return chain.batch(0, EVAL)[:n, :d.order], None  # held-out starts: real contexts
-    from dxrun.data.corpus import Tokenizer, recorded_tokenizer
-
     path, name = d.tokenizer, f"data.tokenizer={d.tokenizer}"
     if d.name == "tokens":  # text in and out when the token dir's meta.json names its tokenizer
         known, path = recorded_tokenizer(d)
@@ -93,7 +93,7 @@ def prompt_tokens(cfg: Any, prompt: str, n: int, chain: Any = None
                 raise ConfigError(f"prompt is empty; data.path={d.path} records no tokenizer "
                                   "(meta.json), so this run takes token ids, e.g. "
                                   "prompt='464 2068'")
-            return np.tile(_ids(prompt, cfg.model.vocab_size, "data=tokens"), (n, 1)), None
+            return np.tile(_ids(prompt, vocab_size, "data=tokens"), (n, 1)), None
     tok = Tokenizer(path)
     if bad := tok.unencodable(prompt):
         name = "bytes (UTF-8)" if path is None else name
@@ -108,12 +108,12 @@ def prompt_tokens(cfg: Any, prompt: str, n: int, chain: Any = None
     return np.tile(np.asarray(ids, np.int32), (n, 1)), tok
 
 
-def make_decoder(loaded: Any, prompt_len: int, new_tokens: int, sampling: Any) -> Any:
+def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any) -> Any:
     """``dxrun.tools.decode``'s generate for a loaded run, in the run's compute dtype
     (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
     the weight traffic per token); the logits stay fp32."""
-    from dxrun.step import COMPUTE_DTYPES
-    from dxrun.tools.decode import make_generate
+    from dxrun.step import COMPUTE_DTYPES  # imports JAX
+    from dxrun.tools.decode import make_generate  # imports JAX
 
     cfg, exp = loaded.cfg, loaded.exp
     m = cfg.model
@@ -125,14 +125,14 @@ def make_decoder(loaded: Any, prompt_len: int, new_tokens: int, sampling: Any) -
 def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Generate; return the tokens (``n x T``), the prompt length, the printable samples and,
     for markov data, (allowed, total) generated transitions."""
-    from dxrun.tools.decode import Sampling
+    from dxrun.tools.decode import Sampling  # imports JAX
 
     check_options(options)
     n, new = options["n"], options["max_new_tokens"]
     if not any(o.startswith("parallelism") for o in overrides):
         overrides = ["parallelism=dp1", *overrides]  # a few sequences: one device is plenty
 
-    def as_batch(cfg: Any) -> None:  # the plan checks the n sequences split over replicas
+    def as_batch(cfg: RunConfig) -> None:  # the plan checks the n sequences split over replicas
         cfg.data.batch_size, cfg.data.per_device_batch_size, cfg.train.grad_accum = n, None, 1
 
     try:
@@ -149,10 +149,8 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
         raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
                           f"{cfg.model.vocab_size}, or top_k=0 for no cut")
-    from dxrun.data import Data
-
     chain = Data(cfg).markov if cfg.data.name == "markov" else None
-    prompt_BxP, tok = prompt_tokens(cfg, options["prompt"], n, chain)
+    prompt_BxP, tok = prompt_tokens(cfg.data, cfg.model.vocab_size, options["prompt"], n, chain)
     P, limit = prompt_BxP.shape[1], cfg.model.max_seq_len
     if P + new > limit:
         raise ConfigError(f"max_new_tokens={new} after a {P}-token prompt needs {P + new} "

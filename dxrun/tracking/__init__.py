@@ -1,5 +1,6 @@
 """What a run measures and reports: the log window's timing (``step_timer``) and where the wall
-time went (``goodput``), a logged row's numbers (``metrics_row``), the one metrics path to
-``metrics.jsonl`` and W&B (``logger``), the progress on the terminal (``console``), the end's
-``summary.json`` (``run_summary``), an offline W&B run read back (``wandb_file``) and the W&B
-workspace (``dashboard`` + ``dashboard.yaml``; the command stays ``python -m dxrun.dashboard``)."""
+time went (``goodput``), a logged row's numbers (``metrics_row``), every metric's name, unit
+and meaning (``metric_names``), the one metrics path to ``metrics.jsonl`` and W&B
+(``logger``), the progress on the terminal (``console``), the end's ``summary.json``
+(``run_summary``), an offline W&B run read back (``wandb_file``) and the W&B workspace
+(``dashboard`` + ``dashboard.yaml``; the command stays ``python -m dxrun.dashboard``)."""

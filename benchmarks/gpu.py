@@ -8,18 +8,18 @@ estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the a
 model of ``dxrun/plan/gpu_cost.py`` (the GPU program's FLOPs, fused attention and fused elementwise
 traffic; the CPU compile only for the collectives).
 
-    python -m dxrun.bench --gpu        # on a machine with an NVIDIA GPU: measured
+    python -m benchmarks --gpu        # on a machine with an NVIDIA GPU: measured
 """
 
 from __future__ import annotations
 
 import jax
 
+from benchmarks.report import Figure, figure
+from benchmarks.speed import compose_cfg, dxrun_runner
+from benchmarks.timing import interleaved
 from dxrun import plan_mode
 from dxrun.autotune.fit import NoData
-from dxrun.bench.report import Figure, figure
-from dxrun.bench.speed import compose_cfg, dxrun_runner
-from dxrun.bench.timing import interleaved
 from dxrun.experiment import Experiment
 from dxrun.plan import flops
 

@@ -15,7 +15,7 @@ from typing import Any
 def markers(key: str) -> tuple[str, str]:
     """The comments around one generated section (``suite``; ``gpu``, ``auto``, ``torch`` for
     ``--gpu``, ``--auto``, ``--torch``)."""
-    return f"<!-- dxrun.bench {key}: begin -->", f"<!-- dxrun.bench {key}: end -->"
+    return f"<!-- benchmarks {key}: begin -->", f"<!-- benchmarks {key}: end -->"
 
 
 @dataclass
@@ -95,7 +95,7 @@ def replace_section(md_path: Path, key: str, section: str) -> None:
     if begin in text and end in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text,
                       flags=re.S)
-    elif m := re.search(r"^(## |<!-- dxrun\.bench \w+: begin -->)", text, re.M):
+    elif m := re.search(r"^(## |<!-- benchmarks \w+: begin -->)", text, re.M):
         # never between another section's begin marker and its heading
         text = f"{text[:m.start()]}{section}\n\n{text[m.start():]}"
     else:

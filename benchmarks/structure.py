@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 
+from benchmarks.report import Figure, figure
 from dxrun.autotune import hlo
-from dxrun.bench.report import Figure, figure
 from dxrun.experiment import Experiment
 
 COLLECTIVE_LAYOUTS = ("dp8", "dp4_tp2", "fsdp8")

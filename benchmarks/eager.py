@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from dxrun.bench.report import Figure, figure
+from benchmarks.report import Figure, figure
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SECTION = "One CPU device: dxrun vs a PyTorch eager loop"
 # nanoGPT's CPU recipe (4 layers, d_model 128, 4 heads, d_ff 512, seq 64, batch 12, no bias),
 # tied embeddings, fp32, AdamW; vocab 64, which BENCHMARKS.md's figures were taken at (the markov
@@ -78,14 +78,14 @@ def torch_argv(cfg: Any) -> list[str]:
 
 
 def serve(devices: int, overrides: list[str], warmup: int) -> None:
-    """A dxrun worker (``python -m dxrun.bench.eager DEVICES OVERRIDES_JSON WARMUP``): the
+    """A dxrun worker (``python -m benchmarks.eager DEVICES OVERRIDES_JSON WARMUP``): the
     step of ``overrides`` in a process with ``devices`` CPU devices, serving stdin."""
     from dxrun.runtime import simulate_cpu_devices
 
     simulate_cpu_devices(devices)  # before JAX starts
     import jax
 
-    from dxrun.bench.speed import _rows, compose_cfg
+    from benchmarks.speed import _rows, compose_cfg
     from dxrun.experiment import Experiment
 
     exp = Experiment.build(compose_cfg(*overrides))
@@ -144,14 +144,14 @@ def rounds(workers: dict[str, Worker], steps: int, reps: int) -> dict[str, list[
 
 def figures(torch_python: str, steps: int = 100, reps: int = 5, warmup: int = 20,
             shape: list[str] | None = None) -> list[Figure]:
-    from dxrun.bench.speed import compose_cfg
+    from benchmarks.speed import compose_cfg
 
     shape = SHAPE if shape is None else shape
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [torch_python, *torch_argv(compose_cfg(*shape)), f"--warmup={warmup}"]
     workers = {"torch": Worker(argv, env), "torch_1thread": Worker([*argv, "--threads=1"], env)}
     for name, devices in VARIANTS.items():
-        workers[name] = Worker([sys.executable, "-m", "dxrun.bench.eager", str(devices),
+        workers[name] = Worker([sys.executable, "-m", "benchmarks.eager", str(devices),
                                 json.dumps(shape), str(warmup)], env)
     try:
         lines = rounds(workers, steps, reps)

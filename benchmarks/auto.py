@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from dxrun.bench.report import Figure, figure
+from benchmarks.report import Figure, figure
 
 SECTION = "parallelism=auto vs the best layout measured (8 simulated CPU devices)"
 # (name, overrides, global batches): tiny and small at a short sequence (tiny at the vocabulary
@@ -28,9 +28,9 @@ QUICK_CASES = [("tiny", ["model=tiny", "model.n_layers=1", "data.seq_len=16"], (
 def case(name: str, shape: list[str], batch: int, rounds: int, command: str
          ) -> tuple[Figure, bool]:
     """(the choice / best figure, whether the roofline's first choice was the measured best)."""
+    from benchmarks.speed import compose_cfg
     from dxrun.autotune.search import search
     from dxrun.autotune.timing import Handover, time_layouts
-    from dxrun.bench.speed import compose_cfg
     from dxrun.experiment import visible_devices
     from dxrun.plan.layouts import chosen_layout, rows_of
     from dxrun.plan.mesh import held_batch

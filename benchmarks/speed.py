@@ -17,9 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from dxrun.bench import reference
-from dxrun.bench.report import Figure, figure
-from dxrun.bench.timing import interleaved
+from benchmarks import reference
+from benchmarks.report import Figure, figure
+from benchmarks.timing import interleaved
 from dxrun.experiment import Experiment
 
 LAYOUTS = ("dp1", "dp8", "dp4_tp2", "fsdp8")
@@ -140,7 +140,7 @@ def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8",
     os.environ["WANDB_SILENT"] = "true"  # the suite's own output stays readable
     logging.getLogger("dxrun").setLevel(logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="dxrun-bench-"))
-    if not jax.config.jax_compilation_cache_dir:  # (python -m dxrun.bench sets one)
+    if not jax.config.jax_compilation_cache_dir:  # (python -m benchmarks sets one)
         enable_compile_cache(str(tmp / "cache"))  # each train() builds its step anew
     loop = compose_cfg(*shape, f"parallelism={layout}", f"logger={logger}",
                        "train.log_every=10", "train.eval_every=0", "checkpoint.every=0",

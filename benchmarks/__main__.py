@@ -1,16 +1,16 @@
-"""``python -m dxrun.bench``: run the suite, write its section of BENCHMARKS.md and the JSON.
+"""``python -m benchmarks``: run the suite, write its section of BENCHMARKS.md and the JSON.
 
-The full suite takes 25-30 minutes on the 2-core development machine (24.7 on 2026-12-03);
-``--quick`` (under two minutes; CI runs it) times a smaller model with fewer steps, and skips
+The full suite takes tens of minutes on a small CPU host (its time: BENCHMARKS.md);
+``--quick`` (CI runs it) times a smaller model with fewer steps, and skips
 the allocator figure, the plan-mode roofline and the existing compile and checkpoint
 benchmarks, whose figures stay in the file as they are. ``--gpu`` runs the GPU figures only
 (on a machine with an NVIDIA GPU).
 ``--auto`` times ``parallelism=auto``'s choice against every layout that fits (the "auto vs
 best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the published GPU
-runs of ``dxrun/bench/published.py`` (shapes only, minutes on 2 cores) and writes the "Plan
+runs of ``benchmarks/published.py`` (shapes only) and writes the "Plan
 mode vs published GPU runs" section. ``--torch PYTHON`` times dxrun's one-device step against a
 PyTorch eager loop of the same model run by ``PYTHON`` (a Python with torch: the "One CPU device"
-section; ``dxrun/bench/eager.py``).
+section; ``benchmarks/eager.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dxrun.runtime import simulate_cpu_devices
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # The suite's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
 # 16, fp32, AdamW lr 3e-4 wd 0.1 clip 1.0, GPT-2 block, learned positions, tied embeddings.
 SHAPE = ["model=tiny", "model.n_layers=4", "model.d_model=256", "model.d_ff=1024",
@@ -46,7 +46,7 @@ EXTERNAL = {
 
 def external(section: str, argv: list[str]):
     """Run one of benchmarks/*.py and keep each printed ratio line as a figure."""
-    from dxrun.bench.report import figure
+    from benchmarks.report import figure
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
@@ -66,7 +66,7 @@ def external(section: str, argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m dxrun.bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="CI's run: under two minutes")
     ap.add_argument("--gpu", action="store_true", help="the GPU figures (needs an NVIDIA GPU)")
     ap.add_argument("--published", action="store_true",
@@ -93,11 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     # after the compiling one, so the cache changes no figure.
     enable_compile_cache(tempfile.mkdtemp(prefix="dxrun-bench-cache-"))
 
-    from dxrun.bench import allocator, gpu, speed, structure
-    from dxrun.bench.report import OtherLoad, Report, load_average, write
+    from benchmarks import allocator, gpu, speed, structure
+    from benchmarks.report import OtherLoad, Report, load_average, write
     from dxrun.experiment import Experiment
 
-    command = "python -m dxrun.bench" + "".join(
+    command = "python -m benchmarks" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     machine = {"device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
                "platform": jax.default_backend(), "jax": jax.__version__,
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                "date": datetime.date.today().isoformat()}
     others = OtherLoad()
     if args.published:
-        from dxrun.bench import published
+        from benchmarks import published
 
         runs = tuple(r for r in published.RUNS if not args.only or args.only in r.name)
         rows = published.run(Path(args.out), command, machine, runs)
@@ -128,11 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpu:
         add(gpu.measured())
     elif args.torch:
-        from dxrun.bench import eager
+        from benchmarks import eager
 
         add(eager.figures(args.torch, args.steps, args.rounds))
     elif args.auto:
-        from dxrun.bench import auto
+        from benchmarks import auto
 
         add(auto.figures(args.quick, command, only=args.only))
     else:

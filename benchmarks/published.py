@@ -1,4 +1,4 @@
-"""Plan mode against published GPU training runs (``python -m dxrun.bench --published``).
+"""Plan mode against published GPU training runs (``python -m benchmarks --published``).
 
 Each run below is planned from shapes alone on 8 simulated CPU devices with its published mesh,
 batch, sequence length, precision, recomputation, accumulation and hardware (``plan.target``),
@@ -97,9 +97,9 @@ RUNS: tuple[Run, ...] = (
 
 def plan_run(run: Run) -> dict[str, Any]:
     """Plan one run (shapes only) and hold its estimate against the published figure."""
+    from benchmarks.speed import compose_cfg
     from dxrun import plan_mode
     from dxrun.autotune.fit import NoData
-    from dxrun.bench.speed import compose_cfg
     from dxrun.experiment import Experiment
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
@@ -146,7 +146,7 @@ def basis(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) -> str:
-    from dxrun.bench.report import markers
+    from benchmarks.report import markers
 
     begin, end = markers("published")
     b = basis(rows)
@@ -192,7 +192,7 @@ def run(out: Path, command: str, machine: dict[str, Any], runs: tuple[Run, ...] 
     (BENCHMARKS.published.json); returns the rows."""
     import sys
 
-    from dxrun.bench.report import replace_section
+    from benchmarks.report import replace_section
 
     rows = []
     for r in runs:

@@ -2,7 +2,7 @@
 every step (``runtime.reuse_freed_memory``), with and without the setting.
 
 The setting must be made before JAX starts its threads, so each variant is its own process
-(``python -m dxrun.bench.allocator default|reuse SHAPE_JSON LAYOUTS STEPS``, printing JSON);
+(``python -m benchmarks.allocator default|reuse SHAPE_JSON LAYOUTS STEPS``, printing JSON);
 the processes alternate, default and reuse, once per repetition.
 """
 
@@ -13,8 +13,11 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
-from dxrun.bench.report import Figure, figure
+from benchmarks.report import Figure, figure
+
+ROOT = Path(__file__).resolve().parents[1]  # the workers import benchmarks from there
 
 LAYOUTS = ("dp1", "dp8")
 
@@ -25,8 +28,8 @@ def child(mode: str, shape: list[str], layouts: list[str], steps: int) -> dict:
         from dxrun.runtime import reuse_freed_memory
 
         assert reuse_freed_memory(), "not a CPU-only glibc host"
-    from dxrun.bench import speed
-    from dxrun.bench.timing import interleaved
+    from benchmarks import speed
+    from benchmarks.timing import interleaved
     from dxrun.experiment import Experiment
 
     variants = {layout: speed.runners(Experiment.build(
@@ -41,9 +44,9 @@ def figures(shape: list[str], steps: int, reps: int,
     for _ in range(reps):
         for mode in runs:
             out = subprocess.run(
-                [sys.executable, "-m", "dxrun.bench.allocator", mode, json.dumps(shape),
-                 ",".join(layouts), str(steps)], env=env, capture_output=True, text=True,
-                check=True).stdout
+                [sys.executable, "-m", "benchmarks.allocator", mode, json.dumps(shape),
+                 ",".join(layouts), str(steps)], cwd=ROOT, env=env, capture_output=True,
+                text=True, check=True).stdout
             runs[mode].append(json.loads(out.strip().splitlines()[-1]))
 
     def med(mode: str, layout: str, key: str) -> float:

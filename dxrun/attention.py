@@ -1,0 +1,133 @@
+"""Causal multi-head / grouped-query attention, and rotary positions (``model.pos=rope``).
+
+q, k, v are column-parallel (heads on ``tensor``), the output projection row-parallel. The fused
+kernel is chosen for the devices the step runs on (``dxrun.attention_kernel``); the written-out
+``reference_attention`` is what it is tested against. Shapes are in the names (the legend is in
+``dxrun.model``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
+from dxrun.layers import add_bias, dense, param, zeros
+from dxrun.plan.attention import attention_implementation
+
+if TYPE_CHECKING:
+    from dxrun.schema import ModelConfig
+
+
+def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0) -> jax.Array:
+    """Rotary position embedding, rotate-half convention (Llama), for positions ``start``,
+    ``start + 1``, ... (decoding with a key/value cache passes the first new position)."""
+    L, E = x_BxLxNxE.shape[1], x_BxLxNxE.shape[-1]
+    freq_E2 = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
+    pos_L = (jnp.arange(L) + start).astype(jnp.float32)
+    ang_LxE2 = pos_L[:, None] * freq_E2[None, :]
+    cos, sin = jnp.cos(ang_LxE2)[None, :, None, :], jnp.sin(ang_LxE2)[None, :, None, :]
+    x = x_BxLxNxE.astype(jnp.float32)
+    x1, x2 = x[..., : E // 2], x[..., E // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxE.dtype)
+
+
+def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
+                        mask_LxS: jax.Array | None = None) -> jax.Array:
+    """Attention written out (``model.attention=reference``): what the fused kernel is tested
+    against. Causal (L = S) unless ``mask_LxS`` says which keys each query sees (decoding
+    against a key/value cache)."""
+    B, L, H, E = q_BxLxHxE.shape
+    K = k_BxSxKxE.shape[2]
+    # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
+    # stay aligned with their kv heads (n_kv_heads % tp == 0 is checked by the plan).
+    q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
+    # Scores and softmax in fp32 for stability under bf16 compute.
+    s_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
+                             preferred_element_type=jnp.float32) * E**-0.5
+    if mask_LxS is None:
+        mask_LxS = jnp.tril(jnp.ones((L, L), bool))
+    s_BxKxGxLxS = jnp.where(mask_LxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
+    o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxS, v_BxSxKxE)
+    o_BxLxHxE = o_BxLxKxGxE.reshape(B, L, H, E)
+    return o_BxLxHxE
+
+
+class Attention(nnx.Module):
+    """Causal multi-head / grouped-query attention. q, k, v are column-parallel (heads on
+    ``tensor``), the output projection row-parallel: each device keeps whole heads.
+    ``target``: the devices it runs on, which decide the fused kernel (``attention_kernel``)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET):
+        D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        E, std = D // H, cfg.init_std
+        self.H, self.K, self.E = H, K, E
+        self.pos, self.theta, self.impl = cfg.pos, cfg.rope_theta, cfg.attention
+        self.target = target
+        self.wq = param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
+        self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+        # GPT-2 scales residual-branch outputs by depth at init.
+        self.wo = param(rngs, (H, E, D), ("heads", "head_dim", "embed"),
+                         std / (2 * cfg.n_layers) ** 0.5)
+        if cfg.bias:
+            self.bq = zeros((H, E), ("heads", "head_dim"))
+            self.bk = zeros((K, E), ("kv_heads", "head_dim"))
+            self.bv = zeros((K, E), ("kv_heads", "head_dim"))
+            # Row-parallel bias: replicated and added once, after XLA's reduction of the
+            # partial sums (never pre-scaled by 1/tp).
+            self.bo = zeros((D,), ("norm",))
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(x_BxLxD)
+        if self.impl == "dot_product":
+            # Native grouped-query heads in BTNH. JAX's default kernel is always XLA's (an
+            # L x L score tensor per head); cuDNN's fused flash attention is asked for by name
+            # where it takes these inputs: NVIDIA GPU, bf16/fp16, a head dim it supports.
+            kernel = attention_implementation(self.target.platform, q_BxLxHxE.dtype, self.E,
+                                              self.target.compute_capability,
+                                              self.target.cudnn_version)
+            o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
+                                                     is_causal=True, implementation=kernel)
+        else:
+            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
+        return self.out(o_BxLxHxE)
+
+    def qkv(self, x_BxLxD: jax.Array, start: Any = 0
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ...
+
+        From one matmul: three separate ones each leave a partial sum of the input's gradient
+        per tensor-parallel device, and XLA all-reduces each before adding them: three
+        activation all-reduces in the backward where Megatron needs one. The three weights are
+        laid side by side per kv head (D x K x (G+2) x E): a local concatenation, since
+        ``tensor`` splits q heads in blocks aligned with their kv heads."""
+        K, G, E = self.K, self.H // self.K, self.E
+        w_DxKxCxE = jnp.concatenate([self.wq[...].reshape(-1, K, G, E),
+                                     self.wk[...][:, :, None], self.wv[...][:, :, None]], axis=2)
+        qkv_BxLxKxCxE = dense(x_BxLxD, w_DxKxCxE, "bld,dkce->blkce")
+        if self.bq is not None:
+            qkv_BxLxKxCxE = add_bias(qkv_BxLxKxCxE, jnp.concatenate(
+                [self.bq[...].reshape(K, G, E), self.bk[...][:, None], self.bv[...][:, None]],
+                axis=1))
+        B, L = x_BxLxD.shape[:2]
+        q_BxLxHxE = qkv_BxLxKxCxE[:, :, :, :G].reshape(B, L, K * G, E)
+        k_BxLxKxE, v_BxLxKxE = qkv_BxLxKxCxE[:, :, :, G], qkv_BxLxKxCxE[:, :, :, G + 1]
+        if self.pos == "rope":
+            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start)
+            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start)
+        return q_BxLxHxE, k_BxLxKxE, v_BxLxKxE
+
+    def out(self, o_BxLxHxE: jax.Array) -> jax.Array:
+        """The row-parallel output projection of the heads' outputs."""
+        y_BxLxD = dense(o_BxLxHxE, self.wo[...], "blhe,hed->bld")
+        if self.bo is not None:
+            y_BxLxD = add_bias(y_BxLxD, self.bo[...])
+        return y_BxLxD

@@ -1,0 +1,167 @@
+"""Saving during a run: what the train loop does between two steps (``RunCheckpoints``).
+
+A save is due every ``checkpoint.every`` steps, every ``checkpoint.every_minutes`` of wall
+clock, at the last step and on SIGUSR1; SIGTERM/SIGINT stop the run after a committed save
+(``preempt.py`` turns the signals into flags). With several processes the processes agree on
+the step a signal or a clock acts at (``ProcessAgreement``): a save is collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from dxrun import faults
+from dxrun.checkpointing.cadence import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
+from dxrun.checkpointing.preempt import Preemption, ProcessAgreement
+from dxrun.checkpointing.store import POINTER, Checkpointer, checkpoint_dir, committed_steps, run_id
+from dxrun.errors import NonFiniteError, Stopped
+from dxrun.multihost.distributed import is_main
+from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
+
+if TYPE_CHECKING:
+    from dxrun.schema import CheckpointConfig, TrainConfig
+    from dxrun.step import TrainState
+
+log = logging.getLogger("dxrun")
+
+
+def time_due(now: float, last_save: float, every_s: float) -> bool:
+    """The wall-clock cadence (``checkpoint.every_minutes``): a save is due when ``every_s``
+    seconds (> 0; 0 = off) have passed since the last save (or the start)."""
+    return every_s > 0 and now - last_save >= every_s
+
+
+class RunCheckpoints:
+    """What the train loop does between two steps: save when due (``checkpoint.every`` steps,
+    ``checkpoint.every_minutes`` of wall clock, the last step, SIGUSR1), stop after a committed
+    save on SIGTERM/SIGINT, and halt on a non-finite step (``train.nan_policy=halt``). The
+    finiteness flag is read only where the host waits anyway (log and save steps), so a halt
+    reports the exact first bad step, at the next of those, without a save of the bad state.
+
+    A save's cost to the loop (``Checkpointer.save``'s blocking time) is kept until the loop's
+    next metrics row takes it (``take_blocks``: ``perf/checkpoint_block_s``) and in total; above
+    ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous save, one warning names a cadence that
+    costs less. With several processes a wall-clock save goes through the same agreement as a
+    signal (``ProcessAgreement``): every process saves at the same step, whichever clock said so."""
+
+    def __init__(self, ckpt: CheckpointConfig, train: TrainConfig, run_dir: Path, start: int,
+                 meta: dict[str, Any], iterator: Any, logger: Any, preemption: Preemption,
+                 cadence: tuple[int, float], tokens: Callable[[int], int] | None = None,
+                 relaunch: str | None = None, clock: Callable[[], float] = time.monotonic):
+        self.start = start  # the step this attempt began at: saved already, or the init
+        every, minutes = cadence  # (steps, minutes) between saves: cadence.save_cadence
+        self.every, self.log_every = every, train.log_every
+        self.every_s = 60.0 * minutes
+        self.clock = clock  # time.monotonic; a test passes its own
+        self.last_save_t = clock()
+        self.block_total_s, self.saves = 0.0, 0
+        self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
+        self.warned_cost = False
+        self.halt = train.nan_policy == "halt"
+        test_faults = faults.from_env()  # test-only: see between_steps
+        self.hold, self.fail_at = test_faults.hold_at_step, test_faults.error_at_step
+        # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
+        # step they agree on, some steps after the signal cleared its flag.
+        self.usr1_pending = False
+        # Every checkpoint names the run that wrote it (evaluation writes its results there).
+        self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
+        self.iterator, self.logger, self.preemption = iterator, logger, preemption
+        self.tokens = tokens  # tokens trained on after a step (carried across resumes)
+        directory = checkpoint_dir(ckpt, run_dir)
+        if ckpt.dir and is_main():  # the run dir leads to its checkpoints (locate)
+            (Path(run_dir) / POINTER).write_text(f"{directory}\n")
+        self.saver = Checkpointer(directory, ckpt.keep)
+        self.last_saved: Path | None = None
+        self.relaunch = relaunch  # the command that resumes this run, for the stop line
+        # Several processes act on a signal at one agreed step (a save is collective).
+        self.agreement = ProcessAgreement() if jax.process_count() > 1 else None
+
+    def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
+        """After step ``done`` (the iterator has given exactly ``done`` batches)."""
+        # Test-only (DXRUN_TEST_HOLD_AT_STEP): from that step on, each step waits for a SIGUSR1, so a
+        # test knows the step its signals are acted on at (a stop waits for one too).
+        while self.hold and done >= self.hold and not self.preemption.save:
+            time.sleep(0.01)
+        if self.fail_at and done == self.fail_at:  # test-only (DXRUN_TEST_ERROR_AT_STEP)
+            raise RuntimeError(f"injected failure after step {done} "
+                               "(DXRUN_TEST_ERROR_AT_STEP, a test-only fault)")
+        stop, signalled = self.preemption.stop, self.preemption.take_save()
+        self.usr1_pending |= signalled
+        ran = done > self.start
+        timed = ran and time_due(self.clock(), self.last_save_t, self.every_s)
+        asked = signalled or timed
+        if self.agreement is not None:
+            stop, asked = self.agreement(done, stop, asked)
+        cadence = bool(self.every) or self.every_s > 0
+        due = ran and ((bool(self.every) and done % self.every == 0) or (last and cadence))
+        if due or stop or asked:
+            self._check_finite(done, state)
+            meta = {**self.meta, "step": done, "data": self.iterator.get_state(),
+                    "wandb_id": self.logger.run_id}
+            if self.tokens is not None:
+                meta["tokens_seen"] = self.tokens(done)
+            self.last_saved, block_s = self.saver.save(done, state, meta)
+            if block_s is not None:
+                self._count(block_s)
+            if self.usr1_pending and not stop:
+                log.info("SIGUSR1: saving checkpoint %s; training goes on", self.last_saved)
+            self.usr1_pending = False
+        elif ran and (done % self.log_every == 0 or last):
+            self._check_finite(done, state)
+        if stop:
+            self.saver.wait()
+            log.info("%s: stopped at step %d; checkpoint %s committed. Resume with: %s", stop,
+                     done, self.last_saved, self.relaunch or "the same command and run dir")
+            raise Stopped(stop, done, self.last_saved, self.relaunch)
+
+    def _count(self, block_s: float) -> None:
+        """One save held the loop ``block_s``: record it, and warn once when saves cost more
+        than ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous one."""
+        now = self.clock()
+        since = now - self.last_save_t
+        self.last_save_t = now
+        self.unlogged.append(block_s)
+        self.block_total_s += block_s
+        self.saves += 1
+        # A small state's saves (the tiny models on CPU) are not worth a warning whatever their
+        # share; the first save's interval holds the compile: not judged.
+        over = block_s > MAX_CHECKPOINT_OVERHEAD * since and block_s >= NOTICEABLE_BLOCK_S
+        if self.saves > 1 and over and not self.warned_cost:
+            self.warned_cost = True
+            log.warning("checkpoint saves hold the loop %.2f s every %.1f s (%.0f%% of the "
+                        "run, above %.0f%%); save less often: checkpoint.every=0 "
+                        "checkpoint.every_minutes=%d", block_s, since, 100 * block_s / since,
+                        100 * MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead(block_s))
+
+    def totals(self) -> SaveTotals:
+        """This attempt's saves so far (what the step timer's note compares)."""
+        return SaveTotals(self.block_total_s, self.saves)
+
+    def take_blocks(self) -> list[float]:
+        """The blocking times of the saves since the last call."""
+        taken, self.unlogged = self.unlogged, []
+        return taken
+
+    def _check_finite(self, done: int, state: TrainState) -> None:
+        if not self.halt:
+            return
+        bad = int(jax.device_get(state.nonfinite_step))
+        if bad:
+            self.saver.wait()
+            good = committed_steps(self.saver.directory)
+            where = (f"the last good checkpoint is {self.saver.directory / str(good[-1])}"
+                     if good else "no checkpoint was saved before it")
+            raise NonFiniteError(
+                f"non-finite loss or gradients at step {bad} (stopped at step {done}, "
+                f"train.nan_policy=halt); {where}; lower optimizer.lr or set "
+                "train.nan_policy=skip to leave such steps out")
+
+    def close(self) -> None:
+        """Wait for the last save to be committed."""
+        self.saver.close()

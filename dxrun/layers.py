@@ -1,0 +1,139 @@
+"""The model's building blocks: parameters with logical axes, the weight matmul, norms, the MLP.
+
+Every weight matmul goes through ``dense``: computed in the input's dtype with fp32
+accumulation, its weight gradient summed over the batch in fp32 (see ``dense``). Shapes are in
+the names (the legend is in ``dxrun.model``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+if TYPE_CHECKING:
+    from dxrun.schema import ModelConfig
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+def padded_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float,
+                 n: int) -> nnx.Param:
+    """A vocab-indexed table with zero rows appended up to ``n`` on its ``vocab`` axis. The real
+    rows take the same random draw as an unpadded model's, so padding (which differs with tp)
+    never changes the init of the real vocabulary."""
+    x = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    pad = [(0, 0)] * len(shape)
+    pad[axes.index("vocab")] = (0, n - shape[axes.index("vocab")])
+    return nnx.Param(jnp.pad(x, pad), axes=axes)
+
+
+def dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any = None) -> jax.Array:
+    """``einsum(spec, x, w)`` computed in ``x``'s dtype with fp32 accumulation, its output in
+    ``out_dtype`` (default ``x``'s): every weight matmul of the model goes through here.
+
+    When ``w`` is wider than ``x`` (fp32 master weight, bf16 compute) or the output is wider
+    (fp32 logits), a custom VJP keeps the backward in the compute dtype with fp32 accumulation:
+    the incoming gradient is cast to ``x``'s dtype (the LM head's fp32 logit gradient would
+    otherwise make its backward matmuls fp32), and the weight gradient is accumulated in fp32
+    and returned in ``w``'s dtype. The batch-contracted weight gradient is what XLA's
+    partitioner all-reduces over data replicas, so an fp32 ``w`` gets an fp32 all-reduce and
+    an unrounded fp32 gradient, where casting the weight before the matmul gives bf16 partial
+    sums and a bf16 all-reduce. Same dtypes everywhere (fp32 runs): the plain einsum."""
+    if x.dtype == w.dtype == (out_dtype or x.dtype):
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    # Named for model.remat=dots: checkpoint_dots sees only a custom VJP's call, not the matmul
+    # inside it, so without the name a bf16 "dots" layer would keep nothing and recompute all.
+    return checkpoint_name(_mixed_dense(x, w, spec, jnp.dtype(out_dtype or x.dtype)), DENSE)
+
+
+DENSE = "dense"  # the checkpoint name of a mixed-precision weight matmul's output
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mixed_dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any) -> jax.Array:
+    return jnp.einsum(spec, x, w.astype(x.dtype),
+                      preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _mixed_dense_fwd(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any) -> tuple:
+    return _mixed_dense(x, w, spec, out_dtype), (x, w)
+
+
+def _mixed_dense_bwd(spec: str, out_dtype: Any, res: tuple, g: jax.Array) -> tuple:
+    x, w = res
+    ins, y = spec.split("->")
+    xs, ws = ins.split(",")
+    g = g.astype(x.dtype)  # bf16 operands, fp32 accumulation
+    dx = jnp.einsum(f"{y},{ws}->{xs}", g, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{xs},{y}->{ws}", x, g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_mixed_dense.defvjp(_mixed_dense_fwd, _mixed_dense_bwd)
+
+
+def add_bias(x: jax.Array, b: jax.Array) -> jax.Array:
+    """``x + b`` in ``x``'s dtype. An fp32 ``b`` is added in fp32 and the sum cast, so the bias
+    gradient (a sum over the batch) is taken, and all-reduced, in fp32 (see ``dense``)."""
+    return (x + b).astype(x.dtype)
+
+
+def zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
+
+
+class Norm(nnx.Module):
+    def __init__(self, d: int, kind: str, bias: bool):
+        self.kind = kind
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=("norm",))
+        self.bias = zeros((d,), ("norm",)) if bias and kind == "layernorm" else None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+        if self.kind == "layernorm":
+            x = x - x.mean(-1, keepdims=True)
+        x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+        x = x * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            x = x + self.bias[...].astype(jnp.float32)
+        return x.astype(x_BxLxD.dtype)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """GELU (GPT-2) or SwiGLU (Llama). Up and gate are column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
+        self.kind = cfg.mlp
+        self.w_up = param(rngs, (D, F), ("embed", "mlp"), std)
+        self.w_gate = param(rngs, (D, F), ("embed", "mlp"), std) if cfg.mlp == "swiglu" else None
+        self.w_down = param(rngs, (F, D), ("mlp", "embed"), std / (2 * cfg.n_layers) ** 0.5)
+        self.b_up = zeros((F,), ("mlp",)) if cfg.bias else None
+        self.b_down = zeros((D,), ("norm",)) if cfg.bias else None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        h_BxLxF = dense(x_BxLxD, self.w_up[...], "bld,df->blf")
+        if self.b_up is not None:
+            h_BxLxF = add_bias(h_BxLxF, self.b_up[...])
+        if self.w_gate is not None:
+            h_BxLxF = jax.nn.silu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf")) * h_BxLxF
+        else:
+            h_BxLxF = jax.nn.gelu(h_BxLxF, approximate=True)
+        y_BxLxD = dense(h_BxLxF, self.w_down[...], "blf,fd->bld")
+        if self.b_down is not None:
+            y_BxLxD = add_bias(y_BxLxD, self.b_down[...])
+        return y_BxLxD

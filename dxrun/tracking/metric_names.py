@@ -1,0 +1,111 @@
+"""Every metric name a run logs, with its unit, how it is reduced to one number per row and
+what it means: the one list (the docs' Outputs page reads it; ``tests/test_reference.py`` scans
+dxrun/ for metric-like string literals and fails on one without its entry here, or on an entry
+nothing logs). Pure data: no import of dxrun or JAX."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Metric(NamedTuple):
+    unit: str
+    reduction: str
+    meaning: str
+
+
+METRICS: dict[str, Metric] = {
+    "train/loss": Metric(
+        "nats/token",
+        "mean over the step's global batch (in the jitted step)",
+        "cross-entropy of the step"),
+    "train/ppl": Metric("-", "exp of train/loss", "perplexity"),
+    "train/accuracy": Metric(
+        "fraction",
+        "mean over the global batch's tokens",
+        "next-token argmax accuracy"),
+    "train/grad_norm": Metric(
+        "-",
+        "global L2 norm over all gradients, before clipping",
+        "gradient norm"),
+    "train/param_norm": Metric(
+        "-",
+        "global L2 norm over all parameters, after the update",
+        "parameter norm"),
+    "train/lr": Metric(
+        "-",
+        "the schedule at the optimizer's count (after optimizer.lr_scaling)",
+        "learning rate of the step"),
+    "train/skipped_steps": Metric(
+        "steps",
+        "count since the start (train.nan_policy=skip only)",
+        "updates left out for a non-finite loss or gradient"),
+    "perf/step_time_s": Metric(
+        "s",
+        "mean over the log window, device-ready to device-ready; the compiling first step excluded",
+        "wall time per step"),
+    "perf/tokens_per_s": Metric(
+        "tokens/s",
+        "log window; all devices together",
+        "batch x seq_len / step time"),
+    "perf/tokens_per_s_per_device": Metric(
+        "tokens/s",
+        "perf/tokens_per_s / devices in the mesh",
+        "throughput per device"),
+    "perf/tflops_per_device": Metric(
+        "TFLOP/s",
+        "log window; model FLOPs / step time / devices",
+        "achieved model TFLOP/s per device"),
+    "perf/mfu": Metric(
+        "fraction",
+        "perf/tflops_per_device / peak (only where the peak is known)",
+        "model FLOPs utilisation"),
+    "perf/data_wait_frac": Metric(
+        "fraction",
+        "share of the log window",
+        "host time getting the next batch onto the devices"),
+    "perf/compile_time_s": Metric("s", "once (first row)", "lowering + compiling the train step"),
+    "perf/layout_search_s": Metric(
+        "s",
+        "once (first row); parallelism=auto",
+        "the layout search's own time, goodput's search: the other layouts' compiles and timed steps "
+        "(0 when the run did not search)"),
+    "perf/checkpoint_block_s": Metric(
+        "s",
+        "rows whose window held a save: the saves since the previous row, the one made at its step "
+        "included",
+        "how long saves held the loop inside this row's timing window (its tokens/s); absent without "
+        "one. The save after the last step is in no row: summary.json's checkpoint_block_s counts it"),
+    "mem/step_bytes_per_device": Metric(
+        "bytes",
+        "once (first row); XLA's memory analysis",
+        "arguments + outputs - donated state + temporaries per device"),
+    "mem/peak_bytes_per_device": Metric(
+        "bytes",
+        "every log row; GPU/TPU allocator high-water mark (Device.memory_stats), the largest over this"
+        " process's devices",
+        "peak device memory during this run so far (when it rose above an earlier job's)"),
+    "perf/profiled": Metric(
+        "true",
+        "log rows whose window held traced steps (train.profile)",
+        "the traced steps are left out of this row's perf/* figures"),
+    "data/tokens_seen": Metric("tokens", "cumulative", "tokens trained on, summed over batch changes"),
+    "data/entropy_floor": Metric(
+        "nats/token",
+        "constant (markov data)",
+        "the best achievable train/loss"),
+    "eval/loss": Metric(
+        "nats/token",
+        "mean over eval.batches held-out batches",
+        "held-out cross-entropy"),
+    "eval/ppl": Metric("-", "exp of eval/loss", "held-out perplexity"),
+    "eval/accuracy": Metric("fraction", "mean over the held-out tokens", "held-out next-token accuracy"),
+    "eval/tokens": Metric(
+        "tokens",
+        "sum over the evaluated batches (dxrun.evaluate only)",
+        "tokens scored"),
+    "best/train_loss": Metric(
+        "nats/token",
+        "minimum over the logged finite train/loss (summary.json)",
+        "lowest train loss"),
+}

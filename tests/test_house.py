@@ -1,0 +1,284 @@
+"""The house rules of issue 48, measured over dxrun/ by reading its source (AST, tokens, regex;
+no JAX, nothing imported): each bar is a ceiling at today's value, so a change that makes the code
+worse fails here. When the code gets better, lower the ceiling to the new value (the failure
+message of a ceiling that is too high says so too); never raise one to make a change pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from functools import cache
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dxrun"
+
+# Today's values: the ceilings. The issue's goal for each is in the comment.
+CFG_ANY = 35  # lines reading "cfg: Any" (grep -rn "cfg: Any" dxrun); goal <= 10, entry points
+LARGEST_MODULE = 400  # lines of the largest module (the goal)
+MODULES_OVER_400: set[str] = set()  # goal: none
+LARGEST_MODULE_DOCSTRING = 15  # source lines of the longest module docstring (the goal)
+DOCSTRINGS_OVER_15: set[str] = set()  # modules whose docstring is longer than 15 lines
+LOCAL_IMPORTS = 14  # function-local imports of dxrun modules; goal <= 30
+LOCAL_IMPORTS_WITHOUT_REASON = 0  # of those, without a trailing comment saying why
+IMPORT_CIRCLES = 0  # sets of dxrun modules that reach each other through imports
+MODULES_IN_CIRCLES = 0  # the modules in those sets
+UPWARD_IMPORTS = 0  # imports of a module on a higher floor of LAYERS
+FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
+
+# The floors, lowest first (STYLE.md, "As dxrun grows"; issue 48): a module may import modules
+# on its own floor or below. A module's floor is the one of its longest prefix listed here, so a
+# new package (dxrun/plan/, dxrun/autotune/) is placed by one entry; a module no prefix places
+# fails ``test_every_module_has_a_floor``.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
+                "dxrun.config", "dxrun.faults")),
+    ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
+              "dxrun.checkpointing.preempt")),
+    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence")),
+    ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
+                    "dxrun.attention", "dxrun.attention_kernel", "dxrun.chunked_loss",
+                    "dxrun.model", "dxrun.optimizer", "dxrun.step", "dxrun.data",
+                    "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding")),
+    ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile")),
+    ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.attempt", "dxrun.train", "dxrun.plan_mode",
+              "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
+    ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
+               "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
+               "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
+               "dxrun.tracking.dashboard", "dxrun.reference")),
+)
+
+# A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes
+# are not measurements: "3 x forward", "(2 x)", "16 x 1024" (a spaced x before a name, a closing
+# bracket, a number or the line's end) are taken out before the grep.
+FIGURE = re.compile(r"\d+(\.\d+)?\s?(ms|x|×)\b")
+NOT_A_FIGURE = re.compile(r"\d+(\.\d+)? x(?=\s+[\w(]|\)|$)")
+
+
+def _files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(PACKAGE.parent).as_posix()
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _source(path: Path) -> str:
+    return path.read_text()
+
+
+@cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(_source(path))
+
+
+@cache
+def _comments(path: Path) -> list[tuple[int, str]]:
+    return [(t.start[0], t.string) for t in
+            tokenize.generate_tokens(io.StringIO(_source(path)).readline)
+            if t.type == tokenize.COMMENT]
+
+
+def _docstrings(path: Path) -> list[ast.Expr]:
+    nodes = (n for n in ast.walk(_tree(path)) if isinstance(
+        n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+    return [n.body[0] for n in nodes if n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant) and isinstance(n.body[0].value.value, str)]
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import of a dxrun module in ``path`` and whether it sits inside a function; those
+    under ``if TYPE_CHECKING:`` (annotations only, never run) are left out."""
+    out = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.level == 0 and (
+                    child.module or "").split(".")[0] == "dxrun":
+                out.append((child, in_function))
+            elif isinstance(child, ast.Import) and any(
+                    a.name.split(".")[0] == "dxrun" for a in child.names):
+                out.append((child, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef,
+                                                           ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(_tree(path), False)
+    return out
+
+
+@cache
+def _graph() -> dict[str, set[str]]:
+    """dxrun module -> the dxrun modules it imports (at module level or in a function)."""
+    modules = {_module(p) for p in _files()}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for path in _files():
+        me, targets = _module(path), set()
+        for node, _ in _imports(path):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(a.name) for a in node.names}
+            else:  # ``from dxrun import run_dir``: the module run_dir; else the module itself
+                targets |= {resolve(f"{node.module}.{a.name}") if f"{node.module}.{a.name}"
+                            in modules else resolve(node.module) for a in node.names}
+        graph[me] = {t for t in targets if t and t != me}
+    return graph
+
+
+def _floor(module: str) -> int | None:
+    best, floor = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            # "dxrun" places the package's __init__ only, not every module under it
+            under = module.startswith(prefix + ".") and prefix != "dxrun"
+            if (module == prefix or under) and len(prefix) > best:
+                best, floor = len(prefix), i
+    return floor
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _at_most(name: str, value: int, ceiling: int, detail: object = "") -> None:
+    assert value <= ceiling, f"{name}: {value}, above its ceiling {ceiling}. {detail}"
+    if value < ceiling:
+        print(f"{name}: {value}, below its ceiling {ceiling}: lower {name} in tests/test_house.py")
+
+
+def test_the_config_is_typed_below_the_entry_points():
+    hits = [f"{_rel(p)}:{i}" for p in _files()
+            for i, line in enumerate(_source(p).splitlines(), 1) if "cfg: Any" in line]
+    _at_most("CFG_ANY", len(hits), CFG_ANY, hits)
+
+
+def test_modules_stay_small():
+    lines = {_rel(p): len(_source(p).splitlines()) for p in _files()}
+    over = {name for name, n in lines.items() if n > 400}
+    assert over <= MODULES_OVER_400, f"over 400 lines: {sorted(over - MODULES_OVER_400)}"
+    _at_most("LARGEST_MODULE", max(lines.values()), LARGEST_MODULE, max(lines, key=lines.get))
+    if over < MODULES_OVER_400:
+        print(f"no longer over 400 lines: {sorted(MODULES_OVER_400 - over)}: drop them from "
+              "MODULES_OVER_400")
+
+
+def test_module_docstrings_stay_short():
+    lengths = {_rel(p): d[0].end_lineno - d[0].lineno + 1 for p in _files()
+               if (d := _docstrings(p)) and isinstance(_tree(p).body[0], ast.Expr)
+               and d[0] is _tree(p).body[0]}
+    longest = max(lengths, key=lengths.get)
+    _at_most("LARGEST_MODULE_DOCSTRING", lengths[longest], LARGEST_MODULE_DOCSTRING, longest)
+    over = {name for name, n in lengths.items() if n > 15}
+    assert over <= DOCSTRINGS_OVER_15, f"docstrings over 15 lines: {sorted(over - DOCSTRINGS_OVER_15)}"
+    if over < DOCSTRINGS_OVER_15:
+        print(f"docstrings no longer over 15 lines: {sorted(DOCSTRINGS_OVER_15 - over)}: drop them "
+              "from DOCSTRINGS_OVER_15")
+
+
+def test_function_local_imports_are_few_and_say_why():
+    local = [(p, node) for p in _files() for node, in_function in _imports(p) if in_function]
+    silent = []
+    for path, node in local:
+        commented = {line for line, _ in _comments(path)}
+        if not commented & set(range(node.lineno, node.end_lineno + 1)):
+            silent.append(f"{_rel(path)}:{node.lineno}")
+    _at_most("LOCAL_IMPORTS", len(local), LOCAL_IMPORTS)
+    _at_most("LOCAL_IMPORTS_WITHOUT_REASON", len(silent), LOCAL_IMPORTS_WITHOUT_REASON,
+             f"a function-local import needs a trailing comment saying why, e.g. "
+             f"'# JAX after device count'; without one: {silent}")
+
+
+def test_every_module_has_a_floor():
+    unplaced = sorted(m for m in _graph() if _floor(m) is None)
+    assert not unplaced, f"add these modules to a floor of LAYERS in tests/test_house.py: {unplaced}"
+
+
+def test_no_import_circles():
+    circles = _circles(_graph())
+    _at_most("IMPORT_CIRCLES", len(circles), IMPORT_CIRCLES, [sorted(c) for c in circles])
+    _at_most("MODULES_IN_CIRCLES", sum(map(len, circles)), MODULES_IN_CIRCLES,
+             [sorted(c) for c in circles])
+
+
+def test_imports_point_down():
+    graph = _graph()
+    upward = sorted(f"{m} ({LAYERS[_floor(m)][0]}) -> {t} ({LAYERS[_floor(t)][0]})"
+                    for m, targets in graph.items() for t in targets
+                    if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m))
+    _at_most("UPWARD_IMPORTS", len(upward), UPWARD_IMPORTS, upward)
+
+
+def test_no_measured_figures_in_comments():
+    hits = []
+    for path in _files():
+        lines = list(_comments(path))
+        for d in _docstrings(path):
+            lines += [(d.lineno + i, text) for i, text in enumerate(d.value.value.splitlines())]
+        hits += [f"{_rel(path)}:{n}: {text.strip()}" for n, text in lines
+                 if FIGURE.search(NOT_A_FIGURE.sub("", text))]
+    _at_most("FIGURES", len(hits), FIGURES,
+             "a measured figure belongs in BENCHMARKS.md or docs/guide beside its command:\n"
+             + "\n".join(hits))
+
+
+def test_the_floors_and_the_circle_finder_work():
+    """The measuring itself, on a made-up graph: a circle is found, a chain is not."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [{"a", "b", "c"}]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+    assert _floor("dxrun.plan.flops") < _floor("dxrun.autotune.search")
+    assert _floor("dxrun.plan.mesh") == _floor("dxrun.plan")  # a package placed by its prefix
+    assert FIGURE.search(NOT_A_FIGURE.sub("", "ran 1.24x slower"))
+    assert FIGURE.search(NOT_A_FIGURE.sub("", "its first turn 102 ms"))
+    assert not FIGURE.search(NOT_A_FIGURE.sub("", "forward + backward = 3 x forward"))
+    assert not FIGURE.search(NOT_A_FIGURE.sub("", "16 x 1024 tokens"))
