@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -35,6 +35,9 @@ from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perplexity
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
 
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
+
 log = logging.getLogger("dxrun")
 
 
@@ -61,7 +64,7 @@ class Attempt:
     run. A step's row is written after the save point that follows the step (a halt or a stop
     there still writes it)."""
 
-    def __init__(self, cfg: Any, exp: Experiment, run_plan: RunPlan, state: Any, start: int,
+    def __init__(self, cfg: RunConfig, exp: Experiment, run_plan: RunPlan, state: Any, start: int,
                  resume: Resume | None, ckpt_meta: dict[str, Any], run_dir: Path, job: Job,
                  record: goodput.RunRecord, allocator: AllocatorPeak, main: bool):
         self.exp, self.allocator, self.main = exp, allocator, main
@@ -71,11 +74,11 @@ class Attempt:
         plan, data = exp.plan, exp.data
         self.n_params = exp.count_params(state.params)  # the real vocabulary, without padding
         self.floor = data.entropy_floor
-        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg, job),
+        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
                  f"{self.n_params:,}", cfg.data.name, data.description)
         log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference
         self.device_kind = jax.devices()[0].device_kind
-        peak = resolve_peak(cfg, self.device_kind, exp.mesh.devices.flat)
+        peak = resolve_peak(cfg.runtime, cfg.train, self.device_kind, exp.mesh.devices.flat)
         tokens_per_step = plan.global_batch * plan.seq_len
         self.cost = StepCost(tokens_per_step, flops.flops_per_token(
             cfg.model, self.n_params, plan.seq_len) * tokens_per_step, plan.n_devices, peak)

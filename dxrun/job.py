@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dxrun.config import model_changes
+
+if TYPE_CHECKING:
+    from dxrun.schema import ModelConfig, RunConfig
 
 
 @dataclass
@@ -27,19 +30,19 @@ class Job:
 MAX_NAME = 120
 
 
-def _model_label(cfg: Any, job: Job) -> str:
+def _model_label(model: ModelConfig, job: Job) -> str:
     """The preset's name, or the user's own (``model.name=...``) for a custom size."""
     named = any(ov.lstrip("+~").startswith("model.name=") for ov in job.overrides)
-    return cfg.model.name if named else job.choices.get("model", cfg.model.name)
+    return model.name if named else job.choices.get("model", model.name)
 
 
-def run_name(cfg: Any, job: Job, global_batch: int | None = None) -> str:
+def run_name(cfg: RunConfig, job: Job, global_batch: int | None = None) -> str:
     """``tiny-dp4_tp2-bs64`` plus the key overrides, e.g. ``-lr0.01``. No slashes: a path
     value is its last component (``data.path=data/mycorpus`` gives ``pathmycorpus``), and a
     long name is cut between parts, never inside one. ``global_batch``: the plan's (None:
     ``data.batch_size``)."""
     batch = cfg.data.batch_size if global_batch is None else global_batch
-    parts = [_model_label(cfg, job), job.choices.get("parallelism", cfg.parallelism.name),
+    parts = [_model_label(cfg.model, job), job.choices.get("parallelism", cfg.parallelism.name),
              f"bs{batch}"]
     for ov in job.overrides:
         key, _, value = ov.lstrip("+~").partition("=")
@@ -55,12 +58,12 @@ def run_name(cfg: Any, job: Job, global_batch: int | None = None) -> str:
     return name
 
 
-def describe_model(cfg: Any, job: Job) -> str:
+def describe_model(model: ModelConfig, job: Job) -> str:
     """``tiny``, or ``tiny (modified: n_layers=4, d_model=256)`` when keys differ from the
     preset, or ``mine (tiny modified: ...)`` for a size the user named."""
-    preset = job.choices.get("model", cfg.model.name)
-    label = _model_label(cfg, job)
-    changes = model_changes(cfg.model, preset)
+    preset = job.choices.get("model", model.name)
+    label = _model_label(model, job)
+    changes = model_changes(model, preset)
     if not changes:
         return label
     base = "" if label == preset else f"{preset} "

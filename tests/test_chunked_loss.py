@@ -94,9 +94,9 @@ def test_memory_model_counts_one_chunk():
                    "data.batch_size=64")
     from dxrun.plan.mesh import make_plan
     plan = make_plan(cfg, 8)
-    chunked = memory_model.shapes(cfg, plan, "xla")
+    chunked = memory_model.shapes(cfg.model, cfg.train, plan, "xla")
     cfg.model.loss_chunk = 0
-    whole = memory_model.shapes(cfg, plan, "xla")
+    whole = memory_model.shapes(cfg.model, cfg.train, plan, "xla")
     V = whole.vocab
     assert chunked.loss_chunk == 128 and whole.loss_chunk == 0
     drop = memory_model.head_bytes(whole) - memory_model.head_bytes(chunked)

@@ -94,11 +94,14 @@ def test_peak_table_matches_device_kinds_exactly(kind, precision, peak):
 
 def test_unknown_device_warns_once_and_override_wins(cfg_factory, caplog):
     with caplog.at_level("WARNING", logger="dxrun"):
-        assert resolve_peak(cfg_factory(), "cpu") is None
+        cfg = cfg_factory()
+        assert resolve_peak(cfg.runtime, cfg.train, "cpu") is None
     (msg,) = [r.message for r in caplog.records]
     assert "'cpu'" in msg and "runtime.peak_tflops" in msg
-    assert resolve_peak(cfg_factory("runtime.peak_tflops=12.5"), "cpu") == 12.5
-    assert resolve_peak(cfg_factory("runtime.peak_tflops=measure"), "cpu") > 0
+    given = cfg_factory("runtime.peak_tflops=12.5")
+    assert resolve_peak(given.runtime, given.train, "cpu") == 12.5
+    measured = cfg_factory("runtime.peak_tflops=measure")
+    assert resolve_peak(measured.runtime, measured.train, "cpu") > 0
 
 
 def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):

@@ -77,12 +77,12 @@ def test_a_layout_that_does_not_fit_is_never_chosen():
         need = 3.0 if layout.dp == 8 else 0.5
         return need, 0.001 if layout.dp == 8 else 0.010 * layout.tp
     layouts = [Layout(8, 1, 1), Layout(4, 1, 2), Layout(2, 1, 4)]
-    rows = ls.model_stage(make_cfg(), layouts, 1.0, score)
+    rows = ls.model_stage(layouts, 1.0, score)
     assert [r.layout.mesh for r in rows] == ["dp4_tp2", "dp2_tp4", "dp8"]
     assert not rows[-1].fits and rows[-1].why == "does not fit: 3.00 GiB of 1.00 GiB"
     chosen = ls.measure_stage(rows, 3, lambda layouts: {x: 0.001 for x in layouts})
     assert chosen.layout.mesh == "dp4_tp2"
-    assert ls.model_choice(ls.model_stage(make_cfg(), layouts, 1.0, score)).layout.tp == 2
+    assert ls.model_choice(ls.model_stage(layouts, 1.0, score)).layout.tp == 2
 
 
 def test_the_memory_column_keeps_one_unit_below_a_gib():
@@ -94,7 +94,7 @@ def test_the_memory_column_keeps_one_unit_below_a_gib():
 def test_a_layout_fits_with_recomputation_when_it_must():
     def score(layout):
         return (0.5 if layout.remat == "full" else 2.0), 0.01
-    rows = ls.model_stage(make_cfg(), [Layout(8, 1, 1)], 1.0, score)
+    rows = ls.model_stage([Layout(8, 1, 1)], 1.0, score)
     assert rows[0].fits and rows[0].layout == Layout(8, 1, 1, "full", 1)
 
 
@@ -280,9 +280,11 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     """``train_through``: the timed steps a turn may take when the turns train the run's first
     steps, 0 where they do not (pure)."""
     cfg = make_cfg("parallelism=auto")  # log_every 50, eval_every 100, a save every 100
-    assert ls.train_budget(cfg) == 49
-    assert ls.train_budget(make_cfg("parallelism=auto", "train.profile.start=10")) == 9
-    assert ls.train_budget(make_cfg("parallelism=auto", "train.steps=5")) == 4
+    assert ls.train_budget(cfg.train, cfg.checkpoint) == 49
+    profiled = make_cfg("parallelism=auto", "train.profile.start=10")
+    assert ls.train_budget(profiled.train, profiled.checkpoint) == 9
+    short = make_cfg("parallelism=auto", "train.steps=5")
+    assert ls.train_budget(short.train, short.checkpoint) == 4
     # steps estimated at a turn's time or more (1 s): one timed step a turn anyway; 3 layouts
     # x 3 rounds in 49 steps leaves 5 a turn
     slow = [Row(Layout(8 // t, 1, t), 1.0, 5000.0 + t, fits=True) for t in (1, 2, 4)]
@@ -297,7 +299,7 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     # ...and do before a first row at step 400 (399 // 27 = 14 a turn: all ten timed)
     far = make_cfg("parallelism=auto", "train.log_every=400", "train.eval_every=0",
                    "checkpoint.every=0")
-    assert ls.train_budget(far) == 399 and ls.train_through(far, cheap) == 10
+    assert ls.train_budget(far.train, far.checkpoint) == 399 and ls.train_through(far, cheap) == 10
     # a budget short of two steps a turn: none
     assert ls.train_through(make_cfg("parallelism=auto", "train.log_every=10"), slow) == 0
 
@@ -628,7 +630,7 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
                    "parallelism.search_turn_s=1e-6", "parallelism.search_budget=null", *common)
-    assert ls.train_budget(cfg) == 13  # the steps before the first row (step 14)
+    assert ls.train_budget(cfg.train, cfg.checkpoint) == 13  # the steps before the first row (step 14)
     prepared = prepare(cfg)
     record = prepared.plan.search
     trained = record["trained_steps"]

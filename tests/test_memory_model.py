@@ -23,7 +23,7 @@ ACTIVATIONS = ["logger=none", "parallelism=dp1", "model=tiny", "model.d_model=12
 
 def _model_bytes(exp: Experiment, kernel: str | None = None) -> mm.MemoryEstimate:
     state = exp.abstract_state()
-    x = mm.shapes(exp.cfg, exp.plan, kernel or exp.attention_kernel)
+    x = mm.shapes(exp.cfg.model, exp.cfg.train, exp.plan, kernel or exp.attention_kernel)
     return mm.estimate_memory(x, fit._shard_bytes(state.params),
                               fit._shard_bytes(state.opt_state),
                               fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)

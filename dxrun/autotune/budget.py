@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dxrun.autotune.timing import agreed
 from dxrun.errors import ConfigError
@@ -16,12 +16,15 @@ from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import Row, _ms, _s, search_cost
 from dxrun.plan.mesh import make_plan
 
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
+
 log = logging.getLogger("dxrun")
 
 Score = Callable[..., tuple[float, float | None]]  # (layout, say=True) -> (GiB, est. s or None)
 
 
-def start_layout(cfg: Any, devices: tuple, held: tuple[int, int]) -> Layout | None:
+def start_layout(cfg: RunConfig, devices: tuple, held: tuple[int, int]) -> Layout | None:
     """The layout the run would take unsearched: the preset's own (``parallelism=auto``: every
     device data-parallel) at the ``held`` batch and sequence length; None where the plan
     refuses it (the batch does not divide...)."""
@@ -38,7 +41,7 @@ def say_score(layout: Layout, need_gb: float, est_s: float | None) -> None:
              _ms(None if est_s is None else 1e3 * est_s))
 
 
-def worth_it(cfg: Any, layouts: list[Layout], score: Score, budget: float,
+def worth_it(cfg: RunConfig, layouts: list[Layout], score: Score, budget: float,
              budget_gb: float | None, devices: tuple, tag: str, target: str,
              held: tuple[int, int]) -> tuple[Score, Row | None, str]:
     """(the scorer, with the starting layout's score kept for the model stage; the starting

@@ -7,15 +7,18 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from dxrun.plan.layouts import REMATS, SEARCHES
 from dxrun.runtime import user_cache_dir
 
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
-def cache_key(cfg: Any, held: tuple[int, int], n_devices: int, device_kind: str,
+
+def cache_key(cfg: RunConfig, held: tuple[int, int], n_devices: int, device_kind: str,
               jax_version: str, processes: int) -> str:
     """What decides the answer: the model's shape, the batch and sequence length held
     (``held``), precision, optimizer, devices and their kind, JAX's version, and whether it

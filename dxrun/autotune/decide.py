@@ -52,7 +52,7 @@ def decide(cfg: Any, devices: tuple, *, plan_mode: bool = False,
     platform = plan_platform(cfg.plan.target, devices[1]) if plan_mode else devices[1]
     seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
     handover, searched, resume = (None if plan_mode else Handover()), None, None
-    if not searches(cfg):
+    if not searches(cfg.parallelism):
         mesh = make_plan(cfg, *devices, seq_len=seq_len)  # the batch, whichever key gave it
         if find_resume is not None:
             resume = find_resume(saved_config(cfg, RunPlan(mesh)))

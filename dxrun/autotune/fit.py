@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from omegaconf import OmegaConf
@@ -19,6 +19,9 @@ from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import TARGETS, Target, target_key
 from dxrun.step import step_bytes
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
 
 def _shard_bytes(tree: Any) -> float:
@@ -59,7 +62,7 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
                                         cfg.train.precision,
                                         cfg.model.d_model // cfg.model.n_heads)
     return memory_model.estimate_memory(
-        memory_model.shapes(cfg, exp.plan, kernel), _shard_bytes(state.params),
+        memory_model.shapes(cfg.model, cfg.train, exp.plan, kernel), _shard_bytes(state.params),
         _shard_bytes(state.opt_state), _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
@@ -120,7 +123,7 @@ class NoData:
     """Plan mode and suggestions compile the step only; they never read data."""
 
 
-def step_estimate(cfg: Any, exp: Any, compiled: Any, target: Target,
+def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
                   peak: float | None, xla_cost: bool = True) -> StepEstimate:
     """Fit and speed of ``exp``'s compiled step on ``target`` (plan mode, and the layout
     search's ranking): the accelerator time model on a GPU/TPU target, else the roofline of

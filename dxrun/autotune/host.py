@@ -12,7 +12,7 @@ import platform
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,9 @@ from dxrun.errors import ConfigError
 from dxrun.plan import flops
 from dxrun.plan.targets import TARGETS, GiB, Target
 from dxrun.runtime import user_cache_dir
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
 
 def host_memory_bytes() -> float:
@@ -118,7 +121,7 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def resolve_target(cfg: Any, n_devices: int) -> tuple[Target, float | None]:
+def resolve_target(cfg: RunConfig, n_devices: int) -> tuple[Target, float | None]:
     """The target's numbers and its peak TFLOP/s for the run's precision."""
     name = cfg.plan.target
     if name is None:

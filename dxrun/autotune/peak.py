@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.plan import flops
+
+if TYPE_CHECKING:
+    from dxrun.schema import RuntimeConfig, TrainConfig
 
 log = logging.getLogger("dxrun")
 
@@ -45,11 +48,12 @@ def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -
     return 2 * n**3 / best / 1e12  # every device did one n x n matmul in `best` seconds
 
 
-def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | None:
+def resolve_peak(runtime: RuntimeConfig, train: TrainConfig, device_kind: str,
+                 devices: Any = None) -> float | None:
     """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``: probed on
     all of ``devices`` at once, default all local ones), else the table; None (with one
     warning) when the device is unknown."""
-    override = cfg.runtime.peak_tflops
+    override = runtime.peak_tflops
     if override == "measure":
         peak = measure_peak_tflops(devices)
         log.info("measured peak: %.3f TFLOP/s per device, all devices of the mesh probing at "
@@ -57,7 +61,7 @@ def resolve_peak(cfg: Any, device_kind: str, devices: Any = None) -> float | Non
         return peak
     if override is not None:
         return float(override)
-    peak = flops.peak_tflops(device_kind, cfg.train.precision)
+    peak = flops.peak_tflops(device_kind, train.precision)
     if peak is None:
         log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
                     "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)

@@ -23,6 +23,7 @@ from dxrun.step import step_bytes
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
+    from dxrun.schema import RunConfig, RuntimeConfig
 
 
 def cpu_device_budget(available: float, local_devices: int, processes: int) -> float:
@@ -31,16 +32,16 @@ def cpu_device_budget(available: float, local_devices: int, processes: int) -> f
     return available * USABLE_CPU / (local_devices * processes)
 
 
-def device_budget(cfg: Any) -> tuple[float, int, str]:
+def device_budget(runtime: RuntimeConfig) -> tuple[float, int, str]:
     """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
     local = jax.local_device_count()
     procs = local_processes(os.environ, jax.process_count())
     per = f" / {procs} processes on this host" if procs > 1 else ""
-    if cfg.runtime.memory_gb is not None:
+    if runtime.memory_gb is not None:
         if jax.default_backend() != "cpu":
-            return cfg.runtime.memory_gb * GiB, 1, f"runtime.memory_gb={cfg.runtime.memory_gb}"
-        return (cfg.runtime.memory_gb * GiB / (local * procs), local,
-                f"runtime.memory_gb={cfg.runtime.memory_gb}{per}")
+            return runtime.memory_gb * GiB, 1, f"runtime.memory_gb={runtime.memory_gb}"
+        return (runtime.memory_gb * GiB / (local * procs), local,
+                f"runtime.memory_gb={runtime.memory_gb}{per}")
     if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
         return (cpu_device_budget(host_memory_bytes(), local, procs), local,
                 f"this host's available RAM{per}")
@@ -51,7 +52,7 @@ def device_budget(cfg: Any) -> tuple[float, int, str]:
     return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
 
 
-def check_memory(cfg: Any, exp: Any, compiled: Any, plan: RunPlan | None = None) -> str | None:
+def check_memory(cfg: RunConfig, exp: Any, compiled: Any, plan: RunPlan | None = None) -> str | None:
     """This process's refusal of a run whose compiled step will not fit what its host gives a
     device, in one line with the nearest setting that fits (tried from ``plan``'s layout,
     batch and sequence length; None: ``exp``'s config as it is); None when it fits."""
@@ -60,7 +61,7 @@ def check_memory(cfg: Any, exp: Any, compiled: Any, plan: RunPlan | None = None)
     need = step_bytes(compiled)
     if need is None:
         return None
-    budget, shared, source = device_budget(cfg)
+    budget, shared, source = device_budget(cfg.runtime)
     if need <= budget:
         return None
     # No suggestion changes the model: sharded over every visible device, its weights and
@@ -80,7 +81,7 @@ def check_memory(cfg: Any, exp: Any, compiled: Any, plan: RunPlan | None = None)
             f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
 
 
-def memory_preflight(cfg: Any, exp: Experiment, compiled: Any, out: Path | None = None,
+def memory_preflight(cfg: RunConfig, exp: Experiment, compiled: Any, out: Path | None = None,
                      plan: RunPlan | None = None) -> None:
     """Raise ConfigError, before any weight is allocated, when the compiled step will not fit
     (``check_memory``); the refusal writes where the memory goes and its one line names the

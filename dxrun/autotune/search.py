@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -48,6 +48,9 @@ from dxrun.plan.mesh import MeshPlan, held_batch, make_plan
 from dxrun.plan.targets import GiB, Target, usable_bytes
 from dxrun.step import step_bytes
 
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
+
 log = logging.getLogger("dxrun")
 
 _SEARCHES = [0]  # searches made in this process: each agrees on its own keys
@@ -68,7 +71,7 @@ class _Search:
     """What one search reads throughout: the config, the devices, the batch and sequence
     length held fixed, and the estimate's target and memory budget."""
 
-    cfg: Any
+    cfg: RunConfig
     devices: tuple
     held: tuple[int, int]
     plan_mode: bool
@@ -128,7 +131,7 @@ def search(cfg: Any, plan_mode: bool = False, timer: Timer | None = None,
     return Searched(chosen, _record(s, rows, top, verdict, start, handover, t0))
 
 
-def _resumed(cfg: Any, resumed: Layout, devices: tuple, t0: float) -> Searched | None:
+def _resumed(cfg: RunConfig, resumed: Layout, devices: tuple, t0: float) -> Searched | None:
     """The checkpoint's layout, kept where the plan accepts it on these devices; else None
     (chosen again as a new run would, the checkpoint resharded onto the choice)."""
     n, size = cfg.parallelism.n_devices or devices[0], resumed.dp * resumed.fsdp * resumed.tp
@@ -146,7 +149,7 @@ def _resumed(cfg: Any, resumed: Layout, devices: tuple, t0: float) -> Searched |
     return None
 
 
-def _setup(cfg: Any, devices: tuple, plan_mode: bool, held: tuple[int, int]) -> _Search:
+def _setup(cfg: RunConfig, devices: tuple, plan_mode: bool, held: tuple[int, int]) -> _Search:
     _SEARCHES[0] += 1
     n = cfg.parallelism.n_devices or devices[0]
     key = cache_key(cfg, held, n, jax.devices()[0].device_kind, jax.__version__, devices[2])
@@ -154,7 +157,7 @@ def _setup(cfg: Any, devices: tuple, plan_mode: bool, held: tuple[int, int]) -> 
     if plan_mode:  # the target's usable memory, as plan mode's fit
         budget_gb = usable_bytes(target) / GiB if target.memory_bytes else None
     else:  # the memory preflight's budget
-        budget_gb = device_budget(cfg)[0] / GiB
+        budget_gb = device_budget(cfg.runtime)[0] / GiB
     mode = cfg.parallelism.search
     return _Search(cfg, devices, held, plan_mode, "model" if plan_mode else mode,
                    mode == "fresh", f"layout_search/{_SEARCHES[0]}", key, target, peak,
@@ -192,7 +195,7 @@ def _ranked(s: _Search, layouts: list[Layout], score: Score, built: dict[Layout,
     0's rows on every process (memory readings differ per process), so that every process
     measures the same candidates in the same order."""
     cfg, top = s.cfg, s.cfg.parallelism.search_top
-    rows = _agreed_rows(f"{s.tag}/rows", model_stage(cfg, layouts, s.budget_gb, score))
+    rows = _agreed_rows(f"{s.tag}/rows", model_stage(layouts, s.budget_gb, score))
     if s.mode == "model":
         model_choice(rows, top=0)
         return rows

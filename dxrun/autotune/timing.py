@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -22,6 +22,9 @@ from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, _ms, survivors
 from dxrun.plan.mesh import held_batch, make_plan
 from dxrun.runtime import release_freed_memory
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 
@@ -39,7 +42,7 @@ class Handover:
     trained_s: float = 0.0  # those steps' seconds
 
 
-def time_layouts(cfg: Any, layouts: list[Layout], devices: tuple,
+def time_layouts(cfg: RunConfig, layouts: list[Layout], devices: tuple,
                  built: dict[Layout, Any] | None = None, rounds: int = MEASURE_ROUNDS,
                  prune: float | None = PRUNE, tag: str = "layout_search",
                  keep: Handover | None = None, with_turns: bool = False,

@@ -5,10 +5,13 @@ model's, or a roofline of XLA's counts), and the settings to try when it does no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun.plan.gpu_cost import basis_text
 from dxrun.plan.targets import GB, Target, usable_share
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
 
 @dataclass
@@ -83,7 +86,7 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
     return out
 
 
-def candidates(cfg: Any) -> list[list[str]]:
+def candidates(cfg: RunConfig) -> list[list[str]]:
     """Overrides to try, nearest first: recompute activations (same mesh, same batch), shard
     the weights and optimizer state over the data replicas (FSDP), accumulate gradients over
     micro-batches, then a smaller batch."""

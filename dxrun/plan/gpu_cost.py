@@ -13,7 +13,7 @@ term by term, is in the guide (docs/guide/large-models.md, "The time model").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
 
@@ -22,6 +22,9 @@ from dxrun.plan.attention import CUDNN, attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import shard_optimizer
 from dxrun.plan.vocab import padded_vocab
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
 
 GB = 1e9
 
@@ -300,7 +303,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     }
 
 
-def workload(cfg: Any, plan: Any, n_params: float, params_per_device: float) -> Workload:
+def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: float) -> Workload:
     """The time model's view of a run config and its mesh plan (the vocabulary padded as the
     accelerator run pads it, whatever the CPU compile did)."""
     replicas = plan.dp * plan.fsdp

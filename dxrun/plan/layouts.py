@@ -12,12 +12,15 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun import faults
 from dxrun.errors import ConfigError
 from dxrun.plan.layout import Layout
 from dxrun.plan.mesh import make_plan
+
+if TYPE_CHECKING:
+    from dxrun.schema import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig
 
 SEARCHES = ("none", "measure", "model", "fresh")
 REMATS = ("none", "dots", "full")  # cheapest to most recomputation
@@ -43,7 +46,7 @@ def factorisations(n: int) -> list[tuple[int, int, int]]:
     return [(n // (f * t), f, t) for t in divisors for f in divisors if (n // t) % f == 0]
 
 
-def candidates(cfg: Any, n_visible: int, platform: str, processes: int = 1,
+def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1,
                process_hosts: tuple[int, ...] | None = None, batch: int | None = None,
                seq_len: int | None = None) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(meshes the plan accepts, [(mesh, why the plan refuses it)]), each with the user's remat
@@ -93,7 +96,7 @@ class Row:
                 "fits": self.fits, "why": self.why, "spread_ms": self.spread_ms}
 
 
-def model_stage(cfg: Any, layouts: list[Layout], budget_gb: float | None,
+def model_stage(layouts: list[Layout], budget_gb: float | None,
                 score: Callable[[Layout], tuple[float, float | None]]) -> list[Row]:
     """Each mesh at its first variant that fits, ranked by estimated step time (fastest
     first; those that fit nowhere last). ``score(layout)``: (GiB per device, est. seconds or
@@ -149,17 +152,17 @@ def to_measure(rows: list[Row], top: int, every: bool = False,
                            and r.est_ms < 1e3 * turn_s)]
 
 
-def train_budget(cfg: Any) -> int:
+def train_budget(train: TrainConfig, checkpoint: CheckpointConfig) -> int:
     """Steps a search may train for the run: those before the first at which the run's loop
     does more than step (a log row, an evaluation, a save, a trace, a test's hook), so that a
     run whose first steps the search trained writes what one that did not would."""
-    t, every = cfg.train, cfg.checkpoint.every
+    t, every = train, checkpoint.every
     points = [t.steps, t.log_every, t.eval_every, 100 if every is None else every,
               t.profile.start, *faults.from_env().steps()]
     return min(p for p in points if p and p > 0) - 1
 
 
-def train_through(cfg: Any, timed: list[Row], budget_gb: float | None = None,
+def train_through(cfg: RunConfig, timed: list[Row], budget_gb: float | None = None,
                   rounds: int = MEASURE_ROUNDS) -> int:
     """Timed steps a turn may take when the search's turns train the run's first steps (0: they
     do not; ``time_layouts``'s ``train_cap``): when every turn, however the rounds go, fits in
@@ -171,7 +174,7 @@ def train_through(cfg: Any, timed: list[Row], budget_gb: float | None = None,
     if budget_gb is not None and 2 * max((r.need_gb or 0.0 for r in timed),
                                          default=0.0) > budget_gb:
         return 0
-    per_turn = train_budget(cfg) // max(1, rounds * len(timed))
+    per_turn = train_budget(cfg.train, cfg.checkpoint) // max(1, rounds * len(timed))
     if per_turn < 2:
         return 0
     slow = all(r.est_ms is not None and r.est_ms >= 1e3 * cfg.parallelism.search_turn_s
@@ -179,7 +182,7 @@ def train_through(cfg: Any, timed: list[Row], budget_gb: float | None = None,
     return min(MEASURE_STEPS, per_turn - 1) if per_turn > MEASURE_STEPS or slow else 0
 
 
-def search_cost(cfg: Any, start: Row, n: int, compile_s: float, simulated: bool
+def search_cost(cfg: RunConfig, start: Row, n: int, compile_s: float, simulated: bool
                 ) -> tuple[float, int, float]:
     """(seconds a search of ``n`` layouts is predicted to add to a run, the steps of its turns
     that do not train the run, the seconds of the run's ``train.steps``), the starting layout's
@@ -279,11 +282,10 @@ def chosen_layout(record: dict[str, Any]) -> Layout:
     return Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
 
 
-def searches(cfg: Any) -> bool:
+def searches(p: ParallelismConfig) -> bool:
     """Does this run search? ``parallelism.search`` is not ``none`` and no axis was named: a run
     that sets ``parallelism.dp``, ``fsdp`` or ``tp`` on ``auto`` (the default preset:
     ``python -m dxrun parallelism.tp=2``) takes that layout as given, as a named preset does."""
-    p = cfg.parallelism
     return p.search != "none" and (p.dp, p.fsdp, p.tp) == (-1, 1, 1)
 
 

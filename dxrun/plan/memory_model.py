@@ -13,13 +13,16 @@ cross-checked against XLA:CPU's memory analysis in ``tests/test_memory_model.py`
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 
 from dxrun.plan.attention import attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
+
+if TYPE_CHECKING:
+    from dxrun.schema import ModelConfig, TrainConfig
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -63,12 +66,12 @@ class Shapes:
         return 0 if self.kernel == "cudnn" else self.heads * self.s * self.s * self.b
 
 
-def shapes(cfg: Any, plan: Any, kernel: str) -> Shapes:
-    """The per-device shapes of ``cfg`` on ``plan``'s mesh (dp, fsdp, tp)."""
-    m = cfg.model
+def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str) -> Shapes:
+    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, tp)."""
+    m = model
     tp, replicas = plan.tp, plan.dp * plan.fsdp
     accum = plan.grad_accum
-    c = DTYPE_BYTES[cfg.train.precision]
+    c = DTYPE_BYTES[train.precision]
     return Shapes(
         b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),

@@ -26,7 +26,7 @@ from dxrun.plan.vocab import padded_vocab, vocab_align
 from dxrun.schema import INT32
 
 if TYPE_CHECKING:
-    from dxrun.schema import ParallelismConfig
+    from dxrun.schema import ParallelismConfig, RunConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -263,7 +263,7 @@ def check_tokens_per_step(key: str, value: int, batch: int, seq_len: int) -> Non
                       f"lower {key} or data.seq_len")
 
 
-def make_plan(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1,
+def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
               process_hosts: tuple[int, ...] | None = None, *, layout: Layout | None = None,
               batch: int | None = None, seq_len: int | None = None) -> MeshPlan:
     """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
@@ -384,7 +384,7 @@ def shard_optimizer(p: ParallelismConfig, plan: MeshPlan) -> bool:
     return plan.dp > 1 if value is None else bool(value)
 
 
-def held_batch(cfg: Any, n_visible: int, platform: str = "cpu", processes: int = 1,
+def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
                process_hosts: tuple[int, ...] | None = None, seq_len: int | None = None
                ) -> tuple[int, int]:
     """(global batch, sequence length) a layout search holds fixed while the layouts change
