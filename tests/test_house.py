@@ -207,7 +207,8 @@ def test_the_search_reads_in_one_screen():
     """``search()`` is the layout search's outline; its stages are functions beside it."""
     path = PACKAGE / "autotune" / "search.py"
     (fn,) = [n for n in _tree(path).body if isinstance(n, ast.FunctionDef) and n.name == "search"]
-    _at_most("SEARCH_LINES", fn.end_lineno - fn.lineno + 1, SEARCH_LINES, "dxrun.autotune.search.search")
+    _at_most("SEARCH_LINES", fn.end_lineno - fn.lineno + 1, SEARCH_LINES,
+             "dxrun.autotune.search.search")
 
 
 def test_modules_stay_small():

@@ -630,7 +630,8 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
                    "parallelism.search_turn_s=1e-6", "parallelism.search_budget=null", *common)
-    assert ls.train_budget(cfg.train, cfg.checkpoint) == 13  # the steps before the first row (step 14)
+    # the steps before the first row (step 14)
+    assert ls.train_budget(cfg.train, cfg.checkpoint) == 13
     prepared = prepare(cfg)
     record = prepared.plan.search
     trained = record["trained_steps"]
