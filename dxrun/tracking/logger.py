@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dxrun.config import LoggerConfig
 from dxrun.runtime import finite_or_null
+from dxrun.schema import LoggerConfig
 from dxrun.tracking.wandb_file import held_steps
 
 log = logging.getLogger("dxrun")
