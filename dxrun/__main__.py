@@ -165,7 +165,7 @@ def main(cfg: DictConfig) -> Any:
                         "checkpoint, so this one starts again from %s", run_dir, claim.attempt,
                         last, resume.directory if resume is not None else "step 0")
         job = _job(cfg, hydra_cfg, started, claim)
-        if is_main():  # the plan's global batch and sequence length, written once
+        if is_main():  # the plan's batch and sequence length, the W&B names: written once
             write_hydra_files(run_dir, resolved_config(
                 cfg, prepared.plan, job_type=job.job_type, group=job.group), hydra_cfg)
         _status(run_dir, "running", **_job_fields(hydra_cfg, claim))
