@@ -149,11 +149,9 @@ def main(cfg: DictConfig) -> Any:
         claim = claim_to_train(cfg.run, cfg.checkpoint, hydra_cfg, asked_dir(hydra_cfg))
         run_dir = claim.dir
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
-        # anything is written.
-        # From here on the run follows run_cfg, a copy: the W&B job type and group filled in
-        # (``_wandb_named``); what is derived from it (the layout...) is in ``prepared.plan``.
-        run_cfg = _wandb_named(cfg, hydra_cfg, multirun)
-        prepared = prepare(run_cfg, run_dir)
+        # anything is written. The run follows cfg; what is derived from it (the layout...) is
+        # in ``prepared.plan``, where the run sits (its W&B names) in ``job``.
+        prepared = prepare(cfg, run_dir)
         resume = prepared.resume
         if simulated and not multirun and (note := thread_pool_note(
                 len(prepared.exp.plan.device_ids), jax.local_device_count(), os.cpu_count())):
@@ -166,15 +164,13 @@ def main(cfg: DictConfig) -> Any:
             log.warning("%s: attempt %d of its run; the last one %s before its first "
                         "checkpoint, so this one starts again from %s", run_dir, claim.attempt,
                         last, resume.directory if resume is not None else "step 0")
-        if is_main():  # the plan's global batch and sequence length, written once
-            write_hydra_files(run_dir, resolved_config(run_cfg, prepared.plan), hydra_cfg)
+        job = _job(cfg, hydra_cfg, started, claim)
+        if is_main():  # the plan's batch and sequence length, the W&B names: written once
+            write_hydra_files(run_dir, resolved_config(
+                cfg, prepared.plan, job_type=job.job_type, group=job.group), hydra_cfg)
         _status(run_dir, "running", **_job_fields(hydra_cfg, claim))
-        choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
-                   if not k.startswith("hydra/") and isinstance(v, str)}
-        job = Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started,
-                  continues=claim.continues)
         try:
-            summary = train(run_cfg, run_dir, job, prepared)
+            summary = train(cfg, run_dir, job, prepared)
         except Stopped as e:  # preempted: the checkpoint is committed; a requeue resumes it
             _status(run_dir, "stopped", signal=e.signal_name, step=e.step,
                     checkpoint=str(e.checkpoint), relaunch=e.relaunch, reason=str(e),
@@ -182,7 +178,7 @@ def main(cfg: DictConfig) -> Any:
             sys.exit(e.code)
         _status(run_dir, "ok", **_job_fields(hydra_cfg, claim))
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
-        return summary.get(run_cfg.train.objective) if run_cfg.train.objective else summary
+        return summary.get(cfg.train.objective) if cfg.train.objective else summary
     except Interrupted as e:  # a signal outside the train loop
         _interrupted(e, cfg.checkpoint, hydra_cfg, run_log, claim)
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
@@ -281,19 +277,21 @@ def _job_fields(hydra_cfg: HydraConf, claim: Claim | None = None) -> dict[str, A
             "lost_attempts": claim.lost_attempts if claim else 0}
 
 
-def _wandb_named(cfg: RunConfig, hydra_cfg: HydraConf, multirun: bool) -> RunConfig:
-    """A copy of ``cfg`` with the W&B group and job type the user left unset filled in, for the
-    run to follow, so its W&B run, its saved config and the sweep report (which reads the saved
-    config) agree on where it went: the jobs of one multirun share the group of their sweep dir
-    and have job type "sweep". ``cfg`` itself is read, never rewritten."""
-    import copy
-
-    out = copy.deepcopy(cfg)
-    if cfg.logger.job_type is None:
-        out.logger.job_type = "sweep" if multirun else "train"
-    if multirun and cfg.logger.group is None:
-        out.logger.group = sweep_group(Path(hydra_cfg.sweep.dir))
-    return out
+def _job(cfg: RunConfig, hydra_cfg: HydraConf, started: float, claim: Claim) -> Job:
+    """Where the run sits: Hydra's group choices and overrides, and its W&B job type and group,
+    the config's or, where it left them unset, filled in: the jobs of one multirun share the
+    group of their sweep dir and have job type "sweep". The run's W&B run and its saved config
+    record them alike, so the sweep report (which reads the saved config) agrees with W&B."""
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    choices = {k: v for k, v in hydra_cfg.runtime.choices.items()
+               if not k.startswith("hydra/") and isinstance(v, str)}
+    group, job_type = cfg.logger.group, cfg.logger.job_type
+    if multirun and group is None:
+        group = sweep_group(Path(hydra_cfg.sweep.dir))
+    if job_type is None:
+        job_type = "sweep" if multirun else "train"
+    return Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started,
+               continues=claim.continues, group=group, job_type=job_type)
 
 
 def _job_failed(msg: str, crashed: bool) -> None:

@@ -83,7 +83,7 @@ class Attempt:
         self.cost = StepCost(tokens_per_step, flops.flops_per_token(
             cfg.model, self.n_params, plan.seq_len) * tokens_per_step, plan.n_devices, peak)
         run_config = {  # the W&B config and each checkpoint's: the derived numbers written once
-            **saved_config(cfg, run_plan),
+            **saved_config(cfg, run_plan, job_type=job.job_type, group=job.group),
             "choices": job.choices,
             "plan": run_plan.to_json(),
             "n_params": self.n_params,
@@ -102,8 +102,7 @@ class Attempt:
         # kept rows it lacks into it.
         self.logger = MetricsLogger(
             run_dir, cfg.logger, run_config, name=run_name(cfg, job, plan.global_batch),
-            group=job.group,
-            choices=job.choices, is_main=main,
+            group=job.group, job_type=job.job_type, choices=job.choices, is_main=main,
             resume_id=ckpt_meta.get("wandb_id") if in_place else None,
             kept=rewound.kept if in_place else None)
         # No held-out data: no eval/*.

@@ -5,9 +5,8 @@ The schema (dxrun/schema.py: every key, its default, meaning, range and choices,
 is registered in Hydra's ConfigStore as ``dxrun_schema`` and is the first entry of
 ``conf/config.yaml``'s defaults, so every group file and every command-line override is merged
 into typed, closed (struct) nodes: an unknown key or a value of the wrong type fails at
-composition. ``dxrun.validation`` then checks the values. The schema's names stay importable
-from here. No JAX import: the device count is decided from the composed config
-before JAX starts.
+composition. ``dxrun.validation`` then checks the values. No JAX import: the device count is
+decided from the composed config before JAX starts.
 """
 
 from __future__ import annotations
@@ -20,35 +19,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from dxrun.errors import ConfigError
-from dxrun.schema import (  # noqa: F401 - the schema's names, importable from dxrun.config as before
-    _CHOICES,
-    DATA_SOURCE_KEYS,
-    FIELDS,
-    FRACTION,
-    NON_NEGATIVE,
-    NULLABLE,
-    POSITIVE,
-    RANGES,
-    UNRANGED,
-    CheckpointConfig,
-    DataConfig,
-    DistributedConfig,
-    EvalConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelismConfig,
-    PlanConfig,
-    ProfileConfig,
-    Range,
-    RunConfig,
-    RunSection,
-    RuntimeConfig,
-    TrainConfig,
-    choices_of,
-    null_is_a_value,
-    ranges_markdown,
-)
+from dxrun.schema import ModelConfig, RunConfig
 
 DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 

@@ -1,5 +1,5 @@
-"""Where a run sits among others (Hydra's group choices, the overrides, the W&B group) and the
-names that follow from it: the run's name and its model's description."""
+"""Where a run sits among others (Hydra's group choices, the overrides, the W&B group and job
+type) and the names that follow from it: the run's name and its model's description."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ if TYPE_CHECKING:
 @dataclass
 class Job:
     """Where a run sits among others: Hydra's group choices, the command-line overrides, and
-    the W&B group (the experiment or multirun sweep)."""
+    the W&B group (the experiment or multirun sweep) and job type. The W&B names are decided
+    for the run (``logger.group``/``logger.job_type``, or what the launch fills in where they
+    are unset) and carried here, never written into the config the run follows; the run's
+    saved config records them (``run_plan.saved_config``). None: the config's own."""
 
     choices: dict[str, str] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
     group: str | None = None
+    job_type: str | None = None
     started: float | None = None  # epoch seconds the job began (goodput's startup); None = now
     # The run dir holds earlier attempts of this run (a relaunch continues them, with or without
     # a checkpoint): their rows after this attempt's start move aside, their goodput is kept.

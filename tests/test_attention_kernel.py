@@ -11,10 +11,10 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.attention_kernel import AttentionTarget, attention_target
-from dxrun.config import ModelConfig
 from dxrun.experiment import Experiment
 from dxrun.model import Transformer
 from dxrun.plan.attention import attention_implementation
+from dxrun.schema import ModelConfig
 from dxrun.sharding import in_mesh_context
 
 H100 = ("gpu", "9.0", 91000)  # platform, compute capability, cuDNN 9.10

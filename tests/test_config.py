@@ -207,7 +207,7 @@ def test_readme_lists_the_generated_ranges():
     readme = (Path(__file__).resolve().parents[1] / "docs/guide/bad-input.md").read_text()
     assert schema.ranges_markdown() in readme, (
         "README's table of ranges is stale: paste the output of "
-        "python -c 'from dxrun.config import ranges_markdown; print(ranges_markdown())'")
+        "python -c 'from dxrun.schema import ranges_markdown; print(ranges_markdown())'")
 
 
 @pytest.mark.parametrize("override, bad", [

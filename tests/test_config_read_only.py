@@ -1,11 +1,15 @@
 """Once validated, the run config is read, never rewritten, and is the config the run trains on:
 the derived numbers (the global batch, the sequence length, parallelism=auto's layout, plan
 mode's sequence length, the save cadence) travel in the run plan (``RunPlan``), decided once by
-``autotune.decide``, and only the saved config (``saved_config``) records them."""
+``autotune.decide``, and only the saved config (``saved_config``) records them, as it records
+the W&B job type and group a launch gives the run (carried in ``job.Job``)."""
 
 from __future__ import annotations
 
+import sys
+
 import jax
+from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
 from dxrun import validation
@@ -108,3 +112,44 @@ def test_plan_mode_resolves_seq_len_and_the_layout_in_its_plan(cfg_factory, monk
     assert (plan.mesh.dp, plan.mesh.fsdp, plan.mesh.tp) == (
         chosen.dp, chosen.fsdp, chosen.tp) == tuple(plan.to_json()["mesh_shape"])
     assert saved_config(cfg, plan)["data"]["seq_len"] == 128
+
+
+def test_the_cli_trains_on_the_validated_config_and_records_its_wandb_names(tmp_path,
+                                                                            monkeypatch):
+    # ``python -m dxrun -m ...`` in this process: a multirun's job, whose W&B job type and group
+    # (left unset) the launch fills in. The config the run trains on is the one __main__
+    # validated, unchanged; config.yaml and the W&B run record the filled-in names alike.
+    import dxrun.__main__ as entry
+    import dxrun.train
+
+    validated, trained = [], []
+    real_validate, real_train = entry.validate, dxrun.train.train
+
+    def validate(cfg):
+        real_validate(cfg)
+        validated.append((cfg, OmegaConf.to_container(cfg, resolve=True)))
+
+    def train(cfg, run_dir, job=None, prepared=None):
+        trained.append((cfg, prepared.exp.cfg, job, run_dir))
+        return real_train(cfg, run_dir, job, prepared)
+
+    monkeypatch.setattr(entry, "validate", validate)
+    monkeypatch.setattr(dxrun.train, "train", train)  # __main__ imports it when it runs
+    sweep = tmp_path / "multirun" / "2026-01-02" / "03-04-05"
+    monkeypatch.setattr(sys, "argv", [
+        "dxrun", "-m", "model=tiny", "model.n_layers=1", "parallelism=dp2",
+        "data.batch_size=8", "train.steps=1", "train.eval_every=0", "checkpoint.every=0",
+        f"hydra.sweep.dir={sweep}", "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    entry.main()
+    ((cfg, before),) = validated
+    ((run_cfg, exp_cfg, job, run_dir),) = trained
+    assert run_cfg is cfg and exp_cfg is cfg  # the validated config itself, not a copy
+    assert OmegaConf.to_container(cfg, resolve=True) == before
+    assert (cfg.logger.job_type, cfg.logger.group) == (None, None)
+    names = ("sweep", "sweep-2026-01-02_03-04-05")
+    assert (job.job_type, job.group) == names
+    saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml").logger
+    assert (saved.job_type, saved.group) == names
+    run = finished_wandb_run(next(run_dir.glob("wandb/offline-run-*/run-*.wandb")))
+    assert (run["job_type"], run["group"]) == names
+    assert (run["config"]["logger"]["job_type"], run["config"]["logger"]["group"]) == names

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun.config import DistributedConfig
 from dxrun.errors import ConfigError
 from dxrun.multihost.distributed import (
     LOCAL_PROCESSES,
@@ -19,6 +18,7 @@ from dxrun.multihost.distributed import (
 )
 from dxrun.plan.hosts import split_over_hosts
 from dxrun.plan.mesh import make_plan
+from dxrun.schema import DistributedConfig
 
 
 def _dist(**kw):

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from omegaconf import OmegaConf
 
-from dxrun.config import ModelConfig
 from dxrun.experiment import Experiment
 from dxrun.model import Transformer, count_params, resize_vocab
+from dxrun.schema import ModelConfig
 from dxrun.sharding import param_axes
 from dxrun.step import loss_and_metrics
 

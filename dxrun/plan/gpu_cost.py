@@ -72,6 +72,13 @@ def _gpu(**own: str) -> dict[str, str]:
             "network_bytes_per_s": _NET} | own
 
 
+def _tpu(**own: str) -> dict[str, str]:
+    """A TPU target's sources: the shared ones, with ``own`` in place."""
+    return {"matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
+            "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
+            "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"} | own
+
+
 COST: dict[str, Cost] = {
     "h100": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
         matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989", clock_scale=_SUSTAINED)),
@@ -97,18 +104,12 @@ COST: dict[str, Cost] = {
     # TPUs: no cuDNN, so XLA's attention (dxrun/plan/attention.py); the MXU's achieved
     # fraction from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results":
     # 55-65% MFU on dense Llama-class models; the matmuls alone do better).
-    "v5e": Cost(0.80, 128, 0.0, 0.85, 0.80, 256, 25 * GB, 1.0, None,
-                {"matmul_efficiency": "MaxText README v5e results (~60% MFU end to end)",
-                 "matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
-                 "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
-                 "devices_per_node": "a v5e pod slice (256 chips on ICI)",
-                 "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
-    "v5p": Cost(0.80, 128, 0.0, 0.85, 0.80, 8960, 25 * GB, 1.0, None,
-                {"matmul_efficiency": "MaxText README v5p results (~60% MFU end to end)",
-                 "matmul_half_dim": "MXU 128 x 128 (Cloud TPU system architecture)",
-                 "hbm_efficiency": "assumed as GPUs'", "link_efficiency": "assumed",
-                 "devices_per_node": "a v5p pod (8,960 chips on ICI)",
-                 "network_bytes_per_s": "DCN, assumed", "clock_scale": "1.0, not calibrated"}),
+    "v5e": Cost(0.80, 128, 0.0, 0.85, 0.80, 256, 25 * GB, 1.0, None, _tpu(
+        matmul_efficiency="MaxText README v5e results (~60% MFU end to end)",
+        devices_per_node="a v5e pod slice (256 chips on ICI)")),
+    "v5p": Cost(0.80, 128, 0.0, 0.85, 0.80, 8960, 25 * GB, 1.0, None, _tpu(
+        matmul_efficiency="MaxText README v5p results (~60% MFU end to end)",
+        devices_per_node="a v5p pod (8,960 chips on ICI)")),
 }
 
 # What the estimate row says of its basis: set from the last `python -m benchmarks

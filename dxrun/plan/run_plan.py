@@ -3,8 +3,9 @@
 
 It holds the mesh plan (the layout: dp/fsdp/tp, remat, accumulation; the global batch and
 sequence length), the save cadence, and the layout search's record where one decided the
-layout. ``saved_config`` is the one place the derived numbers are written, into the record a
-run's files keep (``config.yaml``, the W&B config, each checkpoint's config).
+layout. ``saved_config`` is the one place the derived numbers, and the W&B job type and group
+the launch gave the run (``job.Job``), are written, into the record a run's files keep
+(``config.yaml``, the W&B config, each checkpoint's config).
 """
 
 from __future__ import annotations
@@ -44,14 +45,22 @@ class RunPlan:
         return {**self.mesh.to_json(), "layout_search": self.search}
 
 
-def resolved_config(cfg: DictConfig, plan: RunPlan) -> DictConfig:
+def resolved_config(cfg: DictConfig, plan: RunPlan, *, job_type: str | None = None,
+                    group: str | None = None) -> DictConfig:
     """A copy of ``cfg`` holding the plan's global batch and sequence length in
     ``data.batch_size`` and ``data.seq_len`` and, where a search chose the layout, that layout
     as ordinary keys (W&B and sweeps group by them) with the global batch as the one given:
-    what the run's files record, and the base of the settings a refusal tries. ``cfg`` itself
-    is read, never rewritten."""
-    return recorded(cfg, plan.global_batch, plan.seq_len,
-                    plan.layout if plan.search is not None else None)
+    what the run's files record, and the base of the settings a refusal tries. ``job_type``,
+    ``group``: the run's W&B names (``job.Job``) in ``logger``, so that its W&B run, its
+    files and the sweep report (which reads them) agree; None keeps the config's. ``cfg``
+    itself is read, never rewritten."""
+    out = recorded(cfg, plan.global_batch, plan.seq_len,
+                   plan.layout if plan.search is not None else None)
+    if job_type is not None:
+        out.logger.job_type = job_type
+    if group is not None:
+        out.logger.group = group
+    return out
 
 
 def recorded(cfg: DictConfig, batch: int, seq_len: int, layout: Layout | None = None
@@ -67,6 +76,8 @@ def recorded(cfg: DictConfig, batch: int, seq_len: int, layout: Layout | None = 
     return out
 
 
-def saved_config(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
+def saved_config(cfg: DictConfig, plan: RunPlan, *, job_type: str | None = None,
+                 group: str | None = None) -> dict[str, Any]:
     """``resolved_config`` as the plain dict the run's files are written from."""
-    return OmegaConf.to_container(resolved_config(cfg, plan), resolve=True)
+    return OmegaConf.to_container(
+        resolved_config(cfg, plan, job_type=job_type, group=group), resolve=True)

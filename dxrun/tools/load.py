@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dxrun.config import RunConfig, check_keys, composition_error, conf_dir, register
+from dxrun.config import check_keys, composition_error, conf_dir, register
 from dxrun.errors import ConfigError, first_line
 from dxrun.plan.mesh import make_plan
 from dxrun.runtime import simulate_cpu_devices
+from dxrun.schema import RunConfig
 from dxrun.validation import validate
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dxrun.config import LoggerConfig
 from dxrun.runtime import finite_or_null
+from dxrun.schema import LoggerConfig
 from dxrun.tracking.wandb_file import held_steps
 
 log = logging.getLogger("dxrun")
@@ -25,7 +25,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any], name: str,
                  group: str | None = None, choices: dict[str, str] | None = None,
                  is_main: bool = True, resume_id: str | None = None,
-                 kept: list[dict[str, Any]] | None = None):
+                 kept: list[dict[str, Any]] | None = None, job_type: str | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.is_main = is_main
         self.wandb = None
@@ -40,8 +40,10 @@ class MetricsLogger:
             held = held_steps(sorted(run_dir.glob(f"wandb/*run-*/run-{resume_id}.wandb"))
                               ) if resume_id and kept is not None else []
             rewind_to, missing = catch_up(kept or [], held) if resume_id else (None, [])
+            # The W&B names: the config's, else the ones the launch gave the run (``job.Job``).
             self.wandb, rewound = _open_wandb(run_dir, lc, run_config, name, lc.group or group,
-                                              tags + list(lc.tags), resume_id, rewind_to)
+                                              tags + list(lc.tags), resume_id, rewind_to,
+                                              lc.job_type or job_type or "train")
             if not rewound:  # continued as it is: W&B ignores steps at or below its last
                 missing = [r for r in missing if held is not None and r["step"] > max(
                     held, default=0)]
@@ -200,12 +202,14 @@ def open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | Non
     """A W&B run under ``run_dir`` (``resume_id``: continue that run; ``rewind_to``: first
     rewind it to that step), its history keyed by ``step``; None, with one warning, if W&B
     fails: it never stops the caller."""
-    return _open_wandb(run_dir, lc, run_config, name, group, tags, resume_id, rewind_to)[0]
+    return _open_wandb(run_dir, lc, run_config, name, group, tags, resume_id, rewind_to,
+                       lc.job_type or "train")[0]
 
 
 def _open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | None,
                 name: str | None, group: str | None, tags: list[str] | None,
-                resume_id: str | None, rewind_to: int | None) -> tuple[Any, bool]:
+                resume_id: str | None, rewind_to: int | None, job_type: str
+                ) -> tuple[Any, bool]:
     """``open_wandb``'s run, and whether it was rewound as asked (True when no rewind was
     asked)."""
     try:
@@ -223,7 +227,7 @@ def _open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | No
             try:
                 run = wandb.init(
                     project=lc.project, entity=lc.entity, name=name, group=group,
-                    job_type=lc.job_type or "train", tags=tags, dir=str(run_dir), mode=mode,
+                    job_type=job_type, tags=tags, dir=str(run_dir), mode=mode,
                     config=run_config, reinit="finish_previous", id=resume_id, **how)
                 rewound = rewind_to is None or "resume_from" in how
                 break
