@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import stat
 import sys
 from pathlib import Path
 
@@ -56,7 +57,10 @@ class RunLog:
             h.close()
             path = Path(h.baseFilename)
             with contextlib.suppress(FileNotFoundError):  # the ranks of one run share the file
-                if path.stat().st_size == 0:  # Hydra's empty file; an earlier run's log stays
+                st = path.stat()
+                # Hydra's empty file; an earlier run's log stays, and so does anything that is
+                # not a plain file (a handler on /dev/null: deleting it would break the host).
+                if stat.S_ISREG(st.st_mode) and st.st_size == 0:
                     path.unlink()
         self.buffer = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=100)
         root.addHandler(self.buffer)
