@@ -101,6 +101,7 @@ def main(cfg: DictConfig) -> Any:
     run_log = RunLog()  # lines wait in memory until this run has claimed its own dir
     run_dir: Path | None = None
     claim: Claim | None = None  # the run dir this job trains in, held until it ends
+    held: list[Claim] = []  # the claim from the moment its lock is taken (run_dir.claim)
     try:
         check_keys(cfg)
         validate(cfg)
@@ -146,7 +147,7 @@ def main(cfg: DictConfig) -> Any:
         # Every process uses process 0's run dir (their clocks may name it differently).
         # Claimed and held before the plan and the compile, so that a second launch into a
         # held dir is refused at once (or waits) instead of compiling beside it.
-        claim = claim_to_train(cfg.run, cfg.checkpoint, hydra_cfg, asked_dir(hydra_cfg))
+        claim = claim_to_train(cfg.run, cfg.checkpoint, hydra_cfg, asked_dir(hydra_cfg), held)
         run_dir = claim.dir
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written. The run follows cfg; what is derived from it (the layout...) is
@@ -180,6 +181,7 @@ def main(cfg: DictConfig) -> Any:
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
         return summary.get(cfg.train.objective) if cfg.train.objective else summary
     except Interrupted as e:  # a signal outside the train loop
+        claim = claim or (held[0] if held else None)  # locked, not yet returned: still held
         _interrupted(e, cfg.checkpoint, hydra_cfg, run_log, claim)
     except NonFiniteError as e:  # train.nan_policy=halt: the last good checkpoint is kept
         _status(run_dir, "failed", kind="nonfinite", reason=str(e),
@@ -233,9 +235,10 @@ def main(cfg: DictConfig) -> Any:
         _status(run_dir, "failed", kind="crashed", reason=reason, log=str(log_path),
                 **_job_fields(hydra_cfg, claim))
         return _job_failed(f"{reason} (full traceback: {log_path})", crashed=True)
-    finally:
-        if claim is not None:  # the next job of a multirun, or a relaunch, may take it
-            claim.release()
+    finally:  # the next job of a multirun, or a relaunch, may take the dir
+        for held_claim in (claim, *held):  # (held: locked by a job stopped before it returned)
+            if held_claim is not None:
+                held_claim.release()
 
 
 def _interrupted(e: Interrupted, ckpt: CheckpointConfig, hydra_cfg: HydraConf,

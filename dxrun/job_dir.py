@@ -39,10 +39,11 @@ def claim_new(asked: Path) -> Path:
 
 
 def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf,
-                   asked: Path) -> Claim:
+                   asked: Path, held: list[Claim] | None = None) -> Claim:
     """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
-    ``asked`` is said at once rather than only in the last line."""
+    ``asked`` is said at once rather than only in the last line. ``held``: as ``run_dir.claim``
+    (the caller's hold on the dir from the moment it is locked)."""
     from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX after device count
 
     wait_s = run_dirs.wait_seconds(run.wait_for_lock)
@@ -51,7 +52,7 @@ def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf
         try:
             claim = run_dirs.claim(
                 asked, named=names_its_dir(hydra_cfg),
-                fresh=str(ckpt.resume) == "none", wait_s=wait_s,
+                fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
                 has_checkpoints=lambda d: bool(committed_steps(checkpoint_dir(ckpt, d))))
             decision = {"dir": str(claim.dir), "continues": claim.continues}
         except ConfigError as e:

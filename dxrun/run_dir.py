@@ -215,20 +215,25 @@ class Claim:
 
 
 def claim(asked: Path, *, named: bool, fresh: bool, has_checkpoints: Callable[[Path], bool],
-          wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> Claim:
+          wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+          held: list[Claim] | None = None) -> Claim:
     """The dir a training launch asking for ``asked`` trains in, locked (module docstring).
     ``named``: the user named the dir (no generated timestamp); ``fresh``: a new run
     (``checkpoint.resume=none``). A named dir held by a live run: wait up to ``wait_s``, then
-    ConfigError naming the holder."""
+    ConfigError naming the holder. ``held`` gets the claim the moment its lock is taken, so
+    that a signal before this returns still stops the run as one that holds its dir."""
+    held = [] if held is None else held
     if fresh or not named:
         while True:
             run_dir = claim_run_dir(asked)  # the first dir whose .hydra/ this launch made
             if (lock := RunLock.acquire(run_dir)) is not None:
-                return Claim(run_dir, lock)
+                held[:] = [Claim(run_dir, lock)]
+                return held[0]
     deadline, said = clock() + wait_s, False
     while True:
         target, cont = pick(asked, has_checkpoints)
         lock = RunLock.acquire(target)
+        held[:] = [] if lock is None else [Claim(target, lock)]
         if lock is None:
             if clock() >= deadline:
                 raise ConfigError(busy(target, wait_s))
@@ -240,9 +245,11 @@ def claim(asked: Path, *, named: bool, fresh: bool, has_checkpoints: Callable[[P
             time.sleep(POLL_S)
             continue
         if pick(asked, has_checkpoints) != (target, cont):  # it changed before we held it
+            held.clear()
             lock.release()
             continue
-        return Claim(target, lock, read_status(target) if cont else None)
+        held[:] = [Claim(target, lock, read_status(target) if cont else None)]
+        return held[0]
 
 
 def busy(run_dir: Path, wait_s: float) -> str:

@@ -95,6 +95,31 @@ def test_one_owner_per_run_dir_while_it_lives(tmp_path):
     waited.release()
 
 
+def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path):
+    """A signal after the claim took the dir's lock but before it returned (here: raised by
+    the check that the dir did not change meanwhile) still leaves the caller holding the dir,
+    so the stop names the run dir and its resume command and frees the lock for the relaunch
+    (it said "nothing was written" and left the lock file behind)."""
+    from dxrun.errors import Interrupted
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_status(run, "running")
+
+    def has_checkpoints(d: Path) -> bool:
+        if (d / run_dirs.LOCK).exists():  # the re-check, after the lock
+            raise Interrupted("SIGTERM", "while starting")
+        return False
+
+    held: list = []
+    with pytest.raises(Interrupted):
+        run_dirs.claim(run, named=True, fresh=False, has_checkpoints=has_checkpoints, held=held)
+    (claim,) = held
+    assert claim.dir == run and run_dirs.holder(run).pid == os.getpid()
+    claim.release()
+    assert not (run / run_dirs.LOCK).exists()
+
+
 def test_a_relaunch_continues_the_newest_run_of_its_dir(tmp_path):
     """What ``run_dir.pick`` decides from the files: an unfinished run, or one with checkpoints,
     is continued; a finished one without checkpoints (or a plan-mode dir) leads to the next
