@@ -95,6 +95,23 @@ def test_bf16_is_faster_than_fp32_for_every_preset(cfg_factory, target):
         assert steps["bf16"]["fused_attention"] == nvidia, (target, model)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_attention_is_counted_once_per_device_under_tp(cfg_factory, precision):
+    """The same per-GPU attention two ways: data-parallel with 4 rows per device, or a tensor
+    group of 2 sharing 8 rows with half the heads each. Fused (bf16 on an H100) or XLA's
+    (fp32), a device computes the same attention either way, so its time is the same."""
+    t, cost = targets.TARGETS["h100"], gpu_cost.COST["h100"]
+    base = _workload(cfg_factory, "llama2_7b", precision)
+    tp2 = dataclasses.replace(base, rows=2 * base.rows, tp=2)
+
+    def attention_s(w: gpu_cost.Workload) -> float:
+        return gpu_cost.step_time(w, cost, flops.peak_tflops(t.device_kind, precision),
+                                  t.hbm_bytes_per_s, t.link_bytes_per_s, [])["attention_s"]
+
+    assert attention_s(base) > 0
+    assert attention_s(tp2) == pytest.approx(attention_s(base))
+
+
 def test_a_small_matmul_runs_further_below_the_peak():
     cost, peak, hbm = gpu_cost.COST["h100"], 989e12, 3.35e12
     big = gpu_cost._matmul_s(8192, 8192, 8192, peak, hbm, cost, 2, 2)

@@ -281,7 +281,9 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     mm = matmul_time(w, peak, hbm, cost, fused)
     attention = 0.0
     if fused:
-        per_token = flops.attention_flops(w.model, w.seq_len, causal=True)
+        # The tensor group shares its rows and splits their heads: a device runs 1/tp of the
+        # heads of every row it holds (w.tokens: the group's rows).
+        per_token = flops.attention_flops(w.model, w.seq_len, causal=True) / w.tp
         fwd = w.model.n_layers * per_token * w.tokens * w.micro_steps
         recompute = fwd if w.remat in ("full", "dots") else 0.0
         attention = (3.5 * fwd + recompute) / (peak * cost.attention_efficiency)
