@@ -156,6 +156,7 @@ def memory_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
              f"+ one layer's backward {gb_text(mm['working_bytes'])} + logits "
              f"{gb_text(mm['head_bytes'])}{chunk}{gathers}; total {gb_text(mm['total_bytes'])} "
              f"({mm['basis']})")]
+    rows += [("memory note", note) for note in mm.get("notes", [])]
     if mm["precision"] == "fp32" and mm["disagreement"] > MEMORY_AGREEMENT:
         rows.append(("XLA:CPU", f"{xla} ({100 * mm['disagreement']:.0f}% from the model)"))
     return rows

@@ -16,8 +16,9 @@ from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
-from dxrun.plan.mesh import MeshPlan, make_plan
-from dxrun.plan.targets import TARGETS, Target, target_key
+from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
+from dxrun.plan.targets import TARGETS, Target, plan_platform, target_key
+from dxrun.plan.vocab import padded_vocab
 from dxrun.step import step_bytes
 
 if TYPE_CHECKING:
@@ -52,18 +53,33 @@ def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
     )
 
 
+def target_vocab(vocab_size: int, vocab_align: int, plan: MeshPlan, target: Target) -> int:
+    """The rows the vocabulary tables have in a run on ``target`` (128-aligned on a GPU or TPU;
+    the plan's own padding is for the devices it was made on: this CPU in plan mode).
+    ``vocab_align``: ``parallelism.vocab_align`` (0: the target's)."""
+    platform = plan_platform(target_key(target), plan.platform)
+    return padded_vocab(vocab_size, plan.tp, platform, vocab_align)
+
+
 def accelerator_memory(exp: Any, target: Target) -> Any:
     """The memory model's per-device estimate (``plan.memory_model``) of ``exp``'s step on
-    ``target``: the state's shards read from the abstract state's shardings, activations
-    from the shapes, with the attention kernel a run on that target would use."""
-    cfg = exp.cfg
+    ``target``: the state's shards read from the abstract state's shardings (of the model
+    with the target's vocabulary padding), activations from the shapes, with the attention
+    kernel a run on that target would use."""
+    cfg, plan = exp.cfg, exp.plan
+    vocab = target_vocab(cfg.model.vocab_size, cfg.parallelism.vocab_align, plan, target)
+    if vocab != exp.padded_vocab:  # shapes only: the same model with the target's rows
+        exp = Experiment.build(cfg, replace(plan, padded_vocab=vocab), data=NoData())
     state = exp.abstract_state()
     kernel = memory_model.target_kernel(cfg.model.attention, target.device_kind,
                                         cfg.train.precision,
                                         cfg.model.d_model // cfg.model.n_heads)
-    return memory_model.estimate_memory(
-        memory_model.shapes(cfg.model, cfg.train, exp.plan, kernel), _shard_bytes(state.params),
-        _shard_bytes(state.opt_state), _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+    zero_dp = plan.dp if shard_optimizer(cfg.parallelism, plan) else 1
+    mem = memory_model.estimate_memory(
+        memory_model.shapes(cfg.model, cfg.train, plan, kernel, vocab),
+        _shard_bytes(state.params), _shard_bytes(state.opt_state),
+        _shard_bytes(exp.abstract_batch()), plan.fsdp, zero_dp)
+    return replace(mem, padded_vocab=vocab)
 
 
 def _cost(compiled: Any) -> tuple[float, float]:
@@ -161,6 +177,8 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     mem = accelerator_memory(exp, target) if target.device_kind != "cpu" else None
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
                    cfg.train.precision, timing, None if mem is None else mem.total_bytes)
+    if mem is not None:  # plan.json: the rows a run there has, beside the plan's (this CPU's)
+        est["padded_vocab"] = mem.padded_vocab
     return StepEstimate(fp, mem, est, parts, model_flops, n_params)
 
 

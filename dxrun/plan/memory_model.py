@@ -12,7 +12,7 @@ cross-checked against XLA:CPU's memory analysis in ``tests/test_memory_model.py`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -20,6 +20,7 @@ import numpy as np
 
 from dxrun.plan.attention import attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
+from dxrun.plan.targets import gb_text
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig, TrainConfig
@@ -66,8 +67,10 @@ class Shapes:
         return 0 if self.kernel == "cudnn" else self.heads * self.s * self.s * self.b
 
 
-def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str) -> Shapes:
-    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, tp)."""
+def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str,
+           vocab: int = 0) -> Shapes:
+    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, tp). ``vocab``: the
+    padded vocabulary of the target (0: the plan's, padded for the devices it was made on)."""
     m = model
     tp, replicas = plan.tp, plan.dp * plan.fsdp
     accum = plan.grad_accum
@@ -76,7 +79,7 @@ def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str) -> Sh
         b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
         head_dim=m.d_model // m.n_heads,
-        vocab=(plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
+        vocab=(vocab or plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
         mlp=m.mlp, bias=bool(m.bias), remat=plan.remat, kernel=kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
         loss_chunk=loss_chunk_for(m, plan))
@@ -114,10 +117,21 @@ def layer_saved(x: Shapes) -> float:
 def recomputed(x: Shapes) -> dict[str, float]:
     """What one layer's recomputation (remat) materialises for its backward pass: as
     ``layer_none`` except the MLP, whose elementwise chain is recomputed inside the fusions
-    of its backward: its matmul outputs, the activation's output and its derivative."""
+    of its backward: its matmul outputs, the activation's output and its derivative. Under
+    ``dots`` what the layer saved is read, not recomputed: the qkv, attention-output and MLP
+    matmul outputs (and with XLA's attention the heads' output); the qkv weight's use, the
+    attention core's softmax (XLA's: the exponentials and probabilities from the saved
+    scores; cuDNN's forward: the heads' output and the log-sum-exp), the norms and the
+    activation are recomputed."""
     parts = layer_none(x)
     ups = 2 if x.mlp == "swiglu" else 1
-    parts["mlp"] = (ups + 2) * x.c * x.tokens * x.f
+    t, c = x.tokens, x.c
+    if x.remat != "dots":
+        parts["mlp"] = (ups + 2) * c * t * x.f
+        return parts
+    fused = x.kernel == "cudnn"
+    parts["attention"] = c * x.h * x.qkv + (c * t * x.heads * x.head_dim if fused else 0.0)
+    parts["mlp"] = 2 * c * t * x.f
     return parts
 
 
@@ -173,16 +187,46 @@ class MemoryEstimate:
     head_bytes: float  # final norm and fp32 logits with their gradient
     total_bytes: float
     basis: str
+    padded_vocab: int = 0  # the target's (the time model's too), not the CPU compile's
+    # Where dxrun's step keeps more than a leaner program of the same settings would
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def program_notes(x: Shapes, params: float, grads: float, zero_dp: int) -> list[str]:
+    """What dxrun's step keeps beyond a leaner program with the same settings (llm.c's fused
+    kernels, Megatron's distributed optimizer), in bytes per device: said, not hidden.
+    ``zero_dp``: the data replicas ZeRO-1 splits the optimizer state over (1: off)."""
+    notes = []
+    if zero_dp > 1:
+        lean = params / 2 + params / zero_dp
+        notes.append(f"ZeRO-1 splits the optimizer state over {zero_dp} replicas, not the "
+                     f"weights: every device keeps all fp32 master weights "
+                     f"({gb_text(params)}) and a whole fp32 gradient; bf16 weights with the "
+                     f"fp32 master split (llm.c, Megatron's distributed optimizer) would keep "
+                     f"{gb_text(lean)}")
+    if x.accum > 1:
+        notes.append(f"train.grad_accum={x.accum}: the summed gradient and the micro-batch's, "
+                     f"two fp32 gradients ({gb_text(grads)}); accumulating in place keeps one")
+    if x.remat == "none":
+        per = layer_saved(x)
+        notes.append(f"model.remat=none keeps what JAX's derivatives save, "
+                     f"{per / (x.tokens * x.h):.0f} x d_model bytes a token and layer "
+                     f"({gb_text(x.n_layers * per)}: the activation's intermediates, the "
+                     f"norms' fp32 copies) where fused kernels keep about a third (llm.c: 32 "
+                     f"in bf16); model.remat=dots keeps "
+                     f"{gb_text(x.n_layers * layer_saved(replace(x, remat='dots')))}")
+    return notes
+
+
 def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
-                    fsdp: int) -> MemoryEstimate:
+                    fsdp: int, zero_dp: int = 1) -> MemoryEstimate:
     """The step's per-device peak: the state, one fp32 gradient per parameter shard, the
     batch, every layer's saved activations, one layer's backward working set, the head and
-    the FSDP gathers, all alive at the start of the backward pass."""
+    the FSDP gathers, all alive at the start of the backward pass. ``zero_dp``: the replicas
+    ZeRO-1 splits the optimizer state over (for ``program_notes``)."""
     acts = x.n_layers * layer_saved(x)
     work, head, gathers = working_set(x), head_bytes(x), gather_bytes(x, fsdp)
     # Accumulating: the scan's carry of summed gradients beside the micro-batch's own.
@@ -191,7 +235,7 @@ def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
     basis = (f"memory model: remat={x.remat}, attention {x.kernel}, "
              f"{'fp32' if x.c == FP32 else 'bf16'} activations, micro-batch {x.b}x{x.s}")
     return MemoryEstimate(params, opt_state, grads, batch, gathers, acts, work, head, total,
-                          basis)
+                          basis, notes=program_notes(x, params, grads, zero_dp))
 
 
 # The compute capability of each NVIDIA target (plan.targets.TARGETS' device kinds), which decides

@@ -38,16 +38,21 @@ class Target:
 # 2.04 TB/s, GDDR6 864 GB/s; NVLink 4: 900 GB/s, NVLink 3: 600 GB/s both directions together;
 # L40S has no NVLink: PCIe 4.0 x16, 32 GB/s); Google Cloud TPU v5e/v5p system docs (16 GB at
 # 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI).
+# A GPU's memory is the total its driver reports (nvidia-smi's MiB, what JAX's pool is a
+# fraction of), not the datasheet's rounded "80GB": H100 80GB HBM3 81,559 MiB, A100-SXM4-80GB
+# 81,920 MiB, H200 143,771 MiB, L40S 46,068 MiB; the Grand Teton H100 95 GiB (torchtitan's
+# docs/performance.md).
+MiB = 2**20
 TARGETS: dict[str, Target] = {
-    "h100": Target("H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB),
-    "h200": Target("H200 141GB", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB),
-    "a100": Target("A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB),
+    "h100": Target("H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 81_559 * MiB, 3.35e12, 450 * GB),
+    "h200": Target("H200 141GB", "NVIDIA H200", 143_771 * MiB, 4.8e12, 450 * GB),
+    "a100": Target("A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 81_920 * MiB, 2.039e12, 300 * GB),
     # Meta's Grand Teton H100 (torchtitan docs/performance.md: 96 GB HBM2e at 2.4 TB/s, NVLink,
     # run at a 500 W power limit): the SXM die (flops.PEAK_TFLOPS), its clock at 500 W in
     # gpu_cost.COST.
-    "h100_96gb_500w": Target("H100 96GB HBM2e 500W", "NVIDIA H100 96GB HBM2e", 96 * GB, 2.4e12,
+    "h100_96gb_500w": Target("H100 96GB HBM2e 500W", "NVIDIA H100 96GB HBM2e", 95 * GiB, 2.4e12,
                              450 * GB),
-    "l40s": Target("L40S 48GB", "NVIDIA L40S", 48 * GB, 0.864e12, 32 * GB),
+    "l40s": Target("L40S 48GB", "NVIDIA L40S", 46_068 * MiB, 0.864e12, 32 * GB),
     "v5e": Target("TPU v5e", "TPU v5 lite", 16 * GB, 0.819e12, 200 * GB),
     "v5p": Target("TPU v5p", "TPU v5", 95 * GB, 2.765e12, 600 * GB),
     "cpu": Target("this machine (CPU)", "cpu", 0.0, 0.0, 0.0),  # measured: see cpu_target
