@@ -133,9 +133,12 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=dp1", "plan.target=h100", "logger=none",
                       "train.precision=bf16")
-    report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+    exp = Experiment.build(cfg, data=fit.NoData())
+    report = plan_mode.plan_report(cfg, exp)
     m, t = report["memory_model"], report["target"]
     assert t["needs_from"] == "memory model"
+    # plan.json: the H100 run's vocabulary rows (128-aligned) beside the CPU plan's own
+    assert t["padded_vocab"] == m["padded_vocab"] == 128 > exp.plan.padded_vocab == 16
     assert t["needs_per_device_gb"] == pytest.approx(m["total_bytes"] / 1e9)
     assert m["xla_cpu_total_bytes"] == report["per_device"]["total_bytes"]  # kept beside it
     assert "attention cudnn" in m["basis"]  # bf16 on an H100: cuDNN's fused attention
