@@ -5,12 +5,13 @@ batch, sequence length, precision, recomputation, accumulation and hardware (``p
 or the nearest dxrun setting where dxrun lacks what the run used (``nearest``). The estimated
 tokens/s per GPU is held against the published one: the ratio (estimate / published) is what the
 goal (0.75-1.25) is about, and the runs' order by tokens/s per GPU must be preserved. Two runs
-calibrate one constant each of ``dxrun/plan/gpu_cost.py: COST`` (marked in the table); the other two
+calibrate one constant each of ``dxrun/plan/gpu_cost.py: COST`` (marked in the table); the others
 are the validation, whose worst ratio is ``gpu_cost.ESTIMATE_BASIS`` (the basis plan mode's
 estimate row prints).
 
-Memory: what plan mode reports per device (``needs_per_device_gb``), beside the published peak
-where there is one.
+Memory: the accelerator memory model's per-device need, held against the published peak where
+there is one (goal: within 10%), and whether it fits the published GPU in the memory a JAX run
+there gets with the run's own pool (``mem_fraction``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 GOAL = (0.75, 1.25)
+MEMORY_GOAL = 0.10  # |estimate / published peak - 1|
+# A PyTorch or CUDA program has no pool: it gets the device less the CUDA context. A JAX run
+# gets the same with this fraction (plan.targets.USABLE, plan mode's own advice).
+WHOLE_GPU = 0.9
 CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T x T attention "
               "scores kept for the backward), not an accelerator memory model")
 MODEL_MEMORY = ("the accelerator memory model (dxrun/plan/memory_model.py: the state's shards, "
@@ -51,24 +56,47 @@ class Run:
     nearest: str = ""  # where dxrun plans something else than the run did
     calibrates: str = ""  # the COST constant fitted on this run ("" = a validation run)
     extra: dict[str, Any] = field(default_factory=dict)
+    # The pool the fit is judged in: the XLA_PYTHON_CLIENT_MEM_FRACTION a JAX run set, or
+    # WHOLE_GPU for a PyTorch/CUDA run (no pool); None: JAX's default
+    mem_fraction: float | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the fit is judged under (``plan.targets.usable_share``)."""
+        frac = self.mem_fraction
+        return {} if frac is None else {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{frac:g}"}
 
 
 LLAMA2_7B_PARAMS = 6_738_415_616  # the released checkpoint's count (embeddings included)
+
+
+def megatron_tokens_per_s(tflops: float, n_layers: int, d_model: int, seq_len: int,
+                          vocab: int) -> float:
+    """Megatron-LM's TFLOP/s per GPU as tokens/s: its count per token, with the full
+    recomputation its runs used, is 96 l h^2 (1 + s / 6h + V / 16 l h) (Narayanan et al. 2021,
+    section 5.1)."""
+    per_token = 96 * n_layers * d_model**2 * (1 + seq_len / (6 * d_model)
+                                              + vocab / (16 * n_layers * d_model))
+    return tflops * 1e12 / per_token
 
 RUNS: tuple[Run, ...] = (
     Run("torchtitan Llama 3.1 8B",
         "github.com/pytorch/torchtitan docs/performance.md, table 1 (FSDP, no compile)",
         ("model=llama3_8b", "plan.target=h100_96gb_500w", "parallelism=fsdp8",
          "data.seq_len=8192", "data.batch_size=16", "train.precision=bf16",
-         "model.remat=dots"),
+         "model.remat=dots", "model.loss_chunk=0"),
         "8x H100 96GB HBM2e, 500 W, NVLink", "FSDP 8, selective AC, bf16, 2 x 8192 per GPU",
         "table 1: 5,762 TPS/GPU", 5762.0, 82.4,
         nearest="selective (op-level) AC as model.remat=dots (torchtitan's also recomputes "
-                "every other matmul); eager PyTorch (no compile: torchtitan's own compiled row "
-                "is 6,667) as XLA's fused program; FSDP gathers fp32 weights (torchtitan: bf16)",
-        calibrates="clock_scale of h100_96gb_500w"),
+                "every other matmul); its loss over all 16k positions' fp32 logits at once as "
+                "model.loss_chunk=0; eager PyTorch (no compile: torchtitan's own compiled row "
+                "is 6,667) as XLA's fused program; FSDP gathers fp32 weights (torchtitan: bf16); "
+                "memory: torchtitan's figure is the caching allocator's peak reserved",
+        calibrates="clock_scale of h100_96gb_500w", mem_fraction=WHOLE_GPU),
     Run("MaxText Llama 2 7B",
-        "github.com/AI-Hypercomputer/maxtext, GPU benchmarks (A3 VM, 8x H100), 492 TFLOP/s",
+        "github.com/AI-Hypercomputer/maxtext, GPU benchmarks (A3 VM, 8x H100), 492 TFLOP/s: "
+        "MaxText/configs/a3/llama_2_7b/1vm.sh and its README (XLA_PYTHON_CLIENT_MEM_FRACTION="
+        "0.85, remat_policy=minimal_flash, per_device_batch_size=4)",
         ("model=llama2_7b", "plan.target=h100", "parallelism=fsdp8", "data.seq_len=4096",
          "data.batch_size=32", "train.precision=bf16", "model.remat=dots"),
         "8x H100 80GB SXM (one A3 VM)",
@@ -76,23 +104,62 @@ RUNS: tuple[Run, ...] = (
         "492 TFLOP/s per GPU", maxtext_tokens_per_s(492, LLAMA2_7B_PARAMS, 32, 4096, 4096),
         nearest="remat keeping matmul and attention outputs as model.remat=dots (dxrun "
                 "recomputes the fused attention's forward)",
-        calibrates="clock_scale of h100 (sustained clock)"),
+        calibrates="clock_scale of h100 (sustained clock)",
+        mem_fraction=0.85),
     Run("llm.c GPT-2 124M",
         "github.com/karpathy/llm.c discussion #481 (GPT-2 124M in 90 minutes, 8x A100)",
         ("model=small", "plan.target=a100", "parallelism=dp8", "data.seq_len=1024",
          "data.batch_size=512", "train.precision=bf16", "model.remat=none"),
         "8x A100 80GB SXM", "data parallel + optimizer sharding, bf16, cuDNN flash, 64 x 1024 "
         "per GPU", "~300 ms per step (524,288 tokens)", 524_288 / 0.300 / 8,
-        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8)"),
+        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8)",
+        mem_fraction=WHOLE_GPU),
     Run("llm.c GPT-2 1.5B",
         "github.com/karpathy/llm.c discussion #677 (GPT-2 1.5B in 24 h, 8x H100)",
         ("model=xl", "plan.target=h100", "parallelism=dp8", "data.seq_len=1024",
          "data.batch_size=1024", "train.grad_accum=8", "train.precision=bf16",
-         "model.remat=none"),
+         "model.remat=dots"),
         "8x H100 80GB SXM", "data parallel + optimizer sharding, bf16, 16 x 1024 per GPU x 8 "
         "micro-steps", "~2.80 s per step (1,048,576 tokens)", 1_048_576 / 2.80 / 8,
-        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8)"),
+        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8); no "
+                "recompute (-r 0) as model.remat=dots: llm.c's fused kernels keep 32 bytes x "
+                "d_model a token and layer, dxrun's step without remat 93 (JAX's tanh-GELU and "
+                "LayerNorm derivatives keep their fp32 and elementwise intermediates: the plan's "
+                "memory note), so dxrun recomputes those elementwise parts",
+        mem_fraction=WHOLE_GPU),
+    Run("Megatron-LM GPT 3.6B, tensor-parallel 2",
+        "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
+        "Using Megatron-LM', table 1 (also Megatron-LM's README): 3.6B, 64 GPUs, TP 2",
+        ("model=xl", "model.n_layers=30", "model.d_model=3072", "model.n_heads=32",
+         "model.n_kv_heads=32", "model.d_ff=12288", "model.vocab_size=51200",
+         "model.max_seq_len=2048", "plan.target=a100", "parallelism=dp4_tp2",
+         "data.seq_len=2048", "data.batch_size=64", "train.grad_accum=8",
+         "train.precision=bf16", "model.remat=full", "model.attention=reference"),
+        "A100 80GB SXM, DGX A100 nodes (Selene)",
+        "TP 2 x data 32 (planned as TP 2 x data 4: the same per-GPU work), full recomputation, "
+        "fp16, 16 x 2048 per data replica, batch 512",
+        "table 1: 138 TFLOP/s per GPU (with recomputation)",
+        megatron_tokens_per_s(138, 30, 3072, 2048, 51200),
+        nearest="micro-batch not published: planned at 2 sequences (train.grad_accum=8), the "
+                "best in the paper's micro-batch study (figure 16); its attention (2021, before "
+                "FlashAttention) materialises the scores: model.attention=reference; fp16 as "
+                "bf16 (the same A100 peak)",
+        mem_fraction=WHOLE_GPU),
 )
+
+
+def memory_need(run: Run) -> tuple[Any, float]:
+    """The memory model's need (``MemoryEstimate``) of ``run`` as planned, and what the
+    published GPU's pool gives it: shapes only, nothing compiled (the published-runs test)."""
+    from benchmarks.speed import compose_cfg
+    from dxrun.autotune.fit import NoData, accelerator_memory
+    from dxrun.experiment import Experiment
+    from dxrun.plan.targets import TARGETS, usable_bytes
+
+    cfg = compose_cfg("run.mode=plan", *run.overrides)
+    target = TARGETS[cfg.plan.target]
+    need = accelerator_memory(Experiment.build(cfg, data=NoData()), target)
+    return need, usable_bytes(target, run.env)
 
 
 def plan_run(run: Run) -> dict[str, Any]:
@@ -101,6 +168,7 @@ def plan_run(run: Run) -> dict[str, Any]:
     from dxrun import plan_mode
     from dxrun.autotune.fit import NoData
     from dxrun.experiment import Experiment
+    from dxrun.plan.targets import TARGETS, usable_bytes
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     t0 = time.perf_counter()
@@ -111,6 +179,9 @@ def plan_run(run: Run) -> dict[str, Any]:
     per_gpu = t["tokens_per_s"] / exp.plan.n_devices
     ratio = per_gpu / run.tokens_per_s_per_gpu
     g = t["timing"]
+    need = t["needs_per_device_gb"] * 1e9
+    usable = usable_bytes(TARGETS[cfg.plan.target], run.env)
+    mem_ratio = need / 2**30 / run.memory_gib if run.memory_gib else None
     return {
         "run": run.name, "command": "python -m dxrun run.mode=plan " + " ".join(run.overrides),
         "estimated_tokens_per_s_per_gpu": per_gpu,
@@ -121,6 +192,11 @@ def plan_run(run: Run) -> dict[str, Any]:
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
         "memory_source": MODEL_MEMORY if t.get("needs_from") == "memory model" else CPU_MEMORY,
         "published_memory_gib": run.memory_gib,
+        "memory_ratio": mem_ratio,
+        "memory_in_goal": mem_ratio is None or abs(mem_ratio - 1) <= MEMORY_GOAL,
+        "usable_gib": usable / 2**30, "fits": need <= usable,
+        "pool": run.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX's default 0.75"),
+        "memory_notes": report.get("memory_model", {}).get("notes", []),
         "step_ms": 1e3 * t["step_time_s"], "mfu": t["mfu"],
         "parts_ms": {k: round(1e3 * g[k], 1) for k in ("matmul_s", "attention_s",
                                                         "elementwise_s", "exposed_collective_s")},
@@ -160,22 +236,37 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "
              f"are the validation: within ±{b['within_pct']}%. Memory: what plan mode reports "
              f"per device (`needs_per_device_gb`): "
-             f"{'; '.join(sorted({r.get('memory_source', CPU_MEMORY) for r in rows}))}; the "
-             "published figure is the peak reserved.", "",
+             f"{'; '.join(sorted({r.get('memory_source', CPU_MEMORY) for r in rows}))}; beside "
+             "it the published peak where there is one (PyTorch's: the caching allocator's "
+             "peak reserved), their ratio (goal: within 10%), and whether the need fits the "
+             "published GPU as JAX's pool there gives it (the GPU's memory as its driver "
+             "reports it, times XLA_PYTHON_CLIENT_MEM_FRACTION: MaxText's own 0.85; 0.9 for a "
+             "PyTorch or CUDA program, which has no pool and gets the device less the CUDA "
+             "context).", "",
              "| run | hardware | planned as | est. tokens/s/GPU | published | ratio | | "
-             "est. memory | published memory | used for | dxrun's nearest setting |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
+             "est. memory | published peak | memory ratio | fits (usable) | used for | "
+             "dxrun's nearest setting |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---|---|"]
     for r in rows:
         s = r["run_spec"]
         mark = "✓" if r["in_goal"] else "✗"
         pub_mem = f"{r['published_memory_gib']:.1f} GiB" if r["published_memory_gib"] else "—"
+        mem_ratio = (f"{r['memory_ratio']:.2f} {'✓' if r['memory_in_goal'] else '✗'}"
+                     if r.get("memory_ratio") else "—")
+        fits = (f"{'yes' if r['fits'] else 'NO'} ({r['usable_gib']:.1f} GiB, pool "
+                f"{r['pool']})") if "fits" in r else "—"
         used = f"calibration: {r['calibrates']}" if r["calibrates"] else "validation"
         lines.append(
             f"| {r['run']} ({s['source']}) | {s['hardware']} | `{' '.join(s['overrides'])}` | "
             f"{r['estimated_tokens_per_s_per_gpu']:,.0f} | "
             f"{r['published_tokens_per_s_per_gpu']:,.0f} ({s['published']}) | "
             f"{r['ratio']:.2f} | {mark} | {r['estimated_memory_gib']:.1f} GiB | {pub_mem} | "
-            f"{used} | {s['nearest'] or '—'} |")
+            f"{mem_ratio} | {fits} | {used} | {s['nearest'] or '—'} |")
+    notes = [f"{r['run']}: {'; '.join(r['memory_notes'])}" for r in rows
+             if r.get("memory_notes")]
+    if notes:
+        lines += ["", "Where dxrun's step keeps more than a leaner program of the same settings "
+                      "(the plans' memory notes): " + " — ".join(notes) + "."]
     order = "kept" if order_preserved(rows) else "NOT kept"
     parts = "; ".join(
         f"{r['run']}: step {r['step_ms']:,.0f} ms = matmuls {p['matmul_s']:,.0f} + attention "
