@@ -156,7 +156,9 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     model_flops = flops.flops_per_token(cfg.model, n_params, plan.seq_len) * tokens
     timing = None
     if accelerator and peak:
-        w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4)
+        w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
+                              target_vocab(cfg.model.vocab_size, cfg.parallelism.vocab_align,
+                                           plan, target))
         t = TARGETS[key]
         timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
                                     t.link_bytes_per_s,

@@ -306,15 +306,18 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     }
 
 
-def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: float) -> Workload:
-    """The time model's view of a run config and its mesh plan (the vocabulary padded as the
-    accelerator run pads it, whatever the CPU compile did)."""
+def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: float,
+             vocab: int = 0) -> Workload:
+    """The time model's view of a run config and its mesh plan. ``vocab``: the target's padded
+    vocabulary (``autotune.fit.target_vocab``, what the memory model counts too); 0: padded as
+    a GPU run pads it, whatever the CPU compile did."""
     replicas = plan.dp * plan.fsdp
     accum = plan.grad_accum
     return Workload(
         model=cfg.model, seq_len=plan.seq_len,
         rows=plan.global_batch // replicas // accum, micro_steps=accum,
-        vocab=padded_vocab(cfg.model.vocab_size, plan.tp, "gpu", cfg.parallelism.vocab_align),
+        vocab=vocab or padded_vocab(cfg.model.vocab_size, plan.tp, "gpu",
+                                    cfg.parallelism.vocab_align),
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
         params_per_device=params_per_device, precision=cfg.train.precision,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
