@@ -55,6 +55,7 @@ class Run:
     memory_gib: float | None = None  # published peak per GPU
     nearest: str = ""  # where dxrun plans something else than the run did
     calibrates: str = ""  # the COST constant fitted on this run ("" = a validation run)
+    scale_of: str = ""  # the run whose settings this one publishes at another scale
     extra: dict[str, Any] = field(default_factory=dict)
     # The pool the fit is judged in: the XLA_PYTHON_CLIENT_MEM_FRACTION a JAX run set, or
     # WHOLE_GPU for a PyTorch/CUDA run (no pool); None: JAX's default
@@ -93,6 +94,17 @@ RUNS: tuple[Run, ...] = (
                 "is 6,667) as XLA's fused program; FSDP gathers fp32 weights (torchtitan: bf16); "
                 "memory: torchtitan's figure is the caching allocator's peak reserved",
         calibrates="clock_scale of h100_96gb_500w", mem_fraction=WHOLE_GPU),
+    Run("torchtitan Llama 3.1 8B, 128 GPUs",
+        "github.com/pytorch/torchtitan docs/performance.md, table 3 (FSDP, no compile)",
+        ("model=llama3_8b", "plan.target=h100_96gb_500w", "runtime.cpu_devices=128",
+         "parallelism=fsdp8", "parallelism.fsdp=128", "data.seq_len=8192",
+         "data.batch_size=256", "train.precision=bf16", "model.remat=dots",
+         "model.loss_chunk=0"),
+        "128x H100 96GB HBM2e, 500 W (16 nodes)", "FSDP 128, selective AC, bf16, 2 x 8192 per GPU",
+        "table 3: 5,605 TPS/GPU", 5605.0, 67.0,
+        nearest="as the 8-GPU row; planned on 128 simulated devices "
+                "(runtime.cpu_devices=128): the state is split 128 ways",
+        mem_fraction=WHOLE_GPU, scale_of="torchtitan Llama 3.1 8B"),
     Run("MaxText Llama 2 7B",
         "github.com/AI-Hypercomputer/maxtext, GPU benchmarks (A3 VM, 8x H100), 492 TFLOP/s: "
         "MaxText/configs/a3/llama_2_7b/1vm.sh and its README (XLA_PYTHON_CLIENT_MEM_FRACTION="
@@ -148,9 +160,41 @@ RUNS: tuple[Run, ...] = (
 )
 
 
-def memory_need(run: Run) -> tuple[Any, float]:
-    """The memory model's need (``MemoryEstimate``) of ``run`` as planned, and what the
-    published GPU's pool gives it: shapes only, nothing compiled (the published-runs test)."""
+def devices(run: Run) -> int:
+    """The simulated devices ``run`` is planned on (``runtime.cpu_devices``; 8 unless set)."""
+    given = [o.split("=", 1)[1] for o in run.overrides if o.startswith("runtime.cpu_devices=")]
+    return int(given[-1]) if given else 8
+
+
+def _elsewhere(run: Run, fn: str) -> Any:
+    """``fn(run)`` in a fresh process with ``run``'s device count (this one's is fixed once JAX
+    starts): its JSON result."""
+    import os
+    import subprocess
+    import sys
+
+    from dxrun.multihost.launch import without_device_count
+
+    code = (f"import json; from dxrun.runtime import simulate_cpu_devices; "
+            f"simulate_cpu_devices({devices(run)}); from benchmarks import published as p; "
+            f"print(json.dumps(p.{fn}(p.RUNS[{RUNS.index(run)}])))")
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ.get("XLA_FLAGS", "")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _here(run: Run) -> bool:
+    import jax
+
+    return jax.device_count() == devices(run)
+
+
+def memory_need(run: Run) -> tuple[float, float]:
+    """The memory model's per-device need of ``run`` as planned and what the published GPU's
+    pool gives it, in bytes: shapes only, nothing compiled (the published-runs test)."""
+    if not _here(run):
+        return tuple(_elsewhere(run, "memory_need"))
     from benchmarks.speed import compose_cfg
     from dxrun.autotune.fit import NoData, accelerator_memory
     from dxrun.experiment import Experiment
@@ -159,11 +203,13 @@ def memory_need(run: Run) -> tuple[Any, float]:
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     target = TARGETS[cfg.plan.target]
     need = accelerator_memory(Experiment.build(cfg, data=NoData()), target)
-    return need, usable_bytes(target, run.env)
+    return need.total_bytes, usable_bytes(target, run.env)
 
 
 def plan_run(run: Run) -> dict[str, Any]:
     """Plan one run (shapes only) and hold its estimate against the published figure."""
+    if not _here(run):
+        return _elsewhere(run, "plan_run")
     from benchmarks.speed import compose_cfg
     from dxrun import plan_mode
     from dxrun.autotune.fit import NoData
@@ -206,9 +252,27 @@ def plan_run(run: Run) -> dict[str, Any]:
 
 
 def order_preserved(rows: list[dict[str, Any]]) -> bool:
+    """The runs' order by tokens/s per GPU, estimated as published: across distinct runs (a
+    published run at another scale is held against its base in ``scaling`` instead)."""
+    rows = [r for r in rows if not r["run_spec"].get("scale_of")]
     by_est = sorted(rows, key=lambda r: -r["estimated_tokens_per_s_per_gpu"])
     by_pub = sorted(rows, key=lambda r: -r["published_tokens_per_s_per_gpu"])
     return [r["run"] for r in by_est] == [r["run"] for r in by_pub]
+
+
+def scaling(rows: list[dict[str, Any]]) -> list[str]:
+    """Each run published at another scale of another row's settings: tokens/s per GPU
+    against its base, published and estimated."""
+    by_name = {r["run"]: r for r in rows}
+    out = []
+    for r in rows:
+        base = by_name.get(r["run_spec"].get("scale_of", ""))
+        if base:
+            pub = r["published_tokens_per_s_per_gpu"] / base["published_tokens_per_s_per_gpu"]
+            est = r["estimated_tokens_per_s_per_gpu"] / base["estimated_tokens_per_s_per_gpu"]
+            out.append(f"{r['run']} against {base['run']}: published x{pub:.3f} per GPU, "
+                       f"estimated x{est:.3f}")
+    return out
 
 
 def basis(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -268,6 +332,7 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
         lines += ["", "Where dxrun's step keeps more than a leaner program of the same settings "
                       "(the plans' memory notes): " + " — ".join(notes) + "."]
     order = "kept" if order_preserved(rows) else "NOT kept"
+    order += "".join(f"; {line}" for line in scaling(rows))
     parts = "; ".join(
         f"{r['run']}: step {r['step_ms']:,.0f} ms = matmuls {p['matmul_s']:,.0f} + attention "
         f"{p['attention_s']:,.0f} + elementwise {p['elementwise_s']:,.0f} + exposed collectives "

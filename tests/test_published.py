@@ -58,17 +58,18 @@ def test_the_estimate_basis_is_the_last_published_benchmarks():
 def test_every_published_run_fits_its_gpu_and_its_published_peak():
     """The memory model on each published run's shapes (nothing compiled): it fits the
     published GPU in the pool a JAX run there gets, and where the run published its peak
-    the estimate is within 10% of it. The committed table says the same."""
+    (torchtitan on 8 and on 128 GPUs) the estimate is within 10% of it. The committed table
+    says the same."""
     import json
     from pathlib import Path
 
-    for run in published.RUNS:
+    for run in published.RUNS:  # one on 128 devices: planned in a process of its own
         need, usable = published.memory_need(run)
-        assert need.total_bytes <= usable, (run.name, need.total_bytes / 2**30, usable / 2**30)
+        assert need <= usable, (run.name, need / 2**30, usable / 2**30)
         if run.memory_gib:
-            ratio = need.total_bytes / 2**30 / run.memory_gib
+            ratio = need / 2**30 / run.memory_gib
             assert abs(ratio - 1) <= published.MEMORY_GOAL, (run.name, ratio)
-    assert any(r.memory_gib for r in published.RUNS)
+    assert sum(bool(r.memory_gib) for r in published.RUNS) >= 2
     assert any("tp2" in " ".join(r.overrides) for r in published.RUNS)  # a TP validation row
     data = json.loads((Path(__file__).parents[1] / "BENCHMARKS.published.json").read_text())
     assert all(r["fits"] and r["memory_in_goal"] for r in data["rows"])
