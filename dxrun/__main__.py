@@ -48,6 +48,7 @@ from dxrun.report.collect import find_jobs
 from dxrun.run_dir import Claim, relaunch_command
 from dxrun.run_log import RunLog
 from dxrun.runtime import (
+    accelerator_plan_note,
     claim_run_dir,
     cpu_fallback_refusal,
     enable_compile_cache,
@@ -126,6 +127,9 @@ def main(cfg: DictConfig) -> Any:
         count_key = "plan.devices" if cfg.run.mode == "plan" else "runtime.cpu_devices"
         if count_note is not None:
             log.info("%s", count_note)
+        if cfg.run.mode == "plan" and (note := accelerator_plan_note(
+                jax.default_backend(), jax.device_count(), n_cpu, cfg.plan.target)):
+            log.warning("%s", note)
         if jax.default_backend() == "cpu" and simulated:
             log.info("no accelerator found: simulating %d CPU devices (%s)",
                      jax.local_device_count(), count_key)

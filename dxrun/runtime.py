@@ -107,6 +107,18 @@ def simulated_count(mode: str, plan_devices: int, cpu_devices: int) -> tuple[int
                           f"runtime.cpu_devices={cpu_devices} is a run's, not the plan's")
 
 
+def accelerator_plan_note(backend: str, visible: int, plan_devices: int,
+                          target: str | None) -> str | None:
+    """Plan mode for a ``plan.target`` in a process whose JAX runs on an accelerator: it plans
+    the visible devices, not ``plan.devices`` simulated ones (only the CPU platform simulates);
+    the line says so and how to get the count asked. None elsewhere."""
+    if backend == "cpu" or target is None or visible == plan_devices:
+        return None
+    return (f"plan.devices={plan_devices} not simulated: JAX runs on {backend} with {visible} "
+            f"devices, which the plan is for; JAX_PLATFORMS=cpu plans {plan_devices} simulated "
+            "devices")
+
+
 def thread_pool_note(used: int, simulated: int, cores: int | None) -> str | None:
     """The line for a run whose mesh uses fewer simulated CPU devices than the process has,
     where there are more of them than cores; None elsewhere. XLA:CPU's client gives its thread

@@ -15,7 +15,7 @@ from dxrun.autotune.host import resolve_target
 from dxrun.experiment import Experiment
 from dxrun.plan import advice, targets
 from dxrun.plan.mesh import shard_optimizer
-from dxrun.runtime import simulated_count
+from dxrun.runtime import accelerator_plan_note, simulated_count
 from dxrun.validation import config_warnings
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.04% of its memory
@@ -153,6 +153,13 @@ def test_plan_devices_sets_the_plans_count_and_runs_keep_cpu_devices():
     assert n == 48 and "plan.devices=48 is its key" in note
     n, note = simulated_count("plan", 16, 4)  # both given: the plan's key wins
     assert n == 16 and "runtime.cpu_devices=4 is a run's" in note
+    # JAX on a GPU plans the GPUs it sees (only the CPU platform simulates): said, with the fix
+    assert accelerator_plan_note("gpu", 1, 16, "h100") == (
+        "plan.devices=16 not simulated: JAX runs on gpu with 1 devices, which the plan is for; "
+        "JAX_PLATFORMS=cpu plans 16 simulated devices")
+    assert accelerator_plan_note("cpu", 16, 16, "h100") is None
+    assert accelerator_plan_note("gpu", 8, 8, "h100") is None
+    assert accelerator_plan_note("gpu", 1, 8, None) is None  # no target: the visible devices
 
 
 def test_plan_mode_has_no_warmup_warning(cfg_factory):
