@@ -39,7 +39,7 @@ GROWTH = (2, 4, 8, 16, 32, 64)  # the device counts (x the plan's) tried when no
 MAX_COMPILES = 10
 # On a CPU target the bound (FLOPs at the peak) leaves out the memory traffic a CPU step is
 # bound by, so it rarely stops the compiles early: fewer of them, nearest first among equals.
-MAX_COMPILES_CPU = 4
+MAX_COMPILES_CPU = 3
 TIME_BUDGET_S = 120.0  # the compile stage stops here, keeping what it found
 SLACK = 1.02  # a pure need this close over the budget is still compiled (rounding, padding)
 CPU_SLACK = 1.25
