@@ -1,9 +1,10 @@
 """Plan mode (``run.mode=plan``): the run's decision (``autotune.decide``) reported for a
 target, training nothing. The train step is compiled for the planned mesh from shapes alone
 and XLA's analyses of it give the per-device memory, FLOPs, bytes and collectives; from those
-the table says whether it **fits** the target's memory (and when not, the nearest setting
-that does) and how fast it would go (an estimate: the accelerator time model on a GPU/TPU
-target, a roofline of XLA's counts on ``plan.target=cpu``)."""
+the table says whether it **fits** the target's memory (and when not, the fastest setting
+that does: ``autotune.suggest``) and how fast it would go (an estimate: the accelerator time
+model on a GPU/TPU target, a roofline of XLA's counts on ``plan.target=cpu``), with the
+model's shape, the TFLOP/s per device and the warnings (``plan.advice``)."""
 
 from __future__ import annotations
 
