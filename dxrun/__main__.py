@@ -48,11 +48,13 @@ from dxrun.report.collect import find_jobs
 from dxrun.run_dir import Claim, relaunch_command
 from dxrun.run_log import RunLog
 from dxrun.runtime import (
+    accelerator_plan_note,
     claim_run_dir,
     cpu_fallback_refusal,
     enable_compile_cache,
     nvidia_device_node,
     simulate_cpu_devices,
+    simulated_count,
     sweep_group,
     thread_pool_note,
     write_hydra_files,
@@ -105,7 +107,11 @@ def main(cfg: DictConfig) -> Any:
     try:
         check_keys(cfg)
         validate(cfg)
-        simulated = simulate_cpu_devices(cfg.runtime.cpu_devices)
+        # Plan mode simulates plan.devices (the planned run's device count), a run
+        # runtime.cpu_devices: set before JAX starts.
+        n_cpu, count_note = simulated_count(cfg.run.mode, cfg.plan.devices,
+                                            cfg.runtime.cpu_devices)
+        simulated = simulate_cpu_devices(n_cpu)
         joined = join(cfg.distributed)  # before anything touches a JAX device
         import jax
 
@@ -118,15 +124,21 @@ def main(cfg: DictConfig) -> Any:
                 jax.default_backend(), nvidia_device_node(), os.environ.get("JAX_PLATFORMS"),
                 cfg.runtime.allow_cpu)):
             raise ConfigError(refusal)
+        count_key = "plan.devices" if cfg.run.mode == "plan" else "runtime.cpu_devices"
+        if count_note is not None:
+            log.info("%s", count_note)
+        if cfg.run.mode == "plan" and (note := accelerator_plan_note(
+                jax.default_backend(), jax.device_count(), n_cpu, cfg.plan.target)):
+            log.warning("%s", note)
         if jax.default_backend() == "cpu" and simulated:
-            log.info("no accelerator found: simulating %d CPU devices (runtime.cpu_devices)",
-                     jax.local_device_count())
-        elif jax.default_backend() == "cpu" and jax.local_device_count() != cfg.runtime.cpu_devices:
+            log.info("no accelerator found: simulating %d CPU devices (%s)",
+                     jax.local_device_count(), count_key)
+        elif jax.default_backend() == "cpu" and jax.local_device_count() != n_cpu:
             # Multirun jobs share one process: JAX's device count is fixed by the first job.
-            log.warning("runtime.cpu_devices=%d ignored: JAX already runs with %d CPU devices "
+            log.warning("%s=%d ignored: JAX already runs with %d CPU devices "
                         "in this process (set it once for the multirun, or run each job in "
                         "its own process: hydra/launcher=submitit_local)",
-                        cfg.runtime.cpu_devices, jax.device_count())
+                        count_key, n_cpu, jax.device_count())
         enable_compile_cache(cfg.runtime.compile_cache)
         for w in config_warnings(cfg):
             log.warning(w)

@@ -1,9 +1,10 @@
 """Plan mode (``run.mode=plan``): the run's decision (``autotune.decide``) reported for a
 target, training nothing. The train step is compiled for the planned mesh from shapes alone
 and XLA's analyses of it give the per-device memory, FLOPs, bytes and collectives; from those
-the table says whether it **fits** the target's memory (and when not, the nearest setting
-that does) and how fast it would go (an estimate: the accelerator time model on a GPU/TPU
-target, a roofline of XLA's counts on ``plan.target=cpu``)."""
+the table says whether it **fits** the target's memory (and when not, the fastest setting
+that does: ``autotune.suggest``) and how fast it would go (an estimate: the accelerator time
+model on a GPU/TPU target, a roofline of XLA's counts on ``plan.target=cpu``), with the
+model's shape, the TFLOP/s per device and the warnings (``plan.advice``)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from dataclasses import asdict
 from typing import Any
 
 from dxrun.autotune.decide import Decided, decide
-from dxrun.autotune.fit import accelerator_memory, first_that_fits, state_bytes, step_estimate
+from dxrun.autotune.fit import state_bytes, step_estimate
 from dxrun.autotune.host import resolve_target
+from dxrun.autotune.suggest import advice_text, fastest_that_fits
 from dxrun.checkpointing.cadence import checkpoint_cost, checkpoint_line, save_cadence
 from dxrun.experiment import visible_devices
+from dxrun.plan import advice as say
 from dxrun.plan.estimate import shape_warning
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.memory_model import disagreement
 from dxrun.plan.mesh import shard_optimizer
 from dxrun.plan.ranking import table
 from dxrun.plan.run_plan import RunPlan, resolved_config
-from dxrun.plan.targets import GB, gb_text, plan_platform, usable_bytes
+from dxrun.plan.targets import GB, gb_text, plan_platform
 from dxrun.runtime import write_json
 from dxrun.sharding import replicated_bytes_over
 
@@ -54,6 +57,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
     zero = shard_optimizer(cfg.parallelism, exp.plan)
     report: dict[str, Any] = {
         "n_params": s.n_params,
+        "n_devices": exp.plan.n_devices,
         "per_device": {k: v for k, v in asdict(fp).items() if k != "collectives"}
         | {"activations_bytes": fp.activations_bytes},
         "shard_optimizer": zero,
@@ -74,17 +78,35 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
             "xla_cpu_total_bytes": fp.total_bytes, "precision": cfg.train.precision,
             "disagreement": disagreement(mem.total_bytes, fp.total_bytes)}
     report["checkpoint"] = checkpoint_cost(nbytes, write, *plan.cadence, est.get("step_time_s"))
-    report["warnings"] = [warning] if warning else []
+    report["model"] = say.shape_line(cfg.model, s.n_params)
+    report["tflops_per_device"] = say.tflops_per_device(model_flops, exp.plan.n_devices,
+                                                        est.get("step_time_s"))
+    report["preset"] = say.preset_note(cfg.parallelism.name, exp.plan.shape)
     if not est["fits"] and suggest:
-        report["suggestion"] = first_that_fits(
-            resolved_config(cfg, plan), usable_bytes(target), exp.plan,
-            need=None if mem is None else lambda e: accelerator_memory(e, target).total_bytes)
+        # The asked step priced as the candidates are: on a CPU target from the shapes' FLOPs
+        # and this compile's bytes, not the two more compiles of XLA's own count.
+        asked = est if mem is not None else step_estimate(cfg, exp, compiled, target, peak,
+                                                         xla_cost=False).est
+        report["advice"] = fastest_that_fits(
+            resolved_config(cfg, plan), exp, state, target, peak, asked, s.n_params)
+        best = report["advice"].get("suggestion")
+        report["suggestion"] = best["overrides"] if best else None
+    unsplit = report["opt_state_unsplit_bytes"]
+    opt = mem.opt_state_bytes if mem is not None else fp.opt_state_bytes
+    found = report.get("advice")
+    report["warnings"] = [w for w in (
+        say.fit_warning(est, found and advice_text(found, exp.plan.n_devices, short=True)),
+        say.kv_heads_warning(cfg.model), warning,
+        say.unsplit_warning(zero, opt, unsplit, exp.plan.dp),
+        say.exposed_warning(est)) if w]
     return report
 
 
 def plan_table(report: dict[str, Any]) -> str:
     t = report["target"]
-    rows = [("params", f"{report['n_params']:,}"), *memory_rows(report)]
+    rows = [*([("preset", report["preset"])] if report.get("preset") else []),
+            ("model", report.get("model") or f"{report['n_params']:,} parameters"),
+            *memory_rows(report)]
     rows += [
         ("model FLOPs", f"{report['model_flops_per_step']:.3e} per step" + _flops_parts(report)),
         ("collectives", ", ".join(f"{k} x{int(v['count'])} ({gb_text(v['bytes'])}/step)"
@@ -113,11 +135,14 @@ def plan_table(report: dict[str, Any]) -> str:
                                  f"{t['collective_s'] * 1e3:.1f} ms), "
                                  f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.0f}%"
                                  f" ({t['precision']}, peak {t['peak_tflops']:g} TFLOP/s)"))
+    if report.get("tflops_per_device"):
+        rows.append(("TFLOP/s", f"{report['tflops_per_device']:.1f} per device (model FLOPs per "
+                                "device / the estimated step)"))
     if "checkpoint" in report:
         rows.append(("checkpoint", checkpoint_line(report["checkpoint"])))
-    if not t["fits"]:
-        s = report.get("suggestion")
-        rows.append(("suggestion", " ".join(s) if s else "no candidate fits; a larger mesh"))
+    if "advice" in report:
+        rows.append(("suggestion", advice_text(report["advice"], report["n_devices"])))
+    rows += [("warning", w) for w in report.get("warnings", [])]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -176,8 +201,9 @@ def run_plan(cfg: Any, run_dir: Any, decided: Decided) -> dict[str, Any]:
     log.info("mesh plan\n%s\n%s", plan.mesh.table(), plan_table(report))
     if plan.search:
         log.info("parallelism=auto\n%s", table(plan.search, run=False))
-    for warning in report.get("warnings", []):
-        log.warning("%s", warning)
+    if report["warnings"]:  # each is a row of the table above
+        n = len(report["warnings"])
+        log.warning("plan mode: %d warning%s (the table's warning rows)", n, "s" * (n > 1))
     if report["checkpoint"]["too_costly"]:
         log.warning("checkpoints: %s", checkpoint_line(report["checkpoint"]))
     return report

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.bookkeeping import read_json
+from dxrun.schema import RunConfig
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
@@ -89,6 +90,33 @@ def simulate_cpu_devices(n: int) -> bool:
         flags = f"{flags} {DEVICE_COUNT_FLAG}={n}"
     os.environ["XLA_FLAGS"] = flags.strip()
     return True
+
+
+def simulated_count(mode: str, plan_devices: int, cpu_devices: int) -> tuple[int, str | None]:
+    """(the CPU devices to simulate, a note or None). A run: ``runtime.cpu_devices``. Plan mode:
+    ``plan.devices``, the device count of the run it plans; ``runtime.cpu_devices`` (the older
+    spelling) still sets it when ``plan.devices`` is left at its default, and is ignored with a
+    note when both are set and differ."""
+    defaults = RunConfig()
+    if mode != "plan" or cpu_devices in (plan_devices, defaults.runtime.cpu_devices):
+        return (cpu_devices if mode != "plan" else plan_devices), None
+    if plan_devices == defaults.plan.devices:
+        return cpu_devices, (f"plan mode: runtime.cpu_devices={cpu_devices} taken as the plan's "
+                             f"device count; plan.devices={cpu_devices} is its key")
+    return plan_devices, (f"plan mode: plan.devices={plan_devices} devices planned; "
+                          f"runtime.cpu_devices={cpu_devices} is a run's, not the plan's")
+
+
+def accelerator_plan_note(backend: str, visible: int, plan_devices: int,
+                          target: str | None) -> str | None:
+    """Plan mode for a ``plan.target`` in a process whose JAX runs on an accelerator: it plans
+    the visible devices, not ``plan.devices`` simulated ones (only the CPU platform simulates);
+    the line says so and how to get the count asked. None elsewhere."""
+    if backend == "cpu" or target is None or visible == plan_devices:
+        return None
+    return (f"plan.devices={plan_devices} not simulated: JAX runs on {backend} with {visible} "
+            f"devices, which the plan is for; JAX_PLATFORMS=cpu plans {plan_devices} simulated "
+            "devices")
 
 
 def thread_pool_note(used: int, simulated: int, cores: int | None) -> str | None:

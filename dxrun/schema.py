@@ -286,6 +286,12 @@ class PlanConfig:
         1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
         "when it costs a save (1: a shared filesystem from one client; local NVMe does "
         "several).", range=POSITIVE)
+    devices: int = key(
+        8, "The device count plan mode plans for: the GPUs (or TPU chips) of the run it "
+        "estimates, simulated on CPU. In plan mode it takes the place of runtime.cpu_devices, "
+        "which still sets the count when this is left at 8. Preset names are 8-device layouts: "
+        "on another count the inferred axis grows (dp4_tp2 on 96: data 48 x tensor 2).",
+        range=POSITIVE)
 
 
 @dataclass

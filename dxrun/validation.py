@@ -62,7 +62,9 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     """Settings that run but probably not as meant; the launcher logs each once."""
     out = []
     steps = cfg.train.steps
-    if cfg.optimizer.warmup_steps >= steps:  # make_schedule cuts the warmup to the run
+    # make_schedule cuts the warmup to the run. Plan mode trains nothing: the schedule against
+    # train.steps is no part of its answer.
+    if cfg.run.mode != "plan" and cfg.optimizer.warmup_steps >= steps:
         out.append(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} >= train.steps="
                    f"{steps}: the warmup is cut to the run's {steps} steps, so the learning "
                    f"rate climbs for the whole run and its last step uses {steps - 1}/{steps} "
