@@ -96,14 +96,14 @@ RUNS: tuple[Run, ...] = (
         calibrates="clock_scale of h100_96gb_500w", mem_fraction=WHOLE_GPU),
     Run("torchtitan Llama 3.1 8B, 128 GPUs",
         "github.com/pytorch/torchtitan docs/performance.md, table 3 (FSDP, no compile)",
-        ("model=llama3_8b", "plan.target=h100_96gb_500w", "runtime.cpu_devices=128",
+        ("model=llama3_8b", "plan.target=h100_96gb_500w", "plan.devices=128",
          "parallelism=fsdp8", "parallelism.fsdp=128", "data.seq_len=8192",
          "data.batch_size=256", "train.precision=bf16", "model.remat=dots",
          "model.loss_chunk=0"),
         "128x H100 96GB HBM2e, 500 W (16 nodes)", "FSDP 128, selective AC, bf16, 2 x 8192 per GPU",
         "table 3: 5,605 TPS/GPU", 5605.0, 67.0,
         nearest="as the 8-GPU row; planned on 128 simulated devices "
-                "(runtime.cpu_devices=128): the state is split 128 ways",
+                "(plan.devices=128): the state is split 128 ways",
         mem_fraction=WHOLE_GPU, scale_of="torchtitan Llama 3.1 8B"),
     Run("MaxText Llama 2 7B",
         "github.com/AI-Hypercomputer/maxtext, GPU benchmarks (A3 VM, 8x H100), 492 TFLOP/s: "
@@ -161,8 +161,8 @@ RUNS: tuple[Run, ...] = (
 
 
 def devices(run: Run) -> int:
-    """The simulated devices ``run`` is planned on (``runtime.cpu_devices``; 8 unless set)."""
-    given = [o.split("=", 1)[1] for o in run.overrides if o.startswith("runtime.cpu_devices=")]
+    """The simulated devices ``run`` is planned on (``plan.devices``; 8 unless set)."""
+    given = [o.split("=", 1)[1] for o in run.overrides if o.startswith("plan.devices=")]
     return int(given[-1]) if given else 8
 
 
