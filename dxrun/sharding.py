@@ -220,6 +220,17 @@ def without_mesh_axis(axis: str) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_axes(name: str) -> dict[str, int]:
+    """The mesh axes of more than one device that the active rules (``in_mesh_context``, less
+    any ``without_mesh_axis``) map logical axis ``name`` to, in order, with their sizes; empty
+    outside ``in_mesh_context``."""
+    active = _ACTIVE.get()
+    if active is None:
+        return {}
+    mesh, rules = active
+    return {a: mesh.shape[a] for a in _mesh_axes_of(rules.get(name)) if mesh.shape[a] > 1}
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside ``in_mesh_context``."""
     active = _ACTIVE.get()
