@@ -88,5 +88,7 @@ def refit(x: Any, shape: tuple[int, ...]) -> Any:
     """An optimizer-state array of one layout's padding brought to another's ``shape``: each
     axis cut or padded with zeros at its end. Exact: both hold the real rows first and zeros
     after them."""
+    if tuple(x.shape) == tuple(shape):
+        return x
     x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape, strict=True))]
     return jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, shape, strict=True)])
