@@ -176,11 +176,15 @@ class Experiment:
             params = resize_vocab(params, self.axes, self.cfg.model.vocab_size,
                                   self.padded_vocab)
             params = jax.device_put(params, self.param_shardings)
-        opt_state = jax.jit(lambda p: self.tx.init(pad(p, self.zero_pads)),
+        opt_state = jax.jit(self._opt_init,
                             out_shardings=self.state_shardings.opt_state)(params)
         step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
+
+    def _opt_init(self, params: dict) -> Any:
+        """The optimizer's fresh state, ZeRO-1's padding included (``dxrun.zero_padding``)."""
+        return self.tx.init(pad(params, self.zero_pads))
 
     def adopt(self, state: TrainState) -> TrainState:
         """A train state of this run on another of its layouts (``parallelism=auto``'s turns)
@@ -190,9 +194,10 @@ class Experiment:
         want = self.abstract_state().opt_state
         if jax.tree.map(lambda x: x.shape, state.opt_state) != jax.tree.map(
                 lambda x: x.shape, want):
+            def refitted(opt_state: Any) -> Any:
+                return jax.tree.map(lambda x, w: refit(x, w.shape), opt_state, want)
             state = state._replace(opt_state=jax.jit(
-                lambda o: jax.tree.map(lambda x, w: refit(x, w.shape), o, want),
-                out_shardings=self.state_shardings.opt_state)(state.opt_state))
+                refitted, out_shardings=self.state_shardings.opt_state)(state.opt_state))
         return jax.block_until_ready(jax.device_put(state, self.state_shardings))
 
     def abstract_state(self) -> TrainState:
@@ -204,7 +209,7 @@ class Experiment:
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
         params = jax.eval_shape(self._init_fn())
-        opt_state = jax.eval_shape(lambda p: self.tx.init(pad(p, self.zero_pads)), params)
+        opt_state = jax.eval_shape(self._opt_init, params)
         counter = jax.ShapeDtypeStruct((), np.int32, sharding=replicated(self.mesh))
         return TrainState(counter, spec(params, self.param_shardings),
                           spec(opt_state, self.state_shardings.opt_state), counter, counter)
