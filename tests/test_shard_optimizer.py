@@ -284,3 +284,19 @@ def test_optimizer_state_split_48_ways():
     assert off_unsplit == off > 48e6 / 48  # without: every device holds it all
     assert on_unsplit <= 2 * 4  # the step counters
     assert off / 48 <= on <= off / 48 * 1.01
+
+
+def test_layout_hand_over_refits_the_padding(dp6):
+    """parallelism=auto hands a trained state between layouts of the same devices
+    (``Experiment.adopt``): dp6 pads w_up's moments along d_ff (256 to 258), dp3_tp2, whose
+    tensor axis splits d_ff, along d_model (64 to 66). Handed over and back: bitwise."""
+    exp6, state6 = dp6[True][0], dp6[True][1]
+    exp32 = Experiment.build(_cfg("dp", True, *DP6, "parallelism.dp=3", "parallelism.tp=2"))
+    moved = exp32.adopt(state6)
+    shapes = {x.shape for x in jax.tree.leaves(moved.opt_state)} - {
+        x.shape for x in jax.tree.leaves(state6.opt_state)}
+    assert (2, 66, 256) in shapes  # another padding really
+    back = exp6.adopt(moved)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state6)), jax.tree.leaves(jax.device_get(back)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
