@@ -33,6 +33,7 @@ from dxrun.sharding import (
     spread_shardings,
 )
 from dxrun.step import COMPUTE_DTYPES, TrainState, make_eval_step, make_train_step
+from dxrun.zero_padding import pad, refit, zero_pads
 
 if TYPE_CHECKING:
     from dxrun.schema import RunConfig
@@ -66,6 +67,7 @@ class Experiment:
     data: Data | None
     step: Any
     eval_step: Any
+    zero_pads: dict | None = None  # ZeRO-1's padding of the optimizer state (zero_padding.py)
 
     @classmethod
     def build(cls, cfg: RunConfig, plan: MeshPlan | None = None, data: Data | None = None,
@@ -87,11 +89,14 @@ class Experiment:
         tx, schedule = make_optimizer(cfg.optimizer, abstract_params, plan.global_batch,
                                       cfg.train.steps)
         # Optimizer moments take their parameter's sharding, split over the data replicas as
-        # well under ZeRO-1 (parallelism.shard_optimizer); counters are replicated.
+        # well under ZeRO-1 (parallelism.shard_optimizer), padded where no axis divides;
+        # counters are replicated.
         zero = shard_optimizer(cfg.parallelism, plan)
-        u_shard = optimizer_param_shardings(axes, abstract_params, mesh, plan.rules, zero)
+        pads = zero_pads(axes, abstract_params, mesh, plan.rules) if zero else None
+        opt_params = jax.eval_shape(lambda p: pad(p, pads), abstract_params)
+        u_shard = optimizer_param_shardings(axes, opt_params, mesh, plan.rules, zero)
         opt_shard = optax.tree_map_params(
-            tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), u_shard,
+            tx, lambda _, s: s, jax.eval_shape(tx.init, opt_params), u_shard,
             transform_non_params=lambda _: replicated(mesh),
         )
         loss_chunk = loss_chunk_for(cfg.model, plan)
@@ -105,6 +110,7 @@ class Experiment:
             grad_accum=plan.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             nan_policy=cfg.train.nan_policy, inject_nan_at_step=faults.from_env().nan_at_step,
             loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
+            update_pads=pads,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
                                    cfg.train.precision, loss_chunk)
@@ -112,7 +118,7 @@ class Experiment:
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)
         return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
-                   schedule, data, step, eval_step)
+                   schedule, data, step, eval_step, pads)
 
     @property
     def attention_target(self) -> AttentionTarget:
@@ -170,15 +176,28 @@ class Experiment:
             params = resize_vocab(params, self.axes, self.cfg.model.vocab_size,
                                   self.padded_vocab)
             params = jax.device_put(params, self.param_shardings)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        opt_state = jax.jit(self._opt_init,
+                            out_shardings=self.state_shardings.opt_state)(params)
         step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
 
+    def _opt_init(self, params: dict) -> Any:
+        """The optimizer's fresh state, ZeRO-1's padding included (``dxrun.zero_padding``)."""
+        return self.tx.init(pad(params, self.zero_pads))
+
     def adopt(self, state: TrainState) -> TrainState:
         """A train state of this run on another of its layouts (``parallelism=auto``'s turns)
         laid out in this mesh's shardings: a reshard, the bits unchanged. One process, one
-        padding of the vocabulary (``autotune.search`` trains through only then)."""
+        padding of the vocabulary (``autotune.search`` trains through only then); ZeRO-1's
+        padding of the optimizer state may differ (another data size): it is refitted."""
+        want = self.abstract_state().opt_state
+        if jax.tree.map(lambda x: x.shape, state.opt_state) != jax.tree.map(
+                lambda x: x.shape, want):
+            def refitted(opt_state: Any) -> Any:
+                return jax.tree.map(lambda x, w: refit(x, w.shape), opt_state, want)
+            state = state._replace(opt_state=jax.jit(
+                refitted, out_shardings=self.state_shardings.opt_state)(state.opt_state))
         return jax.block_until_ready(jax.device_put(state, self.state_shardings))
 
     def abstract_state(self) -> TrainState:
@@ -190,7 +209,7 @@ class Experiment:
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
         params = jax.eval_shape(self._init_fn())
-        opt_state = jax.eval_shape(self.tx.init, params)
+        opt_state = jax.eval_shape(self._opt_init, params)
         counter = jax.ShapeDtypeStruct((), np.int32, sharding=replicated(self.mesh))
         return TrainState(counter, spec(params, self.param_shardings),
                           spec(opt_state, self.state_shardings.opt_state), counter, counter)

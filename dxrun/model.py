@@ -175,9 +175,16 @@ class Transformer(nnx.Module):
         """The output layer's input: the final norm of the stream, in the compute dtype."""
         return self.ln_f(x_BxLxD).astype(dtype or self.wte[...].dtype)
 
-    def output_weight(self) -> jax.Array:
-        """``lm_head`` (D x Vp), or ``wte`` (Vp x D) with tied embeddings."""
-        return self.wte[...] if self.lm_head is None else self.lm_head[...]
+    def output_weight(self, gathered: bool = False) -> jax.Array:
+        """``lm_head`` (D x Vp), or ``wte`` (Vp x D) with tied embeddings. ``gathered``: pinned
+        to its layout at use, d_model whole (FSDP's shards gathered) and the vocabulary over
+        ``tensor``, for a caller that keeps it for its own backward (``dxrun.chunked_loss``),
+        which would otherwise gather the shards a second time."""
+        if self.lm_head is None:
+            w = self.wte[...]
+            return constrain(w, ("vocab", "act_embed")) if gathered else w
+        w = self.lm_head[...]
+        return constrain(w, ("act_embed", "vocab")) if gathered else w
 
     def logits(self, w: jax.Array, x_BxLxD: jax.Array) -> jax.Array:
         """Logits (fp32) of the output layer ``w`` (``output_weight``) over the padded

@@ -96,7 +96,7 @@ def data_sharded_spec(names: Sequence[str | None] | None, shape: Sequence[int], 
     """The rules' spec of a tensor with logical ``names`` and ``shape``, also split over mesh
     axis ``axis`` along its first logical axis (in ``OPTIMIZER_DATA_AXES`` order) whose
     per-shard size ``axis`` divides: ZeRO-1's layout of an optimizer-state tensor. The rules'
-    spec unchanged when no axis divides (the tensor stays replicated over ``axis``)."""
+    spec unchanged when no axis divides (``dxrun.zero_padding`` pads such a tensor so one does)."""
     spec = list(logical_to_spec(names, rules))
     n = mesh.shape[axis]
     if names is None or n == 1:
@@ -218,6 +218,17 @@ def without_mesh_axis(axis: str) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_axes(name: str) -> dict[str, int]:
+    """The mesh axes of more than one device that the active rules (``in_mesh_context``, less
+    any ``without_mesh_axis``) map logical axis ``name`` to, in order, with their sizes; empty
+    outside ``in_mesh_context``."""
+    active = _ACTIVE.get()
+    if active is None:
+        return {}
+    mesh, rules = active
+    return {a: mesh.shape[a] for a in _mesh_axes_of(rules.get(name)) if mesh.shape[a] > 1}
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from dxrun.chunked_loss import chunked_cross_entropy
 from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
+from dxrun.zero_padding import pad, unpad
 
 MAX_IN_FLIGHT = 4  # CPU only; see InFlight
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -78,7 +79,8 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
     inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
     if loss_chunk:
         x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)
-        loss, accuracy = chunked_cross_entropy(model.logits, model.output_weight(), x_BxLxD,
+        loss, accuracy = chunked_cross_entropy(model.logits, model.output_weight(gathered=True),
+                                               x_BxLxD,
                                                targets_BxL, loss_chunk)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = model(inputs_BxL, dropout_key, dtype)
@@ -159,13 +161,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     dropout_seed: int | None = None, grad_accum: int = 1,
                     nan_policy: str = "halt", inject_nan_at_step: int = 0,
                     grad_reduce_dtype: str = "fp32", loss_chunk: int = 0,
-                    update_shardings: Any = None) -> TrainStep:
+                    update_shardings: Any = None, update_pads: Any = None) -> TrainStep:
     """``update_shardings`` (ZeRO-1, ``parallelism.shard_optimizer``): per parameter, the
     sharding of its optimizer state, split over the data replicas as well. The gradients and
     parameters are constrained to it before the optimizer update, so each replica updates its
     shard only: XLA turns the gradient all-reduce into a reduce-scatter where it can, and the
     parameters' out-sharding all-gathers the updated shards. None: the update runs on the
-    parameters' own layout (every data replica updates the whole of it)."""
+    parameters' own layout (every data replica updates the whole of it). ``update_pads``:
+    where no axis of a parameter divides, its gradient and value are padded with zeros into
+    its optimizer state's layout (``dxrun.zero_padding``) and cut back after the update."""
     dtype = COMPUTE_DTYPES[precision]
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
@@ -183,12 +187,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
             grad_accum, batch_sharding, state_shardings.params)
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
-            grads = jax.lax.with_sharding_constraint(grads, update_shardings)
-            old_params = jax.lax.with_sharding_constraint(old_params, update_shardings)
+            grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)
+            old_params = jax.lax.with_sharding_constraint(pad(old_params, update_pads),
+                                                          update_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, old_params)
         params = optax.apply_updates(old_params, updates)
         if update_shardings is not None:  # gathered back to the parameters' layout
-            params = jax.lax.with_sharding_constraint(params, state_shardings.params)
+            params = jax.lax.with_sharding_constraint(unpad(params, update_pads),
+                                                      state_shardings.params)
         grad_norm = optax.tree.norm(grads)  # the global norm, whatever the layout
         # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

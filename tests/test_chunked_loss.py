@@ -1,5 +1,6 @@
 """model.loss_chunk: the loss and accuracy over chunks of the sequence equal the whole-logits
-ones (values and gradients), and the compiled step's temporaries shrink."""
+ones (values and gradients), the compiled step communicates what the unchunked one does, and
+its temporaries shrink."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from conftest import make_cfg
 
 from dxrun.autotune.fit import NoData
+from dxrun.autotune.hlo import COLLECTIVES, collective_traffic, instances
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import memory_model
@@ -24,7 +26,9 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     ["parallelism=dp2", "model.tie_embeddings=true"],
     # vocab 65 padded to 66 under tp2: the padding column masked in every chunk
     ["parallelism=dp4_tp2", "data.vocab_size=65"],
-], ids=["dp2_tied", "dp4_tp2_padded"])
+    # the batch over data and fsdp: the output weight's gradient kept per replica (4 of them)
+    ["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"],
+], ids=["dp2_tied", "dp4_tp2_padded", "dp2_fsdp2_tp2_tied"])
 def test_chunked_equals_whole(overrides):
     cfg = make_cfg("model=tiny", "logger=none", "train.precision=fp32", "data.seq_len=32",
                    *overrides)
@@ -49,6 +53,66 @@ def test_chunked_equals_whole(overrides):
     scale = max(np.abs(b).max() for b in jax.tree.leaves(g0))
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * scale)
+
+
+def _analysed(chunk: int, *overrides: str) -> Experiment:
+    """A tiny model's step (16 x 32 tokens) with ``model.loss_chunk=chunk``, compiled for its
+    analyses (never run, unless a test runs it) and kept as the one that runs."""
+    exp = Experiment.build(make_cfg("model=tiny", "logger=none", "data.seq_len=32",
+                                    "data.batch_size=16", f"model.loss_chunk={chunk}",
+                                    *overrides))
+    exp.step.compiled = exp.analyse_step()
+    return exp
+
+
+def test_chunked_step_reduces_the_output_gradient_once():
+    """On dp8 the chunked step's collectives are the unchunked step's, kind by kind, count and
+    bytes per step, whatever the chunk count (4 and 8 chunks), with tied embeddings (the
+    embedding's and the head's gradient of one table). Before, the output weight's gradient
+    was all-reduced over the replicas inside the chunk loop, once per chunk."""
+    def traffic(chunk: int) -> dict:
+        exp = _analysed(chunk, "parallelism=dp8", "model.tie_embeddings=true")
+        return collective_traffic(exp.step.compiled.as_text(), 8)
+
+    whole = traffic(0)
+    assert whole["all-reduce"]["count"] > 0  # the gradients' reduction is there to compare
+    assert traffic(8) == whole  # 4 chunks
+    assert traffic(4) == whole  # 8 chunks
+
+
+def test_chunked_step_under_tp_reduces_over_data_once():
+    """On dp4_tp2 the collectives over the data replicas (groups of 4) are the unchunked
+    step's, each as often and as large. Over ``tensor`` each chunk's softmax statistics and
+    input gradient are reduced per chunk (its logits are split over the vocabulary): as many
+    bytes, in more, smaller collectives."""
+    def over_data(chunk: int) -> dict:
+        text = _analysed(chunk, "parallelism=dp4_tp2").step.compiled.as_text()
+        return {kind: sorted(i for i in instances(text, kind, 8) if i[1] == 4)
+                for kind in COLLECTIVES}
+
+    whole, chunked = over_data(0), over_data(8)
+    assert whole["all-reduce"], whole
+    assert chunked == whole
+
+
+def test_chunked_step_trains_as_the_unchunked_under_accumulation():
+    """dp2_fsdp2_tp2 with train.grad_accum=2 (the chunks' replicas over fsdp inside the
+    micro-batches' own vmap over data), tied embeddings, SGD (the update is the gradient):
+    two steps chunked give the unchunked step's losses and parameters."""
+    def run(chunk: int) -> tuple[list[float], dict]:
+        exp = _analysed(chunk, "parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true",
+                        "train.grad_accum=2", "optimizer=sgd", "train.precision=fp32")
+        state, losses = exp.init_state(), []
+        for i in range(2):
+            state, m = exp.step(state, exp.batch(i))
+            losses.append(m["train/loss"])
+        return [float(x) for x in jax.device_get(losses)], jax.device_get(state.params)
+
+    (loss0, p0), (loss1, p1) = run(0), run(8)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    assert loss0[1] != loss0[0]  # the first update changed the parameters
+    for (path, a), b in zip(jax.tree.leaves_with_path(p1), jax.tree.leaves(p0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
 def _temp_bytes(chunk: int) -> float:

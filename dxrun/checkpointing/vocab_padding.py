@@ -1,4 +1,4 @@
-"""A checkpoint restored where the vocabulary is padded differently.
+"""A checkpoint restored where the vocabulary, or ZeRO-1's optimizer state, is padded differently.
 
 The vocab axis of ``wte`` / ``lm_head`` (and of their optimizer moments) has
 ``plan.padded_vocab`` rows: a multiple of tp and of the platform's alignment (128 on GPU/TPU).
@@ -8,9 +8,10 @@ shards, zeros beyond (Orbax's non-strict read). That is exact: padding rows star
 logits are masked and their gradients are zero, so every padding row of a checkpoint is zero,
 and the real rows always come first.
 
-Only that difference is read this way. The callers have already refused a checkpoint of another
-model shape or vocabulary (``resume.check_compatible``, ``load``); any other shape
-difference is read strictly and fails as before.
+ZeRO-1's padding of the optimizer state to a multiple of the data axis (``dxrun.zero_padding``)
+is read the same way: zeros after the real rows. Only those differences are read this way; the
+callers have already refused a checkpoint of another model shape or vocabulary
+(``resume.check_compatible``, ``load``), and any other difference fails as before.
 """
 
 from __future__ import annotations
@@ -67,12 +68,35 @@ def padding_differs(stored: Shapes, target: Shapes, partial: bool = False) -> bo
     return len(pairs) == 1
 
 
+def without_zero_padding(tree_shapes: Shapes) -> Shapes:
+    """``tree_shapes`` (a train state's) with each optimizer-state leaf that is larger than its
+    parameter (the ``params`` leaf of the same trailing path) in some axes given the
+    parameter's shape: ZeRO-1 pads the state it splits (``dxrun.zero_padding``), never the
+    parameters, and every optimizer dxrun builds keeps a parameter-shaped state otherwise."""
+    out = dict(tree_shapes)
+    for key, shape in tree_shapes.items():
+        if key[0] == "params":
+            continue
+        param = next((tree_shapes[("params", *key[i:])] for i in range(1, len(key))
+                      if ("params", *key[i:]) in tree_shapes), None)
+        if (param is not None and len(param) == len(shape)
+                and all(a >= b for a, b in zip(shape, param, strict=True))):
+            out[key] = param
+    return out
+
+
 def restore_args(state_dir: Path, target: dict[str, Any], partial: bool = False
                  ) -> ocp.args.CheckpointArgs:
     """How to read ``state_dir`` (a step dir's ``state`` item) into ``target`` (abstract arrays
-    with this mesh's shardings): strictly, or re-padded when only the vocab padding differs;
-    ``partial``: only the target's leaves (a fresh optimizer state is not read)."""
-    repad = padding_differs(stored_shapes(state_dir), shapes(target), partial)
+    with this mesh's shardings): strictly, or re-padded when only the vocab padding or ZeRO-1's
+    padding of the optimizer state (another data-parallel size) differs; ``partial``: only the
+    target's leaves (a fresh optimizer state is not read)."""
+    stored, want = stored_shapes(state_dir), shapes(target)
+    real_stored, real_want = without_zero_padding(stored), without_zero_padding(want)
+    only_zero = (want.keys() <= stored.keys() and want != {k: stored[k] for k in want}
+                 and all(real_stored[k] == real_want[k] for k in want)
+                 and (partial or want.keys() == stored.keys()))
+    repad = only_zero or padding_differs(real_stored, real_want, partial)
     if not partial:
         return ocp.args.StandardRestore(target, strict=not repad)
     return ocp.args.PyTreeRestore(item=target, partial_restore=True,

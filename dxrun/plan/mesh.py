@@ -52,8 +52,8 @@ LOGICAL_RULES: dict[str, Any] = {
 # ZeRO-1 (parallelism.shard_optimizer): each optimizer-state tensor is split over `data` as
 # well, along the first of its logical axes in this order whose per-shard size the data axis
 # divides (appended to whatever the rules above shard it over). Weight axes first (the large
-# ones), the stacked layer axis last. No divisible axis: the tensor stays replicated over
-# `data` (plan mode counts those bytes).
+# ones), the stacked layer axis last. No divisible axis: the tensor is padded up to a
+# multiple of the data axis along one axis and split there (dxrun/zero_padding.py).
 OPTIMIZER_DATA_AXES = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim", "norm", "pos",
                        "layers")
 
