@@ -38,10 +38,11 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
     ``batch`` on) by T vocabulary shards (``vocab``'s: ``tensor``), a ``jax.vmap`` over each
     whose mapped axis takes those mesh axes (``spmd_axis_name``, as
     ``dxrun.step.accumulated_grads`` does for ``data``). A chunk's shard gives its max,
-    sum-exp, label logit and first argmax, stacked over the chunks and reduced over the
-    shards once, after them; the backward keeps each replica's gradient of ``w`` and each
-    shard's part of the input gradient, summed once after the scan. Left to autodiff and the
-    partitioner, each of those was all-reduced inside the scan: once per chunk."""
+    sum-exp, label logit and first argmax (its padding masked by its own ids, as the model's
+    head masks), stacked over the chunks and reduced over the shards once, after them; the
+    backward (autodiff's formula for the unchunked loss, written out) keeps each replica's
+    gradient of ``w`` and each shard's part of the input gradient, summed once after the
+    scan. Left to autodiff and the partitioner, each was all-reduced once per chunk."""
     B, L, D = x_BxLxD.shape
     Vp = w.shape[vocab_axis]
     replicas, shards = active_axes("batch"), active_axes("vocab")
@@ -105,25 +106,28 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
         m, s, label, first = jax.lax.map(
             lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
         m_max = m.max(2)  # the one max over the shards
-        lse = m_max + jnp.log((s * jnp.exp(m - m_max[:, :, None])).sum(2))  # one sum
+        s_sum = (s * jnp.exp(m - m_max[:, :, None])).sum(2)  # the one sum
+        lse = jnp.log(s_sum) + m_max  # jax.nn.logsumexp's, as optax's (the unchunked loss)
         # the label logits reduced over the shards as the unchunked step's (a masked gather)
         nll = (lse - label.sum(2)).sum()
         # the shards' first maxima reduced to the first overall, as jnp.argmax's reduction
         _, argmax = jax.lax.reduce((m, first), (jnp.float32(-jnp.inf), jnp.int32(0)),
                                    _first_max, (2,))
         correct = (argmax == t_N).sum(dtype=jnp.float32)
-        return (nll, correct), (w, x_N, t_N, lse)
+        return (nll, correct), (w, x_N, t_N, m_max, s_sum)
 
     def backward(res: tuple, cts: tuple[Any, Any]) -> tuple[Any, Any, None]:
-        w, x_N, t_N, lse_N = res
+        w, x_N, t_N, m_N, s_N = res
         g = cts[0]  # the accuracy (an argmax) has no gradient
         w_T = split(w)
 
-        def grads(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, lse_bxC: Any) -> tuple:
+        def grads(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, m_bxC: Any,
+                  s_bxC: Any) -> tuple:
             # recomputes the chunk's logits: the forward kept none
             logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
-            p = jnp.exp(logits_bxCxV - lse_bxC[..., None])
-            d_bxCxV = (g * (p - (ids_V == t_bxC[..., None]))).astype(x_bxCxD.dtype)
+            # autodiff's gradient of the unchunked loss, in its order of operations
+            p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g / s_bxC)[..., None]
+            d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g, 0.0)).astype(x_bxCxD.dtype)
             # dxrun.layers.dense's backward: compute dtype operands, fp32 accumulation; the
             # input gradient kept fp32, as the unchunked partial sum the partitioner reduces
             dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
@@ -137,7 +141,7 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
             return dw_RT + dw, dx
 
         dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
-        dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, lse_N))
+        dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N))
         # the one reduction over the replicas, and the one over the shards
         return (join(dw_RT.sum(0)).astype(w.dtype), dx_NxRxT.sum(2).astype(x_N.dtype), None)
 
