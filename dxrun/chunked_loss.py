@@ -5,9 +5,9 @@ step with a GPT-2 vocabulary (3.3 GB for 16 x 1024 tokens of vocab 50304, and as
 their gradient). Chunked, the cross-entropy and the accuracy are computed over ``chunk``
 positions of every sequence at a time under a scan: each chunk's logits come out of the output
 matmul (compute dtype operands, fp32 accumulation and result, exactly as the unchunked head's),
-their log-sum-exp in fp32, and only the chunk's two sums leave it. The backward (a custom VJP)
-recomputes each chunk's logits instead of keeping every chunk's, so the whole tensor is never
-live; the cost is the output matmul once more.
+and only per-position statistics leave it. The backward (a custom VJP) recomputes each chunk's
+logits instead of keeping every chunk's, so the whole tensor is never live; the cost is the
+output matmul once more.
 
 Chunks run along the sequence, so every chunk keeps the batch's sharding over (data, fsdp) and
 the vocabulary's over ``tensor``: no data moves. The logits stay fp32 (not the compute dtype)
@@ -25,80 +25,148 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dxrun.layers import dense
 from dxrun.sharding import active_axes, without_mesh_axis
 
 
-def chunked_cross_entropy(logits_fn: Any, w: Any, x_BxLxD: Any, targets_BxL: Any,
-                          chunk: int) -> tuple[Any, Any]:
-    """Mean cross-entropy and accuracy of ``logits_fn(w, x) -> fp32 logits`` (the model's
-    output layer, padding masked) over ``targets_BxL``, ``chunk`` positions at a time.
-
-    The output weight's gradient is reduced over the batch's devices once, after the chunks,
-    as the unchunked step's is. Left to autodiff and the partitioner, each chunk's gradient of
-    ``w`` (a contraction over the batch, split over data and fsdp) was all-reduced inside the
-    backward scan: once per chunk. So the chunks run per replica, R of them, one per device
-    group the active rules put ``batch`` on: a ``jax.vmap`` whose mapped axis takes those mesh
-    axes (``spmd_axis_name``, as ``dxrun.step.accumulated_grads`` does for ``data``). Its
-    forward gives each replica's sums, its custom VJP each replica's gradient of ``w``,
-    accumulated in the scan with nothing to reduce and summed over the replicas after it: one
-    reduction. Autodiff could not keep it per replica without ``w`` broadcast to R copies (its
-    transpose is then the sum), a copy of the output layer on every device; a ``shard_map``
-    manual over the batch axes would need the model's constraints rewritten inside it, and
-    would nest under ``accumulated_grads``' vmap over ``data``."""
+def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
+                          vocab_size: int, vocab_axis: int) -> tuple[Any, Any]:
+    """Mean cross-entropy and accuracy over ``targets_BxL`` of the output layer ``w`` (its
+    padded vocabulary on axis ``vocab_axis``, ids from ``vocab_size`` on masked) applied to
+    ``x_BxLxD``, ``chunk`` positions at a time. Every collective is the unchunked step's, once
+    per step: the chunks run per device, R batch replicas (the mesh axes the rules put
+    ``batch`` on) by T vocabulary shards (``vocab``'s: ``tensor``), a ``jax.vmap`` over each
+    whose mapped axis takes those mesh axes (``spmd_axis_name``, as
+    ``dxrun.step.accumulated_grads`` does for ``data``). A chunk's shard gives its max,
+    sum-exp, label logit and first argmax (its padding masked by its own ids, as the model's
+    head masks), stacked over the chunks and reduced over the shards once, after them; the
+    backward (autodiff's formula for the unchunked loss, written out) keeps each replica's
+    gradient of ``w`` and each shard's part of the input gradient, summed once after the
+    scan. Left to autodiff and the partitioner, each was all-reduced once per chunk."""
     B, L, D = x_BxLxD.shape
-    replicas = active_axes("batch")
-    R, axes, N = math.prod(replicas.values()), tuple(replicas), L // chunk
+    Vp = w.shape[vocab_axis]
+    replicas, shards = active_axes("batch"), active_axes("vocab")
+    R, N, T = math.prod(replicas.values()), L // chunk, math.prod(shards.values())
+    batch_axes, vocab_axes = tuple(replicas), tuple(shards)
+    Vs = Vp // T
+    x_spec, w_spec = ("bcd,vd->bcv", "vd") if vocab_axis == 0 else ("bcd,dv->bcv", "dv")
+    offsets_T = jnp.arange(T, dtype=jnp.int32) * Vs  # each shard's first vocabulary id
 
     def chunks(a: Any) -> Any:  # [B, L, ...] -> [N, R, B/R, chunk, ...]: replica r's rows
         return jnp.moveaxis(a.reshape(R, B // R, N, chunk, *a.shape[2:]), 2, 0)
 
-    def per_replica(f: Any) -> Any:  # f(w, x, t) of one replica's chunk, on every replica
-        mapped = jax.vmap(f, in_axes=(None, 0, 0), spmd_axis_name=axes or None)
+    def split(w: Any) -> Any:  # [.., Vp, ..] -> [T, .., Vs, ..]: shard t's columns first
+        w_T = jnp.moveaxis(w.reshape(*w.shape[:vocab_axis], T, Vs, *w.shape[vocab_axis + 1:]),
+                           vocab_axis, 0)
+        return _pin(w_T, (vocab_axes,))
+
+    def join(w_T: Any) -> Any:
+        w = jnp.moveaxis(w_T, 0, vocab_axis)
+        return w.reshape(*w.shape[:vocab_axis], Vp, *w.shape[vocab_axis + 2:])
+
+    def per_device(f: Any, shard_args: int) -> Any:
+        """``f(*shard_args, *replica_args)`` of one shard and one replica's chunk, on every
+        device: [R, T, ...] results."""
+        def on_replicas(*args: Any) -> Any:
+            def one_replica(*a: Any) -> Any:
+                return jax.vmap(f, in_axes=(0,) * shard_args + (None,) * len(a),
+                                spmd_axis_name=vocab_axes or None)(*args[:shard_args], *a)
+            return jax.vmap(one_replica, spmd_axis_name=batch_axes or None)(*args[shard_args:])
 
         def run(*args: Any) -> Any:
-            with _without(axes):  # the mapped axis holds the batch's mesh axes
-                return mapped(*args)
+            with _without(batch_axes + vocab_axes):  # the mapped axes hold them
+                return on_replicas(*args)
         return run
 
-    def one(w: Any, x_bxCxD: Any, t_bxC: Any) -> tuple[Any, Any]:
-        logits_bxCxV = logits_fn(w, x_bxCxD)
-        # optax.softmax_cross_entropy_with_integer_labels' formula, in fp32
-        shifted = logits_bxCxV - jax.lax.stop_gradient(logits_bxCxV.max(-1, keepdims=True))
-        label = jnp.take_along_axis(shifted, t_bxC[..., None], axis=-1)[..., 0]
-        nll_bxC = jnp.log(jnp.exp(shifted).sum(-1)) - label
-        correct = (logits_bxCxV.argmax(-1) == t_bxC).sum(dtype=jnp.float32)
-        return nll_bxC.sum(), correct
+    def logits(w_t: Any, offset: Any, x_bxCxD: Any) -> tuple[Any, Any]:
+        """A shard's fp32 logits, its padding masked, and its vocabulary ids."""
+        ids_V = offset + jnp.arange(Vs, dtype=jnp.int32)
+        logits_bxCxV = dense(x_bxCxD, w_t, x_spec, jnp.float32)
+        # the fp32 minimum, as the model's head: exp() of it is 0, and it never makes a NaN
+        return jnp.where(ids_V < vocab_size, logits_bxCxV, jnp.finfo(jnp.float32).min), ids_V
+
+    def stats(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any) -> tuple:
+        logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
+        m_bxC = logits_bxCxV.max(-1)
+        s_bxC = jnp.exp(logits_bxCxV - m_bxC[..., None]).sum(-1)
+        local = t_bxC - offset
+        inside = (local >= 0) & (local < Vs)
+        label = jnp.take_along_axis(logits_bxCxV, jnp.clip(local, 0, Vs - 1)[..., None],
+                                    axis=-1)[..., 0]
+        first = logits_bxCxV.argmax(-1).astype(jnp.int32) + offset  # its first maximum's id
+        return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first
 
     @jax.custom_vjp
     def sums(w: Any, x_N: Any, t_N: Any) -> tuple[Any, Any]:
-        nll_NxR, correct_NxR = jax.lax.map(lambda xs: per_replica(one)(w, *xs), (x_N, t_N))
-        return nll_NxR.sum(), correct_NxR.sum()
+        return forward(w, x_N, t_N)[0]
 
     def forward(w: Any, x_N: Any, t_N: Any) -> tuple[tuple[Any, Any], tuple]:
-        return sums(w, x_N, t_N), (w, x_N, t_N)
+        w_T = split(w)
+        # [N, R, T, b, C] each: per shard, no reduction over the vocabulary in the loop
+        m, s, label, first = jax.lax.map(
+            lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
+        m_max = m.max(2)  # the one max over the shards
+        s_sum = (s * jnp.exp(m - m_max[:, :, None])).sum(2)  # the one sum
+        lse = jnp.log(s_sum) + m_max  # jax.nn.logsumexp's, as optax's (the unchunked loss)
+        # the label logits reduced over the shards as the unchunked step's (a masked gather)
+        nll = (lse - label.sum(2)).sum()
+        # the shards' first maxima reduced to the first overall, as jnp.argmax's reduction
+        _, argmax = jax.lax.reduce((m, first), (jnp.float32(-jnp.inf), jnp.int32(0)),
+                                   _first_max, (2,))
+        correct = (argmax == t_N).sum(dtype=jnp.float32)
+        return (nll, correct), (w, x_N, t_N, m_max, s_sum)
 
     def backward(res: tuple, cts: tuple[Any, Any]) -> tuple[Any, Any, None]:
-        w, x_N, t_N = res
+        w, x_N, t_N, m_N, s_N = res
         g = cts[0]  # the accuracy (an argmax) has no gradient
+        w_T = split(w)
 
-        def grads(w: Any, x_bxCxD: Any, t_bxC: Any) -> tuple[Any, Any]:
+        def grads(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, m_bxC: Any,
+                  s_bxC: Any) -> tuple:
             # recomputes the chunk's logits: the forward kept none
-            _, pull = jax.vjp(lambda w, x: one(w, x, t_bxC)[0], w, x_bxCxD)
-            return pull(g)
+            logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
+            # autodiff's gradient of the unchunked loss, in its order of operations
+            p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g / s_bxC)[..., None]
+            d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g, 0.0)).astype(x_bxCxD.dtype)
+            # dxrun.layers.dense's backward: compute dtype operands, fp32 accumulation; the
+            # input gradient kept fp32, as the unchunked partial sum the partitioner reduces
+            dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
+                            preferred_element_type=jnp.float32)
+            dw = jnp.einsum(f"bcd,bcv->{w_spec}", x_bxCxD, d_bxCxV,
+                            preferred_element_type=jnp.float32)
+            return dw.astype(w.dtype), dx if T > 1 else dx.astype(x_bxCxD.dtype)
 
-        def add(dw_R: Any, xs: tuple) -> tuple[Any, Any]:
-            dw, dx = per_replica(grads)(w, *xs)
-            return dw_R + dw, dx
+        def add(dw_RT: Any, xs: tuple) -> tuple[Any, Any]:
+            dw, dx = per_device(grads, 2)(w_T, offsets_T, *xs)
+            return dw_RT + dw, dx
 
-        dw_R = jnp.zeros((R, *w.shape), w.dtype)
-        if axes:  # replica r's partial sum on the r-th device group
-            dw_R = jax.lax.with_sharding_constraint(dw_R, P(axes, *[P.UNCONSTRAINED] * w.ndim))
-        dw_R, dx_N = jax.lax.scan(add, dw_R, (x_N, t_N))
-        return dw_R.sum(0), dx_N, None  # the one reduction over the replicas
+        dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
+        dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N))
+        # the one reduction over the replicas, and the one over the shards
+        return (join(dw_RT.sum(0)).astype(w.dtype), dx_NxRxT.sum(2).astype(x_N.dtype), None)
 
     sums.defvjp(forward, backward)
     nll, correct = sums(w, chunks(x_BxLxD), chunks(targets_BxL))
     return nll / (B * L), correct / (B * L)
+
+
+def _first_max(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``jax.lax.argmax``'s reducer on (value, id) pairs: the larger value (a NaN wins), on a
+    tie the smaller id."""
+    (a_val, a_id), (b_val, b_id) = a, b
+    pick_a = (a_val > b_val) | (a_val != a_val)
+    pick_a_id = pick_a | ((a_val == b_val) & (a_id < b_id))
+    return jnp.where(pick_a, a_val, b_val), jnp.where(pick_a_id, a_id, b_id)
+
+
+def _pin(a: Any, leading: tuple[tuple[str, ...], ...]) -> Any:
+    """``a`` laid out with its leading dimensions over those mesh axes (when any), the rest
+    left to the partitioner: a value kept per replica or per shard."""
+    if not any(leading):
+        return a
+    spec = [axes or None for axes in leading]
+    return jax.lax.with_sharding_constraint(
+        a, P(*spec, *[P.UNCONSTRAINED] * (a.ndim - len(spec))))
 
 
 @contextlib.contextmanager

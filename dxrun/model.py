@@ -188,8 +188,8 @@ class Transformer(nnx.Module):
 
     def logits(self, w: jax.Array, x_BxLxD: jax.Array) -> jax.Array:
         """Logits (fp32) of the output layer ``w`` (``output_weight``) over the padded
-        vocabulary, padding masked; ``x_BxLxD`` the final norm's output (any number of
-        positions: ``dxrun.chunked_loss`` calls it per chunk)."""
+        vocabulary, padding masked; ``x_BxLxD`` the final norm's output. (``dxrun.chunked_loss``
+        computes the same per chunk and vocabulary shard, masking by each shard's ids.)"""
         if self.lm_head is not None:
             logits_BxLxVp = dense(x_BxLxD, w, "bld,dv->blv", jnp.float32)
         else:

@@ -79,9 +79,9 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
     inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
     if loss_chunk:
         x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)
-        loss, accuracy = chunked_cross_entropy(model.logits, model.output_weight(gathered=True),
-                                               x_BxLxD,
-                                               targets_BxL, loss_chunk)
+        loss, accuracy = chunked_cross_entropy(
+            model.output_weight(gathered=True), x_BxLxD, targets_BxL, loss_chunk,
+            vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = model(inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
