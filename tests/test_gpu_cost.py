@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dxrun.autotune import fit
-from dxrun.autotune.hlo import replica_groups
+from dxrun.autotune.hlo import _group_size, replica_groups
 from dxrun.experiment import Experiment
 from dxrun.plan import estimate as plan_estimate
 from dxrun.plan import flops, gpu_cost, targets
@@ -154,6 +154,11 @@ def test_replica_groups_from_each_spelling():
                                                                           [1, 3, 5, 7]]
     mesh = "x replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2]{'axis_1'}, y"
     assert replica_groups(mesh, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # the mesh's devices in an iota tile's order (XLA writes it for tensor-parallel groups)
+    tiled = "x replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([4,2]T(1,0)) "
+    assert replica_groups(tiled + "{'axis_0'}, y", 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert replica_groups(tiled + "{'axis_2'}, y", 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [_group_size(tiled + "{'axis_0'}, y", 8), _group_size(mesh, 8)] == [2, 2]
     assert replica_groups("x replica_groups={{0,1},{2,3}}, y", 4) == [[0, 1], [2, 3]]
 
 

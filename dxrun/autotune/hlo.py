@@ -31,13 +31,19 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _WHILE = re.compile(r"\swhile\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
 
+# XLA's named-axes spelling, e.g. mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, optionally with the
+# mesh's device order as an iota tile between them: device_ids=([4,2]T(1,0))
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?\s*\{([^}]*)\}")
+
+
 def _group_size(line: str, n_devices: int) -> int:
     """Devices in one replica group, from any of XLA's three spellings."""
     if m := re.search(r"replica_groups=\[([\d,]+)\]<=", line):  # iota: [groups, size]
         return int(m.group(1).split(",")[-1])
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):  # named axes
+    if m := _MESH_GROUPS.search(line):  # named axes
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(3)))
     if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):  # explicit lists
         return len(m.group(1).split(","))
     return n_devices  # no groups: all devices
@@ -170,12 +176,18 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]]:
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(-1, shape[-1]).tolist()
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
+    if m := _MESH_GROUPS.search(line):
         named = re.findall(r"'(\w+)'=(\d+)", m.group(1))
         names, sizes = [a for a, _ in named], [int(s) for _, s in named]
-        inner = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+        inner = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(3))]
         outer = [i for i in range(len(names)) if i not in inner]
-        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(outer + inner)
+        ids = np.arange(math.prod(sizes))
+        if m.group(2):  # the mesh's devices in the order of an iota tile: [dims]T(perm)
+            tile = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2))
+            ids = ids.reshape([int(x) for x in tile.group(1).split(",")])
+            if tile.group(2):
+                ids = ids.transpose([int(x) for x in tile.group(2).split(",")])
+        ids = ids.reshape(sizes).transpose(outer + inner)
         return ids.reshape(-1, math.prod(sizes[i] for i in inner) if inner else 1).tolist()
     if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
