@@ -8,7 +8,9 @@ parameter dicts, one fused ``c_attn`` projection (d x 3d, with bias), ``jax.nn.
 dot_product_attention``, 2-D weights everywhere, ``optax`` clipping + AdamW (the same
 hyperparameters, schedule and decay set as dxrun's), the state donated. Its parameters are
 dxrun's seeded init rearranged, so both start from the same loss. ``benchmarks/reference.py``
-(dxrun's own stacked layout under a scan) is timed beside it.
+(dxrun's own stacked layout under a scan) is timed beside it, and, where the package is
+installed (``pip install --no-deps dantinox==0.4.14``: its model only, not a dxrun dependency),
+dantinox's Flax NNX GPT (fused q/k/v without bias, its own init) in the same bare step.
 """
 
 from __future__ import annotations
@@ -123,7 +125,45 @@ def runners(exp: Experiment) -> dict[str, Callable[[], Any]]:
     placed = jax.device_put(state, exp.state_shardings)
     ref = _loop(reference.make_step(exp.tx), {"p": placed.params, "o": placed.opt_state, "i": 0},
                 rows, lambda r: jax.device_put(r, exp.batch_sharding))
-    return {"dxrun": dxrun, "nanogpt": nano, "reference": ref}
+    out = {"dxrun": dxrun, "nanogpt": nano, "reference": ref}
+    if (other := dantinox_runner(exp, rows, dev)) is not None:
+        out["dantinox"] = other
+    return out
+
+
+def dantinox_runner(exp: Experiment, rows: list, dev: Any) -> Callable[[], Any] | None:
+    """dantinox's GPT of the same shape (GELU, LayerNorm, learned positions; no q/k/v bias)
+    in the bare step above; None where dantinox is not installed."""
+    try:
+        from dantinox.core.config import ModelConfig
+        from dantinox.core.model import Transformer
+    except ImportError:
+        return None
+    from flax import nnx
+
+    m = exp.cfg.model
+    model = Transformer(ModelConfig(
+        dim=m.d_model, n_heads=m.n_heads, num_blocks=m.n_layers, vocab_size=m.vocab_size,
+        max_context=m.max_seq_len, norm="layernorm", pos_encoding="learned", use_swiglu=False,
+        activation="gelu", weight_tying=m.tie_embeddings, use_flash=True,
+        expansion=m.d_ff // m.d_model), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(nnx.to_pure_dict(params), dev)
+    tx = optax.chain(optax.clip_by_global_norm(exp.cfg.optimizer.clip_norm),
+                     optax.adamw(exp.schedule, weight_decay=exp.cfg.optimizer.weight_decay))
+
+    def loss(p: dict, t: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, p, rest)(t[:, :-1], deterministic=True).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    def step(p: dict, o: Any, t: jax.Array) -> tuple:
+        value, grads = jax.value_and_grad(loss)(p, t)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    return _loop(jax.jit(step, donate_argnums=(0, 1)), {"p": params, "o": tx.init(params),
+                                                         "i": 0}, rows,
+                 lambda r: jax.device_put(r, dev))
 
 
 def figures(shape: list[str], steps: int, reps: int) -> list[Figure]:
@@ -139,11 +179,13 @@ def figures(shape: list[str], steps: int, reps: int) -> list[Figure]:
     section = "One device: dxrun vs hand-written jax.jit steps (issue 49 item 9)"
     notes = {"nanogpt": "nanoGPT's layout in plain jax.numpy: a Python loop over per-layer "
                         "dicts, fused c_attn, jax.nn.dot_product_attention, optax, donated",
-             "reference": "benchmarks/reference.py: dxrun's stacked layout under lax.scan"}
+             "reference": "benchmarks/reference.py: dxrun's stacked layout under lax.scan",
+             "dantinox": "dantinox 0.4.14's Flax NNX GPT in the same bare step (its own init: "
+                         "another first loss)"}
     return [figure(section, f"dp1: dxrun / {name} tokens/s", t[name].median_s / dx.median_s,
                    {"dxrun": dx.summary(), name: t[name].summary(),
                     "cpu_ratio": round(t[name].cpu_s / dx.cpu_s, 3),
                     "first_loss": {"dxrun": first["dxrun"], name: first[name]}}, ">= 1.0",
                    note=notes[name] + f"; 8 simulated devices, {WARMUP} warm-up steps, timed "
                    "from the host batch to the loss ready")
-            for name in ("nanogpt", "reference")]
+            for name in variants if name != "dxrun"]
