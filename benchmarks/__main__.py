@@ -10,7 +10,8 @@ best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the 
 runs of ``benchmarks/published.py`` (shapes only) and writes the "Plan
 mode vs published GPU runs" section. ``--torch PYTHON`` times dxrun's one-device step against a
 PyTorch eager loop of the same model run by ``PYTHON`` (a Python with torch: the "One CPU device"
-section; ``benchmarks/eager.py``).
+section; ``benchmarks/eager.py``). ``--one-device`` times dxrun's one-device step against
+hand-written ``jax.jit`` steps as issue 49 item 9 does (``benchmarks/one_device.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--torch", default=None, metavar="PYTHON",
                     help="dxrun's one-device step against a PyTorch eager loop run by PYTHON "
                     "(a Python with torch installed)")
+    ap.add_argument("--one-device", action="store_true",
+                    help="dxrun's one-device step against hand-written jax.jit steps, as issue "
+                    "49 item 9 measures it (benchmarks/one_device.py)")
     ap.add_argument("--steps", type=int, default=100, help="with --torch: steps per round")
     ap.add_argument("--rounds", type=int, default=5, help="with --torch: rounds per variant")
     ap.add_argument("--only", default=None,
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     # after the compiling one, so the cache changes no figure.
     enable_compile_cache(tempfile.mkdtemp(prefix="dxrun-bench-cache-"))
 
-    from benchmarks import allocator, gpu, speed, structure
+    from benchmarks import allocator, gpu, one_device, speed, structure
     from benchmarks.report import OtherLoad, Report, load_average, write
     from dxrun.experiment import Experiment
 
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"basis {published.basis(rows)}; order "
               f"{'kept' if published.order_preserved(rows) else 'NOT kept'}; wrote {args.out}")
         return
-    key = "gpu" if args.gpu else "auto" if args.auto else "torch" if args.torch else "suite"
+    key = ("gpu" if args.gpu else "auto" if args.auto else "torch" if args.torch
+           else "onedev" if args.one_device else "suite")
     report = Report(command, machine, key=key)
     t_start = time.perf_counter()
 
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks import eager
 
         add(eager.figures(args.torch, args.steps, args.rounds))
+    elif args.one_device:
+        add(one_device.figures(QUICK_SHAPE if args.quick else SHAPE, *(
+            (2, 1) if args.quick else (30, 2))))
     elif args.auto:
         from benchmarks import auto
 
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.quick:
             add(allocator.figures(shape, 10, reps))
         add(speed.step_vs_hand(shape, steps, reps))
+        add(one_device.figures(shape, steps, 1 if args.quick else 2))  # item 9: 2 repetitions
         add(speed.loop_vs_step(shape, 10 if args.quick else 40, 1 if args.quick else reps,
                                logger="none" if args.quick else "wandb"))
         add(speed.precision(shape, steps, reps))

@@ -66,7 +66,8 @@ def markdown(report: Report) -> str:
     begin, end = markers(report.key)
     title = {"suite": "The suite", "gpu": "GPU figures",
              "auto": "parallelism=auto vs the best layout",
-             "torch": "One CPU device: dxrun vs PyTorch eager"}[report.key]
+             "torch": "One CPU device: dxrun vs PyTorch eager",
+             "onedev": "One device: dxrun vs hand-written jax.jit steps"}[report.key]
     lines = [begin, f"## {title}: `{report.command}`", "",
              f"`{report.command}` on {m['device_count']} × {m['device_kind']} "
              f"({m['cpu_cores']} cores), JAX {m['jax']}, {m['date']}; load average "
