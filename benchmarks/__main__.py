@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.quick:
             add(allocator.figures(shape, 10, reps))
         add(speed.step_vs_hand(shape, steps, reps))
-        add(one_device.figures(shape, steps, 1 if args.quick else 2))  # item 9: 2 repetitions
+        if not args.quick:  # the hand-written steps' losses are tests/test_bench_one_device.py's
+            add(one_device.figures(shape, steps, 2))  # item 9: 2 repetitions
         add(speed.loop_vs_step(shape, 10 if args.quick else 40, 1 if args.quick else reps,
                                logger="none" if args.quick else "wandb"))
         add(speed.precision(shape, steps, reps))
