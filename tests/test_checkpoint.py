@@ -31,9 +31,10 @@ from dxrun.train import train
 
 STEPS = 100
 # Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.
-# 32 x 16 tokens a step (not 32 x 64): what is tested is saving, stopping and resuming.
+# 8 x 16 tokens a step, one sequence a device (not 32 x 64): what is tested is saving,
+# stopping and resuming, not the step.
 BASE = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",
-        "checkpoint.every=25", "checkpoint.keep=3", "data.seq_len=16"]
+        "checkpoint.every=25", "checkpoint.keep=3", "data.seq_len=16", "data.batch_size=8"]
 
 
 def _rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -439,8 +440,9 @@ def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path, nan_at_step_7):
 
 
 def test_what_cannot_change_on_resume_is_refused():
-    saved = make_cfg(*BASE)
-    ok = make_cfg(*BASE, "parallelism=dp2_tp4", "optimizer.lr=0.001", "train.steps=200")
+    base = [x for x in BASE if not x.startswith("data.batch_size=")]  # the default batch, 32
+    saved = make_cfg(*base)
+    ok = make_cfg(*base, "parallelism=dp2_tp4", "optimizer.lr=0.001", "train.steps=200")
     check_compatible(ok, saved, Path("ckpt/25"))  # mesh, lr, length may change
     for change, key in [("model.n_layers=3", "model.n_layers"),
                         ("model=tiny_llama", "model.n_kv_heads"),
@@ -449,13 +451,13 @@ def test_what_cannot_change_on_resume_is_refused():
                         ("data.seq_len=32", "data.seq_len")]:
         with pytest.raises(ConfigError, match=f"{key}=.* but checkpoint ckpt/25 was written "
                                               f"with {key}="):
-            check_compatible(make_cfg(*BASE, change), saved, Path("ckpt/25"))
+            check_compatible(make_cfg(*base, change), saved, Path("ckpt/25"))
     # A new global batch is refused, naming both values, unless allowed.
     with pytest.raises(ConfigError, match="^data.batch_size=64 but checkpoint ckpt/25 was "
                                           "written with data.batch_size=32; resume with "
                                           "data.batch_size=32, or set checkpoint.allow_batch"):
-        check_compatible(make_cfg(*BASE, "data.batch_size=64"), saved, Path("ckpt/25"))
-    bigger = make_cfg(*BASE, "data.batch_size=64", "checkpoint.allow_batch_change=true")
+        check_compatible(make_cfg(*base, "data.batch_size=64"), saved, Path("ckpt/25"))
+    bigger = make_cfg(*base, "data.batch_size=64", "checkpoint.allow_batch_change=true")
     check_compatible(bigger, saved, Path("ckpt/25"))
     meta = {"data": {"step": 75}, "config": {"data": {"batch_size": 32}}}
     assert data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
