@@ -24,8 +24,9 @@ from dxrun.train import train
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["data.batch_size=16", "train.steps=6", "train.log_every=1", "train.eval_every=0",
-          "checkpoint.every=2", "optimizer.warmup_steps=2"]
+# 16 x 16 tokens a step: what is tested is the processes' run, against one process's.
+COMMON = ["data.batch_size=16", "data.seq_len=16", "train.steps=6", "train.log_every=1",
+          "train.eval_every=0", "checkpoint.every=2", "optimizer.warmup_steps=2"]
 
 
 def _env() -> dict[str, str]:
