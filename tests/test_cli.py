@@ -77,7 +77,8 @@ def test_progress_bar_on_a_terminal(tmp_path):
     env = subprocess_env()
     env.update(COLUMNS="120", TERM="xterm")
     proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=8", "train.log_every=4",
-                             "logger=none", "runtime.peak_tflops=1", "checkpoint.every=0"],
+                             "logger=none", "runtime.peak_tflops=1", "checkpoint.every=0",
+                             "data.batch_size=8", "data.seq_len=16"],  # the bar, not the step
                             cwd=tmp_path,
                             stdin=child, stdout=child, stderr=child, env=env)
     os.close(child)

@@ -132,7 +132,7 @@ def test_short_runs_of_every_preset_never_spike(tmp_path, model):
 @pytest.mark.e2e
 def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     base = ["logger=none", "train.steps=10", "train.log_every=10", "parallelism=dp2_tp4",
-            "model.n_heads=8", "model.n_kv_heads=8",
+            "model.n_heads=8", "model.n_kv_heads=8", "data.seq_len=16",
             "train.eval_every=0", "checkpoint.every=0"]  # (neither is compared here)
     fp32 = train(cfg_factory(*base), tmp_path / "fp32")
     bf16 = train(cfg_factory(*base, "train.precision=bf16"), tmp_path / "bf16")
