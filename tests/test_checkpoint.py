@@ -29,11 +29,12 @@ from dxrun.experiment import Experiment
 from dxrun.tracking.wandb_file import read_history, read_run
 from dxrun.train import train
 
-STEPS = 100
-# Saves at 25, 50, 75, 100 (the newest 3 kept); a row every 5 steps.
-# 32 x 16 tokens a step (not 32 x 64): what is tested is saving, stopping and resuming.
+STEPS = 40
+# Saves at 10, 20, 30, 40 (the newest 3 kept); a row every 5 steps.
+# 8 x 16 tokens a step, one sequence a device (not 32 x 64): what is tested is saving,
+# stopping and resuming, not the step.
 BASE = ["model=tiny", f"train.steps={STEPS}", "train.log_every=5", "train.eval_every=0",
-        "checkpoint.every=25", "checkpoint.keep=3", "data.seq_len=16"]
+        "checkpoint.every=10", "checkpoint.keep=3", "data.seq_len=16", "data.batch_size=8"]
 
 
 def _rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -105,7 +106,7 @@ def preempted(tmp_path_factory):
     _wait_for(lambda: _logged_step(run_dir) >= 10, out)
     first.send_signal(signal.SIGUSR1)
     _wait_for(lambda: HOLD_FIRST in committed_steps(run_dir / "checkpoints"), out)
-    (usr1,) = [s for s in committed_steps(run_dir / "checkpoints") if s % 25]
+    (usr1,) = [s for s in committed_steps(run_dir / "checkpoints") if s % 10]
     first.send_signal(signal.SIGTERM)
     out.wait_for(lambda line: "SIGTERM received" in line)
     first.send_signal(signal.SIGUSR1)  # lets the held step act on the stop
@@ -170,14 +171,14 @@ def test_sigusr1_saves_and_training_goes_on(preempted):
 def requeued(tmp_path_factory):
     """SLURM's ``--requeue`` recipe: the same command (``hydra.run.dir=<dir>``) launched again
     after each end. Killed outright (SIGKILL) at step 6, before the first checkpoint; relaunched
-    and killed at step 26, after checkpoint 25; relaunched and held at the last step's save
-    point, sent SIGTERM (checkpoint 100 is committed, the summary never written); relaunched
+    and killed at step 11, after checkpoint 10; relaunched and held at the last step's save
+    point, sent SIGTERM (checkpoint 40 is committed, the summary never written); relaunched
     once more. Returns the run dir, the four outputs, and status.json after the third."""
     cwd = tmp_path_factory.mktemp("requeue")
     run_dir = cwd / "rq"
     outs = []
     for hold, until in ((6, lambda: _logged_step(run_dir) >= 5),
-                        (26, lambda: _logged_step(run_dir) >= 25 and 25 in
+                        (11, lambda: _logged_step(run_dir) >= 10 and 10 in
                          committed_steps(run_dir / "checkpoints"))):
         proc = _launch(cwd, run_dir, "logger=none", hold=hold)
         out = Output(proc)
@@ -212,15 +213,15 @@ def test_a_requeue_continues_the_run_in_its_dir_from_the_newest_checkpoint(refer
     assert (f"{run_dir}: attempt 2 of its run; the last one died (killed: its status still "
             "said running) before its first checkpoint, so this one starts again from step 0"
             ) in second
-    assert f"resuming from step 25 (checkpoint {run_dir / 'checkpoints' / '25'})" in third
+    assert f"resuming from step 10 (checkpoint {run_dir / 'checkpoints' / '10'})" in third
     assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
-    # The first attempt's row is set aside, not lost; the second's rows up to 25 are kept.
+    # The first attempt's row is set aside, not lost; the second's rows up to 10 are kept.
     assert [r["step"] for r in _rows(run_dir, "metrics.discarded.jsonl")] == [5]
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["attempt"], status["lost_attempts"]) == ("ok", 4, 2)
     attempts = json.loads((run_dir / "goodput.json").read_text())["attempts"]
-    assert [(a["first_step"], a["last_step"]) for a in attempts] == [(0, 5), (0, 25),
-                                                                     (25, STEPS)]
+    assert [(a["first_step"], a["last_step"]) for a in attempts] == [(0, 5), (0, 10),
+                                                                     (10, STEPS)]
 
 
 @pytest.mark.e2e
@@ -251,10 +252,10 @@ def test_a_second_launch_into_a_held_run_dir_is_refused_or_waits(reference, tmp_
     run.wait_for_lock it waits for the first to end and then continues the run from where
     the first stopped."""
     run_dir = tmp_path / "run"
-    first = _launch(tmp_path, run_dir, "logger=none", hold=26)
+    first = _launch(tmp_path, run_dir, "logger=none", hold=11)
     out = Output(first)
-    _wait_for(lambda: _logged_step(run_dir) >= 25
-              and 25 in committed_steps(run_dir / "checkpoints"), out)
+    _wait_for(lambda: _logged_step(run_dir) >= 10
+              and 10 in committed_steps(run_dir / "checkpoints"), out)
     before = tree_digest(run_dir)
     second = run_cli(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path,
                      timeout=240)
@@ -276,7 +277,7 @@ def test_a_second_launch_into_a_held_run_dir_is_refused_or_waits(reference, tmp_
     assert first.returncode == 0
     text = waiting.finish()
     assert third.returncode == 0, text[-3000:]
-    assert "resuming from step 26" in text
+    assert "resuming from step 11" in text
     assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))  # every step once
     assert not (tmp_path / "run_1").exists()
 
@@ -356,7 +357,7 @@ def test_refused_resume_leaves_the_run_untouched(preempted):
 @pytest.mark.parametrize("mesh", ["dp2_tp4", "fsdp8", "dp2_fsdp2_tp2", "dp1"])
 def test_resume_onto_another_mesh(reference, tmp_path, mesh):
     """Written under dp8, read straight into the new mesh's shards; the run goes on the same."""
-    exp, state, _ = _restore(reference / "checkpoints", 75, f"parallelism={mesh}")
+    exp, state, _ = _restore(reference / "checkpoints", 20, f"parallelism={mesh}")
     for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(exp.state_shardings), strict=True):
         assert x.sharding.is_equivalent_to(want, x.ndim)
         assert len(x.addressable_shards) == exp.plan.n_devices
@@ -365,11 +366,11 @@ def test_resume_onto_another_mesh(reference, tmp_path, mesh):
     split = [x for x in jax.tree.leaves(state.params) if x.sharding.shard_shape(x.shape) != x.shape]
     assert bool(split) == (mesh != "dp1")  # some weights really are split on the new mesh
     cfg = make_cfg(*BASE, "logger=none", f"parallelism={mesh}",
-                   f"checkpoint.resume={reference / 'checkpoints' / '75'}")
+                   f"checkpoint.resume={reference / 'checkpoints' / '20'}")
     train(cfg, tmp_path)
     got = [r["train/loss"] for r in _rows(tmp_path)]
-    want = [r["train/loss"] for r in _rows(reference) if r["step"] > 75]
-    assert [r["step"] for r in _rows(tmp_path)] == [80, 85, 90, 95, 100]
+    want = [r["train/loss"] for r in _rows(reference) if r["step"] > 20]
+    assert [r["step"] for r in _rows(tmp_path)] == [25, 30, 35, 40]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -386,13 +387,13 @@ def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
         train(make_cfg(*BASE, "logger=none"), run_dir)
     text = caplog.text
     assert f"checkpoint {newest} is incomplete or corrupt" in text
-    assert f"resuming from step 75 (checkpoint {run_dir / 'checkpoints' / '75'})" in text
+    assert f"resuming from step 30 (checkpoint {run_dir / 'checkpoints' / '30'})" in text
     assert (run_dir / "checkpoints" / f"{STEPS}.corrupt").is_dir()  # set aside, not deleted
     discarded = [json.loads(x)["step"]
                  for x in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
-    assert discarded == [80, 85, 90, 95, 100]
+    assert discarded == [35, 40]
     assert _untimed(_rows(run_dir)) == _untimed(_rows(reference))
-    assert committed_steps(run_dir / "checkpoints") == [50, 75, 100]
+    assert committed_steps(run_dir / "checkpoints") == [20, 30, 40]
 
 
 NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0",
@@ -439,8 +440,9 @@ def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path, nan_at_step_7):
 
 
 def test_what_cannot_change_on_resume_is_refused():
-    saved = make_cfg(*BASE)
-    ok = make_cfg(*BASE, "parallelism=dp2_tp4", "optimizer.lr=0.001", "train.steps=200")
+    base = [x for x in BASE if not x.startswith("data.batch_size=")]  # the default batch, 32
+    saved = make_cfg(*base)
+    ok = make_cfg(*base, "parallelism=dp2_tp4", "optimizer.lr=0.001", "train.steps=200")
     check_compatible(ok, saved, Path("ckpt/25"))  # mesh, lr, length may change
     for change, key in [("model.n_layers=3", "model.n_layers"),
                         ("model=tiny_llama", "model.n_kv_heads"),
@@ -449,13 +451,13 @@ def test_what_cannot_change_on_resume_is_refused():
                         ("data.seq_len=32", "data.seq_len")]:
         with pytest.raises(ConfigError, match=f"{key}=.* but checkpoint ckpt/25 was written "
                                               f"with {key}="):
-            check_compatible(make_cfg(*BASE, change), saved, Path("ckpt/25"))
+            check_compatible(make_cfg(*base, change), saved, Path("ckpt/25"))
     # A new global batch is refused, naming both values, unless allowed.
     with pytest.raises(ConfigError, match="^data.batch_size=64 but checkpoint ckpt/25 was "
                                           "written with data.batch_size=32; resume with "
                                           "data.batch_size=32, or set checkpoint.allow_batch"):
-        check_compatible(make_cfg(*BASE, "data.batch_size=64"), saved, Path("ckpt/25"))
-    bigger = make_cfg(*BASE, "data.batch_size=64", "checkpoint.allow_batch_change=true")
+        check_compatible(make_cfg(*base, "data.batch_size=64"), saved, Path("ckpt/25"))
+    bigger = make_cfg(*base, "data.batch_size=64", "checkpoint.allow_batch_change=true")
     check_compatible(bigger, saved, Path("ckpt/25"))
     meta = {"data": {"step": 75}, "config": {"data": {"batch_size": 32}}}
     assert data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
@@ -482,7 +484,7 @@ def test_second_sigint_exits_at_once_without_saving(tmp_path):
     """Ctrl-C twice: the first asks for a save; the second, before that save, exits 130 at
     once, and no checkpoint appears. The run is held at step 6 (``_launch``'s hold, no SIGUSR1
     ever comes), so the first SIGINT's save cannot start, let alone be committed, before the
-    second arrives, nor can the checkpoint.every=25 cadence of BASE save. BASE as it is (the
+    second arrives, nor can the checkpoint.every=10 cadence of BASE save. BASE as it is (the
     hold is host-side): the programs are ``reference``'s, from the session's compile cache."""
     run_dir = tmp_path / "run"
     proc = _launch(tmp_path, run_dir, "logger=none", hold=6)

@@ -18,8 +18,10 @@ def _run_dirs(cwd: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def dp4_tp2_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
+    # No test reads its checkpoint: none saved. 16-token sequences: the markov chain's context
+    # is its last 2 symbols.
     proc = run_cli("parallelism=dp4_tp2", "model=tiny", "train.steps=20", "train.log_every=5",
-                   "checkpoint.every=0", cwd=cwd)  # no test reads its checkpoint: none saved
+                   "checkpoint.every=0", "data.seq_len=16", cwd=cwd)
     return cwd, proc
 
 
@@ -54,7 +56,7 @@ def test_subprocess_wandb_run_holds_choices_plan_and_history(dp4_tp2_run):
     run = read_run(path)
     assert run["config"]["choices"]["parallelism"] == "dp4_tp2"
     assert run["config"]["plan"]["mesh_shape"] == [4, 1, 2]
-    assert run["name"] == "tiny-dp4_tp2-bs32-steps20-log_every5-every0"
+    assert run["name"] == "tiny-dp4_tp2-bs32-steps20-log_every5-every0-seq_len16"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     history = [{k: v for k, v in r.items() if not k.startswith("_")} for r in run["history"]]
     assert history == rows
@@ -77,7 +79,8 @@ def test_progress_bar_on_a_terminal(tmp_path):
     env = subprocess_env()
     env.update(COLUMNS="120", TERM="xterm")
     proc = subprocess.Popen([sys.executable, "-m", "dxrun", "train.steps=8", "train.log_every=4",
-                             "logger=none", "runtime.peak_tflops=1", "checkpoint.every=0"],
+                             "logger=none", "runtime.peak_tflops=1", "checkpoint.every=0",
+                             "data.batch_size=8", "data.seq_len=16"],  # the bar, not the step
                             cwd=tmp_path,
                             stdin=child, stdout=child, stderr=child, env=env)
     os.close(child)

@@ -24,8 +24,9 @@ from dxrun.train import train
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["data.batch_size=16", "train.steps=6", "train.log_every=1", "train.eval_every=0",
-          "checkpoint.every=2", "optimizer.warmup_steps=2"]
+# 16 x 16 tokens a step: what is tested is the processes' run, against one process's.
+COMMON = ["data.batch_size=16", "data.seq_len=16", "train.steps=6", "train.log_every=1",
+          "train.eval_every=0", "checkpoint.every=2", "optimizer.warmup_steps=2"]
 
 
 def _env() -> dict[str, str]:
@@ -206,6 +207,11 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 
+# One sequence of 16 tokens a device: what is tested is how the processes stop, at steps they
+# reach sooner with a smaller step.
+ENDLESS_BATCH = ("data.batch_size=8", "data.seq_len=16")
+
+
 def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False, port: int = 0
                   ) -> tuple[subprocess.Popen, Output, dict[int, int]]:
     """A 2-process run without end (4 devices each), once rank 0 has logged step 2: the
@@ -216,7 +222,7 @@ def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False, port: int = 
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4",
          "--port", str(port), "--", NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
          "parallelism=dp",  # 100000 steps would pay for a layout search
-         "checkpoint.every=0", *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+         "checkpoint.every=0", *ENDLESS_BATCH, *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=ctrl_c)
     out = Output(proc)
     out.wait_for(lambda line: line.startswith("[rank 0]") and "step 2/" in line)
@@ -360,7 +366,7 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
         f"checkpoint {tmp_path / 'run' / 'checkpoints' / str(step)} committed. Resume with: "
         f"python -m dxrun.launch --nproc=2 --devices-per-proc=4 -- {NO_CACHE} logger=none "
         f"train.steps=100000 train.log_every=1 parallelism=dp checkpoint.every=0 "
-        f"hydra.run.dir={tmp_path}/run")
+        f"{' '.join(ENDLESS_BATCH)} hydra.run.dir={tmp_path}/run")
 
 
 # A run dir neither Hydra's override grammar nor a shell takes as it is: "=", both quotes, a

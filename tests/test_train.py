@@ -132,7 +132,7 @@ def test_short_runs_of_every_preset_never_spike(tmp_path, model):
 @pytest.mark.e2e
 def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
     base = ["logger=none", "train.steps=10", "train.log_every=10", "parallelism=dp2_tp4",
-            "model.n_heads=8", "model.n_kv_heads=8",
+            "model.n_heads=8", "model.n_kv_heads=8", "data.seq_len=16",
             "train.eval_every=0", "checkpoint.every=0"]  # (neither is compared here)
     fp32 = train(cfg_factory(*base), tmp_path / "fp32")
     bf16 = train(cfg_factory(*base, "train.precision=bf16"), tmp_path / "bf16")
@@ -143,9 +143,11 @@ def test_bf16_trains_close_to_fp32(cfg_factory, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
 def test_every_optimizer_trains(cfg_factory, tmp_path, optimizer):
+    # 16 tokens a sequence: the chain's context is its last 2 symbols, which a longer sequence
+    # only repeats.
     s = train(cfg_factory(f"optimizer={optimizer}", "logger=none", "parallelism=dp2",
                           "train.steps=30", "train.log_every=1", "train.eval_every=0",
-                          "checkpoint.every=0"), tmp_path)
+                          "checkpoint.every=0", "data.seq_len=16"), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # The first step's loss is a uniform guess over the chain's 16 symbols (2.77 nats), and its
     # symbol frequencies alone are worth only 0.02 nats: 0.15 below it is the context learned.
@@ -217,7 +219,8 @@ def test_a_run_compiles_once_whatever_its_length(cfg_factory, tmp_path):
     """Every program (init, step, eval, metrics) compiles in the first steps; more steps,
     log rows and evaluations compile nothing new."""
     base = ["logger=none", "parallelism=dp4_tp2", "model.n_heads=8", "model.n_kv_heads=8",
-            "train.log_every=2", "train.eval_every=2", "eval.batches=2"]
+            "train.log_every=2", "train.eval_every=2", "eval.batches=2",
+            "data.batch_size=8", "data.seq_len=16"]  # what is counted is compiles, not steps
     with recorded_compiles() as short:
         train(cfg_factory(*base, "train.steps=4"), tmp_path / "short")
     with recorded_compiles() as compiles:
