@@ -132,7 +132,13 @@ def test_warnings_from_figures():
                                            "tensor_collective_s": 0.0}}
     assert advice.exposed_warning(step) is None  # 10%: not above it
     step["timing"]["exposed_collective_s"] = 0.3
-    assert "(30%: data-parallel beyond the compute 300.0 ms)" in advice.exposed_warning(step)
+    line = advice.exposed_warning(step)
+    assert "(30%: data-parallel beyond the compute 300.0 ms); more tokens per device" in line
+    assert "parallelism.tp" not in line  # no tensor parallelism to cut
+    step["timing"]["tensor_collective_s"] = 0.3
+    assert advice.exposed_warning(step).endswith(
+        "(30%: tensor-parallel (never hidden) 300.0 ms); fewer tensor-parallel devices "
+        "(parallelism.tp) hide more of them")
     fits = {"fits": True}
     assert advice.fit_warning(fits, "x") is None
 

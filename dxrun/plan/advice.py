@@ -93,7 +93,11 @@ def exposed_warning(est: dict[str, Any]) -> str | None:
     parts = {"tensor-parallel (never hidden)": g["tensor_collective_s"],
              "data-parallel beyond the compute": exposed - g["tensor_collective_s"]}
     named = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in parts.items() if v > 0)
+    # each part's own remedy: tensor-parallel collectives sit on the critical path whatever the
+    # tokens; the data-parallel ones hide behind more compute per device
+    fixes = {"tensor-parallel (never hidden)": "fewer tensor-parallel devices (parallelism.tp)",
+             "data-parallel beyond the compute": "more tokens per device (data.batch_size, "
+                                                 "data.seq_len)"}
+    fix = " or ".join(fixes[k] for k, v in parts.items() if v > 0)
     return (f"exposed collectives take {1e3 * exposed:.1f} ms of the {1e3 * step:.1f} ms "
-            f"step ({100 * exposed / step:.0f}%: {named}); fewer tensor-parallel devices "
-            "(parallelism.tp) or more tokens per device (data.batch_size, data.seq_len) hide "
-            "more of them")
+            f"step ({100 * exposed / step:.0f}%: {named}); {fix} hide more of them")
