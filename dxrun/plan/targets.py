@@ -25,7 +25,7 @@ MEM_FRACTION_KEYS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"
 @dataclass(frozen=True)
 class Target:
     """One accelerator, per device. The peak comes from flops.PEAK_TFLOPS by ``device_kind``
-    (one table of peaks); memory and bandwidths are the vendors' datasheet figures."""
+    (one table of peaks); memory is the driver's total, bandwidths the vendors' datasheets'."""
 
     name: str
     device_kind: str
@@ -38,10 +38,10 @@ class Target:
 # 2.04 TB/s, GDDR6 864 GB/s; NVLink 4: 900 GB/s, NVLink 3: 600 GB/s both directions together;
 # L40S has no NVLink: PCIe 4.0 x16, 32 GB/s); Google Cloud TPU v5e/v5p system docs (16 GB at
 # 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI).
-# A GPU's memory is the total its driver reports (nvidia-smi's MiB, what JAX's pool is a
-# fraction of), not the datasheet's rounded "80GB": H100 80GB HBM3 81,559 MiB, A100-SXM4-80GB
-# 81,920 MiB, H200 143,771 MiB, L40S 46,068 MiB; the Grand Teton H100 95 GiB (torchtitan's
-# docs/performance.md).
+# A GPU's memory is the total its driver reports (nvidia-smi's MiB, each in the table below),
+# not the datasheet's rounded GB: JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION) is a fraction of
+# that total, so a plan against the rounded figure refuses runs that fit. The Grand Teton H100's
+# is torchtitan's docs/performance.md figure.
 MiB = 2**20
 TARGETS: dict[str, Target] = {
     "h100": Target("H100 SXM 80GB", "NVIDIA H100 80GB HBM3", 81_559 * MiB, 3.35e12, 450 * GB),
