@@ -180,7 +180,9 @@ def user_cache_dir() -> str:
 
 def enable_compile_cache(setting: str | None) -> str | None:
     """JAX's persistent compilation cache, so a second launch of the same config skips XLA's
-    compile. ``auto`` = ``$XDG_CACHE_HOME/dxrun/jax`` (``~/.cache/dxrun/jax``)."""
+    compile. ``auto`` = ``$XDG_CACHE_HOME/dxrun/jax`` (``~/.cache/dxrun/jax``). Programs that
+    compile in under 0.5 s are not worth a disk entry, unless JAX's own
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise (the test suite sets 0)."""
     if setting in (None, "", "off", "none"):
         return None
     import jax
@@ -188,7 +190,8 @@ def enable_compile_cache(setting: str | None) -> str | None:
     path = os.path.join(user_cache_dir(), "jax") if setting == "auto" else setting
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's own knob wins
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
 
 

@@ -18,13 +18,13 @@ simulate_cpu_devices(8)  # must run before anything imports jax
 # XLA:CPU's code generation made cheap, here and in every subprocess a test starts
 # (``subprocess_env``): the suite's programs are tiny and run a few steps, so code generation
 # was most of their compile. LLVM's optimisation off, and XLA:CPU's older fusion emitters
-# instead of its MLIR ones, which were most of what was left (the tiny dp4_tp2 step: 3.7 s
-# to 1.5 s; docs/tests.md has the command). The optimised HLO, its buffer assignment, cost
+# instead of its MLIR ones, which were most of what was left, and the code generated in one
+# piece, not split for threads the other worker needs (docs/tests.md has the commands). The optimised HLO, its buffer assignment, cost
 # analysis and collectives are settled before code generation and are what the tests read
 # (one difference: without the MLIR emitters XLA expands a scatter into a loop); the numbers
 # a test compares come from programs compiled alike. DXRUN_TEST_LLVM_OPT=1 compiles as a user's run does.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-                " --xla_cpu_use_fusion_emitters=false")
+                " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 if os.environ.get("DXRUN_TEST_LLVM_OPT") != "1":
     os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {FAST_COMPILE}"
 # Forced, not defaulted: an exported WANDB_MODE=online (or HYDRA_FULL_ERROR=1) would send the
@@ -49,6 +49,9 @@ if not os.environ.get("DXRUN_TEST_CACHE"):
     os.environ["DXRUN_TEST_CACHE"] = tempfile.mkdtemp(prefix="dxrun-tests-cache-")
     atexit.register(shutil.rmtree, os.environ["DXRUN_TEST_CACHE"], ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = os.environ["DXRUN_TEST_CACHE"]
+# Every program into the cache, not only those that took dxrun's 0.5 s to compile: the suite's
+# fast compiles fall under it, and most are compiled again by another test or subprocess.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import contextlib
 import sys
