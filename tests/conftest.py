@@ -20,9 +20,10 @@ simulate_cpu_devices(8)  # must run before anything imports jax
 # was most of their compile. LLVM's optimisation off, and XLA:CPU's older fusion emitters
 # instead of its MLIR ones, which were most of what was left, and the code generated in one
 # piece, not split for threads the other worker needs (docs/tests.md has the commands). The
-# optimised HLO, its buffer assignment, cost analysis and collectives are settled before code generation and are what the tests read
-# (one difference: without the MLIR emitters XLA expands a scatter into a loop); the numbers
-# a test compares come from programs compiled alike. DXRUN_TEST_LLVM_OPT=1 compiles as a user's run does.
+# optimised HLO, its buffer assignment, cost analysis and collectives are settled before code
+# generation and are what the tests read (one difference: without the MLIR emitters XLA expands
+# a scatter into a loop); the numbers a test compares come from programs compiled alike.
+# DXRUN_TEST_LLVM_OPT=1 compiles as a user's run does.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
                 " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 if os.environ.get("DXRUN_TEST_LLVM_OPT") != "1":
