@@ -137,6 +137,9 @@ def apply_hf_model(cfg: Any, overrides: list[str]) -> Path | None:
     none. Returns the directory (None: a run from its own init)."""
     from omegaconf import OmegaConf  # noqa: PLC0415 - only the launchers' configs get here
 
+    if OmegaConf.is_missing(cfg.model, "init_from"):
+        raise ConfigError(f"{KEY} is required here (experiment=finetune_hf): give "
+                          f"{KEY}=hf:<dir>, a Hugging Face directory")
     d = hf_dir(cfg.model.init_from)
     if d is None:
         return None
@@ -168,3 +171,55 @@ def check_rope_scaling(value: Any) -> None:
             isinstance(value[k], (int, float)) and value[k] > 0 for k in keys):
         raise ConfigError(f"model.rope_scaling={value}: give null or positive "
                           f"{', '.join(LLAMA3_SCALING)} (Llama 3.1's rope_scaling)")
+
+
+# dxrun's two families and the keys that make them (export: which HF architecture a run is).
+FAMILIES = {
+    "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True),
+    "llama": dict(bias=False, norm="rmsnorm", mlp="swiglu", pos="rope"),
+}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def model_type_of(m: Any) -> str:
+    """The HF ``model_type`` of dxrun's model section ``m``; ConfigError naming what differs
+    when no HF architecture computes what it does."""
+    misses = {kind: [f"model.{k}={_show(getattr(m, k))}" for k, v in want.items()
+                     if getattr(m, k) != v] for kind, want in FAMILIES.items()}
+    if m.pos == "learned" and m.n_kv_heads != m.n_heads:
+        misses["gpt2"].append(f"model.n_kv_heads={m.n_kv_heads} (GPT-2 has no grouped-query "
+                              "attention)")
+    kind = min(misses, key=lambda k: len(misses[k]))
+    if misses[kind]:
+        want = ", ".join(f"{k}={_show(v)}" for k, v in FAMILIES[kind].items())
+        raise ConfigError(f"the model has no Hugging Face equivalent: nearest is {kind} "
+                          f"({ARCHITECTURES[kind]}: {want}), but {'; '.join(misses[kind])}")
+    return kind
+
+
+def _show(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` transformers reads for dxrun's model section ``m``: the inverse of
+    ``model_fields`` (``model_fields(config_json(m))`` gives back ``m``'s shape keys)."""
+    kind = model_type_of(m)
+    common = dict(architectures=[ARCHITECTURES[kind]], model_type=kind, vocab_size=m.vocab_size,
+                  torch_dtype="float32", use_cache=True, **(extra or {}))
+    if kind == "gpt2":
+        return dict(common, n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
+                    n_positions=m.max_seq_len, n_ctx=m.max_seq_len,
+                    n_inner=None if m.d_ff == 4 * m.d_model else m.d_ff,
+                    activation_function="gelu_new", layer_norm_epsilon=NORM_EPS,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_weights=True,
+                    tie_word_embeddings=True)
+    scaling = (None if not m.rope_scaling
+               else dict(rope_type="llama3", **{k: m.rope_scaling[k] for k in LLAMA3_SCALING}))
+    return dict(common, hidden_size=m.d_model, intermediate_size=m.d_ff,
+                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                num_key_value_heads=m.n_kv_heads, head_dim=m.d_model // m.n_heads,
+                max_position_embeddings=m.max_seq_len, rms_norm_eps=NORM_EPS,
+                rope_theta=m.rope_theta, rope_scaling=scaling,
+                tie_word_embeddings=m.tie_embeddings, hidden_act="silu",
+                attention_bias=False, mlp_bias=False)

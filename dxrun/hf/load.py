@@ -1,11 +1,12 @@
 """A Hugging Face checkpoint read into a run's sharded parameters (``model.init_from=hf:<dir>``).
 
-Each dxrun parameter is made with ``jax.make_array_from_callback`` in the run's shardings: the
-callback of a device's shard reads the HF tensors it needs one at a time (one per layer of a
+Each dxrun parameter is made in the run's shardings one device's shard at a time: a shard
+reads the HF tensors it needs one at a time (one per layer of a
 stacked weight), turns each into dxrun's layout (``layout.to_dxrun``) and keeps the shard's
-slice of it, padding the vocabulary with zero rows to the mesh's ``padded_vocab``. So the host
-holds one HF tensor beyond the shards built so far, never the whole model, and each process
-reads only the shards of its own devices.
+slice of it, padding the vocabulary with zero rows to the mesh's ``padded_vocab``, and is put
+on its device before the next is read. So the host holds one HF tensor and one shard beyond
+the shards placed so far, never the whole model, and each process reads only the shards of
+its own devices.
 """
 
 from __future__ import annotations
@@ -80,19 +81,32 @@ def import_params(exp: Experiment) -> dict:
 
             def shard(index: tuple, w: Weight = w, one: tuple = one, real: tuple = real,
                       vocab: int | None = vocab, dtype: Any = s.dtype) -> np.ndarray:
-                layers = range(m.n_layers)[index[0]] if w.per_layer else [None]
                 rest = index[1:] if w.per_layer else index
-                pieces = []
-                for layer in layers:
-                    x = files.read(files.name_for(w, layer))
-                    pieces.append(pad_slice(to_dxrun(w, x, real), rest, vocab, one[vocab]
-                                            if vocab is not None else 0))
-                    del x
-                out = np.stack(pieces) if w.per_layer else pieces[0]
-                return out.astype(dtype, copy=False)
+                pad = one[vocab] if vocab is not None else 0
+                if not w.per_layer:
+                    x = to_dxrun(w, files.read(files.name_for(w, None)), real)
+                    return np.array(pad_slice(x, rest, vocab, pad), dtype=dtype)
+                layers = range(m.n_layers)[index[0]]
+                out = None
+                for k, layer in enumerate(layers):  # one layer's tensor alive at a time
+                    x = to_dxrun(w, files.read(files.name_for(w, layer)), real)
+                    piece = pad_slice(x, rest, vocab, pad)
+                    if out is None:
+                        out = np.empty((len(layers), *piece.shape), dtype)
+                    out[k] = piece
+                    del x, piece
+                return out
 
-            built[w.dxrun] = jax.make_array_from_callback(s.shape, s.sharding, shard)
+            built[w.dxrun] = _place(s.shape, s.sharding, shard)
     return _nest(built)
+
+
+def _place(shape: tuple[int, ...], sharding: Any, shard: Any) -> jax.Array:
+    """``jax.make_array_from_callback``, one device at a time: each shard is on its device
+    before the next is read, so the host holds one shard (and one tensor) at a time."""
+    arrays = [jax.device_put(shard(index), device)
+              for device, index in sharding.addressable_devices_indices_map(shape).items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _nest(flat: dict[str, Any]) -> dict:

@@ -1,5 +1,5 @@
-"""``python -m dxrun.evaluate <run dir | checkpoints dir | step dir> [overrides]``: score a
-checkpoint on held-out data, on any mesh.
+"""``python -m dxrun.evaluate <run dir | checkpoints dir | step dir | HF dir> [overrides]``:
+score a checkpoint, or a Hugging Face directory (as step 0), on held-out data, on any mesh.
 
 The newest committed checkpoint (or the step dir given) is restored onto the mesh of the run's
 ``parallelism`` or the overrides' (``parallelism=tp2``) and scored by the loop's own evaluation

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config import check_keys, composition_error, conf_dir, register
 from dxrun.errors import ConfigError, first_line
+from dxrun.hf.config import PREFIX, apply_hf_model
 from dxrun.plan.mesh import make_plan
 from dxrun.runtime import simulate_cpu_devices
 from dxrun.schema import RunConfig
@@ -117,8 +120,6 @@ def as_data(value: Any) -> Any:
 def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
     """The checkpoint's config (``saved``, read as data: ``as_data``) with ``overrides``
     applied as ``python -m dxrun`` applies them."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     register()
@@ -178,6 +179,8 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
     the mesh of its config with ``overrides``; ``adjust`` may change the config before the
     mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
+    if is_hf_dir(path):
+        return load_hf(path, overrides, with_data, adjust)
     from dxrun.checkpointing import resume as checkpoint  # imports JAX
 
     # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
@@ -207,6 +210,41 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
     return Loaded(cfg, meta, step, where, given_run_dir(path, resume.directory), exp,
                   state.params)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face directory (config.json, no dxrun checkpoints)."""
+    path = path.expanduser()
+    return (path / "config.json").is_file() and not (path / "checkpoints").is_dir()
+
+
+def load_hf(path: Path, overrides: list[str], with_data: bool = True,
+            adjust: Callable[[RunConfig], None] | None = None) -> Loaded:
+    """A Hugging Face directory as a checkpoint at step 0: the defaults with ``overrides`` and
+    ``model.init_from=hf:<path>`` (its config.json the model, its tokenizer.json a text run's
+    tokenizer), its weights read into the chosen mesh's shards (``dxrun.hf.load``)."""
+    path = path.expanduser().absolute()
+    given = [*overrides, f"model.init_from={PREFIX}{path}"]
+    register()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3",
+                                   job_name="dxrun"):
+            cfg = hydra_compose(config_name="config", overrides=given)
+    except Exception as e:  # noqa: BLE001 - one line for what we can phrase, else Hydra's
+        raise ConfigError(composition_error(e) or str(e).splitlines()[0]) from None
+    apply_hf_model(cfg, given)
+    check_keys(cfg)
+    start_devices(overrides)
+    from dxrun.experiment import Experiment, visible_devices  # imports JAX
+    from dxrun.hf.load import import_params  # imports JAX
+
+    if adjust is not None:
+        adjust(cfg)
+    validate(cfg)
+    exp = Experiment.build(cfg, make_plan(cfg, *visible_devices()), with_data=with_data)
+    params = import_params(exp)
+    log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
+    return Loaded(cfg, {}, 0, path, None, exp, params)
 
 
 def given_run_dir(path: Path, checkpoints: Path) -> Path | None:

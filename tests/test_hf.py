@@ -1,0 +1,260 @@
+"""Hugging Face checkpoints in and out (issue 50): dxrun's logits equal transformers' own Flax
+GPT-2 and Llama (grouped-query) on every kind of mesh, import then export gives the tensors back
+bitwise, a fine-tune lowers the held-out loss and its export loads into the reference with
+dxrun's logits, import holds one tensor beyond the shards, bad directories are refused in one
+line, and plan mode plans a fine-tune of Llama 3.1 8B from its published config.json.
+
+Every checkpoint is made here (tests/hf_checkpoints.py); no network (HF_HUB_OFFLINE=1)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, make_cfg, subprocess_env, write_corpus
+from flax import nnx
+from hf_checkpoints import GPT2, LLAMA, V, random_tensors, reference_logits, write_hf_dir
+
+from dxrun.errors import ConfigError
+from dxrun.experiment import Experiment
+from dxrun.hf.config import apply_hf_model, model_fields, model_type_of, read_config
+from dxrun.hf.layout import TABLES
+from dxrun.hf.load import check_hf_weights, import_params
+from dxrun.hf.save import save_hf
+from dxrun.sharding import in_mesh_context
+from dxrun.validation import validate
+
+MESHES = {"dp1": ["parallelism=dp1"], "tp2": ["parallelism=tp2"],
+          "fsdp2_tp2": ["parallelism=tp2", "parallelism.n_devices=4", "parallelism.fsdp=2"],
+          "dp2_tp4": ["parallelism=dp2_tp4"]}
+SMALL = ["logger=none", "data.batch_size=4", "data.seq_len=16"]
+
+
+def hf_cfg(d: Path, *overrides: str):
+    given = [f"model.init_from=hf:{d}", *SMALL, *overrides]
+    cfg = make_cfg(*given)
+    apply_hf_model(cfg, given)
+    validate(cfg)
+    return cfg
+
+
+def logits(exp: Experiment, params: dict, tokens_BxL: np.ndarray) -> np.ndarray:
+    with in_mesh_context(exp.mesh, exp.plan.rules):
+        out = jax.jit(lambda p, t: nnx.merge(exp.graphdef, p)(t))(params, tokens_BxL)
+    return np.asarray(out)[..., :exp.cfg.model.vocab_size]
+
+
+def tensors_of(d: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a HF dir, GPT-2's names without the ``transformer.`` prefix."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out |= {n.removeprefix("transformer."): x for n, x in load_file(str(f)).items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """The two checkpoints (GPT-2 as the hub lays it out: one file, no ``transformer.``
+    prefix; Llama with grouped-query heads in two shards, and the same tensors in one file for
+    the reference, whose Flax loader reads no shards), a token batch and the reference logits."""
+    root = tmp_path_factory.mktemp("hf")
+    g = write_hf_dir(root / "gpt2", GPT2, random_tensors(GPT2))
+    llama_tensors = random_tensors(LLAMA, seed=1)
+    ls = write_hf_dir(root / "llama_sharded", LLAMA, llama_tensors, shards=2)
+    l1 = write_hf_dir(root / "llama", LLAMA, llama_tensors)
+    tokens = np.random.default_rng(2).integers(0, V, (2, 16)).astype(np.int32)
+    return {"root": root, "gpt2": g, "llama": ls, "llama_one_file": l1, "tokens": tokens,
+            "ref": {"gpt2": reference_logits(g, tokens), "llama": reference_logits(l1, tokens)}}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_logits_equal_the_reference_on_every_mesh(hf, kind):
+    """dxrun's fp32 logits of the imported checkpoint against transformers' Flax model, to
+    1e-5, on one device, tensor-parallel (the vocabulary padded), FSDP x TP and dp2 x tp4."""
+    for mesh, overrides in MESHES.items():
+        exp = Experiment.build(hf_cfg(hf[kind], *overrides), with_data=False)
+        out = logits(exp, import_params(exp), hf["tokens"])
+        np.testing.assert_allclose(out, hf["ref"][kind], rtol=0, atol=1e-5, err_msg=mesh)
+        assert exp.padded_vocab == {"dp1": V, "tp2": 102, "fsdp2_tp2": 102,
+                                    "dp2_tp4": 104}[mesh]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_import_then_export_gives_the_tensors_back_bitwise(hf, kind, tmp_path):
+    """HF -> dxrun (tp2: the vocabulary padded to 102 rows) -> export: the same tensors bit
+    for bit (GPT-2's fused c_attn split and put back), the same config; written in several
+    files with their index when a file may hold less than the model."""
+    exp = Experiment.build(hf_cfg(hf[kind], "parallelism=tp2"), with_data=False)
+    out = save_hf(import_params(exp), exp.axes, exp.cfg.model, tmp_path / "out",
+                  max_shard_bytes=40_000)
+    want, have = tensors_of(hf[kind]), tensors_of(out)
+    assert have.keys() == want.keys()
+    for name, x in want.items():
+        assert have[name].dtype == x.dtype and np.array_equal(have[name], x), name
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    config = read_config(out)
+    assert model_fields(config, out) == model_fields(read_config(hf[kind]), hf[kind])
+    assert config["architectures"] == [{"gpt2": "GPT2LMHeadModel",
+                                        "llama": "LlamaForCausalLM"}[kind]]
+
+
+def test_import_holds_one_tensor_beyond_the_shards(tmp_path):
+    """Host memory while importing a 12-layer model onto fsdp8 (tracemalloc sees every numpy
+    array the import makes; on CPU the shards JAX keeps may be those arrays): what is left at
+    the end is at most the shards, and the peak exceeds it by one tensor and one shard (each
+    with its copy), far below the model's bytes: the model is never read whole."""
+    fields = dict(GPT2, n_layer=12, n_embd=128, n_head=4)
+    tensors = random_tensors(fields)
+    d = write_hf_dir(tmp_path / "deep", fields, tensors)
+    model_bytes = sum(x.nbytes for x in tensors.values())
+    largest = max(x.nbytes for x in tensors.values())
+    del tensors
+    exp = Experiment.build(hf_cfg(d, "parallelism=fsdp8", "data.batch_size=8"), with_data=False)
+    tracemalloc.start()
+    try:
+        params = import_params(exp)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    sizes = [s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards]
+    shards, one_shard = sum(sizes), max(sizes)
+    assert model_bytes > 30 * largest and shards < 1.1 * model_bytes  # fsdp8: one copy
+    assert kept <= shards + largest, (kept, shards)
+    # One tensor (the reader's bytes, its array, in dxrun's layout) and the shard being filled
+    assert peak - kept <= 3 * largest + one_shard, (peak, kept, largest, one_shard)
+    assert peak - kept < model_bytes / 4
+
+
+def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
+    """The published config.json of meta-llama/Llama-3.1-8B (a fixture: no weights): the
+    model's shape, its 8.03 B parameters, rope scaling, planned on fsdp8 for H100s (bf16 compute,
+    full remat, 2048-token windows: it fits); nothing is read but config.json."""
+    from dxrun import plan_mode
+    from dxrun.autotune import fit
+
+    d = ROOT / "tests" / "fixtures" / "llama-3.1-8b"
+    given = [f"model.init_from=hf:{d}", "parallelism=fsdp8", "plan.target=h100",
+             "logger=none", "data.seq_len=2048", "data.per_device_batch_size=1",
+             "train.precision=bf16", "model.remat=full"]
+    cfg = make_cfg(*given)
+    apply_hf_model(cfg, given)
+    validate(cfg)
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size) == (
+        32, 4096, 32, 8, 14336, 128256)
+    assert m.rope_theta == 500000.0 and m.rope_scaling["factor"] == 8.0
+    report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()), suggest=False)
+    assert report["n_params"] == 8_030_261_248
+    assert report["target"]["target"].startswith("H100") and report["target"]["fits"]
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies_and_slows_low_ones():
+    from dxrun.attention import llama3_frequencies
+
+    E = 128
+    freq = 500000.0 ** (-np.arange(0, E, 2, dtype=np.float32) / E)
+    out = np.asarray(llama3_frequencies(freq, 8.0, 1.0, 4.0, 8192.0))
+    wavelen = 2 * np.pi / freq
+    np.testing.assert_array_equal(out[wavelen < 8192 / 4], freq[wavelen < 8192 / 4])
+    np.testing.assert_allclose(out[wavelen > 8192], freq[wavelen > 8192] / 8, rtol=1e-6)
+    mid = (wavelen >= 8192 / 4) & (wavelen <= 8192)
+    assert mid.any() and np.all(out[mid] < freq[mid]) and np.all(out[mid] > freq[mid] / 8)
+
+
+def _damaged(hf, root: Path) -> dict[str, tuple[Path, str]]:
+    """Directory -> the words its refusal must have."""
+    cases = {}
+
+    def copy(name: str, src: Path) -> Path:
+        d = root / name
+        shutil.copytree(src, d)
+        return d
+
+    cases["no_config"] = (copy("no_config", hf["gpt2"]), "no config.json")
+    (cases["no_config"][0] / "config.json").unlink()
+    d = copy("bert", hf["gpt2"])
+    (d / "config.json").write_text(json.dumps({**read_config(d), "model_type": "bert"}))
+    cases["bert"] = (d, "model_type=bert is not one dxrun reads")
+    tensors = random_tensors(GPT2)
+    missing = dict(tensors)
+    del missing["h.1.mlp.c_fc.bias"]
+    cases["missing"] = (write_hf_dir(root / "missing", GPT2, missing),
+                        "tensor transformer.h.1.mlp.c_fc.bias is missing")
+    cases["extra"] = (write_hf_dir(root / "extra", GPT2, {**tensors, "h.9.x": tensors["wte.weight"]}),
+                      "tensor h.9.x is not one of the model's")
+    wide = {**tensors, "h.0.mlp.c_fc.weight": np.zeros((32, 100), np.float32)}
+    cases["shape"] = (write_hf_dir(root / "shape", GPT2, wide),
+                      "tensor h.0.mlp.c_fc.weight has shape [32, 100], but config.json makes "
+                      "it [32, 128]")
+    d = copy("truncated", hf["gpt2"])
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:len(data) // 2])
+    cases["truncated"] = (d, "model.safetensors: not a readable safetensors file")
+    return cases
+
+
+def test_bad_directories_are_refused_in_one_line_naming_the_file(hf, tmp_path):
+    """Each bad directory: one ConfigError line naming its file and what is wrong, from the
+    config.json (before JAX builds anything) or from the safetensors headers (before the run
+    writes anything); and a model override that contradicts config.json."""
+    for name, (d, words) in _damaged(hf, tmp_path).items():
+        given = [f"model.init_from=hf:{d}", *SMALL, "parallelism=dp1"]
+        cfg = make_cfg(*given)
+        with pytest.raises(ConfigError) as e:
+            apply_hf_model(cfg, given)
+            check_hf_weights(Experiment.build(cfg, with_data=False))
+        msg = str(e.value)
+        assert words in msg and "\n" not in msg and str(d) in msg, (name, msg)
+    given = [f"model.init_from=hf:{hf['llama']}", "model.n_kv_heads=8"]
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=8 contradicts .*config.json "
+                                          r"\(n_kv_heads=4\); drop the override"):
+        apply_hf_model(make_cfg(*given), given)
+
+
+def test_the_launcher_refuses_a_bad_directory_in_one_line_and_writes_nothing(hf, tmp_path):
+    """A truncated safetensors file through ``python -m dxrun``, and a run with no HF
+    equivalent through ``python -m dxrun.export``: one line each, exit 2, no run dir and no
+    export dir left behind."""
+    d = _damaged(hf, tmp_path / "cases")["truncated"][0]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dxrun", f"model.init_from=hf:{d}", "parallelism=dp1",
+         "logger=none", "data.batch_size=4", "data.seq_len=16", f"hydra.run.dir={out}"],
+        capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "not a readable safetensors file" in lines[0] and str(d) in lines[0]
+    assert not out.exists() or not any(out.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "dxrun.export", str(tmp_path / "nowhere"),
+                           "--to", str(tmp_path / "exported")],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("dxrun.export: error: "), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "exported").exists()
+
+
+def test_a_model_with_no_hf_equivalent_is_refused_naming_what_differs():
+    m = make_cfg("model=tiny").model  # GPT-2 style with an untied output layer
+    with pytest.raises(ConfigError, match=r"no Hugging Face equivalent: nearest is gpt2 "
+                                          r"\(GPT2LMHeadModel.*\), but model.tie_embeddings=false"):
+        model_type_of(m)
+    assert model_type_of(make_cfg("model=tiny_llama").model) == "llama"
+    assert model_type_of(make_cfg("model=tiny", "model.tie_embeddings=true").model) == "gpt2"
+
+
+def test_the_layout_table_covers_both_families():
+    """Every dxrun weight of each family has one row (the guide prints these tables)."""
+    assert len(TABLES["gpt2"]) == 20 and len(TABLES["llama"]) == 12
+    assert {w.kind for w in TABLES["gpt2"]} == {"same"}
+    assert {w.kind for w in TABLES["llama"] if w.hf.endswith("proj.weight")} == {"transposed"}
