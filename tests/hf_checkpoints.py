@@ -100,5 +100,24 @@ def reference_logits(d: Path, tokens_BxL: np.ndarray) -> np.ndarray:
 
     kind = json.loads((d / "config.json").read_text())["model_type"]
     cls = FlaxGPT2LMHeadModel if kind == "gpt2" else FlaxLlamaForCausalLM
+    import jax
+
     model = cls.from_pretrained(str(d), dtype=np.float32)
-    return np.asarray(model(np.asarray(tokens_BxL)).logits)
+    # jitted: one compile, where the eager call compiles each operation on its own
+    return np.asarray(jax.jit(lambda p, t: model(t, params=p).logits)(model.params, tokens_BxL))
+
+
+def write_tokenizer(path: Path, corpus: Path, vocab: int) -> Path:
+    """A byte-level BPE tokenizer.json of at most ``vocab`` ids trained on ``corpus``, with
+    GPT-2's end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=sorted(set(corpus.read_text())),
+                                  show_progress=False)
+    tok.train([str(corpus)], trainer)
+    tok.save(str(path))
+    return path
