@@ -16,7 +16,7 @@ from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
-from dxrun.hf.load import check_hf_weights, import_params
+from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
 from dxrun.runtime import dir_refusal
 
@@ -84,7 +84,7 @@ def start_state(exp: Experiment, resume: Resume | None,
         # A fine-tune starts from its checkpoint's weights: what a layout search drew or
         # trained from the seeded init is left behind.
         log.info("weights from %s", exp.cfg.model.init_from)
-        return Start(exp.init_state(import_params(exp)), 0, {})
+        return Start(exp.init_state(exp.hf_params()), 0, {})
     if resume is None:
         handover = handover or Handover()
         if handover.state is not None:  # the search trained the run's first steps

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 PREFIX = "hf:"
 KEY = "model.init_from"
@@ -130,7 +133,7 @@ def given_model_keys(overrides: list[str]) -> dict[str, str]:
     return out
 
 
-def apply_hf_model(cfg: Any, overrides: list[str]) -> Path | None:
+def apply_hf_model(cfg: DictConfig, overrides: list[str]) -> Path | None:
     """Fill ``cfg.model`` (a composed DictConfig, not yet validated) from the directory
     ``model.init_from`` names, refusing a given ``model.*`` override that contradicts it, and
     name the directory's ``tokenizer.json`` as ``data.tokenizer`` for text data that names

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from dxrun.hf.config import config_json, model_type_of
@@ -48,7 +47,7 @@ def hf_tensors(params: dict, axes: dict, m: Any) -> list[tuple[str, Any]]:
         x, names = _leaf(params, w.path), list(_leaf(axes, w.path))
         if layer is not None:
             x, names = x[layer], names[1:]
-        x = np.asarray(jax.device_get(x), dtype=np.float32)
+        x = np.asarray(x, dtype=np.float32)  # gathered from its shards (a jax.Array)
         if "vocab" in names:  # the mesh's padding rows dropped
             x = np.take(x, np.arange(m.vocab_size), axis=names.index("vocab"))
         return to_hf(w, x, shape_of(w.hf_shape, d))

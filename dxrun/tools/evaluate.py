@@ -80,6 +80,8 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "overrides": overrides,
     }
+    if loaded.run_dir is None and loaded.ckpt_meta == {}:  # a Hugging Face directory
+        return record
     if loaded.run_dir is None:
         log.warning("%s is not in a run dir: eval.json and W&B are not written; give the run "
                     "dir (its checkpoints.txt leads here) to record the result", path)

@@ -64,16 +64,7 @@ def export(argv: list[str]) -> Path:
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise ConfigError(f"--to {to} exists and is not an empty dir; give a new one")
     path, _, overrides = split_args("export", rest, {})
-    if step is not None:
-        from dxrun.checkpointing.resume import committed_steps, locate  # imports JAX
-
-        where = locate(path.expanduser().absolute(), "path").directory
-        if not (where / str(step)).is_dir():
-            have = committed_steps(where)
-            raise ConfigError(f"--step {step}: {where} has no step {step} (it has "
-                              f"{', '.join(map(str, have)) or 'none'})")
-        path = where / str(step)
-    loaded = load(path, overrides, key="path", with_data=False)
+    loaded = load(path, overrides, key="path", with_data=False, step=step)
     m = loaded.cfg.model
     kind = model_type_of(m)
     tokenizer = tokenizer_of(loaded.cfg.data)

@@ -175,19 +175,34 @@ class Loaded:
 
 
 def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
-         adjust: Callable[[RunConfig], None] | None = None) -> Loaded:
-    """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
-    the mesh of its config with ``overrides``; ``adjust`` may change the config before the
-    mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
-    if is_hf_dir(path):
-        return load_hf(path, overrides, with_data, adjust)
+         adjust: Callable[[RunConfig], None] | None = None, step: int | None = None) -> Loaded:
+    """The newest checkpoint under ``path`` (or step ``step`` of its checkpoints, or the step
+    dir given), its parameters placed on the mesh of its config with ``overrides``; ``adjust``
+    may change the config before the mesh plan (sampling sets the batch). ``key`` names the
+    path argument in refusals. A Hugging Face directory loads as step 0 (``compose_hf``)."""
     from dxrun.checkpointing import resume as checkpoint  # imports JAX
 
-    # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
-    resume = checkpoint.locate(path.expanduser().absolute(), key)
+    hf = is_hf_dir(path)
+    if not hf:
+        # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative
+        # paths.
+        resume = checkpoint.locate(path.expanduser().absolute(), key)
+        if step is not None:
+            if step not in (have := checkpoint.committed_steps(resume.directory)):
+                raise ConfigError(f"step {step}: {resume.directory} has no committed step "
+                                  f"{step} (it has {', '.join(map(str, have))})")
+            resume = checkpoint.locate(resume.directory / str(step), key)
     start_devices(overrides)
     from dxrun.experiment import Experiment, visible_devices  # imports JAX
 
+    if hf:
+        cfg = compose_hf(path, overrides)
+        if adjust is not None:
+            adjust(cfg)
+        validate(cfg)
+        exp = Experiment.build(cfg, make_plan(cfg, *visible_devices()), with_data=with_data)
+        log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
+        return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, exp.hf_params())
     step, meta = checkpoint.newest_meta(resume)
     where = resume.directory / str(step)
     cfg = compose(meta["config"], overrides)
@@ -218,13 +233,11 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "checkpoints").is_dir()
 
 
-def load_hf(path: Path, overrides: list[str], with_data: bool = True,
-            adjust: Callable[[RunConfig], None] | None = None) -> Loaded:
-    """A Hugging Face directory as a checkpoint at step 0: the defaults with ``overrides`` and
-    ``model.init_from=hf:<path>`` (its config.json the model, its tokenizer.json a text run's
-    tokenizer), its weights read into the chosen mesh's shards (``dxrun.hf.load``)."""
-    path = path.expanduser().absolute()
-    given = [*overrides, f"model.init_from={PREFIX}{path}"]
+def compose_hf(path: Path, overrides: list[str]) -> DictConfig:
+    """The config of a Hugging Face directory used as a checkpoint: the defaults with
+    ``overrides`` and ``model.init_from=hf:<path>`` (its config.json the model, its
+    tokenizer.json a text run's tokenizer)."""
+    given = [*overrides, f"model.init_from={PREFIX}{path.expanduser().absolute()}"]
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3",
@@ -234,17 +247,7 @@ def load_hf(path: Path, overrides: list[str], with_data: bool = True,
         raise ConfigError(composition_error(e) or str(e).splitlines()[0]) from None
     apply_hf_model(cfg, given)
     check_keys(cfg)
-    start_devices(overrides)
-    from dxrun.experiment import Experiment, visible_devices  # imports JAX
-    from dxrun.hf.load import import_params  # imports JAX
-
-    if adjust is not None:
-        adjust(cfg)
-    validate(cfg)
-    exp = Experiment.build(cfg, make_plan(cfg, *visible_devices()), with_data=with_data)
-    params = import_params(exp)
-    log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
-    return Loaded(cfg, {}, 0, path, None, exp, params)
+    return cfg
 
 
 def given_run_dir(path: Path, checkpoints: Path) -> Path | None:

@@ -1,12 +1,11 @@
 """``python -m dxrun.sample <run dir | checkpoints dir | step dir | HF dir> prompt="..."
-[max_new_tokens=64 temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations from
-a checkpoint, or a Hugging Face directory (its tokenizer.json, else token ids).
+[max_new_tokens=64 temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations.
 
-Text runs encode the prompt and decode the continuation with the run's own tokenizer (bytes or
-its ``tokenizer.json``); a continuation ends at the first end-of-text token. So do
-``data=tokens`` runs whose ``meta.json`` names its tokenizer (``dxrun.data.prepare`` writes it).
-Markov runs (and token dirs that name none) take and print token ids; markov runs also print the
-share of generated tokens the chain allows after their context (did the model learn the chain).
+Text runs (and a HF dir's tokenizer.json) encode the prompt and decode the continuation with
+the run's own tokenizer (bytes or its ``tokenizer.json``); a continuation ends at the first
+end-of-text token. So do ``data=tokens`` runs whose ``meta.json`` names its tokenizer. Markov
+runs (and token dirs that name none) take and print token ids; markov runs also print the share
+of generated tokens the chain allows after their context (did the model learn the chain).
 Without a prompt, a markov sample starts from the first ``data.order`` tokens of a held-out
 sequence (a different one per sample) and a text sample from the end-of-text token.
 
