@@ -39,7 +39,8 @@ from dxrun.hf.save import save_hf
 from dxrun.sharding import in_mesh_context
 from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.export import export
-from dxrun.tools.load import load
+from dxrun.tools.export import run as export_run
+from dxrun.tools.load import load, main
 from dxrun.validation import validate
 
 MESHES = {"dp1": ["parallelism=dp1"], "tp2": ["parallelism=tp2"],
@@ -234,9 +235,10 @@ def test_bad_directories_are_refused_in_one_line_naming_the_file(hf, tmp_path):
         apply_hf_model(make_cfg(*given), given)
 
 
-def test_the_launcher_refuses_a_bad_directory_in_one_line_and_writes_nothing(hf, tmp_path):
-    """A truncated safetensors file through ``python -m dxrun``, and a run with no HF
-    equivalent through ``python -m dxrun.export``: one line each, exit 2, no run dir and no
+def test_the_launcher_refuses_a_bad_directory_in_one_line_and_writes_nothing(
+        hf, tmp_path, monkeypatch, capsys):
+    """A truncated safetensors file through ``python -m dxrun``, and a path with no
+    checkpoint through ``python -m dxrun.export``: one line each, exit 2, no run dir and no
     export dir left behind."""
     d = _damaged(hf, tmp_path / "cases")["truncated"][0]
     out = tmp_path / "out"
@@ -248,11 +250,14 @@ def test_the_launcher_refuses_a_bad_directory_in_one_line_and_writes_nothing(hf,
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "not a readable safetensors file" in lines[0] and str(d) in lines[0]
     assert not out.exists() or not any(out.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "dxrun.export", str(tmp_path / "nowhere"),
-                           "--to", str(tmp_path / "exported")],
-                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert proc.returncode == 2 and proc.stderr.startswith("dxrun.export: error: "), proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "exported").exists()
+    # The export tool's entry point, in process (its refusal is the same code as a subprocess's)
+    monkeypatch.setattr(sys, "argv", ["dxrun.export", str(tmp_path / "nowhere"),
+                                      "--to", str(tmp_path / "exported")])
+    with pytest.raises(SystemExit) as e:
+        main("export", export_run)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("dxrun.export: error: path="), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "exported").exists()
 
 
 def test_a_model_with_no_hf_equivalent_is_refused_naming_what_differs():
@@ -264,11 +269,19 @@ def test_a_model_with_no_hf_equivalent_is_refused_naming_what_differs():
     assert model_type_of(make_cfg("model=tiny", "model.tie_embeddings=true").model) == "gpt2"
 
 
-def test_the_layout_table_covers_both_families():
-    """Every dxrun weight of each family has one row (the guide prints these tables)."""
+def test_the_guide_prints_the_layout_table_import_and_export_read():
+    """Every dxrun weight of each family has one row, and the guide's tables are generated
+    from these rows (docs/reference/hf_layout.py fills the page's marker at build time)."""
+    from docs.reference.hf_layout import MARKER, fill
+
     assert len(TABLES["gpt2"]) == 20 and len(TABLES["llama"]) == 12
     assert {w.kind for w in TABLES["gpt2"]} == {"same"}
     assert {w.kind for w in TABLES["llama"] if w.hf.endswith("proj.weight")} == {"transposed"}
+    page = (ROOT / "docs" / "guide" / "huggingface.md").read_text()
+    assert MARKER in page
+    filled = fill(page)
+    for w in TABLES["gpt2"] + TABLES["llama"]:
+        assert f"| `{w.hf}` | ({', '.join(w.hf_shape)}) | `{w.dxrun}` |" in filled, w
 
 
 TEXT = ["data=text", "data.seq_len=16", "data.batch_size=8", "eval.batches=2", "logger=none"]
