@@ -8,7 +8,9 @@ Every checkpoint is made here (tests/hf_checkpoints.py); no network (HF_HUB_OFFL
 
 from __future__ import annotations
 
+import gc
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -134,9 +136,11 @@ def test_import_holds_one_tensor_beyond_the_shards(tmp_path):
     largest = max(x.nbytes for x in tensors.values())
     del tensors
     exp = Experiment.build(hf_cfg(d, "parallelism=fsdp8", "data.batch_size=8"), with_data=False)
+    spec = exp.abstract_state().params  # its tracing's Python objects are not the import's
+    gc.collect()
     tracemalloc.start()
     try:
-        params = import_params(exp)
+        params = import_params(exp, spec)
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -220,7 +224,8 @@ def _damaged(hf, root: Path) -> dict[str, tuple[Path, str]]:
 def test_bad_directories_are_refused_in_one_line_naming_the_file(hf, tmp_path):
     """Each bad directory: one ConfigError line naming its file and what is wrong, from the
     config.json (before JAX builds anything) or from the safetensors headers (before the run
-    writes anything); and a model override that contradicts config.json."""
+    writes anything); a model override that contradicts config.json; the two new keys'
+    values."""
     for name, (d, words) in _damaged(hf, tmp_path).items():
         given = [f"model.init_from=hf:{d}", *SMALL, "parallelism=dp1"]
         cfg = make_cfg(*given)
@@ -229,6 +234,11 @@ def test_bad_directories_are_refused_in_one_line_naming_the_file(hf, tmp_path):
             check_hf_weights(Experiment.build(cfg, with_data=False))
         msg = str(e.value)
         assert words in msg and "\n" not in msg and str(d) in msg, (name, msg)
+    for key, words in (("model.init_from=gpt2", "model.init_from=gpt2: give hf:<dir>"),
+                       ("model.rope_scaling={factor:8}", "model.rope_scaling={'factor': 8}: "
+                        "give null or positive factor, low_freq_factor")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            validate(make_cfg(key))
     given = [f"model.init_from=hf:{hf['llama']}", "model.n_kv_heads=8"]
     with pytest.raises(ConfigError, match=r"model.n_kv_heads=8 contradicts .*config.json "
                                           r"\(n_kv_heads=4\); drop the override"):

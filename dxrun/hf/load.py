@@ -58,12 +58,13 @@ def pad_slice(x: np.ndarray, index: tuple, axis: int | None, padded: int) -> np.
     return np.pad(part, pad) if pad[axis][1] else part
 
 
-def import_params(exp: Experiment) -> dict:
+def import_params(exp: Experiment, spec: dict | None = None) -> dict:
     """The parameters of ``exp.cfg.model.init_from``'s directory, laid out in ``exp``'s
-    shardings (``exp.param_shardings``), as a params tree ``exp.init_state`` takes."""
+    shardings (``exp.param_shardings``), as a params tree ``exp.init_state`` takes. ``spec``:
+    ``exp.abstract_state().params`` when the caller has it."""
     d = hf_dir(exp.cfg.model.init_from)
     m, table = exp.cfg.model, _table(exp, d)
-    spec = exp.abstract_state().params
+    spec = spec or exp.abstract_state().params
     specs, axes = _leaves(spec), _leaves(exp.axes)
     if set(specs) != {w.dxrun for w in table}:
         raise AssertionError(f"dxrun.hf.layout misses {set(specs) ^ {w.dxrun for w in table}}")

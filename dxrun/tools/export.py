@@ -59,6 +59,14 @@ def tokenizer_of(d: DataConfig) -> Path | None:
     return None
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the working dir when it is under it (as a user would type it)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def export(argv: list[str]) -> Path:
     to, step, rest = flags(argv)
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
@@ -69,7 +77,7 @@ def export(argv: list[str]) -> Path:
     kind = model_type_of(m)
     tokenizer = tokenizer_of(loaded.cfg.data)
     save_hf(loaded.params, loaded.exp.axes, m, to, tokenizer)
-    print(f"wrote {to}: {ARCHITECTURES[kind]} from {loaded.path} (step {loaded.step})"
+    print(f"wrote {shown(to)}: {ARCHITECTURES[kind]} from {shown(loaded.path)} (step {loaded.step})"
           f"{', with its tokenizer.json' if tokenizer else ''}")
     return to
 

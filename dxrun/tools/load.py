@@ -32,6 +32,7 @@ from dxrun.config import check_keys, composition_error, conf_dir, register
 from dxrun.errors import ConfigError, first_line
 from dxrun.hf.config import PREFIX, apply_hf_model
 from dxrun.plan.mesh import make_plan
+from dxrun.plan.run_plan import recorded
 from dxrun.runtime import simulate_cpu_devices
 from dxrun.schema import RunConfig
 from dxrun.validation import validate
@@ -200,7 +201,10 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
         if adjust is not None:
             adjust(cfg)
         validate(cfg)
-        exp = Experiment.build(cfg, make_plan(cfg, *visible_devices()), with_data=with_data)
+        plan = make_plan(cfg, *visible_devices())
+        # The batch and sequence length the plan resolved, as a checkpoint's config records them
+        cfg = recorded(cfg, plan.global_batch, plan.seq_len)
+        exp = Experiment.build(cfg, plan, with_data=with_data)
         log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
         return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, exp.hf_params())
     step, meta = checkpoint.newest_meta(resume)
