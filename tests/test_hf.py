@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -43,6 +44,7 @@ from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.export import export
 from dxrun.tools.export import run as export_run
 from dxrun.tools.load import load, main
+from dxrun.tools.sample import OPTIONS, sample
 from dxrun.validation import validate
 
 MESHES = {"dp1": ["parallelism=dp1"], "tp2": ["parallelism=tp2"],
@@ -297,12 +299,14 @@ def test_the_guide_prints_the_layout_table_import_and_export_read():
 TEXT = ["data=text", "data.seq_len=16", "data.batch_size=8", "eval.batches=2", "logger=none"]
 
 
-def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, tmp_path):
+def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, tmp_path,
+                                                                           caplog):
     """experiment=finetune_hf from a GPT-2 directory with its tokenizer.json, on a text corpus:
     the held-out loss after 30 steps is below the checkpoint's own (dxrun.evaluate of the HF
     dir); dxrun.export of the run writes the tokenizer and loads into transformers with
     dxrun's logits; imported again, it has the run's logits bit for bit and trains on
-    identically (two steps, fresh optimizer, the same batches)."""
+    identically (two steps, fresh optimizer, the same batches); dxrun.sample of the exported
+    dir decodes with its tokenizer; a relaunch resumes the run's own checkpoint."""
     from dxrun.train import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", n_sentences=400)
@@ -339,3 +343,19 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     for x, y in zip(jax.tree.leaves(states[0].params), jax.tree.leaves(states[1].params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # dxrun.sample reads the exported dir's prompt with its tokenizer.json; greedy, its first
+    # token is the reference's argmax after the prompt
+    options = {**OPTIONS, "prompt": "the cat sees", "max_new_tokens": 2}
+    got = sample(out, options, ["logger=none", "data.seq_len=16"])
+    assert got["texts"][0].startswith("the cat sees")
+    prompt = got["tokens"][:, :got["prompt_len"]].astype(np.int32)
+    assert got["tokens"][0, got["prompt_len"]] == reference_logits(out, prompt)[0, -1].argmax()
+
+    # A relaunch into the run dir resumes its checkpoint, not the HF weights
+    longer = [*given, "train.steps=40"]
+    cfg = make_cfg(*longer)
+    apply_hf_model(cfg, longer)
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        assert train(cfg, tmp_path / "run")["step"] == 40
+    assert "resuming from step 30" in caplog.text and "weights from" not in caplog.text
