@@ -104,11 +104,17 @@ def test_logits_equal_the_reference_on_every_mesh(hf, kind):
                                     "dp2_tp4": 104}[mesh]
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_tied"])
 def test_import_then_export_gives_the_tensors_back_bitwise(hf, kind, tmp_path):
     """HF -> dxrun (tp2: the vocabulary padded to 102 rows) -> export: the same tensors bit
-    for bit (GPT-2's fused c_attn split and put back), the same config; written in several
-    files with their index when a file may hold less than the model."""
+    for bit (GPT-2's fused c_attn split and put back; a tied Llama without lm_head), the same
+    config; written in several files with their index when a file may hold less than the
+    model."""
+    if kind == "llama_tied":
+        fields = dict(LLAMA, tie_word_embeddings=True)
+        tensors = random_tensors(fields)
+        del tensors["lm_head.weight"]
+        hf = {kind: write_hf_dir(tmp_path / kind, fields, tensors)}
     exp = Experiment.build(hf_cfg(hf[kind], "parallelism=tp2"), with_data=False)
     out = save_hf(import_params(exp), exp.axes, exp.cfg.model, tmp_path / "out",
                   max_shard_bytes=40_000)
@@ -122,8 +128,8 @@ def test_import_then_export_gives_the_tensors_back_bitwise(hf, kind, tmp_path):
     assert set(index["weight_map"].values()) == set(files)
     config = read_config(out)
     assert model_fields(config, out) == model_fields(read_config(hf[kind]), hf[kind])
-    assert config["architectures"] == [{"gpt2": "GPT2LMHeadModel",
-                                        "llama": "LlamaForCausalLM"}[kind]]
+    assert config["architectures"] == [
+        "GPT2LMHeadModel" if kind == "gpt2" else "LlamaForCausalLM"]
 
 
 def test_import_holds_one_tensor_beyond_the_shards(tmp_path):
