@@ -103,10 +103,20 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
 
 
 def _place(shape: tuple[int, ...], sharding: Any, shard: Any) -> jax.Array:
-    """``jax.make_array_from_callback``, one device at a time: each shard is on its device
-    before the next is read, so the host holds one shard (and one tensor) at a time."""
-    arrays = [jax.device_put(shard(index), device)
-              for device, index in sharding.addressable_devices_indices_map(shape).items()]
+    """``jax.make_array_from_callback``, one shard at a time: each is read once (replicas of
+    it on other devices share the read) and is on its devices before the next is read, so
+    the host holds one shard (and one tensor) at a time."""
+    by_index: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(tuple((s.start, s.stop, s.step) for s in index), []).append(
+            (device, index))
+    placed = {}
+    for group in by_index.values():
+        first = jax.device_put(shard(group[0][1]), group[0][0])
+        # replicas copied from device to device: no two share the host's buffer
+        placed |= {device: jax.device_put(first, device) for device, _ in group[1:]}
+        placed[group[0][0]] = first
+    arrays = [placed[d] for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
