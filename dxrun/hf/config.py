@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
 from dxrun.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -138,8 +140,6 @@ def apply_hf_model(cfg: DictConfig, overrides: list[str]) -> Path | None:
     ``model.init_from`` names, refusing a given ``model.*`` override that contradicts it, and
     name the directory's ``tokenizer.json`` as ``data.tokenizer`` for text data that names
     none. Returns the directory (None: a run from its own init)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415 - only the launchers' configs get here
-
     if OmegaConf.is_missing(cfg.model, "init_from"):
         raise ConfigError(f"{KEY} is required here (experiment=finetune_hf): give "
                           f"{KEY}=hf:<dir>, a Hugging Face directory")
@@ -156,7 +156,7 @@ def apply_hf_model(cfg: DictConfig, overrides: list[str]) -> Path | None:
                               "from the checkpoint")
     for k, want in fields.items():
         cfg.model[k] = want
-    if "model.name" not in given and "name" not in given:
+    if "name" not in given:
         cfg.model.name = f"hf-{d.name}"
     tokenizer = d / "tokenizer.json"
     if (cfg.data.name == "text" and tokenizer.is_file()

@@ -1,12 +1,11 @@
 """A Hugging Face checkpoint read into a run's sharded parameters (``model.init_from=hf:<dir>``).
 
-Each dxrun parameter is made in the run's shardings one device's shard at a time: a shard
-reads the HF tensors it needs one at a time (one per layer of a
-stacked weight), turns each into dxrun's layout (``layout.to_dxrun``) and keeps the shard's
-slice of it, padding the vocabulary with zero rows to the mesh's ``padded_vocab``, and is put
-on its device before the next is read. So the host holds one HF tensor and one shard beyond
-the shards placed so far, never the whole model, and each process reads only the shards of
-its own devices.
+Each dxrun parameter is made in the run's shardings one shard at a time: a shard reads the HF
+tensors it needs one at a time (one per layer of a stacked weight), turns each into dxrun's
+layout (``layout.to_dxrun``) and keeps its slice, padding the vocabulary with zero rows to the
+mesh's ``padded_vocab``; it is on its devices before the next is read. So the host holds one HF
+tensor and one shard beyond the shards placed so far, never the whole model, and each process
+reads only the shards of its own devices.
 """
 
 from __future__ import annotations
