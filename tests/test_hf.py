@@ -135,8 +135,8 @@ def test_import_then_export_gives_the_tensors_back_bitwise(hf, kind, tmp_path):
 def test_import_holds_one_tensor_beyond_the_shards(tmp_path):
     """Host memory while importing a 12-layer model onto fsdp8 (tracemalloc sees every numpy
     array the import makes; on CPU the shards JAX keeps may be those arrays): what is left at
-    the end is at most the shards, and the peak exceeds it by one tensor and one shard (each
-    with its copy), far below the model's bytes: the model is never read whole."""
+    the end is at most the shards, and the peak exceeds it by one shard (and its staging copy)
+    and one layer's slice of a tensor, far below the model's bytes: never read whole."""
     fields = dict(GPT2, n_layer=12, n_embd=128, n_head=4)
     tensors = random_tensors(fields)
     d = write_hf_dir(tmp_path / "deep", fields, tensors)
@@ -156,9 +156,13 @@ def test_import_holds_one_tensor_beyond_the_shards(tmp_path):
     shards, one_shard = sum(sizes), max(sizes)
     assert model_bytes > 30 * largest and shards < 1.1 * model_bytes  # fsdp8: one copy
     assert kept <= shards + largest, (kept, shards)
-    # One tensor (the reader's bytes, its array, in dxrun's layout) and the shard being filled
-    assert peak - kept <= 3 * largest + one_shard, (peak, kept, largest, one_shard)
-    assert peak - kept < model_bytes / 4
+    # The shard being filled, the copy JAX stages it through, one layer's region of a tensor
+    # (as read, and transposed): each device's slices alone are read, never a whole tensor
+    # (fsdp8 splits every matrix)
+    print(f"import: peak {peak - kept:,} B over the kept shards; one shard {one_shard:,} B, "
+          f"largest tensor {largest:,} B, model {model_bytes:,} B")
+    assert peak - kept <= 2 * one_shard + largest / 4 + 64 * 1024, (peak, kept, one_shard)
+    assert peak - kept < model_bytes / 8
 
 
 def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():

@@ -77,11 +77,14 @@ class HFWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.file_of[name]).get_slice(name).get_shape())
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor, as float32 (bf16 and fp16 checkpoints widen exactly)."""
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or its ``region`` (only those bytes are read), as float32 (bf16 and
+        fp16 checkpoints widen exactly)."""
         path = self.file_of[name]
         try:
-            return np.asarray(self._open(path).get_tensor(name), dtype=np.float32)
+            handle = self._open(path)
+            x = handle.get_tensor(name) if region is None else handle.get_slice(name)[region]
+            return np.asarray(x, dtype=np.float32)
         except Exception as e:  # noqa: BLE001 - safetensors' own errors: one line
             raise ConfigError(f"{path}: tensor {name} is unreadable ({first(e)})") from None
 

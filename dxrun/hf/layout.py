@@ -16,6 +16,7 @@ numpy in, numpy out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,3 +131,52 @@ def to_hf(w: Weight, x: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
     if w.kind == TRANSPOSED:
         return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
     return x.reshape(hf_shape)
+
+
+def _range(sizes: tuple[int, ...], index: tuple[tuple[int, int], ...]) -> tuple[int, int, bool]:
+    """The flat range of row-major axes ``sizes`` that the block ``index`` ((start, stop) per
+    axis) lies in, and whether the block is exactly that range: the axes after the last sliced
+    one are whole and those before it are one index each (how a mesh splits heads, not head
+    dims). Otherwise the whole range, to be sliced after reading."""
+    cut = [i for i, (n, (a, b)) in enumerate(zip(sizes, index, strict=True)) if (a, b) != (0, n)]
+    if not cut:
+        return 0, math.prod(sizes), True
+    j = cut[-1]
+    if any(b - a != 1 for a, b in index[:j]):
+        return 0, math.prod(sizes), False
+    lo = int(np.ravel_multi_index(tuple(a for a, _ in index), sizes))
+    return lo, lo + (index[j][1] - index[j][0]) * math.prod(sizes[j + 1:]), True
+
+
+def dxrun_block(w: Weight, real: tuple[int, ...], index: tuple[tuple[int, int], ...],
+                hf_shape: tuple[int, ...],
+                read: Callable[[tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+    """``to_dxrun(w, x, real)[index]`` ((start, stop) per axis, within ``real``) from only the
+    region of the HF tensor ``x`` (of ``hf_shape``) it needs: ``read(slices)`` reads it."""
+    if w.part is not None:
+        hf_shape = (*hf_shape[:-1], hf_shape[-1] // w.part[1])
+    m_shape = hf_shape[::-1] if w.kind == TRANSPOSED else hf_shape  # the matrix in dxrun's order
+    if len(m_shape) == 1:
+        groups = [len(real)]
+    else:
+        k = next(k for k in range(len(real) + 1) if math.prod(real[:k]) == m_shape[0])
+        groups = [k, len(real) - k]
+    plan, at = [], 0  # per group: its range of the matrix's axis, its shape read, the rest
+    for g in groups:
+        sizes, block = real[at:at + g], index[at:at + g]
+        lo, hi, exact = _range(sizes, block)
+        plan.append((slice(lo, hi), [b - a for a, b in block] if exact else list(sizes),
+                     [slice(None)] * g if exact else [slice(a, b) for a, b in block]))
+        at += g
+    slices = [r for r, _, _ in plan]
+    if w.kind == TRANSPOSED:
+        slices = slices[::-1]
+    if w.part is not None:
+        off = w.part[0] * hf_shape[-1]
+        slices[-1] = slice(slices[-1].start + off, slices[-1].stop + off)
+    x = read(tuple(slices))
+    if w.kind == TRANSPOSED:
+        x = x.T
+    shape = [n for _, read_shape, _ in plan for n in read_shape]
+    rest = tuple(i for _, _, after in plan for i in after)
+    return np.ascontiguousarray(x).reshape(shape)[rest]

@@ -1,11 +1,12 @@
 """A Hugging Face checkpoint read into a run's sharded parameters (``model.init_from=hf:<dir>``).
 
-Each dxrun parameter is made in the run's shardings one shard at a time: a shard reads the HF
-tensors it needs one at a time (one per layer of a stacked weight), turns each into dxrun's
-layout (``layout.to_dxrun``) and keeps its slice, padding the vocabulary with zero rows to the
-mesh's ``padded_vocab``; it is on its devices before the next is read. So the host holds one HF
-tensor and one shard beyond the shards placed so far, never the whole model, and each process
-reads only the shards of its own devices.
+Each dxrun parameter is made in the run's shardings one shard at a time: for each layer of a
+stacked weight in turn, a shard reads only its region of the HF tensor (safetensors' lazy
+slices; ``layout.dxrun_block`` maps dxrun's index to the HF tensor's), in dxrun's layout, into
+the shard; rows past the real vocabulary are the mesh's padding, zeros. A shard is on its
+devices before the next is read, and replicas share one read. So the host holds one shard
+beyond the shards placed so far, never the whole model, and each process reads only the
+shards of its own devices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from dxrun.hf.config import hf_dir, read_config
 from dxrun.hf.files import HFWeights
-from dxrun.hf.layout import Weight, dims, to_dxrun, weights
+from dxrun.hf.layout import Weight, dims, dxrun_block, shape_of, weights
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -42,21 +43,6 @@ def _leaves(tree: dict) -> dict[str, Any]:
     return {"/".join(str(getattr(k, "key", k)) for k in p): x for p, x in flat}
 
 
-def pad_slice(x: np.ndarray, index: tuple, axis: int | None, padded: int) -> np.ndarray:
-    """``x`` padded with zeros to ``padded`` along ``axis`` (None: no padding), then
-    ``x[index]``, without making the padded copy."""
-    if axis is None:
-        return x[index]
-    real = x.shape[axis]
-    start, stop, _ = index[axis].indices(padded)
-    idx = list(index)
-    idx[axis] = slice(min(start, real), min(stop, real))
-    part = x[tuple(idx)]
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, (stop - start) - part.shape[axis])
-    return np.pad(part, pad) if pad[axis][1] else part
-
-
 def import_params(exp: Experiment, spec: dict | None = None) -> dict:
     """The parameters of ``exp.cfg.model.init_from``'s directory, laid out in ``exp``'s
     shardings (``exp.param_shardings``), as a params tree ``exp.init_state`` takes. ``spec``:
@@ -67,7 +53,8 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
     specs, axes = _leaves(spec), _leaves(exp.axes)
     if set(specs) != {w.dxrun for w in table}:
         raise AssertionError(f"dxrun.hf.layout misses {set(specs) ^ {w.dxrun for w in table}}")
-    real_v = dims(m)["V"]
+    dim = dims(m)
+    real_v = dim["V"]
     built: dict[str, jax.Array] = {}
     with HFWeights(d) as files:
         files.check(table, m)
@@ -80,22 +67,24 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
             real = tuple(real_v if i == vocab else n for i, n in enumerate(one))
 
             def shard(index: tuple, w: Weight = w, one: tuple = one, real: tuple = real,
-                      vocab: int | None = vocab, dtype: Any = s.dtype) -> np.ndarray:
-                rest = index[1:] if w.per_layer else index
-                pad = one[vocab] if vocab is not None else 0
-                if not w.per_layer:
-                    x = to_dxrun(w, files.read(files.name_for(w, None)), real)
-                    return np.array(pad_slice(x, rest, vocab, pad), dtype=dtype)
-                layers = range(m.n_layers)[index[0]]
-                out = None
-                for k, layer in enumerate(layers):  # one layer's tensor alive at a time
-                    x = to_dxrun(w, files.read(files.name_for(w, layer)), real)
-                    piece = pad_slice(x, rest, vocab, pad)
-                    if out is None:
-                        out = np.empty((len(layers), *piece.shape), dtype)
-                    out[k] = piece
-                    del x, piece
-                return out
+                      dtype: Any = s.dtype) -> np.ndarray:
+                # (start, stop) per axis of one layer, within the real vocabulary; the rows
+                # past it are the mesh's padding, zeros
+                wanted = [i.indices(n)[:2] for i, n in
+                          zip(index[1:] if w.per_layer else index, one, strict=True)]
+                within = tuple((min(a, r), min(b, r)) for (a, b), r in zip(wanted, real,
+                                                                           strict=True))
+                layers = range(m.n_layers)[index[0]] if w.per_layer else [None]
+                out = np.zeros((len(layers), *(b - a for a, b in wanted)), dtype)
+                fill = tuple(slice(0, b - a) for a, b in within)
+                hf_shape = shape_of(w.hf_shape, dim)
+                if any(a == b for a, b in within):  # all padding (or empty): zeros
+                    return out if w.per_layer else out[0]
+                for k, layer in enumerate(layers):  # one layer's block read at a time
+                    name = files.name_for(w, layer)
+                    out[(k, *fill)] = dxrun_block(w, real, within, hf_shape,
+                                                  lambda sl, name=name: files.read(name, sl))
+                return out if w.per_layer else out[0]
 
             built[w.dxrun] = _place(s.shape, s.sharding, shard)
     return _nest(built)
@@ -104,14 +93,16 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
 def _place(shape: tuple[int, ...], sharding: Any, shard: Any) -> jax.Array:
     """``jax.make_array_from_callback``, one shard at a time: each is read once (replicas of
     it on other devices share the read) and is on its devices before the next is read, so
-    the host holds one shard (and one tensor) at a time."""
+    the host holds one shard at a time."""
     by_index: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         by_index.setdefault(tuple((s.start, s.stop, s.step) for s in index), []).append(
             (device, index))
     placed = {}
     for group in by_index.values():
-        first = jax.device_put(shard(group[0][1]), group[0][0])
+        # Ready before the next is read: an asynchronous copy keeps its host buffer alive, and
+        # several in flight would hold several shards
+        first = jax.block_until_ready(jax.device_put(shard(group[0][1]), group[0][0]))
         # replicas copied from device to device: no two share the host's buffer
         placed |= {device: jax.device_put(first, device) for device, _ in group[1:]}
         placed[group[0][0]] = first
