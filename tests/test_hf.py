@@ -283,6 +283,7 @@ def test_bad_directories_are_refused_in_one_line_naming_the_file(hf, tmp_path):
         msg = str(e.value)
         assert words in msg and "\n" not in msg and str(d) in msg, (name, msg)
     for key, words in (("model.init_from=gpt2", "model.init_from=gpt2: give hf:<dir>"),
+                       ("experiment=finetune_hf", "model.init_from=hf:: give hf:<dir>"),
                        ("model.rope_scaling={factor:8}", "model.rope_scaling={'factor': 8}: "
                         "give null or positive factor, low_freq_factor")):
         with pytest.raises(ConfigError, match=re.escape(words)):

@@ -140,9 +140,6 @@ def apply_hf_model(cfg: DictConfig, overrides: list[str]) -> Path | None:
     ``model.init_from`` names, refusing a given ``model.*`` override that contradicts it, and
     name the directory's ``tokenizer.json`` as ``data.tokenizer`` for text data that names
     none. Returns the directory (None: a run from its own init)."""
-    if OmegaConf.is_missing(cfg.model, "init_from"):
-        raise ConfigError(f"{KEY} is required here (experiment=finetune_hf): give "
-                          f"{KEY}=hf:<dir>, a Hugging Face directory")
     d = hf_dir(cfg.model.init_from)
     if d is None:
         return None
