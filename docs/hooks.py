@@ -29,3 +29,10 @@ def on_files(files, config):
     for path, text in pages.items():
         files.append(File.generated(config, path, content=text))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """The tables a guide page asks for with a marker (docs/reference/hf_layout.py)."""
+    from docs.reference import hf_layout
+
+    return hf_layout.fill(markdown)

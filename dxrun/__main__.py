@@ -32,6 +32,7 @@ from dxrun.errors import (
     Stopped,
     first_line,
 )
+from dxrun.hf.config import apply_hf_model
 from dxrun.job import Job
 from dxrun.job_dir import (
     asked_dir,
@@ -105,6 +106,8 @@ def main(cfg: DictConfig) -> Any:
     claim: Claim | None = None  # the run dir this job trains in, held until it ends
     held: list[Claim] = []  # the claim from the moment its lock is taken (run_dir.claim)
     try:
+        # model.init_from=hf:<dir>: the model section is the checkpoint's config.json
+        apply_hf_model(cfg, list(hydra_cfg.overrides.task))
         check_keys(cfg)
         validate(cfg)
         # Plan mode simulates plan.devices (the planned run's device count), a run

@@ -22,11 +22,15 @@ if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
 
 
-def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0) -> jax.Array:
+def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0,
+         scaling: Any = None) -> jax.Array:
     """Rotary position embedding, rotate-half convention (Llama), for positions ``start``,
-    ``start + 1``, ... (decoding with a key/value cache passes the first new position)."""
+    ``start + 1``, ... (decoding with a key/value cache passes the first new position).
+    ``scaling``: Llama 3.1's frequency scaling (``model.rope_scaling``, its items)."""
     L, E = x_BxLxNxE.shape[1], x_BxLxNxE.shape[-1]
     freq_E2 = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
+    if scaling:
+        freq_E2 = llama3_frequencies(freq_E2, **dict(scaling))
     pos_L = (jnp.arange(L) + start).astype(jnp.float32)
     ang_LxE2 = pos_L[:, None] * freq_E2[None, :]
     cos, sin = jnp.cos(ang_LxE2)[None, :, None, :], jnp.sin(ang_LxE2)[None, :, None, :]
@@ -34,6 +38,20 @@ def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0) -> jax.Array:
     x1, x2 = x[..., : E // 2], x[..., E // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxE.dtype)
+
+
+def llama3_frequencies(freq_E2: jax.Array, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, original_max_position_embeddings: float
+                       ) -> jax.Array:
+    """Llama 3.1's rope scaling (transformers' ``rope_type: llama3``): long wavelengths slowed
+    by ``factor``, short ones kept, the band between interpolated."""
+    wavelen = 2 * jnp.pi / freq_E2
+    old = original_max_position_embeddings
+    slow = jnp.where(wavelen > old / low_freq_factor, freq_E2 / factor, freq_E2)
+    smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mixed = (1 - smooth) * slow / factor + smooth * slow
+    medium = (wavelen >= old / high_freq_factor) & (wavelen <= old / low_freq_factor)
+    return jnp.where(medium, mixed, slow)
 
 
 def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
@@ -68,6 +86,8 @@ class Attention(nnx.Module):
         E, std = D // H, cfg.init_std
         self.H, self.K, self.E = H, K, E
         self.pos, self.theta, self.impl = cfg.pos, cfg.rope_theta, cfg.attention
+        # A tuple, not a dict: static, hashable (NNX keeps a dict attribute as a graph node).
+        self.scaling = tuple(sorted(dict(cfg.rope_scaling).items())) if cfg.rope_scaling else None
         self.target = target
         self.wq = param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
         self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
@@ -121,8 +141,8 @@ class Attention(nnx.Module):
         q_BxLxHxE = qkv_BxLxKxCxE[:, :, :, :G].reshape(B, L, K * G, E)
         k_BxLxKxE, v_BxLxKxE = qkv_BxLxKxCxE[:, :, :, G], qkv_BxLxKxCxE[:, :, :, G + 1]
         if self.pos == "rope":
-            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start)
-            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start)
+            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start, self.scaling)
+            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start, self.scaling)
         return q_BxLxHxE, k_BxLxKxE, v_BxLxKxE
 
     def out(self, o_BxLxHxE: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ from flax import nnx
 from dxrun import faults
 from dxrun.attention_kernel import AttentionTarget, attention_target
 from dxrun.data import TRAIN, Data
+from dxrun.hf.load import import_params
 from dxrun.model import Transformer, count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
@@ -166,6 +167,11 @@ class Experiment:
             model = Transformer(model_cfg, rngs=nnx.Rngs(seed), padded_vocab=padded)
             return nnx.to_pure_dict(nnx.state(model))
         return init
+
+    def hf_params(self) -> dict:
+        """The parameters of ``model.init_from``'s Hugging Face directory, read into this
+        mesh's shardings (``dxrun.hf.load``)."""
+        return import_params(self)
 
     def init_state(self, params: dict | None = None) -> TrainState:
         """Fresh train state; ``params`` (host or device arrays) replaces the seeded init. They

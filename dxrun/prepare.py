@@ -16,6 +16,7 @@ from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
+from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
 from dxrun.runtime import dir_refusal
 
@@ -57,6 +58,8 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
                     cfg.optimizer)
+    elif cfg.model.init_from:  # the weights' files, read from their headers alone
+        check_hf_weights(exp)
     memory_preflight(cfg, exp, exp.compile_step(), plan=plan)
     return Prepared(exp, resume, plan, decided.handover)
 
@@ -77,6 +80,11 @@ def start_state(exp: Experiment, resume: Resume | None,
     (parallelism=auto's search, ``Prepared.handover``): the init it drew (``params``), or the
     state after the first steps it trained (``state``, ``step``): taken, so that their host or
     device copies are let go once on this mesh."""
+    if resume is None and exp.cfg.model.init_from:
+        # A fine-tune starts from its checkpoint's weights: what a layout search drew or
+        # trained from the seeded init is left behind.
+        log.info("weights from %s", exp.cfg.model.init_from)
+        return Start(exp.init_state(exp.hf_params()), 0, {})
     if resume is None:
         handover = handover or Handover()
         if handover.state is not None:  # the search trained the run's first steps

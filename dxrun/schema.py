@@ -59,6 +59,10 @@ class ModelConfig:
     dropout: float = key(0.0, "dropout rate (keys derived from seed and step)", range=FRACTION)
     tie_embeddings: bool = key(False, "the LM head reuses the token embedding")
     rope_theta: float = key(10000.0, "RoPE base frequency (model.pos=rope)", range=POSITIVE)
+    rope_scaling: Any = key(None, "RoPE frequency scaling (Llama 3.1's: factor, low/high_freq_factor, "
+                            "original_max_position_embeddings); null = none")
+    init_from: str | None = key(None, "hf:<dir>: start from a Hugging Face checkpoint (GPT-2, Llama): "
+                                "its config.json sets the model's shape (docs/guide/huggingface.md)")
     init_std: float = key(0.02, "standard deviation of the weights' normal initialisation",
                           range=POSITIVE)
     scan_layers: bool = key(True, "lax.scan over stacked layers (compile once); false = a loop")

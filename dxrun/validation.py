@@ -17,6 +17,7 @@ from typing import Any
 
 from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
 from dxrun.errors import ConfigError
+from dxrun.hf.config import check_rope_scaling, hf_dir
 from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len
 from dxrun.plan.loss_chunk import resolve_loss_chunk
 from dxrun.plan.targets import TARGETS
@@ -163,6 +164,8 @@ def check_model(m: ModelConfig) -> None:
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
             "pick n_kv_heads that divides n_heads"
         )
+    check_rope_scaling(m.rope_scaling)
+    hf_dir(m.init_from)  # refuses a value that names no hf:<dir>
     if m.pos == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(
             f"model.pos=rope needs an even head dim, got d_model/n_heads={m.d_model // m.n_heads}"

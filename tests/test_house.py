@@ -35,22 +35,22 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # fails ``test_every_module_has_a_floor``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
-                "dxrun.config", "dxrun.faults")),
+                "dxrun.config", "dxrun.faults", "dxrun.hf.config")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
               "dxrun.checkpointing.preempt")),
-    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence")),
+    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files")),
     ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
                     "dxrun.attention", "dxrun.attention_kernel", "dxrun.chunked_loss",
                     "dxrun.model", "dxrun.optimizer", "dxrun.step", "dxrun.data",
                     "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
-                    "dxrun.zero_padding")),
+                    "dxrun.zero_padding", "dxrun.hf")),
     ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile")),
     ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.attempt", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
     ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
                "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
                "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.tracking.dashboard", "dxrun.reference")),
+               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes

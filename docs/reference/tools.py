@@ -22,6 +22,7 @@ TOOLS: dict[str, str] = {
     "dxrun": "hydra",
     "dxrun.evaluate": "docstring",
     "dxrun.sample": "docstring",
+    "dxrun.export": "docstring",
     "dxrun.launch": "argparse",
     "dxrun.report": "argparse",
     "dxrun.data.prepare": "argparse",

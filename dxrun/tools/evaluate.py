@@ -1,5 +1,5 @@
-"""``python -m dxrun.evaluate <run dir | checkpoints dir | step dir> [overrides]``: score a
-checkpoint on held-out data, on any mesh.
+"""``python -m dxrun.evaluate <run dir | checkpoints dir | step dir | HF dir> [overrides]``:
+score a checkpoint, or a Hugging Face directory (as step 0), on held-out data, on any mesh.
 
 The newest committed checkpoint (or the step dir given) is restored onto the mesh of the run's
 ``parallelism`` or the overrides' (``parallelism=tp2``) and scored by the loop's own evaluation
@@ -80,6 +80,8 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "overrides": overrides,
     }
+    if loaded.run_dir is None and loaded.ckpt_meta == {}:  # a Hugging Face directory
+        return record
     if loaded.run_dir is None:
         log.warning("%s is not in a run dir: eval.json and W&B are not written; give the run "
                     "dir (its checkpoints.txt leads here) to record the result", path)

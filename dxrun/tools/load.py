@@ -24,11 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config import check_keys, composition_error, conf_dir, register
 from dxrun.errors import ConfigError, first_line
+from dxrun.hf.config import PREFIX, apply_hf_model
 from dxrun.plan.mesh import make_plan
+from dxrun.plan.run_plan import recorded
 from dxrun.runtime import simulate_cpu_devices
 from dxrun.schema import RunConfig
 from dxrun.validation import validate
@@ -117,8 +121,6 @@ def as_data(value: Any) -> Any:
 def compose(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
     """The checkpoint's config (``saved``, read as data: ``as_data``) with ``overrides``
     applied as ``python -m dxrun`` applies them."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     register()
@@ -174,17 +176,37 @@ class Loaded:
 
 
 def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
-         adjust: Callable[[RunConfig], None] | None = None) -> Loaded:
-    """The newest (or the named step's) checkpoint under ``path``, its parameters placed on
-    the mesh of its config with ``overrides``; ``adjust`` may change the config before the
-    mesh plan (sampling sets the batch). ``key`` names the path argument in refusals."""
+         adjust: Callable[[RunConfig], None] | None = None, step: int | None = None) -> Loaded:
+    """The newest checkpoint under ``path`` (or step ``step`` of its checkpoints, or the step
+    dir given), its parameters placed on the mesh of its config with ``overrides``; ``adjust``
+    may change the config before the mesh plan (sampling sets the batch). ``key`` names the
+    path argument in refusals. A Hugging Face directory loads as step 0 (``compose_hf``)."""
     from dxrun.checkpointing import resume as checkpoint  # imports JAX
 
-    # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative paths.
-    resume = checkpoint.locate(path.expanduser().absolute(), key)
+    hf = is_hf_dir(path)
+    if not hf:
+        # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative
+        # paths.
+        resume = checkpoint.locate(path.expanduser().absolute(), key)
+        if step is not None:
+            if step not in (have := checkpoint.committed_steps(resume.directory)):
+                raise ConfigError(f"step {step}: {resume.directory} has no committed step "
+                                  f"{step} (it has {', '.join(map(str, have))})")
+            resume = checkpoint.locate(resume.directory / str(step), key)
     start_devices(overrides)
     from dxrun.experiment import Experiment, visible_devices  # imports JAX
 
+    if hf:
+        cfg = compose_hf(path, overrides)
+        if adjust is not None:
+            adjust(cfg)
+        validate(cfg)
+        plan = make_plan(cfg, *visible_devices())
+        # The batch and sequence length the plan resolved, as a checkpoint's config records them
+        cfg = recorded(cfg, plan.global_batch, plan.seq_len)
+        exp = Experiment.build(cfg, plan, with_data=with_data)
+        log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
+        return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, exp.hf_params())
     step, meta = checkpoint.newest_meta(resume)
     where = resume.directory / str(step)
     cfg = compose(meta["config"], overrides)
@@ -207,6 +229,29 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
     return Loaded(cfg, meta, step, where, given_run_dir(path, resume.directory), exp,
                   state.params)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face directory (config.json, no dxrun checkpoints)."""
+    path = path.expanduser()
+    return (path / "config.json").is_file() and not (path / "checkpoints").is_dir()
+
+
+def compose_hf(path: Path, overrides: list[str]) -> DictConfig:
+    """The config of a Hugging Face directory used as a checkpoint: the defaults with
+    ``overrides`` and ``model.init_from=hf:<path>`` (its config.json the model, its
+    tokenizer.json a text run's tokenizer)."""
+    given = [*overrides, f"model.init_from={PREFIX}{path.expanduser().absolute()}"]
+    register()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3",
+                                   job_name="dxrun"):
+            cfg = hydra_compose(config_name="config", overrides=given)
+    except Exception as e:  # noqa: BLE001 - one line for what we can phrase, else Hydra's
+        raise ConfigError(composition_error(e) or str(e).splitlines()[0]) from None
+    apply_hf_model(cfg, given)
+    check_keys(cfg)
+    return cfg
 
 
 def given_run_dir(path: Path, checkpoints: Path) -> Path | None:

@@ -1,11 +1,11 @@
-"""``python -m dxrun.sample <run dir | checkpoints dir | step dir> prompt="..." [max_new_tokens=64
-temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations from a checkpoint.
+"""``python -m dxrun.sample <run dir | checkpoints dir | step dir | HF dir> prompt="..."
+[max_new_tokens=64 temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations.
 
-Text runs encode the prompt and decode the continuation with the run's own tokenizer (bytes or
-its ``tokenizer.json``); a continuation ends at the first end-of-text token. So do
-``data=tokens`` runs whose ``meta.json`` names its tokenizer (``dxrun.data.prepare`` writes it).
-Markov runs (and token dirs that name none) take and print token ids; markov runs also print the
-share of generated tokens the chain allows after their context (did the model learn the chain).
+Text runs (and a HF dir's tokenizer.json) encode the prompt and decode the continuation with
+the run's own tokenizer (bytes or its ``tokenizer.json``); a continuation ends at the first
+end-of-text token. So do ``data=tokens`` runs whose ``meta.json`` names its tokenizer. Markov
+runs (and token dirs that name none) take and print token ids; markov runs also print the share
+of generated tokens the chain allows after their context (did the model learn the chain).
 Without a prompt, a markov sample starts from the first ``data.order`` tokens of a held-out
 sequence (a different one per sample) and a text sample from the end-of-text token.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from dxrun.data import EVAL, Data
 from dxrun.data.corpus import Tokenizer, recorded_tokenizer
 from dxrun.errors import ConfigError
-from dxrun.tools.load import Loaded, load, split_args
+from dxrun.tools.load import Loaded, is_hf_dir, load, split_args
 
 if TYPE_CHECKING:
     from dxrun.schema import DataConfig, RunConfig
@@ -108,6 +109,15 @@ def prompt_tokens(d: DataConfig, vocab_size: int, prompt: str, n: int, chain: An
     return np.tile(np.asarray(ids, np.int32), (n, 1)), tok
 
 
+def hf_prompt_data(path: Path) -> Any:
+    """How a Hugging Face directory's prompt is read when no data is given: with its
+    tokenizer.json (text in and out), else as token ids."""
+    tok = path.expanduser() / "tokenizer.json"
+    if tok.is_file():
+        return SimpleNamespace(name="text", tokenizer=str(tok), path=None)
+    return SimpleNamespace(name="tokens", tokenizer=None, path=str(path))
+
+
 def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any) -> Any:
     """``dxrun.tools.decode``'s generate for a loaded run, in the run's compute dtype
     (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
@@ -149,8 +159,9 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
         raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
                           f"{cfg.model.vocab_size}, or top_k=0 for no cut")
-    chain = Data(cfg).markov if cfg.data.name == "markov" else None
-    prompt_BxP, tok = prompt_tokens(cfg.data, cfg.model.vocab_size, options["prompt"], n, chain)
+    data = hf_prompt_data(path) if is_hf_dir(path) and cfg.data.name == "markov" else cfg.data
+    chain = Data(cfg).markov if data.name == "markov" else None
+    prompt_BxP, tok = prompt_tokens(data, cfg.model.vocab_size, options["prompt"], n, chain)
     P, limit = prompt_BxP.shape[1], cfg.model.max_seq_len
     if P + new > limit:
         raise ConfigError(f"max_new_tokens={new} after a {P}-token prompt needs {P + new} "

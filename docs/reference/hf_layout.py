@@ -1,0 +1,34 @@
+"""The Hugging Face guide's layout tables, from the code's own mapping (``dxrun.hf.layout``):
+which HF tensor becomes which dxrun weight, in which shape, and how its numbers move. Filled into
+docs/guide/huggingface.md where it says ``<!-- generated: hf-layout -->`` (docs/hooks.py)."""
+
+from __future__ import annotations
+
+from dxrun.hf.layout import SAME, TABLES
+
+MARKER = "<!-- generated: hf-layout -->"
+HOW = {SAME: "as stored (Conv1D's (in, out) is dxrun's order)",
+       "transposed": "transposed: Linear's (out, in) to (in, out)"}
+TITLES = {"gpt2": "GPT-2 (`GPT2LMHeadModel`; `c_attn`: q, k, v side by side; embeddings tied: "
+                  "no `lm_head` tensor)",
+          "llama": "Llama (`LlamaForCausalLM`; `lm_head.weight` absent when "
+                   "`tie_word_embeddings`)"}
+
+
+def hf_layout_markdown() -> str:
+    out = []
+    for kind, table in TABLES.items():
+        out += [f"**{TITLES[kind]}**", "", "| HF tensor | HF shape | dxrun weight | how |",
+                "|---|---|---|---|"]
+        for w in table:
+            part = f"; block {w.part[0] + 1} of {w.part[1]} of the last axis" if w.part else ""
+            matrix = w.kind != SAME or (len(w.hf_shape) == 2 and w.hf_shape[0] not in "VP")
+            how = HOW[w.kind] if matrix else "as stored"
+            out.append(f"| `{w.hf}` | ({', '.join(w.hf_shape)}) | `{w.dxrun}` | {how}{part} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def fill(markdown: str) -> str:
+    """``markdown`` with the marker replaced by the tables (pages without it unchanged)."""
+    return markdown.replace(MARKER, hf_layout_markdown()) if MARKER in markdown else markdown

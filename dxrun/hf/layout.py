@@ -1,0 +1,182 @@
+"""Which Hugging Face tensor becomes which dxrun weight, and how: the one table import, export
+and the guide read (``docs/guide/huggingface.md`` prints ``TABLES``).
+
+A ``Weight`` ties a dxrun parameter (its path in the params tree; ``blocks/...`` are stacked,
+layer ``i`` at index ``i`` of their leading axis) to a HF tensor (``{i}``: its layer). ``same``:
+the HF tensor holds the numbers in dxrun's order, only grouped differently (GPT-2's Conv1D keeps
+(in, out), as dxrun's ``D x ...`` weights do); ``transposed``: a ``torch.nn.Linear`` weight,
+(out, in), transposed first (Llama). ``part=(j, n)``: the j-th of n equal blocks of the HF
+tensor's last axis (GPT-2's fused ``c_attn``: q, k, v side by side). HF shapes are written in
+the model's dimensions (D d_model, H heads, K kv heads, E head dim, F d_ff, V vocab, P
+positions). Rotary: both sides rotate halves (HF's checkpoints are stored permuted for its
+``rotate_half``, and dxrun's ``rope`` is that convention), so q and k need no permutation. Pure:
+numpy in, numpy out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+SAME, TRANSPOSED = "same", "transposed"
+
+
+@dataclass(frozen=True)
+class Weight:
+    dxrun: str  # the parameter's path, "/"-joined
+    hf: str  # the HF tensor's name; "{i}": the layer
+    kind: str  # SAME or TRANSPOSED
+    hf_shape: tuple[str, ...]  # in the model's dimensions ("3*D": a product)
+    part: tuple[int, int] | None = None  # (j, n): block j of n of the HF tensor's last axis
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.dxrun.split("/"))
+
+
+def _gpt2() -> list[Weight]:
+    h = "transformer.h.{i}."
+    out = [Weight("wte", "transformer.wte.weight", SAME, ("V", "D")),
+           Weight("wpe", "transformer.wpe.weight", SAME, ("P", "D")),
+           Weight("blocks/ln1/scale", h + "ln_1.weight", SAME, ("D",)),
+           Weight("blocks/ln1/bias", h + "ln_1.bias", SAME, ("D",))]
+    for j, name in enumerate("qkv"):
+        out += [Weight(f"blocks/attn/w{name}", h + "attn.c_attn.weight", SAME, ("D", "3*D"),
+                       (j, 3)),
+                Weight(f"blocks/attn/b{name}", h + "attn.c_attn.bias", SAME, ("3*D",), (j, 3))]
+    return out + [
+        Weight("blocks/attn/wo", h + "attn.c_proj.weight", SAME, ("D", "D")),
+        Weight("blocks/attn/bo", h + "attn.c_proj.bias", SAME, ("D",)),
+        Weight("blocks/ln2/scale", h + "ln_2.weight", SAME, ("D",)),
+        Weight("blocks/ln2/bias", h + "ln_2.bias", SAME, ("D",)),
+        Weight("blocks/mlp/w_up", h + "mlp.c_fc.weight", SAME, ("D", "F")),
+        Weight("blocks/mlp/b_up", h + "mlp.c_fc.bias", SAME, ("F",)),
+        Weight("blocks/mlp/w_down", h + "mlp.c_proj.weight", SAME, ("F", "D")),
+        Weight("blocks/mlp/b_down", h + "mlp.c_proj.bias", SAME, ("D",)),
+        Weight("ln_f/scale", "transformer.ln_f.weight", SAME, ("D",)),
+        Weight("ln_f/bias", "transformer.ln_f.bias", SAME, ("D",)),
+    ]
+
+
+def _llama(tied: bool) -> list[Weight]:
+    h = "model.layers.{i}."
+    out = [Weight("wte", "model.embed_tokens.weight", SAME, ("V", "D")),
+           Weight("blocks/ln1/scale", h + "input_layernorm.weight", SAME, ("D",)),
+           Weight("blocks/attn/wq", h + "self_attn.q_proj.weight", TRANSPOSED, ("H*E", "D")),
+           Weight("blocks/attn/wk", h + "self_attn.k_proj.weight", TRANSPOSED, ("K*E", "D")),
+           Weight("blocks/attn/wv", h + "self_attn.v_proj.weight", TRANSPOSED, ("K*E", "D")),
+           Weight("blocks/attn/wo", h + "self_attn.o_proj.weight", TRANSPOSED, ("D", "H*E")),
+           Weight("blocks/ln2/scale", h + "post_attention_layernorm.weight", SAME, ("D",)),
+           Weight("blocks/mlp/w_gate", h + "mlp.gate_proj.weight", TRANSPOSED, ("F", "D")),
+           Weight("blocks/mlp/w_up", h + "mlp.up_proj.weight", TRANSPOSED, ("F", "D")),
+           Weight("blocks/mlp/w_down", h + "mlp.down_proj.weight", TRANSPOSED, ("D", "F")),
+           Weight("ln_f/scale", "model.norm.weight", SAME, ("D",))]
+    if not tied:
+        out.append(Weight("lm_head", "lm_head.weight", TRANSPOSED, ("V", "D")))
+    return out
+
+
+# The tables the guide prints: GPT-2 (embeddings tied, no lm_head tensor) and Llama (untied).
+TABLES = {"gpt2": _gpt2(), "llama": _llama(tied=False)}
+# What a HF directory may hold beside the weights, ignored on import: GPT-2's causal-mask
+# buffers (older checkpoints), Llama's rotary frequencies, a tied lm_head written anyway.
+BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def weights(model_type: str, tied: bool) -> list[Weight]:
+    """The table of a model: ``model_type`` gpt2 or llama, ``tied`` its embeddings."""
+    return _gpt2() if model_type == "gpt2" else _llama(tied)
+
+
+def dims(m: object) -> dict[str, int]:
+    """The dimensions HF shapes are written in, of a model section ``m``."""
+    E = m.d_model // m.n_heads
+    return {"D": m.d_model, "H": m.n_heads, "K": m.n_kv_heads, "E": E, "F": m.d_ff,
+            "V": m.vocab_size, "P": m.max_seq_len}
+
+
+def shape_of(spec: tuple[str, ...], d: dict[str, int]) -> tuple[int, ...]:
+    return tuple(math.prod(int(f) if f.isdigit() else d[f] for f in s.split("*")) for s in spec)
+
+
+def hf_name(w: Weight, layer: int | None, prefixed: bool = True) -> str:
+    name = w.hf.format(i=layer)
+    return name if prefixed else name.partition(".")[2]
+
+
+def to_dxrun(w: Weight, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The HF tensor ``x`` (one layer's) as dxrun's weight of ``shape`` (one layer's, the
+    real vocabulary: padding is the loader's)."""
+    if w.part is not None:
+        j, n = w.part
+        size = x.shape[-1] // n
+        x = x[..., j * size:(j + 1) * size]
+    if w.kind == TRANSPOSED:
+        x = x.T
+    return np.ascontiguousarray(x).reshape(shape)
+
+
+def to_hf(w: Weight, x: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+    """dxrun's weight ``x`` (one layer's, the real vocabulary) as the HF tensor of
+    ``hf_shape``, or as its part (``w.part``: the caller puts the parts side by side)."""
+    if w.part is not None:
+        hf_shape = (*hf_shape[:-1], hf_shape[-1] // w.part[1])
+    if w.kind == TRANSPOSED:
+        return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
+    return x.reshape(hf_shape)
+
+
+def _range(sizes: tuple[int, ...], index: tuple[tuple[int, int], ...]) -> tuple[int, int, bool]:
+    """The flat range of row-major axes ``sizes`` that the block ``index`` ((start, stop) per
+    axis) lies in, and whether the block is exactly that range: the axes after the last sliced
+    one are whole and those before it are one index each (how a mesh splits heads, not head
+    dims). Otherwise the whole range, to be sliced after reading."""
+    cut = [i for i, (n, (a, b)) in enumerate(zip(sizes, index, strict=True)) if (a, b) != (0, n)]
+    if not cut:
+        return 0, math.prod(sizes), True
+    j = cut[-1]
+    if any(b - a != 1 for a, b in index[:j]):
+        return 0, math.prod(sizes), False
+    lo = int(np.ravel_multi_index(tuple(a for a, _ in index), sizes))
+    return lo, lo + (index[j][1] - index[j][0]) * math.prod(sizes[j + 1:]), True
+
+
+def dxrun_block(w: Weight, real: tuple[int, ...], index: tuple[tuple[int, int], ...],
+                hf_shape: tuple[int, ...],
+                read: Callable[[tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+    """``to_dxrun(w, x, real)[index]`` ((start, stop) per axis, within ``real``) from only the
+    region of the HF tensor ``x`` (of ``hf_shape``) it needs: ``read(slices)`` reads it."""
+    if w.part is not None:
+        hf_shape = (*hf_shape[:-1], hf_shape[-1] // w.part[1])
+    m_shape = hf_shape[::-1] if w.kind == TRANSPOSED else hf_shape  # the matrix in dxrun's order
+    if len(m_shape) == 1:
+        groups = [len(real)]
+    else:
+        k = next(k for k in range(len(real) + 1) if math.prod(real[:k]) == m_shape[0])
+        groups = [k, len(real) - k]
+    plan, at = [], 0  # per group: its range of the matrix's axis, its shape read, the rest
+    for g in groups:
+        sizes, block = real[at:at + g], index[at:at + g]
+        lo, hi, exact = _range(sizes, block)
+        plan.append((slice(lo, hi), [b - a for a, b in block] if exact else list(sizes),
+                     [slice(None)] * g if exact else [slice(a, b) for a, b in block]))
+        at += g
+    slices = [r for r, _, _ in plan]
+    if w.kind == TRANSPOSED:
+        slices = slices[::-1]
+    if w.part is not None:
+        off = w.part[0] * hf_shape[-1]
+        slices[-1] = slice(slices[-1].start + off, slices[-1].stop + off)
+    x = read(tuple(slices))
+    if w.kind == TRANSPOSED:
+        x = x.T
+    shape = [n for _, read_shape, _ in plan for n in read_shape]
+    rest = tuple(i for _, _, after in plan for i in after)
+    return np.ascontiguousarray(x).reshape(shape)[rest]

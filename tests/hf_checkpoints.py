@@ -1,0 +1,123 @@
+"""Small Hugging Face checkpoints made here (random weights under the hub's tensor names,
+written with ``safetensors.numpy``) and their reference logits from ``transformers``' own Flax
+classes: what tests/test_hf*.py load into dxrun and compare against. No network: every
+directory is written locally and transformers runs with HF_HUB_OFFLINE=1."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+V = 101  # odd: padded on tp2 and tp4
+GPT2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=32, vocab_size=V,
+            activation_function="gelu_new", layer_norm_epsilon=1e-5)
+LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, intermediate_size=96, vocab_size=V,
+             max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+             tie_word_embeddings=False, hidden_act="silu")
+
+
+def hf_config(fields: dict):
+    from transformers import GPT2Config, LlamaConfig
+
+    fields = {k: v for k, v in fields.items() if k != "model_type"}
+    return (GPT2Config if "n_embd" in fields else LlamaConfig)(**fields)
+
+
+def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights under the hub's names (GPT-2: without ``transformer.``, as the hub's
+    gpt2 has them), at the shapes ``fields`` (a config.json) gives."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    out = {}
+    if fields["model_type"] == "gpt2":
+        D, F, P = fields["n_embd"], 4 * fields["n_embd"], fields["n_positions"]
+        out = {"wte.weight": w(V, D), "wpe.weight": w(P, D),
+               "ln_f.weight": 1 + w(D), "ln_f.bias": w(D)}
+        for i in range(fields["n_layer"]):
+            h = f"h.{i}."
+            out |= {h + "ln_1.weight": 1 + w(D), h + "ln_1.bias": w(D),
+                    h + "attn.c_attn.weight": w(D, 3 * D), h + "attn.c_attn.bias": w(3 * D),
+                    h + "attn.c_proj.weight": w(D, D), h + "attn.c_proj.bias": w(D),
+                    h + "ln_2.weight": 1 + w(D), h + "ln_2.bias": w(D),
+                    h + "mlp.c_fc.weight": w(D, F), h + "mlp.c_fc.bias": w(F),
+                    h + "mlp.c_proj.weight": w(F, D), h + "mlp.c_proj.bias": w(D)}
+        return out
+    D, F = fields["hidden_size"], fields["intermediate_size"]
+    H, K = fields["num_attention_heads"], fields["num_key_value_heads"]
+    E = D // H
+    out = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D),
+           "lm_head.weight": w(V, D)}
+    for i in range(fields["num_hidden_layers"]):
+        h = f"model.layers.{i}."
+        out |= {h + "input_layernorm.weight": 1 + w(D),
+                h + "post_attention_layernorm.weight": 1 + w(D),
+                h + "self_attn.q_proj.weight": w(H * E, D),
+                h + "self_attn.k_proj.weight": w(K * E, D),
+                h + "self_attn.v_proj.weight": w(K * E, D),
+                h + "self_attn.o_proj.weight": w(D, H * E),
+                h + "mlp.gate_proj.weight": w(F, D), h + "mlp.up_proj.weight": w(F, D),
+                h + "mlp.down_proj.weight": w(D, F)}
+    return out
+
+
+def write_hf_dir(d: Path, fields: dict, tensors: dict[str, np.ndarray], shards: int = 1
+                 ) -> Path:
+    """config.json (as transformers writes it) and the tensors, in one model.safetensors or in
+    ``shards`` files with their index."""
+    from safetensors.numpy import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    hf_config(fields).to_json_file(str(d / "config.json"))
+    if shards == 1:
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[k::shards]}
+        save_file(part, str(d / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+         "weight_map": weight_map}))
+    return d
+
+
+def reference_logits(d: Path, tokens_BxL: np.ndarray) -> np.ndarray:
+    """transformers' Flax model of the directory (one model.safetensors), fp32."""
+    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
+
+    kind = json.loads((d / "config.json").read_text())["model_type"]
+    cls = FlaxGPT2LMHeadModel if kind == "gpt2" else FlaxLlamaForCausalLM
+    import jax
+
+    model = cls.from_pretrained(str(d), dtype=np.float32)
+    # jitted: one compile, where the eager call compiles each operation on its own
+    return np.asarray(jax.jit(lambda p, t: model(t, params=p).logits)(model.params, tokens_BxL))
+
+
+def write_tokenizer(path: Path, corpus: Path, vocab: int) -> Path:
+    """A byte-level BPE tokenizer.json of at most ``vocab`` ids trained on ``corpus``, with
+    GPT-2's end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=sorted(set(corpus.read_text())),
+                                  show_progress=False)
+    tok.train([str(corpus)], trainer)
+    tok.save(str(path))
+    return path
