@@ -188,6 +188,29 @@ def _gelu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """Llama's gated unit, ``silu(gate) * up``. A custom VJP keeps only its two inputs (the
+    gate and up projections' outputs) and recomputes the sigmoid from the gate in fp32: JAX's
+    own derivative keeps SiLU's three intermediates and the product besides."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple]:
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    gate, up = res
+    a, u, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
+    sig = jax.nn.sigmoid(a)
+    d_gate = g32 * u * sig * (1 + a * (1 - sig))  # d silu(a)/da = s + a s (1 - s)
+    return d_gate.astype(gate.dtype), (g32 * a * sig).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     if key is None or rate == 0.0:
         return x
@@ -212,7 +235,7 @@ class MLP(nnx.Module):
         if self.b_up is not None:
             h_BxLxF = add_bias(h_BxLxF, self.b_up[...])
         if self.w_gate is not None:
-            h_BxLxF = jax.nn.silu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf")) * h_BxLxF
+            h_BxLxF = swiglu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf"), h_BxLxF)
         else:
             h_BxLxF = gelu(h_BxLxF)
         y_BxLxD = dense(h_BxLxF, self.w_down[...], "blf,fd->bld")

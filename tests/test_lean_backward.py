@@ -1,5 +1,5 @@
 """The custom VJPs that keep only what a hand-written backward keeps (``dxrun.layers``: the norms,
-GELU, the joined qkv weight): their gradients are JAX's autodiff of the same forward to fp32
+GELU, SwiGLU, the joined qkv weight): their gradients are JAX's autodiff of the same forward to fp32
 tolerance, their forward is the plain one bit for bit, and a layer keeps what the memory model
 counts, less than JAX's own derivatives keep (the compiled step's temporaries say so too)."""
 
@@ -67,6 +67,18 @@ def test_gelus_vjp_is_jaxs_autodiff():
     assert np.array_equal(layers.gelu(xb), jax.nn.gelu(xb, approximate=True))
 
 
+def test_swiglus_vjp_is_jaxs_autodiff():
+    k = jax.random.split(jax.random.key(4), 3)
+    gate, up, g = (3 * jax.random.normal(k[i], (4, 64)) for i in range(3))
+    ours, ours_vjp = jax.vjp(layers.swiglu, gate, up)
+    ref, ref_vjp = jax.vjp(lambda a, u: jax.nn.silu(a) * u, gate, up)
+    assert np.array_equal(ours, ref)
+    for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    gb, ub = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
+    assert np.array_equal(layers.swiglu(gb, ub), jax.nn.silu(gb) * ub)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
     """``dense`` with ``join``: the same output and gradients as joining the weight first."""
@@ -89,27 +101,29 @@ def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
-def _block(**kw):
+def _block(llama: bool):
     from dxrun import model as M
     from dxrun.schema import ModelConfig
 
-    cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256,
-                      vocab_size=64, max_seq_len=32, bias=True, norm="layernorm", mlp="gelu",
-                      pos="learned", **kw)
+    cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4 // (1 + llama),
+                      d_ff=256, vocab_size=64, max_seq_len=32, bias=not llama,
+                      norm="rmsnorm" if llama else "layernorm", mlp="swiglu" if llama else "gelu",
+                      pos="rope" if llama else "learned")
     return cfg, nnx.split(M.Block(cfg, nnx.Rngs(0)))
 
 
-def test_a_bf16_layer_keeps_what_the_memory_model_counts():
-    """JAX's list of what a bf16 GPT-2 block keeps without remat (the layer input included:
-    in the scan it is a stacked residual) is the memory model's ``layer_none``, but for the
-    attention core: JAX saves the causal mask and masked scores too, which XLA's compile
-    drops (``test_the_model_agrees_with_xla_in_fp32`` holds that count), so the score-sized
-    residuals are held to the model's two plus what XLA drops. Per token and layer the rest is
-    32 x d_model bytes (llm.c's count) and the norms' statistics."""
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
+def test_a_bf16_layer_keeps_what_the_memory_model_counts(llama):
+    """JAX's list of what a bf16 block keeps without remat (the layer input included: in the
+    scan it is a stacked residual) is the memory model's ``layer_none``, but for the attention
+    core: JAX saves the causal mask and masked scores too, which XLA's compile drops
+    (``test_the_model_agrees_with_xla_in_fp32`` holds that count), so the score-sized
+    residuals are held to the model's two plus what XLA drops. Per token and layer a GPT-2
+    block keeps 32 x d_model bytes (llm.c's count) and the norms' statistics."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    cfg, (graphdef, params) = _block()
-    b, s, h = 2, 32, cfg.d_model
+    cfg, (graphdef, params) = _block(llama)
+    b, s, h, heads = 2, 32, cfg.d_model, cfg.n_heads
     x = jnp.ones((b, s, h), jnp.bfloat16)
     saved = saved_residuals(
         lambda p, x: nnx.merge(graphdef, p)(x, None, jnp.bfloat16).astype(jnp.float32).sum(),
@@ -117,15 +131,16 @@ def test_a_bf16_layer_keeps_what_the_memory_model_counts():
     kept = [a for a, src in saved if a.shape and "from the argument p" not in src]
     score = [a for a in kept if a.shape[-2:] in ((s, s), (s, 1)) and a.ndim == 5]
     rest = sum(a.size * a.dtype.itemsize for a in kept if not any(a is c for c in score))
-    shapes = mm.Shapes(b=b, s=s, h=h, f=cfg.d_ff, heads=4, kv_heads=4, head_dim=16, vocab=64,
-                       n_layers=2, c=2, mlp="gelu", bias=True, remat="none", kernel="xla",
-                       residual=2)
+    shapes = mm.Shapes(b=b, s=s, h=h, f=cfg.d_ff, heads=heads, kv_heads=cfg.n_kv_heads,
+                       head_dim=h // heads, vocab=64, n_layers=2, c=2, mlp=cfg.mlp,
+                       bias=cfg.bias, remat="none", kernel="xla", residual=2, norm=cfg.norm,
+                       rope=llama)
     parts = mm.layer_none(shapes)
     assert rest == sum(parts.values()) - parts["scores"]
-    assert rest == 32 * b * s * h + 2 * 2 * 4 * b * s  # llm.c's 16 bf16 tensors of d_model, stats
-    heads_rows = 4 * s * b
+    if not llama:  # llm.c's 16 bf16 tensors of d_model, and LayerNorm's two statistics
+        assert rest == 32 * b * s * h + 2 * 2 * 4 * b * s
     jax_scores = sum(a.size * a.dtype.itemsize for a in score)
-    mask_and_masked = (1 + 4) * heads_rows * s
+    mask_and_masked = (1 + 4) * heads * b * s * s
     assert jax_scores == parts["scores"] + mask_and_masked
 
 

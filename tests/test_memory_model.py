@@ -33,7 +33,7 @@ def _model_bytes(exp: Experiment, kernel: str | None = None) -> mm.MemoryEstimat
 def test_the_model_agrees_with_xla_in_fp32(cfg_factory, remat):
     """fp32 with the attention XLA runs on CPU: the model's per-device total within 10% of the
     compiled step's (arguments + outputs - donated + temporaries). Measured (model / XLA):
-    none 0.94, dots 1.01, full 0.91. XLA:CPU's extra, read from its buffer assignment: a
+    none 0.92, dots 1.01, full 0.91. XLA:CPU's extra, read from its buffer assignment: a
     softmax row statistic broadcast to score size for a YNNPACK fusion, unfused elementwise
     temporaries, and gaps in its heap packing (dots: 26 MB of its 127 MB never live at once)."""
     exp = Experiment.build(cfg_factory(*ACTIVATIONS, f"model.remat={remat}"))
@@ -232,10 +232,10 @@ def test_a_gpu_target_counts_its_own_vocabulary_padding(cfg_factory):
 
 def test_the_plan_says_where_dxruns_step_keeps_more_than_a_leaner_program(cfg_factory):
     """ZeRO-1 keeps the fp32 master weights whole, accumulation keeps two fp32 gradients, and
-    remat=none keeps XLA's score tensors (not cuDNN's) and SwiGLU's intermediates: each said in
-    bytes (plan.json's memory_model.notes, the plan table's "memory note" rows). A GPT-2 block
-    without remat on cuDNN keeps what llm.c keeps, FSDP without accumulation and with remat
-    says nothing."""
+    remat=none keeps XLA's score tensors (not cuDNN's): each said in bytes (plan.json's
+    memory_model.notes, the plan table's "memory note" rows). A GPT-2 or Llama block without
+    remat on cuDNN keeps what a hand-written backward keeps, FSDP without accumulation and
+    with remat says nothing."""
     h100 = targets.TARGETS["h100"]
 
     def notes(*overrides: str, model: str = "tiny") -> list[str]:
@@ -249,8 +249,7 @@ def test_the_plan_says_where_dxruns_step_keeps_more_than_a_leaner_program(cfg_fa
     scores, = notes("parallelism=fsdp8", "model.remat=none", "train.precision=fp32")
     assert "x d_model bytes a token and layer, of them the attention's T x T" in scores
     assert "attention xla keeps the exponentials and probabilities" in scores
-    swiglu, = notes("parallelism=fsdp8", "model.remat=none", "train.precision=bf16",
-                    model="tiny_llama")
-    assert "JAX's derivative of SwiGLU keeps six d_ff-sized tensors" in swiglu
+    assert notes("parallelism=fsdp8", "model.remat=none", "train.precision=bf16",
+                 model="tiny_llama") == []
     assert notes("parallelism=fsdp8", "model.remat=dots") == []
     assert notes("parallelism=fsdp8", "model.remat=none", "train.precision=bf16") == []

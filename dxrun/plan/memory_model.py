@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-MLP_TENSORS = {"gelu": 2, "swiglu": 6}  # s·b·f tensors the MLP keeps, see ``layer_none``
+MLP_TENSORS = {"gelu": 2, "swiglu": 3}  # s·b·f tensors the MLP keeps, see ``layer_none``
 REMAT = ("none", "dots", "full")
 
 
@@ -105,7 +105,7 @@ def layer_none(x: Shapes) -> dict[str, float]:
     (JAX also saves the causal mask and the masked scores, which XLA's compile of the step
     drops: its stacked residuals hold the two); cuDNN's the fp32 log-sum-exp only; rotary
     positions their fp32 angles' cosines and sines; the MLP its up projection and GELU's
-    output (SwiGLU: the up and gate outputs, SiLU's three intermediates and the product)."""
+    output (SwiGLU, a custom VJP too: the up and gate outputs and their product)."""
     t, c = x.tokens, x.c
     rows = x.heads * x.s * x.b
     core = ((FP32 + c) * x.scores + 2 * FP32 * rows if x.scores
@@ -230,30 +230,21 @@ def program_notes(x: Shapes, params: float, grads: float, zero_dp: int) -> list[
     if x.accum > 1:
         notes.append(f"train.grad_accum={x.accum}: the summed gradient and the micro-batch's, "
                      f"two fp32 gradients ({gb_text(grads)}); accumulating in place keeps one")
-    if x.remat == "none":
-        notes += activation_notes(x)
-    return notes
+    return notes + (activation_notes(x) if x.remat == "none" else [])
 
 
 def activation_notes(x: Shapes) -> list[str]:
     """Where a layer without remat keeps more than llm.c's hand-written backward (the norms'
-    and GELU's inputs, q, k, v, the heads' output, the MLP's two d_ff-sized tensors and
-    per-token statistics: what dxrun keeps for a GPT-2 block with cuDNN's attention)."""
-    parts, n = layer_none(x), x.n_layers
+    and the MLP's inputs and outputs, q, k, v, the heads' output and per-token statistics:
+    what dxrun keeps with cuDNN's attention): XLA's attention keeps its T x T tensors."""
+    if not x.scores:
+        return []
+    parts = layer_none(x)
     per = sum(parts.values()) / (x.tokens * x.h)
-    head = f"model.remat=none keeps {per:.0f} x d_model bytes a token and layer"
-    notes = []
-    if x.scores:
-        notes.append(f"{head}, of them the attention's T x T tensors ({gb_text(n * parts['scores'])}"
-                     f"): attention {x.kernel} keeps the exponentials and probabilities, "
-                     f"where a fused flash attention (cuDNN's: NVIDIA, bf16) "
-                     f"keeps a log-sum-exp per row")
-    if x.mlp == "swiglu":
-        lean = 3 * x.c * x.tokens * x.f * n
-        notes.append(f"{head}: JAX's derivative of SwiGLU keeps six d_ff-sized tensors "
-                     f"({gb_text(n * parts['mlp'])}) where its inputs and output would do "
-                     f"({gb_text(lean)})")
-    return notes
+    return [f"model.remat=none keeps {per:.0f} x d_model bytes a token and layer, of them the "
+            f"attention's T x T tensors ({gb_text(x.n_layers * parts['scores'])}): attention "
+            f"{x.kernel} keeps the exponentials and probabilities, where a fused flash "
+            f"attention (cuDNN's: NVIDIA, bf16) keeps a log-sum-exp per row"]
 
 
 def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
