@@ -128,8 +128,8 @@ def norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: b
     the input's dtype. A custom VJP keeps for the backward pass only what a hand-written
     kernel (llm.c's) keeps: the input in its own dtype and the fp32 mean and reciprocal
     deviation per token. JAX's own derivative keeps the fp32 centred and normalised copies
-    of the input, twice the bytes of a bf16 layer's norm per token; the backward here
-    recomputes them from the input in fp32 instead."""
+    of the input (8 bytes an element where a bf16 input is 2); the backward here recomputes
+    them from the input in fp32 instead."""
     return _norm_fwd(x_BxLxD, scale, bias, centre)[0]
 
 
