@@ -130,14 +130,15 @@ RUNS: tuple[Run, ...] = (
         "github.com/karpathy/llm.c discussion #677 (GPT-2 1.5B in 24 h, 8x H100)",
         ("model=xl", "plan.target=h100", "parallelism=dp8", "data.seq_len=1024",
          "data.batch_size=1024", "train.grad_accum=8", "train.precision=bf16",
-         "model.remat=dots"),
-        "8x H100 80GB SXM", "data parallel + optimizer sharding, bf16, 16 x 1024 per GPU x 8 "
-        "micro-steps", "~2.80 s per step (1,048,576 tokens)", 1_048_576 / 2.80 / 8,
-        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8); no "
-                "recompute (-r 0) as model.remat=dots: llm.c's fused kernels keep 32 bytes x "
-                "d_model a token and layer, dxrun's step without remat 93 (JAX's tanh-GELU and "
-                "LayerNorm derivatives keep their fp32 and elementwise intermediates: the plan's "
-                "memory note), so dxrun recomputes those elementwise parts",
+         "model.remat=none"),
+        "8x H100 80GB SXM", "data parallel + optimizer sharding, bf16, no recompute (-r 0), "
+        "16 x 1024 per GPU x 8 micro-steps", "~2.80 s per step (1,048,576 tokens)",
+        1_048_576 / 2.80 / 8,
+        nearest="optimizer sharding (ZeRO-1) as parallelism.shard_optimizer (on for dp8); "
+                "without recompute a layer keeps what llm.c's does (32 bytes x d_model a token: "
+                "the norms' and GELU's custom VJPs keep their inputs, cuDNN's attention no "
+                "T x T), but the fp32 master weights and a second fp32 gradient under "
+                "accumulation (the plan's memory notes)",
         mem_fraction=WHOLE_GPU),
     Run("Megatron-LM GPT 3.6B, tensor-parallel 2",
         "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "

@@ -76,6 +76,13 @@ def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: j
     return o_BxLxHxE
 
 
+def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> jax.Array:
+    """The q, k and v weights side by side per kv head (D x K x (G+2) x E), one matmul's."""
+    D, K, E = wk_DxKxE.shape
+    return jnp.concatenate([wq_DxHxE.reshape(D, K, -1, E), wk_DxKxE[:, :, None],
+                            wv_DxKxE[:, :, None]], axis=2)
+
+
 class Attention(nnx.Module):
     """Causal multi-head / grouped-query attention. q, k, v are column-parallel (heads on
     ``tensor``), the output projection row-parallel: each device keeps whole heads.
@@ -130,9 +137,8 @@ class Attention(nnx.Module):
         laid side by side per kv head (D x K x (G+2) x E): a local concatenation, since
         ``tensor`` splits q heads in blocks aligned with their kv heads."""
         K, G, E = self.K, self.H // self.K, self.E
-        w_DxKxCxE = jnp.concatenate([self.wq[...].reshape(-1, K, G, E),
-                                     self.wk[...][:, :, None], self.wv[...][:, :, None]], axis=2)
-        qkv_BxLxKxCxE = dense(x_BxLxD, w_DxKxCxE, "bld,dkce->blkce")
+        qkv_BxLxKxCxE = dense(x_BxLxD, (self.wq[...], self.wk[...], self.wv[...]),
+                              "bld,dkce->blkce", join=join_qkv)
         if self.bq is not None:
             qkv_BxLxKxCxE = add_bias(qkv_BxLxKxCxE, jnp.concatenate(
                 [self.bq[...].reshape(K, G, E), self.bk[...][:, None], self.bv[...][:, None]],

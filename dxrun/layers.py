@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -34,7 +35,8 @@ def padded_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], 
     return nnx.Param(jnp.pad(x, pad), axes=axes)
 
 
-def dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any = None) -> jax.Array:
+def dense(x: jax.Array, w: Any, spec: str, out_dtype: Any = None, join: Any = None
+          ) -> jax.Array:
     """``einsum(spec, x, w)`` computed in ``x``'s dtype with fp32 accumulation, its output in
     ``out_dtype`` (default ``x``'s): every weight matmul of the model goes through here.
 
@@ -45,35 +47,43 @@ def dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any = None) -> jax.A
     and returned in ``w``'s dtype. The batch-contracted weight gradient is what XLA's
     partitioner all-reduces over data replicas, so an fp32 ``w`` gets an fp32 all-reduce and
     an unrounded fp32 gradient, where casting the weight before the matmul gives bf16 partial
-    sums and a bf16 all-reduce. Same dtypes everywhere (fp32 runs): the plain einsum."""
-    if x.dtype == w.dtype == (out_dtype or x.dtype):
+    sums and a bf16 all-reduce. Same dtypes everywhere (fp32 runs): the plain einsum.
+
+    ``join``: ``w`` is a tuple of parts and ``join(*w)`` the weight (``Attention.qkv`` lays
+    q, k and v side by side). The custom VJP then keeps the parts for the backward pass and
+    joins them again there: JAX's derivative of the join would keep the joined copy, an fp32
+    weight per layer beside the parameters it is made of."""
+    if join is None and x.dtype == w.dtype == (out_dtype or x.dtype):
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     # Named for model.remat=dots: checkpoint_dots sees only a custom VJP's call, not the matmul
     # inside it, so without the name a bf16 "dots" layer would keep nothing and recompute all.
-    return checkpoint_name(_mixed_dense(x, w, spec, jnp.dtype(out_dtype or x.dtype)), DENSE)
+    return checkpoint_name(_mixed_dense(x, w, spec, jnp.dtype(out_dtype or x.dtype), join),
+                           DENSE)
 
 
 DENSE = "dense"  # the checkpoint name of a mixed-precision weight matmul's output
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mixed_dense(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _mixed_dense(x: jax.Array, w: Any, spec: str, out_dtype: Any, join: Any) -> jax.Array:
+    w = w if join is None else join(*w)
     return jnp.einsum(spec, x, w.astype(x.dtype),
                       preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _mixed_dense_fwd(x: jax.Array, w: jax.Array, spec: str, out_dtype: Any) -> tuple:
-    return _mixed_dense(x, w, spec, out_dtype), (x, w)
+def _mixed_dense_fwd(x: jax.Array, w: Any, spec: str, out_dtype: Any, join: Any) -> tuple:
+    return _mixed_dense(x, w, spec, out_dtype, join), (x, w)
 
 
-def _mixed_dense_bwd(spec: str, out_dtype: Any, res: tuple, g: jax.Array) -> tuple:
-    x, w = res
+def _mixed_dense_bwd(spec: str, out_dtype: Any, join: Any, res: tuple, g: jax.Array) -> tuple:
+    x, parts = res
+    w, split = (parts, None) if join is None else jax.vjp(join, *parts)
     ins, y = spec.split("->")
     xs, ws = ins.split(",")
     g = g.astype(x.dtype)  # bf16 operands, fp32 accumulation
     dx = jnp.einsum(f"{y},{ws}->{xs}", g, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    dw = jnp.einsum(f"{xs},{y}->{ws}", x, g, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    dw = jnp.einsum(f"{xs},{y}->{ws}", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx.astype(x.dtype), (dw if split is None else tuple(split(dw)))
 
 
 _mixed_dense.defvjp(_mixed_dense_fwd, _mixed_dense_bwd)
@@ -96,14 +106,109 @@ class Norm(nnx.Module):
         self.bias = zeros((d,), ("norm",)) if bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x = x_BxLxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
-        if self.kind == "layernorm":
-            x = x - x.mean(-1, keepdims=True)
-        x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5)
-        x = x * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            x = x + self.bias[...].astype(jnp.float32)
-        return x.astype(x_BxLxD.dtype)
+        bias = None if self.bias is None else self.bias[...]
+        return norm(x_BxLxD, self.scale[...], bias, self.kind == "layernorm")
+
+
+EPS = 1e-5
+
+
+def _norm_stats(x_BxLxD: jax.Array, centre: bool) -> tuple[jax.Array, Any, jax.Array]:
+    """The fp32 centred input, its mean (None for RMSNorm) and reciprocal deviation."""
+    x = x_BxLxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+    mean = x.mean(-1, keepdims=True) if centre else None
+    xc = x - mean if centre else x
+    return xc, mean, jax.lax.rsqrt((xc * xc).mean(-1, keepdims=True) + EPS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool
+         ) -> jax.Array:
+    """LayerNorm (``centre``) or RMSNorm of the last axis, statistics in fp32, the output in
+    the input's dtype. A custom VJP keeps for the backward pass only what a hand-written
+    kernel (llm.c's) keeps: the input in its own dtype and the fp32 mean and reciprocal
+    deviation per token. JAX's own derivative keeps the fp32 centred and normalised copies
+    of the input (8 bytes an element where a bf16 input is 2); the backward here recomputes
+    them from the input in fp32 instead."""
+    return _norm_fwd(x_BxLxD, scale, bias, centre)[0]
+
+
+def _norm_fwd(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool
+              ) -> tuple[jax.Array, tuple]:
+    xc, mean, rstd = _norm_stats(x_BxLxD, centre)
+    y = xc * rstd * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x_BxLxD.dtype), (x_BxLxD, mean, rstd, scale, bias)
+
+
+def _norm_bwd(centre: bool, res: tuple, g_BxLxD: jax.Array) -> tuple:
+    x_BxLxD, mean, rstd, scale, bias = res
+    x = x_BxLxD.astype(jnp.float32)
+    xhat = (x - mean if centre else x) * rstd
+    g = g_BxLxD.astype(jnp.float32)
+    over = tuple(range(g.ndim - 1))
+    dscale = (g * xhat).sum(over).astype(scale.dtype)
+    dbias = None if bias is None else g.sum(over).astype(bias.dtype)
+    gx = g * scale.astype(jnp.float32)
+    # d(xhat)/dx applied to gx: rstd (gx - mean(gx) - xhat mean(gx xhat)); RMSNorm has no mean
+    dx = gx - xhat * (gx * xhat).mean(-1, keepdims=True)
+    if centre:
+        dx = dx - gx.mean(-1, keepdims=True)
+    return (dx * rstd).astype(x_BxLxD.dtype), dscale, dbias
+
+
+norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+_GELU_C = (2 / np.pi) ** 0.5  # the tanh approximation's constants (jax.nn.gelu's)
+_GELU_A = 0.044715
+
+
+@jax.custom_vjp
+def gelu(x: jax.Array) -> jax.Array:
+    """GPT-2's GELU (tanh approximation), ``jax.nn.gelu(approximate=True)``'s forward. A
+    custom VJP keeps only its input for the backward pass (llm.c's ``fch``) and recomputes
+    the derivative from it in fp32: JAX's own derivative keeps five intermediates of the
+    input's size (the cube, the tanh, its derivative's factor, the CDF and the output)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return gelu(x), x
+
+
+def _gelu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    x32 = x.astype(jnp.float32)
+    t = jnp.tanh(_GELU_C * (x32 + _GELU_A * x32**3))
+    d = 0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * x32 * x32)
+    return ((g.astype(jnp.float32) * d).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """Llama's gated unit, ``silu(gate) * up``. A custom VJP keeps only its two inputs (the
+    gate and up projections' outputs) and recomputes the sigmoid from the gate in fp32: JAX's
+    own derivative keeps SiLU's three intermediates and the product besides."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple]:
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    gate, up = res
+    a, u, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
+    sig = jax.nn.sigmoid(a)
+    d_gate = g32 * u * sig * (1 + a * (1 - sig))  # d silu(a)/da = s + a s (1 - s)
+    return d_gate.astype(gate.dtype), (g32 * a * sig).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -130,9 +235,9 @@ class MLP(nnx.Module):
         if self.b_up is not None:
             h_BxLxF = add_bias(h_BxLxF, self.b_up[...])
         if self.w_gate is not None:
-            h_BxLxF = jax.nn.silu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf")) * h_BxLxF
+            h_BxLxF = swiglu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf"), h_BxLxF)
         else:
-            h_BxLxF = jax.nn.gelu(h_BxLxF, approximate=True)
+            h_BxLxF = gelu(h_BxLxF)
         y_BxLxD = dense(h_BxLxF, self.w_down[...], "blf,fd->bld")
         if self.b_down is not None:
             y_BxLxD = add_bias(y_BxLxD, self.b_down[...])

@@ -148,11 +148,11 @@ def test_one_process_refusing_the_memory_preflight_ends_every_process_with_its_l
     refusal, with its suggestion searched over the run's processes, is every process's one
     line, exit 2; nothing is left behind."""
     coordinator = f"127.0.0.1:{free_port()}"
-    # The step needs about 0.0044 GiB per device (4 devices each): 0.026 GiB / 4 devices fits,
+    # The step needs about 0.0031 GiB per device (4 devices each): 0.018 GiB / 4 devices fits,
     # / (4 x 2) does not.
     procs = [subprocess.Popen(
         [sys.executable, "-m", "dxrun", NO_CACHE, "logger=none", "runtime.cpu_devices=4",
-         "parallelism=dp", "data.batch_size=16", "runtime.memory_gb=0.026",
+         "parallelism=dp", "data.batch_size=16", "runtime.memory_gb=0.018",
          # (out/run: a refused run also removes its run dir's parent when it is empty)
          "hydra.run.dir=out/run"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -170,7 +170,7 @@ def test_one_process_refusing_the_memory_preflight_ends_every_process_with_its_l
     assert lines[0] == lines[1], lines
     assert re.fullmatch(
         r"dxrun: error: the train step needs \S+ GiB per device x 4 device\(s\) = \S+ GiB, but "
-        r"runtime\.memory_gb=0\.026 / 2 processes on this host gives 0\.013 GiB; try \S.* "
+        r"runtime\.memory_gb=0\.018 / 2 processes on this host gives 0\.009 GiB; try \S.* "
         r"\(or runtime\.skip_memory_check=true to run anyway\); where the memory goes: \S+",
         lines[0]), lines[0]
     assert "Traceback" not in "".join(out + err for out, err in ends)

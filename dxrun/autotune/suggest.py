@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun.autotune.fit import NoData, accelerator_memory, step_estimate
+from dxrun.autotune.fit import NoData, accelerator_memory, step_estimate, target_vocab
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
@@ -148,11 +148,13 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
 def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[float, float, float]
                 ) -> float:
     """The memory model's need (``plan.memory_model``) of ``plan`` with the state's shards
-    ``state``: what ``fit.accelerator_memory`` counts, before anything is built."""
+    ``state``: what ``fit.accelerator_memory`` counts, before anything is built (the logits
+    of the target's vocabulary padding, as there)."""
     m = cfg.model
     kernel = memory_model.target_kernel(m.attention, target.device_kind, cfg.train.precision,
                                         m.d_model // m.n_heads)
-    x = memory_model.shapes(m, cfg.train, plan, kernel)
+    vocab = target_vocab(m.vocab_size, cfg.parallelism.vocab_align, plan, target)
+    x = memory_model.shapes(m, cfg.train, plan, kernel, vocab)
     return memory_model.estimate_memory(x, *state, plan.fsdp).total_bytes
 
 

@@ -12,7 +12,7 @@ cross-checked against XLA:CPU's memory analysis in ``tests/test_memory_model.py`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-MLP_TENSORS = 6  # s·b·f tensors the MLP keeps (GELU tanh or SwiGLU), see the docstring
+MLP_TENSORS = {"gelu": 2, "swiglu": 3}  # s·b·f tensors the MLP keeps, see ``layer_none``
 REMAT = ("none", "dots", "full")
 
 
@@ -52,6 +52,8 @@ class Shapes:
     residual: int  # bytes of the residual stream between layers
     accum: int = 1  # train.grad_accum: micro-batches per step
     loss_chunk: int = 0  # model.loss_chunk resolved: positions per loss chunk (0 = whole)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    rope: bool = False  # model.pos=rope
 
     @property
     def tokens(self) -> int:
@@ -82,20 +84,38 @@ def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str,
         vocab=(vocab or plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
         mlp=m.mlp, bias=bool(m.bias), remat=plan.remat, kernel=kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
-        loss_chunk=loss_chunk_for(m, plan))
+        loss_chunk=loss_chunk_for(m, plan), norm=m.norm, rope=m.pos == "rope")
+
+
+def norm_bytes(x: Shapes) -> float:
+    """What one norm keeps (``dxrun.layers.norm``'s custom VJP): its input (the residual
+    stream), its output in the compute dtype and its fp32 statistics per token (LayerNorm's
+    mean and reciprocal deviation, RMSNorm's reciprocal deviation)."""
+    stats = 2 if x.norm == "layernorm" else 1
+    return (x.residual + x.c) * x.tokens * x.h + stats * FP32 * x.tokens
 
 
 def layer_none(x: Shapes) -> dict[str, float]:
-    """Bytes one layer keeps for its backward pass without recompute, by part."""
+    """Bytes one layer keeps for its backward pass without recompute, by part: what JAX saves
+    for dxrun's block (``jax.ad_checkpoint.saved_residuals``; ``tests/test_memory_model.py``
+    holds the two equal). The norms and GELU are custom VJPs that keep their inputs (llm.c's
+    choice); q, k, v and the heads' output in the compute dtype (the joined qkv weight is
+    joined again in the backward pass, ``layers.dense``); XLA's attention core (and the
+    reference's) the exponentials in fp32 and the probabilities, with two fp32 row statistics
+    (JAX also saves the causal mask and the masked scores, which XLA's compile of the step
+    drops: its stacked residuals hold the two); cuDNN's the fp32 log-sum-exp only; rotary
+    positions their fp32 angles' cosines and sines; the MLP its up projection and GELU's
+    output (SwiGLU, a custom VJP too: the up and gate outputs and their product)."""
     t, c = x.tokens, x.c
-    attn_core = ((FP32 + c) * x.scores if x.scores
-                 else FP32 * x.heads * x.s * x.b)  # cuDNN: the log-sum-exp only
-    mlp_extra = FP32 * t * x.f if (x.bias and c != FP32) else 0
+    rows = x.heads * x.s * x.b
+    core = ((FP32 + c) * x.scores + 2 * FP32 * rows if x.scores
+            else FP32 * rows)  # cuDNN: the log-sum-exp only
+    rope = 4 * FP32 * x.s * (x.head_dim // 2) if x.rope else 0
     return {
-        "norms": 2 * (2 * FP32 + c) * t * x.h,
-        "attention": c * t * (x.qkv + x.heads * x.head_dim) + c * x.h * x.qkv,
-        "scores": attn_core,
-        "mlp": MLP_TENSORS * c * t * x.f + mlp_extra,
+        "norms": 2 * norm_bytes(x),
+        "attention": c * t * (x.qkv + x.heads * x.head_dim) + rope,
+        "scores": core,
+        "mlp": MLP_TENSORS[x.mlp] * c * t * x.f,
     }
 
 
@@ -151,7 +171,7 @@ def working_set(x: Shapes) -> float:
         return max(grads_mlp, grads_core)
     parts = recomputed(x)
     alive = sum(parts.values())
-    norm2 = (2 * FP32 + c) * t * x.h
+    norm2 = norm_bytes(x)
     return max(alive + grads_mlp, alive - parts["mlp"] - norm2 + grads_core)
 
 
@@ -160,7 +180,7 @@ def head_bytes(x: Shapes) -> float:
     micro-batch, or with ``model.loss_chunk`` of one chunk (``b`` x ``loss_chunk`` tokens;
     its backward recomputes them, ``dxrun.chunked_loss``)."""
     logit_tokens = x.b * x.loss_chunk if x.loss_chunk else x.tokens
-    return (2 * FP32 + x.c) * x.tokens * x.h + 2 * FP32 * logit_tokens * x.vocab
+    return norm_bytes(x) + 2 * FP32 * logit_tokens * x.vocab
 
 
 def gather_bytes(x: Shapes, fsdp: int) -> float:
@@ -210,15 +230,21 @@ def program_notes(x: Shapes, params: float, grads: float, zero_dp: int) -> list[
     if x.accum > 1:
         notes.append(f"train.grad_accum={x.accum}: the summed gradient and the micro-batch's, "
                      f"two fp32 gradients ({gb_text(grads)}); accumulating in place keeps one")
-    if x.remat == "none":
-        per = layer_saved(x)
-        notes.append(f"model.remat=none keeps what JAX's derivatives save, "
-                     f"{per / (x.tokens * x.h):.0f} x d_model bytes a token and layer "
-                     f"({gb_text(x.n_layers * per)}: the activation's intermediates, the "
-                     f"norms' fp32 copies) where fused kernels keep about a third (llm.c: 32 "
-                     f"in bf16); model.remat=dots keeps "
-                     f"{gb_text(x.n_layers * layer_saved(replace(x, remat='dots')))}")
-    return notes
+    return notes + (activation_notes(x) if x.remat == "none" else [])
+
+
+def activation_notes(x: Shapes) -> list[str]:
+    """Where a layer without remat keeps more than llm.c's hand-written backward (the norms'
+    and the MLP's inputs and outputs, q, k, v, the heads' output and per-token statistics:
+    what dxrun keeps with cuDNN's attention): XLA's attention keeps its T x T tensors."""
+    if not x.scores:
+        return []
+    parts = layer_none(x)
+    per = sum(parts.values()) / (x.tokens * x.h)
+    return [f"model.remat=none keeps {per:.0f} x d_model bytes a token and layer, of them the "
+            f"attention's T x T tensors ({gb_text(x.n_layers * parts['scores'])}): attention "
+            f"{x.kernel} keeps the exponentials and probabilities, where a fused flash "
+            f"attention (cuDNN's: NVIDIA, bf16) keeps a log-sum-exp per row"]
 
 
 def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
