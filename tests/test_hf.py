@@ -2,7 +2,8 @@
 GPT-2 and Llama (grouped-query) on every kind of mesh, import then export gives the tensors back
 bitwise, a fine-tune lowers the held-out loss and its export loads into the reference with
 dxrun's logits, import holds one tensor beyond the shards, bad directories are refused in one
-line, and plan mode plans a fine-tune of Llama 3.1 8B from its published config.json.
+line, plan mode plans a fine-tune of Llama 3.1 8B from its published config.json, and two
+processes import and train as one does.
 
 Every checkpoint is made here (tests/hf_checkpoints.py); no network (HF_HUB_OFFLINE=1)."""
 
@@ -406,3 +407,32 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     with caplog.at_level(logging.INFO, logger="dxrun"):
         assert train(cfg, tmp_path / "run")["step"] == 40
     assert "resuming from step 30" in caplog.text and "weights from" not in caplog.text
+
+
+def test_two_processes_import_and_train_as_one_does(hf, tmp_path):
+    """``model.init_from`` on two processes (``dxrun.launch``, 4 simulated devices each,
+    dp2_tp4: each process reads the shards of its own devices): the run's losses equal the
+    same run's in one process."""
+    from dxrun.train import train
+
+    given = [f"model.init_from=hf:{hf['gpt2']}", "parallelism=dp2_tp4", *SMALL,
+             "train.steps=2", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0"]
+    # No compile cache for the launched ranks, as in tests/test_launch.py (NO_CACHE).
+    proc = subprocess.run(
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+         "runtime.compile_cache=null", *given, "hydra.run.dir=two"], cwd=tmp_path,
+        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"weights from hf:{hf['gpt2']}" in proc.stdout + proc.stderr
+    cfg = make_cfg(*given)
+    apply_hf_model(cfg, given)
+    validate(cfg)
+    train(cfg, tmp_path / "one")
+
+    def losses(run: Path) -> list[float]:
+        rows = (run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["train/loss"] for x in rows]
+
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert len(two) == 2
+    np.testing.assert_allclose(two, one, rtol=1e-5)
