@@ -240,7 +240,8 @@ class Attempt:
             self.logger.summary({"goodput": self.record.total["goodput"],
                                  **{f"goodput/{k}": v for k, v in attempt.items()
                                     if not k.startswith("checkpoint_")}})
-            self.logger.finish()
+            if quiet:  # else ``finish`` closes the logger, once it had the run's summary
+                self.logger.finish()
 
         error: Exception | None = None
         # The trace first (a run stopped inside it still leaves it), then the rows of the
@@ -255,6 +256,7 @@ class Attempt:
             except Exception as e:  # noqa: BLE001 - raised below, once the rest has run
                 error = e
         if error is not None:
+            _quietly(self.logger.finish)
             if (told := self.told(error)) is None:
                 raise error
             raise told from error
@@ -277,6 +279,9 @@ class Attempt:
                 if (told := self.told(e)) is None:
                     raise
                 raise told from e
+            finally:
+                self.logger.summary(summary)  # every backend gets the run's summary
+                self.logger.finish()
         last, floor = self.summary.last, self.floor
         log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
                  f" (floor {floor:.4f})" if floor is not None else "", self.run_dir)
