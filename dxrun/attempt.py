@@ -32,6 +32,7 @@ from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perplexity
+from dxrun.tracking.monitor import Monitor
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
 
@@ -126,7 +127,17 @@ class Attempt:
         self.ckpts = RunCheckpoints(cfg.checkpoint, cfg.train, run_dir, start,
                                     {"config": run_config}, self.batches, self.logger,
                                     Preemption(), cadence, tokens=self.tokens_at,
-                                    relaunch=relaunch_command(job.overrides, run_dir))
+                                    relaunch=relaunch_command(job.overrides, run_dir),
+                                    resumed=ckpt_meta)
+        # train.early_stop: its monitor travels in each checkpoint's meta (``ckpts.watch``);
+        # a resume of a run that had stopped so stops again before its first step.
+        es = cfg.train.early_stop
+        self.patience, self.stop_reason = es.patience, None
+        if es.monitor:
+            self.ckpts.watch["early_stop"] = Monitor.from_json(
+                ckpt_meta.get("early_stop"), es.monitor, es.mode, es.min_delta)
+            self._check_plateau()
+        self.reached = start
         self.pending: list[tuple[int, dict[str, Any]]] = []  # rows before their save point
         rank, procs = jax.process_index(), jax.process_count()
         self.tracer = Tracer(
@@ -203,9 +214,23 @@ class Attempt:
             progress.update(done, row, self.timer.note(self.ckpts.totals(),
                                                        "perf/tokens_per_s" in row))
         self.summary.add(row)
+        self.ckpts.observe(done, row)  # a new best of checkpoint.keep_best: saved at this step
+        if "early_stop" in self.ckpts.watch:
+            self.ckpts.watch["early_stop"].see(done, row)
+            self._check_plateau()
         # Evaluation is not part of the next timing window (the next save point is: a save
         # holds the loop).
         self.timer.reset(done, self.ckpts.totals())
+
+    def _check_plateau(self) -> None:
+        """``stop_reason`` once train.early_stop's metric has not improved for its patience."""
+        m = self.ckpts.watch["early_stop"]
+        if m.stale >= self.patience and self.stop_reason is None:
+            self.stop_reason = (
+                f"early stop: {m.metric} has not improved on {m.best:.6g} (step {m.step}) by "
+                f"more than {m.min_delta:g} in {m.stale} rows (train.early_stop.patience="
+                f"{self.patience})")
+            log.info("%s", self.stop_reason)
 
     def told(self, e: Exception) -> Exception | None:
         """What to raise for ``e``, in one line where its cause is known: a write the disk
@@ -227,6 +252,8 @@ class Attempt:
         part runs whatever an earlier one raised; the first error is raised at the end
         (``told``), or with ``quiet`` (the loop failed: its failure is the one reported) each
         is one warning line."""
+        self.reached = reached
+
         def stop_batches() -> None:
             if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
                 self.batches.close()
@@ -264,14 +291,18 @@ class Attempt:
     def finish(self) -> dict[str, Any]:
         """``summary.json`` and the closing lines; the summary."""
         summary = self.summary.record(
-            steps=self.steps, n_params=self.n_params,
+            steps=self.reached if self.stop_reason else self.steps, n_params=self.n_params,
             flops_per_token=self.cost.flops / self.cost.tokens,
-            loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.steps),
+            loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.reached),
             compile_time_s=self.exp.step.compile_time_s, entropy_floor=self.floor,
             device_kind=self.device_kind, peak_tflops=self.cost.peak_tflops,
             checkpoint_saves=int(self.record.over_attempts("checkpoint_saves")),
             checkpoint_block_s=self.record.over_attempts("checkpoint_block_s"),
             goodput_total=self.record.total, attempt=self.record.attempt)
+        if (best := self.ckpts.best()) is not None:
+            summary["best_checkpoint"] = best
+        if self.stop_reason:
+            summary["early_stop"] = self.stop_reason
         if self.main:
             try:
                 write_json(self.run_dir / "summary.json", summary)

@@ -20,7 +20,8 @@ class LoggerConfig:
                     "one backend, none, or many (logger.backends)",
                     choices=(*BACKENDS, "many", "none"))
     backends: list[str] = key(meaning="logger=many: the backends written at once, any of "
-                              + ", ".join(BACKENDS), factory=list)
+                              + ", ".join(BACKENDS), factory=lambda: ["csv", "tensorboard",
+                                                                     "mlflow"])
     project: str = key("dxrun", "the W&B project; MLflow's experiment name")
     entity: str | None = key(None, "the W&B entity (user or team); null = W&B's default")
     mode: str | None = key(None, "W&B's mode; null = $WANDB_MODE, else offline",

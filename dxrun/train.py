@@ -72,6 +72,8 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     try:
         with Progress(steps, enabled=None if main else False) as progress, run.ckpts.preemption:
             for i in range(start, steps):
+                if run.stop_reason:  # train.early_stop: a plateau ends the run after step i
+                    break
                 run.save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
                 done = i + 1
                 with clock.span("productive"):  # the earlier steps drain first
@@ -95,7 +97,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if is_log or is_eval:
                     run.log_point(done, state, metrics if is_log else None, is_eval, progress)
             timer.end_loop()
-            run.save_point(steps, state, last=True)
+            run.save_point(reached, state, last=True)
         ended = True
     except Exception as e:
         if (told := run.told(e)) is None:
