@@ -19,7 +19,8 @@ from dxrun.checkpointing.resume import Resume, data_position, tokens_seen
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.checkpointing.store import refused_write
 from dxrun.data import EVAL
-from dxrun.errors import DiskError, disk_error, first_line
+from dxrun.data.repeated import Repeated
+from dxrun.errors import DiskError, NonFiniteError, disk_error, first_line
 from dxrun.experiment import Experiment
 from dxrun.job import Job, describe_model, run_name
 from dxrun.plan import flops
@@ -112,6 +113,8 @@ class Attempt:
                              if self.eval_every > 0 else [])
         self.summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
         self.batches = data.train_iterator()
+        if cfg.train.overfit_batches:  # debug=overfit: the same few batches, over and over
+            self.batches = Repeated(self.batches, cfg.train.overfit_batches)
         if ckpt_meta:
             self.batches.set_state(data_position(ckpt_meta, plan.global_batch))
         elif self.trained:
@@ -238,6 +241,10 @@ class Attempt:
         naming where the memory goes, written to the run dir); None: ``e`` as it is."""
         if isinstance(e, (DiskError, memory_report.OutOfMemory)):
             return None
+        if isinstance(e, FloatingPointError) or type(e).__name__ == "InternalFloatingPointError":
+            return NonFiniteError(f"train.debug_nans: a NaN in a train step's outputs ({e}); "
+                                  "the last good checkpoint is in "
+                                  f"{self.ckpts.saver.directory}")
         if (why := disk_error(e)) is not None:
             return refused_write(_written(e), why, self.ckpts.saver.directory)
         if memory_report.is_out_of_memory(e) and self.main:

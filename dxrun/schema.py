@@ -228,6 +228,9 @@ class TrainConfig:
                           choices=("halt", "skip"))
     profile: ProfileConfig = section(ProfileConfig, "tracing a few steps with jax.profiler")
     early_stop: EarlyStopConfig = section(EarlyStopConfig, "ending the run on a plateau")
+    overfit_batches: int = key(0, "train on the first this many batches, over and over (debug="
+                               "overfit: the loss must fall); 0 = off", range=NON_NEGATIVE)
+    debug_nans: bool = key(False, "run the steps under jax.debug_nans: a NaN raises at once")
 
 
 @dataclass
