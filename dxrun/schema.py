@@ -190,6 +190,10 @@ class OptimizerConfig:
                           "or its square root", choices=("none", "linear", "sqrt"))
     base_batch_size: int = key(32, "the batch size at which optimizer.lr is the lr",
                                range=POSITIVE)
+    _target_: str | None = key(None, "Your own optimizer: an optax GradientTransformation factory "
+                               "(e.g. optax.nadamw), called with learning_rate=<the schedule> "
+                               "and optimizer.kwargs, clipped by clip_norm; null = name's")
+    kwargs: dict[str, Any] = key(meaning="optimizer._target_'s other arguments", factory=dict)
 
 
 @dataclass

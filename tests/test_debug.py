@@ -56,3 +56,4 @@ def test_nans_raises_at_the_first_nan(tmp_path):
     assert cfg.train.debug_nans
     with pytest.raises(NonFiniteError, match=r"^train.debug_nans: a NaN in a train step"):
         train(cfg, tmp_path)
+
