@@ -192,7 +192,8 @@ def main(cfg: DictConfig) -> Any:
                     checkpoint=str(e.checkpoint), relaunch=e.relaunch, reason=str(e),
                     **_job_fields(hydra_cfg, claim))
             sys.exit(e.code)
-        _status(run_dir, "ok", **_job_fields(hydra_cfg, claim))
+        stopped_early = {"reason": summary["early_stop"]} if "early_stop" in summary else {}
+        _status(run_dir, "ok", **stopped_early, **_job_fields(hydra_cfg, claim))
         # A sweeper (Optuna) minimises one number; None (a failed job) is a failed trial.
         return summary.get(cfg.train.objective) if cfg.train.objective else summary
     except Interrupted as e:  # a signal outside the train loop

@@ -19,7 +19,8 @@ from dxrun.checkpointing.resume import Resume, data_position, tokens_seen
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.checkpointing.store import refused_write
 from dxrun.data import EVAL
-from dxrun.errors import DiskError, disk_error, first_line
+from dxrun.data.repeated import Repeated
+from dxrun.errors import DiskError, NonFiniteError, disk_error, first_line
 from dxrun.experiment import Experiment
 from dxrun.job import Job, describe_model, run_name
 from dxrun.plan import flops
@@ -32,6 +33,7 @@ from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perplexity
+from dxrun.tracking.monitor import Monitor
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
 
@@ -111,6 +113,8 @@ class Attempt:
                              if self.eval_every > 0 else [])
         self.summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
         self.batches = data.train_iterator()
+        if cfg.train.overfit_batches:  # debug=overfit: the same few batches, over and over
+            self.batches = Repeated(self.batches, cfg.train.overfit_batches)
         if ckpt_meta:
             self.batches.set_state(data_position(ckpt_meta, plan.global_batch))
         elif self.trained:
@@ -126,7 +130,17 @@ class Attempt:
         self.ckpts = RunCheckpoints(cfg.checkpoint, cfg.train, run_dir, start,
                                     {"config": run_config}, self.batches, self.logger,
                                     Preemption(), cadence, tokens=self.tokens_at,
-                                    relaunch=relaunch_command(job.overrides, run_dir))
+                                    relaunch=relaunch_command(job.overrides, run_dir),
+                                    resumed=ckpt_meta)
+        # train.early_stop: its monitor travels in each checkpoint's meta (``ckpts.watch``);
+        # a resume of a run that had stopped so stops again before its first step.
+        es = cfg.train.early_stop
+        self.patience, self.stop_reason = es.patience, None
+        if es.monitor:
+            self.ckpts.watch["early_stop"] = Monitor.from_json(
+                ckpt_meta.get("early_stop"), es.monitor, es.mode, es.min_delta)
+            self._check_plateau()
+        self.reached = start
         self.pending: list[tuple[int, dict[str, Any]]] = []  # rows before their save point
         rank, procs = jax.process_index(), jax.process_count()
         self.tracer = Tracer(
@@ -203,9 +217,23 @@ class Attempt:
             progress.update(done, row, self.timer.note(self.ckpts.totals(),
                                                        "perf/tokens_per_s" in row))
         self.summary.add(row)
+        self.ckpts.observe(done, row)  # a new best of checkpoint.keep_best: saved at this step
+        if "early_stop" in self.ckpts.watch:
+            self.ckpts.watch["early_stop"].see(done, row)
+            self._check_plateau()
         # Evaluation is not part of the next timing window (the next save point is: a save
         # holds the loop).
         self.timer.reset(done, self.ckpts.totals())
+
+    def _check_plateau(self) -> None:
+        """``stop_reason`` once train.early_stop's metric has not improved for its patience."""
+        m = self.ckpts.watch["early_stop"]
+        if m.stale >= self.patience and self.stop_reason is None:
+            self.stop_reason = (
+                f"early stop: {m.metric} has not improved on {m.best:.6g} (step {m.step}) by "
+                f"more than {m.min_delta:g} in {m.stale} rows (train.early_stop.patience="
+                f"{self.patience})")
+            log.info("%s", self.stop_reason)
 
     def told(self, e: Exception) -> Exception | None:
         """What to raise for ``e``, in one line where its cause is known: a write the disk
@@ -213,6 +241,10 @@ class Attempt:
         naming where the memory goes, written to the run dir); None: ``e`` as it is."""
         if isinstance(e, (DiskError, memory_report.OutOfMemory)):
             return None
+        if isinstance(e, FloatingPointError) or type(e).__name__ == "InternalFloatingPointError":
+            return NonFiniteError(f"train.debug_nans: a NaN in a train step's outputs ({e}); "
+                                  "the last good checkpoint is in "
+                                  f"{self.ckpts.saver.directory}")
         if (why := disk_error(e)) is not None:
             return refused_write(_written(e), why, self.ckpts.saver.directory)
         if memory_report.is_out_of_memory(e) and self.main:
@@ -227,6 +259,8 @@ class Attempt:
         part runs whatever an earlier one raised; the first error is raised at the end
         (``told``), or with ``quiet`` (the loop failed: its failure is the one reported) each
         is one warning line."""
+        self.reached = reached
+
         def stop_batches() -> None:
             if hasattr(self.batches, "close"):  # Grain's worker processes end with the run
                 self.batches.close()
@@ -240,7 +274,8 @@ class Attempt:
             self.logger.summary({"goodput": self.record.total["goodput"],
                                  **{f"goodput/{k}": v for k, v in attempt.items()
                                     if not k.startswith("checkpoint_")}})
-            self.logger.finish()
+            if quiet:  # else ``finish`` closes the logger, once it had the run's summary
+                self.logger.finish()
 
         error: Exception | None = None
         # The trace first (a run stopped inside it still leaves it), then the rows of the
@@ -255,6 +290,7 @@ class Attempt:
             except Exception as e:  # noqa: BLE001 - raised below, once the rest has run
                 error = e
         if error is not None:
+            _quietly(self.logger.finish)
             if (told := self.told(error)) is None:
                 raise error
             raise told from error
@@ -262,14 +298,18 @@ class Attempt:
     def finish(self) -> dict[str, Any]:
         """``summary.json`` and the closing lines; the summary."""
         summary = self.summary.record(
-            steps=self.steps, n_params=self.n_params,
+            steps=self.reached if self.stop_reason else self.steps, n_params=self.n_params,
             flops_per_token=self.cost.flops / self.cost.tokens,
-            loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.steps),
+            loop_tokens_per_s=self.timer.loop_tokens_per_s(self.cost.tokens, self.reached),
             compile_time_s=self.exp.step.compile_time_s, entropy_floor=self.floor,
             device_kind=self.device_kind, peak_tflops=self.cost.peak_tflops,
             checkpoint_saves=int(self.record.over_attempts("checkpoint_saves")),
             checkpoint_block_s=self.record.over_attempts("checkpoint_block_s"),
             goodput_total=self.record.total, attempt=self.record.attempt)
+        if (best := self.ckpts.best()) is not None:
+            summary["best_checkpoint"] = best
+        if self.stop_reason:
+            summary["early_stop"] = self.stop_reason
         if self.main:
             try:
                 write_json(self.run_dir / "summary.json", summary)
@@ -277,6 +317,9 @@ class Attempt:
                 if (told := self.told(e)) is None:
                     raise
                 raise told from e
+            finally:
+                self.logger.summary(summary)  # every backend gets the run's summary
+                self.logger.finish()
         last, floor = self.summary.last, self.floor
         log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
                  f" (floor {floor:.4f})" if floor is not None else "", self.run_dir)

@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule from the ``optimizer`` section (optax)."""
+"""Optimizer and learning-rate schedule from the ``optimizer`` section (optax); your own optax
+factory through ``optimizer._target_``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
+from hydra.utils import get_method
 
+from dxrun.errors import ConfigError, first_line
 from dxrun.plan.batch import scaled_lr
 
 if TYPE_CHECKING:
@@ -49,7 +52,9 @@ def make_optimizer(opt: OptimizerConfig, params: dict, batch_size: int, steps: i
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(opt, scaled_lr(opt, batch_size), steps)
     mask = decay_mask(params, opt.decay_all)
-    if opt.name == "adamw":
+    if opt._target_:
+        tx = custom_optimizer(opt._target_, schedule, dict(opt.kwargs))
+    elif opt.name == "adamw":
         tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                          weight_decay=opt.weight_decay, mask=mask)
     elif opt.name == "lion":
@@ -60,3 +65,19 @@ def make_optimizer(opt: OptimizerConfig, params: dict, batch_size: int, steps: i
     if opt.clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
     return tx, schedule
+
+
+def custom_optimizer(target: str, schedule: optax.Schedule, kwargs: dict[str, Any]
+                     ) -> optax.GradientTransformation:
+    """``optimizer._target_``: ``target(learning_rate=schedule, **kwargs)``, which must be an
+    optax ``GradientTransformation`` (Hydra's ``_target_`` convention: a dotted path)."""
+    try:
+        factory = get_method(target)
+    except Exception as e:  # noqa: BLE001 - Hydra's ImportError-like errors vary by version
+        raise ConfigError(f"optimizer._target_={target} cannot be imported ({first_line(e)}); "
+                          "give a dotted path such as optax.nadamw") from None
+    tx = factory(learning_rate=schedule, **kwargs)
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ConfigError(f"optimizer._target_={target} returned a {type(tx).__name__}, not an "
+                          "optax GradientTransformation")
+    return tx

@@ -31,6 +31,7 @@ from dxrun.config_key import (  # noqa: F401 - Range and the bounds, importable 
     section,
     walk,
 )
+from dxrun.schema_tracking import EarlyStopConfig, LoggerConfig
 
 # The two keys that give the batch (dxrun/plan/batch.py tells which one a run set).
 GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
@@ -193,6 +194,10 @@ class OptimizerConfig:
                           "or its square root", choices=("none", "linear", "sqrt"))
     base_batch_size: int = key(32, "the batch size at which optimizer.lr is the lr",
                                range=POSITIVE)
+    _target_: str | None = key(None, "Your own optimizer: an optax GradientTransformation factory "
+                               "(e.g. optax.nadamw), called with learning_rate=<the schedule> "
+                               "and optimizer.kwargs, clipped by clip_norm; null = name's")
+    kwargs: dict[str, Any] = key(meaning="optimizer._target_'s other arguments", factory=dict)
 
 
 @dataclass
@@ -230,6 +235,10 @@ class TrainConfig:
     nan_policy: str = key("halt", "what a non-finite loss or gradient does",
                           choices=("halt", "skip"))
     profile: ProfileConfig = section(ProfileConfig, "tracing a few steps with jax.profiler")
+    early_stop: EarlyStopConfig = section(EarlyStopConfig, "ending the run on a plateau")
+    overfit_batches: int = key(0, "train on the first this many batches, over and over (debug="
+                               "overfit: the loss must fall); 0 = off", range=NON_NEGATIVE)
+    debug_nans: bool = key(False, "run the steps under jax.debug_nans: a NaN raises at once")
 
 
 @dataclass
@@ -246,29 +255,15 @@ class CheckpointConfig:
     dir: str | None = key(None, "None = <run dir>/checkpoints")
     resume: str = key("auto", "auto | none | <path to a checkpoints dir or one step dir>")
     allow_batch_change: bool = key(False, "resume with another data.batch_size")
+    keep_best: str | None = key(None, "Also keep the checkpoint of the best value of this logged "
+                                "metric (e.g. eval/loss), never rotated out; null = off")
+    keep_best_mode: str = key("min", "keep_best's better: min or max", choices=("min", "max"))
 
 
 @dataclass
 class EvalConfig:
     batches: int = key(4, "held-out batches per evaluation (the same ones every time)",
                        range=POSITIVE)
-
-
-@dataclass
-class LoggerConfig:
-    name: str = key("wandb", "where metrics go beside metrics.jsonl (the logger=NAME option)",
-                    choices=("wandb", "none"))
-    project: str = key("dxrun", "the W&B project")
-    entity: str | None = key(None, "the W&B entity (user or team); null = W&B's default")
-    mode: str | None = key(None, "W&B's mode; null = $WANDB_MODE, else offline",
-                           choices=("offline", "online", "disabled"),
-                           fix="or leave it null to follow $WANDB_MODE")
-    group: str | None = key(None, "the W&B group; null = the sweep's (sweep-<date>_<time>) in a "
-                            "multirun")
-    job_type: str | None = key(None, "None: \"train\" for a single run, \"sweep\" for a "
-                               "multirun job")
-    tags: list[str] = key(meaning="extra W&B tags beside the model/parallelism/data/optimizer "
-                          "choices", factory=list)
 
 
 @dataclass

@@ -7,6 +7,7 @@ steps; the first (compiling) step is never in a window.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -69,9 +70,14 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     clock.end_startup()
     run.write_goodput(start)  # the startup on record: a kill before the first row keeps it
     ended = False  # the loop's own end: only then are close()'s errors the ones reported
+    # train.debug_nans (debug=nans): a NaN in a step's outputs raises at that step.
+    nans = jax.debug_nans(True) if cfg.train.debug_nans else contextlib.nullcontext()
     try:
-        with Progress(steps, enabled=None if main else False) as progress, run.ckpts.preemption:
+        with Progress(steps, enabled=None if main else False) as progress, \
+                run.ckpts.preemption, nans:
             for i in range(start, steps):
+                if run.stop_reason:  # train.early_stop: a plateau ends the run after step i
+                    break
                 run.save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
                 done = i + 1
                 with clock.span("productive"):  # the earlier steps drain first
@@ -95,7 +101,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
                 if is_log or is_eval:
                     run.log_point(done, state, metrics if is_log else None, is_eval, progress)
             timer.end_loop()
-            run.save_point(steps, state, last=True)
+            run.save_point(reached, state, last=True)
         ended = True
     except Exception as e:
         if (told := run.told(e)) is None:

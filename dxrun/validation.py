@@ -40,6 +40,7 @@ from dxrun.schema import (
     TrainConfig,
     null_is_a_value,
 )
+from dxrun.schema_tracking import BACKENDS
 
 
 def validate(cfg: RunConfig) -> None:
@@ -57,6 +58,17 @@ def validate(cfg: RunConfig) -> None:
     check_run(cfg.run)
     check_plan(cfg.plan)
     check_distributed(cfg.distributed)
+    check_monitors(cfg)
+
+
+def check_monitors(cfg: RunConfig) -> None:
+    """checkpoint.keep_best and train.early_stop.monitor watch a logged metric: an eval/* one
+    needs evaluation."""
+    for key, metric in (("checkpoint.keep_best", cfg.checkpoint.keep_best),
+                        ("train.early_stop.monitor", cfg.train.early_stop.monitor)):
+        if metric and metric.startswith("eval/") and cfg.train.eval_every == 0:
+            raise ConfigError(f"{key}={metric} needs evaluation but train.eval_every=0; set "
+                              "train.eval_every > 0 or monitor a train/* metric")
 
 
 def config_warnings(cfg: RunConfig) -> list[str]:
@@ -134,6 +146,9 @@ def check_optimizer(o: OptimizerConfig) -> None:
 
 def check_logger(lg: LoggerConfig) -> None:
     check_section(lg, "logger")
+    for b in lg.backends:
+        if b not in BACKENDS:
+            raise ConfigError(f"logger.backends has {b!r}; pick from {', '.join(BACKENDS)}")
 
 
 def check_eval(e: EvalConfig) -> None:

@@ -35,6 +35,7 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # fails ``test_every_module_has_a_floor``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
+                "dxrun.schema_tracking",
                 "dxrun.config", "dxrun.faults", "dxrun.hf.config")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
               "dxrun.checkpointing.preempt")),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import re
@@ -78,8 +79,9 @@ def one_process(tmp_path_factory):
 def two_processes(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("two")
     # Two hosts (declared): the mesh spans them as on two nodes.
-    proc = launch(cwd, *COMMON, "parallelism=dp4_tp2", "logger=wandb", "hydra.run.dir=run",
-                  hosts=2)
+    # Every logger backend: process 0 alone writes each (test_two_processes_train_like_one).
+    proc = launch(cwd, *COMMON, "parallelism=dp4_tp2", "logger=many",
+                  "logger.backends=[wandb,tensorboard,csv,mlflow]", "hydra.run.dir=run", hosts=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd / "run", proc
 
@@ -89,9 +91,14 @@ def test_two_processes_train_like_one(one_process, two_processes):
     assert_same(losses(run_dir), one_process[1], range(1, 7))
     # Process 0 alone wrote the run's files; each process its own log.
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoints", "dxrun.0.log", "dxrun.1.log", "goodput.json", "metrics.jsonl",
-        "plan.json", "status.json", "summary.json", "wandb"]
+        ".hydra", "checkpoints", "dxrun.0.log", "dxrun.1.log", "goodput.json", "metrics.csv",
+        "metrics.jsonl", "mlruns", "plan.json", "status.json", "summary.json", "tensorboard",
+        "wandb"]
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert len(list((run_dir / "mlruns").glob("*/*/meta.yaml"))) == 1  # one MLflow run
+    with open(run_dir / "metrics.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 7))
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["processes"], plan["hosts"], plan["dcn_shape"], plan["local_shape"]) == (

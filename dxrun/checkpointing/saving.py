@@ -19,9 +19,17 @@ import jax
 from dxrun import faults
 from dxrun.checkpointing.cadence import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
 from dxrun.checkpointing.preempt import Preemption, ProcessAgreement
-from dxrun.checkpointing.store import POINTER, Checkpointer, checkpoint_dir, committed_steps, run_id
+from dxrun.checkpointing.store import (
+    POINTER,
+    Checkpointer,
+    KeepStep,
+    checkpoint_dir,
+    committed_steps,
+    run_id,
+)
 from dxrun.errors import NonFiniteError, Stopped
 from dxrun.multihost.distributed import is_main
+from dxrun.tracking.monitor import Monitor
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 
 if TYPE_CHECKING:
@@ -53,7 +61,8 @@ class RunCheckpoints:
     def __init__(self, ckpt: CheckpointConfig, train: TrainConfig, run_dir: Path, start: int,
                  meta: dict[str, Any], iterator: Any, logger: Any, preemption: Preemption,
                  cadence: tuple[int, float], tokens: Callable[[int], int] | None = None,
-                 relaunch: str | None = None, clock: Callable[[], float] = time.monotonic):
+                 relaunch: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 resumed: dict[str, Any] | None = None):
         self.start = start  # the step this attempt began at: saved already, or the init
         every, minutes = cadence  # (steps, minutes) between saves: cadence.save_cadence
         self.every, self.log_every = every, train.log_every
@@ -76,7 +85,16 @@ class RunCheckpoints:
         directory = checkpoint_dir(ckpt, run_dir)
         if ckpt.dir and is_main():  # the run dir leads to its checkpoints (locate)
             (Path(run_dir) / POINTER).write_text(f"{directory}\n")
-        self.saver = Checkpointer(directory, ckpt.keep)
+        # checkpoint.keep_best: the best value's checkpoint, saved when the metric improves,
+        # stays beside the newest ``keep``; every monitor in ``watch`` (train.early_stop's too)
+        # is saved in each checkpoint's meta, and a resume continues it from there.
+        self.watch: dict[str, Monitor] = {}
+        self.keep_best, self.best_due = None, False
+        if ckpt.keep_best:
+            self.watch["keep_best"] = Monitor.from_json(
+                (resumed or {}).get("keep_best"), ckpt.keep_best, ckpt.keep_best_mode)
+            self.keep_best = KeepStep(self.watch["keep_best"].step)
+        self.saver = Checkpointer(directory, ckpt.keep, self.keep_best)
         self.last_saved: Path | None = None
         self.relaunch = relaunch  # the command that resumes this run, for the stop line
         # Several processes act on a signal at one agreed step (a save is collective).
@@ -99,11 +117,15 @@ class RunCheckpoints:
         if self.agreement is not None:
             stop, asked = self.agreement(done, stop, asked)
         cadence = bool(self.every) or self.every_s > 0
-        due = ran and ((bool(self.every) and done % self.every == 0) or (last and cadence))
+        due = ran and ((bool(self.every) and done % self.every == 0) or (last and cadence)
+                       or self.best_due)
         if due or stop or asked:
             self._check_finite(done, state)
             meta = {**self.meta, "step": done, "data": self.iterator.get_state(),
-                    "wandb_id": self.logger.run_id}
+                    "wandb_id": self.logger.run_id,
+                    **{k: m.to_json() for k, m in self.watch.items()}}
+            if self.best_due:
+                self.keep_best.step, self.best_due = done, False
             if self.tokens is not None:
                 meta["tokens_seen"] = self.tokens(done)
             self.last_saved, block_s = self.saver.save(done, state, meta)
@@ -119,6 +141,20 @@ class RunCheckpoints:
             log.info("%s: stopped at step %d; checkpoint %s committed. Resume with: %s", stop,
                      done, self.last_saved, self.relaunch or "the same command and run dir")
             raise Stopped(stop, done, self.last_saved, self.relaunch)
+
+    def observe(self, done: int, row: dict[str, Any]) -> None:
+        """Step ``done``'s row: a new best of ``checkpoint.keep_best`` makes a save due at
+        this step's save point (which follows its row)."""
+        if "keep_best" in self.watch and self.watch["keep_best"].see(done, row):
+            self.best_due = True
+
+    def best(self) -> dict[str, Any] | None:
+        """summary.json's ``best_checkpoint``: the metric, its best value, its step and dir."""
+        if self.keep_best is None or self.keep_best.step is None:
+            return None
+        m = self.watch["keep_best"]
+        return {"metric": m.metric, "mode": m.mode, "value": m.best, "step": m.step,
+                "path": str(self.saver.directory / str(self.keep_best.step))}
 
     def _count(self, block_s: float) -> None:
         """One save held the loop ``block_s``: record it, and warn once when saves cost more

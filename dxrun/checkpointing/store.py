@@ -5,7 +5,7 @@ writing its own shards) and ``meta`` (JSON: the data iterator's position, the re
 the mesh plan, the W&B run id). Saves are asynchronous: the disk writes run in a background
 thread while training goes on, into a tmp dir renamed when complete, so a crash mid-save never
 leaves a dir that looks finished; checkpoints beyond ``checkpoint.keep`` go only after the new
-one is committed.
+one is committed, except the best one (``checkpoint.keep_best``: ``KeepStep``).
 
 Checkpoints belong to their run: ``<run dir>/checkpoints``, or with ``checkpoint.dir``
 ``<checkpoint.dir>/<run id>/`` (``run_id``: the run dir's name and a hash of its absolute path,
@@ -19,7 +19,8 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,12 +91,27 @@ def _one_writer_per_shard() -> None:
         absl.setLevel(level)
 
 
-def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+@dataclass
+class KeepStep:
+    """An Orbax preservation policy: the checkpoint of ``step`` stays whatever the rotation
+    says (``checkpoint.keep_best``: the best one's step, moved as the best improves)."""
+
+    step: int | None = None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        return [c.step == self.step for c in checkpoints]
+
+
+def _manager(directory: Path, keep: int, best: KeepStep | None = None
+             ) -> ocp.CheckpointManager:
     """The saving side (reads go through ``read``)."""
     _one_writer_per_shard()
+    policy = ocp.checkpoint_managers.LatestN(keep)
+    if best is not None:
+        policy = ocp.checkpoint_managers.AnyPreservationPolicy([policy, best])
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep))
+        preservation_policy=policy)
     return ocp.CheckpointManager(directory, options=options, item_names=(STATE, META))
 
 
@@ -137,9 +153,9 @@ class Checkpointer:
     tensorstore's RESOURCE_EXHAUSTED (which would read as out of memory); the failed save's
     partial files go, so that the space they took is the run's again for its last records."""
 
-    def __init__(self, directory: Path, keep: int):
+    def __init__(self, directory: Path, keep: int, best: KeepStep | None = None):
         self.directory = directory
-        self.manager = _manager(directory, keep)
+        self.manager = _manager(directory, keep, best)
         self.in_flight: int | None = None  # the step whose writes may still be running
         quiet_failed_writes()
 

@@ -1,14 +1,14 @@
 """A run's checkpoint, loaded for use after training (``dxrun.evaluate``, ``dxrun.sample``).
 
-``python -m dxrun.<tool> <run dir | checkpoints dir | step dir> [option=value ...]
-[overrides ...]``: the tool's own options (``prompt=``, ``n=``, ...) beside config overrides
-(``parallelism=tp2``, ``data.path=...``, ``eval.batches=8``). The config is the one the
-checkpoint was written with (its meta item, read as data: a stored ``${...}`` is that string,
-never an interpolation), with the overrides applied as ``python -m dxrun`` would apply them: a
-group option (``parallelism=tp2``, ``data=tokens``) replaces that section with its preset, a
-key replaces one value. The model's shape and vocabulary are the
-checkpoint's and cannot be overridden. The parameters are read straight into the chosen mesh's
-shardings, as a resume does (``resume.restore``).
+``python -m dxrun.<tool> <run dir | checkpoints dir | step dir> [--best] [option=value ...]
+[overrides ...]`` (``--best``: the checkpoint ``checkpoint.keep_best`` kept): the tool's own
+options (``prompt=``, ``n=``, ...) beside config overrides (``parallelism=tp2``,
+``data.path=...``, ``eval.batches=8``). The config is the one the checkpoint was written with
+(its meta item, read as data: a stored ``${...}`` is that string, never an interpolation), with
+the overrides applied as ``python -m dxrun`` would apply them: a group option
+(``parallelism=tp2``, ``data=tokens``) replaces that section with its preset, a key replaces
+one value. The model's shape and vocabulary are the checkpoint's and cannot be overridden. The
+parameters are read straight into the chosen mesh's shardings, as a resume does.
 
 Bad input is a ConfigError: one line ``dxrun.<tool>: error: ...``, exit 2, no traceback.
 """
@@ -50,13 +50,16 @@ def split_args(tool: str, argv: list[str], options: dict[str, Any]
     """(checkpoint path, the tool's ``options`` with the given ones parsed to their default's
     type, config overrides). The path is the argument that is not ``key=value`` (``is_path``):
     Hydra's override_dirname names dirs like ``runs/optimizer.lr=0.1``."""
-    paths = [a for a in argv if is_path(a)]
+    paths = [a for a in argv if is_path(a) and a != BEST]
     if len(paths) != 1:
         raise ConfigError(f"give one run dir or checkpoint dir, then key=value arguments "
                           f"(got {len(paths)} paths: {' '.join(paths) or 'none'}); usage: "
                           f"python -m dxrun.{tool} <run dir> [key=value ...]")
     out, overrides = dict(options), []
     for arg in argv:
+        if arg == BEST:  # passed on to ``load`` with the overrides
+            overrides.append(arg)
+            continue
         if is_path(arg):
             continue
         key, _, value = arg.partition("=")
@@ -71,6 +74,9 @@ def split_args(tool: str, argv: list[str], options: dict[str, Any]
                               f"{key}={options[key]}") from None
     return Path(paths[0]), out, overrides
 
+
+# The best checkpoint by checkpoint.keep_best (summary.json's best_checkpoint), not the newest.
+BEST = "--best"
 
 KEY = re.compile(r"[+~]{0,2}[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
 
@@ -183,7 +189,11 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     path argument in refusals. A Hugging Face directory loads as step 0 (``compose_hf``)."""
     from dxrun.checkpointing import resume as checkpoint  # imports JAX
 
+    best, overrides = BEST in overrides, [o for o in overrides if o != BEST]
     hf = is_hf_dir(path)
+    if hf and best:
+        raise ConfigError(f"--best: {path} is a Hugging Face directory, one set of weights "
+                          "with no best checkpoint; drop --best")
     if not hf:
         # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative
         # paths.
@@ -208,6 +218,13 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
         log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
         return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, exp.hf_params())
     step, meta = checkpoint.newest_meta(resume)
+    if best:  # the newest checkpoint's meta names the best one (checkpoint.keep_best)
+        kept = (meta.get("keep_best") or {}).get("step")
+        if kept is None or kept not in checkpoint.committed_steps(resume.directory):
+            raise ConfigError(f"--best: {resume.directory} holds no best checkpoint (the run "
+                              "was not trained with checkpoint.keep_best=<metric>); drop --best")
+        resume.step = kept
+        step, meta = checkpoint.newest_meta(resume)
     where = resume.directory / str(step)
     cfg = compose(meta["config"], overrides)
     if diff := checkpoint.changed(cfg, meta["config"],

@@ -1,0 +1,87 @@
+"""checkpoint.keep_best and train.early_stop across a kill and a resume: the best checkpoint
+survives rotation and is what --best loads; the patience counter continues from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_cfg
+
+from dxrun.checkpointing.store import committed_steps
+from dxrun.errors import ConfigError
+from dxrun.tools.load import BEST, split_args
+from dxrun.tracking.monitor import Monitor
+from dxrun.train import train
+from dxrun.validation import validate
+
+# data/tokens_seen only grows: under mode=min its first row stays the best, whatever the
+# losses do. train/loss with min_delta=100 never improves after its first row: the patience
+# runs out at a known row.
+RUN = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
+       "parallelism=dp2", "train.steps=20", "train.log_every=1", "train.eval_every=0",
+       "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.keep_best=data/tokens_seen",
+       "checkpoint.keep_best_mode=min", "train.early_stop.monitor=train/loss",
+       "train.early_stop.min_delta=100", "train.early_stop.patience=3"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Killed after step 3 (checkpoints 1, the best, and 2 committed), then resumed in place."""
+    run_dir = tmp_path_factory.mktemp("best")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DXRUN_TEST_ERROR_AT_STEP", "3")
+        with pytest.raises(RuntimeError, match="injected failure after step 3"):
+            train(make_cfg(*RUN), run_dir)
+    killed = committed_steps(run_dir / "checkpoints")
+    summary = train(make_cfg(*RUN), run_dir)
+    return run_dir, killed, summary
+
+
+def test_the_best_checkpoint_survives_rotation_and_a_resume(resumed):
+    run_dir, killed, summary = resumed
+    # Step 1's row was the best: saved then (off the every-2 cadence), kept beside the newest.
+    assert killed == [1, 2]
+    assert committed_steps(run_dir / "checkpoints") == [1, 4]  # 2 rotated out, 1 kept
+    best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
+    assert best == summary["best_checkpoint"]
+    assert (best["metric"], best["step"], best["path"]) == (
+        "data/tokens_seen", 1, str(run_dir / "checkpoints" / "1"))
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert best["value"] == first["data/tokens_seen"] == 8 * 16
+
+
+def test_early_stop_counts_across_the_resume(resumed):
+    run_dir, _, summary = resumed
+    # Row 1 set the best; rows 2 (before the kill, in checkpoint 2's meta), 3 and 4 did not
+    # beat it: the patience of 3 ran out at step 4. A counter restarted by the resume would
+    # have stopped at step 6.
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert summary["step"] == 4 and summary["early_stop"].startswith(
+        "early stop: train/loss has not improved")
+    assert "in 3 rows (train.early_stop.patience=3)" in summary["early_stop"]
+
+
+def test_evaluate_best_loads_the_best_checkpoint(resumed):
+    from dxrun.tools.evaluate import evaluate_checkpoint
+
+    run_dir, _, _ = resumed
+    path, _, overrides = split_args("evaluate", [str(run_dir), BEST, "eval.batches=1"], {})
+    assert path == run_dir and overrides == [BEST, "eval.batches=1"]
+    assert evaluate_checkpoint(run_dir, overrides)["step"] == 1
+    assert evaluate_checkpoint(run_dir, ["eval.batches=1"])["step"] == 4
+
+
+def test_monitor_modes_and_a_resume_that_changes_the_metric():
+    m = Monitor("eval/acc", "max", 0.01)
+    assert [m.see(s, {"eval/acc": v}) for s, v in enumerate([0.5, 0.505, 0.6, None])] == [
+        True, False, True, None]
+    assert (m.best, m.step, m.stale) == (0.6, 2, 0)
+    assert Monitor.from_json(m.to_json(), "eval/acc", "max").step == 2
+    assert Monitor.from_json(m.to_json(), "eval/loss", "max").best is None
+
+
+def test_an_eval_monitor_without_evaluation_is_refused():
+    with pytest.raises(ConfigError, match=r"^checkpoint.keep_best=eval/loss needs evaluation"):
+        validate(make_cfg("checkpoint.keep_best=eval/loss", "train.eval_every=0"))
