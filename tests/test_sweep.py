@@ -325,10 +325,13 @@ def _compose(*overrides: str, hydra: bool = False):
 def _validated(*overrides: str):
     from omegaconf import open_dict
 
+    from dxrun.hf.config import apply_hf_model
+
     cfg = _compose(*overrides)
     with open_dict(cfg):
         cfg.pop("hydra", None)
     check_keys(cfg)
+    apply_hf_model(cfg, list(overrides))  # as python -m dxrun does: the HF dir's model shape
     validate(cfg)
     return cfg
 
@@ -355,20 +358,27 @@ def test_every_preset_is_a_global_package():
 def test_every_experiment_composes_and_plans(name):
     from dxrun.plan.mesh import make_plan
 
-    extra = ["data.path=corpus.txt"] if name == "gpt2_small_text" else []
+    # finetune_hf: the published Llama 3.1 8B config.json (shapes only: nothing is loaded)
+    extra = {"gpt2_small_text": ["data.path=corpus.txt"],
+             "finetune_hf": [f"model.init_from=hf:{ROOT / 'tests/fixtures/llama-3.1-8b'}",
+                             "data.path=corpus.txt"]}.get(name, [])
     cfg = _compose(f"experiment={name}", *extra, hydra=True)
     params = cfg.hydra.sweeper.get("params") or {}
     for job in _sweep_jobs(params) or [[]]:
         run = _validated(f"experiment={name}", *extra, *job)
         make_plan(run, 8, "cpu")  # raises ConfigError for a mesh the model cannot take
     expected = {"markov_convergence": ("tiny", "markov"), "tp_scaling": ("tiny", "markov"),
-                "gpt2_small_text": ("small", "text"), "llama_fsdp": ("tiny_llama", "markov")}
+                "gpt2_small_text": ("small", "text"), "llama_fsdp": ("tiny_llama", "markov"),
+                "finetune_hf": ("hf-llama-3.1-8b", "text")}
     assert (run.model.name, run.data.name) == expected[name]
     if name == "tp_scaling":
         assert [j[0] for j in _sweep_jobs(params)] == [f"parallelism={p}" for p in
                                                       ("dp1", "tp2", "tp4", "tp8")]
     if name == "llama_fsdp":
         assert run.parallelism.fsdp == 8 and run.model.norm == "rmsnorm"
+    if name == "finetune_hf":  # the shape is config.json's, the lr the preset's
+        assert (run.model.n_layers, run.model.d_model, run.model.n_kv_heads) == (32, 4096, 8)
+        assert run.optimizer.lr == 3e-5 and run.train.precision == "bf16"
 
 
 def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
