@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- numbers:(?P<opts>.*?)-->\n(?P<fence>```[^\n]*)\n(?P<body>.*?)^```$",
                     re.M | re.S)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# Hydra's log-line prefix, `[2026-01-01 12:00:00,000][dxrun][INFO] - `: the docs quote the message.
-LOG_PREFIX = re.compile(r"^\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ")
+# Hydra's log-line prefix, `[2026-01-01 12:00:00,000][dxrun][INFO] - `: the docs quote the message
+# (after the launcher's `[rank N] `, which stays).
+LOG_PREFIX = re.compile(r"^((?:\[rank \d+\] )?)\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ")
 
 
 @dataclass
@@ -96,7 +97,7 @@ def run(command: str, cwd: Path, keep: str | None) -> list[str]:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     # paths as the reader sees them, relative to where they ran the command
     text = proc.stdout.replace(f"{cwd}/", "")
-    lines = [LOG_PREFIX.sub("", ANSI.sub("", line)).rstrip() for line in text.splitlines()]
+    lines = [LOG_PREFIX.sub(r"\1", ANSI.sub("", line)).rstrip() for line in text.splitlines()]
     if keep:
         lines = [line for line in lines if re.search(keep, line)]
     return lines
