@@ -94,7 +94,7 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
     once, so a scanned model is measured as the unrolled 1- and 2-layer steps of the same
     config and extrapolated in depth (every layer is the same): cost(n) = c1 + (n-1)(c2 - c1)."""
     cfg = exp.cfg
-    if not cfg.model.scan_layers:
+    if not cfg.model.scan_layers or cfg.model._target_:  # a user model: its own layers
         return _cost(exp.compile_step())
     costs = []
     for n in (1, 2):
@@ -168,6 +168,8 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     else:
         parts = flops.step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
                                  plan.remat)
+        if cfg.model._target_:  # a user model: no block of dxrun's to count by parts
+            parts = {"model": model_flops, "hardware": model_flops}
         if not xla_cost:
             # The bytes: the compile's own count (free). A scanned model's layer loop is
             # counted once, on every candidate alike: a ranking of layouts more than a time
