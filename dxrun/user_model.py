@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from hydra.utils import get_method
 
 from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import ConfigError
 from dxrun.model import Transformer
 from dxrun.plan.mesh import LOGICAL_RULES
+from dxrun.target import locate
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
@@ -37,11 +37,7 @@ def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,
     """``model._target_``'s module (checked: ``check_axes``), else dxrun's ``Transformer``."""
     if not m._target_:
         return Transformer(m, rngs=rngs, padded_vocab=padded_vocab, target=target, remat=remat)
-    try:
-        factory = get_method(m._target_)
-    except Exception as e:  # noqa: BLE001 - Hydra's ImportError-like errors vary by version
-        raise ConfigError(f"model._target_={m._target_} cannot be imported ({first_line(e)}); "
-                          "give a dotted path on the PYTHONPATH, e.g. mypkg.MyModel") from None
+    factory = locate("model._target_", m._target_, "mypkg.MyModel")
     module = factory(**dict(m.kwargs), vocab_size=m.vocab_size, rngs=rngs)
     if not isinstance(module, nnx.Module):
         raise ConfigError(f"model._target_={m._target_} returned a {type(module).__name__}, "

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 from flax import nnx
+from omegaconf import OmegaConf
 
+from dxrun.checkpointing.resume import DATA_SOURCE, MODEL_SHAPE, changed
 from dxrun.data import TRAIN
 from dxrun.data.user import checked_batch
 from dxrun.errors import ConfigError
@@ -128,7 +130,8 @@ def test_a_parameter_without_logical_axes_is_refused_in_one_line():
         f"model._target_={__name__}.Bare: parameter head has no logical axes; give it "
         "nnx.Param(..., axes=(one name per dimension)), names from batch, seq, layers, embed, "
         "act_embed, heads, kv_heads, head_dim, mlp, vocab, norm, pos or None")
-    with pytest.raises(ConfigError, match=r"^model._target_=nope.Model cannot be imported"):
+    with pytest.raises(ConfigError, match=r"^model._target_=nope.Model cannot be imported \(no "
+                       r"module named nope\); give a dotted path on the PYTHONPATH"):
         Experiment.build(make_cfg("model._target_=nope.Model", "parallelism=dp1"),
                          with_data=False)
 
@@ -150,3 +153,13 @@ def test_a_batch_source_that_gives_no_global_batch_of_ids_is_refused_in_one_line
         checked_batch("mypkg.Data", Source(np.arange(8 * 17).reshape(8, 17) % 65), 0, TRAIN, 8, 16, 64)
     ok = checked_batch("mypkg.Data", Source(np.ones((8, 17), np.int64)), 0, TRAIN, 8, 16, 64)
     assert ok.dtype == np.int32 and ok.sum() == 8 * 17
+
+
+def test_a_checkpoint_from_before_the_target_keys_is_one_of_dxruns_own_model_and_data():
+    now = make_cfg("model=tiny")
+    saved = OmegaConf.to_container(now, resolve=True)
+    for section in ("model", "data"):
+        del saved[section]["_target_"], saved[section]["kwargs"]
+    assert changed(now, saved, MODEL_SHAPE + DATA_SOURCE) is None
+    mine = make_cfg("model=tiny", "model._target_=mypkg.Model")
+    assert changed(mine, saved, MODEL_SHAPE) == ("model._target_", "mypkg.Model", None)

@@ -36,7 +36,7 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
                 "dxrun.schema_tracking",
-                "dxrun.config", "dxrun.faults", "dxrun.hf.config")),
+                "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
               "dxrun.checkpointing.preempt")),
     ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files")),

@@ -18,20 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from hydra.utils import get_method
 
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import ConfigError
+from dxrun.target import locate
 
 SPLITS = ("train", "eval")  # by stream: dxrun.data.TRAIN (0), EVAL (1)
 
 
 def build_source(target: str, kwargs: dict[str, Any], batch_size: int, seq_len: int,
                  vocab_size: int, seed: int) -> Any:
-    try:
-        factory = get_method(target)
-    except Exception as e:  # noqa: BLE001 - Hydra's ImportError-like errors vary by version
-        raise ConfigError(f"data._target_={target} cannot be imported ({first_line(e)}); "
-                          "give a dotted path on the PYTHONPATH, e.g. mypkg.MyData") from None
+    factory = locate("data._target_", target, "mypkg.MyData")
     source = factory(**kwargs, batch_size=batch_size, seq_len=seq_len, vocab_size=vocab_size,
                      seed=seed)
     if not callable(getattr(source, "batch", None)):
