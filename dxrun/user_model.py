@@ -9,8 +9,8 @@ plan, shard, train, checkpoint, evaluate and sample it.
   ``vocab`` is split over must divide). It may pin activations with ``dxrun.sharding.constrain``.
 What differs from dxrun's model (``build_model`` builds either): no dropout key or compute
 dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one
-(``model.loss_chunk`` is 0); plan mode counts 6 FLOPs per parameter per token (dxrun's formula
-needs its block's shape); sampling recomputes the whole sequence for each new token (no
+(``model.loss_chunk`` is 0); plan mode counts 6 FLOPs per parameter per token and XLA's memory
+(dxrun's formulas need its block's shape); sampling recomputes the whole sequence for each new token (no
 key/value cache).
 """
 
@@ -84,4 +84,5 @@ def is_user_model(m: ModelConfig) -> bool:
 def plan_line(m: ModelConfig, n_params: int) -> str:
     """Plan mode's model row for a user model: what its FLOPs are counted from."""
     return (f"model._target_={m._target_}: {n_params:,} parameters; FLOPs counted as 6 per "
-            "parameter per token (dxrun's formula needs its own block's shape)")
+            "parameter per token, memory and time from XLA's compile of it (dxrun's formulas "
+            "and memory model need its own block's shape)")

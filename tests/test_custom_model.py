@@ -91,7 +91,8 @@ def test_the_example_shards_by_its_logical_axes_and_plans(tmp_path):
     V, D, F = 16, 32, 64  # the vocabulary: the markov preset's data.vocab_size, which tiny follows
     assert n == 2 * V * D + 128 * D + D + 2 * (D + D * 3 * D + D * D + 2 * D * F)
     assert report["model_flops_per_step"] == 6 * n * 8 * 16  # from the parameter count
-    assert report["model"].startswith("model._target_=custom_block.CustomLM: ")
+    assert report["model"].startswith("model._target_=custom_block.CustomLM: 21,600 parameters; "
+                                      "FLOPs counted as 6 per parameter per token")
     assert report["loss_chunk"] == 0
     saved = json.loads((tmp_path / "plan.json").read_text())["plan_mode"]
     assert saved["n_params"] == n and saved["per_device"]["params_bytes"] > 0
