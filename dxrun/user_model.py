@@ -10,8 +10,8 @@ plan, shard, train, checkpoint, evaluate and sample it.
 What differs from dxrun's model (``build_model`` builds either): no dropout key or compute
 dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one
 (``model.loss_chunk`` is 0); plan mode counts 6 FLOPs per parameter per token and XLA's memory
-(dxrun's formulas need its block's shape); sampling recomputes the whole sequence for each new token (no
-key/value cache).
+(dxrun's formulas need its block's shape); sampling recomputes the whole sequence for each new
+token (no key/value cache).
 """
 
 from __future__ import annotations
@@ -75,10 +75,6 @@ def logits_of(model: nnx.Module, tokens_BxL: jax.Array, dropout_key: jax.Array |
     if isinstance(model, Transformer):
         return model(tokens_BxL, dropout_key, dtype)
     return model(tokens_BxL).astype(jnp.float32)
-
-
-def is_user_model(m: ModelConfig) -> bool:
-    return bool(m._target_)
 
 
 def plan_line(m: ModelConfig, n_params: int) -> str:
