@@ -77,8 +77,12 @@ class Attempt:
         self.n_params = exp.count_params(state.params)  # the real vocabulary, without padding
         self.floor = data.entropy_floor
         log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
-                 f"{self.n_params:,}", cfg.data.name, data.description)
-        log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference
+                 f"{self.n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
+        if cfg.model._target_:  # dxrun.user_model: what a user model's run does differently
+            log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
+                     "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
+        else:
+            log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference
         self.device_kind = jax.devices()[0].device_kind
         peak = resolve_peak(cfg.runtime, cfg.train, self.device_kind, exp.mesh.devices.flat)
         tokens_per_step = plan.global_batch * plan.seq_len

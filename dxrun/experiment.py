@@ -17,7 +17,7 @@ from dxrun import faults
 from dxrun.attention_kernel import AttentionTarget, attention_target
 from dxrun.data import TRAIN, Data
 from dxrun.hf.load import import_params
-from dxrun.model import Transformer, count_params, resize_vocab
+from dxrun.model import count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
 from dxrun.plan.attention import attention_implementation
@@ -34,6 +34,7 @@ from dxrun.sharding import (
     spread_shardings,
 )
 from dxrun.step import COMPUTE_DTYPES, TrainState, make_eval_step, make_train_step
+from dxrun.user_model import build_model
 from dxrun.zero_padding import pad, refit, zero_pads
 
 if TYPE_CHECKING:
@@ -80,9 +81,8 @@ class Experiment:
         padded = plan.padded_vocab or cfg.model.vocab_size  # 0: a bare plan, no padding
         # The attention kernel follows the devices the step runs on (CPU in plan mode).
         target = attention_target(mesh.devices.flat[0])
-        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0),
-                                                      padded_vocab=padded, target=target,
-                                                      remat=plan.remat))
+        abstract = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0), padded, target,
+                                                      plan.remat))
         graphdef, abstract_state = nnx.split(abstract)
         axes = param_axes(abstract_state)
         p_shard = param_shardings(axes, mesh, plan.rules)
@@ -164,7 +164,7 @@ class Experiment:
         model_cfg, seed, padded = self.cfg.model, self.cfg.train.seed, self.padded_vocab
 
         def init() -> dict:
-            model = Transformer(model_cfg, rngs=nnx.Rngs(seed), padded_vocab=padded)
+            model = build_model(model_cfg, nnx.Rngs(seed), padded)
             return nnx.to_pure_dict(nnx.state(model))
         return init
 

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
-from hydra.utils import get_method
 
-from dxrun.errors import ConfigError, first_line
+from dxrun.errors import ConfigError
 from dxrun.plan.batch import scaled_lr
+from dxrun.target import locate
 
 if TYPE_CHECKING:
     from dxrun.schema import OptimizerConfig
@@ -71,11 +71,7 @@ def custom_optimizer(target: str, schedule: optax.Schedule, kwargs: dict[str, An
                      ) -> optax.GradientTransformation:
     """``optimizer._target_``: ``target(learning_rate=schedule, **kwargs)``, which must be an
     optax ``GradientTransformation`` (Hydra's ``_target_`` convention: a dotted path)."""
-    try:
-        factory = get_method(target)
-    except Exception as e:  # noqa: BLE001 - Hydra's ImportError-like errors vary by version
-        raise ConfigError(f"optimizer._target_={target} cannot be imported ({first_line(e)}); "
-                          "give a dotted path such as optax.nadamw") from None
+    factory = locate("optimizer._target_", target, "optax.nadamw")
     tx = factory(learning_rate=schedule, **kwargs)
     if not isinstance(tx, optax.GradientTransformation):
         raise ConfigError(f"optimizer._target_={target} returned a {type(tx).__name__}, not an "

@@ -29,6 +29,7 @@ from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.plan.targets import GB, gb_text, plan_platform
 from dxrun.runtime import write_json
 from dxrun.sharding import replicated_bytes_over
+from dxrun.user_model import plan_line
 
 log = logging.getLogger("dxrun")
 
@@ -78,7 +79,8 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
             "xla_cpu_total_bytes": fp.total_bytes, "precision": cfg.train.precision,
             "disagreement": disagreement(mem.total_bytes, fp.total_bytes)}
     report["checkpoint"] = checkpoint_cost(nbytes, write, *plan.cadence, est.get("step_time_s"))
-    report["model"] = say.shape_line(cfg.model, s.n_params)
+    report["model"] = (plan_line(cfg.model, s.n_params) if cfg.model._target_
+                       else say.shape_line(cfg.model, s.n_params))
     report["tflops_per_device"] = say.tflops_per_device(model_flops, exp.plan.n_devices,
                                                         est.get("step_time_s"))
     report["preset"] = say.preset_note(cfg.parallelism.name, exp.plan.shape)
@@ -149,7 +151,7 @@ def plan_table(report: dict[str, Any]) -> str:
 
 def _flops_parts(report: dict[str, Any]) -> str:
     f = report.get("flops")
-    if not f:
+    if not f or "block_matmuls" not in f:  # a user model's: counted whole
         return ""
     return (f" (matmuls {f['block_matmuls']:.2e}, attention {f['attention_full']:.2e} full / "
             f"{f['attention_causal']:.2e} causal, output layer {f['output_layer']:.2e}); "

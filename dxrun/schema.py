@@ -80,6 +80,9 @@ class ModelConfig:
         "(the logits of one chunk alive at a time); 0 = off; null = auto: on when one "
         "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.chunked_loss).",
         range=NON_NEGATIVE)
+    _target_: str | None = key(None, "Your own Flax NNX module (dxrun/user_model.py's protocol: "
+                               "logical axes, __call__(tokens) -> logits); null = dxrun's")
+    kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
 
 
 _AXIS = "-1 (inferred) or a size >= 1: plan._resolve_axes"
@@ -167,6 +170,9 @@ class DataConfig:
                               range=NON_NEGATIVE, sources=("markov",))
     branching: int | None = key(None, "markov: successors per context (the chain is sparse)",
                                 range=POSITIVE, sources=("markov",))
+    _target_: str | None = key(None, "Your own batch source (dxrun/data/user.py's protocol: "
+                               "batch(step, split)); null = data.name's")
+    kwargs: dict[str, Any] = key(meaning="data._target_'s other arguments", factory=dict)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from dxrun.chunked_loss import chunked_cross_entropy
 from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
+from dxrun.user_model import logits_of
 from dxrun.zero_padding import pad, unpad
 
 MAX_IN_FLIGHT = 4  # CPU only; see InFlight
@@ -83,7 +84,7 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
             model.output_weight(gathered=True), x_BxLxD, targets_BxL, loss_chunk,
             vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
-    logits_BxLxV = model(inputs_BxL, dropout_key, dtype)
+    logits_BxLxV = logits_of(model, inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
     accuracy = (logits_BxLxV.argmax(-1) == targets_BxL).mean()
     return loss, {"train/loss": loss, "train/accuracy": accuracy}

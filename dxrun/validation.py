@@ -181,6 +181,9 @@ def check_model(m: ModelConfig) -> None:
         )
     check_rope_scaling(m.rope_scaling)
     hf_dir(m.init_from)  # refuses a value that names no hf:<dir>
+    if m.init_from and m._target_:
+        raise ConfigError(f"model.init_from={m.init_from} imports into dxrun's own model, not "
+                          f"model._target_={m._target_}; drop one of them")
     if m.pos == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(
             f"model.pos=rope needs an even head dim, got d_model/n_heads={m.d_model // m.n_heads}"

@@ -89,7 +89,8 @@ REFUSED = {"model.n_layers": "3", "model.d_model": "32", "model.n_heads": "2",
            "model.pos": "rope", "model.tie_embeddings": "true", "model.vocab_size": "128",
            "data.name": "tokens", "data.path": "/elsewhere", "data.tokenizer": "gpt2",
            "data.dtype": "uint32", "data.seq_len": "32", "data.seed": "7", "data.order": "1",
-           "data.symbols": "8", "data.branching": "2"}
+           "data.symbols": "8", "data.branching": "2", "model._target_": "mypkg.Model",
+           "model.kwargs": "d_model=32", "data._target_": "mypkg.Data", "data.kwargs": "n=2"}
 
 
 def test_every_listed_key_is_refused_on_resume(shared):

@@ -94,7 +94,7 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
     once, so a scanned model is measured as the unrolled 1- and 2-layer steps of the same
     config and extrapolated in depth (every layer is the same): cost(n) = c1 + (n-1)(c2 - c1)."""
     cfg = exp.cfg
-    if not cfg.model.scan_layers:
+    if not cfg.model.scan_layers or cfg.model._target_:  # a user model: its own layers
         return _cost(exp.compile_step())
     costs = []
     for n in (1, 2):
@@ -147,7 +147,10 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     on a CPU target the FLOPs are counted from the shapes and the bytes are the compile's own
     count (a scanned layer loop counted once)."""
     key = target_key(target)
-    accelerator = key in gpu_cost.COST
+    # A user model (model._target_): XLA's counts of its compile; the memory and time models
+    # know dxrun's own block only.
+    own = not cfg.model._target_
+    accelerator = key in gpu_cost.COST and own
     fp = footprint(exp, compiled, xla_cost=xla_cost and not accelerator)
     state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
@@ -168,6 +171,8 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     else:
         parts = flops.step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
                                  plan.remat)
+        if cfg.model._target_:  # a user model: no block of dxrun's to count by parts
+            parts = {"model": model_flops, "hardware": model_flops}
         if not xla_cost:
             # The bytes: the compile's own count (free). A scanned model's layer loop is
             # counted once, on every candidate alike: a ranking of layouts more than a time
@@ -176,7 +181,7 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
                          bytes_accessed=_cost(compiled)[1])
     # An accelerator's need comes from the memory model: XLA:CPU's temporaries describe a CPU
     # program (bf16 through fp32 temporaries); the compile's figure is kept beside it.
-    mem = accelerator_memory(exp, target) if target.device_kind != "cpu" else None
+    mem = accelerator_memory(exp, target) if target.device_kind != "cpu" and own else None
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
                    cfg.train.precision, timing, None if mem is None else mem.total_bytes)
     if mem is not None:  # plan.json: the rows a run there has, beside the plan's (this CPU's)

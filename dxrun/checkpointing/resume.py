@@ -45,10 +45,14 @@ log = logging.getLogger("dxrun")
 # would mean other data. (data.batch_size is checked apart: checkpoint.allow_batch_change.)
 MODEL_SHAPE = ("model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads",
                "model.d_ff", "model.max_seq_len", "model.bias", "model.norm", "model.mlp",
-               "model.pos", "model.tie_embeddings")
+               "model.pos", "model.tie_embeddings", "model._target_", "model.kwargs")
+# Keys newer than some checkpoints: one written before them had their default.
+NEWER_KEYS: dict[str, Any] = {"model._target_": None, "model.kwargs": {}, "data._target_": None,
+                              "data.kwargs": {}}
 VOCABULARY = ("model.vocab_size",)
 DATA_SOURCE = ("data.name", "data.path", "data.tokenizer", "data.dtype", "data.seq_len",
-               "data.seed", "data.order", "data.symbols", "data.branching")
+               "data.seed", "data.order", "data.symbols", "data.branching", "data._target_",
+               "data.kwargs")
 
 
 @dataclass
@@ -207,7 +211,8 @@ def changed(config: RunConfig | dict[str, Any], saved_cfg: dict[str, Any],
             keys: tuple[str, ...]) -> tuple[str, Any, Any] | None:
     """The first of ``keys`` whose value differs from the checkpoint's: (key, now, then)."""
     now, then = _flat(config), _flat(saved_cfg)
-    return next(((k, now.get(k), then.get(k)) for k in keys if now.get(k) != then.get(k)), None)
+    then = {k: then.get(k, NEWER_KEYS.get(k)) for k in keys}
+    return next(((k, now.get(k), then[k]) for k in keys if now.get(k) != then[k]), None)
 
 
 def check_compatible(config: RunConfig | dict[str, Any], saved_cfg: dict[str, Any],

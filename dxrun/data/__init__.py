@@ -1,4 +1,5 @@
-"""Data sources, chosen by ``data.name``: ``markov`` (synthetic), ``text`` and ``tokens``.
+"""Data sources, chosen by ``data.name``: ``markov`` (synthetic), ``text`` and ``tokens``; or
+your own, ``data._target_`` (``dxrun.data.user``).
 
 Each gives this process's rows of any step's global batch ([rows, seq_len + 1] int32) by random
 access (``local_batch``), and a prefetching iterator with a JSON-able state for training
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from dxrun.data import user
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
 from dxrun.plan.batch import default_seq_len
 
@@ -34,11 +36,11 @@ class BatchIterator(Protocol):
     def set_state(self, state: dict[str, Any]) -> None: ...
 
 
-class _MarkovIterator:
+class _StepIterator:
     def __init__(self, data: Data, stream: int):
         self.data, self.stream, self.step = data, stream, 0
 
-    def __iter__(self) -> _MarkovIterator:
+    def __iter__(self) -> _StepIterator:
         return self
 
     def __next__(self) -> np.ndarray:
@@ -74,6 +76,14 @@ class Data:
         self.entropy_floor: float | None = None
         self.has_eval = True  # the markov source's eval stream is an independent one
         self.eval_windows: int | None = None  # held-out windows; None: an endless stream
+        if getattr(d, "_target_", None):  # your own source (dxrun.data.user)
+            self.kind, self.vocab_size = "target", cfg.model.vocab_size
+            self.source = user.build_source(d._target_, dict(d.kwargs), batch_size, seq_len,
+                                            self.vocab_size, d.seed)
+            self.has_eval = bool(getattr(self.source, "has_eval", True))
+            self.entropy_floor = getattr(self.source, "entropy_floor", None)
+            self.description = getattr(self.source, "description", f"data._target_={d._target_}")
+            return
         if d.name == "markov":
             self.markov = MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
                                        branching=d.branching, seed=d.seed,
@@ -107,16 +117,18 @@ class Data:
 
     def local_batch(self, step: int, stream: int = TRAIN) -> np.ndarray:
         """This process's rows of global batch ``step``."""
-        if self.kind == "markov":
-            rows = self.markov.batch(step, stream)
+        if self.kind in ("markov", "target"):
+            rows = (self.markov.batch(step, stream) if self.kind == "markov" else
+                    user.checked_batch(self.cfg.data._target_, self.source, step, stream,
+                                       self.batch_size, self.seq_len, self.vocab_size))
             return rows[self.index * self.rows:(self.index + 1) * self.rows]
         if stream not in self._splits:
             raise ValueError("no held-out data (Data.has_eval is False): nothing to evaluate on")
         return self._splits[stream][step]
 
     def train_iterator(self) -> BatchIterator:
-        if self.kind == "markov":
-            return _MarkovIterator(self, TRAIN)
+        if self.kind in ("markov", "target"):  # random access: the state is the next step
+            return _StepIterator(self, TRAIN)
         from dxrun.data.pipeline import GrainBatches  # grain: for corpora only
 
         return GrainBatches(self._splits[TRAIN], self.workers)

@@ -95,7 +95,10 @@ def matmul_params(model: Any, n_params: int) -> int:
 
 
 def flops_per_token(model: Any, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token (see the module docstring for the formula)."""
+    """Training FLOPs per token (see the module docstring for the formula); for a user model
+    (``model._target_``, whose block's shape is its own) 6 per parameter."""
+    if getattr(model, "_target_", None):
+        return 6.0 * n_params
     attention = 12 * model.n_layers * model.d_model * seq_len
     return 6.0 * matmul_params(model, n_params) + attention
 

@@ -43,7 +43,10 @@ def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -
 
 def loss_chunk_for(m: ModelConfig, plan: MeshPlan) -> int:
     """``resolve_loss_chunk`` for the model ``m`` on ``plan``'s mesh: one micro-batch's rows per
-    device and the vocabulary's padded rows per tensor-parallel device."""
+    device and the vocabulary's padded rows per tensor-parallel device. A user model
+    (``model._target_``) has no output layer of dxrun's to chunk: 0."""
+    if m._target_:
+        return 0
     rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * plan.grad_accum))
     vocab = (plan.padded_vocab or m.vocab_size) // plan.tp
     # The plan's sequence length: data.seq_len may still be null (the platform's default) here.

@@ -370,7 +370,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         rules=dict(LOGICAL_RULES),
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
-        padded_vocab=padded_vocab(model.vocab_size, tp, platform, par.vocab_align),
+        padded_vocab=(model.vocab_size if model.get("_target_") else  # a user's own table
+                      padded_vocab(model.vocab_size, tp, platform, par.vocab_align)),
         vocab_align=vocab_align(platform, par.vocab_align),
         processes=processes,
         dcn_shape=dcn,

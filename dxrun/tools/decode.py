@@ -134,7 +134,45 @@ def make_generate(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
         tokens_BxT, _, _, seen_BxNxV = jax.lax.fori_loop(0, new_tokens, one, carry)
         return (tokens_BxT, seen_BxNxV) if with_logits else tokens_BxT
 
-    jitted = jax.jit(generate, in_shardings=(param_shardings, None))
+    return _runner(jax.jit(generate, in_shardings=(param_shardings, None)), mesh, rules)
+
+
+def make_generate_recomputed(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
+                             param_shardings: Any, prompt_len: int, new_tokens: int,
+                             sampling: Sampling, with_logits: bool = False) -> Any:
+    """``make_generate``'s ``generate`` for a model without dxrun's cached decode (a user model,
+    ``model._target_``): each new token runs the model over the whole sequence buffer (static
+    length, so one compile), the causal model reading only the positions before it."""
+    T = prompt_len + new_tokens
+
+    def generate(params: dict, prompt_BxP: jax.Array) -> Any:
+        model = nnx.merge(graphdef, params)
+        B = prompt_BxP.shape[0]
+        tokens_BxT = jnp.zeros((B, T), jnp.int32).at[:, :prompt_len].set(prompt_BxP)
+        root = jax.random.key(sampling.seed)
+
+        def one(i: jax.Array, carry: tuple) -> tuple:
+            tokens_BxT, seen_BxNxV = carry
+            pos = prompt_len + i
+            logits_BxTxV = model(tokens_BxT).astype(jnp.float32)
+            logits_BxV = jax.lax.dynamic_index_in_dim(logits_BxTxV, pos - 1, 1, keepdims=False)
+            token_B = pick(logits_BxV, jax.random.fold_in(root, pos), sampling)
+            tokens_BxT = jax.lax.dynamic_update_slice_in_dim(tokens_BxT, token_B[:, None], pos,
+                                                             axis=1)
+            seen_BxNxV = jax.lax.dynamic_update_slice_in_dim(seen_BxNxV, logits_BxV[:, None],
+                                                             i, axis=1)
+            return tokens_BxT, seen_BxNxV
+
+        V = jax.eval_shape(model, tokens_BxT).shape[-1]
+        seen_BxNxV = jnp.zeros((B, new_tokens, V), jnp.float32)
+        tokens_BxT, seen_BxNxV = jax.lax.fori_loop(0, new_tokens, one, (tokens_BxT, seen_BxNxV))
+        return (tokens_BxT, seen_BxNxV) if with_logits else tokens_BxT
+
+    return _runner(jax.jit(generate, in_shardings=(param_shardings, None)), mesh, rules)
+
+
+def _runner(jitted: Any, mesh: jax.sharding.Mesh, rules: dict) -> Any:
+    """``jitted(params, prompt)`` run under the mesh and rules, with a ``lower`` beside it."""
 
     def run(params: dict, prompt_BxP: Any) -> Any:
         with in_mesh_context(mesh, rules):

@@ -74,6 +74,9 @@ def export(argv: list[str]) -> Path:
     path, _, overrides = split_args("export", rest, {})
     loaded = load(path, overrides, key="path", with_data=False, step=step)
     m = loaded.cfg.model
+    if m._target_:
+        raise ConfigError(f"model._target_={m._target_}: the Hugging Face export writes dxrun's "
+                          "own model only; save your module's parameters yourself")
     kind = model_type_of(m)
     tokenizer = tokenizer_of(loaded.cfg.data)
     save_hf(loaded.params, loaded.exp.axes, m, to, tokenizer)

@@ -123,10 +123,15 @@ def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any
     (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
     the weight traffic per token); the logits stay fp32."""
     from dxrun.step import COMPUTE_DTYPES  # imports JAX
-    from dxrun.tools.decode import make_generate  # imports JAX
+    from dxrun.tools.decode import make_generate, make_generate_recomputed  # imports JAX
 
     cfg, exp = loaded.cfg, loaded.exp
     m = cfg.model
+    if m._target_:  # a user model: no key/value cache of dxrun's
+        log.info("sampling: model._target_ has no key/value cache; each new token recomputes "
+                 "the whole sequence")
+        return make_generate_recomputed(exp.graphdef, exp.mesh, exp.plan.rules,
+                                        exp.param_shardings, prompt_len, new_tokens, sampling)
     return make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
                          prompt_len, new_tokens, sampling, m.n_layers, m.n_kv_heads,
                          m.d_model // m.n_heads, dtype=COMPUTE_DTYPES[cfg.train.precision])
@@ -160,8 +165,14 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
                           f"{cfg.model.vocab_size}, or top_k=0 for no cut")
     data = hf_prompt_data(path) if is_hf_dir(path) and cfg.data.name == "markov" else cfg.data
-    chain = Data(cfg).markov if data.name == "markov" else None
-    prompt_BxP, tok = prompt_tokens(data, cfg.model.vocab_size, options["prompt"], n, chain)
+    if getattr(data, "_target_", None):  # your own data: ids, or its held-out starts
+        chain, tok = None, None
+        prompt_BxP = (Data(cfg).local_batch(0, EVAL)[:n, :1] if not options["prompt"] else
+                      np.tile(_ids(options["prompt"], cfg.model.vocab_size, "data._target_"),
+                              (n, 1)))
+    else:
+        chain = Data(cfg).markov if data.name == "markov" else None
+        prompt_BxP, tok = prompt_tokens(data, cfg.model.vocab_size, options["prompt"], n, chain)
     P, limit = prompt_BxP.shape[1], cfg.model.max_seq_len
     if P + new > limit:
         raise ConfigError(f"max_new_tokens={new} after a {P}-token prompt needs {P + new} "
