@@ -42,6 +42,8 @@ class Signals:
         self.phase = self.STARTING
         self.stopping: str | None = None
         self.redeliver = False  # the stop was raised where Python drops exceptions: again
+        self.in_hook = False  # inside ``unraisable``: a stop raised here is dropped too
+        self.came_back = False  # the resent signal came while the hook still ran
 
     def start_job(self) -> None:
         self.phase, self.stopping, self.redeliver = self.STARTING, None, False
@@ -53,6 +55,9 @@ class Signals:
                 os.write(2, b"dxrun: second SIGINT: exiting now\n")
                 os._exit(EXIT_CODES["SIGINT"])
             return
+        if self.in_hook:  # the resent signal came before the hook returned: the hook resends
+            self.came_back = True
+            return
         self.stopping, self.redeliver = name, False
         raise Interrupted(name, self.phase)
 
@@ -61,13 +66,26 @@ class Signals:
         propagate from (a gc callback such as JAX's, a finalizer) is printed and dropped, and
         the run would go on. Such a stop is sent again, from a thread a moment later (sent from
         here, it would be raised inside this hook, and dropped again), to be raised in ordinary
-        code; anything else goes to the hook before."""
+        code. Starting that thread waits for it, so on a busy host the signal can come back
+        while this hook still runs: then it is sent again, each time a moment later. Anything
+        else goes to the hook before."""
         if isinstance(unraisable.exc_value, Interrupted) and self.stopping is not None:
-            self.redeliver = True
-            signum = signal.Signals[unraisable.exc_value.signal_name]
-            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            signum, delay = signal.Signals[unraisable.exc_value.signal_name], 0.05
+            self.redeliver, self.in_hook, self.came_back = True, True, True
+            try:
+                while self.came_back:
+                    self.came_back = False
+                    send_later(signum, delay)
+                    delay *= 2
+            finally:
+                self.in_hook = False
             return
         previous(unraisable)
+
+
+def send_later(signum: int, delay: float) -> None:
+    """``signum`` to this process from a thread, ``delay`` seconds from now."""
+    threading.Timer(delay, os.kill, (os.getpid(), signum)).start()
 
 
 SIGNALS = Signals()

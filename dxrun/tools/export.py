@@ -1,7 +1,8 @@
-"""``python -m dxrun.export <run dir | checkpoints dir | step dir> [--step N] --to <dir>
+"""``python -m dxrun.export <run dir | checkpoints dir | step dir> [--step N | --best] --to <dir>
 [overrides]``: a run's checkpoint as a Hugging Face directory that ``transformers`` loads.
 
-The newest committed checkpoint (or step N of the run's checkpoints, or the step dir given) is
+The newest committed checkpoint (or step N of the run's checkpoints, the one
+``checkpoint.keep_best`` kept with ``--best``, or the step dir given) is
 restored onto the mesh of the run's ``parallelism`` (or the overrides', ``parallelism=dp1``) and
 written by ``dxrun.hf.save``: config.json, safetensors files of at most 5 GB (with their index),
 and the run's tokenizer.json when it has one. A GPT-2-style model becomes ``GPT2LMHeadModel``,
