@@ -30,6 +30,7 @@ def composition_refusal(argv: list[str]) -> str | None:
                             else ("hydra.run.dir", "outputs/<date>/<time>"))
     checked: set[str] = set()
     try:
+        _group_values_are_names([a for a in argv if a not in flags])
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="dxrun"):
             for overrides in _one_job_per_sweep_value([a for a in argv if a not in flags]):
                 cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
@@ -47,6 +48,23 @@ def composition_refusal(argv: list[str]) -> str | None:
     except Exception as e:  # noqa: BLE001 - anything we cannot phrase better goes to Hydra
         return composition_error(e) or None
     return None
+
+
+def _group_values_are_names(argv: list[str]) -> None:
+    """A group option Hydra's grammar reads as a number or a boolean (``debug=nan``,
+    ``model=1``) ends in Hydra's traceback before any option is looked up: refused here."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for o in OverridesParser.create().parse_overrides(argv):
+        key = o.get_key_element()
+        if o.is_sweep_override() or not (conf_dir() / key).is_dir():
+            continue
+        value = o.value()
+        if value is not None and not isinstance(value, (str, list)):
+            options = sorted(p.stem for p in (conf_dir() / key).glob("*.yaml"))
+            raise ConfigError(f"{key}={o.get_value_element_as_str()}: Hydra reads this as a "
+                              f"{type(value).__name__}, not an option of the {key} group; "
+                              f"choose one of: {', '.join(options)}")
 
 
 def _one_job_per_sweep_value(argv: list[str]) -> list[list[str]]:

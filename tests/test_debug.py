@@ -57,3 +57,14 @@ def test_nans_raises_at_the_first_nan(tmp_path):
     with pytest.raises(NonFiniteError, match=r"^train.debug_nans: a NaN in a train step"):
         train(cfg, tmp_path)
 
+
+
+def test_a_group_option_hydra_reads_as_a_number_is_one_line():
+    """``debug=nan`` (the option is ``nans``): Hydra's grammar reads nan as a float and its
+    own error is a traceback; the command-line check names the group's options instead."""
+    from dxrun.composition import composition_refusal
+
+    assert composition_refusal(["debug=nan"]) == (
+        "debug=nan: Hydra reads this as a float, not an option of the debug group; choose one "
+        "of: fast, limit, nans, overfit, profile")
+    assert composition_refusal(["debug=fast", "data.seq_len=16"]) is None
