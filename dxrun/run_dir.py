@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dxrun.checkpointing.preempt import SIGNALS
 from dxrun.errors import RUNNING, UNFINISHED, ConfigError
 from dxrun.runtime import STATUS, claim_run_dir
 
@@ -226,14 +227,17 @@ def claim(asked: Path, *, named: bool, fresh: bool, has_checkpoints: Callable[[P
     if fresh or not named:
         while True:
             run_dir = claim_run_dir(asked)  # the first dir whose .hydra/ this launch made
-            if (lock := RunLock.acquire(run_dir)) is not None:
-                held[:] = [Claim(run_dir, lock)]
+            with SIGNALS.held_back():  # a stop comes after the lock is in ``held``
+                if (lock := RunLock.acquire(run_dir)) is not None:
+                    held[:] = [Claim(run_dir, lock)]
+            if lock is not None:
                 return held[0]
     deadline, said = clock() + wait_s, False
     while True:
         target, cont = pick(asked, has_checkpoints)
-        lock = RunLock.acquire(target)
-        held[:] = [] if lock is None else [Claim(target, lock)]
+        with SIGNALS.held_back():
+            lock = RunLock.acquire(target)
+            held[:] = [] if lock is None else [Claim(target, lock)]
         if lock is None:
             if clock() >= deadline:
                 raise ConfigError(busy(target, wait_s))

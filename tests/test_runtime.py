@@ -120,6 +120,43 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
     assert not (run / run_dirs.LOCK).exists()
 
 
+# The launcher's handlers; the signal comes from inside ``RunLock.acquire``, once the lock file
+# is open and locked (the lock names its host): where the run's CI saw it come.
+STOP_WHILE_LOCKING = """
+import os, signal, sys
+from pathlib import Path
+from dxrun import run_dir
+from dxrun.checkpointing.preempt import SIGNALS, guard_signals
+from dxrun.errors import Interrupted
+guard_signals()
+hostname = run_dir.socket.gethostname
+def host():
+    os.kill(os.getpid(), signal.SIGUSR1)
+    return hostname()
+run_dir.socket.gethostname = host
+held = []
+for named in (True, False):
+    SIGNALS.start_job()  # each launch of a multirun
+    try:
+        run_dir.claim(Path(sys.argv[1]) / str(named), named=named, fresh=False,
+                      has_checkpoints=lambda d: False, held=held)
+        print("not stopped")
+    except Interrupted as e:
+        print(e.signal_name, [c.dir.name for c in held], run_dir.holder(held[0].dir).pid == os.getpid())
+        held.pop().release()
+"""
+
+
+def test_a_stop_while_the_lock_is_taken_waits_until_the_claim_is_recorded(tmp_path):
+    """A signal between the lock file's creation and the claim's record stopped the run as one
+    that held no dir ("nothing was written"), its lock file left behind (seen in CI): the stop
+    now waits for the record, for a named dir and for a generated one."""
+    out = subprocess.run([sys.executable, "-c", STOP_WHILE_LOCKING, str(tmp_path)],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["SIGUSR1 ['True'] True", "SIGUSR1 ['False'] True"], out
+    assert not list(tmp_path.glob("*/.hydra/lock"))  # released
+
+
 def test_a_relaunch_continues_the_newest_run_of_its_dir(tmp_path):
     """What ``run_dir.pick`` decides from the files: an unfinished run, or one with checkpoints,
     is continued; a finished one without checkpoints (or a plan-mode dir) leads to the next

@@ -14,12 +14,14 @@ any of the three, which the launcher turns into one line and status ``stopped``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -44,6 +46,8 @@ class Signals:
         self.redeliver = False  # the stop was raised where Python drops exceptions: again
         self.in_hook = False  # inside ``unraisable``: a stop raised here is dropped too
         self.came_back = False  # the resent signal came while the hook still ran
+        self.holding = False  # inside ``held_back``: a stop waits for its end
+        self.held: str | None = None  # the signal that came while holding
 
     def start_job(self) -> None:
         self.phase, self.stopping, self.redeliver = self.STARTING, None, False
@@ -58,8 +62,24 @@ class Signals:
         if self.in_hook:  # the resent signal came before the hook returned: the hook resends
             self.came_back = True
             return
+        if self.holding:
+            self.held = self.held or name
+            return
         self.stopping, self.redeliver = name, False
         raise Interrupted(name, self.phase)
+
+    @contextlib.contextmanager
+    def held_back(self) -> Iterator[None]:
+        """A stop signal that comes inside the block is raised at its end: what the block
+        takes (a run dir's lock) is recorded before the stop unwinds past it."""
+        self.holding, self.held = True, None
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.held is not None:
+            self.stopping, self.redeliver = self.held, False
+            raise Interrupted(self.held, self.phase)
 
     def unraisable(self, unraisable: Any, previous: Any) -> None:
         """``sys.unraisablehook``: a handler's exception raised inside a callback Python cannot
