@@ -25,8 +25,8 @@ import optax
 from dxrun.sharding import constrain
 
 # Below it, w(t) ~ 1/t would weigh the one or two masked tokens of a row enormously (MDLM's
-# sampling eps). Drawing t from [T_MIN, 1] keeps the estimate above the exact bound: the
-# cross-entropy of a masked token only grows with t.
+# sampling eps). Under loglinear and cosine (whose masking rate grows with t) drawing t from
+# [T_MIN, 1] only raises the estimate: the part left out is scored at a higher cross-entropy.
 T_MIN = 1e-3
 LINEAR_RATE = 7.0  # the linear schedule's sigma(1) (MDLM's configs/noise/linear.yaml)
 EVAL_SEED = 0  # the held-out masks' root key: one for every run, so that runs compare alike

@@ -119,16 +119,15 @@ def test_every_listed_key_is_refused_on_resume(shared):
     assert tree_digest(shared["root"]) == before and not (shared["root"] / "new").exists()
 
 
-@pytest.mark.parametrize("draws", ["model.dropout=0.1", "model.objective=mdlm"],
-                         ids=["dropout", "mdlm"])
-def test_dropout_resumes_exactly(tmp_path, draws):
+def test_dropout_resumes_exactly(tmp_path):
     """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
     after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
     bitwise those of the run that never stopped (that dropout changes the numbers at all is
-    test_train's). So do masked diffusion's masks (model.objective=mdlm, dxrun/mdlm.py)."""
+    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/mdlm.py), whose
+    token masks are drawn from (seed, step) too, from another seed: one run resumes both."""
     # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
-    drop = [*SHORT, draws, "train.steps=4", "checkpoint.every=2",
-            "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+    drop = [*SHORT, "model.dropout=0.1", "model.objective=mdlm", "train.steps=4",
+            "checkpoint.every=2", "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
     train(make_cfg(*drop), tmp_path / "straight")
     train(make_cfg(*drop, "train.steps=2"), tmp_path / "split")
     train(make_cfg(*drop), tmp_path / "split")  # resumes from its step 2
@@ -139,10 +138,10 @@ def test_dropout_resumes_exactly(tmp_path, draws):
     for step in (3, 4):
         for key in ("train/loss", "train/grad_norm", "train/param_norm"):
             assert rows["split"][step][key] == rows["straight"][step][key], (step, key)
-    if draws == "model.objective=mdlm":  # each step drew its own masks
-        rates = [rows["straight"][s]["train/mask_rate"] for s in (1, 2, 3, 4)]
-        assert len(set(rates)) == 4 and rates[2:] == [rows["split"][s]["train/mask_rate"]
-                                                      for s in (3, 4)]
+    # each step masked its own tokens, and the resumed steps the uninterrupted run's
+    rates = [rows["straight"][s]["train/mask_rate"] for s in (1, 2, 3, 4)]
+    assert len(set(rates)) == 4 and rates[2:] == [rows["split"][s]["train/mask_rate"]
+                                                  for s in (3, 4)]
 
 
 def test_relaunch_that_trains_nothing_leaves_the_run_untouched(shared):

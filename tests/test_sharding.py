@@ -32,8 +32,10 @@ MODELS = {
     "gpt2_vocab65": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                      "data.vocab_size=65"],
     # Masked diffusion (dxrun/mdlm.py): attention both ways, each step's masks drawn for the
-    # global batch; the [MASK] row makes the table 65 rows, padded to 66 on tp2.
-    "mdlm": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "model.objective=mdlm"],
+    # global batch, then split into micro-batches (2: the noised batch goes through the
+    # accumulation scan); the [MASK] row makes the table 65 rows, padded to 66 on tp2.
+    "mdlm": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "model.objective=mdlm",
+             "train.grad_accum=2"],
 }
 # The odd vocabulary only changes the meshes that split the vocab axis: two different paddings.
 # Masked diffusion: one mesh with every axis (the batch over data x fsdp, the weights over fsdp
