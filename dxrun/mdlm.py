@@ -99,6 +99,12 @@ class MaskedDiffusion(NamedTuple):
         key = jax.random.fold_in(jax.random.key(self.seed), step)
         return self.draw(key, tokens_BxT[:, :-1])
 
+    def position_weights(self, batch: Noised) -> jax.Array:
+        """Each position's weight in the bound: its row's w(t) where masked, else 0 (what
+        ``dxrun.chunked_loss`` weighs each cross-entropy by)."""
+        masked_BxL = batch.xt_BxL == self.mask_id
+        return jnp.where(masked_BxL, batch.w_B[:, None], 0.0)
+
     def masked_share(self, batch: Noised) -> jax.Array:
         """The share of the batch's tokens masked (train/mask_rate)."""
         return (batch.xt_BxL == self.mask_id).mean(dtype=jnp.float32)

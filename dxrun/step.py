@@ -81,14 +81,20 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
         model = nnx.merge(graphdef, params)
     else:
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
-    if objective is not None:
+    if objective is not None and not loss_chunk:
         return objective.loss(lambda t: logits_of(model, t, dropout_key, dtype), tokens_BxT)
-    inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+    if objective is not None:  # masked diffusion's bound: a weight per position
+        inputs_BxL, targets_BxL = tokens_BxT.xt_BxL, tokens_BxT.x0_BxL
+        weights_BxL = objective.position_weights(tokens_BxT)
+    else:
+        inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+        weights_BxL = None
     if loss_chunk:
         x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)
         loss, accuracy = chunked_cross_entropy(
             model.output_weight(gathered=True), x_BxLxD, targets_BxL, loss_chunk,
-            vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1)
+            vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1,
+            weights_BxL=weights_BxL)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = logits_of(model, inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()

@@ -191,9 +191,6 @@ def check_model(m: ModelConfig) -> None:
     if m.objective == "mdlm" and m._target_:
         raise ConfigError(f"model.objective=mdlm trains dxrun's own model (attention both ways, "
                           f"a [MASK] row), not model._target_={m._target_}; drop one of them")
-    if m.objective == "mdlm" and m.loss_chunk:
-        raise ConfigError(f"model.loss_chunk={m.loss_chunk}: model.objective=mdlm computes its "
-                          "weighted loss unchunked; set model.loss_chunk=0 or null")
 
 
 def check_data(d: DataConfig, m: ModelConfig) -> None:

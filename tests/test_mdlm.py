@@ -89,13 +89,11 @@ def test_forward_process_masks_at_the_schedules_rate():
 
 
 @pytest.mark.parametrize("overrides, line", [
-    (["model.loss_chunk=8"], "model.loss_chunk=8: model.objective=mdlm computes its weighted "
-                             "loss unchunked; set model.loss_chunk=0 or null"),
     (["model._target_=flax.nnx.Linear"], "model.objective=mdlm trains dxrun's own model "
      "(attention both ways, a [MASK] row), not model._target_=flax.nnx.Linear; drop one of them"),
     (["model.noise_schedule=sqrt"], "model.noise_schedule='sqrt' is not one of loglinear, "
                                     "cosine, linear"),
-], ids=["loss_chunk", "user_model", "schedule"])
+], ids=["user_model", "schedule"])
 def test_what_mdlm_cannot_do_is_refused_in_one_line(overrides, line):
     with pytest.raises(ConfigError) as err:
         validation.validate(make_cfg("model.objective=mdlm", *overrides))

@@ -44,11 +44,8 @@ def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -
 def loss_chunk_for(m: ModelConfig, plan: MeshPlan) -> int:
     """``resolve_loss_chunk`` for the model ``m`` on ``plan``'s mesh: one micro-batch's rows per
     device and the vocabulary's padded rows per tensor-parallel device. A user model
-    (``model._target_``) has no output layer of dxrun's to chunk: 0. Nor does masked diffusion
-    (``model.objective=mdlm``) chunk: its loss weighs each position by its row's w(t) and
-    counts the masked ones only, which ``dxrun.chunked_loss``'s mean over all positions does
-    not (validation refuses a chunk set for it)."""
-    if m._target_ or getattr(m, "objective", "ar") == "mdlm":
+    (``model._target_``) has no output layer of dxrun's to chunk: 0."""
+    if m._target_:
         return 0
     rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * plan.grad_accum))
     vocab = (plan.padded_vocab or m.vocab_size) // plan.tp
