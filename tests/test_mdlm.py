@@ -137,6 +137,7 @@ def markov_mdlm(tmp_path_factory):
     return run
 
 
+@pytest.mark.e2e  # a trained run: whole training, tools on it
 def test_markov_bound_lies_above_the_windows_entropy_and_near_it(markov_mdlm):
     summary = json.loads((markov_mdlm / "summary.json").read_text())
     floor = summary["entropy_floor"]  # the window's entropy per token (MarkovSource)
@@ -154,6 +155,7 @@ def test_markov_bound_lies_above_the_windows_entropy_and_near_it(markov_mdlm):
     assert all(abs(r["train/mask_rate"] - (1 - 2 / math.pi)) < 0.1 for r in rows), rows
 
 
+@pytest.mark.e2e  # a trained run: whole training, tools on it
 def test_evaluation_is_the_same_on_every_mesh(markov_mdlm):
     """The held-out bound (eval.draws draws per batch, seeded by the batch's index): on the
     run's own mesh bitwise the run's last evaluation, on two others equal to float rounding."""
@@ -166,6 +168,7 @@ def test_evaluation_is_the_same_on_every_mesh(markov_mdlm):
     assert other["eval/accuracy"] == pytest.approx(summary["eval/accuracy"], rel=1e-5)
 
 
+@pytest.mark.e2e  # a trained run: whole training, tools on it
 def test_reverse_process_samples_follow_the_chain_on_any_mesh(markov_mdlm):
     """Greedy tokens unmasked in a random order (MDLM's ancestral sampler) or the most confident
     first: most transitions are ones the chain allows; the prompt stays; a tensor-parallel mesh
@@ -184,6 +187,7 @@ def test_reverse_process_samples_follow_the_chain_on_any_mesh(markov_mdlm):
     np.testing.assert_array_equal(confident["tokens"][:, :1], one["tokens"][:, :1])
 
 
+@pytest.mark.e2e  # a trained run: whole training, tools on it
 def test_a_text_run_samples_text(tmp_path):
     """A short bytes-level run on a small corpus, sampled by the reverse process (the most
     confident first, drawn from the 8 likeliest bytes): the prompt kept, then letters, spaces and full
