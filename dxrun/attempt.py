@@ -46,8 +46,8 @@ log = logging.getLogger("dxrun")
 def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dict[str, float]:
     """Mean held-out loss and accuracy over ``batches``: in training the same ``eval.batches``
     every time (a list); ``dxrun.evaluate`` passes a generator, so that a whole split is never
-    on the devices at once."""
-    results = [exp.eval_step(params, b) for b in batches]
+    on the devices at once. A batch's index seeds masked diffusion's noise (``dxrun.mdlm``)."""
+    results = [exp.eval_step(params, b, k) for k, b in enumerate(batches)]
     loss = sum(float(r["eval/loss"]) for r in results) / len(results)
     acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)
     return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}

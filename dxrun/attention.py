@@ -55,10 +55,10 @@ def llama3_frequencies(freq_E2: jax.Array, factor: float, low_freq_factor: float
 
 
 def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
-                        mask_LxS: jax.Array | None = None) -> jax.Array:
+                        mask_LxS: jax.Array | None = None, causal: bool = True) -> jax.Array:
     """Attention written out (``model.attention=reference``): what the fused kernel is tested
     against. Causal (L = S) unless ``mask_LxS`` says which keys each query sees (decoding
-    against a key/value cache)."""
+    against a key/value cache); ``causal=False`` and no mask: every key (masked diffusion)."""
     B, L, H, E = q_BxLxHxE.shape
     K = k_BxSxKxE.shape[2]
     # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
@@ -67,9 +67,10 @@ def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: j
     # Scores and softmax in fp32 for stability under bf16 compute.
     s_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
                              preferred_element_type=jnp.float32) * E**-0.5
-    if mask_LxS is None:
+    if mask_LxS is None and causal:
         mask_LxS = jnp.tril(jnp.ones((L, L), bool))
-    s_BxKxGxLxS = jnp.where(mask_LxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    if mask_LxS is not None:
+        s_BxKxGxLxS = jnp.where(mask_LxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
     p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
     o_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", p_BxKxGxLxS, v_BxSxKxE)
     o_BxLxHxE = o_BxLxKxGxE.reshape(B, L, H, E)
@@ -84,9 +85,10 @@ def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> j
 
 
 class Attention(nnx.Module):
-    """Causal multi-head / grouped-query attention. q, k, v are column-parallel (heads on
-    ``tensor``), the output projection row-parallel: each device keeps whole heads.
-    ``target``: the devices it runs on, which decide the fused kernel (``attention_kernel``)."""
+    """Causal multi-head / grouped-query attention (bidirectional for ``model.objective=mdlm``,
+    masked diffusion). q, k, v are column-parallel (heads on ``tensor``), the output projection
+    row-parallel: each device keeps whole heads. ``target``: the devices it runs on, which
+    decide the fused kernel (``attention_kernel``)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET):
         D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
@@ -96,6 +98,7 @@ class Attention(nnx.Module):
         # A tuple, not a dict: static, hashable (NNX keeps a dict attribute as a graph node).
         self.scaling = tuple(sorted(dict(cfg.rope_scaling).items())) if cfg.rope_scaling else None
         self.target = target
+        self.causal = getattr(cfg, "objective", "ar") != "mdlm"
         self.wq = param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
         self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wv = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
@@ -122,9 +125,11 @@ class Attention(nnx.Module):
                                               self.target.compute_capability,
                                               self.target.cudnn_version)
             o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                                     is_causal=True, implementation=kernel)
+                                                     is_causal=self.causal,
+                                                     implementation=kernel)
         else:
-            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
+            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
+                                            causal=self.causal)
         return self.out(o_BxLxHxE)
 
     def qkv(self, x_BxLxD: jax.Array, start: Any = 0

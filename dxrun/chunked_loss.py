@@ -30,7 +30,8 @@ from dxrun.sharding import active_axes, without_mesh_axis
 
 
 def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
-                          vocab_size: int, vocab_axis: int) -> tuple[Any, Any]:
+                          vocab_size: int, vocab_axis: int, weights_BxL: Any = None
+                          ) -> tuple[Any, Any]:
     """Mean cross-entropy and accuracy over ``targets_BxL`` of the output layer ``w`` (its
     padded vocabulary on axis ``vocab_axis``, ids from ``vocab_size`` on masked) applied to
     ``x_BxLxD``, ``chunk`` positions at a time. Every collective is the unchunked step's, once
@@ -42,7 +43,9 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
     head masks), stacked over the chunks and reduced over the shards once, after them; the
     backward (autodiff's formula for the unchunked loss, written out) keeps each replica's
     gradient of ``w`` and each shard's part of the input gradient, summed once after the
-    scan. Left to autodiff and the partitioner, each was all-reduced once per chunk."""
+    scan. Left to autodiff and the partitioner, each was all-reduced once per chunk.
+    ``weights_BxL`` (masked diffusion's, ``dxrun.mdlm``): each position's cross-entropy
+    weighted, still divided by B x L, and the accuracy over the positions of non-zero weight."""
     B, L, D = x_BxLxD.shape
     Vp = w.shape[vocab_axis]
     replicas, shards = active_axes("batch"), active_axes("vocab")
@@ -97,10 +100,10 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
         return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first
 
     @jax.custom_vjp
-    def sums(w: Any, x_N: Any, t_N: Any) -> tuple[Any, Any]:
-        return forward(w, x_N, t_N)[0]
+    def sums(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[Any, Any]:
+        return forward(w, x_N, t_N, wt_N)[0]
 
-    def forward(w: Any, x_N: Any, t_N: Any) -> tuple[tuple[Any, Any], tuple]:
+    def forward(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[tuple[Any, Any], tuple]:
         w_T = split(w)
         # [N, R, T, b, C] each: per shard, no reduction over the vocabulary in the loop
         m, s, label, first = jax.lax.map(
@@ -109,25 +112,28 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
         s_sum = (s * jnp.exp(m - m_max[:, :, None])).sum(2)  # the one sum
         lse = jnp.log(s_sum) + m_max  # jax.nn.logsumexp's, as optax's (the unchunked loss)
         # the label logits reduced over the shards as the unchunked step's (a masked gather)
-        nll = (lse - label.sum(2)).sum()
+        nll_N = lse - label.sum(2)
+        nll = (nll_N if wt_N is None else wt_N * nll_N).sum()
         # the shards' first maxima reduced to the first overall, as jnp.argmax's reduction
         _, argmax = jax.lax.reduce((m, first), (jnp.float32(-jnp.inf), jnp.int32(0)),
                                    _first_max, (2,))
-        correct = (argmax == t_N).sum(dtype=jnp.float32)
-        return (nll, correct), (w, x_N, t_N, m_max, s_sum)
+        right_N = argmax == t_N
+        correct = (right_N if wt_N is None else right_N & (wt_N != 0)).sum(dtype=jnp.float32)
+        return (nll, correct), (w, x_N, t_N, m_max, s_sum, wt_N)
 
-    def backward(res: tuple, cts: tuple[Any, Any]) -> tuple[Any, Any, None]:
-        w, x_N, t_N, m_N, s_N = res
+    def backward(res: tuple, cts: tuple[Any, Any]) -> tuple[Any, Any, None, None]:
+        w, x_N, t_N, m_N, s_N, wt_N = res
         g = cts[0]  # the accuracy (an argmax) has no gradient
         w_T = split(w)
 
         def grads(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, m_bxC: Any,
-                  s_bxC: Any) -> tuple:
+                  s_bxC: Any, g_bxC: Any) -> tuple:
             # recomputes the chunk's logits: the forward kept none
             logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
             # autodiff's gradient of the unchunked loss, in its order of operations
-            p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g / s_bxC)[..., None]
-            d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g, 0.0)).astype(x_bxCxD.dtype)
+            p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g_bxC / s_bxC)[..., None]
+            d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
+                       ).astype(x_bxCxD.dtype)
             # dxrun.layers.dense's backward: compute dtype operands, fp32 accumulation; the
             # input gradient kept fp32, as the unchunked partial sum the partitioner reduces
             dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
@@ -140,14 +146,19 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
             dw, dx = per_device(grads, 2)(w_T, offsets_T, *xs)
             return dw_RT + dw, dx
 
+        # each position's share of the loss's gradient: g, times its weight when weighted
+        g_N = jnp.broadcast_to(g, t_N.shape) if wt_N is None else g * wt_N
         dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
-        dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N))
+        dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N, g_N))
         # the one reduction over the replicas, and the one over the shards
-        return (join(dw_RT.sum(0)).astype(w.dtype), dx_NxRxT.sum(2).astype(x_N.dtype), None)
+        return (join(dw_RT.sum(0)).astype(w.dtype), dx_NxRxT.sum(2).astype(x_N.dtype), None,
+                None)
 
     sums.defvjp(forward, backward)
-    nll, correct = sums(w, chunks(x_BxLxD), chunks(targets_BxL))
-    return nll / (B * L), correct / (B * L)
+    wt_N = None if weights_BxL is None else chunks(weights_BxL.astype(jnp.float32))
+    nll, correct = sums(w, chunks(x_BxLxD), chunks(targets_BxL), wt_N)
+    counted = B * L if weights_BxL is None else jnp.maximum((weights_BxL != 0).sum(), 1)
+    return nll / (B * L), correct / counted
 
 
 def _first_max(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -17,12 +17,14 @@ from dxrun import faults
 from dxrun.attention_kernel import AttentionTarget, attention_target
 from dxrun.data import TRAIN, Data
 from dxrun.hf.load import import_params
+from dxrun.mdlm import objective_of
 from dxrun.model import count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
 from dxrun.plan.attention import attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
+from dxrun.plan.vocab import table_rows
 from dxrun.sharding import (
     batch_sharding,
     check_process_rows,
@@ -104,6 +106,8 @@ class Experiment:
         state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
                                      replicated(mesh))
         b_shard = batch_sharding(mesh)
+        # masked diffusion (model.objective=mdlm): its training masks seeded apart from dropout's
+        objective = objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws)
         step = make_train_step(
             graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
             cfg.train.precision,
@@ -111,10 +115,10 @@ class Experiment:
             grad_accum=plan.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             nan_policy=cfg.train.nan_policy, inject_nan_at_step=faults.from_env().nan_at_step,
             loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
-            update_pads=pads,
+            update_pads=pads, objective=objective,
         )
         eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
-                                   cfg.train.precision, loss_chunk)
+                                   cfg.train.precision, loss_chunk, objective)
         if data is None and with_data:
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)
@@ -179,7 +183,7 @@ class Experiment:
         if params is None:
             params = self.init_params()
         else:
-            params = resize_vocab(params, self.axes, self.cfg.model.vocab_size,
+            params = resize_vocab(params, self.axes, table_rows(self.cfg.model),
                                   self.padded_vocab)
             params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(self._opt_init,

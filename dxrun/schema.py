@@ -31,6 +31,7 @@ from dxrun.config_key import (  # noqa: F401 - Range and the bounds, importable 
     section,
     walk,
 )
+from dxrun.schema_distributed import DistributedConfig
 from dxrun.schema_tracking import EarlyStopConfig, LoggerConfig
 
 # The two keys that give the batch (dxrun/plan/batch.py tells which one a run set).
@@ -73,6 +74,12 @@ class ModelConfig:
     attention: str = key("dot_product", "dot_product: jax.nn's (fused where available); "
                          "reference: the plain einsum and softmax",
                          choices=("dot_product", "reference"))
+    objective: str = key("ar", "what the model learns: ar = the next token (causal attention) | "
+                         "mdlm = masked diffusion (bidirectional; docs/guide/objectives.md)",
+                         choices=("ar", "mdlm"))
+    noise_schedule: str = key("loglinear", "model.objective=mdlm: the share of tokens kept at "
+                              "time t, alpha(t) (docs/guide/objectives.md)",
+                              choices=("loglinear", "cosine", "linear"))
     residual_dtype: str = key("compute", "the residual stream's dtype: compute (the "
                               "train.precision dtype) or fp32", choices=("compute", "fp32"))
     loss_chunk: int | None = key(
@@ -270,6 +277,9 @@ class CheckpointConfig:
 class EvalConfig:
     batches: int = key(4, "held-out batches per evaluation (the same ones every time)",
                        range=POSITIVE)
+    draws: int = key(2, "model.objective=mdlm: Monte-Carlo masking draws (t and mask) per held-out "
+                     "batch, seeded by the batch's index: the same every evaluation",
+                     range=POSITIVE)
 
 
 @dataclass
@@ -319,29 +329,6 @@ class RuntimeConfig:
         False, "Train on CPU on a host with an NVIDIA GPU (a JAX without its CUDA plugin): "
         "refused unless true (or JAX_PLATFORMS=cpu), since it is almost always a missing "
         "pip install -e '.[gpu]'.")
-
-
-@dataclass
-class DistributedConfig:
-    """Joining a multi-process run through JAX's distributed runtime (dxrun/multihost/distributed.py)."""
-
-    mode: str = key(
-        "auto", "auto: join when the environment says this process is one of several (srun "
-        "with several tasks; JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, as "
-        "python -m dxrun.launch sets them) | off | manual (the keys below)",
-        choices=("auto", "off", "manual"))
-    coordinator: str | None = key(None, "host:port of process 0")
-    num_processes: int | None = key(None, "processes in the run (distributed.mode=manual)",
-                                    range=POSITIVE)
-    process_id: int | None = key(None, "this process's rank (distributed.mode=manual)",
-                                 range=NON_NEGATIVE)
-    local_device_ids: list[int] | None = key(
-        None, "The accelerators this process drives: null = JAX's choice (under SLURM one per "
-        "task when a node runs several tasks, all when it runs one).")
-    init_timeout_s: int = key(300, "wait at most this long for every process to arrive",
-                              range=POSITIVE)
-    heartbeat_timeout_s: int = key(100, "a process silent this long is dead: the others exit",
-                                   range=POSITIVE)
 
 
 @dataclass

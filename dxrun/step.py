@@ -14,12 +14,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.chunked_loss import chunked_cross_entropy
+from dxrun.mdlm import MaskedDiffusion
 from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
 from dxrun.user_model import logits_of
 from dxrun.zero_padding import pad, unpad
@@ -64,7 +66,8 @@ class TrainState(NamedTuple):
 
 def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array,
                      dtype: Any, dropout_key: jax.Array | None = None,
-                     grad_reduce_dtype: str = "fp32", loss_chunk: int = 0
+                     grad_reduce_dtype: str = "fp32", loss_chunk: int = 0,
+                     objective: MaskedDiffusion | None = None
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``grad_reduce_dtype`` (``train.grad_reduce_dtype``): "fp32" hands the model the fp32
     master weights and it casts each at its use (``dxrun.layers.dense``), so weight gradients
@@ -72,17 +75,26 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
     whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
     ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same.
     ``loss_chunk`` > 0: the loss and accuracy over that many positions at a time, never the
-    whole logits tensor (``dxrun.chunked_loss``)."""
+    whole logits tensor (``dxrun.chunked_loss``). ``objective``: masked diffusion
+    (``dxrun.mdlm``), whose ``tokens_BxT`` is its noised batch; None: the next token."""
     if grad_reduce_dtype == "fp32":
         model = nnx.merge(graphdef, params)
     else:
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
-    inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+    if objective is not None and not loss_chunk:
+        return objective.loss(lambda t: logits_of(model, t, dropout_key, dtype), tokens_BxT)
+    if objective is not None:  # masked diffusion's bound: a weight per position
+        inputs_BxL, targets_BxL = tokens_BxT.xt_BxL, tokens_BxT.x0_BxL
+        weights_BxL = objective.position_weights(tokens_BxT)
+    else:
+        inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+        weights_BxL = None
     if loss_chunk:
         x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)
         loss, accuracy = chunked_cross_entropy(
             model.output_weight(gathered=True), x_BxLxD, targets_BxL, loss_chunk,
-            vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1)
+            vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1,
+            weights_BxL=weights_BxL)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = logits_of(model, inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
@@ -98,7 +110,8 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
     ``lax.scan`` (``train.grad_accum``): the same update as the whole batch at once, with the
     activations of one micro-batch alive at a time. Micro-batch i is rows i, i+k, i+2k, ... so
     each device keeps computing on its own rows (no data moves). ``loss_fn(params, tokens,
-    key) -> (loss, metrics)``.
+    key) -> (loss, metrics)``; ``tokens_BxT`` may be a tree of arrays whose first axis is the
+    batch's rows (an objective's noised batch, ``dxrun.mdlm``): each is split alike.
 
     With ``param_shardings`` and more than one replica on the mesh's ``data`` axis, the
     gradients are reduced over ``data`` once per step, not once per micro-batch: each replica's
@@ -110,8 +123,9 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, tokens_BxT, key)
         return loss, metrics, grads
-    B, T = tokens_BxT.shape
-    micro_KxMxT = tokens_BxT.reshape(B // accum, accum, T).swapaxes(0, 1)
+    B = jax.tree.leaves(tokens_BxT)[0].shape[0]
+    micro_KxMxT = jax.tree.map(
+        lambda a: a.reshape(B // accum, accum, *a.shape[1:]).swapaxes(0, 1), tokens_BxT)
     mesh = batch_sharding.mesh
     R = mesh.shape[REPLICA_AXIS] if param_shardings is not None else 1
     if R > 1:
@@ -121,13 +135,14 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
 
     def one(carry: tuple, xs: tuple) -> tuple[tuple, None]:
         tokens_MxT, i = xs
-        tokens_MxT = jax.lax.with_sharding_constraint(tokens_MxT, batch_sharding)
+        tokens_MxT = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+            a, NamedSharding(mesh, P(*batch_sharding.spec[:a.ndim]))), tokens_MxT)
         mkey = None if key is None else jax.random.fold_in(key, i)
         if R == 1:
             (loss, m), g = grad_fn(params, tokens_MxT, mkey)
             return jax.tree.map(jnp.add, carry, (loss, m, g)), None
         # Replica r's rows of the micro-batch are the ones on data index r already.
-        tokens_RxNxT = tokens_MxT.reshape(R, -1, T)
+        tokens_RxNxT = jax.tree.map(lambda a: a.reshape(R, -1, *a.shape[1:]), tokens_MxT)
         keys = None if mkey is None else jax.random.split(mkey, R)
         with without_mesh_axis(REPLICA_AXIS):  # the vmapped axis holds `data`
             (loss_R, m_R), g_R = per_replica(params, tokens_RxNxT, keys)
@@ -162,7 +177,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     dropout_seed: int | None = None, grad_accum: int = 1,
                     nan_policy: str = "halt", inject_nan_at_step: int = 0,
                     grad_reduce_dtype: str = "fp32", loss_chunk: int = 0,
-                    update_shardings: Any = None, update_pads: Any = None) -> TrainStep:
+                    update_shardings: Any = None, update_pads: Any = None,
+                    objective: MaskedDiffusion | None = None) -> TrainStep:
     """``update_shardings`` (ZeRO-1, ``parallelism.shard_optimizer``): per parameter, the
     sharding of its optimizer state, split over the data replicas as well. The gradients and
     parameters are constrained to it before the optimizer update, so each replica updates its
@@ -170,12 +186,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     parameters' out-sharding all-gathers the updated shards. None: the update runs on the
     parameters' own layout (every data replica updates the whole of it). ``update_pads``:
     where no axis of a parameter divides, its gradient and value are padded with zeros into
-    its optimizer state's layout (``dxrun.zero_padding``) and cut back after the update."""
+    its optimizer state's layout (``dxrun.zero_padding``) and cut back after the update.
+    ``objective``: masked diffusion (``dxrun.mdlm``), its noise drawn for the whole batch before
+    any micro-batch; None: the next token."""
     dtype = COMPUTE_DTYPES[precision]
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
-                                         grad_reduce_dtype, loss_chunk)
+                                         grad_reduce_dtype, loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
@@ -183,8 +201,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if dropout_seed is None
                else jax.random.fold_in(jax.random.key(dropout_seed), state.step))
+        batch = tokens_BxT if objective is None else objective.train_batch(state.step, tokens_BxT)
         loss, metrics, grads = accumulated_grads(
-            lambda p, t, k: loss_fn(p, t, k, state.step), state.params, tokens_BxT, key,
+            lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
             grad_accum, batch_sharding, state_shardings.params)
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
@@ -215,6 +234,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                                           jnp.float32)
         if nan_policy == "skip":
             metrics["train/skipped_steps"] = skipped
+        if objective is not None:
+            metrics["train/mask_rate"] = objective.masked_share(batch)
         return TrainState(state.step + 1, params, opt_state, skipped, first_bad), metrics
 
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
@@ -224,21 +245,29 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
 def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
                    param_shardings: Any, batch_sharding: Any, precision: str,
-                   loss_chunk: int = 0) -> Callable:
-    """Held-out loss and accuracy of a batch: forward only, jitted once, same shardings."""
+                   loss_chunk: int = 0, objective: MaskedDiffusion | None = None) -> Callable:
+    """Held-out loss and accuracy of a batch: forward only, jitted once, same shardings.
+    ``run(params, tokens, index)``: ``index``, the batch's place in the held-out stream, seeds
+    an objective's noise (``dxrun.mdlm``); the next token's loss has no argument for it."""
     dtype = COMPUTE_DTYPES[precision]
 
-    def evaluate(params: dict, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
+    def evaluate(params: dict, tokens_BxT: jax.Array, *index: jax.Array) -> dict[str, jax.Array]:
+        if objective is not None:
+            model = nnx.merge(graphdef, params)
+            return objective.evaluate(lambda t: logits_of(model, t, None, dtype), tokens_BxT,
+                                      *index)
         _, m = loss_and_metrics(graphdef, params, tokens_BxT, dtype, loss_chunk=loss_chunk)
         return {"eval/loss": m["train/loss"], "eval/accuracy": m["train/accuracy"]}
 
-    jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding),
+    seeded = () if objective is None else (replicated(mesh),)
+    jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding, *seeded),
                      out_shardings=replicated(mesh))
     in_flight = InFlight(mesh)  # however many batches a loop feeds it (eval.batches=all)
 
-    def run(params: dict, tokens_BxT: jax.Array) -> dict[str, jax.Array]:
+    def run(params: dict, tokens_BxT: jax.Array, index: int = 0) -> dict[str, jax.Array]:
+        index_arg = () if objective is None else (np.int32(index),)
         with in_mesh_context(mesh, rules):
-            return in_flight(jitted(params, tokens_BxT))
+            return in_flight(jitted(params, tokens_BxT, *index_arg))
 
     return run
 

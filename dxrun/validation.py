@@ -188,6 +188,9 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.pos=rope needs an even head dim, got d_model/n_heads={m.d_model // m.n_heads}"
         )
+    if m.objective == "mdlm" and m._target_:
+        raise ConfigError(f"model.objective=mdlm trains dxrun's own model (attention both ways, "
+                          f"a [MASK] row), not model._target_={m._target_}; drop one of them")
 
 
 def check_data(d: DataConfig, m: ModelConfig) -> None:

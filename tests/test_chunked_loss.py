@@ -14,6 +14,7 @@ from dxrun.autotune.fit import NoData
 from dxrun.autotune.hlo import collective_traffic
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
+from dxrun.mdlm import objective_of
 from dxrun.plan import memory_model
 from dxrun.plan.loss_chunk import AUTO_ON_BYTES, loss_chunk_for, resolve_loss_chunk
 from dxrun.sharding import in_mesh_context
@@ -31,17 +32,25 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     # bf16 compute: the gradients agree up to a bf16 rounding of a logit's gradient (a
     # different order of fp32 operations may round one the other way)
     (["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.bfloat16, 1e-3),
-], ids=["dp2_tied", "dp4_tp2_padded", "dp2_fsdp2_tp2_tied", "dp2_fsdp2_tp2_tied_bf16"])
+    # masked diffusion (dxrun/mdlm.py): each position weighted by its row's w(t) where masked,
+    # the accuracy over the masked ones; its [MASK] row padded to 18 under tp2
+    (["parallelism=dp4_tp2", "model.objective=mdlm"], jnp.float32, 1e-6),
+], ids=["dp2_tied", "dp4_tp2_padded", "dp2_fsdp2_tp2_tied", "dp2_fsdp2_tp2_tied_bf16",
+        "dp4_tp2_mdlm"])
 def test_chunked_equals_whole(overrides, dtype, tol):
     cfg = make_cfg("model=tiny", "logger=none", "train.precision=fp32", "data.seq_len=32",
                    *overrides)
     exp = Experiment.build(cfg)
     params, tokens = exp.init_params(), exp.batch(0)
+    objective = objective_of(cfg.model, seed=0)  # None: the next token
 
     def both(p):
+        batch = tokens if objective is None else objective.train_batch(jnp.int32(3), tokens)
+
         def grad(chunk):
             return jax.value_and_grad(
-                lambda q: loss_and_metrics(exp.graphdef, q, tokens, dtype, loss_chunk=chunk),
+                lambda q: loss_and_metrics(exp.graphdef, q, batch, dtype, loss_chunk=chunk,
+                                           objective=objective),
                 has_aux=True)(p)
         return grad(0), grad(CHUNK)
 

@@ -35,7 +35,7 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # fails ``test_every_module_has_a_floor``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
-                "dxrun.schema_tracking",
+                "dxrun.schema_tracking", "dxrun.schema_distributed",
                 "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
               "dxrun.checkpointing.preempt")),
@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
                     "dxrun.attention", "dxrun.attention_kernel", "dxrun.chunked_loss",
                     "dxrun.model", "dxrun.user_model", "dxrun.optimizer", "dxrun.step", "dxrun.data",
+                    "dxrun.mdlm",
                     "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
                     "dxrun.zero_padding", "dxrun.hf")),
     ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile")),

@@ -123,10 +123,11 @@ def test_dropout_resumes_exactly(tmp_path):
     """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
     after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
     bitwise those of the run that never stopped (that dropout changes the numbers at all is
-    test_train's)."""
+    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/mdlm.py), whose
+    token masks are drawn from (seed, step) too, from another seed: one run resumes both."""
     # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
-    drop = [*SHORT, "model.dropout=0.1", "train.steps=4", "checkpoint.every=2",
-            "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+    drop = [*SHORT, "model.dropout=0.1", "model.objective=mdlm", "train.steps=4",
+            "checkpoint.every=2", "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
     train(make_cfg(*drop), tmp_path / "straight")
     train(make_cfg(*drop, "train.steps=2"), tmp_path / "split")
     train(make_cfg(*drop), tmp_path / "split")  # resumes from its step 2
@@ -137,6 +138,10 @@ def test_dropout_resumes_exactly(tmp_path):
     for step in (3, 4):
         for key in ("train/loss", "train/grad_norm", "train/param_norm"):
             assert rows["split"][step][key] == rows["straight"][step][key], (step, key)
+    # each step masked its own tokens, and the resumed steps the uninterrupted run's
+    rates = [rows["straight"][s]["train/mask_rate"] for s in (1, 2, 3, 4)]
+    assert len(set(rates)) == 4 and rates[2:] == [rows["split"][s]["train/mask_rate"]
+                                                  for s in (3, 4)]
 
 
 def test_relaunch_that_trains_nothing_leaves_the_run_untouched(shared):

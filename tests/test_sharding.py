@@ -31,9 +31,16 @@ MODELS = {
     # An odd vocabulary: padded to 66 on tp2 and 72 on tp8, masked out of the loss.
     "gpt2_vocab65": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                      "data.vocab_size=65"],
+    # Masked diffusion (dxrun/mdlm.py): attention both ways, each step's masks drawn for the
+    # global batch, then split into micro-batches (2: the noised batch goes through the
+    # accumulation scan); the [MASK] row makes the table 65 rows, padded to 66 on tp2.
+    "mdlm": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "model.objective=mdlm",
+             "train.grad_accum=2"],
 }
 # The odd vocabulary only changes the meshes that split the vocab axis: two different paddings.
-MESHES_OF = {"gpt2_vocab65": ["dp1", "tp2", "tp8"]}
+# Masked diffusion: one mesh with every axis (the batch over data x fsdp, the weights over fsdp
+# x tensor, the 65-row table padded to 66).
+MESHES_OF = {"gpt2_vocab65": ["dp1", "tp2", "tp8"], "mdlm": ["dp1", "dp2_fsdp2_tp2"]}
 STEPS = 6  # the 6th step's loss is the loss after 5 updates (2 of warmup, 3 at the peak lr)
 # 8 x 16 tokens a step (not 32 x 64): the step's cost is in the compile, which the batch barely
 # changes; every mesh's axes (8 ways at most) still divide the batch and the sequence.

@@ -18,7 +18,7 @@ from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
 from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
 from dxrun.plan.targets import TARGETS, Target, plan_platform, target_key
-from dxrun.plan.vocab import padded_vocab
+from dxrun.plan.vocab import padded_vocab, table_rows
 from dxrun.step import step_bytes
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
     with the target's vocabulary padding), activations from the shapes, with the attention
     kernel a run on that target would use."""
     cfg, plan = exp.cfg, exp.plan
-    vocab = target_vocab(cfg.model.vocab_size, cfg.parallelism.vocab_align, plan, target)
+    vocab = target_vocab(table_rows(cfg.model), cfg.parallelism.vocab_align, plan, target)
     if vocab != exp.padded_vocab:  # shapes only: the same model with the target's rows
         exp = Experiment.build(cfg, replace(plan, padded_vocab=vocab), data=NoData())
     state = exp.abstract_state()
@@ -160,7 +160,7 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     timing = None
     if accelerator and peak:
         w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
-                              target_vocab(cfg.model.vocab_size, cfg.parallelism.vocab_align,
+                              target_vocab(table_rows(cfg.model), cfg.parallelism.vocab_align,
                                            plan, target))
         t = TARGETS[key]
         timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,

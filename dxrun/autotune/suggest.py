@@ -29,6 +29,7 @@ from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import REMATS, factorisations
 from dxrun.plan.mesh import LOGICAL_RULES, MeshPlan, make_plan, shard_optimizer
 from dxrun.plan.targets import GB, TARGETS, Target, gb_text, target_key, usable_bytes
+from dxrun.plan.vocab import table_rows
 
 if TYPE_CHECKING:
     from dxrun.schema import RunConfig
@@ -153,7 +154,7 @@ def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[flo
     m = cfg.model
     kernel = memory_model.target_kernel(m.attention, target.device_kind, cfg.train.precision,
                                         m.d_model // m.n_heads)
-    vocab = target_vocab(m.vocab_size, cfg.parallelism.vocab_align, plan, target)
+    vocab = target_vocab(table_rows(m), cfg.parallelism.vocab_align, plan, target)
     x = memory_model.shapes(m, cfg.train, plan, kernel, vocab)
     return memory_model.estimate_memory(x, *state, plan.fsdp).total_bytes
 

@@ -88,7 +88,9 @@ class Data:
             self.markov = MarkovSource(symbols=d.symbols or cfg.model.vocab_size, order=d.order,
                                        branching=d.branching, seed=d.seed,
                                        batch_size=batch_size, seq_len=seq_len)
-            self.entropy_floor = self.markov.entropy_floor
+            # masked diffusion models the whole window: its floor is the window's entropy
+            self.entropy_floor = (self.markov.window_entropy() if cfg.model.objective == "mdlm"
+                                  else self.markov.entropy_floor)
             self.vocab_size = self.markov.S
             self.description = (f"order {d.order}, {self.markov.S} symbols "
                                 f"(entropy floor {self.entropy_floor:.4f} nats/token)")

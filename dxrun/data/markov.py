@@ -84,6 +84,15 @@ class MarkovSource:
         full = max(0, self.seq_len - len(cond))
         return (sum(cond[: self.seq_len]) + full * self.entropy_rate) / self.seq_len
 
+    def window_entropy(self) -> float:
+        """The entropy of seq_len consecutive tokens, per token: the floor of a model of a
+        window's joint law (``model.objective=mdlm``, whose bound lies above it). As
+        ``entropy_floor`` but the first token costs its own entropy, H(X_0), and the window
+        ends a token earlier (seq_len > order: that token costs the entropy rate)."""
+        joint = self.pi.reshape((self.S,) * self.k)
+        first = _entropy(joint.sum(axis=tuple(range(1, self.k))).ravel())
+        return self.entropy_floor + (first - self.entropy_rate) / self.seq_len
+
     def batch(self, step: int, stream: int = TRAIN) -> np.ndarray:
         """Tokens [batch_size, seq_len + 1] (int32) of global step ``step``."""
         rng = np.random.default_rng([self.seed, stream, step])

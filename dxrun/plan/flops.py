@@ -116,7 +116,8 @@ def mfu(tflops_per_device: float, peak: float) -> float:
 #   the forward pass three times (forward, input gradient, weight gradient) and the attention
 #   scores and weighted sum over the full ``seq_len x seq_len`` square, no recomputation.
 # * ``attention_causal``: the same attention with the causal half only, the convention of
-#   MaxText's and FlashAttention's TFLOP/s figures (a fused kernel skips the masked blocks).
+#   MaxText's and FlashAttention's TFLOP/s figures (a fused kernel skips the masked blocks);
+#   masked diffusion (``model.objective=mdlm``) attends both ways: its is the full square.
 # * ``hardware``: what the device executes: ``model`` with the attention a fused kernel runs
 #   (causal half; its backward recomputes the scores: 2.5 x the forward, FlashAttention-2 paper
 #   section 3.1) or XLA's (the full square, 3 x), plus what ``model.remat`` recomputes in the
@@ -136,6 +137,12 @@ def block_matmul_flops(model: Any) -> float:
     return float(qkv + out + mlp)
 
 
+def is_causal(model: Any) -> bool:
+    """Whether the model's attention is causal: all but masked diffusion's (``model.objective=
+    mdlm``), whose every query sees every key, so no kernel skips half of the square."""
+    return getattr(model, "objective", "ar") != "mdlm"
+
+
 def attention_flops(model: Any, seq_len: int, causal: bool) -> float:
     """Forward FLOPs per token of one block's scores ``Q K^T`` and weighted sum ``P V``: the
     full square, or its causal half."""
@@ -147,13 +154,13 @@ def step_flops(model: Any, tokens: int, seq_len: int, vocab: int, remat: str = "
                fused_attention: bool = False) -> dict[str, float]:
     """One training step's FLOPs by part (see the conventions above). ``vocab``: the output
     layer's columns as computed (the padded vocabulary)."""
-    L = model.n_layers
+    L, causal = model.n_layers, is_causal(model)
     blocks = 3 * L * block_matmul_flops(model) * tokens
     attn_full = 3 * L * attention_flops(model, seq_len, causal=False) * tokens
-    attn_causal = attn_full / 2
+    attn_causal = attn_full / 2 if causal else attn_full
     head = 3 * 2 * model.d_model * vocab * tokens
     if fused_attention:
-        attn_fwd = L * attention_flops(model, seq_len, causal=True) * tokens
+        attn_fwd = L * attention_flops(model, seq_len, causal=causal) * tokens
         attn_hw = 3.5 * attn_fwd
     else:
         attn_fwd = L * attention_flops(model, seq_len, causal=False) * tokens

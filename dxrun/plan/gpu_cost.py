@@ -21,7 +21,7 @@ from dxrun.plan import flops
 from dxrun.plan.attention import CUDNN, attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import shard_optimizer
-from dxrun.plan.vocab import padded_vocab
+from dxrun.plan.vocab import padded_vocab, table_rows
 
 if TYPE_CHECKING:
     from dxrun.schema import RunConfig
@@ -283,7 +283,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     if fused:
         # The tensor group shares its rows and splits their heads: a device runs 1/tp of the
         # heads of every row it holds (w.tokens: the group's rows).
-        per_token = flops.attention_flops(w.model, w.seq_len, causal=True) / w.tp
+        per_token = flops.attention_flops(w.model, w.seq_len, flops.is_causal(w.model)) / w.tp
         fwd = w.model.n_layers * per_token * w.tokens * w.micro_steps
         recompute = fwd if w.remat in ("full", "dots") else 0.0
         attention = (3.5 * fwd + recompute) / (peak * cost.attention_efficiency)
@@ -316,7 +316,7 @@ def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: floa
     return Workload(
         model=cfg.model, seq_len=plan.seq_len,
         rows=plan.global_batch // replicas // accum, micro_steps=accum,
-        vocab=vocab or padded_vocab(cfg.model.vocab_size, plan.tp, "gpu",
+        vocab=vocab or padded_vocab(table_rows(cfg.model), plan.tp, "gpu",
                                     cfg.parallelism.vocab_align),
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
         params_per_device=params_per_device, precision=cfg.train.precision,

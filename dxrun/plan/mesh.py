@@ -22,7 +22,7 @@ from dxrun.plan.batch import (
 )
 from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
-from dxrun.plan.vocab import padded_vocab, vocab_align
+from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
 from dxrun.schema import INT32
 
 if TYPE_CHECKING:
@@ -371,7 +371,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
         padded_vocab=(model.vocab_size if model.get("_target_") else  # a user's own table
-                      padded_vocab(model.vocab_size, tp, platform, par.vocab_align)),
+                      padded_vocab(table_rows(model), tp, platform, par.vocab_align)),
         vocab_align=vocab_align(platform, par.vocab_align),
         processes=processes,
         dcn_shape=dcn,

@@ -4,6 +4,7 @@ over ``tensor``) and, on an accelerator, of an alignment that tiles its matmul u
 from __future__ import annotations
 
 import math
+from typing import Any
 
 # Accelerators get the vocabulary padded to a multiple of 128 as well (nanoGPT's 50304, MaxText):
 # the output matmul's vocab axis then tiles the tensor cores / MXU evenly. On CPU only tp matters,
@@ -22,3 +23,10 @@ def padded_vocab(vocab_size: int, tp: int, platform: str, align: int = 0) -> int
     ``parallelism.vocab_align``, 0 = the platform's)."""
     multiple = math.lcm(tp, vocab_align(platform, align))
     return -(-vocab_size // multiple) * multiple
+
+
+def table_rows(model: Any) -> int:
+    """The vocabulary rows the model's tables must hold (the model section ``model``): the
+    vocabulary, and for ``model.objective=mdlm`` its [MASK] token after it (``dxrun.mdlm``),
+    which then always sits in the first padding row."""
+    return model.vocab_size + (getattr(model, "objective", "ar") == "mdlm")

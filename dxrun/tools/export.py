@@ -78,6 +78,9 @@ def export(argv: list[str]) -> Path:
     if m._target_:
         raise ConfigError(f"model._target_={m._target_}: the Hugging Face export writes dxrun's "
                           "own model only; save your module's parameters yourself")
+    if m.objective == "mdlm":  # GPT-2 and Llama are causal: the export would lie about it
+        raise ConfigError("model.objective=mdlm: Hugging Face's GPT-2 and Llama attend causally, "
+                          "so a masked-diffusion model has no architecture there to export to")
     kind = model_type_of(m)
     tokenizer = tokenizer_of(loaded.cfg.data)
     save_hf(loaded.params, loaded.exp.axes, m, to, tokenizer)

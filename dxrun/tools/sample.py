@@ -1,17 +1,17 @@
 """``python -m dxrun.sample <run dir | checkpoints dir | step dir | HF dir> prompt="..."
-[max_new_tokens=64 temperature=0 top_k=0 top_p=1 seed=0 n=1] [overrides]``: continuations.
+[max_new_tokens=64 temperature=0 top_k=0 top_p=1 seed=0 n=1 steps=0 unmask=random] [overrides]``.
 
 Text runs (and a HF dir's tokenizer.json) encode the prompt and decode the continuation with
 the run's own tokenizer (bytes or its ``tokenizer.json``); a continuation ends at the first
 end-of-text token. So do ``data=tokens`` runs whose ``meta.json`` names its tokenizer. Markov
-runs (and token dirs that name none) take and print token ids; markov runs also print the share
-of generated tokens the chain allows after their context (did the model learn the chain).
-Without a prompt, a markov sample starts from the first ``data.order`` tokens of a held-out
-sequence (a different one per sample) and a text sample from the end-of-text token.
+runs (and token dirs that name none) take and print token ids, and the share of generated tokens
+the chain allows after their context. Without a prompt, a markov sample starts from the first
+``data.order`` tokens of a held-out sequence (one per sample), a text one from end-of-text.
 
 Decoding is ``dxrun.tools.decode``: one jitted program with a key/value cache, on one device unless
 a ``parallelism`` override names a mesh (``parallelism=tp2``: the model split over 2 devices);
-``n`` must then divide over the mesh's data-parallel replicas.
+``n`` must then divide over the mesh's data-parallel replicas. ``model.objective=mdlm`` runs
+sample by their reverse process, ``steps`` steps (0: one per new token; dxrun.tools.denoise).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dxrun")
 
 OPTIONS: dict[str, Any] = {"prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": 0,
-                           "top_p": 1.0, "seed": 0, "n": 1}
+                           "top_p": 1.0, "seed": 0, "n": 1, "steps": 0, "unmask": "random"}
+UNMASK = ("random", "confidence")  # a masked-diffusion step's choice (dxrun.tools.denoise)
 
 
 def check_options(o: dict[str, Any]) -> None:
@@ -46,7 +47,9 @@ def check_options(o: dict[str, Any]) -> None:
                           # jax.random.key keeps 32 bits: 2^32 would be seed 0 again
                           ("seed", 0 <= o["seed"] < 2**32, "in [0, 2^32)"),
                           ("top_k", o["top_k"] >= 0, ">= 0 (0 = no cut)"),
-                          ("top_p", 0 < o["top_p"] <= 1, "in (0, 1] (1 = no cut)")):
+                          ("top_p", 0 < o["top_p"] <= 1, "in (0, 1] (1 = no cut)"),
+                          ("steps", o["steps"] >= 0, ">= 0 (0 = one per new token)"),
+                          ("unmask", o["unmask"] in UNMASK, " or ".join(UNMASK))):
         if not ok:
             raise ConfigError(f"{key}={o[key]} must be {want}")
 
@@ -118,21 +121,27 @@ def hf_prompt_data(path: Path) -> Any:
     return SimpleNamespace(name="tokens", tokenizer=None, path=str(path))
 
 
-def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any) -> Any:
+def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any,
+                 steps: int = 0, unmask: str = "random") -> Any:
     """``dxrun.tools.decode``'s generate for a loaded run, in the run's compute dtype
     (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
-    the weight traffic per token); the logits stay fp32."""
+    the weight traffic per token); the logits stay fp32. A masked-diffusion run's is
+    ``dxrun.tools.denoise``'s: ``steps`` denoising steps (0: one per new token), ``unmask``."""
     from dxrun.step import COMPUTE_DTYPES  # imports JAX
-    from dxrun.tools.decode import make_generate, make_generate_recomputed  # imports JAX
+    from dxrun.tools import decode, denoise  # imports JAX
 
     cfg, exp = loaded.cfg, loaded.exp
     m = cfg.model
+    if m.objective == "mdlm":
+        return denoise.make_denoise(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
+                                    prompt_len, new_tokens, sampling, steps or new_tokens, unmask,
+                                    m, COMPUTE_DTYPES[cfg.train.precision])
     if m._target_:  # a user model: no key/value cache of dxrun's
         log.info("sampling: model._target_ has no key/value cache; each new token recomputes "
                  "the whole sequence")
-        return make_generate_recomputed(exp.graphdef, exp.mesh, exp.plan.rules,
+        return decode.make_generate_recomputed(exp.graphdef, exp.mesh, exp.plan.rules,
                                         exp.param_shardings, prompt_len, new_tokens, sampling)
-    return make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
+    return decode.make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
                          prompt_len, new_tokens, sampling, m.n_layers, m.n_kv_heads,
                          m.d_model // m.n_heads, dtype=COMPUTE_DTYPES[cfg.train.precision])
 
@@ -183,7 +192,7 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                     "of data.seq_len=%d: the later positions were never trained", P + new,
                     cfg.data.seq_len)
     s = Sampling(options["temperature"], options["top_k"], options["top_p"], options["seed"])
-    generate = make_decoder(loaded, P, new, s)
+    generate = make_decoder(loaded, P, new, s, options["steps"], options["unmask"])
     tokens_BxT = np.asarray(generate(loaded.params, prompt_BxP))
     out: dict[str, Any] = {"tokens": tokens_BxT, "prompt_len": P, "step": loaded.step}
     if tok is None:

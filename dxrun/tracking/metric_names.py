@@ -18,12 +18,18 @@ METRICS: dict[str, Metric] = {
     "train/loss": Metric(
         "nats/token",
         "mean over the step's global batch (in the jitted step)",
-        "cross-entropy of the step"),
+        "cross-entropy of the step; model.objective=mdlm: the masked-diffusion bound (ELBO) "
+        "on it, over all tokens"),
     "train/ppl": Metric("-", "exp of train/loss", "perplexity"),
     "train/accuracy": Metric(
         "fraction",
         "mean over the global batch's tokens",
-        "next-token argmax accuracy"),
+        "next-token argmax accuracy; model.objective=mdlm: on the masked tokens (their share "
+        "of the batch's, per micro-batch)"),
+    "train/mask_rate": Metric(
+        "fraction",
+        "the step's global batch (model.objective=mdlm only)",
+        "share of the batch's tokens the step's forward process masked"),
     "train/grad_norm": Metric(
         "-",
         "global L2 norm over all gradients, before clipping",
@@ -96,10 +102,13 @@ METRICS: dict[str, Metric] = {
         "the best achievable train/loss"),
     "eval/loss": Metric(
         "nats/token",
-        "mean over eval.batches held-out batches",
-        "held-out cross-entropy"),
+        "mean over eval.batches held-out batches (model.objective=mdlm: and eval.draws "
+        "masking draws of each)",
+        "held-out cross-entropy; model.objective=mdlm: its bound (ELBO)"),
     "eval/ppl": Metric("-", "exp of eval/loss", "held-out perplexity"),
-    "eval/accuracy": Metric("fraction", "mean over the held-out tokens", "held-out next-token accuracy"),
+    "eval/accuracy": Metric("fraction", "mean over the held-out tokens",
+                            "held-out next-token accuracy; model.objective=mdlm: on the masked "
+                            "tokens"),
     "eval/tokens": Metric(
         "tokens",
         "sum over the evaluated batches (dxrun.evaluate only)",
