@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dxrun import context_parallel
 from dxrun.attention import Attention
 from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
 from dxrun.layers import DENSE, MLP, Norm, dense, dropout, padded_param, param
@@ -143,11 +144,13 @@ class Transformer(nnx.Module):
     def stream(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None,
                dtype: Any = None) -> jax.Array:
         """The residual stream after the last block (the head's input)."""
-        x_BxLxD = self.embed(tokens_BxL, dtype=dtype)
+        positions_L = context_parallel.true_positions(tokens_BxL.shape[1])
+        x_BxLxD = self.embed(tokens_BxL, 0 if positions_L is None else positions_L, dtype)
         return self.run_blocks(x_BxLxD, dropout_key, dtype)
 
     def embed(self, tokens_BxL: jax.Array, start: Any = 0, dtype: Any = None) -> jax.Array:
         """The residual stream's input for tokens at positions ``start``, ``start + 1``, ...
+        (or those ``start`` lists: a sequence held in ``context_parallel``'s order).
         Looked up and summed in the tables' dtype, then cast to ``dtype``: with fp32 tables the
         tables' gradients (a scatter and a sum over the batch) stay fp32."""
         L = tokens_BxL.shape[1]
@@ -159,6 +162,7 @@ class Transformer(nnx.Module):
         x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
             wpe_LxD = (self.wpe[...][:L] if isinstance(start, int) and start == 0
+                       else jnp.take(self.wpe[...], start, axis=0) if jnp.ndim(start)
                        else jax.lax.dynamic_slice_in_dim(self.wpe[...], start, L))
             x_BxLxD = x_BxLxD + wpe_LxD[None]
         # model.residual_dtype=fp32: the stream between blocks in fp32

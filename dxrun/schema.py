@@ -85,17 +85,17 @@ class ModelConfig:
     kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
 
 
-_AXIS = "-1 (inferred) or a size >= 1: plan._resolve_axes"
+_AXIS = "-1 (inferred) or a size >= 1: plan.axes.resolve_axes"
 
 
 @dataclass
 class ParallelismConfig:
     name: str = key("auto", "the preset's name (run names and tags)")
     n_devices: int = key(0, "0 = all visible, k = the first k", range=NON_NEGATIVE)
-    dp: int = key(-1, "data-parallel axis size (-1 = inferred from the device count; at most one "
-                  "axis)", unranged=_AXIS)
+    dp: int = key(-1, "data-parallel axis size (-1 = inferred; at most one axis)", unranged=_AXIS)
     fsdp: int = key(1, "fully-sharded data-parallel axis size (-1 = inferred)", unranged=_AXIS)
     tp: int = key(1, "tensor-parallel axis size (-1 = inferred)", unranged=_AXIS)
+    cp: int = key(1, "context-parallel axis size: each sequence split over cp devices", range=POSITIVE)
     on_mismatch: str = key("error", "a mesh that does not match the devices: refuse, or shrink "
                            "it to fit", choices=("error", "shrink"))
     vocab_align: int = key(

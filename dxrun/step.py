@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.chunked_loss import chunked_cross_entropy
+from dxrun.context_parallel import in_context_order
 from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
 from dxrun.user_model import logits_of
 from dxrun.zero_padding import pad, unpad
@@ -77,7 +78,8 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
         model = nnx.merge(graphdef, params)
     else:
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
-    inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+    # Split over `context` (parallelism.cp), both in the same order: the mean is over all tokens.
+    inputs_BxL, targets_BxL = (in_context_order(t) for t in (tokens_BxT[:, :-1], tokens_BxT[:, 1:]))
     if loss_chunk:
         x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)
         loss, accuracy = chunked_cross_entropy(

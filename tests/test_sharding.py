@@ -21,7 +21,8 @@ from dxrun.experiment import Experiment
 from dxrun.model import Block
 from dxrun.plan.mesh import make_plan
 
-MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2"]
+MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2",
+          "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2"]
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob("*.yaml"))
 # n_heads=8 so tp8 splits whole heads; Llama-style gets biases too so both are tested non-zero,
 # and grouped-query heads (16 over 8: tp8 still splits whole kv heads).
@@ -130,7 +131,7 @@ def preset_runs(tmp_path_factory) -> dict:
             for preset in [*MESHES, *(p for p in PRESETS if p not in MESHES)]:
                 exp = Experiment.build(make_cfg(*overrides, *BASE, f"parallelism={preset}"))
                 mesh = tuple(exp.mesh.shape.items())
-                splits = exp.plan.fsdp > 1 or exp.plan.tp > 1
+                splits = exp.plan.fsdp > 1 or exp.plan.tp > 1 or exp.plan.cp > 1
                 if (block, mesh) in out["compiled"]:  # parallelism=auto and dp are dp8 here
                     continue
                 if preset not in MESHES and block == "llama" and not splits:
@@ -288,7 +289,8 @@ def test_no_preset_makes_xla_replicate_activations(preset_runs):
         assert found["collective-permute"] == 0, (preset, block)
     assert sum(1 for block, _ in compiled if block == "gpt2") == len(PRESETS) - 2
     assert sum(1 for (block, _), (_, splits, _) in compiled.items()
-               if block == "llama" and splits) == 7  # Llama's on the 7 that split weights
+               if block == "llama" and splits) == 10  # Llama's on the 10 that split weights or
+    # sequences (the context axis)
     assert "Involuntary full rematerialization" not in preset_runs["stderr"]
 
 

@@ -1,0 +1,150 @@
+"""Context parallelism (``parallelism.cp``): the zig-zag split, its attention kernel against the
+written-out one, what the compiled step communicates, the per-device activation memory, and
+plan mode's estimate at 32k tokens. The losses of every cp preset against dp1 are in
+tests/test_sharding.py's mesh-equivalence test, a resume across cp sizes in test_checkpoint.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dxrun.attention import reference_attention
+from dxrun.autotune import fit
+from dxrun.autotune.hlo import collective_list
+from dxrun.context_parallel import flash
+from dxrun.experiment import Experiment
+from dxrun.plan import memory_model as mm
+from dxrun.plan.context import kv_gather_bytes, zigzag_order
+from dxrun.plan.mesh import make_plan
+from dxrun.plan.targets import TARGETS, usable_share
+from dxrun.step import step_bytes
+
+
+def test_the_zigzag_split_gives_every_device_the_same_causal_work():
+    order = zigzag_order(16, 4)
+    assert sorted(order) == list(range(16))
+    assert order[:4] == (0, 1, 14, 15) and order[-4:] == (6, 7, 8, 9)  # chunks i and 2cp-1-i
+    # The keys each device's queries see under the causal mask: the same on every device.
+    work = [sum(p + 1 for p in order[i * 4:(i + 1) * 4]) for i in range(4)]
+    assert len(set(work)) == 1
+    assert zigzag_order(8, 1) == tuple(range(8))
+
+
+def test_the_blockwise_kernel_is_causal_attention_and_its_gradient():
+    """One context device's queries (slots 4-7 of 16 in zig-zag order: chunks 2 and 13 of 16
+    positions' 8 chunks) against the whole sequence, 2 keys a block: the written-out causal
+    attention of those positions, forward and backward, grouped-query heads (4 over 2)."""
+    B, L, H, K, E = 2, 16, 4, 2, 8
+    q, k, v = (jax.random.normal(key, (B, L, n, E))
+               for key, n in zip(jax.random.split(jax.random.key(0), 3), (H, K, K), strict=True))
+    order = np.array(zigzag_order(L, 4))
+    mine = slice(4, 8)
+
+    def ours(q, k, v):
+        return flash(q[:, order][:, mine], k[:, order], v[:, order], jnp.asarray(order[mine]),
+                     jnp.asarray(order), 2)
+
+    def written_out(q, k, v):
+        return reference_attention(q, k, v)[:, order][:, mine]
+
+    weights = jnp.arange(E, dtype=jnp.float32)
+
+    @jax.jit
+    def both(q, k, v):
+        outs = [f(q, k, v) for f in (ours, written_out)]
+        grads = [jax.grad(lambda q, k, v, f=f: (f(q, k, v) * weights).sum(), argnums=(0, 1, 2))(
+            q, k, v) for f in (ours, written_out)]
+        return outs, grads
+
+    (out, want_out), grads = both(q, k, v)
+    np.testing.assert_allclose(out, want_out, atol=1e-6)
+    for got, want in zip(*grads, strict=True):
+        assert float(jnp.abs(want).max()) > 0.1
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _gathers(cfg_factory, *overrides: str) -> tuple[list[dict], Experiment]:
+    # 24 x 40 tokens: 10-position zig-zag chunks at cp=2; 12 sequences per fsdp replica.
+    exp = Experiment.build(cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
+                                       "logger=none", "data.batch_size=24", "data.seq_len=40",
+                                       "parallelism=fsdp2_cp2_tp2", *overrides))
+    text = exp.analyse_step().as_text()  # shapes only: nothing is allocated
+    return collective_list(text, exp.plan.n_devices), exp
+
+
+def test_the_step_gathers_keys_and_values_once_a_layer_and_no_weight_more(cfg_factory):
+    """fsdp2_cp2_tp2 against the same fsdp x tensor mesh without the context axis: per layer
+    one all-gather of K and V over each context pair (and its reduce-scatter backward); every
+    other all-gather (FSDP's weights, the vocabulary's argmax) the mesh without cp has too,
+    none larger; no permutes."""
+    colls, exp = _gathers(cfg_factory)
+    plain, _ = _gathers(cfg_factory, "parallelism.cp=1", "parallelism.n_devices=4")
+    ids = np.arange(8).reshape(exp.plan.shape)
+    context = sorted(np.moveaxis(ids, 2, -1).reshape(-1, 2).tolist())
+    layers, per_replica = exp.cfg.model.n_layers, 24 // 2
+    kv = 2 * per_replica * 40 * (8 // 2) * (64 // 8) * 4  # K and V of a replica's rows, fp32
+    assert kv_gather_bytes(batch_per_replica=per_replica, seq_len=40, n_kv_heads=8,
+                           head_dim=8, n_layers=layers, cp=2, tp=2, dtype_bytes=4) == (
+        2 * layers * kv / 2)
+    on_context = [(c["kind"], c["runs"], c["bytes"]) for c in colls  # (and the weights'
+                  if sorted(c["groups"]) == context and c["kind"] != "all-reduce"]  # gradients)
+    assert sorted(on_context) == [("all-gather", layers, kv / 2), ("reduce-scatter", layers, kv / 2)]
+    assert not [c for c in colls if c["kind"] in ("collective-permute", "all-to-all")]
+
+    def others(cs: list[dict]) -> list[tuple[int, float]]:
+        return sorted((c["runs"], c["bytes"]) for c in cs if c["kind"] == "all-gather")
+
+    rest = others([c for c in colls if sorted(c["groups"]) != context])
+    without = others(plain)
+    in_loop = [x for x in rest if x[0] == layers]
+    assert in_loop and in_loop == [x for x in without if x[0] == layers]  # FSDP's, per layer
+    assert len(rest) == len(without)
+    assert all(a <= b for (_, a), (_, b) in zip(rest, without, strict=True))
+
+
+def test_activation_memory_per_device_falls_by_cp(cfg_factory):
+    """The same global batch (8 sequences of 256) on dp2 and on dp2_cp4: XLA's temporaries
+    per device (activations, most of them) fall to about 1/cp, and plan mode's memory model
+    says so too."""
+    base = ["logger=none", "model=tiny", "model.d_model=128", "model.d_ff=512",
+            "model.n_heads=4", "model.n_kv_heads=4", "model.n_layers=2",
+            "model.max_seq_len=256", "data.seq_len=256", "data.batch_size=8",
+            "train.precision=fp32"]
+    temp, model, xla = {}, {}, {}
+    for preset in ("dp2", "dp2_cp4"):
+        exp = Experiment.build(cfg_factory(*base, f"parallelism={preset}"), data=fit.NoData())
+        compiled = exp.analyse_step()
+        temp[preset] = compiled.memory_analysis().temp_size_in_bytes
+        xla[preset] = step_bytes(compiled)
+        state = exp.abstract_state()
+        x = mm.shapes(exp.cfg.model, exp.cfg.train, exp.plan, exp.attention_kernel)
+        est = mm.estimate_memory(x, fit._shard_bytes(state.params),
+                                 fit._shard_bytes(state.opt_state),
+                                 fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+        model[preset] = est
+    assert 0.15 < temp["dp2_cp4"] / temp["dp2"] < 0.35  # 1/cp = 0.25
+    acts = {k: m.activations_bytes + m.working_bytes + m.head_bytes for k, m in model.items()}
+    assert 0.1 < acts["dp2_cp4"] / acts["dp2"] < 0.3
+    assert model["dp2_cp4"].total_bytes == pytest.approx(xla["dp2_cp4"], rel=0.25)
+
+
+def test_the_long_context_preset_fits_8_h100s_where_dp8_does_not(cfg_factory):
+    """experiments/long_context_llama.yaml (Llama-2-7B shape, 32k tokens, cp2_tp4, remat=full,
+    bf16) on 8 x H100 by plan mode's memory model (shapes only: no 32k compile): it fits; dp8
+    at the same settings does not; and the context axis halves the activations of the same
+    4-way tensor-parallel model without it."""
+    h100 = TARGETS["h100"]
+    usable = h100.memory_bytes * usable_share(h100).fraction
+
+    def need(*overrides: str, devices: int = 8) -> mm.MemoryEstimate:
+        cfg = cfg_factory("experiment=long_context_llama", "logger=none", *overrides)
+        exp = Experiment.build(cfg, make_plan(cfg, devices, "cpu"), data=fit.NoData())
+        return fit.accelerator_memory(exp, h100)
+
+    preset, dp8 = need(), need("parallelism=dp8", "train.grad_accum=1")
+    assert (preset.total_bytes < usable < dp8.total_bytes), (preset.total_bytes, dp8.total_bytes)
+    assert "blockwise" in preset.basis and "micro-batch 1x16384" in preset.basis
+    tp4 = need("parallelism.cp=1", "parallelism.n_devices=4", devices=4)
+    assert preset.activations_bytes == pytest.approx(tp4.activations_bytes / 2, rel=0.01)
