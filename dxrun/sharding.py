@@ -255,13 +255,15 @@ def num_devices() -> int:
     return jax.device_count()
 
 
-def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0) -> Mesh:
-    """A (data, fsdp, tensor) mesh over the first ``n_devices`` (0 = all); one size may be -1."""
+def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0, cp: int = 1) -> Mesh:
+    """A (data, fsdp, context, tensor) mesh over the first ``n_devices`` (0 = all); one size
+    but cp may be -1."""
     n = n_devices or jax.device_count()
-    dp, fsdp, tp = resolve_axes(dp, fsdp, tp, n)
-    if dp * fsdp * tp != n:
-        raise ValueError(f"dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} != {n} devices")
-    plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, device_ids=tuple(range(n)), n_visible=n,
+    dp, fsdp, tp = resolve_axes(dp, fsdp, tp, n, cp)
+    if dp * fsdp * cp * tp != n:
+        raise ValueError(f"dp*fsdp*cp*tp = {dp}*{fsdp}*{cp}*{tp} = {dp * fsdp * cp * tp} != {n} "
+                         "devices")
+    plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, cp=cp, device_ids=tuple(range(n)), n_visible=n,
                     platform=jax.default_backend(), global_batch=dp * fsdp,
                     seq_len=0, rules=dict(LOGICAL_RULES))
     return mesh_from_plan(plan)

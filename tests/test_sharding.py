@@ -250,7 +250,7 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
 
 def test_low_level_api_on_the_same_rules():
     mesh = shd.make_tp_mesh(2)
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
     assert shd.num_devices() == 8
     batch = shd.shard_batch(np.arange(16 * 3).reshape(16, 3), mesh)
     assert batch.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
