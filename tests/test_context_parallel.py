@@ -16,7 +16,8 @@ from dxrun.autotune.hlo import collective_list
 from dxrun.context_parallel import flash
 from dxrun.experiment import Experiment
 from dxrun.plan import memory_model as mm
-from dxrun.plan.context import kv_gather_bytes, zigzag_order
+from dxrun.plan.context import LONG_SEQ, kv_gather_bytes, zigzag_order
+from dxrun.plan.layouts import candidates, meshes
 from dxrun.plan.mesh import make_plan
 from dxrun.plan.targets import TARGETS, usable_share
 from dxrun.step import step_bytes
@@ -148,3 +149,18 @@ def test_the_long_context_preset_fits_8_h100s_where_dp8_does_not(cfg_factory):
     assert "blockwise" in preset.basis and "micro-batch 1x16384" in preset.basis
     tp4 = need("parallelism.cp=1", "parallelism.n_devices=4", devices=4)
     assert preset.activations_bytes == pytest.approx(tp4.activations_bytes / 2, rel=0.01)
+
+
+def test_parallelism_auto_tries_context_layouts_for_long_sequences_only(cfg_factory):
+    """The layout search's candidates (pure: the plan's checks, no compile): a context axis
+    from dxrun.plan.context.LONG_SEQ tokens on, where 2*cp divides the sequence."""
+    assert LONG_SEQ == 8192
+    assert {cp for _, _, cp, _ in meshes(8, 4096)} == {1}
+    assert {cp for _, _, cp, _ in meshes(8, 8192)} == {1, 2, 4, 8}
+    assert {cp for _, _, cp, _ in meshes(8, 8196)} == {1, 2}  # 8196 = 4 x 2049
+    cfg = cfg_factory("parallelism=auto", "model.max_seq_len=8192", "data.seq_len=8192",
+                      "data.batch_size=8")
+    ok, _ = candidates(cfg, 8, "cpu")
+    assert {x.mesh for x in ok} >= {"dp8", "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2", "cp8"}
+    short, _ = candidates(cfg_factory("parallelism=auto", "data.batch_size=8"), 8, "cpu")
+    assert all(x.cp == 1 for x in short) and len(short) < len(ok)
