@@ -144,7 +144,7 @@ def preset_runs(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.e2e  # ~20 compiles and 19 six-step runs: minutes on 2 cores
+@pytest.mark.e2e  # ~26 compiles and 25 six-step runs: minutes on 2 cores
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_loss_equal_on_every_mesh(cfg_factory, request, model):
     if model in MESHES_OF:
