@@ -11,10 +11,12 @@ import pytest
 
 from dxrun.autotune import fit
 from dxrun.autotune.hlo import collective_list
+from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import memory_model as mm
 from dxrun.plan.context import LONG_SEQ, kv_gather_bytes, zigzag_order
 from dxrun.plan.layouts import candidates, meshes
+from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import make_plan
 from dxrun.plan.targets import TARGETS, usable_share
 from dxrun.step import step_bytes
@@ -128,3 +130,16 @@ def test_parallelism_auto_tries_context_layouts_for_long_sequences_only(cfg_fact
     assert {x.mesh for x in ok} >= {"dp8", "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2", "cp8"}
     short, _ = candidates(cfg_factory("parallelism=auto", "data.batch_size=8"), 8, "cpu")
     assert all(x.cp == 1 for x in short) and len(short) < len(ok)
+
+
+def test_a_context_axis_refuses_what_it_does_not_split_in_one_line(cfg_factory):
+    cfg = cfg_factory("parallelism=cp2_tp4", "model.n_heads=8", "model.n_kv_heads=8")
+    with pytest.raises(ConfigError, match=r"^parallelism.cp=2 runs in one process") as err:
+        make_plan(cfg, 8, "gpu", processes=2)
+    chunked = cfg_factory("parallelism=cp2_tp4", "model.n_heads=8", "model.n_kv_heads=8",
+                          "model.loss_chunk=8")
+    with pytest.raises(ConfigError, match=r"^model.loss_chunk=8 does not run with "
+                                          r"parallelism.cp=2") as err2:
+        loss_chunk_for(chunked.model, make_plan(chunked, 8))
+    assert "\n" not in str(err.value) + str(err2.value)
+    assert loss_chunk_for(cfg.model, make_plan(cfg, 8)) == 0  # the logits are split already

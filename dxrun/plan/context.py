@@ -33,8 +33,16 @@ def zigzag_order(seq_len: int, cp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_context(cp: int, seq_len: int, *, processes: int = 1, user_model: bool = False) -> None:
-    """Raise ConfigError (key, value, fix) for a context axis this run cannot take."""
+def check_processes(cp: int, processes: int) -> None:
+    """Raise ConfigError for a context axis in a multi-process run (not laid out over hosts)."""
+    if cp > 1 and processes > 1:
+        raise ConfigError(f"parallelism.cp={cp} runs in one process for now; set "
+                          "parallelism.cp=1 for a multi-process run")
+
+
+def check_context(cp: int, seq_len: int, *, user_model: bool = False) -> None:
+    """Raise ConfigError (key, value, fix) for a context axis this model or sequence cannot
+    take."""
     if cp == 1:
         return
     if seq_len % (2 * cp):
@@ -47,9 +55,6 @@ def check_context(cp: int, seq_len: int, *, processes: int = 1, user_model: bool
         raise ConfigError(f"parallelism.cp={cp} needs dxrun's own model (its attention gathers "
                           "keys/values over the context axis); set parallelism.cp=1 with "
                           "model._target_")
-    if processes > 1:
-        raise ConfigError(f"parallelism.cp={cp} runs in one process for now; set "
-                          "parallelism.cp=1 for a multi-process run")
 
 
 def kv_gather_bytes(*, batch_per_replica: int, seq_len: int, n_kv_heads: int, head_dim: int,

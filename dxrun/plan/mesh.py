@@ -21,7 +21,7 @@ from dxrun.plan.batch import (
     global_batch,
     scaled_lr,
 )
-from dxrun.plan.context import check_context
+from dxrun.plan.context import check_context, check_processes
 from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.vocab import padded_vocab, vocab_align
@@ -267,6 +267,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         )
     n = par.n_devices or n_visible
     dp, fsdp, tp = resolve_axes(*sizes, n, cp)
+    check_processes(cp, processes)
     warnings: list[str] = []
     if processes > 1 and dp * fsdp * cp * tp != n_visible:
         raise ConfigError(
@@ -329,7 +330,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     if seq_len is None:
         seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
     check_tokens_per_step(set_by, given, batch, seq_len)
-    check_context(cp, seq_len, processes=processes, user_model=bool(model.get("_target_")))
+    check_context(cp, seq_len, user_model=bool(model.get("_target_")))
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
