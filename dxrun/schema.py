@@ -96,6 +96,7 @@ class ParallelismConfig:
     fsdp: int = key(1, "fully-sharded data-parallel axis size (-1 = inferred)", unranged=_AXIS)
     tp: int = key(1, "tensor-parallel axis size (-1 = inferred)", unranged=_AXIS)
     cp: int = key(1, "context-parallel axis size: each sequence split over cp devices", range=POSITIVE)
+    sequence_parallel: bool = key(False, "under tp: norms and the residual split along the sequence")
     on_mismatch: str = key("error", "a mesh that does not match the devices: refuse, or shrink "
                            "it to fit", choices=("error", "shrink"))
     vocab_align: int = key(
@@ -373,9 +374,8 @@ UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
 _CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
                                         if isinstance(f.metadata["choices"], tuple)}
 # The data keys only some sources read; any other source refuses them.
-DATA_SOURCE_KEYS: dict[str, tuple[str, ...]] = {k.partition(".")[2]: f.metadata["sources"]
-                                                for k, f in FIELDS.items()
-                                                if f.metadata["sources"]}
+DATA_SOURCE_KEYS: dict[str, tuple[str, ...]] = {
+    k.partition(".")[2]: f.metadata["sources"] for k, f in FIELDS.items() if f.metadata["sources"]}
 
 
 def null_is_a_value(key: str) -> bool:

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -246,6 +247,25 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gathered_backward(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` unchanged; its gradient pinned to the layout of logical ``names`` (``constrain``).
+    Sequence parallelism: a block's output gradient gathered along the sequence before the
+    block's backward, which is then tensor parallelism's (no weight moves)."""
+    return x
+
+
+def _gathered_fwd(x: jax.Array, names: tuple[str | None, ...]) -> tuple[jax.Array, None]:
+    return x, None
+
+
+def _gathered_bwd(names: tuple[str | None, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
+    return (constrain(g, names),)
+
+
+gathered_backward.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 # ---- the low-level API of the reference systems, on the same plan and rules -----------------

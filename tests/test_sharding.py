@@ -223,6 +223,46 @@ def test_tp_layer_moves_no_weights(cfg_factory, tp):
     assert found == {"all-reduce": 4}
 
 
+def test_sequence_parallel_layer_equals_tp_and_moves_no_weight(cfg_factory):
+    """One GPT-2 layer's loss and gradients under tp4 with parallelism.sequence_parallel (the
+    norms and the residual split along the sequence over `tensor`) and without: the same to
+    1e-5 in fp32. Megatron's collectives: per pass, the norms' outputs all-gathered along the
+    sequence (XLA:CPU writes the reduce-scatters as all-reduces and slices); no weight moves."""
+    cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=tp4",
+                      "data.seq_len=16")
+    model = Block(cfg.model, nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    x = jax.random.normal(jax.random.key(1), (8, 16, cfg.model.d_model))
+    out, found = {}, {}
+    for sp in (False, True):
+        plan = make_plan(cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
+                                     "parallelism=tp4", "data.seq_len=16",
+                                     f"parallelism.sequence_parallel={str(sp).lower()}"), 8)
+        assert plan.sequence_parallel == sp and plan.n_devices == 4
+        mesh = shd.mesh_from_plan(plan)
+        shardings = shd.param_shardings(shd.param_axes(state), mesh, plan.rules)
+
+        def fwd_bwd(params, x_BxLxD):
+            loss = lambda p, x: (nnx.merge(graphdef, p)(x) ** 2).mean()
+            return jax.value_and_grad(loss, argnums=(0, 1))(params, x_BxLxD)
+
+        with shd.in_mesh_context(mesh, plan.rules):
+            jitted = jax.jit(fwd_bwd, in_shardings=(shardings, shd.batch_sharding(mesh)))
+            text = jitted.lower(params, x).compile().as_text()
+            found[sp] = collectives(text)
+            out[sp] = jax.device_get(jitted(params, x))
+    for got, want in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert found[False] == {"all-reduce": 4}  # test_tp_layer_moves_no_weights
+    # forward: ln1's and ln2's outputs; backward: the two blocks' output gradients
+    assert found[True]["all-gather"] == 4 and not found[True]["collective-permute"]
+    for line in collective_lines(text, "all-gather"):  # each the size of the activation x
+        dims = line.split("[", 1)[1].split("]", 1)[0].split(",")
+        assert math.prod(int(d) for d in dims) == x.size, line
+    assert found[True]["all-reduce"] == 5  # Megatron's 4, and the norms' weights' gradients
+
+
 def test_full_tp_step_gathers_no_weight(cfg_factory):
     """No all-gather in the compiled tp8 step is the size of a weight: neither a whole stacked
     weight ([n_layers, ...], before the layer scan) nor one layer's slice of it (inside the

@@ -57,6 +57,15 @@ def check_context(cp: int, seq_len: int, *, user_model: bool = False) -> None:
                           "model._target_")
 
 
+def check_sequence_parallel(on: bool, seq_len: int, cp: int, tp: int) -> None:
+    """Sequence parallelism splits a device's positions (seq_len / cp) over the tp devices."""
+    if on and seq_len % (cp * tp):
+        raise ConfigError(
+            f"parallelism.sequence_parallel=true splits the sequence over cp*tp={cp * tp} "
+            f"devices, but data.seq_len={seq_len} is not a multiple of it; use e.g. "
+            f"data.seq_len={cp * tp * max(1, round(seq_len / (cp * tp)))}")
+
+
 def kv_gather_bytes(*, batch_per_replica: int, seq_len: int, n_kv_heads: int, head_dim: int,
                     n_layers: int, cp: int, tp: int, dtype_bytes: int) -> float:
     """Bytes each device sends per step for the key/value all-gathers over ``context``: per

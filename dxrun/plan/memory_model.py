@@ -56,6 +56,7 @@ class Shapes:
     norm: str = "layernorm"  # layernorm | rmsnorm
     rope: bool = False  # model.pos=rope
     keys: int = 0  # the whole sequence each query attends over when cp > 1 (0: s, no context axis)
+    stream_split: int = 1  # tp with parallelism.sequence_parallel: the norms' and stream's split
 
     @property
     def tokens(self) -> int:
@@ -96,15 +97,19 @@ def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str,
         kernel="blockwise" if cp > 1 else kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
         loss_chunk=loss_chunk_for(m, plan), norm=m.norm, rope=m.pos == "rope",
-        keys=plan.seq_len if cp > 1 else 0)
+        keys=plan.seq_len if cp > 1 else 0,
+        stream_split=plan.tp if getattr(plan, "sequence_parallel", False) else 1)
 
 
 def norm_bytes(x: Shapes) -> float:
     """What one norm keeps (``dxrun.layers.norm``'s custom VJP): its input (the residual
     stream), its output in the compute dtype and its fp32 statistics per token (LayerNorm's
-    mean and reciprocal deviation, RMSNorm's reciprocal deviation)."""
+    mean and reciprocal deviation, RMSNorm's reciprocal deviation). With sequence parallelism
+    the input and statistics are of the device's part of the sequence, the output (what the
+    matmuls after it keep) gathered whole."""
     stats = 2 if x.norm == "layernorm" else 1
-    return (x.residual + x.c) * x.tokens * x.h + stats * FP32 * x.tokens
+    split = (x.residual * x.tokens * x.h + stats * FP32 * x.tokens) / x.stream_split
+    return split + x.c * x.tokens * x.h
 
 
 def layer_none(x: Shapes) -> dict[str, float]:
@@ -139,7 +144,7 @@ def layer_saved(x: Shapes) -> float:
     t, c = x.tokens, x.c
     if x.remat == "none":
         return sum(layer_none(x).values())
-    layer_input = x.residual * t * x.h
+    layer_input = x.residual * t * x.h / x.stream_split
     if x.remat == "full":
         return layer_input
     # dots: the outputs of the matmuls the policy sees

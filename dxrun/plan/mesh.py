@@ -21,7 +21,7 @@ from dxrun.plan.batch import (
     global_batch,
     scaled_lr,
 )
-from dxrun.plan.context import check_context, check_processes
+from dxrun.plan.context import check_context, check_processes, check_sequence_parallel
 from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.vocab import padded_vocab, vocab_align
@@ -40,6 +40,8 @@ BATCH_AXES = ("data", "fsdp")
 LOGICAL_RULES: dict[str, Any] = {
     "batch": BATCH_AXES,
     "seq": "context",  # the sequence of every activation (attention gathers K/V over it)
+    # the residual stream's and the norms' sequence: over tensor too with sequence_parallel
+    "stream_seq": "context",
     "layers": None,  # the stacked layer axis of scanned blocks: every device has every layer
     "embed": "fsdp",
     "act_embed": None,  # activations keep d_model whole; only weights shard it
@@ -93,6 +95,7 @@ class MeshPlan:
     lr_scaling: str = "none"
     remat: str = "none"  # model.remat, or the layout search's choice
     cp: int = 1  # the context axis: each sequence split over cp devices (plan/context.py)
+    sequence_parallel: bool = False  # parallelism.sequence_parallel, in effect (tp > 1)
 
     @property
     def layout(self) -> Layout:
@@ -210,6 +213,9 @@ class MeshPlan:
                             f"chunks i and {2 * self.cp - 1}-i of {2 * self.cp} on context "
                             "device i; K/V all-gathered over context per layer")]
               if self.cp > 1 else []),
+            *([("seq-par", "norms and residual split along the sequence over tensor "
+                           "(reduce-scatter + all-gather for each all-reduce)")]
+              if self.sequence_parallel else []),
         ]
         if self.padded_vocab != self.vocab_size:
             rows.append(("vocab", f"{self.vocab_size} padded to {self.padded_vocab} for "
@@ -331,6 +337,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
     check_tokens_per_step(set_by, given, batch, seq_len)
     check_context(cp, seq_len, user_model=bool(model.get("_target_")))
+    sp = bool(par.get("sequence_parallel")) and tp > 1
+    check_sequence_parallel(sp, seq_len, cp, tp)
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
@@ -355,7 +363,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
         seq_len=seq_len,
-        rules=dict(LOGICAL_RULES),
+        rules=dict(LOGICAL_RULES) | ({"stream_seq": ("context", "tensor")} if sp else {}),
+        sequence_parallel=sp,
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
         padded_vocab=(model.vocab_size if model.get("_target_") else  # a user's own table
