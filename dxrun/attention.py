@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dxrun import context_parallel
 from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
 from dxrun.layers import add_bias, dense, param, zeros
 from dxrun.plan.attention import attention_implementation
@@ -25,13 +26,14 @@ if TYPE_CHECKING:
 def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0,
          scaling: Any = None) -> jax.Array:
     """Rotary position embedding, rotate-half convention (Llama), for positions ``start``,
-    ``start + 1``, ... (decoding with a key/value cache passes the first new position).
+    ``start + 1``, ... (decoding with a key/value cache passes the first new position), or at
+    the L positions ``start`` lists (a sequence held in ``context_parallel``'s order).
     ``scaling``: Llama 3.1's frequency scaling (``model.rope_scaling``, its items)."""
     L, E = x_BxLxNxE.shape[1], x_BxLxNxE.shape[-1]
     freq_E2 = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
     if scaling:
         freq_E2 = llama3_frequencies(freq_E2, **dict(scaling))
-    pos_L = (jnp.arange(L) + start).astype(jnp.float32)
+    pos_L = (jnp.arange(L) + start if jnp.ndim(start) == 0 else start).astype(jnp.float32)
     ang_LxE2 = pos_L[:, None] * freq_E2[None, :]
     cos, sin = jnp.cos(ang_LxE2)[None, :, None, :], jnp.sin(ang_LxE2)[None, :, None, :]
     x = x_BxLxNxE.astype(jnp.float32)
@@ -116,8 +118,12 @@ class Attention(nnx.Module):
             self.bq = self.bk = self.bv = self.bo = None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(x_BxLxD)
-        if self.impl == "dot_product":
+        positions_L = context_parallel.true_positions(x_BxLxD.shape[1])
+        q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(
+            x_BxLxD, 0 if positions_L is None else positions_L)
+        if positions_L is not None:  # the sequence split over `context`
+            o_BxLxHxE = context_parallel.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
+        elif self.impl == "dot_product":
             # Native grouped-query heads in BTNH. JAX's default kernel is always XLA's (an
             # L x L score tensor per head); cuDNN's fused flash attention is asked for by name
             # where it takes these inputs: NVIDIA GPU, bf16/fp16, a head dim it supports.
@@ -134,7 +140,8 @@ class Attention(nnx.Module):
 
     def qkv(self, x_BxLxD: jax.Array, start: Any = 0
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ...
+        """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ... (or
+        those ``start`` lists, see ``rope``).
 
         From one matmul: three separate ones each leave a partial sum of the input's gradient
         per tensor-parallel device, and XLA all-reduces each before adding them: three

@@ -131,9 +131,12 @@ class Experiment:
 
     @property
     def attention_kernel(self) -> str:
-        """What the step's attention runs: ``reference`` (einsums), else the kernel
-        ``jax.nn.dot_product_attention`` is asked for, ``cudnn`` or ``xla``."""
+        """What the step's attention runs: ``blockwise`` with a context axis, ``reference``
+        (einsums), else the kernel ``jax.nn.dot_product_attention`` is asked for, ``cudnn`` or
+        ``xla``."""
         m = self.cfg.model
+        if self.plan.cp > 1:  # the context axis's own (dxrun.context_parallel.flash)
+            return "blockwise"
         if m.attention != "dot_product":
             return m.attention
         t = self.attention_target

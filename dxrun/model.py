@@ -18,15 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dxrun import context_parallel
 from dxrun.attention import Attention
 from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
 from dxrun.layers import DENSE, MLP, Norm, dense, dropout, padded_param, param
-from dxrun.sharding import constrain
+from dxrun.sharding import constrain, gathered_backward
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
 
 ACT = ("batch", "seq", "act_embed")
+# The residual stream between the blocks: as ACT, or with parallelism.sequence_parallel split
+# along the sequence over `tensor` too (Megatron's sequence parallelism): the norms run on the
+# split stream, their outputs are gathered for the column-parallel matmuls, and the row-parallel
+# outputs are reduce-scattered into it; backward, the reverse (``gathered_backward``).
+STREAM = ("batch", "stream_seq", "act_embed")
 
 
 class Block(nnx.Module):
@@ -48,12 +54,12 @@ class Block(nnx.Module):
         against a key/value cache when decoding (``dxrun.tools.decode``). ``dtype``: the compute
         dtype (default the parameters'); the residual may be wider (fp32)."""
         cd = dtype or self.attn.wq[...].dtype
-        h = attend(self.ln1(x_BxLxD).astype(cd))
+        h = gathered_backward(attend(constrain(self.ln1(x_BxLxD).astype(cd), ACT)), ACT)
         x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
-        x_BxLxD = constrain(x_BxLxD, ACT)
-        h = self.mlp(self.ln2(x_BxLxD).astype(cd))
+        x_BxLxD = constrain(x_BxLxD, STREAM)
+        h = gathered_backward(self.mlp(constrain(self.ln2(x_BxLxD).astype(cd), ACT)), ACT)
         x_BxLxD = x_BxLxD + dropout(h, self.rate, k2).astype(x_BxLxD.dtype)
-        return constrain(x_BxLxD, ACT)
+        return constrain(x_BxLxD, STREAM)
 
 
 # model.remat: "full" recomputes each layer in the backward pass (only its input is kept);
@@ -143,11 +149,13 @@ class Transformer(nnx.Module):
     def stream(self, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None,
                dtype: Any = None) -> jax.Array:
         """The residual stream after the last block (the head's input)."""
-        x_BxLxD = self.embed(tokens_BxL, dtype=dtype)
+        positions_L = context_parallel.true_positions(tokens_BxL.shape[1])
+        x_BxLxD = self.embed(tokens_BxL, 0 if positions_L is None else positions_L, dtype)
         return self.run_blocks(x_BxLxD, dropout_key, dtype)
 
     def embed(self, tokens_BxL: jax.Array, start: Any = 0, dtype: Any = None) -> jax.Array:
         """The residual stream's input for tokens at positions ``start``, ``start + 1``, ...
+        (or those ``start`` lists: a sequence held in ``context_parallel``'s order).
         Looked up and summed in the tables' dtype, then cast to ``dtype``: with fp32 tables the
         tables' gradients (a scatter and a sum over the batch) stay fp32."""
         L = tokens_BxL.shape[1]
@@ -159,12 +167,13 @@ class Transformer(nnx.Module):
         x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
             wpe_LxD = (self.wpe[...][:L] if isinstance(start, int) and start == 0
+                       else jnp.take(self.wpe[...], start, axis=0) if jnp.ndim(start)
                        else jax.lax.dynamic_slice_in_dim(self.wpe[...], start, L))
             x_BxLxD = x_BxLxD + wpe_LxD[None]
         # model.residual_dtype=fp32: the stream between blocks in fp32
         x_BxLxD = x_BxLxD.astype(jnp.float32 if self.residual_fp32
                                  else dtype or self.wte[...].dtype)
-        return constrain(x_BxLxD, ACT)
+        return constrain(x_BxLxD, STREAM)
 
     def head(self, x_BxLxD: jax.Array, dtype: Any = None) -> jax.Array:
         """Logits (fp32) over the padded vocabulary (padding masked) of the residual stream.
@@ -173,7 +182,7 @@ class Transformer(nnx.Module):
 
     def final_norm(self, x_BxLxD: jax.Array, dtype: Any = None) -> jax.Array:
         """The output layer's input: the final norm of the stream, in the compute dtype."""
-        return self.ln_f(x_BxLxD).astype(dtype or self.wte[...].dtype)
+        return constrain(self.ln_f(x_BxLxD).astype(dtype or self.wte[...].dtype), ACT)
 
     def output_weight(self, gathered: bool = False) -> jax.Array:
         """``lm_head`` (D x Vp), or ``wte`` (Vp x D) with tied embeddings. ``gathered``: pinned

@@ -92,17 +92,18 @@ class ModelConfig:
     kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
 
 
-_AXIS = "-1 (inferred) or a size >= 1: plan._resolve_axes"
+_AXIS = "-1 (inferred) or a size >= 1: plan.axes.resolve_axes"
 
 
 @dataclass
 class ParallelismConfig:
     name: str = key("auto", "the preset's name (run names and tags)")
     n_devices: int = key(0, "0 = all visible, k = the first k", range=NON_NEGATIVE)
-    dp: int = key(-1, "data-parallel axis size (-1 = inferred from the device count; at most one "
-                  "axis)", unranged=_AXIS)
+    dp: int = key(-1, "data-parallel axis size (-1 = inferred; at most one axis)", unranged=_AXIS)
     fsdp: int = key(1, "fully-sharded data-parallel axis size (-1 = inferred)", unranged=_AXIS)
     tp: int = key(1, "tensor-parallel axis size (-1 = inferred)", unranged=_AXIS)
+    cp: int = key(1, "context-parallel axis size: each sequence split over cp devices", range=POSITIVE)
+    sequence_parallel: bool = key(False, "under tp: norms and the residual split along the sequence")
     on_mismatch: str = key("error", "a mesh that does not match the devices: refuse, or shrink "
                            "it to fit", choices=("error", "shrink"))
     vocab_align: int = key(
@@ -360,9 +361,8 @@ UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
 _CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
                                         if isinstance(f.metadata["choices"], tuple)}
 # The data keys only some sources read; any other source refuses them.
-DATA_SOURCE_KEYS: dict[str, tuple[str, ...]] = {k.partition(".")[2]: f.metadata["sources"]
-                                                for k, f in FIELDS.items()
-                                                if f.metadata["sources"]}
+DATA_SOURCE_KEYS: dict[str, tuple[str, ...]] = {
+    k.partition(".")[2]: f.metadata["sources"] for k, f in FIELDS.items() if f.metadata["sources"]}
 
 
 def null_is_a_value(key: str) -> bool:

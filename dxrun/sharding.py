@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -20,13 +21,13 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dxrun.plan.axes import resolve_axes
 from dxrun.plan.mesh import (
     BATCH_AXES,
     LOGICAL_RULES,
     MESH_AXES,
     OPTIMIZER_DATA_AXES,
     MeshPlan,
-    _resolve_axes,
 )
 
 # (mesh, rules) active while a step is traced; model code calls ``constrain`` with logical names.
@@ -40,11 +41,12 @@ def host_grid(plan: MeshPlan, process_of: Sequence[int]) -> np.ndarray:
     plan's mesh: each host's devices, its processes in process order, fill the local part of
     every axis (``plan.local_shape``, row-major), and the hosts, in order, the outer part
     (``plan.dcn_shape``), as JAX's ``create_hybrid_device_mesh`` does with processes as
-    granules, except that a granule is a host, which may run several processes."""
+    granules, except that a granule is a host, which may run several processes. Over
+    ``plan.host_shape``: context and tensor as one axis."""
     order = sorted(range(len(process_of)),
                    key=lambda i: (plan.host_of(process_of[i]), process_of[i]))
     per_host = plan.n_devices // plan.hosts
-    grid = np.empty(plan.shape, dtype=np.int64)
+    grid = np.empty(plan.host_shape, dtype=np.int64)
     ld, lf, lt = plan.local_shape
     for h in range(plan.hosts):
         hd, hf, ht = np.unravel_index(h, plan.dcn_shape)
@@ -57,7 +59,7 @@ def mesh_from_plan(plan: MeshPlan) -> Mesh:
     if plan.processes > 1:
         devices = jax.devices()
         grid = np.array(devices, dtype=object)[
-            host_grid(plan, [d.process_index for d in devices])]
+            host_grid(plan, [d.process_index for d in devices])].reshape(plan.shape)
     else:
         devices = jax.devices()
         grid = np.array([devices[i] for i in plan.device_ids]).reshape(plan.shape)
@@ -231,6 +233,13 @@ def active_axes(name: str) -> dict[str, int]:
     return {a: mesh.shape[a] for a in _mesh_axes_of(rules.get(name)) if mesh.shape[a] > 1}
 
 
+def active_spec(names: Sequence[str | None]) -> P:
+    """The spec of logical ``names`` under the active rules (``in_mesh_context``, less any
+    ``without_mesh_axis``): what a ``jax.shard_map`` inside the traced step maps over."""
+    active = _ACTIVE.get()
+    return P() if active is None else logical_to_spec(names, active[1])
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside ``in_mesh_context``."""
     active = _ACTIVE.get()
@@ -240,6 +249,25 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gathered_backward(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` unchanged; its gradient pinned to the layout of logical ``names`` (``constrain``).
+    Sequence parallelism: a block's output gradient gathered along the sequence before the
+    block's backward, which is then tensor parallelism's (no weight moves)."""
+    return x
+
+
+def _gathered_fwd(x: jax.Array, names: tuple[str | None, ...]) -> tuple[jax.Array, None]:
+    return x, None
+
+
+def _gathered_bwd(names: tuple[str | None, ...], _: None, g: jax.Array) -> tuple[jax.Array]:
+    return (constrain(g, names),)
+
+
+gathered_backward.defvjp(_gathered_fwd, _gathered_bwd)
+
+
 # ---- the low-level API of the reference systems, on the same plan and rules -----------------
 
 
@@ -247,13 +275,15 @@ def num_devices() -> int:
     return jax.device_count()
 
 
-def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0) -> Mesh:
-    """A (data, fsdp, tensor) mesh over the first ``n_devices`` (0 = all); one size may be -1."""
+def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0, cp: int = 1) -> Mesh:
+    """A (data, fsdp, context, tensor) mesh over the first ``n_devices`` (0 = all); one size
+    but cp may be -1."""
     n = n_devices or jax.device_count()
-    dp, fsdp, tp = _resolve_axes(dp, fsdp, tp, n)
-    if dp * fsdp * tp != n:
-        raise ValueError(f"dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} != {n} devices")
-    plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, device_ids=tuple(range(n)), n_visible=n,
+    dp, fsdp, tp = resolve_axes(dp, fsdp, tp, n, cp)
+    if dp * fsdp * cp * tp != n:
+        raise ValueError(f"dp*fsdp*cp*tp = {dp}*{fsdp}*{cp}*{tp} = {dp * fsdp * cp * tp} != {n} "
+                         "devices")
+    plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, cp=cp, device_ids=tuple(range(n)), n_visible=n,
                     platform=jax.default_backend(), global_batch=dp * fsdp,
                     seq_len=0, rules=dict(LOGICAL_RULES))
     return mesh_from_plan(plan)

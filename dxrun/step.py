@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.chunked_loss import chunked_cross_entropy
+from dxrun.context_parallel import in_context_order
 from dxrun.mdlm import MaskedDiffusion
 from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
 from dxrun.user_model import logits_of
@@ -81,13 +82,14 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
         model = nnx.merge(graphdef, params)
     else:
         model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))
-    if objective is not None and not loss_chunk:
+    if objective is not None and not loss_chunk:  # (under cp > 1 validation refuses mdlm)
         return objective.loss(lambda t: logits_of(model, t, dropout_key, dtype), tokens_BxT)
     if objective is not None:  # masked diffusion's bound: a weight per position
         inputs_BxL, targets_BxL = tokens_BxT.xt_BxL, tokens_BxT.x0_BxL
         weights_BxL = objective.position_weights(tokens_BxT)
-    else:
-        inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
+    else:  # split over `context` (parallelism.cp), both in one order: the mean is over all tokens
+        inputs_BxL, targets_BxL = (in_context_order(t)
+                                   for t in (tokens_BxT[:, :-1], tokens_BxT[:, 1:]))
         weights_BxL = None
     if loss_chunk:
         x_BxLxD = model.final_norm(model.stream(inputs_BxL, dropout_key, dtype), dtype)

@@ -390,6 +390,25 @@ def test_resume_onto_another_mesh(reference, tmp_path, mesh):
 
 
 @pytest.mark.e2e
+def test_a_checkpoint_saved_with_sequences_split_resumes_on_dp8_and_cp2_tp4(reference, tmp_path):
+    """A run on dp2_cp4 (each sequence split over 4 devices) trains as the dp8 reference does;
+    its step-20 checkpoint, read into dp8's shards and into cp2_tp4's (the sequences split in
+    two, the weights in four), goes on as the reference: a checkpoint holds no trace of the
+    context axis."""
+    split = tmp_path / "dp2_cp4"
+    train(make_cfg(*BASE, "logger=none", "parallelism=dp2_cp4"), split)
+    want = [r["train/loss"] for r in _rows(reference)]
+    np.testing.assert_allclose([r["train/loss"] for r in _rows(split)], want, rtol=1e-5)
+    for mesh in ("dp8", "cp2_tp4"):
+        cfg = make_cfg(*BASE, "logger=none", f"parallelism={mesh}",
+                       f"checkpoint.resume={split / 'checkpoints' / '20'}")
+        train(cfg, tmp_path / mesh)
+        assert [r["step"] for r in _rows(tmp_path / mesh)] == [25, 30, 35, 40]
+        np.testing.assert_allclose([r["train/loss"] for r in _rows(tmp_path / mesh)],
+                                   want[4:], rtol=1e-5, err_msg=mesh)
+
+
+@pytest.mark.e2e
 def test_truncated_newest_checkpoint_falls_back(reference, tmp_path, caplog):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)

@@ -85,7 +85,7 @@ def test_the_example_shards_by_its_logical_axes_and_plans(tmp_path):
         assert spec["['blocks'][0]['wqkv']"] == ("fsdp", None, "tensor", None)
         assert spec["['blocks'][1]['w_down']"] == ("tensor", "fsdp")
         assert spec["['lm_head']"] == ("fsdp", "tensor")
-        assert dict(exp.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+        assert dict(exp.mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
         report = run_plan(cfg, tmp_path, planned(cfg))
     n = report["n_params"]
     V, D, F = 16, 32, 64  # the vocabulary: the markov preset's data.vocab_size, which tiny follows

@@ -228,7 +228,7 @@ def test_processes_grouped_by_host(cfg_factory, overrides, procs_per_device, hos
     cfg = cfg_factory(*overrides, "model.n_heads=8", "model.n_kv_heads=8", "data.batch_size=32")
     n = len(hosts) * procs_per_device
     plan = make_plan(cfg, n, "gpu", processes=len(hosts), process_hosts=hosts)
-    assert (plan.shape, plan.dcn_shape, plan.hosts) == (shape, dcn, max(hosts) + 1)
+    assert (plan.host_shape, plan.dcn_shape, plan.hosts) == (shape, dcn, max(hosts) + 1)
     assert [plan.data_shard(p) for p in range(len(hosts))] == shards
     process_of = [i // procs_per_device for i in range(n)]
     grid = host_grid(plan, process_of)

@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files")),
     ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
                     "dxrun.attention", "dxrun.attention_kernel", "dxrun.chunked_loss",
+                    "dxrun.context_parallel",
                     "dxrun.model", "dxrun.user_model", "dxrun.optimizer", "dxrun.step", "dxrun.data",
                     "dxrun.mdlm",
                     "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",

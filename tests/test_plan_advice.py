@@ -145,12 +145,15 @@ def test_warnings_from_figures():
 
 
 def test_preset_names_on_other_device_counts():
-    assert advice.preset_note("dp4_tp2", (48, 1, 2)) == (
+    assert advice.preset_note("dp4_tp2", (48, 1, 1, 2)) == (
         "parallelism=dp4_tp2 names a layout of 8 devices; on 96 it is data 48 x tensor 2")
-    assert advice.preset_note("fsdp8", (2, 8, 1)).endswith("on 16 it is data 2 x fsdp 8")
-    assert advice.preset_note("dp4_tp2", (4, 1, 2)) is None  # the name is the mesh
-    assert advice.preset_note("dp", (96, 1, 1)) is None  # names no size
-    assert advice.preset_note("auto", (8, 1, 1)) is None
+    assert advice.preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
+    assert advice.preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
+    assert advice.preset_note("dp", (96, 1, 1, 1)) is None  # names no size
+    assert advice.preset_note("auto", (8, 1, 1, 1)) is None
+    assert advice.preset_note("cp2_tp4", (2, 1, 2, 4)) == (
+        "parallelism=cp2_tp4 names a layout of 8 devices; on 16 it is data 2 x context 2 x "
+        "tensor 4")
 
 
 def test_plan_devices_sets_the_plans_count_and_runs_keep_cpu_devices():
@@ -193,7 +196,7 @@ def test_plan_devices_on_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (path,) = tmp_path.glob("outputs/*/*/plan.json")
     plan = json.loads(path.read_text())
-    assert plan["mesh_shape"] == [8, 1, 2] and plan["n_devices"] == 16
+    assert plan["mesh_shape"] == [8, 1, 1, 2] and plan["n_devices"] == 16
     pm = plan["plan_mode"]
     assert pm["preset"] == ("parallelism=dp4_tp2 names a layout of 8 devices; on 16 it is "
                             "data 8 x tensor 2")

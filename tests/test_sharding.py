@@ -21,7 +21,8 @@ from dxrun.experiment import Experiment
 from dxrun.model import Block
 from dxrun.plan.mesh import make_plan
 
-MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2"]
+MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2",
+          "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2"]
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob("*.yaml"))
 # n_heads=8 so tp8 splits whole heads; Llama-style gets biases too so both are tested non-zero,
 # and grouped-query heads (16 over 8: tp8 still splits whole kv heads).
@@ -137,7 +138,7 @@ def preset_runs(tmp_path_factory) -> dict:
             for preset in [*MESHES, *(p for p in PRESETS if p not in MESHES)]:
                 exp = Experiment.build(make_cfg(*overrides, *BASE, f"parallelism={preset}"))
                 mesh = tuple(exp.mesh.shape.items())
-                splits = exp.plan.fsdp > 1 or exp.plan.tp > 1
+                splits = exp.plan.fsdp > 1 or exp.plan.tp > 1 or exp.plan.cp > 1
                 if (block, mesh) in out["compiled"]:  # parallelism=auto and dp are dp8 here
                     continue
                 if preset not in MESHES and block == "llama" and not splits:
@@ -150,7 +151,7 @@ def preset_runs(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.e2e  # ~20 compiles and 19 six-step runs: minutes on 2 cores
+@pytest.mark.e2e  # ~26 compiles and 25 six-step runs: minutes on 2 cores
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_loss_equal_on_every_mesh(cfg_factory, request, model):
     if model in MESHES_OF:
@@ -229,6 +230,46 @@ def test_tp_layer_moves_no_weights(cfg_factory, tp):
     assert found == {"all-reduce": 4}
 
 
+def test_sequence_parallel_layer_equals_tp_and_moves_no_weight(cfg_factory):
+    """One GPT-2 layer's loss and gradients under tp4 with parallelism.sequence_parallel (the
+    norms and the residual split along the sequence over `tensor`) and without: the same to
+    1e-5 in fp32. Megatron's collectives: per pass, the norms' outputs all-gathered along the
+    sequence (XLA:CPU writes the reduce-scatters as all-reduces and slices); no weight moves."""
+    cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=tp4",
+                      "data.seq_len=16")
+    model = Block(cfg.model, nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    x = jax.random.normal(jax.random.key(1), (8, 16, cfg.model.d_model))
+    out, found = {}, {}
+    for sp in (False, True):
+        plan = make_plan(cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
+                                     "parallelism=tp4", "data.seq_len=16",
+                                     f"parallelism.sequence_parallel={str(sp).lower()}"), 8)
+        assert plan.sequence_parallel == sp and plan.n_devices == 4
+        mesh = shd.mesh_from_plan(plan)
+        shardings = shd.param_shardings(shd.param_axes(state), mesh, plan.rules)
+
+        def fwd_bwd(params, x_BxLxD):
+            loss = lambda p, x: (nnx.merge(graphdef, p)(x) ** 2).mean()
+            return jax.value_and_grad(loss, argnums=(0, 1))(params, x_BxLxD)
+
+        with shd.in_mesh_context(mesh, plan.rules):
+            jitted = jax.jit(fwd_bwd, in_shardings=(shardings, shd.batch_sharding(mesh)))
+            text = jitted.lower(params, x).compile().as_text()
+            found[sp] = collectives(text)
+            out[sp] = jax.device_get(jitted(params, x))
+    for got, want in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert found[False] == {"all-reduce": 4}  # test_tp_layer_moves_no_weights
+    # forward: ln1's and ln2's outputs; backward: the two blocks' output gradients
+    assert found[True]["all-gather"] == 4 and not found[True]["collective-permute"]
+    for line in collective_lines(text, "all-gather"):  # each the size of the activation x
+        dims = line.split("[", 1)[1].split("]", 1)[0].split(",")
+        assert math.prod(int(d) for d in dims) == x.size, line
+    assert found[True]["all-reduce"] == 5  # Megatron's 4, and the norms' weights' gradients
+
+
 def test_full_tp_step_gathers_no_weight(cfg_factory):
     """No all-gather in the compiled tp8 step is the size of a weight: neither a whole stacked
     weight ([n_layers, ...], before the layer scan) nor one layer's slice of it (inside the
@@ -256,7 +297,7 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
 
 def test_low_level_api_on_the_same_rules():
     mesh = shd.make_tp_mesh(2)
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
     assert shd.num_devices() == 8
     batch = shd.shard_batch(np.arange(16 * 3).reshape(16, 3), mesh)
     assert batch.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
@@ -295,7 +336,8 @@ def test_no_preset_makes_xla_replicate_activations(preset_runs):
         assert found["collective-permute"] == 0, (preset, block)
     assert sum(1 for block, _ in compiled if block == "gpt2") == len(PRESETS) - 2
     assert sum(1 for (block, _), (_, splits, _) in compiled.items()
-               if block == "llama" and splits) == 7  # Llama's on the 7 that split weights
+               if block == "llama" and splits) == 10  # Llama's on the 10 that split weights or
+    # sequences (the context axis)
     assert "Involuntary full rematerialization" not in preset_runs["stderr"]
 
 

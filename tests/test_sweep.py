@@ -369,13 +369,16 @@ def test_every_experiment_composes_and_plans(name):
         make_plan(run, 8, "cpu")  # raises ConfigError for a mesh the model cannot take
     expected = {"markov_convergence": ("tiny", "markov"), "tp_scaling": ("tiny", "markov"),
                 "gpt2_small_text": ("small", "text"), "llama_fsdp": ("tiny_llama", "markov"),
-                "finetune_hf": ("hf-llama-3.1-8b", "text")}
+                "finetune_hf": ("hf-llama-3.1-8b", "text"),
+                "long_context_llama": ("llama2_7b_32k", "markov")}
     assert (run.model.name, run.data.name) == expected[name]
     if name == "tp_scaling":
         assert [j[0] for j in _sweep_jobs(params)] == [f"parallelism={p}" for p in
                                                       ("dp1", "tp2", "tp4", "tp8")]
     if name == "llama_fsdp":
         assert run.parallelism.fsdp == 8 and run.model.norm == "rmsnorm"
+    if name == "long_context_llama":  # 32k tokens, each sequence split over 2 devices
+        assert (run.parallelism.cp, run.data.seq_len, run.model.max_seq_len) == (2, 32768, 32768)
     if name == "finetune_hf":  # the shape is config.json's, the lr the preset's
         assert (run.model.n_layers, run.model.d_model, run.model.n_kv_heads) == (32, 4096, 8)
         assert run.optimizer.lr == 3e-5 and run.train.precision == "bf16"

@@ -7,7 +7,7 @@ from typing import Any
 
 from dxrun import config
 
-FIGURE_LAYOUTS = ("dp4_tp2", "fsdp8", "dp2_fsdp2_tp2")
+FIGURE_LAYOUTS = ("dp4_tp2", "fsdp8", "dp2_fsdp2_tp2", "cp2_tp4")
 
 
 def preset_plan(parallelism: str, n_devices: int = 8) -> Any:
@@ -26,15 +26,17 @@ def preset_plan(parallelism: str, n_devices: int = 8) -> Any:
 
 
 def mesh_svg(plan: Any, title: str) -> str:
-    """One box per device, laid out as the mesh orders them (data, fsdp, tensor; row-major):
-    a row per batch shard (data x fsdp), a column per tensor rank. Each box says which part of
-    the batch and of the weights' sharded axes it holds, read from the plan's rules."""
+    """One box per device, laid out as the mesh orders them (data, fsdp, context, tensor;
+    row-major): a row per batch shard (data x fsdp), a column per (context, tensor) rank. Each
+    box says which part of the batch, of each sequence and of the weights' sharded axes it
+    holds, read from the plan's rules."""
     by_axis: dict[str, list[str]] = {}
     for logical, mesh_axis in plan.rules.items():
         for a in (mesh_axis if isinstance(mesh_axis, (tuple, list)) else [mesh_axis]):
             if a is not None and logical != "batch":
                 by_axis.setdefault(a, []).append(logical)
-    rows, cols = plan.dp * plan.fsdp, plan.tp
+    cp = getattr(plan, "cp", 1)
+    rows, cols = plan.dp * plan.fsdp, cp * plan.tp
     w, h, gap, top = 300, 78, 10, 58
     width, height = max(cols * (w + gap) + gap, 620), top + rows * (h + gap) + gap
     colours = ["#e3f2fd", "#fff3e0", "#e8f5e9", "#fce4ec", "#ede7f6", "#e0f7fa", "#f9fbe7",
@@ -42,15 +44,18 @@ def mesh_svg(plan: Any, title: str) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="monospace" font-size="11">',
            f'<text x="{gap}" y="20" font-size="13" font-weight="bold">{title}: data={plan.dp} '
-           f'x fsdp={plan.fsdp} x tensor={plan.tp}</text>',
-           f'<text x="{gap}" y="40">rows: batch shards (data x fsdp); columns: tensor ranks; '
-           f'colour: one data replica</text>']
+           f'x fsdp={plan.fsdp} x {f"context={cp} x " if cp > 1 else ""}tensor={plan.tp}</text>',
+           f'<text x="{gap}" y="40">rows: batch shards (data x fsdp); columns: '
+           f'{"(context, tensor)" if cp > 1 else "tensor"} ranks; colour: one data replica</text>']
     for i, device in enumerate(plan.device_ids):
-        d, rest = divmod(i, plan.fsdp * plan.tp)
-        f, t = divmod(rest, plan.tp)
+        d, rest = divmod(i, plan.fsdp * cols)
+        f, column = divmod(rest, cols)
+        c, t = divmod(column, plan.tp)
         r = d * plan.fsdp + f
-        x, y = gap + t * (w + gap), top + r * (h + gap)
+        x, y = gap + column * (w + gap), top + r * (h + gap)
         lines = [f"device {device}", f"batch rows {r + 1}/{rows}"]
+        if cp > 1:  # the zig-zag split: chunks c and 2cp-1-c (dxrun/plan/context.py)
+            lines.append(f"each sequence: chunks {c + 1} and {2 * cp - c} of {2 * cp}")
         if plan.tp > 1:
             lines.append(f"{', '.join(by_axis.get('tensor', []))}: part {t + 1}/{plan.tp}")
         if plan.fsdp > 1:

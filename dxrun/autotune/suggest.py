@@ -26,7 +26,7 @@ from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.layout import Layout
-from dxrun.plan.layouts import REMATS, factorisations
+from dxrun.plan.layouts import REMATS, meshes
 from dxrun.plan.mesh import LOGICAL_RULES, MeshPlan, make_plan, shard_optimizer
 from dxrun.plan.targets import GB, TARGETS, Target, gb_text, target_key, usable_bytes
 from dxrun.plan.vocab import table_rows
@@ -93,7 +93,8 @@ class StateShapes:
         """(params, optimizer state, batch) bytes per device: a tensor axis split where its
         mesh axes divide it (the vocabulary always: it is padded to tp), the optimizer state as
         its parameter's, over the data replicas too under ZeRO-1."""
-        sizes = {"data": s.layout.dp, "fsdp": s.layout.fsdp, "tensor": s.layout.tp}
+        sizes = {"data": s.layout.dp, "fsdp": s.layout.fsdp, "context": s.layout.cp,
+                 "tensor": s.layout.tp}
         params = 0.0
         for shape, itemsize, names in self.leaves:
             n = float(itemsize)
@@ -113,10 +114,10 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
     """Every (setting, its mesh plan) on ``n`` devices that the mesh plan accepts at the
     global ``batch`` and ``seq_len`` held fixed."""
     out = []
-    for dp, fsdp, tp in factorisations(n):
+    for dp, fsdp, cp, tp in meshes(n, seq_len):
         for remat in REMATS:
             for accum in ACCUMS:
-                layout = Layout(dp, fsdp, tp, remat, accum)
+                layout = Layout(dp, fsdp, tp, remat, accum, cp)
                 try:
                     plan = make_plan(cfg, n, platform, processes, hosts, layout=layout,
                                      batch=batch, seq_len=seq_len)
@@ -131,8 +132,9 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
     """The keys that turn the asked setting into ``s`` (the batch of one update kept)."""
     a, b = asked.layout, s.layout
     out = []
-    if (a.dp, a.fsdp, a.tp) != (b.dp, b.fsdp, b.tp):
+    if (a.dp, a.fsdp, a.cp, a.tp) != (b.dp, b.fsdp, b.cp, b.tp):
         out += [f"parallelism.dp={b.dp}", f"parallelism.fsdp={b.fsdp}", f"parallelism.tp={b.tp}"]
+        out += [f"parallelism.cp={b.cp}"] if a.cp != b.cp else []
     if a.remat != b.remat:
         out.append(f"model.remat={b.remat}")
     if a.grad_accum != b.grad_accum:

@@ -5,6 +5,7 @@ that ZeRO-1 was asked to split and did not, collectives the step does not hide."
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -13,7 +14,7 @@ from dxrun.plan.targets import GB, gb_text
 
 EXPOSED_SHARE = 0.10  # exposed collectives above this share of the step: a warning
 UNSPLIT_SHARE = 0.10  # ZeRO-1: optimizer state left whole above this share of it: a warning
-AXIS_WORDS = {"dp": "data", "fsdp": "fsdp", "tp": "tensor"}
+AXIS_WORDS = {"dp": "data", "fsdp": "fsdp", "cp": "context", "tp": "tensor"}
 
 
 def shape_line(model: Any, n_params: int) -> str:
@@ -31,20 +32,20 @@ def tflops_per_device(model_flops: float, n_devices: int, step_s: float | None) 
     return model_flops / n_devices / step_s / 1e12 if step_s else None
 
 
-def preset_note(name: str, shape: tuple[int, int, int]) -> str | None:
+def preset_note(name: str, shape: tuple[int, int, int, int]) -> str | None:
     """A preset named for its 8-device layout (``dp4_tp2``) on another device count: what it
     lays out there (``data 48 x tensor 2``). None when the name is the mesh, or no layout."""
-    parts = re.fullmatch(r"((?:dp|fsdp|tp)\d+)(?:_((?:dp|fsdp|tp)\d+))*", name or "")
+    parts = re.fullmatch(r"((?:dp|fsdp|cp|tp)\d+)(?:_((?:dp|fsdp|cp|tp)\d+))*", name or "")
     if parts is None:
         return None
-    named = {"dp": 1, "fsdp": 1, "tp": 1}
+    named = {"dp": 1, "fsdp": 1, "cp": 1, "tp": 1}
     for token in name.split("_"):
-        axis, size = re.fullmatch(r"(dp|fsdp|tp)(\d+)", token).groups()
+        axis, size = re.fullmatch(r"(dp|fsdp|cp|tp)(\d+)", token).groups()
         named[axis] = int(size)
-    have = dict(zip(("dp", "fsdp", "tp"), shape, strict=True))
+    have = dict(zip(("dp", "fsdp", "cp", "tp"), shape, strict=True))
     if have == named:
         return None
-    n, was = shape[0] * shape[1] * shape[2], named["dp"] * named["fsdp"] * named["tp"]
+    n, was = math.prod(shape), math.prod(named.values())
     mesh = " x ".join(f"{AXIS_WORDS[k]} {v}" for k, v in have.items() if v > 1) or "data 1"
     return f"parallelism={name} names a layout of {was} devices; on {n} it is {mesh}"
 

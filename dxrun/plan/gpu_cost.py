@@ -19,6 +19,7 @@ import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
 
 from dxrun.plan import flops
 from dxrun.plan.attention import CUDNN, attention_implementation
+from dxrun.plan.context import kv_gather_bytes
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import shard_optimizer
 from dxrun.plan.vocab import padded_vocab, table_rows
@@ -142,16 +143,18 @@ class Workload:
     updated_per_device: float | None = None
     loss_chunk: int = 0  # model.loss_chunk resolved: the chunks' backward redoes the head's forward
     remat: str = "none"  # the run plan's model.remat
+    cp: int = 1  # the context axis: a device holds seq_len / cp positions of each row
 
     @property
     def tokens(self) -> int:
         """Tokens one device computes per micro-batch."""
-        return self.rows * self.seq_len
+        return self.rows * self.seq_len // self.cp
 
 
 def fused_attention(cost: Cost, w: Workload) -> bool:
     """Whether the real run on this target gets cuDNN's flash attention (the run's own rule)."""
-    if cost.fused_attention_capability is None or w.model.attention != "dot_product":
+    if (cost.fused_attention_capability is None or w.model.attention != "dot_product"
+            or w.cp > 1):  # a context axis attends under an explicit mask: XLA's
         return False
     dtype = ml_dtypes.bfloat16 if w.precision == "bf16" else "float32"
     kernel = attention_implementation("gpu", dtype, w.model.d_model // w.model.n_heads,
@@ -202,8 +205,9 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
     attn = 0.0
     if not fused:  # XLA's: per (sequence, head) a T x E by E x T and a T x T by T x E matmul
         H, E, T = m.n_heads / w.tp, D // m.n_heads, w.seq_len
-        one = (_matmul_s(T, T, E, peak, hbm, cost, a, 4)  # scores, fp32
-               + _matmul_s(T, E, T, peak, hbm, cost, a, a))  # weighted sum
+        Q = T // w.cp  # a context axis: this device's queries against every key
+        one = (_matmul_s(Q, T, E, peak, hbm, cost, a, 4)  # scores, fp32
+               + _matmul_s(Q, E, T, peak, hbm, cost, a, a))  # weighted sum
         # backward: four matmuls of the same sizes (2 x); remat=full: the forward again
         attn = one * (3 + (w.remat == "full")) * H * w.rows * L
     return {"blocks": blocks * w.micro_steps, "output_layer": head * w.micro_steps,
@@ -250,13 +254,22 @@ def _is_tensor_group(groups: list[list[int]], tp: int) -> bool:
                           and min(g) % tp == 0 for g in groups)
 
 
+def _is_context_group(groups: list[list[int]], cp: int, tp: int) -> bool:
+    """Groups of cp devices tp apart: the ``context`` axis, just outside ``tensor``."""
+    return cp > 1 and all(len(g) == cp and sorted(g) == list(range(min(g), min(g) + cp * tp, tp))
+                          for g in groups)
+
+
 def collective_time(colls: list[dict], w: Workload, link: float, cost: Cost) -> dict:
-    """Seconds of the step's collectives: (tensor-parallel, over data replicas). bf16 halves
-    what the GPU program sends in bf16 (see the module docstring)."""
+    """Seconds of the step's collectives: (tensor-parallel and context, over data replicas).
+    The context axis's key/value gathers are on the attention's path, not overlapped, as the
+    tensor-parallel ones. bf16 halves what the GPU program sends in bf16 (see the module
+    docstring)."""
     out = {"tensor": 0.0, "data": 0.0, "tensor_bytes": 0.0, "data_bytes": 0.0}
     per_node = cost.devices_per_node
     for c in colls:
-        tensor = _is_tensor_group(c["groups"], w.tp)
+        tensor = (_is_tensor_group(c["groups"], w.tp)
+                  or _is_context_group(c["groups"], w.cp, w.tp))
         n = max(len(g) for g in c["groups"])
         if n <= 1:
             continue
@@ -290,6 +303,12 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     eb = elementwise_bytes(w, fused)
     elementwise = sum(eb.values()) / hbm
     comm = collective_time(collectives, w, link_bytes_per_s, cost)
+    if not collectives and w.cp > 1:  # no compiled step: the context axis's gathers counted
+        comm["tensor_bytes"] = kv_gather_bytes(
+            batch_per_replica=w.rows * w.micro_steps, seq_len=w.seq_len,
+            n_kv_heads=w.model.n_kv_heads, head_dim=w.model.d_model // w.model.n_heads,
+            n_layers=w.model.n_layers, cp=w.cp, tp=w.tp, dtype_bytes=2 if w.precision == "bf16" else 4)
+        comm["tensor"] = comm["tensor_bytes"] / (link_bytes_per_s * cost.link_efficiency)
     compute = sum(mm.values()) + attention + elementwise
     step = compute + comm["tensor"] + max(0.0, comm["data"] - compute)
     return {
@@ -323,4 +342,4 @@ def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: floa
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
         updated_per_device=(params_per_device / plan.dp
                             if shard_optimizer(cfg.parallelism, plan) else None),
-        loss_chunk=loss_chunk_for(cfg.model, plan), remat=plan.remat)
+        loss_chunk=loss_chunk_for(cfg.model, plan), remat=plan.remat, cp=plan.cp)

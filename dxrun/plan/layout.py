@@ -16,12 +16,13 @@ class Layout:
     tp: int
     remat: str = "none"
     grad_accum: int = 1
+    cp: int = 1  # the context axis (last: the positional dp, fsdp, tp, ... stay as they were)
 
     @property
     def mesh(self) -> str:
-        """The preset-style name: ``dp4_tp2``, ``fsdp8``, ``dp2_fsdp2_tp2``, ``dp1``."""
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
-                 if v > 1]
+        """The preset-style name: ``dp4_tp2``, ``fsdp8``, ``dp2_fsdp2_tp2``, ``cp2_tp4``, ``dp1``."""
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("cp", self.cp),
+                                        ("tp", self.tp)) if v > 1]
         return "_".join(parts) or "dp1"
 
     @property
@@ -32,5 +33,12 @@ class Layout:
 
     def overrides(self) -> dict[str, Any]:
         """The config keys that name this layout (what a run's saved record holds)."""
-        return {"parallelism": {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp},
+        return {"parallelism": {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "cp": self.cp},
                 "model": {"remat": self.remat}, "train": {"grad_accum": self.grad_accum}}
+
+
+def layout_of(row: dict[str, Any]) -> Layout:
+    """The layout of a ranking row or record (``plan.json``'s), cp 1 where it was written
+    before the context axis."""
+    return Layout(row["dp"], row["fsdp"], row["tp"], row["remat"], row["grad_accum"],
+                  row.get("cp", 1))

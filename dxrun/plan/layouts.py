@@ -1,7 +1,8 @@
 """``parallelism=auto``'s layouts and the rules that rank them (pure: values in, values out).
 
-A layout is a mesh (``dp x fsdp x tp``), a ``model.remat`` and a ``train.grad_accum``. The
-candidates are the factorisations of the devices the mesh plan accepts; the model stage ranks
+A layout is a mesh (``dp x fsdp x cp x tp``), a ``model.remat`` and a ``train.grad_accum``. The
+candidates are the factorisations of the devices the mesh plan accepts (a context axis only for
+long sequences: ``meshes``); the model stage ranks
 the variants that fit by their estimated step; the measure stage times the few that the rules
 here pick, in rounds, and chooses the fastest; ``search_cost`` predicts whether a search pays.
 """
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun import faults
 from dxrun.errors import ConfigError
-from dxrun.plan.layout import Layout
+from dxrun.plan.batch import default_seq_len
+from dxrun.plan.context import LONG_SEQ
+from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.mesh import make_plan
 
 if TYPE_CHECKING:
@@ -46,6 +49,14 @@ def factorisations(n: int) -> list[tuple[int, int, int]]:
     return [(n // (f * t), f, t) for t in divisors for f in divisors if (n // t) % f == 0]
 
 
+def meshes(n: int, seq_len: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp, fsdp, cp, tp) of ``n`` devices a search tries: a context axis (cp > 1) only
+    for a sequence of ``LONG_SEQ`` or more that its 2·cp chunks divide."""
+    cps = [c for c in range(1, n + 1) if n % c == 0 and (
+        c == 1 or (seq_len >= LONG_SEQ and seq_len % (2 * c) == 0))]
+    return [(dp, fsdp, c, tp) for c in cps for dp, fsdp, tp in factorisations(n // c)]
+
+
 def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1,
                process_hosts: tuple[int, ...] | None = None, batch: int | None = None,
                seq_len: int | None = None) -> tuple[list[Layout], list[tuple[Layout, str]]]:
@@ -54,8 +65,9 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     ``make_plan`` is the one place the rules live."""
     n = cfg.parallelism.n_devices or n_visible
     ok, refused = [], []
-    for dp, fsdp, tp in factorisations(n):
-        layout = Layout(dp, fsdp, tp, cfg.model.remat, cfg.train.grad_accum)
+    seq = seq_len or default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
+    for dp, fsdp, cp, tp in meshes(n, seq):
+        layout = Layout(dp, fsdp, tp, cfg.model.remat, cfg.train.grad_accum, cp)
         try:
             make_plan(cfg, n_visible, platform, processes, process_hosts, layout=layout,
                       batch=batch, seq_len=seq_len)
@@ -279,21 +291,21 @@ def _ms(v: float | None) -> str:
 
 def chosen_layout(record: dict[str, Any]) -> Layout:
     r = next(r for r in record["rows"] if r["chosen"])
-    return Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+    return layout_of(r)
 
 
 def searches(p: ParallelismConfig) -> bool:
     """Does this run search? ``parallelism.search`` is not ``none`` and no axis was named: a run
     that sets ``parallelism.dp``, ``fsdp`` or ``tp`` on ``auto`` (the default preset:
     ``python -m dxrun parallelism.tp=2``) takes that layout as given, as a named preset does."""
-    return p.search != "none" and (p.dp, p.fsdp, p.tp) == (-1, 1, 1)
+    return p.search != "none" and (p.dp, p.fsdp, p.cp, p.tp) == (-1, 1, 1, 1)
 
 
 def rows_of(record: dict[str, Any]) -> list[Row]:
     """A record's ranking rows (as ``plan.json`` holds them), in the ranking's order."""
     out = []
     for r in record["rows"]:
-        layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+        layout = layout_of(r)
         out.append(Row(layout, r["need_gb"], r["est_ms"], r["measured_ms"], r["chosen"],
                        r["fits"], r["why"], r.get("spread_ms")))
     return out
@@ -319,6 +331,6 @@ def resumed_layout(resume: Any) -> Layout | None:
         c = resume.meta["config"]
         p = c["plan"]
         return Layout(p["dp"], p["fsdp"], p["tp"], c["model"]["remat"],
-                      c["train"]["grad_accum"])
+                      c["train"]["grad_accum"], p.get("cp", 1))
     except (KeyError, TypeError):  # a checkpoint from before plans were saved with it
         return None

@@ -44,8 +44,16 @@ def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -
 def loss_chunk_for(m: ModelConfig, plan: MeshPlan) -> int:
     """``resolve_loss_chunk`` for the model ``m`` on ``plan``'s mesh: one micro-batch's rows per
     device and the vocabulary's padded rows per tensor-parallel device. A user model
-    (``model._target_``) has no output layer of dxrun's to chunk: 0."""
+    (``model._target_``) has no output layer of dxrun's to chunk: 0. With a context axis
+    (cp > 1) the logits are split over it already: 0, and a chunk asked for is refused."""
     if m._target_:
+        return 0
+    cp = getattr(plan, "cp", 1)
+    if cp > 1:  # the chunks would run along the sequence the context axis splits
+        if m.loss_chunk:
+            raise ConfigError(f"model.loss_chunk={m.loss_chunk} does not run with "
+                              f"parallelism.cp={cp} (the chunks run along the sequence that "
+                              "the context axis splits); set model.loss_chunk=0 or null")
         return 0
     rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * plan.grad_accum))
     vocab = (plan.padded_vocab or m.vocab_size) // plan.tp

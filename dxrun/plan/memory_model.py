@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from dxrun.plan.attention import attention_implementation
+from dxrun.plan.context import BLOCK
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.targets import gb_text
 
@@ -36,7 +37,7 @@ class Shapes:
     """What one device computes on for one micro-batch, from the config and the mesh."""
 
     b: int  # sequences per device per micro-batch
-    s: int  # tokens per sequence
+    s: int  # tokens per sequence on the device (seq_len / cp: the context axis splits it)
     h: int  # d_model (the residual stream, replicated over tp)
     f: int  # d_ff / tp
     heads: int  # heads / tp
@@ -48,12 +49,14 @@ class Shapes:
     mlp: str  # gelu | swiglu
     bias: bool
     remat: str  # none | dots | full
-    kernel: str  # cudnn | xla | reference
+    kernel: str  # cudnn | xla | reference | blockwise (a context axis's: context_parallel.py)
     residual: int  # bytes of the residual stream between layers
     accum: int = 1  # train.grad_accum: micro-batches per step
     loss_chunk: int = 0  # model.loss_chunk resolved: positions per loss chunk (0 = whole)
     norm: str = "layernorm"  # layernorm | rmsnorm
     rope: bool = False  # model.pos=rope
+    keys: int = 0  # the whole sequence each query attends over when cp > 1 (0: s, no context axis)
+    stream_split: int = 1  # tp with parallelism.sequence_parallel: the norms' and stream's split
 
     @property
     def tokens(self) -> int:
@@ -65,41 +68,56 @@ class Shapes:
 
     @property
     def scores(self) -> int:
-        """Elements of one score tensor (a·s²·b), 0 when the kernel never materialises it."""
+        """Elements of one score tensor (a·s²·b), 0 when the kernel never materialises it; the
+        blockwise kernel's one block of keys at a time (a·s·C·b, C = ``block_len``'s)."""
+        if self.kernel == "blockwise":
+            return self.heads * self.s * min(BLOCK, self.s // 2) * self.b
         return 0 if self.kernel == "cudnn" else self.heads * self.s * self.s * self.b
+
+    @property
+    def gathered_kv(self) -> int:
+        """Elements of one layer's keys and values gathered over the context axis (0 without)."""
+        return 2 * self.b * self.keys * self.kv_heads * self.head_dim if self.keys else 0
 
 
 def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str,
            vocab: int = 0) -> Shapes:
-    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, tp). ``vocab``: the
+    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, cp, tp). ``vocab``: the
     padded vocabulary of the target (0: the plan's, padded for the devices it was made on)."""
     m = model
-    tp, replicas = plan.tp, plan.dp * plan.fsdp
+    tp, replicas, cp = plan.tp, plan.dp * plan.fsdp, getattr(plan, "cp", 1)
     accum = plan.grad_accum
     c = DTYPE_BYTES[train.precision]
     return Shapes(
-        b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len, h=m.d_model,
+        b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len // cp, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
         head_dim=m.d_model // m.n_heads,
         vocab=(vocab or plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
-        mlp=m.mlp, bias=bool(m.bias), remat=plan.remat, kernel=kernel,
+        mlp=m.mlp, bias=bool(m.bias), remat=plan.remat,
+        kernel="blockwise" if cp > 1 else kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
-        loss_chunk=loss_chunk_for(m, plan), norm=m.norm, rope=m.pos == "rope")
+        loss_chunk=loss_chunk_for(m, plan), norm=m.norm, rope=m.pos == "rope",
+        keys=plan.seq_len if cp > 1 else 0,
+        stream_split=plan.tp if getattr(plan, "sequence_parallel", False) else 1)
 
 
 def norm_bytes(x: Shapes) -> float:
     """What one norm keeps (``dxrun.layers.norm``'s custom VJP): its input (the residual
     stream), its output in the compute dtype and its fp32 statistics per token (LayerNorm's
-    mean and reciprocal deviation, RMSNorm's reciprocal deviation)."""
+    mean and reciprocal deviation, RMSNorm's reciprocal deviation). With sequence parallelism
+    the input and statistics are of the device's part of the sequence, the output (what the
+    matmuls after it keep) gathered whole."""
     stats = 2 if x.norm == "layernorm" else 1
-    return (x.residual + x.c) * x.tokens * x.h + stats * FP32 * x.tokens
+    split = (x.residual * x.tokens * x.h + stats * FP32 * x.tokens) / x.stream_split
+    return split + x.c * x.tokens * x.h
 
 
 def layer_none(x: Shapes) -> dict[str, float]:
     """Bytes one layer keeps for its backward pass without recompute, by part: what JAX saves
     for dxrun's block (``jax.ad_checkpoint.saved_residuals``; ``tests/test_memory_model.py``
     holds the two equal). The norms and GELU are custom VJPs that keep their inputs (llm.c's
-    choice); q, k, v and the heads' output in the compute dtype (the joined qkv weight is
+    choice); q, k, v (and the keys and values gathered over a context axis) and the heads'
+    output in the compute dtype (the joined qkv weight is
     joined again in the backward pass, ``layers.dense``); XLA's attention core (and the
     reference's) the exponentials in fp32 and the probabilities, with two fp32 row statistics
     (JAX also saves the causal mask and the masked scores, which XLA's compile of the step
@@ -110,10 +128,12 @@ def layer_none(x: Shapes) -> dict[str, float]:
     rows = x.heads * x.s * x.b
     core = ((FP32 + c) * x.scores + 2 * FP32 * rows if x.scores
             else FP32 * rows)  # cuDNN: the log-sum-exp only
+    if x.kernel == "blockwise":  # as cuDNN's: the log-sum-exp only (context_parallel.flash)
+        core = FP32 * rows
     rope = 4 * FP32 * x.s * (x.head_dim // 2) if x.rope else 0
     return {
         "norms": 2 * norm_bytes(x),
-        "attention": c * t * (x.qkv + x.heads * x.head_dim) + rope,
+        "attention": c * t * (x.qkv + x.heads * x.head_dim) + c * x.gathered_kv + rope,
         "scores": core,
         "mlp": MLP_TENSORS[x.mlp] * c * t * x.f,
     }
@@ -124,11 +144,12 @@ def layer_saved(x: Shapes) -> float:
     t, c = x.tokens, x.c
     if x.remat == "none":
         return sum(layer_none(x).values())
-    layer_input = x.residual * t * x.h
+    layer_input = x.residual * t * x.h / x.stream_split
     if x.remat == "full":
         return layer_input
     # dots: the outputs of the matmuls the policy sees
-    core = 0.0 if x.kernel == "cudnn" else FP32 * x.scores + c * t * x.heads * x.head_dim
+    core = (0.0 if x.kernel in ("cudnn", "blockwise")
+            else FP32 * x.scores + c * t * x.heads * x.head_dim)
     ups = 2 if x.mlp == "swiglu" else 1
     weights = c * t * (x.qkv + x.h) + ups * c * t * x.f  # qkv, attention out, MLP up(s)
     return layer_input + core + weights
@@ -149,7 +170,7 @@ def recomputed(x: Shapes) -> dict[str, float]:
     if x.remat != "dots":
         parts["mlp"] = (ups + 2) * c * t * x.f
         return parts
-    fused = x.kernel == "cudnn"
+    fused = x.kernel in ("cudnn", "blockwise")
     parts["attention"] = c * x.h * x.qkv + (c * t * x.heads * x.head_dim if fused else 0.0)
     parts["mlp"] = 2 * c * t * x.f
     return parts
@@ -237,7 +258,7 @@ def activation_notes(x: Shapes) -> list[str]:
     """Where a layer without remat keeps more than llm.c's hand-written backward (the norms'
     and the MLP's inputs and outputs, q, k, v, the heads' output and per-token statistics:
     what dxrun keeps with cuDNN's attention): XLA's attention keeps its T x T tensors."""
-    if not x.scores:
+    if not x.scores or x.kernel == "blockwise":
         return []
     parts = layer_none(x)
     per = sum(parts.values()) / (x.tokens * x.h)

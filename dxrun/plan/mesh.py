@@ -1,17 +1,18 @@
 """The mesh plan: a pure function from (config, visible devices) to how the run is laid out.
 
 Nothing here imports JAX, so the plan is checked (and can be printed) before anything compiles.
-The mesh has three axes, outermost first: ``data`` (replicas), ``fsdp`` (replicas whose weights are
-sharded), ``tensor`` (Megatron tensor parallelism, innermost so it lands on the closest devices).
+The mesh has four axes, outermost first: ``data`` (replicas), ``fsdp`` (replicas whose weights are
+sharded), ``context`` (each sequence split along its length: dxrun/plan/context.py), ``tensor``
+(Megatron tensor parallelism, innermost so it lands on the closest devices).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from dxrun.errors import ConfigError
+from dxrun.plan.axes import resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
     PER_DEVICE,
@@ -20,6 +21,7 @@ from dxrun.plan.batch import (
     global_batch,
     scaled_lr,
 )
+from dxrun.plan.context import check_context, check_processes, check_sequence_parallel
 from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
@@ -28,7 +30,7 @@ from dxrun.schema import INT32
 if TYPE_CHECKING:
     from dxrun.schema import ParallelismConfig, RunConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
 # logical axes only; changing the parallelism changes only the mesh sizes under this table.
@@ -37,7 +39,9 @@ BATCH_AXES = ("data", "fsdp")
 # FSDP shards the remaining (embed) axis of each weight.
 LOGICAL_RULES: dict[str, Any] = {
     "batch": BATCH_AXES,
-    "seq": None,
+    "seq": "context",  # the sequence of every activation (attention gathers K/V over it)
+    # the residual stream's and the norms' sequence: over tensor too with sequence_parallel
+    "stream_seq": "context",
     "layers": None,  # the stacked layer axis of scanned blocks: every device has every layer
     "embed": "fsdp",
     "act_embed": None,  # activations keep d_model whole; only weights shard it
@@ -90,18 +94,28 @@ class MeshPlan:
     peak_lr: float = 0.0
     lr_scaling: str = "none"
     remat: str = "none"  # model.remat, or the layout search's choice
+    cp: int = 1  # the context axis: each sequence split over cp devices (plan/context.py)
+    sequence_parallel: bool = False  # parallelism.sequence_parallel, in effect (tp > 1)
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.fsdp, self.tp, self.remat, self.grad_accum)
+        return Layout(self.dp, self.fsdp, self.tp, self.remat, self.grad_accum, self.cp)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.fsdp, self.tp)
+    def shape(self) -> tuple[int, int, int, int]:
+        """The mesh's shape over ``MESH_AXES``."""
+        return (self.dp, self.fsdp, self.cp, self.tp)
+
+    @property
+    def host_shape(self) -> tuple[int, int, int]:
+        """(data, fsdp, context x tensor): how the mesh spreads over hosts, the context and
+        tensor axes one group that stays inside a host (``dcn_shape`` and ``local_shape`` are
+        over these three)."""
+        return (self.dp, self.fsdp, self.cp * self.tp)
 
     @property
     def n_devices(self) -> int:
-        return self.dp * self.fsdp * self.tp
+        return self.dp * self.fsdp * self.cp * self.tp
 
     @property
     def hosts(self) -> int:
@@ -113,7 +127,7 @@ class MeshPlan:
     @property
     def local_shape(self) -> tuple[int, int, int]:
         """The mesh within one host (what ``create_hybrid_device_mesh`` calls mesh_shape)."""
-        return tuple(a // b for a, b in zip(self.shape, self.dcn_shape, strict=True))
+        return tuple(a // b for a, b in zip(self.host_shape, self.dcn_shape, strict=True))
 
     def _in_host(self) -> tuple[int, int]:
         """(processes that share one row block, row blocks per host). Inside a host a process
@@ -142,7 +156,7 @@ class MeshPlan:
 
     @property
     def per_device_batch(self) -> int:
-        """Examples each data replica (a group of tp devices) computes per step."""
+        """Examples each data replica (a group of cp x tp devices) computes per step."""
         return self.global_batch // (self.dp * self.fsdp)
 
     @property
@@ -173,6 +187,7 @@ class MeshPlan:
         del out["remat"]  # the config's key (model.remat), not the mesh's
         out["mesh_axes"] = list(MESH_AXES)
         out["mesh_shape"] = list(self.shape)
+        out["per_device_seq"] = self.seq_len // self.cp
         out["n_devices"] = self.n_devices
         out["per_device_batch"] = self.per_device_batch
         out["local_shape"] = list(self.local_shape)
@@ -185,7 +200,8 @@ class MeshPlan:
 
     def table(self) -> str:
         rows = [
-            ("mesh", f"data={self.dp} x fsdp={self.fsdp} x tensor={self.tp}"),
+            ("mesh", f"data={self.dp} x fsdp={self.fsdp} x "
+                     + f"context={self.cp} x " * (self.cp > 1) + f"tensor={self.tp}"),
             ("devices", f"{self.n_devices} of {self.n_visible} {self.platform} "
                         f"(ids {_ids(self.device_ids)})"),
             ("batch", self._batch_row()),
@@ -193,6 +209,13 @@ class MeshPlan:
                       f"batch {self.global_batch})")] if self.peak_lr else []),
             *([("hosts", self._hosts_row())] if self.processes > 1 else []),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
+            *([("sequence", f"{self.seq_len // self.cp} positions per device of {self.seq_len}: "
+                            f"chunks i and {2 * self.cp - 1}-i of {2 * self.cp} on context "
+                            "device i; K/V all-gathered over context per layer")]
+              if self.cp > 1 else []),
+            *([("seq-par", "norms and residual split along the sequence over tensor "
+                           "(reduce-scatter + all-gather for each all-reduce)")]
+              if self.sequence_parallel else []),
         ]
         if self.padded_vocab != self.vocab_size:
             rows.append(("vocab", f"{self.vocab_size} padded to {self.padded_vocab} for "
@@ -210,43 +233,6 @@ def _ids(ids: tuple[int, ...]) -> str:
     if ids == tuple(range(ids[0], ids[0] + len(ids))) and len(ids) > 2:
         return f"{ids[0]}-{ids[-1]}"
     return ",".join(map(str, ids))
-
-
-def _resolve_axes(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
-    sizes = {"dp": dp, "fsdp": fsdp, "tp": tp}
-    inferred = [k for k, v in sizes.items() if v == -1]
-    for k, v in sizes.items():
-        if v == 0 or v < -1:
-            raise ConfigError(f"parallelism.{k}={v} must be a positive size or -1 (inferred)")
-    if len(inferred) > 1:
-        raise ConfigError(
-            f"parallelism: {' and '.join('parallelism.' + k for k in inferred)} are both -1; "
-            "at most one axis can be inferred, set the others to sizes"
-        )
-    if inferred:
-        known = math.prod(v for v in sizes.values() if v != -1)
-        if n % known:
-            # Name what the user set (the sized axes), not the axis dxrun was asked to infer.
-            typed = [k for k, v in sizes.items() if v > 1] or [k for k, v in sizes.items() if v != -1]
-            set_ = " x ".join(f"parallelism.{k}={sizes[k]}" for k in typed)
-            fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-            fix = (f"pick parallelism.{typed[0]} from {fits}" if len(typed) == 1
-                   else f"make their product divide {n}")
-            raise ConfigError(
-                f"{set_} does not divide the {n} devices in use, so parallelism.{inferred[0]} "
-                f"cannot be inferred; {fix}, or set parallelism.n_devices to a multiple of {known}"
-            )
-        sizes[inferred[0]] = n // known
-    return sizes["dp"], sizes["fsdp"], sizes["tp"]
-
-
-def _shrink(dp: int, fsdp: int, tp: int, n: int) -> tuple[int, int, int]:
-    """Largest mesh that fits n devices: give up data replicas first, then fsdp, then tp."""
-    sizes = [dp, fsdp, tp]
-    while math.prod(sizes) > n:
-        i = next(i for i in range(3) if sizes[i] > 1)
-        sizes[i] //= min(p for p in range(2, sizes[i] + 1) if sizes[i] % p == 0)
-    return sizes[0], sizes[1], sizes[2]
 
 
 def check_tokens_per_step(key: str, value: int, batch: int, seq_len: int) -> None:
@@ -278,6 +264,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     par, model, data = cfg.parallelism, cfg.model, cfg.data
     sizes = (par.dp, par.fsdp, par.tp) if layout is None else (layout.dp, layout.fsdp,
                                                                  layout.tp)
+    cp = par.cp if layout is None else layout.cp
     if par.n_devices > n_visible:
         hint = f" or runtime.cpu_devices={par.n_devices}" if platform == "cpu" else ""
         raise ConfigError(
@@ -285,29 +272,35 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"visible; set parallelism.n_devices<={n_visible}{hint}"
         )
     n = par.n_devices or n_visible
-    dp, fsdp, tp = _resolve_axes(*sizes, n)
+    dp, fsdp, tp = resolve_axes(*sizes, n, cp)
+    check_processes(cp, processes)
     warnings: list[str] = []
-    if processes > 1 and dp * fsdp * tp != n_visible:
+    if processes > 1 and dp * fsdp * cp * tp != n_visible:
         raise ConfigError(
-            f"parallelism={par.name} (dp={dp}, fsdp={fsdp}, tp={tp}) uses {dp * fsdp * tp} "
+            f"parallelism={par.name} (dp={dp}, fsdp={fsdp}, tp={tp}) uses {dp * fsdp * cp * tp} "
             f"devices but a {processes}-process run has {n_visible} ({processes} x "
             f"{n_visible // processes}) and must use them all; set parallelism.n_devices=0 and "
             f"sizes whose product is {n_visible}")
-    if dp * fsdp * tp != n:
+    if dp * fsdp * cp * tp != n:
+        # The context axis is named only where it is used (cp > 1).
+        names, old = ("dp", "fsdp", "cp", "tp"), (dp, fsdp, cp, tp)
+        used = [(k, v) for k, v in zip(names, old, strict=True) if k != "cp" or cp > 1]
+        product, need = "*".join(k for k, _ in used), dp * fsdp * cp * tp
         if par.on_mismatch != "shrink":
             in_use = (f"parallelism.n_devices={n} uses {n}" if par.n_devices
                       else f"{n} {platform} devices are visible")
+            given = ", ".join(f"{k}={v}" for k, v in used)
             raise ConfigError(
-                f"parallelism={par.name} (parallelism.dp={dp}, fsdp={fsdp}, tp={tp}) needs "
-                f"dp*fsdp*tp = {dp}*{fsdp}*{tp} = {dp * fsdp * tp} devices, but {in_use}; set "
-                f"parallelism.n_devices={dp * fsdp * tp} if that many are visible, pick another "
+                f"parallelism={par.name} (parallelism.{given}) needs {product} = "
+                f"{'*'.join(str(v) for _, v in used)} = {need} devices, but {in_use}; set "
+                f"parallelism.n_devices={need} if that many are visible, pick another "
                 f"preset, or set parallelism.on_mismatch=shrink"
             )
-        old = (dp, fsdp, tp)
-        dp, fsdp, tp = _shrink(dp, fsdp, tp, n)
+        dp, fsdp, cp, tp = shrink(dp, fsdp, cp, tp, n)
         warnings.append(
-            f"parallelism.on_mismatch=shrink: dp*fsdp*tp={'*'.join(map(str, old))} does not fit "
-            f"{n} devices; using dp={dp} fsdp={fsdp} tp={tp} on {dp * fsdp * tp} devices"
+            f"parallelism.on_mismatch=shrink: {product}={'*'.join(str(v) for _, v in used)} "
+            f"does not fit {n} devices; using dp={dp} fsdp={fsdp} "
+            + f"cp={cp} " * (len(used) == 4) + f"tp={tp} on {dp * fsdp * cp * tp} devices"
         )
     hosts_of = tuple(process_hosts) if process_hosts and processes > 1 else ()
     hosts = max(hosts_of) + 1 if hosts_of else processes
@@ -343,6 +336,10 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     if seq_len is None:
         seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
     check_tokens_per_step(set_by, given, batch, seq_len)
+    check_context(cp, seq_len, user_model=bool(model.get("_target_")),
+                  objective=model.get("objective", "ar"))
+    sp = bool(par.get("sequence_parallel")) and tp > 1
+    check_sequence_parallel(sp, seq_len, cp, tp)
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
@@ -356,8 +353,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"pick an fsdp size that divides {model.d_model}"
         )
     return MeshPlan(
-        dp=dp, fsdp=fsdp, tp=tp,
-        device_ids=tuple(range(dp * fsdp * tp)),
+        dp=dp, fsdp=fsdp, tp=tp, cp=cp,
+        device_ids=tuple(range(dp * fsdp * cp * tp)),
         n_visible=n_visible,
         platform=platform,
         global_batch=batch,
@@ -367,7 +364,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
         seq_len=seq_len,
-        rules=dict(LOGICAL_RULES),
+        rules=dict(LOGICAL_RULES) | ({"stream_seq": ("context", "tensor")} if sp else {}),
+        sequence_parallel=sp,
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
         padded_vocab=(model.vocab_size if model.get("_target_") else  # a user's own table

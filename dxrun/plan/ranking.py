@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dxrun.plan.layout import Layout
+from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.layouts import _gib, _ms, chosen_layout, overlaps
 
 
@@ -85,7 +85,7 @@ def _toss_up_line(rows: list[dict[str, Any]], chosen: Layout, cached: bool) -> s
     if not tied:
         return None
     n, others = len(tied), sum(r["measured_ms"] is not None for r in rows) - 1
-    names = ", ".join(Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"]).label
+    names = ", ".join(layout_of(r).label
                       for r in tied)
     which = ("the other layout timed" if others == 1 else f"all {n} other layouts timed"
              if n == others else f"{n} of the {others} other layouts timed")
@@ -100,7 +100,7 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     head = ("layout", "per device", "est ms", "measured ms", "", "why not")
     lines = [head]
     for r in rows:
-        layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+        layout = layout_of(r)
         lines.append((layout.label, _gib(r["need_gb"]),
                       _ms(r["est_ms"]), _ms(r["measured_ms"]), "✓" if r["chosen"] else "",
                       r["why"]))
@@ -126,7 +126,7 @@ def markdown(record: dict[str, Any]) -> str:
     out = ["| layout | per device | est ms | measured ms | chosen | why not |",
            "|---|---|---|---|---|---|"]
     for r in ranked(record["rows"]):
-        layout = Layout(r["dp"], r["fsdp"], r["tp"], r["remat"], r["grad_accum"])
+        layout = layout_of(r)
         need = _gib(r["need_gb"])
         out.append(f"| {layout.label} | {need} | {_ms(r['est_ms'])} | {_ms(r['measured_ms'])} "
                    f"| {'✓' if r['chosen'] else ''} | {r['why']} |")

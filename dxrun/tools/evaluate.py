@@ -75,7 +75,8 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
                  if cfg.data[k] is not None},
         "batches": n,
         "batch_size": cfg.data.batch_size,
-        "mesh": {k: int(v) for k, v in exp.mesh.shape.items()},
+        # the context axis named where it splits the sequences (cp > 1)
+        "mesh": {k: int(v) for k, v in exp.mesh.shape.items() if k != "context" or v > 1},
         **metrics,
         "seconds": time.perf_counter() - t0,
         "overrides": overrides,

@@ -169,6 +169,10 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                           "multiple of them, or decode on a mesh with dp=fsdp=1 (no "
                           "parallelism override: one device; or parallelism=tp2)") from None
     cfg = loaded.cfg
+    if loaded.exp.plan.cp > 1:  # decoding one token at a time has no sequence to split
+        raise ConfigError(f"sampling decodes one token at a time and does not split it over "
+                          f"parallelism.cp={loaded.exp.plan.cp}; sample on a mesh with cp=1 "
+                          "(no parallelism override: one device; or parallelism=tp2)")
     if options["top_k"] > cfg.model.vocab_size:
         raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="
