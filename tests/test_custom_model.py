@@ -129,8 +129,8 @@ def test_a_parameter_without_logical_axes_is_refused_in_one_line():
         Experiment.build(cfg, with_data=False)
     assert str(e.value) == (
         f"model._target_={__name__}.Bare: parameter head has no logical axes; give it "
-        "nnx.Param(..., axes=(one name per dimension)), names from batch, seq, layers, embed, "
-        "act_embed, heads, kv_heads, head_dim, mlp, vocab, norm, pos or None")
+        "nnx.Param(..., axes=(one name per dimension)), names from batch, seq, stream_seq, "
+        "layers, embed, act_embed, heads, kv_heads, head_dim, mlp, vocab, norm, pos or None")
     with pytest.raises(ConfigError, match=r"^model._target_=nope.Model cannot be imported \(no "
                        r"module named nope\); give a dotted path on the PYTHONPATH"):
         Experiment.build(make_cfg("model._target_=nope.Model", "parallelism=dp1"),
