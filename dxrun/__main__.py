@@ -51,6 +51,7 @@ from dxrun.run_log import RunLog
 from dxrun.runtime import (
     accelerator_plan_note,
     claim_run_dir,
+    collect_cycles_rarely,
     cpu_fallback_refusal,
     enable_compile_cache,
     nvidia_device_node,
@@ -330,6 +331,7 @@ def _fail(msg: str, code: int = EXIT_REFUSED) -> None:
 
 def cli() -> None:
     guard_signals()  # before anything slow: a signal from here on ends the run in one line
+    collect_cycles_rarely()
     remember_start()
     try:
         if refusal := composition_refusal(sys.argv[1:]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import logging
 import math
@@ -193,6 +194,15 @@ def enable_compile_cache(setting: str | None) -> str | None:
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's own knob wins
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+def collect_cycles_rarely() -> None:
+    """Python's cyclic garbage collector for a dxrun command's process: tracing, compiling and
+    restoring make millions of short-lived objects, almost none of them in a reference cycle,
+    and the default thresholds (a collection every 700 new objects) spend a few percent of the
+    command's CPU finding nothing (docs/tests.md). Set by the commands only, never on import:
+    a notebook that imports dxrun keeps its own."""
+    gc.set_threshold(20_000, 10, 10)
 
 
 def dir_refusal(key: str, value: Any, fix: str) -> str | None:

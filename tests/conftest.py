@@ -62,7 +62,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dxrun.config import register
-from dxrun.runtime import enable_compile_cache
+from dxrun.runtime import collect_cycles_rarely, enable_compile_cache
+
+# The collector's thresholds of a dxrun command's process, for the tests that trace and compile
+# in this one.
+collect_cycles_rarely()
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -100,9 +100,9 @@ def logged_losses(cfg: Any, run_dir: Path) -> list[float]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("model", PRESETS)
 def test_short_runs_of_every_preset_never_spike(tmp_path, model):
-    """A 20-step and a 60-step run of every model preset, every step logged, never log a loss
-    above their first step's, nor one 0.25 nats above the best before it (a spike that stays
-    below the first loss).
+    """A 60-step run of every model preset, and a 20-step run of tiny and tiny_llama, every
+    step logged, never log a loss above their first step's, nor one 0.25 nats above the best
+    before it (a spike that stays below the first loss).
 
     tiny and tiny_llama run with every default (``parallelism=dp``: the layout the default run
     keeps). The larger presets keep what is theirs in a short run: the
@@ -111,17 +111,17 @@ def test_short_runs_of_every_preset_never_spike(tmp_path, model):
     vocabulary and a quarter of the batch, since at their own size 60 steps are far beyond a
     CPU test. So their lr is checked on their block at tiny's width, not at their own.
 
-    Where the 20-step run's lr is the 60-step run's at every step (a warmup of at most 20
-    steps: the tiny presets), it is the 60-step run's first 20 steps and is not run again. The
+    The 20-step run's lr is the 60-step run's at every step for the tiny presets (a warmup of
+    at most 20 steps): it is the 60-step run's first 20 steps and is not run again. A larger
+    preset's warmup is cut to the run, so its lr rises over either run to the same peak, which
+    the 60-step run holds for more steps: its 20-step run is not taken (the suite's time). The
     first update is taken at lr 0 (the warmup starts there), so step 2 scores step 1's weights
     on another batch, and may lie that batch's noise (under 0.05 nats) above step 1."""
     long = short_run(model, 60)
     losses = {60: logged_losses(long, tmp_path / "60")}
-    short = short_run(model, 20)
-    if lr_of_each_step(short) == lr_of_each_step(long)[:20]:
+    if long.parallelism.name == "dp":  # tiny, tiny_llama: the first 20 steps are the short run
+        assert lr_of_each_step(short_run(model, 20)) == lr_of_each_step(long)[:20]
         losses[20] = losses[60][:20]
-    else:
-        losses[20] = logged_losses(short, tmp_path / "20")
     for steps, loss in losses.items():
         assert len(loss) == steps
         assert max(loss[1:]) <= loss[0] + 0.05, (model, steps, loss)

@@ -33,7 +33,7 @@ from dxrun.errors import ConfigError, first_line
 from dxrun.hf.config import PREFIX, apply_hf_model
 from dxrun.plan.mesh import make_plan
 from dxrun.plan.run_plan import recorded
-from dxrun.runtime import simulate_cpu_devices
+from dxrun.runtime import collect_cycles_rarely, simulate_cpu_devices
 from dxrun.schema import RunConfig
 from dxrun.validation import validate
 
@@ -295,6 +295,7 @@ def usage(run: Callable[[list[str]], None]) -> str:
 
 def main(tool: str, run: Callable[[list[str]], None]) -> None:
     """A tool's entry point: bad input is one line and exit 2, never a traceback."""
+    collect_cycles_rarely()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
