@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dxrun.runtime import simulate_cpu_devices
+from dxrun.runtime import collect_cycles_rarely, simulate_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # The suite's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
@@ -67,6 +67,7 @@ def external(section: str, argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    collect_cycles_rarely()  # as in dxrun's commands: the steps are timed as a run takes them
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="CI's run: under two minutes")
     ap.add_argument("--gpu", action="store_true", help="the GPU figures (needs an NVIDIA GPU)")
@@ -148,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         steps, reps = (2, 1) if args.quick else (30, 3)  # quick: a smoke run, few steps
         if not args.quick:
             add(allocator.figures(shape, 10, reps))
-        add(speed.step_vs_hand(shape, steps, reps))
+        # quick: one device and one layout of every axis the hand step shards (tensor and
+        # data); the suite's run, whose dp8 and fsdp8 programs the structural figures compile
+        add(speed.step_vs_hand(shape, steps, reps, ("dp1", "dp4_tp2") if args.quick
+                               else speed.LAYOUTS))
         if not args.quick:  # the hand-written steps' losses are tests/test_bench_one_device.py's
             add(one_device.figures(shape, steps, 2))  # item 9: 2 repetitions
         add(speed.loop_vs_step(shape, 10 if args.quick else 40, 1 if args.quick else reps,

@@ -270,6 +270,21 @@ def test_sequence_parallel_layer_equals_tp_and_moves_no_weight(cfg_factory):
     assert found[True]["all-reduce"] == 5  # Megatron's 4, and the norms' weights' gradients
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_sequence_parallel_trains_like_plain_tp(cfg_factory, model):
+    """The whole model over STEPS steps from one init (biases non-zero), dp2_tp4 with
+    parallelism.sequence_parallel=true and without: the same losses to 1e-5 in fp32."""
+    base = [*MODELS[model], *BASE, "parallelism=dp2_tp4"]
+    params = _host_params(Experiment.build(cfg_factory(*base)), seed=1)
+    losses = {}
+    for sp in ("false", "true"):
+        exp = Experiment.build(cfg_factory(*base, f"parallelism.sequence_parallel={sp}"))
+        assert exp.plan.sequence_parallel == (sp == "true")
+        losses[sp] = _losses(exp, params)
+    assert losses["false"][-1] < losses["false"][0]  # it trains
+    np.testing.assert_allclose(losses["true"], losses["false"], rtol=1e-5)
+
+
 def test_full_tp_step_gathers_no_weight(cfg_factory):
     """No all-gather in the compiled tp8 step is the size of a weight: neither a whole stacked
     weight ([n_layers, ...], before the layer scan) nor one layer's slice of it (inside the
