@@ -39,10 +39,12 @@ MODELS = {
              "train.grad_accum=2"],
 }
 # The odd vocabulary only changes the meshes that split the vocab axis: two different paddings.
-# Masked diffusion: one mesh with every axis (the batch over data x fsdp, the weights over fsdp
-# x tensor, the 65-row table padded to 66).
-MESHES_OF = {"gpt2_vocab65": ["dp1", "tp2", "tp8"], "mdlm": ["dp1", "dp2_fsdp2_tp2"]}
-STEPS = 6  # the 6th step's loss is the loss after 5 updates (2 of warmup, 3 at the peak lr)
+# Masked diffusion: data and tensor parallel alone (the 65-row table padded to 72 on tp8), and
+# meshes mixing the axes (the batch over data x fsdp, the weights over fsdp x tensor); at most 4
+# replicas, so that each holds the 2 micro-batches of 8 examples.
+MESHES_OF = {"gpt2_vocab65": ["dp1", "tp2", "tp8"],
+             "mdlm": ["dp1", "dp4", "tp8", "dp4_tp2", "dp2_fsdp2_tp2"]}
+STEPS = 12  # the 12th step's loss is the loss after 11 updates (2 of warmup, 9 at the peak lr)
 # 8 x 16 tokens a step (not 32 x 64): the step's cost is in the compile, which the batch barely
 # changes; every mesh's axes (8 ways at most) still divide the batch and the sequence.
 # 64 output classes for the markov data's 16 symbols: 5 updates visibly lower the loss (the
