@@ -162,7 +162,8 @@ def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8",
         return train(loop, Path(tempfile.mkdtemp(dir=tmp)))["loop_tokens_per_s"]
 
     bare()
-    whole()  # compiles into the cache
+    if reps > 1:  # (one repetition, --quick's: its run compiles its own step before its window)
+        whole()  # compiles into the cache
     b, w = [], []
     for _ in range(reps):
         b.append(bare())
