@@ -131,8 +131,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(one_process, two_processes, 
 
 def test_checkpoint_of_one_process_resumes_in_two(one_process, tmp_path):
     ckpt = one_process[0] / "checkpoints" / "4"
-    # No saves of its own: what is compared is the losses of the steps after the resume.
-    proc = launch(tmp_path, *COMMON, "parallelism=dp4_tp2", "logger=none", "checkpoint.every=0",
+    proc = launch(tmp_path, *COMMON, "parallelism=dp4_tp2", "logger=none",
                   f"checkpoint.resume={ckpt}", "hydra.run.dir=run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same(losses(tmp_path / "run"), one_process[1], range(5, 7))
