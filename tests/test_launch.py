@@ -111,13 +111,15 @@ def test_two_processes_train_like_one(one_process, two_processes):
 def test_four_processes_of_one_host_share_tensor_groups(tmp_path):
     """4 processes x 2 devices on one host with tp=4: each tensor group spans 2 processes of
     the host (no network between them), and the run trains like dp2_tp4 in one process."""
-    proc = launch(tmp_path, *COMMON, "train.steps=3", "parallelism.tp=4", "logger=none",
-                  "hydra.run.dir=run", nproc=4)
+    # No saves: what is compared is the losses (a 4-process save is a collective of its own).
+    proc = launch(tmp_path, *COMMON, "train.steps=3", "checkpoint.every=0", "parallelism.tp=4",
+                  "logger=none", "hydra.run.dir=run", nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["mesh_shape"], plan["processes"], plan["hosts"], plan["dcn_shape"]) == (
         [2, 1, 1, 4], 4, 1, [1, 1, 1])
-    want = in_process(tmp_path / "ref", "train.steps=3", "parallelism=dp2_tp4")
+    want = in_process(tmp_path / "ref", "train.steps=3", "checkpoint.every=0",
+                      "parallelism=dp2_tp4")
     assert_same(losses(tmp_path / "run"), want, range(1, 4))
 
 
@@ -214,19 +216,20 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 
-# One sequence of 16 tokens a device: what is tested is how the processes stop, at steps they
-# reach sooner with a smaller step.
-ENDLESS_BATCH = ("data.batch_size=8", "data.seq_len=16")
+# One sequence of 16 tokens a device, one device a process: what is tested is how the
+# processes stop, at steps they reach sooner with a smaller step, and each process's startup
+# (its compile above all) is cheaper with one device than with four.
+ENDLESS_BATCH = ("data.batch_size=2", "data.seq_len=16")
 
 
 def start_endless(cwd: Path, *overrides: str, ctrl_c: bool = False, port: int = 0
                   ) -> tuple[subprocess.Popen, Output, dict[int, int]]:
-    """A 2-process run without end (4 devices each), once rank 0 has logged step 2: the
+    """A 2-process run without end (1 device each), once rank 0 has logged step 2: the
     launcher, its output and each rank's pid. ``ctrl_c``: the launcher in a process group of
     its own, which a test can signal as a terminal's Ctrl-C does. ``port``: the coordinator's
     (0: a free one)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "4",
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
          "--port", str(port), "--", NO_CACHE, "logger=none", "train.steps=100000", "train.log_every=1",
          "parallelism=dp",  # 100000 steps would pay for a layout search
          "checkpoint.every=0", *ENDLESS_BATCH, *overrides], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
@@ -371,7 +374,7 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
     assert out.strip().splitlines()[-1] == (
         f"dxrun.launch: stopped by SIGINT: every rank saved and stopped at step {step}; "
         f"checkpoint {tmp_path / 'run' / 'checkpoints' / str(step)} committed. Resume with: "
-        f"python -m dxrun.launch --nproc=2 --devices-per-proc=4 -- {NO_CACHE} logger=none "
+        f"python -m dxrun.launch --nproc=2 --devices-per-proc=1 -- {NO_CACHE} logger=none "
         f"train.steps=100000 train.log_every=1 parallelism=dp checkpoint.every=0 "
         f"{' '.join(ENDLESS_BATCH)} hydra.run.dir={tmp_path}/run")
 

@@ -676,7 +676,10 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
                 "parallelism.n_devices=2", "model.n_heads=1", "model.n_kv_heads=1",
                 "model.n_layers=1",  # tiny with one block: cheaper compiles
                 "data.seq_len=16", "train.steps=2", "train.log_every=1", "train.eval_every=0",
-                "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep", cwd=tmp_path,
+                "checkpoint.every=0", "logger=none", "hydra.sweep.dir=sweep",
+                # The 2 devices the jobs use, not 8 (a cheaper start and host probe), and no
+                # sweep report (test_report.py's): what is read is each job's own files.
+                "runtime.cpu_devices=2", "~hydra.callbacks.sweep_report", cwd=tmp_path,
                 timeout=1200, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-3000:]
     keys = set()
