@@ -6,56 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import recorded_compiles, run_cli, subprocess_env, tree_digest
+from conftest import cli_in_process, recorded_compiles, run_cli, subprocess_env, tree_digest
 
 from dxrun.tracking.wandb_file import read_run
 
 
 def _run_dirs(cwd: Path) -> list[Path]:
     return sorted(p.parent for p in (cwd / "outputs").glob("*/*/plan.json"))
-
-
-@pytest.fixture
-def cli_here(monkeypatch, capfd):
-    """``python -m dxrun <args>`` through its entry point (``dxrun.__main__.cli``) in this
-    process, in ``cwd``: (exit code, stdout, stderr), captured at the file descriptors. What
-    the launcher sets up for its own process (the stop signals' handlers, the unraisable hook,
-    Hydra's root logger) is put back after each call."""
-    import logging
-    import signal
-    import sys
-
-    from dxrun import job_dir
-    from dxrun.__main__ import cli
-
-    def run(*args: str, cwd: Path) -> tuple[int, str, str]:
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(job_dir, "_started_in", job_dir._started_in)  # cli's remember_start
-        monkeypatch.setattr(sys, "argv", ["dxrun", *args])
-        root = logging.getLogger()
-        handlers, level, hook = root.handlers[:], root.level, sys.unraisablehook
-        signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM,
-                                                     signal.SIGUSR1)}
-        capfd.readouterr()
-        try:
-            with pytest.raises(SystemExit) as stop:
-                cli()
-        finally:
-            for h in root.handlers[:]:
-                if h not in handlers:
-                    root.removeHandler(h)
-                    h.close()
-            for h in handlers:
-                if h not in root.handlers:
-                    root.addHandler(h)
-            root.setLevel(level)
-            sys.unraisablehook = hook
-            for s, handler in signals.items():
-                signal.signal(s, handler)
-        out, err = capfd.readouterr()
-        return stop.value.code, out, err
-
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -192,14 +149,14 @@ SUBPROCESS = {"model=huge", "parallelism=tp8"}
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("args, key, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
-def test_bad_input_one_clear_line(dp4_tp2_run, cli_here, args, key, fix):
+def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     cwd, _ = dp4_tp2_run
     before = tree_digest(cwd / "outputs")
     if " ".join(args) in SUBPROCESS:
         proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120)
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
     else:
-        code, out, err = cli_here(*args, "logger=none", cwd=cwd)
+        proc = cli_in_process(*args, "logger=none", cwd=cwd)
+    code, out, err = proc.returncode, proc.stdout, proc.stderr
     assert code == 2, (code, err[-2000:])  # 2: bad input; 1 is a crash
     assert "Traceback" not in err + out
     errors = [line for line in err.splitlines() if line.startswith("dxrun: error:")]
@@ -247,7 +204,7 @@ def _tree(root: Path) -> dict[str, str]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("args, key, fix", BAD_DIRS, ids=[" ".join(a) for a, _, _ in BAD_DIRS])
-def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, cli_here, args, key, fix):
+def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, args, key, fix):
     cwd, _ = dp4_tp2_run
     (run_dir,) = _run_dirs(cwd)
     names = {"file": run_dir / "plan.json", "run": run_dir}
@@ -261,7 +218,8 @@ def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, cli_here, args
         assert "Compiling" not in err + out
     else:  # hydra.run.dir, hydra.sweep.dir: refused before Hydra runs anything, in process
         with recorded_compiles() as compiled:
-            code, out, err = cli_here(*args, "logger=none", cwd=cwd)
+            proc = cli_in_process(*args, "logger=none", cwd=cwd)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
         assert compiled == []
     assert code == 2, (code, err[-2000:])
     assert "Traceback" not in err + out
@@ -272,25 +230,25 @@ def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, cli_here, args
 
 
 @pytest.mark.e2e
-def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path, cli_here):
+def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path):
     """Hydra makes outputs/<date>/<time> before dxrun can check the config: a refused run takes
     it all away again, outputs/ too when the run made it, and keeps an outputs/ that was there.
     (Through the entry point in this process: what the working dir held is noted by ``cli``,
     as at a process's start; the exit code and line of a real process are
     test_bad_input_one_clear_line's.)"""
-    code, _, err = cli_here("optimizer.lr=0", "logger=none", cwd=tmp_path)
-    assert code == 2, err[-2000:]
+    proc = cli_in_process("optimizer.lr=0", "logger=none", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
     (tmp_path / "outputs").mkdir()
-    code, _, err = cli_here("optimizer.lr=0", "logger=none", cwd=tmp_path)
-    assert code == 2, err[-2000:]
+    proc = cli_in_process("optimizer.lr=0", "logger=none", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
     assert not list((tmp_path / "outputs").iterdir())
     # A run dir straight under the working dir: the run dir goes, the working dir stays.
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, _, err = cli_here("optimizer.lr=0", "logger=none", "hydra.run.dir=run", cwd=empty)
-    assert code == 2, err[-2000:]
+    proc = cli_in_process("optimizer.lr=0", "logger=none", "hydra.run.dir=run", cwd=empty)
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert empty.is_dir() and not list(empty.iterdir())
 
 
@@ -352,9 +310,10 @@ def tokens_runs(tmp_path_factory):
             "train.log_every=1", "train.eval_every=0", "hydra.run.dir=run"]
     first = run_cli(*args, cwd=cwd)
     before = tree_digest(cwd / "run")  # the first run's files, to compare after the relaunch
-    # A fresh start (not a resume from the first run's checkpoints) in the same hydra.run.dir.
-    again = run_cli(*args, "logger=none", "checkpoint.resume=none", "checkpoint.every=0",
-                    cwd=cwd)  # (no test reads its checkpoints: none saved)
+    # A fresh start (not a resume from the first run's checkpoints) in the same hydra.run.dir,
+    # through the entry point in this process: where it writes is the point, not the process.
+    again = cli_in_process(*args, "logger=none", "checkpoint.resume=none", "checkpoint.every=0",
+                           cwd=cwd)  # (no test reads its checkpoints: none saved)
     return cwd, first, again, before
 
 
