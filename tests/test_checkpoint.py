@@ -19,7 +19,15 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from conftest import Output, make_cfg, recorded_compiles, run_cli, subprocess_env, tree_digest
+from conftest import (
+    Output,
+    cli_in_process,
+    make_cfg,
+    recorded_compiles,
+    run_cli,
+    subprocess_env,
+    tree_digest,
+)
 
 from dxrun.checkpointing.resume import Resume, check_compatible, data_position, find_resume, restore
 from dxrun.checkpointing.saving import time_due
@@ -195,7 +203,8 @@ def requeued(tmp_path_factory):
     outs.append(out.finish())
     assert proc.returncode == 0, outs[-1][-3000:]
     stopped = json.loads((run_dir / "status.json").read_text())
-    last = run_cli(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=cwd, timeout=240)
+    # The last relaunch finds nothing to train: through the entry point in this process.
+    last = cli_in_process(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=cwd)
     outs.append(last.stdout + last.stderr)
     return {"cwd": cwd, "run_dir": run_dir, "outputs": outs, "stopped": stopped,
             "last": last}
@@ -257,8 +266,9 @@ def test_a_second_launch_into_a_held_run_dir_is_refused_or_waits(reference, tmp_
     _wait_for(lambda: _logged_step(run_dir) >= 10
               and 10 in committed_steps(run_dir / "checkpoints"), out)
     before = tree_digest(run_dir)
-    second = run_cli(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                     timeout=240)
+    # (The second launch through the entry point in this process: the lock it meets is the
+    # first launch's, another process's.)
+    second = cli_in_process(*BASE, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert second.returncode == 2, second.stderr[-3000:]
     assert "Traceback" not in second.stdout + second.stderr
     (line,) = [x for x in second.stderr.splitlines() if x.startswith("dxrun:")]
@@ -353,14 +363,15 @@ def test_a_stop_raised_inside_a_gc_callback_is_not_lost(host):
 
 @pytest.mark.e2e
 def test_refused_resume_leaves_the_run_untouched(preempted):
-    """Through the CLI: exit 2, one line, nothing written. One refused key is enough here:
-    every refusal is raised by resume.check_compatible inside prepare(), before anything is
-    written, and each one's message (data.batch_size's included) is
-    test_what_cannot_change_on_resume_is_refused's (a second subprocess cost ~15 s)."""
+    """Through the CLI's entry point (in this process): exit 2, one line, nothing written. One
+    refused key is enough here: every refusal is raised by resume.check_compatible inside
+    prepare(), before anything is written, and each one's message (data.batch_size's
+    included) is test_what_cannot_change_on_resume_is_refused's (a second subprocess cost
+    ~15 s)."""
     change, key, ours, theirs = "model.d_model=128", "model.d_model", "128", "64"
     run_dir = preempted["run_dir"]
     before = tree_digest(run_dir)
-    proc = run_cli(*BASE, f"hydra.run.dir={run_dir}", change, cwd=run_dir.parent, timeout=240)
+    proc = cli_in_process(*BASE, f"hydra.run.dir={run_dir}", change, cwd=run_dir.parent)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     errors = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
     assert len(errors) == 1, proc.stderr
@@ -691,7 +702,7 @@ def test_a_full_disk_is_one_line_and_the_relaunch_resumes(tmp_path):
         if mounted:  # space again
             subprocess.run(["mount", "-o", f"remount,size={8 * DISK_KIB}k", str(disk)],
                            check=True)
-        again = run_cli(*args, cwd=tmp_path, timeout=300)
+        again = cli_in_process(*args, cwd=tmp_path)  # the same command (its entry point here)
         assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
         assert f"resuming from step 1 (checkpoint {ckpts / '1'})" in again.stdout + again.stderr
         assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, subprocess_env, tree_digest
+from conftest import cli_in_process, recorded_compiles, run_cli, subprocess_env, tree_digest
 
 from dxrun.tracking.wandb_file import read_run
 
@@ -140,16 +140,27 @@ BAD = [
 ]
 
 
+# Through a real process: one refused while composing (before Hydra runs the job), one once
+# JAX has started (the mesh plan). The others call the same entry point in this process (an
+# interpreter and a JAX start each saved): the same code from the command line to the line
+# printed and the exit code.
+SUBPROCESS = {"model=huge", "parallelism=tp8"}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("args, key, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
 def test_bad_input_one_clear_line(dp4_tp2_run, args, key, fix):
     cwd, _ = dp4_tp2_run
     before = tree_digest(cwd / "outputs")
-    proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120)
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])  # 2: bad input; 1 is a crash
-    assert "Traceback" not in proc.stderr + proc.stdout
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("dxrun: error:")]
-    assert len(errors) == 1, proc.stderr
+    if " ".join(args) in SUBPROCESS:
+        proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120)
+    else:
+        proc = cli_in_process(*args, "logger=none", cwd=cwd)
+    code, out, err = proc.returncode, proc.stdout, proc.stderr
+    assert code == 2, (code, err[-2000:])  # 2: bad input; 1 is a crash
+    assert "Traceback" not in err + out
+    errors = [line for line in err.splitlines() if line.startswith("dxrun: error:")]
+    assert len(errors) == 1, err
     assert key in errors[0] and fix in errors[0], errors[0]
     assert tree_digest(cwd / "outputs") == before  # the earlier run's files are untouched
     assert len(_run_dirs(cwd)) == 1
@@ -198,14 +209,22 @@ def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, args, key, fix
     (run_dir,) = _run_dirs(cwd)
     names = {"file": run_dir / "plan.json", "run": run_dir}
     before = _tree(cwd)
-    # JAX logs every compile under JAX_LOG_COMPILES: the refusal comes before the first.
-    proc = run_cli(*[a.format(**names) for a in args], "logger=none", cwd=cwd, timeout=120,
-                   env={"JAX_LOG_COMPILES": "1"})
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert "Compiling" not in proc.stderr + proc.stdout
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("dxrun: error:")]
-    assert len(errors) == 1, proc.stderr
+    args = [a.format(**names) for a in args]
+    if any(a.startswith("checkpoint.dir=") for a in args):
+        # Refused by the job once JAX has started: a fresh process, in which JAX logs every
+        # compile under JAX_LOG_COMPILES; the refusal comes before the first.
+        proc = run_cli(*args, "logger=none", cwd=cwd, timeout=120, env={"JAX_LOG_COMPILES": "1"})
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+        assert "Compiling" not in err + out
+    else:  # hydra.run.dir, hydra.sweep.dir: refused before Hydra runs anything, in process
+        with recorded_compiles() as compiled:
+            proc = cli_in_process(*args, "logger=none", cwd=cwd)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+        assert compiled == []
+    assert code == 2, (code, err[-2000:])
+    assert "Traceback" not in err + out
+    errors = [line for line in err.splitlines() if line.startswith("dxrun: error:")]
+    assert len(errors) == 1, err
     assert key.format(**names) in errors[0] and fix in errors[0], errors[0]
     assert _tree(cwd) == before  # no dir made, the earlier run's files as they were
 
@@ -213,19 +232,22 @@ def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, args, key, fix
 @pytest.mark.e2e
 def test_a_refused_first_run_leaves_the_dir_as_it_was(tmp_path):
     """Hydra makes outputs/<date>/<time> before dxrun can check the config: a refused run takes
-    it all away again, outputs/ too when the run made it, and keeps an outputs/ that was there."""
-    proc = run_cli("optimizer.lr=0", "logger=none", cwd=tmp_path, timeout=120)
+    it all away again, outputs/ too when the run made it, and keeps an outputs/ that was there.
+    (Through the entry point in this process: what the working dir held is noted by ``cli``,
+    as at a process's start; the exit code and line of a real process are
+    test_bad_input_one_clear_line's.)"""
+    proc = cli_in_process("optimizer.lr=0", "logger=none", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
     (tmp_path / "outputs").mkdir()
-    proc = run_cli("optimizer.lr=0", "logger=none", cwd=tmp_path, timeout=120)
+    proc = cli_in_process("optimizer.lr=0", "logger=none", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
     assert not list((tmp_path / "outputs").iterdir())
     # A run dir straight under the working dir: the run dir goes, the working dir stays.
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = run_cli("optimizer.lr=0", "logger=none", "hydra.run.dir=run", cwd=empty, timeout=120)
+    proc = cli_in_process("optimizer.lr=0", "logger=none", "hydra.run.dir=run", cwd=empty)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert empty.is_dir() and not list(empty.iterdir())
 
@@ -288,9 +310,10 @@ def tokens_runs(tmp_path_factory):
             "train.log_every=1", "train.eval_every=0", "hydra.run.dir=run"]
     first = run_cli(*args, cwd=cwd)
     before = tree_digest(cwd / "run")  # the first run's files, to compare after the relaunch
-    # A fresh start (not a resume from the first run's checkpoints) in the same hydra.run.dir.
-    again = run_cli(*args, "logger=none", "checkpoint.resume=none", "checkpoint.every=0",
-                    cwd=cwd)  # (no test reads its checkpoints: none saved)
+    # A fresh start (not a resume from the first run's checkpoints) in the same hydra.run.dir,
+    # through the entry point in this process: where it writes is the point, not the process.
+    again = cli_in_process(*args, "logger=none", "checkpoint.resume=none", "checkpoint.every=0",
+                           cwd=cwd)  # (no test reads its checkpoints: none saved)
     return cwd, first, again, before
 
 

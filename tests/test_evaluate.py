@@ -11,7 +11,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import finished_wandb_run, make_cfg, subprocess_env, tree_digest, write_tokens
+from conftest import (
+    MARKOV_STEPS,
+    finished_wandb_run,
+    make_cfg,
+    subprocess_env,
+    tree_digest,
+    write_tokens,
+)
 
 from dxrun.errors import ConfigError
 from dxrun.tools.evaluate import evaluate_checkpoint
@@ -37,7 +44,7 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     out = _evaluate_cli(markov_run)  # the run's own mesh (parallelism=dp2), its W&B run
     assert out.returncode == 0, out.stderr[-3000:]
     (rec,) = json.loads((markov_run / "eval.json").read_text())
-    assert rec["step"] == want["step"] == 300 and rec["mesh"] == {"data": 2, "fsdp": 1,
+    assert rec["step"] == want["step"] == MARKOV_STEPS and rec["mesh"] == {"data": 2, "fsdp": 1,
                                                                    "tensor": 1}
     # Bitwise: the same params, batches and jitted evaluation as in training.
     assert rec["eval/loss"] == want["eval/loss"] and rec["eval/accuracy"] == want["eval/accuracy"]
@@ -52,7 +59,7 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]
     logged = [h for r in runs for h in r["history"] if "eval/tokens" in h]
     assert logged == [{**{k: rec[k] for k in ("eval/loss", "eval/ppl", "eval/accuracy",
-                                              "eval/tokens")}, "step": 300, **{
+                                              "eval/tokens")}, "step": MARKOV_STEPS, **{
         k: v for k, v in logged[0].items() if k.startswith("_")}}]
 
     # Another mesh (tensor parallel, in process): the same numbers to 1e-5.
@@ -70,7 +77,7 @@ def test_what_evaluate_cannot_score_is_refused(markov_run):
     eval.batches=all on markov's endless held-out stream: one ConfigError naming the key and the
     fix (the CLI's one line and exit 2), and nothing written."""
     before = tree_digest(markov_run)
-    ckpt = re.escape(str(markov_run / "checkpoints" / "300"))
+    ckpt = re.escape(str(markov_run / "checkpoints" / str(MARKOV_STEPS)))
     for overrides, says in [
         (["model.n_layers=3"], f"^model.n_layers=3 but checkpoint {ckpt} was written with "
                                r"model.n_layers=2 \(a checkpoint's model shape is fixed\); drop "
@@ -162,10 +169,11 @@ def test_a_copied_or_moved_run_gets_its_own_results(markov_run, tmp_path):
     had = json.loads((copy / "eval.json").read_text()) if (copy / "eval.json").is_file() else []
     rec = evaluate_checkpoint(copy, ["logger=none"])
     assert json.loads((copy / "eval.json").read_text()) == [*had, rec]
-    assert rec["step"] == 300 and rec["checkpoint"] == str(copy / "checkpoints" / "300")
+    step = str(MARKOV_STEPS)
+    assert rec["step"] == MARKOV_STEPS and rec["checkpoint"] == str(copy / "checkpoints" / step)
     moved = tmp_path / "moved"
     copy.rename(moved)
-    again = evaluate_checkpoint(moved / "checkpoints" / "300", ["logger=none"])
+    again = evaluate_checkpoint(moved / "checkpoints" / step, ["logger=none"])
     assert json.loads((moved / "eval.json").read_text()) == [*had, rec, again]
     assert again["eval/loss"] == rec["eval/loss"]
     assert not copy.exists() and tree_digest(markov_run) == original

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import MARKOV_STEPS
 
 from dxrun.tools.load import as_data, given_run_dir, load, main, split_args
 from dxrun.tools.sample import OPTIONS
@@ -87,7 +88,7 @@ def test_a_checkpoints_config_is_read_as_data(markov_run, tmp_path):
     environment variable or file is read through it."""
     run = tmp_path / "run"
     shutil.copytree(markov_run / "checkpoints", run / "checkpoints")
-    path = _meta_file(run / "checkpoints" / "300")
+    path = _meta_file(run / "checkpoints" / str(MARKOV_STEPS))
     meta = json.loads(path.read_text())
     meta["config"]["logger"]["project"] = "${oc.env:HOME}"
     meta["config"]["logger"]["tags"] = TRICKY

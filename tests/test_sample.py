@@ -119,9 +119,14 @@ def test_kv_cache_of_a_llama_style_block_equals_recompute():
 
 
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end
-def test_bad_input_is_one_line(tmp_path, text_run):
+def test_bad_input_is_one_line(tmp_path, text_run, monkeypatch, capsys, caplog):
+    """Exit 2 and one line, no traceback: one case through ``python -m dxrun.sample`` (a
+    checkpoint restored in its own process, whose libraries' log lines are on its stderr), the
+    others through the same entry point (``main``) in this process."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+    from dxrun.tools.load import main
+    from dxrun.tools.sample import run
     from dxrun.train import train
 
     # A run with a word-level tokenizer.json, which has no way to write "é" or "✓".
@@ -135,21 +140,31 @@ def test_bad_input_is_one_line(tmp_path, text_run):
     train(make_cfg("data=text", f"data.path={corpus}", f"data.tokenizer={tmp_path}/tokenizer.json",
                    "data.seq_len=16", "data.batch_size=8", "parallelism=dp2", "train.steps=2",
                    "train.eval_every=0", "checkpoint.every=2", "logger=none"), words)
+    out = _sample_cli(text_run, "prompt=the", "temperature=1", "top_k=300")
+    errors = [x for x in out.stderr.splitlines() if "error" in x.lower()]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert errors[0] == ("dxrun.sample: error: top_k=300 is larger than the vocabulary "
+                         "(model.vocab_size=256); use top_k<=256, or top_k=0 for no cut"), errors
+    assert "Traceback" not in out.stderr
     cases = [
         ((tmp_path, "prompt=hi"), f"path={tmp_path} holds no committed checkpoint"),
         ((words, "prompt=the cat é ✓"), "cannot encode 'é✓'"),
         ((text_run, "prompt=the", "max_new_tokens=1000"),
          "max_new_tokens=1000 after a 3-token prompt needs 1003 positions, beyond "
          "model.max_seq_len=128; use max_new_tokens<=125"),
-        ((text_run, "prompt=the", "temperature=1", "top_k=300"),
-         "top_k=300 is larger than the vocabulary (model.vocab_size=256); use top_k<=256"),
     ]
     for args, message in cases:
-        out = _sample_cli(*args)
-        errors = [x for x in out.stderr.splitlines() if "error" in x.lower()]
-        assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+        caplog.clear()
+        monkeypatch.setattr(sys, "argv", ["dxrun.sample", *map(str, args)])
+        with pytest.raises(SystemExit) as stop:
+            main("sample", run)
+        err = capsys.readouterr().err
+        # (this process's log records are caplog's, not stderr's: read with it)
+        lines = err.splitlines() + [r.getMessage() for r in caplog.records]
+        errors = [x for x in lines if "error" in x.lower()]
+        assert stop.value.code == 2 and len(errors) == 1, err[-3000:]
         assert errors[0].startswith("dxrun.sample: error: ") and message in errors[0], errors
-        assert "Traceback" not in out.stderr
+        assert "Traceback" not in err
 
 
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end

@@ -33,7 +33,11 @@ def _num(cell: str) -> float | None:
     return float(cell) if cell else None
 
 
-# --- one real 2 x 3 multirun (batch 16, 32 x dp1, dp2, dp4), shared by the tests below ---
+# --- one real 2 x 2 multirun (batch 16, 32 x dp1, dp4), shared by the tests below ---
+
+# Two layouts a batch: each batch's ranking, strong scaling over dp1 and memory per device
+# falling as the batch spreads need two; a third layout (dp2) showed nothing more.
+DEVICES = (1, 4)
 
 # Eight steps logged every step, saved at 4 and 8: windows 2-8 (step 1 compiles); the save at 4
 # runs after row 4's window, so row 5 records it; the last save is in no window and no row.
@@ -45,7 +49,7 @@ GRID_COUNTED = (2, 3, 4, 6, 7, 8)  # the windows the report counts
 def grid(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("grid")
     sweep = cwd / "sweep"
-    proc = run_cli("-m", "data.batch_size=16,32", "parallelism=dp1,dp2,dp4", "train.steps=8",
+    proc = run_cli("-m", "data.batch_size=16,32", "parallelism=dp1,dp4", "train.steps=8",
                    "train.log_every=1", "train.eval_every=3", "eval.batches=1",
                    "checkpoint.every=4", f"hydra.sweep.dir={sweep}", cwd=cwd)
     return sweep, proc
@@ -56,12 +60,12 @@ def _rows(job: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
-def test_grid_sweep_runs_six_jobs_on_the_devices_they_asked_for(grid):
+def test_grid_sweep_runs_four_jobs_on_the_devices_they_asked_for(grid):
     sweep, proc = grid
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = _jobs(sweep)
-    assert [p.name for p in jobs] == ["0", "1", "2", "3", "4", "5"]
-    for job, (bs, n) in zip(jobs, [(b, n) for b in (16, 32) for n in (1, 2, 4)], strict=True):
+    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    for job, (bs, n) in zip(jobs, [(b, n) for b in (16, 32) for n in DEVICES], strict=True):
         plan = json.loads((job / "plan.json").read_text())
         assert (plan["n_devices"], plan["dp"], plan["global_batch"]) == (n, n, bs)
         status = json.loads((job / "status.json").read_text())
@@ -73,7 +77,7 @@ def test_grid_sweep_runs_six_jobs_on_the_devices_they_asked_for(grid):
 def test_report_rows_equal_the_jobs_files(grid):
     sweep, _ = grid
     rows = _csv(sweep)
-    assert len(rows) == 6
+    assert len(rows) == 4
     for row, job in zip(rows, _jobs(sweep), strict=True):
         s = json.loads((job / "summary.json").read_text())
         plan = json.loads((job / "plan.json").read_text())
@@ -93,14 +97,14 @@ def test_report_rows_equal_the_jobs_files(grid):
     mem = {(int(r["batch_size"]), int(r["devices"])): _num(r["step_mem_bytes_per_device"])
            for r in rows}
     for bs in (16, 32):
-        assert mem[(bs, 1)] > mem[(bs, 2)] > mem[(bs, 4)]
+        assert mem[(bs, 1)] > mem[(bs, 4)]
     assert mem[(32, 1)] > mem[(16, 1)]
     md = (sweep / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ") and "| ok |" in line]
-    assert len(table) == 6
-    assert f"{float(rows[4]['train_loss']):.4f}" in table[4]
-    assert f"{float(rows[4]['tokens_per_s']):,.0f}" in table[4]
-    assert "6 jobs: 6 ok, 0 failed" in md and "![throughput](throughput.png)" in md
+    assert len(table) == 4
+    assert f"{float(rows[3]['train_loss']):.4f}" in table[3]
+    assert f"{float(rows[3]['tokens_per_s']):,.0f}" in table[3]
+    assert "4 jobs: 4 ok, 0 failed" in md and "![throughput](throughput.png)" in md
 
 
 @pytest.mark.e2e
@@ -137,19 +141,19 @@ def test_every_throughput_figure_is_the_rankings_median(grid):
     for bs in (16, 32):  # the ranking's median column: the table's tokens_per_s
         at = md.index(f"## Layouts ranked at batch {bs}")
         ranked = {cells[2].strip("` "): cells[5].strip() for cells in
-                  (line.split("|") for line in md[at + 6:at + 9])}
-        assert ranked == {f"dp{n}": f"{medians[(bs, n)]:,.0f}" for n in (1, 2, 4)}
+                  (line.split("|") for line in md[at + 6:at + 6 + len(DEVICES)])}
+        assert ranked == {f"dp{n}": f"{medians[(bs, n)]:,.0f}" for n in DEVICES}
     jobs = find_jobs(sweep)
     (ax,) = plots.throughput_figure(jobs).axes
     assert sorted(b.get_width() for b in ax.patches) == sorted(medians.values())
     (ax,) = plots.scaling_figure(jobs).axes
     speedups = [list(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() == "-"]
-    assert speedups == [pytest.approx([medians[(bs, n)] / medians[(bs, 1)] for n in (1, 2, 4)])
+    assert speedups == [pytest.approx([medians[(bs, n)] / medians[(bs, 1)] for n in DEVICES])
                         for bs in (16, 32)]
     (ax,) = plots.efficiency_figure(jobs).axes
     assert {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} == {
         f"dp{n} ({n} dev)": pytest.approx([per_device[(bs, n)] for bs in (16, 32)])
-        for n in (1, 2, 4)}
+        for n in DEVICES}
 
 
 @pytest.mark.e2e
@@ -176,8 +180,8 @@ def test_jobs_share_one_wandb_group_and_the_report_is_uploaded_to_it(grid):
     groups = {r["group"] for r in runs}
     assert groups == {f"sweep-{sweep.parent.name}_sweep"}
     assert {r["job_type"] for r in runs} == {"sweep"}
-    assert [r["name"] for r in runs][:3] == [
-        f"tiny-dp{n}-bs16-steps8-log_every1-eval_every3-batches1-every4" for n in (1, 2, 4)]
+    assert [r["name"] for r in runs][:2] == [
+        f"tiny-dp{n}-bs16-steps8-log_every1-eval_every3-batches1-every4" for n in DEVICES]
     (path,) = sweep.glob("wandb/offline-run-*/run-*.wandb")
     report = read_run(path)
     assert report["group"] in groups and report["job_type"] == "sweep-report"
@@ -186,7 +190,7 @@ def test_jobs_share_one_wandb_group_and_the_report_is_uploaded_to_it(grid):
         assert row[f"report/{name}/_type"] == "image-file"
         uploaded = path.parent / "files" / row[f"report/{name}/path"]
         assert uploaded.read_bytes() == (sweep / f"{name}.png").read_bytes()
-    assert row["report/jobs/_type"] == "table-file" and row["report/jobs/nrows"] == 6
+    assert row["report/jobs/_type"] == "table-file" and row["report/jobs/nrows"] == 4
 
 
 @pytest.mark.e2e
