@@ -324,6 +324,14 @@ def tree_digest(tree: Path) -> dict[str, str]:
             for p in sorted(tree.rglob("*")) if p.is_file()}
 
 
+def run_digest(run_dir: Path) -> dict[str, str]:
+    """``tree_digest`` of a run's own files: W&B's debug logs are links to the newest W&B
+    process's (another test's evaluation of the shared run writes them, and W&B's service can
+    still be writing after its process returned), not the run's files."""
+    return {k: v for k, v in tree_digest(run_dir).items()
+            if not (k.startswith("wandb/") and (k.endswith(".log") or "latest-run" in k))}
+
+
 # Runs the evaluate and sample tests share (each trained once per session). One save, at the
 # end: every reader takes the newest checkpoint. 200 steps at twice the preset's lr: the greedy
 # samples follow the chain as the preset's lr's did after 300 (test_sample.py asks for 95%;

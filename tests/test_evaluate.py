@@ -15,6 +15,7 @@ from conftest import (
     MARKOV_STEPS,
     finished_wandb_run,
     make_cfg,
+    run_digest,
     subprocess_env,
     tree_digest,
     write_tokens,
@@ -38,9 +39,7 @@ def _last_eval(run_dir) -> dict:
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     want = _last_eval(markov_run)
-    # (W&B's own debug logs are links to the newest W&B process's, not the run's files.)
-    before = {k: v for k, v in tree_digest(markov_run).items()
-              if not (k.startswith("wandb/") and (k.endswith(".log") or "latest-run" in k))}
+    before = run_digest(markov_run)
     out = _evaluate_cli(markov_run)  # the run's own mesh (parallelism=dp2), its W&B run
     assert out.returncode == 0, out.stderr[-3000:]
     (rec,) = json.loads((markov_run / "eval.json").read_text())
@@ -52,7 +51,7 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     assert rec["eval/tokens"] == 4 * 32 * 32  # eval.batches x data.batch_size x data.seq_len
     assert f"eval/loss {want['eval/loss']:.4f}" in out.stdout
     # Training files untouched: every file the run had is byte-identical.
-    after = tree_digest(markov_run)
+    after = run_digest(markov_run)
     assert {k: after.get(k) for k in before} == before
     # The run's own W&B run (same id) got eval/* at the checkpoint's step.
     runs = [finished_wandb_run(p) for p in markov_run.glob("wandb/offline-run-*/run-*.wandb")]
@@ -76,7 +75,7 @@ def test_what_evaluate_cannot_score_is_refused(markov_run):
     """A model shape other than the checkpoint's (alone, or through another model preset) and
     eval.batches=all on markov's endless held-out stream: one ConfigError naming the key and the
     fix (the CLI's one line and exit 2), and nothing written."""
-    before = tree_digest(markov_run)
+    before = run_digest(markov_run)
     ckpt = re.escape(str(markov_run / "checkpoints" / str(MARKOV_STEPS)))
     for overrides, says in [
         (["model.n_layers=3"], f"^model.n_layers=3 but checkpoint {ckpt} was written with "
@@ -90,7 +89,7 @@ def test_what_evaluate_cannot_score_is_refused(markov_run):
     ]:
         with pytest.raises(ConfigError, match=says):
             evaluate_checkpoint(markov_run, overrides)
-    assert tree_digest(markov_run) == before
+    assert run_digest(markov_run) == before
 
 
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end
@@ -163,7 +162,7 @@ def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
 def test_a_copied_or_moved_run_gets_its_own_results(markov_run, tmp_path):
     """eval.json goes to the run dir given, never to the one the checkpoint recorded: the
     original run is untouched, and a moved run keeps its results."""
-    original = tree_digest(markov_run)
+    original = run_digest(markov_run)
     copy = tmp_path / "copy"
     shutil.copytree(markov_run, copy)
     had = json.loads((copy / "eval.json").read_text()) if (copy / "eval.json").is_file() else []
@@ -176,4 +175,4 @@ def test_a_copied_or_moved_run_gets_its_own_results(markov_run, tmp_path):
     again = evaluate_checkpoint(moved / "checkpoints" / step, ["logger=none"])
     assert json.loads((moved / "eval.json").read_text()) == [*had, rec, again]
     assert again["eval/loss"] == rec["eval/loss"]
-    assert not copy.exists() and tree_digest(markov_run) == original
+    assert not copy.exists() and run_digest(markov_run) == original
