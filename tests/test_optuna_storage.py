@@ -4,10 +4,10 @@ second sweep finds its trials (issue 25: SQLAlchemy 2 made it an AssertionError)
 
 from __future__ import annotations
 
-import optuna
-
 
 def test_a_sqlite_study_is_created_and_resumed(tmp_path):
+    import optuna  # here, not at collection: both workers collect this file, one runs it
+
     url = f"sqlite:///{tmp_path / 'study.db'}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     first = optuna.create_study(study_name="lr_warmup", storage=url, direction="minimize",
