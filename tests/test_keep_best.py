@@ -18,7 +18,7 @@ from dxrun.validation import validate
 # data/tokens_seen only grows: under mode=min its first row stays the best, whatever the
 # losses do. train/loss with min_delta=100 never improves after its first row: the patience
 # runs out at a known row.
-RUN = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
+RUN = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8", "logger=none",
        "parallelism=dp2", "train.steps=20", "train.log_every=1", "train.eval_every=0",
        "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.keep_best=data/tokens_seen",
        "checkpoint.keep_best_mode=min", "train.early_stop.monitor=train/loss",
