@@ -56,6 +56,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -158,11 +159,13 @@ def run_cli(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def cli_in_process(*args: str, cwd: Path):
-    """``python -m dxrun <args>`` through its entry point (``dxrun.__main__.cli``) in this
-    process, in ``cwd``, returned as ``run_cli`` returns it: the exit code, stdout and stderr
-    (Python's, then what was written to the file descriptors). For tests whose point is not the
-    process boundary: no interpreter or JAX start. What the launcher sets up for its own process
+def cli_in_process(*args: str, cwd: Path, entry: Callable[[], None] | None = None,
+                   prog: str = "dxrun"):
+    """``python -m dxrun <args>`` through its entry point (``dxrun.__main__.cli``, or ``entry``:
+    another command's, ``prog`` its name in argv) in this process, in ``cwd``, returned as
+    ``run_cli`` returns it: the exit code, stdout and stderr (Python's, then what was written to
+    the file descriptors). For tests whose point is not the process boundary: no interpreter or
+    JAX start. What the launcher sets up for its own process
     (the working dir, the stop signals' handlers, the unraisable hook, the root logger's
     handlers and level) is put back after. Hydra's logging setup (``logging.config.dictConfig``)
     closes every handler of the process: this process's own (pytest's, absl's, whose stream
@@ -176,6 +179,7 @@ def cli_in_process(*args: str, cwd: Path):
     from dxrun import job_dir
     from dxrun.__main__ import cli
 
+    entry = entry or cli
     root = logging.getLogger()
     handlers, level, hook, argv, started = (root.handlers[:], root.level, sys.unraisablehook,
                                             sys.argv, job_dir._started_in)
@@ -193,12 +197,12 @@ def cli_in_process(*args: str, cwd: Path):
         kept = os.dup(1), os.dup(2)
         try:
             os.chdir(cwd)
-            sys.argv = ["dxrun", *args]
+            sys.argv = [prog, *args]
             os.dup2(fd_out.fileno(), 1)
             os.dup2(fd_err.fileno(), 2)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
-                    cli()
+                    entry()
                 except SystemExit as e:
                     code = e.code
         finally:
@@ -226,7 +230,7 @@ def cli_in_process(*args: str, cwd: Path):
         fd_err.seek(0)
         stdout = out.getvalue() + fd_out.read().decode(errors="replace")
         stderr = err.getvalue() + fd_err.read().decode(errors="replace")
-    return subprocess.CompletedProcess(["dxrun", *args], 0 if code is None else code, stdout,
+    return subprocess.CompletedProcess([prog, *args], 0 if code is None else code, stdout,
                                        stderr)
 
 

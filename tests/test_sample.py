@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, subprocess_env, write_corpus
+from conftest import cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
 from dxrun.errors import ConfigError
@@ -119,10 +119,10 @@ def test_kv_cache_of_a_llama_style_block_equals_recompute():
 
 
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end
-def test_bad_input_is_one_line(tmp_path, text_run, monkeypatch, capsys, caplog):
+def test_bad_input_is_one_line(tmp_path, text_run, caplog):
     """Exit 2 and one line, no traceback: one case through ``python -m dxrun.sample`` (a
     checkpoint restored in its own process, whose libraries' log lines are on its stderr), the
-    others through the same entry point (``main``) in this process."""
+    others through the same entry point (``main``) in this process (``cli_in_process``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from dxrun.tools.load import main
@@ -155,16 +155,14 @@ def test_bad_input_is_one_line(tmp_path, text_run, monkeypatch, capsys, caplog):
     ]
     for args, message in cases:
         caplog.clear()
-        monkeypatch.setattr(sys, "argv", ["dxrun.sample", *map(str, args)])
-        with pytest.raises(SystemExit) as stop:
-            main("sample", run)
-        err = capsys.readouterr().err
+        out = cli_in_process(*map(str, args), cwd=tmp_path, entry=lambda: main("sample", run),
+                             prog="dxrun.sample")
         # (this process's log records are caplog's, not stderr's: read with it)
-        lines = err.splitlines() + [r.getMessage() for r in caplog.records]
+        lines = out.stderr.splitlines() + [r.getMessage() for r in caplog.records]
         errors = [x for x in lines if "error" in x.lower()]
-        assert stop.value.code == 2 and len(errors) == 1, err[-3000:]
+        assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
         assert errors[0].startswith("dxrun.sample: error: ") and message in errors[0], errors
-        assert "Traceback" not in err
+        assert "Traceback" not in out.stderr
 
 
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end
