@@ -366,8 +366,8 @@ def test_refused_resume_leaves_the_run_untouched(preempted):
     """Through the CLI's entry point (in this process): exit 2, one line, nothing written. One
     refused key is enough here: every refusal is raised by resume.check_compatible inside
     prepare(), before anything is written, and each one's message (data.batch_size's
-    included) is test_what_cannot_change_on_resume_is_refused's (a second subprocess cost
-    ~15 s)."""
+    included) is test_what_cannot_change_on_resume_is_refused's, so a second launch here would
+    test nothing more."""
     change, key, ours, theirs = "model.d_model=128", "model.d_model", "128", "64"
     run_dir = preempted["run_dir"]
     before = tree_digest(run_dir)
