@@ -182,14 +182,20 @@ class Loaded:
 
 
 def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
-         adjust: Callable[[RunConfig], None] | None = None, step: int | None = None) -> Loaded:
+         adjust: Callable[[RunConfig], None] | None = None, step: int | None = None,
+         layout: str | None = None) -> Loaded:
     """The newest checkpoint under ``path`` (or step ``step`` of its checkpoints, or the step
     dir given), its parameters placed on the mesh of its config with ``overrides``; ``adjust``
-    may change the config before the mesh plan (sampling sets the batch). ``key`` names the
-    path argument in refusals. A Hugging Face directory loads as step 0 (``compose_hf``)."""
+    may change the config before the mesh plan (sampling sets the batch). ``layout``: the
+    ``parallelism`` preset the tool runs on when no override names one (None: the run's own).
+    ``key`` names the path argument in refusals. A Hugging Face directory loads as step 0
+    (``compose_hf``)."""
     from dxrun.checkpointing import resume as checkpoint  # imports JAX
 
     best, overrides = BEST in overrides, [o for o in overrides if o != BEST]
+    named = names_layout(overrides)
+    if layout is not None and not named:
+        overrides = [f"parallelism={layout}", *overrides]
     hf = is_hf_dir(path)
     if hf and best:
         raise ConfigError(f"--best: {path} is a Hugging Face directory, one set of weights "
@@ -246,6 +252,11 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
     return Loaded(cfg, meta, step, where, given_run_dir(path, resume.directory), exp,
                   state.params)
+
+
+def names_layout(overrides: list[str]) -> bool:
+    """Whether an override names the layout: the ``parallelism`` group or one of its keys."""
+    return any(o.lstrip("+~").partition("=")[0].split(".")[0] == "parallelism" for o in overrides)
 
 
 def is_hf_dir(path: Path) -> bool:

@@ -153,14 +153,14 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
 
     check_options(options)
     n, new = options["n"], options["max_new_tokens"]
-    if not any(o.startswith("parallelism") for o in overrides):
-        overrides = ["parallelism=dp1", *overrides]  # a few sequences: one device is plenty
 
     def as_batch(cfg: RunConfig) -> None:  # the plan checks the n sequences split over replicas
         cfg.data.batch_size, cfg.data.per_device_batch_size, cfg.train.grad_accum = n, None, 1
 
     try:
-        loaded = load(path, overrides, key="path", with_data=False, adjust=as_batch)
+        # A few sequences: one device is plenty, unless a parallelism override names a mesh.
+        loaded = load(path, overrides, key="path", with_data=False, adjust=as_batch,
+                      layout="dp1")
     except ConfigError as e:
         if not str(e).startswith(f"data.batch_size={n} "):
             raise
