@@ -70,11 +70,31 @@ def test_evaluate_equals_in_training_eval_on_any_mesh(markov_run):
     assert len(json.loads((markov_run / "eval.json").read_text())) == 2  # appended
 
 
+@pytest.mark.e2e  # reads the session's trained markov run, the tool as a subprocess
+def test_evaluate_takes_the_devices_it_finds(markov_run, tmp_path):
+    """The dp2 run scored where one device is visible (``runtime.cpu_devices=1``, as on a host
+    with one accelerator): its layout does not fit, so the tool lays the checkpoint out on the
+    device it finds, says so in one line, and gets the run's own loss to 1e-5. A copy (without
+    its W&B files and the other tests' eval.json) takes the record."""
+    run = tmp_path / "run"
+    shutil.copytree(markov_run, run, ignore=shutil.ignore_patterns("wandb", "eval.json"))
+    want = _last_eval(markov_run)  # dp2's, bitwise the tool's on dp2 (the test above)
+    out = _evaluate_cli(run, "runtime.cpu_devices=1", "logger=none")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (rec,) = json.loads((run / "eval.json").read_text())
+    assert rec["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1} and rec["step"] == want["step"]
+    assert abs(rec["eval/loss"] - want["eval/loss"]) <= 1e-5 * want["eval/loss"]
+    assert abs(rec["eval/accuracy"] - want["eval/accuracy"]) <= 1e-5
+    (said,) = [line for line in out.stderr.splitlines() if "does not fit" in line]
+    assert said.startswith("the run's parallelism=dp2 does not fit here") and "on dp=1" in said
+
+
 @pytest.mark.e2e  # trains a run, then the tool on it: end to end
 def test_what_evaluate_cannot_score_is_refused(markov_run):
-    """A model shape other than the checkpoint's (alone, or through another model preset) and
-    eval.batches=all on markov's endless held-out stream: one ConfigError naming the key and the
-    fix (the CLI's one line and exit 2), and nothing written."""
+    """A model shape other than the checkpoint's (alone, or through another model preset),
+    eval.batches=all on markov's endless held-out stream and a layout asked for that the devices
+    cannot hold: one ConfigError naming the key and the fix (the CLI's one line and exit 2), and
+    nothing written."""
     before = run_digest(markov_run)
     ckpt = re.escape(str(markov_run / "checkpoints" / str(MARKOV_STEPS)))
     for overrides, says in [
@@ -86,6 +106,10 @@ def test_what_evaluate_cannot_score_is_refused(markov_run):
         (["model.d_ff=128"], "^model.d_ff=128 but checkpoint .* drop the model.d_ff override$"),
         (["eval.batches=all"], "^eval.batches=all: data=markov has an endless held-out stream; "
                                "give a number, e.g. eval.batches=16$"),
+        # A layout asked for is never replaced by one that fits: refused as a run refuses it.
+        (["parallelism.n_devices=16"], r"^parallelism.n_devices=16 but only 8 cpu devices are "
+                                       r"visible; set parallelism.n_devices<=8 or "
+                                       r"runtime.cpu_devices=16$"),
     ]:
         with pytest.raises(ConfigError, match=says):
             evaluate_checkpoint(markov_run, overrides)

@@ -3,7 +3,8 @@
 
 The newest committed checkpoint (or step N of the run's checkpoints, the one
 ``checkpoint.keep_best`` kept with ``--best``, or the step dir given) is
-restored onto the mesh of the run's ``parallelism`` (or the overrides', ``parallelism=dp1``) and
+restored onto the mesh of the run's ``parallelism`` (or the overrides', ``parallelism=dp1``; where
+the run's does not fit the visible devices, those devices data-parallel, said in one line) and
 written by ``dxrun.hf.save``: config.json, safetensors files of at most 5 GB (with their index),
 and the run's tokenizer.json when it has one. A GPT-2-style model becomes ``GPT2LMHeadModel``,
 a Llama-style one ``LlamaForCausalLM``; a model with no HF equivalent is refused in one line

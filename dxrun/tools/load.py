@@ -8,13 +8,15 @@ options (``prompt=``, ``n=``, ...) beside config overrides (``parallelism=tp2``,
 the overrides applied as ``python -m dxrun`` would apply them: a group option
 (``parallelism=tp2``, ``data=tokens``) replaces that section with its preset, a key replaces
 one value. The model's shape and vocabulary are the checkpoint's and cannot be overridden. The
-parameters are read straight into the chosen mesh's shardings, as a resume does.
+parameters are read straight into the chosen mesh's shardings, as a resume does; a run's layout
+that the visible devices cannot hold gives way to those devices data-parallel (``plan_on_devices``).
 
 Bad input is a ConfigError: one line ``dxrun.<tool>: error: ...``, exit 2, no traceback.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -31,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from dxrun.config import check_keys, composition_error, conf_dir, register
 from dxrun.errors import ConfigError, first_line
 from dxrun.hf.config import PREFIX, apply_hf_model
-from dxrun.plan.mesh import make_plan
+from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.run_plan import recorded
 from dxrun.runtime import collect_cycles_rarely, simulate_cpu_devices
 from dxrun.schema import RunConfig
@@ -187,7 +189,8 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     """The newest checkpoint under ``path`` (or step ``step`` of its checkpoints, or the step
     dir given), its parameters placed on the mesh of its config with ``overrides``; ``adjust``
     may change the config before the mesh plan (sampling sets the batch). ``layout``: the
-    ``parallelism`` preset the tool runs on when no override names one (None: the run's own).
+    ``parallelism`` preset the tool runs on when no override names one (None: the run's own);
+    either falls back to the devices found where it does not fit them (``plan_on_devices``).
     ``key`` names the path argument in refusals. A Hugging Face directory loads as step 0
     (``compose_hf``)."""
     from dxrun.checkpointing import resume as checkpoint  # imports JAX
@@ -197,6 +200,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     if layout is not None and not named:
         overrides = [f"parallelism={layout}", *overrides]
     hf = is_hf_dir(path)
+    whose = "the tool's" if layout is not None else "the defaults'" if hf else "the run's"
     if hf and best:
         raise ConfigError(f"--best: {path} is a Hugging Face directory, one set of weights "
                           "with no best checkpoint; drop --best")
@@ -217,7 +221,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
         if adjust is not None:
             adjust(cfg)
         validate(cfg)
-        plan = make_plan(cfg, *visible_devices())
+        cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose)
         # The batch and sequence length the plan resolved, as a checkpoint's config records them
         cfg = recorded(cfg, plan.global_batch, plan.seq_len)
         exp = Experiment.build(cfg, plan, with_data=with_data)
@@ -241,7 +245,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     if adjust is not None:
         adjust(cfg)
     validate(cfg)
-    plan = make_plan(cfg, *visible_devices())
+    cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose)
     exp = Experiment.build(cfg, plan, with_data=with_data)
     resume.step = step  # exactly the step whose config this is
     # The parameters alone: the optimizer state is not needed, and its tree may not match an
@@ -257,6 +261,39 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
 def names_layout(overrides: list[str]) -> bool:
     """Whether an override names the layout: the ``parallelism`` group or one of its keys."""
     return any(o.lstrip("+~").partition("=")[0].split(".")[0] == "parallelism" for o in overrides)
+
+
+def plan_on_devices(cfg: DictConfig, devices: tuple[Any, ...], named: bool, whose: str
+                    ) -> tuple[DictConfig, MeshPlan]:
+    """(the config, its mesh plan) on ``devices`` (``visible_devices()``): the config's layout
+    where the plan accepts it. Where it does not (more devices than are visible, axes that do
+    not multiply to them, a batch its replicas do not divide) and no override ``named`` a
+    layout, the most visible devices, data-parallel, that the plan accepts (a dp8 run on one
+    accelerator: dp=1), with one line saying so (``whose`` layout it replaces). A layout the
+    overrides named is refused as a run refuses it (key, value, fix), as is one no data-parallel
+    count fixes (the refusal of the config's own)."""
+    try:
+        return cfg, make_plan(cfg, *devices)
+    except ConfigError as e:
+        if named:
+            raise
+        refusal = e
+    n, platform = devices[0], devices[1]
+    for k in range(n, 0, -1):
+        alt = copy.deepcopy(cfg)
+        alt.parallelism.merge_with({"name": f"dp{k}", "n_devices": k, "dp": k, "fsdp": 1,
+                                    "cp": 1, "tp": 1, "sequence_parallel": False,
+                                    "on_mismatch": "error", "search": "none"})
+        try:
+            plan = make_plan(alt, *devices)
+        except ConfigError:
+            continue
+        log.warning("%s parallelism=%s does not fit here (%s): laid out on dp=%d instead, %d of "
+                    "the %d visible %s devices data-parallel (a parallelism override names "
+                    "another layout)", whose, cfg.parallelism.name, str(refusal).split("; ")[0],
+                    k, k, n, platform)
+        return alt, plan
+    raise refusal
 
 
 def is_hf_dir(path: Path) -> bool:
