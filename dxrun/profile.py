@@ -7,7 +7,8 @@ parser. A device's operations are the events of its ``XLA Ops`` line (GPU/TPU pl
 ``/device:*``) or, on CPU, the host events that carry an ``hlo_op`` stat; one execution of the
 train step is one ``run_id`` (CPU) or one event of the ``XLA Modules`` line (GPU/TPU). An op's
 kind (matmul, attention, a collective, elementwise fusion) comes from the compiled step's HLO
-saved beside the trace, falling back on its name.
+saved beside the trace, falling back on its name; on TPU from the compiler's own category of the
+op, its JAX op and source line, which the trace carries (``dxrun.xspace``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from dxrun import xspace
 from dxrun.trace import HLO_FILE
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
@@ -27,6 +29,9 @@ COMPUTE, COLLECTIVE = "compute", "collective"
 # Ops whose event encloses their body's ops (a scan over layers is a while loop): counted through
 # the ops inside them, never themselves.
 CONTAINERS = ("while", "conditional", "call")
+IDLE = "idle"
+MOVES = "copy / data formatting"  # ops that move or lay out bytes, without arithmetic
+ATTENTION = re.compile(r"flash|splash|fmha|attention|\bmha\b", re.I)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Op:
     step: int  # the execution it belongs to (0, 1, ... in trace order)
     start_ns: float
     dur_ns: float
+    kind: str = ""  # from the trace itself (TPU); "" reads it from the HLO or the name
+    source: str = ""  # the JAX op that made it, from the trace itself (TPU)
 
 
 # --- op kinds from the compiled HLO --------------------------------------------------------------
@@ -102,6 +109,54 @@ def category(kind: str) -> str:
     return COLLECTIVE if kind in COLLECTIVES else COMPUTE
 
 
+# --- op kinds on TPU, from the trace -------------------------------------------------------------
+
+_EVENT = re.compile(r"^%?([\w.\-]+) = .*? ([\w\-]+)\(", re.S)  # "%fusion.4 = f32[8] fusion(..."
+_COLLECTIVE = re.compile(r"(?<![\w-])(" + "|".join(COLLECTIVES) + r")(?![\w])")
+_MOVES = ("data formatting", "copy", "copy-start", "copy-done", "async-start", "async-done",
+          "dynamic-slice", "dynamic-update-slice", "broadcast", "slice", "concatenate", "pad",
+          "transpose", "reshape", "bitcast")
+
+
+def instruction(text: str) -> tuple[str, str]:
+    """``(name, opcode)`` of an op's event name that is its HLO instruction's text (TPU, GPU:
+    ``%fusion.4 = f32[8]{0} fusion(...), kind=kLoop, ...``); other names as they are, no opcode."""
+    m = _EVENT.match(text)
+    return (m.group(1), m.group(2)) if m else (text, "")
+
+
+def tpu_kind(text: str, stats: dict) -> str:
+    """An op's kind on TPU from its instruction's text and its metadata's stats: the compiler's
+    category (``hlo_category``), the JAX op (``tf_op``) and the source line that made it. Attention
+    is what attention's own code computes (its matmuls and softmax in XLA's fusions, or one
+    kernel: a Pallas ``tpu_custom_call`` such as splash attention); loops are ``while``."""
+    _, opcode = instruction(text)
+    cat = str(stats.get("hlo_category") or "")
+    base = opcode.removesuffix("-start").removesuffix("-done")
+    if opcode in CONTAINERS or cat in CONTAINERS:
+        return opcode if opcode in CONTAINERS else cat
+    if base in COLLECTIVES:
+        return base
+    if m := _COLLECTIVE.search(cat) or (base == "async" and _COLLECTIVE.search(text)):
+        return m.group(1)
+    if cat in _MOVES or (not cat and opcode in _MOVES):
+        return MOVES
+    source_file = str(stats.get("source") or "").rpartition("/")[2]  # a file, not its folders
+    made_by = f"{stats.get('tf_op') or ''} {source_file}"
+    kernel = opcode == "custom-call" and "tpu_custom_call" in text
+    if ATTENTION.search(made_by) or (kernel and ATTENTION.search(text)):
+        return "attention"
+    if "convolution" in cat or opcode in ("dot", "convolution"):
+        return "matmul"
+    if kernel:
+        return "pallas kernel"
+    if cat == "non-fusion elementwise":
+        return "elementwise"
+    if (cat.endswith("fusion") and cat != "custom fusion") or (not cat and opcode == "fusion"):
+        return "elementwise fusion"
+    return cat or opcode
+
+
 # --- the trace ---------------------------------------------------------------------------------
 
 def trace_files(run_dir: Path) -> list[Path]:
@@ -129,8 +184,12 @@ def read_ops(xplane: Path, module: str | None) -> list[Op]:
     data = ProfileData.from_file(str(xplane))
     ops: list[Op] = []
     runs: dict[object, int] = {}
+    tpu: dict[str, dict[str, dict]] | None = None
     for plane in data.planes:
         if plane.name.startswith("/device:"):
+            if plane.name.startswith("/device:TPU") and tpu is None:
+                tpu = xspace.op_stats(xplane, "/device:TPU", ("hlo_category", "tf_op", "source"))
+            meta = (tpu or {}).get(plane.name)
             lines = {line.name: list(line.events) for line in plane.lines}
             modules = [e for e in lines.get("XLA Modules", [])
                        if module is None or e.name.split("(")[0].strip() == module]
@@ -138,7 +197,14 @@ def read_ops(xplane: Path, module: str | None) -> list[Op]:
                 owner = next((i for i, m in enumerate(modules)
                               if m.start_ns <= e.start_ns <= m.end_ns), None)
                 if owner is not None or not modules:
-                    ops.append(Op(e.name, plane.name, owner or 0, e.start_ns, e.duration_ns))
+                    name, _ = instruction(e.name)
+                    kind = source = ""
+                    if meta is not None:
+                        stats = meta.get(e.name, {})
+                        kind = tpu_kind(e.name, stats)
+                        source = str(stats.get("tf_op") or "").removesuffix(":")
+                    ops.append(Op(name, plane.name, owner or 0, e.start_ns, e.duration_ns,
+                                  kind, source))
         elif plane.name == "/host:CPU":
             for line in plane.lines:
                 for e in line.events:
@@ -169,33 +235,36 @@ class Summary:
     collective_ms: float  # not overlapped by compute
     idle_ms: float
     top: list[tuple[str, str, float, float, int]]  # (op, kind, ms per step, share, count/step)
-    kinds: list[tuple[str, float]]  # (kind, ms per step), most first
+    kinds: list[tuple[str, float]]  # (kind, ms per step), most first; then idle, if serial
 
 
 def summarize(ops: list[Op], kinds: dict[str, str], top: int = 15) -> Summary:
     """Per step and device, then averaged: its span, the time under compute ops, under
     collectives only, and neither (idle); the ops with the most device time, and the time by
-    kind."""
-    ops = [o for o in ops if (kinds.get(o.name) or name_kind(o.name)) not in CONTAINERS]
+    kind. Where no two ops of a step overlap (a TPU core runs one at a time) the kinds end with
+    idle, so that they add up to the step."""
+    kind_of = {o.name: o.kind or kinds.get(o.name) or name_kind(o.name) for o in ops}
+    ops = [o for o in ops if kind_of[o.name] not in CONTAINERS]
     by_step: dict[tuple[str, int], list[Op]] = defaultdict(list)
     for op in ops:
         by_step[(op.device, op.step)].append(op)
     n = max(len(by_step), 1)
-    span = comp = coll = 0.0
+    span = comp = coll = overlap = 0.0
     for group in by_step.values():
         start = min(o.start_ns for o in group)
         end = max(o.start_ns + o.dur_ns for o in group)
         spans = {c: [(o.start_ns, o.start_ns + o.dur_ns) for o in group
-                     if category(kinds.get(o.name) or name_kind(o.name)) == c]
+                     if category(kind_of[o.name]) == c]
                  for c in (COMPUTE, COLLECTIVE)}
         busy = _union_ns(spans[COMPUTE] + spans[COLLECTIVE])
         c = _union_ns(spans[COMPUTE])
         span, comp, coll = span + end - start, comp + c, coll + busy - c
+        overlap += sum(o.dur_ns for o in group) - busy
     per_op: dict[str, list[float]] = defaultdict(list)
     for op in ops:
         per_op[op.name].append(op.dur_ns)
     step_ns = span / n
-    rows = [(name, kinds.get(name) or name_kind(name), sum(d) / n / 1e6,
+    rows = [(name, kind_of[name], sum(d) / n / 1e6,
              sum(d) / n / step_ns if step_ns else 0.0, round(len(d) / n))
             for name, d in per_op.items()]
     rows.sort(key=lambda r: -r[2])
@@ -204,9 +273,10 @@ def summarize(ops: list[Op], kinds: dict[str, str], top: int = 15) -> Summary:
         by_kind[kind] += ms
     steps = len({op.step for op in ops})
     devices = len({op.device for op in ops})
-    return Summary(steps, devices, step_ns / 1e6, comp / n / 1e6, coll / n / 1e6,
-                   (span - comp - coll) / n / 1e6, rows[:top],
-                   sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    idle_ms = (span - comp - coll) / n / 1e6
+    serial = [(IDLE, idle_ms)] if ops and overlap <= 1e-6 * span else []
+    return Summary(steps, devices, step_ns / 1e6, comp / n / 1e6, coll / n / 1e6, idle_ms,
+                   rows[:top], sorted(by_kind.items(), key=lambda kv: -kv[1]) + serial)
 
 
 def _short(source: str, width: int = 70) -> str:
@@ -243,10 +313,12 @@ def read_run(run_dir: Path, top: int = 15) -> list[tuple[Path, Summary, dict[str
     for pb in trace_files(run_dir):
         hlo = next((p / HLO_FILE for p in pb.parents if (p / HLO_FILE).is_file()), None)
         text = hlo.read_text() if hlo else ""
-        ops = hlo_ops(text)
-        kinds = {k: v[0] for k, v in ops.items()}
-        sources = {k: v[1] for k, v in ops.items()}
-        out.append((pb, summarize(read_ops(pb, module_name(text)), kinds, top), sources))
+        parsed = hlo_ops(text)
+        kinds = {k: v[0] for k, v in parsed.items()}
+        ops = read_ops(pb, module_name(text))
+        sources = ({o.name: o.source for o in ops if o.source}
+                   | {k: v[1] for k, v in parsed.items() if v[1]})
+        out.append((pb, summarize(ops, kinds, top), sources))
     return out
 
 

@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "dxrun.mdlm",
                     "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
                     "dxrun.zero_padding", "dxrun.hf")),
-    ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile")),
+    ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
     ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.attempt", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
     ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",

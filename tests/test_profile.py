@@ -1,11 +1,14 @@
 """A traced dp4_tp2 run (one, shared): its trace opens with the profiler's reader and the table
 lists the step's matmuls and all-reduces; the traced steps leave the throughput figures; the
-goodput parts add up to the wall time; a memory refusal writes a breakdown that adds up."""
+goodput parts add up to the wall time; a memory refusal writes a breakdown that adds up. A real
+TPU trace (tests/fixtures/tpu_trace: one step of GPT-2 small on a v5e chip) reads by kind, its
+loops counted through."""
 
 import copy
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,7 @@ from dxrun.tracking.wandb_file import read_run
 from dxrun.train import train
 from tests.conftest import make_cfg
 
+TPU_TRACE = Path(__file__).parent / "fixtures" / "tpu_trace"
 TRACED = ["parallelism=dp4_tp2", "model=tiny", "data.seq_len=32", "train.steps=6",
           "train.log_every=2", "train.eval_every=0", "checkpoint.every=0",
           "train.profile.start=3", "train.profile.steps=2"]
@@ -117,3 +121,58 @@ def test_a_run_without_a_trace_says_how_to_take_one(tmp_path, capsys):
     assert profile.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.profile.start=<step>" in err
+
+
+def test_a_tpu_trace_is_read_by_kind_through_its_loops_and_adds_up_to_the_step(capsys):
+    (pb, s, sources), = profile.read_run(TPU_TRACE, top=10_000)
+    assert (s.steps, s.devices) == (1, 1)
+    kinds = dict(s.kinds)
+    assert {"matmul", "attention", "elementwise fusion", profile.MOVES} <= set(kinds)
+    assert s.kinds[-1] == (profile.IDLE, pytest.approx(s.idle_ms))  # one op at a time: idle
+    assert min(kinds["matmul"], kinds["attention"], kinds["elementwise fusion"]) > 0.1 * s.step_ms
+    # the rows add up to the step, and the step is the one the device measured
+    from jax.profiler import ProfileData  # the trace's own reader: an independent measure
+    plane = ProfileData.from_file(str(pb)).find_plane_with_name("/device:TPU:0")
+    module, = next(line.events for line in plane.lines if line.name == "XLA Modules")
+    assert sum(kinds.values()) == pytest.approx(s.step_ms, rel=0.01)
+    assert s.step_ms == pytest.approx(module.duration_ns / 1e6, rel=0.01)
+    assert s.compute_ms + s.collective_ms + s.idle_ms == pytest.approx(s.step_ms)
+    # the scans' while loops enclose their bodies' ops: counted through them, never a row
+    loops = [o for o in profile.read_ops(pb, None) if o.kind == "while"]
+    assert len(loops) >= 2 and max(o.dur_ns for o in loops) > 0.3 * s.step_ms * 1e6
+    assert not [row for row in s.top if row[1] in profile.CONTAINERS or "while" in row[0]]
+    assert max(row[4] for row in s.top) == 12  # an op of the layer scan's body: once a layer
+    assert sum(row[2] for row in s.top) + s.idle_ms == pytest.approx(s.step_ms, rel=0.01)
+    assert any(v.endswith("dot_general") for v in sources.values())  # the JAX op, from the trace
+    assert profile.main([str(TPU_TRACE)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\| attention \| [\d.]+ \| [\d.]+% \|$", out, re.M)
+    assert not re.search(r"^\| (`while|while \|)|\| while \|", out, re.M)
+    assert not re.search(r"^\| `%", out, re.M)  # ops by name, not by their instruction's text
+
+
+@pytest.mark.parametrize("text, stats, kind", [
+    ("%all-reduce.3 = f32[8]{0} all-reduce(f32[8]{0} %p), to_apply=%add",
+     {"hlo_category": "all-reduce"}, "all-reduce"),
+    ("%all-gather-done = f32[16]{0} all-gather-done(f32[16]{0} %all-gather-start)", {},
+     "all-gather"),
+    ("%reduce-scatter-start = ((f32[16]{0}), f32[8]{0}) async-start(f32[16]{0} %p), "
+     "calls=%reduce-scatter.1", {"hlo_category": "async-start"}, "reduce-scatter"),
+    ("%custom-call.5 = bf16[8,128]{1,0} custom-call(bf16[8,128]{1,0} %q), "
+     'custom_call_target="tpu_custom_call", backend_config={"name": "splash_mha_fwd"}',
+     {"hlo_category": "custom-call", "tf_op": "jit(step)/pallas_call"}, "attention"),
+    ("%custom-call.6 = bf16[8,128]{1,0} custom-call(bf16[8,128]{1,0} %x), "
+     'custom_call_target="tpu_custom_call"', {"hlo_category": "custom-call"}, "pallas kernel"),
+    ("%fusion.2 = f32[8]{0} fusion(f32[8]{0} %p), kind=kOutput, calls=%fc",
+     {"hlo_category": "convolution fusion", "tf_op": "jit(step)/dot_general:"}, "matmul"),
+    ("%fusion.3 = f32[8]{0} fusion(f32[8]{0} %p), kind=kOutput, calls=%fc",  # a folder's name
+     {"hlo_category": "convolution fusion", "source": "/home/attention/model.py:9"}, "matmul"),
+    ("%fusion.4 = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, calls=%fc",
+     {"hlo_category": "loop fusion", "source": "/work/dxrun/attention.py:133"}, "attention"),
+    ("%copy.1 = f32[8]{0} copy(f32[8]{0} %p)", {"hlo_category": "data formatting"},
+     profile.MOVES),
+    ("%while.1 = (s32[]) while((s32[]) %t), condition=%c, body=%b", {"hlo_category": "while"},
+     "while"),
+])
+def test_tpu_op_kinds_from_the_category_the_jax_op_and_the_instruction(text, stats, kind):
+    assert profile.tpu_kind(text, stats) == kind
