@@ -9,6 +9,7 @@ GELU, biases, learned positions) is written out: it is what the suite measures.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -17,39 +18,48 @@ import optax
 
 
 def _layernorm(x_BxLxD: jax.Array, p: dict) -> jax.Array:
-    mu = x_BxLxD.mean(-1, keepdims=True)
-    var = ((x_BxLxD - mu) ** 2).mean(-1, keepdims=True)
-    return (x_BxLxD - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+    x = x_BxLxD.astype(jnp.float32)
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    y = (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+    return y.astype(x_BxLxD.dtype)
 
 
-def _block(x_BxLxD: jax.Array, p: dict) -> tuple[jax.Array, None]:
+def _block(x_BxLxD: jax.Array, p: dict, attend: Any = None) -> tuple[jax.Array, None]:
     a, m = p["attn"], p["mlp"]
     h = _layernorm(x_BxLxD, p["ln1"])
     q = jnp.einsum("bld,dhe->blhe", h, a["wq"]) + a["bq"]
     k = jnp.einsum("bld,dhe->blhe", h, a["wk"]) + a["bk"]
     v = jnp.einsum("bld,dhe->blhe", h, a["wv"]) + a["bv"]
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    o = (attend or partial(jax.nn.dot_product_attention, is_causal=True))(q, k, v)
     x_BxLxD = x_BxLxD + jnp.einsum("blhe,hed->bld", o, a["wo"]) + a["bo"]
     h = jax.nn.gelu(_layernorm(x_BxLxD, p["ln2"]) @ m["w_up"] + m["b_up"], approximate=True)
     return x_BxLxD + h @ m["w_down"] + m["b_down"], None
 
 
-def loss(params: dict, tokens_BxT: jax.Array) -> jax.Array:
-    """Next-token cross-entropy of the tied-embedding GPT-2 whose parameters dxrun made."""
+def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = None
+         ) -> jax.Array:
+    """Next-token cross-entropy of the tied-embedding GPT-2 whose parameters dxrun made.
+    ``dtype``: the compute dtype the (fp32) parameters are cast to at the start (None: as they
+    are); the norms and the loss in fp32. ``attend(q, k, v)``: causal attention (None: jax.nn's)."""
+    if dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
     inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
     L = inputs_BxL.shape[1]
     x_BxLxD = params["wte"][inputs_BxL] + params["wpe"][:L]
-    x_BxLxD, _ = jax.lax.scan(_block, x_BxLxD, params["blocks"])
+    x_BxLxD, _ = jax.lax.scan(partial(_block, attend=attend), x_BxLxD, params["blocks"])
     x_BxLxD = _layernorm(x_BxLxD, params["ln_f"])
     head = params["lm_head"].T if "lm_head" in params else params["wte"]
-    logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, head)
+    logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, head,
+                              preferred_element_type=jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
-def make_step(tx: optax.GradientTransformation, donate: bool = True) -> Any:
+def make_step(tx: optax.GradientTransformation, donate: bool = True, dtype: Any = None,
+              attend: Any = None) -> Any:
     """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, jitted bare."""
     def step(params: dict, opt_state: Any, tokens_BxT: jax.Array):
-        value, grads = jax.value_and_grad(loss)(params, tokens_BxT)
+        value, grads = jax.value_and_grad(loss)(params, tokens_BxT, dtype, attend)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 

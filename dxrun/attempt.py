@@ -82,7 +82,7 @@ class Attempt:
             log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
                      "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
         else:
-            log.info("attention kernel: %s", exp.attention_kernel)  # cudnn | xla | reference | blockwise
+            log.info("attention kernel: %s", exp.attention_kernel)  # attention_kernel.KERNELS
         self.device_kind = jax.devices()[0].device_kind
         peak = resolve_peak(cfg.runtime, cfg.train, self.device_kind, exp.mesh.devices.flat)
         tokens_per_step = plan.global_batch * plan.seq_len

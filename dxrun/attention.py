@@ -1,8 +1,8 @@
 """Causal multi-head / grouped-query attention, and rotary positions (``model.pos=rope``).
 
-q, k, v are column-parallel (heads on ``tensor``), the output projection row-parallel. The fused
-kernel is chosen for the devices the step runs on (``dxrun.attention_kernel``); the written-out
-``reference_attention`` is what it is tested against. Shapes are in the names (the legend is in
+q, k, v are column-parallel (heads on ``tensor``), the output projection row-parallel. The kernel is
+the run plan's (``MeshPlan.attention``, chosen by ``dxrun.attention_kernel``); the written-out
+``reference_attention`` is what every kernel is tested against. Shapes are in the names (the legend is in
 ``dxrun.model``).
 """
 
@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun import context_parallel
-from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
+from dxrun import context_parallel, splash_attention
 from dxrun.layers import add_bias, dense, param, zeros
-from dxrun.plan.attention import attention_implementation
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
@@ -79,6 +77,9 @@ def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: j
     return o_BxLxHxE
 
 
+KERNEL = ("xla", False)  # what a model built without a run plan applies
+
+
 def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> jax.Array:
     """The q, k and v weights side by side per kv head (D x K x (G+2) x E), one matmul's."""
     D, K, E = wk_DxKxE.shape
@@ -89,17 +90,19 @@ def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> j
 class Attention(nnx.Module):
     """Causal multi-head / grouped-query attention (bidirectional for ``model.objective=mdlm``,
     masked diffusion). q, k, v are column-parallel (heads on ``tensor``), the output projection
-    row-parallel: each device keeps whole heads. ``target``: the devices it runs on, which
-    decide the fused kernel (``attention_kernel``)."""
+    row-parallel: each device keeps whole heads. ``kernel``: (the attention kernel, whether
+    interpreted), the run plan's (``attention_kernel.compiled_kernel``); the default, XLA's,
+    is what a model built without a plan runs (tests, tools)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL):
         D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         E, std = D // H, cfg.init_std
         self.H, self.K, self.E = H, K, E
-        self.pos, self.theta, self.impl = cfg.pos, cfg.rope_theta, cfg.attention
+        self.pos, self.theta = cfg.pos, cfg.rope_theta
         # A tuple, not a dict: static, hashable (NNX keeps a dict attribute as a graph node).
         self.scaling = tuple(sorted(dict(cfg.rope_scaling).items())) if cfg.rope_scaling else None
-        self.target = target
+        # model.attention=reference is the einsum whatever the devices (no plan needed)
+        self.kernel = ("reference", False) if cfg.attention == "reference" else kernel
         self.causal = getattr(cfg, "objective", "ar") != "mdlm"
         self.wq = param(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
         self.wk = param(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
@@ -121,18 +124,15 @@ class Attention(nnx.Module):
         positions_L = context_parallel.true_positions(x_BxLxD.shape[1])
         q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(
             x_BxLxD, 0 if positions_L is None else positions_L)
+        name, interpret = self.kernel
         if positions_L is not None:  # the sequence split over `context`
             o_BxLxHxE = context_parallel.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
-        elif self.impl == "dot_product":
-            # Native grouped-query heads in BTNH. JAX's default kernel is always XLA's (an
-            # L x L score tensor per head); cuDNN's fused flash attention is asked for by name
-            # where it takes these inputs: NVIDIA GPU, bf16/fp16, a head dim it supports.
-            kernel = attention_implementation(self.target.platform, q_BxLxHxE.dtype, self.E,
-                                              self.target.compute_capability,
-                                              self.target.cudnn_version)
+        elif name == "splash":
+            o_BxLxHxE = splash_attention.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, self.causal,
+                                                interpret)
+        elif name in ("xla", "cudnn"):  # native grouped-query heads in BTNH
             o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                                     is_causal=self.causal,
-                                                     implementation=kernel)
+                                                     is_causal=self.causal, implementation=name)
         else:
             o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
                                             causal=self.causal)

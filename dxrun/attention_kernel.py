@@ -1,37 +1,171 @@
-"""The devices an attention kernel is chosen for (``model.attention=dot_product``): the rule,
-``dxrun.plan.attention.attention_implementation``, takes their platform, compute capability and
-cuDNN version from here.
+"""The attention kernels as one table, and the one rule that picks a run's (``model.attention``).
 
-JAX 0.10.2's default (``implementation=None``) is always XLA's: scores ``[B, H, L, L]`` built in
-full and the probabilities kept for the backward pass. cuDNN's fused flash attention never
-materialises them, but JAX raises rather than falls back outside its limits, so dxrun asks for
-it explicitly exactly where the installed JAX's own checks
-(``jax/_src/cudnn/fused_attention_stablehlo.py``: ``check_layout``,
-``check_is_flash_attention``) accept it, and for XLA everywhere else.
-
-The device comes from the mesh the step is built for (``Experiment.build``), never from the
-default backend: plan mode compiles on CPU devices for a GPU target, and must lower there.
+An entry: the kernel's name, its platforms, whether it keeps the ``L x L`` scores (the memory
+model's count; a kernel that does not is fused: the causal half, the scores recomputed in its
+backward, as the FLOP count and the time model count it), the inputs it accepts (else why not)
+and the module that applies it. ``choose`` decides once, when the mesh plan is made, into
+``MeshPlan.attention``: the model applies it, the memory and time models and the logs read it
+there. ``dot_product`` (the default) takes the first of ``AUTO`` that accepts the devices and
+shapes: splash on a TPU, cuDNN's on an NVIDIA GPU, XLA's elsewhere; a name forces a kernel or
+is refused in one line. A new kernel is one entry here and one module. Pure (no JAX): the
+device facts come in as ``AttentionTarget`` (``attention_target``, ``kind_target``).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from dxrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dxrun.plan.mesh import MeshPlan
+    from dxrun.schema import ModelConfig, RunConfig
 
 
 class AttentionTarget(NamedTuple):
-    """What the selection needs to know of the devices the model runs on (hashable: it is a
-    static attribute of the module, part of its graph definition)."""
+    """What the choice needs to know of the devices the model runs on (hashable)."""
 
     platform: str = "cpu"  # jax Device.platform: "cpu", "gpu" (CUDA), "rocm", "tpu"
     compute_capability: str | None = None  # "9.0" on an H100/H200; NVIDIA GPUs only
     cudnn_version: int | None = None  # e.g. 91000 for 9.10; None: JAX found no cuDNN
 
 
-CPU_TARGET = AttentionTarget()  # what a model built without a mesh runs on (tests, tools)
+CPU_TARGET = AttentionTarget()
+
+
+class Inputs(NamedTuple):
+    """The attention a run computes, as a kernel's ``accepts`` reads it."""
+
+    device: AttentionTarget
+    dtype: str  # the compute dtype's name: "bfloat16" | "float32" | "float16"
+    head_dim: int
+    seq_len: int  # per device (a context axis splits it; the blockwise kernel takes those)
+    causal: bool  # model.objective=ar; masked diffusion (mdlm) attends both ways
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    native: tuple[str, ...]  # platforms it runs on as compiled code ("*": any)
+    keeps_scores: bool  # materialises the L x L scores and keeps the probabilities for backward
+    accepts: Callable[[Inputs], str | None]  # None, or why these inputs are refused
+    module: str  # the module whose ``attend(q, k, v, causal, interpret)`` applies it
+    interpretable: bool = False  # runs on CPU, interpreted (Pallas), when forced by name
+    doc: str = ""
+
+    @property
+    def fused(self) -> bool:
+        """Never materialises the scores: the causal half only, the scores recomputed in the
+        backward (the FLOP count's and the time model's fused attention)."""
+        return not self.keeps_scores
+
+
+_HALF = ("float16", "bfloat16")
+# cuDNN's fused flash attention is documented for Ampere (8.0) and later; earlier GPUs get XLA.
+_MIN_CAPABILITY = (8, 0)
+# Splash attention's blocks: a multiple of the TPU's 128 lanes, at most SPLASH_BLOCK long.
+SPLASH_LANES = 128
+
+
+def _capability(cc: str | None) -> tuple[int, int]:
+    if not cc:
+        return (0, 0)
+    major, _, minor = cc.partition(".")
+    return int(major), int(minor or 0)
+
+
+def _cudnn(x: Inputs) -> str | None:
+    """JAX's own limits (``jax/_src/cudnn/fused_attention_stablehlo.py``: ``check_layout``,
+    ``check_is_flash_attention``): an NVIDIA GPU of compute capability >= 8.0 with cuDNN
+    loaded, fp16/bf16, a head dim that is a multiple of 8 and at most 256 on Hopper (9.0) and
+    later, 128 before; 10.3 needs cuDNN 9.11. JAX raises rather than falls back outside them."""
+    d = x.device
+    if d.platform not in ("gpu", "cuda") or d.cudnn_version is None:
+        return "needs an NVIDIA GPU with cuDNN"
+    if x.dtype not in _HALF:
+        return "needs bf16 or fp16 compute (train.precision=bf16)"
+    cc = _capability(d.compute_capability)
+    if cc < _MIN_CAPABILITY or (cc == (10, 3) and d.cudnn_version < 91100):
+        return f"needs compute capability >= 8.0 (this GPU: {d.compute_capability})"
+    limit = 256 if cc >= (9, 0) else 128
+    if x.head_dim % 8 or x.head_dim > limit:
+        return f"needs a head dim that is a multiple of 8 and at most {limit}, not {x.head_dim}"
+    return None
+
+
+def _splash(x: Inputs) -> str | None:
+    """Pallas' splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``): its
+    blocks tile the sequence in multiples of the TPU's 128 lanes."""
+    if x.seq_len % SPLASH_LANES:
+        return f"needs a sequence length that is a multiple of {SPLASH_LANES}, not {x.seq_len}"
+    if x.dtype not in ("bfloat16", "float32"):
+        return f"needs bf16 or fp32 compute, not {x.dtype}"
+    return None
+
+
+def _any(x: Inputs) -> str | None:
+    return None
+
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    Kernel("splash", ("tpu",), False, _splash, "dxrun.splash_attention", interpretable=True,
+           doc="Pallas' splash attention (TPU): flash attention in blocks, causal blocks "
+               "skipped, grouped-query heads native; interpreted on CPU when forced"),
+    Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.attention",
+           doc="cuDNN's fused flash attention through jax.nn.dot_product_attention (NVIDIA)"),
+    Kernel("xla", ("*",), True, _any, "dxrun.attention",
+           doc="jax.nn.dot_product_attention's XLA kernel: the scores built in full"),
+    Kernel("reference", ("*",), True, _any, "dxrun.attention",
+           doc="the plain einsum and softmax (what every kernel is tested against)"),
+    # A context axis's own: keys and values gathered, one block of keys at a time
+    # (dxrun.context_parallel.flash); chosen whenever parallelism.cp > 1.
+    Kernel("blockwise", ("*",), False, _any, "dxrun.context_parallel"),
+)}
+AUTO = ("splash", "cudnn", "xla")  # model.attention=dot_product: the first that accepts
+
+
+def choose(setting: str, x: Inputs, cp: int = 1) -> str:
+    """The kernel a run of ``model.attention=setting`` runs on ``x.device``: with a context axis
+    (cp > 1) its blockwise kernel; ``dot_product``, the first of ``AUTO`` that accepts ``x``;
+    a kernel's name, that kernel, or a ConfigError in one line where it cannot run."""
+    if cp > 1:
+        return "blockwise"
+    if setting == "dot_product":
+        return next(k for k in AUTO if KERNELS[k].accepts(x) is None
+                    and _runs_on(KERNELS[k], x.device.platform))
+    kernel = KERNELS[setting]
+    interpreted = kernel.interpretable and x.device.platform == "cpu"
+    why = kernel.accepts(x) or (None if _runs_on(kernel, x.device.platform) or interpreted
+                                else f"runs on {'/'.join(kernel.native)} only")
+    if why is not None:
+        raise ConfigError(
+            f"model.attention={setting} cannot run here: it {why} ({x.device.platform}, "
+            f"{x.dtype}, head dim {x.head_dim}, seq_len {x.seq_len}); use "
+            f"model.attention=dot_product (the fastest kernel that runs here)")
+    return setting
+
+
+def _runs_on(kernel: Kernel, platform: str) -> bool:
+    return "*" in kernel.native or platform in kernel.native
+
+
+def compiled_kernel(chosen: str, setting: str, platform: str) -> tuple[str, bool]:
+    """(the kernel a step compiled on ``platform`` devices applies, whether interpreted). The
+    plan's choice where it runs there; forced by name off its platform, interpreted where it
+    can be (Pallas on CPU: the suite's check); else XLA's stands in (plan mode compiles on CPU
+    for an accelerator target, whose kernel does not lower here)."""
+    kernel = KERNELS[chosen]
+    if _runs_on(kernel, platform):
+        return chosen, False
+    if setting == chosen and kernel.interpretable and platform == "cpu":
+        return chosen, True
+    return "xla", False
 
 
 def attention_target(device: Any) -> AttentionTarget:
-    """The target of ``device`` (one of the mesh's): its platform, and on an NVIDIA GPU its
+    """The facts of ``device`` (one of the mesh's): its platform, and on an NVIDIA GPU its
     compute capability and the cuDNN version JAX loaded."""
     platform = device.platform
     if platform not in ("gpu", "cuda"):
@@ -42,3 +176,43 @@ def attention_target(device: Any) -> AttentionTarget:
     version = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
     return AttentionTarget(platform, getattr(device, "compute_capability", None), version)
 
+
+# The compute capability of each NVIDIA plan target (plan.targets.TARGETS' device kinds).
+CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 96GB HBM2e": "9.0",
+              "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
+ASSUMED_CUDNN = 91000  # a CUDA 12 jaxlib's cuDNN 9 (JAX's own wheels ship one)
+
+
+def kind_target(device_kind: str) -> AttentionTarget:
+    """The facts of a plan target's device kind (no device at hand): its platform, and for a
+    named NVIDIA GPU its compute capability and the cuDNN JAX's CUDA wheels ship."""
+    if device_kind.startswith("NVIDIA"):
+        return AttentionTarget("gpu", CAPABILITY.get(device_kind), ASSUMED_CUDNN)
+    return AttentionTarget("tpu" if device_kind.startswith("TPU") else "cpu")
+
+
+def run_inputs(model: ModelConfig, precision: str, seq_len: int, cp: int,
+               device: AttentionTarget) -> Inputs:
+    """``Inputs`` of a run of ``model`` (its config) at ``precision`` on ``device``."""
+    return Inputs(device, "bfloat16" if precision == "bf16" else "float32",
+                  model.d_model // model.n_heads, seq_len // cp,
+                  model.get("objective", "ar") != "mdlm")
+
+
+def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget) -> str:
+    """``choose`` for a run of ``cfg`` (``make_plan``'s); a user's model (``model._target_``)
+    attends its own way: recorded as XLA's."""
+    if cfg.model.get("_target_"):
+        return "xla"
+    precision = cfg.train.precision if "train" in cfg else "fp32"
+    return choose(cfg.model.attention, run_inputs(cfg.model, precision, seq_len, cp, device), cp)
+
+
+def kernel_on(cfg: RunConfig, plan: MeshPlan, device_kind: str) -> str:
+    """The kernel a run of ``cfg`` laid out as ``plan`` runs on ``device_kind``: the plan's own
+    choice where the plan was made for that device's platform, else the same rule for it (plan
+    mode's and the layout search's estimates of another target)."""
+    device = kind_target(device_kind)
+    if device.platform == plan.attention_device.platform:
+        return plan.attention
+    return plan_kernel(cfg, plan.seq_len, plan.cp, device)

@@ -14,16 +14,16 @@ import optax
 from flax import nnx
 
 from dxrun import faults
-from dxrun.attention_kernel import AttentionTarget, attention_target
+from dxrun.attention_kernel import AttentionTarget, attention_target, compiled_kernel, kind_target
 from dxrun.data import TRAIN, Data
 from dxrun.hf.load import import_params
 from dxrun.mdlm import objective_of
 from dxrun.model import count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
-from dxrun.plan.attention import attention_implementation
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
+from dxrun.plan.targets import TARGETS
 from dxrun.plan.vocab import table_rows
 from dxrun.sharding import (
     batch_sharding,
@@ -35,7 +35,7 @@ from dxrun.sharding import (
     replicated,
     spread_shardings,
 )
-from dxrun.step import COMPUTE_DTYPES, TrainState, make_eval_step, make_train_step
+from dxrun.step import TrainState, make_eval_step, make_train_step
 from dxrun.user_model import build_model
 from dxrun.zero_padding import pad, refit, zero_pads
 
@@ -43,10 +43,14 @@ if TYPE_CHECKING:
     from dxrun.schema import RunConfig
 
 
-def visible_devices() -> tuple[int, str, int, tuple[int, ...] | None]:
+def visible_devices(target: str | None = None
+                    ) -> tuple[int, str, int, tuple[int, ...] | None, AttentionTarget]:
     """What ``make_plan`` lays the mesh over: (devices of all processes, platform, processes,
-    the host of each process)."""
-    return jax.device_count(), jax.default_backend(), jax.process_count(), process_hosts()
+    the host of each process, the facts the attention kernel is chosen by: those of plan
+    mode's ``target`` (a ``plan.target`` name) where one is given, else of these devices)."""
+    device = (kind_target(TARGETS[target].device_kind) if target is not None
+              else attention_target(jax.devices()[0]))
+    return jax.device_count(), jax.default_backend(), jax.process_count(), process_hosts(), device
 
 
 def process_data(cfg: RunConfig, plan: MeshPlan) -> Data:
@@ -81,9 +85,10 @@ class Experiment:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
         padded = plan.padded_vocab or cfg.model.vocab_size  # 0: a bare plan, no padding
-        # The attention kernel follows the devices the step runs on (CPU in plan mode).
-        target = attention_target(mesh.devices.flat[0])
-        abstract = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0), padded, target,
+        # The plan's attention kernel, or XLA's standing in where it does not run on these
+        # devices (plan mode compiles on CPU for an accelerator target).
+        kernel = compiled_kernel(plan.attention, cfg.model.attention, mesh.devices.flat[0].platform)
+        abstract = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0), padded, kernel,
                                                       plan.remat))
         graphdef, abstract_state = nnx.split(abstract)
         axes = param_axes(abstract_state)
@@ -126,23 +131,9 @@ class Experiment:
                    schedule, data, step, eval_step, pads)
 
     @property
-    def attention_target(self) -> AttentionTarget:
-        return attention_target(self.mesh.devices.flat[0])
-
-    @property
     def attention_kernel(self) -> str:
-        """What the step's attention runs: ``blockwise`` with a context axis, ``reference``
-        (einsums), else the kernel ``jax.nn.dot_product_attention`` is asked for, ``cudnn`` or
-        ``xla``."""
-        m = self.cfg.model
-        if self.plan.cp > 1:  # the context axis's own (dxrun.context_parallel.flash)
-            return "blockwise"
-        if m.attention != "dot_product":
-            return m.attention
-        t = self.attention_target
-        return attention_implementation(t.platform, COMPUTE_DTYPES[self.cfg.train.precision],
-                                        m.d_model // m.n_heads, t.compute_capability,
-                                        t.cudnn_version)
+        """What the step's attention runs (``attention_kernel.KERNELS``): the plan's choice."""
+        return self.plan.attention
 
     def init_params(self) -> dict:
         """Parameters initialised from ``train.seed``, drawn spread over every device

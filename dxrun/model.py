@@ -19,8 +19,7 @@ import numpy as np
 from flax import nnx
 
 from dxrun import context_parallel
-from dxrun.attention import Attention
-from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
+from dxrun.attention import KERNEL, Attention
 from dxrun.layers import DENSE, MLP, Norm, dense, dropout, padded_param, param
 from dxrun.sharding import constrain, gathered_backward
 
@@ -36,9 +35,9 @@ STREAM = ("batch", "stream_seq", "act_embed")
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL):
         self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias)
-        self.attn = Attention(cfg, rngs, target)
+        self.attn = Attention(cfg, rngs, kernel)
         self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias)
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
@@ -71,7 +70,7 @@ REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.save_from_both_p
     jax.checkpoint_policies.save_only_these_names(DENSE))}
 
 
-def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, target: AttentionTarget = CPU_TARGET
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL
                    ) -> Block:
     """``n_layers`` blocks as one Block whose parameters have a leading ``layers`` axis (which
     the rules table leaves unsharded). Scanning over it compiles one layer, not n; the names
@@ -80,7 +79,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, target: AttentionTarget = C
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs, target)
+        return Block(cfg, rngs, kernel)
 
     blocks = make(rngs)
     for _, v in nnx.iter_graph(blocks):
@@ -94,11 +93,11 @@ class Transformer(nnx.Module):
     ``wte`` / columns of ``lm_head``: the vocab axis is split over ``tensor``, so it must be a
     multiple of tp. Padding rows start at zero, their logits are masked to the fp32 minimum
     (no probability, never the argmax, zero gradient), so the model computes exactly what the
-    unpadded one does. ``target``: the devices the model runs on (``attention_target`` of a
-    mesh device; the default, CPU, runs XLA's attention)."""
+    unpadded one does. ``kernel``: the attention kernel the run plan chose (``attention_kernel.
+    compiled_kernel``: its name, whether interpreted); the default runs XLA's."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, padded_vocab: int | None = None,
-                 target: AttentionTarget = CPU_TARGET, remat: str | None = None):
+                 kernel: tuple[str, bool] = KERNEL, remat: str | None = None):
         D, V = cfg.d_model, cfg.vocab_size
         Vp = padded_vocab or V
         if Vp < V:
@@ -107,7 +106,7 @@ class Transformer(nnx.Module):
         self.wte = padded_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, Vp)
         self.wpe = (param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
-        self.blocks = stacked_blocks(cfg, rngs, target)
+        self.blocks = stacked_blocks(cfg, rngs, kernel)
         # remat: the run plan's (a layout search may choose it); None: model.remat
         self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"

@@ -192,7 +192,7 @@ def memory_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 def planned(cfg: Any) -> Decided:
     """The run plan mode reports: ``decide`` for ``plan.target`` on the visible devices (for
     ``parallelism=auto`` the layout ranked first by the estimate alone)."""
-    return decide(cfg, visible_devices(), plan_mode=True)
+    return decide(cfg, visible_devices(cfg.plan.target), plan_mode=True)
 
 
 def run_plan(cfg: Any, run_dir: Any, decided: Decided) -> dict[str, Any]:

@@ -71,9 +71,11 @@ class ModelConfig:
     remat: str = key("none", "recompute activations in the backward pass: none, all of them "
                      "(full), or all but the matmul outputs (dots)",
                      choices=("none", "full", "dots"))
-    attention: str = key("dot_product", "dot_product: jax.nn's (fused where available); "
-                         "reference: the plain einsum and softmax",
-                         choices=("dot_product", "reference"))
+    attention: str = key("dot_product", "dot_product: the fastest kernel that runs here (splash "
+                         "on a TPU, cuDNN's on an NVIDIA GPU, else XLA's); a kernel's name "
+                         "forces it: splash, cudnn, xla, or reference (the plain einsum and "
+                         "softmax)", choices=("dot_product", "reference", "splash", "cudnn",
+                                              "xla"))
     objective: str = key("ar", "what the model learns: ar = the next token (causal attention) | "
                          "mdlm = masked diffusion (bidirectional; docs/guide/objectives.md)",
                          choices=("ar", "mdlm"))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.attention_kernel import CPU_TARGET, AttentionTarget
+from dxrun.attention import KERNEL
 from dxrun.errors import ConfigError
 from dxrun.model import Transformer
 from dxrun.plan.mesh import LOGICAL_RULES
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
 
 def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,
-                target: AttentionTarget = CPU_TARGET, remat: str | None = None) -> nnx.Module:
+                kernel: tuple[str, bool] = KERNEL, remat: str | None = None) -> nnx.Module:
     """``model._target_``'s module (checked: ``check_axes``), else dxrun's ``Transformer``."""
     if not m._target_:
-        return Transformer(m, rngs=rngs, padded_vocab=padded_vocab, target=target, remat=remat)
+        return Transformer(m, rngs=rngs, padded_vocab=padded_vocab, kernel=kernel, remat=remat)
     factory = locate("model._target_", m._target_, "mypkg.MyModel")
     module = factory(**dict(m.kwargs), vocab_size=m.vocab_size, rngs=rngs)
     if not isinstance(module, nnx.Module):

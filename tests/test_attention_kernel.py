@@ -1,24 +1,44 @@
-"""The attention kernel ``jax.nn.dot_product_attention`` is asked for: cuDNN's fused flash
-attention on NVIDIA GPUs in bf16/fp16 within JAX's head-dim limits, XLA's everywhere else (fp32,
-CPU, plan mode); a bf16 model on CPU lowers with XLA's."""
+"""The attention kernels as one table (``dxrun.attention_kernel``) and the one choice a run
+makes, stored in its plan: splash on a TPU, cuDNN's fused flash attention on NVIDIA GPUs in
+bf16/fp16 within JAX's head-dim limits, XLA's everywhere else; a kernel's name forces it or is
+refused in one line. Splash itself (Pallas, interpreted on CPU) equals the reference, forward and
+backward, causal and bidirectional, with grouped-query heads, on a sharded mesh."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from omegaconf import OmegaConf
 
-from dxrun.attention_kernel import AttentionTarget, attention_target
+from dxrun import splash_attention
+from dxrun.attention import reference_attention
+from dxrun.attention_kernel import (
+    AUTO,
+    KERNELS,
+    AttentionTarget,
+    Inputs,
+    attention_target,
+    choose,
+    compiled_kernel,
+    kind_target,
+)
+from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.model import Transformer
-from dxrun.plan.attention import attention_implementation
 from dxrun.schema import ModelConfig
 from dxrun.sharding import in_mesh_context
 
 H100 = ("gpu", "9.0", 91000)  # platform, compute capability, cuDNN 9.10
 A100 = ("gpu", "8.0", 90100)
+
+
+def attention_implementation(platform, dtype, head_dim, cc=None, cudnn=None, seq_len=1024):
+    """The table's choice for ``model.attention=dot_product`` on these facts."""
+    return choose("dot_product", Inputs(AttentionTarget(platform, cc, cudnn),
+                                        jnp.dtype(dtype).name, head_dim, seq_len, True))
 
 
 @pytest.mark.parametrize("platform, dtype, head_dim, cc, cudnn, want", [
@@ -37,11 +57,70 @@ A100 = ("gpu", "8.0", 90100)
     ("gpu", jnp.bfloat16, 64, "10.3", 91100, "cudnn"),
     ("cpu", jnp.bfloat16, 64, None, None, "xla"),
     ("cpu", jnp.bfloat16, 64, "9.0", 91000, "xla"),  # CPU whatever else is said
-    ("tpu", jnp.bfloat16, 64, None, None, "xla"),
+    ("tpu", jnp.bfloat16, 64, None, None, "splash"),
+    ("tpu", jnp.float32, 128, None, None, "splash"),
     ("rocm", jnp.bfloat16, 64, None, None, "xla"),
 ])
 def test_selection_by_platform_dtype_and_head_dim(platform, dtype, head_dim, cc, cudnn, want):
     assert attention_implementation(platform, dtype, head_dim, cc, cudnn) == want
+
+
+def test_tpu_sequences_splash_does_not_tile_get_xla():
+    assert attention_implementation("tpu", jnp.bfloat16, 64, seq_len=1000) == "xla"
+    assert attention_implementation("tpu", jnp.float16, 64) == "xla"
+
+
+def test_the_table_holds_each_kernel_once_and_the_schema_offers_each():
+    assert list(AUTO) == ["splash", "cudnn", "xla"]
+    assert {k for k, v in KERNELS.items() if v.keeps_scores} == {"xla", "reference"}
+    meta = ModelConfig.__dataclass_fields__["attention"].metadata
+    assert set(meta["choices"]) == {"dot_product", *KERNELS} - {"blockwise"}
+
+
+@pytest.mark.parametrize("setting, device, why", [
+    ("splash", AttentionTarget("gpu", "9.0", 91000), "runs on tpu only"),
+    ("cudnn", AttentionTarget("tpu"), "needs an NVIDIA GPU with cuDNN"),
+    ("cudnn", AttentionTarget("cpu"), "needs an NVIDIA GPU with cuDNN"),
+])
+def test_a_forced_kernel_that_cannot_run_is_refused_in_one_line(setting, device, why):
+    with pytest.raises(ConfigError) as e:
+        choose(setting, Inputs(device, "bfloat16", 64, 1024, True))
+    line = str(e.value)
+    assert "\n" not in line and f"model.attention={setting}" in line and why in line
+    assert "model.attention=dot_product" in line  # the fix
+
+
+def test_splash_forced_on_cpu_runs_interpreted_and_plan_mode_stands_xla_in():
+    x = Inputs(AttentionTarget("cpu"), "float32", 64, 128, True)
+    assert choose("splash", x) == "splash"  # Pallas interprets it here
+    assert compiled_kernel("splash", "splash", "cpu") == ("splash", True)
+    assert compiled_kernel("splash", "dot_product", "cpu") == ("xla", False)  # a v5e plan's
+    assert compiled_kernel("splash", "dot_product", "tpu") == ("splash", False)
+    assert compiled_kernel("cudnn", "cudnn", "cpu") == ("xla", False)  # no interpreter
+    assert choose("dot_product", x, cp=2) == "blockwise"
+    assert kind_target("TPU v5 lite") == AttentionTarget("tpu")
+    assert kind_target("NVIDIA H100 80GB HBM3") == AttentionTarget(*H100)
+
+
+@pytest.mark.parametrize("causal, heads, kv_heads", [(True, 4, 4), (True, 4, 2), (False, 4, 1)])
+def test_splash_equals_the_reference_forward_and_backward(causal, heads, kv_heads):
+    """Pallas' splash attention in its interpreter, causal (ar) and both ways (mdlm), MHA,
+    grouped-query and multi-query heads: the outputs and the gradients of q, k and v."""
+    B, L, E = 2, 256, 32
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.normal(size=(B, L, heads, E)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(B, L, kv_heads, E)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(r.normal(size=(B, L, heads, E)), jnp.float32)
+
+    def run(fn):
+        out, grads = jax.value_and_grad(lambda *a: (fn(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+        return fn(q, k, v), grads
+
+    o1, g1 = run(lambda *a: splash_attention.attend(*a, causal=causal, interpret=True))
+    o2, g2 = run(lambda *a: reference_attention(*a, causal=causal))
+    np.testing.assert_allclose(o1, o2, atol=2e-5)
+    for a, b in zip(g1, g2, strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-4, rtol=1e-4)
 
 
 def test_bf16_model_on_cpu_and_in_plan_mode_lowers_with_xla_attention(cfg_factory):
@@ -50,26 +129,30 @@ def test_bf16_model_on_cpu_and_in_plan_mode_lowers_with_xla_attention(cfg_factor
     shape = ("model=tiny", "parallelism=dp2", "logger=none", "data.seq_len=16",
              "train.precision=bf16")
     exp = Experiment.build(cfg_factory(*shape))
-    assert exp.attention_target == AttentionTarget("cpu") == attention_target(jax.devices()[0])
-    assert exp.attention_kernel == "xla"
+    assert exp.plan.attention_device == AttentionTarget("cpu") == attention_target(
+        jax.devices()[0])
+    assert exp.attention_kernel == exp.plan.attention == "xla"
     with in_mesh_context(exp.mesh, exp.plan.rules):
         text = exp.step.jitted.lower(exp.abstract_state(), exp.abstract_batch()).as_text()
     assert "dot_general" in text  # the step's program, lowered for these devices
     assert "cudnn" not in text.lower() and "fmha" not in text.lower()
-    plan = Experiment.build(cfg_factory(*shape, "run.mode=plan", "plan.target=h200"), data=None,
-                            with_data=False)
-    assert plan.attention_kernel == "xla"
+    from dxrun.plan_mode import planned
+
+    plan = planned(cfg_factory(*shape, "run.mode=plan", "plan.target=h200")).exp
+    assert plan.attention_kernel == "cudnn"  # what the run on an H200 runs: the plan's choice
+    with in_mesh_context(plan.mesh, plan.plan.rules):  # compiled here with XLA's standing in
+        text = plan.step.jitted.lower(plan.abstract_state(), plan.abstract_batch()).as_text()
+    assert "cudnn" not in text.lower() and "fmha" not in text.lower()
     ref = Experiment.build(cfg_factory(*shape, "model.attention=reference"), with_data=False)
     assert ref.attention_kernel == "reference"
 
 
-def test_a_gpu_target_asks_jax_for_cudnn_in_bf16_only():
-    """The model built for an H100 hands "cudnn" to jax.nn.dot_product_attention in bf16: this
-    CPU-only JAX then says it has no cuDNN, which proves the kernel was asked for by name. In
-    fp32 the same model traces with XLA's kernel."""
+def test_a_gpu_plan_asks_jax_for_cudnn_by_name():
+    """The model built with the plan's "cudnn" hands it to jax.nn.dot_product_attention: this
+    CPU-only JAX then says it has no cuDNN, which proves the kernel was asked for by name."""
     cfg = OmegaConf.structured(ModelConfig(vocab_size=32, n_layers=1, d_model=64, n_heads=4))
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0),
-                                                  target=AttentionTarget(*H100)))
+                                                  kernel=("cudnn", False)))
     graphdef, state = nnx.split(abstract)
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
 
@@ -78,6 +161,20 @@ def test_a_gpu_target_asks_jax_for_cudnn_in_bf16_only():
                               nnx.to_pure_dict(state))
         return jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
 
-    assert "dot_product_attention" not in str(forward(jnp.float32))
     with pytest.raises(RuntimeError, match="cuDNN is not detected"):
         forward(jnp.bfloat16)
+
+
+def test_splash_in_the_model_on_a_sharded_mesh_equals_the_reference(cfg_factory):
+    """The whole train step with model.attention=splash (splash under shard_map:
+    each device its rows and its kv-head group) against the einsum reference, on dp2 x fsdp2 x tp2: the loss and the
+    gradient norm of one step, grouped-query heads (tiny_llama: 4 heads, 2 kv heads)."""
+    shape = ("model=tiny_llama", "parallelism=dp2_fsdp2_tp2",
+             "logger=none", "data.seq_len=128", "data.batch_size=8", "model.init_std=0.3")
+    out = {}
+    for kernel in ("splash", "reference"):
+        exp = Experiment.build(cfg_factory(*shape, f"model.attention={kernel}"))
+        assert exp.attention_kernel == kernel
+        _, metrics = exp.step(exp.init_state(), exp.batch(0))
+        out[kernel] = (float(metrics["train/loss"]), float(metrics["train/grad_norm"]))
+    np.testing.assert_allclose(out["splash"], out["reference"], rtol=2e-5)

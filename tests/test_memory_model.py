@@ -67,16 +67,29 @@ def test_fused_attention_keeps_o_of_t_and_xla_keeps_the_scores():
     assert mm.working_set(_shapes(c=2, kernel="cudnn")) < mm.working_set(_shapes(c=2)) / 10
 
 
-def test_the_target_decides_the_kernel():
+def test_the_target_decides_the_kernel(cfg_factory):
+    """The memory model reads the run plan's kernel where the plan is for the target's
+    platform, else the table's rule for that target (``attention_kernel.kernel_on``)."""
+    from dxrun.attention_kernel import CAPABILITY, kernel_on
+    from dxrun.plan.mesh import make_plan
+
     h100, a100, v5p = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5"
-    assert mm.target_kernel("dot_product", h100, "bf16", 64) == "cudnn"
-    assert mm.target_kernel("dot_product", a100, "bf16", 128) == "cudnn"
-    assert mm.target_kernel("dot_product", a100, "bf16", 256) == "xla"  # > 128 before Hopper
-    assert mm.target_kernel("dot_product", h100, "fp32", 64) == "xla"  # cuDNN: half only
-    assert mm.target_kernel("dot_product", v5p, "bf16", 64) == "xla"
-    assert mm.target_kernel("reference", h100, "bf16", 64) == "reference"
-    assert set(mm.CAPABILITY) == {t.device_kind for t in targets.TARGETS.values()
-                                  if t.device_kind.startswith("NVIDIA")}
+
+    def kernel(device_kind, *overrides):
+        cfg = cfg_factory("model=tiny", "logger=none", "parallelism=dp1", "data.seq_len=128",
+                          *overrides)
+        return kernel_on(cfg, make_plan(cfg, 1, "cpu"), device_kind)
+
+    assert kernel(h100, "train.precision=bf16") == "cudnn"
+    assert kernel(a100, "train.precision=bf16", "model.d_model=512", "model.n_heads=4") == "cudnn"
+    assert kernel(a100, "train.precision=bf16", "model.d_model=1024",
+                  "model.n_heads=4") == "xla"  # head dim 256 > 128 before Hopper
+    assert kernel(h100, "train.precision=fp32") == "xla"  # cuDNN: half only
+    assert kernel(v5p, "train.precision=bf16") == "splash"
+    assert kernel(h100, "train.precision=bf16", "model.attention=reference") == "reference"
+    assert kernel("cpu", "train.precision=bf16") == "xla"  # the plan's own
+    assert set(CAPABILITY) == {t.device_kind for t in targets.TARGETS.values()
+                               if t.device_kind.startswith("NVIDIA")}
 
 
 def test_remat_accumulation_and_tp_divide_what_they_divide():

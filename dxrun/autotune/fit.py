@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from omegaconf import OmegaConf
 
+from dxrun.attention_kernel import kernel_on
 from dxrun.autotune.hlo import collective_list, collective_traffic
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
@@ -71,9 +72,7 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
     if vocab != exp.padded_vocab:  # shapes only: the same model with the target's rows
         exp = Experiment.build(cfg, replace(plan, padded_vocab=vocab), data=NoData())
     state = exp.abstract_state()
-    kernel = memory_model.target_kernel(cfg.model.attention, target.device_kind,
-                                        cfg.train.precision,
-                                        cfg.model.d_model // cfg.model.n_heads)
+    kernel = kernel_on(cfg, plan, target.device_kind)
     zero_dp = plan.dp if shard_optimizer(cfg.parallelism, plan) else 1
     mem = memory_model.estimate_memory(
         memory_model.shapes(cfg.model, cfg.train, plan, kernel, vocab),
@@ -126,7 +125,7 @@ def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
             # process's devices at other rows of the batch than its plan reads (refused).
             exp = Experiment.build(trial, make_plan(
                 trial, plan.n_visible, plan.platform, plan.processes,
-                plan.process_hosts or None), data=NoData())
+                plan.process_hosts or None, plan.attention_device), data=NoData())
         except ConfigError:
             continue
         needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
@@ -161,7 +160,7 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     if accelerator and peak:
         w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
                               target_vocab(table_rows(cfg.model), cfg.parallelism.vocab_align,
-                                           plan, target))
+                                           plan, target), kernel_on(cfg, plan, target.device_kind))
         t = TARGETS[key]
         timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
                                     t.link_bytes_per_s,

@@ -98,7 +98,7 @@ def search(cfg: Any, plan_mode: bool = False, timer: Timer | None = None,
     ``held``: the batch and sequence length (None: ``held_batch`` on these devices)."""
     if cfg.parallelism.search == "none":
         return None
-    t0, devices = time.perf_counter(), visible_devices()
+    t0, devices = time.perf_counter(), visible_devices(cfg.plan.target if plan_mode else None)
     if resumed is not None and (kept := _resumed(cfg, resumed, devices, t0)) is not None:
         return kept
     s = _setup(cfg, devices, plan_mode, held or held_batch(cfg, *devices))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from omegaconf import OmegaConf
 
+from dxrun.attention_kernel import kernel_on
 from dxrun.autotune.fit import NoData, accelerator_memory, step_estimate, target_vocab
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
@@ -109,7 +110,7 @@ class StateShapes:
 
 
 def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
-             processes: int = 1, hosts: tuple[int, ...] | None = None
+             processes: int = 1, hosts: tuple[int, ...] | None = None, device: Any = None
              ) -> list[tuple[Setting, MeshPlan]]:
     """Every (setting, its mesh plan) on ``n`` devices that the mesh plan accepts at the
     global ``batch`` and ``seq_len`` held fixed."""
@@ -119,7 +120,7 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
             for accum in ACCUMS:
                 layout = Layout(dp, fsdp, tp, remat, accum, cp)
                 try:
-                    plan = make_plan(cfg, n, platform, processes, hosts, layout=layout,
+                    plan = make_plan(cfg, n, platform, processes, hosts, device, layout=layout,
                                      batch=batch, seq_len=seq_len)
                 except ConfigError:
                     continue
@@ -154,8 +155,7 @@ def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[flo
     ``state``: what ``fit.accelerator_memory`` counts, before anything is built (the logits
     of the target's vocabulary padding, as there)."""
     m = cfg.model
-    kernel = memory_model.target_kernel(m.attention, target.device_kind, cfg.train.precision,
-                                        m.d_model // m.n_heads)
+    kernel = kernel_on(cfg, plan, target.device_kind)
     vocab = target_vocab(table_rows(m), cfg.parallelism.vocab_align, plan, target)
     x = memory_model.shapes(m, cfg.train, plan, kernel, vocab)
     return memory_model.estimate_memory(x, *state, plan.fsdp).total_bytes
@@ -169,7 +169,8 @@ def _step_bound(cfg: RunConfig, plan: MeshPlan, s: Setting, target: Target, peak
     if not peak:
         return None
     if key in gpu_cost.COST:
-        w = gpu_cost.workload(cfg, plan, n_params, params_bytes / 4)
+        w = gpu_cost.workload(cfg, plan, n_params, params_bytes / 4,
+                              kernel=kernel_on(cfg, plan, target.device_kind))
         w = replace(w, updated_per_device=(w.params_per_device / plan.dp if s.zero else None))
         t = TARGETS[key]
         return gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
@@ -208,8 +209,8 @@ def _compile(cfg: RunConfig, p: Priced, asked_plan: MeshPlan, target: Target, pe
             "model": {"remat": lay.remat}, "train": {"grad_accum": lay.grad_accum}}
     trial = OmegaConf.merge(cfg, keys)
     plan = make_plan(trial, asked_plan.n_visible, asked_plan.platform, asked_plan.processes,
-                     asked_plan.process_hosts or None, batch=asked_plan.global_batch,
-                     seq_len=asked_plan.seq_len)
+                     asked_plan.process_hosts or None, asked_plan.attention_device,
+                     batch=asked_plan.global_batch, seq_len=asked_plan.seq_len)
     exp = Experiment.build(trial, plan, data=NoData())
     if target.device_kind != "cpu":
         need = accelerator_memory(exp, target).total_bytes
@@ -248,7 +249,8 @@ def fastest_that_fits(cfg: RunConfig, exp: Any, state: Any, target: Target, peak
     shapes = StateShapes.of(exp, state)
     batch, seq = plan.global_batch, plan.seq_len
     candidates = [c for c in settings(cfg, plan.n_devices, plan.platform, batch, seq,
-                                      plan.processes, plan.process_hosts or None)
+                                      plan.processes, plan.process_hosts or None,
+                                      plan.attention_device)
                   if c[0] != start]
     priced = price(cfg, shapes, target, peak, n_params, candidates, start, batch)
     # A CPU target's program is not the one the memory model counts (XLA:CPU keeps more): there
@@ -300,7 +302,8 @@ def larger_mesh(cfg: RunConfig, shapes: StateShapes, target: Target, peak: float
     base = OmegaConf.merge(cfg, {"parallelism": {"n_devices": 0}})
     for k in GROWTH:
         n = plan.n_devices * k
-        candidates = settings(base, n, plan.platform, plan.global_batch, plan.seq_len)
+        candidates = settings(base, n, plan.platform, plan.global_batch, plan.seq_len,
+                              device=plan.attention_device)
         priced = price(base, shapes, target, peak, n_params, candidates, asked,
                        plan.global_batch)
         fits = sorted((p for p in priced if p.need_bytes <= usable_bytes(target)), key=_order)

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from dxrun.errors import ConfigError
-from dxrun.schema import GLOBAL, PER_DEVICE
+from dxrun.schema import GLOBAL, INT32, PER_DEVICE
 
 CPU_SEQ_LEN = 64  # data.seq_len=null on CPU (capped by model.max_seq_len)
 
@@ -63,3 +63,17 @@ def scaled_lr(opt: Any, batch_size: int) -> float:
     ratio = batch_size / opt.base_batch_size
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[opt.lr_scaling]
     return opt.lr * factor
+
+
+def check_tokens_per_step(key: str, value: int, batch: int, seq_len: int) -> None:
+    """The loss divides by a step's tokens (global batch x seq_len), a Python int that JAX
+    makes an int32: from 2^31 the jitted step fails to trace with an OverflowError. ``key``,
+    ``value``: where the batch came from."""
+    if batch * seq_len < INT32:
+        return
+    given = f"{key}={value}"
+    if key == PER_DEVICE:
+        given += f" (a global batch of {batch})"
+    raise ConfigError(f"{given} with data.seq_len={seq_len} makes {batch * seq_len:,} tokens a "
+                      f"step, beyond the int32 the loss divides by (at most {INT32 - 1:,}); "
+                      f"lower {key} or data.seq_len")

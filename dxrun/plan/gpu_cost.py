@@ -15,10 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes  # numpy's bfloat16, as JAX's own dtypes are
-
+from dxrun.attention_kernel import KERNELS
 from dxrun.plan import flops
-from dxrun.plan.attention import CUDNN, attention_implementation
 from dxrun.plan.context import kv_gather_bytes
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import shard_optimizer
@@ -43,7 +41,6 @@ class Cost:
     devices_per_node: int  # devices behind one NVLink / ICI domain
     network_bytes_per_s: float  # per device, across nodes, one way
     clock_scale: float = 1.0  # sustained / boost clock (a power limit below the datasheet's)
-    fused_attention_capability: str | None = None  # compute capability for attention_kernel
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
 
@@ -65,6 +62,10 @@ _SUSTAINED = ("calibrated: fitted on MaxText's Llama 2 7B run (BENCHMARKS.md, 'P
               "published GPU runs'); H100 SXM boards hold ~1.6 GHz of their 1.98 GHz boost "
               "through a long run (the peak and MAMF assume the boost)")
 
+_SPLASH = ("measured: splash attention's forward and backward on one v5e at GPT-2's shapes "
+           "(head dim 64, seq 1024; BENCHMARKS.md, 'TPU')")
+
+
 def _gpu(**own: str) -> dict[str, str]:
     """An NVIDIA target's sources: the shared ones, with ``own`` in place."""
     return {"matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
@@ -81,9 +82,9 @@ def _tpu(**own: str) -> dict[str, str]:
 
 
 COST: dict[str, Cost] = {
-    "h100": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
+    "h100": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, _gpu(
         matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989", clock_scale=_SUSTAINED)),
-    "h100_96gb_500w": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.51, "9.0", _gpu(
+    "h100_96gb_500w": Cost(0.803, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.51, _gpu(
         matmul_efficiency=_MAMF + ": H100 SXM 794.5 of 989",
         network_bytes_per_s="torchtitan docs/performance.md: 400 Gb/s RDMA per GPU",
         clock_scale="calibrated: fitted on torchtitan's Llama 3.1 8B run (BENCHMARKS.md). It "
@@ -91,25 +92,27 @@ COST: dict[str, Cost] = {
                     "docs/performance.md) and also absorbs what that run does and dxrun would "
                     "not: eager PyTorch (its compiled row is 16% faster) and op-level AC "
                     "recomputing every other matmul; 0.51 is not a clock measurement")),
-    "h200": Cost(0.836, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, "9.0", _gpu(
+    "h200": Cost(0.836, 96, 0.45, 0.85, 0.80, 8, 50 * GB, 0.79, _gpu(
         matmul_efficiency=_MAMF + ": GH200 828.6 of 989 (the H200's HBM3e die)",
         clock_scale="assumed as the H100's (calibrated there)")),
-    "a100": Cost(0.869, 96, 0.55, 0.85, 0.77, 8, 25 * GB, 1.0, "8.0", _gpu(
+    "a100": Cost(0.869, 96, 0.55, 0.85, 0.77, 8, 25 * GB, 1.0, _gpu(
         matmul_efficiency=_MAMF + ": A100 SXM 271.2 of 312",
         clock_scale="1.0, not calibrated: no A100 run calibrates (the A100 row validates)")),
-    "l40s": Cost(0.80, 96, 0.45, 0.85, 0.80, 8, 25 * GB, 0.79, "8.9", _gpu(
+    "l40s": Cost(0.80, 96, 0.45, 0.85, 0.80, 8, 25 * GB, 0.79, _gpu(
         matmul_efficiency="assumed as the H100's (no MAMF published)",
         clock_scale="assumed as the H100's", link_efficiency="PCIe 4.0 x16, assumed 80%",
         devices_per_node="8 PCIe cards per server, assumed",
         network_bytes_per_s="200 Gb/s per GPU, assumed")),
-    # TPUs: no cuDNN, so XLA's attention (dxrun/plan/attention.py); the MXU's achieved
-    # fraction from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results":
-    # 55-65% MFU on dense Llama-class models; the matmuls alone do better).
-    "v5e": Cost(0.80, 128, 0.0, 0.85, 0.80, 256, 25 * GB, 1.0, None, _tpu(
+    # TPUs: Pallas' splash attention (dxrun/splash_attention.py); the MXU's achieved fraction
+    # from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results": 55-65% MFU
+    # on dense Llama-class models; the matmuls alone do better).
+    "v5e": Cost(0.80, 128, 0.11, 0.85, 0.80, 256, 25 * GB, 1.0, _tpu(
         matmul_efficiency="MaxText README v5e results (~60% MFU end to end)",
+        attention_efficiency=_SPLASH,
         devices_per_node="a v5e pod slice (256 chips on ICI)")),
-    "v5p": Cost(0.80, 128, 0.0, 0.85, 0.80, 8960, 25 * GB, 1.0, None, _tpu(
+    "v5p": Cost(0.80, 128, 0.11, 0.85, 0.80, 8960, 25 * GB, 1.0, _tpu(
         matmul_efficiency="MaxText README v5p results (~60% MFU end to end)",
+        attention_efficiency="assumed as the v5e's",
         devices_per_node="a v5p pod (8,960 chips on ICI)")),
 }
 
@@ -144,6 +147,7 @@ class Workload:
     loss_chunk: int = 0  # model.loss_chunk resolved: the chunks' backward redoes the head's forward
     remat: str = "none"  # the run plan's model.remat
     cp: int = 1  # the context axis: a device holds seq_len / cp positions of each row
+    kernel: str = "xla"  # the run plan's attention kernel (attention_kernel.KERNELS)
 
     @property
     def tokens(self) -> int:
@@ -151,15 +155,11 @@ class Workload:
         return self.rows * self.seq_len // self.cp
 
 
-def fused_attention(cost: Cost, w: Workload) -> bool:
-    """Whether the real run on this target gets cuDNN's flash attention (the run's own rule)."""
-    if (cost.fused_attention_capability is None or w.model.attention != "dot_product"
-            or w.cp > 1):  # a context axis attends under an explicit mask: XLA's
-        return False
-    dtype = ml_dtypes.bfloat16 if w.precision == "bf16" else "float32"
-    kernel = attention_implementation("gpu", dtype, w.model.d_model // w.model.n_heads,
-                                      cost.fused_attention_capability, 90000)
-    return kernel == CUDNN
+def fused_attention(w: Workload) -> bool:
+    """Whether the run's kernel (the plan's, ``attention_kernel.KERNELS``) is a fused flash
+    attention: cuDNN's or splash. A context axis's blockwise kernel is priced as XLA's
+    attention matmuls (its blocks are einsums)."""
+    return w.kernel != "blockwise" and KERNELS[w.kernel].fused
 
 
 def _matmul_s(m: float, n: float, k: float, peak: float, hbm: float, cost: Cost,
@@ -290,7 +290,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     """One device's step: the parts (seconds) and their sum under the overlap assumption."""
     peak = peak_tflops * 1e12 * cost.clock_scale
     hbm = hbm_bytes_per_s * cost.hbm_efficiency
-    fused = fused_attention(cost, w)
+    fused = fused_attention(w)
     mm = matmul_time(w, peak, hbm, cost, fused)
     attention = 0.0
     if fused:
@@ -326,10 +326,11 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
 
 
 def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: float,
-             vocab: int = 0) -> Workload:
+             vocab: int = 0, kernel: str | None = None) -> Workload:
     """The time model's view of a run config and its mesh plan. ``vocab``: the target's padded
     vocabulary (``autotune.fit.target_vocab``, what the memory model counts too); 0: padded as
-    a GPU run pads it, whatever the CPU compile did."""
+    a GPU run pads it, whatever the CPU compile did. ``kernel``: the attention kernel of a run
+    on the target (``attention_kernel.kernel_on``); None: the plan's."""
     replicas = plan.dp * plan.fsdp
     accum = plan.grad_accum
     return Workload(
@@ -342,4 +343,5 @@ def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: floa
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
         updated_per_device=(params_per_device / plan.dp
                             if shard_optimizer(cfg.parallelism, plan) else None),
-        loss_chunk=loss_chunk_for(cfg.model, plan), remat=plan.remat, cp=plan.cp)
+        loss_chunk=loss_chunk_for(cfg.model, plan), remat=plan.remat, cp=plan.cp,
+        kernel=kernel or plan.attention)

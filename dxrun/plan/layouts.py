@@ -58,8 +58,9 @@ def meshes(n: int, seq_len: int) -> list[tuple[int, int, int, int]]:
 
 
 def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1,
-               process_hosts: tuple[int, ...] | None = None, batch: int | None = None,
-               seq_len: int | None = None) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+               process_hosts: tuple[int, ...] | None = None, device: Any = None,
+               batch: int | None = None, seq_len: int | None = None
+               ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(meshes the plan accepts, [(mesh, why the plan refuses it)]), each with the user's remat
     and accumulation, at the ``batch`` and ``seq_len`` held fixed (None: the config's).
     ``make_plan`` is the one place the rules live."""
@@ -69,7 +70,7 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     for dp, fsdp, cp, tp in meshes(n, seq):
         layout = Layout(dp, fsdp, tp, cfg.model.remat, cfg.train.grad_accum, cp)
         try:
-            make_plan(cfg, n_visible, platform, processes, process_hosts, layout=layout,
+            make_plan(cfg, n_visible, platform, processes, process_hosts, device, layout=layout,
                       batch=batch, seq_len=seq_len)
         except ConfigError as e:
             refused.append((layout, str(e).split(";")[0]))

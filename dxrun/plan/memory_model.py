@@ -15,10 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
-import numpy as np
-
-from dxrun.plan.attention import attention_implementation
+from dxrun.attention_kernel import KERNELS
 from dxrun.plan.context import BLOCK
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.targets import gb_text
@@ -49,7 +46,7 @@ class Shapes:
     mlp: str  # gelu | swiglu
     bias: bool
     remat: str  # none | dots | full
-    kernel: str  # cudnn | xla | reference | blockwise (a context axis's: context_parallel.py)
+    kernel: str  # the run plan's attention kernel (attention_kernel.KERNELS)
     residual: int  # bytes of the residual stream between layers
     accum: int = 1  # train.grad_accum: micro-batches per step
     loss_chunk: int = 0  # model.loss_chunk resolved: positions per loss chunk (0 = whole)
@@ -72,7 +69,12 @@ class Shapes:
         blockwise kernel's one block of keys at a time (a·s·C·b, C = ``block_len``'s)."""
         if self.kernel == "blockwise":
             return self.heads * self.s * min(BLOCK, self.s // 2) * self.b
-        return 0 if self.kernel == "cudnn" else self.heads * self.s * self.s * self.b
+        return self.heads * self.s * self.s * self.b if KERNELS[self.kernel].keeps_scores else 0
+
+    @property
+    def fused(self) -> bool:
+        """A kernel that keeps no score tensor: the log-sum-exp per row only."""
+        return KERNELS[self.kernel].fused
 
     @property
     def gathered_kv(self) -> int:
@@ -127,8 +129,8 @@ def layer_none(x: Shapes) -> dict[str, float]:
     t, c = x.tokens, x.c
     rows = x.heads * x.s * x.b
     core = ((FP32 + c) * x.scores + 2 * FP32 * rows if x.scores
-            else FP32 * rows)  # cuDNN: the log-sum-exp only
-    if x.kernel == "blockwise":  # as cuDNN's: the log-sum-exp only (context_parallel.flash)
+            else FP32 * rows)  # a fused kernel: the log-sum-exp only
+    if x.kernel == "blockwise":  # as a fused kernel's: the log-sum-exp only
         core = FP32 * rows
     rope = 4 * FP32 * x.s * (x.head_dim // 2) if x.rope else 0
     return {
@@ -148,7 +150,7 @@ def layer_saved(x: Shapes) -> float:
     if x.remat == "full":
         return layer_input
     # dots: the outputs of the matmuls the policy sees
-    core = (0.0 if x.kernel in ("cudnn", "blockwise")
+    core = (0.0 if x.fused
             else FP32 * x.scores + c * t * x.heads * x.head_dim)
     ups = 2 if x.mlp == "swiglu" else 1
     weights = c * t * (x.qkv + x.h) + ups * c * t * x.f  # qkv, attention out, MLP up(s)
@@ -170,7 +172,7 @@ def recomputed(x: Shapes) -> dict[str, float]:
     if x.remat != "dots":
         parts["mlp"] = (ups + 2) * c * t * x.f
         return parts
-    fused = x.kernel in ("cudnn", "blockwise")
+    fused = x.fused
     parts["attention"] = c * x.h * x.qkv + (c * t * x.heads * x.head_dim if fused else 0.0)
     parts["mlp"] = 2 * c * t * x.f
     return parts
@@ -265,7 +267,8 @@ def activation_notes(x: Shapes) -> list[str]:
     return [f"model.remat=none keeps {per:.0f} x d_model bytes a token and layer, of them the "
             f"attention's T x T tensors ({gb_text(x.n_layers * parts['scores'])}): attention "
             f"{x.kernel} keeps the exponentials and probabilities, where a fused flash "
-            f"attention (cuDNN's: NVIDIA, bf16) keeps a log-sum-exp per row"]
+            f"attention (splash on a TPU, cuDNN's on an NVIDIA GPU, bf16) keeps a log-sum-exp "
+            "per row"]
 
 
 def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
@@ -283,27 +286,6 @@ def estimate_memory(x: Shapes, params: float, opt_state: float, batch: float,
              f"{'fp32' if x.c == FP32 else 'bf16'} activations, micro-batch {x.b}x{x.s}")
     return MemoryEstimate(params, opt_state, grads, batch, gathers, acts, work, head, total,
                           basis, notes=program_notes(x, params, grads, zero_dp))
-
-
-# The compute capability of each NVIDIA target (plan.targets.TARGETS' device kinds), which decides
-# whether cuDNN's fused attention runs there (plan.attention.attention_implementation).
-CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 96GB HBM2e": "9.0",
-              "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
-ASSUMED_CUDNN = 91000  # a CUDA 12 jaxlib's cuDNN 9 (JAX's own wheels ship one)
-
-
-def target_kernel(attention: str, device_kind: str, precision: str, head_dim: int) -> str:
-    """The attention a run of this config would run on ``device_kind``: ``reference`` as
-    configured, else the kernel ``jax.nn.dot_product_attention`` is asked for there (cuDNN on
-    an NVIDIA GPU with bf16 and a head dim it takes, XLA everywhere else)."""
-    if attention != "dot_product":
-        return attention
-    nvidia = device_kind.startswith("NVIDIA")
-    platform = "gpu" if nvidia else "tpu" if device_kind.startswith("TPU") else "cpu"
-    return attention_implementation(platform, ml_dtypes.bfloat16 if precision == "bf16"
-                                    else np.float32,
-                                    head_dim, CAPABILITY.get(device_kind),
-                                    ASSUMED_CUDNN if nvidia else None)
 
 
 def disagreement(model_bytes: float, xla_bytes: float) -> float:

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from dxrun.attention_kernel import AttentionTarget, plan_kernel
 from dxrun.errors import ConfigError
 from dxrun.plan.axes import resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
     PER_DEVICE,
     batch_set_by,
+    check_tokens_per_step,
     default_seq_len,
     global_batch,
     scaled_lr,
@@ -25,7 +27,6 @@ from dxrun.plan.context import check_context, check_processes, check_sequence_pa
 from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
-from dxrun.schema import INT32
 
 if TYPE_CHECKING:
     from dxrun.schema import ParallelismConfig, RunConfig
@@ -96,6 +97,8 @@ class MeshPlan:
     remat: str = "none"  # model.remat, or the layout search's choice
     cp: int = 1  # the context axis: each sequence split over cp devices (plan/context.py)
     sequence_parallel: bool = False  # parallelism.sequence_parallel, in effect (tp > 1)
+    attention: str = "xla"  # the kernel (attention_kernel.choose) for attention_device's devices
+    attention_device: AttentionTarget = AttentionTarget()
 
     @property
     def layout(self) -> Layout:
@@ -185,6 +188,7 @@ class MeshPlan:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         del out["remat"]  # the config's key (model.remat), not the mesh's
+        out["attention_device"] = self.attention_device._asdict()
         out["mesh_axes"] = list(MESH_AXES)
         out["mesh_shape"] = list(self.shape)
         out["per_device_seq"] = self.seq_len // self.cp
@@ -235,22 +239,9 @@ def _ids(ids: tuple[int, ...]) -> str:
     return ",".join(map(str, ids))
 
 
-def check_tokens_per_step(key: str, value: int, batch: int, seq_len: int) -> None:
-    """The loss divides by a step's tokens (global batch x seq_len), a Python int that JAX
-    makes an int32: from 2^31 the jitted step fails to trace with an OverflowError. ``key``,
-    ``value``: where the batch came from."""
-    if batch * seq_len < INT32:
-        return
-    given = f"{key}={value}"
-    if key == PER_DEVICE:
-        given += f" (a global batch of {batch})"
-    raise ConfigError(f"{given} with data.seq_len={seq_len} makes {batch * seq_len:,} tokens a "
-                      f"step, beyond the int32 the loss divides by (at most {INT32 - 1:,}); "
-                      f"lower {key} or data.seq_len")
-
-
 def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
-              process_hosts: tuple[int, ...] | None = None, *, layout: Layout | None = None,
+              process_hosts: tuple[int, ...] | None = None,
+              device: AttentionTarget | None = None, *, layout: Layout | None = None,
               batch: int | None = None, seq_len: int | None = None) -> MeshPlan:
     """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
     processes; ``process_hosts``: the host of each, None = each process its own host) and
@@ -258,6 +249,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     may share them); data spans the hosts. ``layout``: the mesh, remat and accumulation to lay
     out instead of the config's (a layout search's); ``batch``, ``seq_len``: the global batch
     and sequence length held fixed instead of the config's (None: resolved from it).
+    ``device``: the facts the attention kernel is chosen by (None: ``platform``'s, no cuDNN).
 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
@@ -352,8 +344,10 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"model.d_model={model.d_model} is not divisible by parallelism.fsdp={fsdp}; "
             f"pick an fsdp size that divides {model.d_model}"
         )
+    device = device or AttentionTarget(platform)
     return MeshPlan(
-        dp=dp, fsdp=fsdp, tp=tp, cp=cp,
+        dp=dp, fsdp=fsdp, tp=tp, cp=cp, attention=plan_kernel(cfg, seq_len, cp, device),
+        attention_device=device,
         device_ids=tuple(range(dp * fsdp * cp * tp)),
         n_visible=n_visible,
         platform=platform,
@@ -384,7 +378,8 @@ def shard_optimizer(p: ParallelismConfig, plan: MeshPlan) -> bool:
 
 
 def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
-               process_hosts: tuple[int, ...] | None = None, seq_len: int | None = None
+               process_hosts: tuple[int, ...] | None = None,
+               device: AttentionTarget | None = None, seq_len: int | None = None
                ) -> tuple[int, int]:
     """(global batch, sequence length) a layout search holds fixed while the layouts change
     (a search never changes the update): ``seq_len``, or ``data.seq_len`` (null: the
@@ -394,5 +389,5 @@ def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes:
         seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
     if cfg.data.per_device_batch_size is None:
         return cfg.data.batch_size, seq_len
-    plan = make_plan(cfg, n_visible, platform, processes, process_hosts, seq_len=seq_len)
+    plan = make_plan(cfg, n_visible, platform, processes, process_hosts, device, seq_len=seq_len)
     return plan.global_batch, seq_len
