@@ -1,5 +1,6 @@
 """The time to a run's first step: the train step compiled once before it, on an accelerator
-too (where an analysis compile is the full one)."""
+too (where an analysis compile is the full one), and a program the persistent compile cache
+finds again at the next launch."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 from conftest import make_cfg, recorded_compiles
 
 from dxrun import step as step_module
+from dxrun.experiment import Experiment
 from dxrun.prepare import prepare, start_state
+from dxrun.sharding import in_mesh_context
 
 # One device, one layer, short sequences: what is counted is compiles, not their size.
 SMALL = ("logger=none", "model.n_layers=1", "data.batch_size=4", "data.seq_len=16",
@@ -39,3 +42,23 @@ def test_an_accelerator_run_compiles_its_step_once_before_the_first_step(
     assert compiled.count("jit(step)") == 1, compiled
     assert preflight is not None and exp.step.compiled is preflight
     assert exp.step.compile_time_s > 0
+
+
+def _step_program(exp) -> str:
+    """The step's StableHLO as the persistent compile cache keys it (debug info stripped)."""
+    with in_mesh_context(exp.mesh, exp.plan.rules):
+        lowered = exp.step.jitted.lower(exp.abstract_state(), exp.abstract_batch())
+    return lowered.as_text(debug_info=False)
+
+
+def test_the_step_program_holds_nothing_of_the_run_dir_or_its_bookkeeping(tmp_path):
+    """A relaunch of the same config takes its compiled step from the persistent compile cache
+    (runtime.compile_cache=auto; tests/test_runtime.py launches twice into two run dirs): the
+    program is the same whatever the run dir, the checkpoint dir and cadence, the logger and
+    the log and eval cadence, none of which is baked into it."""
+    base = make_cfg(*SMALL, "parallelism=dp1")
+    other = make_cfg(*SMALL, "parallelism=dp1", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                     "checkpoint.every=7", "train.log_every=3", "train.eval_every=5",
+                     "logger=csv", "logger.project=other")
+    programs = [_step_program(Experiment.build(c, with_data=False)) for c in (base, other)]
+    assert programs[0] == programs[1] and "func.func public @main" in programs[0]
