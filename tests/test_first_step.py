@@ -11,6 +11,7 @@ from dxrun import step as step_module
 from dxrun.experiment import Experiment
 from dxrun.prepare import prepare, start_state
 from dxrun.sharding import in_mesh_context
+from dxrun.tracking import goodput
 
 # One device, one layer, short sequences: what is counted is compiles, not their size.
 SMALL = ("logger=none", "model.n_layers=1", "data.batch_size=4", "data.seq_len=16",
@@ -62,3 +63,18 @@ def test_the_step_program_holds_nothing_of_the_run_dir_or_its_bookkeeping(tmp_pa
                      "logger=csv", "logger.project=other")
     programs = [_step_program(Experiment.build(c, with_data=False)) for c in (base, other)]
     assert programs[0] == programs[1] and "func.func public @main" in programs[0]
+
+
+def test_compiling_counts_the_seconds_of_the_compiles_inside_it():
+    """What goodput books as compile of the state's init (``goodput.compiling``): a program
+    lowered and compiled inside the block, nothing outside it or run from an executable."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1)
+    with goodput.compiling() as seconds:
+        f(jnp.arange(7.0)).block_until_ready()
+    assert seconds[0] > 0
+    with goodput.compiling() as again:
+        f(jnp.arange(7.0)).block_until_ready()  # compiled already: nothing to book
+    assert again == [0.0]
