@@ -62,7 +62,7 @@ from dxrun.runtime import (
     write_hydra_files,
     write_status,
 )
-from dxrun.tracking.goodput import job_started_at
+from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.validation import config_warnings, validate
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ _register_sweeper()
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
 def main(cfg: DictConfig) -> Any:
     started = job_started_at()  # goodput's wall time counts from here (the process's start)
+    mark("compose")
     SIGNALS.start_job()
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -168,6 +169,7 @@ def main(cfg: DictConfig) -> Any:
         # The plan, the data, the checkpoint to resume and the memory preflight: fail before
         # anything is written. The run follows cfg; what is derived from it (the layout...) is
         # in ``prepared.plan``, where the run sits (its W&B names) in ``job``.
+        mark("jax")
         prepared = prepare(cfg, run_dir)
         resume = prepared.resume
         if simulated and not multirun and (note := thread_pool_note(
@@ -330,6 +332,7 @@ def _fail(msg: str, code: int = EXIT_REFUSED) -> None:
 
 
 def cli() -> None:
+    mark("launch")  # the interpreter and this module's imports (goodput's startup phases)
     guard_signals()  # before anything slow: a signal from here on ends the run in one line
     collect_cycles_rarely()
     remember_start()

@@ -19,6 +19,7 @@ from dxrun.experiment import Experiment, visible_devices
 from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
 from dxrun.runtime import dir_refusal
+from dxrun.tracking import goodput
 
 log = logging.getLogger("dxrun")
 
@@ -61,6 +62,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     elif cfg.model.init_from:  # the weights' files, read from their headers alone
         check_hf_weights(exp)
     memory_preflight(cfg, exp, exp.compile_step(), plan=plan)
+    goodput.mark("decide")
     return Prepared(exp, resume, plan, decided.handover)
 
 

@@ -295,6 +295,13 @@ def analysis_options(platform: str) -> dict[str, Any]:
     return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
+def analysis_is_full(platform: str) -> bool:
+    """Whether an analysis compile on ``platform`` is the full one (no cheaper options there:
+    a GPU or TPU), so that one of a step a run may take is kept for it, not thrown away and
+    compiled again."""
+    return not analysis_options(platform)
+
+
 class TrainStep:
     """The jitted step, compiled ahead of its first call so that the same executable reports
     its FLOPs, memory and collectives and the compile time is measured exactly."""

@@ -42,15 +42,16 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     clock = goodput.Goodput(job.started or time.time())
     prepared = prepared or prepare(cfg, run_dir)
     exp, plan, resume = prepared.exp, prepared.plan, prepared.resume
-    clock.add("compile", exp.step.compile_time_s)  # the preflight compiled the step
+    # the preflight compiled the step, inside prepare (goodput's startup phase "decide")
+    clock.add("compile", exp.step.compile_time_s, within="decide")
     search = plan.search
     if search is not None:  # parallelism=auto: timed apart from the startup, less the seeded
         # init it drew for the run (a run without a search draws it in its startup too), the
         # chosen layout's compile (booked above) and the steps it trained for the run
         # (productive: the run does not take them again); a run that did not search (too short
         # for one to pay, a cached decision, a resume) books none: deciding is startup
-        clock.add("search", own_s(search))
-        clock.add("productive", search.get("trained_s") or 0.0)
+        clock.add("search", own_s(search), within="decide")
+        clock.add("productive", search.get("trained_s") or 0.0, within="decide")
     main = is_main()  # writes the run's files; every process trains
     show_plan(plan, run_dir, main)
     # On record from here (goodput.json): an attempt killed in its restore still counts.
@@ -60,9 +61,14 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     record = goodput.RunRecord(run_dir, clock, continues,
                                resume.meta_step if resume is not None else 0, write=main)
     allocator = AllocatorPeak()  # before this run allocates anything
-    state, start, ckpt_meta = start_state(exp, resume, prepared.handover)
+    goodput.mark("files")
+    with goodput.compiling() as init_compile:  # the init's programs: compile, not startup
+        state, start, ckpt_meta = start_state(exp, resume, prepared.handover)
+    clock.add("compile", init_compile[0], within="init")
+    goodput.mark("init")
     run = Attempt(cfg, exp, plan, state, start, resume, ckpt_meta, run_dir, job, record,
                   allocator, main)
+    goodput.mark("open")
     steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
     timer, tracer, batches = run.timer, run.tracer, run.batches
     metrics: Any = None

@@ -54,6 +54,41 @@ def test_before_the_loop_the_time_so_far_is_startup():
     assert (b["startup_s"], b["rest_s"]) == (6.0, 1.0)
 
 
+def test_the_startup_is_split_into_its_phases_less_what_they_booked_elsewhere():
+    """From the job's start, each phase to its mark (a phase never marked: 0), less the
+    compile and search booked inside it; ``other`` after the last mark. The phases add up to
+    the startup, before end_startup (an attempt killed in its startup) and after."""
+    clock = FakeClock(100.0)
+    goodput._marks.clear()
+    goodput.mark("launch", at=99.0)  # a mark before the job began: an earlier job's
+    g = goodput.Goodput(start=100.0, clock=clock)
+    for phase, at in [("launch", 100.5), ("compose", 101.0), ("jax", 103.0), ("decide", 110.0)]:
+        goodput.mark(phase, at=at)
+    g.add("compile", 4.0, within="decide")  # the preflight's compile, inside prepare
+    g.add("search", 1.5, within="decide")
+    clock.t = 111.0
+    b = g.breakdown()  # recorded as the attempt starts: the startup so far
+    assert b["startup_s"] == pytest.approx(5.5)
+    assert b["startup_phases"] == pytest.approx({
+        "launch": 0.5, "compose": 0.5, "jax": 2.0, "decide": 1.5, "files": 0.0, "init": 0.0,
+        "open": 0.0, "other": 1.0})
+    goodput.mark("files", at=111.5)
+    g.add("compile", 2.0, within="init")  # the init's programs
+    goodput.mark("init", at=116.0)
+    goodput.mark("open", at=117.0)
+    clock.t = 117.25
+    g.end_startup()
+    assert goodput._marks == []  # taken: the next job's phases are its own
+    clock.tick(10.0)
+    b = g.breakdown()
+    phases = b["startup_phases"]
+    assert list(phases) == [*goodput.STARTUP_PHASES, "other"]
+    assert (phases["files"], phases["init"], phases["open"]) == pytest.approx((1.5, 2.5, 1.0))
+    assert phases["other"] == pytest.approx(0.25)
+    assert sum(phases.values()) == pytest.approx(b["startup_s"]) == pytest.approx(9.75)
+    assert b["compile_s"] == 6.0 and b["rest_s"] == pytest.approx(10.0)
+
+
 def test_a_span_that_raises_still_counts():
     clock = FakeClock()
     g = goodput.Goodput(start=clock(), clock=clock)

@@ -14,6 +14,7 @@ from conftest import CONF, make_cfg, recorded_compiles, subprocess_env
 
 from dxrun.experiment import Experiment
 from dxrun.optimizer import make_schedule
+from dxrun.tracking.goodput import STARTUP_PHASES
 from dxrun.train import train
 
 
@@ -49,6 +50,11 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert attempt["search_s"] == 0.0 and rows[0]["perf/layout_search_s"] == 0.0
     (goodput,) = [x for x in log.splitlines() if "goodput " in x]
     assert ", search " not in goodput and ", compile " in goodput
+    # The startup by phase, from the process's start: each marked, adding up to the startup.
+    phases = attempt["startup_phases"]
+    assert list(phases) == [*STARTUP_PHASES, "other"]
+    assert all(phases[p] > 0 for p in ("launch", "compose", "jax", "decide", "init", "open"))
+    assert sum(phases.values()) == pytest.approx(attempt["startup_s"])
     # No library warns in the README's run (Orbax warned of dxrun's own type handler); dxrun's
     # own warnings name a key to set (on CPU: runtime.peak_tflops for MFU).
     logged = (run / "dxrun.log").read_text().splitlines()

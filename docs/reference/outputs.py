@@ -34,9 +34,10 @@ RUN_FILES: dict[str, str] = {
     "profile/": "train.profile's trace (`plugins/profile/<time>/*.xplane.pb`, "
                 "`perfetto_trace.json.gz`) and the step's HLO (`step.hlo.txt`); "
                 "`profile/<rank>/` per process of a multi-process run",
-    "goodput.json": "`attempts`: each attempt's wall time by part (see `goodput_s`), with its "
-                    "first and last step and its `checkpoint_saves` and `checkpoint_block_s`, "
-                    "recorded from its start (an attempt killed before its first step counts); "
+    "goodput.json": "`attempts`: each attempt's wall time by part (see `goodput_s`) and its "
+                    "startup by phase (`startup_phases`), with its first and last step and "
+                    "its `checkpoint_saves` and `checkpoint_block_s`, recorded from its start "
+                    "(an attempt killed before its first step counts); "
                     "the run's `goodput`, `wall_s`, `productive_s`, `lost_s` over them",
     "memory_breakdown.txt": "an out-of-memory step (a memory refusal: in a new dxrun-memory-* "
                             "dir under the temp dir): the compiled step's memory by part, its "
@@ -64,10 +65,11 @@ SUMMARY: dict[str, str] = {
     "goodput": "productive step time / wall time, over all attempts of the run (steps a resume "
                "redid count as lost)",
     "goodput_s": "this attempt's wall time by part: wall, startup, search (parallelism=auto's "
-                 "layout search), compile (the preflight's and the first step), data, "
-                 "productive, eval, checkpoint, logging, profile, rest; "
-                 "its goodput, first_step and last_step, and its checkpoint_saves and "
-                 "checkpoint_block_s",
+                 "layout search), compile (the preflight's, the init's programs and the "
+                 "first step), data, productive, eval, checkpoint, logging, profile, rest; "
+                 "startup_phases (the startup by phase: launch, compose, jax, decide, files, "
+                 "init, open, other); its goodput, first_step and last_step, and its "
+                 "checkpoint_saves and checkpoint_block_s",
     "attempts": "attempts of this run (a resume in place adds one)",
 }
 

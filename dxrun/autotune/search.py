@@ -46,7 +46,7 @@ from dxrun.plan.layouts import (
 )
 from dxrun.plan.mesh import MeshPlan, held_batch, make_plan
 from dxrun.plan.targets import GiB, Target, usable_bytes
-from dxrun.step import step_bytes
+from dxrun.step import analysis_is_full, step_bytes
 
 if TYPE_CHECKING:
     from dxrun.schema import RunConfig
@@ -107,8 +107,11 @@ def search(cfg: Any, plan_mode: bool = False, timer: Timer | None = None,
     layouts, refused = candidates(cfg, *devices, batch=s.held[0], seq_len=s.held[1])
     if not layouts:  # the plan refuses every layout (more devices than there are...): its words
         s.plan()
-    # A search that measures keeps each candidate's full compile for its timing.
-    built: dict[Layout, Any] | None = {} if s.mode in ("measure", "fresh") else None
+    # A search that measures keeps each candidate's full compile for its timing; so does a
+    # run's on an accelerator, whose analysis compile is the full one: the chosen layout's is
+    # then the run's step, not a second compile of the same program.
+    keep = s.mode in ("measure", "fresh") or (not plan_mode and analysis_is_full(devices[1]))
+    built: dict[Layout, Any] | None = {} if keep else None
     score = _scorer(s, built)
     budget = None if s.fresh else cfg.parallelism.get("search_budget")
     unsearched, start = None, ""
@@ -266,7 +269,7 @@ def _cached_doubt(s: _Search, layout: Layout, score: Score | None) -> str | None
 def _scorer(s: _Search, built: dict[Layout, Any] | None = None) -> Score:
     """``score(layout)``: (GiB per device, est. seconds or None). ``built`` None: the cheaper
     analysis compile, not kept; else the run's own compile, kept in ``built`` with its
-    Experiment for the measure stage."""
+    Experiment for the measure stage or, chosen, the run."""
     def score(layout: Layout, say: bool = True) -> tuple[float, float | None]:
         plan = s.plan(layout)
         if built is None:

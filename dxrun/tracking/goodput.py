@@ -11,9 +11,10 @@ parameter so that unit tests drive it by hand.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,47 @@ PARTS = ("startup", "search", "compile", "data", "productive", "eval", "checkpoi
          "profile")
 SHOWN_IF_USED = ("search", "profile")  # parts most runs never have: on the console only if > 0
 FILE = "goodput.json"  # the attempts of a run dir, kept over resumes
+# The phases of a job's startup, in order, each ended by a ``mark``: the interpreter and
+# dxrun.__main__'s imports (Hydra); Hydra composing the config; JAX's import and its devices
+# (a TPU's runtime starts here), the compile cache, the train modules' imports (Flax, Orbax,
+# Grain) and the run dir's claim; the run's decision (``prepare``: the plan, the model's
+# shapes, the data, a resume's checkpoint, less the step's compile and a search); the run
+# dir's files; the train state's init or restore (less its programs' compiles); the attempt's
+# logger (the W&B run), data iterator, eval batches and checkpoint manager. ``other``: the
+# startup no phase covers.
+STARTUP_PHASES = ("launch", "compose", "jax", "decide", "files", "init", "open")
+# The compile events JAX times (``jax._src.dispatch``): lowering to StableHLO and XLA's compile
+# (a persistent-cache hit: its lookup). Tracing is left out: a nested jit traces inside its
+# caller, so its events overlap.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
 
 _first_job = [True]
+_marks: list[tuple[str, float]] = []  # (startup phase, epoch seconds it ended) of this job
+
+
+def mark(phase: str, at: float | None = None) -> None:
+    """This job's startup ``phase`` (``STARTUP_PHASES``) ends now (or at ``at``)."""
+    _marks.append((phase, time.time() if at is None else at))
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[list[float]]:
+    """``with compiling() as seconds:`` the seconds JAX spent lowering and compiling programs
+    inside the block, in ``seconds[0]`` (``COMPILE_EVENTS``)."""
+    import jax.monitoring
+
+    seconds = [0.0]
+
+    def listen(event: str, duration: float, **_: object) -> None:
+        if event in COMPILE_EVENTS:
+            seconds[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seconds
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def process_started_at() -> float | None:
@@ -47,6 +87,8 @@ def job_started_at(now: float | None = None) -> float:
     and device setup are this job's startup), the call's time for a multirun's later jobs."""
     now = time.time() if now is None else now
     first, _first_job[0] = _first_job[0], False
+    if not first:  # a multirun's later job: an earlier job's marks are not its phases
+        _marks.clear()
     started = process_started_at() if first else None
     return started if started is not None and started <= now else now
 
@@ -69,38 +111,63 @@ class _Span:
 
 class Goodput:
     """Seconds per part since ``start``; ``span(part)`` times a block, ``add`` books a figure
-    measured elsewhere (the preflight's compile)."""
+    measured elsewhere (the preflight's compile), ``within`` the startup phase it took."""
 
     def __init__(self, start: float, clock: Callable[[], float] = time.time):
         self.clock, self.start = clock, start
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.in_startup = True  # until end_startup: the time no part took is startup's
+        self.within: dict[str, float] = {}  # seconds booked to other parts inside a phase
+        self.phases: dict[str, float] | None = None  # the startup's, fixed at end_startup
 
     def span(self, part: str) -> _Span:
         return _Span(self, part)
 
-    def add(self, part: str, seconds: float) -> None:
+    def add(self, part: str, seconds: float, within: str | None = None) -> None:
+        """Book ``seconds`` to ``part``; ``within``: the startup phase they were spent in (a
+        compile inside ``decide``), which they leave."""
         self.spent[part] += seconds
+        if within is not None:
+            self.within[within] = self.within.get(within, 0.0) + seconds
 
     def end_startup(self) -> None:
         """Everything before now not booked elsewhere was startup (imports, devices, data,
-        the W&B run, the state's init)."""
+        the W&B run, the state's init), split into its phases (``STARTUP_PHASES``)."""
         self.spent["startup"] = self._startup()
+        self.phases = self._phases(self.spent["startup"])
+        _marks.clear()  # taken: a later job's (or train()'s) phases are its own
         self.in_startup = False
 
     def _startup(self) -> float:
         return max(0.0, self.clock() - self.start - sum(
             v for k, v in self.spent.items() if k != "startup"))
 
-    def breakdown(self) -> dict[str, float]:
-        """``wall_s``, ``<part>_s`` for every part, ``rest_s`` (what no span covered) and
-        ``goodput`` (productive / wall). Before ``end_startup`` (an attempt recorded as it
-        starts, in case it is killed there) the startup so far."""
+    def _phases(self, startup: float) -> dict[str, float]:
+        """The startup's seconds by phase: from one mark to the next since ``start`` (a
+        phase not marked: 0), less what the phase booked to other parts; ``other``: the rest
+        of ``startup`` (after the last mark)."""
+        took = dict.fromkeys(STARTUP_PHASES, 0.0)
+        last = self.start
+        for phase, at in sorted(((p, t) for p, t in _marks if t >= self.start),
+                                key=lambda m: m[1]):
+            took[phase] = took.get(phase, 0.0) + at - last
+            last = at
+        out = {p: max(0.0, t - self.within.get(p, 0.0)) for p, t in took.items()}
+        out["other"] = max(0.0, startup - sum(out.values()))
+        return out
+
+    def breakdown(self) -> dict[str, Any]:
+        """``wall_s``, ``<part>_s`` for every part, ``rest_s`` (what no span covered),
+        ``goodput`` (productive / wall) and ``startup_phases`` (the startup's seconds by
+        phase, ``_phases``). Before ``end_startup`` (an attempt recorded as it starts, in
+        case it is killed there) the startup so far."""
         wall = self.clock() - self.start
         spent = {**self.spent, "startup": self._startup()} if self.in_startup else self.spent
-        out = {"wall_s": wall, **{f"{k}_s": v for k, v in spent.items()}}
+        out: dict[str, Any] = {"wall_s": wall, **{f"{k}_s": v for k, v in spent.items()}}
         out["rest_s"] = wall - sum(spent.values())
         out["goodput"] = spent["productive"] / wall if wall > 0 else 0.0
+        out["startup_phases"] = (self._phases(spent["startup"]) if self.phases is None
+                                 else self.phases)
         return out
 
 

@@ -1,0 +1,80 @@
+"""The time to a run's first step: the train step compiled once before it, on an accelerator
+too (where an analysis compile is the full one), and a program the persistent compile cache
+finds again at the next launch."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_cfg, recorded_compiles
+
+from dxrun import step as step_module
+from dxrun.experiment import Experiment
+from dxrun.prepare import prepare, start_state
+from dxrun.sharding import in_mesh_context
+from dxrun.tracking import goodput
+
+# One device, one layer, short sequences: what is counted is compiles, not their size.
+SMALL = ("logger=none", "model.n_layers=1", "data.batch_size=4", "data.seq_len=16",
+         "parallelism.n_devices=1")
+
+
+@pytest.mark.parametrize("layout", [
+    ("parallelism=dp1",),
+    ("parallelism=auto",),  # search=measure: its one candidate's compile is the run's
+    ("parallelism=auto", "parallelism.search=model"),  # ranked by the estimate alone
+], ids=lambda layout: " ".join(layout))
+def test_an_accelerator_run_compiles_its_step_once_before_the_first_step(
+        layout, monkeypatch, tmp_path):
+    """The memory preflight's compile (or the layout search's) is the executable the first
+    step runs: one compile of ``jit(step)`` from the launch to the first step's result. On a
+    GPU or TPU an analysis compile has no cheaper options (``step.analysis_options``), so a
+    search that ranks from analysis compiles keeps the chosen one for the run instead of
+    compiling the same program again."""
+    monkeypatch.setattr(step_module, "analysis_options", lambda platform: {})  # a GPU's or TPU's
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no earlier decision cached
+    cfg = make_cfg(*SMALL, *layout)
+    with recorded_compiles() as compiled:
+        prepared = prepare(cfg, tmp_path / "run")
+        preflight = prepared.exp.step.compiled
+        exp = prepared.exp
+        state = start_state(exp, prepared.resume, prepared.handover).state
+        state, metrics = exp.step(state, exp.batch(0))
+        float(metrics["train/loss"])
+    assert compiled.count("jit(step)") == 1, compiled
+    assert preflight is not None and exp.step.compiled is preflight
+    assert exp.step.compile_time_s > 0
+
+
+def _step_program(exp) -> str:
+    """The step's StableHLO as the persistent compile cache keys it (debug info stripped)."""
+    with in_mesh_context(exp.mesh, exp.plan.rules):
+        lowered = exp.step.jitted.lower(exp.abstract_state(), exp.abstract_batch())
+    return lowered.as_text(debug_info=False)
+
+
+def test_the_step_program_holds_nothing_of_the_run_dir_or_its_bookkeeping(tmp_path):
+    """A relaunch of the same config takes its compiled step from the persistent compile cache
+    (runtime.compile_cache=auto; tests/test_runtime.py launches twice into two run dirs): the
+    program is the same whatever the run dir, the checkpoint dir and cadence, the logger and
+    the log and eval cadence, none of which is baked into it."""
+    base = make_cfg(*SMALL, "parallelism=dp1")
+    other = make_cfg(*SMALL, "parallelism=dp1", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                     "checkpoint.every=7", "train.log_every=3", "train.eval_every=5",
+                     "logger=csv", "logger.project=other")
+    programs = [_step_program(Experiment.build(c, with_data=False)) for c in (base, other)]
+    assert programs[0] == programs[1] and "func.func public @main" in programs[0]
+
+
+def test_compiling_counts_the_seconds_of_the_compiles_inside_it():
+    """What goodput books as compile of the state's init (``goodput.compiling``): a program
+    lowered and compiled inside the block, nothing outside it or run from an executable."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1)
+    with goodput.compiling() as seconds:
+        f(jnp.arange(7.0)).block_until_ready()
+    assert seconds[0] > 0
+    with goodput.compiling() as again:
+        f(jnp.arange(7.0)).block_until_ready()  # compiled already: nothing to book
+    assert again == [0.0]
