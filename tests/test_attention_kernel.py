@@ -166,9 +166,10 @@ def test_a_gpu_plan_asks_jax_for_cudnn_by_name():
 
 
 def test_splash_in_the_model_on_a_sharded_mesh_equals_the_reference(cfg_factory):
-    """The whole train step with model.attention=splash (splash under shard_map:
-    each device its rows and its kv-head group) against the einsum reference, on dp2 x fsdp2 x tp2: the loss and the
-    gradient norm of one step, grouped-query heads (tiny_llama: 4 heads, 2 kv heads)."""
+    """The whole train step with model.attention=splash (under shard_map: each device its rows
+    and its kv-head group) against the einsum reference on dp2 x fsdp2 x tp2: the loss and the
+    gradient norm of one step, grouped-query heads (tiny_llama: 4 heads, 2 kv heads), weights
+    drawn wide enough (init_std) that a wrong scale or mask shows in both."""
     shape = ("model=tiny_llama", "parallelism=dp2_fsdp2_tp2",
              "logger=none", "data.seq_len=128", "data.batch_size=8", "model.init_std=0.3")
     out = {}
