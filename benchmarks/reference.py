@@ -37,8 +37,8 @@ def _block(x_BxLxD: jax.Array, p: dict, attend: Any = None) -> tuple[jax.Array, 
     return x_BxLxD + h @ m["w_down"] + m["b_down"], None
 
 
-def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = None
-         ) -> jax.Array:
+def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = None,
+         remat: str = "none") -> jax.Array:
     """Next-token cross-entropy of the tied-embedding GPT-2 whose parameters dxrun made.
     ``dtype``: the compute dtype the (fp32) parameters are cast to at the start (None: as they
     are); the norms and the loss in fp32. ``attend(q, k, v)``: causal attention (None: jax.nn's)."""
@@ -47,7 +47,11 @@ def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = N
     inputs_BxL, targets_BxL = tokens_BxT[:, :-1], tokens_BxT[:, 1:]
     L = inputs_BxL.shape[1]
     x_BxLxD = params["wte"][inputs_BxL] + params["wpe"][:L]
-    x_BxLxD, _ = jax.lax.scan(partial(_block, attend=attend), x_BxLxD, params["blocks"])
+    block = partial(_block, attend=attend)
+    if remat != "none":
+        block = jax.checkpoint(block, policy=None if remat == "full"
+                               else jax.checkpoint_policies.checkpoint_dots)
+    x_BxLxD, _ = jax.lax.scan(block, x_BxLxD, params["blocks"])
     x_BxLxD = _layernorm(x_BxLxD, params["ln_f"])
     head = params["lm_head"].T if "lm_head" in params else params["wte"]
     logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, head,
@@ -56,10 +60,12 @@ def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = N
 
 
 def make_step(tx: optax.GradientTransformation, donate: bool = True, dtype: Any = None,
-              attend: Any = None) -> Any:
-    """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, jitted bare."""
+              attend: Any = None, remat: str = "none") -> Any:
+    """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, jitted bare.
+    ``remat``: each block under ``jax.checkpoint``, ``full`` (its input kept) or ``dots`` (its
+    matmul outputs kept: JAX's ``checkpoint_dots``), as anyone would write it."""
     def step(params: dict, opt_state: Any, tokens_BxT: jax.Array):
-        value, grads = jax.value_and_grad(loss)(params, tokens_BxT, dtype, attend)
+        value, grads = jax.value_and_grad(loss)(params, tokens_BxT, dtype, attend, remat)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 

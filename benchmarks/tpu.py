@@ -34,10 +34,12 @@ from dxrun.step import COMPUTE_DTYPES, step_bytes
 GPT2 = ("parallelism=dp1", "train.precision=bf16", "data.seq_len=1024", "data.vocab_size=50304")
 
 
-def overrides(shape: str) -> list[str]:
+def overrides(shape: str, tokens: str | None = None) -> list[str]:
     model, batch, remat, *extra = shape.split(":")
     more = [kv for part in extra for kv in part.split(",") if kv]
-    return [f"model={model}", *GPT2, f"data.batch_size={batch}", f"model.remat={remat}", *more]
+    data = ["data=tokens", f"data.path={tokens}"] if tokens else []
+    return [f"model={model}", *data, *GPT2, f"data.batch_size={batch}", f"model.remat={remat}",
+            *more]
 
 
 def time_steps(run: Any, steps: int) -> list[float]:
@@ -57,7 +59,8 @@ def hand_runner(exp: Experiment, state: Any) -> Any:
     cpu = jax.default_backend() == "cpu"  # Pallas interpreted: the script's own check off the chip
 
     step = reference.make_step(exp.tx, dtype=COMPUTE_DTYPES["bf16"],
-                               attend=lambda q, k, v: attend(q, k, v, True, cpu))
+                               attend=lambda q, k, v: attend(q, k, v, True, cpu),
+                               remat=exp.plan.remat)
     rows = [exp.data.local_batch(k) for k in range(4)]
     box = {"p": jax.device_put(state.params), "o": jax.device_put(state.opt_state), "i": 0}
 
@@ -71,8 +74,8 @@ def hand_runner(exp: Experiment, state: Any) -> Any:
     return run
 
 
-def measure(shape: str, steps: int, hand: bool) -> dict[str, Any]:
-    cfg = compose_cfg(*overrides(shape))
+def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> dict[str, Any]:
+    cfg = compose_cfg(*overrides(shape, tokens))
     exp = Experiment.build(cfg)
     host = jax.device_get(exp.init_state())  # both steps start from it (theirs are donated)
     run = dxrun_runner(exp, host)
@@ -116,18 +119,96 @@ def measure(shape: str, steps: int, hand: bool) -> dict[str, Any]:
     return rec
 
 
+def first_step(run_dir: str) -> float:
+    """Seconds from the command to the end of the run's first step, as its goodput books them:
+    the startup (from the process's start), the layout search and the compiling first step."""
+    a = json.loads(Path(run_dir, "goodput.json").read_text())["attempts"][0]
+    return round(a["startup_s"] + a["search_s"] + a["compile_s"], 1)
+
+
+def plan_step_ms(shape: str, tokens: str | None) -> float:
+    """Plan mode's estimate of the shape's step on a v5e (``run.mode=plan plan.target=v5e``),
+    compiled on CPU from shapes alone: run it where no chip is held."""
+    from dxrun import plan_mode
+
+    cfg = compose_cfg(*overrides(shape, tokens), "run.mode=plan", "plan.target=v5e")
+    report = plan_mode.plan_report(cfg, plan_mode.planned(cfg).exp, suggest=False)
+    return round(1e3 * report["target"]["step_time_s"], 1)
+
+
+def report(out: str, tokens: str | None, command: str) -> None:
+    """BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section from ``out``'s measurements (the
+    chip's tpu.json and first-step runs) and plan mode's estimates (made here)."""
+    import subprocess
+
+    from benchmarks.report import markers
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    cold, warm = (first_step(str(Path(out, f"first-{k}"))) for k in ("cold", "warm"))
+    records = []
+    for r in json.loads(Path(out, "tpu.json").read_text()):
+        if "error" in r:
+            records.append({**r, "commit": commit, "command": command})
+            continue
+        plan = plan_step_ms(r["shape"], tokens)
+        small = r["model"] == "small"
+        records.append({**r, "plan_step_ms": plan,
+                        "plan_vs_measured": round(plan / r["step_ms"], 3),
+                        "first_step_s_cold": cold if small else None,
+                        "first_step_s_warm": warm if small else None,
+                        "commit": commit, "command": command})
+    Path("BENCHMARKS.tpu.json").write_text(json.dumps(records, indent=1) + "\n")
+    rows = ["| shape (model:batch:remat:overrides) | attention | tokens/s | MFU | hand-written "
+            "tokens/s | dxrun / hand | step ms | plan mode ms (ratio) | step memory GB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        if "error" in r:
+            rows.append(f"| `{r['shape']}` | | refused by XLA: {r['error'][:90]} | | | | | | |")
+            continue
+        hand = r.get("hand_tokens_per_s")
+        vs = (f"{hand:,} | {r['tokens_per_s'] / hand:.3f}" if hand else "- | -")
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        rows.append(
+            f"| `{r['shape']}` | {r['attention']} | {r['tokens_per_s']:,} | "
+            f"{mfu} "
+            f"| {vs} | {r['step_ms']} | {r['plan_step_ms']} ({r['plan_vs_measured']}) "
+            f"| {r['step_bytes'] / 1e9:.2f} |")
+    begin, end = markers("tpu")
+    section = "\n".join([
+        begin, "", f"`{command}` at {commit}, on one {records[0].get('device_kind', 'TPU')} "
+        "chip (bf16, seq_len 1024, random GPT-2 token ids, `parallelism=dp1`):", "", *rows, "",
+        f"model=small's first step, from the command to the end of its first step "
+        f"(goodput's startup + compile): {cold} s with an empty compile cache, {warm} s with a "
+        "warm one.", "", end])
+    md = Path("BENCHMARKS.md").read_text()
+    if begin in md:
+        md = md[:md.index(begin)] + section + md[md.index(end) + len(end):]
+    else:
+        md = (md.rstrip("\n") + "\n\n## TPU: GPT-2 small, medium and large on one chip\n\n"
+              + section + "\n")
+    Path("BENCHMARKS.md").write_text(md)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("shapes", nargs="+")
+    ap.add_argument("shapes", nargs="*")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--hand", action="store_true")
+    ap.add_argument("--tokens", help="a token dir (data=tokens data.path=...); default: markov")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--report", metavar="COMMAND", help="write BENCHMARKS.tpu.json and "
+                    "BENCHMARKS.md's TPU section from --out's measurements, with plan mode's "
+                    "estimates (made on this machine's CPU); COMMAND: the command to cite")
     a = ap.parse_args()
+    if a.report:
+        report(a.out, a.tokens, a.report)
+        return
     records = []
     for shape in a.shapes:
         try:
             records.append(measure(shape.removesuffix("+hand"), a.steps,
-                                   a.hand or shape.endswith("+hand")))
+                                   a.hand or shape.endswith("+hand"), a.tokens))
         except Exception as e:  # a shape that does not fit: say so, time the others
             print(json.dumps({"shape": shape, "error": repr(e)[:400]}), flush=True)
             records.append({"shape": shape, "error": repr(e)[:400]})

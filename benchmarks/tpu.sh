@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The TPU figures of BENCHMARKS.md, on a host with one TPU chip (a v5e), from the repo root with
+# dxrun's dependencies installed (pip install -e '.[tpu]'):
+#   benchmarks/tpu.sh [out dir]
+# 1. benchmarks/tpu.py times dxrun's step and the hand-written one (bf16 over fp32 masters,
+#    optax AdamW, Pallas' splash attention) per shape, on random GPT-2 token ids;
+# 2. model=small's time to its first step through `python -m dxrun`, with an empty compile cache
+#    and again with the cache it left (the second run also traces two steps for dxrun.profile);
+# 3. writes BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section, with plan mode's estimate of
+#    each shape (compiled on the host's CPU: `--report` runs anywhere, no chip needed).
+# About 5 minutes on the chip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-tpu-out}"
+mkdir -p "$out"
+python3 -c 'import jax, sys; sys.exit(jax.default_backend() != "tpu" and
+  f"JAX sees no TPU ({jax.devices()})")'
+tok="${DXRUN_TOKENS:-/tmp/dxrun-tokens}"  # random GPT-2 ids: throughput does not read them
+[ -f "$tok/meta.json" ] || python3 - "$tok" <<'PY'
+import json, sys, numpy as np
+out = sys.argv[1]; import os; os.makedirs(out, exist_ok=True)
+r = np.random.default_rng(0)
+for name, n in (("train", 20_000_000), ("val", 1_000_000)):
+    r.integers(0, 50257, n, dtype=np.uint16).tofile(f"{out}/{name}.bin")
+json.dump({"vocab_size": 50257, "dtype": "uint16", "train_tokens": 20_000_000,
+           "val_tokens": 1_000_000, "max_id": 50256, "eot": 50256, "tokenizer": "bytes"},
+          open(f"{out}/meta.json", "w"))
+PY
+SHAPES=(${DXRUN_TPU_SHAPES:-small:16:none:train.grad_reduce_dtype=bf16+hand
+        medium:8:none:train.grad_reduce_dtype=bf16+hand
+        large:16:full:train.grad_reduce_dtype=bf16+hand})
+python3 -m benchmarks.tpu "${SHAPES[@]}" --tokens "$tok" --out "$out" 2>&1 | tee "$out/tpu.log"
+first=(python3 -m dxrun model=small data=tokens "data.path=$tok" data.seq_len=1024
+       data.batch_size=16 parallelism=dp1 train.precision=bf16 train.grad_reduce_dtype=bf16
+       logger=none checkpoint.every=0 train.eval_every=0 train.steps=20 train.log_every=10
+       "runtime.compile_cache=$out/cache")
+rm -rf "$out/cache" "$out/first-cold" "$out/first-warm"
+"${first[@]}" "hydra.run.dir=$out/first-cold" 2>&1 | tee "$out/first-cold.log"
+"${first[@]}" "hydra.run.dir=$out/first-warm" train.profile.start=12 train.profile.steps=2 \
+  2>&1 | tee "$out/first-warm.log"
+python3 -m dxrun.profile "$out/first-warm" | tee "$out/profile.txt"
+[ -n "${DXRUN_TPU_NO_REPORT:-}" ] || python3 -m benchmarks.tpu --report "benchmarks/tpu.sh" \
+  --tokens "$tok" --out "$out"
