@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 
 from dxrun.autotune.decide import decide
-from dxrun.autotune.preflight import memory_preflight
+from dxrun.autotune.preflight import compile_checked, memory_preflight
 from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
 from dxrun.errors import ConfigError
@@ -61,7 +61,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
                     cfg.optimizer)
     elif cfg.model.init_from:  # the weights' files, read from their headers alone
         check_hf_weights(exp)
-    memory_preflight(cfg, exp, exp.compile_step(), plan=plan)
+    memory_preflight(cfg, exp, compile_checked(cfg, exp, plan), plan=plan)
     goodput.mark("decide")
     return Prepared(exp, resume, plan, decided.handover)
 

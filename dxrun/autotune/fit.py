@@ -12,6 +12,7 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun.attention_kernel import kernel_on
+from dxrun.autotune import memory_report
 from dxrun.autotune.hlo import collective_list, collective_traffic
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
@@ -128,7 +129,12 @@ def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
                 plan.process_hosts or None, plan.attention_device), data=NoData())
         except ConfigError:
             continue
-        needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
+        try:
+            needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
+        except Exception as e:  # a TPU's compile refuses what does not fit its chip
+            if not memory_report.is_out_of_memory(e):
+                raise
+            continue
         if needs is not None and needs <= budget_bytes:
             return overrides
     return None

@@ -56,8 +56,9 @@ def check_memory(cfg: RunConfig, exp: Any, compiled: Any, plan: RunPlan | None =
     """This process's refusal of a run whose compiled step will not fit what its host gives a
     device, in one line with the nearest setting that fits (tried from ``plan``'s layout,
     batch and sequence length; None: ``exp``'s config as it is); None when it fits."""
-    if cfg.runtime.skip_memory_check:
-        return None
+    if cfg.runtime.skip_memory_check or (exp.plan.platform == "tpu"
+                                         and cfg.runtime.memory_gb is None):
+        return None  # XLA's TPU compile is the check (``compile_checked``); it passed
     need = step_bytes(compiled)
     if need is None:
         return None
@@ -79,6 +80,26 @@ def check_memory(cfg: RunConfig, exp: Any, compiled: Any, plan: RunPlan | None =
     return (f"the train step needs {need / GiB:.3g} GiB per device x {shared} device(s) = "
             f"{need * shared / GiB:.3g} GiB, but {source} gives {budget * shared / GiB:.3g} GiB; "
             f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
+
+
+def compile_checked(cfg: RunConfig, exp: Experiment, plan: RunPlan | None = None) -> Any:
+    """The run's step compiled for the preflight (and the run). On a TPU, XLA's compile is the
+    memory check: it assigns every buffer of the program, donated inputs reused, and refuses
+    one that exceeds the chip (RESOURCE_EXHAUSTED) before anything runs, where arguments plus
+    temporaries (``step_bytes``) count buffers that share memory. Its refusal becomes the
+    preflight's one line, with the nearest setting that compiles."""
+    try:
+        return exp.compile_step()
+    except Exception as e:
+        if exp.plan.platform != "tpu" or not memory_report.is_out_of_memory(e):
+            raise
+        base = cfg if plan is None else resolved_config(cfg, plan)
+        fix = first_that_fits(base, float("inf"), exp.plan)  # fits: its compile passes
+        why = str(e).split(":", 1)[-1].strip().splitlines()[0]
+        raise ConfigError(f"the train step does not fit one {jax.devices()[0].device_kind} "
+                          f"chip: XLA says {why}; try "
+                          f"{' '.join(fix) if fix else 'a larger mesh or a smaller model'}"
+                          ) from None
 
 
 def memory_preflight(cfg: RunConfig, exp: Experiment, compiled: Any, out: Path | None = None,

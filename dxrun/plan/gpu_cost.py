@@ -62,8 +62,9 @@ _SUSTAINED = ("calibrated: fitted on MaxText's Llama 2 7B run (BENCHMARKS.md, 'P
               "published GPU runs'); H100 SXM boards hold ~1.6 GHz of their 1.98 GHz boost "
               "through a long run (the peak and MAMF assume the boost)")
 
-_SPLASH = ("measured: splash attention's forward and backward on one v5e at GPT-2's shapes "
-           "(head dim 64, seq 1024; BENCHMARKS.md, 'TPU')")
+_V5E_FIT = ("calibrated: fitted on dxrun's GPT-2 small/medium/large steps on one v5e chip "
+            "(bf16, splash attention, remat none and full; BENCHMARKS.md, 'TPU'); the attention "
+            "fraction is what splash's kernels reach in their profile at head dim 64")
 
 
 def _gpu(**own: str) -> dict[str, str]:
@@ -103,14 +104,14 @@ COST: dict[str, Cost] = {
         clock_scale="assumed as the H100's", link_efficiency="PCIe 4.0 x16, assumed 80%",
         devices_per_node="8 PCIe cards per server, assumed",
         network_bytes_per_s="200 Gb/s per GPU, assumed")),
-    # TPUs: Pallas' splash attention (dxrun/splash_attention.py); the MXU's achieved fraction
-    # from MaxText's published MFU on v5e/v5p (README "Runtime Performance Results": 55-65% MFU
-    # on dense Llama-class models; the matmuls alone do better).
-    "v5e": Cost(0.80, 128, 0.11, 0.85, 0.80, 256, 25 * GB, 1.0, _tpu(
-        matmul_efficiency="MaxText README v5e results (~60% MFU end to end)",
-        attention_efficiency=_SPLASH,
+    # TPUs: Pallas' splash attention (dxrun/splash_attention.py). The v5e's matmul and
+    # attention fractions are fitted on dxrun's own steps on one chip (BENCHMARKS.md, "TPU");
+    # the v5p's matmul fraction is MaxText's published MFU (README "Runtime Performance
+    # Results": 55-65% on dense Llama-class models; the matmuls alone do better).
+    "v5e": Cost(0.85, 128, 0.20, 0.85, 0.80, 256, 25 * GB, 1.0, _tpu(
+        matmul_efficiency=_V5E_FIT, attention_efficiency=_V5E_FIT,
         devices_per_node="a v5e pod slice (256 chips on ICI)")),
-    "v5p": Cost(0.80, 128, 0.11, 0.85, 0.80, 8960, 25 * GB, 1.0, _tpu(
+    "v5p": Cost(0.80, 128, 0.20, 0.85, 0.80, 8960, 25 * GB, 1.0, _tpu(
         matmul_efficiency="MaxText README v5p results (~60% MFU end to end)",
         attention_efficiency="assumed as the v5e's",
         devices_per_node="a v5p pod (8,960 chips on ICI)")),
