@@ -62,6 +62,7 @@ from dxrun.runtime import (
     write_hydra_files,
     write_status,
 )
+from dxrun.target import check_targets
 from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.validation import config_warnings, validate
 
@@ -145,6 +146,7 @@ def main(cfg: DictConfig) -> Any:
                         "its own process: hydra/launcher=submitit_local)",
                         count_key, n_cpu, jax.device_count())
         enable_compile_cache(cfg.runtime.compile_cache)
+        check_targets(cfg)  # your model, data and optimizer take what dxrun passes them
         for w in config_warnings(cfg):
             log.warning(w)
         from dxrun.prepare import prepare  # imports JAX

@@ -10,7 +10,7 @@ import optax
 
 from dxrun.errors import ConfigError
 from dxrun.plan.batch import scaled_lr
-from dxrun.target import locate
+from dxrun.target import checked_factory
 
 if TYPE_CHECKING:
     from dxrun.schema import OptimizerConfig
@@ -71,7 +71,7 @@ def custom_optimizer(target: str, schedule: optax.Schedule, kwargs: dict[str, An
                      ) -> optax.GradientTransformation:
     """``optimizer._target_``: ``target(learning_rate=schedule, **kwargs)``, which must be an
     optax ``GradientTransformation`` (Hydra's ``_target_`` convention: a dotted path)."""
-    factory = locate("optimizer._target_", target, "optax.nadamw")
+    factory = checked_factory("optimizer", target, kwargs)
     tx = factory(learning_rate=schedule, **kwargs)
     if not isinstance(tx, optax.GradientTransformation):
         raise ConfigError(f"optimizer._target_={target} returned a {type(tx).__name__}, not an "

@@ -26,7 +26,7 @@ from dxrun.attention import KERNEL
 from dxrun.errors import ConfigError
 from dxrun.model import Transformer
 from dxrun.plan.mesh import LOGICAL_RULES
-from dxrun.target import locate
+from dxrun.target import checked_factory
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
@@ -37,7 +37,7 @@ def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,
     """``model._target_``'s module (checked: ``check_axes``), else dxrun's ``Transformer``."""
     if not m._target_:
         return Transformer(m, rngs=rngs, padded_vocab=padded_vocab, kernel=kernel, remat=remat)
-    factory = locate("model._target_", m._target_, "mypkg.MyModel")
+    factory = checked_factory("model", m._target_, m.kwargs)
     module = factory(**dict(m.kwargs), vocab_size=m.vocab_size, rngs=rngs)
     if not isinstance(module, nnx.Module):
         raise ConfigError(f"model._target_={m._target_} returned a {type(module).__name__}, "

@@ -11,9 +11,12 @@ No JAX import: the device count is decided from the composed config before JAX s
 
 from __future__ import annotations
 
+import difflib
 import math
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
 from dxrun.errors import ConfigError
@@ -41,6 +44,7 @@ from dxrun.schema import (
     null_is_a_value,
 )
 from dxrun.schema_tracking import BACKENDS
+from dxrun.tracking.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 
 
 def validate(cfg: RunConfig) -> None:
@@ -61,14 +65,57 @@ def validate(cfg: RunConfig) -> None:
     check_monitors(cfg)
 
 
+def logged_metrics(cfg: RunConfig) -> list[str]:
+    """The metric names a training run of ``cfg`` logs in its rows (``metrics.jsonl``), in the
+    reference list's order: what checkpoint.keep_best and train.early_stop.monitor can watch."""
+    return [name for name in METRICS if name not in NOT_IN_ROWS
+            and not (name.startswith("eval/") and cfg.train.eval_every == 0)
+            and _logged_with(cfg, name) is None]
+
+
+def _logged_with(cfg: RunConfig, name: str) -> tuple[str, str, Any] | None:
+    """(key, value, the run's value) of the setting ``name`` is logged only with, where the
+    run has another; None when the run logs it as far as that goes."""
+    if name not in ONLY_WITH or (name == "data/entropy_floor" and cfg.data._target_):
+        return None
+    key, value = ONLY_WITH[name]
+    has = OmegaConf.select(cfg, key)
+    return None if has == value else (key, value, has)
+
+
 def check_monitors(cfg: RunConfig) -> None:
-    """checkpoint.keep_best and train.early_stop.monitor watch a logged metric: an eval/* one
-    needs evaluation."""
+    """checkpoint.keep_best and train.early_stop.monitor watch a metric the run logs: a name
+    it never logs (a typo, a metric of another setting or of no training row) is refused,
+    naming the ones it does; an eval/* one needs evaluation."""
     for key, metric in (("checkpoint.keep_best", cfg.checkpoint.keep_best),
                         ("train.early_stop.monitor", cfg.train.early_stop.monitor)):
-        if metric and metric.startswith("eval/") and cfg.train.eval_every == 0:
+        if not metric:
+            continue
+        names = logged_metrics(cfg)
+        if metric not in METRICS:
+            near = _nearest(metric, names)
+            raise ConfigError(f"{key}={metric} names no metric this run logs; "
+                              + (f"did you mean {near}? It logs " if near else "it logs ")
+                              + ", ".join(names))
+        if where := NOT_IN_ROWS.get(metric):
+            raise ConfigError(f"{key}={metric} is {where} metric, in no training run's rows; "
+                              f"watch a metric this run logs: {', '.join(names)}")
+        if metric.startswith("eval/") and cfg.train.eval_every == 0:
             raise ConfigError(f"{key}={metric} needs evaluation but train.eval_every=0; set "
                               "train.eval_every > 0 or monitor a train/* metric")
+        if (setting := _logged_with(cfg, metric)) is not None:
+            k, value, has = setting
+            raise ConfigError(f"{key}={metric} is logged only with {k}={value} (this run has "
+                              f"{k}={has}); set {k}={value}, or watch another metric")
+
+
+def _nearest(metric: str, names: list[str]) -> str | None:
+    """The logged name ``metric`` most likely meant: the closest spelling, else the first
+    with its last part (``loss``: train/loss)."""
+    if close := difflib.get_close_matches(metric, names, n=1):
+        return close[0]
+    tail = metric.rsplit("/", 1)[-1]
+    return next((n for n in names if n.rsplit("/", 1)[-1] == tail), None)
 
 
 def config_warnings(cfg: RunConfig) -> list[str]:

@@ -36,7 +36,9 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
                 "dxrun.schema_tracking", "dxrun.schema_distributed",
-                "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target")),
+                "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target",
+                # pure data (the metric names, no import): what validation checks names against
+                "dxrun.tracking.metric_names")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
               "dxrun.checkpointing.preempt")),
     ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files",

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import make_cfg
+from conftest import cli_in_process, make_cfg, recorded_compiles
 
 from dxrun.checkpointing.store import committed_steps
 from dxrun.errors import ConfigError
 from dxrun.tools.load import BEST, split_args
 from dxrun.tracking.monitor import Monitor
 from dxrun.train import train
-from dxrun.validation import validate
+from dxrun.validation import logged_metrics, validate
 
 # data/tokens_seen only grows: under mode=min its first row stays the best, whatever the
 # losses do. train/loss with min_delta=100 never improves after its first row: the patience
@@ -85,3 +85,87 @@ def test_monitor_modes_and_a_resume_that_changes_the_metric():
 def test_an_eval_monitor_without_evaluation_is_refused():
     with pytest.raises(ConfigError, match=r"^checkpoint.keep_best=eval/loss needs evaluation"):
         validate(make_cfg("checkpoint.keep_best=eval/loss", "train.eval_every=0"))
+
+
+# What a training run's rows hold under each setting: eval/* with evaluation on, train/mask_rate
+# under masked diffusion, train/skipped_steps under nan_policy=skip, data/entropy_floor for the
+# markov chain (or a data._target_ of yours, which may give one).
+ALWAYS = {"train/loss", "train/ppl", "train/accuracy", "train/grad_norm", "train/param_norm",
+          "train/lr", "perf/step_time_s", "perf/tokens_per_s", "perf/tokens_per_s_per_device",
+          "perf/tflops_per_device", "perf/mfu", "perf/data_wait_frac", "perf/compile_time_s",
+          "perf/layout_search_s", "perf/checkpoint_block_s", "perf/profiled",
+          "mem/step_bytes_per_device", "mem/peak_bytes_per_device", "data/tokens_seen"}
+EVAL = {"eval/loss", "eval/ppl", "eval/accuracy"}
+SETTINGS = [
+    ((), ALWAYS | EVAL | {"data/entropy_floor"}),
+    (("train.eval_every=0",), ALWAYS | {"data/entropy_floor"}),
+    (("model.objective=mdlm", "train.nan_policy=skip"),
+     ALWAYS | EVAL | {"data/entropy_floor", "train/mask_rate", "train/skipped_steps"}),
+    (("data=text", "data.path=corpus.txt"), ALWAYS | EVAL),
+]
+
+
+@pytest.mark.parametrize("overrides, names", SETTINGS, ids=[" ".join(o) or "default"
+                                                            for o, _ in SETTINGS])
+def test_every_metric_the_run_logs_may_be_watched(overrides, names):
+    cfg = make_cfg(*overrides)
+    assert set(logged_metrics(cfg)) == names
+    for name in names:  # each passes, under either key
+        cfg.checkpoint.keep_best = cfg.train.early_stop.monitor = name
+        validate(cfg)
+
+
+REFUSED = [
+    # a typo: the names the run logs, the nearest first
+    (["checkpoint.keep_best=eval/los"],
+     "checkpoint.keep_best=eval/los names no metric this run logs; did you mean eval/loss? It "
+     "logs train/loss, train/ppl, "),
+    (["train.early_stop.monitor=train/los"],
+     "train.early_stop.monitor=train/los names no metric this run logs; did you mean "
+     "train/loss? It logs train/loss, "),
+    (["train.early_stop.monitor=loss", "train.eval_every=0"],
+     "train.early_stop.monitor=loss names no metric this run logs; did you mean train/loss? "
+     "It logs train/loss, "),
+    # a metric of another setting, or of no training row
+    (["checkpoint.keep_best=train/mask_rate"],
+     "checkpoint.keep_best=train/mask_rate is logged only with model.objective=mdlm (this run "
+     "has model.objective=ar); set model.objective=mdlm, or watch another metric"),
+    (["train.early_stop.monitor=train/skipped_steps"],
+     "train.early_stop.monitor=train/skipped_steps is logged only with train.nan_policy=skip "
+     "(this run has train.nan_policy=halt); set train.nan_policy=skip, or watch another metric"),
+    (["checkpoint.keep_best=data/entropy_floor", "data=text", "data.path=corpus.txt"],
+     "checkpoint.keep_best=data/entropy_floor is logged only with data.name=markov (this run "
+     "has data.name=text); set data.name=markov, or watch another metric"),
+    (["checkpoint.keep_best=eval/tokens"],
+     "checkpoint.keep_best=eval/tokens is dxrun.evaluate's metric, in no training run's rows; "
+     "watch a metric this run logs: train/loss, "),
+    (["train.early_stop.monitor=best/train_loss"],
+     "train.early_stop.monitor=best/train_loss is summary.json's metric, in no training run's "
+     "rows; watch a metric this run logs: train/loss, "),
+]
+
+
+@pytest.mark.parametrize("overrides, line", REFUSED, ids=[o[0] for o, _ in REFUSED])
+def test_a_metric_the_run_never_logs_is_refused(overrides, line):
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert str(e.value).startswith(line)
+    if "It logs" in line or "this run logs:" in line:  # the whole list, as the run logs it
+        listed = str(e.value).split("logs")[-1].strip(" :")
+        assert listed.split(", ") == logged_metrics(cfg)
+
+
+def test_a_misspelt_metric_is_one_line_before_anything_is_made(tmp_path):
+    """Through the entry point: exit 2, the one line, nothing compiled, no dir left."""
+    with recorded_compiles() as compiled:
+        # (a run of one small step, were it not refused)
+        proc = cli_in_process("checkpoint.keep_best=eval/los", "logger=none", "train.steps=1",
+                              "data.seq_len=16", "data.batch_size=8", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert line.startswith("dxrun: error: checkpoint.keep_best=eval/los names no metric this "
+                           "run logs; did you mean eval/loss?")
+    assert compiled == [] and not list(tmp_path.iterdir())
+

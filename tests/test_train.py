@@ -56,7 +56,7 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert all(phases[p] > 0 for p in ("launch", "compose", "jax", "decide", "init", "open"))
     assert sum(phases.values()) == pytest.approx(attempt["startup_s"])
     # No library warns in the README's run (Orbax warned of dxrun's own type handler); dxrun's
-    # own warnings name a key to set (on CPU: runtime.peak_tflops for MFU).
+    # own warnings name a key to set.
     logged = (run / "dxrun.log").read_text().splitlines()
     assert not [x for x in logged if ("][WARNING]" in x or "][ERROR]" in x)
                 and "][dxrun][" not in x], logged

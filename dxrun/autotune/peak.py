@@ -51,8 +51,9 @@ def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -
 def resolve_peak(runtime: RuntimeConfig, train: TrainConfig, device_kind: str,
                  devices: Any = None) -> float | None:
     """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``: probed on
-    all of ``devices`` at once, default all local ones), else the table; None (with one
-    warning) when the device is unknown."""
+    all of ``devices`` at once, default all local ones), else the table; None when the device
+    is not in it: a CPU quietly (no table has a CPU's peak, and every CPU run would say so), an
+    unknown accelerator with one warning."""
     override = runtime.peak_tflops
     if override == "measure":
         peak = measure_peak_tflops(devices)
@@ -62,7 +63,7 @@ def resolve_peak(runtime: RuntimeConfig, train: TrainConfig, device_kind: str,
     if override is not None:
         return float(override)
     peak = flops.peak_tflops(device_kind, train.precision)
-    if peak is None:
+    if peak is None and flops.normalize_kind(device_kind) != "cpu":
         log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
                     "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)
     return peak

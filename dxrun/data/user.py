@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 
 from dxrun.errors import ConfigError
-from dxrun.target import locate
+from dxrun.target import checked_factory
 
 SPLITS = ("train", "eval")  # by stream: dxrun.data.TRAIN (0), EVAL (1)
 
 
 def build_source(target: str, kwargs: dict[str, Any], batch_size: int, seq_len: int,
                  vocab_size: int, seed: int) -> Any:
-    factory = locate("data._target_", target, "mypkg.MyData")
+    factory = checked_factory("data", target, kwargs)
     source = factory(**kwargs, batch_size=batch_size, seq_len=seq_len, vocab_size=vocab_size,
                      seed=seed)
     if not callable(getattr(source, "batch", None)):

@@ -118,3 +118,20 @@ METRICS: dict[str, Metric] = {
         "minimum over the logged finite train/loss (summary.json)",
         "lowest train loss"),
 }
+
+# Which of METRICS a training run's rows hold (what ``checkpoint.keep_best`` and
+# ``train.early_stop.monitor`` can watch: ``dxrun.validation.logged_metrics``). Every name is
+# in them, under these conditions: eval/* when the run evaluates (train.eval_every > 0); the
+# names of ONLY_WITH under that one setting (data/entropy_floor also from a data._target_ of
+# yours, which may give one); never the names of NOT_IN_ROWS, which are elsewhere. Names whose
+# rows the device decides (perf/mfu: a known peak; mem/peak_bytes_per_device: an accelerator)
+# count as logged: the config cannot tell.
+ONLY_WITH: dict[str, tuple[str, str]] = {
+    "train/mask_rate": ("model.objective", "mdlm"),
+    "train/skipped_steps": ("train.nan_policy", "skip"),
+    "data/entropy_floor": ("data.name", "markov"),
+}
+NOT_IN_ROWS: dict[str, str] = {
+    "eval/tokens": "dxrun.evaluate's",
+    "best/train_loss": "summary.json's",
+}
