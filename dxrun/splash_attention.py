@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
 from dxrun.sharding import active_spec
 
@@ -32,6 +31,9 @@ def block_len(seq_len: int) -> int:
 def _kernel(heads: int, seq_len: int, causal: bool, mqa: bool, interpret: bool):
     """The kernel for ``heads`` heads of one sequence (made once per shape: its mask is
     processed on the host, in numpy)."""
+    # Pallas' kernels imported where splash runs, not in every process that imports the model
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
     one = sa.CausalMask((seq_len, seq_len)) if causal else sa.FullMask((seq_len, seq_len))
     b = block_len(seq_len)
     blocks = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
