@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dxrun.bookkeeping import make_dir
 from dxrun.checkpointing.preempt import SIGNALS
 from dxrun.errors import RUNNING, UNFINISHED, ConfigError
 from dxrun.runtime import STATUS, claim_run_dir
@@ -94,7 +95,7 @@ class RunLock:
         process holds it."""
         path = Path(run_dir) / LOCK
         while True:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_dir(path.parent)  # a file named .hydra: set aside (bookkeeping.make_dir)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except FileNotFoundError:  # .hydra/ removed by a launch discarding it: again

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from dxrun.bookkeeping import read_json
+from dxrun.bookkeeping import make_dir, read_json
 from dxrun.schema import RunConfig
 
 if TYPE_CHECKING:
@@ -259,9 +259,10 @@ def write_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: HydraConf | Non
     lr or the mesh, and config.yaml, the latest, would say nothing of what the earlier steps
     ran with."""
     out = run_dir / ".hydra"
-    out.mkdir(exist_ok=True)
+    make_dir(out)  # whatever else is there is set aside (bookkeeping.make_dir)
+    make_dir(run_dir / ATTEMPTS)
     attempt = run_dir / ATTEMPTS / str(max(attempt_numbers(run_dir), default=0) + 1)
-    attempt.mkdir(parents=True)
+    attempt.mkdir()
     for where in (out, attempt):
         OmegaConf.save(cfg, where / "config.yaml", resolve=True)
         if hydra_cfg is not None:

@@ -460,11 +460,14 @@ def test_a_given_up_orbax_read_is_not_logged_by_asyncio(caplog):
 
 @pytest.mark.e2e  # a run, then a relaunch through the CLI (status.json is the launcher's)
 def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
-    """status.json cut short, goodput.json malformed, one byte of metrics.jsonl that is not
-    UTF-8, and the newest checkpoint's meta without its data position: each is set aside with
-    one warning, and the relaunch resumes in the same run dir from the checkpoint before."""
+    """status.json cut short, goodput.json malformed, a file named .hydra (where the run keeps
+    its lock and configs), one byte of metrics.jsonl that is not UTF-8, and the newest
+    checkpoint's meta without its data position: each is set aside with one warning, and the
+    relaunch resumes in the same run dir from the checkpoint before (a .hydra file once made the
+    relaunch fail and the next one train from step 0 in a sibling dir)."""
     run = tmp_path / "run"
     train(make_cfg(*SHORT), run)
+    (run / ".hydra").write_text("not a dir\n")
     (run / "status.json").write_text('{"status": "ok", "star')  # a write cut short
     (run / "goodput.json").write_text('{"attempts": [{"wall_s": "soon"}]}')
     lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
@@ -479,7 +482,7 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no sibling dir
-    for name in ("status.json", "goodput.json"):
+    for name in ("status.json", "goodput.json", ".hydra"):
         assert len(re.findall(rf"{run / name} is damaged \(.*\); moved it to {name}.damaged", out)) == 1
     assert f"checkpoint {run / 'checkpoints' / '3'} is incomplete or corrupt (IncompleteMeta: " \
         "its meta has no data); using the one before" in out
@@ -488,6 +491,8 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert _steps(run) == [2, 3, 4, 5]
     assert (run / "metrics.discarded.jsonl").read_bytes().splitlines()[0] == lines[0].rstrip()
     assert (run / "status.json.damaged").read_text() == '{"status": "ok", "star'
+    assert (run / ".hydra.damaged").read_text() == "not a dir\n"
+    assert (run / ".hydra" / "attempts" / "1" / "config.yaml").is_file()
     assert json.loads((run / "status.json").read_text())["status"] == "ok"
     assert json.loads((run / "goodput.json").read_text())["attempts"][0]["first_step"] == 2
     assert (run / "checkpoints" / "3.corrupt").is_dir()
