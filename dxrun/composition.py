@@ -9,8 +9,8 @@ from __future__ import annotations
 from omegaconf import OmegaConf, open_dict
 
 from dxrun.config import check_keys, composition_error, conf_dir
+from dxrun.dir_check import dir_refusal
 from dxrun.errors import ConfigError
-from dxrun.runtime import dir_refusal
 
 
 def composition_refusal(argv: list[str]) -> str | None:

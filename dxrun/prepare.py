@@ -14,11 +14,11 @@ from dxrun.autotune.decide import decide
 from dxrun.autotune.preflight import compile_checked, memory_preflight
 from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
+from dxrun.dir_check import dir_refusal
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
-from dxrun.runtime import dir_refusal
 from dxrun.tracking import goodput
 
 log = logging.getLogger("dxrun")
