@@ -216,9 +216,10 @@ def main(cfg: DictConfig) -> Any:
         return _job_failed(str(e), crashed=True)
     except NothingToTrain as e:  # a relaunch of a finished run: its files stay as they are
         # ... unless it reached its end and was stopped or killed before recording it.
-        if claim is not None and record_end(claim.dir, e.meta):
+        if claim is not None and (ended := record_end(claim.dir, e.meta)) is not None:
             run_log.attach(claim.dir)
-            _status(claim.dir, "ok", **_job_fields(hydra_cfg, claim))
+            stopped_early = {"reason": ended["early_stop"]} if "early_stop" in ended else {}
+            _status(claim.dir, "ok", **stopped_early, **_job_fields(hydra_cfg, claim))
             if is_main():
                 print(f"dxrun: checkpoint {e.checkpoint} is at the run's end, which it had not "
                       "recorded (stopped or killed after its last save): summary.json (from "

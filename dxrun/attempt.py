@@ -33,7 +33,7 @@ from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perplexity
-from dxrun.tracking.monitor import Monitor
+from dxrun.tracking.monitor import Monitor, plateau
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
 
@@ -136,8 +136,9 @@ class Attempt:
                                     Preemption(), cadence, tokens=self.tokens_at,
                                     relaunch=relaunch_command(job.overrides, run_dir),
                                     resumed=ckpt_meta)
-        # train.early_stop: its monitor travels in each checkpoint's meta (``ckpts.watch``);
-        # a resume of a run that had stopped so stops again before its first step.
+        # train.early_stop: its monitor travels in each checkpoint's meta (``ckpts.watch``).
+        # A relaunch of a run that stopped so has nothing to train (``plan_resume``); one that
+        # fell back to an older checkpoint which had stopped too stops before its first step.
         es = cfg.train.early_stop
         self.patience, self.stop_reason = es.patience, None
         if es.monitor:
@@ -231,12 +232,9 @@ class Attempt:
 
     def _check_plateau(self) -> None:
         """``stop_reason`` once train.early_stop's metric has not improved for its patience."""
-        m = self.ckpts.watch["early_stop"]
-        if m.stale >= self.patience and self.stop_reason is None:
-            self.stop_reason = (
-                f"early stop: {m.metric} has not improved on {m.best:.6g} (step {m.step}) by "
-                f"more than {m.min_delta:g} in {m.stale} rows (train.early_stop.patience="
-                f"{self.patience})")
+        if self.stop_reason is None and (
+                why := plateau(self.ckpts.watch["early_stop"], self.patience)):
+            self.stop_reason = why
             log.info("%s", self.stop_reason)
 
     def told(self, e: Exception) -> Exception | None:

@@ -1,10 +1,11 @@
-"""The run dir's bookkeeping files (``status.json``, ``goodput.json``, ``eval.json``): read so
-that damage is never fatal.
+"""The run dir's bookkeeping files (``status.json``, ``goodput.json``, ``eval.json``) and dirs
+(``.hydra/``): read, or made, so that damage is never fatal.
 
 A run writes them atomically, but a file can still be damaged afterwards (a disk error, a
 careless edit, a copy cut short). They record a run; they never decide whether it can go on,
 so an unreadable one is renamed to ``<name>.damaged`` (kept, never deleted) with one warning,
-and the run goes on as if it were not there. ``metrics.jsonl``'s damaged lines go the way of its
+and the run goes on as if it were not there; so is anything else where the run keeps a dir (a
+file named ``.hydra``: ``make_dir``). ``metrics.jsonl``'s damaged lines go the way of its
 other set-aside lines (``tracking.logger.rewind_metrics``); a checkpoint's meta is checked with
 its checkpoint (``checkpointing.damage``). Imports nothing of dxrun but its errors.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,3 +65,12 @@ def read_json(path: Path, valid: Callable[[Any], bool] = lambda _: True) -> Any 
         set_aside(path, "not the structure dxrun writes")
         return None
     return value
+
+
+def make_dir(path: Path) -> None:
+    """``path`` as a dir (made, with its parents, if need be). Anything else in its place (a
+    file, a link to nowhere) is damaged bookkeeping: set aside (``set_aside``) and the dir
+    made anew; a ``path`` that cannot be set aside still fails, in ``mkdir``."""
+    if os.path.lexists(path) and not path.is_dir():
+        set_aside(path, "a file where the run keeps a directory")
+    path.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
-from dxrun.runtime import dir_refusal
+from dxrun.run_dir import dir_refusal
 from dxrun.tracking import goodput
 
 log = logging.getLogger("dxrun")
@@ -43,9 +43,9 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     must fit). A resume is decided here in full (``resume.plan_resume``): its step, its
     data position, and its optimizer state, which is restored when its tree fits the
     optimizer now and otherwise starts fresh with one warning. Raises ConfigError, or
-    NothingToTrain when the checkpoint has reached ``train.steps`` already. ``cfg`` is read,
-    never rewritten, and is the config the run follows (``exp.cfg``); what is derived from it
-    travels in ``Prepared.plan``."""
+    NothingToTrain when the checkpoint has reached ``train.steps`` already (or its run stopped
+    early: ``train.early_stop``). ``cfg`` is read, never rewritten, and is the config the run
+    follows (``exp.cfg``); what is derived from it travels in ``Prepared.plan``."""
     # Every run that trains into a run dir may save (a signal asks for a save at any cadence),
     # so its checkpoint.dir must take a dir before the search and the step compile.
     if run_dir is not None and cfg.checkpoint.dir and (why := dir_refusal(
@@ -58,7 +58,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     exp, plan, resume = decided.exp, decided.plan, decided.resume
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
-                    cfg.optimizer)
+                    cfg.optimizer, cfg.train.early_stop)
     elif cfg.model.init_from:  # the weights' files, read from their headers alone
         check_hf_weights(exp)
     memory_preflight(cfg, exp, compile_checked(cfg, exp, plan), plan=plan)

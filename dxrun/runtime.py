@@ -6,20 +6,18 @@ No JAX import at module level: ``simulate_cpu_devices`` has to set XLA_FLAGS fir
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import json
 import logging
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from dxrun.bookkeeping import read_json
+from dxrun.bookkeeping import make_dir, read_json
 from dxrun.schema import RunConfig
 
 if TYPE_CHECKING:
@@ -205,28 +203,6 @@ def collect_cycles_rarely() -> None:
     gc.set_threshold(20_000, 10, 10)
 
 
-def dir_refusal(key: str, value: Any, fix: str) -> str | None:
-    """Why the dir ``key=value`` cannot be made or written, in one line ending in ``fix``;
-    None when it can. The dir, or its nearest parent that exists, is tried with a real mkdir
-    (removed at once): permission bits pass root, and /proc or a read-only mount refuse only
-    the mkdir itself. Nothing is left behind."""
-    path = Path(str(value)).expanduser()  # relative stays relative: named as the user gave it
-    nearest = path
-    while not os.path.lexists(nearest):  # a parent that is a file ends the walk too
-        nearest = nearest.parent
-    where = f"{key}={value}" if nearest == path else f"{key}={value} cannot be created: {nearest}"
-    if not nearest.is_dir():
-        kind = "a file, not a directory" if nearest.is_file() else "not a directory"
-        return f"{where} is {kind}; {fix}"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".dxrun-probe-", dir=nearest))
-    except OSError as e:
-        # ENOENT from a mkdir in an existing dir (/proc): the filesystem takes no new dirs.
-        reason = "" if e.errno == errno.ENOENT else f" ({e.strerror.lower()})"
-        return f"{where} is not writable{reason}; {fix}"
-    return None
-
-
 def claim_run_dir(run_dir: Path) -> Path:
     """The run dir Hydra made, claimed for a new run: the claim is creating ``.hydra/`` with an
     atomic mkdir: a dir whose ``.hydra/`` exists belongs to an earlier or a concurrent run (two
@@ -259,9 +235,10 @@ def write_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: HydraConf | Non
     lr or the mesh, and config.yaml, the latest, would say nothing of what the earlier steps
     ran with."""
     out = run_dir / ".hydra"
-    out.mkdir(exist_ok=True)
+    make_dir(out)  # whatever else is there is set aside (bookkeeping.make_dir)
+    make_dir(run_dir / ATTEMPTS)
     attempt = run_dir / ATTEMPTS / str(max(attempt_numbers(run_dir), default=0) + 1)
-    attempt.mkdir(parents=True)
+    attempt.mkdir()
     for where in (out, attempt):
         OmegaConf.save(cfg, where / "config.yaml", resolve=True)
         if hydra_cfg is not None:

@@ -27,6 +27,7 @@ from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import read_metrics
+from dxrun.tracking.monitor import stopped_early
 from dxrun.tracking.run_summary import RunSummary
 
 log = logging.getLogger("dxrun")
@@ -130,31 +131,35 @@ def show_plan(plan: RunPlan, run_dir: Path, main: bool) -> None:
         log.info("parallelism=auto\n%s", table(plan.search))
 
 
-def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> bool:
-    """A relaunch of a run whose checkpoint (``checkpoint_meta``: its meta) is at the run's own
-    ``train.steps`` but which was stopped or killed before it recorded its end (no summary.json,
-    or status.json still unfinished): write summary.json from metrics.jsonl and goodput.json
-    (the figures only the last attempt itself measured, its compile and loop times and saves,
-    are null or 0) and return True; the launcher then writes status ok. False, writing
-    nothing, for a run that recorded its end or had not reached it."""
-    steps = checkpoint_meta.get("config", {}).get("train", {}).get("steps")
+def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A relaunch of a run whose checkpoint (``checkpoint_meta``: its meta) is at the run's
+    end (its own ``train.steps``, or where its own ``train.early_stop`` ended it) but which was
+    stopped or killed before it recorded that end (no summary.json, or status.json still
+    unfinished): write summary.json from metrics.jsonl and goodput.json (the figures only the
+    last attempt itself measured, its compile and loop times and saves, are null or 0) and
+    return it; the launcher then writes status ok. None, writing nothing, for a run that
+    recorded its end or had not reached it."""
+    run_config = checkpoint_meta.get("config", {})
+    train_config = run_config.get("train", {})
+    steps, step = train_config.get("steps"), checkpoint_meta.get("step", 0)
+    stopped = stopped_early(checkpoint_meta, train_config.get("early_stop"))
     summary_path = run_dir / "summary.json"
     recorded = summary_path.is_file() and read_status(run_dir).get("status") not in UNFINISHED
-    if steps is None or checkpoint_meta.get("step", 0) < steps or recorded:
-        return False
+    if steps is None or (step < steps and not stopped) or recorded:
+        return None
     # Written anew even where a summary is there: an earlier end's, before the run trained on.
     rows, _ = read_metrics(run_dir / "metrics.jsonl")
     attempts = goodput.earlier_attempts(run_dir, True)
     total = goodput.run_total(attempts) if attempts else {"goodput": None, "attempts": 0}
-    run_config = checkpoint_meta["config"]
     summary = RunSummary(rows).record(
-        steps=steps, n_params=run_config.get("n_params"),
+        steps=step if stopped else steps, n_params=run_config.get("n_params"),
         flops_per_token=run_config.get("flops_per_token"), loop_tokens_per_s=None,
         compile_time_s=None, entropy_floor=None,
         device_kind=run_config.get("jax", {}).get("device_kind"), peak_tflops=None,
         checkpoint_saves=0, checkpoint_block_s=0.0, goodput_total=total,
         attempt=attempts[-1] if attempts else {})
+    if stopped:
+        summary["early_stop"] = stopped
     if is_main():
         write_json(summary_path, summary)
-    return True
-
+    return summary

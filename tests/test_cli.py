@@ -189,6 +189,11 @@ BAD_DIRS = [
     (["checkpoint.dir=/proc/ckpt"],
      "checkpoint.dir=/proc/ckpt cannot be created: /proc is not writable",
      "leave checkpoint.dir null"),
+    # A name over the filesystem's NAME_MAX (255 bytes): named, shortened, in one line (it was
+    # two tracebacks of "OSError: [Errno 36] File name too long" from Hydra, exit 1).
+    (["hydra.run.dir={long}"],
+     f"hydra.run.dir={'x' * 32}...{'x' * 16} (300 characters) cannot be created: its name "
+     f"{'x' * 32}...{'x' * 16} is 300 bytes, over the ", "shorten it, give a dir"),
     # A relaunch into the earlier run's dir: refused before that dir is claimed or written to.
     (["hydra.run.dir={run}", "checkpoint.dir=/proc/ckpt"],
      "checkpoint.dir=/proc/ckpt cannot be created", "leave checkpoint.dir null"),
@@ -207,7 +212,7 @@ def _tree(root: Path) -> dict[str, str]:
 def test_a_dir_that_cannot_be_made_is_one_clear_line(dp4_tp2_run, args, key, fix):
     cwd, _ = dp4_tp2_run
     (run_dir,) = _run_dirs(cwd)
-    names = {"file": run_dir / "plan.json", "run": run_dir}
+    names = {"file": run_dir / "plan.json", "run": run_dir, "long": "x" * 300}
     before = _tree(cwd)
     args = [a.format(**names) for a in args]
     if any(a.startswith("checkpoint.dir=") for a in args):

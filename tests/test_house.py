@@ -39,8 +39,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target",
                 # pure data (the metric names, no import): what validation checks names against
                 "dxrun.tracking.metric_names")),
-    ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir", "dxrun.multihost",
-              "dxrun.checkpointing.preempt")),
+    ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir",
+              "dxrun.multihost", "dxrun.checkpointing.preempt")),
     ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files",
               "dxrun.attention_kernel")),
     ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",

@@ -4,9 +4,10 @@ survives rotation and is what --best loads; the patience counter continues from 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from conftest import cli_in_process, make_cfg, recorded_compiles
+from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 
 from dxrun.checkpointing.store import committed_steps
 from dxrun.errors import ConfigError
@@ -71,6 +72,43 @@ def test_evaluate_best_loads_the_best_checkpoint(resumed):
     assert path == run_dir and overrides == [BEST, "eval.batches=1"]
     assert evaluate_checkpoint(run_dir, overrides)["step"] == 1
     assert evaluate_checkpoint(run_dir, ["eval.batches=1"])["step"] == 4
+
+
+def test_a_relaunch_of_a_run_that_stopped_early_has_nothing_to_train(resumed, tmp_path):
+    """A run ended by train.early_stop is finished, as one that reached train.steps is: the
+    same command relaunched into it (through the entry point, as ``python -m dxrun``) says so
+    in one line, before its mesh plan, and leaves its files as they are (it
+    used to train 0 steps and rewrite summary.json, goodput.json and status.json). Killed
+    after its last save, before it recorded its end, the relaunch records it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(resumed[0], run_dir)
+    before = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}, tree_digest(run_dir)
+    proc = cli_in_process(*RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("dxrun:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"dxrun: nothing to train: checkpoint {run_dir / 'checkpoints' / '4'} is where the run "
+        "stopped early, train/loss has not improved on "), out[-3000:]
+    assert lines[0].endswith("(step 1) by more than 100 in 3 rows (train.early_stop.patience=3); "
+                             "the run's files are left as they are (raise "
+                             "train.early_stop.patience, or set train.early_stop.monitor=null, "
+                             "to train on)")
+    assert "mesh plan" not in out and "Traceback" not in out
+    assert ({str(p.relative_to(run_dir)) for p in run_dir.rglob("*")},
+            tree_digest(run_dir)) == before
+    # Killed after its last save, before its summary: the relaunch records the end.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()
+    (run_dir / "status.json").write_text('{"status": "running", "attempt": 2}')
+    proc = cli_in_process(*RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is at the run's end, which it had not recorded" in proc.stderr
+    recorded = json.loads((run_dir / "summary.json").read_text())
+    assert (recorded["step"], recorded["early_stop"]) == (4, summary["early_stop"])
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["reason"]) == ("ok", summary["early_stop"])
+    assert committed_steps(run_dir / "checkpoints") == [1, 4]
 
 
 def test_monitor_modes_and_a_resume_that_changes_the_metric():

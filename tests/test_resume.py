@@ -19,7 +19,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_cfg, run_cli, subprocess_env, tree_digest, write_corpus, write_tokens
+from conftest import (
+    cli_in_process,
+    make_cfg,
+    run_cli,
+    subprocess_env,
+    tree_digest,
+    write_corpus,
+    write_tokens,
+)
 
 from dxrun.checkpointing.damage import is_a_given_up_read, is_damage, quiet_reads_that_finish_late
 from dxrun.checkpointing.resume import (
@@ -452,11 +460,14 @@ def test_a_given_up_orbax_read_is_not_logged_by_asyncio(caplog):
 
 @pytest.mark.e2e  # a run, then a relaunch through the CLI (status.json is the launcher's)
 def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
-    """status.json cut short, goodput.json malformed, one byte of metrics.jsonl that is not
-    UTF-8, and the newest checkpoint's meta without its data position: each is set aside with
-    one warning, and the relaunch resumes in the same run dir from the checkpoint before."""
+    """status.json cut short, goodput.json malformed, a file named .hydra (where the run keeps
+    its lock and configs), one byte of metrics.jsonl that is not UTF-8, and the newest
+    checkpoint's meta without its data position: each is set aside with one warning, and the
+    relaunch resumes in the same run dir from the checkpoint before (a .hydra file once made the
+    relaunch fail and the next one train from step 0 in a sibling dir)."""
     run = tmp_path / "run"
     train(make_cfg(*SHORT), run)
+    (run / ".hydra").write_text("not a dir\n")
     (run / "status.json").write_text('{"status": "ok", "star')  # a write cut short
     (run / "goodput.json").write_text('{"attempts": [{"wall_s": "soon"}]}')
     lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
@@ -471,7 +482,7 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no sibling dir
-    for name in ("status.json", "goodput.json"):
+    for name in ("status.json", "goodput.json", ".hydra"):
         assert len(re.findall(rf"{run / name} is damaged \(.*\); moved it to {name}.damaged", out)) == 1
     assert f"checkpoint {run / 'checkpoints' / '3'} is incomplete or corrupt (IncompleteMeta: " \
         "its meta has no data); using the one before" in out
@@ -480,6 +491,8 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert _steps(run) == [2, 3, 4, 5]
     assert (run / "metrics.discarded.jsonl").read_bytes().splitlines()[0] == lines[0].rstrip()
     assert (run / "status.json.damaged").read_text() == '{"status": "ok", "star'
+    assert (run / ".hydra.damaged").read_text() == "not a dir\n"
+    assert (run / ".hydra" / "attempts" / "1" / "config.yaml").is_file()
     assert json.loads((run / "status.json").read_text())["status"] == "ok"
     assert json.loads((run / "goodput.json").read_text())["attempts"][0]["first_step"] == 2
     assert (run / "checkpoints" / "3.corrupt").is_dir()
@@ -491,6 +504,46 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     evaluate_checkpoint(run, [])
     assert [r["step"] for r in json.loads((run / "eval.json").read_text())] == [5]
     assert (run / "eval.json.damaged").read_bytes().endswith(b"\xff")
+
+
+def _own_copy_of_a(shared: dict, run: Path) -> Path:
+    """Run A as a run dir of its own: its files, and its checkpoints in ``<run>/checkpoints``
+    (no checkpoint.dir), as a run trained without one leaves them."""
+    shutil.copytree(shared["A"], run, ignore=shutil.ignore_patterns("checkpoints.txt"))
+    shutil.copytree(shared["A_ckpts"], run / "checkpoints")
+    return run
+
+
+def _warnings(out: str, about: str) -> list[str]:
+    """The messages of dxrun's warnings in ``out`` that mention ``about``."""
+    return [x.split(" - ", 1)[1] for x in out.splitlines()
+            if "[dxrun][WARNING]" in x and about in x]
+
+
+def test_a_checkpoint_whose_meta_holds_a_wrong_type_is_set_aside(shared, tmp_path):
+    """A meta that a resume cannot read (``"data": {"step": "abc"}``) is a damaged checkpoint:
+    the relaunch (through the entry point, as ``python -m dxrun``) says so once, resumes from
+    the one before and sets the damaged one aside, instead of failing in the same way every
+    time."""
+    run = _own_copy_of_a(shared, tmp_path / "run")
+    meta_file = run / "checkpoints" / "3" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["data"] = {"step": "abc"}
+    meta_file.write_text(json.dumps(meta))
+    proc = cli_in_process(*SHORT, "train.steps=4", f"hydra.run.dir={run}", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "ValueError" not in out
+    ckpts = run / "checkpoints"
+    assert _warnings(out, "checkpoint") == [
+        f"checkpoint {ckpts / '3'} is incomplete or corrupt (IncompleteMeta: its meta's "
+        "data.step is 'abc', not a whole number); using the one before",
+        f"moved the damaged checkpoint {ckpts / '3'} to {ckpts / '3.corrupt'}"]
+    assert f"resuming from step 2 (checkpoint {ckpts / '2'})" in out
+    assert json.loads((ckpts / "3.corrupt" / "meta" / "metadata").read_text())["data"] == {
+        "step": "abc"}  # kept as it was
+    assert committed_steps(ckpts) == [2, 3, 4] and _steps(run) == [1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_a_moved_run_dir_resumes_from_its_checkpoint_dir(tmp_path):

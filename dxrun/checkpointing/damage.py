@@ -2,9 +2,10 @@
 
 A committed checkpoint can still be damaged later (a truncated file); that shows only when it is
 read. Only evidence of damage (missing or truncated files, checksum and format errors, a meta
-without what a resume reads: ``is_damage``) leads a resume to the checkpoint before, the
-damaged one renamed, never deleted (``set_aside_checkpoints``); any other failure to read (an
-I/O error, out of memory) stops the run with one line and leaves the checkpoint as it is. A
+without what a resume reads or holding a field of it that cannot be read: ``is_damage``) leads
+a resume to the checkpoint before, the damaged one renamed, never deleted
+(``set_aside_checkpoints``); any other failure to read (an I/O error, out of memory) stops the
+run with one line and leaves the checkpoint as it is. A
 read or write that fails leaves Orbax's other reads and writes in flight, whose late failures
 would print a traceback each: ``quiet_reads_that_finish_late`` and ``quiet_failed_writes``
 drop those, and nothing else.
@@ -40,7 +41,8 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 
 class IncompleteMeta(ValueError):
-    """A checkpoint's meta that lacks what a resume reads (``check_meta``): damage."""
+    """A checkpoint's meta that lacks what a resume reads, or holds it in a form a resume
+    cannot read (``check_meta``): damage."""
 
 
 # What a resume reads from a checkpoint's meta, with no default: the saved config (the checks
@@ -48,8 +50,73 @@ class IncompleteMeta(ValueError):
 META_KEYS = ("config", "data")
 
 
+def _count(value: Any) -> bool:
+    """A whole number of steps, batches or tokens (JSON's bool is no number)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _position_problem(data: dict[str, Any], key: str = "data") -> str | None:
+    """Why ``data`` (a saved iterator state) is no position a resume can continue from (None:
+    it is): the markov stream's ``{"step": n}``, a corpus reader's ``{"next_index": n}``, or the
+    nested state of Grain's workers in older checkpoints (``pipeline.position``)."""
+    for name in ("step", "next_index"):
+        if name in data:
+            return None if _count(data[name]) else (
+                f"{key}.{name} is {data[name]!r}, not a whole number")
+    nested = data.get("iterators_in_use_states")
+    if isinstance(nested, list) and nested:
+        for i, state in enumerate(nested):
+            where = f"{key}.iterators_in_use_states[{i}]"
+            why = (_position_problem(state, where) if isinstance(state, dict)
+                   else f"{where} is {state!r}, not an iterator state")
+            if why:
+                return why
+        return None
+    return f"{key} holds no data position (step or next_index)"
+
+
+def _wrong_type(meta: dict[str, Any]) -> str | None:
+    """The first field a resume reads that ``meta`` holds in a form it cannot read, named
+    with its value; None when every one is readable."""
+    config = meta["config"]
+    if not _count(config["data"]["batch_size"]):
+        return f"config.data.batch_size is {config['data']['batch_size']!r}, not a whole number"
+    if (why := _position_problem(meta["data"])) is not None:
+        return why
+    if "tokens_seen" in meta and not _count(meta["tokens_seen"]):
+        return f"tokens_seen is {meta['tokens_seen']!r}, not a whole number"
+    if meta.get("wandb_id") is not None and not isinstance(meta["wandb_id"], str):
+        return f"wandb_id is {meta['wandb_id']!r}, not a W&B run id"
+    if meta.get("run_dir") is not None and not isinstance(meta["run_dir"], str):
+        return f"run_dir is {meta['run_dir']!r}, not a path"
+    train = config.get("train", {})
+    if not isinstance(train, dict):
+        return f"config.train is {train!r}, not a section"
+    if "steps" in train and not _count(train["steps"]):
+        return f"config.train.steps is {train['steps']!r}, not a whole number"
+    for name in ("keep_best", "early_stop"):  # the monitors a resume continues (monitor.py)
+        m = meta.get(name)
+        if m is None:
+            continue
+        if not isinstance(m, dict):
+            return f"{name} is {m!r}, not a monitor"
+        for field, ok, what in (("stale", _count, "a whole number"),
+                                ("step", lambda v: v is None or _count(v), "a step"),
+                                ("best", lambda v: v is None or _number(v), "a number")):
+            if field in m and not ok(m[field]):
+                return f"{name}.{field} is {m[field]!r}, not {what}"
+    return None
+
+
 def check_meta(meta: dict[str, Any]) -> None:
-    """Raise IncompleteMeta naming what ``meta`` lacks of what a resume reads."""
+    """Raise IncompleteMeta naming what ``meta`` lacks of what a resume reads, or the first
+    field of it that a resume could not read (a wrong type: ``"data": {"step": "abc"}``)."""
+    if not isinstance(meta, dict):
+        raise IncompleteMeta(f"its meta is {type(meta).__name__}, not a JSON object")
     missing = [k for k in META_KEYS if not isinstance(meta.get(k), dict)]
     if not missing and not isinstance(meta["config"].get("data"), dict):
         missing.append("config.data")
@@ -57,13 +124,20 @@ def check_meta(meta: dict[str, Any]) -> None:
         missing.append("config.data.batch_size")
     if missing:
         raise IncompleteMeta(f"its meta has no {', '.join(missing)}")
+    if (why := _wrong_type(meta)) is not None:
+        raise IncompleteMeta(f"its meta's {_short(why)}")
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """``text`` cut to ``limit`` characters (a damaged field may hold a long value)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_damage(e: BaseException) -> bool:
     """Evidence that a checkpoint's files are damaged: missing or truncated files, checksum or
-    format errors, a meta without what a resume reads, in ``e`` or what it was raised from.
-    Anything else (an I/O error, out of memory, a tree that does not fit) is not, and never
-    leads to setting a checkpoint aside."""
+    format errors, a meta without what a resume reads or with a field of it that cannot be read,
+    in ``e`` or what it was raised from. Anything else (an I/O error, out of memory, a tree
+    that does not fit) is not, and never leads to setting a checkpoint aside."""
     for link in _chain(e):
         if isinstance(link, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError,
                              EOFError, IncompleteMeta)):

@@ -35,6 +35,7 @@ from dxrun.data.pipeline import position
 from dxrun.errors import CheckpointReadError, ConfigError, NothingToTrain
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
+from dxrun.tracking.monitor import stopped_early
 
 if TYPE_CHECKING:
     from dxrun.schema import CheckpointConfig, OptimizerConfig, RunConfig
@@ -265,20 +266,29 @@ def tokens_seen(meta: dict[str, Any], step: int) -> int:
 
 
 def plan_resume(resume: Resume, target: TrainState, steps: int, global_batch: int,
-                optimizer: OptimizerConfig) -> None:
+                optimizer: OptimizerConfig, early_stop: Any = None) -> None:
     """What a resume into ``target`` (the abstract state of this run, which trains to
-    ``steps`` at ``global_batch`` with ``optimizer``) does, decided before anything is
-    written: stop when there is nothing to train (NothingToTrain), refuse a data
-    position that cannot be continued (ConfigError), and restore the optimizer state only
-    when its tree fits the optimizer now. A changed optimizer (``optimizer.name``, clipping on
-    or off, SGD momentum) is not refused: the parameters and step are restored and the
-    optimizer state starts fresh (its step count continues), with one warning naming why."""
+    ``steps`` at ``global_batch`` with ``optimizer``, and ``early_stop``: its
+    ``train.early_stop``) does, decided before anything is written: stop when there is
+    nothing to train (NothingToTrain: the checkpoint is at ``train.steps``, or its run stopped
+    early and would stop again before its first step), refuse a data position that cannot be
+    continued (ConfigError), and restore the optimizer state only when its tree fits the
+    optimizer now. A changed optimizer (``optimizer.name``, clipping on or off, SGD momentum)
+    is not refused: the parameters and step are restored and the optimizer state starts fresh
+    (its step count continues), with one warning naming why."""
     where = resume.directory / str(resume.meta_step)
+    meta = {**resume.meta, "step": resume.meta_step}
     if steps <= resume.meta_step:
         raise NothingToTrain(
             f"nothing to train: train.steps={steps} and checkpoint {where} is at step "
             f"{resume.meta_step}; the run's files are left as they are (raise train.steps to "
-            "train on)", where, {**resume.meta, "step": resume.meta_step})
+            "train on)", where, meta)
+    if why := stopped_early(resume.meta, early_stop):
+        raise NothingToTrain(
+            f"nothing to train: checkpoint {where} is where the run stopped early, "
+            f"{why.removeprefix('early stop: ')}; the run's files are left as they are (raise "
+            "train.early_stop.patience, or set train.early_stop.monitor=null, to train on)",
+            where, meta)
     data_position(resume.meta, global_batch)
     if resume.state_names is None:
         return

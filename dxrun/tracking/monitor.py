@@ -10,6 +10,7 @@ checkpoint left them. Pure: values in, values out.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -49,3 +50,24 @@ class Monitor:
             return fresh
         return cls(metric, mode, min_delta, saved.get("best"), saved.get("step"),
                    int(saved.get("stale", 0)))
+
+
+def plateau(m: Monitor, patience: int) -> str | None:
+    """``train.early_stop``'s reason to end the run once ``m`` has gone ``patience`` rows
+    without improving on its best; None before."""
+    if m.best is None or m.stale < patience:
+        return None
+    return (f"early stop: {m.metric} has not improved on {m.best:.6g} (step {m.step}) by "
+            f"more than {m.min_delta:g} in {m.stale} rows (train.early_stop.patience={patience})")
+
+
+def stopped_early(meta: Mapping[str, Any], early_stop: Mapping[str, Any] | None) -> str | None:
+    """Why a run resumed from a checkpoint (``meta``: its meta, which holds the monitor as it
+    left it) under ``early_stop`` (a ``train.early_stop`` section, a config's or as a
+    checkpoint saved it) would stop before its first step: the reason, as the run that
+    stopped gave it; None when it trains on."""
+    if not isinstance(early_stop, Mapping) or not early_stop.get("monitor"):
+        return None
+    m = Monitor.from_json(meta.get("early_stop"), early_stop["monitor"],
+                          early_stop.get("mode", "min"), early_stop.get("min_delta", 0.0))
+    return plateau(m, int(early_stop.get("patience", 3)))
