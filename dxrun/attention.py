@@ -131,8 +131,12 @@ class Attention(nnx.Module):
             o_BxLxHxE = splash_attention.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, self.causal,
                                                 interpret)
         elif name in ("xla", "cudnn"):  # native grouped-query heads in BTNH
-            o_BxLxHxE = jax.nn.dot_product_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                                     is_causal=self.causal, implementation=name)
+            # cuDNN takes half precision only: a model the plan chose it for, called in fp32
+            # (a tool's forward), gets XLA's rather than JAX's refusal
+            half = q_BxLxHxE.dtype in (jnp.bfloat16, jnp.float16)
+            o_BxLxHxE = jax.nn.dot_product_attention(
+                q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, is_causal=self.causal,
+                implementation=name if half else "xla")
         else:
             o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
                                             causal=self.causal)

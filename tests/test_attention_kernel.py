@@ -102,11 +102,12 @@ def test_splash_forced_on_cpu_runs_interpreted_and_plan_mode_stands_xla_in():
     assert kind_target("NVIDIA H100 80GB HBM3") == AttentionTarget(*H100)
 
 
-@pytest.mark.parametrize("causal, heads, kv_heads", [(True, 4, 4), (True, 4, 2), (False, 4, 1)])
+# grouped-query heads causal: the whole step's test below
+@pytest.mark.parametrize("causal, heads, kv_heads", [(True, 4, 4), (False, 4, 1)])
 def test_splash_equals_the_reference_forward_and_backward(causal, heads, kv_heads):
     """Pallas' splash attention in its interpreter, causal (ar) and both ways (mdlm), MHA,
     grouped-query and multi-query heads: the outputs and the gradients of q, k and v."""
-    B, L, E = 2, 256, 32
+    B, L, E = 2, 128, 32
     r = np.random.default_rng(0)
     q = jnp.asarray(r.normal(size=(B, L, heads, E)), jnp.float32)
     k, v = (jnp.asarray(r.normal(size=(B, L, kv_heads, E)), jnp.float32) for _ in range(2))
