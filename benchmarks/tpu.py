@@ -74,6 +74,16 @@ def hand_runner(exp: Experiment, state: Any) -> Any:
     return run
 
 
+def commit() -> str:
+    """The checkout's commit, or ``$DXRUN_COMMIT`` where the tree came without its git dir."""
+    import os
+    import subprocess
+
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    return out or os.environ.get("DXRUN_COMMIT", "unknown")
+
+
 def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> dict[str, Any]:
     cfg = compose_cfg(*overrides(shape, tokens))
     exp = Experiment.build(cfg)
@@ -90,7 +100,8 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> di
     step_s = statistics.median(wall)
     mem = exp.step.compiled.memory_analysis()
     rec: dict[str, Any] = {
-        "shape": shape, "model": cfg.model.name, "batch_size": exp.plan.global_batch,
+        "shape": shape, "model": cfg.model.name, "layout": exp.plan.layout.mesh,
+        "batch_size": exp.plan.global_batch,
         "seq_len": exp.plan.seq_len, "remat": exp.plan.remat, "attention": exp.attention_kernel,
         "loss_chunk": exp.cfg.model.loss_chunk, "n_params": n_params,
         "step_ms": round(1e3 * step_s, 2), "tokens_per_s": round(tokens / step_s),
@@ -99,7 +110,7 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> di
         "step_bytes": step_bytes(exp.step.compiled),
         "temp_bytes": mem.temp_size_in_bytes if mem else None,
         "peak_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
-        "device_kind": jax.devices()[0].device_kind,
+        "device_kind": jax.devices()[0].device_kind, "commit": commit(),
     }
     print(json.dumps(rec), flush=True)
     if hand:
@@ -149,17 +160,13 @@ def _xla_need(error: str) -> str:
 def report(out: str, tokens: str | None, command: str) -> None:
     """BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section from ``out``'s measurements (the
     chip's tpu.json and first-step runs) and plan mode's estimates (made here)."""
-    import subprocess
-
     from benchmarks.report import markers
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     cold, warm = (first_step(str(Path(out, f"first-{k}"))) for k in ("cold", "warm"))
     records = []
     for r in json.loads(Path(out, "tpu.json").read_text()):
         if "error" in r:
-            records.append({**r, "commit": commit, "command": command})
+            records.append({**r, "command": command})
             continue
         plan = plan_step_ms(r["shape"], tokens)
         small = r["model"] == "small"
@@ -167,7 +174,7 @@ def report(out: str, tokens: str | None, command: str) -> None:
                         "plan_vs_measured": round(plan / r["step_ms"], 3),
                         "first_step_s_cold": cold if small else None,
                         "first_step_s_warm": warm if small else None,
-                        "commit": commit, "command": command})
+                        "command": command})
     Path("BENCHMARKS.tpu.json").write_text(json.dumps(records, indent=1) + "\n")
     rows = ["| shape (model:batch:remat:overrides) | attention | tokens/s | MFU | hand-written "
             "tokens/s | dxrun / hand | step ms | plan mode ms (ratio) | args + temps GB |",
@@ -187,8 +194,10 @@ def report(out: str, tokens: str | None, command: str) -> None:
             f"| {vs} | {r['step_ms']} | {r['plan_step_ms']} ({r['plan_vs_measured']}) "
             f"| {r['step_bytes'] / 1e9:.2f} |")
     begin, end = markers("tpu")
+    first = records[0]
     section = "\n".join([
-        begin, "", f"`{command}` at {commit}, on one {records[0].get('device_kind', 'TPU')} "
+        begin, "", f"`{command}` at {first.get('commit', 'unknown')}, on one "
+        f"{first.get('device_kind', 'TPU')} "
         "chip (bf16, seq_len 1024, random GPT-2 token ids, `parallelism=dp1`):", "", *rows, "",
         f"model=small's first step, from the command to the end of its first step "
         f"(goodput's startup + compile): {cold} s with an empty compile cache, {warm} s with a "

@@ -8,7 +8,8 @@
 #    and again with the cache it left (the second run also traces two steps for dxrun.profile);
 # 3. writes BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section, with plan mode's estimate of
 #    each shape (compiled on the host's CPU: `--report` runs anywhere, no chip needed).
-# About 5 minutes on the chip.
+# About 6 minutes on the chip. Where the checkout came without its git dir, DXRUN_COMMIT names
+# the commit the records carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-tpu-out}"
