@@ -9,6 +9,7 @@ from conftest import make_cfg
 
 from dxrun.errors import NonFiniteError
 from dxrun.train import train
+from dxrun.validation import config_warnings
 
 TINY = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
         "parallelism=dp1", "logger=none"]
@@ -21,6 +22,7 @@ def _rows(run_dir):
 def test_fast_is_a_few_steps_one_eval_no_saves(tmp_path):
     cfg = make_cfg(*TINY, "debug=fast")
     assert cfg.logger.name == "none" and cfg.checkpoint.resume == "none"
+    assert config_warnings(cfg) == []  # its warmup is within its 3 steps
     train(cfg, tmp_path)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -31,6 +33,7 @@ def test_fast_is_a_few_steps_one_eval_no_saves(tmp_path):
 def test_limit_trains_few_batches_and_evaluates_on_one(tmp_path):
     cfg = make_cfg(*TINY, "debug=limit", "train.steps=5")
     assert (cfg.eval.batches, cfg.train.eval_every, cfg.checkpoint.every) == (1, 5, 5)
+    assert config_warnings(cfg) == []  # its warmup is within even 5 steps
     train(cfg, tmp_path)
     assert [r["step"] for r in _rows(tmp_path) if "eval/loss" in r] == [5]
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("[0-9]*")) == [5]
@@ -50,7 +53,9 @@ def test_overfit_drives_the_loss_on_one_batch_far_down(tmp_path):
 
 
 def test_profile_writes_a_trace_of_its_steps(tmp_path):
-    train(make_cfg(*TINY, "debug=profile"), tmp_path)
+    cfg = make_cfg(*TINY, "debug=profile")
+    assert config_warnings(cfg) == []
+    train(cfg, tmp_path)
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert [r["step"] for r in _rows(tmp_path) if r.get("perf/profiled")] == [3, 4]
 
