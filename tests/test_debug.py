@@ -27,7 +27,7 @@ def test_fast_is_a_few_steps_one_eval_no_saves(tmp_path):
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["step"] for r in rows if "eval/loss" in r] == [3]
-    assert not list((tmp_path / "checkpoints").glob("[0-9]*"))
+    assert not (tmp_path / "checkpoints").exists()  # no save, no empty dir either
 
 
 def test_limit_trains_few_batches_and_evaluates_on_one(tmp_path):
