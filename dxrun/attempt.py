@@ -20,7 +20,7 @@ from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.checkpointing.store import refused_write
 from dxrun.data import EVAL
 from dxrun.data.repeated import Repeated
-from dxrun.errors import DiskError, NonFiniteError, disk_error, first_line
+from dxrun.errors import DiskError, disk_error, first_line
 from dxrun.experiment import Experiment
 from dxrun.job import Job, describe_model, run_name
 from dxrun.plan import flops
@@ -237,16 +237,20 @@ class Attempt:
             self.stop_reason = why
             log.info("%s", self.stop_reason)
 
-    def told(self, e: Exception) -> Exception | None:
+    def told(self, e: Exception, step: int | None = None) -> Exception | None:
         """What to raise for ``e``, in one line where its cause is known: a write the disk
         refused (DiskError, naming the checkpoint kept), the device out of memory (OutOfMemory,
-        naming where the memory goes, written to the run dir); None: ``e`` as it is."""
+        naming where the memory goes, written to the run dir), a NaN under train.debug_nans
+        (NonFiniteError, naming ``step``: the step that was running); None: ``e`` as it is."""
         if isinstance(e, (DiskError, memory_report.OutOfMemory)):
             return None
         if isinstance(e, FloatingPointError) or type(e).__name__ == "InternalFloatingPointError":
-            return NonFiniteError(f"train.debug_nans: a NaN in a train step's outputs ({e}); "
-                                  "the last good checkpoint is in "
-                                  f"{self.ckpts.saver.directory}")
+            # jax.debug_nans checks each step's outputs as it returns: the step that raised is
+            # the one after the last completed (``reached``, which the loop passes).
+            at = f" of step {step}" if step is not None else ""
+            return self.ckpts.halted(f"train.debug_nans: a NaN in the outputs{at}",
+                                     "set train.debug_nans=false train.nan_policy=skip to "
+                                     "leave such steps out")
         if (why := disk_error(e)) is not None:
             return refused_write(_written(e), why, self.ckpts.saver.directory)
         if memory_report.is_out_of_memory(e) and self.main:

@@ -111,7 +111,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
             run.save_point(reached, state, last=True)
         ended = True
     except Exception as e:
-        if (told := run.told(e)) is None:
+        if (told := run.told(e, reached + 1)) is None:  # the step running: debug_nans names it
             raise
         raise told from e
     finally:

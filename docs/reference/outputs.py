@@ -27,7 +27,7 @@ RUN_FILES: dict[str, str] = {
     "summary.json": "the last row plus the run's totals (keys below)",
     "status.json": "running | ok | stopped | failed, with the fields below",
     "eval.json": "a list: one record per `python -m dxrun.evaluate` of this run",
-    "checkpoints/": "Orbax checkpoints `<step>/` (the newest checkpoint.keep)",
+    "checkpoints/": "Orbax checkpoints `<step>/` (the newest checkpoint.keep), from the first save on",
     "checkpoints.txt": "with checkpoint.dir: the dir `<checkpoint.dir>/<run id>/` holding this "
                        "run's checkpoints",
     "wandb/": "the offline W&B run: `wandb sync <run dir>/wandb/offline-run-*`",

@@ -189,14 +189,19 @@ class RunCheckpoints:
             return
         bad = int(jax.device_get(state.nonfinite_step))
         if bad:
-            self.saver.wait()
-            good = committed_steps(self.saver.directory)
-            where = (f"the last good checkpoint is {self.saver.directory / str(good[-1])}"
-                     if good else "no checkpoint was saved before it")
-            raise NonFiniteError(
-                f"non-finite loss or gradients at step {bad} (stopped at step {done}, "
-                f"train.nan_policy=halt); {where}; lower optimizer.lr or set "
-                "train.nan_policy=skip to leave such steps out")
+            raise self.halted(f"non-finite loss or gradients at step {bad} (stopped at step "
+                              f"{done}, train.nan_policy=halt)",
+                              "set train.nan_policy=skip to leave such steps out")
+
+    def halted(self, what: str, fix: str) -> NonFiniteError:
+        """The one line of a run stopped by a non-finite step (train.nan_policy=halt, or
+        train.debug_nans): ``what`` happened, the last good checkpoint (only one that was
+        committed: the save in flight is waited for) and the fix."""
+        self.saver.wait()
+        good = committed_steps(self.saver.directory)
+        where = (f"the last good checkpoint is {self.saver.directory / str(good[-1])}"
+                 if good else "no checkpoint was saved before it")
+        return NonFiniteError(f"{what}; {where}; lower optimizer.lr or {fix}")
 
     def close(self) -> None:
         """Wait for the last save to be committed."""

@@ -155,9 +155,19 @@ class Checkpointer:
 
     def __init__(self, directory: Path, keep: int, best: KeepStep | None = None):
         self.directory = directory
-        self.manager = _manager(directory, keep, best)
+        self.keep, self.best = keep, best
+        # Orbax's manager makes its directory: made at the first save, so a run that never saves
+        # (debug=fast, checkpoint.every=0 cut short) leaves no empty checkpoints/. Every process
+        # saves at the same steps, so each makes it at the same point.
+        self._manager: ocp.CheckpointManager | None = None
         self.in_flight: int | None = None  # the step whose writes may still be running
         quiet_failed_writes()
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self._manager = _manager(self.directory, self.keep, self.best)
+        return self._manager
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]
              ) -> tuple[Path, float | None]:
@@ -182,11 +192,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the last save is committed (renamed into place)."""
-        self._on_disk(self.manager.wait_until_finished)
+        if self._manager is not None:  # none yet: nothing saved, nothing to wait for
+            self._on_disk(self._manager.wait_until_finished)
         self.in_flight = None
 
     def close(self) -> None:
-        self._on_disk(self.manager.close)
+        if self._manager is not None:
+            self._on_disk(self._manager.close)
         self.in_flight = None
 
     def _on_disk(self, call: Callable[[], Any]) -> None:
