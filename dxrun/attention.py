@@ -16,6 +16,7 @@ from flax import nnx
 
 from dxrun import context_parallel, splash_attention
 from dxrun.layers import add_bias, dense, param, zeros
+from dxrun.sharding import active_axes
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
@@ -147,11 +148,30 @@ class Attention(nnx.Module):
         """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ... (or
         those ``start`` lists, see ``rope``).
 
-        From one matmul: three separate ones each leave a partial sum of the input's gradient
-        per tensor-parallel device, and XLA all-reduces each before adding them: three
-        activation all-reduces in the backward where Megatron needs one. The three weights are
-        laid side by side per kv head (D x K x (G+2) x E): a local concatenation, since
-        ``tensor`` splits q heads in blocks aligned with their kv heads."""
+        Heads split over a mesh axis (``tensor``): from one matmul. Three separate ones each
+        leave a partial sum of the input's gradient per tensor-parallel device, and XLA
+        all-reduces each before adding them: three activation all-reduces in the backward where
+        Megatron needs one. The three weights are laid side by side per kv head (D x K x (G+2)
+        x E): a local concatenation, since ``tensor`` splits q heads in blocks aligned with
+        their kv heads. Heads whole on each device: three matmuls, each free to lay its output
+        out as the attention kernel reads it (on a TPU, slicing one joined output into splash's
+        layout and joining the three gradients cost as much as the projection itself)."""
+        if not active_axes("heads"):
+            q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = (
+                dense(x_BxLxD, w[...], "bld,dhe->blhe") for w in (self.wq, self.wk, self.wv))
+            if self.bq is not None:
+                q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = (
+                    add_bias(a, b[...]) for a, b in ((q_BxLxHxE, self.bq), (k_BxLxKxE, self.bk),
+                                                     (v_BxLxKxE, self.bv)))
+        else:
+            q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.joined_qkv(x_BxLxD)
+        if self.pos == "rope":
+            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start, self.scaling)
+            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start, self.scaling)
+        return q_BxLxHxE, k_BxLxKxE, v_BxLxKxE
+
+    def joined_qkv(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v from the one matmul of their weights side by side (``qkv``)."""
         K, G, E = self.K, self.H // self.K, self.E
         qkv_BxLxKxCxE = dense(x_BxLxD, (self.wq[...], self.wk[...], self.wv[...]),
                               "bld,dkce->blkce", join=join_qkv)
@@ -160,12 +180,8 @@ class Attention(nnx.Module):
                 [self.bq[...].reshape(K, G, E), self.bk[...][:, None], self.bv[...][:, None]],
                 axis=1))
         B, L = x_BxLxD.shape[:2]
-        q_BxLxHxE = qkv_BxLxKxCxE[:, :, :, :G].reshape(B, L, K * G, E)
-        k_BxLxKxE, v_BxLxKxE = qkv_BxLxKxCxE[:, :, :, G], qkv_BxLxKxCxE[:, :, :, G + 1]
-        if self.pos == "rope":
-            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start, self.scaling)
-            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start, self.scaling)
-        return q_BxLxHxE, k_BxLxKxE, v_BxLxKxE
+        return (qkv_BxLxKxCxE[:, :, :, :G].reshape(B, L, K * G, E), qkv_BxLxKxCxE[:, :, :, G],
+                qkv_BxLxKxCxE[:, :, :, G + 1])
 
     def out(self, o_BxLxHxE: jax.Array) -> jax.Array:
         """The row-parallel output projection of the heads' outputs."""

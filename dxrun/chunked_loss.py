@@ -5,13 +5,13 @@ step with a GPT-2 vocabulary (3.3 GB for 16 x 1024 tokens of vocab 50304, and as
 their gradient). Chunked, the cross-entropy and the accuracy are computed over ``chunk``
 positions of every sequence at a time under a scan: each chunk's logits come out of the output
 matmul (compute dtype operands, fp32 accumulation and result, exactly as the unchunked head's),
-and only per-position statistics leave it. The backward (a custom VJP) recomputes each chunk's
-logits instead of keeping every chunk's, so the whole tensor is never live; the cost is the
-output matmul once more.
-
-Chunks run along the sequence, so every chunk keeps the batch's sharding over (data, fsdp) and
-the vocabulary's over ``tensor``: no data moves. The logits stay fp32 (not the compute dtype)
-so the chunked loss is the unchunked one under bf16 as well; a chunk's are small.
+and only per-position statistics leave it. With the vocabulary on one shard, each chunk's
+gradient (``softmax - onehot``) is made in the forward, while its logits are at hand: the loss
+is the step's last operation, so its cotangent is one scalar the backward multiplies in. Split
+over ``tensor``, the backward (a custom VJP) recomputes each chunk's logits instead, after the
+one reduction of the statistics over the shards. Either way the whole tensor is never live.
+Chunks run along the sequence: each keeps the batch's sharding over (data, fsdp) and the
+vocabulary's over ``tensor`` (no data moves). The logits stay fp32.
 """
 
 from __future__ import annotations
@@ -81,33 +81,69 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
                 return on_replicas(*args)
         return run
 
-    def logits(w_t: Any, offset: Any, x_bxCxD: Any) -> tuple[Any, Any]:
-        """A shard's fp32 logits, its padding masked, and its vocabulary ids."""
-        ids_V = offset + jnp.arange(Vs, dtype=jnp.int32)
-        logits_bxCxV = dense(x_bxCxD, w_t, x_spec, jnp.float32)
-        # the fp32 minimum, as the model's head: exp() of it is 0, and it never makes a NaN
-        return jnp.where(ids_V < vocab_size, logits_bxCxV, jnp.finfo(jnp.float32).min), ids_V
+    padded = Vp > vocab_size
 
-    def stats(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any) -> tuple:
-        logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
-        m_bxC = logits_bxCxV.max(-1)
-        s_bxC = jnp.exp(logits_bxCxV - m_bxC[..., None]).sum(-1)
+    def logits(w_t: Any, offset: Any, x_bxCxD: Any) -> tuple[Any, Any]:
+        """A shard's fp32 logits (its padding too) and its vocabulary ids."""
+        return dense(x_bxCxD, w_t, x_spec, jnp.float32), offset + jnp.arange(Vs, dtype=jnp.int32)
+
+    def real(logits_bxCxV: Any, ids_V: Any) -> Any:
+        """The logits of real ids, for the reductions. On one shard the padding is its last
+        columns: sliced off, a slice each reduction reads in place (a mask of every logit was
+        a pass of its own). Split over shards, each masks its own by its ids (as the model's
+        head: the fp32 minimum, whose exp() is 0 and which never makes a NaN)."""
+        if not padded:
+            return logits_bxCxV
+        if T == 1:
+            return logits_bxCxV[..., :vocab_size]
+        return jnp.where(ids_V < vocab_size, logits_bxCxV, jnp.finfo(jnp.float32).min)
+
+    def stats(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any = None,
+              ids_V: Any = None) -> tuple:
+        if logits_bxCxV is None:
+            logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
+        kept_bxCxV = real(logits_bxCxV, ids_V)
+        m_bxC = kept_bxCxV.max(-1)
+        s_bxC = jnp.exp(kept_bxCxV - m_bxC[..., None]).sum(-1)
         local = t_bxC - offset
         inside = (local >= 0) & (local < Vs)
         label = jnp.take_along_axis(logits_bxCxV, jnp.clip(local, 0, Vs - 1)[..., None],
                                     axis=-1)[..., 0]
-        first = logits_bxCxV.argmax(-1).astype(jnp.int32) + offset  # its first maximum's id
+        first = kept_bxCxV.argmax(-1).astype(jnp.int32) + offset  # its first maximum's id
         return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first
 
-    @jax.custom_vjp
-    def sums(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[Any, Any]:
-        return forward(w, x_N, t_N, wt_N)[0]
+    def grads(w_t: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any, ids_V: Any, m_bxC: Any,
+              s_bxC: Any, g_bxC: Any) -> tuple:
+        """The chunk's gradients of ``w_t`` and ``x_bxCxD`` for the cotangent ``g_bxC`` of each
+        position's cross-entropy: autodiff's formula for the unchunked loss, in its order."""
+        p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g_bxC / s_bxC)[..., None]
+        if padded:  # no probability, no gradient: in the same pass
+            p_g = jnp.where(ids_V < vocab_size, p_g, 0.0)
+        d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
+                   ).astype(x_bxCxD.dtype)
+        # dxrun.layers.dense's backward: compute dtype operands, fp32 accumulation; the input
+        # gradient kept fp32, as the unchunked partial sum the partitioner reduces
+        dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
+                        preferred_element_type=jnp.float32)
+        dw = jnp.einsum(f"bcd,bcv->{w_spec}", x_bxCxD, d_bxCxV,
+                        preferred_element_type=jnp.float32)
+        return dw.astype(w.dtype), dx
 
-    def forward(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[tuple[Any, Any], tuple]:
-        w_T = split(w)
-        # [N, R, T, b, C] each: per shard, no reduction over the vocabulary in the loop
-        m, s, label, first = jax.lax.map(
-            lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
+    def fused(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, g_bxC: Any) -> tuple:
+        """One shard's statistics and gradients of a chunk (the vocabulary on one shard)."""
+        logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
+        m, s, label, first = stats(w_t, offset, x_bxCxD, t_bxC, logits_bxCxV, ids_V)
+        return (m, s, label, first), grads(w_t, x_bxCxD, t_bxC, logits_bxCxV, ids_V, m, s, g_bxC)
+
+    def recomputed(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, m_bxC: Any, s_bxC: Any,
+                   g_bxC: Any) -> tuple:
+        """A shard's gradients of a chunk from its logits recomputed (the forward kept none)."""
+        logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
+        return grads(w_t, x_bxCxD, t_bxC, logits_bxCxV, ids_V, m_bxC, s_bxC, g_bxC)
+
+    def totals(m: Any, s: Any, label: Any, first: Any, t_N: Any, wt_N: Any) -> tuple:
+        """The loss's and the accuracy's sums from the [N, R, T, b, C] statistics, reduced
+        over the shards once."""
         m_max = m.max(2)  # the one max over the shards
         s_sum = (s * jnp.exp(m - m_max[:, :, None])).sum(2)  # the one sum
         lse = jnp.log(s_sum) + m_max  # jax.nn.logsumexp's, as optax's (the unchunked loss)
@@ -119,40 +155,53 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
                                    _first_max, (2,))
         right_N = argmax == t_N
         correct = (right_N if wt_N is None else right_N & (wt_N != 0)).sum(dtype=jnp.float32)
-        return (nll, correct), (w, x_N, t_N, m_max, s_sum, wt_N)
+        return (nll, correct), m_max, s_sum
+
+    def weights(t_N: Any, wt_N: Any) -> Any:  # each position's share of the loss: 1 or its own
+        return jnp.ones(t_N.shape, jnp.float32) if wt_N is None else wt_N
+
+    @jax.custom_vjp
+    def sums(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[Any, Any]:
+        w_T = split(w)
+        # [N, R, T, b, C] each: per shard, no reduction over the vocabulary in the loop
+        out = jax.lax.map(lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
+        return totals(*out, t_N, wt_N)[0]
+
+    def forward(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[tuple[Any, Any], tuple]:
+        w_T = split(w)
+        if T > 1:  # the statistics only: the gradients need their reduction over the shards
+            out = jax.lax.map(lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
+            sums_, m_max, s_sum = totals(*out, t_N, wt_N)
+            return sums_, (w, x_N, t_N, m_max, s_sum, wt_N, None)
+
+        def add(dw_RT: Any, xs: tuple) -> tuple[Any, tuple]:
+            st, (dw, dx) = per_device(fused, 2)(w_T, offsets_T, *xs)
+            return dw_RT + dw, (st, dx)
+
+        # the gradients for a cotangent of 1: the backward scales them by the one it gets
+        dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
+        dw_RT, (st, dx_NxRxT) = jax.lax.scan(add, dw_RT, (x_N, t_N, weights(t_N, wt_N)))
+        sums_ = totals(*st, t_N, wt_N)[0]
+        return sums_, (w, x_N, None, None, None, None, (dw_RT.sum(0), dx_NxRxT.sum(2)))
 
     def backward(res: tuple, cts: tuple[Any, Any]) -> tuple[Any, Any, None, None]:
-        w, x_N, t_N, m_N, s_N, wt_N = res
+        w, x_N, t_N, m_N, s_N, wt_N, made = res
         g = cts[0]  # the accuracy (an argmax) has no gradient
-        w_T = split(w)
+        if made is not None:  # the forward's, for a cotangent of 1
+            dw_T, dx_N = made
+        else:
+            w_T = split(w)
 
-        def grads(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, m_bxC: Any,
-                  s_bxC: Any, g_bxC: Any) -> tuple:
-            # recomputes the chunk's logits: the forward kept none
-            logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
-            # autodiff's gradient of the unchunked loss, in its order of operations
-            p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g_bxC / s_bxC)[..., None]
-            d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
-                       ).astype(x_bxCxD.dtype)
-            # dxrun.layers.dense's backward: compute dtype operands, fp32 accumulation; the
-            # input gradient kept fp32, as the unchunked partial sum the partitioner reduces
-            dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
-                            preferred_element_type=jnp.float32)
-            dw = jnp.einsum(f"bcd,bcv->{w_spec}", x_bxCxD, d_bxCxV,
-                            preferred_element_type=jnp.float32)
-            return dw.astype(w.dtype), dx if T > 1 else dx.astype(x_bxCxD.dtype)
+            def add(dw_RT: Any, xs: tuple) -> tuple[Any, Any]:
+                dw, dx = per_device(recomputed, 2)(w_T, offsets_T, *xs)
+                return dw_RT + dw, dx
 
-        def add(dw_RT: Any, xs: tuple) -> tuple[Any, Any]:
-            dw, dx = per_device(grads, 2)(w_T, offsets_T, *xs)
-            return dw_RT + dw, dx
-
-        # each position's share of the loss's gradient: g, times its weight when weighted
-        g_N = jnp.broadcast_to(g, t_N.shape) if wt_N is None else g * wt_N
-        dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
-        dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N, g_N))
-        # the one reduction over the replicas, and the one over the shards
-        return (join(dw_RT.sum(0)).astype(w.dtype), dx_NxRxT.sum(2).astype(x_N.dtype), None,
-                None)
+            dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
+            dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N,
+                                                        g * weights(t_N, wt_N)))
+            # the one reduction over the replicas, and the one over the shards
+            dw_T, dx_N, g = dw_RT.sum(0), dx_NxRxT.sum(2), 1.0
+        return (join(dw_T * g).astype(w.dtype), (dx_N * g).astype(x_N.dtype), None, None)
 
     sums.defvjp(forward, backward)
     wt_N = None if weights_BxL is None else chunks(weights_BxL.astype(jnp.float32))

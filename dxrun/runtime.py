@@ -49,10 +49,20 @@ def reuse_freed_memory() -> bool:
     Must run before JAX starts its threads (they keep the arena they started with). Returns
     whether it applied."""
     libc = _glibc()
-    if libc is None or any(map(os.path.exists, _ACCELERATOR_NODES)):
+    if libc is None or accelerator_host():
         return False
     settings = {_M_ARENA_MAX: ARENAS, _M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**30}
     return all(libc.mallopt(k, v) == 1 for k, v in settings.items())
+
+
+def accelerator_host() -> bool:
+    """Whether JAX may find an accelerator here, told before it starts: a GPU's or TPU's
+    device node, or Google's TPU runtime installed (a TPU VM under a sandbox shows no node).
+    There XLA compiles on many threads, which one malloc arena's lock would serialize."""
+    import importlib.util
+
+    return (any(map(os.path.exists, _ACCELERATOR_NODES))
+            or importlib.util.find_spec("libtpu") is not None)
 
 
 def release_freed_memory() -> None:

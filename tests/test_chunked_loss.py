@@ -35,8 +35,12 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     # masked diffusion (dxrun/mdlm.py): each position weighted by its row's w(t) where masked,
     # the accuracy over the masked ones; its [MASK] row padded to 18 under tp2
     (["parallelism=dp4_tp2", "model.objective=mdlm"], jnp.float32, 1e-6),
+    # the vocabulary on one shard (the gradients made in the forward), padded (65 + [MASK] to
+    # 72) and weighted
+    (["parallelism=dp2", "parallelism.vocab_align=8", "data.vocab_size=65",
+      "model.objective=mdlm"], jnp.float32, 1e-6),
 ], ids=["dp2_tied", "dp4_tp2_padded", "dp2_fsdp2_tp2_tied", "dp2_fsdp2_tp2_tied_bf16",
-        "dp4_tp2_mdlm"])
+        "dp4_tp2_mdlm", "dp2_padded_mdlm"])
 def test_chunked_equals_whole(overrides, dtype, tol):
     cfg = make_cfg("model=tiny", "logger=none", "train.precision=fp32", "data.seq_len=32",
                    *overrides)
