@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,7 @@ class Experiment:
     step: Any
     eval_step: Any
     zero_pads: dict | None = None  # ZeRO-1's padding of the optimizer state (zero_padding.py)
+    init_compiling: Any = None  # (the seeded init's compile under way, its shardings)
 
     @classmethod
     def build(cls, cfg: RunConfig, plan: MeshPlan | None = None, data: Data | None = None,
@@ -152,7 +154,21 @@ class Experiment:
         mesh's layout would be a reshard for nothing."""
         return self._init_spread()[0]
 
+    def compile_init(self) -> None:
+        """Start compiling the seeded init on a thread of its own, so that it compiles beside
+        the step (XLA compiles outside Python's lock): a fresh run's ``init_params`` then runs
+        that program."""
+        init = self._init_fn()
+        spread = spread_shardings(jax.eval_shape(init), self.mesh, self.param_shardings)
+        lowered = jax.jit(init, out_shardings=spread).lower()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.init_compiling = (pool.submit(lowered.compile), spread)
+        pool.shutdown(wait=False)  # its thread ends with the compile
+
     def _init_spread(self) -> tuple[dict, Any]:
+        if self.init_compiling is not None:
+            (compiling, spread), self.init_compiling = self.init_compiling, None
+            return compiling.result()(), spread
         init = self._init_fn()
         spread = spread_shardings(jax.eval_shape(init), self.mesh, self.param_shardings)
         return jax.jit(init, out_shardings=spread)(), spread

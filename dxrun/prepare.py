@@ -61,6 +61,8 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
                     cfg.optimizer, cfg.train.early_stop)
     elif cfg.model.init_from:  # the weights' files, read from their headers alone
         check_hf_weights(exp)
+    elif (h := decided.handover) is None or (h.params is None and h.state is None):
+        exp.compile_init()  # the seeded init the run starts from, beside the step's compile
     memory_preflight(cfg, exp, compile_checked(cfg, exp, plan), plan=plan)
     goodput.mark("decide")
     return Prepared(exp, resume, plan, decided.handover)

@@ -78,3 +78,57 @@ def test_compiling_counts_the_seconds_of_the_compiles_inside_it():
     with goodput.compiling() as again:
         f(jnp.arange(7.0)).block_until_ready()  # compiled already: nothing to book
     assert again == [0.0]
+
+
+def test_a_fresh_run_compiles_its_init_beside_the_step(tmp_path):
+    """A fresh run's seeded init is lowered before the preflight lowers the step, and compiled
+    on a thread of its own while the step compiles (on a TPU each takes seconds); the run then
+    starts from that program's draw, the seeded init bit for bit, compiled once."""
+    import jax
+    import jax.monitoring
+    import numpy as np
+
+    cfg = make_cfg(*SMALL, "parallelism=dp1")
+    lowered: list[str] = []
+
+    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with recorded_compiles() as compiled:
+            prepared = prepare(cfg, tmp_path / "run")
+            assert prepared.exp.init_compiling is not None  # under way
+            params = start_state(prepared.exp, None, prepared.handover).state.params
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered.index("jit(init)") < lowered.index("jit(step)"), lowered
+    assert compiled.count("jit(init)") == 1 and compiled.count("jit(step)") == 1, compiled
+    seeded = Experiment.build(cfg, with_data=False).init_params()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seeded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_compiling_books_of_an_earlier_compile_only_its_part_inside_the_block():
+    """A compile that began on another thread before the block (the init's, beside the step's)
+    is booked for the seconds it ran inside the block, the wait for it, not its whole length."""
+    import threading
+    import time
+
+    import jax.monitoring
+
+    done = threading.Event()
+
+    def compile_elsewhere() -> None:  # a compile of 0.6 s that ends 0.2 s into the block
+        time.sleep(0.6)
+        jax.monitoring.record_event_duration_secs(goodput.COMPILE_EVENTS[1], 0.6)
+        done.set()
+
+    thread = threading.Thread(target=compile_elsewhere)
+    thread.start()
+    time.sleep(0.4)
+    with goodput.compiling() as seconds:
+        done.wait()
+    thread.join()
+    assert 0.15 < seconds[0] < 0.45, seconds
