@@ -75,13 +75,16 @@ def hand_runner(exp: Experiment, state: Any) -> Any:
 
 
 def commit() -> str:
-    """The checkout's commit, or ``$DXRUN_COMMIT`` where the tree came without its git dir."""
+    """``$DXRUN_COMMIT`` where set (a copy of the tree whose git dir is absent or not its
+    own), else the checkout's commit."""
     import os
     import subprocess
 
+    if os.environ.get("DXRUN_COMMIT"):
+        return os.environ["DXRUN_COMMIT"]
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
-    return out or os.environ.get("DXRUN_COMMIT", "unknown")
+    return out or "unknown"
 
 
 def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> dict[str, Any]:
@@ -163,6 +166,8 @@ def report(out: str, tokens: str | None, command: str) -> None:
     from benchmarks.report import markers
 
     cold, warm = (first_step(str(Path(out, f"first-{k}"))) for k in ("cold", "warm"))
+    marker = Path(out, "first-commit")  # tpu.sh's: the commit the first-step runs ran
+    first_commit = marker.read_text().strip() if marker.is_file() else None
     records = []
     for r in json.loads(Path(out, "tpu.json").read_text()):
         if "error" in r:
@@ -174,6 +179,7 @@ def report(out: str, tokens: str | None, command: str) -> None:
                         "plan_vs_measured": round(plan / r["step_ms"], 3),
                         "first_step_s_cold": cold if small else None,
                         "first_step_s_warm": warm if small else None,
+                        "first_step_commit": (first_commit or r.get("commit")) if small else None,
                         "command": command})
     Path("BENCHMARKS.tpu.json").write_text(json.dumps(records, indent=1) + "\n")
     rows = ["| shape (model:batch:remat:overrides) | attention | tokens/s | MFU | hand-written "
@@ -195,13 +201,14 @@ def report(out: str, tokens: str | None, command: str) -> None:
             f"| {r['step_bytes'] / 1e9:.2f} |")
     begin, end = markers("tpu")
     first = records[0]
+    steps_at = ", ".join(sorted({str(r.get("commit", "unknown")) for r in records}))
     section = "\n".join([
-        begin, "", f"`{command}` at {first.get('commit', 'unknown')}, on one "
+        begin, "", f"`{command}` at {steps_at}, on one "
         f"{first.get('device_kind', 'TPU')} "
         "chip (bf16, seq_len 1024, random GPT-2 token ids, `parallelism=dp1`):", "", *rows, "",
         f"model=small's first step, from the command to the end of its first step "
         f"(goodput's startup + compile): {cold} s with an empty compile cache, {warm} s with a "
-        "warm one.", "", end])
+        f"warm one (at {first_commit or steps_at}).", "", end])
     md = Path("BENCHMARKS.md").read_text()
     if begin in md:
         md = md[:md.index(begin)] + section + md[md.index(end) + len(end):]

@@ -8,7 +8,7 @@
 #    and again with the cache it left (the second run also traces two steps for dxrun.profile);
 # 3. writes BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section, with plan mode's estimate of
 #    each shape (compiled on the host's CPU: `--report` runs anywhere, no chip needed).
-# About 6 minutes on the chip. Where the checkout came without its git dir, DXRUN_COMMIT names
+# About 6 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
 # the commit the records carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,7 @@ first=(python3 -m dxrun model=small data=tokens "data.path=$tok" data.seq_len=10
        logger=none checkpoint.every=0 train.eval_every=0 train.steps=20 train.log_every=10
        "runtime.compile_cache=$out/cache")
 rm -rf "$out/cache" "$out/first-cold" "$out/first-warm"
+python3 -c 'from benchmarks.tpu import commit; print(commit())' > "$out/first-commit"
 "${first[@]}" "hydra.run.dir=$out/first-cold" 2>&1 | tee "$out/first-cold.log"
 "${first[@]}" "hydra.run.dir=$out/first-warm" train.profile.start=12 train.profile.steps=2 \
   2>&1 | tee "$out/first-warm.log"

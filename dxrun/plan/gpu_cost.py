@@ -145,7 +145,9 @@ class Workload:
     # ZeRO-1 (parallelism.shard_optimizer): the parameters this device's optimizer updates
     # (its shard of params_per_device, 1/dp of it); None = params_per_device
     updated_per_device: float | None = None
-    loss_chunk: int = 0  # model.loss_chunk resolved: the chunks' backward redoes the head's forward
+    # model.loss_chunk resolved: with the vocabulary split over tensor (tp > 1) the chunks'
+    # backward redoes the head's forward; on one shard their forward made the gradient
+    loss_chunk: int = 0
     remat: str = "none"  # the run plan's model.remat
     cp: int = 1  # the context axis: a device holds seq_len / cp positions of each row
     kernel: str = "xla"  # the run plan's attention kernel (attention_kernel.KERNELS)
@@ -201,7 +203,7 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
     L = m.n_layers
     blocks = L * (fwd + bwd + redo)
     D, V = m.d_model, w.vocab / w.tp
-    head = (_matmul_s(t, V, D, peak, hbm, cost, a, 4) * (2 if w.loss_chunk else 1)
+    head = (_matmul_s(t, V, D, peak, hbm, cost, a, 4) * (2 if w.loss_chunk and w.tp > 1 else 1)
             + _matmul_s(t, D, V, peak, hbm, cost, a, a) + _matmul_s(D, V, t, peak, hbm, cost, a, 4))
     attn = 0.0
     if not fused:  # XLA's: per (sequence, head) a T x E by E x T and a T x T by T x E matmul
