@@ -278,7 +278,8 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    batches: int = key(4, "held-out batches per evaluation (the same ones every time)",
+    batches: int = key(4, "held-out batches per evaluation (the same ones every time; "
+                       "a corpus's at most its split's full batches, with one warning)",
                        range=POSITIVE)
     draws: int = key(2, "model.objective=mdlm: Monte-Carlo masking draws (t and mask) per held-out "
                      "batch, seeded by the batch's index: the same every evaluation",
