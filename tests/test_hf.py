@@ -22,12 +22,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, make_cfg, subprocess_env, write_corpus
+from conftest import ROOT, cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 from hf_checkpoints import (
     GPT2,
     LLAMA,
     V,
+    hf_config,
     random_tensors,
     reference_logits,
     write_hf_dir,
@@ -40,6 +41,7 @@ from dxrun.hf.config import apply_hf_model, model_fields, model_type_of, read_co
 from dxrun.hf.layout import TABLES
 from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.hf.save import save_hf
+from dxrun.logits import load_model
 from dxrun.sharding import in_mesh_context
 from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.export import export
@@ -103,6 +105,57 @@ def test_logits_equal_the_reference_on_every_mesh(hf, kind):
         np.testing.assert_allclose(out, hf["ref"][kind], rtol=0, atol=1e-5, err_msg=mesh)
         assert exp.padded_vocab == {"dp1": V, "tp2": 102, "fsdp2_tp2": 102,
                                     "dp2_tp4": 104}[mesh]
+
+
+def test_a_flax_checkpoint_imports_with_its_norm_epsilon(hf, tmp_path):
+    """What transformers' Flax classes save (safetensors, format flax: kernel transposed,
+    embedding, scale), with a norm epsilon other than 1e-5 (a LlamaConfig()'s 1e-6): dxrun's
+    logits on tp2 equal the Flax model's to 1e-5 of the largest logit."""
+    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
+
+    for fields, cls, eps in ((dict(GPT2, layer_norm_epsilon=1e-3), FlaxGPT2LMHeadModel, 1e-3),
+                             (dict(LLAMA, rms_norm_eps=1e-6), FlaxLlamaForCausalLM, 1e-6)):
+        ref = cls(hf_config(fields), seed=3, dtype=np.float32)
+        d = tmp_path / fields["model_type"]
+        ref.save_pretrained(str(d), safe_serialization=True)
+        want = np.asarray(jax.jit(lambda p, t, ref=ref: ref(t, params=p).logits)(
+            ref.params, hf["tokens"]))
+        exp = Experiment.build(hf_cfg(d, *MESHES["tp2"]), with_data=False)
+        assert exp.cfg.model.norm_eps == eps
+        got = logits(exp, import_params(exp), hf["tokens"])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_dxrun_logits_gives_the_reference_logits(hf, tmp_path):
+    """The documented way to dxrun's logits: ``load_model`` of a HF dir (the Llama in two
+    shards) on tp2 equals transformers' Flax model; ``python -m dxrun.logits`` prints the last
+    position's top five and saves the array; bad token ids are one line, exit 2."""
+    from dxrun import logits as tool
+
+    model = load_model(hf["llama"], "parallelism=tp2")
+    assert dict(model.loaded.exp.mesh.shape)["tensor"] == 2
+    ref = hf["ref"]["llama"]
+    got = model(hf["tokens"])
+    assert got.shape == ref.shape == (2, 16, V) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(model(hf["tokens"][1]), got[1:])  # [L]: a batch of one
+    ids = ",".join(map(str, hf["tokens"][0]))
+    entry = lambda: tool.main("logits", tool.run)  # noqa: E731
+    proc = cli_in_process(str(hf["llama"]), f"tokens={ids}", "out=l.npy", "parallelism=tp2",
+                          cwd=tmp_path, entry=entry, prog="dxrun.logits")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = np.load(tmp_path / "l.npy")
+    np.testing.assert_array_equal(saved, got[:1])
+    top = np.argsort(-saved[0, -1])[:5]
+    assert ("step 0  last position's top 5: "
+            + "  ".join(f"{i}: {saved[0, -1, i]:.4f}" for i in top)) in proc.stdout
+    for bad, says in (("tokens=1,x", "tokens=1,x: give token ids, e.g. tokens=1,2,3"),
+                      (f"tokens=1,{V}", f"tokens: ids must lie in [0, {V})")):
+        proc = cli_in_process(str(hf["llama"]), bad, cwd=tmp_path, entry=entry,
+                              prog="dxrun.logits")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun.logits: error:")]
+        assert says in line, line
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_tied"])
@@ -267,6 +320,15 @@ def _damaged(hf, root: Path) -> dict[str, tuple[Path, str]]:
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[:len(data) // 2])
     cases["truncated"] = (d, "model.safetensors: not a readable safetensors file")
+    d = copy("msgpack", hf["gpt2"])
+    (d / "model.safetensors").rename(d / "flax_model.msgpack")
+    cases["msgpack"] = (d, "holds flax_model.msgpack (Flax's msgpack layout), not "
+                           "model.safetensors (safetensors); save it with save_pretrained(dir, "
+                           "safe_serialization=True)")
+    cases["renamed"] = (write_hf_dir(root / "renamed", GPT2, {
+        "tf." + n: x for n, x in tensors.items()}), "no tensor is named as transformers saves "
+        "this model (e.g. transformer.wte.weight, in PyTorch's layout, or Flax's: kernel, "
+        "embedding, scale); its tensors are named like tf.h.0.attn.c_attn.bias")
     return cases
 
 
@@ -378,6 +440,7 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     run = load(tmp_path / "run", [], "path")  # its mesh, its step: compiled once
     ours = logits(run.exp, run.params, hf["tokens"])
     np.testing.assert_allclose(ours, reference_logits(out, hf["tokens"]), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(load_model(tmp_path / "run")(hf["tokens"]), ours)  # public
 
     exp = Experiment.build(hf_cfg(out, *data), with_data=False)
     again = import_params(exp)

@@ -58,7 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
                "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
                "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export")),
+               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export", "dxrun.logits")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes
