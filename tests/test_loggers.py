@@ -8,7 +8,7 @@ import json
 import logging
 
 import pytest
-from conftest import cli_in_process, make_cfg
+from conftest import ROOT, cli_in_process, make_cfg
 
 from dxrun.tracking.backends import MlflowBackend, Opening
 from dxrun.tracking.logger import backend_names
@@ -144,5 +144,8 @@ def test_a_logger_key_the_logger_does_not_read_is_one_warning():
     assert w.startswith("logger.backends=[csv] does nothing with logger=wandb")
     for name in ("wandb", "mlflow", "many", "csv", "tensorboard", "none"):  # as shipped: quiet
         assert config_warnings(make_cfg("train.steps=100", f"logger={name}")) == [], name
+    for experiment in sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")):
+        cfg = make_cfg(f"experiment={experiment}", "logger=none")  # its tags, no logger
+        assert [w for w in config_warnings(cfg) if w.startswith("logger.")] == [], experiment
     assert config_warnings(make_cfg("train.steps=100", "logger=mlflow", "logger.project=p",
                                     "logger.mlflow_uri=x", "logger.tags=[a]")) == []

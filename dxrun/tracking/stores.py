@@ -67,7 +67,8 @@ def _backends(lc: LoggerConfig) -> list[str]:
 
 def unread_logger_keys(lc: LoggerConfig) -> list[str]:
     """A warning for each ``logger.*`` key set away from its default that no backend of this
-    run reads (``logger=csv logger.entity=me``): the setting would do nothing."""
+    run reads (``logger=csv logger.entity=me``): the setting would do nothing. ``tags`` aside:
+    the experiments set theirs for whichever logger the run picks (``logger=none`` too)."""
     reads = set().union(*(READS.get(b, set()) for b in _backends(lc)))
     if lc.name == "many":
         reads.add("backends")
@@ -75,7 +76,7 @@ def unread_logger_keys(lc: LoggerConfig) -> list[str]:
     out = []
     for f in fields(LoggerConfig):
         value = getattr(lc, f.name)
-        if f.name == "name" or f.name in reads or value == getattr(defaults, f.name):
+        if f.name in ("name", "tags") or f.name in reads or value == getattr(defaults, f.name):
             continue
         shown = f"[{','.join(value)}]" if isinstance(value, (list, ListConfig)) else value
         out.append(f"logger.{f.name}={shown} does nothing with logger={lc.name} (only "
