@@ -41,6 +41,7 @@ from dxrun.hf.config import apply_hf_model, model_fields, model_type_of, read_co
 from dxrun.hf.layout import TABLES
 from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.hf.save import save_hf
+from dxrun.job import Job, describe_model
 from dxrun.logits import load_model
 from dxrun.sharding import in_mesh_context
 from dxrun.tools.evaluate import evaluate_checkpoint
@@ -431,6 +432,9 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     cfg = make_cfg(*given)
     apply_hf_model(cfg, given)
     assert cfg.data.tokenizer == str(d / "tokenizer.json")
+    # the log's "model ..." line: the checkpoint's model, not the default preset modified
+    assert describe_model(cfg.model, Job(choices={"model": "tiny"}, overrides=given)) == (
+        f"hf-gpt2 (hf:{d})")
     validate(cfg)
     summary = train(cfg, tmp_path / "run")
     assert summary["eval/loss"] < before - 0.5, (before, summary["eval/loss"])
