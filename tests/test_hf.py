@@ -466,6 +466,11 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     assert got["texts"][0].startswith("the cat sees")
     prompt = got["tokens"][:, :got["prompt_len"]].astype(np.int32)
     assert got["tokens"][0, got["prompt_len"]] == reference_logits(out, prompt)[0, -1].argmax()
+    # a dir without tokenizer.json (an exported bytes-level run's) takes ids, and says so
+    with pytest.raises(ConfigError, match=re.escape(
+            f"prompt='the cat': {hf['gpt2']} has no tokenizer.json: its prompts are token ids "
+            f"0-{V - 1} separated by spaces")):
+        sample(hf["gpt2"], {**options, "prompt": "the cat"}, ["logger=none", "data.seq_len=16"])
 
     # A relaunch into the run dir resumes its checkpoint, not the HF weights
     longer = [*given, "train.steps=40"]

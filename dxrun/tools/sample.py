@@ -93,11 +93,14 @@ def prompt_tokens(d: DataConfig, vocab_size: int, prompt: str, n: int, chain: An
         known, path = recorded_tokenizer(d)
         name = f"the tokenizer {path} (data.path={d.path}'s meta.json)"
         if not known:
+            # a Hugging Face dir without tokenizer.json (an exported bytes-level run's)
+            where = (f"{d.path} has no tokenizer.json" if getattr(d, "hf", False)
+                     else f"data.path={d.path} records no tokenizer (meta.json)")
             if not prompt:
-                raise ConfigError(f"prompt is empty; data.path={d.path} records no tokenizer "
-                                  "(meta.json), so this run takes token ids, e.g. "
-                                  "prompt='464 2068'")
-            return np.tile(_ids(prompt, vocab_size, "data=tokens"), (n, 1)), None
+                raise ConfigError(f"prompt is empty; {where}, so this run takes token ids, "
+                                  "e.g. prompt='464 2068'")
+            what = f"{where}: its" if getattr(d, "hf", False) else "data=tokens"
+            return np.tile(_ids(prompt, vocab_size, what), (n, 1)), None
     tok = Tokenizer(path)
     if bad := tok.unencodable(prompt):
         name = "bytes (UTF-8)" if path is None else name
@@ -118,7 +121,7 @@ def hf_prompt_data(path: Path) -> Any:
     tok = path.expanduser() / "tokenizer.json"
     if tok.is_file():
         return SimpleNamespace(name="text", tokenizer=str(tok), path=None)
-    return SimpleNamespace(name="tokens", tokenizer=None, path=str(path))
+    return SimpleNamespace(name="tokens", tokenizer=None, path=str(path), hf=True)
 
 
 def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any,
