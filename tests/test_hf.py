@@ -388,8 +388,13 @@ def test_a_model_with_no_hf_equivalent_is_refused_naming_what_differs():
     with pytest.raises(ConfigError, match=r"no Hugging Face equivalent: nearest is gpt2 "
                                           r"\(GPT2LMHeadModel.*\), but model.tie_embeddings=false"):
         model_type_of(m)
-    assert model_type_of(make_cfg("model=tiny_llama").model) == "llama"
     assert model_type_of(make_cfg("model=tiny", "model.tie_embeddings=true").model) == "gpt2"
+    # the presets the guide names as exportable, each as its family
+    for preset, kind in (("small", "gpt2"), ("medium", "gpt2"), ("large", "gpt2"),
+                         ("xl", "gpt2"), ("tiny_llama", "llama"), ("llama2_7b", "llama"),
+                         ("llama3_8b", "llama")):
+        assert model_type_of(make_cfg(f"model={preset}").model) == kind, preset
+        assert f"`{preset}`" in (ROOT / "docs/guide/huggingface.md").read_text()
 
 
 def test_the_guide_prints_the_layout_table_import_and_export_read():
