@@ -64,6 +64,7 @@ from dxrun.runtime import (
 )
 from dxrun.target import check_targets
 from dxrun.tracking.goodput import job_started_at, mark
+from dxrun.tracking.stores import store_refusal
 from dxrun.validation import config_warnings, validate
 
 if TYPE_CHECKING:
@@ -113,6 +114,8 @@ def main(cfg: DictConfig) -> Any:
         apply_hf_model(cfg, list(hydra_cfg.overrides.task))
         check_keys(cfg)
         validate(cfg)
+        if cfg.run.mode != "plan" and (why := store_refusal(cfg.logger)):
+            raise ConfigError(why)  # a logger that cannot start: refused before the run
         # Plan mode simulates plan.devices (the planned run's device count), a run
         # runtime.cpu_devices: set before JAX starts.
         n_cpu, count_note = simulated_count(cfg.run.mode, cfg.plan.devices,

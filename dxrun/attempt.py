@@ -113,8 +113,10 @@ class Attempt:
             kept=rewound.kept if in_place else None)
         # No held-out data: no eval/*.
         self.eval_every = cfg.train.eval_every if data.has_eval else 0
-        self.eval_batches = ([exp.batch(k, EVAL) for k in range(cfg.eval.batches)]
-                             if self.eval_every > 0 else [])
+        n, capped = data.eval_batches(cfg.eval.batches)
+        if capped and self.eval_every > 0:
+            log.warning(capped)
+        self.eval_batches = [exp.batch(k, EVAL) for k in range(n)] if self.eval_every > 0 else []
         self.summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
         self.batches = data.train_iterator()
         if cfg.train.overfit_batches:  # debug=overfit: the same few batches, over and over

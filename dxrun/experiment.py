@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from dxrun.plan.vocab import table_rows
 from dxrun.sharding import (
     batch_sharding,
     check_process_rows,
+    in_mesh_context,
     mesh_from_plan,
     optimizer_param_shardings,
     param_axes,
@@ -246,6 +248,17 @@ class Experiment:
         """As ``compile_step`` for a step that will never run: its HLO text, memory and cost
         analyses only, compiled cheaper (``step.analysis_options``) and not kept."""
         return self.step.analyse(self.abstract_state(), self.abstract_batch())
+
+    def forward(self) -> Callable[[dict, Any], jax.Array]:
+        """The model's logits (the padded vocabulary) for token ids ``[B, L]``: one jitted
+        forward, traced on this mesh with its rules, compiled once per shape (dxrun.logits)."""
+        jitted = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params)(tokens))
+
+        def run(params: dict, tokens_BxL: Any) -> jax.Array:
+            with in_mesh_context(self.mesh, self.plan.rules):
+                return jitted(params, tokens_BxL)
+
+        return run
 
     @property
     def padded_vocab(self) -> int:

@@ -64,7 +64,10 @@ def run_name(cfg: RunConfig, job: Job, global_batch: int | None = None) -> str:
 
 def describe_model(model: ModelConfig, job: Job) -> str:
     """``tiny``, or ``tiny (modified: n_layers=4, d_model=256)`` when keys differ from the
-    preset, or ``mine (tiny modified: ...)`` for a size the user named."""
+    preset, or ``mine (tiny modified: ...)`` for a size the user named; an imported model is
+    its own, ``hf-gpt2 (hf:gpt2)``: its shape is the checkpoint's, not the preset's."""
+    if model.init_from:
+        return f"{model.name} ({model.init_from})"
     preset = job.choices.get("model", model.name)
     label = _model_label(model, job)
     changes = model_changes(model, preset)

@@ -99,50 +99,51 @@ def zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
 
 
+EPS = 1e-5  # model.norm_eps's default (a checkpoint's own: dxrun.hf.config)
+
+
 class Norm(nnx.Module):
-    def __init__(self, d: int, kind: str, bias: bool):
-        self.kind = kind
+    def __init__(self, d: int, kind: str, bias: bool, eps: float = EPS):
+        self.kind, self.eps = kind, eps
         self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=("norm",))
         self.bias = zeros((d,), ("norm",)) if bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        return norm(x_BxLxD, self.scale[...], bias, self.kind == "layernorm")
+        return norm(x_BxLxD, self.scale[...], bias, self.kind == "layernorm", self.eps)
 
 
-EPS = 1e-5
-
-
-def _norm_stats(x_BxLxD: jax.Array, centre: bool) -> tuple[jax.Array, Any, jax.Array]:
+def _norm_stats(x_BxLxD: jax.Array, centre: bool, eps: float
+                ) -> tuple[jax.Array, Any, jax.Array]:
     """The fp32 centred input, its mean (None for RMSNorm) and reciprocal deviation."""
     x = x_BxLxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
     mean = x.mean(-1, keepdims=True) if centre else None
     xc = x - mean if centre else x
-    return xc, mean, jax.lax.rsqrt((xc * xc).mean(-1, keepdims=True) + EPS)
+    return xc, mean, jax.lax.rsqrt((xc * xc).mean(-1, keepdims=True) + eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool
-         ) -> jax.Array:
-    """LayerNorm (``centre``) or RMSNorm of the last axis, statistics in fp32, the output in
-    the input's dtype. A custom VJP keeps for the backward pass only what a hand-written
-    kernel (llm.c's) keeps: the input in its own dtype and the fp32 mean and reciprocal
-    deviation per token. JAX's own derivative keeps the fp32 centred and normalised copies
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def norm(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool,
+         eps: float = EPS) -> jax.Array:
+    """LayerNorm (``centre``) or RMSNorm of the last axis (``eps``: model.norm_eps), statistics
+    in fp32, the output in the input's dtype. A custom VJP keeps for the backward pass only
+    what a hand-written kernel (llm.c's) keeps: the input in its own dtype and the fp32 mean
+    and reciprocal deviation per token. JAX's own derivative keeps the fp32 centred and normalised copies
     of the input (8 bytes an element where a bf16 input is 2); the backward here recomputes
     them from the input in fp32 instead."""
-    return _norm_fwd(x_BxLxD, scale, bias, centre)[0]
+    return _norm_fwd(x_BxLxD, scale, bias, centre, eps)[0]
 
 
-def _norm_fwd(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool
-              ) -> tuple[jax.Array, tuple]:
-    xc, mean, rstd = _norm_stats(x_BxLxD, centre)
+def _norm_fwd(x_BxLxD: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool,
+              eps: float) -> tuple[jax.Array, tuple]:
+    xc, mean, rstd = _norm_stats(x_BxLxD, centre, eps)
     y = xc * rstd * scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x_BxLxD.dtype), (x_BxLxD, mean, rstd, scale, bias)
 
 
-def _norm_bwd(centre: bool, res: tuple, g_BxLxD: jax.Array) -> tuple:
+def _norm_bwd(centre: bool, eps: float, res: tuple, g_BxLxD: jax.Array) -> tuple:
     x_BxLxD, mean, rstd, scale, bias = res
     x = x_BxLxD.astype(jnp.float32)
     xhat = (x - mean if centre else x) * rstd

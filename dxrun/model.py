@@ -36,9 +36,9 @@ STREAM = ("batch", "stream_seq", "act_embed")
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL):
-        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias)
+        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.attn = Attention(cfg, rngs, kernel)
-        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias)
+        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
 
@@ -110,7 +110,7 @@ class Transformer(nnx.Module):
         # remat: the run plan's (a layout search may choose it); None: model.remat
         self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"
-        self.ln_f = Norm(D, cfg.norm, cfg.bias)
+        self.ln_f = Norm(D, cfg.norm, cfg.bias, cfg.norm_eps)
         self.lm_head = (None if cfg.tie_embeddings
                         else padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout

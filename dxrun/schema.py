@@ -54,6 +54,8 @@ class ModelConfig:
     bias: bool = key(True, "biases in the linear layers and norms (GPT-2 style)")
     norm: str = key("layernorm", "the blocks' normalisation (GPT-2: layernorm; Llama: rmsnorm)",
                     choices=("layernorm", "rmsnorm"))
+    norm_eps: float = key(1e-5, "the norms' epsilon (a Hugging Face checkpoint's "
+                          "layer_norm_epsilon or rms_norm_eps)", range=POSITIVE)
     mlp: str = key("gelu", "the MLP (GPT-2: gelu; Llama: swiglu, gated)",
                    choices=("gelu", "swiglu"))
     pos: str = key("learned", "positions: learned embeddings (GPT-2) or rotary (Llama)",
@@ -278,7 +280,8 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    batches: int = key(4, "held-out batches per evaluation (the same ones every time)",
+    batches: int = key(4, "held-out batches per evaluation (the same ones every time; "
+                       "a corpus's at most its split's full batches, with one warning)",
                        range=POSITIVE)
     draws: int = key(2, "model.objective=mdlm: Monte-Carlo masking draws (t and mask) per held-out "
                      "batch, seeded by the batch's index: the same every evaluation",

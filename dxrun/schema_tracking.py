@@ -33,8 +33,9 @@ class LoggerConfig:
                                "multirun job")
     tags: list[str] = key(meaning="extra W&B tags beside the model/parallelism/data/optimizer "
                           "choices", factory=list)
-    mlflow_uri: str | None = key(None, "MLflow's tracking URI (a file store, sqlite:///..., a "
-                                 "server); null = the run dir's own file store, <run dir>/mlruns")
+    mlflow_uri: str | None = key(None, "MLflow's tracking URI (a dir or file: URI, a file "
+                                 "store; sqlite:///...; a server); null = the run dir's own file "
+                                 "store, <run dir>/mlruns")
 
 
 @dataclass

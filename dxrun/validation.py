@@ -45,6 +45,7 @@ from dxrun.schema import (
 )
 from dxrun.schema_tracking import BACKENDS
 from dxrun.tracking.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
+from dxrun.tracking.stores import unread_logger_keys
 
 
 def validate(cfg: RunConfig) -> None:
@@ -129,7 +130,7 @@ def config_warnings(cfg: RunConfig) -> list[str]:
                    f"{steps}: the warmup is cut to the run's {steps} steps, so the learning "
                    f"rate climbs for the whole run and its last step uses {steps - 1}/{steps} "
                    "of optimizer.lr; lower optimizer.warmup_steps for a run that holds it")
-    return out
+    return out + unread_logger_keys(cfg.logger)
 
 
 def _keys_of(section: str) -> list[str]:

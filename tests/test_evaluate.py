@@ -5,6 +5,7 @@ training files untouched."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -129,18 +130,50 @@ def test_evaluate_whole_held_out_split_of_a_corpus(text_run):
     assert first4["eval/loss"] == _last_eval(text_run)["eval/loss"]
 
 
-def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path):
+@pytest.mark.e2e  # the text run's checkpoint: scored on more than its split holds
+def test_an_evaluation_reads_no_held_out_window_twice(text_run, caplog):
+    n_tokens = len((text_run.parent / "corpus.txt").read_bytes()) + 1
+    windows = (int(n_tokens * 0.05) - 1) // 32
+    whole = evaluate_checkpoint(text_run, ["eval.batches=all"])
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        asked = evaluate_checkpoint(text_run, ["eval.batches=1000"])  # capped, said once
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said == (f"eval.batches=1000: the held-out split holds {windows} windows of "
+                    f"data.seq_len=32, {windows // 16} batches of 16: each evaluation reads "
+                    f"those, no window twice; lower eval.batches to {windows // 16} to silence "
+                    "this")
+    assert asked["batches"] == whole["batches"] == windows // 16
+    assert asked["eval/loss"] == whole["eval/loss"]
+    assert asked["eval/tokens"] == windows // 16 * 16 * 32
+    # A split smaller than one batch: one batch, its windows repeated, each counted once.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        one = evaluate_checkpoint(text_run, ["data.batch_size=64"])
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"eval.batches=4: the held-out split holds {windows} windows of "
+                           "data.seq_len=32, fewer than one batch of 64: each evaluation reads 1 "
+                           f"batch, in which windows repeat; eval/* is over those {windows} ")
+    assert one["batches"] == 1 and one["eval/tokens"] == windows * 32
+
+
+def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path, caplog):
     # XLA:CPU deadlocks when the host dispatches ~32+ programs ahead of 8 simulated devices:
     # 200 held-out batches, in training and in dxrun.evaluate, must each run to the end. In
     # process (the bound is step.InFlight's, the same under the CLI; the CLI's own exit code and
     # output are test_evaluate_equals_in_training_eval_on_any_mesh's): no two interpreter starts.
+    # eval.batches=250 asks for more than the split's 200: training reads those 200, no window
+    # twice (as eval.batches=all below), and says so once.
     from dxrun.train import train
 
     corpus = write_tokens(tmp_path / "corpus", val_batches=200)
     run_dir = tmp_path / "run"
-    train(make_cfg("data=tokens", f"data.path={corpus}", "data.seq_len=8", "data.batch_size=8",
-                   "train.steps=2", "train.eval_every=2", "eval.batches=200",
-                   "checkpoint.every=2", "logger=none"), run_dir)
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        train(make_cfg("data=tokens", f"data.path={corpus}", "data.seq_len=8",
+                       "data.batch_size=8", "train.steps=2", "train.eval_every=2",
+                       "eval.batches=250", "checkpoint.every=2", "logger=none"), run_dir)
+    (said,) = [r.getMessage() for r in caplog.records if "eval.batches" in r.getMessage()]
+    assert said.startswith("eval.batches=250: the held-out split holds 1600 windows of "
+                           "data.seq_len=8, 200 batches of 8: each evaluation reads those")
     want = _last_eval(run_dir)
     assert want["step"] == 2 and 3.5 < want["eval/loss"] < 5  # ~ln(65) for random ids
     evaluate_checkpoint(run_dir, ["eval.batches=all"])

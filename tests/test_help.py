@@ -16,6 +16,7 @@ TOOLS = [
     ("dxrun.evaluate", "usage: python -m dxrun.evaluate <run dir"),
     ("dxrun.sample", "usage: python -m dxrun.sample <run dir"),
     ("dxrun.export", "usage: python -m dxrun.export <run dir"),
+    ("dxrun.logits", "usage: python -m dxrun.logits <run dir"),
     ("dxrun.launch", "--nproc"),
     ("dxrun.report", "sweep_dir"),
     ("benchmarks", "--quick"),  # the checkout's, not installed: found through PYTHONPATH

@@ -22,12 +22,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, make_cfg, subprocess_env, write_corpus
+from conftest import ROOT, cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 from hf_checkpoints import (
     GPT2,
     LLAMA,
     V,
+    hf_config,
     random_tensors,
     reference_logits,
     write_hf_dir,
@@ -40,6 +41,8 @@ from dxrun.hf.config import apply_hf_model, model_fields, model_type_of, read_co
 from dxrun.hf.layout import TABLES
 from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.hf.save import save_hf
+from dxrun.job import Job, describe_model
+from dxrun.logits import load_model
 from dxrun.sharding import in_mesh_context
 from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.export import export
@@ -103,6 +106,57 @@ def test_logits_equal_the_reference_on_every_mesh(hf, kind):
         np.testing.assert_allclose(out, hf["ref"][kind], rtol=0, atol=1e-5, err_msg=mesh)
         assert exp.padded_vocab == {"dp1": V, "tp2": 102, "fsdp2_tp2": 102,
                                     "dp2_tp4": 104}[mesh]
+
+
+def test_a_flax_checkpoint_imports_with_its_norm_epsilon(hf, tmp_path):
+    """What transformers' Flax classes save (safetensors, format flax: kernel transposed,
+    embedding, scale), with a norm epsilon other than 1e-5 (a LlamaConfig()'s 1e-6): dxrun's
+    logits on tp2 equal the Flax model's to 1e-5 of the largest logit."""
+    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
+
+    for fields, cls, eps in ((dict(GPT2, layer_norm_epsilon=1e-3), FlaxGPT2LMHeadModel, 1e-3),
+                             (dict(LLAMA, rms_norm_eps=1e-6), FlaxLlamaForCausalLM, 1e-6)):
+        ref = cls(hf_config(fields), seed=3, dtype=np.float32)
+        d = tmp_path / fields["model_type"]
+        ref.save_pretrained(str(d), safe_serialization=True)
+        want = np.asarray(jax.jit(lambda p, t, ref=ref: ref(t, params=p).logits)(
+            ref.params, hf["tokens"]))
+        exp = Experiment.build(hf_cfg(d, *MESHES["tp2"]), with_data=False)
+        assert exp.cfg.model.norm_eps == eps
+        got = logits(exp, import_params(exp), hf["tokens"])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_dxrun_logits_gives_the_reference_logits(hf, tmp_path):
+    """The documented way to dxrun's logits: ``load_model`` of a HF dir (the Llama in two
+    shards) on tp2 equals transformers' Flax model; ``python -m dxrun.logits`` prints the last
+    position's top five and saves the array; bad token ids are one line, exit 2."""
+    from dxrun import logits as tool
+
+    model = load_model(hf["llama"], "parallelism=tp2")
+    assert dict(model.loaded.exp.mesh.shape)["tensor"] == 2
+    ref = hf["ref"]["llama"]
+    got = model(hf["tokens"])
+    assert got.shape == ref.shape == (2, 16, V) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(model(hf["tokens"][1]), got[1:])  # [L]: a batch of one
+    ids = ",".join(map(str, hf["tokens"][0]))
+    entry = lambda: tool.main("logits", tool.run)  # noqa: E731
+    proc = cli_in_process(str(hf["llama"]), f"tokens={ids}", "out=l.npy", "parallelism=tp2",
+                          cwd=tmp_path, entry=entry, prog="dxrun.logits")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = np.load(tmp_path / "l.npy")
+    np.testing.assert_array_equal(saved, got[:1])
+    top = np.argsort(-saved[0, -1])[:5]
+    assert ("step 0  last position's top 5: "
+            + "  ".join(f"{i}: {saved[0, -1, i]:.4f}" for i in top)) in proc.stdout
+    for bad, says in (("tokens=1,x", "tokens=1,x: give token ids, e.g. tokens=1,2,3"),
+                      (f"tokens=1,{V}", f"tokens: ids must lie in [0, {V})")):
+        proc = cli_in_process(str(hf["llama"]), bad, cwd=tmp_path, entry=entry,
+                              prog="dxrun.logits")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun.logits: error:")]
+        assert says in line, line
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_tied"])
@@ -267,6 +321,15 @@ def _damaged(hf, root: Path) -> dict[str, tuple[Path, str]]:
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[:len(data) // 2])
     cases["truncated"] = (d, "model.safetensors: not a readable safetensors file")
+    d = copy("msgpack", hf["gpt2"])
+    (d / "model.safetensors").rename(d / "flax_model.msgpack")
+    cases["msgpack"] = (d, "holds flax_model.msgpack (Flax's msgpack layout), not "
+                           "model.safetensors (safetensors); save it with save_pretrained(dir, "
+                           "safe_serialization=True)")
+    cases["renamed"] = (write_hf_dir(root / "renamed", GPT2, {
+        "tf." + n: x for n, x in tensors.items()}), "no tensor is named as transformers saves "
+        "this model (e.g. transformer.wte.weight, in PyTorch's layout, or Flax's: kernel, "
+        "embedding, scale); its tensors are named like tf.h.0.attn.c_attn.bias")
     return cases
 
 
@@ -325,8 +388,13 @@ def test_a_model_with_no_hf_equivalent_is_refused_naming_what_differs():
     with pytest.raises(ConfigError, match=r"no Hugging Face equivalent: nearest is gpt2 "
                                           r"\(GPT2LMHeadModel.*\), but model.tie_embeddings=false"):
         model_type_of(m)
-    assert model_type_of(make_cfg("model=tiny_llama").model) == "llama"
     assert model_type_of(make_cfg("model=tiny", "model.tie_embeddings=true").model) == "gpt2"
+    # the presets the guide names as exportable, each as its family
+    for preset, kind in (("small", "gpt2"), ("medium", "gpt2"), ("large", "gpt2"),
+                         ("xl", "gpt2"), ("tiny_llama", "llama"), ("llama2_7b", "llama"),
+                         ("llama3_8b", "llama")):
+        assert model_type_of(make_cfg(f"model={preset}").model) == kind, preset
+        assert f"`{preset}`" in (ROOT / "docs/guide/huggingface.md").read_text()
 
 
 def test_the_guide_prints_the_layout_table_import_and_export_read():
@@ -369,6 +437,9 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     cfg = make_cfg(*given)
     apply_hf_model(cfg, given)
     assert cfg.data.tokenizer == str(d / "tokenizer.json")
+    # the log's "model ..." line: the checkpoint's model, not the default preset modified
+    assert describe_model(cfg.model, Job(choices={"model": "tiny"}, overrides=given)) == (
+        f"hf-gpt2 (hf:{d})")
     validate(cfg)
     summary = train(cfg, tmp_path / "run")
     assert summary["eval/loss"] < before - 0.5, (before, summary["eval/loss"])
@@ -378,6 +449,7 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     run = load(tmp_path / "run", [], "path")  # its mesh, its step: compiled once
     ours = logits(run.exp, run.params, hf["tokens"])
     np.testing.assert_allclose(ours, reference_logits(out, hf["tokens"]), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(load_model(tmp_path / "run")(hf["tokens"]), ours)  # public
 
     exp = Experiment.build(hf_cfg(out, *data), with_data=False)
     again = import_params(exp)
@@ -399,6 +471,11 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     assert got["texts"][0].startswith("the cat sees")
     prompt = got["tokens"][:, :got["prompt_len"]].astype(np.int32)
     assert got["tokens"][0, got["prompt_len"]] == reference_logits(out, prompt)[0, -1].argmax()
+    # a dir without tokenizer.json (an exported bytes-level run's) takes ids, and says so
+    with pytest.raises(ConfigError, match=re.escape(
+            f"prompt='the cat': {hf['gpt2']} has no tokenizer.json: its prompts are token ids "
+            f"0-{V - 1} separated by spaces")):
+        sample(hf["gpt2"], {**options, "prompt": "the cat"}, ["logger=none", "data.seq_len=16"])
 
     # A relaunch into the run dir resumes its checkpoint, not the HF weights
     longer = [*given, "train.steps=40"]

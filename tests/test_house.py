@@ -40,7 +40,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 # pure data (the metric names, no import): what validation checks names against
                 "dxrun.tracking.metric_names")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir",
-              "dxrun.multihost", "dxrun.checkpointing.preempt")),
+              "dxrun.multihost", "dxrun.checkpointing.preempt",
+              # the logger section's checks before JAX (a store's dir: run_dir.dir_refusal)
+              "dxrun.tracking.stores")),
     ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files",
               "dxrun.attention_kernel")),
     ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
@@ -56,7 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
                "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
                "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export")),
+               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export", "dxrun.logits")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes

@@ -8,10 +8,12 @@ import json
 import logging
 
 import pytest
-from conftest import make_cfg
+from conftest import ROOT, cli_in_process, make_cfg
 
+from dxrun.tracking.backends import MlflowBackend, Opening
 from dxrun.tracking.logger import backend_names
 from dxrun.train import train
+from dxrun.validation import config_warnings
 
 TINY = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
         "parallelism=dp2", "train.steps=4", "train.log_every=2", "train.eval_every=4",
@@ -92,3 +94,58 @@ def test_a_failing_backend_is_one_warning(tmp_path, caplog):
     warnings = [r.message for r in caplog.records if "tensorboard" in r.message.lower()]
     assert len(warnings) == 1 and "continuing with metrics.jsonl" in warnings[0]
     assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == len(_rows(tmp_path)) == 2
+
+
+def test_a_plain_dir_is_an_mlflow_file_store(tmp_path, monkeypatch):
+    """logger.mlflow_uri=<a dir> (no file: scheme) opens MLflow's file store there: no
+    warning quoting MLflow's "maintenance mode" refusal, no run without its store."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # what a fresh process has
+    monkeypatch.chdir(tmp_path)  # a relative dir is the launch dir's
+    lc = make_cfg("logger=mlflow", "logger.mlflow_uri=store").logger
+    backend = MlflowBackend(Opening(tmp_path / "run", lc, {"a": 1}, "plain", None, [], "train",
+                                    None, None))
+    backend.log(3, {"step": 3, "train/loss": 2.5})
+    backend.finish()
+    client = MlflowClient(tracking_uri=(tmp_path / "store").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("dxrun").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params == {"a": "1"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id,
+                                                                 "train/loss")] == [(3, 2.5)]
+
+
+@pytest.mark.parametrize("uri, said", [
+    ("/proc/mlflow", "logger.mlflow_uri=/proc/mlflow cannot be created: /proc is not writable"),
+    ("file:{file}", "logger.mlflow_uri=file:{file}: the store's dir={file} is a file, not a "
+     "directory"),
+    ("sqlite:////proc/db/m.db", "logger.mlflow_uri=sqlite:////proc/db/m.db: the database's dir"
+     "=/proc/db cannot be created: /proc is not writable")])
+def test_an_mlflow_store_that_cannot_be_written_is_refused(tmp_path, uri, said):
+    """Before the run (no run dir left, nothing compiled), in one line, exit 2."""
+    (tmp_path / "taken").write_text("a file")
+    uri, said = (x.replace("{file}", str(tmp_path / "taken")) for x in (uri, said))
+    proc = cli_in_process("logger=mlflow", f"logger.mlflow_uri={uri}", "train.steps=2",
+                          cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert said in line and "leave logger.mlflow_uri null (<run dir>/mlruns)" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no run dir, no store
+
+
+def test_a_logger_key_the_logger_does_not_read_is_one_warning():
+    (w,) = config_warnings(make_cfg("train.steps=100", "logger=csv", "logger.entity=me"))
+    assert w == ("logger.entity=me does nothing with logger=csv (only logger=wandb reads it); "
+                 "drop it, or choose a logger that reads it")
+    (w,) = config_warnings(make_cfg("train.steps=100", "logger=many", "logger.backends=[csv]",
+                                    "logger.mlflow_uri=x"))
+    assert w.startswith("logger.mlflow_uri=x does nothing with logger=many (only logger=mlflow")
+    (w,) = config_warnings(make_cfg("train.steps=100", "logger=wandb", "logger.backends=[csv]"))
+    assert w.startswith("logger.backends=[csv] does nothing with logger=wandb")
+    for name in ("wandb", "mlflow", "many", "csv", "tensorboard", "none"):  # as shipped: quiet
+        assert config_warnings(make_cfg("train.steps=100", f"logger={name}")) == [], name
+    for experiment in sorted(p.stem for p in (ROOT / "experiments").glob("*.yaml")):
+        cfg = make_cfg(f"experiment={experiment}", "logger=none")  # its tags, no logger
+        assert [w for w in config_warnings(cfg) if w.startswith("logger.")] == [], experiment
+    assert config_warnings(make_cfg("train.steps=100", "logger=mlflow", "logger.project=p",
+                                    "logger.mlflow_uri=x", "logger.tags=[a]")) == []

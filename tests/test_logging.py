@@ -74,6 +74,23 @@ def test_two_runs_in_one_process_are_distinct(two_runs):
     assert a["history"][0]["train/loss"] != b["history"][0]["train/loss"]
 
 
+def test_wandb_prints_nothing_after_the_run(cfg_factory, tmp_path, monkeypatch, capfd, caplog):
+    """W&B's banner and its history and summary tables are off; the run says where its W&B
+    run is in one line, and the offline files hold every row."""
+    monkeypatch.delenv("WANDB_SILENT")  # the tests' own setting: a user's run has none
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        train(cfg_factory("train.steps=2", "train.log_every=1", "parallelism=dp2",
+                          "data.batch_size=8", "train.eval_every=0"), tmp_path)
+    out, err = capfd.readouterr()
+    assert [x for x in (out + err).splitlines() if x.startswith("wandb:")] == []
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("W&B:")]
+    assert line == f"W&B: offline run in {path.parent} (upload: wandb sync {path.parent})"
+    history = [{k: v for k, v in r.items() if k not in INTERNAL}
+               for r in finished_wandb_run(path)["history"]]
+    assert history == _rows(tmp_path) and [r["step"] for r in history] == [1, 2]
+
+
 def test_failed_wandb_init_still_trains(cfg_factory, tmp_path, caplog):
     (tmp_path / "wandb").write_text("a file where W&B wants its folder")
     with caplog.at_level(logging.WARNING, logger="dxrun"):

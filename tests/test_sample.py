@@ -152,6 +152,9 @@ def test_bad_input_is_one_line(tmp_path, text_run, caplog):
         ((text_run, "prompt=the", "max_new_tokens=1000"),
          "max_new_tokens=1000 after a 3-token prompt needs 1003 positions, beyond "
          "model.max_seq_len=128; use max_new_tokens<=125"),
+        # cp is said first, not the n=1 sample's split over dp2_cp4's 2 replicas
+        ((text_run, "prompt=the", "parallelism=dp2_cp4"),
+         "does not split it over parallelism.cp=4; sample on a mesh with cp=1"),
     ]
     for args, message in cases:
         caplog.clear()

@@ -23,6 +23,7 @@ TOOLS: dict[str, str] = {
     "dxrun.evaluate": "docstring",
     "dxrun.sample": "docstring",
     "dxrun.export": "docstring",
+    "dxrun.logits": "docstring",
     "dxrun.launch": "argparse",
     "dxrun.report": "argparse",
     "dxrun.data.prepare": "argparse",

@@ -105,17 +105,37 @@ class Data:
         self.has_eval = len(loaded.val) >= seq_len + 1
         self.eval_windows = max(0, len(loaded.val) - 1) // seq_len
         if not self.has_eval and cfg.train.eval_every > 0:
-            fix = (f"raise data.val_fraction (now {d.val_fraction}) or add text"
-                   if d.name == "text" else f"put a longer val.bin in data.path={d.path}")
             log.warning("no evaluation: the held-out split has %d tokens, fewer than one window "
                         "(data.seq_len+1=%d); %s, or set train.eval_every=0 to silence this",
-                        len(loaded.val), seq_len + 1, fix)
+                        len(loaded.val), seq_len + 1, self._more_held_out())
         self._splits = {}
         for stream, tokens in ((TRAIN, loaded.train), (EVAL, loaded.val)):
             if stream == TRAIN or self.has_eval:
                 self._splits[stream] = pipeline.local_batches(
                     tokens, seq_len, batch_size, d.seed + stream, process_index,
                     process_count)
+
+    def _more_held_out(self) -> str:
+        d = self.cfg.data
+        return (f"raise data.val_fraction (now {d.val_fraction}) or add text" if d.name == "text"
+                else f"put a longer val.bin in data.path={d.path}")
+
+    def eval_batches(self, asked: int) -> tuple[int, str | None]:
+        """The held-out batches an evaluation of ``eval.batches=asked`` reads, and a warning
+        where that is not ``asked``: a corpus's split gives at most its full batches, so that
+        no window is read twice, and one batch (its windows repeated) when it holds fewer
+        windows than a batch. An endless stream (markov, your own source) gives ``asked``."""
+        w, b = self.eval_windows, self.batch_size
+        if w is None or asked * b <= w:
+            return asked, None
+        held = f"the held-out split holds {w} windows of data.seq_len={self.seq_len}"
+        if w < b:
+            return 1, (f"eval.batches={asked}: {held}, fewer than one batch of {b}: each "
+                       f"evaluation reads 1 batch, in which windows repeat; eval/* is over "
+                       f"those {w} windows; {self._more_held_out()}, or lower data.batch_size")
+        return w // b, (f"eval.batches={asked}: {held}, {w // b} batch"
+                        f"{'es' if w // b > 1 else ''} of {b}: each evaluation reads those, no "
+                        f"window twice; lower eval.batches to {w // b} to silence this")
 
     def local_batch(self, step: int, stream: int = TRAIN) -> np.ndarray:
         """This process's rows of global batch ``step``."""

@@ -25,9 +25,8 @@ PREFIX = "hf:"
 KEY = "model.init_from"
 # The model keys a checkpoint fixes (the rest: dropout, remat, scan_layers... are the run's).
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
-              "max_seq_len", "bias", "norm", "mlp", "pos", "tie_embeddings", "rope_theta",
-              "rope_scaling")
-NORM_EPS = 1e-5  # dxrun's norms (dxrun.layers.Norm)
+              "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
+              "rope_theta", "rope_scaling")
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
@@ -85,8 +84,8 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
         out = dict(n_layers=_need(hf, path, "n_layer"), d_model=D, n_heads=H, n_kv_heads=H,
                    d_ff=hf.get("n_inner") or 4 * D, vocab_size=_need(hf, path, "vocab_size"),
                    max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
-                   mlp="gelu", pos="learned", tie_embeddings=True, rope_theta=10000.0,
-                   rope_scaling=None)
+                   norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
+                   rope_theta=10000.0, rope_scaling=None)
     elif kind == "llama":
         act = hf.get("hidden_act", "silu")
         _refuse_unless(act == "silu", path, f"hidden_act={act}")
@@ -102,15 +101,14 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
                    d_ff=_need(hf, path, "intermediate_size"),
                    vocab_size=_need(hf, path, "vocab_size"),
                    max_seq_len=_need(hf, path, "max_position_embeddings"), bias=False,
-                   norm="rmsnorm", mlp="swiglu", pos="rope",
+                   norm="rmsnorm", norm_eps=float(eps), mlp="swiglu", pos="rope",
                    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                    rope_theta=float(hf.get("rope_theta", 10000.0)),
                    rope_scaling=rope_scaling(hf.get("rope_scaling"), path))
     else:
         raise ConfigError(f"{path}: model_type={kind} is not one dxrun reads; it reads gpt2 and "
                           "llama")
-    _refuse_unless(abs(eps - NORM_EPS) <= 1e-12, path,
-                   f"norm epsilon {eps} (dxrun's norms use {NORM_EPS})")
+    _refuse_unless(isinstance(eps, (int, float)) and eps > 0, path, f"norm epsilon {eps}")
     return out
 
 
@@ -211,7 +209,7 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         return dict(common, n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
                     n_positions=m.max_seq_len, n_ctx=m.max_seq_len,
                     n_inner=None if m.d_ff == 4 * m.d_model else m.d_ff,
-                    activation_function="gelu_new", layer_norm_epsilon=NORM_EPS,
+                    activation_function="gelu_new", layer_norm_epsilon=m.norm_eps,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_weights=True,
                     tie_word_embeddings=True)
     scaling = (None if not m.rope_scaling
@@ -219,7 +217,7 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return dict(common, hidden_size=m.d_model, intermediate_size=m.d_ff,
                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                 num_key_value_heads=m.n_kv_heads, head_dim=m.d_model // m.n_heads,
-                max_position_embeddings=m.max_seq_len, rms_norm_eps=NORM_EPS,
+                max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                 rope_theta=m.rope_theta, rope_scaling=scaling,
                 tie_word_embeddings=m.tie_embeddings, hidden_act="silu",
                 attention_bias=False, mlp_bias=False)

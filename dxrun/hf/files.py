@@ -1,5 +1,7 @@
 """A Hugging Face directory's weights, read lazily: ``model.safetensors``, or the shards
-``model-0000N-of-0000M.safetensors`` its ``model.safetensors.index.json`` lists.
+``model-0000N-of-0000M.safetensors`` its ``model.safetensors.index.json`` lists, as PyTorch's
+classes save them or as the Flax classes do (``kernel``: the weight transposed, ``embedding``,
+``scale``): a Flax tensor is read under its PyTorch name, in PyTorch's layout.
 
 Opening reads the headers only (names, shapes, dtypes); ``HFWeights.read`` reads one tensor,
 through safetensors' memory-mapped reader, and nothing else stays in memory. ``check`` compares
@@ -20,6 +22,11 @@ from dxrun.errors import ConfigError
 from dxrun.hf.layout import BUFFERS, Weight, dims, hf_name, shape_of
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+# The files of layouts dxrun does not read, and how to get one it does.
+OTHER_LAYOUTS = {"flax_model.msgpack": "Flax's msgpack", "pytorch_model.bin": "PyTorch's pickle",
+                 "tf_model.h5": "TensorFlow's h5"}
+# A Flax name's last part, for PyTorch's "weight": whether the tensor is transposed.
+FLAX = {".kernel": True, ".embedding": False, ".scale": False}
 
 
 def weight_files(d: Path) -> dict[str, Path]:
@@ -33,6 +40,11 @@ def weight_files(d: Path) -> dict[str, Path]:
                               f"{str(e).splitlines()[0] if str(e) else 'no weight_map'})") from None
     if (d / SINGLE).is_file():
         return {}
+    found = next((f"{f} ({kind} layout)" for f, kind in OTHER_LAYOUTS.items()
+                  if (d / f).is_file()), None)
+    if found:
+        raise ConfigError(f"{d}: holds {found}, not {SINGLE} (safetensors); save it with "
+                          "save_pretrained(dir, safe_serialization=True), which dxrun reads")
     raise ConfigError(f"{d}: no {SINGLE} or {INDEX}; a Hugging Face directory holds its "
                       "weights as safetensors")
 
@@ -54,6 +66,16 @@ class HFWeights:
         if missing:
             name, path = next(iter(missing.items()))
             raise ConfigError(f"{path}: holds no tensor {name} ({d / INDEX} lists it there)")
+        # PyTorch's name -> (Flax's, transposed), for a directory the Flax classes saved
+        self.flax: dict[str, tuple[str, bool]] = {}
+        if any(n.endswith((".kernel", ".embedding")) for n in self.file_of):
+            for name in list(self.file_of):
+                end = next((e for e in FLAX if name.endswith(e)), None)
+                if end is not None:
+                    torch = name.removesuffix(end) + ".weight"
+                    self.flax[torch] = (name, FLAX[end])
+                    self.file_of[torch] = self.file_of.pop(name)
+        self.layout = "Flax" if self.flax else "PyTorch"
 
     def _open(self, path: Path) -> Any:
         from safetensors import safe_open
@@ -75,16 +97,22 @@ class HFWeights:
         self._stack.close()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.file_of[name]).get_slice(name).get_shape())
+        stored, transposed = self.flax.get(name, (name, False))
+        shape = tuple(self._open(self.file_of[name]).get_slice(stored).get_shape())
+        return shape[::-1] if transposed else shape
 
     def read(self, name: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
         """One tensor, or its ``region`` (only those bytes are read), as float32 (bf16 and
         fp16 checkpoints widen exactly)."""
         path = self.file_of[name]
+        stored, transposed = self.flax.get(name, (name, False))
         try:
             handle = self._open(path)
-            x = handle.get_tensor(name) if region is None else handle.get_slice(name)[region]
-            return np.asarray(x, dtype=np.float32)
+            if region is None:
+                x = handle.get_tensor(stored)
+            else:
+                x = handle.get_slice(stored)[region[::-1] if transposed else region]
+            return np.asarray(x.T if transposed else x, dtype=np.float32)
         except Exception as e:  # noqa: BLE001 - safetensors' own errors: one line
             raise ConfigError(f"{path}: tensor {name} is unreadable ({first(e)})") from None
 
@@ -104,9 +132,18 @@ class HFWeights:
             for layer in range(m.n_layers) if w.per_layer else [None]:
                 name = self.name_for(w, layer)
                 expected.add(name)
+                if name not in self.file_of and not any(
+                        self.name_for(v, i) in self.file_of for v in table
+                        for i in (range(m.n_layers) if v.per_layer else [None])):
+                    first = sorted(self.file_of)[0] if self.file_of else "none"
+                    raise ConfigError(
+                        f"{self.dir}: no tensor is named as transformers saves this model "
+                        f"(e.g. {name}, in PyTorch's layout, or Flax's: kernel, embedding, "
+                        f"scale); its tensors are named like {first}")
                 if name not in self.file_of:
                     raise ConfigError(f"{self.dir}: tensor {name} is missing ({len(expected)} "
-                                      f"found of the model's); it holds dxrun's {w.dxrun}")
+                                      f"found of the model's, {self.layout} layout); it holds "
+                                      f"dxrun's {w.dxrun}")
                 want, have = shape_of(w.hf_shape, d), self.shape(name)
                 if have != want:
                     raise ConfigError(

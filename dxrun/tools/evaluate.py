@@ -3,9 +3,9 @@ score a checkpoint, or a Hugging Face directory (as step 0), on held-out data, o
 
 The newest committed checkpoint (or the step dir given) is restored onto the mesh of the run's
 ``parallelism`` or the overrides' (``parallelism=tp2``) and scored by the loop's own evaluation
-on the held-out split's first ``eval.batches`` batches (on the same mesh: bitwise the run's
-``eval/*`` of that step), or on another source (``data.path=...``). ``eval.batches=all``: every
-full batch of one pass over the held-out windows (a corpus's; the markov stream is refused).
+on the held-out split's first ``eval.batches`` batches (at most the split's; on the same mesh:
+bitwise the run's ``eval/*`` of that step), or on another source (``data.path=...``).
+``eval.batches=all``: every full batch of a corpus's held-out windows (markov's is refused).
 
 The result is printed, appended to ``eval.json`` in the run dir given (or around the checkpoints
 or step dir given; no training file touched) and, when the run logged to W&B (and ``logger`` is
@@ -45,7 +45,10 @@ def batch_count(d: DataConfig, batches: int, data: Data, all_batches: bool) -> i
                           f"window (data.seq_len+1={d.seq_len + 1} tokens); evaluate on "
                           "other data (data.path=...) or raise data.val_fraction")
     if not all_batches:
-        return batches
+        n, capped = data.eval_batches(batches)  # no more than the split holds
+        if capped:
+            log.warning(capped)
+        return n
     if data.eval_windows is None:
         raise ConfigError(f"{ALL}: data={d.name} has an endless held-out stream; give a "
                           "number, e.g. eval.batches=16")
@@ -67,7 +70,8 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     n = batch_count(cfg.data, cfg.eval.batches, exp.data, all_batches)
     t0 = time.perf_counter()
     metrics = evaluate(exp, loaded.params, (exp.batch(k, EVAL) for k in range(n)))
-    metrics["eval/tokens"] = n * cfg.data.batch_size * cfg.data.seq_len
+    rows = n * cfg.data.batch_size  # the distinct windows scored: a short split's repeat
+    metrics["eval/tokens"] = min(rows, exp.data.eval_windows or rows) * cfg.data.seq_len
     record = {
         "step": loaded.step,
         "checkpoint": str(loaded.path),

@@ -93,11 +93,14 @@ def prompt_tokens(d: DataConfig, vocab_size: int, prompt: str, n: int, chain: An
         known, path = recorded_tokenizer(d)
         name = f"the tokenizer {path} (data.path={d.path}'s meta.json)"
         if not known:
+            # a Hugging Face dir without tokenizer.json (an exported bytes-level run's)
+            where = (f"{d.path} has no tokenizer.json" if getattr(d, "hf", False)
+                     else f"data.path={d.path} records no tokenizer (meta.json)")
             if not prompt:
-                raise ConfigError(f"prompt is empty; data.path={d.path} records no tokenizer "
-                                  "(meta.json), so this run takes token ids, e.g. "
-                                  "prompt='464 2068'")
-            return np.tile(_ids(prompt, vocab_size, "data=tokens"), (n, 1)), None
+                raise ConfigError(f"prompt is empty; {where}, so this run takes token ids, "
+                                  "e.g. prompt='464 2068'")
+            what = f"{where}: its" if getattr(d, "hf", False) else "data=tokens"
+            return np.tile(_ids(prompt, vocab_size, what), (n, 1)), None
     tok = Tokenizer(path)
     if bad := tok.unencodable(prompt):
         name = "bytes (UTF-8)" if path is None else name
@@ -118,7 +121,7 @@ def hf_prompt_data(path: Path) -> Any:
     tok = path.expanduser() / "tokenizer.json"
     if tok.is_file():
         return SimpleNamespace(name="text", tokenizer=str(tok), path=None)
-    return SimpleNamespace(name="tokens", tokenizer=None, path=str(path))
+    return SimpleNamespace(name="tokens", tokenizer=None, path=str(path), hf=True)
 
 
 def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any,
@@ -146,6 +149,14 @@ def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any
                          m.d_model // m.n_heads, dtype=COMPUTE_DTYPES[cfg.train.precision])
 
 
+def no_context_parallel(cp: int) -> None:
+    """Decoding one token at a time has no sequence to split over ``parallelism.cp``."""
+    if cp > 1:
+        raise ConfigError(f"sampling decodes one token at a time and does not split it over "
+                          f"parallelism.cp={cp}; sample on a mesh with cp=1 (no parallelism "
+                          "override: one device; or parallelism=tp2)")
+
+
 def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Generate; return the tokens (``n x T``), the prompt length, the printable samples and,
     for markov data, (allowed, total) generated transitions."""
@@ -155,6 +166,7 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
     n, new = options["n"], options["max_new_tokens"]
 
     def as_batch(cfg: RunConfig) -> None:  # the plan checks the n sequences split over replicas
+        no_context_parallel(cfg.parallelism.cp)  # said before the replicas are counted
         cfg.data.batch_size, cfg.data.per_device_batch_size, cfg.train.grad_accum = n, None, 1
 
     try:
@@ -169,10 +181,7 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                           "multiple of them, or decode on a mesh with dp=fsdp=1 (no "
                           "parallelism override: one device; or parallelism=tp2)") from None
     cfg = loaded.cfg
-    if loaded.exp.plan.cp > 1:  # decoding one token at a time has no sequence to split
-        raise ConfigError(f"sampling decodes one token at a time and does not split it over "
-                          f"parallelism.cp={loaded.exp.plan.cp}; sample on a mesh with cp=1 "
-                          "(no parallelism override: one device; or parallelism=tp2)")
+    no_context_parallel(loaded.exp.plan.cp)
     if options["top_k"] > cfg.model.vocab_size:
         raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dxrun.schema_tracking import LoggerConfig
+from dxrun.tracking.stores import mlflow_store_uri
 
 
 class Opening(NamedTuple):
@@ -137,18 +138,19 @@ def _markdown_json(value: Any) -> str:
 class MlflowBackend(Backend):
     """An MLflow run (its ``MlflowClient``): params from the config, ``config.json`` and
     ``plan.json`` as artifacts, a metric per logged value, the summary as ``summary.json`` and
-    ``summary.*`` metrics. The store is ``logger.mlflow_uri``, else the run dir's own file store
-    (``mlruns/``); the experiment is ``logger.project``. A resume in place continues the run
-    that names this run dir (tag ``dxrun.run_dir``); MLflow's histories are append-only, so the
-    interrupted attempt's values past the checkpoint stay there beside the retrained ones."""
+    ``summary.*`` metrics. The store is ``logger.mlflow_uri`` (a plain dir: a file store),
+    else the run dir's own file store (``mlruns/``); the experiment is ``logger.project``. A
+    resume in place continues the run that names this run dir (tag ``dxrun.run_dir``);
+    MLflow's histories are append-only, so the interrupted attempt's values past the checkpoint
+    stay there beside the retrained ones."""
 
     title = "MLflow"
 
     def __init__(self, o: Opening):
-        uri = o.lc.mlflow_uri or (o.run_dir / "mlruns").resolve().as_uri()
+        uri = mlflow_store_uri(o.lc.mlflow_uri, o.run_dir)
         if uri.startswith("file:"):
-            # MLflow 3 refuses its file store unless asked for it; a run dir's own store is
-            # what makes this backend work with no server and no database.
+            # MLflow 3 refuses its file store unless asked for it; a run dir's own store (or a
+            # dir logger.mlflow_uri names) is what makes this backend work with no server.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient

@@ -112,7 +112,8 @@ METRICS: dict[str, Metric] = {
     "eval/tokens": Metric(
         "tokens",
         "sum over the evaluated batches (dxrun.evaluate only)",
-        "tokens scored"),
+        "distinct held-out tokens scored (a split smaller than one batch repeats its windows "
+        "in the batch: each counted once)"),
     "best/train_loss": Metric(
         "nats/token",
         "minimum over the logged finite train/loss (summary.json)",

@@ -31,6 +31,10 @@ class WandbBackend(Backend):
                                         o.tags, o.resume_id, rewind_to, o.job_type)
         if self.run is None:
             raise Declined  # _open_wandb said why
+        # W&B's own banner is off (``_open_wandb``): where its run lives, in one line.
+        where = Path(self.run.dir).parent
+        log.info("W&B: %s", f"offline run in {where} (upload: wandb sync {where})"
+                 if self.run.offline else f"run {self.run.url}")
         if not rewound:  # continued as it is: W&B ignores steps at or below its last
             missing = [r for r in missing if held is not None and r["step"] > max(
                 held, default=0)]
@@ -107,9 +111,13 @@ def _open_wandb(run_dir: Path, lc: LoggerConfig, run_config: dict[str, Any] | No
         resumes = [{"resume": "allow"}] if resume_id else [{}]
         if resume_id is not None and rewind_to is not None:
             resumes.insert(0, {"resume_from": f"{resume_id}?_step={rewind_to}"})
+        # W&B's banner and its history/summary tables after the run's own last lines: off,
+        # unless $WANDB_SILENT or $WANDB_QUIET says how much of it to show.
+        quiet = {"WANDB_SILENT", "WANDB_QUIET"} & os.environ.keys()
+        settings = None if quiet else wandb.Settings(silent=True)
         for i, how in enumerate(resumes):
             try:
-                run = wandb.init(
+                run = wandb.init(settings=settings,
                     project=lc.project, entity=lc.entity, name=name, group=group,
                     job_type=job_type, tags=tags, dir=str(run_dir), mode=mode,
                     config=run_config, reinit="finish_previous", id=resume_id, **how)
