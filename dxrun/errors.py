@@ -82,6 +82,16 @@ class CheckpointReadError(RuntimeError):
     of memory): the run stops with one line and the checkpoint is left as it is."""
 
 
+class CheckpointGone(ConfigError):
+    """A checkpoint that went while it was read: the live run it belongs to rotated it away
+    (``checkpoint.keep``). The message names it; a reader of the newest one reads again."""
+
+    def __init__(self, where: object):
+        super().__init__(f"checkpoint {where} was removed while it was read (its run, still "
+                         "training, rotated it away: checkpoint.keep)")
+        self.where = where
+
+
 class DiskError(RuntimeError):
     """A write the disk refused (no space left, an I/O error). Its message names what was being
     written, why, and what is kept; the launcher prints it as one line and exits 1, with status

@@ -285,12 +285,23 @@ def hydra_value(text: str) -> str:
     return f'"{body}"'
 
 
-def relaunch_command(overrides: list[str], run_dir: Path | str,
-                     program: str = "python -m dxrun") -> str:
+# Set by ``dxrun.launch`` for its ranks: {"program": its own command up to "--", "added": the
+# overrides it adds to the user's}, so that a rank's resume command is the launcher's.
+LAUNCHED_BY = "DXRUN_LAUNCHED_BY"
+
+
+def relaunch_command(overrides: list[str], run_dir: Path | str, program: str | None = None
+                     ) -> str:
     """The command that resumes a stopped run in place: its overrides (Hydra's task
     overrides, which leave out ``hydra.*``, each as the user wrote it) and its run dir (a path,
-    written for Hydra by ``hydra_value``), quoted for a POSIX shell."""
+    written for Hydra by ``hydra_value``), quoted for a POSIX shell. ``program``: by default
+    ``python -m dxrun``, or in a rank of ``dxrun.launch`` the launcher's (``LAUNCHED_BY``)."""
+    launcher = json.loads(os.environ.get(LAUNCHED_BY) or "{}") if program is None else {}
+    program = program or launcher.get("program", "python -m dxrun")
     kept = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    added = launcher.get("added", [])
+    if added and kept[-len(added):] == added:
+        kept = kept[:-len(added)]
     run_dir_override = f"hydra.run.dir={hydra_value(str(run_dir))}"
     return " ".join([program, *map(shlex.quote, kept), shlex.quote(run_dir_override)])
 

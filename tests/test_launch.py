@@ -146,6 +146,13 @@ def test_a_tensor_group_across_processes_is_refused(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     for rank in (0, 1):
         assert f"[rank {rank}] dxrun: error: {message}" in proc.stderr
+    # The launcher's last line quotes the rank that refused first: no run dir holds its log.
+    last = proc.stderr.strip().splitlines()[-1]
+    first = re.fullmatch(r"dxrun\.launch: error: rank (\d) exited with 2 first; then rank (\d) "
+                         r"exited with 2; rank \1 said: dxrun: error: (.+) \(no rank kept a log: "
+                         r"their output is above\)", last)
+    assert first and {first[1], first[2]} == {"0", "1"}, last
+    assert first[3].startswith(message) and first[3].endswith("allow_cross_host_tp=true"), last
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
 
@@ -272,6 +279,9 @@ def test_a_dead_process_stops_the_others_at_once(tmp_path):
                      r"(was stopped by the launcher|exited with 1|was killed by SIGABRT)) .*",
                      out)
     assert line, out[-3000:]
+    run = tmp_path / "run"  # each rank's log, where it is
+    assert line[0].endswith(f" (a process that loses another stops: see {run}/dxrun.0.log, "
+                            f"{run}/dxrun.1.log)"), line[0]
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert (status["status"], status["kind"]) == ("failed", "crashed"), status
     if status["reason"].startswith("rank 1 was killed"):  # rank 0 said nothing: the launcher did
@@ -377,6 +387,43 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
         f"python -m dxrun.launch --nproc=2 --devices-per-proc=1 -- {NO_CACHE} logger=none "
         f"train.steps=100000 train.log_every=1 parallelism=dp checkpoint.every=0 "
         f"{' '.join(ENDLESS_BATCH)} hydra.run.dir={tmp_path}/run")
+    # status.json's resume command is the launcher's, as that line gives it.
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["relaunch"] == out.strip().splitlines()[-1].split("Resume with: ")[1]
+
+
+def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher(tmp_path):
+    """A terminal's Ctrl-C once the rank holds the run dir, before any step: the launcher's last
+    line is a stop, not the rank's exit code as an error; status.json resumes through the
+    launcher, with its options, not the rank's single-process command. (One rank: two, signalled
+    inside their startup collectives, can leave one waiting for the other or crash on its way
+    out, a separate matter.)"""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "1", "--devices-per-proc", "1", "--",
+         NO_CACHE, "logger=none", "parallelism=dp", *ENDLESS_BATCH, "hydra.run.dir=run"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    out = Output(proc)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / ".hydra" / "lock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, out.text()[-3000:]
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        text = out.finish(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    command = (f"python -m dxrun.launch --nproc=1 --devices-per-proc=1 -- {NO_CACHE} logger=none "
+               f"parallelism=dp {' '.join(ENDLESS_BATCH)} hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 130, text[-3000:]
+    assert "error" not in text and "step 1/" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1] == (
+        "dxrun.launch: stopped by SIGINT while starting: every rank stopped; no checkpoint yet. "
+        f"Resume with: {command}")
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["signal"], status["relaunch"]) == (
+        "stopped", "SIGINT", command)
 
 
 # A run dir neither Hydra's override grammar nor a shell takes as it is: "=", both quotes, a
@@ -402,7 +449,7 @@ def read_back(command: str) -> str:
 def test_the_resume_command_reads_back_as_its_run_dir(name):
     """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
     status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
-    from dxrun.multihost.launch import _STOP_LINE, clean_stop
+    from dxrun.multihost.launch import STOP_LINE, clean_stop
     from dxrun.run_dir import relaunch_command
 
     run_dir = f"/tmp/{name}/run"
@@ -411,7 +458,7 @@ def test_the_resume_command_reads_back_as_its_run_dir(name):
     assert command.startswith("python -m dxrun logger=none ")
     line = (f"SIGINT: stopped at step 10; checkpoint {run_dir}/checkpoints/10 committed. "
             f"Resume with: {command}")
-    launcher = clean_stop("SIGINT", [130, 130], _STOP_LINE.search(line), ["--nproc=2"],
+    launcher = clean_stop("SIGINT", [130, 130], STOP_LINE.search(line), ["--nproc=2"],
                           ["logger=none"])
     assert launcher is not None and read_back(launcher.split("Resume with: ")[1]) == run_dir
 

@@ -1,21 +1,27 @@
 """``dxrun.tools.load``: the arguments of ``dxrun.evaluate`` / ``dxrun.sample`` (a run dir whose
 name holds ``=`` is still the path), the checkpoint's config read as data (never interpolated),
-the run dir taken from the path given (never from the checkpoint), and a crash's traceback file
-(never a planted link)."""
+the run dir taken from the path given (never from the checkpoint), a crash's traceback file
+(never a planted link), and the newest checkpoint of a run still training read every time."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import jax
 import pytest
-from conftest import MARKOV_STEPS
+from conftest import MARKOV_STEPS, Output, subprocess_env
 
+from dxrun.checkpointing.store import committed_steps
+from dxrun.tools.export import run as export_run
 from dxrun.tools.load import as_data, given_run_dir, load, main, split_args
 from dxrun.tools.sample import OPTIONS
 
@@ -101,6 +107,24 @@ def test_a_checkpoints_config_is_read_as_data(markov_run, tmp_path):
     assert loaded.run_dir == run
 
 
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_a_tool_with_nothing_readable_names_its_own_argument(markov_run, tmp_path, monkeypatch,
+                                                            capsys):
+    """The run's one checkpoint is damaged: the tool's refusal says what to give it (another
+    path), not a training key (``checkpoint.resume=none``)."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(markov_run / "checkpoints", ckpts)
+    _meta_file(ckpts / str(MARKOV_STEPS)).write_text('{"config": ')
+    monkeypatch.setattr(sys, "argv", ["dxrun.export", str(tmp_path / "run"), "--to",
+                                      str(tmp_path / "hf")])
+    with pytest.raises(SystemExit) as stop:
+        main("export", export_run)
+    assert stop.value.code == 2 and not (tmp_path / "hf").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dxrun.export: error: path: no readable checkpoint in {ckpts}; give another path: a "
+        "run dir, its checkpoints dir or one of its step dirs")
+
+
 def test_the_run_dir_is_the_path_given_never_the_recorded_one(tmp_path):
     run = tmp_path / "copy"
     (run / "checkpoints" / "300").mkdir(parents=True)
@@ -113,3 +137,56 @@ def test_the_run_dir_is_the_path_given_never_the_recorded_one(tmp_path):
     elsewhere.mkdir()
     (elsewhere / "checkpoints.txt").write_text(f"{shared}\n")
     assert given_run_dir(elsewhere, shared) == elsewhere
+
+
+# The fastest rotation: a save every 5 steps, only the newest kept. A GPT-2-shaped model=tiny
+# (tied embeddings): the export has an architecture to write.
+LIVE = ["model=tiny", "model.tie_embeddings=true", "parallelism=dp2", "runtime.cpu_devices=2",
+        "train.steps=1000000", "checkpoint.every=5", "checkpoint.keep=1", "logger=none",
+        "train.eval_every=0", "train.log_every=1000", "data.batch_size=8", "data.seq_len=16"]
+
+
+@pytest.mark.e2e  # a training process, read while it trains
+def test_a_run_still_training_is_read_ten_times_in_ten(tmp_path, caplog):
+    """A run saving every 5 steps and keeping one checkpoint: the checkpoint a reader chose goes
+    while it is read, and the reader then takes the newest committed one. Ten loads of the
+    tools (in this process) and one ``python -m dxrun.export`` all succeed while it trains."""
+    run = tmp_path / "run"
+    trainer = subprocess.Popen([sys.executable, "-m", "dxrun", *LIVE, f"hydra.run.dir={run}"],
+                               cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    out, export = Output(trainer), None
+    try:
+        deadline = time.monotonic() + 240
+        while len(committed_steps(run / "checkpoints")) == 0:
+            assert trainer.poll() is None and time.monotonic() < deadline, out.text()[-3000:]
+            time.sleep(0.05)
+        # The CLI's export beside this process's loads, each racing the rotation.
+        export = subprocess.Popen(
+            [sys.executable, "-m", "dxrun.export", str(run), "--to", str(tmp_path / "hf"),
+             "runtime.cpu_devices=2"], cwd=tmp_path, env=subprocess_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        steps = []
+        with caplog.at_level(logging.INFO, logger="dxrun"):
+            for _ in range(10):
+                loaded = load(run, [], "path", with_data=False)
+                assert loaded.path == run / "checkpoints" / str(loaded.step)
+                assert sum(x.size for x in jax.tree.leaves(loaded.params)) == 109312
+                steps.append(loaded.step)
+        stdout, stderr = export.communicate(timeout=300)
+        assert trainer.poll() is None, out.text()[-3000:]  # it trained all along
+    finally:
+        for proc in (trainer, export):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    assert export.returncode == 0, stderr[-3000:]
+    written = re.search(r"^wrote hf: GPT2LMHeadModel from run/checkpoints/(\d+) \(step (\d+)\)$",
+                        stdout.strip())
+    assert written and written[1] == written[2], stdout
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_layer"] == 2
+    assert all(s % 5 == 0 for s in steps) and steps == sorted(steps), steps
+    # The race was run: some reads found their checkpoint rotated away and read the newest.
+    gone = [r.getMessage() for r in caplog.records if "was removed while it was read" in
+            r.getMessage()] + [x for x in stderr.splitlines() if "was removed while" in x]
+    assert gone, (steps, stderr[-3000:])

@@ -29,10 +29,10 @@ from dxrun.checkpointing.damage import (
     root_cause,
     set_aside_checkpoints,
 )
-from dxrun.checkpointing.store import POINTER, STATE, checkpoint_dir, committed_steps, read
+from dxrun.checkpointing.store import POINTER, STATE, checkpoint_dir, committed_steps, read, rotated_away
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.data.pipeline import position
-from dxrun.errors import CheckpointReadError, ConfigError, NothingToTrain
+from dxrun.errors import CheckpointGone, CheckpointReadError, ConfigError, NothingToTrain
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
 from dxrun.tracking.monitor import stopped_early
@@ -71,6 +71,13 @@ class Resume:
     # is restored with the rest.
     fresh_optimizer: str | None = None
     state_names: set[str] | None = None  # the leaves of the checkpoint's state tree
+    key: str = "checkpoint.resume"  # what named the checkpoints: a tool's is its path argument
+
+    def fix(self) -> str:
+        """The way on when nothing here can be read: a launch starts fresh, a tool
+        (``dxrun.export``, ...) is given other checkpoints: its own argument, not a run's key."""
+        return ("start fresh with checkpoint.resume=none" if self.key == "checkpoint.resume" else
+                f"give another {self.key}: a run dir, its checkpoints dir or one of its step dirs")
 
 
 def find_resume(ckpt: CheckpointConfig, run_dir: Path, now: RunConfig | dict[str, Any]
@@ -126,9 +133,9 @@ def locate(path: Path, key: str = "checkpoint.resume") -> Resume:
         path = Path((path / POINTER).read_text().strip())
     if path.name.isdigit() and path.parent.is_dir() and int(path.name) in committed_steps(
             path.parent):
-        return Resume(path.parent, int(path.name), in_place=False)
+        return Resume(path.parent, int(path.name), in_place=False, key=key)
     if committed_steps(path):
-        return Resume(path, None, in_place=False)
+        return Resume(path, None, in_place=False, key=key)
     fix = ", or use checkpoint.resume=auto|none" if key == "checkpoint.resume" else ""
     raise ConfigError(f"{key}={path} holds no committed checkpoint; give a run dir, its "
                       f"checkpoints dir or one of its step dirs{fix}")
@@ -156,22 +163,36 @@ def _read_meta(directory: Path, step: int, check_state: bool
     return meta, names
 
 
+def gone(resume: Resume, step: int) -> bool:
+    """``rotated_away``: a run's own checkpoints no one else writes, so none goes while read."""
+    return rotated_away(resume.directory, step, wait=not resume.in_place)
+
+
 def _newest_readable(resume: Resume, check_state: bool
                      ) -> tuple[int, dict[str, Any], set[str] | None] | None:
-    """The newest step this process can read: (step, meta, state leaf names), or None."""
+    """The newest step this process can read: (step, meta, state leaf names), or None. A step
+    rotated away while read gives way to the newest committed one then (a live run's); one
+    asked for (``resume.step``) raises CheckpointGone."""
     quiet_reads_that_finish_late()
-    for step in _candidates(resume):
+    tried: list[int] = []
+    while (step := next((s for s in _candidates(resume) if s not in tried), None)) is not None:
+        tried.append(step)
         try:
             meta, names = _read_meta(resume.directory, step, check_state)
         except Exception as e:  # noqa: BLE001 - damage: the one before; else: stop
+            where = resume.directory / str(step)
+            if gone(resume, step):
+                if resume.step is not None:
+                    raise CheckpointGone(where) from None
+                log.info("checkpoint %s was rotated away while read; reading the newest one", where)
+                continue
             if not is_damage(e):
                 raise ConfigError(
-                    f"checkpoint {resume.directory / str(step)} could not be read "
-                    f"({root_cause(e)}); it is not damaged as far as dxrun can tell and "
-                    "is left as it is: fix the cause and relaunch, or start fresh with "
-                    "checkpoint.resume=none") from e
+                    f"checkpoint {where} could not be read ({root_cause(e)}); it is not damaged "
+                    "as far as dxrun can tell and is left as it is: fix the cause and "
+                    f"try again, or {resume.fix()}") from e
             log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before",
-                        resume.directory / str(step), root_cause(e))
+                        where, root_cause(e))
             continue
         return step, meta, names
     return None
@@ -189,8 +210,8 @@ def newest_meta(resume: Resume, check_state: bool = False) -> tuple[int, dict[st
                     resume.directory / str(found[0]), agreed)
         found = _newest_readable(Resume(resume.directory, agreed, resume.in_place), check_state)
     if agreed < 0 or found is None:
-        raise ConfigError(f"checkpoint.resume: no readable checkpoint in {resume.directory}; "
-                          "start fresh with checkpoint.resume=none")
+        raise ConfigError(f"{resume.key}: no readable checkpoint in {resume.directory}; "
+                          f"{resume.fix()}")
     step, meta, names = found
     resume.damaged = [s for s in _candidates(resume) if s > step]
     resume.state_names = names
@@ -341,16 +362,19 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
                                                        resume.fresh_optimizer is None),
                                resuming=bool(resume.meta))
             outcome, err = "ok", ""
-        except Exception as e:  # noqa: BLE001 - sorted below: damage or not
-            outcome, err = ("damaged" if is_damage(e) else "error"), root_cause(e)
+        except Exception as e:  # noqa: BLE001 - sorted below: rotated away, damage or not
+            outcome = ("gone" if gone(resume, step) else "damaged" if is_damage(e) else "error")
+            err = root_cause(e)
         # Every process reads its own shards: all go on only from a step all of them read.
         outcomes = gather(f"restore/{step}", outcome)
         where = resume.directory / str(step)
+        if "gone" in outcomes:
+            raise CheckpointGone(where)
         if "error" in outcomes:
             raise CheckpointReadError(
                 f"checkpoint {where} could not be read ({err or 'on another process'}); it is "
                 "not damaged as far as dxrun can tell and is left as it is: fix the cause and "
-                "relaunch")
+                "try again")
         if "damaged" in outcomes:
             log.warning("checkpoint %s is incomplete or corrupt (%s); using the one before", where,
                         err or f"on process {outcomes.index('damaged')}")
@@ -361,5 +385,5 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
         state = dict(state)
         state.setdefault("opt_state", None)
         return TrainState(**state), meta, step
-    raise ConfigError(f"checkpoint.resume: no readable checkpoint in {resume.directory}; "
-                      "start fresh with checkpoint.resume=none")
+    raise ConfigError(f"{resume.key}: no readable checkpoint in {resume.directory}; "
+                      f"{resume.fix()}")

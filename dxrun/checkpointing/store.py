@@ -70,6 +70,22 @@ def committed_steps(directory: Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
+def rotated_away(directory: Path, step: int, wait: bool) -> bool:
+    """Whether checkpoint ``step`` of ``directory``, which failed to read, is going: a live run
+    (read by a tool or a warm start while it trains) rotated it away (``checkpoint.keep``)
+    during the read. With ``wait``, a step with newer ones beside it, whose files may still be
+    being deleted, is waited for up to ``DELETION_S`` (never the newest, which stays)."""
+    deadline = time.monotonic() + (DELETION_S if wait else 0)
+    while step in (steps := committed_steps(directory)):
+        if steps[-1] == step or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+DELETION_S = 2.0
+
+
 def _one_writer_per_shard() -> None:
     """Each shard is written by its first replica, as Orbax does on GPUs. Orbax's default
     elsewhere splits every replicated shard over its replicas (to spread a TPU pod's writes),

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from dxrun.errors import EXIT_CODES, EXIT_REFUSED, FAILED, RUNNING
+from dxrun.errors import EXIT_CODES, EXIT_REFUSED
 from dxrun.multihost.distributed import (
     COORDINATOR,
     CUDA_VISIBLE,
@@ -40,8 +40,18 @@ from dxrun.multihost.distributed import (
     PROCESS_ID,
     visible_gpus,
 )
-from dxrun.run_dir import relaunch_command, run_dir_of
-from dxrun.runtime import DEVICE_COUNT_FLAG, STATUS, write_status
+from dxrun.multihost.ending import (
+    STOP_LINE,
+    STOPPED_OUTSIDE,
+    clean_stop,
+    failure,
+    first_failure,
+    mark_failed,
+    program,
+    told_run_dir,
+)
+from dxrun.run_dir import LAUNCHED_BY
+from dxrun.runtime import DEVICE_COUNT_FLAG
 
 
 def free_port() -> int:
@@ -136,14 +146,6 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def describe(returncode: int, by_launcher: bool = False) -> str:
-    if by_launcher:
-        return "was stopped by the launcher"
-    if returncode < 0:
-        return f"was killed by {signal.Signals(-returncode).name}"
-    return f"exited with {returncode}"
-
-
 def stop_delay(returncode: int, grace: float) -> float | None:
     """Seconds the other processes get to end by themselves once one ended with
     ``returncode``; None: no need to stop them. A process killed by a signal leaves the others
@@ -161,34 +163,20 @@ def stop_delay(returncode: int, grace: float) -> float | None:
 _NOISE = "peer ranks. Expected number of connected peer ranks"
 
 
-_STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
-                        r"Resume with: (.+)$")
-
-
-def _pump(stream: IO[str], out: IO[str], prefix: str, stops: list[re.Match] | None = None
-          ) -> None:
+def _pump(stream: IO[str], out: IO[str], prefix: str, stops: list[re.Match] | None = None,
+          said: list[str] | None = None) -> None:
+    """Copy a rank's ``stream`` to ``out``: rank 0's stop lines into ``stops``, the rank's own
+    one-line ends (``dxrun: ...``: a refusal, a crash) into ``said``."""
     for line in stream:
         if _NOISE in line:
             continue
-        if stops is not None and (m := _STOP_LINE.search(line.rstrip("\n"))):
+        text = line.rstrip("\n")
+        if stops is not None and (m := STOP_LINE.search(text) or STOPPED_OUTSIDE.search(text)):
             stops.append(m)
+        if said is not None and text.startswith("dxrun: "):
+            said.append(text)
         out.write(prefix + line)
         out.flush()
-
-
-def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | None,
-               launch_args: list[str], overrides: list[str]) -> str | None:
-    """The launcher's closing line when a signal it passed on stopped every rank cleanly (each
-    exited with the stop's own code after rank 0 committed the checkpoint); None otherwise."""
-    if signalled is None or stop is None or any(c != EXIT_CODES[signalled] for c in returncodes):
-        return None
-    run_dir = run_dir_of(stop.group(4))
-    if run_dir is None:
-        return None
-    command = relaunch_command(overrides, run_dir,
-                               " ".join(["python -m dxrun.launch", *launch_args, "--"]))
-    return (f"dxrun.launch: stopped by {signalled}: every rank saved and stopped at step "
-            f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -221,30 +209,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--hosts={args.hosts} must divide --nproc={args.nproc} (the same number of "
                 "processes on every host)")
     return args, overrides
-
-
-def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int, int] | None:
-    """(rank, exit code) of the rank that failed first, by ``ended`` (rank -> when it exited);
-    None while none has failed."""
-    failed = sorted((t, r) for r, t in ended.items() if codes[r])
-    return (failed[0][1], codes[failed[0][1]]) if failed else None
-
-
-def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
-    """The run's status.json says ``failed`` (crashed, ``reason``) where it still says
-    ``running``: its processes were killed before they could write their own end. The run dir
-    is the one process 0 wrote to ``run_dir_file`` (nothing when it never got that far)."""
-    try:
-        run_dir = Path(run_dir_file.read_text(encoding="utf-8"))
-        status = json.loads((run_dir / STATUS).read_text())
-    except (OSError, ValueError):
-        return
-    if status.get("status") != RUNNING:
-        return  # a process said how the run ended
-    log = run_dir / f"dxrun.{rank}.log"
-    write_status(run_dir, FAILED, kind="crashed", reason=reason,
-                 log=str(log) if log.is_file() else None,
-                 **{k: status[k] for k in ("job", "overrides") if k in status})
 
 
 def launch(nproc: int, overrides: list[str], devices_per_proc: int | None = None,
@@ -281,6 +245,8 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
         env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
                         hosts)
         env[LAUNCH_RUN_DIR] = str(run_dir_file)
+        env[LAUNCHED_BY] = json.dumps({"program": program(launch_args),
+                                       "added": overrides[len(user_overrides):]})
         proc = subprocess.Popen(
             [sys.executable, "-m", "dxrun", *overrides], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
@@ -292,10 +258,12 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
         print(f"dxrun.launch: rank {rank} pid {proc.pid}{gpu_note}", flush=True)
     pumps: list[threading.Thread] = []
     stops: list[re.Match] = []  # rank 0's stop line: its checkpoint and resume command
+    said: list[list[str]] = [[] for _ in procs]  # each rank's own one-line ends
     for rank, proc in enumerate(procs):
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, daemon=True, args=(
-                stream, out, f"[rank {rank}] ", stops if rank == 0 else None))
+                stream, out, f"[rank {rank}] ", stops if rank == 0 else None,
+                said[rank] if stream is proc.stderr else None))
             t.start()
             pumps.append(t)
 
@@ -357,10 +325,7 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     if first is None:
         return 0
     rank, code = first
-    others = ", ".join(f"rank {r} {describe(p.returncode, r in stopped)}"
-                       for r, p in enumerate(procs) if r != rank)
-    reason = (f"rank {rank} {describe(code)} first; then {others} (a process that loses "
-              "another stops: see each rank's dxrun.<rank>.log in the run dir)")
+    reason = failure(procs, rank, stopped, said[rank], told_run_dir(run_dir_file))
     mark_failed(run_dir_file, reason, rank)
     print(f"dxrun.launch: error: {reason}", file=sys.stderr, flush=True)
     return exit_code(code)

@@ -193,7 +193,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     either falls back to the devices found where it does not fit them (``plan_on_devices``).
     ``key`` names the path argument in refusals. A Hugging Face directory loads as step 0
     (``compose_hf``)."""
-    from dxrun.checkpointing import resume as checkpoint  # imports JAX
+    from dxrun.tools.live import checkpoint, read_newest  # imports JAX
 
     best, overrides = BEST in overrides, [o for o in overrides if o != BEST]
     named = names_layout(overrides)
@@ -227,35 +227,26 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
         exp = Experiment.build(cfg, plan, with_data=with_data)
         log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
         return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, exp.hf_params())
-    step, meta = checkpoint.newest_meta(resume)
-    if best:  # the newest checkpoint's meta names the best one (checkpoint.keep_best)
-        kept = (meta.get("keep_best") or {}).get("step")
-        if kept is None or kept not in checkpoint.committed_steps(resume.directory):
-            raise ConfigError(f"--best: {resume.directory} holds no best checkpoint (the run "
-                              "was not trained with checkpoint.keep_best=<metric>); drop --best")
-        resume.step = kept
-        step, meta = checkpoint.newest_meta(resume)
-    where = resume.directory / str(step)
-    cfg = compose(meta["config"], overrides)
-    if diff := checkpoint.changed(cfg, meta["config"],
-                                  checkpoint.MODEL_SHAPE + checkpoint.VOCABULARY):
-        k, now, then = diff
-        raise ConfigError(f"{k}={now} but checkpoint {where} was written with {k}={then} "
-                          f"(a checkpoint's model shape is fixed); drop the {k} override")
-    if adjust is not None:
-        adjust(cfg)
-    validate(cfg)
-    cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose)
-    exp = Experiment.build(cfg, plan, with_data=with_data)
-    resume.step = step  # exactly the step whose config this is
-    # The parameters alone: the optimizer state is not needed, and its tree may not match an
-    # optimizer given as an override.
-    resume.fresh_optimizer = "not needed after training"
-    state, _, _ = checkpoint.restore(resume, exp.abstract_state())
-    log.info("checkpoint %s (step %d) on mesh %s", where, step,
+
+    def build(meta: dict[str, Any], where: Path) -> tuple[DictConfig, Experiment]:
+        """(config, experiment) of checkpoint ``where`` (``meta``: its meta)."""
+        cfg = compose(meta["config"], overrides)
+        if diff := checkpoint.changed(cfg, meta["config"],
+                                      checkpoint.MODEL_SHAPE + checkpoint.VOCABULARY):
+            k, now, then = diff
+            raise ConfigError(f"{k}={now} but checkpoint {where} was written with {k}={then} "
+                              f"(a checkpoint's model shape is fixed); drop the {k} override")
+        if adjust is not None:
+            adjust(cfg)
+        validate(cfg)
+        cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose)
+        return cfg, Experiment.build(cfg, plan, with_data=with_data)
+
+    meta, where, cfg, exp, params = read_newest(resume, best, step is not None, build)
+    log.info("checkpoint %s (step %d) on mesh %s", where, int(where.name),
              " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
-    return Loaded(cfg, meta, step, where, given_run_dir(path, resume.directory), exp,
-                  state.params)
+    return Loaded(cfg, meta, int(where.name), where, given_run_dir(path, resume.directory), exp,
+                  params)
 
 
 def names_layout(overrides: list[str]) -> bool:

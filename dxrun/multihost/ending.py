@@ -1,0 +1,100 @@
+"""How a ``dxrun.launch`` run ended, in the launcher's words: the closing line of a stop that
+every rank made cleanly (``clean_stop``), or of a failure, naming the rank that failed first,
+its own last line and where the ranks' logs are (``failure``), and the run's status.json marked
+failed where no rank could (``mark_failed``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+from dxrun.errors import EXIT_CODES, FAILED, RUNNING
+from dxrun.run_dir import relaunch_command, run_dir_of
+from dxrun.runtime import STATUS, write_status
+
+STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
+                        r"Resume with: (.+)$")
+# A rank stopped outside the train loop (``__main__._interrupted``): when, and what it kept.
+STOPPED_OUTSIDE = re.compile(r"(SIG\w+): stopped (while starting|after the last step); (.+)$")
+
+
+def describe(returncode: int, by_launcher: bool = False) -> str:
+    if by_launcher:
+        return "was stopped by the launcher"
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with {returncode}"
+
+
+def program(launch_args: list[str]) -> str:
+    """The launcher's command up to its ranks' overrides."""
+    return " ".join(["python -m dxrun.launch", *launch_args, "--"])
+
+
+def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | None,
+               launch_args: list[str], overrides: list[str]) -> str | None:
+    """The launcher's closing line when a signal it passed on stopped every rank cleanly (each
+    exited with the stop's own code after rank 0 committed the checkpoint, or outside the loop:
+    then rank 0's words, whose resume command is the launcher's); None otherwise."""
+    if signalled is None or any(c != EXIT_CODES[signalled] for c in returncodes):
+        return None
+    if stop is None or stop.re is STOPPED_OUTSIDE:
+        when, kept = (f" {stop[2]}", f"; {stop[3]}") if stop else ("", "")
+        return f"dxrun.launch: stopped by {signalled}{when}: every rank stopped{kept}"
+    run_dir = run_dir_of(stop.group(4))
+    if run_dir is None:
+        return None
+    command = relaunch_command(overrides, run_dir, program(launch_args))
+    return (f"dxrun.launch: stopped by {signalled}: every rank saved and stopped at step "
+            f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
+
+
+def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that failed first, by ``ended`` (rank -> when it exited);
+    None while none has failed."""
+    failed = sorted((t, r) for r, t in ended.items() if codes[r])
+    return (failed[0][1], codes[failed[0][1]]) if failed else None
+
+
+def told_run_dir(run_dir_file: Path) -> Path | None:
+    """The run dir process 0 wrote to ``run_dir_file`` (None when it never got that far)."""
+    try:
+        return Path(run_dir_file.read_text(encoding="utf-8"))
+    except OSError:
+        return None
+
+
+def failure(procs: list[subprocess.Popen], rank: int, stopped: set[int], said: list[str],
+            run_dir: Path | None) -> str:
+    """The launcher's line for a run whose rank ``rank`` failed first: how each rank ended,
+    the failed rank's own last line (``said``) and where the ranks' logs are, if anywhere."""
+    others = ", ".join(f"rank {r} {describe(p.returncode, r in stopped)}"
+                       for r, p in enumerate(procs) if r != rank)
+    line = f"rank {rank} {describe(procs[rank].returncode)} first; then {others}"
+    if said:
+        line += f"; rank {rank} said: {said[-1]}"
+    logs = [str(run_dir / f"dxrun.{r}.log") for r in range(len(procs))
+            if run_dir is not None and (run_dir / f"dxrun.{r}.log").is_file()]
+    return line + (f" (a process that loses another stops: see {', '.join(logs)})" if logs
+                   else " (no rank kept a log: their output is above)")
+
+
+def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
+    """The run's status.json says ``failed`` (crashed, ``reason``) where it still says
+    ``running``: its processes were killed before they could write their own end. The run dir
+    is the one process 0 wrote to ``run_dir_file`` (nothing when it never got that far)."""
+    run_dir = told_run_dir(run_dir_file)
+    try:
+        status = json.loads((run_dir / STATUS).read_text()) if run_dir else {}
+    except (OSError, ValueError):
+        return
+    if status.get("status") != RUNNING:
+        return  # a process said how the run ended
+    log = run_dir / f"dxrun.{rank}.log"
+    write_status(run_dir, FAILED, kind="crashed", reason=reason,
+                 log=str(log) if log.is_file() else None,
+                 **{k: status[k] for k in ("job", "overrides") if k in status})
