@@ -55,6 +55,7 @@ from dxrun.runtime import (
     cpu_fallback_refusal,
     enable_compile_cache,
     nvidia_device_node,
+    reuse_pays,
     simulate_cpu_devices,
     simulated_count,
     sweep_group,
@@ -120,7 +121,7 @@ def main(cfg: DictConfig) -> Any:
         # runtime.cpu_devices: set before JAX starts.
         n_cpu, count_note = simulated_count(cfg.run.mode, cfg.plan.devices,
                                             cfg.runtime.cpu_devices)
-        simulated = simulate_cpu_devices(n_cpu)
+        simulated = simulate_cpu_devices(n_cpu, reuse=reuse_pays(cfg, n_cpu))
         joined = join(cfg.distributed)  # before anything touches a JAX device
         import jax
 

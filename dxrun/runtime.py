@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
 import math
@@ -55,12 +56,34 @@ def reuse_freed_memory() -> bool:
     return all(libc.mallopt(k, v) == 1 for k, v in settings.items())
 
 
-def accelerator_host() -> bool:
-    """Whether JAX may find an accelerator here, told before it starts: a GPU's or TPU's
-    device node, or Google's TPU runtime installed (a TPU VM under a sandbox shows no node).
-    There XLA compiles on many threads, which one malloc arena's lock would serialize."""
-    import importlib.util
+# runtime.reuse_freed_memory=auto: one arena from this many bytes a device (reuse_pays' guess),
+# between BENCHMARKS.md's arena-table shapes where glibc's defaults win and where one arena does.
+REUSE_FROM_BYTES = 16 * 2**20
 
+
+def reuse_pays(cfg: RunConfig, n_devices: int) -> bool:
+    """``runtime.reuse_freed_memory``; ``auto`` decided before JAX starts from the config: one
+    device's fp32 weights, gradients and moments (split over fsdp and tensor) and each layer's
+    activations of its share of the batch (16 values of width d_model a token), guessed from
+    the ``parallelism`` section's axes (an inferred one takes the rest of the devices)."""
+    setting = cfg.runtime.reuse_freed_memory
+    if setting != "auto":
+        return setting == "always"
+    m, d, par = cfg.model, cfg.data, cfg.parallelism
+    used = par.n_devices or n_devices
+    axes = {k: getattr(par, k) for k in ("dp", "fsdp", "cp", "tp")}
+    named = math.prod(max(1, v) for v in axes.values())
+    n = {k: (used // named if v == -1 else max(1, v)) for k, v in axes.items()}
+    tokens = ((d.batch_size or (d.per_device_batch_size or 1) * used)
+              * (d.seq_len or m.max_seq_len or 1024) / (n["dp"] * n["fsdp"] * n["cp"]))
+    params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model
+    return (16 * params / (n["fsdp"] * n["tp"]) + 64 * tokens * m.d_model * m.n_layers
+            >= REUSE_FROM_BYTES)
+
+
+def accelerator_host() -> bool:
+    """Whether JAX may find an accelerator here, told before it starts: a GPU's or TPU's device
+    node, or Google's TPU runtime installed (a TPU VM under a sandbox shows no node)."""
     return (any(map(os.path.exists, _ACCELERATOR_NODES))
             or importlib.util.find_spec("libtpu") is not None)
 
@@ -84,11 +107,12 @@ def _glibc() -> Any:
     return ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
 
 
-def simulate_cpu_devices(n: int) -> bool:
-    """Make the CPU platform expose ``n`` devices (and reuse freed memory: see
+def simulate_cpu_devices(n: int, reuse: bool = True) -> bool:
+    """Make the CPU platform expose ``n`` devices (and, with ``reuse``, reuse freed memory: see
     ``reuse_freed_memory``). Returns False if JAX already started (the device count is then
     fixed, e.g. in later jobs of a multirun) or the user set it."""
-    reuse_freed_memory()
+    if reuse:
+        reuse_freed_memory()
     if "jax" in sys.modules and "jax._src.xla_bridge" in sys.modules:
         from jax._src import xla_bridge
 

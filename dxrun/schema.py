@@ -325,6 +325,12 @@ class RuntimeConfig:
     memory_gb: float | None = key(
         None, "the memory (GiB) the preflight believes this host/device has; null = what it "
         "reports", unranged="positive or null: check_runtime")
+    reuse_freed_memory: str = key(
+        "auto", "glibc's malloc on a CPU-only host (set before JAX starts): \"always\" = one "
+        "arena, no mmap, freed blocks kept for the next step (no page faults for big "
+        "temporaries, one lock for every thread); \"never\" = glibc's defaults; \"auto\" = "
+        "always where a step's buffers per device are big enough to pay for the lock "
+        "(dxrun/runtime.py: REUSE_FROM_BYTES).", choices=("auto", "always", "never"))
     compile_cache: str | None = key(
         "auto", "JAX's persistent compilation cache: \"auto\" = <user cache dir>/dxrun/jax, a "
         "path, or null.")

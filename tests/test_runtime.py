@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, subprocess_env
+from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun import run_dir as run_dirs
 from dxrun.errors import ConfigError
@@ -320,3 +320,21 @@ def test_the_thread_pool_note_only_where_a_mesh_uses_fewer_simulated_devices_tha
     assert thread_pool_note(1, 8, 16) is None  # a thread per core already: none added
     assert thread_pool_note(1, 2, 2) is None
     assert thread_pool_note(2, 8, None) is None  # cores unknown
+
+
+def test_the_allocator_setting_is_decided_by_the_step_it_serves():
+    """runtime.reuse_freed_memory=auto, decided before JAX starts: glibc's defaults for the
+    default run (the tiny model's batch split over 8 devices: faults it barely takes, against a
+    lock every thread takes), one arena where the buffers a device holds are big (the same run
+    on one device, the suite's model, GPT-2 small on fsdp8); always/never as asked."""
+    from dxrun.runtime import reuse_pays
+
+    mid = ("model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
+           "data.vocab_size=256", "data.seq_len=128", "data.batch_size=16")
+    assert not reuse_pays(make_cfg(), 8)
+    assert reuse_pays(make_cfg("parallelism=dp1"), 8)
+    assert reuse_pays(make_cfg(*mid, "parallelism=dp8"), 8)
+    assert reuse_pays(make_cfg("model=small", "data.batch_size=8", "data.seq_len=16",
+                               "parallelism=fsdp8"), 8)
+    assert reuse_pays(make_cfg("runtime.reuse_freed_memory=always"), 8)
+    assert not reuse_pays(make_cfg(*mid, "runtime.reuse_freed_memory=never"), 8)
