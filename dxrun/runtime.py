@@ -73,7 +73,7 @@ def reuse_pays(cfg: RunConfig, n_devices: int) -> bool:
     used = par.n_devices or n_devices
     axes = {k: getattr(par, k) for k in ("dp", "fsdp", "cp", "tp")}
     named = math.prod(max(1, v) for v in axes.values())
-    n = {k: (used // named if v == -1 else max(1, v)) for k, v in axes.items()}
+    n = {k: max(1, used // named if v == -1 else v) for k, v in axes.items()}
     tokens = ((d.batch_size or (d.per_device_batch_size or 1) * used)
               * (d.seq_len or m.max_seq_len or 1024) / (n["dp"] * n["fsdp"] * n["cp"]))
     params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model

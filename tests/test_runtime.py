@@ -338,3 +338,5 @@ def test_the_allocator_setting_is_decided_by_the_step_it_serves():
                                "parallelism=fsdp8"), 8)
     assert reuse_pays(make_cfg("runtime.reuse_freed_memory=always"), 8)
     assert not reuse_pays(make_cfg(*mid, "runtime.reuse_freed_memory=never"), 8)
+    # a rank of a launch sees its own devices only: fewer than the layout's axes name
+    assert reuse_pays(make_cfg("parallelism=dp2_tp4"), 1)
