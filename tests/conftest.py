@@ -104,16 +104,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @contextlib.contextmanager
-def recorded_compiles():
+def recorded_compiles(stage: str = "backend_compile"):
     """The names of the programs compiled inside the block (a list, filled as they come). JAX
     times every program's compile request under this event, a persistent-cache hit included
-    (its own cache_hits event comes on top: counting both counts a hit twice)."""
+    (its own cache_hits event comes on top: counting both counts a hit twice). ``stage``:
+    another of JAX's compile events (``jaxpr_to_mlir_module``: each lowering)."""
     import jax.monitoring
 
     names: list[str] = []
 
     def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event == f"/jax/core/compile/{stage}_duration":
             names.append(fun_name)
 
     jax.monitoring.register_event_duration_secs_listener(listen)

@@ -85,24 +85,13 @@ def test_a_fresh_run_compiles_its_init_beside_the_step(tmp_path):
     on a thread of its own while the step compiles (on a TPU each takes seconds); the run then
     starts from that program's draw, the seeded init bit for bit, compiled once."""
     import jax
-    import jax.monitoring
     import numpy as np
 
     cfg = make_cfg(*SMALL, "parallelism=dp1")
-    lowered: list[str] = []
-
-    def listen(event: str, duration: float, fun_name: str = "", **_) -> None:
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        with recorded_compiles() as compiled:
-            prepared = prepare(cfg, tmp_path / "run")
-            assert prepared.exp.init_compiling is not None  # under way
-            params = start_state(prepared.exp, None, prepared.handover).state.params
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    with recorded_compiles() as compiled, recorded_compiles("jaxpr_to_mlir_module") as lowered:
+        prepared = prepare(cfg, tmp_path / "run")
+        assert prepared.exp.init_compiling is not None  # under way
+        params = start_state(prepared.exp, None, prepared.handover).state.params
     assert lowered.index("jit(init)") < lowered.index("jit(step)"), lowered
     assert compiled.count("jit(init)") == 1 and compiled.count("jit(step)") == 1, compiled
     seeded = Experiment.build(cfg, with_data=False).init_params()
