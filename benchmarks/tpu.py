@@ -3,6 +3,8 @@ against a hand-written ``jax.jit`` step of the same model (fp32 master weights, 
 the same optax AdamW, Pallas' splash attention), tokens/s and MFU, the compiled step's memory.
 
     python -m benchmarks.tpu small:16:none medium:16:dots large:8:dots [--hand] [--out DIR]
+    python -m benchmarks.tpu large:16:full+hand --profile     # dxrun's step beside the hand one's
+    python -m benchmarks.tpu small:16:none --loss-at e289544  # the loss then and now, side by side
 
 Each shape is ``model:batch:remat[:key=value,...]`` (extra dxrun overrides), ``+hand`` at its
 end to time the hand-written step of that shape alone. The steps of one
@@ -87,7 +89,36 @@ def commit() -> str:
     return out or "unknown"
 
 
-def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> dict[str, Any]:
+def traced(run: Any, out: Path) -> None:
+    """Two steps of ``run`` traced under ``out`` and ``dxrun.profile``'s table of them in
+    ``out``/profile.md (every op of the trace: a bare jit's module has no run dir's HLO)."""
+    from dxrun import profile
+
+    with jax.profiler.trace(str(out)):
+        for _ in range(2):
+            run()
+    ops = profile.read_ops(profile.trace_files(out)[-1], None)
+    table = profile.table(profile.summarize(ops, {}, top=40),
+                          {o.name: o.source for o in ops if o.source})
+    Path(out, "profile.md").write_text(table + "\n")
+    print(table.split("\n\n")[0], flush=True)
+
+
+def old_loss(rev: str) -> Any:
+    """``dxrun.chunked_loss.chunked_cross_entropy`` as it was at commit ``rev``."""
+    import subprocess
+    import types
+
+    source = subprocess.run(["git", "show", f"{rev}:dxrun/chunked_loss.py"], check=True,
+                            capture_output=True, text=True).stdout
+    module = types.ModuleType(f"chunked_loss_at_{rev}")
+    exec(compile(source, module.__name__, "exec"), module.__dict__)  # noqa: S102
+    return module.chunked_cross_entropy
+
+
+def measure(shape: str, steps: int, hand: bool, tokens: str | None = None,
+            profile_dir: Path | None = None) -> dict[str, Any]:
+    """One shape's record; ``profile_dir``: each step traced there too (``traced``)."""
     cfg = compose_cfg(*overrides(shape, tokens))
     exp = Experiment.build(cfg)
     host = jax.device_get(exp.init_state())  # both steps start from it (theirs are donated)
@@ -116,6 +147,9 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> di
         "device_kind": jax.devices()[0].device_kind, "commit": commit(),
     }
     print(json.dumps(rec), flush=True)
+    name = shape.replace(":", "_").replace(",", "_").replace("=", "-")
+    if profile_dir is not None:
+        traced(run, profile_dir / f"{name}-dxrun")
     if hand:
         del run
         gc.collect()
@@ -123,6 +157,8 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None) -> di
             hrun = hand_runner(exp, host)
             rec["hand_first_loss"] = float(hrun())
             hwall = time_steps(hrun, steps)
+            if profile_dir is not None:
+                traced(hrun, profile_dir / f"{name}-hand")
             rec["hand_step_ms"] = round(1e3 * statistics.median(hwall), 2)
             rec["hand_tokens_per_s"] = round(tokens / statistics.median(hwall))
             del hrun
@@ -225,6 +261,10 @@ def main() -> None:
     ap.add_argument("--hand", action="store_true")
     ap.add_argument("--tokens", help="a token dir (data=tokens data.path=...); default: markov")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--profile", action="store_true", help="trace two steps of each (dxrun's "
+                    "and the hand-written one's) into --out/profiles/<shape>-<step>/")
+    ap.add_argument("--loss-at", metavar="REV", help="each shape twice, side by side: first "
+                    "with dxrun/chunked_loss.py as it was at commit REV, then as it is")
     ap.add_argument("--report", metavar="COMMAND", help="write BENCHMARKS.tpu.json and "
                     "BENCHMARKS.md's TPU section from --out's measurements, with plan mode's "
                     "estimates (made on this machine's CPU); COMMAND: the command to cite")
@@ -232,15 +272,25 @@ def main() -> None:
     if a.report:
         report(a.out, a.tokens, a.report)
         return
+    import dxrun.step
+
+    profiles = Path(a.out, "profiles") if a.profile else None
+    losses = {"now": dxrun.step.chunked_cross_entropy}
+    if a.loss_at:
+        losses = {a.loss_at: old_loss(a.loss_at), **losses}
     records = []
     for shape in a.shapes:
-        try:
-            records.append(measure(shape.removesuffix("+hand"), a.steps,
-                                   a.hand or shape.endswith("+hand"), a.tokens))
-        except Exception as e:  # a shape that does not fit: say so, time the others
-            print(json.dumps({"shape": shape, "error": repr(e)[:400]}), flush=True)
-            records.append({"shape": shape, "error": repr(e)[:400]})
-        jax.clear_caches()
+        for at, loss in losses.items():
+            dxrun.step.chunked_cross_entropy = loss
+            try:
+                rec = measure(shape.removesuffix("+hand"), a.steps,
+                              a.hand or shape.endswith("+hand"), a.tokens,
+                              profiles / at if profiles and a.loss_at else profiles)
+            except Exception as e:  # a shape that does not fit: say so, time the others
+                print(json.dumps({"shape": shape, "error": repr(e)[:400]}), flush=True)
+                rec = {"shape": shape, "error": repr(e)[:400]}
+            records.append(rec | ({"loss_at": at} if a.loss_at else {}))
+            jax.clear_caches()
     Path(a.out, "tpu.json").write_text(json.dumps(records, indent=1))
 
 
