@@ -103,14 +103,12 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
         if logits_bxCxV is None:
             logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
         kept_bxCxV = real(logits_bxCxV, ids_V)
-        m_bxC = kept_bxCxV.max(-1)
-        s_bxC = jnp.exp(kept_bxCxV - m_bxC[..., None]).sum(-1)
+        m_bxC, s_bxC, first = _softmax_stats(kept_bxCxV)
         local = t_bxC - offset
         inside = (local >= 0) & (local < Vs)
         label = jnp.take_along_axis(logits_bxCxV, jnp.clip(local, 0, Vs - 1)[..., None],
                                     axis=-1)[..., 0]
-        first = kept_bxCxV.argmax(-1).astype(jnp.int32) + offset  # its first maximum's id
-        return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first
+        return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first + offset
 
     def grads(w_t: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any, ids_V: Any, m_bxC: Any,
               s_bxC: Any, g_bxC: Any) -> tuple:
@@ -208,6 +206,29 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
     nll, correct = sums(w, chunks(x_BxLxD), chunks(targets_BxL), wt_N)
     counted = B * L if weights_BxL is None else jnp.maximum((weights_BxL != 0).sum(), 1)
     return nll / (B * L), correct / counted
+
+
+def _softmax_stats(logits: Any) -> tuple[Any, Any, Any]:
+    """The max, the sum of ``exp(logit - max)`` and the first argmax over the last axis, in one
+    pass over the logits: one reduction of (value, sum, id) triples whose sums are rescaled to
+    the larger max as they meet (the online softmax's). A max and then a sum of exponentials
+    read the logits twice, and the logits are the largest tensor the loss reads."""
+    last = logits.ndim - 1
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, last)
+    return jax.lax.reduce((logits, jnp.ones_like(logits), ids),
+                          (jnp.float32(-jnp.inf), jnp.float32(0), jnp.int32(0)), _online, (last,))
+
+
+def _online(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """``_softmax_stats``' reducer: the first max (``_first_max``) and the two sums, each
+    rescaled to it (the initial value's -inf adds nothing)."""
+    (a_max, a_sum, a_id), (b_max, b_sum, b_id) = a, b
+    m, first = _first_max((a_max, a_id), (b_max, b_id))
+
+    def part(x_max: Any, x_sum: Any) -> Any:
+        return jnp.where(x_max == -jnp.inf, 0.0, x_sum * jnp.exp(x_max - m))
+
+    return m, part(a_max, a_sum) + part(b_max, b_sum), first
 
 
 def _first_max(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
