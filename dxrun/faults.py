@@ -6,6 +6,8 @@ or makes it crash, on any host, by starting ``python -m dxrun`` with
     DXRUN_TEST_HOLD_AT_STEP=k   from step k on, the loop waits before each step for a SIGUSR1
                                 (which also asks for a save), so signals land at known steps
     DXRUN_TEST_ERROR_AT_STEP=k  after step k the loop raises an error that is not bad input
+    DXRUN_TEST_DEAF_RANK=k      rank k (k >= 1) of a launch does not act on SIGINT or SIGTERM
+                                while starting, and holds there until sent one (``deafen``)
 
 Unset or 0: off. Any other value than an integer in its range is refused in one line.
 """
@@ -13,6 +15,8 @@ Unset or 0: off. Any other value than an integer in its range is refused in one 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,6 +29,7 @@ VARIABLES: dict[str, tuple[str, Range]] = {
     "nan_at_step": ("DXRUN_TEST_NAN_AT_STEP", Range(0, INT32)),
     "hold_at_step": ("DXRUN_TEST_HOLD_AT_STEP", NON_NEGATIVE),
     "error_at_step": ("DXRUN_TEST_ERROR_AT_STEP", NON_NEGATIVE),
+    "deaf_rank": ("DXRUN_TEST_DEAF_RANK", NON_NEGATIVE),
 }
 
 
@@ -33,6 +38,7 @@ class Faults:
     nan_at_step: int = 0
     hold_at_step: int = 0
     error_at_step: int = 0
+    deaf_rank: int = 0
 
     def steps(self) -> tuple[int, int, int]:
         """The steps at which the loop does more than step (0: none)."""
@@ -52,3 +58,23 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Faults:
                               f"{accepted.fix(variable)} (a test-only fault)")
         values[name] = value
     return Faults(**values)
+
+
+_HEARD: list[int] = []  # the stops the deaf rank was sent
+
+
+def deafen(rank: int) -> None:
+    """Rank ``deaf_rank`` notes SIGINT and SIGTERM and does nothing else (``join`` calls this):
+    a stop never reaches its startup, as for a rank inside a collective, where no Python
+    handler runs. (Not a blocked signal mask: a thread started earlier would take the signal.)"""
+    if rank and rank == from_env().deaf_rank:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _frame: _HEARD.append(signum))
+
+
+def hold_until_stopped(rank: int) -> None:
+    """Rank ``deaf_rank`` waits here until it has been sent a stop: the others wait for it in
+    their next collective, so the stop reaches them inside their startup, whenever it comes."""
+    if rank and rank == from_env().deaf_rank:
+        while not _HEARD:
+            time.sleep(0.05)

@@ -426,6 +426,43 @@ def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher
         "stopped", "SIGINT", command)
 
 
+def test_ctrl_c_while_a_rank_waits_in_a_startup_collective_stops_at_once(tmp_path):
+    """A Ctrl-C reaches rank 1 inside a startup collective (DXRUN_TEST_DEAF_RANK: it never
+    sees the signal) and rank 0 outside one: rank 0 stops, and rank 1, left waiting for it,
+    would wait for JAX's heartbeat (300 s). The launcher stops rank 1 after --grace and ends
+    as for any stop while starting: its line, exit 130, status.json resuming through it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
+         "--grace", "2", "--", NO_CACHE, "logger=none", "parallelism=dp", *ENDLESS_BATCH,
+         "hydra.run.dir=run"], cwd=tmp_path, env={**_env(), "DXRUN_TEST_DEAF_RANK": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = Output(proc)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / ".hydra" / "lock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, out.text()[-3000:]
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        text = out.finish(timeout=150)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    command = (f"python -m dxrun.launch --nproc=2 --devices-per-proc=1 -- {NO_CACHE} "
+               f"logger=none parallelism=dp {' '.join(ENDLESS_BATCH)} "
+               f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 130 and took < 60, (took, text[-3000:])
+    assert "error" not in text and "step 1/" not in text, text[-3000:]
+    assert "dxrun.launch: stopping rank 1: the run was stopped while starting" in text
+    assert text.strip().splitlines()[-1] == (
+        "dxrun.launch: stopped by SIGINT while starting: every rank stopped; no checkpoint yet. "
+        f"Resume with: {command}")
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["signal"], status["relaunch"]) == (
+        "stopped", "SIGINT", command)
+
+
 # A run dir neither Hydra's override grammar nor a shell takes as it is: "=", both quotes, a
 # space, a comma (a Hydra sweep), non-ASCII.
 AWKWARD = """we=ird 'single' "double" ü,x"""

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from dxrun.errors import EXIT_CODES, Interrupted
+from dxrun.multihost.distributed import tell_launcher_training
 
 log = logging.getLogger("dxrun")
 
@@ -133,6 +134,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
+        tell_launcher_training()  # a stop from here on is the loop's: saved, never killed
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

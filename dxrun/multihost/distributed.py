@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dxrun import faults
 from dxrun.errors import ConfigError, first_line
 from dxrun.runtime import gpus_excluded
 
@@ -44,6 +45,10 @@ _SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 # A file python -m dxrun.launch names, where process 0 writes its run dir: a launcher whose
 # ranks died before they could say so in status.json (killed) marks the run failed there.
 LAUNCH_RUN_DIR = "DXRUN_LAUNCH_RUN_DIR"
+# A folder python -m dxrun.launch names, where each process leaves a file once its train loop
+# starts: past its startup a process may be saving (a checkpoint is every process's), and the
+# launcher never kills it to end a stop made while the processes were starting.
+LAUNCH_TRAINING = "DXRUN_LAUNCH_TRAINING"
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,8 @@ def join(dist: DistributedConfig, env: Mapping[str, str] | None = None) -> Join 
     import jax
 
     spec = detect(dist, os.environ if env is None else env)
+    if spec is not None:
+        faults.deafen(spec.process_id)  # test-only
     if spec is None or jax.distributed.is_initialized():
         return spec
     # gloo: cross-process collectives of XLA:CPU (accelerators use their own, NCCL on GPUs).
@@ -258,6 +265,15 @@ def tell_launcher(run_dir: os.PathLike | str, env: Mapping[str, str] | None = No
         os.replace(tmp, path)
 
 
+def tell_launcher_training(env: Mapping[str, str] | None = None) -> None:
+    """Leave this process's file in ``DXRUN_LAUNCH_TRAINING``: its startup is over (nothing
+    when no launcher asked)."""
+    env = os.environ if env is None else env
+    if folder := env.get(LAUNCH_TRAINING):
+        with open(os.path.join(folder, env.get(PROCESS_ID, "0")), "w"):
+            pass
+
+
 def agree(key: str, value: str, timeout_s: int = 300) -> str:
     """Process 0's ``value`` on every process (the run dir, chosen once). Single process: the
     value itself. Goes through the distributed runtime's key-value store."""
@@ -318,6 +334,7 @@ def process_hosts(timeout_s: int = 300) -> tuple[int, ...] | None:
         return None
     if not _HOSTS:
         client, me = global_state.client, jax.process_index()
+        faults.hold_until_stopped(me)  # test-only
         client.key_value_set(f"dxrun/hostname/{me}", hostname(os.environ))
         _HOSTS.append(host_indices(
             [client.blocking_key_value_get(f"dxrun/hostname/{r}", timeout_s * 1000)

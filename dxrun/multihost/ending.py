@@ -12,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from dxrun.checkpointing.preempt import Signals
 from dxrun.errors import EXIT_CODES, FAILED, RUNNING
 from dxrun.run_dir import relaunch_command, run_dir_of
 from dxrun.runtime import STATUS, write_status
@@ -51,6 +52,21 @@ def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | N
     command = relaunch_command(overrides, run_dir, program(launch_args))
     return (f"dxrun.launch: stopped by {signalled}: every rank saved and stopped at step "
             f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
+
+
+def stopped_while_starting(signalled: list[str], codes: list[int | None],
+                           stops: list[re.Match], training: Path, run_dir_file: Path) -> bool:
+    """Whether a stop the launcher passed on (``signalled``) was made while its ranks were
+    starting: one ended with the stop's code (``codes``: each rank's, None while it runs), or
+    rank 0 said it stopped while starting (``stops``) and, if it named a resume command, wrote
+    its status.json (``told_run_dir``); and none has left its file in ``training`` (its train
+    loop started: it may be saving)."""
+    if not signalled or any(training.iterdir()):
+        return False
+    return any(EXIT_CODES[s] in codes for s in signalled) or any(
+        m.re is STOPPED_OUTSIDE and m[2] == Signals.STARTING
+        and ("Resume with: " not in m[3] or told_run_dir(run_dir_file) is not None)
+        for m in stops)
 
 
 def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int, int] | None:

@@ -35,6 +35,7 @@ from dxrun.multihost.distributed import (
     CUDA_VISIBLE,
     HOSTNAME,
     LAUNCH_RUN_DIR,
+    LAUNCH_TRAINING,
     LOCAL_PROCESSES,
     NUM_PROCESSES,
     PROCESS_ID,
@@ -48,6 +49,7 @@ from dxrun.multihost.ending import (
     first_failure,
     mark_failed,
     program,
+    stopped_while_starting,
     told_run_dir,
 )
 from dxrun.run_dir import LAUNCHED_BY
@@ -197,7 +199,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds the others get to stop by themselves after one exits with an "
-                        "error (after one is killed by a signal they are stopped at once)")
+                        "error or stops while they start (after one is killed by a signal "
+                        "they are stopped at once)")
     args, unknown = p.parse_known_args(argv)
     if unknown:  # overrides given without "--" are accepted too
         overrides = [*unknown, *overrides]
@@ -241,10 +244,12 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # Every process is started before any thread: a preexec_fn runs between fork and exec,
     # where another thread's lock could be held for ever.
     preexec = die_with_launcher()
+    training = run_dir_file.with_name("training")  # each rank's file once its loop starts
+    training.mkdir()
     for rank in range(nproc):
         env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
                         hosts)
-        env[LAUNCH_RUN_DIR] = str(run_dir_file)
+        env[LAUNCH_RUN_DIR], env[LAUNCH_TRAINING] = str(run_dir_file), str(training)
         env[LAUNCHED_BY] = json.dumps({"program": program(launch_args),
                                        "added": overrides[len(user_overrides):]})
         proc = subprocess.Popen(
@@ -295,17 +300,29 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     deadline: float | None = None  # when the ranks still running are stopped
     seen: set[int] = set()
     stopped: set[int] = set()  # the ranks the launcher killed
+    # A stop made while the ranks were starting: a rank that has not seen it may wait inside a
+    # startup collective for one that left, until JAX's heartbeat. From then every rank's end
+    # is that stop's; those still running after --grace are killed (never once one trains).
+    starting_stop = False
     while len(ended) < len(procs):
+        if not starting_stop and stopped_while_starting(
+                signalled, [p.returncode for p in procs], stops, training, run_dir_file):
+            starting_stop, deadline = True, time.monotonic() + grace
         for t, rank in sorted((t, r) for r, t in dict(ended).items() if r not in seen):
             seen.add(rank)
             delay = stop_delay(procs[rank].returncode, grace)
-            if delay is not None and len(ended) < len(procs):
+            if delay is not None and len(ended) < len(procs) and not starting_stop:
                 deadline = min(deadline or float("inf"), t + delay)
         if deadline is not None and time.monotonic() >= deadline:
+            if starting_stop and any(training.iterdir()):  # a rank trains: it may be saving
+                starting_stop, deadline = False, None
+            why = ("the run was stopped while starting and it did not end within "
+                   f"--grace={grace:g} s (inside a collective a rank does not see a signal)"
+                   if starting_stop else "the run cannot go on without the rank that failed")
             for rank, proc in enumerate(procs):
-                if proc.poll() is None and rank not in stopped:
-                    print(f"dxrun.launch: stopping rank {rank}: the run cannot go on without "
-                          "the rank that failed", file=sys.stderr, flush=True)
+                if deadline is not None and proc.poll() is None and rank not in stopped:
+                    print(f"dxrun.launch: stopping rank {rank}: {why}", file=sys.stderr,
+                          flush=True)
                     proc.kill()
                     stopped.add(rank)
         time.sleep(0.05)
@@ -317,8 +334,8 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # A stop the ranks agreed on (ProcessAgreement) ends every rank with its code, SIGTERM's
     # winning over SIGINT's, as each rank's own exit does.
     agreed = "SIGTERM" if "SIGTERM" in signalled else signalled[0] if signalled else None
-    done = clean_stop(agreed, [p.returncode for p in procs], stops[0] if stops else None,
-                      launch_args, user_overrides)
+    codes = [EXIT_CODES[agreed] if starting_stop else p.returncode for p in procs]
+    done = clean_stop(agreed, codes, stops[0] if stops else None, launch_args, user_overrides)
     if done is not None:
         print(done, file=sys.stderr, flush=True)
         return EXIT_CODES[agreed]
