@@ -32,8 +32,7 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     from dxrun.autotune.search import search
     from dxrun.autotune.timing import Handover, time_layouts
     from dxrun.experiment import visible_devices
-    from dxrun.plan.layouts import chosen_layout, rows_of
-    from dxrun.plan.mesh import held_batch
+    from dxrun.plan.layouts import chosen_layout, held_batch, rows_of
 
     devices = visible_devices()
     # The search reads the config and never rewrites it: the timing below uses the same

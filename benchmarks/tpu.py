@@ -31,7 +31,7 @@ from benchmarks import reference
 from benchmarks.speed import compose_cfg, dxrun_runner
 from dxrun.experiment import Experiment
 from dxrun.plan import flops
-from dxrun.step import COMPUTE_DTYPES, step_bytes
+from dxrun.step import jax_dtype, step_bytes
 
 GPT2 = ("parallelism=dp1", "train.precision=bf16", "data.seq_len=1024", "data.vocab_size=50304")
 
@@ -60,7 +60,7 @@ def hand_runner(exp: Experiment, state: Any) -> Any:
 
     cpu = jax.default_backend() == "cpu"  # Pallas interpreted: the script's own check off the chip
 
-    step = reference.make_step(exp.tx, dtype=COMPUTE_DTYPES["bf16"],
+    step = reference.make_step(exp.tx, dtype=jax_dtype("bfloat16"),
                                attend=lambda q, k, v: attend(q, k, v, True, cpu),
                                remat=exp.plan.remat)
     rows = [exp.data.local_batch(k) for k in range(4)]

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dxrun.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dxrun.plan.mesh import MeshPlan
     from dxrun.schema import ModelConfig, RunConfig
 
 
@@ -191,28 +190,19 @@ def kind_target(device_kind: str) -> AttentionTarget:
     return AttentionTarget("tpu" if device_kind.startswith("TPU") else "cpu")
 
 
-def run_inputs(model: ModelConfig, precision: str, seq_len: int, cp: int,
+def run_inputs(model: ModelConfig, dtype: str, seq_len: int, cp: int,
                device: AttentionTarget) -> Inputs:
-    """``Inputs`` of a run of ``model`` (its config) at ``precision`` on ``device``."""
-    return Inputs(device, "bfloat16" if precision == "bf16" else "float32",
-                  model.d_model // model.n_heads, seq_len // cp,
+    """``Inputs`` of a run of ``model`` (its config) computing in ``dtype`` (its name) on
+    ``device``."""
+    return Inputs(device, dtype, model.d_model // model.n_heads, seq_len // cp,
                   model.get("objective", "ar") != "mdlm")
 
 
-def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget) -> str:
-    """``choose`` for a run of ``cfg`` (``make_plan``'s); a user's model (``model._target_``)
-    attends its own way: recorded as XLA's."""
+def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget,
+                dtype: str) -> str:
+    """``choose`` for a run of ``cfg`` computing in ``dtype``: ``make_plan``'s, the one place
+    a kernel is chosen (another target's too: ``autotune.fit.kernel_on``); a user's model
+    (``model._target_``) attends its own way: recorded as XLA's."""
     if cfg.model.get("_target_"):
         return "xla"
-    precision = cfg.train.precision if "train" in cfg else "fp32"
-    return choose(cfg.model.attention, run_inputs(cfg.model, precision, seq_len, cp, device), cp)
-
-
-def kernel_on(cfg: RunConfig, plan: MeshPlan, device_kind: str) -> str:
-    """The kernel a run of ``cfg`` laid out as ``plan`` runs on ``device_kind``: the plan's own
-    choice where the plan was made for that device's platform, else the same rule for it (plan
-    mode's and the layout search's estimates of another target)."""
-    device = kind_target(device_kind)
-    if device.platform == plan.attention_device.platform:
-        return plan.attention
-    return plan_kernel(cfg, plan.seq_len, plan.cp, device)
+    return choose(cfg.model.attention, run_inputs(cfg.model, dtype, seq_len, cp, device), cp)

@@ -23,8 +23,7 @@ from dxrun.mdlm import objective_of
 from dxrun.model import count_params, resize_vocab
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
-from dxrun.plan.loss_chunk import loss_chunk_for
-from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
+from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import TARGETS
 from dxrun.plan.vocab import table_rows
 from dxrun.sharding import (
@@ -38,7 +37,7 @@ from dxrun.sharding import (
     replicated,
     spread_shardings,
 )
-from dxrun.step import TrainState, make_eval_step, make_train_step
+from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
 from dxrun.user_model import build_model
 from dxrun.zero_padding import pad, refit, zero_pads
 
@@ -101,9 +100,9 @@ class Experiment:
         tx, schedule = make_optimizer(cfg.optimizer, abstract_params, plan.global_batch,
                                       cfg.train.steps)
         # Optimizer moments take their parameter's sharding, split over the data replicas as
-        # well under ZeRO-1 (parallelism.shard_optimizer), padded where no axis divides;
+        # well under ZeRO-1 (the plan's shard_optimizer), padded where no axis divides;
         # counters are replicated.
-        zero = shard_optimizer(cfg.parallelism, plan)
+        zero = plan.shard_optimizer
         pads = zero_pads(axes, abstract_params, mesh, plan.rules) if zero else None
         opt_params = jax.eval_shape(lambda p: pad(p, pads), abstract_params)
         u_shard = optimizer_param_shardings(axes, opt_params, mesh, plan.rules, zero)
@@ -111,23 +110,20 @@ class Experiment:
             tx, lambda _, s: s, jax.eval_shape(tx.init, opt_params), u_shard,
             transform_non_params=lambda _: replicated(mesh),
         )
-        loss_chunk = loss_chunk_for(cfg.model, plan)
         state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
                                      replicated(mesh))
         b_shard = batch_sharding(mesh)
-        # masked diffusion (model.objective=mdlm): its training masks seeded apart from dropout's
-        objective = objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws)
-        step = make_train_step(
-            graphdef, tx, schedule, mesh, plan.rules, state_shardings, b_shard,
-            cfg.train.precision,
+        spec = StepSpec(
+            plan, mesh, state_shardings, b_shard,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
-            grad_accum=plan.grad_accum, grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             nan_policy=cfg.train.nan_policy, inject_nan_at_step=faults.from_env().nan_at_step,
-            loss_chunk=loss_chunk, update_shardings=u_shard if zero else None,
-            update_pads=pads, objective=objective,
-        )
-        eval_step = make_eval_step(graphdef, mesh, plan.rules, p_shard, b_shard,
-                                   cfg.train.precision, loss_chunk, objective)
+            grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+            update_shardings=u_shard if zero else None, update_pads=pads,
+            # masked diffusion (model.objective=mdlm): its training masks seeded apart from
+            # dropout's
+            objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))
+        step = make_train_step(graphdef, tx, schedule, spec)
+        eval_step = make_eval_step(graphdef, spec)
         if data is None and with_data:
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)

@@ -21,9 +21,7 @@ from dxrun.checkpointing.cadence import checkpoint_cost, checkpoint_line, save_c
 from dxrun.experiment import visible_devices
 from dxrun.plan import advice as say
 from dxrun.plan.estimate import shape_warning
-from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.memory_model import disagreement
-from dxrun.plan.mesh import shard_optimizer
 from dxrun.plan.ranking import table
 from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.plan.targets import GB, gb_text, plan_platform
@@ -55,7 +53,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
                                               write))
     tokens = exp.plan.global_batch * exp.plan.seq_len
     warning = shape_warning(platform, exp.plan.seq_len, cfg.model.max_seq_len, tokens)
-    zero = shard_optimizer(cfg.parallelism, exp.plan)
+    zero = exp.plan.shard_optimizer
     report: dict[str, Any] = {
         "n_params": s.n_params,
         "n_devices": exp.plan.n_devices,
@@ -65,7 +63,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
         # ZeRO-1 (parallelism.shard_optimizer): per device, the optimizer state no axis of
         # which the data replicas divide, held whole by every replica (counters at least)
         "opt_state_unsplit_bytes": replicated_bytes_over(state.opt_state) if zero else 0.0,
-        "loss_chunk": loss_chunk_for(cfg.model, exp.plan),
+        "loss_chunk": exp.plan.loss_chunk,
         "model_flops_per_step": model_flops,
         # counted from the shapes (flops.step_flops): per step, all devices; MFU's numerator
         # is "model" (full attention square), "hardware" adds what the device really runs
@@ -76,7 +74,7 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
     }
     if mem is not None:
         report["memory_model"] = mem.to_json() | {
-            "xla_cpu_total_bytes": fp.total_bytes, "precision": cfg.train.precision,
+            "xla_cpu_total_bytes": fp.total_bytes, "precision": exp.plan.precision,
             "disagreement": disagreement(mem.total_bytes, fp.total_bytes)}
     report["checkpoint"] = checkpoint_cost(nbytes, write, *plan.cadence, est.get("step_time_s"))
     report["model"] = (plan_line(cfg.model, s.n_params) if cfg.model._target_

@@ -10,32 +10,20 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dxrun.autotune.decide import decide
+from dxrun.autotune.decide import Decided, decide
 from dxrun.autotune.preflight import compile_checked, memory_preflight
 from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.hf.load import check_hf_weights
-from dxrun.plan.run_plan import RunPlan
 from dxrun.run_dir import dir_refusal
 from dxrun.tracking import goodput
 
 log = logging.getLogger("dxrun")
 
 
-class Prepared(NamedTuple):
-    """What ``prepare`` decided before anything is written."""
-
-    exp: Experiment  # the built experiment, its mesh plan and data inside; exp.cfg is cfg
-    resume: Resume | None  # the checkpoint to continue from; None: a fresh start
-    plan: RunPlan  # every number derived from the config: layout, batch, cadence, search
-    # What parallelism=auto's search made that the run takes over (the seeded init its timing
-    # drew, or the state after the first steps its turns trained), each part taken once.
-    handover: Handover | None = None
-
-
-def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
+def prepare(cfg: Any, run_dir: Path | None = None) -> Decided:
     """Everything that can refuse bad input, before anything is written or allocated: a
     ``checkpoint.dir`` that cannot be made, the run's decision (``decide``: the mesh plan,
     the layout, the data's files, tokenizer and vocabulary, the checkpoint to resume from for
@@ -45,7 +33,8 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
     optimizer now and otherwise starts fresh with one warning. Raises ConfigError, or
     NothingToTrain when the checkpoint has reached ``train.steps`` already (or its run stopped
     early: ``train.early_stop``). ``cfg`` is read, never rewritten, and is the config the run
-    follows (``exp.cfg``); what is derived from it travels in ``Prepared.plan``."""
+    follows (``exp.cfg``); what is derived from it travels in ``Decided.plan``: ``decide``'s
+    answer, the one carrier from here to the loop."""
     # Every run that trains into a run dir may save (a signal asks for a save at any cadence),
     # so its checkpoint.dir must take a dir before the search and the step compile.
     if run_dir is not None and cfg.checkpoint.dir and (why := dir_refusal(
@@ -65,7 +54,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Prepared:
         exp.compile_init()  # the seeded init the run starts from, beside the step's compile
     memory_preflight(cfg, exp, compile_checked(cfg, exp, plan), plan=plan)
     goodput.mark("decide")
-    return Prepared(exp, resume, plan, decided.handover)
+    return decided
 
 
 class Start(NamedTuple):
@@ -81,7 +70,7 @@ class Start(NamedTuple):
 def start_state(exp: Experiment, resume: Resume | None,
                 handover: Handover | None = None) -> Start:
     """The seeded init, or the resumed checkpoint placed on this run's mesh. ``handover``
-    (parallelism=auto's search, ``Prepared.handover``): the init it drew (``params``), or the
+    (parallelism=auto's search, ``Decided.handover``): the init it drew (``params``), or the
     state after the first steps it trained (``state``, ``step``): taken, so that their host or
     device copies are let go once on this mesh."""
     if resume is None and exp.cfg.model.init_from:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,10 @@ from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
 from dxrun.user_model import logits_of
 from dxrun.zero_padding import pad, unpad
 
+if TYPE_CHECKING:
+    from dxrun.plan.mesh import MeshPlan
+
 MAX_IN_FLIGHT = 4  # CPU only; see InFlight
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 REPLICA_AXIS = "data"  # the mesh axis gradient accumulation reduces over once per step
 
 
@@ -173,40 +176,61 @@ def applied_count(opt_state: Any, default: jax.Array) -> jax.Array:
     return (scheduled or [v for _, v in found] or [default])[0]
 
 
+def jax_dtype(name: str) -> Any:
+    """The JAX dtype of the run plan's ``compute_dtype`` (its name: "float32", "bfloat16")."""
+    return getattr(jnp, name)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What a train or eval step is made of beside the model and the optimizer: the run plan
+    (its rules, accumulation, loss chunk and compute dtype), the mesh and shardings, and the
+    train section's settings. ``update_shardings`` (ZeRO-1, the plan's ``shard_optimizer``):
+    per parameter, the sharding of its optimizer state, split over the data replicas as well;
+    None: the update runs on the parameters' own layout (every data replica updates the whole
+    of it). ``update_pads``: where no axis of a parameter divides, its gradient and value are
+    padded with zeros into its optimizer state's layout (``dxrun.zero_padding``) and cut back
+    after the update. ``objective``: masked diffusion (``dxrun.mdlm``), its noise drawn for the
+    whole batch before any micro-batch; None: the next token."""
+
+    plan: MeshPlan
+    mesh: jax.sharding.Mesh
+    state_shardings: TrainState
+    batch_sharding: Any
+    dropout_seed: int | None = None
+    nan_policy: str = "halt"
+    inject_nan_at_step: int = 0
+    grad_reduce_dtype: str = "fp32"
+    update_shardings: Any = None
+    update_pads: Any = None
+    objective: MaskedDiffusion | None = None
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, mesh: jax.sharding.Mesh, rules: dict,
-                    state_shardings: TrainState, batch_sharding: Any, precision: str,
-                    dropout_seed: int | None = None, grad_accum: int = 1,
-                    nan_policy: str = "halt", inject_nan_at_step: int = 0,
-                    grad_reduce_dtype: str = "fp32", loss_chunk: int = 0,
-                    update_shardings: Any = None, update_pads: Any = None,
-                    objective: MaskedDiffusion | None = None) -> TrainStep:
-    """``update_shardings`` (ZeRO-1, ``parallelism.shard_optimizer``): per parameter, the
-    sharding of its optimizer state, split over the data replicas as well. The gradients and
-    parameters are constrained to it before the optimizer update, so each replica updates its
-    shard only: XLA turns the gradient all-reduce into a reduce-scatter where it can, and the
-    parameters' out-sharding all-gathers the updated shards. None: the update runs on the
-    parameters' own layout (every data replica updates the whole of it). ``update_pads``:
-    where no axis of a parameter divides, its gradient and value are padded with zeros into
-    its optimizer state's layout (``dxrun.zero_padding``) and cut back after the update.
-    ``objective``: masked diffusion (``dxrun.mdlm``), its noise drawn for the whole batch before
-    any micro-batch; None: the next token."""
-    dtype = COMPUTE_DTYPES[precision]
+                    schedule: optax.Schedule, spec: StepSpec) -> TrainStep:
+    """The jitted step of ``spec``. Under ZeRO-1 the gradients and parameters are constrained
+    to ``spec.update_shardings`` before the optimizer update, so each replica updates its shard
+    only: XLA turns the gradient all-reduce into a reduce-scatter where it can, and the
+    parameters' out-sharding all-gathers the updated shards."""
+    dtype, plan, objective = jax_dtype(spec.plan.compute_dtype), spec.plan, spec.objective
+    state_shardings, batch_sharding = spec.state_shardings, spec.batch_sharding
+    update_shardings, update_pads = spec.update_shardings, spec.update_pads
+    nan_policy, inject_nan_at_step = spec.nan_policy, spec.inject_nan_at_step
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
-                                         grad_reduce_dtype, loss_chunk, objective)
+                                         spec.grad_reduce_dtype, plan.loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
-        key = (None if dropout_seed is None
-               else jax.random.fold_in(jax.random.key(dropout_seed), state.step))
+        key = (None if spec.dropout_seed is None
+               else jax.random.fold_in(jax.random.key(spec.dropout_seed), state.step))
         batch = tokens_BxT if objective is None else objective.train_batch(state.step, tokens_BxT)
         loss, metrics, grads = accumulated_grads(
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
-            grad_accum, batch_sharding, state_shardings.params)
+            plan.grad_accum, batch_sharding, state_shardings.params)
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
             grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)
@@ -241,17 +265,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         return TrainState(state.step + 1, params, opt_state, skipped, first_bad), metrics
 
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
-    return TrainStep(jitted, mesh, rules)
+                     out_shardings=(state_shardings, replicated(spec.mesh)), donate_argnums=0)
+    return TrainStep(jitted, spec.mesh, plan.rules)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
-                   param_shardings: Any, batch_sharding: Any, precision: str,
-                   loss_chunk: int = 0, objective: MaskedDiffusion | None = None) -> Callable:
-    """Held-out loss and accuracy of a batch: forward only, jitted once, same shardings.
-    ``run(params, tokens, index)``: ``index``, the batch's place in the held-out stream, seeds
-    an objective's noise (``dxrun.mdlm``); the next token's loss has no argument for it."""
-    dtype = COMPUTE_DTYPES[precision]
+def make_eval_step(graphdef: nnx.GraphDef, spec: StepSpec) -> Callable:
+    """Held-out loss and accuracy of a batch: forward only, jitted once, the train step's
+    shardings (``spec``). ``run(params, tokens, index)``: ``index``, the batch's place in the
+    held-out stream, seeds an objective's noise (``dxrun.mdlm``); the next token's loss has no
+    argument for it."""
+    dtype, objective = jax_dtype(spec.plan.compute_dtype), spec.objective
+    mesh, rules, loss_chunk = spec.mesh, spec.plan.rules, spec.plan.loss_chunk
 
     def evaluate(params: dict, tokens_BxT: jax.Array, *index: jax.Array) -> dict[str, jax.Array]:
         if objective is not None:
@@ -262,7 +286,8 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, rules: dict,
         return {"eval/loss": m["train/loss"], "eval/accuracy": m["train/accuracy"]}
 
     seeded = () if objective is None else (replicated(mesh),)
-    jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding, *seeded),
+    jitted = jax.jit(evaluate, in_shardings=(spec.state_shardings.params, spec.batch_sharding,
+                                             *seeded),
                      out_shardings=replicated(mesh))
     in_flight = InFlight(mesh)  # however many batches a loop feeds it (eval.batches=all)
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -21,7 +21,7 @@ from dxrun.job import Job
 from dxrun.multihost.distributed import is_main
 from dxrun.plan.ranking import own_s, table
 from dxrun.plan.run_plan import RunPlan
-from dxrun.prepare import Prepared, prepare, start_state
+from dxrun.prepare import prepare, start_state
 from dxrun.run_dir import read_status
 from dxrun.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
@@ -30,11 +30,14 @@ from dxrun.tracking.logger import read_metrics
 from dxrun.tracking.monitor import stopped_early
 from dxrun.tracking.run_summary import RunSummary
 
+if TYPE_CHECKING:
+    from dxrun.autotune.decide import Decided
+
 log = logging.getLogger("dxrun")
 
 
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
-          prepared: Prepared | None = None) -> dict[str, Any]:
+          prepared: Decided | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary. The run
     follows ``cfg`` and ``prepared.plan`` (``prepare``'s; None: ``prepare(cfg, run_dir)``). The loop
     is a schedule: a save point, the step (its trace, its data wait), and at a log or eval step

@@ -16,7 +16,7 @@ from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.mdlm import objective_of
 from dxrun.plan import memory_model
-from dxrun.plan.loss_chunk import AUTO_ON_BYTES, loss_chunk_for, resolve_loss_chunk
+from dxrun.plan.loss_chunk import AUTO_ON_BYTES, resolve_loss_chunk
 from dxrun.sharding import in_mesh_context
 from dxrun.step import loss_and_metrics
 
@@ -161,7 +161,7 @@ def test_auto_chunks_only_large_logits():
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
     from dxrun.plan.mesh import make_plan
-    assert loss_chunk_for(cfg.model, make_plan(cfg, 8)) == 128
+    assert make_plan(cfg, 8).loss_chunk == 128
 
 
 def test_a_chunk_that_does_not_divide_is_refused():
@@ -177,9 +177,9 @@ def test_memory_model_counts_one_chunk():
                    "data.batch_size=64")
     from dxrun.plan.mesh import make_plan
     plan = make_plan(cfg, 8)
-    chunked = memory_model.shapes(cfg.model, cfg.train, plan, "xla")
+    chunked = memory_model.shapes(cfg.model, plan, "xla")
     cfg.model.loss_chunk = 0
-    whole = memory_model.shapes(cfg.model, cfg.train, plan, "xla")
+    whole = memory_model.shapes(cfg.model, make_plan(cfg, 8), "xla")  # the plan decides it
     V = whole.vocab
     assert chunked.loss_chunk == 128 and whole.loss_chunk == 0
     drop = memory_model.head_bytes(whole) - memory_model.head_bytes(chunked)

@@ -16,8 +16,7 @@ from dxrun import validation
 from dxrun.autotune import cache
 from dxrun.experiment import visible_devices
 from dxrun.plan.layout import Layout
-from dxrun.plan.layouts import Row, chosen_layout
-from dxrun.plan.mesh import held_batch
+from dxrun.plan.layouts import Row, chosen_layout, held_batch
 from dxrun.plan.run_plan import saved_config
 from dxrun.plan_mode import planned
 from dxrun.prepare import prepare

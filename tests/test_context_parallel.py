@@ -16,7 +16,6 @@ from dxrun.experiment import Experiment
 from dxrun.plan import memory_model as mm
 from dxrun.plan.context import LONG_SEQ, kv_gather_bytes, zigzag_order
 from dxrun.plan.layouts import candidates, meshes
-from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.mesh import make_plan
 from dxrun.plan.targets import TARGETS, usable_share
 from dxrun.step import step_bytes
@@ -43,7 +42,7 @@ def _compiled(cfg_factory, *overrides: str) -> tuple[Experiment, object]:
 
 def _model_memory(exp: Experiment) -> mm.MemoryEstimate:
     state = exp.abstract_state()
-    x = mm.shapes(exp.cfg.model, exp.cfg.train, exp.plan, exp.attention_kernel)
+    x = mm.shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
     return mm.estimate_memory(x, fit._shard_bytes(state.params), fit._shard_bytes(state.opt_state),
                               fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
@@ -130,9 +129,9 @@ def test_a_context_axis_refuses_what_it_does_not_split_in_one_line(cfg_factory):
                           "model.loss_chunk=8")
     with pytest.raises(ConfigError, match=r"^model.loss_chunk=8 does not run with "
                                           r"parallelism.cp=2") as err2:
-        loss_chunk_for(chunked.model, make_plan(chunked, 8))
+        make_plan(chunked, 8)  # the plan decides the loss chunk
     assert "\n" not in str(err.value) + str(err2.value)
-    assert loss_chunk_for(cfg.model, make_plan(cfg, 8)) == 0  # the logits are split already
+    assert make_plan(cfg, 8).loss_chunk == 0  # the logits are split already
     # The context kernel masks causally: masked diffusion's bidirectional attention is refused.
     mdlm = cfg_factory("parallelism=cp2_tp4", "model.n_heads=8", "model.n_kv_heads=8",
                        "model.objective=mdlm")

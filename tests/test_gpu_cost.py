@@ -12,6 +12,7 @@ from dxrun.autotune.hlo import _group_size, replica_groups
 from dxrun.experiment import Experiment
 from dxrun.plan import estimate as plan_estimate
 from dxrun.plan import flops, gpu_cost, targets
+from dxrun.plan.mesh import compute_dtype
 
 ACCELERATORS = sorted(gpu_cost.COST)
 PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", "llama3_8b")
@@ -75,7 +76,7 @@ def _workload(cfg_factory, model: str, precision: str, n: int = 8,
         _MODELS[model] = cfg_factory(f"model={model}").model
     m = _MODELS[model]
     params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model
-    kernel = choose(m.attention, run_inputs(m, precision, m.max_seq_len, 1,
+    kernel = choose(m.attention, run_inputs(m, compute_dtype(precision), m.max_seq_len, 1,
                                             kind_target(device_kind)))
     return gpu_cost.Workload(m, m.max_seq_len, 4, 1, -(-m.vocab_size // 128) * 128, 1, n,
                              params, params / n, precision, kernel=kernel)

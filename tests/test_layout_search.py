@@ -20,8 +20,7 @@ from dxrun.experiment import visible_devices
 from dxrun.plan import layouts as ls
 from dxrun.plan import ranking
 from dxrun.plan.layout import Layout
-from dxrun.plan.layouts import Row
-from dxrun.plan.mesh import held_batch
+from dxrun.plan.layouts import Row, held_batch
 
 
 def held(cfg):
@@ -243,7 +242,7 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
 
 def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     """A measured search draws the seeded init to time the layouts; the run takes that host copy
-    over (``Prepared.handover``) instead of drawing it again, and trains as one device does."""
+    over (``Decided.handover``) instead of drawing it again, and trains as one device does."""
     import jax
     import numpy as np
 
@@ -327,7 +326,7 @@ def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
 @pytest.fixture(scope="module")
 def unsearched(tmp_path_factory):
     """``prepare`` of a 10-step default run (``model=tiny`` on 8 devices), too short for a
-    search to pay: (its Prepared, the config it was given). Its own cache dir: no decision
+    search to pay: (its Decided, the config it was given). Its own cache dir: no decision
     cached by another test."""
     from dxrun.prepare import prepare
 

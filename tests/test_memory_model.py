@@ -23,7 +23,7 @@ ACTIVATIONS = ["logger=none", "parallelism=dp1", "model=tiny", "model.d_model=12
 
 def _model_bytes(exp: Experiment, kernel: str | None = None) -> mm.MemoryEstimate:
     state = exp.abstract_state()
-    x = mm.shapes(exp.cfg.model, exp.cfg.train, exp.plan, kernel or exp.attention_kernel)
+    x = mm.shapes(exp.cfg.model, exp.plan, kernel or exp.attention_kernel)
     return mm.estimate_memory(x, fit._shard_bytes(state.params),
                               fit._shard_bytes(state.opt_state),
                               fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
@@ -69,8 +69,9 @@ def test_fused_attention_keeps_o_of_t_and_xla_keeps_the_scores():
 
 def test_the_target_decides_the_kernel(cfg_factory):
     """The memory model reads the run plan's kernel where the plan is for the target's
-    platform, else the table's rule for that target (``attention_kernel.kernel_on``)."""
-    from dxrun.attention_kernel import CAPABILITY, kernel_on
+    platform, else the table's rule for that target (``autotune.fit.kernel_on``)."""
+    from dxrun.attention_kernel import CAPABILITY
+    from dxrun.autotune.fit import kernel_on
     from dxrun.plan.mesh import make_plan
 
     h100, a100, v5p = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5"

@@ -15,7 +15,6 @@ from dxrun.autotune.host import resolve_target
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import advice, targets
-from dxrun.plan.mesh import shard_optimizer
 from dxrun.runtime import accelerator_plan_note, simulated_count
 from dxrun.validation import config_warnings, validate
 
@@ -50,7 +49,7 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     legacy = fit.first_that_fits(cfg, budget, exp.plan,
                                  need=lambda e: fit.accelerator_memory(e, target).total_bytes)
     assert legacy == ["model.remat=full"]
-    start = suggest.Setting(exp.plan.layout, shard_optimizer(cfg.parallelism, exp.plan))
+    start = suggest.Setting(exp.plan.layout, exp.plan.shard_optimizer)
     (full,) = [p for p in suggest.price(
         cfg, suggest.StateShapes.of(exp, state), target, peak, n_params,
         suggest.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)

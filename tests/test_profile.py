@@ -36,7 +36,7 @@ def traced_run(tmp_path_factory):
     t0 = time.time()
     prepared = prepare(cfg, run_dir)
     summary = train(cfg, run_dir, Job(started=t0), prepared)
-    return run_dir, summary, time.time() - t0, cfg, prepared[0]
+    return run_dir, summary, time.time() - t0, cfg, prepared.exp
 
 
 @pytest.mark.e2e

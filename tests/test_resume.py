@@ -188,7 +188,7 @@ def test_changed_optimizer_restores_parameters_with_a_fresh_state(shared, change
     assert resume.fresh_optimizer is not None and why in resume.fresh_optimizer
     same = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
                     "optimizer.lr=0.5")
-    assert prepare(same, shared["root"] / "new")[1].fresh_optimizer is None
+    assert prepare(same, shared["root"] / "new").resume.fresh_optimizer is None
 
 
 def test_fresh_optimizer_state_trains_on(shared, tmp_path, caplog):

@@ -220,11 +220,10 @@ def test_a_bf16_run_decodes_in_bf16(markov_run):
     assert total == 4 * 20 and ok / total >= 0.9, out["texts"]
 
     prompt = out["tokens"][:, :out["prompt_len"]]
-    loaded = load(markov_run, ["parallelism=dp1", "data.batch_size=4",
-                               "train.precision=bf16"], "path", with_data=False)
     texts = {}
-    for precision in ("bf16", "fp32"):
-        loaded.cfg.train.precision = precision  # what an fp32 run's config says
+    for precision in ("bf16", "fp32"):  # fp32: what an fp32 run's config says
+        loaded = load(markov_run, ["parallelism=dp1", "data.batch_size=4",
+                                   f"train.precision={precision}"], "path", with_data=False)
         gen = make_decoder(loaded, prompt.shape[1], 20, Sampling())
         texts[precision] = gen.lower(loaded.params, prompt).as_text()
     dots = re.findall(r"stablehlo\.dot_general .*?: \((.*?)\) -> (\S+)", texts["bf16"])

@@ -119,12 +119,12 @@ def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
 
 
 def test_default_follows_data_replicas():
-    from dxrun.plan.mesh import make_plan, shard_optimizer
+    from dxrun.plan.mesh import make_plan
 
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
         assert cfg.parallelism.shard_optimizer is None
-        assert shard_optimizer(cfg.parallelism, make_plan(cfg, 8)) is want, mesh
+        assert make_plan(cfg, 8).shard_optimizer is want, mesh
 
 
 def test_plan_mode_optimizer_bytes_follow_the_flag():

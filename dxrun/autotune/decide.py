@@ -18,8 +18,8 @@ from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.cadence import save_cadence
 from dxrun.experiment import Experiment, process_data
 from dxrun.plan.batch import default_seq_len
-from dxrun.plan.layouts import resumed_layout, searches
-from dxrun.plan.mesh import held_batch, make_plan
+from dxrun.plan.layouts import held_batch, resumed_layout, searches
+from dxrun.plan.mesh import make_plan
 from dxrun.plan.run_plan import RunPlan, recorded, saved_config
 from dxrun.plan.targets import GB, plan_platform
 
@@ -34,11 +34,15 @@ FindResume = Callable[[dict[str, Any]], "Resume | None"]
 
 @dataclass
 class Decided:
-    """``decide``'s answer: the plan, the experiment built for it (the search's compile where
-    it made the run's), what else the search made that the run takes over, and the resume."""
+    """``decide``'s answer, the one carrier from the decision to the loop (``prepare`` returns
+    it once the resume is planned and the memory preflight passed): the plan, the experiment
+    built for it (the search's compile where it made the run's), what else the search made
+    that the run takes over, and the resume."""
 
-    plan: RunPlan
-    exp: Experiment
+    plan: RunPlan  # every number derived from the config: layout, batch, cadence, search
+    exp: Experiment  # the built experiment, its mesh plan and data inside; exp.cfg is cfg
+    # What parallelism=auto's search made that the run takes over (the seeded init its timing
+    # drew, or the state after the first steps its turns trained), each part taken once.
     handover: Handover | None = None
     resume: Resume | None = None  # the checkpoint a run resumes; None: a fresh start
 

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun.attention_kernel import kernel_on
+from dxrun.attention_kernel import AttentionTarget, kind_target
 from dxrun.autotune import memory_report
 from dxrun.autotune.hlo import collective_list, collective_traffic
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
-from dxrun.plan.mesh import MeshPlan, make_plan, shard_optimizer
+from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import TARGETS, Target, plan_platform, target_key
 from dxrun.plan.vocab import padded_vocab, table_rows
 from dxrun.step import step_bytes
@@ -63,6 +63,27 @@ def target_vocab(vocab_size: int, vocab_align: int, plan: MeshPlan, target: Targ
     return padded_vocab(vocab_size, plan.tp, platform, vocab_align)
 
 
+def target_plan(cfg: RunConfig, plan: MeshPlan, *, device: AttentionTarget | None = None,
+                vocab: int | None = None) -> MeshPlan:
+    """``plan`` made again by ``make_plan`` (every decision taken from the final inputs), its
+    layout, batch, sequence length and ZeRO-1 kept, for ``device``'s attention facts or with
+    ``vocab`` rows (a target's, ``target_vocab``)."""
+    return make_plan(cfg, plan.n_visible, plan.platform, plan.processes,
+                     plan.process_hosts or None, device or plan.attention_device,
+                     layout=plan.layout, batch=plan.global_batch, seq_len=plan.seq_len,
+                     vocab=vocab, zero=plan.shard_optimizer)
+
+
+def kernel_on(cfg: RunConfig, plan: MeshPlan, device_kind: str) -> str:
+    """The kernel a run of ``cfg`` laid out as ``plan`` runs on ``device_kind``: the plan's own
+    choice where the plan was made for that device's platform, else that of the plan made for
+    it (plan mode's and the layout search's estimates of another target)."""
+    device = kind_target(device_kind)
+    if device.platform == plan.attention_device.platform:
+        return plan.attention
+    return target_plan(cfg, plan, device=device).attention
+
+
 def accelerator_memory(exp: Any, target: Target) -> Any:
     """The memory model's per-device estimate (``plan.memory_model``) of ``exp``'s step on
     ``target``: the state's shards read from the abstract state's shardings (of the model
@@ -71,12 +92,12 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
     cfg, plan = exp.cfg, exp.plan
     vocab = target_vocab(table_rows(cfg.model), cfg.parallelism.vocab_align, plan, target)
     if vocab != exp.padded_vocab:  # shapes only: the same model with the target's rows
-        exp = Experiment.build(cfg, replace(plan, padded_vocab=vocab), data=NoData())
+        exp = Experiment.build(cfg, target_plan(cfg, plan, vocab=vocab), data=NoData())
     state = exp.abstract_state()
     kernel = kernel_on(cfg, plan, target.device_kind)
-    zero_dp = plan.dp if shard_optimizer(cfg.parallelism, plan) else 1
+    zero_dp = plan.dp if plan.shard_optimizer else 1
     mem = memory_model.estimate_memory(
-        memory_model.shapes(cfg.model, cfg.train, plan, kernel, vocab),
+        memory_model.shapes(cfg.model, plan, kernel, vocab),
         _shard_bytes(state.params), _shard_bytes(state.opt_state),
         _shard_bytes(exp.abstract_batch()), plan.fsdp, zero_dp)
     return replace(mem, padded_vocab=vocab)
@@ -188,7 +209,7 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     # program (bf16 through fp32 temporaries); the compile's figure is kept beside it.
     mem = accelerator_memory(exp, target) if target.device_kind != "cpu" and own else None
     est = estimate(fp, target, peak, model_flops, tokens, exp.plan.n_devices,
-                   cfg.train.precision, timing, None if mem is None else mem.total_bytes)
+                   plan.precision, timing, None if mem is None else mem.total_bytes)
     if mem is not None:  # plan.json: the rows a run there has, beside the plan's (this CPU's)
         est["padded_vocab"] = mem.padded_vocab
     return StepEstimate(fp, mem, est, parts, model_flops, n_params)

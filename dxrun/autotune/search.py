@@ -6,7 +6,7 @@ estimate (``autotune.fit.step_estimate``) for the visible hardware or ``plan.tar
 **measure** stage (``parallelism.search=measure|fresh``) times the few the rules pick, in
 rounds (``autotune.timing``), and the fastest wins. Before them the budget rule
 (``autotune.budget``) keeps a run on its start when a search would not pay. The global batch
-and sequence length are held fixed throughout (``plan.mesh.held_batch``). The decision is
+and sequence length are held fixed throughout (``plan.layouts.held_batch``). The decision is
 cached (``autotune.cache``) and checked before it is taken; every process takes process 0's.
 The config is read, never rewritten: each candidate is a mesh plan made for its layout.
 """
@@ -36,6 +36,7 @@ from dxrun.plan.layouts import (
     _gib,
     candidates,
     chosen_layout,
+    held_batch,
     measure_rule,
     measure_stage,
     model_choice,
@@ -44,7 +45,7 @@ from dxrun.plan.layouts import (
     to_measure,
     train_through,
 )
-from dxrun.plan.mesh import MeshPlan, held_batch, make_plan
+from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import GiB, Target, usable_bytes
 from dxrun.step import analysis_is_full, step_bytes
 

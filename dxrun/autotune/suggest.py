@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import jax
 from omegaconf import OmegaConf
 
-from dxrun.attention_kernel import kernel_on
-from dxrun.autotune.fit import NoData, accelerator_memory, step_estimate, target_vocab
+from dxrun.autotune.fit import NoData, accelerator_memory, kernel_on, step_estimate, target_vocab
 from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import REMATS, meshes
-from dxrun.plan.mesh import LOGICAL_RULES, MeshPlan, make_plan, shard_optimizer
+from dxrun.plan.mesh import LOGICAL_RULES, MeshPlan, make_plan
 from dxrun.plan.targets import GB, TARGETS, Target, gb_text, target_key, usable_bytes
 from dxrun.plan.vocab import table_rows
 
@@ -49,10 +48,13 @@ CPU_SLACK = 1.25
 
 @dataclass(frozen=True)
 class Setting:
-    """One candidate: a layout (mesh, remat, accumulation) and whether ZeRO-1 is on."""
+    """One candidate: a layout (mesh, remat, accumulation) and whether ZeRO-1 is on.
+    ``keyed``: ZeRO-1 set against what the config's ``parallelism.shard_optimizer`` gives on
+    this layout (its plan's decision), so the key is one of the candidate's overrides."""
 
     layout: Layout
     zero: bool
+    keyed: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -113,19 +115,22 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
              processes: int = 1, hosts: tuple[int, ...] | None = None, device: Any = None
              ) -> list[tuple[Setting, MeshPlan]]:
     """Every (setting, its mesh plan) on ``n`` devices that the mesh plan accepts at the
-    global ``batch`` and ``seq_len`` held fixed."""
+    global ``batch`` and ``seq_len`` held fixed: ZeRO-1 off, and on too with data replicas."""
     out = []
     for dp, fsdp, cp, tp in meshes(n, seq_len):
         for remat in REMATS:
             for accum in ACCUMS:
                 layout = Layout(dp, fsdp, tp, remat, accum, cp)
                 try:
-                    plan = make_plan(cfg, n, platform, processes, hosts, device, layout=layout,
-                                     batch=batch, seq_len=seq_len)
+                    own = make_plan(cfg, n, platform, processes, hosts, device, layout=layout,
+                                    batch=batch, seq_len=seq_len)
                 except ConfigError:
                     continue
-                out += [(Setting(layout, z), plan) for z in ((False, True) if dp > 1
-                                                            else (False,))]
+                for z in (False, True) if dp > 1 else (False,):
+                    plan = own if z == own.shard_optimizer else make_plan(
+                        cfg, n, platform, processes, hosts, device, layout=layout,
+                        batch=batch, seq_len=seq_len, zero=z)
+                    out.append((Setting(layout, z, keyed=plan is not own), plan))
     return out
 
 
@@ -140,8 +145,7 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
         out.append(f"model.remat={b.remat}")
     if a.grad_accum != b.grad_accum:
         out.append(f"train.grad_accum={b.grad_accum}")
-    given = cfg.parallelism.get("shard_optimizer")
-    if s.zero != (b.dp > 1 if given is None else bool(given)):
+    if s.keyed:
         out.append(f"parallelism.shard_optimizer={str(s.zero).lower()}")
     per_device = batch // (b.dp * b.fsdp * b.grad_accum)
     if cfg.data.per_device_batch_size is not None and per_device != cfg.data.per_device_batch_size:
@@ -157,11 +161,11 @@ def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[flo
     m = cfg.model
     kernel = kernel_on(cfg, plan, target.device_kind)
     vocab = target_vocab(table_rows(m), cfg.parallelism.vocab_align, plan, target)
-    x = memory_model.shapes(m, cfg.train, plan, kernel, vocab)
+    x = memory_model.shapes(m, plan, kernel, vocab)
     return memory_model.estimate_memory(x, *state, plan.fsdp).total_bytes
 
 
-def _step_bound(cfg: RunConfig, plan: MeshPlan, s: Setting, target: Target, peak: float | None,
+def _step_bound(cfg: RunConfig, plan: MeshPlan, target: Target, peak: float | None,
                 n_params: int, params_bytes: float) -> float | None:
     """A lower bound of the estimated step: the accelerator time model's without collectives
     (they only add to it), or on a CPU target the recomputed FLOPs at the peak."""
@@ -171,7 +175,6 @@ def _step_bound(cfg: RunConfig, plan: MeshPlan, s: Setting, target: Target, peak
     if key in gpu_cost.COST:
         w = gpu_cost.workload(cfg, plan, n_params, params_bytes / 4,
                               kernel=kernel_on(cfg, plan, target.device_kind))
-        w = replace(w, updated_per_device=(w.params_per_device / plan.dp if s.zero else None))
         t = TARGETS[key]
         return gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
                                   t.link_bytes_per_s, [])["step_time_s"]
@@ -190,8 +193,8 @@ def price(cfg: RunConfig, shapes: StateShapes, target: Target, peak: float | Non
         state = shapes.per_device(s)
         need = _model_need(cfg, plan, target, state)
         o = overrides(cfg, s, asked, batch)
-        out.append(Priced(s, o, need, _step_bound(cfg, plan, s, target, peak, n_params,
-                                                  state[0]), changes=len(o)))
+        out.append(Priced(s, o, need, _step_bound(cfg, plan, target, peak, n_params, state[0]),
+                          changes=len(o)))
     return out
 
 
@@ -245,7 +248,7 @@ def fastest_that_fits(cfg: RunConfig, exp: Any, state: Any, target: Target, peak
     asked_s = step_of(asked, plan.grad_accum)
     if max_compiles is None:
         max_compiles = MAX_COMPILES if target.device_kind != "cpu" else MAX_COMPILES_CPU
-    start = Setting(plan.layout, shard_optimizer(cfg.parallelism, plan))
+    start = Setting(plan.layout, plan.shard_optimizer)
     shapes = StateShapes.of(exp, state)
     batch, seq = plan.global_batch, plan.seq_len
     candidates = [c for c in settings(cfg, plan.n_devices, plan.platform, batch, seq,

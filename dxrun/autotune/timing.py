@@ -19,8 +19,8 @@ from jax.experimental import multihost_utils
 from dxrun.experiment import Experiment
 from dxrun.multihost.distributed import agree
 from dxrun.plan.layout import Layout
-from dxrun.plan.layouts import MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, _ms, survivors
-from dxrun.plan.mesh import held_batch, make_plan
+from dxrun.plan.layouts import MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, _ms, held_batch, survivors
+from dxrun.plan.mesh import make_plan
 from dxrun.runtime import release_freed_memory
 
 if TYPE_CHECKING:

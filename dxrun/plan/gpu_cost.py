@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 from dxrun.attention_kernel import KERNELS
 from dxrun.plan import flops
 from dxrun.plan.context import kv_gather_bytes
-from dxrun.plan.loss_chunk import loss_chunk_for
-from dxrun.plan.mesh import shard_optimizer
 from dxrun.plan.vocab import padded_vocab, table_rows
 
 if TYPE_CHECKING:
+    from dxrun.plan.mesh import MeshPlan
     from dxrun.schema import RunConfig
 
 GB = 1e9
@@ -328,12 +327,12 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     }
 
 
-def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: float,
+def workload(cfg: RunConfig, plan: MeshPlan, n_params: float, params_per_device: float,
              vocab: int = 0, kernel: str | None = None) -> Workload:
     """The time model's view of a run config and its mesh plan. ``vocab``: the target's padded
     vocabulary (``autotune.fit.target_vocab``, what the memory model counts too); 0: padded as
     a GPU run pads it, whatever the CPU compile did. ``kernel``: the attention kernel of a run
-    on the target (``attention_kernel.kernel_on``); None: the plan's."""
+    on the target (``autotune.fit.kernel_on``); None: the plan's."""
     replicas = plan.dp * plan.fsdp
     accum = plan.grad_accum
     return Workload(
@@ -342,9 +341,8 @@ def workload(cfg: RunConfig, plan: Any, n_params: float, params_per_device: floa
         vocab=vocab or padded_vocab(table_rows(cfg.model), plan.tp, "gpu",
                                     cfg.parallelism.vocab_align),
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
-        params_per_device=params_per_device, precision=cfg.train.precision,
+        params_per_device=params_per_device, precision=plan.precision,
         grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-        updated_per_device=(params_per_device / plan.dp
-                            if shard_optimizer(cfg.parallelism, plan) else None),
-        loss_chunk=loss_chunk_for(cfg.model, plan), remat=plan.remat, cp=plan.cp,
+        updated_per_device=params_per_device / plan.dp if plan.shard_optimizer else None,
+        loss_chunk=plan.loss_chunk, remat=plan.remat, cp=plan.cp,
         kernel=kernel or plan.attention)

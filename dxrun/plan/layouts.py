@@ -23,6 +23,7 @@ from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.mesh import make_plan
 
 if TYPE_CHECKING:
+    from dxrun.attention_kernel import AttentionTarget
     from dxrun.schema import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig
 
 SEARCHES = ("none", "measure", "model", "fresh")
@@ -77,6 +78,22 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
             continue
         ok.append(layout)
     return ok, refused
+
+
+def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
+               process_hosts: tuple[int, ...] | None = None,
+               device: AttentionTarget | None = None, seq_len: int | None = None
+               ) -> tuple[int, int]:
+    """(global batch, sequence length) a layout search holds fixed while the layouts change
+    (a search never changes the update): ``seq_len``, or ``data.seq_len`` (null: the
+    platform's), and ``data.batch_size``, or with ``data.per_device_batch_size`` the global
+    batch resolved once on the preset's own layout."""
+    if seq_len is None:
+        seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
+    if cfg.data.per_device_batch_size is None:
+        return cfg.data.batch_size, seq_len
+    plan = make_plan(cfg, n_visible, platform, processes, process_hosts, device, seq_len=seq_len)
+    return plan.global_batch, seq_len
 
 
 def fit_variants(layout: Layout) -> list[Layout]:

@@ -1,5 +1,6 @@
 """How many positions the chunked loss takes at a time (``model.loss_chunk``): pure, read by
-the config check before JAX starts, the memory model and the step (``dxrun.chunked_loss``)."""
+the config check before JAX starts and by ``make_plan``, whose plan the memory and time models
+and the step (``dxrun.chunked_loss``) read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import TYPE_CHECKING
 from dxrun.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dxrun.plan.mesh import MeshPlan
     from dxrun.schema import ModelConfig
 
 AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
@@ -41,21 +41,19 @@ def resolve_loss_chunk(value: int | None, rows: int, seq_len: int, vocab: int) -
     return max(fits, default=1)
 
 
-def loss_chunk_for(m: ModelConfig, plan: MeshPlan) -> int:
-    """``resolve_loss_chunk`` for the model ``m`` on ``plan``'s mesh: one micro-batch's rows per
-    device and the vocabulary's padded rows per tensor-parallel device. A user model
-    (``model._target_``) has no output layer of dxrun's to chunk: 0. With a context axis
-    (cp > 1) the logits are split over it already: 0, and a chunk asked for is refused."""
-    if m._target_:
+def loss_chunk_for(m: ModelConfig, rows: int, seq_len: int, vocab: int, cp: int = 1) -> int:
+    """``resolve_loss_chunk`` for the model ``m`` when each device computes ``rows`` sequences
+    (one micro-batch's) of ``seq_len`` over ``vocab`` (padded, per tensor-parallel device)
+    logits: the run plan's, taken once by ``make_plan``. A user model (``model._target_``) has
+    no output layer of dxrun's to chunk: 0. With a context axis (cp > 1) the logits are split
+    over it already: 0, and a chunk asked for is refused."""
+    if m.get("_target_"):
         return 0
-    cp = getattr(plan, "cp", 1)
+    chunk = m.get("loss_chunk")
     if cp > 1:  # the chunks would run along the sequence the context axis splits
-        if m.loss_chunk:
-            raise ConfigError(f"model.loss_chunk={m.loss_chunk} does not run with "
+        if chunk:
+            raise ConfigError(f"model.loss_chunk={chunk} does not run with "
                               f"parallelism.cp={cp} (the chunks run along the sequence that "
                               "the context axis splits); set model.loss_chunk=0 or null")
         return 0
-    rows = max(1, plan.global_batch // (plan.dp * plan.fsdp * plan.grad_accum))
-    vocab = (plan.padded_vocab or m.vocab_size) // plan.tp
-    # The plan's sequence length: data.seq_len may still be null (the platform's default) here.
-    return resolve_loss_chunk(m.loss_chunk, rows, plan.seq_len, vocab)
+    return resolve_loss_chunk(chunk, max(1, rows), seq_len, vocab)

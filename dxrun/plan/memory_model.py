@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun.attention_kernel import KERNELS
 from dxrun.plan.context import BLOCK
-from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.targets import gb_text
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig, TrainConfig
+    from dxrun.plan.mesh import MeshPlan
+    from dxrun.schema import ModelConfig
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -82,14 +82,14 @@ class Shapes:
         return 2 * self.b * self.keys * self.kv_heads * self.head_dim if self.keys else 0
 
 
-def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str,
-           vocab: int = 0) -> Shapes:
-    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, cp, tp). ``vocab``: the
-    padded vocabulary of the target (0: the plan's, padded for the devices it was made on)."""
+def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> Shapes:
+    """The per-device shapes of ``model`` on ``plan``'s mesh (dp, fsdp, cp, tp), at its
+    precision and loss chunk. ``vocab``: the padded vocabulary of the target (0: the plan's,
+    padded for the devices it was made on)."""
     m = model
     tp, replicas, cp = plan.tp, plan.dp * plan.fsdp, getattr(plan, "cp", 1)
     accum = plan.grad_accum
-    c = DTYPE_BYTES[train.precision]
+    c = DTYPE_BYTES[plan.precision]
     return Shapes(
         b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len // cp, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
@@ -98,7 +98,7 @@ def shapes(model: ModelConfig, train: TrainConfig, plan: Any, kernel: str,
         mlp=m.mlp, bias=bool(m.bias), remat=plan.remat,
         kernel="blockwise" if cp > 1 else kernel,
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
-        loss_chunk=loss_chunk_for(m, plan), norm=m.norm, rope=m.pos == "rope",
+        loss_chunk=plan.loss_chunk, norm=m.norm, rope=m.pos == "rope",
         keys=plan.seq_len if cp > 1 else 0,
         stream_split=plan.tp if getattr(plan, "sequence_parallel", False) else 1)
 

@@ -26,6 +26,7 @@ from dxrun.plan.batch import (
 from dxrun.plan.context import check_context, check_processes, check_sequence_parallel
 from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
+from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
 
 if TYPE_CHECKING:
@@ -99,6 +100,13 @@ class MeshPlan:
     sequence_parallel: bool = False  # parallelism.sequence_parallel, in effect (tp > 1)
     attention: str = "xla"  # the kernel (attention_kernel.choose) for attention_device's devices
     attention_device: AttentionTarget = AttentionTarget()
+    # The step's other decisions, taken by ``make_plan`` alone from its final inputs: the
+    # precision (train.precision) and its compute dtype's name, positions per loss chunk
+    # (``loss_chunk.loss_chunk_for``; 0 = the whole sequence), ZeRO-1 on (``shard_optimizer``).
+    precision: str = "fp32"
+    compute_dtype: str = "float32"
+    loss_chunk: int = 0
+    shard_optimizer: bool = False
 
     @property
     def layout(self) -> Layout:
@@ -242,7 +250,8 @@ def _ids(ids: tuple[int, ...]) -> str:
 def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
               process_hosts: tuple[int, ...] | None = None,
               device: AttentionTarget | None = None, *, layout: Layout | None = None,
-              batch: int | None = None, seq_len: int | None = None) -> MeshPlan:
+              batch: int | None = None, seq_len: int | None = None, vocab: int | None = None,
+              zero: bool | None = None) -> MeshPlan:
     """Resolve ``cfg.parallelism`` against ``n_visible`` devices (of ``processes`` equal
     processes; ``process_hosts``: the host of each, None = each process its own host) and
     check the model and batch fit. Tensor and fsdp groups stay inside a host (whose processes
@@ -250,6 +259,9 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     out instead of the config's (a layout search's); ``batch``, ``seq_len``: the global batch
     and sequence length held fixed instead of the config's (None: resolved from it).
     ``device``: the facts the attention kernel is chosen by (None: ``platform``'s, no cuDNN).
+    ``vocab``: the padded vocabulary instead of ``platform``'s (a target's); ``zero``: ZeRO-1
+    on or off instead of ``parallelism.shard_optimizer``'s (a candidate's). The one place
+    every decision of the step (kernel, loss chunk, ZeRO-1, precision) is taken.
 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
@@ -345,16 +357,16 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"pick an fsdp size that divides {model.d_model}"
         )
     device = device or AttentionTarget(platform)
+    precision = cfg.train.precision if "train" in cfg else "fp32"
+    dtype = compute_dtype(precision)
+    rows = (model.vocab_size if model.get("_target_") else  # a user's own table
+            vocab or padded_vocab(table_rows(model), tp, platform, par.vocab_align))
     return MeshPlan(
-        dp=dp, fsdp=fsdp, tp=tp, cp=cp, attention=plan_kernel(cfg, seq_len, cp, device),
-        attention_device=device,
-        device_ids=tuple(range(dp * fsdp * cp * tp)),
-        n_visible=n_visible,
-        platform=platform,
-        global_batch=batch,
-        grad_accum=accum,
-        batch_set_by=set_by,
-        remat=remat,
+        dp=dp, fsdp=fsdp, tp=tp, cp=cp, attention=plan_kernel(cfg, seq_len, cp, device, dtype),
+        attention_device=device, precision=precision, compute_dtype=dtype,
+        shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
+        device_ids=tuple(range(dp * fsdp * cp * tp)), n_visible=n_visible, platform=platform,
+        global_batch=batch, grad_accum=accum, batch_set_by=set_by, remat=remat,
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
         seq_len=seq_len,
@@ -362,32 +374,19 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         sequence_parallel=sp,
         warnings=tuple(warnings),
         vocab_size=model.vocab_size,
-        padded_vocab=(model.vocab_size if model.get("_target_") else  # a user's own table
-                      padded_vocab(table_rows(model), tp, platform, par.vocab_align)),
+        padded_vocab=rows,
+        loss_chunk=loss_chunk_for(model, batch // (replicas * accum), seq_len, rows // tp, cp),
         vocab_align=vocab_align(platform, par.vocab_align),
-        processes=processes,
-        dcn_shape=dcn,
-        process_hosts=hosts_of if hosts < processes else (),
+        processes=processes, dcn_shape=dcn, process_hosts=hosts_of if hosts < processes else (),
     )
 
 
-def shard_optimizer(p: ParallelismConfig, plan: MeshPlan) -> bool:
+def shard_optimizer(p: ParallelismConfig, dp: int) -> bool:
     """ZeRO-1 on? ``parallelism.shard_optimizer``; null = when there are data replicas."""
     value = p.get("shard_optimizer")
-    return plan.dp > 1 if value is None else bool(value)
+    return dp > 1 if value is None else bool(value)
 
 
-def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: int = 1,
-               process_hosts: tuple[int, ...] | None = None,
-               device: AttentionTarget | None = None, seq_len: int | None = None
-               ) -> tuple[int, int]:
-    """(global batch, sequence length) a layout search holds fixed while the layouts change
-    (a search never changes the update): ``seq_len``, or ``data.seq_len`` (null: the
-    platform's), and ``data.batch_size``, or with ``data.per_device_batch_size`` the global
-    batch resolved once on the preset's own layout."""
-    if seq_len is None:
-        seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
-    if cfg.data.per_device_batch_size is None:
-        return cfg.data.batch_size, seq_len
-    plan = make_plan(cfg, n_visible, platform, processes, process_hosts, device, seq_len=seq_len)
-    return plan.global_batch, seq_len
+def compute_dtype(precision: str) -> str:
+    """The name of the dtype the step computes in for ``train.precision``."""
+    return "bfloat16" if precision == "bf16" else "float32"

@@ -2,10 +2,11 @@
 (``dxrun.autotune.decide``) and carried, never written back into the config the run follows.
 
 It holds the mesh plan (the layout: dp/fsdp/tp, remat, accumulation; the global batch and
-sequence length), the save cadence, and the layout search's record where one decided the
-layout. ``saved_config`` is the one place the derived numbers, and the W&B job type and group
-the launch gave the run (``job.Job``), are written, into the record a run's files keep
-(``config.yaml``, the W&B config, each checkpoint's config).
+sequence length; the step's attention kernel, loss chunk, ZeRO-1 and precision), the save
+cadence, and the layout search's record where one decided the layout. ``saved_config`` is
+the one place the derived numbers, and the W&B job type and group the launch gave the run
+(``job.Job``), are written, into the record a run's files keep (``config.yaml``, the W&B
+config, each checkpoint's config).
 """
 
 from __future__ import annotations

@@ -130,15 +130,15 @@ def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any
     (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
     the weight traffic per token); the logits stay fp32. A masked-diffusion run's is
     ``dxrun.tools.denoise``'s: ``steps`` denoising steps (0: one per new token), ``unmask``."""
-    from dxrun.step import COMPUTE_DTYPES  # imports JAX
+    from dxrun.step import jax_dtype  # imports JAX
     from dxrun.tools import decode, denoise  # imports JAX
 
     cfg, exp = loaded.cfg, loaded.exp
-    m = cfg.model
+    m, dtype = cfg.model, jax_dtype(exp.plan.compute_dtype)  # the run plan's
     if m.objective == "mdlm":
         return denoise.make_denoise(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
                                     prompt_len, new_tokens, sampling, steps or new_tokens, unmask,
-                                    m, COMPUTE_DTYPES[cfg.train.precision])
+                                    m, dtype)
     if m._target_:  # a user model: no key/value cache of dxrun's
         log.info("sampling: model._target_ has no key/value cache; each new token recomputes "
                  "the whole sequence")
@@ -146,7 +146,7 @@ def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any
                                         exp.param_shardings, prompt_len, new_tokens, sampling)
     return decode.make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
                          prompt_len, new_tokens, sampling, m.n_layers, m.n_kv_heads,
-                         m.d_model // m.n_heads, dtype=COMPUTE_DTYPES[cfg.train.precision])
+                         m.d_model // m.n_heads, dtype=dtype)
 
 
 def no_context_parallel(cp: int) -> None:
