@@ -183,3 +183,41 @@ def test_every_constant_has_a_source():
         numbers = [f.name for f in dataclasses.fields(cost) if f.name != "sources"]
         missing = [k for k in numbers if k not in cost.sources]
         assert not missing, (name, missing)
+
+
+def _v5e_step_ms(cfg_factory, record: dict, *extra: str) -> float:
+    """The v5e time model's step for a BENCHMARKS.tpu.json record (dp1, no collectives)."""
+    model, batch, remat, *more = record["shape"].removesuffix("+hand").split(":")
+    cfg = cfg_factory(f"model={model}", f"model.remat={remat}",
+                      *[kv for part in more for kv in part.split(",") if kv], *extra)
+    w = gpu_cost.Workload(model=cfg.model, seq_len=record["seq_len"], rows=int(batch),
+                          micro_steps=1, vocab=50304, tp=1, n_devices=1,
+                          params=record["n_params"], params_per_device=record["n_params"],
+                          precision="bf16", grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+                          remat=remat, kernel=record["attention"])
+    t = targets.TARGETS["v5e"]
+    return 1e3 * gpu_cost.step_time(w, gpu_cost.COST["v5e"], flops.PEAK_TFLOPS[t.device_kind][1],
+                                    t.hbm_bytes_per_s, t.link_bytes_per_s, [])["step_time_s"]
+
+
+def test_the_v5e_model_holds_every_measured_tpu_step_and_prices_the_scanned_stack(cfg_factory):
+    """Every step ``benchmarks/tpu.sh`` measured on the chip (BENCHMARKS.tpu.json) within ±15%
+    of the v5e time model, the bar of plan mode; the same shapes with their layers scanned
+    cost more by the copies of the stacked activations: most without remat (every activation
+    saved), least under remat=full (the layer inputs alone)."""
+    import json
+    from pathlib import Path
+
+    records = json.loads(Path(__file__).parents[1].joinpath("BENCHMARKS.tpu.json").read_text())
+    measured = [r for r in records if "step_ms" in r]
+    assert {r["model"] for r in measured} >= {"small", "medium", "large"}
+    extra = {}
+    for r in measured:
+        ratio = _v5e_step_ms(cfg_factory, r) / r["step_ms"]
+        print(r["shape"], r["step_ms"], f"{ratio:.3f}")
+        assert 0.85 <= ratio <= 1.15, (r["shape"], ratio)
+        if "model.scan_layers=false" in r["shape"]:
+            scanned = _v5e_step_ms(cfg_factory, r, "model.scan_layers=true")
+            extra[r["remat"]] = scanned / _v5e_step_ms(cfg_factory, r) - 1
+    print(extra)
+    assert extra["none"] > 0.05 and 0 < extra["full"] < 0.02

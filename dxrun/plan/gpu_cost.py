@@ -41,6 +41,13 @@ class Cost:
     network_bytes_per_s: float  # per device, across nodes, one way
     clock_scale: float = 1.0  # sustained / boost clock (a power limit below the datasheet's)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # the share of the modelled elementwise traffic left as passes of their own (XLA:TPU fuses
+    # norms, activations and residual adds into the matmuls that read or write them)
+    elementwise_share: float = 1.0
+    # a scanned layer stack (model.scan_layers) copies each layer's saved activations out of
+    # the scan's stacked buffers in the backward (a read and a write of each): priced where
+    # measured (``scan_traffic``)
+    scan_copies: bool = False
 
 
 _MAMF = ("stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul "
@@ -62,8 +69,11 @@ _SUSTAINED = ("calibrated: fitted on MaxText's Llama 2 7B run (BENCHMARKS.md, 'P
               "through a long run (the peak and MAMF assume the boost)")
 
 _V5E_FIT = ("calibrated: fitted on dxrun's GPT-2 small/medium/large steps on one v5e chip "
-            "(bf16, splash attention, remat none and full; BENCHMARKS.md, 'TPU'); the attention "
-            "fraction is what splash's kernels reach in their profile at head dim 64")
+            "(bf16, splash attention, remat none and full, layers unrolled; BENCHMARKS.md, "
+            "'TPU'); the attention fraction is what splash's kernels reach in their profile at "
+            "head dim 64")
+_V5E_SCAN = ("measured: the same steps with the layers scanned run 10-12% slower on a v5e, the "
+             "backward's dynamic-slice copies of the stacked activations (BENCHMARKS.md, 'TPU')")
 
 
 def _gpu(**own: str) -> dict[str, str]:
@@ -71,7 +81,8 @@ def _gpu(**own: str) -> dict[str, str]:
     return {"matmul_half_dim": _HALF_DIM, "attention_efficiency": _FA,
             "hbm_efficiency": _STREAM, "link_efficiency": _NCCL,
             "devices_per_node": "8 GPUs per NVLink node (HGX/DGX, Grand Teton, A3)",
-            "network_bytes_per_s": _NET} | own
+            "network_bytes_per_s": _NET, "elementwise_share": "1.0: the traffic as modelled",
+            "scan_copies": "not priced: not measured on a GPU"} | own
 
 
 def _tpu(**own: str) -> dict[str, str]:
@@ -108,12 +119,14 @@ COST: dict[str, Cost] = {
     # the v5p's matmul fraction is MaxText's published MFU (README "Runtime Performance
     # Results": 55-65% on dense Llama-class models; the matmuls alone do better).
     "v5e": Cost(0.85, 128, 0.20, 0.85, 0.80, 256, 25 * GB, 1.0, _tpu(
-        matmul_efficiency=_V5E_FIT, attention_efficiency=_V5E_FIT,
-        devices_per_node="a v5e pod slice (256 chips on ICI)")),
+        matmul_efficiency=_V5E_FIT, attention_efficiency=_V5E_FIT, elementwise_share=_V5E_FIT,
+        scan_copies=_V5E_SCAN, devices_per_node="a v5e pod slice (256 chips on ICI)"),
+        elementwise_share=0.45, scan_copies=True),
     "v5p": Cost(0.80, 128, 0.20, 0.85, 0.80, 8960, 25 * GB, 1.0, _tpu(
         matmul_efficiency="MaxText README v5p results (~60% MFU end to end)",
-        attention_efficiency="assumed as the v5e's",
-        devices_per_node="a v5p pod (8,960 chips on ICI)")),
+        attention_efficiency="assumed as the v5e's", elementwise_share="assumed as the v5e's",
+        scan_copies="assumed as the v5e's", devices_per_node="a v5p pod (8,960 chips on ICI)"),
+        elementwise_share=0.45, scan_copies=True),
 }
 
 # What the estimate row says of its basis: set from the last `python -m benchmarks
@@ -287,6 +300,23 @@ def collective_time(colls: list[dict], w: Workload, link: float, cost: Cost) -> 
     return out
 
 
+def scan_traffic(w: Workload) -> float:
+    """HBM bytes a scanned layer stack adds to one device's step: the backward copies each
+    layer's saved activations out of the scan's stacked buffers (a read and a write). Saved
+    per token: under remat ``none`` the residual stream twice, the two norms' outputs, q, k, v,
+    the attention output and the MLP's hidden activations; ``full`` the layer's input;
+    ``dots`` the input and the matmul outputs."""
+    m = w.model
+    a = 2 if w.precision == "bf16" else 4
+    r = 4 if m.residual_dtype == "fp32" else a
+    D, E, tp = m.d_model, m.d_model // m.n_heads, w.tp
+    qkv, F = (m.n_heads + 2 * m.n_kv_heads) / tp * E, m.d_ff / tp
+    ups = 2 if m.mlp == "swiglu" else 1
+    saved = {"none": 2 * r * D + 2 * a * D + a * qkv + a * D + (ups + 1) * a * F,
+             "full": r * D, "dots": r * D + a * qkv + a * D + ups * a * F}[w.remat]
+    return 2 * saved * m.n_layers * w.tokens * w.micro_steps
+
+
 def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: float,
               link_bytes_per_s: float, collectives: list[dict]) -> dict[str, Any]:
     """One device's step: the parts (seconds) and their sum under the overlap assumption."""
@@ -303,7 +333,10 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
         recompute = fwd if w.remat in ("full", "dots") else 0.0
         attention = (3.5 * fwd + recompute) / (peak * cost.attention_efficiency)
     eb = elementwise_bytes(w, fused)
-    elementwise = sum(eb.values()) / hbm
+    elementwise = cost.elementwise_share * sum(eb.values()) / hbm
+    if cost.scan_copies and w.model.scan_layers:  # copies: nothing to fuse them into
+        eb["scan"] = scan_traffic(w)
+        elementwise += eb["scan"] / hbm
     comm = collective_time(collectives, w, link_bytes_per_s, cost)
     if not collectives and w.cp > 1:  # no compiled step: the context axis's gathers counted
         comm["tensor_bytes"] = kv_gather_bytes(
