@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from dxrun.bookkeeping import make_dir, read_json
 from dxrun.schema import RunConfig
+from dxrun.schema_parallel import axis_sizes
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
@@ -71,9 +72,8 @@ def reuse_pays(cfg: RunConfig, n_devices: int) -> bool:
         return setting == "always"
     m, d, par = cfg.model, cfg.data, cfg.parallelism
     used = par.n_devices or n_devices
-    axes = {k: getattr(par, k) for k in ("dp", "fsdp", "cp", "tp")}
-    named = math.prod(max(1, v) for v in axes.values())
-    n = {k: max(1, used // named if v == -1 else v) for k, v in axes.items()}
+    named = math.prod(max(1, v) for v in axis_sizes(par).values())
+    n = {k: max(1, used // named if v == -1 else v) for k, v in axis_sizes(par).items()}
     tokens = ((d.batch_size or (d.per_device_batch_size or 1) * used)
               * (d.seq_len or m.max_seq_len or 1024) / (n["dp"] * n["fsdp"] * n["cp"]))
     params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model

@@ -31,7 +31,7 @@ from dxrun.config_key import (  # noqa: F401 - Range and the bounds, importable 
     section,
     walk,
 )
-from dxrun.schema_distributed import DistributedConfig
+from dxrun.schema_parallel import DistributedConfig, ParallelismConfig
 from dxrun.schema_tracking import EarlyStopConfig, LoggerConfig
 
 # The two keys that give the batch (dxrun/plan/batch.py tells which one a run set).
@@ -94,53 +94,6 @@ class ModelConfig:
     _target_: str | None = key(None, "Your own Flax NNX module (dxrun/user_model.py's protocol: "
                                "logical axes, __call__(tokens) -> logits); null = dxrun's")
     kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
-
-
-_AXIS = "-1 (inferred) or a size >= 1: plan.axes.resolve_axes"
-
-
-@dataclass
-class ParallelismConfig:
-    name: str = key("auto", "the preset's name (run names and tags)")
-    n_devices: int = key(0, "0 = all visible, k = the first k", range=NON_NEGATIVE)
-    dp: int = key(-1, "data-parallel axis size (-1 = inferred; at most one axis)", unranged=_AXIS)
-    fsdp: int = key(1, "fully-sharded data-parallel axis size (-1 = inferred)", unranged=_AXIS)
-    tp: int = key(1, "tensor-parallel axis size (-1 = inferred)", unranged=_AXIS)
-    cp: int = key(1, "context-parallel axis size: each sequence split over cp devices", range=POSITIVE)
-    sequence_parallel: bool = key(False, "under tp: norms and the residual split along the sequence")
-    on_mismatch: str = key("error", "a mesh that does not match the devices: refuse, or shrink "
-                           "it to fit", choices=("error", "shrink"))
-    vocab_align: int = key(
-        0, "The vocab axis (wte / lm_head rows) is padded to a multiple of tp and of this; 0 = "
-        "the platform's (128 on GPU/TPU, 1 on CPU). E.g. 128 lays a GPU run's checkpoint out on "
-        "CPU.", range=NON_NEGATIVE)
-    allow_cross_host_tp: bool = key(
-        False, "A multi-process run refuses a tensor-parallel group that spans processes "
-        "(hosts): its per-layer all-reduces would cross the network. true = allow it anyway.")
-    shard_optimizer: bool | None = key(
-        None, "ZeRO-1: optimizer state (Adam/Lion moments, SGD momentum) also split over the "
-        "`data` replicas; null = auto (on when dp > 1). Same losses either way; checkpoints "
-        "restore across.")
-    search: str = key(
-        "none", "parallelism=auto's layout search (dxrun/autotune/search.py): none = "
-        "dp/fsdp/tp as given | measure = rank by estimate, time the top search_top, the fastest "
-        "wins | model = the estimate's first | fresh = measure, ignoring the cached decision and "
-        "search_budget (a search asked for).",
-        choices=("none", "measure", "model", "fresh"))
-    search_top: int = key(3, "parallelism.search=measure times this many of the ranking's best "
-                          "(and any estimated within 10% of the first at under search_turn_s "
-                          "a step; on simulated CPU devices, when the steps are cheap, all that "
-                          "fit)", range=POSITIVE)
-    search_turn_s: float = key(
-        1.0, "parallelism.search=measure: a layout's turn stops timing once its steps add up to "
-        "this many seconds (up to 10 steps a turn, at least 1): longer = steadier medians, a "
-        "slower search. Several processes stop on process 0's clock.", range=POSITIVE)
-    search_budget: float | None = key(
-        0.25, "parallelism=auto (a run, or the run plan mode plans): the starting layout (all "
-        "devices data-parallel) is kept, unsearched, when a search is predicted to cost more "
-        "than this fraction of the run's steps (from the starting layout's compile time and "
-        "estimated step: plan.layouts.search_cost); null = always search (a cached decision "
-        "is still taken; search=fresh searches whatever this is)", range=POSITIVE)
 
 
 @dataclass

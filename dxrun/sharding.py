@@ -279,7 +279,7 @@ def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0, cp: 
     """A (data, fsdp, context, tensor) mesh over the first ``n_devices`` (0 = all); one size
     but cp may be -1."""
     n = n_devices or jax.device_count()
-    dp, fsdp, tp = resolve_axes(dp, fsdp, tp, n, cp)
+    dp, fsdp, cp, tp = resolve_axes({"dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}, n).values()
     if dp * fsdp * cp * tp != n:
         raise ValueError(f"dp*fsdp*cp*tp = {dp}*{fsdp}*{cp}*{tp} = {dp * fsdp * cp * tp} != {n} "
                          "devices")

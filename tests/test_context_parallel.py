@@ -110,9 +110,9 @@ def test_parallelism_auto_tries_context_layouts_for_long_sequences_only(cfg_fact
     """The layout search's candidates (pure: the plan's checks, no compile): a context axis
     from dxrun.plan.context.LONG_SEQ tokens on, where 2*cp divides the sequence."""
     assert LONG_SEQ == 8192
-    assert {cp for _, _, cp, _ in meshes(8, 4096)} == {1}
-    assert {cp for _, _, cp, _ in meshes(8, 8192)} == {1, 2, 4, 8}
-    assert {cp for _, _, cp, _ in meshes(8, 8196)} == {1, 2}  # 8196 = 4 x 2049
+    assert {m["cp"] for m in meshes(8, 4096)} == {1}
+    assert {m["cp"] for m in meshes(8, 8192)} == {1, 2, 4, 8}
+    assert {m["cp"] for m in meshes(8, 8196)} == {1, 2}  # 8196 = 4 x 2049
     cfg = cfg_factory("parallelism=auto", "model.max_seq_len=8192", "data.seq_len=8192",
                       "data.batch_size=8")
     ok, _ = candidates(cfg, 8, "cpu")

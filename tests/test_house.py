@@ -35,7 +35,7 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # fails ``test_every_module_has_a_floor``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
-                "dxrun.schema_tracking", "dxrun.schema_distributed",
+                "dxrun.schema_tracking", "dxrun.schema_parallel",
                 "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target",
                 # pure data (the metric names, no import): what validation checks names against
                 "dxrun.tracking.metric_names")),

@@ -96,8 +96,7 @@ class StateShapes:
         """(params, optimizer state, batch) bytes per device: a tensor axis split where its
         mesh axes divide it (the vocabulary always: it is padded to tp), the optimizer state as
         its parameter's, over the data replicas too under ZeRO-1."""
-        sizes = {"data": s.layout.dp, "fsdp": s.layout.fsdp, "context": s.layout.cp,
-                 "tensor": s.layout.tp}
+        sizes = s.layout.mesh_sizes
         params = 0.0
         for shape, itemsize, names in self.leaves:
             n = float(itemsize)
@@ -117,16 +116,16 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
     """Every (setting, its mesh plan) on ``n`` devices that the mesh plan accepts at the
     global ``batch`` and ``seq_len`` held fixed: ZeRO-1 off, and on too with data replicas."""
     out = []
-    for dp, fsdp, cp, tp in meshes(n, seq_len):
+    for sizes in meshes(n, seq_len):
         for remat in REMATS:
             for accum in ACCUMS:
-                layout = Layout(dp, fsdp, tp, remat, accum, cp)
+                layout = Layout(**sizes, remat=remat, grad_accum=accum)
                 try:
                     own = make_plan(cfg, n, platform, processes, hosts, device, layout=layout,
                                     batch=batch, seq_len=seq_len)
                 except ConfigError:
                     continue
-                for z in (False, True) if dp > 1 else (False,):
+                for z in (False, True) if sizes["dp"] > 1 else (False,):
                     plan = own if z == own.shard_optimizer else make_plan(
                         cfg, n, platform, processes, hosts, device, layout=layout,
                         batch=batch, seq_len=seq_len, zero=z)

@@ -11,10 +11,11 @@ from typing import Any
 
 from dxrun.config import model_changes
 from dxrun.plan.targets import GB, gb_text
+from dxrun.schema_parallel import AXES
 
 EXPOSED_SHARE = 0.10  # exposed collectives above this share of the step: a warning
 UNSPLIT_SHARE = 0.10  # ZeRO-1: optimizer state left whole above this share of it: a warning
-AXIS_WORDS = {"dp": "data", "fsdp": "fsdp", "cp": "context", "tp": "tensor"}
+AXIS_WORDS = {a.key: a.mesh for a in AXES}  # dp: data, ..., tp: tensor
 
 
 def shape_line(model: Any, n_params: int) -> str:
@@ -35,14 +36,14 @@ def tflops_per_device(model_flops: float, n_devices: int, step_s: float | None) 
 def preset_note(name: str, shape: tuple[int, int, int, int]) -> str | None:
     """A preset named for its 8-device layout (``dp4_tp2``) on another device count: what it
     lays out there (``data 48 x tensor 2``). None when the name is the mesh, or no layout."""
-    parts = re.fullmatch(r"((?:dp|fsdp|cp|tp)\d+)(?:_((?:dp|fsdp|cp|tp)\d+))*", name or "")
-    if parts is None:
+    token = rf"(?:{'|'.join(AXIS_WORDS)})\d+"
+    if re.fullmatch(rf"{token}(?:_{token})*", name or "") is None:
         return None
-    named = {"dp": 1, "fsdp": 1, "cp": 1, "tp": 1}
-    for token in name.split("_"):
-        axis, size = re.fullmatch(r"(dp|fsdp|cp|tp)(\d+)", token).groups()
+    named = dict.fromkeys(AXIS_WORDS, 1)
+    for part in name.split("_"):
+        axis, size = re.fullmatch(rf"({'|'.join(AXIS_WORDS)})(\d+)", part).groups()
         named[axis] = int(size)
-    have = dict(zip(("dp", "fsdp", "cp", "tp"), shape, strict=True))
+    have = dict(zip(AXIS_WORDS, shape, strict=True))
     if have == named:
         return None
     n, was = math.prod(shape), math.prod(named.values())

@@ -1,22 +1,26 @@
-"""The mesh's axis sizes from the config's (pure): one size inferred from the device count, or
-the mesh shrunk to fit (``parallelism.on_mismatch=shrink``). ``cp`` (the ``context`` axis) is
-never inferred: it is chosen for the sequence, not for the device count."""
+"""The mesh's axis sizes from the config's (pure), axis by axis over ``schema_parallel.AXES``:
+one size inferred from the device count, or the mesh shrunk to fit
+(``parallelism.on_mismatch=shrink``). An axis that ``AXES`` marks not inferable (the
+``context`` axis: chosen for the sequence, not for the device count) is never inferred."""
 
 from __future__ import annotations
 
 import math
 
 from dxrun.errors import ConfigError
+from dxrun.schema_parallel import AXES
 
 
-def resolve_axes(dp: int, fsdp: int, tp: int, n: int, cp: int = 1) -> tuple[int, int, int]:
-    """(dp, fsdp, tp) with the one -1 among them inferred so that dp*fsdp*cp*tp = ``n``."""
-    sizes = {"dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:
+    """``sizes`` (each axis's, by key, in ``AXES``' order) with the one -1 among them inferred
+    so that their product is ``n``."""
+    sizes = {a.key: sizes[a.key] for a in AXES}
     inferred = [k for k, v in sizes.items() if v == -1]
-    for k, v in sizes.items():
-        if v == 0 or v < -1 or (k == "cp" and v < 1):
-            raise ConfigError(f"parallelism.{k}={v} must be a positive size"
-                              + (" or -1 (inferred)" if k != "cp" else ""))
+    for a in AXES:
+        v = sizes[a.key]
+        if v == 0 or v < -1 or (not a.inferable and v < 1):
+            raise ConfigError(f"parallelism.{a.key}={v} must be a positive size"
+                              + (" or -1 (inferred)" if a.inferable else ""))
     if len(inferred) > 1:
         raise ConfigError(
             f"parallelism: {' and '.join('parallelism.' + k for k in inferred)} are both -1; "
@@ -36,14 +40,14 @@ def resolve_axes(dp: int, fsdp: int, tp: int, n: int, cp: int = 1) -> tuple[int,
                 f"cannot be inferred; {fix}, or set parallelism.n_devices to a multiple of {known}"
             )
         sizes[inferred[0]] = n // known
-    return sizes["dp"], sizes["fsdp"], sizes["tp"]
+    return sizes
 
 
-def shrink(dp: int, fsdp: int, cp: int, tp: int, n: int) -> tuple[int, int, int, int]:
-    """Largest mesh that fits n devices: give up data replicas first, then fsdp, then context,
-    then tp."""
-    sizes = [dp, fsdp, cp, tp]
-    while math.prod(sizes) > n:
-        i = next(i for i in range(4) if sizes[i] > 1)
-        sizes[i] //= min(p for p in range(2, sizes[i] + 1) if sizes[i] % p == 0)
-    return sizes[0], sizes[1], sizes[2], sizes[3]
+def shrink(sizes: dict[str, int], n: int) -> dict[str, int]:
+    """Largest mesh that fits n devices: the axes give up sizes in ``AXES``' order (data
+    replicas first, then fsdp, then context, then tensor)."""
+    sizes = {a.key: sizes[a.key] for a in AXES}
+    while math.prod(sizes.values()) > n:
+        k = next(k for k, v in sizes.items() if v > 1)
+        sizes[k] //= min(p for p in range(2, sizes[k] + 1) if sizes[k] % p == 0)
+    return sizes

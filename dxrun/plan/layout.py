@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dxrun.schema_parallel import AXES, axis_sizes
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -21,9 +23,13 @@ class Layout:
     @property
     def mesh(self) -> str:
         """The preset-style name: ``dp4_tp2``, ``fsdp8``, ``dp2_fsdp2_tp2``, ``cp2_tp4``, ``dp1``."""
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("cp", self.cp),
-                                        ("tp", self.tp)) if v > 1]
+        parts = [f"{k}{v}" for k, v in axis_sizes(self).items() if v > 1]
         return "_".join(parts) or "dp1"
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """Each axis's size by its JAX mesh axis name (``data``, ``fsdp``, ...)."""
+        return {a.mesh: getattr(self, a.key) for a in AXES}
 
     @property
     def label(self) -> str:
@@ -33,12 +39,12 @@ class Layout:
 
     def overrides(self) -> dict[str, Any]:
         """The config keys that name this layout (what a run's saved record holds)."""
-        return {"parallelism": {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "cp": self.cp},
-                "model": {"remat": self.remat}, "train": {"grad_accum": self.grad_accum}}
+        return {"parallelism": axis_sizes(self), "model": {"remat": self.remat},
+                "train": {"grad_accum": self.grad_accum}}
 
 
 def layout_of(row: dict[str, Any]) -> Layout:
     """The layout of a ranking row or record (``plan.json``'s), cp 1 where it was written
     before the context axis."""
-    return Layout(row["dp"], row["fsdp"], row["tp"], row["remat"], row["grad_accum"],
-                  row.get("cp", 1))
+    return Layout(**{a.key: row.get(a.key, 1) for a in AXES}, remat=row["remat"],
+                  grad_accum=row["grad_accum"])

@@ -50,12 +50,14 @@ def factorisations(n: int) -> list[tuple[int, int, int]]:
     return [(n // (f * t), f, t) for t in divisors for f in divisors if (n // t) % f == 0]
 
 
-def meshes(n: int, seq_len: int) -> list[tuple[int, int, int, int]]:
-    """Every (dp, fsdp, cp, tp) of ``n`` devices a search tries: a context axis (cp > 1) only
-    for a sequence of ``LONG_SEQ`` or more that its 2·cp chunks divide."""
+def meshes(n: int, seq_len: int) -> list[dict[str, int]]:
+    """Every mesh of ``n`` devices a search tries, each axis's size by key (``AXES``' order):
+    a context axis (cp > 1) only for a sequence of ``LONG_SEQ`` or more that its 2·cp chunks
+    divide."""
     cps = [c for c in range(1, n + 1) if n % c == 0 and (
         c == 1 or (seq_len >= LONG_SEQ and seq_len % (2 * c) == 0))]
-    return [(dp, fsdp, c, tp) for c in cps for dp, fsdp, tp in factorisations(n // c)]
+    return [{"dp": dp, "fsdp": fsdp, "cp": c, "tp": tp}
+            for c in cps for dp, fsdp, tp in factorisations(n // c)]
 
 
 def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1,
@@ -68,8 +70,8 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     n = cfg.parallelism.n_devices or n_visible
     ok, refused = [], []
     seq = seq_len or default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
-    for dp, fsdp, cp, tp in meshes(n, seq):
-        layout = Layout(dp, fsdp, tp, cfg.model.remat, cfg.train.grad_accum, cp)
+    for sizes in meshes(n, seq):
+        layout = Layout(**sizes, remat=cfg.model.remat, grad_accum=cfg.train.grad_accum)
         try:
             make_plan(cfg, n_visible, platform, processes, process_hosts, device, layout=layout,
                       batch=batch, seq_len=seq_len)

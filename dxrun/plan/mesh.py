@@ -8,6 +8,7 @@ sharded), ``context`` (each sequence split along its length: dxrun/plan/context.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +29,12 @@ from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
+from dxrun.schema_parallel import AXES, axis_sizes
 
 if TYPE_CHECKING:
     from dxrun.schema import ParallelismConfig, RunConfig
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = tuple(a.mesh for a in AXES)  # ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
 # logical axes only; changing the parallelism changes only the mesh sizes under this table.
@@ -113,9 +115,9 @@ class MeshPlan:
         return Layout(self.dp, self.fsdp, self.tp, self.remat, self.grad_accum, self.cp)
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
+    def shape(self) -> tuple[int, ...]:
         """The mesh's shape over ``MESH_AXES``."""
-        return (self.dp, self.fsdp, self.cp, self.tp)
+        return tuple(axis_sizes(self).values())
 
     @property
     def host_shape(self) -> tuple[int, int, int]:
@@ -266,9 +268,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
     par, model, data = cfg.parallelism, cfg.model, cfg.data
-    sizes = (par.dp, par.fsdp, par.tp) if layout is None else (layout.dp, layout.fsdp,
-                                                                 layout.tp)
-    cp = par.cp if layout is None else layout.cp
+    given = axis_sizes(par if layout is None else layout)
     if par.n_devices > n_visible:
         hint = f" or runtime.cpu_devices={par.n_devices}" if platform == "cpu" else ""
         raise ConfigError(
@@ -276,7 +276,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"visible; set parallelism.n_devices<={n_visible}{hint}"
         )
     n = par.n_devices or n_visible
-    dp, fsdp, tp = resolve_axes(*sizes, n, cp)
+    sizes = resolve_axes(given, n)
+    dp, fsdp, cp, tp = sizes.values()
     check_processes(cp, processes)
     warnings: list[str] = []
     if processes > 1 and dp * fsdp * cp * tp != n_visible:
@@ -286,10 +287,9 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"{n_visible // processes}) and must use them all; set parallelism.n_devices=0 and "
             f"sizes whose product is {n_visible}")
     if dp * fsdp * cp * tp != n:
-        # The context axis is named only where it is used (cp > 1).
-        names, old = ("dp", "fsdp", "cp", "tp"), (dp, fsdp, cp, tp)
-        used = [(k, v) for k, v in zip(names, old, strict=True) if k != "cp" or cp > 1]
-        product, need = "*".join(k for k, _ in used), dp * fsdp * cp * tp
+        # An axis that cannot be inferred (context) is named only where it is used.
+        used = [(a.key, sizes[a.key]) for a in AXES if a.inferable or sizes[a.key] > 1]
+        product, need = "*".join(k for k, _ in used), math.prod(sizes.values())
         if par.on_mismatch != "shrink":
             in_use = (f"parallelism.n_devices={n} uses {n}" if par.n_devices
                       else f"{n} {platform} devices are visible")
@@ -300,11 +300,12 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
                 f"parallelism.n_devices={need} if that many are visible, pick another "
                 f"preset, or set parallelism.on_mismatch=shrink"
             )
-        dp, fsdp, cp, tp = shrink(dp, fsdp, cp, tp, n)
+        sizes = shrink(sizes, n)
+        dp, fsdp, cp, tp = sizes.values()
         warnings.append(
             f"parallelism.on_mismatch=shrink: {product}={'*'.join(str(v) for _, v in used)} "
-            f"does not fit {n} devices; using dp={dp} fsdp={fsdp} "
-            + f"cp={cp} " * (len(used) == 4) + f"tp={tp} on {dp * fsdp * cp * tp} devices"
+            f"does not fit {n} devices; using "
+            + " ".join(f"{k}={sizes[k]}" for k, _ in used) + f" on {math.prod(sizes.values())} devices"
         )
     hosts_of = tuple(process_hosts) if process_hosts and processes > 1 else ()
     hosts = max(hosts_of) + 1 if hosts_of else processes
