@@ -112,7 +112,7 @@ class MeshPlan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.fsdp, self.tp, self.remat, self.grad_accum, self.cp)
+        return Layout(**axis_sizes(self), remat=self.remat, grad_accum=self.grad_accum)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -128,7 +128,7 @@ class MeshPlan:
 
     @property
     def n_devices(self) -> int:
-        return self.dp * self.fsdp * self.cp * self.tp
+        return math.prod(self.shape)
 
     @property
     def hosts(self) -> int:
