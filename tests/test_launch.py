@@ -376,7 +376,7 @@ def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
     tell_launcher_startup("claimed", {"run_dir": str(run_dir), "step": 40, "checkpoint": newest,
                                       "attempt": 3, "lost_attempts": 1}, rank[0])
     assert not stopped_while_starting(["SIGINT"], [None, None], startup)
-    tell_launcher_startup("stopped", {"signal": "SIGINT"}, rank[1])
+    tell_launcher_startup("stopped", None, rank[1])
     assert stopped_while_starting(["SIGINT"], [None, None], startup)
     assert not stopped_while_starting([], [None, None], startup)
 

@@ -75,7 +75,7 @@ class Signals:
         self.stopping, self.redeliver = name, False
         if self.phase == self.STARTING:
             with contextlib.suppress(OSError):  # the stop is the news, not the telling
-                tell_launcher_startup("stopped", {"signal": name})
+                tell_launcher_startup("stopped")
         raise Interrupted(name, self.phase)
 
     @contextlib.contextmanager

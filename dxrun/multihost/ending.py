@@ -77,9 +77,9 @@ def stopped_while_starting(signalled: list[str], codes: list[int | None], startu
     return bool(told(startup, "stopped")) or any(EXIT_CODES[s] in codes for s in signalled)
 
 
-def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path, run_dir_file: Path,
-                launch_args: list[str], user_overrides: list[str], overrides: list[str]
-                ) -> re.Match:
+def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
+                         run_dir_file: Path, launch_args: list[str], user_overrides: list[str],
+                         overrides: list[str]) -> re.Match:
     """Rank 0's line for a stop while starting (``stops``) or, when it said none (inside a
     startup collective it never saw the signal, and was killed), the words it would have said,
     from its claim of the run dir (``claimed.0`` in ``startup``). The run's status.json is
