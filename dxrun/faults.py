@@ -6,10 +6,11 @@ or makes it crash, on any host, by starting ``python -m dxrun`` with
     DXRUN_TEST_HOLD_AT_STEP=k   from step k on, the loop waits before each step for a SIGUSR1
                                 (which also asks for a save), so signals land at known steps
     DXRUN_TEST_ERROR_AT_STEP=k  after step k the loop raises an error that is not bad input
-    DXRUN_TEST_DEAF_RANK=k      rank k (k >= 1) of a launch does not act on SIGINT or SIGTERM
+    DXRUN_TEST_DEAF_RANK=k      rank k (0 too) of a launch does not act on SIGINT or SIGTERM
                                 while starting, and holds there until sent one (``deafen``)
 
-Unset or 0: off. Any other value than an integer in its range is refused in one line.
+Unset: off (a step fault at 0 too: steps count from 1). Any other value than an integer in its
+range is refused in one line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Faults:
     nan_at_step: int = 0
     hold_at_step: int = 0
     error_at_step: int = 0
-    deaf_rank: int = 0
+    deaf_rank: int | None = None
 
     def steps(self) -> tuple[int, int, int]:
         """The steps at which the loop does more than step (0: none)."""
@@ -48,7 +49,9 @@ class Faults:
 def from_env(environ: Mapping[str, str] = os.environ) -> Faults:
     values = {}
     for name, (variable, accepted) in VARIABLES.items():
-        text = environ.get(variable, "").strip() or "0"
+        text = environ.get(variable, "").strip()
+        if not text:
+            continue
         try:
             value = int(text)
         except ValueError:
@@ -67,7 +70,7 @@ def deafen(rank: int) -> None:
     """Rank ``deaf_rank`` notes SIGINT and SIGTERM and does nothing else (``join`` calls this):
     a stop never reaches its startup, as for a rank inside a collective, where no Python
     handler runs. (Not a blocked signal mask: a thread started earlier would take the signal.)"""
-    if rank and rank == from_env().deaf_rank:
+    if rank == from_env().deaf_rank:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, _frame: _HEARD.append(signum))
 
@@ -75,6 +78,6 @@ def deafen(rank: int) -> None:
 def hold_until_stopped(rank: int) -> None:
     """Rank ``deaf_rank`` waits here until it has been sent a stop: the others wait for it in
     their next collective, so the stop reaches them inside their startup, whenever it comes."""
-    if rank and rank == from_env().deaf_rank:
+    if rank == from_env().deaf_rank:
         while not _HEARD:
             time.sleep(0.05)

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from dxrun import run_dir as run_dirs
 from dxrun.errors import ConfigError
-from dxrun.multihost.distributed import agree, is_main
+from dxrun.multihost.distributed import agree, is_main, tell_launcher_startup
 from dxrun.run_dir import Claim
 from dxrun.runtime import claim_run_dir
 
@@ -55,6 +55,8 @@ def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf
                 fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
                 has_checkpoints=lambda d: bool(committed_steps(checkpoint_dir(ckpt, d))))
             decision = {"dir": str(claim.dir), "continues": claim.continues}
+            checkpoints = checkpoint_dir(ckpt, claim.dir)
+            _tell_launcher(claim, checkpoints, committed_steps(checkpoints))
         except ConfigError as e:
             decision = {"refusal": str(e)}
     # The others wait here while process 0 waits for the lock.
@@ -68,6 +70,16 @@ def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf
         log.warning("%s already holds a run: this run %s %s", asked,
                     "continues it in" if claim.continues else "writes to", claim.dir)
     return claim
+
+
+def _tell_launcher(claim: Claim, checkpoints: Path, steps: list[int]) -> None:
+    """What process 0's status.json would say after a stop while starting (nothing is saved
+    before the train loop; ``steps``: the committed ones), for ``dxrun.launch`` to write if
+    process 0 cannot: stuck inside a startup collective, where the signal never reaches it."""
+    tell_launcher_startup("claimed", {
+        "run_dir": str(claim.dir), "step": steps[-1] if steps else 0,
+        "checkpoint": str(checkpoints / str(steps[-1])) if steps else None,
+        "attempt": claim.attempt, "lost_attempts": claim.lost_attempts})
 
 
 def names_its_dir(hydra_cfg: HydraConf) -> bool:

@@ -261,6 +261,16 @@ def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad)
     assert msg.startswith(f"{variable}={value}") and "set " + variable in msg and "\n" not in msg
 
 
+def test_the_deaf_rank_fault_can_name_rank_0():
+    """Unset is off; a rank's number, 0 included, names it (a step fault's 0 is off anyway:
+    steps count from 1)."""
+    assert faults.from_env({}).deaf_rank is None
+    assert faults.from_env({"DXRUN_TEST_DEAF_RANK": "0"}).deaf_rank == 0
+    assert faults.from_env({"DXRUN_TEST_DEAF_RANK": ""}).deaf_rank is None
+    with pytest.raises(ConfigError):
+        faults.from_env({"DXRUN_TEST_DEAF_RANK": "-1"})
+
+
 def _float_ranged_keys() -> list[str]:
     return sorted(k for k, _, hint in schema.walk(schema.RunConfig)
                   if k in schema.RANGES and float in (typing.get_args(hint) or (hint,)))

@@ -361,6 +361,47 @@ def test_when_the_others_are_stopped_depends_on_how_one_ended():
         0.0, 0.0, 10.0, 10.0, None, None]
 
 
+def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
+    """The ranks' files in the launcher's startup folder: a rank's ``stopped`` makes a stop one
+    made while starting, until a rank trains. Rank 0 silent, the launcher says its words from
+    its claim of the run dir and writes its status.json; one rank 0 wrote itself stays."""
+    from dxrun.multihost.distributed import LAUNCH_STARTUP, PROCESS_ID, tell_launcher_startup
+    from dxrun.multihost.launch import clean_stop, settle_starting_stop, stopped_while_starting
+
+    startup, run_dir, told = tmp_path / "startup", tmp_path / "run", tmp_path / "run_dir"
+    startup.mkdir()
+    run_dir.mkdir()
+    rank = [{LAUNCH_STARTUP: str(startup), PROCESS_ID: str(r)} for r in (0, 1)]
+    newest = f"{run_dir}/checkpoints/40"
+    tell_launcher_startup("claimed", {"run_dir": str(run_dir), "step": 40, "checkpoint": newest,
+                                      "attempt": 3, "lost_attempts": 1}, rank[0])
+    assert not stopped_while_starting(["SIGINT"], [None, None], startup)
+    tell_launcher_startup("stopped", None, rank[1])
+    assert stopped_while_starting(["SIGINT"], [None, None], startup)
+    assert not stopped_while_starting([], [None, None], startup)
+
+    stop = settle_starting_stop("SIGINT", [], startup, told, ["--nproc=2"], ["logger=none"],
+                                ["logger=none", "hydra.run.dir=run", "runtime.cpu_devices=1"])
+    command = f"python -m dxrun.launch --nproc=2 -- logger=none hydra.run.dir={run_dir}"
+    words = f"SIGINT: stopped while starting; checkpoint {newest} is the newest. Resume with: "
+    assert stop[0] == words + command
+    assert clean_stop("SIGINT", [130, 130], stop, ["--nproc=2"], ["logger=none"]) == (
+        f"dxrun.launch: stopped by SIGINT while starting: every rank stopped; {stop[3]}")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert {k: status[k] for k in ("status", "signal", "step", "checkpoint", "relaunch",
+                                   "reason", "overrides", "attempt", "lost_attempts")} == {
+        "status": "stopped", "signal": "SIGINT", "step": 40, "checkpoint": newest,
+        "relaunch": command, "reason": words + command,
+        "overrides": ["logger=none", "runtime.cpu_devices=1"], "attempt": 3, "lost_attempts": 1}
+
+    (run_dir / "status.json").write_text('{"status": "stopped", "by": "rank 0"}')
+    told.write_text(str(run_dir))  # rank 0 wrote its status.json, then told the launcher
+    settle_starting_stop("SIGINT", [], startup, told, ["--nproc=2"], [], [])
+    assert json.loads((run_dir / "status.json").read_text())["by"] == "rank 0"
+    tell_launcher_startup("training", None, rank[0])
+    assert not stopped_while_starting(["SIGINT"], [None, 130], startup)
+
+
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):
     """SIGTERM reaches rank 1 only (SLURM's signals do not arrive at the same instant): both
     processes agree on one step, save it together and exit 0."""
@@ -426,15 +467,18 @@ def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher
         "stopped", "SIGINT", command)
 
 
-def test_ctrl_c_while_a_rank_waits_in_a_startup_collective_stops_at_once(tmp_path):
-    """A Ctrl-C reaches rank 1 inside a startup collective (DXRUN_TEST_DEAF_RANK: it never
-    sees the signal) and rank 0 outside one: rank 0 stops, and rank 1, left waiting for it,
-    would wait for JAX's heartbeat (300 s). The launcher stops rank 1 after --grace and ends
-    as for any stop while starting: its line, exit 130, status.json resuming through it."""
+@pytest.mark.parametrize("deaf", [1, 0])
+def test_ctrl_c_while_a_rank_waits_in_a_startup_collective_stops_at_once(tmp_path, deaf):
+    """A Ctrl-C reaches rank ``deaf`` inside a startup collective (DXRUN_TEST_DEAF_RANK: it
+    never sees the signal) and the other rank outside one: that one stops, and the deaf one,
+    left waiting for it, would wait for JAX's heartbeat (300 s). The launcher stops it after
+    --grace and ends as for any stop while starting: its line, exit 130, status.json resuming
+    through it. With rank 0 deaf, rank 1's stop is said nowhere but its own log, and the
+    status.json rank 0 never wrote is the launcher's."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
          "--grace", "2", "--", NO_CACHE, "logger=none", "parallelism=dp", *ENDLESS_BATCH,
-         "hydra.run.dir=run"], cwd=tmp_path, env={**_env(), "DXRUN_TEST_DEAF_RANK": "1"},
+         "hydra.run.dir=run"], cwd=tmp_path, env={**_env(), "DXRUN_TEST_DEAF_RANK": str(deaf)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = Output(proc)
     try:
@@ -454,13 +498,13 @@ def test_ctrl_c_while_a_rank_waits_in_a_startup_collective_stops_at_once(tmp_pat
                f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 130 and took < 60, (took, text[-3000:])
     assert "error" not in text and "step 1/" not in text, text[-3000:]
-    assert "dxrun.launch: stopping rank 1: the run was stopped while starting" in text
+    assert f"dxrun.launch: stopping rank {deaf}: the run was stopped while starting" in text
     assert text.strip().splitlines()[-1] == (
         "dxrun.launch: stopped by SIGINT while starting: every rank stopped; no checkpoint yet. "
         f"Resume with: {command}")
     status = json.loads((tmp_path / "run" / "status.json").read_text())
-    assert (status["status"], status["signal"], status["relaunch"]) == (
-        "stopped", "SIGINT", command)
+    assert (status["status"], status["signal"], status["step"], status["checkpoint"],
+            status["relaunch"]) == ("stopped", "SIGINT", 0, None, command), status
 
 
 # A run dir neither Hydra's override grammar nor a shell takes as it is: "=", both quotes, a

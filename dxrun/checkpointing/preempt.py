@@ -23,10 +23,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from dxrun.errors import EXIT_CODES, Interrupted
-from dxrun.multihost.distributed import tell_launcher_training
+from dxrun.multihost.distributed import tell_launcher_startup
 
 log = logging.getLogger("dxrun")
 
@@ -66,7 +66,16 @@ class Signals:
         if self.holding:
             self.held = self.held or name
             return
+        self.stop(name)
+
+    def stop(self, name: str) -> NoReturn:
+        """Stop the process for signal ``name``. One that stops while starting tells
+        ``dxrun.launch``: another process may wait for it inside a startup collective, where
+        no signal reaches it, and the launcher then ends that one."""
         self.stopping, self.redeliver = name, False
+        if self.phase == self.STARTING:
+            with contextlib.suppress(OSError):  # the stop is the news, not the telling
+                tell_launcher_startup("stopped")
         raise Interrupted(name, self.phase)
 
     @contextlib.contextmanager
@@ -79,8 +88,7 @@ class Signals:
         finally:
             self.holding = False
         if self.held is not None:
-            self.stopping, self.redeliver = self.held, False
-            raise Interrupted(self.held, self.phase)
+            self.stop(self.held)
 
     def unraisable(self, unraisable: Any, previous: Any) -> None:
         """``sys.unraisablehook``: a handler's exception raised inside a callback Python cannot
@@ -134,7 +142,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
-        tell_launcher_training()  # a stop from here on is the loop's: saved, never killed
+        tell_launcher_startup("training")  # a stop from here is the loop's: saved, never killed
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -14,6 +14,7 @@ multi-process run works on one laptop over loopback.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import re
@@ -45,10 +46,12 @@ _SLURM = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")
 # A file python -m dxrun.launch names, where process 0 writes its run dir: a launcher whose
 # ranks died before they could say so in status.json (killed) marks the run failed there.
 LAUNCH_RUN_DIR = "DXRUN_LAUNCH_RUN_DIR"
-# A folder python -m dxrun.launch names, where each process leaves a file once its train loop
-# starts: past its startup a process may be saving (a checkpoint is every process's), and the
-# launcher never kills it to end a stop made while the processes were starting.
-LAUNCH_TRAINING = "DXRUN_LAUNCH_TRAINING"
+# A folder python -m dxrun.launch names, where each process says how its startup went, in a
+# file ``<what>.<rank>`` (``tell_launcher_startup``): ``claimed`` (process 0 holds the run dir),
+# ``stopped`` (it stopped while starting: a process inside a startup collective never sees the
+# signal, and the launcher ends it) or ``training`` (its loop started: it may be saving, a
+# checkpoint being every process's, and the launcher never kills it to end such a stop).
+LAUNCH_STARTUP = "DXRUN_LAUNCH_STARTUP"
 
 
 @dataclass(frozen=True)
@@ -265,13 +268,17 @@ def tell_launcher(run_dir: os.PathLike | str, env: Mapping[str, str] | None = No
         os.replace(tmp, path)
 
 
-def tell_launcher_training(env: Mapping[str, str] | None = None) -> None:
-    """Leave this process's file in ``DXRUN_LAUNCH_TRAINING``: its startup is over (nothing
-    when no launcher asked)."""
+def tell_launcher_startup(what: str, record: dict[str, Any] | None = None,
+                          env: Mapping[str, str] | None = None) -> None:
+    """Leave ``<what>.<rank>`` (holding ``record``) in ``DXRUN_LAUNCH_STARTUP``: how this
+    process's startup went (nothing when no launcher asked). Whole or not at all."""
     env = os.environ if env is None else env
-    if folder := env.get(LAUNCH_TRAINING):
-        with open(os.path.join(folder, env.get(PROCESS_ID, "0")), "w"):
-            pass
+    if folder := env.get(LAUNCH_STARTUP):
+        name = f"{what}.{env.get(PROCESS_ID, '0')}"
+        tmp = os.path.join(folder, f".{name}")  # a name the launcher does not look for
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record or {}, f)
+        os.replace(tmp, os.path.join(folder, name))
 
 
 def agree(key: str, value: str, timeout_s: int = 300) -> str:

@@ -1,7 +1,8 @@
 """How a ``dxrun.launch`` run ended, in the launcher's words: the closing line of a stop that
-every rank made cleanly (``clean_stop``), or of a failure, naming the rank that failed first,
-its own last line and where the ranks' logs are (``failure``), and the run's status.json marked
-failed where no rank could (``mark_failed``).
+every rank made cleanly (``clean_stop``; a stop while starting that rank 0 never saw is said
+and recorded for it: ``settle_starting_stop``), or of a failure, naming the rank that failed
+first, its own last line and where the ranks' logs are (``failure``), and the run's status.json
+marked failed where no rank could (``mark_failed``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from dxrun.checkpointing.preempt import Signals
-from dxrun.errors import EXIT_CODES, FAILED, RUNNING
+from dxrun.errors import EXIT_CODES, FAILED, RUNNING, STOPPED
 from dxrun.run_dir import relaunch_command, run_dir_of
 from dxrun.runtime import STATUS, write_status
 
@@ -54,19 +55,52 @@ def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | N
             f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
 
 
-def stopped_while_starting(signalled: list[str], codes: list[int | None],
-                           stops: list[re.Match], training: Path, run_dir_file: Path) -> bool:
+def told(startup: Path, what: str) -> list[dict]:
+    """What the ranks left in the launcher's ``startup`` folder as ``<what>.<rank>``
+    (``tell_launcher_startup``), in rank order ({} for a file that cannot be read)."""
+    found = []
+    for path in sorted(startup.glob(f"{what}.*"), key=lambda p: int(p.suffix[1:])):
+        try:
+            found.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            found.append({})
+    return found
+
+
+def stopped_while_starting(signalled: list[str], codes: list[int | None], startup: Path
+                           ) -> bool:
     """Whether a stop the launcher passed on (``signalled``) was made while its ranks were
-    starting: one ended with the stop's code (``codes``: each rank's, None while it runs), or
-    rank 0 said it stopped while starting (``stops``) and, if it named a resume command, wrote
-    its status.json (``told_run_dir``); and none has left its file in ``training`` (its train
-    loop started: it may be saving)."""
-    if not signalled or any(training.iterdir()):
+    starting: one said so in ``startup`` or ended with the stop's code (``codes``: each
+    rank's, None while it runs), and none has started its train loop (it may be saving)."""
+    if not signalled or told(startup, "training"):
         return False
-    return any(EXIT_CODES[s] in codes for s in signalled) or any(
-        m.re is STOPPED_OUTSIDE and m[2] == Signals.STARTING
-        and ("Resume with: " not in m[3] or told_run_dir(run_dir_file) is not None)
-        for m in stops)
+    return bool(told(startup, "stopped")) or any(EXIT_CODES[s] in codes for s in signalled)
+
+
+def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
+                         run_dir_file: Path, launch_args: list[str], user_overrides: list[str],
+                         overrides: list[str]) -> re.Match:
+    """Rank 0's line for a stop while starting (``stops``) or, when it said none (inside a
+    startup collective it never saw the signal, and was killed), the words it would have said,
+    from its claim of the run dir (``claimed.0`` in ``startup``). The run's status.json is
+    written as rank 0 would have (``overrides``: the ranks'), where it did not (it tells the
+    launcher after writing it)."""
+    claim = (told(startup, "claimed") or [{}])[0]
+    said = next((m for m in stops if m.re is STOPPED_OUTSIDE), None)
+    if "run_dir" not in claim:
+        return said or STOPPED_OUTSIDE.search(f"{signalled}: stopped {Signals.STARTING}; "
+                                              "nothing was written")
+    command = relaunch_command(user_overrides, claim["run_dir"], program(launch_args))
+    kept = (f"checkpoint {claim['checkpoint']} is the newest" if claim["checkpoint"]
+            else "no checkpoint yet")
+    words = f"{signalled}: stopped {Signals.STARTING}; {kept}. Resume with: {command}"
+    if _told_status(run_dir_file).get("status") != STOPPED:
+        task = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]  # Hydra's
+        write_status(Path(claim["run_dir"]), STOPPED, signal=signalled, step=claim["step"],
+                     checkpoint=claim["checkpoint"], relaunch=command, reason=words, job=None,
+                     overrides=task, attempt=claim["attempt"],
+                     lost_attempts=claim["lost_attempts"])
+    return said or STOPPED_OUTSIDE.search(words)
 
 
 def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int, int] | None:
@@ -99,16 +133,23 @@ def failure(procs: list[subprocess.Popen], rank: int, stopped: set[int], said: l
                    else " (no rank kept a log: their output is above)")
 
 
-def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
-    """The run's status.json says ``failed`` (crashed, ``reason``) where it still says
-    ``running``: its processes were killed before they could write their own end. The run dir
-    is the one process 0 wrote to ``run_dir_file`` (nothing when it never got that far)."""
+def _told_status(run_dir_file: Path) -> dict:
+    """The status.json of the run dir process 0 wrote to ``run_dir_file`` ({}: none, or one
+    that cannot be read)."""
     run_dir = told_run_dir(run_dir_file)
     try:
         status = json.loads((run_dir / STATUS).read_text()) if run_dir else {}
     except (OSError, ValueError):
-        return
-    if status.get("status") != RUNNING:
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
+    """The run's status.json says ``failed`` (crashed, ``reason``) where it still says
+    ``running``: its processes were killed before they could write their own end. The run dir
+    is the one process 0 wrote to ``run_dir_file`` (nothing when it never got that far)."""
+    run_dir, status = told_run_dir(run_dir_file), _told_status(run_dir_file)
+    if run_dir is None or status.get("status") != RUNNING:
         return  # a process said how the run ended
     log = run_dir / f"dxrun.{rank}.log"
     write_status(run_dir, FAILED, kind="crashed", reason=reason,

@@ -35,7 +35,7 @@ from dxrun.multihost.distributed import (
     CUDA_VISIBLE,
     HOSTNAME,
     LAUNCH_RUN_DIR,
-    LAUNCH_TRAINING,
+    LAUNCH_STARTUP,
     LOCAL_PROCESSES,
     NUM_PROCESSES,
     PROCESS_ID,
@@ -49,7 +49,9 @@ from dxrun.multihost.ending import (
     first_failure,
     mark_failed,
     program,
+    settle_starting_stop,
     stopped_while_starting,
+    told,
     told_run_dir,
 )
 from dxrun.run_dir import LAUNCHED_BY
@@ -244,12 +246,12 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # Every process is started before any thread: a preexec_fn runs between fork and exec,
     # where another thread's lock could be held for ever.
     preexec = die_with_launcher()
-    training = run_dir_file.with_name("training")  # each rank's file once its loop starts
-    training.mkdir()
+    startup = run_dir_file.with_name("startup")  # how each rank's startup went
+    startup.mkdir()
     for rank in range(nproc):
         env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
                         hosts)
-        env[LAUNCH_RUN_DIR], env[LAUNCH_TRAINING] = str(run_dir_file), str(training)
+        env[LAUNCH_RUN_DIR], env[LAUNCH_STARTUP] = str(run_dir_file), str(startup)
         env[LAUNCHED_BY] = json.dumps({"program": program(launch_args),
                                        "added": overrides[len(user_overrides):]})
         proc = subprocess.Popen(
@@ -306,7 +308,7 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     starting_stop = False
     while len(ended) < len(procs):
         if not starting_stop and stopped_while_starting(
-                signalled, [p.returncode for p in procs], stops, training, run_dir_file):
+                signalled, [p.returncode for p in procs], startup):
             starting_stop, deadline = True, time.monotonic() + grace
         for t, rank in sorted((t, r) for r, t in dict(ended).items() if r not in seen):
             seen.add(rank)
@@ -314,7 +316,7 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
             if delay is not None and len(ended) < len(procs) and not starting_stop:
                 deadline = min(deadline or float("inf"), t + delay)
         if deadline is not None and time.monotonic() >= deadline:
-            if starting_stop and any(training.iterdir()):  # a rank trains: it may be saving
+            if starting_stop and told(startup, "training"):  # a rank trains: it may be saving
                 starting_stop, deadline = False, None
             why = ("the run was stopped while starting and it did not end within "
                    f"--grace={grace:g} s (inside a collective a rank does not see a signal)"
@@ -335,6 +337,9 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # winning over SIGINT's, as each rank's own exit does.
     agreed = "SIGTERM" if "SIGTERM" in signalled else signalled[0] if signalled else None
     codes = [EXIT_CODES[agreed] if starting_stop else p.returncode for p in procs]
+    if starting_stop:  # rank 0 may not have said it: stuck in a startup collective, killed
+        stops[:] = [settle_starting_stop(agreed, stops, startup, run_dir_file, launch_args,
+                                         user_overrides, overrides)]
     done = clean_stop(agreed, codes, stops[0] if stops else None, launch_args, user_overrides)
     if done is not None:
         print(done, file=sys.stderr, flush=True)
