@@ -1,4 +1,6 @@
-"""The train loop and the run's outputs: plan.json, metrics.jsonl, summary.json, W&B run.
+"""The trainer: one object owns an attempt's train state and its step and calls its hooks
+(``dxrun.hooks``) at their cadence; the run's outputs: plan.json, metrics.jsonl, summary.json,
+the W&B run.
 
 The host waits on the device only at log steps: metrics of the other steps stay on device.
 Step time is measured from device-ready to device-ready over the window between two log
@@ -10,28 +12,53 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun.attempt import Attempt
-from dxrun.errors import UNFINISHED
-from dxrun.job import Job
+from dxrun.autotune import memory_report
+from dxrun.checkpointing.cadence import cadence_text
+from dxrun.checkpointing.preempt import Preemption
+from dxrun.checkpointing.resume import data_position, tokens_seen
+from dxrun.checkpointing.saving import RunCheckpoints
+from dxrun.checkpointing.store import refused_write
+from dxrun.data import EVAL
+from dxrun.data.repeated import Repeated
+from dxrun.errors import DiskError, disk_error, first_line
+from dxrun.experiment import Experiment
+from dxrun.hooks import (
+    CheckpointHook,
+    Clocks,
+    EarlyStopHook,
+    EvalHook,
+    GoodputHook,
+    Hook,
+    LogHook,
+    RunFacts,
+    StepInfo,
+    SummaryHook,
+    TraceHook,
+)
+from dxrun.job import Job, run_name
 from dxrun.multihost.distributed import is_main
 from dxrun.plan.ranking import own_s, table
 from dxrun.plan.run_plan import RunPlan
-from dxrun.prepare import prepare, start_state
-from dxrun.run_dir import read_status
+from dxrun.prepare import Start, prepare, start_state
+from dxrun.run_dir import relaunch_command
 from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
-from dxrun.tracking.logger import read_metrics
-from dxrun.tracking.monitor import stopped_early
+from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
+from dxrun.tracking.metrics_row import first_row
 from dxrun.tracking.run_summary import RunSummary
+from dxrun.tracking.step_timer import StepTimer
 
 if TYPE_CHECKING:
     from dxrun.autotune.decide import Decided
+    from dxrun.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 
@@ -39,9 +66,8 @@ log = logging.getLogger("dxrun")
 def train(cfg: Any, run_dir: Path, job: Job | None = None,
           prepared: Decided | None = None) -> dict[str, Any]:
     """Train per ``cfg``; write the run's files under ``run_dir``; return the summary. The run
-    follows ``cfg`` and ``prepared.plan`` (``prepare``'s; None: ``prepare(cfg, run_dir)``). The loop
-    is a schedule: a save point, the step (its trace, its data wait), and at a log or eval step
-    a log point; ``Attempt`` holds the parts it calls."""
+    follows ``cfg`` and ``prepared.plan`` (``prepare``'s; None: ``prepare(cfg, run_dir)``):
+    the startup on goodput's clock, then the ``Trainer``'s loop."""
     job = job or Job()
     clock = goodput.Goodput(job.started or time.time())
     prepared = prepared or prepare(cfg, run_dir)
@@ -67,59 +93,267 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     allocator = AllocatorPeak()  # before this run allocates anything
     goodput.mark("files")
     with goodput.compiling() as init_compile:  # the init's programs: compile, not startup
-        state, start, ckpt_meta = start_state(exp, resume, prepared.handover)
+        started = start_state(exp, resume, prepared.handover)
     clock.add("compile", init_compile[0], within="init")
     goodput.mark("init")
-    run = Attempt(cfg, exp, plan, state, start, resume, ckpt_meta, run_dir, job, record,
-                  allocator, main)
+    trainer = open_trainer(cfg, run_dir, job, prepared, started, record, allocator)
     goodput.mark("open")
-    steps, every, eval_every = cfg.train.steps, cfg.train.log_every, run.eval_every
-    timer, tracer, batches = run.timer, run.tracer, run.batches
-    metrics: Any = None
-    reached = start  # the last step this attempt completed
     clock.end_startup()
-    run.write_goodput(start)  # the startup on record: a kill before the first row keeps it
-    ended = False  # the loop's own end: only then are close()'s errors the ones reported
-    # train.debug_nans (debug=nans): a NaN in a step's outputs raises at that step.
-    nans = jax.debug_nans(True) if cfg.train.debug_nans else contextlib.nullcontext()
-    try:
-        with Progress(steps, enabled=None if main else False) as progress, \
-                run.ckpts.preemption, nans:
-            for i in range(start, steps):
-                if run.stop_reason:  # train.early_stop: a plateau ends the run after step i
-                    break
-                run.save_point(i, state)  # save when due; stop on SIGTERM/SIGINT
-                done = i + 1
-                with clock.span("productive"):  # the earlier steps drain first
-                    if tracer.before(done, metrics):
-                        timer.pause(i)
-                with clock.span("data"), timer.data_wait():
-                    tokens = exp.global_batch(next(batches))
-                with clock.span("compile" if i == start else "profile" if tracer.active
-                                else "productive"):
-                    state, metrics = exp.step(state, tokens)
-                    if i == start:  # the compiling step: the timing windows start after it
-                        jax.block_until_ready(metrics)
-                    if tracer.after(done, metrics):
-                        timer.resume(done)
-                        run.logger.upload(tracer.where, "profile", "profile")
-                progress.advance()
-                reached = done
-                timer.stepped(done, run.ckpts.totals())
-                is_log = done % every == 0 or done == steps
-                is_eval = eval_every > 0 and (done % eval_every == 0 or done == steps)
-                if is_log or is_eval:
-                    run.log_point(done, state, metrics if is_log else None, is_eval, progress)
-            timer.end_loop()
-            run.save_point(reached, state, last=True)
-        ended = True
-    except Exception as e:
-        if (told := run.told(e, reached + 1)) is None:  # the step running: debug_nans names it
+    trainer.goodput.write(started.step)  # the startup on record: a kill before the first row
+    return trainer.train()
+
+
+@dataclass
+class Trainer:
+    """One attempt of a run (a fresh start or a resume): it owns the train state and the step
+    and calls its hooks. ``train()`` is the loop, a schedule: before each step its save point,
+    the step (its trace, its batch), then the hooks whose turn it is; each hook closes what it
+    holds however the loop ended, and the summary is written."""
+
+    exp: Experiment
+    state: Any  # the TrainState
+    start: int  # the steps done before this attempt
+    steps: int  # train.steps
+    batches: Any  # the training data
+    clocks: Clocks
+    run_dir: Path
+    main: bool  # the process that writes the run's files
+    debug_nans: bool
+    trace: TraceHook
+    ckpt: CheckpointHook
+    log: LogHook
+    evaluation: EvalHook
+    summary: SummaryHook
+    early: EarlyStopHook
+    goodput: GoodputHook
+
+    def __post_init__(self) -> None:
+        self.reached, self.metrics = self.start, None  # the last step done and its metrics
+        # After a step: the row's parts in this order, then each sees the complete row.
+        self.hooks: list[Hook] = [self.log, self.evaluation, self.summary, self.ckpt, self.early]
+
+    def train(self) -> dict[str, Any]:
+        """The loop; the summary."""
+        ended = False  # the loop's own end: only then are close()'s errors the ones reported
+        # train.debug_nans (debug=nans): a NaN in a step's outputs raises at that step.
+        nans = jax.debug_nans(True) if self.debug_nans else contextlib.nullcontext()
+        try:
+            with self.clocks.progress, self.ckpt.ckpts.preemption, nans:
+                for i in range(self.start, self.steps):
+                    if self.early.stop_reason:  # train.early_stop: a plateau ends it here
+                        break
+                    self.save_point(i)  # save when due; stop on SIGTERM/SIGINT
+                    self.step(i)
+                    self.after_step(i + 1)
+                self.clocks.timer.end_loop()
+                self.save_point(self.reached, last=True)
+            ended = True
+        except Exception as e:
+            if (error := self.told(e, self.reached + 1)) is None:  # debug_nans names the step
+                raise
+            raise error from e
+        finally:
+            self.close(quiet=not ended)  # a run stopped or crashed mid-loop writes its files
+        stop = self.early.stop_reason
+        return self.summary.finish(self.reached, self.reached if stop else self.steps, stop,
+                                   self.run_dir, self.main, self.told)
+
+    def step(self, i: int) -> None:
+        """Step ``i + 1``: its trace window, its batch (the wait timed by the step timer), the
+        jitted step; each part of the wall time booked to goodput's clock."""
+        done, clock, timer = i + 1, self.clocks.clock, self.clocks.timer
+        with clock.span("productive"):  # the earlier steps drain first
+            self.trace.before(i, self.metrics)
+        with clock.span("data"), timer.data_wait():
+            tokens = self.exp.global_batch(next(self.batches))
+        with clock.span("compile" if i == self.start else "profile" if self.trace.active
+                        else "productive"):
+            self.state, self.metrics = self.exp.step(self.state, tokens)
+            if i == self.start:  # the compiling step: the timing windows start after it
+                jax.block_until_ready(self.metrics)
+            self.trace.after(done, self.metrics)
+        self.clocks.progress.advance()
+        self.reached = done
+        timer.stepped(done, self.ckpt.ckpts.totals())
+
+    def after_step(self, done: int) -> None:
+        """The hooks whose turn it is build the step's row; every hook sees it complete; a new
+        timing window starts after it (evaluation is in none; the next save point is)."""
+        due = [hook for hook in self.hooks if hook.due(done, self.steps)]
+        if not due:
+            return
+        info = StepInfo(done, self.state, self.metrics)
+        for hook in due:
+            hook.on_step(info)
+        for hook in self.hooks:
+            hook.on_row(done, info.row)
+        self.clocks.timer.reset(done, self.ckpt.ckpts.totals())
+
+    def save_point(self, done: int, last: bool = False) -> None:
+        """The save point, then step ``done``'s row, if it has one, whatever the save point
+        raised (its failure stays the one reported)."""
+        try:
+            self.ckpt.save_point(done, self.state, last)
+        except BaseException:
+            _quietly(self.log.write_rows)
             raise
-        raise told from e
-    finally:
-        run.close(reached, quiet=not ended)  # a run stopped or crashed mid-loop writes its files
-    return run.finish()
+        self.log.write_rows(done)
+
+    def close(self, quiet: bool) -> None:
+        """The attempt's end, however it ended: the trace (a run stopped inside it leaves it),
+        the rows of the steps that ran, the save in flight, the data's workers, goodput.json
+        and the W&B run. Each part runs whatever an earlier one raised: the first error is
+        raised at the end (``told``), or with ``quiet`` (the loop's failure is the one
+        reported) each is one warning line."""
+        error: Exception | None = None
+        for part in (self.trace.close, self.log.write_rows, self.ckpt.close,
+                     lambda: _stop(self.batches),
+                     lambda: self.goodput.write(self.reached), lambda: self.log.close(quiet)):
+            if quiet or error is not None:
+                _quietly(part)
+                continue
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 - raised below, once the rest has run
+                error = e
+        if error is not None:
+            _quietly(self.log.logger.finish)
+            if (told := self.told(error)) is None:
+                raise error
+            raise told from error
+
+    def told(self, e: Exception, step: int | None = None) -> Exception | None:
+        return told(e, step, self.ckpt.ckpts, self.exp, self.run_dir, self.main)
+
+
+def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, started: Start,
+                 record: goodput.RunRecord, allocator: AllocatorPeak) -> Trainer:
+    """The trainer of one attempt and its hooks: the metrics logger, the evaluation, the
+    checkpoints, the early stop, the tracer, the step timer, the step's cost and the summary.
+
+    A row holds how long the saves inside its own timing window held the loop
+    (perf/checkpoint_block_s): those made since the previous row, the one at that row's step
+    included (it runs after that row's window closed). The save after the last step falls in no
+    window: summary.json's checkpoint_block_s counts it with the others. A save off the log
+    steps (SIGUSR1, the wall clock) adds no row of its own: the rows stay those of an unsaved
+    run."""
+    exp, run_plan, resume, main = prepared.exp, prepared.plan, prepared.resume, record.write
+    state, start, ckpt_meta = started
+    plan, data, steps = exp.plan, exp.data, cfg.train.steps
+    facts = RunFacts.measure(cfg, exp, run_plan, state, job)
+    in_place = resume is not None and resume.in_place
+    continues = in_place or job.continues
+    # A fresh start past step 0: parallelism=auto's turns trained the steps before it, in
+    # this attempt, on the batches before it.
+    trained = start if resume is None else 0
+    record.first_step = start - trained  # the restore may have fallen back
+    rewound = rewind_metrics(run_dir, start) if continues and main else Rewound([], 0)
+    # The W&B run continues as metrics.jsonl reads: what was moved aside out of it, the
+    # kept rows it lacks into it.
+    logger = MetricsLogger(
+        run_dir, cfg.logger, facts.config, name=run_name(cfg, job, plan.global_batch),
+        group=job.group, job_type=job.job_type, choices=job.choices, is_main=main,
+        resume_id=ckpt_meta.get("wandb_id") if in_place else None,
+        kept=rewound.kept if in_place else None)
+    eval_every = cfg.train.eval_every if data.has_eval else 0  # no held-out data: no eval/*
+    n, capped = data.eval_batches(cfg.eval.batches)
+    if capped and eval_every > 0:
+        log.warning(capped)
+    evaluation = EvalHook(eval_every, exp, [exp.batch(k, EVAL) for k in range(n)]
+                          if eval_every > 0 else [], record.clock)
+    summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
+    batches = data.train_iterator()
+    if cfg.train.overfit_batches:  # debug=overfit: the same few batches, over and over
+        batches = Repeated(batches, cfg.train.overfit_batches)
+    if ckpt_meta:
+        batches.set_state(data_position(ckpt_meta, plan.global_batch))
+    elif trained:
+        (key,) = batches.get_state()  # the batches read: "step" or "next_index"
+        batches.set_state({key: trained})
+    # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume
+    # may have changed the batch size).
+    tokens_before = tokens_seen(ckpt_meta, start) if ckpt_meta else trained * facts.cost.tokens
+
+    def tokens_at(done: int) -> int:
+        return tokens_before + (done - start) * facts.cost.tokens
+
+    log.info("checkpoints: %s", cadence_text(*run_plan.cadence))  # decided by platform, state
+    ckpts = RunCheckpoints(cfg.checkpoint, cfg.train, run_dir, start, {"config": facts.config},
+                           batches, logger, Preemption(), run_plan.cadence, tokens=tokens_at,
+                           relaunch=relaunch_command(job.overrides, run_dir), resumed=ckpt_meta)
+    # A relaunch of a run that stopped early has nothing to train (``plan_resume``); one that
+    # fell back to an older checkpoint which had stopped too stops before its first step.
+    early = EarlyStopHook(cfg.train.early_stop, ckpts, ckpt_meta)
+    profile = cfg.train.profile
+    tracer = Tracer(traced_steps(profile.start, profile.steps, start, steps),
+                    profile_dir(run_dir, jax.process_index(), jax.process_count()), run_dir,
+                    exp.step.compiled.as_text() if exp.step.compiled is not None else None)
+    if profile.start and not tracer.steps:
+        log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
+                    profile.start, start + 2, steps)
+    clocks = Clocks(record.clock, StepTimer(start, steps), Progress(steps, None if main else False))
+    trace, gp = TraceHook(tracer, clocks.timer, logger), GoodputHook(record, ckpts)
+    search = run_plan.search  # parallelism=auto's record: its seconds in the first row
+
+    def first() -> dict[str, Any]:
+        return first_row(exp.step.compile_time_s, own_s(search) if search else None,
+                         exp.step.memory_bytes())
+
+    return Trainer(
+        exp, state, start, steps, batches, clocks, run_dir, main, cfg.train.debug_nans, trace,
+        CheckpointHook(ckpts, record.clock),
+        LogHook(cfg.train.log_every, logger, summary, facts, first, tokens_at, clocks,
+                (allocator, ckpts, trace, gp)), evaluation,
+        SummaryHook(summary, facts, logger, exp.step.compile_time_s, (clocks.timer, ckpts, gp)),
+        early, gp)
+
+
+def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
+         run_dir: Path, main: bool) -> Exception | None:
+    """What to raise for ``e``, in one line where its cause is known: a write the disk
+    refused (DiskError, naming the checkpoint kept), the device out of memory (OutOfMemory,
+    naming where the memory goes, written to the run dir), a NaN under train.debug_nans
+    (NonFiniteError, naming ``step``: the step that was running); None: ``e`` as it is."""
+    if isinstance(e, (DiskError, memory_report.OutOfMemory)):
+        return None
+    if isinstance(e, FloatingPointError) or type(e).__name__ == "InternalFloatingPointError":
+        # jax.debug_nans checks each step's outputs as it returns: the step that raised is
+        # the one after the last completed (``reached``, which the loop passes).
+        at = f" of step {step}" if step is not None else ""
+        return ckpts.halted(f"train.debug_nans: a NaN in the outputs{at}",
+                            "set train.debug_nans=false train.nan_policy=skip to "
+                            "leave such steps out")
+    if (why := disk_error(e)) is not None:
+        return refused_write(_written(e), why, ckpts.saver.directory)
+    if memory_report.is_out_of_memory(e) and main:
+        path = memory_report.write(run_dir, exp.step.compiled, exp.abstract_state(),
+                                   exp.plan.platform)
+        return memory_report.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+    return None
+
+
+def _stop(batches: Any) -> None:
+    if hasattr(batches, "close"):  # Grain's worker processes end with the run
+        batches.close()
+
+
+def _quietly(part: Any) -> None:
+    """``part()`` while a failure is under way: its own error is one warning line, and the
+    failure stays the one reported."""
+    try:
+        part()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s: %s (while the run ends on an earlier error)", type(e).__name__,
+                    first_line(e))
+
+
+def _written(e: BaseException) -> str:
+    """The file a refused write was writing (an OSError's filename), for its one line."""
+    while e is not None:
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename).removesuffix(".tmp")  # write_json's tmp file: its target
+        e = e.__cause__ or e.__context__
+    return "a run file"
 
 
 def show_plan(plan: RunPlan, run_dir: Path, main: bool) -> None:
@@ -132,37 +366,3 @@ def show_plan(plan: RunPlan, run_dir: Path, main: bool) -> None:
     log.info("mesh plan\n%s", plan.mesh.table())
     if plan.search:
         log.info("parallelism=auto\n%s", table(plan.search))
-
-
-def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> dict[str, Any] | None:
-    """A relaunch of a run whose checkpoint (``checkpoint_meta``: its meta) is at the run's
-    end (its own ``train.steps``, or where its own ``train.early_stop`` ended it) but which was
-    stopped or killed before it recorded that end (no summary.json, or status.json still
-    unfinished): write summary.json from metrics.jsonl and goodput.json (the figures only the
-    last attempt itself measured, its compile and loop times and saves, are null or 0) and
-    return it; the launcher then writes status ok. None, writing nothing, for a run that
-    recorded its end or had not reached it."""
-    run_config = checkpoint_meta.get("config", {})
-    train_config = run_config.get("train", {})
-    steps, step = train_config.get("steps"), checkpoint_meta.get("step", 0)
-    stopped = stopped_early(checkpoint_meta, train_config.get("early_stop"))
-    summary_path = run_dir / "summary.json"
-    recorded = summary_path.is_file() and read_status(run_dir).get("status") not in UNFINISHED
-    if steps is None or (step < steps and not stopped) or recorded:
-        return None
-    # Written anew even where a summary is there: an earlier end's, before the run trained on.
-    rows, _ = read_metrics(run_dir / "metrics.jsonl")
-    attempts = goodput.earlier_attempts(run_dir, True)
-    total = goodput.run_total(attempts) if attempts else {"goodput": None, "attempts": 0}
-    summary = RunSummary(rows).record(
-        steps=step if stopped else steps, n_params=run_config.get("n_params"),
-        flops_per_token=run_config.get("flops_per_token"), loop_tokens_per_s=None,
-        compile_time_s=None, entropy_floor=None,
-        device_kind=run_config.get("jax", {}).get("device_kind"), peak_tflops=None,
-        checkpoint_saves=0, checkpoint_block_s=0.0, goodput_total=total,
-        attempt=attempts[-1] if attempts else {})
-    if stopped:
-        summary["early_stop"] = stopped
-    if is_main():
-        write_json(summary_path, summary)
-    return summary

@@ -18,6 +18,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dxrun"
 # Today's values: the ceilings. The issue's goal for each is in the comment.
 CFG_ANY = 7  # lines reading "cfg: Any" (grep -rn "cfg: Any" dxrun); goal <= 10, entry points
 SEARCH_LINES = 50  # lines of dxrun/autotune/search.py's search() (the goal)
+MAIN_LINES = 40  # lines of dxrun/__main__.py's main() (issue 64's goal)
+LONGEST_DEF = 120  # lines of the longest class or function in TRAINER_MODULES (the goal)
+LONGEST_HOOK = 60  # lines of the longest of the trainer's hooks, dxrun/hooks.py (the goal)
+# The trainer, its hooks, the entry point and the job's status writer (issue 64).
+TRAINER_MODULES = ("train.py", "hooks.py", "__main__.py", "job_dir.py")
 LARGEST_MODULE = 400  # lines of the largest module (the goal)
 MODULES_OVER_400: set[str] = set()  # goal: none
 LARGEST_MODULE_DOCSTRING = 15  # source lines of the longest module docstring (the goal)
@@ -53,7 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
                     "dxrun.zero_padding", "dxrun.hf")),
     ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
-    ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.attempt", "dxrun.train", "dxrun.plan_mode",
+    ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
     ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
                "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
@@ -218,6 +223,36 @@ def test_the_search_reads_in_one_screen():
     (fn,) = [n for n in _tree(path).body if isinstance(n, ast.FunctionDef) and n.name == "search"]
     _at_most("SEARCH_LINES", fn.end_lineno - fn.lineno + 1, SEARCH_LINES,
              "dxrun.autotune.search.search")
+
+
+def _defs(path: Path) -> dict[str, int]:
+    """Every class and function in ``path`` (nested ones too) and its lines."""
+    return {f"{_rel(path)}:{n.lineno} {n.name}": n.end_lineno - n.lineno + 1
+            for n in ast.walk(_tree(path))
+            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_the_entry_point_composes_builds_and_runs_in_one_screen():
+    """``main()`` composes, builds the run and executes it; the stages are functions beside it
+    and how the job ended is ``JobStatus``'s (dxrun/job_dir.py), not an ``except`` arm each."""
+    path = PACKAGE / "__main__.py"
+    (fn,) = [n for n in _tree(path).body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    _at_most("MAIN_LINES", fn.end_lineno - fn.lineno + 1, MAIN_LINES, "dxrun.__main__.main")
+    arms = [n for n in ast.walk(fn) if isinstance(n, ast.ExceptHandler)]
+    assert not arms, "main() ends the job through JobStatus, not its own except arms"
+
+
+def test_the_trainer_and_its_hooks_stay_short():
+    defs = {k: v for name in TRAINER_MODULES for k, v in _defs(PACKAGE / name).items()}
+    longest = max(defs, key=defs.get)
+    _at_most("LONGEST_DEF", defs[longest], LONGEST_DEF, longest)
+    path = PACKAGE / "hooks.py"
+    hooks = {f"{_rel(path)}:{n.lineno} {n.name}": n.end_lineno - n.lineno + 1
+             for n in _tree(path).body if isinstance(n, ast.ClassDef)
+             and any(ast.unparse(b) == "Hook" for b in n.bases)}
+    assert len(hooks) >= 6, f"the hooks of dxrun/hooks.py: {sorted(hooks)}"
+    longest = max(hooks, key=hooks.get)
+    _at_most("LONGEST_HOOK", hooks[longest], LONGEST_HOOK, longest)
 
 
 def test_modules_stay_small():

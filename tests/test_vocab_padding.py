@@ -51,8 +51,8 @@ def test_only_one_padding_difference_is_repadded():
 
 def _loss(loaded) -> float:
     """Held-out loss of the first 4 batches, by training's evaluation."""
-    from dxrun.attempt import evaluate
     from dxrun.data import EVAL
+    from dxrun.hooks import evaluate
 
     exp = loaded.exp
     return evaluate(exp, loaded.params, [exp.batch(k, EVAL) for k in range(4)])["eval/loss"]

@@ -124,15 +124,14 @@ def summary_keys() -> list[str]:
 
 
 def status_keys() -> list[str]:
-    """Every field a ``_status(...)`` call in dxrun/__main__.py writes, plus write_status's own."""
-    tree = ast.parse((PACKAGE / "__main__.py").read_text())
+    """Every field ``JobStatus`` (dxrun/job_dir.py) writes into status.json, plus
+    write_status's own."""
+    tree = ast.parse((PACKAGE / "job_dir.py").read_text())
     keys = ["status"]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_status":
-            keys += [k.arg for k in node.keywords if k.arg and k.arg not in keys]
-        if isinstance(node, ast.FunctionDef) and node.name == "_job_fields":
-            keys += [k.value for n in ast.walk(node) if isinstance(n, ast.Dict)
-                     for k in n.keys if isinstance(k, ast.Constant) and k.value not in keys]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    for node in [c for c in calls if getattr(c.func, "id", None) == "write_status"] + [
+            c for c in calls if getattr(c.func, "attr", None) == "write"]:
+        keys += [k.arg for k in node.keywords if k.arg and k.arg not in keys]
     return [*keys, "started", "finished", "attempts"]
 
 
@@ -170,7 +169,7 @@ def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
            "metrics of `dxrun/tracking/metric_names.py`, the keys read from "
-           "`dxrun/tracking/run_summary.py`, `dxrun/__main__.py` and `dxrun/plan.py`). A run "
+           "`dxrun/tracking/run_summary.py`, `dxrun/job_dir.py` and `dxrun/plan.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
     out += table("file", RUN_FILES)

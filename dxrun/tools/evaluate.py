@@ -62,7 +62,7 @@ def batch_count(d: DataConfig, batches: int, data: Data, all_batches: bool) -> i
 
 def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     """Evaluate, write ``eval.json``, log to W&B; return the record."""
-    from dxrun.attempt import evaluate  # imports JAX
+    from dxrun.hooks import evaluate  # imports JAX
 
     all_batches = ALL in overrides
     loaded = load(path, [o for o in overrides if o != ALL], key="path")

@@ -2,14 +2,23 @@
 value of every logged metric, the best train loss, and the attempt's figures.
 
 The rows a resume in place kept count as logged: their last values and their best loss carry
-over. No JAX: tests feed rows by hand.
+over. A relaunch of a run that reached its end without recording it writes it from the run's
+files (``record_end``). No JAX: tests feed rows by hand.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from dxrun.errors import UNFINISHED
+from dxrun.multihost.distributed import is_main
+from dxrun.run_dir import read_status
+from dxrun.runtime import write_json
+from dxrun.tracking import goodput
+from dxrun.tracking.logger import read_metrics
 from dxrun.tracking.metrics_row import best_loss
+from dxrun.tracking.monitor import stopped_early
 
 
 class RunSummary:
@@ -57,3 +66,37 @@ class RunSummary:
             "goodput_s": attempt,  # this attempt's wall time by part (goodput.PARTS, rest)
             "attempts": goodput_total["attempts"],
         }
+
+
+def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A relaunch of a run whose checkpoint (``checkpoint_meta``: its meta) is at the run's
+    end (its own ``train.steps``, or where its own ``train.early_stop`` ended it) but which was
+    stopped or killed before it recorded that end (no summary.json, or status.json still
+    unfinished): write summary.json from metrics.jsonl and goodput.json (the figures only the
+    last attempt itself measured, its compile and loop times and saves, are null or 0) and
+    return it; the launcher then writes status ok. None, writing nothing, for a run that
+    recorded its end or had not reached it."""
+    run_config = checkpoint_meta.get("config", {})
+    train_config = run_config.get("train", {})
+    steps, step = train_config.get("steps"), checkpoint_meta.get("step", 0)
+    stopped = stopped_early(checkpoint_meta, train_config.get("early_stop"))
+    summary_path = run_dir / "summary.json"
+    recorded = summary_path.is_file() and read_status(run_dir).get("status") not in UNFINISHED
+    if steps is None or (step < steps and not stopped) or recorded:
+        return None
+    # Written anew even where a summary is there: an earlier end's, before the run trained on.
+    rows, _ = read_metrics(run_dir / "metrics.jsonl")
+    attempts = goodput.earlier_attempts(run_dir, True)
+    total = goodput.run_total(attempts) if attempts else {"goodput": None, "attempts": 0}
+    summary = RunSummary(rows).record(
+        steps=step if stopped else steps, n_params=run_config.get("n_params"),
+        flops_per_token=run_config.get("flops_per_token"), loop_tokens_per_s=None,
+        compile_time_s=None, entropy_floor=None,
+        device_kind=run_config.get("jax", {}).get("device_kind"), peak_tflops=None,
+        checkpoint_saves=0, checkpoint_block_s=0.0, goodput_total=total,
+        attempt=attempts[-1] if attempts else {})
+    if stopped:
+        summary["early_stop"] = stopped
+    if is_main():
+        write_json(summary_path, summary)
+    return summary

@@ -1,0 +1,339 @@
+"""The trainer's hooks (``dxrun.train.Trainer``): each part of a run the loop calls at its cadence,
+Levanter's ``every=N`` style. After a step, the hooks whose turn it is (every ``every`` steps and
+at the last one) add their part to the step's row (the metrics, the evaluation); once a row is
+complete every hook sees it (the summary, a new best checkpoint, the early stop). The save point
+runs before every step and the trace around it; each hook closes what it holds when the attempt
+ends, however it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from dxrun.autotune.peak import resolve_peak
+from dxrun.checkpointing.saving import RunCheckpoints
+from dxrun.experiment import Experiment
+from dxrun.job import Job, describe_model
+from dxrun.plan import flops
+from dxrun.plan.run_plan import RunPlan, saved_config
+from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.trace import Tracer
+from dxrun.tracking import goodput
+from dxrun.tracking.console import Progress
+from dxrun.tracking.logger import MetricsLogger
+from dxrun.tracking.metrics_row import StepCost, log_row, perplexity
+from dxrun.tracking.monitor import Monitor, plateau
+from dxrun.tracking.run_summary import RunSummary
+from dxrun.tracking.step_timer import StepTimer
+
+if TYPE_CHECKING:
+    from dxrun.schema import RunConfig
+    from dxrun.schema_tracking import EarlyStopConfig
+
+log = logging.getLogger("dxrun")
+
+
+def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dict[str, float]:
+    """Mean held-out loss and accuracy over ``batches``: in training the same ``eval.batches``
+    every time (a list); ``dxrun.evaluate`` passes a generator, so that a whole split is never
+    on the devices at once. A batch's index seeds masked diffusion's noise (``dxrun.mdlm``)."""
+    results = [exp.eval_step(params, b, k) for k, b in enumerate(batches)]
+    loss = sum(float(r["eval/loss"]) for r in results) / len(results)
+    acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)
+    return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the rows and the summary say of the run, measured once when it opens."""
+
+    n_params: int  # the real vocabulary, without padding
+    floor: float | None  # the data's entropy floor
+    device_kind: str
+    cost: StepCost
+    config: dict[str, Any]  # the W&B config and each checkpoint's: the derived numbers
+
+    @classmethod
+    def measure(cls, cfg: RunConfig, exp: Experiment, run_plan: RunPlan, state: Any,
+                job: Job) -> RunFacts:
+        """The run's facts (its parameters, its step's cost, the config it records), said in the
+        log once."""
+        plan, data = exp.plan, exp.data
+        n_params = exp.count_params(state.params)  # the real vocabulary, without padding
+        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
+                 f"{n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
+        if cfg.model._target_:  # dxrun.user_model: what a user model's run does differently
+            log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
+                     "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
+        else:
+            log.info("attention kernel: %s", exp.attention_kernel)  # attention_kernel.KERNELS
+        device_kind = jax.devices()[0].device_kind
+        peak = resolve_peak(cfg.runtime, cfg.train, device_kind, exp.mesh.devices.flat)
+        tokens_per_step = plan.global_batch * plan.seq_len
+        cost = StepCost(tokens_per_step, flops.flops_per_token(
+            cfg.model, n_params, plan.seq_len) * tokens_per_step, plan.n_devices, peak)
+        config = {  # the W&B config and each checkpoint's: the derived numbers written once
+            **saved_config(cfg, run_plan, job_type=job.job_type, group=job.group),
+            "choices": job.choices,
+            "plan": run_plan.to_json(),
+            "n_params": n_params,
+            "flops_per_token": cost.flops / cost.tokens,
+            "jax": {"version": jax.__version__, "device_kind": device_kind,
+                    "device_count": jax.device_count(), "process_count": jax.process_count()},
+        }
+        return cls(n_params, data.entropy_floor, device_kind, cost, config)
+
+
+@dataclass
+class StepInfo:
+    """A step the trainer ran (``done``: the steps done) and the row its hooks build."""
+
+    done: int
+    state: Any
+    metrics: Any  # the step's metrics, still on the device
+    row: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Clocks:
+    """What the hooks share: goodput's clock, the step timer and the progress line."""
+
+    clock: goodput.Goodput
+    timer: StepTimer
+    progress: Progress
+
+
+class Hook:
+    """A part of the run: ``on_step`` after every ``every``-th step and the last (0: never),
+    ``on_row`` with every complete row."""
+
+    every = 0
+
+    def due(self, done: int, last: int) -> bool:
+        return self.every > 0 and (done % self.every == 0 or done == last)
+
+    def on_step(self, info: StepInfo) -> None:
+        """Its part of the step's row."""
+
+    def on_row(self, done: int, row: dict[str, Any]) -> None:
+        """A row is complete (a log step's, an evaluation's or both)."""
+
+
+class GoodputHook(Hook):
+    """``goodput.json``: the attempt's wall time by part, written before any row (an attempt
+    killed outright keeps what it had) and when the attempt ends (``goodput.RunRecord``)."""
+
+    def __init__(self, record: goodput.RunRecord, ckpts: RunCheckpoints):
+        self.record, self.ckpts = record, ckpts
+
+    def write(self, last_step: int) -> None:
+        self.record.update(last_step, self.ckpts.saves, self.ckpts.block_total_s)
+
+    def behind(self) -> bool:
+        """A save since the last write (a save off the log steps is accounted for too)."""
+        return self.ckpts.saves != self.record.attempt["checkpoint_saves"]
+
+    def lines(self) -> list[str]:
+        return goodput.lines(self.record.attempt, self.record.total)
+
+
+class TraceHook(Hook):
+    """``train.profile``'s trace window around its steps: the step timer is paused out of it,
+    and the trace uploaded once it closed."""
+
+    def __init__(self, tracer: Tracer, timer: StepTimer, logger: MetricsLogger):
+        self.tracer, self.timer, self.logger = tracer, timer, logger
+
+    @property
+    def active(self) -> bool:
+        return self.tracer.active
+
+    def before(self, i: int, metrics: Any) -> None:
+        """Before step ``i + 1`` (``metrics``: the step before's, drained first)."""
+        if self.tracer.before(i + 1, metrics):
+            self.timer.pause(i)
+
+    def after(self, done: int, metrics: Any) -> None:
+        if self.tracer.after(done, metrics):
+            self.timer.resume(done)
+            self.logger.upload(self.tracer.where, "profile", "profile")
+
+    def close(self) -> None:
+        self.tracer.stop()  # a run stopped inside the window still leaves its trace
+
+
+class CheckpointHook(Hook):
+    """The save point before every step and after the last (``RunCheckpoints.between_steps``:
+    save when due, stop on SIGTERM/SIGINT, halt on a non-finite step); a row may make a new
+    best (checkpoint.keep_best: saved at that step)."""
+
+    def __init__(self, ckpts: RunCheckpoints, clock: goodput.Goodput):
+        self.ckpts, self.clock = ckpts, clock
+
+    def save_point(self, done: int, state: Any, last: bool) -> None:
+        with self.clock.span("checkpoint"):
+            self.ckpts.between_steps(done, state, last=last)
+
+    def on_row(self, done: int, row: dict[str, Any]) -> None:
+        self.ckpts.observe(done, row)
+
+    def close(self) -> None:
+        with self.clock.span("checkpoint"):
+            self.ckpts.close()  # waits for a save in flight
+
+
+class EvalHook(Hook):
+    """Every ``train.eval_every`` steps and at the last: the held-out loss of the same
+    ``eval.batches`` (none without held-out data)."""
+
+    def __init__(self, every: int, exp: Experiment, batches: list[jax.Array],
+                 clock: goodput.Goodput):
+        self.every, self.exp, self.batches, self.clock = every, exp, batches, clock
+
+    def on_step(self, info: StepInfo) -> None:
+        with self.clock.span("eval"):
+            info.row.update(evaluate(self.exp, info.state.params, self.batches))
+
+
+class EarlyStopHook(Hook):
+    """``train.early_stop``: its monitor sees every row and travels in each checkpoint's meta
+    (``ckpts.watch``); ``stop_reason`` once its metric has not improved for its patience (a
+    resume from a checkpoint that had stopped so stops before its first step)."""
+
+    def __init__(self, es: EarlyStopConfig, ckpts: RunCheckpoints, meta: dict[str, Any]):
+        self.watch, self.patience = ckpts.watch, es.patience
+        self.stop_reason: str | None = None
+        if es.monitor:
+            self.watch["early_stop"] = Monitor.from_json(meta.get("early_stop"), es.monitor,
+                                                         es.mode, es.min_delta)
+            self._check()
+
+    def on_row(self, done: int, row: dict[str, Any]) -> None:
+        if "early_stop" in self.watch:
+            self.watch["early_stop"].see(done, row)
+            self._check()
+
+    def _check(self) -> None:
+        if self.stop_reason is None and (why := plateau(self.watch["early_stop"],
+                                                        self.patience)):
+            self.stop_reason = why
+            log.info("%s", self.stop_reason)
+
+
+class LogHook(Hook):
+    """Every ``train.log_every`` steps and at the last: the step's metrics fetched (the loop's
+    only wait on the device) into its row (``tracking/metrics_row.py``: the window's timing, the
+    first row's one-off numbers, mem/*). A complete row holds the saves inside its window
+    (perf/checkpoint_block_s: those since the row before, the one at its step included) and
+    waits for its step's save point (``write_rows``: a halt or a stop there still writes it)."""
+
+    def __init__(self, every: int, logger: MetricsLogger, summary: RunSummary, facts: RunFacts,
+                 first: Callable[[], dict[str, Any]], tokens_at: Callable[[int], int],
+                 clocks: Clocks, parts: tuple[AllocatorPeak, RunCheckpoints, TraceHook,
+                                              GoodputHook]):
+        self.every, self.logger, self.summary, self.facts = every, logger, summary, facts
+        self.first, self.tokens_at, self.clocks = first, tokens_at, clocks
+        self.allocator, self.ckpts, self.trace, self.goodput = parts
+        self.pending: list[tuple[int, dict[str, Any]]] = []
+
+    def on_step(self, info: StepInfo) -> None:
+        clock, facts = self.clocks.clock, self.facts
+        with clock.span("profile" if self.trace.active else "productive"):
+            fetched = jax.device_get(info.metrics)  # waits for the device
+        t_log = clock.clock()
+        window = self.clocks.timer.measure(info.done)
+        first = None if self.summary.logged else self.first()
+        # mem/peak_bytes_per_device: every row on an accelerator (CPU keeps no statistics).
+        info.row.update(log_row(fetched, window, facts.cost, first,
+                                self.allocator.peak_since_start(), self.tokens_at(info.done),
+                                facts.floor))
+        clock.add("logging", clock.clock() - t_log)
+
+    def on_row(self, done: int, row: dict[str, Any]) -> None:
+        # The saves since the last row held the loop inside this row's window (its tokens/s
+        # and its save time are one window's); the last step's save is in summary.json only.
+        if blocks := self.ckpts.take_blocks():
+            row["perf/checkpoint_block_s"] = sum(blocks)
+        with self.clocks.clock.span("logging"):
+            self.pending.append((done, row))
+            # A save inside the window slows its tokens/s: the line says so.
+            self.clocks.progress.update(done, row, self.clocks.timer.note(
+                self.ckpts.totals(), "perf/tokens_per_s" in row))
+
+    def write_rows(self, done: int | None = None) -> None:
+        """The rows waiting for their save point (``done``: its step), after goodput.json up
+        to them (a row logged is a row accounted for, and so is a save off the log steps)."""
+        with self.clocks.clock.span("logging"):
+            last = self.pending[-1][0] if self.pending else done
+            if last is not None and (self.pending or self.goodput.behind()):
+                self.goodput.write(last)
+            for step, row in self.pending:
+                self.logger.log(step, row)
+            self.pending.clear()
+
+    def close(self, quiet: bool) -> None:
+        """The attempt's goodput into the W&B summary; with ``quiet`` (the loop failed) the
+        logger ends here, else once it had the run's summary (``SummaryHook.finish``)."""
+        record = self.goodput.record
+        self.logger.summary({"goodput": record.total["goodput"],
+                             **{f"goodput/{k}": v for k, v in record.attempt.items()
+                                if not k.startswith("checkpoint_")}})
+        if quiet:
+            self.logger.finish()
+
+
+class SummaryHook(Hook):
+    """``summary.json`` (``tracking/run_summary.py``): the last value of every logged metric
+    and the best train loss (a resume's kept rows count as logged), with the attempt's
+    figures; and the run's closing lines."""
+
+    def __init__(self, summary: RunSummary, facts: RunFacts, logger: MetricsLogger,
+                 compile_time_s: float | None,
+                 parts: tuple[StepTimer, RunCheckpoints, GoodputHook]):
+        self.summary, self.facts, self.logger = summary, facts, logger
+        self.compile_time_s = compile_time_s
+        self.timer, self.ckpts, self.goodput = parts
+
+    def on_row(self, done: int, row: dict[str, Any]) -> None:
+        self.summary.add(row)
+
+    def finish(self, reached: int, steps: int, early_stop: str | None, run_dir: Path,
+               main: bool, told: Callable[[Exception], Exception | None]) -> dict[str, Any]:
+        """The summary of a run of ``steps`` whose attempt ran to step ``reached`` (written by
+        the ``main`` process)."""
+        facts, record = self.facts, self.goodput.record
+        summary = self.summary.record(
+            steps=steps, n_params=facts.n_params,
+            flops_per_token=facts.cost.flops / facts.cost.tokens,
+            loop_tokens_per_s=self.timer.loop_tokens_per_s(facts.cost.tokens, reached),
+            compile_time_s=self.compile_time_s, entropy_floor=facts.floor,
+            device_kind=facts.device_kind, peak_tflops=facts.cost.peak_tflops,
+            checkpoint_saves=int(record.over_attempts("checkpoint_saves")),
+            checkpoint_block_s=record.over_attempts("checkpoint_block_s"),
+            goodput_total=record.total, attempt=record.attempt)
+        if (best := self.ckpts.best()) is not None:
+            summary["best_checkpoint"] = best
+        if early_stop:
+            summary["early_stop"] = early_stop
+        if main:
+            try:
+                write_json(run_dir / "summary.json", summary)
+            except OSError as e:
+                if (error := told(e)) is None:
+                    raise
+                raise error from e
+            finally:
+                self.logger.summary(summary)  # every backend gets the run's summary
+                self.logger.finish()
+        last, floor = self.summary.last, facts.floor
+        log.info("done: loss %.4f%s; outputs in %s", last.get("train/loss", float("nan")),
+                 f" (floor {floor:.4f})" if floor is not None else "", run_dir)
+        for line in self.goodput.lines():
+            log.info(line)
+        return summary
