@@ -32,7 +32,7 @@ from dxrun.errors import (
     first_line,
 )
 from dxrun.multihost.distributed import agree, is_main, tell_launcher, tell_launcher_startup
-from dxrun.run_dir import Claim, relaunch_command
+from dxrun.run_dir import Claim, relaunch_command, stopped_words
 from dxrun.run_log import RunLog
 from dxrun.runtime import claim_run_dir, write_hydra_files, write_status
 from dxrun.tracking.run_summary import record_end
@@ -256,8 +256,7 @@ def _interrupted(status: JobStatus, e: Interrupted) -> None:
     steps = committed_steps(ckpts)
     newest = ckpts / str(steps[-1]) if steps else None
     relaunch = relaunch_command(list(status.hydra_cfg.overrides.task), claim.dir)
-    saved = f"checkpoint {newest} is the newest" if newest else "no checkpoint yet"
-    reason = f"{e.signal_name}: stopped {e.when}; {saved}. Resume with: {relaunch}"
+    reason = stopped_words(e.signal_name, e.when, newest, relaunch)
     log.info(reason)
     status.write("stopped", claim.dir, signal=e.signal_name, step=steps[-1] if steps else 0,
                  checkpoint=str(newest) if newest else None, relaunch=relaunch, reason=reason)

@@ -290,6 +290,13 @@ def hydra_value(text: str) -> str:
 LAUNCHED_BY = "DXRUN_LAUNCHED_BY"
 
 
+def stopped_words(signal_name: str, when: str, checkpoint: object, relaunch: str) -> str:
+    """The one line a run stopped by a signal ends with (status.json's reason): what stopped
+    it and when, the newest checkpoint kept (None: none yet) and the command that resumes it."""
+    kept = f"checkpoint {checkpoint} is the newest" if checkpoint else "no checkpoint yet"
+    return f"{signal_name}: stopped {when}; {kept}. Resume with: {relaunch}"
+
+
 def relaunch_command(overrides: list[str], run_dir: Path | str, program: str | None = None
                      ) -> str:
     """The command that resumes a stopped run in place: its overrides (Hydra's task

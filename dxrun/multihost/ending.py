@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dxrun.checkpointing.preempt import Signals
 from dxrun.errors import EXIT_CODES, FAILED, RUNNING, STOPPED
-from dxrun.run_dir import relaunch_command, run_dir_of
+from dxrun.run_dir import relaunch_command, run_dir_of, stopped_words
 from dxrun.runtime import STATUS, write_status
 
 STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
@@ -91,9 +91,7 @@ def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
         return said or STOPPED_OUTSIDE.search(f"{signalled}: stopped {Signals.STARTING}; "
                                               "nothing was written")
     command = relaunch_command(user_overrides, claim["run_dir"], program(launch_args))
-    kept = (f"checkpoint {claim['checkpoint']} is the newest" if claim["checkpoint"]
-            else "no checkpoint yet")
-    words = f"{signalled}: stopped {Signals.STARTING}; {kept}. Resume with: {command}"
+    words = stopped_words(signalled, Signals.STARTING, claim["checkpoint"], command)
     if _told_status(run_dir_file).get("status") != STOPPED:
         task = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]  # Hydra's
         write_status(Path(claim["run_dir"]), STOPPED, signal=signalled, step=claim["step"],
