@@ -433,17 +433,15 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
     assert status["relaunch"] == out.strip().splitlines()[-1].split("Resume with: ")[1]
 
 
-def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher(tmp_path):
-    """A terminal's Ctrl-C once the rank holds the run dir, before any step: the launcher's last
-    line is a stop, not the rank's exit code as an error; status.json resumes through the
-    launcher, with its options, not the rank's single-process command. (One rank: two, signalled
-    inside their startup collectives, can leave one waiting for the other or crash on its way
-    out, a separate matter.)"""
+def _ctrl_c_once_claimed(tmp_path: Path, launch: list[str], env: dict[str, str]
+                         ) -> tuple[subprocess.Popen, str, float]:
+    """A launch of an endless run into ``tmp_path``/run, Ctrl-C'd (SIGINT to its process group)
+    as soon as a rank holds the run dir: (the launcher, its output, seconds from the signal to
+    its exit)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dxrun.launch", "--nproc", "1", "--devices-per-proc", "1", "--",
-         NO_CACHE, "logger=none", "parallelism=dp", *ENDLESS_BATCH, "hydra.run.dir=run"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [sys.executable, "-m", "dxrun.launch", *launch, "--", NO_CACHE, "logger=none",
+         "parallelism=dp", *ENDLESS_BATCH, "hydra.run.dir=run"], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = Output(proc)
     try:
         deadline = time.monotonic() + 120
@@ -451,10 +449,22 @@ def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher
             assert proc.poll() is None and time.monotonic() < deadline, out.text()[-3000:]
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)
-        text = out.finish(timeout=120)
+        sent = time.monotonic()
+        text = out.finish(timeout=150)
+        return proc, text, time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher(tmp_path):
+    """A terminal's Ctrl-C once the rank holds the run dir, before any step: the launcher's last
+    line is a stop, not the rank's exit code as an error; status.json resumes through the
+    launcher, with its options, not the rank's single-process command. (One rank: two, signalled
+    inside their startup collectives, can leave one waiting for the other or crash on its way
+    out, a separate matter.)"""
+    proc, text, _ = _ctrl_c_once_claimed(tmp_path, ["--nproc", "1", "--devices-per-proc", "1"],
+                                         _env())
     command = (f"python -m dxrun.launch --nproc=1 --devices-per-proc=1 -- {NO_CACHE} logger=none "
                f"parallelism=dp {' '.join(ENDLESS_BATCH)} hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 130, text[-3000:]
@@ -475,24 +485,9 @@ def test_ctrl_c_while_a_rank_waits_in_a_startup_collective_stops_at_once(tmp_pat
     --grace and ends as for any stop while starting: its line, exit 130, status.json resuming
     through it. With rank 0 deaf, rank 1's stop is said nowhere but its own log, and the
     status.json rank 0 never wrote is the launcher's."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
-         "--grace", "2", "--", NO_CACHE, "logger=none", "parallelism=dp", *ENDLESS_BATCH,
-         "hydra.run.dir=run"], cwd=tmp_path, env={**_env(), "DXRUN_TEST_DEAF_RANK": str(deaf)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = Output(proc)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "run" / ".hydra" / "lock").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, out.text()[-3000:]
-            time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGINT)
-        sent = time.monotonic()
-        text = out.finish(timeout=150)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, text, took = _ctrl_c_once_claimed(
+        tmp_path, ["--nproc", "2", "--devices-per-proc", "1", "--grace", "2"],
+        {**_env(), "DXRUN_TEST_DEAF_RANK": str(deaf)})
     command = (f"python -m dxrun.launch --nproc=2 --devices-per-proc=1 -- {NO_CACHE} "
                f"logger=none parallelism=dp {' '.join(ENDLESS_BATCH)} "
                f"hydra.run.dir={tmp_path}/run")
