@@ -72,7 +72,7 @@ _V5E_FIT = ("calibrated: fitted on dxrun's GPT-2 small/medium/large steps on one
             "(bf16, splash attention, remat none and full, layers unrolled; BENCHMARKS.md, "
             "'TPU'); the attention fraction is what splash's kernels reach in their profile at "
             "head dim 64")
-_V5E_SCAN = ("measured: the same steps with the layers scanned run 10-12% slower on a v5e, the "
+_V5E_SCAN = ("measured: the same steps with the layers scanned run slower on a v5e by the "
              "backward's dynamic-slice copies of the stacked activations (BENCHMARKS.md, 'TPU')")
 
 
