@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dxrun.attention_kernel import RESIDUALS
 from dxrun.sharding import active_spec
 
 # Longest block of queries and keys: on a v5e a 512-long block ran the GPT-2 shapes' forward and
@@ -41,7 +42,8 @@ def _kernel(heads: int, seq_len: int, causal: bool, mqa: bool, interpret: bool):
     make = sa.make_splash_mqa_single_device if mqa else sa.make_splash_mha_single_device
     # Made inside a trace, its mask's block tables must still be constants (it is cached).
     with jax.ensure_compile_time_eval():
-        return make(sa.MultiHeadMask([one] * heads), block_sizes=blocks, interpret=interpret)
+        return make(sa.MultiHeadMask([one] * heads), block_sizes=blocks, interpret=interpret,
+                    residual_checkpoint_name=RESIDUALS)
 
 
 def _local(q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array, v_BxLxKxE: jax.Array, causal: bool,
