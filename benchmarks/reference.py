@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dxrun.attention_kernel import RESIDUALS
+
 
 def _layernorm(x_BxLxD: jax.Array, p: dict) -> jax.Array:
     x = x_BxLxD.astype(jnp.float32)
@@ -49,8 +51,10 @@ def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = N
     x_BxLxD = params["wte"][inputs_BxL] + params["wpe"][:L]
     block = partial(_block, attend=attend)
     if remat != "none":
-        block = jax.checkpoint(block, policy=None if remat == "full"
-                               else jax.checkpoint_policies.checkpoint_dots)
+        policies = {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots,
+                    # splash's output and log-sum-exp, by the name its residuals are given
+                    "keep_attention": jax.checkpoint_policies.save_only_these_names(RESIDUALS)}
+        block = jax.checkpoint(block, policy=policies[remat])
     x_BxLxD, _ = jax.lax.scan(block, x_BxLxD, params["blocks"])
     x_BxLxD = _layernorm(x_BxLxD, params["ln_f"])
     head = params["lm_head"].T if "lm_head" in params else params["wte"]
@@ -62,8 +66,9 @@ def loss(params: dict, tokens_BxT: jax.Array, dtype: Any = None, attend: Any = N
 def make_step(tx: optax.GradientTransformation, donate: bool = True, dtype: Any = None,
               attend: Any = None, remat: str = "none") -> Any:
     """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, jitted bare.
-    ``remat``: each block under ``jax.checkpoint``, ``full`` (its input kept) or ``dots`` (its
-    matmul outputs kept: JAX's ``checkpoint_dots``), as anyone would write it."""
+    ``remat``: each block under ``jax.checkpoint``, ``full`` (its input kept), ``keep_attention``
+    (splash's residuals kept too, by their name) or ``dots`` (its matmul outputs kept: JAX's
+    ``checkpoint_dots``), as anyone would write it."""
     def step(params: dict, opt_state: Any, tokens_BxT: jax.Array):
         value, grads = jax.value_and_grad(loss)(params, tokens_BxT, dtype, attend, remat)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -291,6 +291,7 @@ def main() -> None:
                 rec = {"shape": shape, "error": repr(e)[:400]}
             records.append(rec | ({"loss_at": at} if a.loss_at else {}))
             jax.clear_caches()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.out, "tpu.json").write_text(json.dumps(records, indent=1))
 
 
