@@ -19,6 +19,8 @@ from dxrun.autotune.host import resolve_target
 from dxrun.autotune.suggest import advice_text, fastest_that_fits
 from dxrun.checkpointing.cadence import checkpoint_cost, checkpoint_line, save_cadence
 from dxrun.experiment import visible_devices
+from dxrun.model.sharding import replicated_bytes_over
+from dxrun.model.user_model import plan_line
 from dxrun.plan import advice as say
 from dxrun.plan.estimate import shape_warning
 from dxrun.plan.memory_model import disagreement
@@ -26,8 +28,6 @@ from dxrun.plan.ranking import table
 from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.plan.targets import GB, gb_text, plan_platform
 from dxrun.runtime import write_json
-from dxrun.sharding import replicated_bytes_over
-from dxrun.user_model import plan_line
 
 log = logging.getLogger("dxrun")
 

@@ -89,9 +89,9 @@ class ModelConfig:
     loss_chunk: int | None = key(
         None, "Cross-entropy and accuracy over chunks of this many positions of each sequence "
         "(the logits of one chunk alive at a time); 0 = off; null = auto: on when one "
-        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.chunked_loss).",
+        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.model.chunked_loss).",
         range=NON_NEGATIVE)
-    _target_: str | None = key(None, "Your own Flax NNX module (dxrun/user_model.py's protocol: "
+    _target_: str | None = key(None, "Your own Flax NNX module (dxrun/model/user_model.py's protocol: "
                                "logical axes, __call__(tokens) -> logits); null = dxrun's")
     kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
 

@@ -1,4 +1,4 @@
-"""The attention kernels as one table (``dxrun.attention_kernel``) and the one choice a run
+"""The attention kernels as one table (``dxrun.plan.attention_kernel``) and the one choice a run
 makes, stored in its plan: splash on a TPU, cuDNN's fused flash attention on NVIDIA GPUs in
 bf16/fp16 within JAX's head-dim limits, XLA's everywhere else; a kernel's name forces it or is
 refused in one line. Splash itself (Pallas, interpreted on CPU) equals the reference, forward and
@@ -13,9 +13,13 @@ import pytest
 from flax import nnx
 from omegaconf import OmegaConf
 
-from dxrun import splash_attention
-from dxrun.attention import reference_attention
-from dxrun.attention_kernel import (
+from dxrun.errors import ConfigError
+from dxrun.experiment import Experiment
+from dxrun.model import splash_attention
+from dxrun.model.attention import reference_attention
+from dxrun.model.sharding import in_mesh_context
+from dxrun.model.transformer import Transformer
+from dxrun.plan.attention_kernel import (
     AUTO,
     KERNELS,
     AttentionTarget,
@@ -25,11 +29,7 @@ from dxrun.attention_kernel import (
     compiled_kernel,
     kind_target,
 )
-from dxrun.errors import ConfigError
-from dxrun.experiment import Experiment
-from dxrun.model import Transformer
 from dxrun.schema import ModelConfig
-from dxrun.sharding import in_mesh_context
 
 H100 = ("gpu", "9.0", 91000)  # platform, compute capability, cuDNN 9.10
 A100 = ("gpu", "8.0", 90100)

@@ -223,7 +223,7 @@ def _rows_held(plan, grid, process_of):
 ])
 def test_processes_grouped_by_host(cfg_factory, overrides, procs_per_device, hosts, shape, dcn,
                                    shards):
-    from dxrun.sharding import host_grid
+    from dxrun.model.sharding import host_grid
 
     cfg = cfg_factory(*overrides, "model.n_heads=8", "model.n_kv_heads=8", "data.batch_size=32")
     n = len(hosts) * procs_per_device

@@ -43,7 +43,7 @@ from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.hf.save import save_hf
 from dxrun.job import Job, describe_model
 from dxrun.logits import load_model
-from dxrun.sharding import in_mesh_context
+from dxrun.model.sharding import in_mesh_context
 from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.export import export
 from dxrun.tools.export import run as export_run
@@ -280,7 +280,7 @@ def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies_and_slows_low_ones():
-    from dxrun.attention import llama3_frequencies
+    from dxrun.model.attention import llama3_frequencies
 
     E = 128
     freq = 500000.0 ** (-np.arange(0, E, 2, dtype=np.float32) / E)

@@ -48,15 +48,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "dxrun.multihost", "dxrun.checkpointing.preempt",
               # the logger section's checks before JAX (a store's dir: run_dir.dir_refusal)
               "dxrun.tracking.stores")),
-    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files",
-              "dxrun.attention_kernel")),
-    ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
-                    "dxrun.attention", "dxrun.splash_attention", "dxrun.chunked_loss",
-                    "dxrun.context_parallel",
-                    "dxrun.model", "dxrun.user_model", "dxrun.optimizer", "dxrun.step", "dxrun.data",
-                    "dxrun.mdlm",
+    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files")),
+    # the model family: the model, its attention and kernels, its losses and objectives, your
+    # own model, and the logical-axis rules that place it (it imports the config and the plan)
+    ("experiment", ("dxrun.model", "dxrun.metrics", "dxrun.optimizer", "dxrun.step", "dxrun.data",
                     "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
-                    "dxrun.zero_padding", "dxrun.hf")),
+                    "dxrun.hf")),
     ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
     ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),

@@ -1,4 +1,4 @@
-"""Masked diffusion (``model.objective=mdlm``, dxrun/mdlm.py): the bound against a hand
+"""Masked diffusion (``model.objective=mdlm``, dxrun/model/mdlm.py): the bound against a hand
 computation and its schedules' weights against their derivatives; the forward process; a trained
 markov run's held-out bound above the window's entropy and near it, the same on every mesh; the
 reverse-process sampler on markov and text runs; plan mode's FLOPs; the refusals. (Its mesh
@@ -17,7 +17,7 @@ from conftest import make_cfg, write_corpus
 
 from dxrun import validation
 from dxrun.errors import ConfigError
-from dxrun.mdlm import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
+from dxrun.model.mdlm import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
 from dxrun.plan import flops
 from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.sample import OPTIONS, sample

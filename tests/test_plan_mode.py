@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun import plan_mode
-from dxrun import sharding as shd
 from dxrun.autotune import fit, host
 from dxrun.autotune.hlo import collective_traffic
 from dxrun.checkpointing import cadence
 from dxrun.checkpointing.cadence import cadence_text, save_cadence
 from dxrun.experiment import Experiment
+from dxrun.model import sharding as shd
 from dxrun.plan import estimate as plan_estimate
 from dxrun.plan import targets
 from dxrun.step import step_bytes

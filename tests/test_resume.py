@@ -131,7 +131,7 @@ def test_dropout_resumes_exactly(tmp_path):
     """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
     after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
     bitwise those of the run that never stopped (that dropout changes the numbers at all is
-    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/mdlm.py), whose
+    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/model/mdlm.py), whose
     token masks are drawn from (seed, step) too, from another seed: one run resumes both."""
     # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
     drop = [*SHORT, "model.dropout=0.1", "model.objective=mdlm", "train.steps=4",

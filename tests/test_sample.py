@@ -16,7 +16,7 @@ from conftest import cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
 from dxrun.errors import ConfigError
-from dxrun.sharding import in_mesh_context
+from dxrun.model.sharding import in_mesh_context
 from dxrun.tools.decode import Sampling, make_generate
 from dxrun.tools.load import load
 from dxrun.tools.sample import OPTIONS, allowed_transitions, sample

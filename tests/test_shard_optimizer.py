@@ -15,12 +15,12 @@ import pytest
 from conftest import CONF, make_cfg, subprocess_env
 
 from dxrun import plan_mode
-from dxrun import sharding as shd
 from dxrun.autotune.fit import _shard_bytes, accelerator_memory
 from dxrun.autotune.hlo import collectives
 from dxrun.checkpointing.resume import Resume, restore
 from dxrun.checkpointing.store import Checkpointer
 from dxrun.experiment import Experiment
+from dxrun.model import sharding as shd
 from dxrun.plan import targets
 from dxrun.plan.targets import TARGETS
 
@@ -251,7 +251,7 @@ def test_optimizer_state_split_48_ways():
         from dxrun.runtime import simulate_cpu_devices
         simulate_cpu_devices(48)
         from hydra import compose, initialize_config_dir
-        from dxrun import sharding as shd
+        from dxrun.model import sharding as shd
         from dxrun.autotune.fit import _shard_bytes
         from dxrun.config import register
         from dxrun.experiment import Experiment

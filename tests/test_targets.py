@@ -15,10 +15,10 @@ from flax import nnx
 
 from dxrun.data.user import build_source
 from dxrun.errors import ConfigError
+from dxrun.model.user_model import build_model
 from dxrun.optimizer import custom_optimizer
 from dxrun.target import call_refusal, locate
 from dxrun.train import train
-from dxrun.user_model import build_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -23,7 +23,7 @@ from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.mesh import make_plan
 
 if TYPE_CHECKING:
-    from dxrun.attention_kernel import AttentionTarget
+    from dxrun.plan.attention_kernel import AttentionTarget
     from dxrun.schema import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig
 
 SEARCHES = ("none", "measure", "model", "fresh")

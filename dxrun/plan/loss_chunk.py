@@ -1,6 +1,6 @@
 """How many positions the chunked loss takes at a time (``model.loss_chunk``): pure, read by
 the config check before JAX starts and by ``make_plan``, whose plan the memory and time models
-and the step (``dxrun.chunked_loss``) read."""
+and the step (``dxrun.model.chunked_loss``) read."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dxrun.attention_kernel import AttentionTarget, plan_kernel
 from dxrun.errors import ConfigError
+from dxrun.plan.attention_kernel import AttentionTarget, plan_kernel
 from dxrun.plan.axes import resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
@@ -61,7 +61,7 @@ LOGICAL_RULES: dict[str, Any] = {
 # well, along the first of its logical axes in this order whose per-shard size the data axis
 # divides (appended to whatever the rules above shard it over). Weight axes first (the large
 # ones), the stacked layer axis last. No divisible axis: the tensor is padded up to a
-# multiple of the data axis along one axis and split there (dxrun/zero_padding.py).
+# multiple of the data axis along one axis and split there (dxrun/model/zero_padding.py).
 OPTIMIZER_DATA_AXES = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim", "norm", "pos",
                        "layers")
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.mdlm import mask_rate, objective_of
+from dxrun.model.mdlm import mask_rate, objective_of
 from dxrun.tools.decode import Sampling, _runner, pick
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dxrun.sharding import constrain
+from dxrun.model.sharding import constrain
 
 # Below it, w(t) ~ 1/t would weigh the one or two masked tokens of a row enormously (MDLM's
 # sampling eps). Under loglinear and cosine (whose masking rate grows with t) drawing t from
@@ -101,7 +101,7 @@ class MaskedDiffusion(NamedTuple):
 
     def position_weights(self, batch: Noised) -> jax.Array:
         """Each position's weight in the bound: its row's w(t) where masked, else 0 (what
-        ``dxrun.chunked_loss`` weighs each cross-entropy by)."""
+        ``dxrun.model.chunked_loss`` weighs each cross-entropy by)."""
         masked_BxL = batch.xt_BxL == self.mask_id
         return jnp.where(masked_BxL, batch.w_B[:, None], 0.0)
 

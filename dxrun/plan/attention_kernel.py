@@ -109,18 +109,18 @@ def _any(x: Inputs) -> str | None:
 
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
-    Kernel("splash", ("tpu",), False, _splash, "dxrun.splash_attention", interpretable=True,
+    Kernel("splash", ("tpu",), False, _splash, "dxrun.model.splash_attention", interpretable=True,
            doc="Pallas' splash attention (TPU): flash attention in blocks, causal blocks "
                "skipped, grouped-query heads native; interpreted on CPU when forced"),
-    Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.attention",
+    Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.model.attention",
            doc="cuDNN's fused flash attention through jax.nn.dot_product_attention (NVIDIA)"),
-    Kernel("xla", ("*",), True, _any, "dxrun.attention",
+    Kernel("xla", ("*",), True, _any, "dxrun.model.attention",
            doc="jax.nn.dot_product_attention's XLA kernel: the scores built in full"),
-    Kernel("reference", ("*",), True, _any, "dxrun.attention",
+    Kernel("reference", ("*",), True, _any, "dxrun.model.attention",
            doc="the plain einsum and softmax (what every kernel is tested against)"),
     # A context axis's own: keys and values gathered, one block of keys at a time
-    # (dxrun.context_parallel.flash); chosen whenever parallelism.cp > 1.
-    Kernel("blockwise", ("*",), False, _any, "dxrun.context_parallel"),
+    # (dxrun.model.context_parallel.flash); chosen whenever parallelism.cp > 1.
+    Kernel("blockwise", ("*",), False, _any, "dxrun.model.context_parallel"),
 )}
 AUTO = ("splash", "cudnn", "xla")  # model.attention=dot_product: the first that accepts
 

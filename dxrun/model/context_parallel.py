@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dxrun.model.sharding import active_axes, active_spec, constrain
 from dxrun.plan.context import BLOCK, zigzag_order
-from dxrun.sharding import active_axes, active_spec, constrain
 
 FLOOR = float(np.finfo(np.float32).min)  # a masked score: exp() of it is 0, never a NaN
 

@@ -6,7 +6,7 @@ plan, shard, train, checkpoint, evaluate and sample it.
   from dxrun's rules table ``LOGICAL_RULES`` or None): they map to the mesh as dxrun's own
   model's do. A variable without them (an ``nnx.Rngs`` kept in the module too) is refused.
 * ``module(tokens_BxL) -> logits_BxLxV``, causal, over ``vocab_size`` (which every mesh axis
-  ``vocab`` is split over must divide). It may pin activations with ``dxrun.sharding.constrain``.
+  ``vocab`` is split over must divide). It may pin activations with ``dxrun.model.sharding.constrain``.
 What differs from dxrun's model (``build_model`` builds either): no dropout key or compute
 dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one
 (``model.loss_chunk`` is 0); plan mode counts 6 FLOPs per parameter per token and XLA's memory
@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.attention import KERNEL
 from dxrun.errors import ConfigError
-from dxrun.model import Transformer
+from dxrun.model.attention import KERNEL
+from dxrun.model.transformer import Transformer
 from dxrun.plan.mesh import LOGICAL_RULES
 from dxrun.target import checked_factory
 

@@ -98,7 +98,7 @@ def data_sharded_spec(names: Sequence[str | None] | None, shape: Sequence[int], 
     """The rules' spec of a tensor with logical ``names`` and ``shape``, also split over mesh
     axis ``axis`` along its first logical axis (in ``OPTIMIZER_DATA_AXES`` order) whose
     per-shard size ``axis`` divides: ZeRO-1's layout of an optimizer-state tensor. The rules'
-    spec unchanged when no axis divides (``dxrun.zero_padding`` pads such a tensor so one does)."""
+    spec unchanged when no axis divides (``dxrun.model.zero_padding`` pads such a tensor so one does)."""
     spec = list(logical_to_spec(names, rules))
     n = mesh.shape[axis]
     if names is None or n == 1:

@@ -2,7 +2,7 @@
 
 Every weight matmul goes through ``dense``: computed in the input's dtype with fp32
 accumulation, its weight gradient summed over the batch in fp32 (see ``dense``). Shapes are in
-the names (the legend is in ``dxrun.model``).
+the names (the legend is in ``dxrun.model.transformer``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pallas' splash attention (TPU), the ``splash`` entry of ``dxrun.attention_kernel``.
+"""Pallas' splash attention (TPU), the ``splash`` entry of ``dxrun.plan.attention_kernel``.
 
 JAX ships the kernel (``jax.experimental.pallas.ops.tpu.splash_attention``): flash attention in
 blocks whose fully masked blocks are skipped (the causal half), with its own backward (one fused
@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dxrun.sharding import active_spec
+from dxrun.model.sharding import active_spec
 
 # Longest block of queries and keys: on a v5e a 512-long block ran the GPT-2 shapes' forward and
 # backward fastest (BENCHMARKS.md, "TPU"); shorter sequences take the longest multiple of 128

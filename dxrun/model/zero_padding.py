@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dxrun.model.sharding import data_sharded_spec, logical_to_spec
 from dxrun.plan.mesh import OPTIMIZER_DATA_AXES
-from dxrun.sharding import data_sharded_spec, logical_to_spec
 
 Pad = tuple[int, int, int] | None  # (array axis, its size, padded size); None: not padded
 

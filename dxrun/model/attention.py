@@ -1,9 +1,9 @@
 """Causal multi-head / grouped-query attention, and rotary positions (``model.pos=rope``).
 
 q, k, v are column-parallel (heads on ``tensor``), the output projection row-parallel. The kernel is
-the run plan's (``MeshPlan.attention``, chosen by ``dxrun.attention_kernel``); the written-out
+the run plan's (``MeshPlan.attention``, chosen by ``dxrun.plan.attention_kernel``); the written-out
 ``reference_attention`` is what every kernel is tested against. Shapes are in the names (the legend is in
-``dxrun.model``).
+``dxrun.model.transformer``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun import context_parallel, splash_attention
-from dxrun.layers import add_bias, dense, param, zeros
-from dxrun.sharding import active_axes
+from dxrun.model import context_parallel, splash_attention
+from dxrun.model.layers import add_bias, dense, param, zeros
+from dxrun.model.sharding import active_axes
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig

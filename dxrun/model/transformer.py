@@ -1,12 +1,12 @@
 """A decoder-only transformer in Flax NNX, GPT-2 style or Llama style from the same knobs.
 
-Parameters carry logical axis names (``axes=``); ``dxrun.sharding`` maps them to the mesh. Shapes
+Parameters carry logical axis names (``axes=``); ``dxrun.model.sharding`` maps them to the mesh. Shapes
 are in the names: B batch, L length, D d_model, H heads, K kv heads, G = H/K, E head dim, F d_ff,
 V vocab, Vp padded vocab (see ``Transformer``). The module computes in the dtype it is called
 with (``dtype``; default: its parameters' dtype); norms, softmax and logits run in fp32. Called
 with fp32 parameters and a bf16 ``dtype`` (the train step's default), every weight is cast at
 its use and every weight gradient is summed over the batch in fp32 (see ``layers.dense``).
-The blocks are in ``dxrun.layers`` and ``dxrun.attention``.
+The blocks are in ``dxrun.model.layers`` and ``dxrun.model.attention``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dxrun import context_parallel
-from dxrun.attention import KERNEL, Attention
-from dxrun.layers import DENSE, MLP, Norm, dense, dropout, padded_param, param
-from dxrun.sharding import constrain, gathered_backward
+from dxrun.model import context_parallel
+from dxrun.model.attention import KERNEL, Attention
+from dxrun.model.layers import DENSE, MLP, Norm, dense, dropout, padded_param, param
+from dxrun.model.sharding import constrain, gathered_backward
 
 if TYPE_CHECKING:
     from dxrun.schema import ModelConfig
@@ -186,7 +186,7 @@ class Transformer(nnx.Module):
     def output_weight(self, gathered: bool = False) -> jax.Array:
         """``lm_head`` (D x Vp), or ``wte`` (Vp x D) with tied embeddings. ``gathered``: pinned
         to its layout at use, d_model whole (FSDP's shards gathered) and the vocabulary over
-        ``tensor``, for a caller that keeps it for its own backward (``dxrun.chunked_loss``),
+        ``tensor``, for a caller that keeps it for its own backward (``dxrun.model.chunked_loss``),
         which would otherwise gather the shards a second time."""
         if self.lm_head is None:
             w = self.wte[...]
@@ -196,7 +196,7 @@ class Transformer(nnx.Module):
 
     def logits(self, w: jax.Array, x_BxLxD: jax.Array) -> jax.Array:
         """Logits (fp32) of the output layer ``w`` (``output_weight``) over the padded
-        vocabulary, padding masked; ``x_BxLxD`` the final norm's output. (``dxrun.chunked_loss``
+        vocabulary, padding masked; ``x_BxLxD`` the final norm's output. (``dxrun.model.chunked_loss``
         computes the same per chunk and vocabulary shard, masking by each shard's ids.)"""
         if self.lm_head is not None:
             logits_BxLxVp = dense(x_BxLxD, w, "bld,dv->blv", jnp.float32)

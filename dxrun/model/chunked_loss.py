@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dxrun.layers import dense
-from dxrun.sharding import active_axes, without_mesh_axis
+from dxrun.model.layers import dense
+from dxrun.model.sharding import active_axes, without_mesh_axis
 
 
 def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
@@ -44,7 +44,7 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
     backward (autodiff's formula for the unchunked loss, written out) keeps each replica's
     gradient of ``w`` and each shard's part of the input gradient, summed once after the
     scan. Left to autodiff and the partitioner, each was all-reduced once per chunk.
-    ``weights_BxL`` (masked diffusion's, ``dxrun.mdlm``): each position's cross-entropy
+    ``weights_BxL`` (masked diffusion's, ``dxrun.model.mdlm``): each position's cross-entropy
     weighted, still divided by B x L, and the accuracy over the positions of non-zero weight."""
     B, L, D = x_BxLxD.shape
     Vp = w.shape[vocab_axis]
@@ -119,7 +119,7 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
             p_g = jnp.where(ids_V < vocab_size, p_g, 0.0)
         d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
                    ).astype(x_bxCxD.dtype)
-        # dxrun.layers.dense's backward: compute dtype operands, fp32 accumulation; the input
+        # dxrun.model.layers.dense's backward: compute dtype operands, fp32 accumulation; the input
         # gradient kept fp32, as the unchunked partial sum the partitioner reduces
         dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
                         preferred_element_type=jnp.float32)
