@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cfg(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from dxrun.config import register
+    from dxrun.config.registry import register
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3", job_name="b"):

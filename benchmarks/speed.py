@@ -29,7 +29,7 @@ def compose_cfg(*overrides: str) -> Any:
     """The run config ``python -m dxrun <overrides>`` would build (W&B off unless asked)."""
     from hydra import compose, initialize_config_dir
 
-    from dxrun.config import conf_dir, register
+    from dxrun.config.registry import conf_dir, register
 
     register()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="bench"):

@@ -18,16 +18,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dxrun.checkpointing.preempt import SIGNALS, guard_signals
-from dxrun.composition import composition_refusal
-from dxrun.config import check_keys, conf_dir, register
-from dxrun.errors import (
+from dxrun.config.composition import composition_refusal
+from dxrun.config.errors import (
     EXIT_CODES,
     EXIT_CRASHED,
     EXIT_REFUSED,
     ConfigError,
     Interrupted,
 )
-from dxrun.hf.config import apply_hf_model
+from dxrun.config.registry import check_keys, conf_dir, register
+from dxrun.config.target import check_targets
+from dxrun.config.validation import config_warnings, validate
+from dxrun.hf.config_json import apply_hf_model
 from dxrun.job import Job
 from dxrun.job_dir import (
     JobStatus,
@@ -56,15 +58,13 @@ from dxrun.runtime import (
     thread_pool_note,
     write_hydra_files,
 )
-from dxrun.target import check_targets
 from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.tracking.stores import store_refusal
-from dxrun.validation import config_warnings, validate
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
 
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def _conf_dir() -> str:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import named_line
+from dxrun.config.errors import named_line
 
 log = logging.getLogger("dxrun")
 

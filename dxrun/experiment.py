@@ -42,7 +42,7 @@ from dxrun.plan.vocab import table_rows
 from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def visible_devices(target: str | None = None

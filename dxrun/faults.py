@@ -21,8 +21,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dxrun.config_key import INT32, NON_NEGATIVE, Range
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.key import INT32, NON_NEGATIVE, Range
 
 # Each fault's variable and the steps it accepts (the NaN step is compared with the int32 step
 # counter inside the jitted step).

@@ -33,8 +33,7 @@ from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
-    from dxrun.schema_tracking import EarlyStopConfig
+    from dxrun.config.schema import EarlyStopConfig, RunConfig
 
 log = logging.getLogger("dxrun")
 

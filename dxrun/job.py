@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dxrun.config import model_changes
+from dxrun.config.registry import model_changes
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig, RunConfig
+    from dxrun.config.schema import ModelConfig, RunConfig
 
 
 @dataclass

@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from dxrun import run_dir as run_dirs
-from dxrun.errors import (
+from dxrun.config.errors import (
     EXIT_CRASHED,
     EXIT_REFUSED,
     ConfigError,
@@ -40,7 +40,7 @@ from dxrun.tracking.run_summary import record_end
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
 
-    from dxrun.schema import CheckpointConfig, RunConfig, RunSection
+    from dxrun.config.schema import CheckpointConfig, RunConfig, RunSection
 
 log = logging.getLogger("dxrun")
 

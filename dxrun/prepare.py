@@ -14,7 +14,7 @@ from dxrun.autotune.decide import Decided, decide
 from dxrun.autotune.preflight import compile_checked, memory_preflight
 from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.hf.load import check_hf_weights
 from dxrun.run_dir import dir_refusal

@@ -34,7 +34,7 @@ from typing import Any
 
 from dxrun.bookkeeping import make_dir
 from dxrun.checkpointing.preempt import SIGNALS
-from dxrun.errors import RUNNING, UNFINISHED, ConfigError
+from dxrun.config.errors import RUNNING, UNFINISHED, ConfigError
 from dxrun.runtime import STATUS, claim_run_dir
 
 log = logging.getLogger("dxrun")

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.bookkeeping import make_dir, read_json
-from dxrun.schema import RunConfig
-from dxrun.schema_parallel import axis_sizes
+from dxrun.config.schema import RunConfig
+from dxrun.config.schema_parallel import axis_sizes
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf

@@ -24,9 +24,9 @@ from dxrun.checkpointing.preempt import Preemption
 from dxrun.checkpointing.resume import data_position, tokens_seen
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.checkpointing.store import refused_write
+from dxrun.config.errors import DiskError, disk_error, first_line
 from dxrun.data import EVAL
 from dxrun.data.repeated import Repeated
-from dxrun.errors import DiskError, disk_error, first_line
 from dxrun.experiment import Experiment
 from dxrun.hooks import (
     CheckpointHook,
@@ -58,7 +58,7 @@ from dxrun.tracking.step_timer import StepTimer
 
 if TYPE_CHECKING:
     from dxrun.autotune.decide import Decided
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 

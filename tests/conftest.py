@@ -62,7 +62,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dxrun.config import register
+from dxrun.config.registry import register
 from dxrun.runtime import collect_cycles_rarely, enable_compile_cache
 
 # The collector's thresholds of a dxrun command's process, for the tests that trace and compile

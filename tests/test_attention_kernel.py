@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 from omegaconf import OmegaConf
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import ModelConfig
 from dxrun.experiment import Experiment
 from dxrun.model import splash_attention
 from dxrun.model.attention import reference_attention
@@ -29,7 +30,6 @@ from dxrun.plan.attention_kernel import (
     compiled_kernel,
     kind_target,
 )
-from dxrun.schema import ModelConfig
 
 H100 = ("gpu", "9.0", 91000)  # platform, compute capability, cuDNN 9.10
 A100 = ("gpu", "8.0", 90100)

@@ -32,7 +32,7 @@ from conftest import (
 from dxrun.checkpointing.resume import Resume, check_compatible, data_position, find_resume, restore
 from dxrun.checkpointing.saving import time_due
 from dxrun.checkpointing.store import Checkpointer, committed_steps
-from dxrun.errors import ConfigError, NonFiniteError
+from dxrun.config.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
 from dxrun.tracking.wandb_file import read_history, read_run
 from dxrun.train import train
@@ -319,7 +319,7 @@ def test_a_signal_while_starting_stops_the_run_in_one_line(tmp_path, sig):
 STOP_IN_A_GC_CALLBACK = """
 import gc, os, signal, time
 from dxrun.checkpointing.preempt import guard_signals
-from dxrun.errors import Interrupted
+from dxrun.config.errors import Interrupted
 guard_signals()
 fired = []
 def callback(phase, info):
@@ -510,7 +510,7 @@ def test_what_cannot_change_on_resume_is_refused():
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-    from dxrun.validation import validate
+    from dxrun.config.validation import validate
 
     for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
                           ("checkpoint.keep=0", "checkpoint.keep=0"),

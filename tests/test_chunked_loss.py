@@ -12,7 +12,7 @@ from conftest import make_cfg
 
 from dxrun.autotune.fit import NoData
 from dxrun.autotune.hlo import collective_traffic
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.model.mdlm import objective_of
 from dxrun.model.sharding import in_mesh_context
@@ -167,7 +167,7 @@ def test_auto_chunks_only_large_logits():
 def test_a_chunk_that_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
                                           r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
-        from dxrun.validation import validate
+        from dxrun.config.validation import validate
 
         validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
 

@@ -12,8 +12,8 @@ import jax
 from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
-from dxrun import validation
 from dxrun.autotune import cache
+from dxrun.config import validation
 from dxrun.experiment import visible_devices
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import Row, chosen_layout, held_batch

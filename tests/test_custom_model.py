@@ -16,9 +16,9 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.checkpointing.resume import DATA_SOURCE, MODEL_SHAPE, changed
+from dxrun.config.errors import ConfigError
 from dxrun.data import TRAIN
 from dxrun.data.user import checked_batch
-from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan_mode import planned, run_plan
 from dxrun.tools.load import load

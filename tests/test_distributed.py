@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import DistributedConfig
 from dxrun.multihost.distributed import (
     LOCAL_PROCESSES,
     Join,
@@ -18,7 +19,6 @@ from dxrun.multihost.distributed import (
 )
 from dxrun.plan.hosts import split_over_hosts
 from dxrun.plan.mesh import make_plan
-from dxrun.schema import DistributedConfig
 
 
 def _dist(**kw):

@@ -22,7 +22,7 @@ from conftest import (
     write_tokens,
 )
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.tools.evaluate import evaluate_checkpoint
 
 

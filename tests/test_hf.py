@@ -35,9 +35,10 @@ from hf_checkpoints import (
     write_tokenizer,
 )
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import validate
 from dxrun.experiment import Experiment
-from dxrun.hf.config import apply_hf_model, model_fields, model_type_of, read_config
+from dxrun.hf.config_json import apply_hf_model, model_fields, model_type_of, read_config
 from dxrun.hf.layout import TABLES
 from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.hf.save import save_hf
@@ -49,7 +50,6 @@ from dxrun.tools.export import export
 from dxrun.tools.export import run as export_run
 from dxrun.tools.load import load, main
 from dxrun.tools.sample import OPTIONS, sample
-from dxrun.validation import validate
 
 MESHES = {"dp1": ["parallelism=dp1"], "tp2": ["parallelism=tp2"],
           "fsdp2_tp2": ["parallelism=tp2", "parallelism.n_devices=4", "parallelism.fsdp=2"],

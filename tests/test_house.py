@@ -39,9 +39,9 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # new package (dxrun/plan/, dxrun/autotune/) is placed by one entry; a module no prefix places
 # fails ``test_every_module_has_a_floor``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
-                "dxrun.schema_tracking", "dxrun.schema_parallel",
-                "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target",
+    # the config family: the schema and its sections, keys, the Hydra registry, _target_ and the
+    # run's outcomes (errors); its validation and composition sit higher, by what they check
+    ("config", ("dxrun", "dxrun.config", "dxrun.bookkeeping", "dxrun.faults", "dxrun.hf.config_json",
                 # pure data (the metric names, no import): what validation checks names against
                 "dxrun.tracking.metric_names")),
     ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir",
@@ -52,15 +52,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the model family: the model, its attention and kernels, its losses and objectives, your
     # own model, and the logical-axis rules that place it (it imports the config and the plan)
     ("experiment", ("dxrun.model", "dxrun.metrics", "dxrun.optimizer", "dxrun.step", "dxrun.data",
-                    "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
+                    "dxrun.config.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
                     "dxrun.hf")),
     ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
     ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
-    ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
+    ("entry", ("dxrun.__main__", "dxrun.config.composition", "dxrun.job_dir", "dxrun.evaluate",
                "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
                "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export", "dxrun.logits")),
+               "dxrun.tracking.dashboard", "dxrun.export", "dxrun.logits")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from hydra.types import RunMode
 
-from dxrun.errors import EXIT_CRASHED, NonFiniteError
+from dxrun.config.errors import EXIT_CRASHED, NonFiniteError
 from dxrun.job_dir import JobStatus
 from dxrun.run_log import RunLog
 

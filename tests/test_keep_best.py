@@ -10,11 +10,11 @@ import pytest
 from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 
 from dxrun.checkpointing.store import committed_steps
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import logged_metrics, validate
 from dxrun.tools.load import BEST, split_args
 from dxrun.tracking.monitor import Monitor
 from dxrun.train import train
-from dxrun.validation import logged_metrics, validate
 
 # data/tokens_seen only grows: under mode=min its first row stays the best, whatever the
 # losses do. train/loss with min_delta=100 never improves after its first row: the patience

@@ -102,8 +102,8 @@ def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
 
 
 def _block(llama: bool):
+    from dxrun.config.schema import ModelConfig
     from dxrun.model import transformer as M
-    from dxrun.schema import ModelConfig
 
     cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4 // (1 + llama),
                       d_ff=256, vocab_size=64, max_seq_len=32, bias=not llama,

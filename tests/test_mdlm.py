@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_corpus
 
-from dxrun import validation
-from dxrun.errors import ConfigError
+from dxrun.config import validation
+from dxrun.config.errors import ConfigError
 from dxrun.model.mdlm import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
 from dxrun.plan import flops
 from dxrun.tools.evaluate import evaluate_checkpoint

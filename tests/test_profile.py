@@ -15,7 +15,7 @@ import pytest
 from dxrun import profile
 from dxrun.autotune import fit, memory_report
 from dxrun.autotune.preflight import memory_preflight
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.job import Job
 from dxrun.prepare import prepare
 from dxrun.step import step_bytes

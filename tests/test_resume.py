@@ -42,7 +42,7 @@ from dxrun.checkpointing.resume import (
     restore,
 )
 from dxrun.checkpointing.store import committed_steps, run_id
-from dxrun.errors import CheckpointReadError, ConfigError
+from dxrun.config.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
 from dxrun.prepare import prepare
 from dxrun.train import train

@@ -19,7 +19,7 @@ import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun import run_dir as run_dirs
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.runtime import (
     claim_run_dir,
     finite_or_null,
@@ -100,7 +100,7 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
     the check that the dir did not change meanwhile) still leaves the caller holding the dir,
     so the stop names the run dir and its resume command and frees the lock for the relaunch
     (it said "nothing was written" and left the lock file behind)."""
-    from dxrun.errors import Interrupted
+    from dxrun.config.errors import Interrupted
 
     run = tmp_path / "run"
     run.mkdir()
@@ -127,7 +127,7 @@ import os, signal, sys
 from pathlib import Path
 from dxrun import run_dir
 from dxrun.checkpointing.preempt import SIGNALS, guard_signals
-from dxrun.errors import Interrupted
+from dxrun.config.errors import Interrupted
 guard_signals()
 hostname = run_dir.socket.gethostname
 def host():

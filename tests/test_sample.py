@@ -15,7 +15,7 @@ import pytest
 from conftest import cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.model.sharding import in_mesh_context
 from dxrun.tools.decode import Sampling, make_generate
 from dxrun.tools.load import load

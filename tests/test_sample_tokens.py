@@ -9,8 +9,8 @@ import json
 import pytest
 from conftest import make_cfg, write_corpus
 
+from dxrun.config.errors import ConfigError
 from dxrun.data.prepare import prepare
-from dxrun.errors import ConfigError
 from dxrun.tools.sample import OPTIONS, sample
 
 

@@ -253,7 +253,7 @@ def test_optimizer_state_split_48_ways():
         from hydra import compose, initialize_config_dir
         from dxrun.model import sharding as shd
         from dxrun.autotune.fit import _shard_bytes
-        from dxrun.config import register
+        from dxrun.config.registry import register
         from dxrun.experiment import Experiment
         register()
         out = {{}}

@@ -324,8 +324,8 @@ def test_low_level_api_on_the_same_rules():
 
     from omegaconf import OmegaConf
 
+    from dxrun.config.schema import ModelConfig
     from dxrun.model.transformer import Transformer
-    from dxrun.schema import ModelConfig
 
     model = Transformer(OmegaConf.structured(ModelConfig(n_heads=4)), rngs=nnx.Rngs(0))
     before = np.asarray(model.blocks.attn.wq[...])  # stacked: [n_layers, D, H, E]

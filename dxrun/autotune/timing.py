@@ -24,7 +24,7 @@ from dxrun.plan.mesh import make_plan
 from dxrun.runtime import release_freed_memory
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any, NoReturn
 
-from dxrun.errors import EXIT_CODES, Interrupted
+from dxrun.config.errors import EXIT_CODES, Interrupted
 from dxrun.multihost.distributed import tell_launcher_startup
 
 log = logging.getLogger("dxrun")

@@ -27,13 +27,13 @@ from dxrun.checkpointing.store import (
     committed_steps,
     run_id,
 )
-from dxrun.errors import NonFiniteError, Stopped
+from dxrun.config.errors import NonFiniteError, Stopped
 from dxrun.multihost.distributed import is_main
 from dxrun.tracking.monitor import Monitor
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 
 if TYPE_CHECKING:
-    from dxrun.schema import CheckpointConfig, TrainConfig
+    from dxrun.config.schema import CheckpointConfig, TrainConfig
     from dxrun.step import TrainState
 
 log = logging.getLogger("dxrun")

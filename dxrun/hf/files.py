@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.hf.layout import BUFFERS, Weight, dims, hf_name, shape_of
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

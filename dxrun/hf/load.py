@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from dxrun.hf.config import hf_dir, read_config
+from dxrun.hf.config_json import hf_dir, read_config
 from dxrun.hf.files import HFWeights
 from dxrun.hf.layout import Weight, dims, dxrun_block, shape_of, weights
 

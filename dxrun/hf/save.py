@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.hf.config import config_json, model_type_of
+from dxrun.hf.config_json import config_json, model_type_of
 from dxrun.hf.files import INDEX, SINGLE
 from dxrun.hf.layout import Weight, dims, hf_name, shape_of, to_hf, weights
 

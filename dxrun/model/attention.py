@@ -19,7 +19,7 @@ from dxrun.model.layers import add_bias, dense, param, zeros
 from dxrun.model.sharding import active_axes
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 
 def rope(x_BxLxNxE: jax.Array, theta: float, start: Any = 0,

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
@@ -99,7 +99,7 @@ def zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
 
 
-EPS = 1e-5  # model.norm_eps's default (a checkpoint's own: dxrun.hf.config)
+EPS = 1e-5  # model.norm_eps's default (a checkpoint's own: dxrun.hf.config_json)
 
 
 class Norm(nnx.Module):

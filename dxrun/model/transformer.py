@@ -24,7 +24,7 @@ from dxrun.model.layers import DENSE, MLP, Norm, dense, dropout, padded_param, p
 from dxrun.model.sharding import constrain, gathered_backward
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 ACT = ("batch", "seq", "act_embed")
 # The residual stream between the blocks: as ACT, or with parallelism.sequence_parallel split

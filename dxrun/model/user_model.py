@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.target import checked_factory
 from dxrun.model.attention import KERNEL
 from dxrun.model.transformer import Transformer
 from dxrun.plan.mesh import LOGICAL_RULES
-from dxrun.target import checked_factory
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 
 def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,

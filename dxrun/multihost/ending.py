@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from dxrun.checkpointing.preempt import Signals
-from dxrun.errors import EXIT_CODES, FAILED, RUNNING, STOPPED
+from dxrun.config.errors import EXIT_CODES, FAILED, RUNNING, STOPPED
 from dxrun.run_dir import relaunch_command, run_dir_of, stopped_words
 from dxrun.runtime import STATUS, write_status
 

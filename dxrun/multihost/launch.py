@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from dxrun.errors import EXIT_CODES, EXIT_REFUSED
+from dxrun.config.errors import EXIT_CODES, EXIT_REFUSED
 from dxrun.multihost.distributed import (
     COORDINATOR,
     CUDA_VISIBLE,

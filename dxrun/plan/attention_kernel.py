@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig, RunConfig
+    from dxrun.config.schema import ModelConfig, RunConfig
 
 
 class AttentionTarget(NamedTuple):

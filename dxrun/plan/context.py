@@ -10,7 +10,7 @@ from ``zigzag_order``, and the loss, a mean over all tokens, does not depend on 
 
 from __future__ import annotations
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 # parallelism=auto's layout search tries context-parallel layouts only from this sequence
 # length on: below it a sequence's activations are small beside the weights and optimizer

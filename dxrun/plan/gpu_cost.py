@@ -21,8 +21,8 @@ from dxrun.plan.context import kv_gather_bytes
 from dxrun.plan.vocab import padded_vocab, table_rows
 
 if TYPE_CHECKING:
+    from dxrun.config.schema import RunConfig
     from dxrun.plan.mesh import MeshPlan
-    from dxrun.schema import RunConfig
 
 GB = 1e9
 

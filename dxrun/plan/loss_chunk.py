@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
 

@@ -20,8 +20,8 @@ from dxrun.plan.context import BLOCK
 from dxrun.plan.targets import gb_text
 
 if TYPE_CHECKING:
+    from dxrun.config.schema import ModelConfig
     from dxrun.plan.mesh import MeshPlan
-    from dxrun.schema import ModelConfig
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}

@@ -12,7 +12,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema_parallel import AXES, axis_sizes
 from dxrun.plan.attention_kernel import AttentionTarget, plan_kernel
 from dxrun.plan.axes import resolve_axes, shrink
 from dxrun.plan.batch import (
@@ -29,10 +30,9 @@ from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
-from dxrun.schema_parallel import AXES, axis_sizes
 
 if TYPE_CHECKING:
-    from dxrun.schema import ParallelismConfig, RunConfig
+    from dxrun.config.schema import ParallelismConfig, RunConfig
 
 MESH_AXES = tuple(a.mesh for a in AXES)  # ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")

@@ -26,7 +26,7 @@ from dxrun.model.mdlm import mask_rate, objective_of
 from dxrun.tools.decode import Sampling, _runner, pick
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 
 def reveal(masked_BxN: jax.Array, confidence_BxN: jax.Array, u_BxN: jax.Array,

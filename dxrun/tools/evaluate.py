@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dxrun.bookkeeping import read_json
+from dxrun.config.errors import ConfigError
 from dxrun.data import EVAL
-from dxrun.errors import ConfigError
 from dxrun.runtime import write_json
 from dxrun.tools.load import Loaded, load, split_args
 from dxrun.tracking.logger import open_wandb
 
 if TYPE_CHECKING:
+    from dxrun.config.schema import DataConfig
     from dxrun.data import Data
-    from dxrun.schema import DataConfig
 
 log = logging.getLogger("dxrun")
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import DataConfig
 from dxrun.data.corpus import recorded_tokenizer
-from dxrun.errors import ConfigError
-from dxrun.hf.config import ARCHITECTURES, model_type_of
+from dxrun.hf.config_json import ARCHITECTURES, model_type_of
 from dxrun.hf.save import save_hf
-from dxrun.schema import DataConfig
 from dxrun.tools.load import load, split_args
 
 log = logging.getLogger("dxrun")

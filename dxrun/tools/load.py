@@ -30,14 +30,14 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from dxrun.config import check_keys, composition_error, conf_dir, register
-from dxrun.errors import ConfigError, first_line
-from dxrun.hf.config import PREFIX, apply_hf_model
+from dxrun.config.errors import ConfigError, first_line
+from dxrun.config.registry import check_keys, composition_error, conf_dir, register
+from dxrun.config.schema import RunConfig
+from dxrun.config.validation import validate
+from dxrun.hf.config_json import PREFIX, apply_hf_model
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.run_plan import recorded
 from dxrun.runtime import collect_cycles_rarely, simulate_cpu_devices
-from dxrun.schema import RunConfig
-from dxrun.validation import validate
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.errors import ConfigError
-from dxrun.schema import RunConfig
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import RunConfig
 from dxrun.tools.load import BEST, Loaded, load, split_args
 
 OPTIONS: dict[str, Any] = {"tokens": "", "out": ""}

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dxrun.config.errors import ConfigError
 from dxrun.data import EVAL, Data
 from dxrun.data.corpus import Tokenizer, recorded_tokenizer
-from dxrun.errors import ConfigError
 from dxrun.tools.load import Loaded, is_hf_dir, load, split_args
 
 if TYPE_CHECKING:
-    from dxrun.schema import DataConfig, RunConfig
+    from dxrun.config.schema import DataConfig, RunConfig
 
 log = logging.getLogger("dxrun")
 

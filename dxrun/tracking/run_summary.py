@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import UNFINISHED
+from dxrun.config.errors import UNFINISHED
 from dxrun.multihost.distributed import is_main
 from dxrun.run_dir import read_status
 from dxrun.runtime import write_json

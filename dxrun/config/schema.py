@@ -1,12 +1,12 @@
 """The run config's schema: every key of every section, each written once.
 
 A key is one field, ``name: type = key(default, meaning, range=..., choices=...)``
-(dxrun/config_key.py): the default, the one-line meaning the Reference shows, the values it
+(dxrun/config/key.py): the default, the one-line meaning the Reference shows, the values it
 accepts, and the data sources that read it all sit in the field's metadata (OmegaConf's
 structured configs and Hydra's ConfigStore read the dataclasses and ignore the metadata). A
 default is written here and nowhere else (conf/config.yaml holds only the defaults list).
 ``RANGES``, ``_CHOICES``, ``UNRANGED``, ``NULLABLE`` and ``DATA_SOURCE_KEYS`` are read from the
-fields; ``dxrun.validation`` checks a composed config against them and the docs' generator
+fields; ``dxrun.config.validation`` checks a composed config against them and the docs' generator
 (docs/reference/) turns them into tables.
 
 No JAX import: the device count is decided from the composed config before JAX starts.
@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.config_key import (  # noqa: F401 - Range and the bounds, importable from here too
+from dxrun.config.key import (  # noqa: F401 - Range and the bounds, importable from here too
     BATCH,
     FRACTION,
     INT32,
@@ -31,8 +31,7 @@ from dxrun.config_key import (  # noqa: F401 - Range and the bounds, importable 
     section,
     walk,
 )
-from dxrun.schema_parallel import DistributedConfig, ParallelismConfig
-from dxrun.schema_tracking import EarlyStopConfig, LoggerConfig
+from dxrun.config.schema_parallel import DistributedConfig, ParallelismConfig
 
 # The two keys that give the batch (dxrun/plan/batch.py tells which one a run set).
 GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
@@ -178,6 +177,49 @@ class ProfileConfig:
         "the attempt's first step compiles, so a start on it moves to the next step).",
         range=NON_NEGATIVE)
     steps: int = key(3, "how many steps to trace", range=POSITIVE)
+
+
+# What a run reports and watches: the logger section (where the reduced rows, the config, the
+# plan and the summary go beside metrics.jsonl) and train.early_stop (a monitored metric
+# that ends the run once it stops improving). BACKENDS: every backend ``logger.name`` (or
+# ``logger.backends`` under ``logger=many``) can name.
+BACKENDS = ("wandb", "tensorboard", "csv", "mlflow")
+
+
+@dataclass
+class LoggerConfig:
+    name: str = key("wandb", "where metrics go beside metrics.jsonl (the logger=NAME option): "
+                    "one backend, none, or many (logger.backends)",
+                    choices=(*BACKENDS, "many", "none"))
+    backends: list[str] = key(meaning="logger=many: the backends written at once, any of "
+                              + ", ".join(BACKENDS), factory=lambda: ["csv", "tensorboard",
+                                                                     "mlflow"])
+    project: str = key("dxrun", "the W&B project; MLflow's experiment name")
+    entity: str | None = key(None, "the W&B entity (user or team); null = W&B's default")
+    mode: str | None = key(None, "W&B's mode; null = $WANDB_MODE, else offline",
+                           choices=("offline", "online", "disabled"),
+                           fix="or leave it null to follow $WANDB_MODE")
+    group: str | None = key(None, "the W&B group; null = the sweep's (sweep-<date>_<time>) in a "
+                            "multirun")
+    job_type: str | None = key(None, "None: \"train\" for a single run, \"sweep\" for a "
+                               "multirun job")
+    tags: list[str] = key(meaning="extra W&B tags beside the model/parallelism/data/optimizer "
+                          "choices", factory=list)
+    mlflow_uri: str | None = key(None, "MLflow's tracking URI (a dir or file: URI, a file "
+                                 "store; sqlite:///...; a server); null = the run dir's own file "
+                                 "store, <run dir>/mlruns")
+
+
+@dataclass
+class EarlyStopConfig:
+    monitor: str | None = key(None, "End the run once this logged metric (e.g. eval/loss) has "
+                              "not improved for train.early_stop.patience of its rows; null = "
+                              "off. The run ends with status ok and the reason in status.json.")
+    mode: str = key("min", "min: lower is better; max: higher is better", choices=("min", "max"))
+    patience: int = key(3, "rows of the monitored metric without improvement before the stop",
+                        range=Range(1))
+    min_delta: float = key(0.0, "an improvement is a change by more than this",
+                           range=NON_NEGATIVE)
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""The run config: the schema registered with Hydra, its resolvers and presets, and the
-composition's errors in one line.
+"""The run config: the schema registered with Hydra, its resolvers and presets (every preset
+file shipped: ``preset_files``), and the composition's errors in one line.
 
-The schema (dxrun/schema.py: every key, its default, meaning, range and choices, written once)
+The schema (dxrun/config/schema.py: every key, its default, meaning, range and choices, written once)
 is registered in Hydra's ConfigStore as ``dxrun_schema`` and is the first entry of
 ``conf/config.yaml``'s defaults, so every group file and every command-line override is merged
 into typed, closed (struct) nodes: an unknown key or a value of the wrong type fails at
-composition. ``dxrun.validation`` then checks the values. No JAX import: the device count is
+composition. ``dxrun.config.validation`` then checks the values. No JAX import: the device count is
 decided from the composed config before JAX starts.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from dxrun.errors import ConfigError
-from dxrun.schema import ModelConfig, RunConfig
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import ModelConfig, RunConfig
 
 DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 
@@ -42,7 +42,7 @@ def register() -> None:
 
 def conf_dir() -> Path:
     """conf/: shipped inside the package (dxrun/conf) or beside it in a checkout."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # dxrun/
     shipped = here / "conf"
     return shipped if shipped.is_dir() else here.parent / "conf"
 
@@ -88,7 +88,7 @@ PRESETS = {"experiment": "experiments", "sweep": "sweeps"}
 
 
 def preset_dir(group: str) -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # dxrun/
     shipped = here / PRESETS[group]
     return shipped if shipped.is_dir() else here.parent / PRESETS[group]
 
@@ -170,3 +170,19 @@ def tokenizer_vocab(path: Any, default: int) -> int:
         return int(tok.get_vocab_size(with_added_tokens=True))
     except Exception:  # noqa: BLE001 - dxrun.data.corpus.Tokenizer says what is wrong
         return default
+
+
+def preset_files() -> dict[str, list[Path]]:
+    """Every preset file shipped, by where it is chosen: ``conf/<group>/``, ``experiments/``,
+    ``sweeps/``, ``sweeps/wandb/`` and the SLURM batch script. What the docs' Presets page lists
+    (rendered by docs/reference/) and what the wheel check compares between the wheel and the
+    checkout (.ci/wheel_check)."""
+    conf = conf_dir()
+    out = {f"{g.name}=": sorted(g.glob("*.yaml")) for g in sorted(conf.iterdir()) if g.is_dir()
+           and g.name != "hydra"}
+    out["hydra/launcher="] = sorted((conf / "hydra" / "launcher").glob("*.yaml"))
+    out["experiment="] = sorted(preset_dir("experiment").glob("*.yaml"))
+    out["sweep="] = sorted(preset_dir("sweep").glob("*.yaml"))
+    out["wandb sweep"] = sorted((preset_dir("sweep") / "wandb").glob("*.yaml"))
+    out["sbatch"] = sorted(preset_dir("experiment").glob("*.sbatch"))
+    return out

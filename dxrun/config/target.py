@@ -12,10 +12,10 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dxrun.errors import ConfigError, first_line
+from dxrun.config.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 # Each section's ``_target_``: what dxrun passes it by keyword beside ``<section>.kwargs`` (the
 # name, and where its value comes from: the refusal shows the call) and an example path.

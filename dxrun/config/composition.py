@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf, open_dict
 
-from dxrun.config import check_keys, composition_error, conf_dir
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.registry import check_keys, composition_error, conf_dir
 from dxrun.run_dir import dir_refusal
 
 

@@ -1,6 +1,6 @@
 """One config key: ``key(...)``, the dataclass field that carries all its facts (default,
 meaning, range, choices, the data sources that read it), and the ``Range`` its numbers take.
-dxrun/schema.py writes every key with it; pure (no import of dxrun)."""
+dxrun/config/schema.py writes every key with it; pure (no import of dxrun)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The sections of a run over many devices: the mesh's axes (``AXES``, a table: each axis's key
 and the JAX mesh axis it names), the ``parallelism`` section that sizes them and the
 ``distributed`` section that joins a multi-process run through JAX's distributed runtime
-(dxrun/multihost/distributed.py). Keys are written as in ``dxrun.schema``
-(``config_key.key``), which places the sections in ``RunConfig``. A new mesh axis is a row of
+(dxrun/multihost/distributed.py). Keys are written as in ``dxrun.config.schema``
+(``key.key``), which places the sections in ``RunConfig``. A new mesh axis is a row of
 ``AXES``, its key here, its logical rules (``plan.mesh.LOGICAL_RULES``) and its presets.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dxrun.config_key import NON_NEGATIVE, POSITIVE, key
+from dxrun.config.key import NON_NEGATIVE, POSITIVE, key
 
 
 @dataclass(frozen=True)

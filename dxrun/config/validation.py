@@ -1,7 +1,7 @@
 """The value checks Hydra cannot express, one function per section of the composed config.
 
 ``validate`` checks what the schema's fields say (``check_section``: choices, ranges, read from
-dxrun/schema.py) and what no single key can say (``check_model``'s head counts,
+dxrun/config/schema.py) and what no single key can say (``check_model``'s head counts,
 ``check_data``'s sequence length against the model...); each refusal is a ConfigError naming
 the key, the value and the fix. Each check receives its section (and the data's, the model it
 feeds).
@@ -18,13 +18,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
-from dxrun.errors import ConfigError
-from dxrun.hf.config import check_rope_scaling, hf_dir
-from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len
-from dxrun.plan.loss_chunk import resolve_loss_chunk
-from dxrun.plan.targets import TARGETS
-from dxrun.schema import (
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import (
+    BACKENDS,
     DATA_SOURCE_KEYS,
     FIELDS,
     RANGES,
@@ -43,7 +39,11 @@ from dxrun.schema import (
     TrainConfig,
     null_is_a_value,
 )
-from dxrun.schema_tracking import BACKENDS
+from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
+from dxrun.hf.config_json import check_rope_scaling, hf_dir
+from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len
+from dxrun.plan.loss_chunk import resolve_loss_chunk
+from dxrun.plan.targets import TARGETS
 from dxrun.tracking.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 from dxrun.tracking.stores import unread_logger_keys
 
