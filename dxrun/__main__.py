@@ -17,7 +17,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dxrun.checkpointing.preempt import SIGNALS, guard_signals
 from dxrun.config.composition import composition_refusal
 from dxrun.config.errors import (
     EXIT_CODES,
@@ -30,8 +29,12 @@ from dxrun.config.registry import check_keys, conf_dir, register
 from dxrun.config.target import check_targets
 from dxrun.config.validation import config_warnings, validate
 from dxrun.hf.config_json import apply_hf_model
-from dxrun.job import Job
-from dxrun.job_dir import (
+from dxrun.multihost.distributed import is_main, join
+from dxrun.plan.run_plan import resolved_config
+from dxrun.report.callback import SWEEP_DIRS
+from dxrun.report.collect import find_jobs
+from dxrun.run.job import Job
+from dxrun.run.job_dir import (
     JobStatus,
     asked_dir,
     claim_new,
@@ -39,13 +42,9 @@ from dxrun.job_dir import (
     fail,
     remember_start,
 )
-from dxrun.multihost.distributed import is_main, join
-from dxrun.plan.run_plan import resolved_config
-from dxrun.report.callback import SWEEP_DIRS
-from dxrun.report.collect import find_jobs
-from dxrun.run_dir import Claim
-from dxrun.run_log import RunLog
-from dxrun.runtime import (
+from dxrun.run.run_dir import Claim
+from dxrun.run.run_log import RunLog
+from dxrun.run.runtime import (
     accelerator_plan_note,
     collect_cycles_rarely,
     cpu_fallback_refusal,
@@ -58,6 +57,7 @@ from dxrun.runtime import (
     thread_pool_note,
     write_hydra_files,
 )
+from dxrun.run.signals import SIGNALS, guard_signals
 from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.tracking.stores import store_refusal
 

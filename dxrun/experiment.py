@@ -15,7 +15,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dxrun import faults
 from dxrun.data import TRAIN, Data
 from dxrun.hf.load import import_params
 from dxrun.model.mdlm import objective_of
@@ -39,6 +38,7 @@ from dxrun.plan.attention_kernel import AttentionTarget, attention_target, compi
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import TARGETS
 from dxrun.plan.vocab import table_rows
+from dxrun.run import faults
 from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
 
 if TYPE_CHECKING:

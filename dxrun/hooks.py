@@ -19,10 +19,10 @@ import jax
 from dxrun.autotune.peak import resolve_peak
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.experiment import Experiment
-from dxrun.job import Job, describe_model
 from dxrun.plan import flops
 from dxrun.plan.run_plan import RunPlan, saved_config
-from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.run.job import Job, describe_model
+from dxrun.run.runtime import AllocatorPeak, write_json
 from dxrun.trace import Tracer
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress

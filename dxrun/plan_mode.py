@@ -27,7 +27,7 @@ from dxrun.plan.memory_model import disagreement
 from dxrun.plan.ranking import table
 from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.plan.targets import GB, gb_text, plan_platform
-from dxrun.runtime import write_json
+from dxrun.run.runtime import write_json
 
 log = logging.getLogger("dxrun")
 

@@ -17,7 +17,7 @@ from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
 from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.hf.load import check_hf_weights
-from dxrun.run_dir import dir_refusal
+from dxrun.run.run_dir import dir_refusal
 from dxrun.tracking import goodput
 
 log = logging.getLogger("dxrun")

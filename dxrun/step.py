@@ -220,7 +220,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          spec.grad_reduce_dtype, plan.loss_chunk, objective)
-        if inject_nan_at_step:  # test-only (dxrun/faults.py): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 

@@ -20,7 +20,6 @@ import jax
 
 from dxrun.autotune import memory_report
 from dxrun.checkpointing.cadence import cadence_text
-from dxrun.checkpointing.preempt import Preemption
 from dxrun.checkpointing.resume import data_position, tokens_seen
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.checkpointing.store import refused_write
@@ -41,13 +40,14 @@ from dxrun.hooks import (
     SummaryHook,
     TraceHook,
 )
-from dxrun.job import Job, run_name
 from dxrun.multihost.distributed import is_main
 from dxrun.plan.ranking import own_s, table
 from dxrun.plan.run_plan import RunPlan
 from dxrun.prepare import Start, prepare, start_state
-from dxrun.run_dir import relaunch_command
-from dxrun.runtime import AllocatorPeak, write_json
+from dxrun.run.job import Job, run_name
+from dxrun.run.run_dir import relaunch_command
+from dxrun.run.runtime import AllocatorPeak, write_json
+from dxrun.run.signals import Preemption
 from dxrun.trace import Tracer, profile_dir, traced_steps
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun import faults
 from dxrun.config import registry, schema, validation
 from dxrun.config.errors import ConfigError
+from dxrun.run import faults
 
 
 def _numeric_keys() -> list[str]:
@@ -247,7 +247,7 @@ def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     ("DXRUN_TEST_ERROR_AT_STEP", "3", False),
 ])
 def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad):
-    """The tests' faults are no key of the user's config (``dxrun.faults``): each is read from
+    """The tests' faults are no key of the user's config (``dxrun.run.faults``): each is read from
     its environment variable, refused outside its range like a key (the NaN step is compared
     with the int32 step counter)."""
     assert not [k for k in schema.FIELDS if "inject" in k or "hold_at" in k]

@@ -42,9 +42,9 @@ from dxrun.hf.config_json import apply_hf_model, model_fields, model_type_of, re
 from dxrun.hf.layout import TABLES
 from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.hf.save import save_hf
-from dxrun.job import Job, describe_model
 from dxrun.logits import load_model
 from dxrun.model.sharding import in_mesh_context
+from dxrun.run.job import Job, describe_model
 from dxrun.tools.evaluate import evaluate_checkpoint
 from dxrun.tools.export import export
 from dxrun.tools.export import run as export_run

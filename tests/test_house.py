@@ -22,7 +22,7 @@ MAIN_LINES = 40  # lines of dxrun/__main__.py's main() (issue 64's goal)
 LONGEST_DEF = 120  # lines of the longest class or function in TRAINER_MODULES (the goal)
 LONGEST_HOOK = 60  # lines of the longest of the trainer's hooks, dxrun/hooks.py (the goal)
 # The trainer, its hooks, the entry point and the job's status writer (issue 64).
-TRAINER_MODULES = ("train.py", "hooks.py", "__main__.py", "job_dir.py")
+TRAINER_MODULES = ("train.py", "hooks.py", "__main__.py", "run/job_dir.py")
 LARGEST_MODULE = 400  # lines of the largest module (the goal)
 MODULES_OVER_400: set[str] = set()  # goal: none
 LARGEST_MODULE_DOCSTRING = 15  # source lines of the longest module docstring (the goal)
@@ -41,11 +41,12 @@ FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the config family: the schema and its sections, keys, the Hydra registry, _target_ and the
     # run's outcomes (errors); its validation and composition sit higher, by what they check
-    ("config", ("dxrun", "dxrun.config", "dxrun.bookkeeping", "dxrun.faults", "dxrun.hf.config_json",
+    ("config", ("dxrun", "dxrun.config", "dxrun.run.bookkeeping", "dxrun.run.faults",
+                "dxrun.hf.config_json",
                 # pure data (the metric names, no import): what validation checks names against
                 "dxrun.tracking.metric_names")),
-    ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir",
-              "dxrun.multihost", "dxrun.checkpointing.preempt",
+    # the run and its directory (its job's status is written from the entry floor: job_dir)
+    ("host", ("dxrun.run", "dxrun.multihost",
               # the logger section's checks before JAX (a store's dir: run_dir.dir_refusal)
               "dxrun.tracking.stores")),
     ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files")),
@@ -55,9 +56,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "dxrun.config.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
                     "dxrun.hf")),
     ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
-    ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
+    ("loop", ("dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
-    ("entry", ("dxrun.__main__", "dxrun.config.composition", "dxrun.job_dir", "dxrun.evaluate",
+    ("entry", ("dxrun.__main__", "dxrun.config.composition", "dxrun.run.job_dir", "dxrun.evaluate",
                "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
                "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
                "dxrun.tracking.dashboard", "dxrun.export", "dxrun.logits")),
@@ -231,7 +232,7 @@ def _defs(path: Path) -> dict[str, int]:
 
 def test_the_entry_point_composes_builds_and_runs_in_one_screen():
     """``main()`` composes, builds the run and executes it; the stages are functions beside it
-    and how the job ended is ``JobStatus``'s (dxrun/job_dir.py), not an ``except`` arm each."""
+    and how the job ended is ``JobStatus``'s (dxrun/run/job_dir.py), not an ``except`` arm each."""
     path = PACKAGE / "__main__.py"
     (fn,) = [n for n in _tree(path).body if isinstance(n, ast.FunctionDef) and n.name == "main"]
     _at_most("MAIN_LINES", fn.end_lineno - fn.lineno + 1, MAIN_LINES, "dxrun.__main__.main")

@@ -526,7 +526,7 @@ def test_the_resume_command_reads_back_as_its_run_dir(name):
     """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
     status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
     from dxrun.multihost.launch import STOP_LINE, clean_stop
-    from dxrun.run_dir import relaunch_command
+    from dxrun.run.run_dir import relaunch_command
 
     run_dir = f"/tmp/{name}/run"
     command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)

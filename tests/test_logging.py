@@ -8,7 +8,7 @@ import logging
 import pytest
 from conftest import finished_wandb_run, subprocess_env
 
-from dxrun.job import Job, run_name
+from dxrun.run.job import Job, run_name
 from dxrun.tracking.wandb_file import read_run
 from dxrun.train import train
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.plan.layouts import REMATS, SEARCHES
-from dxrun.runtime import user_cache_dir
+from dxrun.run.runtime import user_cache_dir
 
 if TYPE_CHECKING:
     from dxrun.config.schema import RunConfig

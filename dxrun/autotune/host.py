@@ -21,7 +21,7 @@ from dxrun.autotune.peak import measure_peak_tflops
 from dxrun.config.errors import ConfigError
 from dxrun.plan import flops
 from dxrun.plan.targets import TARGETS, GiB, Target
-from dxrun.runtime import user_cache_dir
+from dxrun.run.runtime import user_cache_dir
 
 if TYPE_CHECKING:
     from dxrun.config.schema import RunConfig

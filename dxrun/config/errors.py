@@ -57,7 +57,7 @@ class Stopped(Exception):  # noqa: N818 - a normal outcome, not an error
 
 
 class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, an outcome
-    """A signal outside the train loop stopped the run ``when`` (``preempt.Signals.phase``).
+    """A signal outside the train loop stopped the run ``when`` (``signals.Signals.phase``).
     A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way (JAX's,
     Orbax's, W&B's, dxrun's own) takes it for an error of its own."""
 

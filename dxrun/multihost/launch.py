@@ -54,8 +54,8 @@ from dxrun.multihost.ending import (
     told,
     told_run_dir,
 )
-from dxrun.run_dir import LAUNCHED_BY
-from dxrun.runtime import DEVICE_COUNT_FLAG
+from dxrun.run.run_dir import LAUNCHED_BY
+from dxrun.run.runtime import DEVICE_COUNT_FLAG
 
 
 def free_port() -> int:

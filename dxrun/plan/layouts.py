@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from dxrun import faults
 from dxrun.config.errors import ConfigError
 from dxrun.plan.batch import default_seq_len
 from dxrun.plan.context import LONG_SEQ
 from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.mesh import make_plan
+from dxrun.run import faults
 
 if TYPE_CHECKING:
     from dxrun.config.schema import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dxrun.bookkeeping import read_json
 from dxrun.config.errors import ConfigError
 from dxrun.data import EVAL
-from dxrun.runtime import write_json
+from dxrun.run.bookkeeping import read_json
+from dxrun.run.runtime import write_json
 from dxrun.tools.load import Loaded, load, split_args
 from dxrun.tracking.logger import open_wandb
 

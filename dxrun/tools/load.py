@@ -37,7 +37,7 @@ from dxrun.config.validation import validate
 from dxrun.hf.config_json import PREFIX, apply_hf_model
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.run_plan import recorded
-from dxrun.runtime import collect_cycles_rarely, simulate_cpu_devices
+from dxrun.run.runtime import collect_cycles_rarely, simulate_cpu_devices
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -107,7 +107,7 @@ def start_devices(overrides: list[str]) -> None:
 
 INTERPOLATION = re.compile(r"(\\*)\$\{")  # "${" and the backslashes before it
 # Keys older checkpoints' configs hold and the schema no longer has (the tests' faults, now
-# environment variables: dxrun/faults.py).
+# environment variables: dxrun/run/faults.py).
 RETIRED_TRAIN_KEYS = ("inject_nan_at_step", "hold_at_step", "inject_error_at_step")
 
 

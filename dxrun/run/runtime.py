@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from dxrun.bookkeeping import make_dir, read_json
 from dxrun.config.schema import RunConfig
 from dxrun.config.schema_parallel import axis_sizes
+from dxrun.run.bookkeeping import make_dir, read_json
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
@@ -242,7 +242,7 @@ def claim_run_dir(run_dir: Path) -> Path:
     atomic mkdir: a dir whose ``.hydra/`` exists belongs to an earlier or a concurrent run (two
     launches in the same second, a SLURM array), and this run takes the first free sibling
     ``<name>_1``, ``<name>_2``, ... so no two runs ever share a dir. (A relaunch that continues
-    a run claims its dir through ``dxrun.run_dir.claim``.)"""
+    a run claims its dir through ``dxrun.run.run_dir.claim``.)"""
     candidate, i = run_dir, 0
     while True:
         candidate.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from dxrun import run_dir as run_dirs
 from dxrun.config.errors import (
     EXIT_CRASHED,
     EXIT_REFUSED,
@@ -32,9 +31,10 @@ from dxrun.config.errors import (
     first_line,
 )
 from dxrun.multihost.distributed import agree, is_main, tell_launcher, tell_launcher_startup
-from dxrun.run_dir import Claim, relaunch_command, stopped_words
-from dxrun.run_log import RunLog
-from dxrun.runtime import claim_run_dir, write_hydra_files, write_status
+from dxrun.run import run_dir as run_dirs
+from dxrun.run.run_dir import Claim, relaunch_command, stopped_words
+from dxrun.run.run_log import RunLog
+from dxrun.run.runtime import claim_run_dir, write_hydra_files, write_status
 from dxrun.tracking.run_summary import record_end
 
 if TYPE_CHECKING:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dxrun.bookkeeping import make_dir
-from dxrun.checkpointing.preempt import SIGNALS
 from dxrun.config.errors import RUNNING, UNFINISHED, ConfigError
-from dxrun.runtime import STATUS, claim_run_dir
+from dxrun.run.bookkeeping import make_dir
+from dxrun.run.runtime import STATUS, claim_run_dir
+from dxrun.run.signals import SIGNALS
 
 log = logging.getLogger("dxrun")
 
