@@ -126,7 +126,7 @@ def summary_keys() -> list[str]:
 def status_keys() -> list[str]:
     """Every field ``JobStatus`` (dxrun/run/job_dir.py) writes into status.json, plus
     write_status's own."""
-    tree = ast.parse((PACKAGE / "job_dir.py").read_text())
+    tree = ast.parse((PACKAGE / "run" / "job_dir.py").read_text())
     keys = ["status"]
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     for node in [c for c in calls if getattr(c.func, "id", None) == "write_status"] + [
