@@ -174,7 +174,7 @@ def _elsewhere(run: Run, fn: str) -> Any:
     import subprocess
     import sys
 
-    from dxrun.multihost.launch import without_device_count
+    from dxrun.launch import without_device_count
 
     code = (f"import json; from dxrun.run.runtime import simulate_cpu_devices; "
             f"simulate_cpu_devices({devices(run)}); from benchmarks import published as p; "

@@ -140,7 +140,7 @@ def subprocess_env(drop: tuple[str, ...] = (), optimised: bool = False) -> dict[
     simulated device count (each run sets its own: ``runtime.cpu_devices``) and ``drop``.
     ``optimised``: LLVM's passes on (no FAST_COMPILE), for a run of hundreds of steps, whose
     time is in its steps, not its compiles (the default run: 52 CPU s against 101)."""
-    from dxrun.multihost.launch import without_device_count
+    from dxrun.launch import without_device_count
 
     env = {k: v for k, v in os.environ.items() if k not in drop}
     flags = without_device_count(env.pop("XLA_FLAGS", ""))

@@ -21,8 +21,8 @@ from dxrun.data import TRAIN
 from dxrun.data.user import checked_batch
 from dxrun.experiment import Experiment
 from dxrun.plan_mode import planned, run_plan
-from dxrun.tools.load import load
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.sample import OPTIONS, sample
+from dxrun.tools.checkpoint import load
 from dxrun.train import train
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -136,7 +136,7 @@ def test_processes_sharing_the_host(env, num_processes, want):
 
 
 def test_launch_keeps_the_users_xla_flags_but_the_device_count():
-    from dxrun.multihost.launch import child_env
+    from dxrun.launch import child_env
 
     base = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 "
                          "--xla_gpu_enable_latency_hiding_scheduler=true"}
@@ -177,7 +177,7 @@ def test_visible_gpus(tmp_path):
 
 
 def test_gpus_are_divided_over_the_launched_processes():
-    from dxrun.multihost.launch import child_env, gpu_slices
+    from dxrun.launch import child_env, gpu_slices
 
     eight = [str(i) for i in range(8)]
     assert gpu_slices(eight, 2, None) == [eight[:4], eight[4:]]

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from dxrun.config.errors import ConfigError
-from dxrun.tools.evaluate import evaluate_checkpoint
+from dxrun.evaluate import evaluate_checkpoint
 
 
 def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:

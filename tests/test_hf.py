@@ -37,7 +37,10 @@ from hf_checkpoints import (
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import validate
+from dxrun.evaluate import evaluate_checkpoint
 from dxrun.experiment import Experiment
+from dxrun.export import export
+from dxrun.export import run as export_run
 from dxrun.hf.config_json import apply_hf_model, model_fields, model_type_of, read_config
 from dxrun.hf.layout import TABLES
 from dxrun.hf.load import check_hf_weights, import_params
@@ -45,11 +48,8 @@ from dxrun.hf.save import save_hf
 from dxrun.logits import load_model
 from dxrun.model.sharding import in_mesh_context
 from dxrun.run.job import Job, describe_model
-from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.tools.export import export
-from dxrun.tools.export import run as export_run
-from dxrun.tools.load import load, main
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.sample import OPTIONS, sample
+from dxrun.tools.checkpoint import load, main
 
 MESHES = {"dp1": ["parallelism=dp1"], "tp2": ["parallelism=tp2"],
           "fsdp2_tp2": ["parallelism=tp2", "parallelism.n_devices=4", "parallelism.fsdp=2"],

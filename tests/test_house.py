@@ -59,9 +59,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loop", ("dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
     ("entry", ("dxrun.__main__", "dxrun.config.composition", "dxrun.run.job_dir", "dxrun.evaluate",
-               "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
+               "dxrun.sample", "dxrun.launch", "dxrun.launch", "dxrun.dashboard",
                "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.tracking.dashboard", "dxrun.export", "dxrun.logits")),
+               "dxrun.dashboard", "dxrun.export", "dxrun.logits")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes

@@ -12,7 +12,7 @@ from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 from dxrun.checkpointing.store import committed_steps
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import logged_metrics, validate
-from dxrun.tools.load import BEST, split_args
+from dxrun.tools.checkpoint import BEST, split_args
 from dxrun.tracking.monitor import Monitor
 from dxrun.train import train
 
@@ -65,7 +65,7 @@ def test_early_stop_counts_across_the_resume(resumed):
 
 
 def test_evaluate_best_loads_the_best_checkpoint(resumed):
-    from dxrun.tools.evaluate import evaluate_checkpoint
+    from dxrun.evaluate import evaluate_checkpoint
 
     run_dir, _, _ = resumed
     path, _, overrides = split_args("evaluate", [str(run_dir), BEST, "eval.batches=1"], {})

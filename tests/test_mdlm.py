@@ -17,10 +17,10 @@ from conftest import make_cfg, write_corpus
 
 from dxrun.config import validation
 from dxrun.config.errors import ConfigError
+from dxrun.evaluate import evaluate_checkpoint
 from dxrun.model.mdlm import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
 from dxrun.plan import flops
-from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.sample import OPTIONS, sample
 from dxrun.train import train
 
 

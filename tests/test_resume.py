@@ -498,7 +498,7 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert (run / "checkpoints" / "3.corrupt").is_dir()
     assert committed_steps(run / "checkpoints") == [3, 4, 5]
     # dxrun.evaluate appends to eval.json: a damaged one is set aside, not a crash.
-    from dxrun.tools.evaluate import evaluate_checkpoint
+    from dxrun.evaluate import evaluate_checkpoint
 
     (run / "eval.json").write_bytes(b'[{"step": 3, "eval/loss": \xff')
     evaluate_checkpoint(run, [])
