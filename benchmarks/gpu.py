@@ -18,7 +18,7 @@ import jax
 from benchmarks.report import Figure, figure
 from benchmarks.speed import compose_cfg, dxrun_runner
 from benchmarks.timing import interleaved
-from dxrun import plan_mode
+from dxrun.autotune import plan_mode
 from dxrun.autotune.fit import NoData
 from dxrun.experiment import Experiment
 from dxrun.plan import flops

@@ -212,7 +212,7 @@ def plan_run(run: Run) -> dict[str, Any]:
     if not _here(run):
         return _elsewhere(run, "plan_run")
     from benchmarks.speed import compose_cfg
-    from dxrun import plan_mode
+    from dxrun.autotune import plan_mode
     from dxrun.autotune.fit import NoData
     from dxrun.experiment import Experiment
     from dxrun.plan.targets import TARGETS, usable_bytes

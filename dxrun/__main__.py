@@ -165,7 +165,7 @@ def _start_jax(cfg: RunConfig, run_log: RunLog) -> bool:
 
 def _plan(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus) -> Any:
     """run.mode=plan: the decision reported for plan.target; nothing trained."""
-    from dxrun.plan_mode import planned, run_plan  # imports JAX
+    from dxrun.autotune.plan_mode import planned, run_plan  # imports JAX
 
     # data.seq_len=null resolved for the target; for parallelism=auto the layout
     # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
@@ -182,7 +182,7 @@ def _train(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus, started: flo
     """Claim the run dir, prepare the run, train it; its summary."""
     import jax
 
-    from dxrun.prepare import prepare  # imports JAX
+    from dxrun.start import prepare  # imports JAX
     from dxrun.train import train  # imports JAX
 
     # Every process uses process 0's run dir (their clocks may name it differently).

@@ -23,7 +23,6 @@ from dxrun.plan import flops
 from dxrun.plan.run_plan import RunPlan, saved_config
 from dxrun.run.job import Job, describe_model
 from dxrun.run.runtime import AllocatorPeak, write_json
-from dxrun.trace import Tracer
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger
@@ -31,6 +30,7 @@ from dxrun.tracking.metrics_row import StepCost, log_row, perplexity
 from dxrun.tracking.monitor import Monitor, plateau
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
+from dxrun.tracking.trace import Tracer
 
 if TYPE_CHECKING:
     from dxrun.config.schema import EarlyStopConfig, RunConfig

@@ -41,20 +41,20 @@ from dxrun.hooks import (
     TraceHook,
 )
 from dxrun.multihost.distributed import is_main
-from dxrun.plan.ranking import own_s, table
 from dxrun.plan.run_plan import RunPlan
-from dxrun.prepare import Start, prepare, start_state
+from dxrun.plan.search_record import own_s, table
 from dxrun.run.job import Job, run_name
 from dxrun.run.run_dir import relaunch_command
 from dxrun.run.runtime import AllocatorPeak, write_json
 from dxrun.run.signals import Preemption
-from dxrun.trace import Tracer, profile_dir, traced_steps
+from dxrun.start import Start, prepare, start_state
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.tracking.metrics_row import first_row
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
+from dxrun.tracking.trace import Tracer, profile_dir, traced_steps
 
 if TYPE_CHECKING:
     from dxrun.autotune.decide import Decided

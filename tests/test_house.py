@@ -49,19 +49,21 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("host", ("dxrun.run", "dxrun.multihost",
               # the logger section's checks before JAX (a store's dir: run_dir.dir_refusal)
               "dxrun.tracking.stores")),
-    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files")),
+    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.mapping", "dxrun.hf.files")),
     # the model family: the model, its attention and kernels, its losses and objectives, your
     # own model, and the logical-axis rules that place it (it imports the config and the plan)
     ("experiment", ("dxrun.model", "dxrun.metrics", "dxrun.optimizer", "dxrun.step", "dxrun.data",
                     "dxrun.config.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
                     "dxrun.hf")),
-    ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
-    ("loop", ("dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
+    # the wings: the layout search and plan mode, the profile of a trace (and the trace itself,
+    # which imports nothing)
+    ("autotune", ("dxrun.autotune", "dxrun.profile", "dxrun.tracking.trace")),
+    ("loop", ("dxrun.start", "dxrun.hooks", "dxrun.train",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
+    # the entry points: python -m dxrun and the commands (each command's code is its module)
     ("entry", ("dxrun.__main__", "dxrun.config.composition", "dxrun.run.job_dir", "dxrun.evaluate",
-               "dxrun.sample", "dxrun.launch", "dxrun.launch", "dxrun.dashboard",
-               "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.dashboard", "dxrun.export", "dxrun.logits")),
+               "dxrun.sample", "dxrun.export", "dxrun.logits", "dxrun.launch", "dxrun.dashboard",
+               "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes

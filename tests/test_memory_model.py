@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun import plan_mode
-from dxrun.autotune import fit
+from dxrun.autotune import fit, plan_mode
 from dxrun.experiment import Experiment
 from dxrun.plan import memory_model as mm
 from dxrun.plan import targets

@@ -167,7 +167,7 @@ def test_bad_data_inputs_fail_before_compile(cfg_factory, tmp_path, make, needle
             (cases[name] / "meta.json").write_text(json.dumps({"dtype": "uint32",
                                                                "vocab_size": 4}))
     from dxrun.config.validation import validate
-    from dxrun.prepare import prepare as prepare_run
+    from dxrun.start import prepare as prepare_run
 
     cfg = cfg_factory(*make(tmp_path, cases), "logger=none")
     with pytest.raises(ConfigError) as err:

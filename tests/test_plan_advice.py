@@ -9,8 +9,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from dxrun import plan_mode
-from dxrun.autotune import fit, suggest
+from dxrun.autotune import fit, plan_mode, suggest
 from dxrun.autotune.host import resolve_target
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import config_warnings, validate

@@ -11,8 +11,7 @@ from conftest import run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun import plan_mode
-from dxrun.autotune import fit, host
+from dxrun.autotune import fit, host, plan_mode
 from dxrun.autotune.hlo import collective_traffic
 from dxrun.checkpointing import cadence
 from dxrun.checkpointing.cadence import cadence_text, save_cadence

@@ -44,7 +44,7 @@ from dxrun.checkpointing.resume import (
 from dxrun.checkpointing.store import committed_steps, run_id
 from dxrun.config.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
-from dxrun.prepare import prepare
+from dxrun.start import prepare
 from dxrun.train import train
 
 SHORT = ["model=tiny", "train.steps=3", "checkpoint.every=1", "train.log_every=1",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import CONF, make_cfg, subprocess_env
 
-from dxrun import plan_mode
+from dxrun.autotune import plan_mode
 from dxrun.autotune.fit import _shard_bytes, accelerator_memory
 from dxrun.autotune.hlo import collectives
 from dxrun.checkpointing.resume import Resume, restore

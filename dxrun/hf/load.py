@@ -19,7 +19,7 @@ import numpy as np
 
 from dxrun.hf.config_json import hf_dir, read_config
 from dxrun.hf.files import HFWeights
-from dxrun.hf.layout import Weight, dims, dxrun_block, shape_of, weights
+from dxrun.hf.mapping import Weight, dims, dxrun_block, shape_of, weights
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -52,7 +52,7 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
     spec = spec or exp.abstract_state().params
     specs, axes = _leaves(spec), _leaves(exp.axes)
     if set(specs) != {w.dxrun for w in table}:
-        raise AssertionError(f"dxrun.hf.layout misses {set(specs) ^ {w.dxrun for w in table}}")
+        raise AssertionError(f"dxrun.hf.mapping misses {set(specs) ^ {w.dxrun for w in table}}")
     dim = dims(m)
     real_v = dim["V"]
     built: dict[str, jax.Array] = {}

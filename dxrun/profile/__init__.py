@@ -8,7 +8,8 @@ parser. A device's operations are the events of its ``XLA Ops`` line (GPU/TPU pl
 train step is one ``run_id`` (CPU) or one event of the ``XLA Modules`` line (GPU/TPU). An op's
 kind (matmul, attention, a collective, elementwise fusion) comes from the compiled step's HLO
 saved beside the trace, falling back on its name; on TPU from the compiler's own category of the
-op, its JAX op and source line, which the trace carries (``dxrun.xspace``).
+op, its JAX op and source line, which the trace carries (``xspace``). ``python -m
+dxrun.profile`` prints ``main``'s table (``__main__.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from dxrun import xspace
-from dxrun.trace import HLO_FILE
+from dxrun.profile import xspace
+from dxrun.tracking.trace import HLO_FILE
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "send", "recv")
@@ -340,6 +341,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{pb}\n\n{table(s, sources)}\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,8 +24,8 @@ from dxrun.model.user_model import plan_line
 from dxrun.plan import advice as say
 from dxrun.plan.estimate import shape_warning
 from dxrun.plan.memory_model import disagreement
-from dxrun.plan.ranking import table
 from dxrun.plan.run_plan import RunPlan, resolved_config
+from dxrun.plan.search_record import table
 from dxrun.plan.targets import GB, gb_text, plan_platform
 from dxrun.run.runtime import write_json
 
