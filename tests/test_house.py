@@ -33,6 +33,12 @@ IMPORT_CIRCLES = 0  # sets of dxrun modules that reach each other through import
 MODULES_IN_CIRCLES = 0  # the modules in those sets
 UPWARD_IMPORTS = 0  # imports of a module on a higher floor of LAYERS
 FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
+# Packages by concept (issue 64): the pipeline at the top, each family in its package.
+TOP_MODULES = 15  # .py files directly in dxrun/, __init__ and __main__ included; goal <= 15
+REPEATED_NAMES = 0  # module or package names used twice under dxrun/ (__init__, __main__ aside)
+MODEL_IMPORTS_OUTSIDE = 0  # imports in dxrun/model/ of dxrun outside it, the config and the plan
+# What the model package may import (type-only imports too): itself, the config, the plan.
+MODEL_MAY_IMPORT = ("dxrun.model", "dxrun.config", "dxrun.plan")
 
 # The floors, lowest first (STYLE.md, "As dxrun grows"; issue 48): a module may import modules
 # on its own floor or below. A module's floor is the one of its longest prefix listed here, so a
@@ -309,6 +315,43 @@ def test_imports_point_down():
                     for m, targets in graph.items() for t in targets
                     if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m))
     _at_most("UPWARD_IMPORTS", len(upward), UPWARD_IMPORTS, upward)
+
+
+def test_the_top_holds_the_pipeline_and_the_commands():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    _at_most("TOP_MODULES", len(top), TOP_MODULES, f"dxrun/: {top}; a module that belongs to a "
+             "family goes into its package (dxrun/model/, dxrun/config/, dxrun/run/, ...)")
+
+
+def test_no_two_modules_share_a_name():
+    """A name says which module: ``load`` or ``config`` twice makes every mention ambiguous.
+    Packages count by their dir's name; every package's ``__init__`` and ``__main__`` aside."""
+    names: dict[str, list[str]] = {}
+    for path in _files():
+        if path.stem not in ("__init__", "__main__"):
+            names.setdefault(path.stem, []).append(_rel(path))
+    for init in PACKAGE.rglob("__init__.py"):
+        if init.parent != PACKAGE:
+            names.setdefault(init.parent.name, []).append(_rel(init.parent) + "/")
+    repeated = {name: where for name, where in names.items() if len(where) > 1}
+    _at_most("REPEATED_NAMES", len(repeated), REPEATED_NAMES, repeated)
+
+
+def test_the_model_imports_only_itself_the_config_and_the_plan():
+    outside = []
+    for path in sorted((PACKAGE / "model").rglob("*.py")):
+        for node in ast.walk(_tree(path)):  # type-only imports too
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = ([f"dxrun.{a.name}" for a in node.names] if node.module == "dxrun"
+                           else [node.module])
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            outside += [f"{_rel(path)}:{node.lineno} {t}" for t in targets
+                        if t.split(".")[0] == "dxrun" and not any(
+                            t == p or t.startswith(p + ".") for p in MODEL_MAY_IMPORT)]
+    _at_most("MODEL_IMPORTS_OUTSIDE", len(outside), MODEL_IMPORTS_OUTSIDE, outside)
 
 
 def test_no_measured_figures_in_comments():
