@@ -2,7 +2,7 @@
 
 Each dxrun parameter is made in the run's shardings one shard at a time: for each layer of a
 stacked weight in turn, a shard reads only its region of the HF tensor (safetensors' lazy
-slices; ``layout.dxrun_block`` maps dxrun's index to the HF tensor's), in dxrun's layout, into
+slices; ``mapping.dxrun_block`` maps dxrun's index to the HF tensor's), in dxrun's layout, into
 the shard; rows past the real vocabulary are the mesh's padding, zeros. A shard is on its
 devices before the next is read, and replicas share one read. So the host holds one shard
 beyond the shards placed so far, never the whole model, and each process reads only the
