@@ -26,6 +26,7 @@ from dxrun.plan.attention_kernel import (
     AttentionTarget,
     Inputs,
     attention_target,
+    check_remat,
     choose,
     compiled_kernel,
     kind_target,
@@ -88,6 +89,16 @@ def test_a_forced_kernel_that_cannot_run_is_refused_in_one_line(setting, device,
     line = str(e.value)
     assert "\n" not in line and f"model.attention={setting}" in line and why in line
     assert "model.attention=dot_product" in line  # the fix
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cudnn", "reference", "blockwise"])
+def test_keep_attention_needs_a_kernel_that_names_its_residuals(kernel):
+    check_remat("keep_attention", "splash")  # splash names them
+    check_remat("full", kernel)
+    with pytest.raises(ConfigError) as e:
+        check_remat("keep_attention", kernel)
+    line = str(e.value)
+    assert "\n" not in line and f"({kernel})" in line and "model.remat=full" in line
 
 
 def test_splash_forced_on_cpu_runs_interpreted_and_plan_mode_stands_xla_in():

@@ -197,7 +197,6 @@ def test_dots_keeps_what_the_model_counts_in_either_precision(cfg_factory, capsy
     (before that, a bf16 ``dots`` layer kept nothing and recomputed every matmul)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from dxrun.model import transformer as M
@@ -214,16 +213,56 @@ def test_dots_keeps_what_the_model_counts_in_either_precision(cfg_factory, capsy
     if precision == "bf16":
         # q, k and v (three matmuls: no mesh splits the heads), attention out, MLP up
         assert sum("named 'dense'" in line for line in kept) == 5
-    nbytes = 0
-    for line in kept:  # "bf16[2,16,4,3,16] named 'dense' from ..." / "f32[...] output of ..."
-        kind, dims = line.split("[", 1)[0], line.split("[", 1)[1].split("]", 1)[0]
-        nbytes += {"bf16": 2, "f32": 4}[kind] * int(np.prod([int(d) for d in dims.split(",")]))
+    nbytes = _kept_bytes(kept)
     m = cfg.model
     x_shapes = _shapes(b=2, s=16, h=m.d_model, f=m.d_ff, heads=m.n_heads, kv_heads=m.n_kv_heads,
                        head_dim=m.d_model // m.n_heads, c=jnp.dtype(dtype).itemsize,
                        residual=jnp.dtype(dtype).itemsize, remat="dots")
     input_bytes = x_shapes.residual * x_shapes.tokens * x_shapes.h  # an argument here
     assert nbytes == mm.layer_saved(x_shapes) - input_bytes
+
+
+def _kept_bytes(kept: list[str]) -> int:
+    """Bytes of JAX's saved-residual lines: "bf16[2,16,4,3,16] named 'dense' from ..."."""
+    import numpy as np
+
+    nbytes = 0
+    for line in kept:
+        kind, dims = line.split("[", 1)[0], line.split("[", 1)[1].split("]", 1)[0]
+        nbytes += {"bf16": 2, "f32": 4}[kind] * int(np.prod([int(d) for d in dims.split(",")]))
+    return nbytes
+
+
+def test_keep_attention_keeps_splash_output_and_statistics_as_the_model_counts(cfg_factory,
+                                                                               capsys):
+    """``model.remat=keep_attention`` with splash (Pallas, interpreted here): what JAX says a
+    layer keeps beyond its input is the kernel's output and fp32 log-sum-exp, which the memory
+    model counts; under ``full`` the same layer keeps nothing but its input."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dxrun.model import transformer as M
+
+    cfg = cfg_factory("model=tiny", "data.seq_len=128", "train.precision=bf16")
+    graphdef, params = nnx.split(M.Block(cfg.model, nnx.Rngs(0), ("splash", True)))
+    x = jnp.ones((2, 128, cfg.model.d_model), jnp.bfloat16)
+    kept = {}
+    for remat in ("keep_attention", "full"):
+        layer = jax.checkpoint(lambda p, x: nnx.merge(graphdef, p)(x, None, jnp.bfloat16),
+                               policy=M.REMAT_POLICIES[remat])
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p, x, layer=layer: layer(p, x).astype(jnp.float32).sum(), params, x)
+        kept[remat] = [line for line in capsys.readouterr().out.splitlines()  # mask tables:
+                       if "from the argument" not in line and "from a constant" not in line]
+    assert kept["full"] == []
+    assert len(kept["keep_attention"]) == 2
+    assert all("'_splash_attention'" in line for line in kept["keep_attention"])  # its outputs
+    m = cfg.model
+    x_shapes = _shapes(b=2, s=128, h=m.d_model, f=m.d_ff, heads=m.n_heads, kv_heads=m.n_kv_heads,
+                       head_dim=m.d_model // m.n_heads, c=2, residual=2, remat="keep_attention")
+    input_bytes = x_shapes.residual * x_shapes.tokens * x_shapes.h  # an argument here
+    assert _kept_bytes(kept["keep_attention"]) == mm.layer_saved(x_shapes) - input_bytes
 
 
 def test_a_gpu_target_counts_its_own_vocabulary_padding(cfg_factory):

@@ -70,8 +70,9 @@ class ModelConfig:
                           range=POSITIVE)
     scan_layers: bool = key(True, "lax.scan over stacked layers (compile once); false = a loop")
     remat: str = key("none", "recompute activations in the backward pass: none, all of them "
-                     "(full), or all but the matmul outputs (dots)",
-                     choices=("none", "full", "dots"))
+                     "(full), all but the attention kernel's output and statistics "
+                     "(keep_attention: splash), or all but the matmul outputs (dots)",
+                     choices=("none", "full", "keep_attention", "dots"))
     attention: str = key("dot_product", "dot_product: the fastest kernel that runs here (splash "
                          "on a TPU, cuDNN's on an NVIDIA GPU, else XLA's); a kernel's name "
                          "forces it: splash, cudnn, xla, or reference (the plain einsum and "

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dxrun.model.sharding import active_spec
+from dxrun.plan.attention_kernel import RESIDUALS
 
 # Longest block of queries and keys: on a v5e a 512-long block ran the GPT-2 shapes' forward and
 # backward fastest (BENCHMARKS.md, "TPU"); shorter sequences take the longest multiple of 128
@@ -41,7 +42,8 @@ def _kernel(heads: int, seq_len: int, causal: bool, mqa: bool, interpret: bool):
     make = sa.make_splash_mqa_single_device if mqa else sa.make_splash_mha_single_device
     # Made inside a trace, its mask's block tables must still be constants (it is cached).
     with jax.ensure_compile_time_eval():
-        return make(sa.MultiHeadMask([one] * heads), block_sizes=blocks, interpret=interpret)
+        return make(sa.MultiHeadMask([one] * heads), block_sizes=blocks, interpret=interpret,
+                    residual_checkpoint_name=RESIDUALS)
 
 
 def _local(q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array, v_BxLxKxE: jax.Array, causal: bool,

@@ -22,6 +22,7 @@ from dxrun.model import context_parallel
 from dxrun.model.attention import KERNEL, Attention
 from dxrun.model.layers import DENSE, MLP, Norm, dense, dropout, padded_param, param
 from dxrun.model.sharding import constrain, gathered_backward
+from dxrun.plan.attention_kernel import RESIDUALS
 
 if TYPE_CHECKING:
     from dxrun.config.schema import ModelConfig
@@ -62,12 +63,16 @@ class Block(nnx.Module):
 
 
 # model.remat: "full" recomputes each layer in the backward pass (only its input is kept);
+# "keep_attention" too, but keeps what the attention kernel's backward reads (its output and
+# softmax statistics, named by the kernel), so attention's forward does not run twice;
 # "dots" keeps the matmul outputs and recomputes the cheap elementwise rest: the plain matmuls
 # (fp32 runs, attention's own) by checkpoint_dots, the mixed-precision weight matmuls (bf16
 # compute, fp32 weights: a custom VJP) by their name.
-REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.checkpoint_dots,
-    jax.checkpoint_policies.save_only_these_names(DENSE))}
+REMAT_POLICIES = {"full": None,
+                  "keep_attention": jax.checkpoint_policies.save_only_these_names(RESIDUALS),
+                  "dots": jax.checkpoint_policies.save_from_both_policies(
+                      jax.checkpoint_policies.checkpoint_dots,
+                      jax.checkpoint_policies.save_only_these_names(DENSE))}
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL

@@ -52,6 +52,9 @@ class Kernel:
     accepts: Callable[[Inputs], str | None]  # None, or why these inputs are refused
     module: str  # the module whose ``attend(q, k, v, causal, interpret)`` applies it
     interpretable: bool = False  # runs on CPU, interpreted (Pallas), when forced by name
+    # its forward's residuals (output, softmax statistics) carry the checkpoint name RESIDUALS,
+    # so model.remat=keep_attention can keep them
+    names_residuals: bool = False
     doc: str = ""
 
     @property
@@ -66,6 +69,8 @@ _HALF = ("float16", "bfloat16")
 _MIN_CAPABILITY = (8, 0)
 # Splash attention's blocks: a multiple of the TPU's 128 lanes, at most SPLASH_BLOCK long.
 SPLASH_LANES = 128
+# The checkpoint name of what a kernel's backward reads of its forward (``names_residuals``).
+RESIDUALS = "attention_residuals"
 
 
 def _capability(cc: str | None) -> tuple[int, int]:
@@ -110,6 +115,7 @@ def _any(x: Inputs) -> str | None:
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("splash", ("tpu",), False, _splash, "dxrun.model.splash_attention", interpretable=True,
+           names_residuals=True,
            doc="Pallas' splash attention (TPU): flash attention in blocks, causal blocks "
                "skipped, grouped-query heads native; interpreted on CPU when forced"),
     Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.model.attention",
@@ -144,6 +150,17 @@ def choose(setting: str, x: Inputs, cp: int = 1) -> str:
             f"{x.dtype}, head dim {x.head_dim}, seq_len {x.seq_len}); use "
             f"model.attention=dot_product (the fastest kernel that runs here)")
     return setting
+
+
+def check_remat(remat: str, kernel: str) -> None:
+    """``model.remat=keep_attention`` keeps what the attention kernel names as its residuals: a
+    ConfigError in one line where the run's kernel names none."""
+    if remat == "keep_attention" and not KERNELS[kernel].names_residuals:
+        names = ", ".join(k.name for k in KERNELS.values() if k.names_residuals)
+        raise ConfigError(
+            f"model.remat=keep_attention keeps what the attention kernel saves for its backward, "
+            f"and this run's kernel ({kernel}) names none; use model.remat=full, or a kernel "
+            f"that does ({names}: model.attention=dot_product on a TPU)")
 
 
 def _runs_on(kernel: Kernel, platform: str) -> bool:

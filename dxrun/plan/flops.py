@@ -122,9 +122,14 @@ def mfu(tflops_per_device: float, peak: float) -> float:
 #   (causal half; its backward recomputes the scores: 2.5 x the forward, FlashAttention-2 paper
 #   section 3.1) or XLA's (the full square, 3 x), plus what ``model.remat`` recomputes in the
 #   backward pass (``full``: the blocks' forward but the MLP's down projection, whose output
-#   no gradient needs, so XLA drops it from the recomputation (its count agrees); ``dots``: a
+#   no gradient needs, so XLA drops it from the recomputation (its count agrees);
+#   ``keep_attention``: the same but the attention kernel, whose residuals are kept; ``dots``: a
 #   fused attention's forward, the one thing the policy does not keep, since the kernel is a
 #   custom call, not a dot).
+
+# The model.remat levels whose backward pass runs the blocks' matmuls again.
+RECOMPUTE_MATMULS = ("full", "keep_attention")
+
 
 def block_matmul_flops(model: Any) -> float:
     """Forward FLOPs per token of one block's weight matmuls: q/k/v, the output projection and
@@ -167,6 +172,7 @@ def step_flops(model: Any, tokens: int, seq_len: int, vocab: int, remat: str = "
         attn_hw = 3 * attn_fwd
     down = L * 2 * model.d_ff * model.d_model * tokens  # not recomputed (see above)
     recompute = {"none": 0.0, "full": blocks / 3 - down + attn_fwd,
+                 "keep_attention": blocks / 3 - down,
                  "dots": attn_fwd if fused_attention else 0.0}[remat]
     return {
         "block_matmuls": blocks,

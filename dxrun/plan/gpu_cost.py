@@ -198,7 +198,8 @@ def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
 
 def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -> dict:
     """Seconds of one device's matmuls per step: the blocks' (forward, input gradient, weight
-    gradient; plus the forward again under model.remat=full), the output layer's, and XLA's
+    gradient; plus the forward again under model.remat=full or keep_attention), the output
+    layer's, and XLA's
     attention matmuls when the attention is not fused."""
     m, t = w.model, w.tokens
     a = 2 if w.precision == "bf16" else 4  # operand bytes; weight gradients accumulate in fp32
@@ -208,10 +209,11 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
         fwd += _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a)
         bwd += _matmul_s(t, k_in, n_out, peak, hbm, cost, a, a)  # input gradient
         bwd += _matmul_s(k_in, n_out, t, peak, hbm, cost, a, 4)  # weight gradient (fp32)
-    # remat=full recomputes the forward but its last matmul (the MLP's down projection: no
-    # gradient needs its output; flops.step_flops)
+    # remat=full (and keep_attention) recomputes the forward but its last matmul (the MLP's down
+    # projection: no gradient needs its output; flops.step_flops)
     k_in, n_out = shapes[-1]
-    redo = fwd - _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a) if w.remat == "full" else 0.0
+    redo = (fwd - _matmul_s(t, n_out, k_in, peak, hbm, cost, a, a)
+            if w.remat in flops.RECOMPUTE_MATMULS else 0.0)
     L = m.n_layers
     blocks = L * (fwd + bwd + redo)
     D, V = m.d_model, w.vocab / w.tp
@@ -254,7 +256,7 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     V = w.vocab / tp
     loss = (8 + a) * V * t
     per_micro = layers + loss
-    uses = 3 if m.remat == "full" else 2  # forward, input gradient (+ recomputed forward)
+    uses = 3 if w.remat in flops.RECOMPUTE_MATMULS else 2  # forward, input gradient (+ recomputed)
     casts = (6 * w.params / tp) * uses if w.precision == "bf16" else 0.0
     accumulate = 8 * w.params_per_device if w.micro_steps > 1 else 0.0
     updated = w.params_per_device if w.updated_per_device is None else w.updated_per_device
@@ -305,6 +307,7 @@ def scan_traffic(w: Workload) -> float:
     layer's saved activations out of the scan's stacked buffers (a read and a write). Saved
     per token: under remat ``none`` the residual stream twice, the two norms' outputs, q, k, v,
     the attention output and the MLP's hidden activations; ``full`` the layer's input;
+    ``keep_attention`` the input, the attention output and its fp32 log-sum-exp per head;
     ``dots`` the input and the matmul outputs."""
     m = w.model
     a = 2 if w.precision == "bf16" else 4
@@ -313,7 +316,8 @@ def scan_traffic(w: Workload) -> float:
     qkv, F = (m.n_heads + 2 * m.n_kv_heads) / tp * E, m.d_ff / tp
     ups = 2 if m.mlp == "swiglu" else 1
     saved = {"none": 2 * r * D + 2 * a * D + a * qkv + a * D + (ups + 1) * a * F,
-             "full": r * D, "dots": r * D + a * qkv + a * D + ups * a * F}[w.remat]
+             "full": r * D, "keep_attention": r * D + a * D + 4 * m.n_heads / tp,
+             "dots": r * D + a * qkv + a * D + ups * a * F}[w.remat]
     return 2 * saved * m.n_layers * w.tokens * w.micro_steps
 
 

@@ -102,7 +102,9 @@ def fit_variants(layout: Layout) -> list[Layout]:
     """The mesh with the user's remat and accumulation, then more recomputation, then more
     micro-batches (the same update): tried in order until one fits."""
     out = [layout]
-    for remat in REMATS[REMATS.index(layout.remat) + 1:]:
+    # keep_attention (a kernel's own, never searched) recomputes all but attention: then full
+    more = REMATS[REMATS.index(layout.remat) + 1:] if layout.remat in REMATS else ("full",)
+    for remat in more:
         out.append(replace(layout, remat=remat))
     last = out[-1]
     out += [replace(last, grad_accum=a) for a in ACCUMS if a > last.grad_accum]

@@ -45,7 +45,7 @@ class Shapes:
     c: int  # compute dtype bytes
     mlp: str  # gelu | swiglu
     bias: bool
-    remat: str  # none | dots | full
+    remat: str  # none | dots | keep_attention | full
     kernel: str  # the run plan's attention kernel (attention_kernel.KERNELS)
     residual: int  # bytes of the residual stream between layers
     accum: int = 1  # train.grad_accum: micro-batches per step
@@ -149,6 +149,8 @@ def layer_saved(x: Shapes) -> float:
     layer_input = x.residual * t * x.h / x.stream_split
     if x.remat == "full":
         return layer_input
+    if x.remat == "keep_attention":  # the kernel's residuals: its output and log-sum-exp
+        return layer_input + c * t * x.heads * x.head_dim + FP32 * x.heads * t
     # dots: the outputs of the matmuls the policy sees
     core = (0.0 if x.fused
             else FP32 * x.scores + c * t * x.heads * x.head_dim)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema_parallel import AXES, axis_sizes
-from dxrun.plan.attention_kernel import AttentionTarget, plan_kernel
+from dxrun.plan.attention_kernel import AttentionTarget, check_remat, plan_kernel
 from dxrun.plan.axes import resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
@@ -362,8 +362,10 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     dtype = compute_dtype(precision)
     rows = (model.vocab_size if model.get("_target_") else  # a user's own table
             vocab or padded_vocab(table_rows(model), tp, platform, par.vocab_align))
+    kernel = plan_kernel(cfg, seq_len, cp, device, dtype)
+    check_remat(remat, kernel)
     return MeshPlan(
-        dp=dp, fsdp=fsdp, tp=tp, cp=cp, attention=plan_kernel(cfg, seq_len, cp, device, dtype),
+        dp=dp, fsdp=fsdp, tp=tp, cp=cp, attention=kernel,
         attention_device=device, precision=precision, compute_dtype=dtype,
         shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
         device_ids=tuple(range(dp * fsdp * cp * tp)), n_visible=n_visible, platform=platform,
