@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dxrun.runtime import collect_cycles_rarely, simulate_cpu_devices
+from dxrun.run.runtime import collect_cycles_rarely, simulate_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # The suite's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (runtime.py)
     import jax
 
-    from dxrun.runtime import enable_compile_cache
+    from dxrun.run.runtime import enable_compile_cache
 
     # One fresh compilation cache for the suite: its sections build the same programs again
     # (dp8's fp32 step is timed by three of them) and each compiles once. Figures time steps

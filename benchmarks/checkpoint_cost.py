@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dxrun.runtime import simulate_cpu_devices
+from dxrun.run.runtime import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from dxrun.checkpointing.resume import Resume, restore  # noqa: E402
 from dxrun.checkpointing.store import Checkpointer  # noqa: E402
-from dxrun.config import register  # noqa: E402
+from dxrun.config.registry import register  # noqa: E402
 from dxrun.experiment import Experiment  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cfg(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from dxrun.config import register
+    from dxrun.config.registry import register
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3", job_name="b"):
@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-cache", action="store_true")
     args = ap.parse_args()
-    from dxrun.runtime import simulate_cpu_devices
+    from dxrun.run.runtime import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     gpt = ["data.vocab_size=50304", "data.seq_len=256", "data.batch_size=32",

@@ -16,14 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from dxrun.runtime import simulate_cpu_devices
+from dxrun.run.runtime import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from dxrun.config import register  # noqa: E402
+from dxrun.config.registry import register  # noqa: E402
 from dxrun.data import Data  # noqa: E402
 from dxrun.experiment import Experiment  # noqa: E402
 from dxrun.train import train  # noqa: E402

@@ -1,7 +1,7 @@
 """The GPU figures: GPT-2 small and medium on one device in bf16, tokens/s and MFU against the
 device's dense bf16 peak (989 TFLOP/s for an H200), with ``model.attention=dot_product`` and
 with the einsum ``reference``. On an NVIDIA GPU in bf16 (head dim 64) ``dot_product`` asks for
-cuDNN's fused flash attention (``dxrun/attention_kernel.py``); each figure records the kernel the
+cuDNN's fused flash attention (``dxrun/plan/attention_kernel.py``); each figure records the kernel the
 step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
 says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU plan mode's
 estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the accelerator time
@@ -18,7 +18,7 @@ import jax
 from benchmarks.report import Figure, figure
 from benchmarks.speed import compose_cfg, dxrun_runner
 from benchmarks.timing import interleaved
-from dxrun import plan_mode
+from dxrun.autotune import plan_mode
 from dxrun.autotune.fit import NoData
 from dxrun.experiment import Experiment
 from dxrun.plan import flops

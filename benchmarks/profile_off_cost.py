@@ -10,8 +10,8 @@ import time
 import timeit
 from pathlib import Path
 
-from dxrun.trace import Tracer
 from dxrun.tracking.goodput import Goodput, StepWindow
+from dxrun.tracking.trace import Tracer
 
 
 def main(n: int = 100_000) -> None:

@@ -174,9 +174,9 @@ def _elsewhere(run: Run, fn: str) -> Any:
     import subprocess
     import sys
 
-    from dxrun.multihost.launch import without_device_count
+    from dxrun.launch import without_device_count
 
-    code = (f"import json; from dxrun.runtime import simulate_cpu_devices; "
+    code = (f"import json; from dxrun.run.runtime import simulate_cpu_devices; "
             f"simulate_cpu_devices({devices(run)}); from benchmarks import published as p; "
             f"print(json.dumps(p.{fn}(p.RUNS[{RUNS.index(run)}])))")
     env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ.get("XLA_FLAGS", "")))
@@ -212,7 +212,7 @@ def plan_run(run: Run) -> dict[str, Any]:
     if not _here(run):
         return _elsewhere(run, "plan_run")
     from benchmarks.speed import compose_cfg
-    from dxrun import plan_mode
+    from dxrun.autotune import plan_mode
     from dxrun.autotune.fit import NoData
     from dxrun.experiment import Experiment
     from dxrun.plan.targets import TARGETS, usable_bytes

@@ -29,7 +29,7 @@ def compose_cfg(*overrides: str) -> Any:
     """The run config ``python -m dxrun <overrides>`` would build (W&B off unless asked)."""
     from hydra import compose, initialize_config_dir
 
-    from dxrun.config import conf_dir, register
+    from dxrun.config.registry import conf_dir, register
 
     register()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="bench"):
@@ -134,7 +134,7 @@ def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8",
     the end of the compiling step to the end (``loop_tokens_per_s``), against the bare step
     dispatched ``steps`` times back to back on batches already placed. Evaluation and
     checkpoints are off (their own figures); runs and bare blocks alternate."""
-    from dxrun.runtime import enable_compile_cache
+    from dxrun.run.runtime import enable_compile_cache
     from dxrun.train import train
 
     os.environ["WANDB_SILENT"] = "true"  # the suite's own output stays readable

@@ -56,7 +56,7 @@ def time_steps(run: Any, steps: int) -> list[float]:
 
 def hand_runner(exp: Experiment, state: Any) -> Any:
     """The hand-written step from ``state`` (host copy): bf16 compute over fp32 masters."""
-    from dxrun.splash_attention import attend
+    from dxrun.model.splash_attention import attend
 
     cpu = jax.default_backend() == "cpu"  # Pallas interpreted: the script's own check off the chip
 
@@ -105,11 +105,11 @@ def traced(run: Any, out: Path) -> None:
 
 
 def old_loss(rev: str) -> Any:
-    """``dxrun.chunked_loss.chunked_cross_entropy`` as it was at commit ``rev``."""
+    """``dxrun.model.chunked_loss.chunked_cross_entropy`` as it was at commit ``rev``."""
     import subprocess
     import types
 
-    source = subprocess.run(["git", "show", f"{rev}:dxrun/chunked_loss.py"], check=True,
+    source = subprocess.run(["git", "show", f"{rev}:dxrun/model/chunked_loss.py"], check=True,
                             capture_output=True, text=True).stdout
     module = types.ModuleType(f"chunked_loss_at_{rev}")
     exec(compile(source, module.__name__, "exec"), module.__dict__)  # noqa: S102
@@ -181,7 +181,7 @@ def first_step(run_dir: str) -> float:
 def plan_step_ms(shape: str, tokens: str | None) -> float:
     """Plan mode's estimate of the shape's step on a v5e (``run.mode=plan plan.target=v5e``),
     compiled on CPU from shapes alone: run it where no chip is held."""
-    from dxrun import plan_mode
+    from dxrun.autotune import plan_mode
 
     cfg = compose_cfg(*overrides(shape, tokens), "run.mode=plan", "plan.target=v5e")
     report = plan_mode.plan_report(cfg, plan_mode.planned(cfg).exp, suggest=False)
@@ -264,7 +264,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="trace two steps of each (dxrun's "
                     "and the hand-written one's) into --out/profiles/<shape>-<step>/")
     ap.add_argument("--loss-at", metavar="REV", help="each shape twice, side by side: first "
-                    "with dxrun/chunked_loss.py as it was at commit REV, then as it is")
+                    "with dxrun/model/chunked_loss.py as it was at commit REV, then as it is")
     ap.add_argument("--report", metavar="COMMAND", help="write BENCHMARKS.tpu.json and "
                     "BENCHMARKS.md's TPU section from --out's measurements, with plan mode's "
                     "estimates (made on this machine's CPU); COMMAND: the command to cite")

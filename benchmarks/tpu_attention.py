@@ -1,7 +1,7 @@
 """Attention kernels on one TPU chip at GPT-2's shapes (head dim 64, seq 1024, bf16): forward
 plus backward and forward-only ms of the einsum reference, XLA's kernel, Pallas' flash attention
 and splash attention at several block sizes, each with its largest difference from the reference
-(outputs and gradients). What dxrun/splash_attention.py's block length was chosen by.
+(outputs and gradients). What dxrun/model/splash_attention.py's block length was chosen by.
 
     python benchmarks/tpu_attention.py      # writes attn.json into $OUT (or /tmp)
 """

@@ -17,19 +17,24 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dxrun.checkpointing.preempt import SIGNALS, guard_signals
-from dxrun.composition import composition_refusal
-from dxrun.config import check_keys, conf_dir, register
-from dxrun.errors import (
+from dxrun.config.composition import composition_refusal
+from dxrun.config.errors import (
     EXIT_CODES,
     EXIT_CRASHED,
     EXIT_REFUSED,
     ConfigError,
     Interrupted,
 )
-from dxrun.hf.config import apply_hf_model
-from dxrun.job import Job
-from dxrun.job_dir import (
+from dxrun.config.registry import check_keys, conf_dir, register
+from dxrun.config.target import check_targets
+from dxrun.config.validation import config_warnings, validate
+from dxrun.hf.config_json import apply_hf_model
+from dxrun.multihost.distributed import is_main, join
+from dxrun.plan.run_plan import resolved_config
+from dxrun.report.callback import SWEEP_DIRS
+from dxrun.report.collect import find_jobs
+from dxrun.run.job import Job
+from dxrun.run.job_dir import (
     JobStatus,
     asked_dir,
     claim_new,
@@ -37,13 +42,9 @@ from dxrun.job_dir import (
     fail,
     remember_start,
 )
-from dxrun.multihost.distributed import is_main, join
-from dxrun.plan.run_plan import resolved_config
-from dxrun.report.callback import SWEEP_DIRS
-from dxrun.report.collect import find_jobs
-from dxrun.run_dir import Claim
-from dxrun.run_log import RunLog
-from dxrun.runtime import (
+from dxrun.run.run_dir import Claim
+from dxrun.run.run_log import RunLog
+from dxrun.run.runtime import (
     accelerator_plan_note,
     collect_cycles_rarely,
     cpu_fallback_refusal,
@@ -56,15 +57,14 @@ from dxrun.runtime import (
     thread_pool_note,
     write_hydra_files,
 )
-from dxrun.target import check_targets
+from dxrun.run.signals import SIGNALS, guard_signals
 from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.tracking.stores import store_refusal
-from dxrun.validation import config_warnings, validate
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
 
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def _conf_dir() -> str:
@@ -165,7 +165,7 @@ def _start_jax(cfg: RunConfig, run_log: RunLog) -> bool:
 
 def _plan(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus) -> Any:
     """run.mode=plan: the decision reported for plan.target; nothing trained."""
-    from dxrun.plan_mode import planned, run_plan  # imports JAX
+    from dxrun.autotune.plan_mode import planned, run_plan  # imports JAX
 
     # data.seq_len=null resolved for the target; for parallelism=auto the layout
     # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
@@ -182,7 +182,7 @@ def _train(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus, started: flo
     """Claim the run dir, prepare the run, train it; its summary."""
     import jax
 
-    from dxrun.prepare import prepare  # imports JAX
+    from dxrun.start import prepare  # imports JAX
     from dxrun.train import train  # imports JAX
 
     # Every process uses process 0's run dir (their clocks may name it differently).

@@ -15,18 +15,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dxrun import faults
-from dxrun.attention_kernel import AttentionTarget, attention_target, compiled_kernel, kind_target
 from dxrun.data import TRAIN, Data
 from dxrun.hf.load import import_params
-from dxrun.mdlm import objective_of
-from dxrun.model import count_params, resize_vocab
-from dxrun.multihost.distributed import process_hosts
-from dxrun.optimizer import make_optimizer
-from dxrun.plan.mesh import MeshPlan, make_plan
-from dxrun.plan.targets import TARGETS
-from dxrun.plan.vocab import table_rows
-from dxrun.sharding import (
+from dxrun.model.mdlm import objective_of
+from dxrun.model.sharding import (
     batch_sharding,
     check_process_rows,
     in_mesh_context,
@@ -37,12 +29,20 @@ from dxrun.sharding import (
     replicated,
     spread_shardings,
 )
+from dxrun.model.transformer import count_params, resize_vocab
+from dxrun.model.user_model import build_model
+from dxrun.model.zero_padding import pad, refit, zero_pads
+from dxrun.multihost.distributed import process_hosts
+from dxrun.optimizer import make_optimizer
+from dxrun.plan.attention_kernel import AttentionTarget, attention_target, compiled_kernel, kind_target
+from dxrun.plan.mesh import MeshPlan, make_plan
+from dxrun.plan.targets import TARGETS
+from dxrun.plan.vocab import table_rows
+from dxrun.run import faults
 from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
-from dxrun.user_model import build_model
-from dxrun.zero_padding import pad, refit, zero_pads
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def visible_devices(target: str | None = None
@@ -201,7 +201,7 @@ class Experiment:
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
 
     def _opt_init(self, params: dict) -> Any:
-        """The optimizer's fresh state, ZeRO-1's padding included (``dxrun.zero_padding``)."""
+        """The optimizer's fresh state, ZeRO-1's padding included (``dxrun.model.zero_padding``)."""
         return self.tx.init(pad(params, self.zero_pads))
 
     def adopt(self, state: TrainState) -> TrainState:

@@ -19,11 +19,10 @@ import jax
 from dxrun.autotune.peak import resolve_peak
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.experiment import Experiment
-from dxrun.job import Job, describe_model
 from dxrun.plan import flops
 from dxrun.plan.run_plan import RunPlan, saved_config
-from dxrun.runtime import AllocatorPeak, write_json
-from dxrun.trace import Tracer
+from dxrun.run.job import Job, describe_model
+from dxrun.run.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger
@@ -31,10 +30,10 @@ from dxrun.tracking.metrics_row import StepCost, log_row, perplexity
 from dxrun.tracking.monitor import Monitor, plateau
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
+from dxrun.tracking.trace import Tracer
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
-    from dxrun.schema_tracking import EarlyStopConfig
+    from dxrun.config.schema import EarlyStopConfig, RunConfig
 
 log = logging.getLogger("dxrun")
 
@@ -42,7 +41,7 @@ log = logging.getLogger("dxrun")
 def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dict[str, float]:
     """Mean held-out loss and accuracy over ``batches``: in training the same ``eval.batches``
     every time (a list); ``dxrun.evaluate`` passes a generator, so that a whole split is never
-    on the devices at once. A batch's index seeds masked diffusion's noise (``dxrun.mdlm``)."""
+    on the devices at once. A batch's index seeds masked diffusion's noise (``dxrun.model.mdlm``)."""
     results = [exp.eval_step(params, b, k) for k, b in enumerate(batches)]
     loss = sum(float(r["eval/loss"]) for r in results) / len(results)
     acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)
@@ -68,7 +67,7 @@ class RunFacts:
         n_params = exp.count_params(state.params)  # the real vocabulary, without padding
         log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
                  f"{n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
-        if cfg.model._target_:  # dxrun.user_model: what a user model's run does differently
+        if cfg.model._target_:  # dxrun.model.user_model: what a user model's run does differently
             log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
                      "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
         else:

@@ -1,4 +1,4 @@
-"""The reductions' first import path, kept for users' code: they live in ``dxrun.reductions``."""
+"""The reductions' first import path, kept for users' code: they live in ``dxrun.model.reductions``."""
 
-from dxrun.reductions import *  # noqa: F403
-from dxrun.reductions import __all__  # noqa: F401
+from dxrun.model.reductions import *  # noqa: F403
+from dxrun.model.reductions import __all__  # noqa: F401

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import optax
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.target import checked_factory
 from dxrun.plan.batch import scaled_lr
-from dxrun.target import checked_factory
 
 if TYPE_CHECKING:
-    from dxrun.schema import OptimizerConfig
+    from dxrun.config.schema import OptimizerConfig
 
 
 def make_schedule(opt: OptimizerConfig, peak_lr: float, steps: int) -> optax.Schedule:

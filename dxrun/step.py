@@ -21,12 +21,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.chunked_loss import chunked_cross_entropy
-from dxrun.context_parallel import in_context_order
-from dxrun.mdlm import MaskedDiffusion
-from dxrun.sharding import in_mesh_context, replicated, without_mesh_axis
-from dxrun.user_model import logits_of
-from dxrun.zero_padding import pad, unpad
+from dxrun.model.chunked_loss import chunked_cross_entropy
+from dxrun.model.context_parallel import in_context_order
+from dxrun.model.mdlm import MaskedDiffusion
+from dxrun.model.sharding import in_mesh_context, replicated, without_mesh_axis
+from dxrun.model.user_model import logits_of
+from dxrun.model.zero_padding import pad, unpad
 
 if TYPE_CHECKING:
     from dxrun.plan.mesh import MeshPlan
@@ -74,13 +74,13 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
                      objective: MaskedDiffusion | None = None
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``grad_reduce_dtype`` (``train.grad_reduce_dtype``): "fp32" hands the model the fp32
-    master weights and it casts each at its use (``dxrun.layers.dense``), so weight gradients
+    master weights and it casts each at its use (``dxrun.model.layers.dense``), so weight gradients
     are accumulated, all-reduced over data replicas and returned in fp32; "bf16" casts the
     whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
     ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same.
     ``loss_chunk`` > 0: the loss and accuracy over that many positions at a time, never the
-    whole logits tensor (``dxrun.chunked_loss``). ``objective``: masked diffusion
-    (``dxrun.mdlm``), whose ``tokens_BxT`` is its noised batch; None: the next token."""
+    whole logits tensor (``dxrun.model.chunked_loss``). ``objective``: masked diffusion
+    (``dxrun.model.mdlm``), whose ``tokens_BxT`` is its noised batch; None: the next token."""
     if grad_reduce_dtype == "fp32":
         model = nnx.merge(graphdef, params)
     else:
@@ -116,7 +116,7 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
     activations of one micro-batch alive at a time. Micro-batch i is rows i, i+k, i+2k, ... so
     each device keeps computing on its own rows (no data moves). ``loss_fn(params, tokens,
     key) -> (loss, metrics)``; ``tokens_BxT`` may be a tree of arrays whose first axis is the
-    batch's rows (an objective's noised batch, ``dxrun.mdlm``): each is split alike.
+    batch's rows (an objective's noised batch, ``dxrun.model.mdlm``): each is split alike.
 
     With ``param_shardings`` and more than one replica on the mesh's ``data`` axis, the
     gradients are reduced over ``data`` once per step, not once per micro-batch: each replica's
@@ -189,8 +189,8 @@ class StepSpec:
     per parameter, the sharding of its optimizer state, split over the data replicas as well;
     None: the update runs on the parameters' own layout (every data replica updates the whole
     of it). ``update_pads``: where no axis of a parameter divides, its gradient and value are
-    padded with zeros into its optimizer state's layout (``dxrun.zero_padding``) and cut back
-    after the update. ``objective``: masked diffusion (``dxrun.mdlm``), its noise drawn for the
+    padded with zeros into its optimizer state's layout (``dxrun.model.zero_padding``) and cut back
+    after the update. ``objective``: masked diffusion (``dxrun.model.mdlm``), its noise drawn for the
     whole batch before any micro-batch; None: the next token."""
 
     plan: MeshPlan
@@ -220,7 +220,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          spec.grad_reduce_dtype, plan.loss_chunk, objective)
-        if inject_nan_at_step:  # test-only (dxrun/faults.py): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 
@@ -272,7 +272,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 def make_eval_step(graphdef: nnx.GraphDef, spec: StepSpec) -> Callable:
     """Held-out loss and accuracy of a batch: forward only, jitted once, the train step's
     shardings (``spec``). ``run(params, tokens, index)``: ``index``, the batch's place in the
-    held-out stream, seeds an objective's noise (``dxrun.mdlm``); the next token's loss has no
+    held-out stream, seeds an objective's noise (``dxrun.model.mdlm``); the next token's loss has no
     argument for it."""
     dtype, objective = jax_dtype(spec.plan.compute_dtype), spec.objective
     mesh, rules, loss_chunk = spec.mesh, spec.plan.rules, spec.plan.loss_chunk

@@ -20,13 +20,12 @@ import jax
 
 from dxrun.autotune import memory_report
 from dxrun.checkpointing.cadence import cadence_text
-from dxrun.checkpointing.preempt import Preemption
 from dxrun.checkpointing.resume import data_position, tokens_seen
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.checkpointing.store import refused_write
+from dxrun.config.errors import DiskError, disk_error, first_line
 from dxrun.data import EVAL
 from dxrun.data.repeated import Repeated
-from dxrun.errors import DiskError, disk_error, first_line
 from dxrun.experiment import Experiment
 from dxrun.hooks import (
     CheckpointHook,
@@ -41,24 +40,25 @@ from dxrun.hooks import (
     SummaryHook,
     TraceHook,
 )
-from dxrun.job import Job, run_name
 from dxrun.multihost.distributed import is_main
-from dxrun.plan.ranking import own_s, table
 from dxrun.plan.run_plan import RunPlan
-from dxrun.prepare import Start, prepare, start_state
-from dxrun.run_dir import relaunch_command
-from dxrun.runtime import AllocatorPeak, write_json
-from dxrun.trace import Tracer, profile_dir, traced_steps
+from dxrun.plan.search_record import own_s, table
+from dxrun.run.job import Job, run_name
+from dxrun.run.run_dir import relaunch_command
+from dxrun.run.runtime import AllocatorPeak, write_json
+from dxrun.run.signals import Preemption
+from dxrun.start import Start, prepare, start_state
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
 from dxrun.tracking.metrics_row import first_row
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
+from dxrun.tracking.trace import Tracer, profile_dir, traced_steps
 
 if TYPE_CHECKING:
     from dxrun.autotune.decide import Decided
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 

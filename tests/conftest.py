@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from dxrun.runtime import simulate_cpu_devices
+from dxrun.run.runtime import simulate_cpu_devices
 
 if os.environ.get("DXRUN_TEST_GPU") != "1":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
@@ -62,8 +62,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dxrun.config import register
-from dxrun.runtime import collect_cycles_rarely, enable_compile_cache
+from dxrun.config.registry import register
+from dxrun.run.runtime import collect_cycles_rarely, enable_compile_cache
 
 # The collector's thresholds of a dxrun command's process, for the tests that trace and compile
 # in this one.
@@ -140,7 +140,7 @@ def subprocess_env(drop: tuple[str, ...] = (), optimised: bool = False) -> dict[
     simulated device count (each run sets its own: ``runtime.cpu_devices``) and ``drop``.
     ``optimised``: LLVM's passes on (no FAST_COMPILE), for a run of hundreds of steps, whose
     time is in its steps, not its compiles (the default run: 52 CPU s against 101)."""
-    from dxrun.multihost.launch import without_device_count
+    from dxrun.launch import without_device_count
 
     env = {k: v for k, v in os.environ.items() if k not in drop}
     flags = without_device_count(env.pop("XLA_FLAGS", ""))
@@ -177,8 +177,8 @@ def cli_in_process(*args: str, cwd: Path, entry: Callable[[], None] | None = Non
     import subprocess
     import tempfile
 
-    from dxrun import job_dir
     from dxrun.__main__ import cli
+    from dxrun.run import job_dir
 
     entry = entry or cli
     root = logging.getLogger()

@@ -1,4 +1,4 @@
-"""The attention kernels as one table (``dxrun.attention_kernel``) and the one choice a run
+"""The attention kernels as one table (``dxrun.plan.attention_kernel``) and the one choice a run
 makes, stored in its plan: splash on a TPU, cuDNN's fused flash attention on NVIDIA GPUs in
 bf16/fp16 within JAX's head-dim limits, XLA's everywhere else; a kernel's name forces it or is
 refused in one line. Splash itself (Pallas, interpreted on CPU) equals the reference, forward and
@@ -13,9 +13,14 @@ import pytest
 from flax import nnx
 from omegaconf import OmegaConf
 
-from dxrun import splash_attention
-from dxrun.attention import reference_attention
-from dxrun.attention_kernel import (
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import ModelConfig
+from dxrun.experiment import Experiment
+from dxrun.model import splash_attention
+from dxrun.model.attention import reference_attention
+from dxrun.model.sharding import in_mesh_context
+from dxrun.model.transformer import Transformer
+from dxrun.plan.attention_kernel import (
     AUTO,
     KERNELS,
     AttentionTarget,
@@ -26,11 +31,6 @@ from dxrun.attention_kernel import (
     compiled_kernel,
     kind_target,
 )
-from dxrun.errors import ConfigError
-from dxrun.experiment import Experiment
-from dxrun.model import Transformer
-from dxrun.schema import ModelConfig
-from dxrun.sharding import in_mesh_context
 
 H100 = ("gpu", "9.0", 91000)  # platform, compute capability, cuDNN 9.10
 A100 = ("gpu", "8.0", 90100)
@@ -148,7 +148,7 @@ def test_bf16_model_on_cpu_and_in_plan_mode_lowers_with_xla_attention(cfg_factor
         text = exp.step.jitted.lower(exp.abstract_state(), exp.abstract_batch()).as_text()
     assert "dot_general" in text  # the step's program, lowered for these devices
     assert "cudnn" not in text.lower() and "fmha" not in text.lower()
-    from dxrun.plan_mode import planned
+    from dxrun.autotune.plan_mode import planned
 
     plan = planned(cfg_factory(*shape, "run.mode=plan", "plan.target=h200")).exp
     assert plan.attention_kernel == "cudnn"  # what the run on an H200 runs: the plan's choice

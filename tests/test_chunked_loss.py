@@ -12,12 +12,12 @@ from conftest import make_cfg
 
 from dxrun.autotune.fit import NoData
 from dxrun.autotune.hlo import collective_traffic
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment
-from dxrun.mdlm import objective_of
+from dxrun.model.mdlm import objective_of
+from dxrun.model.sharding import in_mesh_context
 from dxrun.plan import memory_model
 from dxrun.plan.loss_chunk import AUTO_ON_BYTES, resolve_loss_chunk
-from dxrun.sharding import in_mesh_context
 from dxrun.step import loss_and_metrics
 
 CHUNK = 8  # of data.seq_len=32: four chunks
@@ -32,7 +32,7 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     # bf16 compute: the gradients agree up to a bf16 rounding of a logit's gradient (a
     # different order of fp32 operations may round one the other way)
     (["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.bfloat16, 1e-3),
-    # masked diffusion (dxrun/mdlm.py): each position weighted by its row's w(t) where masked,
+    # masked diffusion (dxrun/model/mdlm.py): each position weighted by its row's w(t) where masked,
     # the accuracy over the masked ones; its [MASK] row padded to 18 under tp2
     (["parallelism=dp4_tp2", "model.objective=mdlm"], jnp.float32, 1e-6),
     # the vocabulary on one shard (the gradients made in the forward), padded (65 + [MASK] to
@@ -167,7 +167,7 @@ def test_auto_chunks_only_large_logits():
 def test_a_chunk_that_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
                                           r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
-        from dxrun.validation import validate
+        from dxrun.config.validation import validate
 
         validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun import config, faults, schema, validation
-from dxrun.errors import ConfigError
+from dxrun.config import registry, schema, validation
+from dxrun.config.errors import ConfigError
+from dxrun.run import faults
 
 
 def _numeric_keys() -> list[str]:
@@ -58,7 +59,7 @@ def test_the_schema_with_metadata_is_still_a_structured_config():
     node = OmegaConf.structured(schema.RunConfig)
     assert node.train.profile.steps == 3 and node.logger.tags == []
     assert OmegaConf.get_type(node.model) is schema.ModelConfig
-    config.register()
+    registry.register()
     assert "dxrun_schema.yaml" in ConfigStore.instance().list("/")
 
 
@@ -79,9 +80,9 @@ def test_config_yaml_writes_no_default_of_the_schemas():
     Hydra's settings, and any run key it sets is on YAML_ONLY with its reason."""
     import yaml
 
-    raw = yaml.safe_load((config.conf_dir() / "config.yaml").read_text())
+    raw = yaml.safe_load((registry.conf_dir() / "config.yaml").read_text())
     sets = _flat({k: v for k, v in raw.items() if k not in ("defaults", "hydra")})
-    assert set(sets) <= set(YAML_ONLY), f"defaults belong to dxrun/schema.py: {sorted(sets)}"
+    assert set(sets) <= set(YAML_ONLY), f"defaults belong to dxrun/config/schema.py: {sorted(sets)}"
     assert {k for k in sets if k in YAML_ONLY} == set(YAML_ONLY), "YAML_ONLY names a stale key"
 
 
@@ -91,7 +92,7 @@ def test_the_default_run_is_the_schema_but_for_its_group_presets(base_cfg):
     else can hold a second default that drifts from the schema's."""
     import yaml
 
-    conf = config.conf_dir()
+    conf = registry.conf_dir()
     chosen = [next(iter(e.items())) for e in yaml.safe_load((conf / "config.yaml").read_text())[
         "defaults"] if isinstance(e, dict) and next(iter(e.values())) is not None]
     by_presets: set[str] = set()
@@ -207,7 +208,7 @@ def test_readme_lists_the_generated_ranges():
     readme = (Path(__file__).resolve().parents[1] / "docs/guide/bad-input.md").read_text()
     assert schema.ranges_markdown() in readme, (
         "README's table of ranges is stale: paste the output of "
-        "python -c 'from dxrun.schema import ranges_markdown; print(ranges_markdown())'")
+        "python -c 'from dxrun.config.schema import ranges_markdown; print(ranges_markdown())'")
 
 
 @pytest.mark.parametrize("override, bad", [
@@ -246,7 +247,7 @@ def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     ("DXRUN_TEST_ERROR_AT_STEP", "3", False),
 ])
 def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad):
-    """The tests' faults are no key of the user's config (``dxrun.faults``): each is read from
+    """The tests' faults are no key of the user's config (``dxrun.run.faults``): each is read from
     its environment variable, refused outside its range like a key (the NaN step is compared
     with the int32 step counter)."""
     assert not [k for k in schema.FIELDS if "inject" in k or "hold_at" in k]

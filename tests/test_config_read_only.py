@@ -12,14 +12,14 @@ import jax
 from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
-from dxrun import validation
 from dxrun.autotune import cache
+from dxrun.autotune.plan_mode import planned
+from dxrun.config import validation
 from dxrun.experiment import visible_devices
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import Row, chosen_layout, held_batch
 from dxrun.plan.run_plan import saved_config
-from dxrun.plan_mode import planned
-from dxrun.prepare import prepare
+from dxrun.start import prepare
 
 
 def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from dxrun.autotune import fit
 from dxrun.autotune.hlo import collective_list
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import memory_model as mm
 from dxrun.plan.context import LONG_SEQ, kv_gather_bytes, zigzag_order

@@ -15,14 +15,14 @@ from conftest import make_cfg
 from flax import nnx
 from omegaconf import OmegaConf
 
+from dxrun.autotune.plan_mode import planned, run_plan
 from dxrun.checkpointing.resume import DATA_SOURCE, MODEL_SHAPE, changed
+from dxrun.config.errors import ConfigError
 from dxrun.data import TRAIN
 from dxrun.data.user import checked_batch
-from dxrun.errors import ConfigError
 from dxrun.experiment import Experiment
-from dxrun.plan_mode import planned, run_plan
-from dxrun.tools.load import load
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.sample import OPTIONS, sample
+from dxrun.tools.checkpoint import load
 from dxrun.train import train
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import validate
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
-from dxrun.errors import ConfigError
-from dxrun.validation import validate
 
 
 def test_floor_is_the_empirical_conditional_entropy():

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dxrun"
 
 # decision -> (the one function that computes it, the module that defines it)
 DECISIONS = {
-    "attention kernel": ("plan_kernel", "dxrun/attention_kernel.py"),
+    "attention kernel": ("plan_kernel", "dxrun/plan/attention_kernel.py"),
     "loss chunk": ("loss_chunk_for", "dxrun/plan/loss_chunk.py"),
     "ZeRO-1": ("shard_optimizer", "dxrun/plan/mesh.py"),
     "precision": ("compute_dtype", "dxrun/plan/mesh.py"),
@@ -23,9 +23,9 @@ PLAN_BUILDER = ("dxrun/plan/mesh.py", "make_plan")  # the one place that builds 
 # Below a decision: the kernel table's rule, asked by ``plan_kernel`` alone; the loss chunk's
 # rule, asked by ``loss_chunk_for`` and by the config check (which refuses a chunk that does not
 # divide the sequence before JAX starts, and keeps no chunk).
-HELPERS = {"choose": {("dxrun/attention_kernel.py", "plan_kernel")},
+HELPERS = {"choose": {("dxrun/plan/attention_kernel.py", "plan_kernel")},
            "resolve_loss_chunk": {("dxrun/plan/loss_chunk.py", "loss_chunk_for"),
-                                  ("dxrun/validation.py", "check_data")}}
+                                  ("dxrun/config/validation.py", "check_data")}}
 STEP_FACTORY_ARGS = 5
 
 

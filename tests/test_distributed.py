@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import DistributedConfig
 from dxrun.multihost.distributed import (
     LOCAL_PROCESSES,
     Join,
@@ -18,7 +19,6 @@ from dxrun.multihost.distributed import (
 )
 from dxrun.plan.hosts import split_over_hosts
 from dxrun.plan.mesh import make_plan
-from dxrun.schema import DistributedConfig
 
 
 def _dist(**kw):
@@ -136,7 +136,7 @@ def test_processes_sharing_the_host(env, num_processes, want):
 
 
 def test_launch_keeps_the_users_xla_flags_but_the_device_count():
-    from dxrun.multihost.launch import child_env
+    from dxrun.launch import child_env
 
     base = {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 "
                          "--xla_gpu_enable_latency_hiding_scheduler=true"}
@@ -177,7 +177,7 @@ def test_visible_gpus(tmp_path):
 
 
 def test_gpus_are_divided_over_the_launched_processes():
-    from dxrun.multihost.launch import child_env, gpu_slices
+    from dxrun.launch import child_env, gpu_slices
 
     eight = [str(i) for i in range(8)]
     assert gpu_slices(eight, 2, None) == [eight[:4], eight[4:]]
@@ -223,7 +223,7 @@ def _rows_held(plan, grid, process_of):
 ])
 def test_processes_grouped_by_host(cfg_factory, overrides, procs_per_device, hosts, shape, dcn,
                                    shards):
-    from dxrun.sharding import host_grid
+    from dxrun.model.sharding import host_grid
 
     cfg = cfg_factory(*overrides, "model.n_heads=8", "model.n_kv_heads=8", "data.batch_size=32")
     n = len(hosts) * procs_per_device

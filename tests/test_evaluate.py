@@ -22,8 +22,8 @@ from conftest import (
     write_tokens,
 )
 
-from dxrun.errors import ConfigError
-from dxrun.tools.evaluate import evaluate_checkpoint
+from dxrun.config.errors import ConfigError
+from dxrun.evaluate import evaluate_checkpoint
 
 
 def _evaluate_cli(*args: str) -> subprocess.CompletedProcess:

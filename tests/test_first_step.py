@@ -9,8 +9,8 @@ from conftest import make_cfg, recorded_compiles
 
 from dxrun import step as step_module
 from dxrun.experiment import Experiment
-from dxrun.prepare import prepare, start_state
-from dxrun.sharding import in_mesh_context
+from dxrun.model.sharding import in_mesh_context
+from dxrun.start import prepare, start_state
 from dxrun.tracking import goodput
 
 # One device, one layer, short sequences: what is counted is compiles, not their size.

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from dxrun.autotune.memory_report import is_out_of_memory, shape_bytes
-from dxrun.errors import disk_error
-from dxrun.runtime import peak_over_devices
-from dxrun.trace import profile_dir, traced_steps
+from dxrun.config.errors import disk_error
+from dxrun.run.runtime import peak_over_devices
 from dxrun.tracking import goodput
+from dxrun.tracking.trace import profile_dir, traced_steps
 from tests.conftest import FakeClock
 
 

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from dxrun.attention_kernel import choose, kind_target, run_inputs
 from dxrun.autotune import fit
 from dxrun.autotune.hlo import _group_size, replica_groups
 from dxrun.experiment import Experiment
 from dxrun.plan import estimate as plan_estimate
 from dxrun.plan import flops, gpu_cost, targets
+from dxrun.plan.attention_kernel import choose, kind_target, run_inputs
 from dxrun.plan.mesh import compute_dtype
 
 ACCELERATORS = sorted(gpu_cost.COST)

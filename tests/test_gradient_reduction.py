@@ -11,7 +11,7 @@ import jax
 
 from dxrun.autotune.hlo import collective_lines, dots, instances, partitioned
 from dxrun.experiment import Experiment
-from dxrun.sharding import in_mesh_context
+from dxrun.model.sharding import in_mesh_context
 
 
 def _partitioned_step(cfg_factory, *overrides: str) -> str:

@@ -35,21 +35,21 @@ from hf_checkpoints import (
     write_tokenizer,
 )
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import validate
+from dxrun.evaluate import evaluate_checkpoint
 from dxrun.experiment import Experiment
-from dxrun.hf.config import apply_hf_model, model_fields, model_type_of, read_config
-from dxrun.hf.layout import TABLES
+from dxrun.export import export
+from dxrun.export import run as export_run
+from dxrun.hf.config_json import apply_hf_model, model_fields, model_type_of, read_config
 from dxrun.hf.load import check_hf_weights, import_params
+from dxrun.hf.mapping import TABLES
 from dxrun.hf.save import save_hf
-from dxrun.job import Job, describe_model
 from dxrun.logits import load_model
-from dxrun.sharding import in_mesh_context
-from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.tools.export import export
-from dxrun.tools.export import run as export_run
-from dxrun.tools.load import load, main
-from dxrun.tools.sample import OPTIONS, sample
-from dxrun.validation import validate
+from dxrun.model.sharding import in_mesh_context
+from dxrun.run.job import Job, describe_model
+from dxrun.sample import OPTIONS, sample
+from dxrun.tools.checkpoint import load, main
 
 MESHES = {"dp1": ["parallelism=dp1"], "tp2": ["parallelism=tp2"],
           "fsdp2_tp2": ["parallelism=tp2", "parallelism.n_devices=4", "parallelism.fsdp=2"],
@@ -227,7 +227,7 @@ def test_a_shard_reads_only_its_region_of_each_tensor():
     and reads no more than the block when only the first axis is split."""
     import itertools
 
-    from dxrun.hf.layout import dxrun_block, shape_of, to_dxrun
+    from dxrun.hf.mapping import dxrun_block, shape_of, to_dxrun
 
     d = {"D": 8, "H": 4, "K": 2, "E": 2, "F": 12, "V": 10, "P": 6}
     rng = np.random.default_rng(0)
@@ -260,8 +260,7 @@ def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
     """The published config.json of meta-llama/Llama-3.1-8B (a fixture: no weights): the
     model's shape, its 8.03 B parameters, rope scaling, planned on fsdp8 for H100s (bf16 compute,
     full remat, 2048-token windows: it fits); nothing is read but config.json."""
-    from dxrun import plan_mode
-    from dxrun.autotune import fit
+    from dxrun.autotune import fit, plan_mode
 
     d = ROOT / "tests" / "fixtures" / "llama-3.1-8b"
     given = [f"model.init_from=hf:{d}", "parallelism=fsdp8", "plan.target=h100",
@@ -280,7 +279,7 @@ def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies_and_slows_low_ones():
-    from dxrun.attention import llama3_frequencies
+    from dxrun.model.attention import llama3_frequencies
 
     E = 128
     freq = 500000.0 ** (-np.arange(0, E, 2, dtype=np.float32) / E)

@@ -22,7 +22,7 @@ MAIN_LINES = 40  # lines of dxrun/__main__.py's main() (issue 64's goal)
 LONGEST_DEF = 120  # lines of the longest class or function in TRAINER_MODULES (the goal)
 LONGEST_HOOK = 60  # lines of the longest of the trainer's hooks, dxrun/hooks.py (the goal)
 # The trainer, its hooks, the entry point and the job's status writer (issue 64).
-TRAINER_MODULES = ("train.py", "hooks.py", "__main__.py", "job_dir.py")
+TRAINER_MODULES = ("train.py", "hooks.py", "__main__.py", "run/job_dir.py")
 LARGEST_MODULE = 400  # lines of the largest module (the goal)
 MODULES_OVER_400: set[str] = set()  # goal: none
 LARGEST_MODULE_DOCSTRING = 15  # source lines of the longest module docstring (the goal)
@@ -33,37 +33,43 @@ IMPORT_CIRCLES = 0  # sets of dxrun modules that reach each other through import
 MODULES_IN_CIRCLES = 0  # the modules in those sets
 UPWARD_IMPORTS = 0  # imports of a module on a higher floor of LAYERS
 FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
+# Packages by concept (issue 64): the pipeline at the top, each family in its package.
+TOP_MODULES = 15  # .py files directly in dxrun/, __init__ and __main__ included; goal <= 15
+REPEATED_NAMES = 0  # module or package names used twice under dxrun/ (__init__, __main__ aside)
+MODEL_IMPORTS_OUTSIDE = 0  # imports in dxrun/model/ of dxrun outside it, the config and the plan
+# What the model package may import (type-only imports too): itself, the config, the plan.
+MODEL_MAY_IMPORT = ("dxrun.model", "dxrun.config", "dxrun.plan")
 
 # The floors, lowest first (STYLE.md, "As dxrun grows"; issue 48): a module may import modules
 # on its own floor or below. A module's floor is the one of its longest prefix listed here, so a
 # new package (dxrun/plan/, dxrun/autotune/) is placed by one entry; a module no prefix places
 # fails ``test_every_module_has_a_floor``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("config", ("dxrun", "dxrun.errors", "dxrun.bookkeeping", "dxrun.config_key", "dxrun.schema",
-                "dxrun.schema_tracking", "dxrun.schema_parallel",
-                "dxrun.config", "dxrun.faults", "dxrun.hf.config", "dxrun.target",
+    # the config family: the schema and its sections, keys, the Hydra registry, _target_ and the
+    # run's outcomes (errors); its validation and composition sit higher, by what they check
+    ("config", ("dxrun", "dxrun.config", "dxrun.run.bookkeeping", "dxrun.run.faults",
+                "dxrun.hf.config_json",
                 # pure data (the metric names, no import): what validation checks names against
                 "dxrun.tracking.metric_names")),
-    ("host", ("dxrun.runtime", "dxrun.run_log", "dxrun.run_dir",
-              "dxrun.multihost", "dxrun.checkpointing.preempt",
+    # the run and its directory (its job's status is written from the entry floor: job_dir)
+    ("host", ("dxrun.run", "dxrun.multihost",
               # the logger section's checks before JAX (a store's dir: run_dir.dir_refusal)
               "dxrun.tracking.stores")),
-    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.layout", "dxrun.hf.files",
-              "dxrun.attention_kernel")),
-    ("experiment", ("dxrun.sharding", "dxrun.reductions", "dxrun.metrics", "dxrun.layers",
-                    "dxrun.attention", "dxrun.splash_attention", "dxrun.chunked_loss",
-                    "dxrun.context_parallel",
-                    "dxrun.model", "dxrun.user_model", "dxrun.optimizer", "dxrun.step", "dxrun.data",
-                    "dxrun.mdlm",
-                    "dxrun.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
-                    "dxrun.zero_padding", "dxrun.hf")),
-    ("autotune", ("dxrun.autotune", "dxrun.trace", "dxrun.profile", "dxrun.xspace")),
-    ("loop", ("dxrun.job", "dxrun.prepare", "dxrun.hooks", "dxrun.train", "dxrun.plan_mode",
+    ("plan", ("dxrun.plan", "dxrun.checkpointing.cadence", "dxrun.hf.mapping", "dxrun.hf.files")),
+    # the model family: the model, its attention and kernels, its losses and objectives, your
+    # own model, and the logical-axis rules that place it (it imports the config and the plan)
+    ("experiment", ("dxrun.model", "dxrun.metrics", "dxrun.optimizer", "dxrun.step", "dxrun.data",
+                    "dxrun.config.validation", "dxrun.experiment", "dxrun.checkpointing.vocab_padding",
+                    "dxrun.hf")),
+    # the wings: the layout search and plan mode, the profile of a trace (and the trace itself,
+    # which imports nothing)
+    ("autotune", ("dxrun.autotune", "dxrun.profile", "dxrun.tracking.trace")),
+    ("loop", ("dxrun.start", "dxrun.hooks", "dxrun.train",
               "dxrun.checkpointing", "dxrun.tracking", "dxrun.report", "dxrun.tools")),
-    ("entry", ("dxrun.__main__", "dxrun.composition", "dxrun.job_dir", "dxrun.evaluate",
-               "dxrun.sample", "dxrun.launch", "dxrun.multihost.launch", "dxrun.dashboard",
-               "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare",
-               "dxrun.tracking.dashboard", "dxrun.reference", "dxrun.export", "dxrun.logits")),
+    # the entry points: python -m dxrun and the commands (each command's code is its module)
+    ("entry", ("dxrun.__main__", "dxrun.config.composition", "dxrun.run.job_dir", "dxrun.evaluate",
+               "dxrun.sample", "dxrun.export", "dxrun.logits", "dxrun.launch", "dxrun.dashboard",
+               "dxrun.report.__main__", "dxrun.report.callback", "dxrun.data.prepare")),
 )
 
 # A measured time or ratio: "102 ms", "1.24x", "1.12×" (issue 48's grep). Formulas and shapes
@@ -234,7 +240,7 @@ def _defs(path: Path) -> dict[str, int]:
 
 def test_the_entry_point_composes_builds_and_runs_in_one_screen():
     """``main()`` composes, builds the run and executes it; the stages are functions beside it
-    and how the job ended is ``JobStatus``'s (dxrun/job_dir.py), not an ``except`` arm each."""
+    and how the job ended is ``JobStatus``'s (dxrun/run/job_dir.py), not an ``except`` arm each."""
     path = PACKAGE / "__main__.py"
     (fn,) = [n for n in _tree(path).body if isinstance(n, ast.FunctionDef) and n.name == "main"]
     _at_most("MAIN_LINES", fn.end_lineno - fn.lineno + 1, MAIN_LINES, "dxrun.__main__.main")
@@ -309,6 +315,43 @@ def test_imports_point_down():
                     for m, targets in graph.items() for t in targets
                     if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m))
     _at_most("UPWARD_IMPORTS", len(upward), UPWARD_IMPORTS, upward)
+
+
+def test_the_top_holds_the_pipeline_and_the_commands():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    _at_most("TOP_MODULES", len(top), TOP_MODULES, f"dxrun/: {top}; a module that belongs to a "
+             "family goes into its package (dxrun/model/, dxrun/config/, dxrun/run/, ...)")
+
+
+def test_no_two_modules_share_a_name():
+    """A name says which module: ``load`` or ``config`` twice makes every mention ambiguous.
+    Packages count by their dir's name; every package's ``__init__`` and ``__main__`` aside."""
+    names: dict[str, list[str]] = {}
+    for path in _files():
+        if path.stem not in ("__init__", "__main__"):
+            names.setdefault(path.stem, []).append(_rel(path))
+    for init in PACKAGE.rglob("__init__.py"):
+        if init.parent != PACKAGE:
+            names.setdefault(init.parent.name, []).append(_rel(init.parent) + "/")
+    repeated = {name: where for name, where in names.items() if len(where) > 1}
+    _at_most("REPEATED_NAMES", len(repeated), REPEATED_NAMES, repeated)
+
+
+def test_the_model_imports_only_itself_the_config_and_the_plan():
+    outside = []
+    for path in sorted((PACKAGE / "model").rglob("*.py")):
+        for node in ast.walk(_tree(path)):  # type-only imports too
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = ([f"dxrun.{a.name}" for a in node.names] if node.module == "dxrun"
+                           else [node.module])
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            outside += [f"{_rel(path)}:{node.lineno} {t}" for t in targets
+                        if t.split(".")[0] == "dxrun" and not any(
+                            t == p or t.startswith(p + ".") for p in MODEL_MAY_IMPORT)]
+    _at_most("MODEL_IMPORTS_OUTSIDE", len(outside), MODEL_IMPORTS_OUTSIDE, outside)
 
 
 def test_no_measured_figures_in_comments():

@@ -10,11 +10,11 @@ import pytest
 from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 
 from dxrun.checkpointing.store import committed_steps
-from dxrun.errors import ConfigError
-from dxrun.tools.load import BEST, split_args
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import logged_metrics, validate
+from dxrun.tools.checkpoint import BEST, split_args
 from dxrun.tracking.monitor import Monitor
 from dxrun.train import train
-from dxrun.validation import logged_metrics, validate
 
 # data/tokens_seen only grows: under mode=min its first row stays the best, whatever the
 # losses do. train/loss with min_delta=100 never improves after its first row: the patience
@@ -65,7 +65,7 @@ def test_early_stop_counts_across_the_resume(resumed):
 
 
 def test_evaluate_best_loads_the_best_checkpoint(resumed):
-    from dxrun.tools.evaluate import evaluate_checkpoint
+    from dxrun.evaluate import evaluate_checkpoint
 
     run_dir, _, _ = resumed
     path, _, overrides = split_args("evaluate", [str(run_dir), BEST, "eval.batches=1"], {})

@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, Output, make_cfg, run_cli, subprocess_env
 
 from dxrun.checkpointing.store import committed_steps
-from dxrun.multihost.launch import free_port
+from dxrun.launch import free_port
 from dxrun.train import train
 
 pytestmark = pytest.mark.e2e
@@ -345,7 +345,7 @@ def alive(pid: int) -> bool:
 def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
     """Ranks 0 and 1 both ended before the launcher looked: the one that ended first is named,
     a rank that ended cleanly is never a failure, and none failed gives None."""
-    from dxrun.multihost.launch import first_failure
+    from dxrun.launch import first_failure
 
     assert first_failure({0: 10.002, 1: 10.001}, [-6, -9]) == (1, -9)
     assert first_failure({0: 10.0, 1: 10.1}, [0, 1]) == (1, 1)
@@ -355,7 +355,7 @@ def test_the_first_failure_is_the_first_to_exit_whatever_its_rank():
 def test_when_the_others_are_stopped_depends_on_how_one_ended():
     """Killed by a signal: at once. An error: after the grace, time to say the same. A stop's
     code (0, 130 after SIGINT): never, the others are saving at the same step."""
-    from dxrun.multihost.launch import stop_delay
+    from dxrun.launch import stop_delay
 
     assert [stop_delay(c, 10.0) for c in (-9, -6, 1, 2, 0, 130)] == [
         0.0, 0.0, 10.0, 10.0, None, None]
@@ -365,8 +365,8 @@ def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
     """The ranks' files in the launcher's startup folder: a rank's ``stopped`` makes a stop one
     made while starting, until a rank trains. Rank 0 silent, the launcher says its words from
     its claim of the run dir and writes its status.json; one rank 0 wrote itself stays."""
+    from dxrun.launch import clean_stop, settle_starting_stop, stopped_while_starting
     from dxrun.multihost.distributed import LAUNCH_STARTUP, PROCESS_ID, tell_launcher_startup
-    from dxrun.multihost.launch import clean_stop, settle_starting_stop, stopped_while_starting
 
     startup, run_dir, told = tmp_path / "startup", tmp_path / "run", tmp_path / "run_dir"
     startup.mkdir()
@@ -525,8 +525,8 @@ def read_back(command: str) -> str:
 def test_the_resume_command_reads_back_as_its_run_dir(name):
     """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
     status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
-    from dxrun.multihost.launch import STOP_LINE, clean_stop
-    from dxrun.run_dir import relaunch_command
+    from dxrun.launch import STOP_LINE, clean_stop
+    from dxrun.run.run_dir import relaunch_command
 
     run_dir = f"/tmp/{name}/run"
     command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)

@@ -18,7 +18,7 @@ from dxrun.autotune import budget, cache
 from dxrun.autotune.search import search
 from dxrun.experiment import visible_devices
 from dxrun.plan import layouts as ls
-from dxrun.plan import ranking
+from dxrun.plan import search_record as ranking
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import Row, held_batch
 
@@ -246,7 +246,7 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     import jax
     import numpy as np
 
-    from dxrun.prepare import prepare
+    from dxrun.start import prepare
     from dxrun.train import train
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -328,7 +328,7 @@ def unsearched(tmp_path_factory):
     """``prepare`` of a 10-step default run (``model=tiny`` on 8 devices), too short for a
     search to pay: (its Decided, the config it was given). Its own cache dir: no decision
     cached by another test."""
-    from dxrun.prepare import prepare
+    from dxrun.start import prepare
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("unsearched") / "cache"))
@@ -620,7 +620,7 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     attempt from step 0 with those steps productive."""
     import jax
 
-    from dxrun.prepare import prepare
+    from dxrun.start import prepare
     from dxrun.train import train
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""The custom VJPs that keep only what a hand-written backward keeps (``dxrun.layers``: the norms,
+"""The custom VJPs that keep only what a hand-written backward keeps (``dxrun.model.layers``: the norms,
 GELU, SwiGLU, the joined qkv weight): their gradients are JAX's autodiff of the same forward to fp32
 tolerance, their forward is the plain one bit for bit, and a layer keeps what the memory model
 counts, less than JAX's own derivatives keep (the compiled step's temporaries say so too)."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dxrun import layers
-from dxrun.attention import join_qkv
+from dxrun.model import layers
+from dxrun.model.attention import join_qkv
 from dxrun.plan import memory_model as mm
 
 
@@ -102,8 +102,8 @@ def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
 
 
 def _block(llama: bool):
-    from dxrun import model as M
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
+    from dxrun.model import transformer as M
 
     cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4 // (1 + llama),
                       d_ff=256, vocab_size=64, max_seq_len=32, bias=not llama,

@@ -1,4 +1,4 @@
-"""``dxrun.tools.load``: the arguments of ``dxrun.evaluate`` / ``dxrun.sample`` (a run dir whose
+"""``dxrun.tools.checkpoint``: the arguments of ``dxrun.evaluate`` / ``dxrun.sample`` (a run dir whose
 name holds ``=`` is still the path), the checkpoint's config read as data (never interpolated),
 the run dir taken from the path given (never from the checkpoint), a crash's traceback file
 (never a planted link), and the newest checkpoint of a run still training read every time."""
@@ -21,9 +21,9 @@ import pytest
 from conftest import MARKOV_STEPS, Output, subprocess_env
 
 from dxrun.checkpointing.store import committed_steps
-from dxrun.tools.export import run as export_run
-from dxrun.tools.load import as_data, given_run_dir, load, main, split_args
-from dxrun.tools.sample import OPTIONS
+from dxrun.export import run as export_run
+from dxrun.sample import OPTIONS
+from dxrun.tools.checkpoint import as_data, given_run_dir, load, main, split_args
 
 
 def test_a_run_dir_named_with_equals_signs_is_the_path(tmp_path, monkeypatch):

@@ -10,10 +10,10 @@ import logging
 import pytest
 from conftest import ROOT, cli_in_process, make_cfg
 
+from dxrun.config.validation import config_warnings
 from dxrun.tracking.backends import MlflowBackend, Opening
 from dxrun.tracking.logger import backend_names
 from dxrun.train import train
-from dxrun.validation import config_warnings
 
 TINY = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
         "parallelism=dp2", "train.steps=4", "train.log_every=2", "train.eval_every=4",

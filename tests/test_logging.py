@@ -8,7 +8,7 @@ import logging
 import pytest
 from conftest import finished_wandb_run, subprocess_env
 
-from dxrun.job import Job, run_name
+from dxrun.run.job import Job, run_name
 from dxrun.tracking.wandb_file import read_run
 from dxrun.train import train
 
@@ -115,7 +115,7 @@ def test_run_name_from_choices_and_overrides(cfg_factory):
 
 @pytest.mark.e2e
 def test_dashboard_plots_only_metrics_dxrun_logs(two_runs, capsys):
-    from dxrun.tracking.dashboard import load_spec, main, metrics_in, panel_lines
+    from dxrun.dashboard import load_spec, main, metrics_in, panel_lines
 
     logged = set().union(*(_rows(two_runs[0])))
     assert metrics_in(load_spec()) <= logged | {"perf/mfu"}  # mfu: where the peak is known

@@ -1,4 +1,4 @@
-"""Masked diffusion (``model.objective=mdlm``, dxrun/mdlm.py): the bound against a hand
+"""Masked diffusion (``model.objective=mdlm``, dxrun/model/mdlm.py): the bound against a hand
 computation and its schedules' weights against their derivatives; the forward process; a trained
 markov run's held-out bound above the window's entropy and near it, the same on every mesh; the
 reverse-process sampler on markov and text runs; plan mode's FLOPs; the refusals. (Its mesh
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_corpus
 
-from dxrun import validation
-from dxrun.errors import ConfigError
-from dxrun.mdlm import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
+from dxrun.config import validation
+from dxrun.config.errors import ConfigError
+from dxrun.evaluate import evaluate_checkpoint
+from dxrun.model.mdlm import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
 from dxrun.plan import flops
-from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.sample import OPTIONS, sample
 from dxrun.train import train
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun import plan_mode
-from dxrun.autotune import fit
+from dxrun.autotune import fit, plan_mode
 from dxrun.experiment import Experiment
 from dxrun.plan import memory_model as mm
 from dxrun.plan import targets
@@ -70,8 +69,8 @@ def test_fused_attention_keeps_o_of_t_and_xla_keeps_the_scores():
 def test_the_target_decides_the_kernel(cfg_factory):
     """The memory model reads the run plan's kernel where the plan is for the target's
     platform, else the table's rule for that target (``autotune.fit.kernel_on``)."""
-    from dxrun.attention_kernel import CAPABILITY
     from dxrun.autotune.fit import kernel_on
+    from dxrun.plan.attention_kernel import CAPABILITY
     from dxrun.plan.mesh import make_plan
 
     h100, a100, v5p = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5"
@@ -200,7 +199,7 @@ def test_dots_keeps_what_the_model_counts_in_either_precision(cfg_factory, capsy
     import jax.numpy as jnp
     from flax import nnx
 
-    from dxrun import model as M
+    from dxrun.model import transformer as M
 
     cfg = cfg_factory("model=tiny", "data.seq_len=16", f"train.precision={precision}")
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
@@ -243,7 +242,7 @@ def test_keep_attention_keeps_splash_output_and_statistics_as_the_model_counts(c
     import jax.numpy as jnp
     from flax import nnx
 
-    from dxrun import model as M
+    from dxrun.model import transformer as M
 
     cfg = cfg_factory("model=tiny", "data.seq_len=128", "train.precision=bf16")
     graphdef, params = nnx.split(M.Block(cfg.model, nnx.Rngs(0), ("splash", True)))

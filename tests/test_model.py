@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 from omegaconf import OmegaConf
 
+from dxrun.config.schema import ModelConfig
 from dxrun.experiment import Experiment
-from dxrun.model import Transformer, count_params, resize_vocab
-from dxrun.schema import ModelConfig
-from dxrun.sharding import param_axes
+from dxrun.model.sharding import param_axes
+from dxrun.model.transformer import Transformer, count_params, resize_vocab
 from dxrun.step import loss_and_metrics
 
 V, VP = 65, 72  # vocab 65 padded for tp=8

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import validate
 from dxrun.plan.mesh import make_plan
 from dxrun.plan.run_plan import RunPlan, resolved_config
-from dxrun.validation import validate
 
 PRESETS = {
     "auto": (8, 1, 1, 1), "dp": (8, 1, 1, 1), "dp1": (1, 1, 1, 1), "dp2": (2, 1, 1, 1),

@@ -9,14 +9,13 @@ import json
 import pytest
 from conftest import run_cli
 
-from dxrun import plan_mode
-from dxrun.autotune import fit, suggest
+from dxrun.autotune import fit, plan_mode, suggest
 from dxrun.autotune.host import resolve_target
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.validation import config_warnings, validate
 from dxrun.experiment import Experiment
 from dxrun.plan import advice, targets
-from dxrun.runtime import accelerator_plan_note, simulated_count
-from dxrun.validation import config_warnings, validate
+from dxrun.run.runtime import accelerator_plan_note, simulated_count
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.027% of its memory
 # usable (23 MB, XLA_PYTHON_CLIENT_MEM_FRACTION) cannot hold, with or without remat=dots (the

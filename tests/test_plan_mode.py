@@ -11,13 +11,12 @@ from conftest import run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun import plan_mode
-from dxrun import sharding as shd
-from dxrun.autotune import fit, host
+from dxrun.autotune import fit, host, plan_mode
 from dxrun.autotune.hlo import collective_traffic
 from dxrun.checkpointing import cadence
 from dxrun.checkpointing.cadence import cadence_text, save_cadence
 from dxrun.experiment import Experiment
+from dxrun.model import sharding as shd
 from dxrun.plan import estimate as plan_estimate
 from dxrun.plan import targets
 from dxrun.step import step_bytes
@@ -202,7 +201,7 @@ def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
     materialised), the per-device parameter bytes are the FSDP shards, and all fit an H200."""
     import resource
 
-    from dxrun.errors import ConfigError
+    from dxrun.config.errors import ConfigError
 
     live_before = {id(x) for x in jax.live_arrays()}
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -229,9 +228,9 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
     data.batch_size beside it would be refused), and accumulation keeps the update's size."""
     from omegaconf import OmegaConf
 
+    from dxrun.config.validation import validate
     from dxrun.plan.estimate import candidates
     from dxrun.plan.mesh import make_plan
-    from dxrun.validation import validate
 
     cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")
     update = make_plan(cfg, 8).global_batch
@@ -261,7 +260,7 @@ def test_processes_on_one_host_split_its_ram():
 def test_usable_gpu_memory_is_what_jax_will_pool():
     """JAX's GPU client pools 75% of each GPU unless told otherwise; preallocating or not keeps
     that limit; the platform allocator has no pool."""
-    from dxrun.errors import ConfigError
+    from dxrun.config.errors import ConfigError
     from dxrun.plan.targets import TARGETS, USABLE, USABLE_CPU, Usable, gpu_memory_fraction
 
     assert gpu_memory_fraction({}).fraction == 0.75

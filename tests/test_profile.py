@@ -15,9 +15,9 @@ import pytest
 from dxrun import profile
 from dxrun.autotune import fit, memory_report
 from dxrun.autotune.preflight import memory_preflight
-from dxrun.errors import ConfigError
-from dxrun.job import Job
-from dxrun.prepare import prepare
+from dxrun.config.errors import ConfigError
+from dxrun.run.job import Job
+from dxrun.start import prepare
 from dxrun.step import step_bytes
 from dxrun.tracking.wandb_file import read_run
 from dxrun.train import train

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun import reductions as M
-from dxrun import sharding as shd
+from dxrun.model import reductions as M
+from dxrun.model import sharding as shd
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from docs import reference
 from docs.reference import keys as config_keys
 from docs.reference import outputs, tools
-from dxrun import schema
+from dxrun.config import schema
 from dxrun.tracking.metric_names import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def test_every_config_key_has_a_row_with_type_default_and_meaning(pages):
     keys = {k.key: k for k in config_keys.config_keys()}
     assert list(keys) == in_schema
     assert not [k for k, v in keys.items() if not v.meaning], "keys without a meaning: give " \
-        "the field's key(...) in dxrun/schema.py one"
+        "the field's key(...) in dxrun/config/schema.py one"
     rows = {m.group(1): m.group(0) for m in
             re.finditer(r"^\| `([\w.]+)` \| .*$", pages["reference/config.md"], re.M)}
     assert set(in_schema) <= set(rows)

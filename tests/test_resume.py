@@ -42,9 +42,9 @@ from dxrun.checkpointing.resume import (
     restore,
 )
 from dxrun.checkpointing.store import committed_steps, run_id
-from dxrun.errors import CheckpointReadError, ConfigError
+from dxrun.config.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
-from dxrun.prepare import prepare
+from dxrun.start import prepare
 from dxrun.train import train
 
 SHORT = ["model=tiny", "train.steps=3", "checkpoint.every=1", "train.log_every=1",
@@ -131,7 +131,7 @@ def test_dropout_resumes_exactly(tmp_path):
     """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
     after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
     bitwise those of the run that never stopped (that dropout changes the numbers at all is
-    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/mdlm.py), whose
+    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/model/mdlm.py), whose
     token masks are drawn from (seed, step) too, from another seed: one run resumes both."""
     # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
     drop = [*SHORT, "model.dropout=0.1", "model.objective=mdlm", "train.steps=4",
@@ -498,7 +498,7 @@ def test_damaged_bookkeeping_is_set_aside_and_the_resume_goes_on(tmp_path):
     assert (run / "checkpoints" / "3.corrupt").is_dir()
     assert committed_steps(run / "checkpoints") == [3, 4, 5]
     # dxrun.evaluate appends to eval.json: a damaged one is set aside, not a crash.
-    from dxrun.tools.evaluate import evaluate_checkpoint
+    from dxrun.evaluate import evaluate_checkpoint
 
     (run / "eval.json").write_bytes(b'[{"step": 3, "eval/loss": \xff')
     evaluate_checkpoint(run, [])

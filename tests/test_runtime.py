@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
-from dxrun import run_dir as run_dirs
-from dxrun.errors import ConfigError
-from dxrun.runtime import (
+from dxrun.config.errors import ConfigError
+from dxrun.run import run_dir as run_dirs
+from dxrun.run.runtime import (
     claim_run_dir,
     finite_or_null,
     peak_bytes_since,
@@ -52,7 +52,7 @@ def test_concurrent_launches_claim_distinct_dirs(tmp_path):
 
 def _hold(run_dir: Path, then: str) -> subprocess.Popen:
     """Another process that takes ``run_dir``'s lock, says so, then runs ``then``."""
-    code = ("import os, sys, time; from pathlib import Path; from dxrun.run_dir import RunLock; "
+    code = ("import os, sys, time; from pathlib import Path; from dxrun.run.run_dir import RunLock; "
             f"lock = RunLock.acquire(Path({str(run_dir)!r})); print('held', flush=True); {then}")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env=subprocess_env())
@@ -100,7 +100,7 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
     the check that the dir did not change meanwhile) still leaves the caller holding the dir,
     so the stop names the run dir and its resume command and frees the lock for the relaunch
     (it said "nothing was written" and left the lock file behind)."""
-    from dxrun.errors import Interrupted
+    from dxrun.config.errors import Interrupted
 
     run = tmp_path / "run"
     run.mkdir()
@@ -125,9 +125,9 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
 STOP_WHILE_LOCKING = """
 import os, signal, sys
 from pathlib import Path
-from dxrun import run_dir
-from dxrun.checkpointing.preempt import SIGNALS, guard_signals
-from dxrun.errors import Interrupted
+from dxrun.run import run_dir
+from dxrun.run.signals import SIGNALS, guard_signals
+from dxrun.config.errors import Interrupted
 guard_signals()
 hostname = run_dir.socket.gethostname
 def host():
@@ -258,7 +258,7 @@ def test_the_suite_runs_on_cpu_whatever_the_machine():
 def test_cpu_fallback_on_a_gpu_host_is_refused(tmp_path):
     """The probe reads device nodes under a root (here a tmp dir standing for /); JAX on CPU
     beside an NVIDIA node is refused naming the install, unless CPU was chosen."""
-    from dxrun.runtime import cpu_fallback_refusal, nvidia_device_node
+    from dxrun.run.runtime import cpu_fallback_refusal, nvidia_device_node
 
     assert nvidia_device_node(tmp_path) is None
     (tmp_path / "dev").mkdir()
@@ -311,7 +311,7 @@ def test_a_second_launch_takes_its_compiled_programs_from_the_cache(tmp_path):
 
 
 def test_the_thread_pool_note_only_where_a_mesh_uses_fewer_simulated_devices_than_cores_run():
-    from dxrun.runtime import thread_pool_note
+    from dxrun.run.runtime import thread_pool_note
 
     note = thread_pool_note(1, 8, 2)
     assert note is not None and "1 of 8 simulated CPU devices" in note
@@ -327,7 +327,7 @@ def test_the_allocator_setting_is_decided_by_the_step_it_serves():
     default run (the tiny model's batch split over 8 devices: faults it barely takes, against a
     lock every thread takes), one arena where the buffers a device holds are big (the same run
     on one device, the suite's model, GPT-2 small on fsdp8); always/never as asked."""
-    from dxrun.runtime import reuse_pays
+    from dxrun.run.runtime import reuse_pays
 
     mid = ("model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
            "data.vocab_size=256", "data.seq_len=128", "data.batch_size=16")

@@ -15,11 +15,11 @@ import pytest
 from conftest import cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
-from dxrun.errors import ConfigError
-from dxrun.sharding import in_mesh_context
+from dxrun.config.errors import ConfigError
+from dxrun.model.sharding import in_mesh_context
+from dxrun.sample import OPTIONS, allowed_transitions, sample
+from dxrun.tools.checkpoint import load
 from dxrun.tools.decode import Sampling, make_generate
-from dxrun.tools.load import load
-from dxrun.tools.sample import OPTIONS, allowed_transitions, sample
 
 
 def _sample_cli(*args: str) -> subprocess.CompletedProcess:
@@ -125,8 +125,8 @@ def test_bad_input_is_one_line(tmp_path, text_run, caplog):
     others through the same entry point (``main``) in this process (``cli_in_process``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from dxrun.tools.load import main
-    from dxrun.tools.sample import run
+    from dxrun.sample import run
+    from dxrun.tools.checkpoint import main
     from dxrun.train import train
 
     # A run with a word-level tokenizer.json, which has no way to write "é" or "✓".
@@ -212,7 +212,7 @@ def test_a_bf16_run_decodes_in_bf16(markov_run):
     fp32 run's): with bf16 every matmul of the program reads bf16 weights (cast once, before the
     token loop) and the logits stay fp32; an fp32 run's program has no bf16 at all. The bf16
     greedy samples still follow the chain."""
-    from dxrun.tools.sample import make_decoder
+    from dxrun.sample import make_decoder
 
     opts = {**OPTIONS, "n": 4, "max_new_tokens": 20}
     out = sample(markov_run, opts, ["train.precision=bf16"])

@@ -9,9 +9,9 @@ import json
 import pytest
 from conftest import make_cfg, write_corpus
 
+from dxrun.config.errors import ConfigError
 from dxrun.data.prepare import prepare
-from dxrun.errors import ConfigError
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.sample import OPTIONS, sample
 
 
 @pytest.mark.e2e

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from conftest import CONF, make_cfg, subprocess_env
 
-from dxrun import plan_mode
-from dxrun import sharding as shd
+from dxrun.autotune import plan_mode
 from dxrun.autotune.fit import _shard_bytes, accelerator_memory
 from dxrun.autotune.hlo import collectives
 from dxrun.checkpointing.resume import Resume, restore
 from dxrun.checkpointing.store import Checkpointer
 from dxrun.experiment import Experiment
+from dxrun.model import sharding as shd
 from dxrun.plan import targets
 from dxrun.plan.targets import TARGETS
 
@@ -248,12 +248,12 @@ def test_optimizer_state_split_48_ways():
     the counters."""
     code = textwrap.dedent(f"""
         import json
-        from dxrun.runtime import simulate_cpu_devices
+        from dxrun.run.runtime import simulate_cpu_devices
         simulate_cpu_devices(48)
         from hydra import compose, initialize_config_dir
-        from dxrun import sharding as shd
+        from dxrun.model import sharding as shd
         from dxrun.autotune.fit import _shard_bytes
-        from dxrun.config import register
+        from dxrun.config.registry import register
         from dxrun.experiment import Experiment
         register()
         out = {{}}

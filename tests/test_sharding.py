@@ -15,10 +15,10 @@ import pytest
 from conftest import make_cfg
 from flax import nnx
 
-from dxrun import sharding as shd
 from dxrun.autotune.hlo import collective_lines, collectives
 from dxrun.experiment import Experiment
-from dxrun.model import Block
+from dxrun.model import sharding as shd
+from dxrun.model.transformer import Block
 from dxrun.plan.mesh import make_plan
 
 MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2",
@@ -32,7 +32,7 @@ MODELS = {
     # An odd vocabulary: padded to 66 on tp2 and 72 on tp8, masked out of the loss.
     "gpt2_vocab65": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                      "data.vocab_size=65"],
-    # Masked diffusion (dxrun/mdlm.py): attention both ways, each step's masks drawn for the
+    # Masked diffusion (dxrun/model/mdlm.py): attention both ways, each step's masks drawn for the
     # global batch, then split into micro-batches (2: the noised batch goes through the
     # accumulation scan); the [MASK] row makes the table 65 rows, padded to 66 on tp2.
     "mdlm": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "model.objective=mdlm",
@@ -324,8 +324,8 @@ def test_low_level_api_on_the_same_rules():
 
     from omegaconf import OmegaConf
 
-    from dxrun.model import Transformer
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
+    from dxrun.model.transformer import Transformer
 
     model = Transformer(OmegaConf.structured(ModelConfig(n_heads=4)), rngs=nnx.Rngs(0))
     before = np.asarray(model.blocks.attn.wq[...])  # stacked: [n_layers, D, H, E]

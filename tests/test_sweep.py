@@ -11,9 +11,9 @@ import pytest
 import yaml
 from conftest import CONF, ROOT, run_cli
 
-from dxrun.config import PRESETS, check_keys, preset_dir
+from dxrun.config.registry import PRESETS, check_keys, preset_dir
+from dxrun.config.validation import validate
 from dxrun.tracking.wandb_file import read_run
-from dxrun.validation import validate
 
 QUICK = ("train.steps=3", "train.log_every=1")
 NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for
@@ -329,7 +329,7 @@ def _compose(*overrides: str, hydra: bool = False):
 def _validated(*overrides: str):
     from omegaconf import open_dict
 
-    from dxrun.hf.config import apply_hf_model
+    from dxrun.hf.config_json import apply_hf_model
 
     cfg = _compose(*overrides)
     with open_dict(cfg):
@@ -449,7 +449,7 @@ def test_lr_optuna_sweep_composes():
 
 
 def test_objective_needs_evaluation():
-    from dxrun.errors import ConfigError
+    from dxrun.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.objective=eval/loss needs evaluation"):
         _validated("sweep=lr_optuna", "train.eval_every=0")

@@ -13,12 +13,12 @@ import pytest
 from conftest import cli_in_process, make_cfg, recorded_compiles
 from flax import nnx
 
+from dxrun.config.errors import ConfigError
+from dxrun.config.target import call_refusal, locate
 from dxrun.data.user import build_source
-from dxrun.errors import ConfigError
+from dxrun.model.user_model import build_model
 from dxrun.optimizer import custom_optimizer
-from dxrun.target import call_refusal, locate
 from dxrun.train import train
-from dxrun.user_model import build_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -204,7 +204,7 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
 @pytest.mark.e2e
 def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path):
     from dxrun.experiment import Experiment
-    from dxrun.model import count_params
+    from dxrun.model.transformer import count_params
     from dxrun.plan import flops
 
     base = ["logger=none", "data.vocab_size=65", "train.steps=2", "train.log_every=2",

@@ -13,9 +13,9 @@ import pytest
 from conftest import make_cfg, write_tokens
 
 from dxrun.checkpointing.vocab_padding import padding_differs
-from dxrun.tools.evaluate import evaluate_checkpoint
-from dxrun.tools.load import load
-from dxrun.tools.sample import OPTIONS, sample
+from dxrun.evaluate import evaluate_checkpoint
+from dxrun.sample import OPTIONS, sample
+from dxrun.tools.checkpoint import load
 
 RUN = ["data=tokens", "data.seq_len=8", "data.batch_size=8", "train.eval_every=0",
        "checkpoint.every=2", "logger=none", "eval.batches=4", "train.log_every=1"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dxrun import config
+from dxrun.config import registry
 
 FIGURE_LAYOUTS = ("dp4_tp2", "fsdp8", "dp2_fsdp2_tp2", "cp2_tp4")
 
@@ -17,9 +17,9 @@ def preset_plan(parallelism: str, n_devices: int = 8) -> Any:
 
     from dxrun.plan.mesh import make_plan
 
-    config.register()
+    registry.register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(str(config.conf_dir()), version_base=None):
+    with initialize_config_dir(str(registry.conf_dir()), version_base=None):
         cfg = compose("config", overrides=[f"parallelism={parallelism}"])
     GlobalHydra.instance().clear()
     return make_plan(cfg, n_devices, "cpu")

@@ -1,5 +1,5 @@
 """The Config keys page: every key of the schema with its type, the default the default run
-composes, what it accepts and what it means (each field's ``key(...)`` in dxrun/schema.py)."""
+composes, what it accepts and what it means (each field's ``key(...)`` in dxrun/config/schema.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from docs.reference.markdown import cell
-from dxrun import config, schema
+from dxrun.config import registry, schema
 from dxrun.plan.targets import TARGETS
 
 
@@ -42,7 +42,7 @@ def _allowed(key: str, type_text: str) -> str:
 
 def config_keys() -> list[Key]:
     """Every key of the schema in order, with the default the default run composes and what its
-    field says (``dxrun.schema.key``): the accepted values and the meaning."""
+    field says (``dxrun.config.schema.key``): the accepted values and the meaning."""
     defaults = _composed_defaults()
     out = []
     for key, f in schema.FIELDS.items():
@@ -58,9 +58,9 @@ def _composed_defaults() -> dict[str, Any]:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    config.register()
+    registry.register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(str(config.conf_dir()), version_base=None):
+    with initialize_config_dir(str(registry.conf_dir()), version_base=None):
         cfg = compose("config")
     GlobalHydra.instance().clear()
     flat: dict[str, Any] = {}
@@ -78,10 +78,10 @@ def _composed_defaults() -> dict[str, Any]:
 
 
 def config_markdown() -> str:
-    groups = {g: sorted(p.stem for p in (config.conf_dir() / g).glob("*.yaml"))
+    groups = {g: sorted(p.stem for p in (registry.conf_dir() / g).glob("*.yaml"))
               for g in ("model", "parallelism", "data", "optimizer", "logger")}
     out = ["# Config keys", "",
-           "Every key of the run config, generated from the schema in `dxrun/schema.py`: each "
+           "Every key of the run config, generated from the schema in `dxrun/config/schema.py`: each "
            "field's type and default, and the meaning, range or choices its `key(...)` carries. "
            "The default is what `python -m dxrun` composes (`model=tiny`, `parallelism=auto`, "
            "`data=markov`, `optimizer=adamw`, `logger=wandb`); a preset of a group may set another "
@@ -103,7 +103,7 @@ def config_markdown() -> str:
                 f"{cell(k.meaning)} |" for k in keys]
         out.append("")
     out += ["## Accepted ranges", "",
-            "The same ranges by kind (`dxrun.schema.ranges_markdown()`); the numeric keys left "
-            "out, each with its reason, are `dxrun/schema.py: UNRANGED`.", "",
+            "The same ranges by kind (`dxrun.config.schema.ranges_markdown()`); the numeric keys left "
+            "out, each with its reason, are `dxrun/config/schema.py: UNRANGED`.", "",
             schema.ranges_markdown(), ""]
     return "\n".join(out)

@@ -96,7 +96,7 @@ STATUS: dict[str, str] = {
                 "never ended: killed), `finished`",
 }
 
-# plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan.py's comments.
+# plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan/mesh.py's comments.
 PLAN_EXTRA: dict[str, str] = {
     "plan_mode": "run.mode=plan only: memory per device, FLOPs, collectives, target, estimate, "
                  "checkpoint cost, suggestion",
@@ -124,9 +124,9 @@ def summary_keys() -> list[str]:
 
 
 def status_keys() -> list[str]:
-    """Every field ``JobStatus`` (dxrun/job_dir.py) writes into status.json, plus
+    """Every field ``JobStatus`` (dxrun/run/job_dir.py) writes into status.json, plus
     write_status's own."""
-    tree = ast.parse((PACKAGE / "job_dir.py").read_text())
+    tree = ast.parse((PACKAGE / "run" / "job_dir.py").read_text())
     keys = ["status"]
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     for node in [c for c in calls if getattr(c.func, "id", None) == "write_status"] + [
@@ -169,7 +169,7 @@ def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
            "metrics of `dxrun/tracking/metric_names.py`, the keys read from "
-           "`dxrun/tracking/run_summary.py`, `dxrun/job_dir.py` and `dxrun/plan.py`). A run "
+           "`dxrun/tracking/run_summary.py`, `dxrun/run/job_dir.py` and `dxrun/plan/mesh.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
     out += table("file", RUN_FILES)

@@ -1,4 +1,4 @@
-"""The Presets page: every preset file shipped (``dxrun.reference.preset_files``), its leading
+"""The Presets page: every preset file shipped (``dxrun.config.registry.preset_files``), its leading
 comment and the keys it sets, read from the files."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from docs.reference.markdown import PACKAGE
-from dxrun.reference import preset_files
+from dxrun.config.registry import preset_files
 
 
 def _flatten(node: Any, prefix: str = "") -> list[str]:

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dxrun.autotune.timing import agreed
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import Row, _ms, _s, search_cost
 from dxrun.plan.mesh import make_plan
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 

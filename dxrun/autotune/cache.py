@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.plan.layouts import REMATS, SEARCHES
-from dxrun.runtime import user_cache_dir
+from dxrun.run.runtime import user_cache_dir
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def cache_key(cfg: RunConfig, held: tuple[int, int], n_devices: int, device_kind: str,

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 from omegaconf import OmegaConf
 
-from dxrun.attention_kernel import AttentionTarget, kind_target
 from dxrun.autotune import memory_report
 from dxrun.autotune.hlo import collective_list, collective_traffic
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
+from dxrun.plan.attention_kernel import AttentionTarget, kind_target
 from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import TARGETS, Target, plan_platform, target_key
@@ -24,7 +24,7 @@ from dxrun.plan.vocab import padded_vocab, table_rows
 from dxrun.step import step_bytes
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def _shard_bytes(tree: Any) -> float:

@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from dxrun.autotune.peak import measure_peak_tflops
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.plan import flops
 from dxrun.plan.targets import TARGETS, GiB, Target
-from dxrun.runtime import user_cache_dir
+from dxrun.run.runtime import user_cache_dir
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 def host_memory_bytes() -> float:

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import disk_error
+from dxrun.config.errors import disk_error
 
 FILE = "memory_breakdown.txt"
 PPROF = "memory.prof"

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from dxrun.plan import flops
 
 if TYPE_CHECKING:
-    from dxrun.schema import RuntimeConfig, TrainConfig
+    from dxrun.config.schema import RuntimeConfig, TrainConfig
 
 log = logging.getLogger("dxrun")
 

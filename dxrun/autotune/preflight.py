@@ -15,15 +15,15 @@ import jax
 from dxrun.autotune import memory_report
 from dxrun.autotune.fit import first_that_fits, state_bytes
 from dxrun.autotune.host import host_memory_bytes
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.multihost.distributed import gather, local_processes
 from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.plan.targets import USABLE_CPU, GiB
 from dxrun.step import step_bytes
 
 if TYPE_CHECKING:
+    from dxrun.config.schema import RunConfig, RuntimeConfig
     from dxrun.experiment import Experiment
-    from dxrun.schema import RunConfig, RuntimeConfig
 
 
 def cpu_device_budget(available: float, local_devices: int, processes: int) -> float:

@@ -27,7 +27,7 @@ from dxrun.autotune.fit import NoData, step_estimate
 from dxrun.autotune.host import resolve_target
 from dxrun.autotune.preflight import device_budget
 from dxrun.autotune.timing import Handover, agreed, time_layouts
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.multihost.distributed import is_main
 from dxrun.plan.layout import Layout
@@ -50,7 +50,7 @@ from dxrun.plan.targets import GiB, Target, usable_bytes
 from dxrun.step import analysis_is_full, step_bytes
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 

@@ -22,7 +22,7 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun.autotune.fit import NoData, accelerator_memory, kernel_on, step_estimate, target_vocab
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.layout import Layout
@@ -32,7 +32,7 @@ from dxrun.plan.targets import GB, TARGETS, Target, gb_text, target_key, usable_
 from dxrun.plan.vocab import table_rows
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 ACCUMS = (1, 2, 4, 8, 16)
 RUNNERS_UP = 3  # settings listed after the suggestion

@@ -21,10 +21,10 @@ from dxrun.multihost.distributed import agree
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, _ms, held_batch, survivors
 from dxrun.plan.mesh import make_plan
-from dxrun.runtime import release_freed_memory
+from dxrun.run.runtime import release_freed_memory
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 log = logging.getLogger("dxrun")
 

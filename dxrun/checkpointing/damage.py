@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import disk_error, named_line
+from dxrun.config.errors import disk_error, named_line
 
 log = logging.getLogger("dxrun")
 

@@ -31,14 +31,14 @@ from dxrun.checkpointing.damage import (
 )
 from dxrun.checkpointing.store import POINTER, STATE, checkpoint_dir, committed_steps, read, rotated_away
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
+from dxrun.config.errors import CheckpointGone, CheckpointReadError, ConfigError, NothingToTrain
 from dxrun.data.pipeline import position
-from dxrun.errors import CheckpointGone, CheckpointReadError, ConfigError, NothingToTrain
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
 from dxrun.tracking.monitor import stopped_early
 
 if TYPE_CHECKING:
-    from dxrun.schema import CheckpointConfig, OptimizerConfig, RunConfig
+    from dxrun.config.schema import CheckpointConfig, OptimizerConfig, RunConfig
 
 log = logging.getLogger("dxrun")
 

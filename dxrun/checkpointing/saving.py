@@ -2,8 +2,8 @@
 
 A save is due every ``checkpoint.every`` steps, every ``checkpoint.every_minutes`` of wall
 clock, at the last step and on SIGUSR1; SIGTERM/SIGINT stop the run after a committed save
-(``preempt.py`` turns the signals into flags). With several processes the processes agree on
-the step a signal or a clock acts at (``ProcessAgreement``): a save is collective.
+(``dxrun.run.signals`` turns the signals into flags). With several processes the processes
+agree on the step a signal or a clock acts at (``ProcessAgreement``): a save is collective.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun import faults
 from dxrun.checkpointing.cadence import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
-from dxrun.checkpointing.preempt import Preemption, ProcessAgreement
 from dxrun.checkpointing.store import (
     POINTER,
     Checkpointer,
@@ -27,13 +25,15 @@ from dxrun.checkpointing.store import (
     committed_steps,
     run_id,
 )
-from dxrun.errors import NonFiniteError, Stopped
+from dxrun.config.errors import NonFiniteError, Stopped
 from dxrun.multihost.distributed import is_main
+from dxrun.run import faults
+from dxrun.run.signals import Preemption, ProcessAgreement
 from dxrun.tracking.monitor import Monitor
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
 
 if TYPE_CHECKING:
-    from dxrun.schema import CheckpointConfig, TrainConfig
+    from dxrun.config.schema import CheckpointConfig, TrainConfig
     from dxrun.step import TrainState
 
 log = logging.getLogger("dxrun")

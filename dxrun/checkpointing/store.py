@@ -28,10 +28,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from dxrun.checkpointing.damage import check_meta, quiet_failed_writes
-from dxrun.errors import DiskError, disk_error
+from dxrun.config.errors import DiskError, disk_error
 
 if TYPE_CHECKING:
-    from dxrun.schema import CheckpointConfig
+    from dxrun.config.schema import CheckpointConfig
     from dxrun.step import TrainState
 
 log = logging.getLogger("dxrun")

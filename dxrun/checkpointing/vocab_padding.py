@@ -8,7 +8,7 @@ shards, zeros beyond (Orbax's non-strict read). That is exact: padding rows star
 logits are masked and their gradients are zero, so every padding row of a checkpoint is zero,
 and the real rows always come first.
 
-ZeRO-1's padding of the optimizer state to a multiple of the data axis (``dxrun.zero_padding``)
+ZeRO-1's padding of the optimizer state to a multiple of the data axis (``dxrun.model.zero_padding``)
 is read the same way: zeros after the real rows. Only those differences are read this way; the
 callers have already refused a checkpoint of another model shape or vocabulary
 (``resume.check_compatible``, ``load``), and any other difference fails as before.
@@ -71,7 +71,7 @@ def padding_differs(stored: Shapes, target: Shapes, partial: bool = False) -> bo
 def without_zero_padding(tree_shapes: Shapes) -> Shapes:
     """``tree_shapes`` (a train state's) with each optimizer-state leaf that is larger than its
     parameter (the ``params`` leaf of the same trailing path) in some axes given the
-    parameter's shape: ZeRO-1 pads the state it splits (``dxrun.zero_padding``), never the
+    parameter's shape: ZeRO-1 pads the state it splits (``dxrun.model.zero_padding``), never the
     parameters, and every optimizer dxrun builds keeps a parameter-shaped state otherwise."""
     out = dict(tree_shapes)
     for key, shape in tree_shapes.items():

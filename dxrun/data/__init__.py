@@ -23,7 +23,7 @@ from dxrun.data.markov import EVAL, TRAIN, MarkovSource
 from dxrun.plan.batch import default_seq_len
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 __all__ = ["EVAL", "TRAIN", "Data", "BatchIterator", "build_data"]
 

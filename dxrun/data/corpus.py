@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dxrun.errors import ConfigError, first_line
+from dxrun.config.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
-    from dxrun.schema import DataConfig, ModelConfig
+    from dxrun.config.schema import DataConfig, ModelConfig
 
 BYTE_VOCAB = 256
 BYTE_EOT = 0  # NUL never occurs in UTF-8 text, so it can separate documents

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 TRAIN, EVAL = 0, 1  # independent streams of the same chain
 MAX_TABLE_BYTES = 2 * 2**30  # refuse chains whose tables need more (validation.validate)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.errors import ConfigError
-from dxrun.target import checked_factory
+from dxrun.config.errors import ConfigError
+from dxrun.config.target import checked_factory
 
 SPLITS = ("train", "eval")  # by stream: dxrun.data.TRAIN (0), EVAL (1)
 

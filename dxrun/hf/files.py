@@ -5,7 +5,7 @@ classes save them or as the Flax classes do (``kernel``: the weight transposed, 
 
 Opening reads the headers only (names, shapes, dtypes); ``HFWeights.read`` reads one tensor,
 through safetensors' memory-mapped reader, and nothing else stays in memory. ``check`` compares
-the headers with what the model section expects (``dxrun.hf.layout``): a missing, extra or
+the headers with what the model section expects (``dxrun.hf.mapping``): a missing, extra or
 misshapen tensor, a truncated or unreadable file is a ConfigError naming the file. No JAX.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.errors import ConfigError
-from dxrun.hf.layout import BUFFERS, Weight, dims, hf_name, shape_of
+from dxrun.config.errors import ConfigError
+from dxrun.hf.mapping import BUFFERS, Weight, dims, hf_name, shape_of
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 # The files of layouts dxrun does not read, and how to get one it does.

@@ -2,7 +2,7 @@
 
 Each dxrun parameter is made in the run's shardings one shard at a time: for each layer of a
 stacked weight in turn, a shard reads only its region of the HF tensor (safetensors' lazy
-slices; ``layout.dxrun_block`` maps dxrun's index to the HF tensor's), in dxrun's layout, into
+slices; ``mapping.dxrun_block`` maps dxrun's index to the HF tensor's), in dxrun's layout, into
 the shard; rows past the real vocabulary are the mesh's padding, zeros. A shard is on its
 devices before the next is read, and replicas share one read. So the host holds one shard
 beyond the shards placed so far, never the whole model, and each process reads only the
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from dxrun.hf.config import hf_dir, read_config
+from dxrun.hf.config_json import hf_dir, read_config
 from dxrun.hf.files import HFWeights
-from dxrun.hf.layout import Weight, dims, dxrun_block, shape_of, weights
+from dxrun.hf.mapping import Weight, dims, dxrun_block, shape_of, weights
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -52,7 +52,7 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
     spec = spec or exp.abstract_state().params
     specs, axes = _leaves(spec), _leaves(exp.axes)
     if set(specs) != {w.dxrun for w in table}:
-        raise AssertionError(f"dxrun.hf.layout misses {set(specs) ^ {w.dxrun for w in table}}")
+        raise AssertionError(f"dxrun.hf.mapping misses {set(specs) ^ {w.dxrun for w in table}}")
     dim = dims(m)
     real_v = dim["V"]
     built: dict[str, jax.Array] = {}

@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dxrun import faults
-from dxrun.errors import ConfigError, first_line
-from dxrun.runtime import gpus_excluded
+from dxrun.config.errors import ConfigError, first_line
+from dxrun.run import faults
+from dxrun.run.runtime import gpus_excluded
 
 if TYPE_CHECKING:
-    from dxrun.schema import DistributedConfig
+    from dxrun.config.schema import DistributedConfig
 
 log = logging.getLogger("dxrun")
 

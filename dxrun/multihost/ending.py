@@ -13,10 +13,10 @@ import signal
 import subprocess
 from pathlib import Path
 
-from dxrun.checkpointing.preempt import Signals
-from dxrun.errors import EXIT_CODES, FAILED, RUNNING, STOPPED
-from dxrun.run_dir import relaunch_command, run_dir_of, stopped_words
-from dxrun.runtime import STATUS, write_status
+from dxrun.config.errors import EXIT_CODES, FAILED, RUNNING, STOPPED
+from dxrun.run.run_dir import relaunch_command, run_dir_of, stopped_words
+from dxrun.run.runtime import STATUS, write_status
+from dxrun.run.signals import Signals
 
 STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
                         r"Resume with: (.+)$")

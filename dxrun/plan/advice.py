@@ -9,9 +9,9 @@ import math
 import re
 from typing import Any
 
-from dxrun.config import model_changes
+from dxrun.config.registry import model_changes
+from dxrun.config.schema_parallel import AXES
 from dxrun.plan.targets import GB, gb_text
-from dxrun.schema_parallel import AXES
 
 EXPOSED_SHARE = 0.10  # exposed collectives above this share of the step: a warning
 UNSPLIT_SHARE = 0.10  # ZeRO-1: optimizer state left whole above this share of it: a warning

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from dxrun.errors import ConfigError
-from dxrun.schema_parallel import AXES
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema_parallel import AXES
 
 
 def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dxrun.errors import ConfigError
-from dxrun.schema import GLOBAL, INT32, PER_DEVICE
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema import GLOBAL, INT32, PER_DEVICE
 
 CPU_SEQ_LEN = 64  # data.seq_len=null on CPU (capped by model.max_seq_len)
 

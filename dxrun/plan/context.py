@@ -4,19 +4,19 @@ positions each device holds, the checks a config must pass, and the key/value tr
 Each sequence is cut into 2·cp equal chunks and device i of the axis holds chunks i and
 2·cp-1-i (the zig-zag split): under a causal mask an early chunk attends to few keys and a late
 one to many, so pairing them gives every device the same work. The step permutes each
-sequence into that order once (``dxrun.context_parallel``); the model reads the true positions
+sequence into that order once (``dxrun.model.context_parallel``); the model reads the true positions
 from ``zigzag_order``, and the loss, a mean over all tokens, does not depend on the order.
 """
 
 from __future__ import annotations
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 # parallelism=auto's layout search tries context-parallel layouts only from this sequence
 # length on: below it a sequence's activations are small beside the weights and optimizer
 # state, and the per-layer key/value gather costs more than the memory it frees.
 LONG_SEQ = 8192
-# Keys per block of the context axis's attention at most (dxrun.context_parallel.flash): one
+# Keys per block of the context axis's attention at most (dxrun.model.context_parallel.flash): one
 # block's local-queries x BLOCK scores alive at a time.
 BLOCK = 512
 

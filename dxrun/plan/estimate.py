@@ -11,7 +11,7 @@ from dxrun.plan.gpu_cost import basis_text
 from dxrun.plan.targets import GB, Target, usable_share
 
 if TYPE_CHECKING:
-    from dxrun.schema import RunConfig
+    from dxrun.config.schema import RunConfig
 
 
 @dataclass

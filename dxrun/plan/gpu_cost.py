@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dxrun.attention_kernel import KERNELS
 from dxrun.plan import flops
+from dxrun.plan.attention_kernel import KERNELS
 from dxrun.plan.context import kv_gather_bytes
 from dxrun.plan.vocab import padded_vocab, table_rows
 
 if TYPE_CHECKING:
+    from dxrun.config.schema import RunConfig
     from dxrun.plan.mesh import MeshPlan
-    from dxrun.schema import RunConfig
 
 GB = 1e9
 
@@ -114,7 +114,7 @@ COST: dict[str, Cost] = {
         clock_scale="assumed as the H100's", link_efficiency="PCIe 4.0 x16, assumed 80%",
         devices_per_node="8 PCIe cards per server, assumed",
         network_bytes_per_s="200 Gb/s per GPU, assumed")),
-    # TPUs: Pallas' splash attention (dxrun/splash_attention.py). The v5e's matmul and
+    # TPUs: Pallas' splash attention (dxrun/model/splash_attention.py). The v5e's matmul and
     # attention fractions are fitted on dxrun's own steps on one chip (BENCHMARKS.md, "TPU");
     # the v5p's matmul fraction is MaxText's published MFU (README "Runtime Performance
     # Results": 55-65% on dense Llama-class models; the matmuls alone do better).

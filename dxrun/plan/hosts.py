@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 
 def split_over_hosts(dp: int, fsdp: int, tp: int, hosts: int,

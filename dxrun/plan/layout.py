@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.schema_parallel import AXES, axis_sizes
+from dxrun.config.schema_parallel import AXES, axis_sizes
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from dxrun import faults
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.plan.batch import default_seq_len
 from dxrun.plan.context import LONG_SEQ
 from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.mesh import make_plan
+from dxrun.run import faults
 
 if TYPE_CHECKING:
-    from dxrun.attention_kernel import AttentionTarget
-    from dxrun.schema import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig
+    from dxrun.config.schema import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig
+    from dxrun.plan.attention_kernel import AttentionTarget
 
 SEARCHES = ("none", "measure", "model", "fresh")
 REMATS = ("none", "dots", "full")  # cheapest to most recomputation

@@ -1,15 +1,15 @@
 """How many positions the chunked loss takes at a time (``model.loss_chunk``): pure, read by
 the config check before JAX starts and by ``make_plan``, whose plan the memory and time models
-and the step (``dxrun.chunked_loss``) read."""
+and the step (``dxrun.model.chunked_loss``) read."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 AUTO_ON_BYTES = 512 * 2**20  # null: chunk when one micro-batch's fp32 logits exceed this
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dxrun.attention_kernel import KERNELS
+from dxrun.plan.attention_kernel import KERNELS
 from dxrun.plan.context import BLOCK
 from dxrun.plan.targets import gb_text
 
 if TYPE_CHECKING:
+    from dxrun.config.schema import ModelConfig
     from dxrun.plan.mesh import MeshPlan
-    from dxrun.schema import ModelConfig
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -104,7 +104,7 @@ def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> S
 
 
 def norm_bytes(x: Shapes) -> float:
-    """What one norm keeps (``dxrun.layers.norm``'s custom VJP): its input (the residual
+    """What one norm keeps (``dxrun.model.layers.norm``'s custom VJP): its input (the residual
     stream), its output in the compute dtype and its fp32 statistics per token (LayerNorm's
     mean and reciprocal deviation, RMSNorm's reciprocal deviation). With sequence parallelism
     the input and statistics are of the device's part of the sequence, the output (what the
@@ -203,7 +203,7 @@ def working_set(x: Shapes) -> float:
 def head_bytes(x: Shapes) -> float:
     """The final norm's residuals and the fp32 logits with their gradient: of the whole
     micro-batch, or with ``model.loss_chunk`` of one chunk (``b`` x ``loss_chunk`` tokens;
-    its backward recomputes them, ``dxrun.chunked_loss``)."""
+    its backward recomputes them, ``dxrun.model.chunked_loss``)."""
     logit_tokens = x.b * x.loss_chunk if x.loss_chunk else x.tokens
     return norm_bytes(x) + 2 * FP32 * logit_tokens * x.vocab
 

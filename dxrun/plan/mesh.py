@@ -12,8 +12,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dxrun.attention_kernel import AttentionTarget, check_remat, plan_kernel
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
+from dxrun.config.schema_parallel import AXES, axis_sizes
+from dxrun.plan.attention_kernel import AttentionTarget, check_remat, plan_kernel
 from dxrun.plan.axes import resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
@@ -29,10 +30,9 @@ from dxrun.plan.hosts import group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
-from dxrun.schema_parallel import AXES, axis_sizes
 
 if TYPE_CHECKING:
-    from dxrun.schema import ParallelismConfig, RunConfig
+    from dxrun.config.schema import ParallelismConfig, RunConfig
 
 MESH_AXES = tuple(a.mesh for a in AXES)  # ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -61,7 +61,7 @@ LOGICAL_RULES: dict[str, Any] = {
 # well, along the first of its logical axes in this order whose per-shard size the data axis
 # divides (appended to whatever the rules above shard it over). Weight axes first (the large
 # ones), the stacked layer axis last. No divisible axis: the tensor is padded up to a
-# multiple of the data axis along one axis and split there (dxrun/zero_padding.py).
+# multiple of the data axis along one axis and split there (dxrun/model/zero_padding.py).
 OPTIMIZER_DATA_AXES = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim", "norm", "pos",
                        "layers")
 

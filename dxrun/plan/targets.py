@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 
 GB = 1e9
 GiB = 2**30

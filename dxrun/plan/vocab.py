@@ -27,6 +27,6 @@ def padded_vocab(vocab_size: int, tp: int, platform: str, align: int = 0) -> int
 
 def table_rows(model: Any) -> int:
     """The vocabulary rows the model's tables must hold (the model section ``model``): the
-    vocabulary, and for ``model.objective=mdlm`` its [MASK] token after it (``dxrun.mdlm``),
+    vocabulary, and for ``model.objective=mdlm`` its [MASK] token after it (``dxrun.model.mdlm``),
     which then always sits in the first padding row."""
     return model.vocab_size + (getattr(model, "objective", "ar") == "mdlm")

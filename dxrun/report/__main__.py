@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.report.collect import tally
 from dxrun.report.table import write_report
 

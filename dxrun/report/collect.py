@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from dxrun.report.ranking import LayoutRun
-from dxrun.runtime import STATUS
+from dxrun.run.runtime import STATUS
 from dxrun.tracking.logger import read_metrics
 
 log = logging.getLogger("dxrun")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dxrun.report.collect import JobRecord
-from dxrun.runtime import sweep_group
+from dxrun.run.runtime import sweep_group
 
 log = logging.getLogger("dxrun")
 

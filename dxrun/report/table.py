@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import ConfigError
+from dxrun.config.errors import ConfigError
 from dxrun.report import plots as plotting
 from dxrun.report.collect import (
     STRONG,

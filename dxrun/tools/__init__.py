@@ -1,3 +1,5 @@
-"""After training: a run's checkpoint loaded on any mesh (``load``), scored on held-out data
-(``evaluate``) or continued from a prompt (``sample``, with the KV-cache decoder ``decode``).
-The commands keep their names: ``python -m dxrun.evaluate``, ``python -m dxrun.sample``."""
+"""After training, what the commands share: a run's checkpoint (or a Hugging Face directory)
+loaded on any mesh and the tools' command line (``checkpoint``; a live run's newest checkpoint
+read by ``live``), and the decoders a prompt is continued with (``decode``: the KV cache;
+``denoise``: masked diffusion's). The commands themselves are ``dxrun.evaluate``,
+``dxrun.sample``, ``dxrun.export`` and ``dxrun.logits``."""

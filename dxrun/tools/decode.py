@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.attention import Attention, reference_attention
-from dxrun.sharding import in_mesh_context
+from dxrun.model.attention import Attention, reference_attention
+from dxrun.model.sharding import in_mesh_context
 
 NEG = jnp.finfo(jnp.float32).min
 

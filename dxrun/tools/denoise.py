@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.mdlm import mask_rate, objective_of
+from dxrun.model.mdlm import mask_rate, objective_of
 from dxrun.tools.decode import Sampling, _runner, pick
 
 if TYPE_CHECKING:
-    from dxrun.schema import ModelConfig
+    from dxrun.config.schema import ModelConfig
 
 
 def reveal(masked_BxN: jax.Array, confidence_BxN: jax.Array, u_BxN: jax.Array,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dxrun.checkpointing import resume as checkpoint  # load.py's too: one import of JAX
-from dxrun.errors import CheckpointGone, ConfigError
+from dxrun.config.errors import CheckpointGone, ConfigError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

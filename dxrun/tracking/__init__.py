@@ -2,5 +2,6 @@
 time went (``goodput``), a logged row's numbers (``metrics_row``), every metric's name, unit
 and meaning (``metric_names``), the one metrics path to ``metrics.jsonl`` and W&B
 (``logger``), the progress on the terminal (``console``), the end's ``summary.json``
-(``run_summary``), an offline W&B run read back (``wandb_file``) and the W&B workspace
-(``dashboard`` + ``dashboard.yaml``; the command stays ``python -m dxrun.dashboard``)."""
+(``run_summary``), a profiler trace of a few steps (``trace``; ``python -m dxrun.profile``
+reads it), an offline W&B run read back (``wandb_file``) and the W&B workspace's panels
+(``dashboard.yaml``, which ``python -m dxrun.dashboard`` creates)."""

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dxrun.schema_tracking import LoggerConfig
+from dxrun.config.schema import LoggerConfig
 from dxrun.tracking.stores import mlflow_store_uri
 
 

@@ -19,8 +19,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from dxrun.bookkeeping import read_json
-from dxrun.runtime import write_json
+from dxrun.run.bookkeeping import read_json
+from dxrun.run.runtime import write_json
 
 PARTS = ("startup", "search", "compile", "data", "productive", "eval", "checkpoint", "logging",
          "profile")

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dxrun.runtime import finite_or_null
-from dxrun.schema_tracking import LoggerConfig
+from dxrun.config.schema import LoggerConfig
+from dxrun.run.runtime import finite_or_null
 from dxrun.tracking.backends import (
     Backend,
     CsvBackend,

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dxrun.errors import UNFINISHED
+from dxrun.config.errors import UNFINISHED
 from dxrun.multihost.distributed import is_main
-from dxrun.run_dir import read_status
-from dxrun.runtime import write_json
+from dxrun.run.run_dir import read_status
+from dxrun.run.runtime import write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.logger import read_metrics
 from dxrun.tracking.metrics_row import best_loss

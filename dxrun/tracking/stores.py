@@ -12,8 +12,8 @@ from urllib.parse import unquote, urlparse
 
 from omegaconf import ListConfig
 
-from dxrun.run_dir import dir_refusal
-from dxrun.schema_tracking import LoggerConfig
+from dxrun.config.schema import LoggerConfig
+from dxrun.run.run_dir import dir_refusal
 
 # The keys each backend reads (MLflow: the experiment, the store, and the names as tags).
 NAMES = ("project", "group", "job_type", "tags")

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dxrun.schema_tracking import LoggerConfig
+from dxrun.config.schema import LoggerConfig
 from dxrun.tracking.backends import Backend, Declined, Opening
 from dxrun.tracking.wandb_file import held_steps
 

@@ -1,6 +1,6 @@
 """A small decoder-only model with its own block (GPT-J's parallel block: attention and MLP
 read the same RMS-normed input and are added to the residual together), written against
-dxrun's model protocol (``dxrun/user_model.py``):
+dxrun's model protocol (``dxrun/model/user_model.py``):
 
 * ``CustomLM(**model.kwargs, vocab_size=..., rngs=...)`` builds it;
 * every parameter is an ``nnx.Param`` with logical axes, one name per dimension, from dxrun's

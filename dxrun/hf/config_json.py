@@ -1,0 +1,223 @@
+"""A Hugging Face directory's ``config.json`` as dxrun's model section, and back.
+
+``model.init_from=hf:<dir>``: the model's shape is the checkpoint's, so the model section is
+filled from ``config.json`` before the config is validated (as a preset would fill it), and a
+``model.*`` override that contradicts it is refused in one line. GPT-2 (``model_type: gpt2``) and
+the Llama family (``llama``: grouped-query attention, untied or tied embeddings, ``rope_theta``,
+Llama 3.1's ``rope_scaling``) are read; anything dxrun's model cannot compute exactly is refused,
+naming the field. No JAX: plan mode plans a fine-tune from ``config.json`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
+
+from dxrun.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+PREFIX = "hf:"
+KEY = "model.init_from"
+# The model keys a checkpoint fixes (the rest: dropout, remat, scan_layers... are the run's).
+SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+              "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
+              "rope_theta", "rope_scaling")
+GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings")
+
+
+def hf_dir(init_from: str | None) -> Path | None:
+    """The directory ``model.init_from`` names, or None when it names none."""
+    if not init_from:
+        return None
+    if not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
+        raise ConfigError(f"{KEY}={init_from}: give hf:<dir>, a local Hugging Face directory "
+                          "(config.json and model.safetensors)")
+    return Path(init_from[len(PREFIX):]).expanduser().absolute()
+
+
+def read_config(d: Path) -> dict[str, Any]:
+    path = d / "config.json"
+    if not d.is_dir():
+        raise ConfigError(f"{KEY}: {d} is not a directory; give hf:<a Hugging Face directory>")
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json; a Hugging Face directory holds config.json "
+                          "and model.safetensors")
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return out
+
+
+def _need(hf: dict, path: Path, name: str) -> Any:
+    if hf.get(name) is None:
+        raise ConfigError(f"{path}: {name} is missing")
+    return hf[name]
+
+
+def _refuse_unless(ok: bool, path: Path, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {what}; dxrun's model has no equivalent")
+
+
+def model_fields(hf: dict, path: Path) -> dict[str, Any]:
+    """The model section's shape keys for the checkpoint ``config.json`` (``hf``, at ``path``)
+    describes; refuses what dxrun cannot compute exactly."""
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        _refuse_unless(act in GPT2_ACTS, path, f"activation_function={act}")
+        for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                           ("reorder_and_upcast_attn", False), ("tie_word_embeddings", True)):
+            _refuse_unless(hf.get(name, want) == want, path, f"{name}={hf.get(name)}")
+        eps = hf.get("layer_norm_epsilon", 1e-5)
+        D, H = _need(hf, path, "n_embd"), _need(hf, path, "n_head")
+        out = dict(n_layers=_need(hf, path, "n_layer"), d_model=D, n_heads=H, n_kv_heads=H,
+                   d_ff=hf.get("n_inner") or 4 * D, vocab_size=_need(hf, path, "vocab_size"),
+                   max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
+                   norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
+                   rope_theta=10000.0, rope_scaling=None)
+    elif kind == "llama":
+        act = hf.get("hidden_act", "silu")
+        _refuse_unless(act == "silu", path, f"hidden_act={act}")
+        for name in ("attention_bias", "mlp_bias"):
+            _refuse_unless(not hf.get(name, False), path, f"{name}=true")
+        eps = hf.get("rms_norm_eps", 1e-6)
+        D, H = _need(hf, path, "hidden_size"), _need(hf, path, "num_attention_heads")
+        head_dim = hf.get("head_dim") or D // H
+        _refuse_unless(head_dim * H == D, path, f"head_dim={head_dim} with hidden_size={D} "
+                       f"and num_attention_heads={H}")
+        out = dict(n_layers=_need(hf, path, "num_hidden_layers"), d_model=D, n_heads=H,
+                   n_kv_heads=hf.get("num_key_value_heads") or H,
+                   d_ff=_need(hf, path, "intermediate_size"),
+                   vocab_size=_need(hf, path, "vocab_size"),
+                   max_seq_len=_need(hf, path, "max_position_embeddings"), bias=False,
+                   norm="rmsnorm", norm_eps=float(eps), mlp="swiglu", pos="rope",
+                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                   rope_theta=float(hf.get("rope_theta", 10000.0)),
+                   rope_scaling=rope_scaling(hf.get("rope_scaling"), path))
+    else:
+        raise ConfigError(f"{path}: model_type={kind} is not one dxrun reads; it reads gpt2 and "
+                          "llama")
+    _refuse_unless(isinstance(eps, (int, float)) and eps > 0, path, f"norm epsilon {eps}")
+    return out
+
+
+def rope_scaling(scaling: Any, path: Path) -> dict[str, float] | None:
+    """Llama 3.1's ``rope_scaling`` (``rope_type: llama3``) as dxrun's ``model.rope_scaling``;
+    None for none; any other kind refused."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    _refuse_unless(kind == "llama3" and all(k in scaling for k in LLAMA3_SCALING), path,
+                   f"rope_scaling={json.dumps(scaling)} (dxrun reads rope_type llama3)")
+    return {k: float(scaling[k]) for k in LLAMA3_SCALING}
+
+
+def given_model_keys(overrides: list[str]) -> dict[str, str]:
+    """The ``model.<key>=value`` overrides of a command line, by key."""
+    out = {}
+    for o in overrides:
+        k, eq, v = o.lstrip("+~").partition("=")
+        if eq and k.startswith("model."):
+            out[k[len("model."):]] = v
+    return out
+
+
+def apply_hf_model(cfg: DictConfig, overrides: list[str]) -> Path | None:
+    """Fill ``cfg.model`` (a composed DictConfig, not yet validated) from the directory
+    ``model.init_from`` names, refusing a given ``model.*`` override that contradicts it, and
+    name the directory's ``tokenizer.json`` as ``data.tokenizer`` for text data that names
+    none. Returns the directory (None: a run from its own init)."""
+    d = hf_dir(cfg.model.init_from)
+    if d is None:
+        return None
+    path = d / "config.json"
+    fields = model_fields(read_config(d), path)
+    given = given_model_keys(overrides)
+    for k, want in fields.items():
+        if k in given and OmegaConf.select(cfg, f"model.{k}") != want:
+            raise ConfigError(f"model.{k}={given[k]} contradicts {path} ({k}={want}); drop the "
+                              f"override: {KEY}={cfg.model.init_from} takes the model's shape "
+                              "from the checkpoint")
+    for k, want in fields.items():
+        cfg.model[k] = want
+    if "name" not in given:
+        cfg.model.name = f"hf-{d.name}"
+    tokenizer = d / "tokenizer.json"
+    if (cfg.data.name == "text" and tokenizer.is_file()
+            and OmegaConf.select(cfg, "data.tokenizer") is None):
+        cfg.data.tokenizer = str(tokenizer)
+    return d
+
+
+def check_rope_scaling(value: Any) -> None:
+    """``model.rope_scaling``: null or Llama 3.1's four numbers."""
+    if value is None:
+        return
+    keys = set(value) if hasattr(value, "keys") else set()
+    if keys != set(LLAMA3_SCALING) or not all(
+            isinstance(value[k], (int, float)) and value[k] > 0 for k in keys):
+        raise ConfigError(f"model.rope_scaling={value}: give null or positive "
+                          f"{', '.join(LLAMA3_SCALING)} (Llama 3.1's rope_scaling)")
+
+
+# dxrun's two families and the keys that make them (export: which HF architecture a run is).
+FAMILIES = {
+    "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True),
+    "llama": dict(bias=False, norm="rmsnorm", mlp="swiglu", pos="rope"),
+}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def model_type_of(m: Any) -> str:
+    """The HF ``model_type`` of dxrun's model section ``m``; ConfigError naming what differs
+    when no HF architecture computes what it does."""
+    misses = {kind: [f"model.{k}={_show(getattr(m, k))}" for k, v in want.items()
+                     if getattr(m, k) != v] for kind, want in FAMILIES.items()}
+    if m.pos == "learned" and m.n_kv_heads != m.n_heads:
+        misses["gpt2"].append(f"model.n_kv_heads={m.n_kv_heads} (GPT-2 has no grouped-query "
+                              "attention)")
+    kind = min(misses, key=lambda k: len(misses[k]))
+    if misses[kind]:
+        want = ", ".join(f"{k}={_show(v)}" for k, v in FAMILIES[kind].items())
+        raise ConfigError(f"the model has no Hugging Face equivalent: nearest is {kind} "
+                          f"({ARCHITECTURES[kind]}: {want}), but {'; '.join(misses[kind])}")
+    return kind
+
+
+def _show(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` transformers reads for dxrun's model section ``m``: the inverse of
+    ``model_fields`` (``model_fields(config_json(m))`` gives back ``m``'s shape keys)."""
+    kind = model_type_of(m)
+    common = dict(architectures=[ARCHITECTURES[kind]], model_type=kind, vocab_size=m.vocab_size,
+                  torch_dtype="float32", use_cache=True, **(extra or {}))
+    if kind == "gpt2":
+        return dict(common, n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
+                    n_positions=m.max_seq_len, n_ctx=m.max_seq_len,
+                    n_inner=None if m.d_ff == 4 * m.d_model else m.d_ff,
+                    activation_function="gelu_new", layer_norm_epsilon=m.norm_eps,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_weights=True,
+                    tie_word_embeddings=True)
+    scaling = (None if not m.rope_scaling
+               else dict(rope_type="llama3", **{k: m.rope_scaling[k] for k in LLAMA3_SCALING}))
+    return dict(common, hidden_size=m.d_model, intermediate_size=m.d_ff,
+                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                num_key_value_heads=m.n_kv_heads, head_dim=m.d_model // m.n_heads,
+                max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                rope_theta=m.rope_theta, rope_scaling=scaling,
+                tie_word_embeddings=m.tie_embeddings, hidden_act="silu",
+                attention_bias=False, mlp_bias=False)

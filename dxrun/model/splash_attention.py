@@ -1,0 +1,79 @@
+"""Pallas' splash attention (TPU), the ``splash`` entry of ``dxrun.plan.attention_kernel``.
+
+JAX ships the kernel (``jax.experimental.pallas.ops.tpu.splash_attention``): flash attention in
+blocks whose fully masked blocks are skipped (the causal half), with its own backward (one fused
+dK/dV/dQ kernel). It takes one sequence's heads, ``[heads, L, E]``; queries of a grouped-query
+model go to its MQA form, one kv head's query group at a time. A Pallas call is opaque to XLA's
+partitioner, so under a mesh it runs in a ``jax.shard_map`` over the batch and head axes the
+rules put the activations on (each device attends its own rows and heads: no collective).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dxrun.model.sharding import active_spec
+from dxrun.plan.attention_kernel import RESIDUALS
+
+# Longest block of queries and keys: on a v5e a 512-long block ran the GPT-2 shapes' forward and
+# backward fastest (BENCHMARKS.md, "TPU"); shorter sequences take the longest multiple of 128
+# that divides them.
+SPLASH_BLOCK = 512
+
+
+def block_len(seq_len: int) -> int:
+    return max(b for b in range(128, min(SPLASH_BLOCK, seq_len) + 1, 128) if seq_len % b == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(heads: int, seq_len: int, causal: bool, mqa: bool, interpret: bool):
+    """The kernel for ``heads`` heads of one sequence (made once per shape: its mask is
+    processed on the host, in numpy)."""
+    # Pallas' kernels imported where splash runs, not in every process that imports the model
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    one = sa.CausalMask((seq_len, seq_len)) if causal else sa.FullMask((seq_len, seq_len))
+    b = block_len(seq_len)
+    blocks = sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                           block_kv_dkv=b, block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+    make = sa.make_splash_mqa_single_device if mqa else sa.make_splash_mha_single_device
+    # Made inside a trace, its mask's block tables must still be constants (it is cached).
+    with jax.ensure_compile_time_eval():
+        return make(sa.MultiHeadMask([one] * heads), block_sizes=blocks, interpret=interpret,
+                    residual_checkpoint_name=RESIDUALS)
+
+
+def _local(q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array, v_BxLxKxE: jax.Array, causal: bool,
+           interpret: bool) -> jax.Array:
+    """Attention of the rows and heads this device holds."""
+    B, L, H, E = q_BxLxHxE.shape
+    K = k_BxLxKxE.shape[2]
+    G = H // K
+    # The kernel does not scale: the queries are, in their own dtype (a power of two for
+    # E = 64 and 256, so exact there).
+    q_BxLxHxE = q_BxLxHxE * jnp.asarray(E**-0.5, q_BxLxHxE.dtype)
+    k_BxKxLxE, v_BxKxLxE = (x.transpose(0, 2, 1, 3) for x in (k_BxLxKxE, v_BxLxKxE))
+    if G == 1:
+        kernel = _kernel(H, L, causal, False, interpret)
+        o_BxHxLxE = jax.vmap(kernel)(q_BxLxHxE.transpose(0, 2, 1, 3), k_BxKxLxE, v_BxKxLxE)
+        return o_BxHxLxE.transpose(0, 2, 1, 3)
+    kernel = _kernel(G, L, causal, True, interpret)
+    q_BxKxGxLxE = q_BxLxHxE.reshape(B, L, K, G, E).transpose(0, 2, 3, 1, 4)
+    o_BxKxGxLxE = jax.vmap(jax.vmap(kernel))(q_BxKxGxLxE, k_BxKxLxE, v_BxKxLxE)
+    return o_BxKxGxLxE.transpose(0, 3, 1, 2, 4).reshape(B, L, H, E)
+
+
+def attend(q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array, v_BxLxKxE: jax.Array, causal: bool = True,
+           interpret: bool = False) -> jax.Array:
+    """Splash attention of BTNH queries, keys and values (grouped-query heads: fewer kv heads).
+    ``interpret``: Pallas' interpreter (CPU; the suite's check against ``reference``)."""
+    local = functools.partial(_local, causal=causal, interpret=interpret)
+    q_spec = active_spec(("batch", "seq", "heads", "head_dim"))
+    if q_spec == jax.sharding.PartitionSpec():  # no mesh, or every device holds everything
+        return local(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
+    kv_spec = active_spec(("batch", "seq", "kv_heads", "head_dim"))
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
