@@ -58,7 +58,7 @@ def test_parallelism_auto_trains_on_the_validated_config_its_plan_holding_the_la
                       "data.seq_len=null", "train.steps=2")
     validation.validate(cfg)
     before = OmegaConf.to_container(cfg, resolve=True)
-    layout = Layout(1, 1, 2, "dots", 2)
+    layout = Layout.of(dp=1, fsdp=1, tp=2, remat="dots", grad_accum=2)
     held = held_batch(cfg, *visible_devices())
     key = cache.cache_key(cfg, held, 2, jax.devices()[0].device_kind, jax.__version__, 1)
     cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,

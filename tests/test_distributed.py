@@ -74,6 +74,13 @@ def test_detect_refuses_with_one_line(dist, env, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def _split(dp, fsdp, tp, hosts, allow_cross_host_tp=False):
+    """(data, fsdp, tensor)'s parts across ``hosts``, by the positions these tests were written in."""
+    dcn = split_over_hosts({"dp": dp, "fsdp": fsdp, "cp": 1, "tp": tp}, hosts,
+                           {"tp"} if allow_cross_host_tp else ())
+    return dcn["dp"], dcn["fsdp"], dcn["tp"]
+
+
 @pytest.mark.parametrize(("mesh", "processes", "dcn"), [
     ((8, 1, 1), 2, (2, 1, 1)),   # dp8 on 2 x 4: data spans the hosts
     ((4, 1, 2), 2, (2, 1, 1)),   # dp4_tp2: tensor pairs inside a host
@@ -83,18 +90,18 @@ def test_detect_refuses_with_one_line(dist, env, message):
     ((16, 1, 8), 16, (16, 1, 1)),  # 16 nodes x 8 GPUs, tp8 per node
 ])
 def test_split_over_hosts(mesh, processes, dcn):
-    assert split_over_hosts(*mesh, processes) == dcn
+    assert _split(*mesh, processes) == dcn
 
 
 def test_split_refuses_cross_host_tp_unless_allowed():
     with pytest.raises(ConfigError) as e:
-        split_over_hosts(1, 1, 8, 2)
+        _split(1, 1, 8, 2)
     msg = str(e.value)
     assert "parallelism.tp=8 puts each tensor-parallel group across 2 hosts" in msg
     assert "parallelism.tp from 1, 2, 4" in msg and "allow_cross_host_tp=true" in msg
-    assert split_over_hosts(1, 1, 8, 2, allow_cross_host_tp=True) == (1, 1, 2)
+    assert _split(1, 1, 8, 2, allow_cross_host_tp=True) == (1, 1, 2)
     with pytest.raises(ConfigError, match="fsdp=6 neither fits"):
-        split_over_hosts(2, 6, 1, 3)  # 3 hosts x 4: rows of a process would scatter
+        _split(2, 6, 1, 3)  # 3 hosts x 4: rows of a process would scatter
 
 
 def test_plan_over_two_processes(cfg_factory):
@@ -203,7 +210,7 @@ def _rows_held(plan, grid, process_of):
     """The row blocks (of plan.data_shards) each process's devices hold in the mesh grid."""
     per = plan.dp * plan.fsdp // plan.data_shards
     held: dict[int, set[int]] = {}
-    for (d, f, _), i in np.ndenumerate(grid):
+    for (d, f, *_), i in np.ndenumerate(grid):
         held.setdefault(process_of[i], set()).add((d * plan.fsdp + f) // per)
     return held
 

@@ -33,12 +33,17 @@ def search_record(cfg, **kw):
     return search(cfg, **kw).record
 
 
+def layout(dp, fsdp, tp, remat="none", grad_accum=1):
+    """A layout by the positions these tests were written in: dp, fsdp, tp."""
+    return Layout.of(dp=dp, fsdp=fsdp, tp=tp, remat=remat, grad_accum=grad_accum)
+
+
 def meshes(layouts):
     return {(x.dp, x.fsdp, x.tp) for x in layouts}
 
 
 def test_factorisations_cover_every_product():
-    assert sorted(ls.factorisations(8)) == sorted(
+    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in ls.meshes(8, 0)) == sorted(
         [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2),
          (2, 1, 4), (1, 2, 4), (1, 1, 8)])
 
@@ -63,10 +68,10 @@ def test_candidates_follow_the_plan_rules():
 
 
 def test_fit_variants_add_recomputation_then_micro_batches():
-    labels = [x.label for x in ls.fit_variants(Layout(8, 1, 1))]
+    labels = [x.label for x in ls.fit_variants(layout(8, 1, 1))]
     assert labels == ["dp8", "dp8 remat=dots", "dp8 remat=full", "dp8 remat=full accum=2",
                       "dp8 remat=full accum=4", "dp8 remat=full accum=8"]
-    assert [x.label for x in ls.fit_variants(Layout(1, 1, 8, "full", 4))] == [
+    assert [x.label for x in ls.fit_variants(layout(1, 1, 8, "full", 4))] == [
         "tp8 remat=full accum=4", "tp8 remat=full accum=8"]
 
 
@@ -75,7 +80,7 @@ def test_a_layout_that_does_not_fit_is_never_chosen():
     def score(layout):
         need = 3.0 if layout.dp == 8 else 0.5
         return need, 0.001 if layout.dp == 8 else 0.010 * layout.tp
-    layouts = [Layout(8, 1, 1), Layout(4, 1, 2), Layout(2, 1, 4)]
+    layouts = [layout(8, 1, 1), layout(4, 1, 2), layout(2, 1, 4)]
     rows = ls.model_stage(layouts, 1.0, score)
     assert [r.layout.mesh for r in rows] == ["dp4_tp2", "dp2_tp4", "dp8"]
     assert not rows[-1].fits and rows[-1].why == "does not fit: 3.00 GiB of 1.00 GiB"
@@ -93,39 +98,39 @@ def test_the_memory_column_keeps_one_unit_below_a_gib():
 def test_a_layout_fits_with_recomputation_when_it_must():
     def score(layout):
         return (0.5 if layout.remat == "full" else 2.0), 0.01
-    rows = ls.model_stage([Layout(8, 1, 1)], 1.0, score)
-    assert rows[0].fits and rows[0].layout == Layout(8, 1, 1, "full", 1)
+    rows = ls.model_stage([layout(8, 1, 1)], 1.0, score)
+    assert rows[0].fits and rows[0].layout == layout(8, 1, 1, "full", 1)
 
 
 def test_the_fastest_measured_wins_over_the_estimate():
-    rows = [Row(Layout(8, 1, 1), 0.1, 1.0, fits=True), Row(Layout(4, 1, 2), 0.1, 2.0, fits=True),
-            Row(Layout(2, 1, 4), 0.1, 3.0, fits=True), Row(Layout(1, 1, 8), 0.1, 4.0, fits=True)]
+    rows = [Row(layout(8, 1, 1), 0.1, 1.0, fits=True), Row(layout(4, 1, 2), 0.1, 2.0, fits=True),
+            Row(layout(2, 1, 4), 0.1, 3.0, fits=True), Row(layout(1, 1, 8), 0.1, 4.0, fits=True)]
     timed = []
 
     def timer(layouts):
         timed.extend(layouts)
-        return {Layout(8, 1, 1): 0.030, Layout(4, 1, 2): 0.010, Layout(2, 1, 4): 0.020}
+        return {layout(8, 1, 1): 0.030, layout(4, 1, 2): 0.010, layout(2, 1, 4): 0.020}
 
     chosen = ls.measure_stage(rows, 3, timer)
-    assert chosen.layout == Layout(4, 1, 2) and chosen.chosen
-    assert timed == [Layout(8, 1, 1), Layout(4, 1, 2), Layout(2, 1, 4)]  # the top 3 only
+    assert chosen.layout == layout(4, 1, 2) and chosen.chosen
+    assert timed == [layout(8, 1, 1), layout(4, 1, 2), layout(2, 1, 4)]  # the top 3 only
     assert rows[0].why == "slower: 30.0 ms measured"
     assert rows[3].why == "slower: 4.0 ms estimated (not in the top 3 measured)"
     record = {"search": "measure", "target": "cpu", "search_s": 1.0,
               "rows": [r.to_json() for r in rows]}
     assert "✓" in ranking.table(record).splitlines()[2]  # the first row under the header
-    assert ls.chosen_layout(record) == Layout(4, 1, 2)
+    assert ls.chosen_layout(record) == layout(4, 1, 2)
 
 
 def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
     """Turns of two layouts that overlap: the slower median loses, and its row says the two are
     within each other's noise; one clear of it (or timed once) just says slower."""
-    rows = [Row(Layout(8, 1, 1), 0.1, 1.0, fits=True), Row(Layout(4, 2, 1), 0.1, 1.0, fits=True),
-            Row(Layout(4, 1, 2), 0.1, 1.0, fits=True), Row(Layout(2, 1, 4), 0.1, 1.0, fits=True)]
-    turns = {Layout(8, 1, 1): [0.080, 0.077, 0.081], Layout(4, 2, 1): [0.079, 0.084, 0.083],
-             Layout(4, 1, 2): [0.090, 0.092, 0.095], Layout(2, 1, 4): [0.082]}
+    rows = [Row(layout(8, 1, 1), 0.1, 1.0, fits=True), Row(layout(4, 2, 1), 0.1, 1.0, fits=True),
+            Row(layout(4, 1, 2), 0.1, 1.0, fits=True), Row(layout(2, 1, 4), 0.1, 1.0, fits=True)]
+    turns = {layout(8, 1, 1): [0.080, 0.077, 0.081], layout(4, 2, 1): [0.079, 0.084, 0.083],
+             layout(4, 1, 2): [0.090, 0.092, 0.095], layout(2, 1, 4): [0.082]}
     chosen = ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
-    assert chosen.layout == Layout(8, 1, 1) and chosen.measured_ms == pytest.approx(80.0)
+    assert chosen.layout == layout(8, 1, 1) and chosen.measured_ms == pytest.approx(80.0)
     assert chosen.spread_ms == pytest.approx([77.0, 81.0])
     assert rows[1].why == ("slower: 83.0 ms measured, not distinguishable (turns 79.0-84.0, "
                            "chosen 77.0-81.0)")
@@ -137,8 +142,8 @@ def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
 
 def test_estimates_within_the_roofline_error_are_measured_too():
     est = [1.0, 2.0, 3.0, 3.05, 3.3, 9.0]  # ms; the top 2, then ties with the first's 1.10x
-    rows = [Row(Layout(8 // 2 ** i if i < 4 else 1, 1, 1), 0.1, e, fits=True)
-            for i, e in enumerate(est)] + [Row(Layout(1, 1, 8), why="does not fit")]
+    rows = [Row(layout(8 // 2 ** i if i < 4 else 1, 1, 1), 0.1, e, fits=True)
+            for i, e in enumerate(est)] + [Row(layout(1, 1, 8), why="does not fit")]
     assert [r.est_ms for r in ls.to_measure(rows, 2)] == [1.0, 2.0]
     rows[1].est_ms, rows[2].est_ms = 1.05, 1.10  # within 10% of the first: measured as well
     assert [r.est_ms for r in ls.to_measure(rows, 1)] == [1.0, 1.05, 1.10]
@@ -151,7 +156,7 @@ def test_estimates_within_the_roofline_error_are_measured_too():
 
 
 def test_the_three_fastest_are_timed_every_round_and_the_far_slower_dropped():
-    lay = [Layout(8 // t, 1, t) for t in (1, 2, 4, 8)] + [Layout(1, 8, 1)]
+    lay = [layout(8 // t, 1, t) for t in (1, 2, 4, 8)] + [layout(1, 8, 1)]
     medians = dict(zip(lay, (1.0, 1.6, 1.05, 3.0, 1.4), strict=True))
     # 1.0, 1.05 are within 1.25x; 1.4 is not but is third fastest; 1.6 and 3.0 go.
     assert ls.survivors(medians, 1.25) == [lay[0], lay[2], lay[4]]
@@ -161,7 +166,7 @@ def test_the_three_fastest_are_timed_every_round_and_the_far_slower_dropped():
 
 
 def test_a_leader_clear_of_every_other_ends_the_rounds():
-    lay = [Layout(8 // t, 1, t) for t in (1, 2, 4)]
+    lay = [layout(8 // t, 1, t) for t in (1, 2, 4)]
     # model=small's first round on this host: 3.4 s, then 4.0 s (1.18x) and 5.8 s.
     medians = dict(zip(lay, (4.0, 3.4, 5.8), strict=True))
     assert ls.survivors(medians, 1.25) == [lay[1]]
@@ -170,8 +175,8 @@ def test_a_leader_clear_of_every_other_ends_the_rounds():
 
 
 def test_every_layout_is_timed_when_their_steps_are_cheap():
-    rows = [Row(Layout(8 // t, 1, t), 0.1, e, fits=True) for t, e in ((1, 30.0), (2, 40.0))]
-    rows.append(Row(Layout(1, 1, 8), why="does not fit"))
+    rows = [Row(layout(8 // t, 1, t), 0.1, e, fits=True) for t, e in ((1, 30.0), (2, 40.0))]
+    rows.append(Row(layout(1, 1, 8), why="does not fit"))
     assert ls.time_every(rows, 1.0)  # 70 ms of steps: time them all
     assert ls.measure_rule(rows, 1.0, simulated=True) == (True, None)  # ...in every round
     assert ls.measure_rule(rows, 1.0, simulated=False) == (False, ls.PRUNE)
@@ -193,7 +198,7 @@ def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypat
     import jax
 
     key = cache.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
-    row = Row(Layout(2, 2, 2, "dots", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
+    row = Row(layout(2, 2, 2, "dots", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
     cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
 
@@ -223,7 +228,7 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", *common)
     key = cache.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
-    row = Row(Layout(2, 2, 2, "full", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
+    row = Row(layout(2, 2, 2, "full", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
     cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
     train(cfg, tmp_path / "auto")
@@ -286,14 +291,13 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     assert ls.train_budget(short.train, short.checkpoint) == 4
     # steps estimated at a turn's time or more (1 s): one timed step a turn anyway; 3 layouts
     # x 3 rounds in 49 steps leaves 5 a turn
-    slow = [Row(Layout(8 // t, 1, t), 1.0, 5000.0 + t, fits=True) for t in (1, 2, 4)]
+    slow = [Row(layout(8 // t, 1, t), 1.0, 5000.0 + t, fits=True) for t in (1, 2, 4)]
     assert ls.train_through(cfg, slow) == 4
     # two states a move holds must fit the memory budget together
     assert ls.train_through(cfg, slow, budget_gb=1.9) == 0
     assert ls.train_through(cfg, slow, budget_gb=2.0) == 4
     # cheap steps timed in turns of ten: 9 layouts x 3 rounds x 11 steps do not fit in 49...
-    cheap = [Row(Layout(d, f, t), 0.01, 10.0, fits=True) for d, f, t in ls.factorisations(8)
-             if t < 8]
+    cheap = [Row(Layout(m), 0.01, 10.0, fits=True) for m in ls.meshes(8, 0) if m["tp"] < 8]
     assert len(cheap) == 9 and ls.train_through(cfg, cheap) == 0
     # ...and do before a first row at step 400 (399 // 27 = 14 a turn: all ten timed)
     far = make_cfg("parallelism=auto", "train.log_every=400", "train.eval_every=0",
@@ -307,7 +311,7 @@ def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
     """``search_cost``: what a search would add to a run, every layout taken to compile and
     step as the starting one does (pure)."""
     cfg = make_cfg("parallelism=auto")  # 600 steps, a first row at step 50
-    cheap = Row(Layout(8, 1, 1), 0.01, 18.0, fits=True)
+    cheap = Row(layout(8, 1, 1), 0.01, 18.0, fits=True)
     # 9 layouts, all timed (cheap steps on simulated devices), 3 rounds of 1 + 10 steps each:
     # 297 steps that do not train the run, and 8 compiles beside the run's own
     cost, steps, run_s = ls.search_cost(cfg, cheap, 9, 4.0, simulated=True)
@@ -315,7 +319,7 @@ def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
     assert cost == pytest.approx(8 * 4.0 + 297 * 0.018)
     # a step of a turn's time or more: the top 3, one timed step a turn, 3 x 3 turns of 2
     # steps in the 49 before the first row: the turns train the run and cost nothing
-    slow = Row(Layout(8, 1, 1), 1.0, 5000.0, fits=True)
+    slow = Row(layout(8, 1, 1), 1.0, 5000.0, fits=True)
     assert ls.search_cost(cfg, slow, 9, 5.0, simulated=True) == (40.0, 0, 3000.0)
     # ...unless the first row comes too soon for them: 3 x 3 x 2 steps of turns
     soon = make_cfg("parallelism=auto", "train.log_every=10")
@@ -358,9 +362,9 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
         scorer, row, what = budget.worth_it(trial, layouts, score, 0.25, None, devices, "t",
                                             "cpu", held(trial))
         assert (row is not None) == kept and what == "all devices data-parallel"
-        assert calls[-1] == Layout(8, 1, 1) == budget.start_layout(trial, devices, held(trial))
+        assert calls[-1] == layout(8, 1, 1) == budget.start_layout(trial, devices, held(trial))
         n = len(calls)
-        assert scorer(Layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
+        assert scorer(layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
     # A real run of 10 steps: dp8 kept, its compile the run's step
     record = prepared.plan.search
     assert prepared.exp.plan.dp == 8 and prepared.handover.exp is None
@@ -377,10 +381,10 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     # A batch the devices do not divide: the first layout the plan accepts is the start
     odd = make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100")
     first = ls.candidates(odd, *devices)[0]
-    assert budget.start_layout(odd, devices, held(odd)) is None and first[0] == Layout(2, 1, 4)
+    assert budget.start_layout(odd, devices, held(odd)) is None and first[0] == layout(2, 1, 4)
     _, row, what = budget.worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu",
                                    held(odd))
-    assert row.layout == Layout(2, 1, 4) and what == "the first layout the plan accepts"
+    assert row.layout == layout(2, 1, 4) and what == "the first layout the plan accepts"
     assert not record["cached"]
     assert cache.read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
 
@@ -406,7 +410,7 @@ def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched)
         "  no layout search: the planned run keeps its starting layout, dp8")
     assert "goodput" not in ranking.table(record, run=False)
     # nor does a resumed run, which keeps its checkpoint's layout
-    resumed = search_record(make_cfg("parallelism=auto"), resumed=Layout(4, 1, 2))
+    resumed = search_record(make_cfg("parallelism=auto"), resumed=layout(4, 1, 2))
     assert ranking.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
                                  "run resumes")
     assert ranking.own_s(resumed) == 0.0
@@ -419,7 +423,7 @@ TWO = ["parallelism=auto", "parallelism.n_devices=2", "model.n_heads=1", "model.
        "model.n_layers=1", "data.seq_len=16", "train.steps=3"]
 # Turns as a loaded host times them: dp2 the faster median, fsdp2's fastest turn inside dp2's
 # spread (not distinguishable: a toss-up).
-TOSS_UP_TURNS = {Layout(2, 1, 1): [0.030, 0.031, 0.033], Layout(1, 2, 1): [0.032, 0.034, 0.036]}
+TOSS_UP_TURNS = {layout(2, 1, 1): [0.030, 0.031, 0.033], layout(1, 2, 1): [0.032, 0.034, 0.036]}
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +449,7 @@ def test_search_fresh_searches_whatever_the_budget(fresh_search):
     assert [r["mesh"] for r in record["rows"] if r["measured_ms"] is not None] == ["dp2",
                                                                                   "fsdp2"]
     assert record["searched"] and record["search"] == "fresh"
-    assert ls.chosen_layout(record) == Layout(2, 1, 1)
+    assert ls.chosen_layout(record) == layout(2, 1, 1)
     assert (cache / "dxrun" / "layouts" / f"{record['key']}.json").is_file()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache.parent / "other"))
@@ -459,13 +463,13 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
     estimate's fourth), then the others timed by their medians, then the untimed by their
     estimates, then the rest; and a choice among layouts not distinguishable from each other
     says so in one plain line (pure: hand-made turns)."""
-    rows = [Row(Layout(8, 1, 1), 0.1, 1.0, fits=True), Row(Layout(4, 2, 1), 0.1, 1.1, fits=True),
-            Row(Layout(4, 1, 2), 0.1, 1.2, fits=True), Row(Layout(2, 2, 2), 0.1, 1.3, fits=True),
-            Row(Layout(2, 1, 4), 0.1, 9.0, fits=True), Row(Layout(1, 1, 8), why="refused")]
-    turns = {Layout(8, 1, 1): [0.090, 0.092, 0.095], Layout(4, 2, 1): [0.079, 0.084, 0.083],
-             Layout(4, 1, 2): [0.078, 0.082, 0.086], Layout(2, 2, 2): [0.080, 0.077, 0.081]}
+    rows = [Row(layout(8, 1, 1), 0.1, 1.0, fits=True), Row(layout(4, 2, 1), 0.1, 1.1, fits=True),
+            Row(layout(4, 1, 2), 0.1, 1.2, fits=True), Row(layout(2, 2, 2), 0.1, 1.3, fits=True),
+            Row(layout(2, 1, 4), 0.1, 9.0, fits=True), Row(layout(1, 1, 8), why="refused")]
+    turns = {layout(8, 1, 1): [0.090, 0.092, 0.095], layout(4, 2, 1): [0.079, 0.084, 0.083],
+             layout(4, 1, 2): [0.078, 0.082, 0.086], layout(2, 2, 2): [0.080, 0.077, 0.081]}
     chosen = ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
-    assert chosen.layout == Layout(2, 2, 2)
+    assert chosen.layout == layout(2, 2, 2)
     record = {"search": "measure", "target": "this machine (CPU)", "search_s": 30.0,
               "searched": True, "rows": [r.to_json() for r in rows]}
     lines = ranking.table(record).splitlines()
@@ -481,7 +485,7 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
     # plan.json keeps the estimate's order (the bench reads the roofline's first there)
     assert [r["mesh"] for r in record["rows"]][:2] == ["dp8", "dp4_fsdp2"]
     # One clearly fastest: no toss-up line
-    turns[Layout(4, 2, 1)], turns[Layout(4, 1, 2)] = [0.090, 0.091, 0.092], [0.095, 0.09, 0.1]
+    turns[layout(4, 2, 1)], turns[layout(4, 1, 2)] = [0.090, 0.091, 0.092], [0.095, 0.09, 0.1]
     rows = [Row(r.layout, r.need_gb, r.est_ms, fits=r.fits, why=r.why if not r.fits else "")
             for r in rows]
     ls.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
@@ -539,16 +543,16 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg(*TWO)
     key = cache.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    dp2, fsdp2 = Layout(2, 1, 1), Layout(1, 2, 1)
+    dp2, fsdp2 = layout(2, 1, 1), layout(1, 2, 1)
     sound = {**_entry(fsdp2), "schema": cache.CACHE_SCHEMA}
     damaged = {
         "not JSON": "{\"search\": \"meas",
         "no ranking": {"search": "measure", "schema": cache.CACHE_SCHEMA},
         "none chosen": {**sound, "rows": [{**sound["rows"][0], "chosen": False}]},
-        "no devices": {**_entry(Layout(0, 2, 1)), "schema": cache.CACHE_SCHEMA},
+        "no devices": {**_entry(layout(0, 2, 1)), "schema": cache.CACHE_SCHEMA},
         "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": cache.CACHE_SCHEMA},
         "no schema": _entry(fsdp2),  # today's entries: decided once more, then stamped
-        "tp2 (one head)": {**_entry(Layout(1, 1, 2)), "schema": cache.CACHE_SCHEMA},
+        "tp2 (one head)": {**_entry(layout(1, 1, 2)), "schema": cache.CACHE_SCHEMA},
     }
     for what, entry in damaged.items():
         path = _put(key, entry)
@@ -582,7 +586,7 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
                                   "runtime.memory_gb=0.0625", "parallelism.search=model",
                                   "model.remat=full")
     key = cache.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    path = _put(key, {**_entry(Layout(2, 1, 1)), "schema": cache.CACHE_SCHEMA})
+    path = _put(key, {**_entry(layout(2, 1, 1)), "schema": cache.CACHE_SCHEMA})
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         record = search_record(cfg)
     (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -607,7 +611,7 @@ def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, mo
     assert "ms on H100 SXM 80GB)" in record["unsearched"]
     assert [(r["mesh"], r["why"]) for r in record["rows"] if r["fits"] or r["why"]] == [
         ("dp2", ""), ("fsdp2", "not searched"), ("tp2", record["rows"][2]["why"])]
-    assert ls.chosen_layout(record) == Layout(2, 1, 1)
+    assert ls.chosen_layout(record) == layout(2, 1, 1)
     ranked = search_record(make_cfg(*common, "parallelism.search_budget=null"), plan_mode=True)
     assert "unsearched" not in ranked and sum(r["fits"] for r in ranked["rows"]) == 2
 

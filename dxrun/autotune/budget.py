@@ -32,7 +32,7 @@ def start_layout(cfg: RunConfig, devices: tuple, held: tuple[int, int]) -> Layou
         plan = make_plan(cfg, *devices, batch=held[0], seq_len=held[1])
     except ConfigError:
         return None
-    return Layout(plan.dp, plan.fsdp, plan.tp, cfg.model.remat, cfg.train.grad_accum, plan.cp)
+    return Layout(plan.sizes, cfg.model.remat, cfg.train.grad_accum)
 
 
 def say_score(layout: Layout, need_gb: float, est_s: float | None) -> None:

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from dxrun.config.schema_parallel import AXES
+from dxrun.plan.axes import named
+from dxrun.plan.layout import layout_of
 from dxrun.plan.layouts import REMATS, SEARCHES
 from dxrun.run.runtime import user_cache_dir
 
@@ -46,7 +49,9 @@ def cache_path(key: str) -> Path:
 CACHE_SCHEMA = 1
 
 
-_ROW_FIELDS = {"dp": int, "fsdp": int, "tp": int, "remat": str, "grad_accum": int,
+# Each axis's size: one that -1 could infer is in every row; one that cannot (context) came
+# later and may be absent (1: ``layout_of``), and is checked where present.
+_ROW_FIELDS = {**{a.key: int for a in AXES if a.inferable}, "remat": str, "grad_accum": int,
                "chosen": bool, "fits": bool, "why": str}
 
 
@@ -85,12 +90,14 @@ def entry_doubt(record: Any) -> str | None:
     for r in record["rows"]:
         if not isinstance(r, dict):
             return "has a ranking row that is not one"
-        for name, kind in _ROW_FIELDS.items():
+        for name, kind in {**{a.key: int for a in AXES if a.key in r}, **_ROW_FIELDS}.items():
             # bool is an int to isinstance: a size of true is as wrong as one of "2"
             if not isinstance(r.get(name), kind) or (kind is int and isinstance(r[name], bool)):
                 return f"has a ranking row whose {name} is {r.get(name)!r}"
-        if min(r["dp"], r["fsdp"], r["tp"], r["grad_accum"]) < 1 or r["remat"] not in REMATS:
-            return (f"has a ranking row of no layout ({r['dp']}x{r['fsdp']}x{r['tp']}, "
+        sizes = layout_of(r).sizes
+        if min(*sizes.values(), r["grad_accum"]) < 1 or r["remat"] not in REMATS:
+            mesh = "x".join(str(v) for _, v in named(sizes))
+            return (f"has a ranking row of no layout ({mesh}, "
                     f"remat={r['remat']}, grad_accum={r['grad_accum']})")
         for name in _ROW_NUMBERS:
             v = r.get(name)

@@ -138,7 +138,7 @@ def search(cfg: Any, plan_mode: bool = False, timer: Timer | None = None,
 def _resumed(cfg: RunConfig, resumed: Layout, devices: tuple, t0: float) -> Searched | None:
     """The checkpoint's layout, kept where the plan accepts it on these devices; else None
     (chosen again as a new run would, the checkpoint resharded onto the choice)."""
-    n, size = cfg.parallelism.n_devices or devices[0], resumed.dp * resumed.fsdp * resumed.tp
+    n, size = cfg.parallelism.n_devices or devices[0], resumed.sizes.n
     why = (f"its {size} devices are not this run's {n}" if size != n
            else _refused(lambda: make_plan(cfg, *devices, layout=resumed)))
     if why is None:

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from dxrun.autotune.fit import NoData, accelerator_memory, kernel_on, step_estimate, target_vocab
 from dxrun.config.errors import ConfigError
+from dxrun.config.schema_parallel import AXES
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.layout import Layout
@@ -119,7 +120,7 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
     for sizes in meshes(n, seq_len):
         for remat in REMATS:
             for accum in ACCUMS:
-                layout = Layout(**sizes, remat=remat, grad_accum=accum)
+                layout = Layout(sizes, remat, accum)
                 try:
                     own = make_plan(cfg, n, platform, processes, hosts, device, layout=layout,
                                     batch=batch, seq_len=seq_len)
@@ -137,9 +138,9 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
     """The keys that turn the asked setting into ``s`` (the batch of one update kept)."""
     a, b = asked.layout, s.layout
     out = []
-    if (a.dp, a.fsdp, a.cp, a.tp) != (b.dp, b.fsdp, b.cp, b.tp):
-        out += [f"parallelism.dp={b.dp}", f"parallelism.fsdp={b.fsdp}", f"parallelism.tp={b.tp}"]
-        out += [f"parallelism.cp={b.cp}"] if a.cp != b.cp else []
+    if a.sizes != b.sizes:  # every axis -1 could infer, and one that cannot where it changes
+        out += [f"parallelism.{x.key}={b.sizes[x.key]}" for x in sorted(
+            AXES, key=lambda x: not x.inferable) if x.inferable or a.sizes[x.key] != b.sizes[x.key]]
     if a.remat != b.remat:
         out.append(f"model.remat={b.remat}")
     if a.grad_accum != b.grad_accum:
@@ -206,8 +207,7 @@ def _compile(cfg: RunConfig, p: Priced, asked_plan: MeshPlan, target: Target, pe
     """``p`` built and compiled from shapes as plan mode plans a run: its need and estimate
     (not compiled when the built state already does not fit an accelerator)."""
     lay = p.setting.layout
-    keys = {"parallelism": {"dp": lay.dp, "fsdp": lay.fsdp, "tp": lay.tp,
-                            "shard_optimizer": p.setting.zero},
+    keys = {"parallelism": {**lay.sizes, "shard_optimizer": p.setting.zero},
             "model": {"remat": lay.remat}, "train": {"grad_accum": lay.grad_accum}}
     trial = OmegaConf.merge(cfg, keys)
     plan = make_plan(trial, asked_plan.n_visible, asked_plan.platform, asked_plan.processes,

@@ -1,9 +1,12 @@
-"""The sections of a run over many devices: the mesh's axes (``AXES``, a table: each axis's key
-and the JAX mesh axis it names), the ``parallelism`` section that sizes them and the
-``distributed`` section that joins a multi-process run through JAX's distributed runtime
-(dxrun/multihost/distributed.py). Keys are written as in ``dxrun.config.schema``
-(``key.key``), which places the sections in ``RunConfig``. A new mesh axis is a row of
-``AXES``, its key here, its logical rules (``plan.mesh.LOGICAL_RULES``) and its presets.
+"""The sections of a run over many devices: the mesh's axes (``AXES``, a table: each axis's key,
+the JAX mesh axis it names and how it spreads over hosts), the ``parallelism`` section that
+sizes them and the ``distributed`` section that joins a multi-process run through JAX's
+distributed runtime (dxrun/multihost/distributed.py). Keys are written as in
+``dxrun.config.schema`` (``key.key``), which places the sections in ``RunConfig``.
+
+A new mesh axis is a row of ``AXES``, its key here, its logical rules
+(``plan.mesh.LOGICAL_RULES``), its presets (conf/parallelism/) and its tests: the plan
+(``plan.axes.Sizes``), the layout search, the host split and the mesh iterate over ``AXES``.
 """
 
 from __future__ import annotations
@@ -12,22 +15,34 @@ from dataclasses import dataclass
 
 from dxrun.config.key import NON_NEGATIVE, POSITIVE, key
 
+# How an axis spreads over hosts (``plan.hosts.split_over_hosts``, innermost axis first):
+INSIDE = "inside"  # its groups stay inside a host (their collectives run every layer)
+FILLS = "fills"  # it takes what a host has left, the rest across hosts
+SPANS = "spans"  # it spans the hosts with whatever is left
+
 
 @dataclass(frozen=True)
 class Axis:
     """One mesh axis: ``key``, its size's name (``parallelism.<key>``, the layout's and the mesh
     plan's); ``mesh``, the JAX mesh axis it names (what the logical rules map onto); whether
-    ``-1`` infers it from the device count."""
+    ``-1`` infers it from the device count; ``hosts``, how it spreads over hosts (``INSIDE``,
+    ``FILLS``, ``SPANS``); ``cross_host``, the parallelism key that lets an ``INSIDE`` axis's
+    groups span hosts anyway ("" = none)."""
 
     key: str
     mesh: str
     inferable: bool = True
+    hosts: str = INSIDE
+    cross_host: str = ""
 
 
 # The mesh's axes in its order (the device grid's, major to minor): a mesh that does not fit
-# its devices gives up sizes in this order too (``plan.axes.shrink``).
-AXES: tuple[Axis, ...] = (Axis("dp", "data"), Axis("fsdp", "fsdp"),
-                          Axis("cp", "context", inferable=False), Axis("tp", "tensor"))
+# its devices gives up sizes in this order too (``plan.axes.shrink``). The context axis stays
+# inside a host as tensor does (its K/V all-gathers run every layer); a multi-process run
+# refuses cp > 1 for now (``plan.context.check_processes``).
+AXES: tuple[Axis, ...] = (Axis("dp", "data", hosts=SPANS), Axis("fsdp", "fsdp", hosts=FILLS),
+                          Axis("cp", "context", inferable=False),
+                          Axis("tp", "tensor", cross_host="allow_cross_host_tp"))
 
 
 def axis_sizes(section: object) -> dict[str, int]:

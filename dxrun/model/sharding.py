@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.plan.axes import resolve_axes
+from dxrun.plan.axes import Sizes, resolve_axes
 from dxrun.plan.mesh import (
     BATCH_AXES,
     LOGICAL_RULES,
@@ -39,19 +39,18 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvar
 def host_grid(plan: MeshPlan, process_of: Sequence[int]) -> np.ndarray:
     """Indices into the devices (``process_of``: each device's process) laid out as the
     plan's mesh: each host's devices, its processes in process order, fill the local part of
-    every axis (``plan.local_shape``, row-major), and the hosts, in order, the outer part
-    (``plan.dcn_shape``), as JAX's ``create_hybrid_device_mesh`` does with processes as
-    granules, except that a granule is a host, which may run several processes. Over
-    ``plan.host_shape``: context and tensor as one axis."""
+    every axis (``plan.local``, row-major), and the hosts, in order, the outer part
+    (``plan.dcn``), as JAX's ``create_hybrid_device_mesh`` does with processes as granules,
+    except that a granule is a host, which may run several processes. Over ``plan.shape``."""
     order = sorted(range(len(process_of)),
                    key=lambda i: (plan.host_of(process_of[i]), process_of[i]))
     per_host = plan.n_devices // plan.hosts
-    grid = np.empty(plan.host_shape, dtype=np.int64)
-    ld, lf, lt = plan.local_shape
+    grid = np.empty(plan.shape, dtype=np.int64)
+    local = tuple(plan.local.values())
     for h in range(plan.hosts):
-        hd, hf, ht = np.unravel_index(h, plan.dcn_shape)
-        grid[hd * ld:(hd + 1) * ld, hf * lf:(hf + 1) * lf, ht * lt:(ht + 1) * lt] = np.reshape(
-            order[h * per_host:(h + 1) * per_host], plan.local_shape)
+        at = np.unravel_index(h, tuple(plan.dcn.values()))
+        grid[tuple(slice(i * w, (i + 1) * w) for i, w in zip(at, local, strict=True))] = (
+            np.reshape(order[h * per_host:(h + 1) * per_host], local))
     return grid
 
 
@@ -59,7 +58,7 @@ def mesh_from_plan(plan: MeshPlan) -> Mesh:
     if plan.processes > 1:
         devices = jax.devices()
         grid = np.array(devices, dtype=object)[
-            host_grid(plan, [d.process_index for d in devices])].reshape(plan.shape)
+            host_grid(plan, [d.process_index for d in devices])]
     else:
         devices = jax.devices()
         grid = np.array([devices[i] for i in plan.device_ids]).reshape(plan.shape)
@@ -275,16 +274,16 @@ def num_devices() -> int:
     return jax.device_count()
 
 
-def make_mesh(dp: int = -1, fsdp: int = 1, tp: int = 1, n_devices: int = 0, cp: int = 1) -> Mesh:
-    """A (data, fsdp, context, tensor) mesh over the first ``n_devices`` (0 = all); one size
-    but cp may be -1."""
+def make_mesh(n_devices: int = 0, **sizes: int) -> Mesh:
+    """A mesh over the first ``n_devices`` (0 = all), each axis's size by key (``dp=2,
+    tp=4``; an axis not given 1, dp -1); one size but cp may be -1 (inferred)."""
     n = n_devices or jax.device_count()
-    dp, fsdp, cp, tp = resolve_axes({"dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}, n).values()
-    if dp * fsdp * cp * tp != n:
-        raise ValueError(f"dp*fsdp*cp*tp = {dp}*{fsdp}*{cp}*{tp} = {dp * fsdp * cp * tp} != {n} "
-                         "devices")
-    plan = MeshPlan(dp=dp, fsdp=fsdp, tp=tp, cp=cp, device_ids=tuple(range(n)), n_visible=n,
-                    platform=jax.default_backend(), global_batch=dp * fsdp,
+    sizes = Sizes(resolve_axes(dict(Sizes({"dp": -1} | sizes)), n))
+    if sizes.n != n:
+        raise ValueError(f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = "
+                         f"{sizes.n} != {n} devices")
+    plan = MeshPlan(sizes=sizes, device_ids=tuple(range(n)), n_visible=n,
+                    platform=jax.default_backend(), global_batch=sizes["dp"] * sizes["fsdp"],
                     seq_len=0, rules=dict(LOGICAL_RULES))
     return mesh_from_plan(plan)
 

@@ -1,14 +1,73 @@
-"""The mesh's axis sizes from the config's (pure), axis by axis over ``schema_parallel.AXES``:
-one size inferred from the device count, or the mesh shrunk to fit
-(``parallelism.on_mismatch=shrink``). An axis that ``AXES`` marks not inferable (the
-``context`` axis: chosen for the sequence, not for the device count) is never inferred."""
+"""The mesh's axis sizes (pure), axis by axis over ``schema_parallel.AXES``: ``Sizes``, the
+ordered mapping of axis key to size a layout and a mesh plan hold; from the config's, one size
+inferred from the device count, or the mesh shrunk to fit (``parallelism.on_mismatch=shrink``).
+An axis that ``AXES`` marks not inferable (the ``context`` axis: chosen for the sequence, not
+for the device count) is never inferred."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from dxrun.config.errors import ConfigError
-from dxrun.config.schema_parallel import AXES
+from dxrun.config.schema_parallel import AXES, Axis
+
+
+class Sizes(Mapping[str, int]):
+    """Each mesh axis's size by its key, in ``AXES``' order: read-only and hashable (a layout
+    holding it is a dict key); an axis not given is 1 (a record written before that axis)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, sizes: Mapping[str, int] | None = None, /, **more: int) -> None:
+        given = {**(sizes or {}), **more}
+        if unknown := sorted(set(given) - {a.key for a in AXES}):
+            raise TypeError(f"no mesh axis {', '.join(unknown)} (the axes: schema_parallel.AXES)")
+        self._d = {a.key: given.get(a.key, 1) for a in AXES}
+
+    def __getitem__(self, key: str) -> int:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._d.items()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._d) == dict(other.items())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Sizes, (self._d,)
+
+    def __repr__(self) -> str:
+        return f"Sizes({', '.join(f'{k}={v}' for k, v in self._d.items())})"
+
+    @property
+    def n(self) -> int:
+        """The devices they multiply to."""
+        return math.prod(self._d.values())
+
+
+class AxisAttrs:
+    """``.dp``, ``.fsdp``, ``.cp``, ``.tp`` (any key of ``AXES``): its size in ``self.sizes``."""
+
+    sizes: Sizes
+
+    def __getattr__(self, name: str) -> int:
+        if name != "sizes" and any(a.key == name for a in AXES):
+            return self.sizes[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def named(sizes: Mapping[str, int]) -> list[tuple[Axis, int]]:
+    """The axes a message or table names, with their sizes: every inferable axis, and one that
+    is not (the context axis) only where it is used (size > 1)."""
+    return [(a, sizes[a.key]) for a in AXES if a.inferable or sizes[a.key] > 1]
 
 
 def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:

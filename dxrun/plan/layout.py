@@ -5,31 +5,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dxrun.config.schema_parallel import AXES, axis_sizes
+from dxrun.config.schema_parallel import AXES
+from dxrun.plan.axes import AxisAttrs, Sizes
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a run is laid out: the mesh, the recomputation (``model.remat``) and the
-    micro-batches of one update (``train.grad_accum``)."""
+class Layout(AxisAttrs):
+    """How a run is laid out: the mesh (``sizes``: each axis's size by key; ``.dp``, ``.tp``,
+    ... read one), the recomputation (``model.remat``) and the micro-batches of one update
+    (``train.grad_accum``)."""
 
-    dp: int
-    fsdp: int
-    tp: int
+    sizes: Sizes = Sizes()
     remat: str = "none"
     grad_accum: int = 1
-    cp: int = 1  # the context axis (last: the positional dp, fsdp, tp, ... stay as they were)
+
+    @classmethod
+    def of(cls, remat: str = "none", grad_accum: int = 1, **sizes: int) -> Layout:
+        """``Layout.of(dp=4, tp=2, remat="dots")``: the axes by key, those not given 1."""
+        return cls(Sizes(sizes), remat, grad_accum)
 
     @property
     def mesh(self) -> str:
         """The preset-style name: ``dp4_tp2``, ``fsdp8``, ``dp2_fsdp2_tp2``, ``cp2_tp4``, ``dp1``."""
-        parts = [f"{k}{v}" for k, v in axis_sizes(self).items() if v > 1]
+        parts = [f"{k}{v}" for k, v in self.sizes.items() if v > 1]
         return "_".join(parts) or "dp1"
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
         """Each axis's size by its JAX mesh axis name (``data``, ``fsdp``, ...)."""
-        return {a.mesh: getattr(self, a.key) for a in AXES}
+        return {a.mesh: self.sizes[a.key] for a in AXES}
 
     @property
     def label(self) -> str:
@@ -39,12 +43,17 @@ class Layout:
 
     def overrides(self) -> dict[str, Any]:
         """The config keys that name this layout (what a run's saved record holds)."""
-        return {"parallelism": axis_sizes(self), "model": {"remat": self.remat},
+        return {"parallelism": dict(self.sizes), "model": {"remat": self.remat},
                 "train": {"grad_accum": self.grad_accum}}
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as a ranking row holds it: each axis's size by key, remat, grad_accum
+        (what ``layout_of`` reads back)."""
+        return {**self.sizes, "remat": self.remat, "grad_accum": self.grad_accum}
 
 
 def layout_of(row: dict[str, Any]) -> Layout:
-    """The layout of a ranking row or record (``plan.json``'s), cp 1 where it was written
-    before the context axis."""
-    return Layout(**{a.key: row.get(a.key, 1) for a in AXES}, remat=row["remat"],
-                  grad_accum=row["grad_accum"])
+    """The layout of a ranking row or record (``plan.json``'s), an axis it lacks 1 (cp, in
+    one written before the context axis)."""
+    return Layout(Sizes({a.key: row[a.key] for a in AXES if a.key in row}), row["remat"],
+                  row["grad_accum"])

@@ -1,8 +1,8 @@
 """``parallelism=auto``'s layouts and the rules that rank them (pure: values in, values out).
 
-A layout is a mesh (``dp x fsdp x cp x tp``), a ``model.remat`` and a ``train.grad_accum``. The
-candidates are the factorisations of the devices the mesh plan accepts (a context axis only for
-long sequences: ``meshes``); the model stage ranks
+A layout is a mesh (each axis of ``AXES`` sized), a ``model.remat`` and a ``train.grad_accum``.
+The candidates are the factorisations of the devices over the axes that the mesh plan accepts (a
+context axis only for long sequences: ``meshes``); the model stage ranks
 the variants that fit by their estimated step; the measure stage times the few that the rules
 here pick, in rounds, and chooses the fastest; ``search_cost`` predicts whether a search pays.
 """
@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config.errors import ConfigError
+from dxrun.config.schema_parallel import AXES, Axis, axis_sizes
+from dxrun.plan.axes import Sizes
 from dxrun.plan.batch import default_seq_len
 from dxrun.plan.context import LONG_SEQ
 from dxrun.plan.layout import Layout, layout_of
@@ -44,20 +46,24 @@ TIE = 1.10  # estimates this close to the best's are within the roofline's error
 CLEAR = 1.10
 
 
-def factorisations(n: int) -> list[tuple[int, int, int]]:
-    """Every (dp, fsdp, tp) with dp * fsdp * tp = n."""
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return [(n // (f * t), f, t) for t in divisors for f in divisors if (n // t) % f == 0]
+def meshes(n: int, seq_len: int) -> list[Sizes]:
+    """Every mesh of ``n`` devices a search tries, each axis's size by key: an axis that is
+    not inferable (context, chosen for the sequence) above 1 only for a sequence of
+    ``LONG_SEQ`` or more that its 2 x size chunks divide. In the search's order: such axes
+    outermost, then the others innermost first, the outermost (data) taking the rest."""
+    def fits(a: Axis, v: int) -> bool:
+        return a.inferable or v == 1 or (seq_len >= LONG_SEQ and seq_len % (2 * v) == 0)
+
+    *order, last = sorted(AXES, key=lambda a: (a.inferable, -AXES.index(a)))
+    out: list[dict[str, int]] = [{}]
+    for a in order:
+        out = [m | {a.key: v} for m in out for v in _divisors(n // math.prod(m.values()))
+               if fits(a, v)]
+    return [Sizes(m | {last.key: n // math.prod(m.values())}) for m in out]
 
 
-def meshes(n: int, seq_len: int) -> list[dict[str, int]]:
-    """Every mesh of ``n`` devices a search tries, each axis's size by key (``AXES``' order):
-    a context axis (cp > 1) only for a sequence of ``LONG_SEQ`` or more that its 2·cp chunks
-    divide."""
-    cps = [c for c in range(1, n + 1) if n % c == 0 and (
-        c == 1 or (seq_len >= LONG_SEQ and seq_len % (2 * c) == 0))]
-    return [{"dp": dp, "fsdp": fsdp, "cp": c, "tp": tp}
-            for c in cps for dp, fsdp, tp in factorisations(n // c)]
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1,
@@ -71,7 +77,7 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     ok, refused = [], []
     seq = seq_len or default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
     for sizes in meshes(n, seq):
-        layout = Layout(**sizes, remat=cfg.model.remat, grad_accum=cfg.train.grad_accum)
+        layout = Layout(sizes, cfg.model.remat, cfg.train.grad_accum)
         try:
             make_plan(cfg, n_visible, platform, processes, process_hosts, device, layout=layout,
                       batch=batch, seq_len=seq_len)
@@ -125,7 +131,7 @@ class Row:
     spread_ms: list[float] | None = None  # [fastest, slowest] of its turns (two or more)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self.layout), "mesh": self.layout.mesh, "need_gb": self.need_gb,
+        return {**self.layout.to_json(), "mesh": self.layout.mesh, "need_gb": self.need_gb,
                 "est_ms": self.est_ms, "measured_ms": self.measured_ms, "chosen": self.chosen,
                 "fits": self.fits, "why": self.why, "spread_ms": self.spread_ms}
 
@@ -318,9 +324,11 @@ def chosen_layout(record: dict[str, Any]) -> Layout:
 
 def searches(p: ParallelismConfig) -> bool:
     """Does this run search? ``parallelism.search`` is not ``none`` and no axis was named: a run
-    that sets ``parallelism.dp``, ``fsdp`` or ``tp`` on ``auto`` (the default preset:
-    ``python -m dxrun parallelism.tp=2``) takes that layout as given, as a named preset does."""
-    return p.search != "none" and (p.dp, p.fsdp, p.cp, p.tp) == (-1, 1, 1, 1)
+    that sets ``parallelism.dp``, ``fsdp``, ``tp``, ... on ``auto`` (the default preset:
+    ``python -m dxrun parallelism.tp=2``) takes that layout as given, as a named preset does:
+    the first axis -1 (inferred), every other 1."""
+    first, *rest = axis_sizes(p).values()
+    return p.search != "none" and first == -1 and all(v == 1 for v in rest)
 
 
 def rows_of(record: dict[str, Any]) -> list[Row]:
@@ -352,7 +360,8 @@ def resumed_layout(resume: Any) -> Layout | None:
     try:
         c = resume.meta["config"]
         p = c["plan"]
-        return Layout(p["dp"], p["fsdp"], p["tp"], c["model"]["remat"],
-                      c["train"]["grad_accum"], p.get("cp", 1))
+        # An axis that -1 could infer was saved from the start; the context axis came later.
+        sizes = Sizes({a.key: p[a.key] if a.inferable else p.get(a.key, 1) for a in AXES})
+        return Layout(sizes, c["model"]["remat"], c["train"]["grad_accum"])
     except (KeyError, TypeError):  # a checkpoint from before plans were saved with it
         return None

@@ -1,21 +1,22 @@
 """The mesh plan: a pure function from (config, visible devices) to how the run is laid out.
 
 Nothing here imports JAX, so the plan is checked (and can be printed) before anything compiles.
-The mesh has four axes, outermost first: ``data`` (replicas), ``fsdp`` (replicas whose weights are
-sharded), ``context`` (each sequence split along its length: dxrun/plan/context.py), ``tensor``
-(Megatron tensor parallelism, innermost so it lands on the closest devices).
+The mesh's axes are ``schema_parallel.AXES``' rows, outermost first: ``data`` (replicas), ``fsdp``
+(replicas whose weights are sharded), ``context`` (each sequence split along its length:
+dxrun/plan/context.py), ``tensor`` (Megatron tensor parallelism, innermost so it lands on the
+closest devices); the plan holds their sizes as one ``Sizes`` mapping, and their parts across
+hosts as another (``dcn``: dxrun/plan/hosts.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema_parallel import AXES, axis_sizes
 from dxrun.plan.attention_kernel import AttentionTarget, check_remat, plan_kernel
-from dxrun.plan.axes import resolve_axes, shrink
+from dxrun.plan.axes import AxisAttrs, Sizes, named, resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
     PER_DEVICE,
@@ -26,7 +27,7 @@ from dxrun.plan.batch import (
     scaled_lr,
 )
 from dxrun.plan.context import check_context, check_processes, check_sequence_parallel
-from dxrun.plan.hosts import group_by_host, split_over_hosts
+from dxrun.plan.hosts import HostPlacement, group_by_host, split_over_hosts
 from dxrun.plan.layout import Layout
 from dxrun.plan.loss_chunk import loss_chunk_for
 from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
@@ -67,10 +68,11 @@ OPTIMIZER_DATA_AXES = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim",
 
 
 @dataclass(frozen=True)
-class MeshPlan:
-    dp: int
-    fsdp: int
-    tp: int
+class MeshPlan(AxisAttrs, HostPlacement):
+    """The run's layout and its step's decisions. ``sizes``: each mesh axis's size by key
+    (``plan.dp``, ``plan.tp``, ... read one); the host properties: ``HostPlacement``."""
+
+    sizes: Sizes
     device_ids: tuple[int, ...]
     n_visible: int
     platform: str
@@ -87,10 +89,10 @@ class MeshPlan:
     grad_accum: int = 1
     # JAX processes the mesh spans, the host of each (an index; () = each process its own
     # host), and the part of each mesh axis that runs across hosts (the rest of the axis is
-    # inside one host): data spans hosts first, tensor never (unless
-    # parallelism.allow_cross_host_tp). A host's processes together hold its part of the mesh.
+    # inside one host): as each axis's ``Axis.hosts`` says (data spans hosts, tensor never
+    # unless parallelism.allow_cross_host_tp). A host's processes together hold its part.
     processes: int = 1
-    dcn_shape: tuple[int, int, int] = (1, 1, 1)
+    dcn: Sizes = Sizes()
     process_hosts: tuple[int, ...] = ()
     # Which key the global batch came from (data.batch_size or data.per_device_batch_size), and
     # the peak learning rate after optimizer.lr_scaling at that batch (0 = no optimizer given).
@@ -98,7 +100,6 @@ class MeshPlan:
     peak_lr: float = 0.0
     lr_scaling: str = "none"
     remat: str = "none"  # model.remat, or the layout search's choice
-    cp: int = 1  # the context axis: each sequence split over cp devices (plan/context.py)
     sequence_parallel: bool = False  # parallelism.sequence_parallel, in effect (tp > 1)
     attention: str = "xla"  # the kernel (attention_kernel.choose) for attention_device's devices
     attention_device: AttentionTarget = AttentionTarget()
@@ -112,60 +113,16 @@ class MeshPlan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(**axis_sizes(self), remat=self.remat, grad_accum=self.grad_accum)
+        return Layout(self.sizes, self.remat, self.grad_accum)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The mesh's shape over ``MESH_AXES``."""
-        return tuple(axis_sizes(self).values())
-
-    @property
-    def host_shape(self) -> tuple[int, int, int]:
-        """(data, fsdp, context x tensor): how the mesh spreads over hosts, the context and
-        tensor axes one group that stays inside a host (``dcn_shape`` and ``local_shape`` are
-        over these three)."""
-        return (self.dp, self.fsdp, self.cp * self.tp)
+        return tuple(self.sizes.values())
 
     @property
     def n_devices(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def hosts(self) -> int:
-        return max(self.process_hosts) + 1 if self.process_hosts else self.processes
-
-    def host_of(self, process: int) -> int:
-        return self.process_hosts[process] if self.process_hosts else process
-
-    @property
-    def local_shape(self) -> tuple[int, int, int]:
-        """The mesh within one host (what ``create_hybrid_device_mesh`` calls mesh_shape)."""
-        return tuple(a // b for a, b in zip(self.host_shape, self.dcn_shape, strict=True))
-
-    def _in_host(self) -> tuple[int, int]:
-        """(processes that share one row block, row blocks per host). Inside a host a process
-        holds whole tensor groups (it alone reads their rows) or an equal part of one (the
-        group's processes read the same rows)."""
-        per_host = self.processes // self.hosts
-        mine, tensor = self.n_devices // self.processes, self.local_shape[2]
-        share = max(1, tensor // mine)
-        return share, per_host // share
-
-    @property
-    def data_shards(self) -> int:
-        """How many distinct row blocks the processes read: processes of one tensor group
-        (inside a host or across hosts) read the same rows."""
-        return self.hosts // self.dcn_shape[2] * self._in_host()[1]
-
-    def data_shard(self, process: int) -> int:
-        """The row block of the global batch ``process`` reads. The mesh puts hosts in
-        row-major order over (data, fsdp, tensor) and, inside a host, its processes in process
-        order row-major over the host's part: so the block is the host's (data, fsdp) position,
-        then the process's place among the host's row blocks."""
-        host = self.host_of(process)
-        place = sum(1 for p in range(process) if self.host_of(p) == host)
-        share, blocks = self._in_host()
-        return host // self.dcn_shape[2] * blocks + place // share
+        return self.sizes.n
 
     @property
     def per_device_batch(self) -> int:
@@ -185,19 +142,11 @@ class MeshPlan:
         return (f"{self.global_batch} global = {self.per_device_batch_size} per replica x "
                 f"{self.dp * self.fsdp} replicas{accum}, seq_len {self.seq_len}; set by {given}")
 
-    def _hosts_row(self) -> str:
-        across = (f"data={self.dcn_shape[0]} x fsdp={self.dcn_shape[1]} x "
-                  f"tensor={self.dcn_shape[2]}")
-        mine = self.n_devices // self.processes
-        if self.hosts == self.processes:
-            return f"{self.processes} processes x {mine} devices; across processes: {across}"
-        hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
-        return (f"{hosts} x {self.processes // self.hosts} processes x {mine} devices; across "
-                f"hosts: {across}")
-
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["remat"]  # the config's key (model.remat), not the mesh's
+        out = {**self.sizes, **asdict(self)}
+        del out["remat"], out["sizes"]  # remat: the config's key (model.remat), not the mesh's
+        out["dcn"] = dict(self.dcn)  # each axis's part across hosts
+        out["dcn_shape"] = list(self.dcn_shape)
         out["attention_device"] = self.attention_device._asdict()
         out["mesh_axes"] = list(MESH_AXES)
         out["mesh_shape"] = list(self.shape)
@@ -214,8 +163,7 @@ class MeshPlan:
 
     def table(self) -> str:
         rows = [
-            ("mesh", f"data={self.dp} x fsdp={self.fsdp} x "
-                     + f"context={self.cp} x " * (self.cp > 1) + f"tensor={self.tp}"),
+            ("mesh", " x ".join(f"{a.mesh}={v}" for a, v in named(self.sizes))),
             ("devices", f"{self.n_devices} of {self.n_visible} {self.platform} "
                         f"(ids {_ids(self.device_ids)})"),
             ("batch", self._batch_row()),
@@ -268,7 +216,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     Raises ConfigError (key, value, fix) on any mismatch, before anything compiles.
     """
     par, model, data = cfg.parallelism, cfg.model, cfg.data
-    given = axis_sizes(par if layout is None else layout)
+    given = axis_sizes(par) if layout is None else dict(layout.sizes)
     if par.n_devices > n_visible:
         hint = f" or runtime.cpu_devices={par.n_devices}" if platform == "cpu" else ""
         raise ConfigError(
@@ -276,20 +224,19 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"visible; set parallelism.n_devices<={n_visible}{hint}"
         )
     n = par.n_devices or n_visible
-    sizes = resolve_axes(given, n)
-    dp, fsdp, cp, tp = sizes.values()
-    check_processes(cp, processes)
+    sizes = Sizes(resolve_axes(given, n))
+    check_processes(sizes["cp"], processes)
     warnings: list[str] = []
-    if processes > 1 and dp * fsdp * cp * tp != n_visible:
+    # An axis that cannot be inferred (context) is named only where it is used.
+    used = [(a.key, v) for a, v in named(sizes)]
+    if processes > 1 and sizes.n != n_visible:
         raise ConfigError(
-            f"parallelism={par.name} (dp={dp}, fsdp={fsdp}, tp={tp}) uses {dp * fsdp * cp * tp} "
-            f"devices but a {processes}-process run has {n_visible} ({processes} x "
+            f"parallelism={par.name} ({', '.join(f'{k}={v}' for k, v in used)}) uses "
+            f"{sizes.n} devices but a {processes}-process run has {n_visible} ({processes} x "
             f"{n_visible // processes}) and must use them all; set parallelism.n_devices=0 and "
             f"sizes whose product is {n_visible}")
-    if dp * fsdp * cp * tp != n:
-        # An axis that cannot be inferred (context) is named only where it is used.
-        used = [(a.key, sizes[a.key]) for a in AXES if a.inferable or sizes[a.key] > 1]
-        product, need = "*".join(k for k, _ in used), math.prod(sizes.values())
+    if sizes.n != n:
+        product, need = "*".join(k for k, _ in used), sizes.n
         if par.on_mismatch != "shrink":
             in_use = (f"parallelism.n_devices={n} uses {n}" if par.n_devices
                       else f"{n} {platform} devices are visible")
@@ -300,19 +247,19 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
                 f"parallelism.n_devices={need} if that many are visible, pick another "
                 f"preset, or set parallelism.on_mismatch=shrink"
             )
-        sizes = shrink(sizes, n)
-        dp, fsdp, cp, tp = sizes.values()
+        sizes = Sizes(shrink(sizes, n))
         warnings.append(
             f"parallelism.on_mismatch=shrink: {product}={'*'.join(str(v) for _, v in used)} "
             f"does not fit {n} devices; using "
-            + " ".join(f"{k}={sizes[k]}" for k, _ in used) + f" on {math.prod(sizes.values())} devices"
+            + " ".join(f"{k}={sizes[k]}" for k, _ in used) + f" on {sizes.n} devices"
         )
+    dp, fsdp, cp, tp = (sizes[k] for k in ("dp", "fsdp", "cp", "tp"))  # the formulas' own
     hosts_of = tuple(process_hosts) if process_hosts and processes > 1 else ()
     hosts = max(hosts_of) + 1 if hosts_of else processes
-    dcn = (split_over_hosts(dp, fsdp, tp, hosts, par.allow_cross_host_tp)
-           if hosts > 1 else (1, 1, 1))
+    crossing = {a.key for a in AXES if a.cross_host and par.get(a.cross_host)}
+    dcn = split_over_hosts(sizes, hosts, crossing) if hosts > 1 else Sizes()
     if hosts_of and hosts < processes:
-        group_by_host(hosts_of, tp, tp // dcn[2], dp * fsdp * tp)
+        group_by_host(hosts_of, tp, tp // dcn["tp"], sizes.n)
     replicas = dp * fsdp
     if layout is not None:
         accum, remat = layout.grad_accum, layout.remat
@@ -365,10 +312,10 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     kernel = plan_kernel(cfg, seq_len, cp, device, dtype)
     check_remat(remat, kernel)
     return MeshPlan(
-        dp=dp, fsdp=fsdp, tp=tp, cp=cp, attention=kernel,
+        sizes=sizes, attention=kernel,
         attention_device=device, precision=precision, compute_dtype=dtype,
         shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
-        device_ids=tuple(range(dp * fsdp * cp * tp)), n_visible=n_visible, platform=platform,
+        device_ids=tuple(range(sizes.n)), n_visible=n_visible, platform=platform,
         global_batch=batch, grad_accum=accum, batch_set_by=set_by, remat=remat,
         peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
         lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
@@ -380,7 +327,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         padded_vocab=rows,
         loss_chunk=loss_chunk_for(model, batch // (replicas * accum), seq_len, rows // tp, cp),
         vocab_align=vocab_align(platform, par.vocab_align),
-        processes=processes, dcn_shape=dcn, process_hosts=hosts_of if hosts < processes else (),
+        processes=processes, dcn=dcn, process_hosts=hosts_of if hosts < processes else (),
     )
 
 

@@ -14,6 +14,9 @@ from typing import Any
 
 import yaml
 
+from dxrun.config.schema_parallel import AXES
+from dxrun.plan.axes import Sizes
+from dxrun.plan.layout import Layout
 from dxrun.report.ranking import LayoutRun
 from dxrun.run.runtime import STATUS
 from dxrun.tracking.logger import read_metrics
@@ -23,6 +26,8 @@ log = logging.getLogger("dxrun")
 # Overrides that choose the devices or the mesh: jobs that differ only in these are the same
 # workload on a different number of devices (the scaling-efficiency comparison).
 DEVICE_KEYS = ("parallelism", "runtime.cpu_devices")
+# The axes every plan.json names (one that -1 can infer; the context axis came later: 1 there).
+MESH_KEYS = tuple(a.key for a in AXES if a.inferable)
 
 
 @dataclass
@@ -70,11 +75,7 @@ class JobRecord:
         """``dp4_tp2``-style name of the job's mesh, as the parallelism presets are named."""
         if not self.plan:
             return ""
-        dp, fsdp, tp = self.plan["dp"], self.plan["fsdp"], self.plan["tp"]
-        parts = [f"dp{dp}"] if dp > 1 or (fsdp == 1 and tp == 1) else []
-        parts += [f"fsdp{fsdp}"] if fsdp > 1 else []
-        parts += [f"tp{tp}"] if tp > 1 else []
-        return "_".join(parts)
+        return Layout(Sizes({a.key: self.plan[a.key] for a in AXES if a.key in self.plan})).mesh
 
     @property
     def workload(self) -> tuple[str, ...]:
@@ -255,8 +256,9 @@ def _read_job(job_dir: Path) -> JobRecord:
     summary = _typed("summary.json", _read(job_dir, "summary.json", json.loads), dict,
                      SUMMARY_FIELDS) or {}
     plan = _typed("plan.json", _read(job_dir, "plan.json", json.loads), dict, PLAN_FIELDS) or {}
-    if plan and not all(isinstance(plan.get(axis), int) for axis in ("dp", "fsdp", "tp")):
-        raise Unreadable("plan.json", "no dp, fsdp and tp (the mesh)")
+    if plan and not all(isinstance(plan.get(axis), int) for axis in MESH_KEYS):
+        raise Unreadable("plan.json", f"no {', '.join(MESH_KEYS[:-1])} and {MESH_KEYS[-1]} "
+                         "(the mesh)")
     hydra_file, config_file = ".hydra/hydra.yaml", ".hydra/config.yaml"
     hydra = _typed(hydra_file, _read(job_dir, hydra_file, yaml.safe_load), dict) or {}
     hydra = _typed(hydra_file, hydra.get("hydra"), dict) or {}
