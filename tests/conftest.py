@@ -14,7 +14,14 @@ from dxrun.run.runtime import simulate_cpu_devices
 
 if os.environ.get("DXRUN_TEST_GPU") != "1":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
-simulate_cpu_devices(8)  # must run before anything imports jax
+# Before anything imports jax. glibc's allocator as it comes (reuse=False): what
+# runtime.reuse_freed_memory=auto gives a run of the suite's shapes (runtime.reuse_pays), whose
+# buffers are too small to pay for one malloc arena's lock, which every compile thread and
+# simulated device takes. The suite is mostly compiles of such programs: test_model.py,
+# test_chunked_loss.py, test_shard_optimizer.py and test_vocab_padding.py took 111-119 CPU s
+# in one process against 136-144 under the one arena (2026-12-06, alternating). The setting
+# itself: test_runtime.py, in a process of its own.
+simulate_cpu_devices(8, reuse=False)
 # XLA:CPU's code generation made cheap, here and in every subprocess a test starts
 # (``subprocess_env``): the suite's programs are tiny and run a few steps, so code generation
 # was most of their compile. LLVM's optimisation off, and XLA:CPU's older fusion emitters
