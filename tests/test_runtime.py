@@ -221,7 +221,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dxrun.runtime import release_freed_memory, reuse_freed_memory
+from dxrun.run.runtime import release_freed_memory, reuse_freed_memory
 
 
 def rss() -> int:
