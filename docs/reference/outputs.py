@@ -10,6 +10,7 @@ import inspect
 import re
 
 from docs.reference.markdown import PACKAGE, cell, table
+from dxrun.config.schema_parallel import AXES
 from dxrun.tracking.metric_names import METRICS
 
 DEFINED = PACKAGE / "tracking" / "metric_names.py"  # the names' one list, not a use of them
@@ -139,7 +140,10 @@ def plan_keys() -> dict[str, str]:
     from dxrun.plan.mesh import MeshPlan  # pure: dataclasses and arithmetic
 
     comments = _field_comments(MeshPlan)
-    out = {f.name: comments.get(f.name, "") for f in dataclasses.fields(MeshPlan)}
+    # each axis's size by its key (MeshPlan.sizes, written flat), as a run's parallelism names it
+    out = {a.key: f"the {a.mesh} axis's size (parallelism.{a.key})" for a in AXES}
+    out |= {f.name: comments.get(f.name, "") for f in dataclasses.fields(MeshPlan)
+            if f.name != "sizes"}
     tree = ast.parse(inspect.getsource(MeshPlan.to_json).strip())
     for node in ast.walk(tree):
         if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
