@@ -196,6 +196,19 @@ def _xla_need(error: str) -> str:
     return f"HLO temporaries {m.group(1)} of {m.group(2)} HBM" if m else error[:60]
 
 
+def _fastest(model: str, records: list[dict]) -> str:
+    """One line: the model's fastest dxrun shape against the hand-written step's fastest, each
+    at the batch and remat it fits best ("" where the hand-written step ran at none)."""
+    ours = max(records, key=lambda r: r["tokens_per_s"])
+    hands = [r for r in records if r.get("hand_tokens_per_s")]
+    if not hands:
+        return ""
+    hand = max(hands, key=lambda r: r["hand_tokens_per_s"])
+    return (f"- {model}: dxrun's fastest, {ours['tokens_per_s']:,} tokens/s (`{ours['shape']}`), "
+            f"is {ours['tokens_per_s'] / hand['hand_tokens_per_s']:.3f}x the hand-written "
+            f"step's fastest of these shapes, {hand['hand_tokens_per_s']:,} (`{hand['shape']}`).")
+
+
 def report(out: str, tokens: str | None, command: str) -> None:
     """BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section from ``out``'s measurements (the
     chip's tpu.json and first-step runs) and plan mode's estimates (made here)."""
@@ -237,6 +250,8 @@ def report(out: str, tokens: str | None, command: str) -> None:
             f"| {r['step_bytes'] / 1e9:.2f} |")
     begin, end = markers("tpu")
     first = records[0]
+    best = [line for model in dict.fromkeys(r["model"] for r in records if "model" in r)
+            if (line := _fastest(model, [r for r in records if r.get("model") == model]))]
     steps_at = ", ".join(sorted({str(r.get("commit", "unknown")) for r in records}))
     section = "\n".join([
         begin, "", f"`{command}` at {steps_at}, on one "
@@ -244,7 +259,7 @@ def report(out: str, tokens: str | None, command: str) -> None:
         "chip (bf16, seq_len 1024, random GPT-2 token ids, `parallelism=dp1`):", "", *rows, "",
         f"model=small's first step, from the command to the end of its first step "
         f"(goodput's startup + compile): {cold} s with an empty compile cache, {warm} s with a "
-        f"warm one (at {first_commit or steps_at}).", "", end])
+        f"warm one (at {first_commit or steps_at}).", "", *best, "", end])
     md = Path("BENCHMARKS.md").read_text()
     if begin in md:
         md = md[:md.index(begin)] + section + md[md.index(end) + len(end):]

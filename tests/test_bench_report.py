@@ -42,3 +42,16 @@ def test_other_processes_cpu_share_counts_a_process_that_is_not_the_bench(tmp_pa
         spin.kill()
         spin.wait()
     assert share is not None and share >= 0.8 / (os.cpu_count() or 1)
+
+
+def test_the_tpu_report_sets_each_models_fastest_against_the_hand_written_steps_fastest():
+    """``benchmarks/tpu.sh``'s summary line of a model: dxrun's fastest shape against the
+    fastest the hand-written step ran, each at its own shape; none where it ran at none."""
+    from benchmarks.tpu import _fastest
+
+    records = [{"shape": "m:16:none", "tokens_per_s": 300, "hand_error": "out of HBM"},
+               {"shape": "m:8:none", "tokens_per_s": 250, "hand_tokens_per_s": 200},
+               {"shape": "m:4:none", "tokens_per_s": 150, "hand_tokens_per_s": 120}]
+    line = _fastest("m", records)
+    assert "300 tokens/s (`m:16:none`), is 1.500x" in line and "200 (`m:8:none`)" in line
+    assert _fastest("m", records[:1]) == ""
