@@ -18,32 +18,21 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dxrun.config.composition import composition_refusal
-from dxrun.config.errors import (
-    EXIT_CODES,
-    EXIT_CRASHED,
-    EXIT_REFUSED,
-    ConfigError,
-    Interrupted,
-)
-from dxrun.config.registry import check_keys, conf_dir, register
+from dxrun.config.errors import ConfigError, Interrupted, fail
+from dxrun.config.registry import check_composed, conf_dir, register
 from dxrun.config.target import check_targets
 from dxrun.config.validation import config_warnings, validate
-from dxrun.hf.config_json import apply_hf_model
 from dxrun.multihost.distributed import is_main, join
 from dxrun.plan.run_plan import resolved_config
-from dxrun.report.callback import SWEEP_DIRS
-from dxrun.report.collect import find_jobs
+from dxrun.report.callback import SWEEP_DIRS, exit_for_failed_jobs
 from dxrun.run.job import Job
 from dxrun.run.job_dir import (
     JobStatus,
     asked_dir,
     claim_new,
     claim_to_train,
-    fail,
     remember_start,
 )
-from dxrun.run.run_dir import Claim
-from dxrun.run.run_log import RunLog
 from dxrun.run.runtime import (
     accelerator_plan_note,
     collect_cycles_rarely,
@@ -100,10 +89,9 @@ def main(cfg: DictConfig) -> Any:
     mark("compose")
     SIGNALS.start_job()
     hydra_cfg = HydraConfig.get()
-    # The run log's lines wait in memory until this run has claimed its own dir.
-    with JobStatus(cfg, hydra_cfg, RunLog()) as status:
+    with JobStatus(cfg, hydra_cfg) as status:
         _check(cfg, hydra_cfg)
-        simulated = _start_jax(cfg, status.run_log)
+        simulated = _start_jax(cfg, status)
         if cfg.run.mode == "plan":
             return _plan(cfg, hydra_cfg, status)
         summary = _train(cfg, hydra_cfg, status, started, simulated)
@@ -115,14 +103,13 @@ def main(cfg: DictConfig) -> Any:
 def _check(cfg: RunConfig, hydra_cfg: HydraConf) -> None:
     """The config's keys and values, before JAX starts."""
     # model.init_from=hf:<dir>: the model section is the checkpoint's config.json
-    apply_hf_model(cfg, list(hydra_cfg.overrides.task))
-    check_keys(cfg)
+    check_composed(cfg, list(hydra_cfg.overrides.task))
     validate(cfg)
     if cfg.run.mode != "plan" and (why := store_refusal(cfg.logger)):
         raise ConfigError(why)  # a logger that cannot start: refused before the run
 
 
-def _start_jax(cfg: RunConfig, run_log: RunLog) -> bool:
+def _start_jax(cfg: RunConfig, status: JobStatus) -> bool:
     """The devices (simulated CPU ones where asked), joined to a multi-process run, checked
     against the run; the compile cache and the targets. Whether CPU devices are simulated."""
     # Plan mode simulates plan.devices (the planned run's device count), a run
@@ -133,9 +120,9 @@ def _start_jax(cfg: RunConfig, run_log: RunLog) -> bool:
     import jax
 
     if joined is not None:
-        run_log.name = RunLog.name_for(joined.process_id, joined.num_processes)
+        status.run_log.for_process(joined.process_id, joined.num_processes)
         if not is_main():
-            run_log.quiet_console()
+            status.run_log.quiet_console()
     # Plan mode compiles on CPU for any target: only a training run needs the GPU.
     if cfg.run.mode != "plan" and (refusal := cpu_fallback_refusal(
             jax.default_backend(), nvidia_device_node(), os.environ.get("JAX_PLATFORMS"),
@@ -208,7 +195,7 @@ def _train(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus, started: flo
         log.warning("%s: attempt %d of its run; the last one %s before its first "
                     "checkpoint, so this one starts again from %s", run_dir, claim.attempt,
                     last, resume.directory if resume is not None else "step 0")
-    job = _job(cfg, hydra_cfg, started, claim)
+    job = _job(cfg, hydra_cfg, started, claim.continues)
     if is_main():  # the plan's batch and sequence length, the W&B names: written once
         write_hydra_files(run_dir, resolved_config(
             cfg, prepared.plan, job_type=job.job_type, group=job.group), hydra_cfg)
@@ -218,7 +205,7 @@ def _train(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus, started: flo
     return summary
 
 
-def _job(cfg: RunConfig, hydra_cfg: HydraConf, started: float, claim: Claim) -> Job:
+def _job(cfg: RunConfig, hydra_cfg: HydraConf, started: float, continues: bool) -> Job:
     """Where the run sits: Hydra's group choices and overrides, and its W&B job type and group,
     the config's or, where it left them unset, filled in: the jobs of one multirun share the
     group of their sweep dir and have job type "sweep". The run's W&B run and its saved config
@@ -232,7 +219,7 @@ def _job(cfg: RunConfig, hydra_cfg: HydraConf, started: float, claim: Claim) -> 
     if job_type is None:
         job_type = "sweep" if multirun else "train"
     return Job(choices=choices, overrides=list(hydra_cfg.overrides.task), started=started,
-               continues=claim.continues, group=group, job_type=job_type)
+               continues=continues, group=group, job_type=job_type)
 
 
 def cli() -> None:
@@ -248,27 +235,7 @@ def cli() -> None:
         print(f"dxrun: {e.signal_name}: stopped {e.when}", file=sys.stderr)
         sys.exit(e.code)
     for sweep_dir in SWEEP_DIRS:
-        _exit_for_failed_jobs(sweep_dir)
-
-
-def _exit_for_failed_jobs(sweep_dir: Path) -> None:
-    """Exit non-zero naming the failed jobs, read from their status.json like the report
-    does: this also covers jobs that ran in other processes (submitit) or were killed.
-
-    A job stopped by a signal after committing its checkpoint did not fail: it is named with
-    its resume command, and with no failed job the sweep exits as a stopped single run does,
-    0 for SIGTERM (a scheduler's requeue point) and 130 once any job was stopped by SIGINT."""
-    jobs = find_jobs(sweep_dir)
-    stopped = [j for j in jobs if j.status == "stopped"]
-    for j in stopped:
-        print(f"dxrun: job #{j.label_num} {j.reason}", file=sys.stderr)
-    failed = [j for j in jobs if j.status == "failed"]
-    if failed:
-        names = "; ".join(f"#{j.label_num} ({' '.join(j.overrides)})" for j in failed)
-        fail(f"{len(failed)} sweep job(s) failed: {names} (details: {sweep_dir}/report.md)",
-              code=EXIT_REFUSED if all(j.kind == "refused" for j in failed) else EXIT_CRASHED)
-    if any(j.kind == "SIGINT" for j in stopped):
-        sys.exit(EXIT_CODES["SIGINT"])
+        exit_for_failed_jobs(sweep_dir)
 
 
 if __name__ == "__main__":

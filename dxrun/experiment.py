@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dxrun.data import TRAIN, Data
+from dxrun.data import EVAL, TRAIN, Data
 from dxrun.hf.load import import_params
 from dxrun.model.mdlm import objective_of
 from dxrun.model.sharding import (
@@ -38,7 +38,6 @@ from dxrun.plan.attention_kernel import AttentionTarget, attention_target, compi
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.targets import TARGETS
 from dxrun.plan.vocab import table_rows
-from dxrun.run import faults
 from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
 
 if TYPE_CHECKING:
@@ -116,7 +115,7 @@ class Experiment:
         spec = StepSpec(
             plan, mesh, state_shardings, b_shard,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
-            nan_policy=cfg.train.nan_policy, inject_nan_at_step=faults.from_env().nan_at_step,
+            nan_policy=cfg.train.nan_policy,
             grad_reduce_dtype=cfg.train.grad_reduce_dtype,
             update_shardings=u_shard if zero else None, update_pads=pads,
             # masked diffusion (model.objective=mdlm): its training masks seeded apart from
@@ -272,3 +271,7 @@ class Experiment:
     def batch(self, step: int, stream: int = TRAIN) -> jax.Array:
         """Global batch ``step`` by random access (tests, evaluation)."""
         return self.global_batch(self.data.local_batch(step, stream))
+
+    def held_out(self, n: int) -> list[jax.Array]:
+        """The first ``n`` held-out global batches: what each evaluation in training reads."""
+        return [self.batch(k, EVAL) for k in range(n)]

@@ -16,24 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun.autotune.peak import resolve_peak
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.experiment import Experiment
-from dxrun.plan import flops
-from dxrun.plan.run_plan import RunPlan, saved_config
-from dxrun.run.job import Job, describe_model
 from dxrun.run.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger
-from dxrun.tracking.metrics_row import StepCost, log_row, perplexity
+from dxrun.tracking.metrics_row import RunFacts, first_row, log_row, perplexity
 from dxrun.tracking.monitor import Monitor, plateau
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer
-from dxrun.tracking.trace import Tracer
+from dxrun.tracking.trace import Tracer, profile_dir, traced_steps
 
 if TYPE_CHECKING:
-    from dxrun.config.schema import EarlyStopConfig, RunConfig
+    from dxrun.config.schema import EarlyStopConfig, ProfileConfig
 
 log = logging.getLogger("dxrun")
 
@@ -46,47 +42,6 @@ def evaluate(exp: Experiment, params: dict, batches: Iterable[jax.Array]) -> dic
     loss = sum(float(r["eval/loss"]) for r in results) / len(results)
     acc = sum(float(r["eval/accuracy"]) for r in results) / len(results)
     return {"eval/loss": loss, "eval/ppl": perplexity(loss), "eval/accuracy": acc}
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the rows and the summary say of the run, measured once when it opens."""
-
-    n_params: int  # the real vocabulary, without padding
-    floor: float | None  # the data's entropy floor
-    device_kind: str
-    cost: StepCost
-    config: dict[str, Any]  # the W&B config and each checkpoint's: the derived numbers
-
-    @classmethod
-    def measure(cls, cfg: RunConfig, exp: Experiment, run_plan: RunPlan, state: Any,
-                job: Job) -> RunFacts:
-        """The run's facts (its parameters, its step's cost, the config it records), said in the
-        log once."""
-        plan, data = exp.plan, exp.data
-        n_params = exp.count_params(state.params)  # the real vocabulary, without padding
-        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
-                 f"{n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
-        if cfg.model._target_:  # dxrun.model.user_model: what a user model's run does differently
-            log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
-                     "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
-        else:
-            log.info("attention kernel: %s", exp.attention_kernel)  # attention_kernel.KERNELS
-        device_kind = jax.devices()[0].device_kind
-        peak = resolve_peak(cfg.runtime, cfg.train, device_kind, exp.mesh.devices.flat)
-        tokens_per_step = plan.global_batch * plan.seq_len
-        cost = StepCost(tokens_per_step, flops.flops_per_token(
-            cfg.model, n_params, plan.seq_len) * tokens_per_step, plan.n_devices, peak)
-        config = {  # the W&B config and each checkpoint's: the derived numbers written once
-            **saved_config(cfg, run_plan, job_type=job.job_type, group=job.group),
-            "choices": job.choices,
-            "plan": run_plan.to_json(),
-            "n_params": n_params,
-            "flops_per_token": cost.flops / cost.tokens,
-            "jax": {"version": jax.__version__, "device_kind": device_kind,
-                    "device_count": jax.device_count(), "process_count": jax.process_count()},
-        }
-        return cls(n_params, data.entropy_floor, device_kind, cost, config)
 
 
 @dataclass
@@ -106,6 +61,12 @@ class Clocks:
     clock: goodput.Goodput
     timer: StepTimer
     progress: Progress
+
+    @classmethod
+    def open(cls, clock: goodput.Goodput, start: int, steps: int, main: bool) -> Clocks:
+        """An attempt's from step ``start`` to ``steps``; the progress line on the ``main``
+        process only."""
+        return cls(clock, StepTimer(start, steps), Progress(steps, None if main else False))
 
 
 class Hook:
@@ -148,6 +109,20 @@ class TraceHook(Hook):
 
     def __init__(self, tracer: Tracer, timer: StepTimer, logger: MetricsLogger):
         self.tracer, self.timer, self.logger = tracer, timer, logger
+
+    @classmethod
+    def open(cls, profile: ProfileConfig, exp: Experiment, start: int, steps: int,
+             run_dir: Path, timer: StepTimer, logger: MetricsLogger) -> TraceHook:
+        """``train.profile``'s window over this attempt's steps ``start + 1``..``steps`` (a
+        warning where it lies before them), each process's trace in its own dir."""
+        compiled = exp.step.compiled
+        tracer = Tracer(traced_steps(profile.start, profile.steps, start, steps),
+                        profile_dir(run_dir, jax.process_index(), jax.process_count()), run_dir,
+                        compiled.as_text() if compiled is not None else None)
+        if profile.start and not tracer.steps:
+            log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
+                        profile.start, start + 2, steps)
+        return cls(tracer, timer, logger)
 
     @property
     def active(self) -> bool:
@@ -228,16 +203,15 @@ class EarlyStopHook(Hook):
 class LogHook(Hook):
     """Every ``train.log_every`` steps and at the last: the step's metrics fetched (the loop's
     only wait on the device) into its row (``tracking/metrics_row.py``: the window's timing, the
-    first row's one-off numbers, mem/*). A complete row holds the saves inside its window
-    (perf/checkpoint_block_s: those since the row before, the one at its step included) and
-    waits for its step's save point (``write_rows``: a halt or a stop there still writes it)."""
+    first row's one-off numbers: the compiled ``step``'s, ``search_s``; mem/*). A complete row
+    holds the saves inside its window (perf/checkpoint_block_s: those since the row before, the
+    one at its step included) and waits for its step's save point (``write_rows``)."""
 
     def __init__(self, every: int, logger: MetricsLogger, summary: RunSummary, facts: RunFacts,
-                 first: Callable[[], dict[str, Any]], tokens_at: Callable[[int], int],
-                 clocks: Clocks, parts: tuple[AllocatorPeak, RunCheckpoints, TraceHook,
-                                              GoodputHook]):
+                 step: Any, search_s: float | None, tokens_at: Callable[[int], int], clocks: Clocks,
+                 parts: tuple[AllocatorPeak, RunCheckpoints, TraceHook, GoodputHook]):
         self.every, self.logger, self.summary, self.facts = every, logger, summary, facts
-        self.first, self.tokens_at, self.clocks = first, tokens_at, clocks
+        self.step, self.search_s, self.tokens_at, self.clocks = step, search_s, tokens_at, clocks
         self.allocator, self.ckpts, self.trace, self.goodput = parts
         self.pending: list[tuple[int, dict[str, Any]]] = []
 
@@ -247,7 +221,8 @@ class LogHook(Hook):
             fetched = jax.device_get(info.metrics)  # waits for the device
         t_log = clock.clock()
         window = self.clocks.timer.measure(info.done)
-        first = None if self.summary.logged else self.first()
+        first = None if self.summary.logged else first_row(
+            self.step.compile_time_s, self.search_s, self.step.memory_bytes())
         # mem/peak_bytes_per_device: every row on an accelerator (CPU keeps no statistics).
         info.row.update(log_row(fetched, window, facts.cost, first,
                                 self.allocator.peak_since_start(), self.tokens_at(info.done),
@@ -292,10 +267,11 @@ class SummaryHook(Hook):
     and the best train loss (a resume's kept rows count as logged), with the attempt's
     figures; and the run's closing lines."""
 
-    def __init__(self, summary: RunSummary, facts: RunFacts, logger: MetricsLogger,
+    def __init__(self, kept: list[dict[str, Any]], facts: RunFacts, logger: MetricsLogger,
                  compile_time_s: float | None,
                  parts: tuple[StepTimer, RunCheckpoints, GoodputHook]):
-        self.summary, self.facts, self.logger = summary, facts, logger
+        # A resume's kept rows (``logger.rewind_metrics``) count as logged.
+        self.summary, self.facts, self.logger = RunSummary(kept), facts, logger
         self.compile_time_s = compile_time_s
         self.timer, self.ckpts, self.goodput = parts
 

@@ -1,6 +1,7 @@
 """Before anything is written or allocated: the run's decision (``autotune.decide``), the
-checkpoint it resumes and the memory preflight; then where training begins (``start_state``:
-the seeded init, what the layout search trained, or the resumed checkpoint)."""
+checkpoint it resumes and the memory preflight; then the decision shown (``show_plan``: the log,
+plan.json) and where training begins (``start_state``: the seeded init, what the layout search
+trained, or the resumed checkpoint)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,21 @@ import jax
 from dxrun.autotune.decide import Decided, decide
 from dxrun.autotune.preflight import compile_checked, memory_preflight
 from dxrun.autotune.timing import Handover
-from dxrun.checkpointing.resume import Resume, find_resume, plan_resume, restore
+from dxrun.checkpointing.resume import (
+    Resume,
+    data_position,
+    find_resume,
+    plan_resume,
+    restore,
+    tokens_seen,
+)
 from dxrun.config.errors import ConfigError
-from dxrun.experiment import Experiment, visible_devices
+from dxrun.experiment import Experiment
 from dxrun.hf.load import check_hf_weights
+from dxrun.plan.run_plan import RunPlan
+from dxrun.plan.search_record import table
 from dxrun.run.run_dir import dir_refusal
+from dxrun.run.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
 
 log = logging.getLogger("dxrun")
@@ -43,7 +54,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Decided:
         raise ConfigError(why)
     find = (None if run_dir is None
             else lambda saved: find_resume(cfg.checkpoint, run_dir, saved))
-    decided = decide(cfg, visible_devices(), find_resume=find)
+    decided = decide(cfg, find_resume=find)
     exp, plan, resume = decided.exp, decided.plan, decided.resume
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
@@ -65,6 +76,25 @@ class Start(NamedTuple):
     # The resumed checkpoint's metadata (its config, W&B run id, data position, tokens seen);
     # {} on a fresh start.
     ckpt_meta: dict[str, Any]
+    # This process's devices' allocator statistics before the state was placed: the run's
+    # peak memory is measured from them (mem/peak_bytes_per_device).
+    allocator: AllocatorPeak
+
+    def place(self, batches: Any, global_batch: int, trained: int) -> None:
+        """The training ``batches`` moved to where this attempt begins: the checkpoint's data
+        position, or past the ``trained`` batches parallelism=auto's turns read."""
+        if self.ckpt_meta:
+            batches.set_state(data_position(self.ckpt_meta, global_batch))
+        elif trained:
+            (key,) = batches.get_state()  # the batches read: "step" or "next_index"
+            batches.set_state({key: trained})
+
+    def tokens_before(self, trained: int, tokens_per_step: int) -> int:
+        """Tokens actually read before this attempt: the checkpoint's count (a resume may have
+        changed the batch size), or the ``trained`` steps' batches."""
+        if self.ckpt_meta:
+            return tokens_seen(self.ckpt_meta, self.step)
+        return trained * tokens_per_step
 
 
 def start_state(exp: Experiment, resume: Resume | None,
@@ -73,25 +103,26 @@ def start_state(exp: Experiment, resume: Resume | None,
     (parallelism=auto's search, ``Decided.handover``): the init it drew (``params``), or the
     state after the first steps it trained (``state``, ``step``): taken, so that their host or
     device copies are let go once on this mesh."""
+    allocator = AllocatorPeak()  # before this run allocates anything
     if resume is None and exp.cfg.model.init_from:
         # A fine-tune starts from its checkpoint's weights: what a layout search drew or
         # trained from the seeded init is left behind.
         log.info("weights from %s", exp.cfg.model.init_from)
-        return Start(exp.init_state(exp.hf_params()), 0, {})
+        return Start(exp.init_state(exp.hf_params()), 0, {}, allocator)
     if resume is None:
         handover = handover or Handover()
         if handover.state is not None:  # the search trained the run's first steps
             step, state, handover.state = handover.step, handover.state, None
             log.info("parallelism=auto: the layouts' turns trained steps 1-%d; the run goes on "
                      "from step %d", step, step + 1)
-            return Start(exp.adopt(state), step, {})
+            return Start(exp.adopt(state), step, {}, allocator)
         params, handover.params = handover.params, None
-        return Start(exp.init_state(params), 0, {})
+        return Start(exp.init_state(params), 0, {}, allocator)
     state, ckpt_meta, step = restore(resume, exp.abstract_state())
     if state.opt_state is None:  # the optimizer changed its state's tree (plan_resume)
         state = fresh_optimizer(exp, state)
     log.info("resuming from step %d (checkpoint %s)", step, resume.directory / str(step))
-    return Start(state, step, ckpt_meta)
+    return Start(state, step, ckpt_meta, allocator)
 
 
 def fresh_optimizer(exp: Experiment, state: Any) -> Any:
@@ -106,3 +137,15 @@ def fresh_optimizer(exp: Experiment, state: Any) -> Any:
         return x
 
     return state._replace(opt_state=jax.tree_util.tree_map_with_path(count, fresh))
+
+
+def show_plan(plan: RunPlan, run_dir: Path, main: bool) -> None:
+    """The run plan: its warnings and table in the log, ``plan.json`` in the run dir."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for w in plan.mesh.warnings:
+        log.warning(w)
+    if main:
+        write_json(run_dir / "plan.json", plan.to_json())
+    log.info("mesh plan\n%s", plan.mesh.table())
+    if plan.search:
+        log.info("parallelism=auto\n%s", table(plan.search))

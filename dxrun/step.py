@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -27,6 +27,7 @@ from dxrun.model.mdlm import MaskedDiffusion
 from dxrun.model.sharding import in_mesh_context, replicated, without_mesh_axis
 from dxrun.model.user_model import logits_of
 from dxrun.model.zero_padding import pad, unpad
+from dxrun.run import faults
 
 if TYPE_CHECKING:
     from dxrun.plan.mesh import MeshPlan
@@ -199,7 +200,8 @@ class StepSpec:
     batch_sharding: Any
     dropout_seed: int | None = None
     nan_policy: str = "halt"
-    inject_nan_at_step: int = 0
+    # test-only (dxrun/run/faults.py, from the environment): the step whose loss is poisoned
+    inject_nan_at_step: int = field(default_factory=lambda: faults.from_env().nan_at_step)
     grad_reduce_dtype: str = "fp32"
     update_shardings: Any = None
     update_pads: Any = None

@@ -19,13 +19,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from dxrun.autotune import memory_report
-from dxrun.checkpointing.cadence import cadence_text
-from dxrun.checkpointing.resume import data_position, tokens_seen
 from dxrun.checkpointing.saving import RunCheckpoints
-from dxrun.checkpointing.store import refused_write
-from dxrun.config.errors import DiskError, disk_error, first_line
-from dxrun.data import EVAL
-from dxrun.data.repeated import Repeated
+from dxrun.config.errors import DiskError, first_line
 from dxrun.experiment import Experiment
 from dxrun.hooks import (
     CheckpointHook,
@@ -35,26 +30,16 @@ from dxrun.hooks import (
     GoodputHook,
     Hook,
     LogHook,
-    RunFacts,
     StepInfo,
     SummaryHook,
     TraceHook,
 )
 from dxrun.multihost.distributed import is_main
-from dxrun.plan.run_plan import RunPlan
-from dxrun.plan.search_record import own_s, table
 from dxrun.run.job import Job, run_name
-from dxrun.run.run_dir import relaunch_command
-from dxrun.run.runtime import AllocatorPeak, write_json
-from dxrun.run.signals import Preemption
-from dxrun.start import Start, prepare, start_state
+from dxrun.start import Start, prepare, show_plan, start_state
 from dxrun.tracking import goodput
-from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
-from dxrun.tracking.metrics_row import first_row
-from dxrun.tracking.run_summary import RunSummary
-from dxrun.tracking.step_timer import StepTimer
-from dxrun.tracking.trace import Tracer, profile_dir, traced_steps
+from dxrun.tracking.metrics_row import RunFacts
 
 if TYPE_CHECKING:
     from dxrun.autotune.decide import Decided
@@ -80,7 +65,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
         # chosen layout's compile (booked above) and the steps it trained for the run
         # (productive: the run does not take them again); a run that did not search (too short
         # for one to pay, a cached decision, a resume) books none: deciding is startup
-        clock.add("search", own_s(search), within="decide")
+        clock.add("search", plan.search_s, within="decide")
         clock.add("productive", search.get("trained_s") or 0.0, within="decide")
     main = is_main()  # writes the run's files; every process trains
     show_plan(plan, run_dir, main)
@@ -90,13 +75,12 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     continues = (resume is not None and resume.in_place) or job.continues
     record = goodput.RunRecord(run_dir, clock, continues,
                                resume.meta_step if resume is not None else 0, write=main)
-    allocator = AllocatorPeak()  # before this run allocates anything
     goodput.mark("files")
     with goodput.compiling() as init_compile:  # the init's programs: compile, not startup
         started = start_state(exp, resume, prepared.handover)
     clock.add("compile", init_compile[0], within="init")
     goodput.mark("init")
-    trainer = open_trainer(cfg, run_dir, job, prepared, started, record, allocator)
+    trainer = open_trainer(cfg, run_dir, job, prepared, started, record)
     goodput.mark("open")
     clock.end_startup()
     trainer.goodput.write(started.step)  # the startup on record: a kill before the first row
@@ -227,7 +211,7 @@ class Trainer:
 
 
 def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, started: Start,
-                 record: goodput.RunRecord, allocator: AllocatorPeak) -> Trainer:
+                 record: goodput.RunRecord) -> Trainer:
     """The trainer of one attempt and its hooks: the metrics logger, the evaluation, the
     checkpoints, the early stop, the tracer, the step timer, the step's cost and the summary.
 
@@ -238,7 +222,7 @@ def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, sta
     steps (SIGUSR1, the wall clock) adds no row of its own: the rows stay those of an unsaved
     run."""
     exp, run_plan, resume, main = prepared.exp, prepared.plan, prepared.resume, record.write
-    state, start, ckpt_meta = started
+    state, start, ckpt_meta = started.state, started.step, started.ckpt_meta
     plan, data, steps = exp.plan, exp.data, cfg.train.steps
     facts = RunFacts.measure(cfg, exp, run_plan, state, job)
     in_place = resume is not None and resume.in_place
@@ -259,53 +243,32 @@ def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, sta
     n, capped = data.eval_batches(cfg.eval.batches)
     if capped and eval_every > 0:
         log.warning(capped)
-    evaluation = EvalHook(eval_every, exp, [exp.batch(k, EVAL) for k in range(n)]
-                          if eval_every > 0 else [], record.clock)
-    summary = RunSummary(rewound.kept)  # a resume's kept rows count as logged
-    batches = data.train_iterator()
-    if cfg.train.overfit_batches:  # debug=overfit: the same few batches, over and over
-        batches = Repeated(batches, cfg.train.overfit_batches)
-    if ckpt_meta:
-        batches.set_state(data_position(ckpt_meta, plan.global_batch))
-    elif trained:
-        (key,) = batches.get_state()  # the batches read: "step" or "next_index"
-        batches.set_state({key: trained})
-    # Tokens actually read: the checkpoint's count, then this attempt's batches (a resume
-    # may have changed the batch size).
-    tokens_before = tokens_seen(ckpt_meta, start) if ckpt_meta else trained * facts.cost.tokens
+    evaluation = EvalHook(eval_every, exp, exp.held_out(n) if eval_every > 0 else [],
+                          record.clock)
+    batches = data.train_iterator(cfg.train.overfit_batches)  # debug=overfit: a few, repeated
+    started.place(batches, plan.global_batch, trained)
+    tokens_before = started.tokens_before(trained, facts.cost.tokens)
 
     def tokens_at(done: int) -> int:
         return tokens_before + (done - start) * facts.cost.tokens
 
-    log.info("checkpoints: %s", cadence_text(*run_plan.cadence))  # decided by platform, state
     ckpts = RunCheckpoints(cfg.checkpoint, cfg.train, run_dir, start, {"config": facts.config},
-                           batches, logger, Preemption(), run_plan.cadence, tokens=tokens_at,
-                           relaunch=relaunch_command(job.overrides, run_dir), resumed=ckpt_meta)
+                           batches, logger, run_plan.cadence, tokens=tokens_at,
+                           overrides=job.overrides, resumed=ckpt_meta)
     # A relaunch of a run that stopped early has nothing to train (``plan_resume``); one that
     # fell back to an older checkpoint which had stopped too stops before its first step.
     early = EarlyStopHook(cfg.train.early_stop, ckpts, ckpt_meta)
-    profile = cfg.train.profile
-    tracer = Tracer(traced_steps(profile.start, profile.steps, start, steps),
-                    profile_dir(run_dir, jax.process_index(), jax.process_count()), run_dir,
-                    exp.step.compiled.as_text() if exp.step.compiled is not None else None)
-    if profile.start and not tracer.steps:
-        log.warning("train.profile.start=%d is past this attempt's steps %d-%d: no trace",
-                    profile.start, start + 2, steps)
-    clocks = Clocks(record.clock, StepTimer(start, steps), Progress(steps, None if main else False))
-    trace, gp = TraceHook(tracer, clocks.timer, logger), GoodputHook(record, ckpts)
-    search = run_plan.search  # parallelism=auto's record: its seconds in the first row
-
-    def first() -> dict[str, Any]:
-        return first_row(exp.step.compile_time_s, own_s(search) if search else None,
-                         exp.step.memory_bytes())
-
+    clocks = Clocks.open(record.clock, start, steps, main)
+    trace = TraceHook.open(cfg.train.profile, exp, start, steps, run_dir, clocks.timer, logger)
+    gp = GoodputHook(record, ckpts)
+    summary = SummaryHook(rewound.kept, facts, logger, exp.step.compile_time_s,
+                          (clocks.timer, ckpts, gp))
     return Trainer(
         exp, state, start, steps, batches, clocks, run_dir, main, cfg.train.debug_nans, trace,
         CheckpointHook(ckpts, record.clock),
-        LogHook(cfg.train.log_every, logger, summary, facts, first, tokens_at, clocks,
-                (allocator, ckpts, trace, gp)), evaluation,
-        SummaryHook(summary, facts, logger, exp.step.compile_time_s, (clocks.timer, ckpts, gp)),
-        early, gp)
+        LogHook(cfg.train.log_every, logger, summary.summary, facts, exp.step,
+                run_plan.search_s, tokens_at, clocks, (started.allocator, ckpts, trace, gp)),
+        evaluation, summary, early, gp)
 
 
 def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
@@ -323,8 +286,8 @@ def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
         return ckpts.halted(f"train.debug_nans: a NaN in the outputs{at}",
                             "set train.debug_nans=false train.nan_policy=skip to "
                             "leave such steps out")
-    if (why := disk_error(e)) is not None:
-        return refused_write(_written(e), why, ckpts.saver.directory)
+    if (refused := ckpts.refused(e)) is not None:
+        return refused
     if memory_report.is_out_of_memory(e) and main:
         path = memory_report.write(run_dir, exp.step.compiled, exp.abstract_state(),
                                    exp.plan.platform)
@@ -345,24 +308,3 @@ def _quietly(part: Any) -> None:
     except Exception as e:  # noqa: BLE001
         log.warning("%s: %s (while the run ends on an earlier error)", type(e).__name__,
                     first_line(e))
-
-
-def _written(e: BaseException) -> str:
-    """The file a refused write was writing (an OSError's filename), for its one line."""
-    while e is not None:
-        if isinstance(e, OSError) and e.filename:
-            return str(e.filename).removesuffix(".tmp")  # write_json's tmp file: its target
-        e = e.__cause__ or e.__context__
-    return "a run file"
-
-
-def show_plan(plan: RunPlan, run_dir: Path, main: bool) -> None:
-    """The run plan: its warnings and table in the log, ``plan.json`` in the run dir."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for w in plan.mesh.warnings:
-        log.warning(w)
-    if main:
-        write_json(run_dir / "plan.json", plan.to_json())
-    log.info("mesh plan\n%s", plan.mesh.table())
-    if plan.search:
-        log.info("parallelism=auto\n%s", table(plan.search))

@@ -32,6 +32,9 @@ LOCAL_IMPORTS_WITHOUT_REASON = 0  # of those, without a trailing comment saying 
 IMPORT_CIRCLES = 0  # sets of dxrun modules that reach each other through imports
 MODULES_IN_CIRCLES = 0  # the modules in those sets
 UPWARD_IMPORTS = 0  # imports of a module on a higher floor of LAYERS
+# dxrun modules the widest module imports (function-local and type-only ones too): a module
+# with many neighbours holds more than one responsibility (issue 64); goal <= 12
+MOST_IMPORTED = 18
 FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # Packages by concept (issue 64): the pipeline at the top, each family in its package.
 TOP_MODULES = 15  # .py files directly in dxrun/, __init__ and __main__ included; goal <= 15
@@ -120,14 +123,14 @@ def _is_type_checking(node: ast.If) -> bool:
     return "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+def _imports(path: Path, type_only: bool = False) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
     """Every import of a dxrun module in ``path`` and whether it sits inside a function; those
-    under ``if TYPE_CHECKING:`` (annotations only, never run) are left out."""
+    under ``if TYPE_CHECKING:`` (annotations only, never run) are left out unless ``type_only``."""
     out = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 continue
             if isinstance(child, ast.ImportFrom) and child.level == 0 and (
                     child.module or "").split(".")[0] == "dxrun":
@@ -143,8 +146,9 @@ def _imports(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
 
 
 @cache
-def _graph() -> dict[str, set[str]]:
-    """dxrun module -> the dxrun modules it imports (at module level or in a function)."""
+def _graph(type_only: bool = False) -> dict[str, set[str]]:
+    """dxrun module -> the dxrun modules it imports (at module level or in a function; with
+    ``type_only``, under ``if TYPE_CHECKING:`` too)."""
     modules = {_module(p) for p in _files()}
 
     def resolve(name: str) -> str | None:
@@ -155,7 +159,7 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in _files():
         me, targets = _module(path), set()
-        for node, _ in _imports(path):
+        for node, _ in _imports(path, type_only):
             if isinstance(node, ast.Import):
                 targets |= {resolve(a.name) for a in node.names}
             else:  # ``from dxrun import run_dir``: the module run_dir; else the module itself
@@ -315,6 +319,15 @@ def test_imports_point_down():
                     for m, targets in graph.items() for t in targets
                     if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m))
     _at_most("UPWARD_IMPORTS", len(upward), UPWARD_IMPORTS, upward)
+
+
+def test_no_module_imports_many_others():
+    """A module's fan-out: the other dxrun modules it imports, type-only and function-local
+    imports included (``from dxrun.pkg import name`` counts the module ``name`` is, else pkg)."""
+    graph = _graph(type_only=True)
+    widest = max(graph, key=lambda m: len(graph[m]))
+    _at_most("MOST_IMPORTED", len(graph[widest]), MOST_IMPORTED,
+             f"{widest}: {sorted(graph[widest])}")
 
 
 def test_the_top_holds_the_pipeline_and_the_commands():

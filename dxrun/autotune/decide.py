@@ -16,7 +16,7 @@ from dxrun.autotune.fit import NoData, state_bytes
 from dxrun.autotune.search import search
 from dxrun.autotune.timing import Handover
 from dxrun.checkpointing.cadence import save_cadence
-from dxrun.experiment import Experiment, process_data
+from dxrun.experiment import Experiment, process_data, visible_devices
 from dxrun.plan.batch import default_seq_len
 from dxrun.plan.layouts import held_batch, resumed_layout, searches
 from dxrun.plan.mesh import make_plan
@@ -47,12 +47,13 @@ class Decided:
     resume: Resume | None = None  # the checkpoint a run resumes; None: a fresh start
 
 
-def decide(cfg: Any, devices: tuple, *, plan_mode: bool = False,
-           find_resume: FindResume | None = None) -> Decided:
-    """Decide the run of ``cfg`` on ``devices`` (``experiment.visible_devices``). Plan mode
-    plans for ``plan.target``'s platform (``data.seq_len=null`` as a run there resolves it)
-    and compiles nothing it would train. ``find_resume``: a run's resume finder, asked before
-    a search (the checkpoint's layout is kept where it fits)."""
+def decide(cfg: Any, *, plan_mode: bool = False, find_resume: FindResume | None = None
+           ) -> Decided:
+    """Decide the run of ``cfg`` on the devices it sees (``experiment.visible_devices``). Plan
+    mode plans for ``plan.target``'s platform (``data.seq_len=null`` as a run there resolves
+    it; its devices' attention kernel) and compiles nothing it would train. ``find_resume``: a
+    run's resume finder, asked before a search (the checkpoint's layout is kept where it fits)."""
+    devices = visible_devices(cfg.plan.target if plan_mode else None)
     platform = plan_platform(cfg.plan.target, devices[1]) if plan_mode else devices[1]
     seq_len = default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
     handover, searched, resume = (None if plan_mode else Handover()), None, None

@@ -55,12 +55,12 @@ def footprint(exp: Any, compiled: Any, xla_cost: bool = True) -> Footprint:
     )
 
 
-def target_vocab(vocab_size: int, vocab_align: int, plan: MeshPlan, target: Target) -> int:
-    """The rows the vocabulary tables have in a run on ``target`` (128-aligned on a GPU or TPU;
-    the plan's own padding is for the devices it was made on: this CPU in plan mode).
-    ``vocab_align``: ``parallelism.vocab_align`` (0: the target's)."""
+def target_vocab(cfg: RunConfig, plan: MeshPlan, target: Target) -> int:
+    """The rows the vocabulary tables of ``cfg``'s model have in a run on ``target``
+    (128-aligned on a GPU or TPU; the plan's own padding is for the devices it was made on:
+    this CPU in plan mode), unless ``parallelism.vocab_align`` names another alignment."""
     platform = plan_platform(target_key(target), plan.platform)
-    return padded_vocab(vocab_size, plan.tp, platform, vocab_align)
+    return padded_vocab(table_rows(cfg.model), plan.tp, platform, cfg.parallelism.vocab_align)
 
 
 def target_plan(cfg: RunConfig, plan: MeshPlan, *, device: AttentionTarget | None = None,
@@ -90,7 +90,7 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
     with the target's vocabulary padding), activations from the shapes, with the attention
     kernel a run on that target would use."""
     cfg, plan = exp.cfg, exp.plan
-    vocab = target_vocab(table_rows(cfg.model), cfg.parallelism.vocab_align, plan, target)
+    vocab = target_vocab(cfg, plan, target)
     if vocab != exp.padded_vocab:  # shapes only: the same model with the target's rows
         exp = Experiment.build(cfg, target_plan(cfg, plan, vocab=vocab), data=NoData())
     state = exp.abstract_state()
@@ -186,8 +186,8 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     timing = None
     if accelerator and peak:
         w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
-                              target_vocab(table_rows(cfg.model), cfg.parallelism.vocab_align,
-                                           plan, target), kernel_on(cfg, plan, target.device_kind))
+                              target_vocab(cfg, plan, target),
+                              kernel_on(cfg, plan, target.device_kind))
         t = TARGETS[key]
         timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
                                     t.link_bytes_per_s,

@@ -18,7 +18,6 @@ from dxrun.autotune.fit import state_bytes, step_estimate
 from dxrun.autotune.host import resolve_target
 from dxrun.autotune.suggest import advice_text, fastest_that_fits
 from dxrun.checkpointing.cadence import checkpoint_cost, checkpoint_line, save_cadence
-from dxrun.experiment import visible_devices
 from dxrun.model.sharding import replicated_bytes_over
 from dxrun.model.user_model import plan_line
 from dxrun.plan import advice as say
@@ -190,7 +189,7 @@ def memory_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 def planned(cfg: Any) -> Decided:
     """The run plan mode reports: ``decide`` for ``plan.target`` on the visible devices (for
     ``parallelism=auto`` the layout ranked first by the estimate alone)."""
-    return decide(cfg, visible_devices(cfg.plan.target), plan_mode=True)
+    return decide(cfg, plan_mode=True)
 
 
 def run_plan(cfg: Any, run_dir: Any, decided: Decided) -> dict[str, Any]:

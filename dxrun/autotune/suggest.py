@@ -30,7 +30,6 @@ from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import REMATS, meshes
 from dxrun.plan.mesh import LOGICAL_RULES, MeshPlan, make_plan
 from dxrun.plan.targets import GB, TARGETS, Target, gb_text, target_key, usable_bytes
-from dxrun.plan.vocab import table_rows
 
 if TYPE_CHECKING:
     from dxrun.config.schema import RunConfig
@@ -160,7 +159,7 @@ def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[flo
     of the target's vocabulary padding, as there)."""
     m = cfg.model
     kernel = kernel_on(cfg, plan, target.device_kind)
-    vocab = target_vocab(table_rows(m), cfg.parallelism.vocab_align, plan, target)
+    vocab = target_vocab(cfg, plan, target)
     x = memory_model.shapes(m, plan, kernel, vocab)
     return memory_model.estimate_memory(x, *state, plan.fsdp).total_bytes
 

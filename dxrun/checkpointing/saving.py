@@ -16,18 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun.checkpointing.cadence import MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead
+from dxrun.checkpointing.cadence import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
 from dxrun.checkpointing.store import (
     POINTER,
     Checkpointer,
     KeepStep,
     checkpoint_dir,
     committed_steps,
+    refused_write,
     run_id,
 )
-from dxrun.config.errors import NonFiniteError, Stopped
+from dxrun.config.errors import DiskError, NonFiniteError, Stopped, disk_error
 from dxrun.multihost.distributed import is_main
 from dxrun.run import faults
+from dxrun.run.run_dir import relaunch_command
 from dxrun.run.signals import Preemption, ProcessAgreement
 from dxrun.tracking.monitor import Monitor
 from dxrun.tracking.step_timer import NOTICEABLE_BLOCK_S, SaveTotals
@@ -59,10 +61,11 @@ class RunCheckpoints:
     signal (``ProcessAgreement``): every process saves at the same step, whichever clock said so."""
 
     def __init__(self, ckpt: CheckpointConfig, train: TrainConfig, run_dir: Path, start: int,
-                 meta: dict[str, Any], iterator: Any, logger: Any, preemption: Preemption,
-                 cadence: tuple[int, float], tokens: Callable[[int], int] | None = None,
-                 relaunch: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 meta: dict[str, Any], iterator: Any, logger: Any, cadence: tuple[int, float],
+                 tokens: Callable[[int], int] | None = None, overrides: list[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  resumed: dict[str, Any] | None = None):
+        log.info("checkpoints: %s", cadence_text(*cadence))  # decided by platform, state
         self.start = start  # the step this attempt began at: saved already, or the init
         every, minutes = cadence  # (steps, minutes) between saves: cadence.save_cadence
         self.every, self.log_every = every, train.log_every
@@ -80,7 +83,7 @@ class RunCheckpoints:
         self.usr1_pending = False
         # Every checkpoint names the run that wrote it (evaluation writes its results there).
         self.meta = {**meta, "run_id": run_id(run_dir), "run_dir": str(Path(run_dir).resolve())}
-        self.iterator, self.logger, self.preemption = iterator, logger, preemption
+        self.iterator, self.logger, self.preemption = iterator, logger, Preemption()
         self.tokens = tokens  # tokens trained on after a step (carried across resumes)
         directory = checkpoint_dir(ckpt, run_dir)
         if ckpt.dir and is_main():  # the run dir leads to its checkpoints (locate)
@@ -96,7 +99,8 @@ class RunCheckpoints:
             self.keep_best = KeepStep(self.watch["keep_best"].step)
         self.saver = Checkpointer(directory, ckpt.keep, self.keep_best)
         self.last_saved: Path | None = None
-        self.relaunch = relaunch  # the command that resumes this run, for the stop line
+        # the command that resumes this run (the launch's ``overrides``), for the stop line
+        self.relaunch = relaunch_command(overrides, run_dir) if overrides is not None else None
         # Several processes act on a signal at one agreed step (a save is collective).
         self.agreement = ProcessAgreement() if jax.process_count() > 1 else None
 
@@ -203,6 +207,22 @@ class RunCheckpoints:
                  if good else "no checkpoint was saved before it")
         return NonFiniteError(f"{what}; {where}; lower optimizer.lr or {fix}")
 
+    def refused(self, e: BaseException) -> DiskError | None:
+        """The one line of a write the disk refused (``errors.disk_error``), naming the file it
+        was writing and the checkpoint kept; None where ``e`` is no disk error."""
+        if (why := disk_error(e)) is None:
+            return None
+        return refused_write(_written(e), why, self.saver.directory)
+
     def close(self) -> None:
         """Wait for the last save to be committed."""
         self.saver.close()
+
+
+def _written(e: BaseException) -> str:
+    """The file a refused write was writing (an OSError's filename), for its one line."""
+    while e is not None:
+        if isinstance(e, OSError) and e.filename:
+            return str(e.filename).removesuffix(".tmp")  # write_json's tmp file: its target
+        e = e.__cause__ or e.__context__
+    return "a run file"

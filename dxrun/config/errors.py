@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from typing import Any
 
 # status.json's "status": running until the run ends ok, stopped (on a signal, after a committed
@@ -23,6 +24,12 @@ UNFINISHED = (RUNNING, STOPPED, FAILED)
 EXIT_CODES = {"SIGTERM": 0, "SIGINT": 130, "SIGUSR1": 0}
 EXIT_CRASHED = 1  # a crash, a non-finite halt, a write the disk refused
 EXIT_REFUSED = 2  # input dxrun cannot run with (ConfigError), said before anything is written
+
+
+def fail(msg: str, code: int = EXIT_REFUSED) -> None:
+    """End the process on ``msg``, one line on stderr, with exit ``code``."""
+    print(f"dxrun: error: {msg}", file=sys.stderr)
+    sys.exit(code)
 
 
 class ConfigError(ValueError):

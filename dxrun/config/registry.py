@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema import ModelConfig, RunConfig
+from dxrun.hf.config_json import apply_hf_model
 
 DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 
@@ -118,6 +119,14 @@ def _valid_keys(path: str) -> list[str]:
     for part in filter(None, path.split(".")):
         node = node[part]
     return list(node.keys())
+
+
+def check_composed(cfg: RunConfig, overrides: list[str]) -> None:
+    """A composed config completed and its keys checked: ``model.init_from=hf:<dir>``'s model
+    section read from the dir's config.json (``overrides``: the command line's, which it must
+    not contradict), then ``check_keys``."""
+    apply_hf_model(cfg, overrides)
+    check_keys(cfg)
 
 
 def check_keys(cfg: RunConfig) -> None:

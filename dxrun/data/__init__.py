@@ -20,6 +20,7 @@ import numpy as np
 
 from dxrun.data import user
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
+from dxrun.data.repeated import Repeated
 from dxrun.plan.batch import default_seq_len
 
 if TYPE_CHECKING:
@@ -148,7 +149,11 @@ class Data:
             raise ValueError("no held-out data (Data.has_eval is False): nothing to evaluate on")
         return self._splits[stream][step]
 
-    def train_iterator(self) -> BatchIterator:
+    def train_iterator(self, overfit_batches: int = 0) -> BatchIterator:
+        """The training batches; ``overfit_batches`` (debug=overfit): the same few, over and
+        over (``repeated.Repeated``)."""
+        if overfit_batches:
+            return Repeated(self.train_iterator(), overfit_batches)
         if self.kind in ("markov", "target"):  # random access: the state is the next step
             return _StepIterator(self, TRAIN)
         from dxrun.data.pipeline import GrainBatches  # grain: for corpora only

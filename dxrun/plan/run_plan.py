@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dxrun.plan.layout import Layout
 from dxrun.plan.mesh import MeshPlan
+from dxrun.plan.search_record import own_s
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class RunPlan:
     @property
     def seq_len(self) -> int:
         return self.mesh.seq_len
+
+    @property
+    def search_s(self) -> float | None:
+        """parallelism=auto's own seconds (``search_record.own_s``); None: no search."""
+        return own_s(self.search) if self.search else None
 
     def to_json(self) -> dict[str, Any]:
         """``plan.json`` and the saved config's ``plan``: the mesh plan and the search."""

@@ -28,6 +28,7 @@ from dxrun.config.errors import (
     NonFiniteError,
     NothingToTrain,
     Stopped,
+    fail,
     first_line,
 )
 from dxrun.multihost.distributed import agree, is_main, tell_launcher, tell_launcher_startup
@@ -164,11 +165,6 @@ def discard_empty_dir(run_dir: Path) -> None:
             return
 
 
-def fail(msg: str, code: int = EXIT_REFUSED) -> None:
-    print(f"dxrun: error: {msg}", file=sys.stderr)
-    sys.exit(code)
-
-
 class JobStatus:
     """How a job ended, written by this one object: its run dir's status.json (``running``
     once it trains, then ``ok``, ``stopped`` or ``failed`` of kind refused | crashed |
@@ -177,8 +173,9 @@ class JobStatus:
     claim on its dir (``held``: from the moment the lock is taken), released at the end, and
     the run log, attached to the dir once the run has one."""
 
-    def __init__(self, cfg: RunConfig, hydra_cfg: HydraConf, run_log: RunLog):
-        self.cfg, self.hydra_cfg, self.run_log = cfg, hydra_cfg, run_log
+    def __init__(self, cfg: RunConfig, hydra_cfg: HydraConf, run_log: RunLog | None = None):
+        # the run log's lines wait in memory until this run has claimed its own dir
+        self.cfg, self.hydra_cfg, self.run_log = cfg, hydra_cfg, run_log or RunLog()
         self.multirun = hydra_cfg.mode == RunMode.MULTIRUN
         self.run_dir: Path | None = None
         self.claim: Claim | None = None  # the run dir this job trains in, held until it ends

@@ -45,6 +45,10 @@ class RunLog:
         """``dxrun.log``; in a multi-process run each process its own ``dxrun.<rank>.log``."""
         return RunLog.NAME if processes == 1 else f"dxrun.{rank}.log"
 
+    def for_process(self, rank: int, processes: int) -> None:
+        """The file of process ``rank`` of a run of ``processes`` (``name_for``)."""
+        self.name = self.name_for(rank, processes)
+
     def __init__(self) -> None:
         import logging.handlers
 

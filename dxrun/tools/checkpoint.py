@@ -31,10 +31,10 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config.errors import ConfigError, first_line
-from dxrun.config.registry import check_keys, composition_error, conf_dir, register
+from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
 from dxrun.config.schema import RunConfig
 from dxrun.config.validation import validate
-from dxrun.hf.config_json import PREFIX, apply_hf_model
+from dxrun.hf.config_json import PREFIX
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.run_plan import recorded
 from dxrun.run.runtime import collect_cycles_rarely, simulate_cpu_devices
@@ -305,8 +305,7 @@ def compose_hf(path: Path, overrides: list[str]) -> DictConfig:
             cfg = hydra_compose(config_name="config", overrides=given)
     except Exception as e:  # noqa: BLE001 - one line for what we can phrase, else Hydra's
         raise ConfigError(composition_error(e) or str(e).splitlines()[0]) from None
-    apply_hf_model(cfg, given)
-    check_keys(cfg)
+    check_composed(cfg, given)
     return cfg
 
 

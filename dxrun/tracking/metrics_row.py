@@ -1,5 +1,6 @@
 """The numbers of a logged row: pure functions of the step's metrics, the timer's window and
-the run's constants (no JAX, no run needed).
+the run's constants (``RunFacts``, measured once when the run opens; the rest needs no JAX and
+no run).
 
 A log row holds, in this order: the step's own metrics (train/*) and train/ppl; perf/* of the
 window since the previous log point (left out when the window has no step or no time);
@@ -10,13 +11,25 @@ where the allocator keeps statistics; data/tokens_seen and data/entropy_floor.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dxrun.plan.flops import mfu
+import jax
+
+from dxrun.autotune.peak import resolve_peak
+from dxrun.plan.flops import flops_per_token, mfu
+from dxrun.plan.run_plan import RunPlan, saved_config
+from dxrun.run.job import Job, describe_model
 from dxrun.tracking.step_timer import Measured
+
+if TYPE_CHECKING:
+    from dxrun.config.schema import RunConfig
+    from dxrun.experiment import Experiment
+
+log = logging.getLogger("dxrun")
 
 
 def perplexity(loss: float) -> float:
@@ -32,6 +45,47 @@ class StepCost:
     flops: float
     n_devices: int
     peak_tflops: float | None
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the rows and the summary say of the run, measured once when it opens."""
+
+    n_params: int  # the real vocabulary, without padding
+    floor: float | None  # the data's entropy floor
+    device_kind: str
+    cost: StepCost
+    config: dict[str, Any]  # the W&B config and each checkpoint's: the derived numbers
+
+    @classmethod
+    def measure(cls, cfg: RunConfig, exp: Experiment, run_plan: RunPlan, state: Any,
+                job: Job) -> RunFacts:
+        """The run's facts (its parameters, its step's cost, the config it records), said in the
+        log once."""
+        plan, data = exp.plan, exp.data
+        n_params = exp.count_params(state.params)  # the real vocabulary, without padding
+        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
+                 f"{n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
+        if cfg.model._target_:  # dxrun.model.user_model: what a user model's run does differently
+            log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
+                     "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
+        else:
+            log.info("attention kernel: %s", exp.attention_kernel)  # attention_kernel.KERNELS
+        device_kind = jax.devices()[0].device_kind
+        peak = resolve_peak(cfg.runtime, cfg.train, device_kind, exp.mesh.devices.flat)
+        tokens_per_step = plan.global_batch * plan.seq_len
+        cost = StepCost(tokens_per_step, flops_per_token(
+            cfg.model, n_params, plan.seq_len) * tokens_per_step, plan.n_devices, peak)
+        config = {  # the W&B config and each checkpoint's: the derived numbers written once
+            **saved_config(cfg, run_plan, job_type=job.job_type, group=job.group),
+            "choices": job.choices,
+            "plan": run_plan.to_json(),
+            "n_params": n_params,
+            "flops_per_token": cost.flops / cost.tokens,
+            "jax": {"version": jax.__version__, "device_kind": device_kind,
+                    "device_count": jax.device_count(), "process_count": jax.process_count()},
+        }
+        return cls(n_params, data.entropy_floor, device_kind, cost, config)
 
 
 def train_row(fetched: Mapping[str, Any]) -> dict[str, Any]:
