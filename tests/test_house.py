@@ -35,6 +35,10 @@ UPWARD_IMPORTS = 0  # imports of a module on a higher floor of LAYERS
 # dxrun modules the widest module imports (function-local and type-only ones too): a module
 # with many neighbours holds more than one responsibility (issue 64); goal <= 12
 MOST_IMPORTED = 18
+IMPORT_ARROWS = 482  # module -> module imports in dxrun (as MOST_IMPORTED counts them); goal <= 150
+# dxrun modules ``python -m dxrun`` reaches through its imports (function-local ones too), the
+# model and config packages aside: what a newcomer walks through to the first step; goal <= 12
+ENTRY_REACHES = 82
 FIGURES = 0  # comment/docstring lines quoting a measured time or ratio
 # Packages by concept (issue 64): the pipeline at the top, each family in its package.
 TOP_MODULES = 15  # .py files directly in dxrun/, __init__ and __main__ included; goal <= 15
@@ -328,6 +332,19 @@ def test_no_module_imports_many_others():
     widest = max(graph, key=lambda m: len(graph[m]))
     _at_most("MOST_IMPORTED", len(graph[widest]), MOST_IMPORTED,
              f"{widest}: {sorted(graph[widest])}")
+
+
+def test_the_imports_are_few_and_the_entry_point_reaches_few_modules():
+    graph = _graph(type_only=True)
+    _at_most("IMPORT_ARROWS", sum(map(len, graph.values())), IMPORT_ARROWS)
+    reached, todo = set(), ["dxrun.__main__"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += _graph()[module]
+    outside = sorted(m for m in reached if not m.startswith(("dxrun.model", "dxrun.config")))
+    _at_most("ENTRY_REACHES", len(outside), ENTRY_REACHES, outside)
 
 
 def test_the_top_holds_the_pipeline_and_the_commands():
