@@ -55,14 +55,20 @@ def claim_new(asked: Path) -> Path:
     return run_dir
 
 
+def _committed(ckpt: CheckpointConfig, run_dir: Path) -> tuple[Path, list[int]]:
+    """The run dir's checkpoint dir and the steps committed there."""
+    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX after devices
+
+    checkpoints = checkpoint_dir(ckpt, run_dir)
+    return checkpoints, committed_steps(checkpoints)
+
+
 def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf,
                    asked: Path, held: list[Claim] | None = None) -> Claim:
     """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
     ``asked`` is said at once rather than only in the last line. ``held``: as ``run_dir.claim``
     (the caller's hold on the dir from the moment it is locked)."""
-    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX after device count
-
     wait_s = run_dirs.wait_seconds(run.wait_for_lock)
     claim, decision = None, {}
     if is_main():
@@ -70,10 +76,9 @@ def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf
             claim = run_dirs.claim(
                 asked, named=names_its_dir(hydra_cfg),
                 fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
-                has_checkpoints=lambda d: bool(committed_steps(checkpoint_dir(ckpt, d))))
+                has_checkpoints=lambda d: bool(_committed(ckpt, d)[1]))
             decision = {"dir": str(claim.dir), "continues": claim.continues}
-            checkpoints = checkpoint_dir(ckpt, claim.dir)
-            _tell_launcher(claim, checkpoints, committed_steps(checkpoints))
+            _tell_launcher(claim, *_committed(ckpt, claim.dir))
         except ConfigError as e:
             decision = {"refusal": str(e)}
     # The others wait here while process 0 waits for the lock.
@@ -246,11 +251,8 @@ def _interrupted(status: JobStatus, e: Interrupted) -> None:
         if is_main():
             discard_empty_dir(Path(status.hydra_cfg.runtime.output_dir))
         sys.exit(e.code)
-    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX after devices
-
     status.run_log.attach(claim.dir)
-    ckpts = checkpoint_dir(status.cfg.checkpoint, claim.dir)
-    steps = committed_steps(ckpts)
+    ckpts, steps = _committed(status.cfg.checkpoint, claim.dir)
     newest = ckpts / str(steps[-1]) if steps else None
     relaunch = relaunch_command(list(status.hydra_cfg.overrides.task), claim.dir)
     reason = stopped_words(e.signal_name, e.when, newest, relaunch)
