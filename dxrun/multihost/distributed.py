@@ -234,7 +234,9 @@ def join(dist: DistributedConfig, env: Mapping[str, str] | None = None) -> Join 
 
 
 def reachable(address: str, timeout_s: float) -> bool:
-    """Whether something listens at ``host:port`` within ``timeout_s`` (retrying)."""
+    """Whether something listens at ``host:port`` within ``timeout_s`` (retrying every 50 ms:
+    the ranks of a launch start together, and a rank that looked just before process 0's
+    coordinator was listening waited up to half a second more, idle, at every start)."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -244,7 +246,7 @@ def reachable(address: str, timeout_s: float) -> bool:
         except OSError:
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.5)
+            time.sleep(0.05)
 
 
 def is_main() -> bool:
