@@ -32,7 +32,6 @@ from dxrun.checkpointing.damage import (
 from dxrun.checkpointing.store import POINTER, STATE, checkpoint_dir, committed_steps, read, rotated_away
 from dxrun.checkpointing.vocab_padding import leaf_key, restore_args
 from dxrun.config.errors import CheckpointGone, CheckpointReadError, ConfigError, NothingToTrain
-from dxrun.data.pipeline import position
 from dxrun.multihost.distributed import gather, is_main
 from dxrun.step import TrainState
 from dxrun.tracking.monitor import stopped_early
@@ -266,6 +265,8 @@ def data_position(meta: dict[str, Any], batch_size: int) -> dict[str, Any]:
     stands for, so the worker count may change."""
     state = dict(meta["data"])
     if "step" not in state:  # a token corpus (Grain): one position, whatever the workers
+        from dxrun.data.pipeline import position  # Grain: for corpora only, as dxrun.data
+
         state = {"next_index": position(state)}
     old = meta["config"]["data"]["batch_size"]
     if old == batch_size:

@@ -233,8 +233,14 @@ def join(dist: DistributedConfig, env: Mapping[str, str] | None = None) -> Join 
     return spec
 
 
+# How often a rank looks again for process 0's coordinator: the ranks of a launch start
+# together, and a rank that looked just before the coordinator listened waits this long, idle.
+REACH_RETRY_S = 0.05
+
+
 def reachable(address: str, timeout_s: float) -> bool:
-    """Whether something listens at ``host:port`` within ``timeout_s`` (retrying)."""
+    """Whether something listens at ``host:port`` within ``timeout_s`` (retrying every
+    ``REACH_RETRY_S``)."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -244,7 +250,7 @@ def reachable(address: str, timeout_s: float) -> bool:
         except OSError:
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.5)
+            time.sleep(REACH_RETRY_S)
 
 
 def is_main() -> bool:
