@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -46,140 +47,48 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
     scan. Left to autodiff and the partitioner, each was all-reduced once per chunk.
     ``weights_BxL`` (masked diffusion's, ``dxrun.model.mdlm``): each position's cross-entropy
     weighted, still divided by B x L, and the accuracy over the positions of non-zero weight."""
-    B, L, D = x_BxLxD.shape
-    Vp = w.shape[vocab_axis]
-    replicas, shards = active_axes("batch"), active_axes("vocab")
-    R, N, T = math.prod(replicas.values()), L // chunk, math.prod(shards.values())
-    batch_axes, vocab_axes = tuple(replicas), tuple(shards)
-    Vs = Vp // T
-    x_spec, w_spec = ("bcd,vd->bcv", "vd") if vocab_axis == 0 else ("bcd,dv->bcv", "dv")
-    offsets_T = jnp.arange(T, dtype=jnp.int32) * Vs  # each shard's first vocabulary id
+    B, L, _ = x_BxLxD.shape
+    c = _Chunks.of(w, vocab_axis, vocab_size, B, L, chunk)
 
-    def chunks(a: Any) -> Any:  # [B, L, ...] -> [N, R, B/R, chunk, ...]: replica r's rows
-        return jnp.moveaxis(a.reshape(R, B // R, N, chunk, *a.shape[2:]), 2, 0)
-
-    def split(w: Any) -> Any:  # [.., Vp, ..] -> [T, .., Vs, ..]: shard t's columns first
-        w_T = jnp.moveaxis(w.reshape(*w.shape[:vocab_axis], T, Vs, *w.shape[vocab_axis + 1:]),
-                           vocab_axis, 0)
-        return _pin(w_T, (vocab_axes,))
-
-    def join(w_T: Any) -> Any:
-        w = jnp.moveaxis(w_T, 0, vocab_axis)
-        return w.reshape(*w.shape[:vocab_axis], Vp, *w.shape[vocab_axis + 2:])
-
-    def per_device(f: Any, shard_args: int) -> Any:
-        """``f(*shard_args, *replica_args)`` of one shard and one replica's chunk, on every
-        device: [R, T, ...] results."""
-        def on_replicas(*args: Any) -> Any:
-            def one_replica(*a: Any) -> Any:
-                return jax.vmap(f, in_axes=(0,) * shard_args + (None,) * len(a),
-                                spmd_axis_name=vocab_axes or None)(*args[:shard_args], *a)
-            return jax.vmap(one_replica, spmd_axis_name=batch_axes or None)(*args[shard_args:])
-
-        def run(*args: Any) -> Any:
-            with _without(batch_axes + vocab_axes):  # the mapped axes hold them
-                return on_replicas(*args)
-        return run
-
-    padded = Vp > vocab_size
-
-    def logits(w_t: Any, offset: Any, x_bxCxD: Any) -> tuple[Any, Any]:
-        """A shard's fp32 logits (its padding too) and its vocabulary ids."""
-        return dense(x_bxCxD, w_t, x_spec, jnp.float32), offset + jnp.arange(Vs, dtype=jnp.int32)
-
-    def real(logits_bxCxV: Any, ids_V: Any) -> Any:
-        """The logits of real ids, for the reductions. On one shard the padding is its last
-        columns: sliced off, a slice each reduction reads in place (a mask of every logit was
-        a pass of its own). Split over shards, each masks its own by its ids (as the model's
-        head: the fp32 minimum, whose exp() is 0 and which never makes a NaN)."""
-        if not padded:
-            return logits_bxCxV
-        if T == 1:
-            return logits_bxCxV[..., :vocab_size]
-        return jnp.where(ids_V < vocab_size, logits_bxCxV, jnp.finfo(jnp.float32).min)
-
-    def stats(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any = None,
-              ids_V: Any = None) -> tuple:
-        if logits_bxCxV is None:
-            logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
-        kept_bxCxV = real(logits_bxCxV, ids_V)
-        m_bxC, s_bxC, first = _softmax_stats(kept_bxCxV)
-        local = t_bxC - offset
-        inside = (local >= 0) & (local < Vs)
-        label = jnp.take_along_axis(logits_bxCxV, jnp.clip(local, 0, Vs - 1)[..., None],
-                                    axis=-1)[..., 0]
-        return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first + offset
-
-    def grads(w_t: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any, ids_V: Any, m_bxC: Any,
-              s_bxC: Any, g_bxC: Any) -> tuple:
-        """The chunk's gradients of ``w_t`` and ``x_bxCxD`` for the cotangent ``g_bxC`` of each
-        position's cross-entropy: autodiff's formula for the unchunked loss, in its order."""
-        p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g_bxC / s_bxC)[..., None]
-        if padded:  # no probability, no gradient: in the same pass
-            p_g = jnp.where(ids_V < vocab_size, p_g, 0.0)
-        d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
-                   ).astype(x_bxCxD.dtype)
-        # dxrun.model.layers.dense's backward: compute dtype operands, fp32 accumulation; the input
-        # gradient kept fp32, as the unchunked partial sum the partitioner reduces
-        dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
-                        preferred_element_type=jnp.float32)
-        dw = jnp.einsum(f"bcd,bcv->{w_spec}", x_bxCxD, d_bxCxV,
-                        preferred_element_type=jnp.float32)
-        return dw.astype(w.dtype), dx
+    def shard_stats(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any) -> tuple:
+        return _stats(c, w_t, offset, x_bxCxD, t_bxC)
 
     def fused(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, g_bxC: Any) -> tuple:
         """One shard's statistics and gradients of a chunk (the vocabulary on one shard)."""
-        logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
-        m, s, label, first = stats(w_t, offset, x_bxCxD, t_bxC, logits_bxCxV, ids_V)
-        return (m, s, label, first), grads(w_t, x_bxCxD, t_bxC, logits_bxCxV, ids_V, m, s, g_bxC)
+        logits_bxCxV, ids_V = _logits(c, w_t, offset, x_bxCxD)
+        m, s, label, first = _stats(c, w_t, offset, x_bxCxD, t_bxC, logits_bxCxV, ids_V)
+        return (m, s, label, first), _grads(c, w.dtype, w_t, x_bxCxD, t_bxC, logits_bxCxV,
+                                            ids_V, m, s, g_bxC)
 
     def recomputed(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, m_bxC: Any, s_bxC: Any,
                    g_bxC: Any) -> tuple:
         """A shard's gradients of a chunk from its logits recomputed (the forward kept none)."""
-        logits_bxCxV, ids_V = logits(w_t, offset, x_bxCxD)
-        return grads(w_t, x_bxCxD, t_bxC, logits_bxCxV, ids_V, m_bxC, s_bxC, g_bxC)
+        logits_bxCxV, ids_V = _logits(c, w_t, offset, x_bxCxD)
+        return _grads(c, w.dtype, w_t, x_bxCxD, t_bxC, logits_bxCxV, ids_V, m_bxC, s_bxC,
+                      g_bxC)
 
-    def totals(m: Any, s: Any, label: Any, first: Any, t_N: Any, wt_N: Any) -> tuple:
-        """The loss's and the accuracy's sums from the [N, R, T, b, C] statistics, reduced
-        over the shards once."""
-        m_max = m.max(2)  # the one max over the shards
-        s_sum = (s * jnp.exp(m - m_max[:, :, None])).sum(2)  # the one sum
-        lse = jnp.log(s_sum) + m_max  # jax.nn.logsumexp's, as optax's (the unchunked loss)
-        # the label logits reduced over the shards as the unchunked step's (a masked gather)
-        nll_N = lse - label.sum(2)
-        nll = (nll_N if wt_N is None else wt_N * nll_N).sum()
-        # the shards' first maxima reduced to the first overall, as jnp.argmax's reduction
-        _, argmax = jax.lax.reduce((m, first), (jnp.float32(-jnp.inf), jnp.int32(0)),
-                                   _first_max, (2,))
-        right_N = argmax == t_N
-        correct = (right_N if wt_N is None else right_N & (wt_N != 0)).sum(dtype=jnp.float32)
-        return (nll, correct), m_max, s_sum
-
-    def weights(t_N: Any, wt_N: Any) -> Any:  # each position's share of the loss: 1 or its own
-        return jnp.ones(t_N.shape, jnp.float32) if wt_N is None else wt_N
+    def statistics(w_T: Any, x_N: Any, t_N: Any) -> tuple:  # [N, R, T, b, C] each
+        return jax.lax.map(lambda xs: c.per_device(shard_stats, 2)(w_T, c.offsets_T, *xs),
+                           (x_N, t_N))
 
     @jax.custom_vjp
     def sums(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[Any, Any]:
-        w_T = split(w)
-        # [N, R, T, b, C] each: per shard, no reduction over the vocabulary in the loop
-        out = jax.lax.map(lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
-        return totals(*out, t_N, wt_N)[0]
+        # per shard, no reduction over the vocabulary in the loop
+        return _totals(*statistics(c.split(w), x_N, t_N), t_N, wt_N)[0]
 
     def forward(w: Any, x_N: Any, t_N: Any, wt_N: Any) -> tuple[tuple[Any, Any], tuple]:
-        w_T = split(w)
-        if T > 1:  # the statistics only: the gradients need their reduction over the shards
-            out = jax.lax.map(lambda xs: per_device(stats, 2)(w_T, offsets_T, *xs), (x_N, t_N))
-            sums_, m_max, s_sum = totals(*out, t_N, wt_N)
+        w_T = c.split(w)
+        if c.T > 1:  # the statistics only: the gradients need their reduction over the shards
+            sums_, m_max, s_sum = _totals(*statistics(w_T, x_N, t_N), t_N, wt_N)
             return sums_, (w, x_N, t_N, m_max, s_sum, wt_N, None)
 
         def add(dw_RT: Any, xs: tuple) -> tuple[Any, tuple]:
-            st, (dw, dx) = per_device(fused, 2)(w_T, offsets_T, *xs)
+            st, (dw, dx) = c.per_device(fused, 2)(w_T, c.offsets_T, *xs)
             return dw_RT + dw, (st, dx)
 
         # the gradients for a cotangent of 1: the backward scales them by the one it gets
-        dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
-        dw_RT, (st, dx_NxRxT) = jax.lax.scan(add, dw_RT, (x_N, t_N, weights(t_N, wt_N)))
-        sums_ = totals(*st, t_N, wt_N)[0]
+        dw_RT, (st, dx_NxRxT) = jax.lax.scan(add, c.zeros(w_T), (x_N, t_N, _weights(t_N, wt_N)))
+        sums_ = _totals(*st, t_N, wt_N)[0]
         return sums_, (w, x_N, None, None, None, None, (dw_RT.sum(0), dx_NxRxT.sum(2)))
 
     def backward(res: tuple, cts: tuple[Any, Any]) -> tuple[Any, Any, None, None]:
@@ -188,24 +97,164 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
         if made is not None:  # the forward's, for a cotangent of 1
             dw_T, dx_N = made
         else:
-            w_T = split(w)
+            w_T = c.split(w)
 
             def add(dw_RT: Any, xs: tuple) -> tuple[Any, Any]:
-                dw, dx = per_device(recomputed, 2)(w_T, offsets_T, *xs)
+                dw, dx = c.per_device(recomputed, 2)(w_T, c.offsets_T, *xs)
                 return dw_RT + dw, dx
 
-            dw_RT = _pin(jnp.zeros((R, *w_T.shape), w.dtype), (batch_axes, vocab_axes))
-            dw_RT, dx_NxRxT = jax.lax.scan(add, dw_RT, (x_N, t_N, m_N, s_N,
-                                                        g * weights(t_N, wt_N)))
+            dw_RT, dx_NxRxT = jax.lax.scan(add, c.zeros(w_T), (x_N, t_N, m_N, s_N,
+                                                              g * _weights(t_N, wt_N)))
             # the one reduction over the replicas, and the one over the shards
             dw_T, dx_N, g = dw_RT.sum(0), dx_NxRxT.sum(2), 1.0
-        return (join(dw_T * g).astype(w.dtype), (dx_N * g).astype(x_N.dtype), None, None)
+        return (c.join(dw_T * g).astype(w.dtype), (dx_N * g).astype(x_N.dtype), None, None)
 
     sums.defvjp(forward, backward)
-    wt_N = None if weights_BxL is None else chunks(weights_BxL.astype(jnp.float32))
-    nll, correct = sums(w, chunks(x_BxLxD), chunks(targets_BxL), wt_N)
+    wt_N = None if weights_BxL is None else c.chunks(weights_BxL.astype(jnp.float32))
+    nll, correct = sums(w, c.chunks(x_BxLxD), c.chunks(targets_BxL), wt_N)
     counted = B * L if weights_BxL is None else jnp.maximum((weights_BxL != 0).sum(), 1)
     return nll / (B * L), correct / counted
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """How the loss is cut: N chunks of ``chunk`` positions, each run per device over R batch
+    replicas (the mesh axes ``batch_axes``) by T vocabulary shards (``vocab_axes``) of Vs of
+    the Vp padded rows, ``vocab_size`` of them real."""
+
+    B: int
+    L: int
+    chunk: int
+    R: int
+    N: int
+    T: int
+    Vp: int
+    Vs: int
+    vocab_size: int
+    vocab_axis: int
+    batch_axes: tuple[str, ...]
+    vocab_axes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, w: Any, vocab_axis: int, vocab_size: int, B: int, L: int,
+           chunk: int) -> _Chunks:
+        replicas, shards = active_axes("batch"), active_axes("vocab")
+        T, Vp = math.prod(shards.values()), w.shape[vocab_axis]
+        return cls(B, L, chunk, math.prod(replicas.values()), L // chunk, T, Vp, Vp // T,
+                   vocab_size, vocab_axis, tuple(replicas), tuple(shards))
+
+    @property
+    def padded(self) -> bool:
+        return self.Vp > self.vocab_size
+
+    @property
+    def specs(self) -> tuple[str, str]:  # the output matmul's einsum and its weight's letters
+        return ("bcd,vd->bcv", "vd") if self.vocab_axis == 0 else ("bcd,dv->bcv", "dv")
+
+    @property
+    def offsets_T(self) -> Any:  # each shard's first vocabulary id
+        return jnp.arange(self.T, dtype=jnp.int32) * self.Vs
+
+    def chunks(self, a: Any) -> Any:  # [B, L, ...] -> [N, R, B/R, chunk, ...]: replica r's rows
+        return jnp.moveaxis(a.reshape(self.R, self.B // self.R, self.N, self.chunk,
+                                      *a.shape[2:]), 2, 0)
+
+    def split(self, w: Any) -> Any:  # [.., Vp, ..] -> [T, .., Vs, ..]: shard t's columns first
+        ax = self.vocab_axis
+        w_T = jnp.moveaxis(w.reshape(*w.shape[:ax], self.T, self.Vs, *w.shape[ax + 1:]), ax, 0)
+        return _pin(w_T, (self.vocab_axes,))
+
+    def join(self, w_T: Any) -> Any:
+        w = jnp.moveaxis(w_T, 0, self.vocab_axis)
+        return w.reshape(*w.shape[:self.vocab_axis], self.Vp, *w.shape[self.vocab_axis + 2:])
+
+    def zeros(self, w_T: Any) -> Any:  # a gradient of ``w_T`` per replica, kept there
+        return _pin(jnp.zeros((self.R, *w_T.shape), w_T.dtype), (self.batch_axes, self.vocab_axes))
+
+    def per_device(self, f: Any, shard_args: int) -> Any:
+        """``f(*shard_args, *replica_args)`` of one shard and one replica's chunk, on every
+        device: [R, T, ...] results."""
+        def on_replicas(*args: Any) -> Any:
+            def one_replica(*a: Any) -> Any:
+                return jax.vmap(f, in_axes=(0,) * shard_args + (None,) * len(a),
+                                spmd_axis_name=self.vocab_axes or None)(*args[:shard_args], *a)
+            return jax.vmap(one_replica, spmd_axis_name=self.batch_axes or None)(
+                *args[shard_args:])
+
+        def run(*args: Any) -> Any:
+            with _without(self.batch_axes + self.vocab_axes):  # the mapped axes hold them
+                return on_replicas(*args)
+        return run
+
+
+def _logits(c: _Chunks, w_t: Any, offset: Any, x_bxCxD: Any) -> tuple[Any, Any]:
+    """A shard's fp32 logits (its padding too) and its vocabulary ids."""
+    return (dense(x_bxCxD, w_t, c.specs[0], jnp.float32),
+            offset + jnp.arange(c.Vs, dtype=jnp.int32))
+
+
+def _real(c: _Chunks, logits_bxCxV: Any, ids_V: Any) -> Any:
+    """The logits of real ids, for the reductions. On one shard the padding is its last
+    columns: sliced off, a slice each reduction reads in place (a mask of every logit was
+    a pass of its own). Split over shards, each masks its own by its ids (as the model's
+    head: the fp32 minimum, whose exp() is 0 and which never makes a NaN)."""
+    if not c.padded:
+        return logits_bxCxV
+    if c.T == 1:
+        return logits_bxCxV[..., :c.vocab_size]
+    return jnp.where(ids_V < c.vocab_size, logits_bxCxV, jnp.finfo(jnp.float32).min)
+
+
+def _stats(c: _Chunks, w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any = None,
+           ids_V: Any = None) -> tuple:
+    """A shard's max, sum-exp, label logit (0 off the shard) and first argmax of a chunk."""
+    if logits_bxCxV is None:
+        logits_bxCxV, ids_V = _logits(c, w_t, offset, x_bxCxD)
+    m_bxC, s_bxC, first = _softmax_stats(_real(c, logits_bxCxV, ids_V))
+    local = t_bxC - offset
+    inside = (local >= 0) & (local < c.Vs)
+    label = jnp.take_along_axis(logits_bxCxV, jnp.clip(local, 0, c.Vs - 1)[..., None],
+                                axis=-1)[..., 0]
+    return m_bxC, s_bxC, jnp.where(inside, label, 0.0), first + offset
+
+
+def _grads(c: _Chunks, w_dtype: Any, w_t: Any, x_bxCxD: Any, t_bxC: Any, logits_bxCxV: Any,
+           ids_V: Any, m_bxC: Any, s_bxC: Any, g_bxC: Any) -> tuple:
+    """The chunk's gradients of ``w_t`` and ``x_bxCxD`` for the cotangent ``g_bxC`` of each
+    position's cross-entropy: autodiff's formula for the unchunked loss, in its order."""
+    p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g_bxC / s_bxC)[..., None]
+    if c.padded:  # no probability, no gradient: in the same pass
+        p_g = jnp.where(ids_V < c.vocab_size, p_g, 0.0)
+    d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
+               ).astype(x_bxCxD.dtype)
+    # dxrun.model.layers.dense's backward: compute dtype operands, fp32 accumulation; the input
+    # gradient kept fp32, as the unchunked partial sum the partitioner reduces
+    w_spec = c.specs[1]
+    dx = jnp.einsum(f"bcv,{w_spec}->bcd", d_bxCxV, w_t.astype(x_bxCxD.dtype),
+                    preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"bcd,bcv->{w_spec}", x_bxCxD, d_bxCxV, preferred_element_type=jnp.float32)
+    return dw.astype(w_dtype), dx
+
+
+def _totals(m: Any, s: Any, label: Any, first: Any, t_N: Any, wt_N: Any) -> tuple:
+    """The loss's and the accuracy's sums from the [N, R, T, b, C] statistics, reduced over the
+    shards once."""
+    m_max = m.max(2)  # the one max over the shards
+    s_sum = (s * jnp.exp(m - m_max[:, :, None])).sum(2)  # the one sum
+    lse = jnp.log(s_sum) + m_max  # jax.nn.logsumexp's, as optax's (the unchunked loss)
+    # the label logits reduced over the shards as the unchunked step's (a masked gather)
+    nll_N = lse - label.sum(2)
+    nll = (nll_N if wt_N is None else wt_N * nll_N).sum()
+    # the shards' first maxima reduced to the first overall, as jnp.argmax's reduction
+    _, argmax = jax.lax.reduce((m, first), (jnp.float32(-jnp.inf), jnp.int32(0)), _first_max,
+                               (2,))
+    right_N = argmax == t_N
+    correct = (right_N if wt_N is None else right_N & (wt_N != 0)).sum(dtype=jnp.float32)
+    return (nll, correct), m_max, s_sum
+
+
+def _weights(t_N: Any, wt_N: Any) -> Any:  # each position's share of the loss: 1 or its own
+    return jnp.ones(t_N.shape, jnp.float32) if wt_N is None else wt_N
 
 
 def _softmax_stats(logits: Any) -> tuple[Any, Any, Any]:
