@@ -203,10 +203,8 @@ class Transformer(nnx.Module):
         """Logits (fp32) of the output layer ``w`` (``output_weight``) over the padded
         vocabulary, padding masked; ``x_BxLxD`` the final norm's output. (``dxrun.model.chunked_loss``
         computes the same per chunk and vocabulary shard, masking by each shard's ids.)"""
-        if self.lm_head is not None:
-            logits_BxLxVp = dense(x_BxLxD, w, "bld,dv->blv", jnp.float32)
-        else:
-            logits_BxLxVp = dense(x_BxLxD, w, "bld,vd->blv", jnp.float32)
+        spec = "bld,dv->blv" if self.lm_head is not None else "bld,vd->blv"
+        logits_BxLxVp = dense(x_BxLxD, w, spec, jnp.float32)
         Vp = logits_BxLxVp.shape[-1]
         if Vp > self.vocab_size:
             # A mask, not a slice: slicing the tensor-sharded vocab axis at V would reshard it.

@@ -217,6 +217,61 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     """
     par, model, data = cfg.parallelism, cfg.model, cfg.data
     given = axis_sizes(par) if layout is None else dict(layout.sizes)
+    sizes, warnings = _devices(par, given, n_visible, platform, processes)
+    dp, fsdp, cp, tp = (sizes[k] for k in ("dp", "fsdp", "cp", "tp"))  # the formulas' own
+    hosts_of = tuple(process_hosts) if process_hosts and processes > 1 else ()
+    hosts = max(hosts_of) + 1 if hosts_of else processes
+    crossing = {a.key for a in AXES if a.cross_host and par.get(a.cross_host)}
+    dcn = split_over_hosts(sizes, hosts, crossing) if hosts > 1 else Sizes()
+    if hosts_of and hosts < processes:
+        group_by_host(hosts_of, tp, tp // dcn["tp"], sizes.n)
+    replicas = dp * fsdp
+    if layout is not None:
+        accum, remat = layout.grad_accum, layout.remat
+    else:
+        accum = cfg.train.grad_accum if "train" in cfg else 1
+        remat = model.get("remat", "none")
+    batch, set_by, given = _batch(par.name, data, batch, replicas, accum)
+    if seq_len is None:
+        seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
+    check_tokens_per_step(set_by, given, batch, seq_len)
+    check_context(cp, seq_len, user_model=bool(model.get("_target_")),
+                  objective=model.get("objective", "ar"))
+    sp = bool(par.get("sequence_parallel")) and tp > 1
+    check_sequence_parallel(sp, seq_len, cp, tp)
+    check_model_divides(model, tp, fsdp)
+    device = device or AttentionTarget(platform)
+    precision = cfg.train.precision if "train" in cfg else "fp32"
+    dtype = compute_dtype(precision)
+    rows = (model.vocab_size if model.get("_target_") else  # a user's own table
+            vocab or padded_vocab(table_rows(model), tp, platform, par.vocab_align))
+    kernel = plan_kernel(cfg, seq_len, cp, device, dtype)
+    check_remat(remat, kernel)
+    return MeshPlan(
+        sizes=sizes, attention=kernel,
+        attention_device=device, precision=precision, compute_dtype=dtype,
+        shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
+        device_ids=tuple(range(sizes.n)), n_visible=n_visible, platform=platform,
+        global_batch=batch, grad_accum=accum, batch_set_by=set_by, remat=remat,
+        peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
+        lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
+        seq_len=seq_len,
+        rules=dict(LOGICAL_RULES) | ({"stream_seq": ("context", "tensor")} if sp else {}),
+        sequence_parallel=sp,
+        warnings=tuple(warnings),
+        vocab_size=model.vocab_size,
+        padded_vocab=rows,
+        loss_chunk=loss_chunk_for(model, batch // (replicas * accum), seq_len, rows // tp, cp),
+        vocab_align=vocab_align(platform, par.vocab_align),
+        processes=processes, dcn=dcn, process_hosts=hosts_of if hosts < processes else (),
+    )
+
+
+def _devices(par: ParallelismConfig, given: dict[str, int], n_visible: int, platform: str,
+             processes: int) -> tuple[Sizes, list[str]]:
+    """The axes' sizes on the devices the run uses (``parallelism.n_devices``, else all
+    visible), shrunk to them with ``parallelism.on_mismatch=shrink`` (a warning); ConfigError
+    where they do not fit."""
     if par.n_devices > n_visible:
         hint = f" or runtime.cpu_devices={par.n_devices}" if platform == "cpu" else ""
         raise ConfigError(
@@ -253,19 +308,14 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"does not fit {n} devices; using "
             + " ".join(f"{k}={sizes[k]}" for k, _ in used) + f" on {sizes.n} devices"
         )
-    dp, fsdp, cp, tp = (sizes[k] for k in ("dp", "fsdp", "cp", "tp"))  # the formulas' own
-    hosts_of = tuple(process_hosts) if process_hosts and processes > 1 else ()
-    hosts = max(hosts_of) + 1 if hosts_of else processes
-    crossing = {a.key for a in AXES if a.cross_host and par.get(a.cross_host)}
-    dcn = split_over_hosts(sizes, hosts, crossing) if hosts > 1 else Sizes()
-    if hosts_of and hosts < processes:
-        group_by_host(hosts_of, tp, tp // dcn["tp"], sizes.n)
-    replicas = dp * fsdp
-    if layout is not None:
-        accum, remat = layout.grad_accum, layout.remat
-    else:
-        accum = cfg.train.grad_accum if "train" in cfg else 1
-        remat = model.get("remat", "none")
+    return sizes, warnings
+
+
+def _batch(preset: str, data: Any, batch: int | None, replicas: int,
+           accum: int) -> tuple[int, str, Any]:
+    """(the global batch, the key that set it, the value given there): ``batch`` held, else
+    resolved from the data section; ConfigError where the replicas or the accumulation do not
+    divide it."""
     set_by = GLOBAL if batch is not None else batch_set_by(data)
     given = batch if batch is not None else data[set_by.partition(".")[2]]
     batch = global_batch(data, replicas, accum) if batch is None else batch
@@ -274,7 +324,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         raise ConfigError(
             f"data.batch_size={given if set_by == GLOBAL else data.batch_size} is not "
             f"divisible by dp*fsdp={replicas} (the "
-            f"data-parallel replicas of parallelism={par.name}); "
+            f"data-parallel replicas of parallelism={preset}); "
             f"use a multiple of {replicas} (e.g. data.batch_size={good})"
         )
     if (batch // replicas) % accum:
@@ -285,13 +335,11 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"{replicas}); pick a "
             f"train.grad_accum that divides {per}, or data.batch_size="
             f"{replicas * accum * max(1, per // accum)}")
-    if seq_len is None:
-        seq_len = default_seq_len(data.seq_len, model.max_seq_len, platform)
-    check_tokens_per_step(set_by, given, batch, seq_len)
-    check_context(cp, seq_len, user_model=bool(model.get("_target_")),
-                  objective=model.get("objective", "ar"))
-    sp = bool(par.get("sequence_parallel")) and tp > 1
-    check_sequence_parallel(sp, seq_len, cp, tp)
+    return batch, set_by, given
+
+
+def check_model_divides(model: Any, tp: int, fsdp: int) -> None:
+    """The heads, the MLP and d_model split evenly over ``tensor`` and ``fsdp``."""
     for key, value in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
                        ("d_ff", model.d_ff)):
         if value % tp:
@@ -304,31 +352,6 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
             f"model.d_model={model.d_model} is not divisible by parallelism.fsdp={fsdp}; "
             f"pick an fsdp size that divides {model.d_model}"
         )
-    device = device or AttentionTarget(platform)
-    precision = cfg.train.precision if "train" in cfg else "fp32"
-    dtype = compute_dtype(precision)
-    rows = (model.vocab_size if model.get("_target_") else  # a user's own table
-            vocab or padded_vocab(table_rows(model), tp, platform, par.vocab_align))
-    kernel = plan_kernel(cfg, seq_len, cp, device, dtype)
-    check_remat(remat, kernel)
-    return MeshPlan(
-        sizes=sizes, attention=kernel,
-        attention_device=device, precision=precision, compute_dtype=dtype,
-        shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
-        device_ids=tuple(range(sizes.n)), n_visible=n_visible, platform=platform,
-        global_batch=batch, grad_accum=accum, batch_set_by=set_by, remat=remat,
-        peak_lr=scaled_lr(cfg.optimizer, batch) if "optimizer" in cfg else 0.0,
-        lr_scaling=cfg.optimizer.lr_scaling if "optimizer" in cfg else "none",
-        seq_len=seq_len,
-        rules=dict(LOGICAL_RULES) | ({"stream_seq": ("context", "tensor")} if sp else {}),
-        sequence_parallel=sp,
-        warnings=tuple(warnings),
-        vocab_size=model.vocab_size,
-        padded_vocab=rows,
-        loss_chunk=loss_chunk_for(model, batch // (replicas * accum), seq_len, rows // tp, cp),
-        vocab_align=vocab_align(platform, par.vocab_align),
-        processes=processes, dcn=dcn, process_hosts=hosts_of if hosts < processes else (),
-    )
 
 
 def shard_optimizer(p: ParallelismConfig, dp: int) -> bool:
