@@ -93,11 +93,11 @@ class GoodputHook(Hook):
         self.record, self.ckpts = record, ckpts
 
     def write(self, last_step: int) -> None:
-        self.record.update(last_step, self.ckpts.saves, self.ckpts.block_total_s)
+        self.record.update(last_step, self.ckpts.cost.saves, self.ckpts.cost.block_total_s)
 
     def behind(self) -> bool:
         """A save since the last write (a save off the log steps is accounted for too)."""
-        return self.ckpts.saves != self.record.attempt["checkpoint_saves"]
+        return self.ckpts.cost.saves != self.record.attempt["checkpoint_saves"]
 
     def lines(self) -> list[str]:
         return goodput.lines(self.record.attempt, self.record.total)
@@ -232,13 +232,13 @@ class LogHook(Hook):
     def on_row(self, done: int, row: dict[str, Any]) -> None:
         # The saves since the last row held the loop inside this row's window (its tokens/s
         # and its save time are one window's); the last step's save is in summary.json only.
-        if blocks := self.ckpts.take_blocks():
+        if blocks := self.ckpts.cost.take_blocks():
             row["perf/checkpoint_block_s"] = sum(blocks)
         with self.clocks.clock.span("logging"):
             self.pending.append((done, row))
             # A save inside the window slows its tokens/s: the line says so.
             self.clocks.progress.update(done, row, self.clocks.timer.note(
-                self.ckpts.totals(), "perf/tokens_per_s" in row))
+                self.ckpts.cost.totals(), "perf/tokens_per_s" in row))
 
     def write_rows(self, done: int | None = None) -> None:
         """The rows waiting for their save point (``done``: its step), after goodput.json up

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from dxrun.autotune import memory_report
-from dxrun.checkpointing.saving import RunCheckpoints
+from dxrun.checkpointing.saving import RunCheckpoints, halted, refused
 from dxrun.config.errors import DiskError, first_line
 from dxrun.experiment import Experiment
 from dxrun.hooks import (
@@ -158,7 +158,7 @@ class Trainer:
             self.trace.after(done, self.metrics)
         self.clocks.progress.advance()
         self.reached = done
-        timer.stepped(done, self.ckpt.ckpts.totals())
+        timer.stepped(done, self.ckpt.ckpts.cost.totals())
 
     def after_step(self, done: int) -> None:
         """The hooks whose turn it is build the step's row; every hook sees it complete; a new
@@ -171,7 +171,7 @@ class Trainer:
             hook.on_step(info)
         for hook in self.hooks:
             hook.on_row(done, info.row)
-        self.clocks.timer.reset(done, self.ckpt.ckpts.totals())
+        self.clocks.timer.reset(done, self.ckpt.ckpts.cost.totals())
 
     def save_point(self, done: int, last: bool = False) -> None:
         """The save point, then step ``done``'s row, if it has one, whatever the save point
@@ -283,11 +283,10 @@ def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
         # jax.debug_nans checks each step's outputs as it returns: the step that raised is
         # the one after the last completed (``reached``, which the loop passes).
         at = f" of step {step}" if step is not None else ""
-        return ckpts.halted(f"train.debug_nans: a NaN in the outputs{at}",
-                            "set train.debug_nans=false train.nan_policy=skip to "
-                            "leave such steps out")
-    if (refused := ckpts.refused(e)) is not None:
-        return refused
+        return halted(ckpts.saver, f"train.debug_nans: a NaN in the outputs{at}",
+                      "set train.debug_nans=false train.nan_policy=skip to leave such steps out")
+    if (disk := refused(e, ckpts.saver)) is not None:
+        return disk
     if memory_report.is_out_of_memory(e) and main:
         path = memory_report.write(run_dir, exp.step.compiled, exp.abstract_state(),
                                    exp.plan.platform)

@@ -47,18 +47,63 @@ def time_due(now: float, last_save: float, every_s: float) -> bool:
     return every_s > 0 and now - last_save >= every_s
 
 
+class SaveCost:
+    """What saving costs the loop, on the clock that also times ``checkpoint.every_minutes``
+    (``every_s``). A save's blocking time (``Checkpointer.save``'s) is kept until the loop's next
+    metrics row takes it (``take_blocks``: ``perf/checkpoint_block_s``) and in total; above
+    ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous save, one warning names a cadence
+    that costs less."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic):
+        self.every_s = every_s  # 0: no wall-clock cadence
+        self.clock = clock  # time.monotonic; a test passes its own
+        self.last_save_t = clock()
+        self.block_total_s, self.saves = 0.0, 0
+        self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
+        self.warned = False
+
+    def due(self) -> bool:
+        """``checkpoint.every_minutes`` have passed since the last save (or the start)."""
+        return time_due(self.clock(), self.last_save_t, self.every_s)
+
+    def count(self, block_s: float) -> None:
+        """One save held the loop ``block_s``: record it, and warn once when saves cost more
+        than ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous one."""
+        now = self.clock()
+        since = now - self.last_save_t
+        self.last_save_t = now
+        self.unlogged.append(block_s)
+        self.block_total_s += block_s
+        self.saves += 1
+        # A small state's saves (the tiny models on CPU) are not worth a warning whatever their
+        # share; the first save's interval holds the compile: not judged.
+        over = block_s > MAX_CHECKPOINT_OVERHEAD * since and block_s >= NOTICEABLE_BLOCK_S
+        if self.saves > 1 and over and not self.warned:
+            self.warned = True
+            log.warning("checkpoint saves hold the loop %.2f s every %.1f s (%.0f%% of the "
+                        "run, above %.0f%%); save less often: checkpoint.every=0 "
+                        "checkpoint.every_minutes=%d", block_s, since, 100 * block_s / since,
+                        100 * MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead(block_s))
+
+    def totals(self) -> SaveTotals:
+        """This attempt's saves so far (what the step timer's note compares)."""
+        return SaveTotals(self.block_total_s, self.saves)
+
+    def take_blocks(self) -> list[float]:
+        """The blocking times of the saves since the last call."""
+        taken, self.unlogged = self.unlogged, []
+        return taken
+
+
 class RunCheckpoints:
     """What the train loop does between two steps: save when due (``checkpoint.every`` steps,
     ``checkpoint.every_minutes`` of wall clock, the last step, SIGUSR1), stop after a committed
     save on SIGTERM/SIGINT, and halt on a non-finite step (``train.nan_policy=halt``). The
     finiteness flag is read only where the host waits anyway (log and save steps), so a halt
     reports the exact first bad step, at the next of those, without a save of the bad state.
-
-    A save's cost to the loop (``Checkpointer.save``'s blocking time) is kept until the loop's
-    next metrics row takes it (``take_blocks``: ``perf/checkpoint_block_s``) and in total; above
-    ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous save, one warning names a cadence that
-    costs less. With several processes a wall-clock save goes through the same agreement as a
-    signal (``ProcessAgreement``): every process saves at the same step, whichever clock said so."""
+    What the saves cost the loop: ``cost`` (``SaveCost``). With several processes a wall-clock
+    save goes through the same agreement as a signal (``ProcessAgreement``): every process saves
+    at the same step, whichever clock said so."""
 
     def __init__(self, ckpt: CheckpointConfig, train: TrainConfig, run_dir: Path, start: int,
                  meta: dict[str, Any], iterator: Any, logger: Any, cadence: tuple[int, float],
@@ -69,15 +114,9 @@ class RunCheckpoints:
         self.start = start  # the step this attempt began at: saved already, or the init
         every, minutes = cadence  # (steps, minutes) between saves: cadence.save_cadence
         self.every, self.log_every = every, train.log_every
-        self.every_s = 60.0 * minutes
-        self.clock = clock  # time.monotonic; a test passes its own
-        self.last_save_t = clock()
-        self.block_total_s, self.saves = 0.0, 0
-        self.unlogged: list[float] = []  # saves' blocking times the metrics do not hold yet
-        self.warned_cost = False
+        self.cost = SaveCost(60.0 * minutes, clock)
         self.halt = train.nan_policy == "halt"
-        test_faults = faults.from_env()  # test-only: see between_steps
-        self.hold, self.fail_at = test_faults.hold_at_step, test_faults.error_at_step
+        self.faults = faults.from_env()  # test-only: see between_steps
         # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
         # step they agree on, some steps after the signal cleared its flag.
         self.usr1_pending = False
@@ -106,21 +145,15 @@ class RunCheckpoints:
 
     def between_steps(self, done: int, state: TrainState, last: bool = False) -> None:
         """After step ``done`` (the iterator has given exactly ``done`` batches)."""
-        # Test-only (DXRUN_TEST_HOLD_AT_STEP): from that step on, each step waits for a SIGUSR1, so a
-        # test knows the step its signals are acted on at (a stop waits for one too).
-        while self.hold and done >= self.hold and not self.preemption.save:
-            time.sleep(0.01)
-        if self.fail_at and done == self.fail_at:  # test-only (DXRUN_TEST_ERROR_AT_STEP)
-            raise RuntimeError(f"injected failure after step {done} "
-                               "(DXRUN_TEST_ERROR_AT_STEP, a test-only fault)")
+        self.faults.after_step(done, lambda: self.preemption.save)  # test-only faults
         stop, signalled = self.preemption.stop, self.preemption.take_save()
         self.usr1_pending |= signalled
         ran = done > self.start
-        timed = ran and time_due(self.clock(), self.last_save_t, self.every_s)
+        timed = ran and self.cost.due()
         asked = signalled or timed
         if self.agreement is not None:
             stop, asked = self.agreement(done, stop, asked)
-        cadence = bool(self.every) or self.every_s > 0
+        cadence = bool(self.every) or self.cost.every_s > 0
         due = ran and ((bool(self.every) and done % self.every == 0) or (last and cadence)
                        or self.best_due)
         if due or stop or asked:
@@ -134,7 +167,7 @@ class RunCheckpoints:
                 meta["tokens_seen"] = self.tokens(done)
             self.last_saved, block_s = self.saver.save(done, state, meta)
             if block_s is not None:
-                self._count(block_s)
+                self.cost.count(block_s)
             if self.usr1_pending and not stop:
                 log.info("SIGUSR1: saving checkpoint %s; training goes on", self.last_saved)
             self.usr1_pending = False
@@ -160,63 +193,37 @@ class RunCheckpoints:
         return {"metric": m.metric, "mode": m.mode, "value": m.best, "step": m.step,
                 "path": str(self.saver.directory / str(self.keep_best.step))}
 
-    def _count(self, block_s: float) -> None:
-        """One save held the loop ``block_s``: record it, and warn once when saves cost more
-        than ``MAX_CHECKPOINT_OVERHEAD`` of the time since the previous one."""
-        now = self.clock()
-        since = now - self.last_save_t
-        self.last_save_t = now
-        self.unlogged.append(block_s)
-        self.block_total_s += block_s
-        self.saves += 1
-        # A small state's saves (the tiny models on CPU) are not worth a warning whatever their
-        # share; the first save's interval holds the compile: not judged.
-        over = block_s > MAX_CHECKPOINT_OVERHEAD * since and block_s >= NOTICEABLE_BLOCK_S
-        if self.saves > 1 and over and not self.warned_cost:
-            self.warned_cost = True
-            log.warning("checkpoint saves hold the loop %.2f s every %.1f s (%.0f%% of the "
-                        "run, above %.0f%%); save less often: checkpoint.every=0 "
-                        "checkpoint.every_minutes=%d", block_s, since, 100 * block_s / since,
-                        100 * MAX_CHECKPOINT_OVERHEAD, minutes_for_overhead(block_s))
-
-    def totals(self) -> SaveTotals:
-        """This attempt's saves so far (what the step timer's note compares)."""
-        return SaveTotals(self.block_total_s, self.saves)
-
-    def take_blocks(self) -> list[float]:
-        """The blocking times of the saves since the last call."""
-        taken, self.unlogged = self.unlogged, []
-        return taken
-
     def _check_finite(self, done: int, state: TrainState) -> None:
         if not self.halt:
             return
         bad = int(jax.device_get(state.nonfinite_step))
         if bad:
-            raise self.halted(f"non-finite loss or gradients at step {bad} (stopped at step "
+            raise halted(self.saver, f"non-finite loss or gradients at step {bad} (stopped at step "
                               f"{done}, train.nan_policy=halt)",
                               "set train.nan_policy=skip to leave such steps out")
-
-    def halted(self, what: str, fix: str) -> NonFiniteError:
-        """The one line of a run stopped by a non-finite step (train.nan_policy=halt, or
-        train.debug_nans): ``what`` happened, the last good checkpoint (only one that was
-        committed: the save in flight is waited for) and the fix."""
-        self.saver.wait()
-        good = committed_steps(self.saver.directory)
-        where = (f"the last good checkpoint is {self.saver.directory / str(good[-1])}"
-                 if good else "no checkpoint was saved before it")
-        return NonFiniteError(f"{what}; {where}; lower optimizer.lr or {fix}")
-
-    def refused(self, e: BaseException) -> DiskError | None:
-        """The one line of a write the disk refused (``errors.disk_error``), naming the file it
-        was writing and the checkpoint kept; None where ``e`` is no disk error."""
-        if (why := disk_error(e)) is None:
-            return None
-        return refused_write(_written(e), why, self.saver.directory)
 
     def close(self) -> None:
         """Wait for the last save to be committed."""
         self.saver.close()
+
+
+def halted(saver: Checkpointer, what: str, fix: str) -> NonFiniteError:
+    """The one line of a run stopped by a non-finite step (train.nan_policy=halt, or
+    train.debug_nans): ``what`` happened, the last good checkpoint (only one that was
+    committed: the save in flight is waited for) and the fix."""
+    saver.wait()
+    good = committed_steps(saver.directory)
+    where = (f"the last good checkpoint is {saver.directory / str(good[-1])}"
+             if good else "no checkpoint was saved before it")
+    return NonFiniteError(f"{what}; {where}; lower optimizer.lr or {fix}")
+
+
+def refused(e: BaseException, saver: Checkpointer) -> DiskError | None:
+    """The one line of a write the disk refused (``errors.disk_error``), naming the file it
+    was writing and the checkpoint kept; None where ``e`` is no disk error."""
+    if (why := disk_error(e)) is None:
+        return None
+    return refused_write(_written(e), why, saver.directory)
 
 
 def _written(e: BaseException) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dxrun.config.errors import ConfigError
@@ -44,6 +44,16 @@ class Faults:
     def steps(self) -> tuple[int, int, int]:
         """The steps at which the loop does more than step (0: none)."""
         return self.nan_at_step, self.hold_at_step, self.error_at_step
+
+    def after_step(self, done: int, signalled: Callable[[], bool]) -> None:
+        """Between steps, after step ``done``: from ``hold_at_step`` on, each step waits for a
+        SIGUSR1 (``signalled``), so a test knows the step its signals are acted on at (a stop
+        waits for one too); after ``error_at_step``, a failure."""
+        while self.hold_at_step and done >= self.hold_at_step and not signalled():
+            time.sleep(0.01)
+        if self.error_at_step and done == self.error_at_step:
+            raise RuntimeError(f"injected failure after step {done} "
+                               "(DXRUN_TEST_ERROR_AT_STEP, a test-only fault)")
 
 
 def from_env(environ: Mapping[str, str] = os.environ) -> Faults:
