@@ -16,7 +16,6 @@ import optax
 from flax import nnx
 
 from dxrun.data import EVAL, TRAIN, Data
-from dxrun.hf.load import import_params
 from dxrun.model.mdlm import objective_of
 from dxrun.model.sharding import (
     batch_sharding,
@@ -61,6 +60,26 @@ def process_data(cfg: RunConfig, plan: MeshPlan) -> Data:
                 plan.seq_len)
 
 
+def _state_shardings(plan: MeshPlan, mesh: jax.sharding.Mesh, axes: dict, abstract_state: Any,
+                     tx: optax.GradientTransformation) -> tuple[TrainState, Any, dict | None]:
+    """(the train state's shardings, the optimizer's per-parameter shardings, ZeRO-1's padding
+    or None). Optimizer moments take their parameter's sharding, split over the data replicas
+    as well under ZeRO-1 (the plan's shard_optimizer), padded where no axis divides; counters
+    are replicated."""
+    abstract_params = nnx.to_pure_dict(abstract_state)
+    zero = plan.shard_optimizer
+    pads = zero_pads(axes, abstract_params, mesh, plan.rules) if zero else None
+    opt_params = jax.eval_shape(lambda p: pad(p, pads), abstract_params)
+    u_shard = optimizer_param_shardings(axes, opt_params, mesh, plan.rules, zero)
+    opt_shard = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, opt_params), u_shard,
+        transform_non_params=lambda _: replicated(mesh),
+    )
+    p_shard = param_shardings(axes, mesh, plan.rules)
+    return (TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh), replicated(mesh)),
+            u_shard, pads)
+
+
 @dataclass
 class Experiment:
     cfg: RunConfig
@@ -94,30 +113,16 @@ class Experiment:
                                                       plan.remat))
         graphdef, abstract_state = nnx.split(abstract)
         axes = param_axes(abstract_state)
-        p_shard = param_shardings(axes, mesh, plan.rules)
-        abstract_params = nnx.to_pure_dict(abstract_state)
-        tx, schedule = make_optimizer(cfg.optimizer, abstract_params, plan.global_batch,
-                                      cfg.train.steps)
-        # Optimizer moments take their parameter's sharding, split over the data replicas as
-        # well under ZeRO-1 (the plan's shard_optimizer), padded where no axis divides;
-        # counters are replicated.
-        zero = plan.shard_optimizer
-        pads = zero_pads(axes, abstract_params, mesh, plan.rules) if zero else None
-        opt_params = jax.eval_shape(lambda p: pad(p, pads), abstract_params)
-        u_shard = optimizer_param_shardings(axes, opt_params, mesh, plan.rules, zero)
-        opt_shard = optax.tree_map_params(
-            tx, lambda _, s: s, jax.eval_shape(tx.init, opt_params), u_shard,
-            transform_non_params=lambda _: replicated(mesh),
-        )
-        state_shardings = TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh),
-                                     replicated(mesh))
+        tx, schedule = make_optimizer(cfg.optimizer, nnx.to_pure_dict(abstract_state),
+                                      plan.global_batch, cfg.train.steps)
+        state_shardings, u_shard, pads = _state_shardings(plan, mesh, axes, abstract_state, tx)
         b_shard = batch_sharding(mesh)
         spec = StepSpec(
             plan, mesh, state_shardings, b_shard,
             dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
             nan_policy=cfg.train.nan_policy,
             grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-            update_shardings=u_shard if zero else None, update_pads=pads,
+            update_shardings=u_shard if plan.shard_optimizer else None, update_pads=pads,
             # masked diffusion (model.objective=mdlm): its training masks seeded apart from
             # dropout's
             objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))
@@ -126,8 +131,8 @@ class Experiment:
         if data is None and with_data:
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)
-        return cls(cfg, plan, mesh, graphdef, axes, p_shard, state_shardings, b_shard, tx,
-                   schedule, data, step, eval_step, pads)
+        return cls(cfg, plan, mesh, graphdef, axes, state_shardings.params, state_shardings,
+                   b_shard, tx, schedule, data, step, eval_step, pads)
 
     @property
     def attention_kernel(self) -> str:
@@ -178,11 +183,6 @@ class Experiment:
             model = build_model(model_cfg, nnx.Rngs(seed), padded)
             return nnx.to_pure_dict(nnx.state(model))
         return init
-
-    def hf_params(self) -> dict:
-        """The parameters of ``model.init_from``'s Hugging Face directory, read into this
-        mesh's shardings (``dxrun.hf.load``)."""
-        return import_params(self)
 
     def init_state(self, params: dict | None = None) -> TrainState:
         """Fresh train state; ``params`` (host or device arrays) replaces the seeded init. They

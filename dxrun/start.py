@@ -24,7 +24,7 @@ from dxrun.checkpointing.resume import (
 )
 from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment
-from dxrun.hf.load import check_hf_weights
+from dxrun.hf.load import check_hf_weights, import_params
 from dxrun.plan.run_plan import RunPlan
 from dxrun.plan.search_record import table
 from dxrun.run.run_dir import dir_refusal
@@ -108,7 +108,7 @@ def start_state(exp: Experiment, resume: Resume | None,
         # A fine-tune starts from its checkpoint's weights: what a layout search drew or
         # trained from the seeded init is left behind.
         log.info("weights from %s", exp.cfg.model.init_from)
-        return Start(exp.init_state(exp.hf_params()), 0, {}, allocator)
+        return Start(exp.init_state(import_params(exp)), 0, {}, allocator)
     if resume is None:
         handover = handover or Handover()
         if handover.state is not None:  # the search trained the run's first steps
