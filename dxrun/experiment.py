@@ -53,6 +53,12 @@ def visible_devices(target: str | None = None
     return jax.device_count(), jax.default_backend(), jax.process_count(), process_hosts(), device
 
 
+def _placed(shapes: Any, shardings: Any) -> Any:
+    """``shapes`` (arrays' shapes and dtypes) each with its sharding in ``shardings``."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, shardings)
+
+
 def process_data(cfg: RunConfig, plan: MeshPlan) -> Data:
     """This process's reader of the data: the row block of every batch its devices hold, of the
     plan's global batch and sequence length."""
@@ -60,24 +66,26 @@ def process_data(cfg: RunConfig, plan: MeshPlan) -> Data:
                 plan.seq_len)
 
 
-def _state_shardings(plan: MeshPlan, mesh: jax.sharding.Mesh, axes: dict, abstract_state: Any,
-                     tx: optax.GradientTransformation) -> tuple[TrainState, Any, dict | None]:
-    """(the train state's shardings, the optimizer's per-parameter shardings, ZeRO-1's padding
-    or None). Optimizer moments take their parameter's sharding, split over the data replicas
-    as well under ZeRO-1 (the plan's shard_optimizer), padded where no axis divides; counters
-    are replicated."""
+def _state_layout(plan: MeshPlan, mesh: jax.sharding.Mesh, axes: dict, abstract_state: Any,
+                  tx: optax.GradientTransformation) -> tuple[TrainState, TrainState, Any,
+                                                             dict | None]:
+    """(the train state's shardings, its shapes placed in them, the optimizer's per-parameter
+    shardings, ZeRO-1's padding or None). Optimizer moments take their parameter's sharding,
+    split over the data replicas as well under ZeRO-1 (the plan's shard_optimizer), padded where
+    no axis divides; counters are replicated."""
     abstract_params = nnx.to_pure_dict(abstract_state)
     zero = plan.shard_optimizer
     pads = zero_pads(axes, abstract_params, mesh, plan.rules) if zero else None
     opt_params = jax.eval_shape(lambda p: pad(p, pads), abstract_params)
     u_shard = optimizer_param_shardings(axes, opt_params, mesh, plan.rules, zero)
-    opt_shard = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, opt_params), u_shard,
-        transform_non_params=lambda _: replicated(mesh),
-    )
-    p_shard = param_shardings(axes, mesh, plan.rules)
-    return (TrainState(replicated(mesh), p_shard, opt_shard, replicated(mesh), replicated(mesh)),
-            u_shard, pads)
+    opt_shapes = jax.eval_shape(tx.init, opt_params)
+    opt_shard = optax.tree_map_params(tx, lambda _, s: s, opt_shapes, u_shard,
+                                      transform_non_params=lambda _: replicated(mesh))
+    shardings = TrainState(replicated(mesh), param_shardings(axes, mesh, plan.rules), opt_shard,
+                           replicated(mesh), replicated(mesh))
+    counter = jax.ShapeDtypeStruct((), np.int32)
+    shapes = _placed(TrainState(counter, abstract_params, opt_shapes, counter, counter), shardings)
+    return shardings, shapes, u_shard, pads
 
 
 @dataclass
@@ -97,6 +105,9 @@ class Experiment:
     eval_step: Any
     zero_pads: dict | None = None  # ZeRO-1's padding of the optimizer state (zero_padding.py)
     init_compiling: Any = None  # (the seeded init's compile under way, its shardings)
+    # the train state's shapes and shardings (``abstract_state``), from the model's and the
+    # optimizer's shapes ``build`` takes anyway
+    state_shapes: TrainState | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, plan: MeshPlan | None = None, data: Data | None = None,
@@ -115,7 +126,8 @@ class Experiment:
         axes = param_axes(abstract_state)
         tx, schedule = make_optimizer(cfg.optimizer, nnx.to_pure_dict(abstract_state),
                                       plan.global_batch, cfg.train.steps)
-        state_shardings, u_shard, pads = _state_shardings(plan, mesh, axes, abstract_state, tx)
+        state_shardings, shapes, u_shard, pads = _state_layout(plan, mesh, axes, abstract_state,
+                                                               tx)
         b_shard = batch_sharding(mesh)
         spec = StepSpec(
             plan, mesh, state_shardings, b_shard,
@@ -132,7 +144,7 @@ class Experiment:
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)
         return cls(cfg, plan, mesh, graphdef, axes, state_shardings.params, state_shardings,
-                   b_shard, tx, schedule, data, step, eval_step, pads)
+                   b_shard, tx, schedule, data, step, eval_step, pads, state_shapes=shapes)
 
     @property
     def attention_kernel(self) -> str:
@@ -161,7 +173,7 @@ class Experiment:
         the step (XLA compiles outside Python's lock): a fresh run's ``init_params`` then runs
         that program."""
         init = self._init_fn()
-        spread = spread_shardings(jax.eval_shape(init), self.mesh, self.param_shardings)
+        spread = spread_shardings(self.state_shapes.params, self.mesh, self.param_shardings)
         lowered = jax.jit(init, out_shardings=spread).lower()
         pool = concurrent.futures.ThreadPoolExecutor(1)
         self.init_compiling = (pool.submit(lowered.compile), spread)
@@ -172,7 +184,7 @@ class Experiment:
             (compiling, spread), self.init_compiling = self.init_compiling, None
             return compiling.result()(), spread
         init = self._init_fn()
-        spread = spread_shardings(jax.eval_shape(init), self.mesh, self.param_shardings)
+        spread = spread_shardings(self.state_shapes.params, self.mesh, self.param_shardings)
         return jax.jit(init, out_shardings=spread)(), spread
 
     def _init_fn(self) -> Any:
@@ -221,15 +233,7 @@ class Experiment:
         """Shapes, dtypes and this mesh's shardings of the train state, allocating nothing: what
         plan mode and the memory preflight compile the step for, and the target a checkpoint
         restores into (each process reading only its own shards)."""
-        def spec(tree: Any, shardings: Any) -> Any:
-            return jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-        params = jax.eval_shape(self._init_fn())
-        opt_state = jax.eval_shape(self._opt_init, params)
-        counter = jax.ShapeDtypeStruct((), np.int32, sharding=replicated(self.mesh))
-        return TrainState(counter, spec(params, self.param_shardings),
-                          spec(opt_state, self.state_shardings.opt_state), counter, counter)
+        return self.state_shapes
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.plan.global_batch, self.plan.seq_len + 1), np.int32,

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from dxrun.tracking.metrics_row import StepCost, best_loss, first_row, log_row, perf_row, perplexity
+from dxrun.tracking.metrics_row import StepCost, first_row, log_row, perf_row, perplexity
+from dxrun.tracking.run_summary import best_loss
 from dxrun.tracking.step_timer import Measured
 
 COST = StepCost(tokens=1024, flops=8e12, n_devices=8, peak_tflops=2.0)

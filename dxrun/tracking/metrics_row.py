@@ -141,10 +141,3 @@ def log_row(fetched: Mapping[str, Any], window: Measured, cost: StepCost,
     if peak_bytes is not None:
         row["mem/peak_bytes_per_device"] = peak_bytes
     return {**row, **data_row(tokens_seen, entropy_floor)}
-
-
-def best_loss(best: float | None, loss: float | None) -> float | None:
-    """The lower finite train/loss of the two (None: none was finite)."""
-    if not isinstance(loss, float) or not math.isfinite(loss):
-        return best
-    return loss if best is None or loss < best else best

@@ -8,6 +8,7 @@ files (``record_end``). No JAX: tests feed rows by hand.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,14 @@ from dxrun.run.run_dir import read_status
 from dxrun.run.runtime import write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.logger import read_metrics
-from dxrun.tracking.metrics_row import best_loss
 from dxrun.tracking.monitor import stopped_early
+
+
+def best_loss(best: float | None, loss: float | None) -> float | None:
+    """The lower finite train/loss of the two (None: none was finite)."""
+    if not isinstance(loss, float) or not math.isfinite(loss):
+        return best
+    return loss if best is None or loss < best else best
 
 
 class RunSummary:
