@@ -25,7 +25,7 @@ LONGEST_HOOK = 60  # lines of the longest of the trainer's hooks, dxrun/hooks.py
 TRAINER_MODULES = ("train.py", "hooks.py", "__main__.py", "run/job_dir.py")
 # issue 64: no class or function over 120 lines anywhere in dxrun/ (nested ones too). Today's
 # longest: dxrun/experiment.py's Experiment.
-LONGEST_ANYWHERE = 194
+LONGEST_ANYWHERE = 190
 LARGEST_MODULE = 400  # lines of the largest module (the goal)
 MODULES_OVER_400: set[str] = set()  # goal: none
 LARGEST_MODULE_DOCSTRING = 15  # source lines of the longest module docstring (the goal)
