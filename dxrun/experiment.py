@@ -16,11 +16,11 @@ import optax
 from flax import nnx
 
 from dxrun.data import EVAL, TRAIN, Data
+from dxrun.hf.load import import_params
 from dxrun.model.mdlm import objective_of
 from dxrun.model.sharding import (
     batch_sharding,
     check_process_rows,
-    in_mesh_context,
     mesh_from_plan,
     optimizer_param_shardings,
     param_axes,
@@ -40,7 +40,7 @@ from dxrun.plan.vocab import table_rows
 from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
 
 if TYPE_CHECKING:
-    from dxrun.config.schema import RunConfig
+    from dxrun.config.schema import ModelConfig, RunConfig
 
 
 def visible_devices(target: str | None = None
@@ -88,6 +88,59 @@ def _state_layout(plan: MeshPlan, mesh: jax.sharding.Mesh, axes: dict, abstract_
     return shardings, shapes, u_shard, pads
 
 
+class SeededInit:
+    """The parameters drawn from ``train.seed``: drawn spread over every device
+    (``spread_shardings``), then laid out in the mesh's shards (``shardings``). Drawn in those
+    shards directly, a layout that replicates the weights draws the whole init on each device,
+    where drawn spread each device draws its share and the reshard is cheap. Threefry is
+    partitionable (JAX's default), so the bits are the same whatever the sharding."""
+
+    def __init__(self, model_cfg: ModelConfig, seed: int, padded_vocab: int, mesh: jax.sharding.Mesh,
+                 shardings: dict, shapes: dict):
+        self.model_cfg, self.seed, self.padded_vocab = model_cfg, seed, padded_vocab
+        self.mesh, self.shardings, self.shapes = mesh, shardings, shapes
+        self.compiling: Any = None  # (its compile under way, its spread shardings)
+
+    def fn(self) -> Callable[[], dict]:
+        """The seeded init as a function of nothing (what ``params`` jits)."""
+        model_cfg, seed, padded = self.model_cfg, self.seed, self.padded_vocab
+
+        def init() -> dict:
+            model = build_model(model_cfg, nnx.Rngs(seed), padded)
+            return nnx.to_pure_dict(nnx.state(model))
+        return init
+
+    def compile(self) -> None:
+        """Start compiling the seeded init on a thread of its own, so that it compiles beside
+        the step (XLA compiles outside Python's lock): a fresh run's ``params`` then runs that
+        program."""
+        spread = spread_shardings(self.shapes, self.mesh, self.shardings)
+        lowered = jax.jit(self.fn(), out_shardings=spread).lower()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.compiling = (pool.submit(lowered.compile), spread)
+        pool.shutdown(wait=False)  # its thread ends with the compile
+
+    def params(self) -> dict:
+        """The seeded parameters in the mesh's shards."""
+        params, spread = self._drawn()
+        if spread == self.shardings:
+            return params
+        return jax.jit(lambda p: p, out_shardings=self.shardings)(params)
+
+    def spread_params(self) -> dict:
+        """The seeded parameters as ``params`` draws them, spread over every device and left
+        there: for a caller that fetches them whole to the host (the layout search), to which
+        the mesh's layout would be a reshard for nothing."""
+        return self._drawn()[0]
+
+    def _drawn(self) -> tuple[dict, Any]:
+        if self.compiling is not None:
+            (compiling, spread), self.compiling = self.compiling, None
+            return compiling.result()(), spread
+        spread = spread_shardings(self.shapes, self.mesh, self.shardings)
+        return jax.jit(self.fn(), out_shardings=spread)(), spread
+
+
 @dataclass
 class Experiment:
     cfg: RunConfig
@@ -103,11 +156,9 @@ class Experiment:
     data: Data | None
     step: Any
     eval_step: Any
+    seeded: SeededInit
+    state_shapes: TrainState  # ``abstract_state``: from the shapes ``build`` traces anyway
     zero_pads: dict | None = None  # ZeRO-1's padding of the optimizer state (zero_padding.py)
-    init_compiling: Any = None  # (the seeded init's compile under way, its shardings)
-    # the train state's shapes and shardings (``abstract_state``), from the model's and the
-    # optimizer's shapes ``build`` takes anyway
-    state_shapes: TrainState | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, plan: MeshPlan | None = None, data: Data | None = None,
@@ -143,91 +194,34 @@ class Experiment:
         if data is None and with_data:
             data = process_data(cfg, plan)
         check_process_rows(b_shard, plan, plan.global_batch)
+        seeded = SeededInit(cfg.model, cfg.train.seed, padded, mesh, state_shardings.params,
+                            shapes.params)
         return cls(cfg, plan, mesh, graphdef, axes, state_shardings.params, state_shardings,
-                   b_shard, tx, schedule, data, step, eval_step, pads, state_shapes=shapes)
+                   b_shard, tx, schedule, data, step, eval_step, seeded, shapes, pads)
 
     @property
     def attention_kernel(self) -> str:
         """What the step's attention runs (``attention_kernel.KERNELS``): the plan's choice."""
         return self.plan.attention
 
-    def init_params(self) -> dict:
-        """Parameters initialised from ``train.seed``, drawn spread over every device
-        (``spread_shardings``), then laid out in this mesh's shards. Drawn in those shards
-        directly, a layout that replicates the weights draws the whole init on each device, where
-        drawn spread each device draws its share and the reshard is cheap. Threefry is
-        partitionable (JAX's default), so the bits are the same whatever the sharding."""
-        params, spread = self._init_spread()
-        if spread == self.param_shardings:
-            return params
-        return jax.jit(lambda p: p, out_shardings=self.param_shardings)(params)
-
-    def init_spread(self) -> dict:
-        """The seeded init as ``init_params`` draws it, spread over every device and left there:
-        for a caller that fetches it whole to the host (the layout search), to which this
-        mesh's layout would be a reshard for nothing."""
-        return self._init_spread()[0]
-
-    def compile_init(self) -> None:
-        """Start compiling the seeded init on a thread of its own, so that it compiles beside
-        the step (XLA compiles outside Python's lock): a fresh run's ``init_params`` then runs
-        that program."""
-        init = self._init_fn()
-        spread = spread_shardings(self.state_shapes.params, self.mesh, self.param_shardings)
-        lowered = jax.jit(init, out_shardings=spread).lower()
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        self.init_compiling = (pool.submit(lowered.compile), spread)
-        pool.shutdown(wait=False)  # its thread ends with the compile
-
-    def _init_spread(self) -> tuple[dict, Any]:
-        if self.init_compiling is not None:
-            (compiling, spread), self.init_compiling = self.init_compiling, None
-            return compiling.result()(), spread
-        init = self._init_fn()
-        spread = spread_shardings(self.state_shapes.params, self.mesh, self.param_shardings)
-        return jax.jit(init, out_shardings=spread)(), spread
-
-    def _init_fn(self) -> Any:
-        """The seeded init as a function of nothing (what ``init_params`` jits)."""
-        model_cfg, seed, padded = self.cfg.model, self.cfg.train.seed, self.padded_vocab
-
-        def init() -> dict:
-            model = build_model(model_cfg, nnx.Rngs(seed), padded)
-            return nnx.to_pure_dict(nnx.state(model))
-        return init
+    def hf_params(self) -> dict:
+        """``model.init_from``'s weights read into this mesh's shards (``dxrun.hf.load``)."""
+        return import_params(self)
 
     def init_state(self, params: dict | None = None) -> TrainState:
         """Fresh train state; ``params`` (host or device arrays) replaces the seeded init. They
         may come from a mesh with another vocab padding (another tp): they are re-padded."""
         if params is None:
-            params = self.init_params()
+            params = self.seeded.params()
         else:
             params = resize_vocab(params, self.axes, table_rows(self.cfg.model),
                                   self.padded_vocab)
             params = jax.device_put(params, self.param_shardings)
-        opt_state = jax.jit(self._opt_init,
+        opt_state = jax.jit(lambda p: self.tx.init(pad(p, self.zero_pads)),
                             out_shardings=self.state_shardings.opt_state)(params)
         step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
-
-    def _opt_init(self, params: dict) -> Any:
-        """The optimizer's fresh state, ZeRO-1's padding included (``dxrun.model.zero_padding``)."""
-        return self.tx.init(pad(params, self.zero_pads))
-
-    def adopt(self, state: TrainState) -> TrainState:
-        """A train state of this run on another of its layouts (``parallelism=auto``'s turns)
-        laid out in this mesh's shardings: a reshard, the bits unchanged. One process, one
-        padding of the vocabulary (``autotune.search`` trains through only then); ZeRO-1's
-        padding of the optimizer state may differ (another data size): it is refitted."""
-        want = self.abstract_state().opt_state
-        if jax.tree.map(lambda x: x.shape, state.opt_state) != jax.tree.map(
-                lambda x: x.shape, want):
-            def refitted(opt_state: Any) -> Any:
-                return jax.tree.map(lambda x, w: refit(x, w.shape), opt_state, want)
-            state = state._replace(opt_state=jax.jit(
-                refitted, out_shardings=self.state_shardings.opt_state)(state.opt_state))
-        return jax.block_until_ready(jax.device_put(state, self.state_shardings))
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and this mesh's shardings of the train state, allocating nothing: what
@@ -247,17 +241,6 @@ class Experiment:
         """As ``compile_step`` for a step that will never run: its HLO text, memory and cost
         analyses only, compiled cheaper (``step.analysis_options``) and not kept."""
         return self.step.analyse(self.abstract_state(), self.abstract_batch())
-
-    def forward(self) -> Callable[[dict, Any], jax.Array]:
-        """The model's logits (the padded vocabulary) for token ids ``[B, L]``: one jitted
-        forward, traced on this mesh with its rules, compiled once per shape (dxrun.logits)."""
-        jitted = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params)(tokens))
-
-        def run(params: dict, tokens_BxL: Any) -> jax.Array:
-            with in_mesh_context(self.mesh, self.plan.rules):
-                return jitted(params, tokens_BxL)
-
-        return run
 
     @property
     def padded_vocab(self) -> int:
@@ -279,3 +262,17 @@ class Experiment:
     def held_out(self, n: int) -> list[jax.Array]:
         """The first ``n`` held-out global batches: what each evaluation in training reads."""
         return [self.batch(k, EVAL) for k in range(n)]
+
+
+def adopt(exp: Experiment, state: TrainState) -> TrainState:
+    """A train state of this run on another of its layouts (``parallelism=auto``'s turns) laid
+    out in ``exp``'s shardings: a reshard, the bits unchanged. One process, one padding of the
+    vocabulary (``autotune.search`` trains through only then); ZeRO-1's padding of the
+    optimizer state may differ (another data size): it is refitted."""
+    want = exp.abstract_state().opt_state
+    if jax.tree.map(lambda x: x.shape, state.opt_state) != jax.tree.map(lambda x: x.shape, want):
+        def refitted(opt_state: Any) -> Any:
+            return jax.tree.map(lambda x, w: refit(x, w.shape), opt_state, want)
+        state = state._replace(opt_state=jax.jit(
+            refitted, out_shardings=exp.state_shardings.opt_state)(state.opt_state))
+    return jax.block_until_ready(jax.device_put(state, exp.state_shardings))

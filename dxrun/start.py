@@ -23,8 +23,8 @@ from dxrun.checkpointing.resume import (
     tokens_seen,
 )
 from dxrun.config.errors import ConfigError
-from dxrun.experiment import Experiment
-from dxrun.hf.load import check_hf_weights, import_params
+from dxrun.experiment import Experiment, adopt
+from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
 from dxrun.plan.search_record import table
 from dxrun.run.run_dir import dir_refusal
@@ -62,7 +62,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Decided:
     elif cfg.model.init_from:  # the weights' files, read from their headers alone
         check_hf_weights(exp)
     elif (h := decided.handover) is None or (h.params is None and h.state is None):
-        exp.compile_init()  # the seeded init the run starts from, beside the step's compile
+        exp.seeded.compile()  # the seeded init the run starts from, beside the step's compile
     memory_preflight(cfg, exp, compile_checked(cfg, exp, plan), plan=plan)
     goodput.mark("decide")
     return decided
@@ -108,14 +108,14 @@ def start_state(exp: Experiment, resume: Resume | None,
         # A fine-tune starts from its checkpoint's weights: what a layout search drew or
         # trained from the seeded init is left behind.
         log.info("weights from %s", exp.cfg.model.init_from)
-        return Start(exp.init_state(import_params(exp)), 0, {}, allocator)
+        return Start(exp.init_state(exp.hf_params()), 0, {}, allocator)
     if resume is None:
         handover = handover or Handover()
         if handover.state is not None:  # the search trained the run's first steps
             step, state, handover.state = handover.step, handover.state, None
             log.info("parallelism=auto: the layouts' turns trained steps 1-%d; the run goes on "
                      "from step %d", step, step + 1)
-            return Start(exp.adopt(state), step, {}, allocator)
+            return Start(adopt(exp, state), step, {}, allocator)
         params, handover.params = handover.params, None
         return Start(exp.init_state(params), 0, {}, allocator)
     state, ckpt_meta, step = restore(resume, exp.abstract_state())

@@ -45,7 +45,7 @@ def test_chunked_equals_whole(overrides, dtype, tol):
     cfg = make_cfg("model=tiny", "logger=none", "train.precision=fp32", "data.seq_len=32",
                    *overrides)
     exp = Experiment.build(cfg)
-    params, tokens = exp.init_params(), exp.batch(0)
+    params, tokens = exp.seeded.params(), exp.batch(0)
     objective = objective_of(cfg.model, seed=0)  # None: the next token
 
     def both(p):

@@ -90,11 +90,11 @@ def test_a_fresh_run_compiles_its_init_beside_the_step(tmp_path):
     cfg = make_cfg(*SMALL, "parallelism=dp1")
     with recorded_compiles() as compiled, recorded_compiles("jaxpr_to_mlir_module") as lowered:
         prepared = prepare(cfg, tmp_path / "run")
-        assert prepared.exp.init_compiling is not None  # under way
+        assert prepared.exp.seeded.compiling is not None  # under way
         params = start_state(prepared.exp, None, prepared.handover).state.params
     assert lowered.index("jit(init)") < lowered.index("jit(step)"), lowered
     assert compiled.count("jit(init)") == 1 and compiled.count("jit(step)") == 1, compiled
-    seeded = Experiment.build(cfg, with_data=False).init_params()
+    seeded = Experiment.build(cfg, with_data=False).seeded.params()
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(seeded), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

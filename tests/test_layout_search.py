@@ -263,7 +263,7 @@ def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
                    "parallelism.search_budget=null", *common)
     prepared = prepare(cfg)
     drawn = prepared.handover.params
-    own = prepared.exp.init_params()
+    own = prepared.exp.seeded.params()
     for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(own), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same bits
     del own

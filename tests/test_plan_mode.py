@@ -99,7 +99,7 @@ def test_footprint_is_per_device_and_follows_the_mesh(wide):
     dp = wide["dp8_replicated"][0]
     a, b = (fit.footprint(e, compiled)
             for e, compiled in (wide["dp8_replicated"], wide["fsdp8"]))
-    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(dp.init_params)))
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(dp.seeded.params)))
     assert a.params_bytes == 4 * n_params  # replicated on every device
     assert b.params_bytes < a.params_bytes / 6  # all but norms and biases split 8 ways
     assert a.opt_state_bytes == pytest.approx(2 * a.params_bytes, rel=1e-3)  # adam: mu, nu

@@ -107,7 +107,7 @@ def test_kv_cache_of_a_llama_style_block_equals_recompute():
 
     exp = Experiment.build(make_cfg("model=tiny_llama", "parallelism=tp2", "data.batch_size=2",
                                     "data.vocab_size=65", "model.init_std=0.3", "logger=none"))
-    params = exp.init_params()
+    params = exp.seeded.params()
     prompt = np.random.default_rng(0).integers(0, 16, (2, 5))
     m = exp.cfg.model
     gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings, 5, 12,

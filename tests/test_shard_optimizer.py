@@ -19,7 +19,7 @@ from dxrun.autotune.fit import _shard_bytes, accelerator_memory
 from dxrun.autotune.hlo import collectives
 from dxrun.checkpointing.resume import Resume, restore
 from dxrun.checkpointing.store import Checkpointer
-from dxrun.experiment import Experiment
+from dxrun.experiment import Experiment, adopt
 from dxrun.model import sharding as shd
 from dxrun.plan import targets
 from dxrun.plan.targets import TARGETS
@@ -54,7 +54,7 @@ def _train(exp: Experiment, params) -> tuple:
 def _pair(mesh: str) -> dict:
     """Both settings on ``mesh`` trained from the same parameters: {zero: (exp, state, losses,
     grad norms)}."""
-    params = jax.device_get(Experiment.build(_cfg(mesh, False)).init_params())
+    params = jax.device_get(Experiment.build(_cfg(mesh, False)).seeded.params())
     out = {}
     for zero in (True, False):
         exp = Experiment.build(_cfg(mesh, zero))
@@ -176,7 +176,7 @@ DP6 = ["parallelism.n_devices=6", "data.batch_size=12"]
 def dp6() -> dict:
     """The dp8 fixture's pair on dp6: Adam's moments padded from 64 to 66 rows (or 256 to 258)
     to split 6 ways."""
-    params = jax.device_get(Experiment.build(_cfg("dp", False, *DP6)).init_params())
+    params = jax.device_get(Experiment.build(_cfg("dp", False, *DP6)).seeded.params())
     out = {}
     for zero in (True, False):
         exp = Experiment.build(_cfg("dp", zero, *DP6))
@@ -254,7 +254,7 @@ def test_optimizer_state_split_48_ways():
         from dxrun.model import sharding as shd
         from dxrun.autotune.fit import _shard_bytes
         from dxrun.config.registry import register
-        from dxrun.experiment import Experiment
+        from dxrun.experiment import Experiment, adopt
         register()
         out = {{}}
         for zero in ("true", "false"):
@@ -279,15 +279,15 @@ def test_optimizer_state_split_48_ways():
 
 def test_layout_hand_over_refits_the_padding(dp6):
     """parallelism=auto hands a trained state between layouts of the same devices
-    (``Experiment.adopt``): dp6 pads w_up's moments along d_ff (256 to 258), dp3_tp2, whose
+    (``experiment.adopt``): dp6 pads w_up's moments along d_ff (256 to 258), dp3_tp2, whose
     tensor axis splits d_ff, along d_model (64 to 66). Handed over and back: bitwise."""
     exp6, state6 = dp6[True][0], dp6[True][1]
     exp32 = Experiment.build(_cfg("dp", True, *DP6, "parallelism.dp=3", "parallelism.tp=2"))
-    moved = exp32.adopt(state6)
+    moved = adopt(exp32, state6)
     shapes = {x.shape for x in jax.tree.leaves(moved.opt_state)} - {
         x.shape for x in jax.tree.leaves(state6.opt_state)}
     assert (2, 66, 256) in shapes  # another padding really
-    back = exp6.adopt(moved)
+    back = adopt(exp6, moved)
     for a, b in zip(jax.tree.leaves(jax.device_get(state6)), jax.tree.leaves(jax.device_get(back)),
                     strict=True):
         np.testing.assert_array_equal(a, b)

@@ -55,7 +55,7 @@ BASE = ["logger=none", "train.precision=fp32", "optimizer.warmup_steps=2", "data
 
 def _host_params(exp: Experiment, seed: int) -> dict:
     """The seeded init with every bias (and norm offset) replaced by non-zero values."""
-    params = jax.device_get(exp.init_params())
+    params = jax.device_get(exp.seeded.params())
     rng = np.random.default_rng(seed)
 
     def perturb(path, x):
@@ -182,7 +182,7 @@ def test_param_bytes_per_device_are_total_over_k(cfg_factory, mesh, k):
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "logger=none",
                       f"parallelism={mesh}")
     exp = Experiment.build(cfg)
-    params = exp.init_params()
+    params = exp.seeded.params()
     total = replicated = 0
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         nbytes = x.size * x.dtype.itemsize
@@ -359,12 +359,12 @@ def test_no_preset_makes_xla_replicate_activations(preset_runs):
 
 
 def test_the_seeded_init_is_the_same_bits_on_every_layout(cfg_factory):
-    """``init_params`` draws every weight spread over the 8 devices, then lays it out: dp8's
+    """``SeededInit.params`` draws every weight spread over the 8 devices, then lays it out: dp8's
     replicated weights, tp8's and dp2_fsdp2_tp2's split ones hold the same bits."""
     def init(mesh: str) -> tuple[dict, dict]:
         exp = Experiment.build(cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                                            "logger=none", f"parallelism={mesh}"))
-        params = exp.init_params()
+        params = exp.seeded.params()
         assert jax.tree.map(lambda x: x.sharding, params) == exp.param_shardings  # its layout
         return jax.device_get(params), shd.spread_shardings(params, exp.mesh,
                                                             exp.param_shardings)
@@ -389,7 +389,7 @@ def test_the_seeded_init_is_laid_out_without_replicating_it_first(tmp_path, cfg_
         for mesh in ("dp2_tp4", "dp2_fsdp2_tp2", "dp4_tp2"):
             exp = Experiment.build(cfg_factory("model=tiny", "logger=none",
                                                f"parallelism={mesh}"))
-            shapes = jax.eval_shape(exp._init_fn())
+            shapes = jax.eval_shape(exp.seeded.fn())
             spread = shd.spread_shardings(shapes, exp.mesh, exp.param_shardings)
             for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(spread), strict=True):
                 # over every device where an axis of the weight takes all of them
@@ -399,7 +399,7 @@ def test_the_seeded_init_is_laid_out_without_replicating_it_first(tmp_path, cfg_
                            for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(spread),
                                            strict=True))
             assert n_spread >= len(jax.tree.leaves(shapes)) // 2, mesh
-            jax.block_until_ready(exp.init_params())
+            jax.block_until_ready(exp.seeded.params())
     text = stderr.read_text(errors="replace")
     assert "Involuntary full rematerialization" not in text, text[-2000:]
 

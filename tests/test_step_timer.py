@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.tracking.console import save_note
-from dxrun.tracking.step_timer import SaveTotals, StepTimer
+from dxrun.tracking.step_timer import SaveTotals, StepTimer, save_note
 from tests.conftest import FakeClock
 
 NO_SAVES = SaveTotals(0.0, 0)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.experimental import multihost_utils
 
-from dxrun.experiment import Experiment
+from dxrun.experiment import Experiment, adopt
 from dxrun.multihost.distributed import agree
 from dxrun.plan.layout import Layout
 from dxrun.plan.layouts import MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, _ms, held_batch, survivors
@@ -70,7 +70,7 @@ def time_layouts(cfg: RunConfig, layouts: list[Layout], devices: tuple,
     # re-shards it at its turn. One process reads its own shards (process_allgather would
     # first replicate them over every simulated device in host memory).
     t0 = time.perf_counter()
-    init = exps[layouts[0]].init_spread()
+    init = exps[layouts[0]].seeded.spread_params()
     params = (jax.device_get(init) if jax.process_count() == 1
               else multihost_utils.process_allgather(init, tiled=True))
     del init
@@ -121,7 +121,7 @@ def _turn(exp: Any, params: Any, done: Callable[[list[float]], bool],
     if run is None:
         state, first = exp.init_state(params=params), 0
     else:
-        state = exp.init_state(params=params) if run.state is None else exp.adopt(run.state)
+        state = exp.init_state(params=params) if run.state is None else adopt(exp, run.state)
         run.state, first = None, run.step
     times: list[float] = []
     for i in range(1 + cap):

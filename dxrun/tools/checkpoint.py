@@ -35,7 +35,6 @@ from dxrun.config.registry import check_composed, check_keys, composition_error,
 from dxrun.config.schema import RunConfig
 from dxrun.config.validation import validate
 from dxrun.hf.config_json import PREFIX
-from dxrun.hf.load import import_params
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.run_plan import recorded
 from dxrun.run.runtime import collect_cycles_rarely, simulate_cpu_devices
@@ -227,7 +226,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
         cfg = recorded(cfg, plan.global_batch, plan.seq_len)
         exp = Experiment.build(cfg, plan, with_data=with_data)
         log.info("%s on mesh %s", path, " x ".join(f"{a}={s}" for a, s in exp.mesh.shape.items()))
-        return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, import_params(exp))
+        return Loaded(cfg, {}, 0, path.expanduser().absolute(), None, exp, exp.hf_params())
 
     def build(meta: dict[str, Any], where: Path) -> tuple[DictConfig, Experiment]:
         """(config, experiment) of checkpoint ``where`` (``meta``: its meta)."""

@@ -14,11 +14,6 @@ from typing import Any
 log = logging.getLogger("dxrun")
 
 
-def save_note(held_s: float) -> str:
-    """Why a window's tokens/s dropped: checkpoint saves held the loop ``held_s`` of it."""
-    return f"(tok/s includes {held_s:.1f} s of checkpoint saving)"
-
-
 def format_line(step: int, total: int, m: dict[str, float], note: str = "") -> str:
     """A log step's line; an evaluation between log steps has only the eval numbers. ``note``
     (e.g. ``save_note``) goes after the tokens/s it explains."""

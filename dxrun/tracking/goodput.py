@@ -54,7 +54,7 @@ def mark(phase: str, at: float | None = None) -> None:
 def compiling() -> Iterator[list[float]]:
     """``with compiling() as seconds:`` the seconds JAX spent lowering and compiling programs
     inside the block, in ``seconds[0]`` (``COMPILE_EVENTS``): of a compile that began before
-    it, on another thread (``Experiment.compile_init``), its part inside the block."""
+    it, on another thread (``SeededInit.compile``), its part inside the block."""
     import jax.monitoring
 
     seconds, start = [0.0], time.perf_counter()

@@ -14,14 +14,18 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from dxrun.tracking.console import save_note
 from dxrun.tracking.goodput import StepWindow
 
 NOTICEABLE_BLOCK_S = 0.5  # a save that holds the loop less is never warned or noted about
 
 
+def save_note(held_s: float) -> str:
+    """Why a window's tokens/s dropped: checkpoint saves held the loop ``held_s`` of it."""
+    return f"(tok/s includes {held_s:.1f} s of checkpoint saving)"
+
+
 class SaveTotals(NamedTuple):
-    """The checkpoint saves of this attempt so far (``RunCheckpoints.totals``)."""
+    """The checkpoint saves of this attempt so far (``SaveCost.totals``)."""
 
     block_s: float  # seconds the saves held the loop
     saves: int
