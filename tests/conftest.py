@@ -62,6 +62,7 @@ os.environ["XDG_CACHE_HOME"] = os.environ["DXRUN_TEST_CACHE"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -160,7 +161,18 @@ def optimised_steps():
 
 
 def make_cfg(*overrides: str):
-    """The run config the launcher would build for ``python -m dxrun <overrides>``."""
+    """The run config the launcher would build for ``python -m dxrun <overrides>``: a copy of
+    its composition, composed once a session for each command line (Hydra's compose is most of
+    a small test's time, and the suite composes the same few lines again and again). A copy:
+    a test that changes its config changes its own. A refused composition is not kept: each
+    call raises it again."""
+    import copy
+
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="dxrun"):
         return compose(config_name="config", overrides=list(overrides))
 
