@@ -21,6 +21,7 @@ from dxrun.model.mdlm import objective_of
 from dxrun.model.sharding import (
     batch_sharding,
     check_process_rows,
+    in_mesh_context,
     mesh_from_plan,
     optimizer_param_shardings,
     param_axes,
@@ -86,6 +87,31 @@ def _state_layout(plan: MeshPlan, mesh: jax.sharding.Mesh, axes: dict, abstract_
     counter = jax.ShapeDtypeStruct((), np.int32)
     shapes = _placed(TrainState(counter, abstract_params, opt_shapes, counter, counter), shardings)
     return shardings, shapes, u_shard, pads
+
+
+def _abstract_model(cfg: RunConfig, plan: MeshPlan, mesh: jax.sharding.Mesh,
+                    padded: int) -> tuple[nnx.GraphDef, Any]:
+    """The model's graph and its parameters' shapes (nothing allocated), with the plan's
+    attention kernel, or XLA's standing in where it does not run on these devices (plan mode
+    compiles on CPU for an accelerator target)."""
+    kernel = compiled_kernel(plan.attention, cfg.model.attention, mesh.devices.flat[0].platform)
+    return nnx.split(nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0), padded, kernel,
+                                                        plan.remat)))
+
+
+def _step_spec(cfg: RunConfig, plan: MeshPlan, mesh: jax.sharding.Mesh,
+               state_shardings: TrainState, b_shard: Any, u_shard: Any,
+               pads: dict | None) -> StepSpec:
+    """What the train and eval steps are made from: the plan, its shardings, and the train
+    section's choices."""
+    return StepSpec(
+        plan, mesh, state_shardings, b_shard,
+        dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
+        nan_policy=cfg.train.nan_policy,
+        grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+        update_shardings=u_shard if plan.shard_optimizer else None, update_pads=pads,
+        # masked diffusion (model.objective=mdlm): its training masks seeded apart from dropout's
+        objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))
 
 
 class SeededInit:
@@ -168,27 +194,14 @@ class Experiment:
             plan = make_plan(cfg, *visible_devices())
         mesh = mesh_from_plan(plan)
         padded = plan.padded_vocab or cfg.model.vocab_size  # 0: a bare plan, no padding
-        # The plan's attention kernel, or XLA's standing in where it does not run on these
-        # devices (plan mode compiles on CPU for an accelerator target).
-        kernel = compiled_kernel(plan.attention, cfg.model.attention, mesh.devices.flat[0].platform)
-        abstract = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0), padded, kernel,
-                                                      plan.remat))
-        graphdef, abstract_state = nnx.split(abstract)
+        graphdef, abstract_state = _abstract_model(cfg, plan, mesh, padded)
         axes = param_axes(abstract_state)
         tx, schedule = make_optimizer(cfg.optimizer, nnx.to_pure_dict(abstract_state),
                                       plan.global_batch, cfg.train.steps)
         state_shardings, shapes, u_shard, pads = _state_layout(plan, mesh, axes, abstract_state,
                                                                tx)
         b_shard = batch_sharding(mesh)
-        spec = StepSpec(
-            plan, mesh, state_shardings, b_shard,
-            dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
-            nan_policy=cfg.train.nan_policy,
-            grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-            update_shardings=u_shard if plan.shard_optimizer else None, update_pads=pads,
-            # masked diffusion (model.objective=mdlm): its training masks seeded apart from
-            # dropout's
-            objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))
+        spec = _step_spec(cfg, plan, mesh, state_shardings, b_shard, u_shard, pads)
         step = make_train_step(graphdef, tx, schedule, spec)
         eval_step = make_eval_step(graphdef, spec)
         if data is None and with_data:
@@ -214,11 +227,12 @@ class Experiment:
         if params is None:
             params = self.seeded.params()
         else:
-            params = resize_vocab(params, self.axes, table_rows(self.cfg.model),
-                                  self.padded_vocab)
-            params = jax.device_put(params, self.param_shardings)
-        opt_state = jax.jit(lambda p: self.tx.init(pad(p, self.zero_pads)),
-                            out_shardings=self.state_shardings.opt_state)(params)
+            params = jax.device_put(resize_vocab(params, self.axes, table_rows(self.cfg.model),
+                                                 self.padded_vocab), self.param_shardings)
+
+        def _opt_init(params: dict) -> Any:  # the optimizer's, ZeRO-1's padding included
+            return self.tx.init(pad(params, self.zero_pads))
+        opt_state = jax.jit(_opt_init, out_shardings=self.state_shardings.opt_state)(params)
         step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
         # Settle the one-off programs before the first step (see the note in step.py).
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
@@ -241,6 +255,17 @@ class Experiment:
         """As ``compile_step`` for a step that will never run: its HLO text, memory and cost
         analyses only, compiled cheaper (``step.analysis_options``) and not kept."""
         return self.step.analyse(self.abstract_state(), self.abstract_batch())
+
+    def forward(self) -> Callable[[dict, Any], jax.Array]:
+        """The model's logits (the padded vocabulary) for token ids ``[B, L]``: one jitted
+        forward, traced on this mesh with its rules, compiled once per shape (dxrun.logits)."""
+        jitted = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params)(tokens))
+
+        def run(params: dict, tokens_BxL: Any) -> jax.Array:
+            with in_mesh_context(self.mesh, self.plan.rules):
+                return jitted(params, tokens_BxL)
+
+        return run
 
     @property
     def padded_vocab(self) -> int:

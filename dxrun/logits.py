@@ -11,36 +11,19 @@ the last position's top five and saves the whole array with ``out=`` (``numpy.sa
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema import RunConfig
-from dxrun.model.sharding import in_mesh_context
 from dxrun.tools.checkpoint import BEST, Loaded, load, main, split_args
 
 __all__ = ["Model", "load_model"]
 
 OPTIONS: dict[str, Any] = {"tokens": "", "out": ""}
-
-
-def forward(loaded: Loaded) -> Callable[[dict, Any], jax.Array]:
-    """The model's logits (the padded vocabulary) for token ids ``[B, L]``: one jitted forward,
-    traced on the loaded run's mesh with its rules, compiled once per shape."""
-    exp = loaded.exp
-    jitted = jax.jit(lambda params, tokens: nnx.merge(exp.graphdef, params)(tokens))
-
-    def run(params: dict, tokens_BxL: Any) -> jax.Array:
-        with in_mesh_context(exp.mesh, exp.plan.rules):
-            return jitted(params, tokens_BxL)
-
-    return run
 
 
 @dataclass
@@ -52,7 +35,7 @@ class Model:
     _forward: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._forward = forward(self.loaded)
+        self._forward = self.loaded.exp.forward()
 
     def __call__(self, tokens: Any) -> np.ndarray:
         ids = np.asarray(tokens)
