@@ -645,7 +645,9 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     assert prepared.handover.step == trained and prepared.handover.params is None
     assert isinstance(jax.tree.leaves(prepared.handover.state)[0], jax.Array)
     own = record["search_s"] - record["init_s"] - record["trained_s"] - record["compile_s"]
-    assert 0 < record["compile_s"] < own  # the chosen layout's compile: the run's step
+    # the chosen layout's compile (the run's step) is a part of the search's time, apart from
+    # its own (no timing compared: which is longer depends on the machine's load)
+    assert record["compile_s"] > 0 and own > 0
     assert prepared.exp.step.compiled is not None
     assert (f"the run's steps 1-{trained} trained in the turns: {own:.1f} s the search's own"
             in ranking.table(record).splitlines()[0])
