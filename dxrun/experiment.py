@@ -140,7 +140,7 @@ class SeededInit:
         """Start compiling the seeded init on a thread of its own, so that it compiles beside
         the step (XLA compiles outside Python's lock): a fresh run's ``params`` then runs that
         program."""
-        spread = spread_shardings(self.shapes, self.mesh, self.shardings)
+        spread = self._spread()
         lowered = jax.jit(self.fn(), out_shardings=spread).lower()
         pool = concurrent.futures.ThreadPoolExecutor(1)
         self.compiling = (pool.submit(lowered.compile), spread)
@@ -159,11 +159,14 @@ class SeededInit:
         the mesh's layout would be a reshard for nothing."""
         return self._drawn()[0]
 
+    def _spread(self) -> Any:  # every weight spread over every device, to be drawn there
+        return spread_shardings(self.shapes, self.mesh, self.shardings)
+
     def _drawn(self) -> tuple[dict, Any]:
         if self.compiling is not None:
             (compiling, spread), self.compiling = self.compiling, None
             return compiling.result()(), spread
-        spread = spread_shardings(self.shapes, self.mesh, self.shardings)
+        spread = self._spread()
         return jax.jit(self.fn(), out_shardings=spread)(), spread
 
 
