@@ -36,6 +36,7 @@ from dxrun.run.job_dir import (
 from dxrun.run.runtime import (
     accelerator_plan_note,
     collect_cycles_rarely,
+    command_imports,
     cpu_fallback_refusal,
     enable_compile_cache,
     nvidia_device_node,
@@ -152,7 +153,8 @@ def _start_jax(cfg: RunConfig, status: JobStatus) -> bool:
 
 def _plan(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus) -> Any:
     """run.mode=plan: the decision reported for plan.target; nothing trained."""
-    from dxrun.autotune.plan_mode import planned, run_plan  # imports JAX
+    with command_imports():
+        from dxrun.autotune.plan_mode import planned, run_plan  # imports JAX
 
     # data.seq_len=null resolved for the target; for parallelism=auto the layout
     # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
@@ -169,8 +171,9 @@ def _train(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus, started: flo
     """Claim the run dir, prepare the run, train it; its summary."""
     import jax
 
-    from dxrun.start import prepare  # imports JAX
-    from dxrun.train import train  # imports JAX
+    with command_imports():
+        from dxrun.start import prepare  # imports JAX
+        from dxrun.train import train  # imports JAX
 
     # Every process uses process 0's run dir (their clocks may name it differently).
     # Claimed and held before the plan and the compile, so that a second launch into a

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun.config.errors import ConfigError
 from dxrun.data import EVAL
-from dxrun.run.bookkeeping import read_json
-from dxrun.run.runtime import write_json
+from dxrun.run.bookkeeping import read_json, write_json
+from dxrun.run.runtime import command_imports
 from dxrun.tools.checkpoint import Loaded, load, main, split_args
 from dxrun.tracking.logger import open_wandb
 
@@ -62,7 +62,8 @@ def batch_count(d: DataConfig, batches: int, data: Data, all_batches: bool) -> i
 
 def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     """Evaluate, write ``eval.json``, log to W&B; return the record."""
-    from dxrun.hooks import evaluate  # imports JAX
+    with command_imports():
+        from dxrun.hooks import evaluate  # imports JAX
 
     all_batches = ALL in overrides
     loaded = load(path, [o for o in overrides if o != ALL], key="path")

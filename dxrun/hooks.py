@@ -18,11 +18,17 @@ import jax
 
 from dxrun.checkpointing.saving import RunCheckpoints
 from dxrun.experiment import Experiment
-from dxrun.run.runtime import AllocatorPeak, write_json
+from dxrun.run.bookkeeping import write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.console import Progress
 from dxrun.tracking.logger import MetricsLogger
-from dxrun.tracking.metrics_row import RunFacts, first_row, log_row, perplexity
+from dxrun.tracking.metrics_row import (
+    AllocatorPeak,
+    RunFacts,
+    first_row,
+    log_row,
+    perplexity,
+)
 from dxrun.tracking.monitor import Monitor, plateau
 from dxrun.tracking.run_summary import RunSummary
 from dxrun.tracking.step_timer import StepTimer

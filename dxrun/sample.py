@@ -160,8 +160,6 @@ def no_context_parallel(cp: int) -> None:
 def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Generate; return the tokens (``n x T``), the prompt length, the printable samples and,
     for markov data, (allowed, total) generated transitions."""
-    from dxrun.tools.decode import Sampling  # imports JAX
-
     check_options(options)
     n, new = options["n"], options["max_new_tokens"]
 
@@ -204,6 +202,8 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
         log.warning("%d positions (prompt + max_new_tokens) but the model trained on windows "
                     "of data.seq_len=%d: the later positions were never trained", P + new,
                     cfg.data.seq_len)
+    from dxrun.tools.decode import Sampling  # imports JAX: after load's (runtime.command_imports)
+
     s = Sampling(options["temperature"], options["top_k"], options["top_p"], options["seed"])
     generate = make_decoder(loaded, P, new, s, options["steps"], options["unmask"])
     tokens_BxT = np.asarray(generate(loaded.params, prompt_BxP))

@@ -27,9 +27,10 @@ from dxrun.experiment import Experiment, adopt
 from dxrun.hf.load import check_hf_weights
 from dxrun.plan.run_plan import RunPlan
 from dxrun.plan.search_record import table
+from dxrun.run.bookkeeping import write_json
 from dxrun.run.run_dir import dir_refusal
-from dxrun.run.runtime import AllocatorPeak, write_json
 from dxrun.tracking import goodput
+from dxrun.tracking.metrics_row import AllocatorPeak
 
 log = logging.getLogger("dxrun")
 

@@ -71,7 +71,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dxrun.config.registry import register
-from dxrun.run.runtime import collect_cycles_rarely, enable_compile_cache
+from dxrun.run.runtime import collect_cycles_rarely, enable_compile_cache, freeze_imported
 
 # The collector's thresholds of a dxrun command's process, for the tests that trace and compile
 # in this one.
@@ -80,6 +80,13 @@ collect_cycles_rarely()
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 register()
+
+
+def pytest_collection_finish(session):
+    """The test modules imported (JAX, Flax, dxrun): frozen out of the collector's sight as a
+    command freezes its imports (``runtime.freeze_imported``), here at a point of the suite's
+    choosing rather than inside the first in-process run."""
+    freeze_imported()
 
 
 @pytest.fixture(scope="session", autouse=True)

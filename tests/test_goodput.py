@@ -8,8 +8,8 @@ import pytest
 
 from dxrun.autotune.memory_report import is_out_of_memory, shape_bytes
 from dxrun.config.errors import disk_error
-from dxrun.run.runtime import peak_over_devices
 from dxrun.tracking import goodput
+from dxrun.tracking.metrics_row import peak_over_devices
 from dxrun.tracking.trace import profile_dir, traced_steps
 from tests.conftest import FakeClock
 

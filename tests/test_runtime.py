@@ -20,12 +20,12 @@ from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun.config.errors import ConfigError
 from dxrun.run import run_dir as run_dirs
+from dxrun.run.bookkeeping import finite_or_null
 from dxrun.run.runtime import (
     claim_run_dir,
-    finite_or_null,
-    peak_bytes_since,
     write_status,
 )
+from dxrun.tracking.metrics_row import peak_bytes_since
 
 
 def _claim(path: str, barrier, out) -> None:

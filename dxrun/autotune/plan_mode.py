@@ -26,7 +26,7 @@ from dxrun.plan.memory_model import disagreement
 from dxrun.plan.run_plan import RunPlan, resolved_config
 from dxrun.plan.search_record import table
 from dxrun.plan.targets import GB, gb_text, plan_platform
-from dxrun.run.runtime import write_json
+from dxrun.run.bookkeeping import write_json
 
 log = logging.getLogger("dxrun")
 

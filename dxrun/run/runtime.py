@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -20,9 +19,11 @@ from omegaconf import OmegaConf
 
 from dxrun.config.schema import RunConfig
 from dxrun.config.schema_parallel import axis_sizes
-from dxrun.run.bookkeeping import make_dir, read_json
+from dxrun.run.bookkeeping import make_dir, read_json, write_json
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from hydra.conf import HydraConf
     from omegaconf import DictConfig
 
@@ -237,6 +238,31 @@ def collect_cycles_rarely() -> None:
     gc.set_threshold(20_000, 10, 10)
 
 
+@contextlib.contextmanager
+def command_imports() -> Iterator[None]:
+    """Around a command's imports of JAX, Flax, Optax and Orbax, then frozen (``freeze_imported``).
+    Inside, IPython is hidden: Flax asks it on import whether this is a notebook (a command's
+    process never is), and importing IPython to hear "no" is most of Flax's import."""
+    hidden = "IPython" not in sys.modules
+    if hidden:
+        sys.modules["IPython"] = None  # type: ignore[assignment]  # its import raises ImportError
+    try:
+        yield
+    finally:
+        if hidden and sys.modules.get("IPython", "") is None:
+            del sys.modules["IPython"]
+    freeze_imported()
+
+
+def freeze_imported() -> None:
+    """Every object the process holds now moved out of the collector's sight, once a process:
+    after a command's imports, which live as long as the process, each collection the trace and
+    the compile trigger walks only what was made since (docs/tests.md). Once: a second freeze
+    (a multirun's next job, same process) would hide what the job before left to collect."""
+    if not gc.get_freeze_count():
+        gc.freeze()
+
+
 def claim_run_dir(run_dir: Path) -> Path:
     """The run dir Hydra made, claimed for a new run: the claim is creating ``.hydra/`` with an
     atomic mkdir: a dir whose ``.hydra/`` exists belongs to an earlier or a concurrent run (two
@@ -280,72 +306,6 @@ def write_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: HydraConf | Non
                            where / "overrides.yaml")
     if hydra_cfg is not None:
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
-
-
-def peak_bytes_since(start: dict | None, now: dict | None) -> float | None:
-    """This run's allocator peak from ``Device.memory_stats()`` taken at its start and now.
-
-    The allocator's ``peak_bytes_in_use`` is process-wide and JAX cannot reset it, so in a
-    multirun it still holds the largest earlier job's peak. If it rose during this run, the new
-    high-water mark was set by this run and is exact; if not, this run's peak is unknown (at most
-    the old one) and None is returned, never an earlier job's number. None also where the
-    backend keeps no statistics (CPU)."""
-    if not now or "peak_bytes_in_use" not in now:
-        return None
-    before = (start or {}).get("peak_bytes_in_use", 0)
-    return float(now["peak_bytes_in_use"]) if now["peak_bytes_in_use"] > before else None
-
-
-class AllocatorPeak:
-    """The allocator statistics of this process's devices at the start of a run, to report the
-    peak reached during the run (``peak_bytes_since``), the largest over the devices."""
-
-    def __init__(self) -> None:
-        import jax
-
-        self.devices = jax.local_devices()
-        self.start = [d.memory_stats() for d in self.devices]
-
-    def peak_since_start(self) -> float | None:
-        return peak_over_devices(self.start, [d.memory_stats() for d in self.devices])
-
-
-def peak_over_devices(starts: list[dict | None], nows: list[dict | None]) -> float | None:
-    """``mem/peak_bytes_per_device`` of a log row: the largest ``peak_bytes_since`` over this
-    process's devices (None on CPU, or where no device's peak rose during this run)."""
-    peaks = [peak_bytes_since(s, n) for s, n in zip(starts, nows, strict=True)]
-    return max((p for p in peaks if p is not None), default=None)
-
-
-def finite_or_null(obj: Any, key: str = "") -> tuple[Any, list[str]]:
-    """``obj`` with every NaN/inf float replaced by None, and the keys where that happened.
-
-    JSON has no NaN or Infinity: Python writes them anyway and most readers then refuse the
-    whole file. A diverged run's numbers become ``null`` instead (W&B shows a gap)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None, [key or "value"]
-    if isinstance(obj, dict):
-        out, bad = {}, []
-        for k, v in obj.items():
-            out[k], b = finite_or_null(v, f"{key}.{k}" if key else str(k))
-            bad += b
-        return out, bad
-    if isinstance(obj, (list, tuple)):
-        pairs = [finite_or_null(v, f"{key}[{i}]") for i, v in enumerate(obj)]
-        return [v for v, _ in pairs], [k for _, b in pairs for k in b]
-    return obj, []
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically; non-finite floats are written as null (see ``finite_or_null``)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
-        tmp.replace(path)
-    except OSError:  # a full disk: no half-written tmp file left beside the intact one
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 STATUS = "status.json"

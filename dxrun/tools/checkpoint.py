@@ -37,7 +37,7 @@ from dxrun.config.validation import validate
 from dxrun.hf.config_json import PREFIX
 from dxrun.plan.mesh import MeshPlan, make_plan
 from dxrun.plan.run_plan import recorded
-from dxrun.run.runtime import collect_cycles_rarely, simulate_cpu_devices
+from dxrun.run.runtime import collect_cycles_rarely, command_imports, simulate_cpu_devices
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -193,7 +193,9 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     either falls back to the devices found where it does not fit them (``plan_on_devices``).
     ``key`` names the path argument in refusals. A Hugging Face directory loads as step 0
     (``compose_hf``)."""
-    from dxrun.tools.live import checkpoint, read_newest  # imports JAX
+    with command_imports():
+        from dxrun.experiment import Experiment, visible_devices  # imports JAX
+        from dxrun.tools.live import checkpoint, read_newest  # imports JAX
 
     best, overrides = BEST in overrides, [o for o in overrides if o != BEST]
     named = names_layout(overrides)
@@ -214,7 +216,6 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
                                   f"{step} (it has {', '.join(map(str, have))})")
             resume = checkpoint.locate(resume.directory / str(step), key)
     start_devices(overrides)
-    from dxrun.experiment import Experiment, visible_devices  # imports JAX
 
     if hf:
         cfg = compose_hf(path, overrides)

@@ -19,8 +19,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from dxrun.run.bookkeeping import read_json
-from dxrun.run.runtime import write_json
+from dxrun.run.bookkeeping import read_json, write_json
 
 PARTS = ("startup", "search", "compile", "data", "productive", "eval", "checkpoint", "logging",
          "profile")

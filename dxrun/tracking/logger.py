@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dxrun.config.schema import LoggerConfig
-from dxrun.run.runtime import finite_or_null
+from dxrun.run.bookkeeping import finite_or_null
 from dxrun.tracking.backends import (
     Backend,
     CsvBackend,

@@ -141,3 +141,36 @@ def log_row(fetched: Mapping[str, Any], window: Measured, cost: StepCost,
     if peak_bytes is not None:
         row["mem/peak_bytes_per_device"] = peak_bytes
     return {**row, **data_row(tokens_seen, entropy_floor)}
+
+
+def peak_bytes_since(start: dict | None, now: dict | None) -> float | None:
+    """This run's allocator peak from ``Device.memory_stats()`` taken at its start and now.
+
+    The allocator's ``peak_bytes_in_use`` is process-wide and JAX cannot reset it, so in a
+    multirun it still holds the largest earlier job's peak. If it rose during this run, the new
+    high-water mark was set by this run and is exact; if not, this run's peak is unknown (at most
+    the old one) and None is returned, never an earlier job's number. None also where the
+    backend keeps no statistics (CPU)."""
+    if not now or "peak_bytes_in_use" not in now:
+        return None
+    before = (start or {}).get("peak_bytes_in_use", 0)
+    return float(now["peak_bytes_in_use"]) if now["peak_bytes_in_use"] > before else None
+
+
+class AllocatorPeak:
+    """The allocator statistics of this process's devices at the start of a run, to report the
+    peak reached during the run (``peak_bytes_since``), the largest over the devices."""
+
+    def __init__(self) -> None:
+        self.devices = jax.local_devices()
+        self.start = [d.memory_stats() for d in self.devices]
+
+    def peak_since_start(self) -> float | None:
+        return peak_over_devices(self.start, [d.memory_stats() for d in self.devices])
+
+
+def peak_over_devices(starts: list[dict | None], nows: list[dict | None]) -> float | None:
+    """``mem/peak_bytes_per_device`` of a log row: the largest ``peak_bytes_since`` over this
+    process's devices (None on CPU, or where no device's peak rose during this run)."""
+    peaks = [peak_bytes_since(s, n) for s, n in zip(starts, nows, strict=True)]
+    return max((p for p in peaks if p is not None), default=None)

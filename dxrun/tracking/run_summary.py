@@ -14,8 +14,8 @@ from typing import Any
 
 from dxrun.config.errors import UNFINISHED
 from dxrun.multihost.distributed import is_main
+from dxrun.run.bookkeeping import write_json
 from dxrun.run.run_dir import read_status
-from dxrun.run.runtime import write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.logger import read_metrics
 from dxrun.tracking.monitor import stopped_early
