@@ -24,9 +24,9 @@ from dxrun.config.target import check_targets
 from dxrun.config.validation import config_warnings, validate
 from dxrun.multihost.distributed import is_main, join
 from dxrun.plan.run_plan import resolved_config
-from dxrun.report.callback import SWEEP_DIRS, exit_for_failed_jobs
 from dxrun.run.job import Job
 from dxrun.run.job_dir import (
+    SWEEP_EXITS,
     JobStatus,
     asked_dir,
     claim_new,
@@ -237,8 +237,8 @@ def cli() -> None:
     except Interrupted as e:  # outside a job (composing the config), or while it was failing
         print(f"dxrun: {e.signal_name}: stopped {e.when}", file=sys.stderr)
         sys.exit(e.code)
-    for sweep_dir in SWEEP_DIRS:
-        exit_for_failed_jobs(sweep_dir)
+    for sweep_exit in SWEEP_EXITS:  # a multirun's, from its jobs (report.callback)
+        sweep_exit()
 
 
 if __name__ == "__main__":

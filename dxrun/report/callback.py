@@ -4,6 +4,7 @@ its jobs (``exit_for_failed_jobs``). Light to import: every run instantiates it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -16,20 +17,15 @@ from dxrun.config.errors import EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, fail
 from dxrun.multihost.distributed import is_main
 from dxrun.report.collect import find_jobs, tally
 from dxrun.report.table import write_report
+from dxrun.run.job_dir import SWEEP_EXITS
 
 log = logging.getLogger("dxrun")
 
 
-# Sweep dirs of the multiruns started in this process: after Hydra returns, the launcher
-# (dxrun.__main__.cli) reads the jobs' status.json there for its exit code
-# (``exit_for_failed_jobs``). Hydra keeps no
-# handle on the sweep dir once the multirun is over, and with submitit the jobs ran elsewhere.
-SWEEP_DIRS: list[Path] = []
-
-
 class SweepReport(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        SWEEP_DIRS.append(Path(config.hydra.sweep.dir))
+        # the sweep's exit code, read from its jobs once Hydra returns (``job_dir.SWEEP_EXITS``)
+        SWEEP_EXITS.append(functools.partial(exit_for_failed_jobs, Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not is_main():

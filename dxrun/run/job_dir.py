@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dxrun")
 
+# What each multirun started in this process exits with, once Hydra returns: the sweep report's
+# callback puts in its check of the jobs' status.json files (``report.callback``), and the
+# launcher (``dxrun.__main__.cli``) calls them. Hydra keeps no handle on a sweep dir once the
+# multirun is over, and with submitit the jobs ran elsewhere.
+SWEEP_EXITS: list[Callable[[], None]] = []
+
 
 def claim_new(asked: Path) -> Path:
     """Claim a new run's dir (plan mode); a used one gets a sibling, said at once rather than
