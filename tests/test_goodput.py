@@ -9,7 +9,7 @@ import pytest
 from dxrun.autotune.memory_report import is_out_of_memory, shape_bytes
 from dxrun.config.errors import disk_error
 from dxrun.tracking import goodput
-from dxrun.tracking.metrics_row import peak_over_devices
+from dxrun.tracking.metrics_row import peak_bytes_since, peak_over_devices
 from dxrun.tracking.trace import profile_dir, traced_steps
 from tests.conftest import FakeClock
 
@@ -194,3 +194,22 @@ def test_out_of_memory_errors_and_hlo_shape_sizes():
     assert disk_error(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
     assert shape_bytes("bf16[4,1024]{1,0}") == 8192
     assert shape_bytes("(f32[2,3]{1,0}, s32[])") == 28
+
+
+def _stats(in_use: int, peak: int) -> dict:
+    """Shaped like a GPU's ``Device.memory_stats()``."""
+    return {"bytes_in_use": in_use, "peak_bytes_in_use": peak, "num_allocs": 12,
+            "largest_alloc_size": peak // 2, "bytes_limit": 80 * 2**30,
+            "bytes_reserved": 0, "peak_bytes_reserved": 0, "largest_free_block_bytes": 0}
+
+
+def test_allocator_peak_counts_only_this_run():
+    # First job of a process: the peak rose from nothing, it is this run's.
+    assert peak_bytes_since(_stats(0, 0), _stats(10, 5_000)) == 5_000
+    # A later, smaller job: the process-wide peak is still the earlier job's 5000: unknown,
+    # not reported (the old code reported 5000 for every later job).
+    assert peak_bytes_since(_stats(10, 5_000), _stats(10, 5_000)) is None
+    # A later, larger job set a new high-water mark: exact.
+    assert peak_bytes_since(_stats(10, 5_000), _stats(10, 7_000)) == 7_000
+    # CPU keeps no statistics.
+    assert peak_bytes_since(None, None) is None

@@ -25,7 +25,6 @@ from dxrun.run.runtime import (
     claim_run_dir,
     write_status,
 )
-from dxrun.tracking.metrics_row import peak_bytes_since
 
 
 def _claim(path: str, barrier, out) -> None:
@@ -192,25 +191,6 @@ def test_a_relaunch_continues_the_newest_run_of_its_dir(tmp_path):
     fresh = run_dirs.claim(rq, named=True, fresh=True, has_checkpoints=ckpts)
     assert fresh.dir == tmp_path / "rq_2" and not fresh.continues
     fresh.release()
-
-
-def _stats(in_use: int, peak: int) -> dict:
-    """Shaped like a GPU's ``Device.memory_stats()``."""
-    return {"bytes_in_use": in_use, "peak_bytes_in_use": peak, "num_allocs": 12,
-            "largest_alloc_size": peak // 2, "bytes_limit": 80 * 2**30,
-            "bytes_reserved": 0, "peak_bytes_reserved": 0, "largest_free_block_bytes": 0}
-
-
-def test_allocator_peak_counts_only_this_run():
-    # First job of a process: the peak rose from nothing, it is this run's.
-    assert peak_bytes_since(_stats(0, 0), _stats(10, 5_000)) == 5_000
-    # A later, smaller job: the process-wide peak is still the earlier job's 5000: unknown,
-    # not reported (the old code reported 5000 for every later job).
-    assert peak_bytes_since(_stats(10, 5_000), _stats(10, 5_000)) is None
-    # A later, larger job set a new high-water mark: exact.
-    assert peak_bytes_since(_stats(10, 5_000), _stats(10, 7_000)) == 7_000
-    # CPU keeps no statistics.
-    assert peak_bytes_since(None, None) is None
 
 
 # A process of its own: the suite's processes keep glibc's defaults (conftest.py), and a thread
