@@ -35,9 +35,8 @@ from dxrun.model.zero_padding import pad, refit, zero_pads
 from dxrun.multihost.distributed import process_hosts
 from dxrun.optimizer import make_optimizer
 from dxrun.plan.attention_kernel import AttentionTarget, attention_target, compiled_kernel, kind_target
-from dxrun.plan.mesh import MeshPlan, make_plan
+from dxrun.plan.mesh import MeshPlan, make_plan, table_rows
 from dxrun.plan.targets import TARGETS
-from dxrun.plan.vocab import table_rows
 from dxrun.step import StepSpec, TrainState, make_eval_step, make_train_step
 
 if TYPE_CHECKING:

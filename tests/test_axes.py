@@ -30,9 +30,8 @@ def extra_axis(monkeypatch):
 
 def test_a_new_axis_is_a_row_of_the_table(extra_axis, cfg_factory):
     from dxrun.model.sharding import host_grid
-    from dxrun.plan.axes import Sizes, resolve_axes, shrink
+    from dxrun.plan.axes import Layout, Sizes, layout_of, resolve_axes, shrink
     from dxrun.plan.hosts import split_over_hosts
-    from dxrun.plan.layout import Layout, layout_of
     from dxrun.plan.layouts import meshes
     from dxrun.plan.mesh import make_plan
 

@@ -17,7 +17,7 @@ from dxrun.experiment import Experiment
 from dxrun.model.mdlm import objective_of
 from dxrun.model.sharding import in_mesh_context
 from dxrun.plan import memory_model
-from dxrun.plan.loss_chunk import AUTO_ON_BYTES, resolve_loss_chunk
+from dxrun.plan.batch import AUTO_ON_BYTES, resolve_loss_chunk
 from dxrun.step import loss_and_metrics
 
 CHUNK = 8  # of data.seq_len=32: four chunks

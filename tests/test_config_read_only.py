@@ -16,7 +16,7 @@ from dxrun.autotune import cache
 from dxrun.autotune.plan_mode import planned
 from dxrun.config import validation
 from dxrun.experiment import visible_devices
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.layouts import Row, chosen_layout, held_batch
 from dxrun.plan.run_plan import saved_config
 from dxrun.start import prepare

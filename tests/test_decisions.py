@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dxrun"
 # decision -> (the one function that computes it, the module that defines it)
 DECISIONS = {
     "attention kernel": ("plan_kernel", "dxrun/plan/attention_kernel.py"),
-    "loss chunk": ("loss_chunk_for", "dxrun/plan/loss_chunk.py"),
+    "loss chunk": ("loss_chunk_for", "dxrun/plan/batch.py"),
     "ZeRO-1": ("shard_optimizer", "dxrun/plan/mesh.py"),
     "precision": ("compute_dtype", "dxrun/plan/mesh.py"),
 }
@@ -24,7 +24,7 @@ PLAN_BUILDER = ("dxrun/plan/mesh.py", "make_plan")  # the one place that builds 
 # rule, asked by ``loss_chunk_for`` and by the config check (which refuses a chunk that does not
 # divide the sequence before JAX starts, and keeps no chunk).
 HELPERS = {"choose": {("dxrun/plan/attention_kernel.py", "plan_kernel")},
-           "resolve_loss_chunk": {("dxrun/plan/loss_chunk.py", "loss_chunk_for"),
+           "resolve_loss_chunk": {("dxrun/plan/batch.py", "loss_chunk_for"),
                                   ("dxrun/config/validation.py", "check_data")}}
 STEP_FACTORY_ARGS = 5
 

@@ -19,7 +19,7 @@ from dxrun.autotune.search import search
 from dxrun.experiment import visible_devices
 from dxrun.plan import layouts as ls
 from dxrun.plan import search_record as ranking
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.layouts import Row, held_batch
 
 

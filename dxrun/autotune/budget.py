@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from dxrun.autotune.timing import agreed
 from dxrun.config.errors import ConfigError
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.layouts import Row, _ms, _s, search_cost
 from dxrun.plan.mesh import make_plan
 

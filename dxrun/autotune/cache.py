@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.config.schema_parallel import AXES
-from dxrun.plan.axes import named
-from dxrun.plan.layout import layout_of
+from dxrun.plan.axes import layout_of, named
 from dxrun.plan.layouts import REMATS, SEARCHES
 from dxrun.run.runtime import user_cache_dir
 

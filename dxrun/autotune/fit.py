@@ -18,9 +18,8 @@ from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
 from dxrun.plan.attention_kernel import AttentionTarget, kind_target
 from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
-from dxrun.plan.mesh import MeshPlan, make_plan
+from dxrun.plan.mesh import MeshPlan, make_plan, padded_vocab, table_rows
 from dxrun.plan.targets import TARGETS, Target, plan_platform, target_key
-from dxrun.plan.vocab import padded_vocab, table_rows
 from dxrun.step import step_bytes
 
 if TYPE_CHECKING:

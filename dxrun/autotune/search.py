@@ -30,7 +30,7 @@ from dxrun.autotune.timing import Handover, agreed, time_layouts
 from dxrun.config.errors import ConfigError
 from dxrun.experiment import Experiment, visible_devices
 from dxrun.multihost.distributed import is_main
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.layouts import (
     Row,
     _gib,

@@ -26,7 +26,7 @@ from dxrun.config.errors import ConfigError
 from dxrun.config.schema_parallel import AXES
 from dxrun.experiment import Experiment
 from dxrun.plan import flops, gpu_cost, memory_model
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.layouts import REMATS, meshes
 from dxrun.plan.mesh import LOGICAL_RULES, MeshPlan, make_plan
 from dxrun.plan.targets import GB, TARGETS, Target, gb_text, target_key, usable_bytes

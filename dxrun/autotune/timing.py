@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 
 from dxrun.experiment import Experiment, adopt
 from dxrun.multihost.distributed import agree
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.layouts import MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, _ms, held_batch, survivors
 from dxrun.plan.mesh import make_plan
 from dxrun.run.runtime import release_freed_memory

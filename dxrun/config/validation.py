@@ -41,8 +41,7 @@ from dxrun.config.schema import (
 )
 from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
 from dxrun.hf.config_json import check_rope_scaling, hf_dir
-from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len
-from dxrun.plan.loss_chunk import resolve_loss_chunk
+from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
 from dxrun.plan.targets import TARGETS
 from dxrun.tracking.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 from dxrun.tracking.stores import unread_logger_keys

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dxrun.plan import flops
 from dxrun.plan.attention_kernel import KERNELS
 from dxrun.plan.context import kv_gather_bytes
-from dxrun.plan.vocab import padded_vocab, table_rows
+from dxrun.plan.mesh import padded_vocab, table_rows
 
 if TYPE_CHECKING:
     from dxrun.config.schema import RunConfig

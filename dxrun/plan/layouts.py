@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema_parallel import AXES, Axis, axis_sizes
-from dxrun.plan.axes import Sizes
+from dxrun.plan.axes import Layout, Sizes, layout_of
 from dxrun.plan.batch import default_seq_len
 from dxrun.plan.context import LONG_SEQ
-from dxrun.plan.layout import Layout, layout_of
 from dxrun.plan.mesh import make_plan
 from dxrun.run import faults
 

@@ -5,18 +5,21 @@ The mesh's axes are ``schema_parallel.AXES``' rows, outermost first: ``data`` (r
 (replicas whose weights are sharded), ``context`` (each sequence split along its length:
 dxrun/plan/context.py), ``tensor`` (Megatron tensor parallelism, innermost so it lands on the
 closest devices); the plan holds their sizes as one ``Sizes`` mapping, and their parts across
-hosts as another (``dcn``: dxrun/plan/hosts.py).
+hosts as another (``dcn``: dxrun/plan/hosts.py). The vocabulary's tables get the rows a multiple
+of tp (the vocab axis is split over ``tensor``) and, on an accelerator, of an alignment that
+tiles its matmul units evenly (``padded_vocab``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema_parallel import AXES, axis_sizes
 from dxrun.plan.attention_kernel import AttentionTarget, check_remat, plan_kernel
-from dxrun.plan.axes import AxisAttrs, Sizes, named, resolve_axes, shrink
+from dxrun.plan.axes import AxisAttrs, Layout, Sizes, named, resolve_axes, shrink
 from dxrun.plan.batch import (
     GLOBAL,
     PER_DEVICE,
@@ -24,13 +27,11 @@ from dxrun.plan.batch import (
     check_tokens_per_step,
     default_seq_len,
     global_batch,
+    loss_chunk_for,
     scaled_lr,
 )
 from dxrun.plan.context import check_context, check_processes, check_sequence_parallel
 from dxrun.plan.hosts import HostPlacement, group_by_host, split_over_hosts
-from dxrun.plan.layout import Layout
-from dxrun.plan.loss_chunk import loss_chunk_for
-from dxrun.plan.vocab import padded_vocab, table_rows, vocab_align
 
 if TYPE_CHECKING:
     from dxrun.config.schema import ParallelismConfig, RunConfig
@@ -363,3 +364,29 @@ def shard_optimizer(p: ParallelismConfig, dp: int) -> bool:
 def compute_dtype(precision: str) -> str:
     """The name of the dtype the step computes in for ``train.precision``."""
     return "bfloat16" if precision == "bf16" else "float32"
+
+
+# Accelerators get the vocabulary padded to a multiple of 128 as well (nanoGPT's 50304, MaxText):
+# the output matmul's vocab axis then tiles the tensor cores / MXU evenly. On CPU only tp matters,
+# so CPU runs (and the tests) keep the smallest table.
+VOCAB_ALIGN = {"gpu": 128, "cuda": 128, "rocm": 128, "tpu": 128}
+
+
+def vocab_align(platform: str, given: int = 0) -> int:
+    """``parallelism.vocab_align`` when set (> 0), else the platform's (VOCAB_ALIGN; 1 on CPU).
+    Setting it makes another platform's layout here, e.g. a GPU run's 128-padding on CPU."""
+    return given or VOCAB_ALIGN.get(platform, 1)
+
+
+def padded_vocab(vocab_size: int, tp: int, platform: str, align: int = 0) -> int:
+    """The smallest multiple of lcm(tp, alignment) that holds ``vocab_size`` rows (``align``:
+    ``parallelism.vocab_align``, 0 = the platform's)."""
+    multiple = math.lcm(tp, vocab_align(platform, align))
+    return -(-vocab_size // multiple) * multiple
+
+
+def table_rows(model: Any) -> int:
+    """The vocabulary rows the model's tables must hold (the model section ``model``): the
+    vocabulary, and for ``model.objective=mdlm`` its [MASK] token after it (``dxrun.model.mdlm``),
+    which then always sits in the first padding row."""
+    return model.vocab_size + (getattr(model, "objective", "ar") == "mdlm")

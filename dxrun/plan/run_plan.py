@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout
 from dxrun.plan.mesh import MeshPlan
 from dxrun.plan.search_record import own_s
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dxrun.plan.layout import Layout, layout_of
+from dxrun.plan.axes import Layout, layout_of
 from dxrun.plan.layouts import _gib, _ms, chosen_layout, overlaps
 
 

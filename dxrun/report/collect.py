@@ -15,8 +15,7 @@ from typing import Any
 import yaml
 
 from dxrun.config.schema_parallel import AXES
-from dxrun.plan.axes import Sizes
-from dxrun.plan.layout import Layout
+from dxrun.plan.axes import Layout, Sizes
 from dxrun.report.ranking import LayoutRun
 from dxrun.run.runtime import STATUS
 from dxrun.tracking.logger import read_metrics
