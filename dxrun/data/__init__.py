@@ -20,7 +20,6 @@ import numpy as np
 
 from dxrun.data import user
 from dxrun.data.markov import EVAL, TRAIN, MarkovSource
-from dxrun.data.repeated import Repeated
 from dxrun.plan.batch import default_seq_len
 
 if TYPE_CHECKING:
@@ -151,7 +150,7 @@ class Data:
 
     def train_iterator(self, overfit_batches: int = 0) -> BatchIterator:
         """The training batches; ``overfit_batches`` (debug=overfit): the same few, over and
-        over (``repeated.Repeated``)."""
+        over (``Repeated``)."""
         if overfit_batches:
             return Repeated(self.train_iterator(), overfit_batches)
         if self.kind in ("markov", "target"):  # random access: the state is the next step
@@ -164,3 +163,35 @@ class Data:
 def build_data(cfg: RunConfig, process_index: int = 0, process_count: int = 1,
                batch_size: int | None = None, seq_len: int | None = None) -> Data:
     return Data(cfg, process_index, process_count, batch_size, seq_len)
+
+
+class Repeated:
+    """``train.overfit_batches`` (debug=overfit): the first few batches of a train iterator,
+    given over and over. A model that cannot drive its loss down on them has a bug, whatever the
+    data. The position it reports and restores is its source's (the batches it read), so a
+    checkpoint's data position stays one the iterator without it understands."""
+
+    def __init__(self, source: Any, n: int):
+        self.source, self.n = source, n
+        self.kept: list[Any] = []
+        self.i = 0
+
+    def __iter__(self) -> Repeated:
+        return self
+
+    def __next__(self) -> Any:
+        if len(self.kept) < self.n:
+            self.kept.append(next(self.source))
+        batch = self.kept[self.i % self.n]
+        self.i += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return self.source.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.source.set_state(state)
+
+    def close(self) -> None:
+        if hasattr(self.source, "close"):
+            self.source.close()
