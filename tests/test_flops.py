@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dxrun.autotune import fit, peak
+from dxrun.autotune import fit, host
 from dxrun.autotune.hlo import collectives
-from dxrun.autotune.peak import resolve_peak
+from dxrun.autotune.host import resolve_peak
 from dxrun.experiment import Experiment
 from dxrun.plan import flops
 
@@ -127,7 +127,7 @@ def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
 
 def test_measured_peak_runs_the_probe_on_every_device_at_once():
     devices = jax.devices()
-    compiled, x = peak.matmul_probe(devices, n=64)
+    compiled, x = host.matmul_probe(devices, n=64)
     # One 64 x 64 matrix on each of the 8 devices, each multiplied where it lives.
     assert {s.device for s in x.addressable_shards} == set(devices)
     assert {s.data.shape for s in x.addressable_shards} == {(1, 64, 64)}
@@ -135,4 +135,4 @@ def test_measured_peak_runs_the_probe_on_every_device_at_once():
     text = compiled.as_text()
     assert "f32[1,64,64]" in text and "f32[8,64,64]" not in text
     assert collectives(text) == {}
-    assert peak.measure_peak_tflops(devices, n=64, repeats=2) > 0
+    assert host.measure_peak_tflops(devices, n=64, repeats=2) > 0

@@ -14,8 +14,8 @@ import sys
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
-from dxrun.autotune import budget, cache
-from dxrun.autotune.search import search
+from dxrun.autotune import cache
+from dxrun.autotune.search import search, start_layout, worth_it
 from dxrun.experiment import visible_devices
 from dxrun.plan import layouts as ls
 from dxrun.plan import search_record as ranking
@@ -359,10 +359,10 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     # (at 1200 the 8 "compiles", each the time a config merge takes, tipped it on a loaded host)
     for steps, kept in ((1000, True), (1400, False)):
         trial = make_cfg("parallelism=auto", f"train.steps={steps}")
-        scorer, row, what = budget.worth_it(trial, layouts, score, 0.25, None, devices, "t",
+        scorer, row, what = worth_it(trial, layouts, score, 0.25, None, devices, "t",
                                             "cpu", held(trial))
         assert (row is not None) == kept and what == "all devices data-parallel"
-        assert calls[-1] == layout(8, 1, 1) == budget.start_layout(trial, devices, held(trial))
+        assert calls[-1] == layout(8, 1, 1) == start_layout(trial, devices, held(trial))
         n = len(calls)
         assert scorer(layout(8, 1, 1)) == (0.01, 0.05) and len(calls) == n  # kept
     # A real run of 10 steps: dp8 kept, its compile the run's step
@@ -381,8 +381,8 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     # A batch the devices do not divide: the first layout the plan accepts is the start
     odd = make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100")
     first = ls.candidates(odd, *devices)[0]
-    assert budget.start_layout(odd, devices, held(odd)) is None and first[0] == layout(2, 1, 4)
-    _, row, what = budget.worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu",
+    assert start_layout(odd, devices, held(odd)) is None and first[0] == layout(2, 1, 4)
+    _, row, what = worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu",
                                    held(odd))
     assert row.layout == layout(2, 1, 4) and what == "the first layout the plan accepts"
     assert not record["cached"]

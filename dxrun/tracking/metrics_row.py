@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun.autotune.peak import resolve_peak
+from dxrun.autotune.host import resolve_peak
 from dxrun.plan.flops import flops_per_token, mfu
 from dxrun.plan.run_plan import RunPlan, saved_config
 from dxrun.run.job import Job, describe_model
