@@ -27,8 +27,11 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from dxrun.checkpointing.resume import Resume, restore  # noqa: E402
-from dxrun.checkpointing.store import Checkpointer  # noqa: E402
+from dxrun.checkpointing.store import (  # noqa: E402
+    Checkpointer,  # noqa: E402
+    Resume,
+    restore,
+)
 from dxrun.config.registry import register  # noqa: E402
 from dxrun.experiment import Experiment  # noqa: E402
 

@@ -47,8 +47,7 @@ def compile_seconds(*overrides: str) -> float:
 
 def step_memory(*overrides: str) -> tuple[float, float]:
     """(temporaries, whole step) bytes per device of the compiled step."""
-    from dxrun.experiment import Experiment
-    from dxrun.step import step_bytes
+    from dxrun.experiment import Experiment, step_bytes
 
     compiled = Experiment.build(_cfg(*overrides)).compile_step()
     return float(compiled.memory_analysis().temp_size_in_bytes), step_bytes(compiled)

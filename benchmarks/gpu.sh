@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of BENCHMARKS.md, for a session on a machine with an NVIDIA GPU (an H200):
 # GPT-2 small and medium on one device in bf16, tokens/s and MFU, with model.attention=
-# dot_product (cuDNN's fused flash attention where dxrun/plan/attention_kernel.py selects it) and
+# dot_product (cuDNN's fused flash attention where dxrun/plan/run_plan.py selects it) and
 # the einsum reference. First says which attention kernel this GPU gets, then per figure the
 # kernel the step selected and the cuDNN fused-attention calls in its compiled program.
 # Writes the "GPU figures" section of BENCHMARKS.md and BENCHMARKS.gpu.json.
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu" and
   f"JAX sees no GPU ({jax.devices()}): pip install -e .[gpu]")'
 python -c 'import jax, jax.numpy as jnp
-from dxrun.plan.attention_kernel import attention_implementation, attention_target
+from dxrun.plan.run_plan import attention_implementation, attention_target
 t = attention_target(jax.devices()[0])
 print("attention kernel, bf16, head dim 64 (GPT-2):",
       attention_implementation(t.platform, jnp.bfloat16, 64, t.compute_capability,

@@ -1,7 +1,7 @@
 """The timed figures: dxrun's step against the hand-written one per layout, 8 devices against
 one, the whole loop against the bare step, bf16 against fp32.
 
-Every figure compares variants timed side by side in one process (``timing.interleaved``).
+Every figure compares variants timed side by side in one process (``search.interleaved``).
 """
 
 from __future__ import annotations

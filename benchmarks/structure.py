@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from benchmarks.report import Figure, figure
-from dxrun.autotune import hlo
+from dxrun.autotune import fit
 from dxrun.experiment import Experiment
 
 COLLECTIVE_LAYOUTS = ("dp8", "dp4_tp2", "fsdp8")
@@ -45,7 +45,7 @@ def layer_params(exp: Experiment) -> dict[str, float]:
 def minimum_per_layer(dp: int, fsdp: int, tp: int, activation: float,
                       params: dict[str, float]) -> dict[tuple[str, int], dict[str, float]]:
     """The fewest collectives one layer needs, by (kind, devices in a group), with the bytes
-    each device sends (ring algorithms, as ``hlo._sent``): Megatron's two activation
+    each device sends (ring algorithms, as ``fit._sent``): Megatron's two activation
     all-reduces forward and two backward under tp; under fsdp each split weight gathered for
     the forward and again for the backward, its gradient reduce-scattered, and one all-reduce
     of the gradients every device holds whole (norms, biases); one gradient all-reduce over
@@ -74,7 +74,7 @@ def collectives(exp: Experiment) -> Figure:
     text = exp.analyse_step().as_text()  # never run: its HLO only
     plan, cfg = exp.plan, exp.cfg
     n = plan.n_devices
-    measured = hlo.per_iteration(text, cfg.model.n_layers, n)
+    measured = fit.per_iteration(text, cfg.model.n_layers, n)
     activation = (plan.global_batch // (plan.dp * plan.fsdp) * plan.seq_len
                   * cfg.model.d_model * 4)  # fp32: XLA:CPU reduces bf16 in fp32 as well
     minimum = minimum_per_layer(plan.dp, plan.fsdp, plan.tp, activation, layer_params(exp))
@@ -84,7 +84,7 @@ def collectives(exp: Experiment) -> Figure:
     counts_ok = all(k in minimum and v["count"] <= minimum[k]["count"]
                     for k, v in measured.items())
     ratio = got / least
-    once = {k: v["count"] for k, v in hlo.collective_traffic(text, n).items()}
+    once = {k: v["count"] for k, v in fit.collective_traffic(text, n).items()}
     missing = sorted(set(minimum) - set(measured))
     note = ("at the minimum" if counts_ok and ratio <= TOLERANCE else
             "not at the minimum: " + ", ".join(

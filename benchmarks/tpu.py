@@ -29,9 +29,8 @@ import jax
 
 from benchmarks import reference
 from benchmarks.speed import compose_cfg, dxrun_runner
-from dxrun.experiment import Experiment
-from dxrun.plan import flops
-from dxrun.step import jax_dtype, step_bytes
+from dxrun.experiment import Experiment, jax_dtype, step_bytes
+from dxrun.plan import cost
 
 GPT2 = ("parallelism=dp1", "train.precision=bf16", "data.seq_len=1024", "data.vocab_size=50304")
 
@@ -105,11 +104,11 @@ def traced(run: Any, out: Path) -> None:
 
 
 def old_loss(rev: str) -> Any:
-    """``dxrun.model.chunked_loss.chunked_cross_entropy`` as it was at commit ``rev``."""
+    """``dxrun.model.objectives.chunked_cross_entropy`` as it was at commit ``rev``."""
     import subprocess
     import types
 
-    source = subprocess.run(["git", "show", f"{rev}:dxrun/model/chunked_loss.py"], check=True,
+    source = subprocess.run(["git", "show", f"{rev}:dxrun/model/objectives.py"], check=True,
                             capture_output=True, text=True).stdout
     module = types.ModuleType(f"chunked_loss_at_{rev}")
     exec(compile(source, module.__name__, "exec"), module.__dict__)  # noqa: S102
@@ -129,8 +128,8 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None,
     wall = time_steps(run, steps)
     n_params = exp.count_params(exp.abstract_state().params)
     tokens = exp.plan.global_batch * exp.plan.seq_len
-    per_token = flops.flops_per_token(cfg.model, n_params, exp.plan.seq_len)
-    peak = flops.peak_tflops(jax.devices()[0].device_kind, "bf16")
+    per_token = cost.flops_per_token(cfg.model, n_params, exp.plan.seq_len)
+    peak = cost.peak_tflops(jax.devices()[0].device_kind, "bf16")
     step_s = statistics.median(wall)
     mem = exp.step.compiled.memory_analysis()
     rec: dict[str, Any] = {
@@ -279,7 +278,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="trace two steps of each (dxrun's "
                     "and the hand-written one's) into --out/profiles/<shape>-<step>/")
     ap.add_argument("--loss-at", metavar="REV", help="each shape twice, side by side: first "
-                    "with dxrun/model/chunked_loss.py as it was at commit REV, then as it is")
+                    "with dxrun/model/objectives.py as it was at commit REV, then as it is")
     ap.add_argument("--report", metavar="COMMAND", help="write BENCHMARKS.tpu.json and "
                     "BENCHMARKS.md's TPU section from --out's measurements, with plan mode's "
                     "estimates (made on this machine's CPU); COMMAND: the command to cite")
@@ -287,16 +286,16 @@ def main() -> None:
     if a.report:
         report(a.out, a.tokens, a.report)
         return
-    import dxrun.step
+    import dxrun.experiment
 
     profiles = Path(a.out, "profiles") if a.profile else None
-    losses = {"now": dxrun.step.chunked_cross_entropy}
+    losses = {"now": dxrun.experiment.chunked_cross_entropy}
     if a.loss_at:
         losses = {a.loss_at: old_loss(a.loss_at), **losses}
     records = []
     for shape in a.shapes:
         for at, loss in losses.items():
-            dxrun.step.chunked_cross_entropy = loss
+            dxrun.experiment.chunked_cross_entropy = loss
             try:
                 rec = measure(shape.removesuffix("+hand"), a.steps,
                               a.hand or shape.endswith("+hand"), a.tokens,

@@ -17,14 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from dxrun.config import ConfigError, Interrupted, check_targets, fail
 from dxrun.config.composition import composition_refusal
-from dxrun.config.errors import ConfigError, Interrupted, fail
 from dxrun.config.registry import check_composed, conf_dir, register
-from dxrun.config.target import check_targets
 from dxrun.config.validation import config_warnings, validate
-from dxrun.multihost.distributed import is_main, join
 from dxrun.plan.run_plan import resolved_config
-from dxrun.run.job import Job
 from dxrun.run.job_dir import (
     SWEEP_EXITS,
     JobStatus,
@@ -34,27 +31,31 @@ from dxrun.run.job_dir import (
     remember_start,
 )
 from dxrun.run.runtime import (
+    SIGNALS,
+    Job,
     accelerator_plan_note,
     collect_cycles_rarely,
     command_imports,
     cpu_fallback_refusal,
     enable_compile_cache,
+    guard_signals,
+    is_main,
+    join,
     nvidia_device_node,
     reuse_pays,
     simulate_cpu_devices,
     simulated_count,
+    store_refusal,
     sweep_group,
     thread_pool_note,
     write_hydra_files,
 )
-from dxrun.run.signals import SIGNALS, guard_signals
 from dxrun.tracking.goodput import job_started_at, mark
-from dxrun.tracking.stores import store_refusal
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
 
-    from dxrun.config.schema import RunConfig
+    from dxrun.config import RunConfig
 
 
 def _conf_dir() -> str:
@@ -172,8 +173,10 @@ def _train(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus, started: flo
     import jax
 
     with command_imports():
-        from dxrun.start import prepare  # imports JAX
-        from dxrun.train import train  # imports JAX
+        from dxrun.train import (
+            prepare,  # imports JAX
+            train,  # imports JAX
+        )
 
     # Every process uses process 0's run dir (their clocks may name it differently).
     # Claimed and held before the plan and the compile, so that a second launch into a

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dxrun.config.errors import ConfigError
+from dxrun.config import ConfigError
 from dxrun.data import EVAL
 from dxrun.run.bookkeeping import read_json, write_json
 from dxrun.run.runtime import command_imports
@@ -29,7 +29,7 @@ from dxrun.tools.checkpoint import Loaded, load, main, split_args
 from dxrun.tracking.logger import open_wandb
 
 if TYPE_CHECKING:
-    from dxrun.config.schema import DataConfig
+    from dxrun.config import DataConfig
     from dxrun.data import Data
 
 log = logging.getLogger("dxrun")
@@ -63,7 +63,7 @@ def batch_count(d: DataConfig, batches: int, data: Data, all_batches: bool) -> i
 def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
     """Evaluate, write ``eval.json``, log to W&B; return the record."""
     with command_imports():
-        from dxrun.hooks import evaluate  # imports JAX
+        from dxrun.train import evaluate  # imports JAX
 
     all_batches = ALL in overrides
     loaded = load(path, [o for o in overrides if o != ALL], key="path")

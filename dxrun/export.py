@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dxrun.config.errors import ConfigError
-from dxrun.config.schema import DataConfig
-from dxrun.data.corpus import recorded_tokenizer
+from dxrun.config import ConfigError, DataConfig
+from dxrun.data import recorded_tokenizer
 from dxrun.hf.config_json import ARCHITECTURES, model_type_of
 from dxrun.hf.save import save_hf
 from dxrun.tools.checkpoint import load, main, split_args

@@ -29,33 +29,169 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from dxrun.config.errors import EXIT_CODES, EXIT_REFUSED
-from dxrun.multihost.distributed import (
+from dxrun.config import EXIT_CODES, EXIT_REFUSED, FAILED, RUNNING, STOPPED
+from dxrun.run.runtime import (
     COORDINATOR,
     CUDA_VISIBLE,
+    DEVICE_COUNT_FLAG,
     HOSTNAME,
     LAUNCH_RUN_DIR,
     LAUNCH_STARTUP,
+    LAUNCHED_BY,
     LOCAL_PROCESSES,
     NUM_PROCESSES,
     PROCESS_ID,
+    STATUS,
+    Signals,
+    relaunch_command,
+    run_dir_of,
+    stopped_words,
     visible_gpus,
+    write_status,
 )
-from dxrun.multihost.ending import (
-    STOP_LINE,
-    STOPPED_OUTSIDE,
-    clean_stop,
-    failure,
-    first_failure,
-    mark_failed,
-    program,
-    settle_starting_stop,
-    stopped_while_starting,
-    told,
-    told_run_dir,
-)
-from dxrun.run.run_dir import LAUNCHED_BY
-from dxrun.run.runtime import DEVICE_COUNT_FLAG
+
+# ------------------------------------------------------------------------------------------------
+# How a ``dxrun.launch`` run ended, in the launcher's words: the closing line of a stop that
+# every rank made cleanly (``clean_stop``; a stop while starting that rank 0 never saw is said
+# and recorded for it: ``settle_starting_stop``), or of a failure, naming the rank that failed
+# first, its own last line and where the ranks' logs are (``failure``), and the run's status.json
+# marked failed where no rank could (``mark_failed``).
+
+STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
+                        r"Resume with: (.+)$")
+# A rank stopped outside the train loop (``job_dir._interrupted``): when, and what it kept.
+STOPPED_OUTSIDE = re.compile(r"(SIG\w+): stopped (while starting|after the last step); (.+)$")
+
+
+def describe(returncode: int, by_launcher: bool = False) -> str:
+    if by_launcher:
+        return "was stopped by the launcher"
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with {returncode}"
+
+
+def program(launch_args: list[str]) -> str:
+    """The launcher's command up to its ranks' overrides."""
+    return " ".join(["python -m dxrun.launch", *launch_args, "--"])
+
+
+def clean_stop(signalled: str | None, returncodes: list[int], stop: re.Match | None,
+               launch_args: list[str], overrides: list[str]) -> str | None:
+    """The launcher's closing line when a signal it passed on stopped every rank cleanly (each
+    exited with the stop's own code after rank 0 committed the checkpoint, or outside the loop:
+    then rank 0's words, whose resume command is the launcher's); None otherwise."""
+    if signalled is None or any(c != EXIT_CODES[signalled] for c in returncodes):
+        return None
+    if stop is None or stop.re is STOPPED_OUTSIDE:
+        when, kept = (f" {stop[2]}", f"; {stop[3]}") if stop else ("", "")
+        return f"dxrun.launch: stopped by {signalled}{when}: every rank stopped{kept}"
+    run_dir = run_dir_of(stop.group(4))
+    if run_dir is None:
+        return None
+    command = relaunch_command(overrides, run_dir, program(launch_args))
+    return (f"dxrun.launch: stopped by {signalled}: every rank saved and stopped at step "
+            f"{stop.group(2)}; checkpoint {stop.group(3)} committed. Resume with: {command}")
+
+
+def told(startup: Path, what: str) -> list[dict]:
+    """What the ranks left in the launcher's ``startup`` folder as ``<what>.<rank>``
+    (``tell_launcher_startup``), in rank order ({} for a file that cannot be read)."""
+    found = []
+    for path in sorted(startup.glob(f"{what}.*"), key=lambda p: int(p.suffix[1:])):
+        try:
+            found.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            found.append({})
+    return found
+
+
+def stopped_while_starting(signalled: list[str], codes: list[int | None], startup: Path
+                           ) -> bool:
+    """Whether a stop the launcher passed on (``signalled``) was made while its ranks were
+    starting: one said so in ``startup`` or ended with the stop's code (``codes``: each
+    rank's, None while it runs), and none has started its train loop (it may be saving)."""
+    if not signalled or told(startup, "training"):
+        return False
+    return bool(told(startup, "stopped")) or any(EXIT_CODES[s] in codes for s in signalled)
+
+
+def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
+                         run_dir_file: Path, launch_args: list[str], user_overrides: list[str],
+                         overrides: list[str]) -> re.Match:
+    """Rank 0's line for a stop while starting (``stops``) or, when it said none (inside a
+    startup collective it never saw the signal, and was killed), the words it would have said,
+    from its claim of the run dir (``claimed.0`` in ``startup``). The run's status.json is
+    written as rank 0 would have (``overrides``: the ranks'), where it did not (it tells the
+    launcher after writing it)."""
+    claim = (told(startup, "claimed") or [{}])[0]
+    said = next((m for m in stops if m.re is STOPPED_OUTSIDE), None)
+    if "run_dir" not in claim:
+        return said or STOPPED_OUTSIDE.search(f"{signalled}: stopped {Signals.STARTING}; "
+                                              "nothing was written")
+    command = relaunch_command(user_overrides, claim["run_dir"], program(launch_args))
+    words = stopped_words(signalled, Signals.STARTING, claim["checkpoint"], command)
+    if _told_status(run_dir_file).get("status") != STOPPED:
+        task = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]  # Hydra's
+        write_status(Path(claim["run_dir"]), STOPPED, signal=signalled, step=claim["step"],
+                     checkpoint=claim["checkpoint"], relaunch=command, reason=words, job=None,
+                     overrides=task, attempt=claim["attempt"],
+                     lost_attempts=claim["lost_attempts"])
+    return said or STOPPED_OUTSIDE.search(words)
+
+
+def first_failure(ended: dict[int, float], codes: list[int | None]) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that failed first, by ``ended`` (rank -> when it exited);
+    None while none has failed."""
+    failed = sorted((t, r) for r, t in ended.items() if codes[r])
+    return (failed[0][1], codes[failed[0][1]]) if failed else None
+
+
+def told_run_dir(run_dir_file: Path) -> Path | None:
+    """The run dir process 0 wrote to ``run_dir_file`` (None when it never got that far)."""
+    try:
+        return Path(run_dir_file.read_text(encoding="utf-8"))
+    except OSError:
+        return None
+
+
+def failure(procs: list[subprocess.Popen], rank: int, stopped: set[int], said: list[str],
+            run_dir: Path | None) -> str:
+    """The launcher's line for a run whose rank ``rank`` failed first: how each rank ended,
+    the failed rank's own last line (``said``) and where the ranks' logs are, if anywhere."""
+    others = ", ".join(f"rank {r} {describe(p.returncode, r in stopped)}"
+                       for r, p in enumerate(procs) if r != rank)
+    line = f"rank {rank} {describe(procs[rank].returncode)} first; then {others}"
+    if said:
+        line += f"; rank {rank} said: {said[-1]}"
+    logs = [str(run_dir / f"dxrun.{r}.log") for r in range(len(procs))
+            if run_dir is not None and (run_dir / f"dxrun.{r}.log").is_file()]
+    return line + (f" (a process that loses another stops: see {', '.join(logs)})" if logs
+                   else " (no rank kept a log: their output is above)")
+
+
+def _told_status(run_dir_file: Path) -> dict:
+    """The status.json of the run dir process 0 wrote to ``run_dir_file`` ({}: none, or one
+    that cannot be read)."""
+    run_dir = told_run_dir(run_dir_file)
+    try:
+        status = json.loads((run_dir / STATUS).read_text()) if run_dir else {}
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def mark_failed(run_dir_file: Path, reason: str, rank: int) -> None:
+    """The run's status.json says ``failed`` (crashed, ``reason``) where it still says
+    ``running``: its processes were killed before they could write their own end. The run dir
+    is the one process 0 wrote to ``run_dir_file`` (nothing when it never got that far)."""
+    run_dir, status = told_run_dir(run_dir_file), _told_status(run_dir_file)
+    if run_dir is None or status.get("status") != RUNNING:
+        return  # a process said how the run ended
+    log = run_dir / f"dxrun.{rank}.log"
+    write_status(run_dir, FAILED, kind="crashed", reason=reason,
+                 log=str(log) if log.is_file() else None,
+                 **{k: status[k] for k in ("job", "overrides") if k in status})
 
 
 def free_port() -> int:

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.config.errors import ConfigError
-from dxrun.config.schema import RunConfig
+from dxrun.config import ConfigError, RunConfig
 from dxrun.tools.checkpoint import BEST, Loaded, load, main, split_args
 
 __all__ = ["Model", "load_model"]

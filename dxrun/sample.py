@@ -11,7 +11,7 @@ the chain allows after their context. Without a prompt, a markov sample starts f
 Decoding is ``dxrun.tools.decode``: one jitted program with a key/value cache, on one device unless
 a ``parallelism`` override names a mesh (``parallelism=tp2``: the model split over 2 devices);
 ``n`` must then divide over the mesh's data-parallel replicas. ``model.objective=mdlm`` runs
-sample by their reverse process, ``steps`` steps (0: one per new token; dxrun.tools.denoise).
+sample by their reverse process, ``steps`` steps (0: one per new token; dxrun.tools.decode).
 """
 
 from __future__ import annotations
@@ -24,19 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dxrun.config.errors import ConfigError
-from dxrun.data import EVAL, Data
-from dxrun.data.corpus import Tokenizer, recorded_tokenizer
+from dxrun.config import ConfigError
+from dxrun.data import EVAL, Data, Tokenizer, recorded_tokenizer
 from dxrun.tools.checkpoint import Loaded, is_hf_dir, load, main, split_args
 
 if TYPE_CHECKING:
-    from dxrun.config.schema import DataConfig, RunConfig
+    from dxrun.config import DataConfig, RunConfig
 
 log = logging.getLogger("dxrun")
 
 OPTIONS: dict[str, Any] = {"prompt": "", "max_new_tokens": 64, "temperature": 0.0, "top_k": 0,
                            "top_p": 1.0, "seed": 0, "n": 1, "steps": 0, "unmask": "random"}
-UNMASK = ("random", "confidence")  # a masked-diffusion step's choice (dxrun.tools.denoise)
+UNMASK = ("random", "confidence")  # a masked-diffusion step's choice (dxrun.tools.decode)
 
 
 def check_options(o: dict[str, Any]) -> None:
@@ -129,14 +128,14 @@ def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any
     """``dxrun.tools.decode``'s generate for a loaded run, in the run's compute dtype
     (``train.precision``): a bf16 run decodes with bf16 weights and cache, as it trained (half
     the weight traffic per token); the logits stay fp32. A masked-diffusion run's is
-    ``dxrun.tools.denoise``'s: ``steps`` denoising steps (0: one per new token), ``unmask``."""
-    from dxrun.step import jax_dtype  # imports JAX
-    from dxrun.tools import decode, denoise  # imports JAX
+    ``dxrun.tools.decode``'s: ``steps`` denoising steps (0: one per new token), ``unmask``."""
+    from dxrun.experiment import jax_dtype  # imports JAX
+    from dxrun.tools import decode  # imports JAX
 
     cfg, exp = loaded.cfg, loaded.exp
     m, dtype = cfg.model, jax_dtype(exp.plan.compute_dtype)  # the run plan's
     if m.objective == "mdlm":
-        return denoise.make_denoise(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
+        return decode.make_denoise(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
                                     prompt_len, new_tokens, sampling, steps or new_tokens, unmask,
                                     m, dtype)
     if m._target_:  # a user model: no key/value cache of dxrun's

@@ -1,4 +1,4 @@
-"""The attention kernels as one table (``dxrun.plan.attention_kernel``) and the one choice a run
+"""The attention kernels as one table (``dxrun.plan.run_plan``) and the one choice a run
 makes, stored in its plan: splash on a TPU, cuDNN's fused flash attention on NVIDIA GPUs in
 bf16/fp16 within JAX's head-dim limits, XLA's everywhere else; a kernel's name forces it or is
 refused in one line. Splash itself (Pallas, interpreted on CPU) equals the reference, forward and
@@ -17,10 +17,9 @@ from dxrun.config.errors import ConfigError
 from dxrun.config.schema import ModelConfig
 from dxrun.experiment import Experiment
 from dxrun.model import splash_attention
-from dxrun.model.attention import reference_attention
 from dxrun.model.sharding import in_mesh_context
-from dxrun.model.transformer import Transformer
-from dxrun.plan.attention_kernel import (
+from dxrun.model.transformer import Transformer, reference_attention
+from dxrun.plan.run_plan import (
     AUTO,
     KERNELS,
     AttentionTarget,

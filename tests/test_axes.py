@@ -18,7 +18,7 @@ from dxrun.config.schema_parallel import Axis
 def extra_axis(monkeypatch):
     """``AXES`` with ``xp`` appended, in every dxrun module that reads the table."""
     import dxrun.model.sharding  # noqa: F401  (its host_grid reads the table through the plan)
-    import dxrun.plan.layouts  # noqa: F401
+    import dxrun.plan.run_plan  # noqa: F401
 
     table = schema_parallel.AXES
     axes = (*table, Axis("xp", "extra"))
@@ -30,10 +30,16 @@ def extra_axis(monkeypatch):
 
 def test_a_new_axis_is_a_row_of_the_table(extra_axis, cfg_factory):
     from dxrun.model.sharding import host_grid
-    from dxrun.plan.axes import Layout, Sizes, layout_of, resolve_axes, shrink
-    from dxrun.plan.hosts import split_over_hosts
-    from dxrun.plan.layouts import meshes
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import (
+        Layout,
+        Sizes,
+        layout_of,
+        make_plan,
+        meshes,
+        resolve_axes,
+        shrink,
+        split_over_hosts,
+    )
 
     assert list(Sizes(dp=2)) == ["dp", "fsdp", "cp", "tp", "xp"]
     layout = Layout.of(dp=4, xp=2)

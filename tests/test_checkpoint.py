@@ -29,12 +29,19 @@ from conftest import (
     tree_digest,
 )
 
-from dxrun.checkpointing.resume import Resume, check_compatible, data_position, find_resume, restore
-from dxrun.checkpointing.saving import time_due
-from dxrun.checkpointing.store import Checkpointer, committed_steps
+from dxrun.checkpointing.store import (
+    Checkpointer,
+    Resume,
+    check_compatible,
+    committed_steps,
+    data_position,
+    find_resume,
+    restore,
+    time_due,
+)
 from dxrun.config.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
-from dxrun.tracking.wandb_file import read_history, read_run
+from dxrun.tracking.logger import read_history, read_run
 from dxrun.train import train
 
 STEPS = 40
@@ -318,7 +325,7 @@ def test_a_signal_while_starting_stops_the_run_in_one_line(tmp_path, sig):
 
 STOP_IN_A_GC_CALLBACK = """
 import gc, os, signal, time
-from dxrun.run.signals import guard_signals
+from dxrun.run.runtime import guard_signals
 from dxrun.config.errors import Interrupted
 guard_signals()
 fired = []

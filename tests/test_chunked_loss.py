@@ -10,15 +10,13 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun.autotune.fit import NoData
-from dxrun.autotune.hlo import collective_traffic
+from dxrun.autotune.fit import NoData, collective_traffic
 from dxrun.config.errors import ConfigError
-from dxrun.experiment import Experiment
-from dxrun.model.mdlm import objective_of
+from dxrun.experiment import Experiment, loss_and_metrics
+from dxrun.model.objectives import objective_of
 from dxrun.model.sharding import in_mesh_context
-from dxrun.plan import memory_model
-from dxrun.plan.batch import AUTO_ON_BYTES, resolve_loss_chunk
-from dxrun.step import loss_and_metrics
+from dxrun.plan import cost
+from dxrun.plan.run_plan import AUTO_ON_BYTES, resolve_loss_chunk
 
 CHUNK = 8  # of data.seq_len=32: four chunks
 
@@ -32,7 +30,7 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     # bf16 compute: the gradients agree up to a bf16 rounding of a logit's gradient (a
     # different order of fp32 operations may round one the other way)
     (["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.bfloat16, 1e-3),
-    # masked diffusion (dxrun/model/mdlm.py): each position weighted by its row's w(t) where masked,
+    # masked diffusion (model/objectives.py): each position weighted by its row's w(t) where masked,
     # the accuracy over the masked ones; its [MASK] row padded to 18 under tp2
     (["parallelism=dp4_tp2", "model.objective=mdlm"], jnp.float32, 1e-6),
     # the vocabulary on one shard (the gradients made in the forward), padded (65 + [MASK] to
@@ -160,7 +158,7 @@ def test_auto_chunks_only_large_logits():
     assert resolve_loss_chunk(1024, 1, 1024, 64) == 0  # the whole sequence: unchunked
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import make_plan
     assert make_plan(cfg, 8).loss_chunk == 128
 
 
@@ -175,12 +173,12 @@ def test_a_chunk_that_does_not_divide_is_refused():
 def test_memory_model_counts_one_chunk():
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import make_plan
     plan = make_plan(cfg, 8)
-    chunked = memory_model.shapes(cfg.model, plan, "xla")
+    chunked = cost.shapes(cfg.model, plan, "xla")
     cfg.model.loss_chunk = 0
-    whole = memory_model.shapes(cfg.model, make_plan(cfg, 8), "xla")  # the plan decides it
+    whole = cost.shapes(cfg.model, make_plan(cfg, 8), "xla")  # the plan decides it
     V = whole.vocab
     assert chunked.loss_chunk == 128 and whole.loss_chunk == 0
-    drop = memory_model.head_bytes(whole) - memory_model.head_bytes(chunked)
+    drop = cost.head_bytes(whole) - cost.head_bytes(chunked)
     assert drop == 2 * 4 * 8 * (1024 - 128) * V

@@ -300,7 +300,7 @@ def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
     import jax
     import numpy as np
 
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import make_plan
 
     top = schema.RANGES["train.seed"].hi - 1
     data = lambda seed: np.asarray(jax.random.key_data(jax.random.key(seed))).tolist()
@@ -417,10 +417,8 @@ def test_cfg_job_shows_the_size_defaults(tmp_path):
 def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     """data=text and data=tokens leave data.seq_len null: the model's context on an
     accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
-    from dxrun.plan.batch import default_seq_len
-    from dxrun.plan.mesh import make_plan
-    from dxrun.plan.run_plan import RunPlan, resolved_config
-    from dxrun.plan.targets import plan_platform
+    from dxrun.plan.cost import plan_platform
+    from dxrun.plan.run_plan import RunPlan, default_seq_len, make_plan, resolved_config
 
     assert default_seq_len(None, 1024, "gpu") == default_seq_len(None, 1024, "tpu") == 1024
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32
@@ -435,7 +433,7 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
         cfg = resolved_config(cfg, RunPlan(plan))  # what the run's saved config records
         assert plan.seq_len == cfg.data.seq_len == 1024
     # Plan mode for a named target resolves as a run there would, whatever this host is
-    # (``autotune.decide``: data.seq_len=null on the plan's platform).
+    # (``autotune.search``: data.seq_len=null on the plan's platform).
     for target, backend, want in [("h100", "cpu", 1024), ("v5e", "cpu", 1024),
                                   ("cpu", "gpu", 64), (None, "gpu", 1024), (None, "cpu", 64)]:
         cfg = cfg_factory("data=tokens", f"data.path={tmp_path}", "model=large",

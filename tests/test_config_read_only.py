@@ -1,8 +1,8 @@
 """Once validated, the run config is read, never rewritten, and is the config the run trains on:
 the derived numbers (the global batch, the sequence length, parallelism=auto's layout, plan
 mode's sequence length, the save cadence) travel in the run plan (``RunPlan``), decided once by
-``autotune.decide``, and only the saved config (``saved_config``) records them, as it records
-the W&B job type and group a launch gives the run (carried in ``job.Job``)."""
+``autotune.search``, and only the saved config (``saved_config``) records them, as it records
+the W&B job type and group a launch gives the run (carried in ``runtime.Job``)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ import jax
 from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
-from dxrun.autotune import cache
+from dxrun.autotune import search
 from dxrun.autotune.plan_mode import planned
 from dxrun.config import validation
 from dxrun.experiment import visible_devices
-from dxrun.plan.axes import Layout
-from dxrun.plan.layouts import Row, chosen_layout, held_batch
-from dxrun.plan.run_plan import saved_config
-from dxrun.start import prepare
+from dxrun.plan.run_plan import Layout, Row, chosen_layout, held_batch, saved_config
+from dxrun.train import prepare
 
 
 def test_planning_and_preparing_a_run_leaves_its_config_as_it_was(cfg_factory, tmp_path):
@@ -60,8 +58,8 @@ def test_parallelism_auto_trains_on_the_validated_config_its_plan_holding_the_la
     before = OmegaConf.to_container(cfg, resolve=True)
     layout = Layout.of(dp=1, fsdp=1, tp=2, remat="dots", grad_accum=2)
     held = held_batch(cfg, *visible_devices())
-    key = cache.cache_key(cfg, held, 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    cache.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
+    key = search.cache_key(cfg, held, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
                             "rows": [Row(layout, 0.1, 1.0, 1.0, True, True).to_json()]})
     assert OmegaConf.to_container(cfg, resolve=True) == before
     prepared = prepare(cfg, tmp_path / "run")

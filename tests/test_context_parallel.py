@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 
 from dxrun.autotune import fit
-from dxrun.autotune.hlo import collective_list
+from dxrun.autotune.fit import collective_list
 from dxrun.config.errors import ConfigError
-from dxrun.experiment import Experiment
-from dxrun.plan import memory_model as mm
-from dxrun.plan.context import LONG_SEQ, kv_gather_bytes, zigzag_order
-from dxrun.plan.layouts import candidates, meshes
-from dxrun.plan.mesh import make_plan
-from dxrun.plan.targets import TARGETS, usable_share
-from dxrun.step import step_bytes
+from dxrun.experiment import Experiment, step_bytes
+from dxrun.plan import cost
+from dxrun.plan.cost import TARGETS, usable_share
+from dxrun.plan.run_plan import LONG_SEQ, candidates, kv_gather_bytes, make_plan, meshes, zigzag_order
 
 
 def test_the_zigzag_split_gives_every_device_the_same_causal_work():
@@ -40,10 +37,10 @@ def _compiled(cfg_factory, *overrides: str) -> tuple[Experiment, object]:
     return exp, exp.analyse_step()  # shapes only: nothing is allocated
 
 
-def _model_memory(exp: Experiment) -> mm.MemoryEstimate:
+def _model_memory(exp: Experiment) -> cost.MemoryEstimate:
     state = exp.abstract_state()
-    x = mm.shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
-    return mm.estimate_memory(x, fit._shard_bytes(state.params), fit._shard_bytes(state.opt_state),
+    x = cost.shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
+    return cost.estimate_memory(x, fit._shard_bytes(state.params), fit._shard_bytes(state.opt_state),
                               fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
@@ -94,7 +91,7 @@ def test_the_long_context_preset_fits_8_h100s_where_dp8_does_not(cfg_factory):
     h100 = TARGETS["h100"]
     usable = h100.memory_bytes * usable_share(h100).fraction
 
-    def need(*overrides: str, devices: int = 8) -> mm.MemoryEstimate:
+    def need(*overrides: str, devices: int = 8) -> cost.MemoryEstimate:
         cfg = cfg_factory("experiment=long_context_llama", "logger=none", *overrides)
         exp = Experiment.build(cfg, make_plan(cfg, devices, "cpu"), data=fit.NoData())
         return fit.accelerator_memory(exp, h100)
@@ -108,7 +105,7 @@ def test_the_long_context_preset_fits_8_h100s_where_dp8_does_not(cfg_factory):
 
 def test_parallelism_auto_tries_context_layouts_for_long_sequences_only(cfg_factory):
     """The layout search's candidates (pure: the plan's checks, no compile): a context axis
-    from dxrun.plan.context.LONG_SEQ tokens on, where 2*cp divides the sequence."""
+    from dxrun.plan.run_plan.LONG_SEQ tokens on, where 2*cp divides the sequence."""
     assert LONG_SEQ == 8192
     assert {m["cp"] for m in meshes(8, 4096)} == {1}
     assert {m["cp"] for m in meshes(8, 8192)} == {1, 2, 4, 8}

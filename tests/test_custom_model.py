@@ -16,10 +16,9 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.autotune.plan_mode import planned, run_plan
-from dxrun.checkpointing.resume import DATA_SOURCE, MODEL_SHAPE, changed
+from dxrun.checkpointing.store import DATA_SOURCE, MODEL_SHAPE, changed
 from dxrun.config.errors import ConfigError
-from dxrun.data import TRAIN
-from dxrun.data.user import checked_batch
+from dxrun.data import TRAIN, checked_batch
 from dxrun.experiment import Experiment
 from dxrun.sample import OPTIONS, sample
 from dxrun.tools.checkpoint import load

@@ -7,7 +7,7 @@ import pytest
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import validate
-from dxrun.data.markov import EVAL, TRAIN, MarkovSource
+from dxrun.data import EVAL, TRAIN, MarkovSource
 
 
 def test_floor_is_the_empirical_conditional_entropy():

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema import DistributedConfig
-from dxrun.multihost.distributed import (
+from dxrun.plan.run_plan import make_plan, split_over_hosts
+from dxrun.run.runtime import (
     LOCAL_PROCESSES,
     Join,
     detect,
@@ -17,8 +18,6 @@ from dxrun.multihost.distributed import (
     slurm_device_ids,
     visible_gpus,
 )
-from dxrun.plan.hosts import split_over_hosts
-from dxrun.plan.mesh import make_plan
 
 
 def _dist(**kw):

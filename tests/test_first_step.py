@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from conftest import make_cfg, recorded_compiles
 
-from dxrun import step as step_module
+from dxrun import experiment
 from dxrun.experiment import Experiment
 from dxrun.model.sharding import in_mesh_context
-from dxrun.start import prepare, start_state
 from dxrun.tracking import goodput
+from dxrun.train import prepare, start_state
 
 # One device, one layer, short sequences: what is counted is compiles, not their size.
 SMALL = ("logger=none", "model.n_layers=1", "data.batch_size=4", "data.seq_len=16",
@@ -27,10 +27,10 @@ def test_an_accelerator_run_compiles_its_step_once_before_the_first_step(
         layout, monkeypatch, tmp_path):
     """The memory preflight's compile (or the layout search's) is the executable the first
     step runs: one compile of ``jit(step)`` from the launch to the first step's result. On a
-    GPU or TPU an analysis compile has no cheaper options (``step.analysis_options``), so a
+    GPU or TPU an analysis compile has no cheaper options (``experiment.analysis_options``), so a
     search that ranks from analysis compiles keeps the chosen one for the run instead of
     compiling the same program again."""
-    monkeypatch.setattr(step_module, "analysis_options", lambda platform: {})  # a GPU's or TPU's
+    monkeypatch.setattr(experiment, "analysis_options", lambda platform: {})  # a GPU's or TPU's
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no earlier decision cached
     cfg = make_cfg(*SMALL, *layout)
     with recorded_compiles() as compiled:

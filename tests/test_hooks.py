@@ -1,9 +1,9 @@
-"""The trainer's hooks (dxrun/hooks.py): their cadence, Levanter's ``every=N``. The hooks' work
+"""The trainer's hooks (dxrun/train.py): their cadence, Levanter's ``every=N``. The hooks' work
 is asserted through real runs (tests/test_train.py, test_resume.py, test_goodput.py, ...)."""
 
 from __future__ import annotations
 
-from dxrun.hooks import Hook, StepInfo
+from dxrun.train import Hook, StepInfo
 
 
 def test_a_hook_runs_every_n_steps_and_at_the_last():

@@ -13,7 +13,7 @@ from hydra.types import RunMode
 
 from dxrun.config.errors import EXIT_CRASHED, NonFiniteError
 from dxrun.run.job_dir import JobStatus
-from dxrun.run.run_log import RunLog
+from dxrun.run.runtime import RunLog
 
 
 def _hydra(output_dir, multirun: bool, num: int = 0) -> SimpleNamespace:

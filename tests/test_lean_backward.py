@@ -1,7 +1,8 @@
-"""The custom VJPs that keep only what a hand-written backward keeps (``dxrun.model.layers``: the norms,
-GELU, SwiGLU, the joined qkv weight): their gradients are JAX's autodiff of the same forward to fp32
-tolerance, their forward is the plain one bit for bit, and a layer keeps what the memory model
-counts, less than JAX's own derivatives keep (the compiled step's temporaries say so too)."""
+"""The custom VJPs that keep only what a hand-written backward keeps (``dxrun.model.transformer``:
+the norms, GELU, SwiGLU, the joined qkv weight): their gradients are JAX's autodiff of the same
+forward to fp32 tolerance, their forward is the plain one bit for bit, and a layer keeps what the
+memory model counts, less than JAX's own derivatives keep (the compiled step's temporaries say so
+too)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dxrun.model import layers
-from dxrun.model.attention import join_qkv
-from dxrun.plan import memory_model as mm
+from dxrun.model import transformer
+from dxrun.model.transformer import join_qkv
+from dxrun.plan import cost
 
 
 def plain_norm(x, scale, bias, centre):
@@ -21,7 +22,7 @@ def plain_norm(x, scale, bias, centre):
     y = x.astype(jnp.float32)
     if centre:
         y = y - y.mean(-1, keepdims=True)
-    y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + layers.EPS) * scale
+    y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + transformer.EPS) * scale
     return (y if bias is None else y + bias).astype(x.dtype)
 
 
@@ -38,7 +39,7 @@ def _inputs(dtype):
 def test_the_norms_vjp_is_jaxs_autodiff(centre, with_bias):
     x, scale, bias, g = _inputs(jnp.float32)
     bias = bias if with_bias else None
-    ours, ours_vjp = jax.vjp(lambda *a: layers.norm(*a, centre), x, scale, bias)
+    ours, ours_vjp = jax.vjp(lambda *a: transformer.norm(*a, centre), x, scale, bias)
     ref, ref_vjp = jax.vjp(lambda *a: plain_norm(*a, centre), x, scale, bias)
     assert np.array_equal(ours, ref)  # the forward is the plain one, bit for bit
     for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
@@ -48,8 +49,8 @@ def test_the_norms_vjp_is_jaxs_autodiff(centre, with_bias):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # bf16 input: the same forward bits, gradients within bf16's rounding of the fp32 ones
     xb, gb = x.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
-    assert np.array_equal(layers.norm(xb, scale, bias, centre), plain_norm(xb, scale, bias, centre))
-    dx = jax.vjp(lambda x: layers.norm(x, scale, bias, centre), xb)[1](gb)[0]
+    assert np.array_equal(transformer.norm(xb, scale, bias, centre), plain_norm(xb, scale, bias, centre))
+    dx = jax.vjp(lambda x: transformer.norm(x, scale, bias, centre), xb)[1](gb)[0]
     dx32 = jax.vjp(lambda x: plain_norm(x, scale, bias, centre), xb.astype(jnp.float32)
                    )[1](gb.astype(jnp.float32))[0]
     np.testing.assert_allclose(dx.astype(jnp.float32), dx32, rtol=2e-2, atol=2e-2)
@@ -58,25 +59,25 @@ def test_the_norms_vjp_is_jaxs_autodiff(centre, with_bias):
 def test_gelus_vjp_is_jaxs_autodiff():
     x = 4 * jax.random.normal(jax.random.key(1), (4, 64))
     g = jax.random.normal(jax.random.key(2), (4, 64))
-    ours, ours_vjp = jax.vjp(layers.gelu, x)
+    ours, ours_vjp = jax.vjp(transformer.gelu, x)
     ref, ref_vjp = jax.vjp(lambda x: jax.nn.gelu(x, approximate=True), x)
     assert np.array_equal(ours, ref)
     # fp32 rounding of a derivative of order 1 (where it cancels to ~0 at large |x|)
     np.testing.assert_allclose(ours_vjp(g)[0], ref_vjp(g)[0], rtol=1e-5, atol=4e-6)
     xb = x.astype(jnp.bfloat16)
-    assert np.array_equal(layers.gelu(xb), jax.nn.gelu(xb, approximate=True))
+    assert np.array_equal(transformer.gelu(xb), jax.nn.gelu(xb, approximate=True))
 
 
 def test_swiglus_vjp_is_jaxs_autodiff():
     k = jax.random.split(jax.random.key(4), 3)
     gate, up, g = (3 * jax.random.normal(k[i], (4, 64)) for i in range(3))
-    ours, ours_vjp = jax.vjp(layers.swiglu, gate, up)
+    ours, ours_vjp = jax.vjp(transformer.swiglu, gate, up)
     ref, ref_vjp = jax.vjp(lambda a, u: jax.nn.silu(a) * u, gate, up)
     assert np.array_equal(ours, ref)
     for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     gb, ub = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
-    assert np.array_equal(layers.swiglu(gb, ub), jax.nn.silu(gb) * ub)
+    assert np.array_equal(transformer.swiglu(gb, ub), jax.nn.silu(gb) * ub)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -88,10 +89,10 @@ def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
     spec = "bld,dkce->blkce"
 
     def ours(x, *w):
-        return layers.dense(x, w, spec, jnp.float32, join=join_qkv).sum()
+        return transformer.dense(x, w, spec, jnp.float32, join=join_qkv).sum()
 
     def joined(x, *w):
-        return layers.dense(x, join_qkv(*w), spec, jnp.float32).sum()
+        return transformer.dense(x, join_qkv(*w), spec, jnp.float32).sum()
 
     assert ours(x, wq, wk, wv) == joined(x, wq, wk, wv)
     for a, b in zip(jax.grad(ours, range(4))(x, wq, wk, wv),
@@ -103,13 +104,13 @@ def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
 
 def _block(llama: bool):
     from dxrun.config.schema import ModelConfig
-    from dxrun.model import transformer as M
+    from dxrun.model import transformer
 
     cfg = ModelConfig(name="t", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4 // (1 + llama),
                       d_ff=256, vocab_size=64, max_seq_len=32, bias=not llama,
                       norm="rmsnorm" if llama else "layernorm", mlp="swiglu" if llama else "gelu",
                       pos="rope" if llama else "learned")
-    return cfg, nnx.split(M.Block(cfg, nnx.Rngs(0)))
+    return cfg, nnx.split(transformer.Block(cfg, nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
@@ -131,11 +132,11 @@ def test_a_bf16_layer_keeps_what_the_memory_model_counts(llama):
     kept = [a for a, src in saved if a.shape and "from the argument p" not in src]
     score = [a for a in kept if a.shape[-2:] in ((s, s), (s, 1)) and a.ndim == 5]
     rest = sum(a.size * a.dtype.itemsize for a in kept if not any(a is c for c in score))
-    shapes = mm.Shapes(b=b, s=s, h=h, f=cfg.d_ff, heads=heads, kv_heads=cfg.n_kv_heads,
+    shapes = cost.Shapes(b=b, s=s, h=h, f=cfg.d_ff, heads=heads, kv_heads=cfg.n_kv_heads,
                        head_dim=h // heads, vocab=64, n_layers=2, c=2, mlp=cfg.mlp,
                        bias=cfg.bias, remat="none", kernel="xla", residual=2, norm=cfg.norm,
                        rope=llama)
-    parts = mm.layer_none(shapes)
+    parts = cost.layer_none(shapes)
     assert rest == sum(parts.values()) - parts["scores"]
     if not llama:  # llm.c's 16 bf16 tensors of d_model, and LayerNorm's two statistics
         assert rest == 32 * b * s * h + 2 * 2 * 4 * b * s
@@ -154,7 +155,7 @@ def test_the_compiled_step_keeps_less_than_jaxs_own_derivatives():
         def layer(x, w):
             up, down, scale = w
             h = norm(x, scale, None, True)
-            h = layers.dense(gelu(layers.dense(h, up, "bld,df->blf")), down, "blf,fd->bld")
+            h = transformer.dense(gelu(transformer.dense(h, up, "bld,df->blf")), down, "blf,fd->bld")
             return x + h, None
 
         def loss(ws, x):
@@ -168,7 +169,7 @@ def test_the_compiled_step_keeps_less_than_jaxs_own_derivatives():
     def temp(norm, gelu) -> int:
         return step(norm, gelu).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
 
-    ours = temp(layers.norm, layers.gelu)
+    ours = temp(transformer.norm, transformer.gelu)
     jaxs = temp(plain_norm, lambda h: jax.nn.gelu(h, approximate=True))
     tokens = 8 * 256
     # JAX's keep the norm's two fp32 copies and GELU's five intermediates per layer

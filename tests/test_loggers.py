@@ -11,8 +11,7 @@ import pytest
 from conftest import ROOT, cli_in_process, make_cfg
 
 from dxrun.config.validation import config_warnings
-from dxrun.tracking.backends import MlflowBackend, Opening
-from dxrun.tracking.logger import backend_names
+from dxrun.tracking.logger import MlflowBackend, Opening, backend_names
 from dxrun.train import train
 
 TINY = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",

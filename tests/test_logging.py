@@ -8,8 +8,8 @@ import logging
 import pytest
 from conftest import finished_wandb_run, subprocess_env
 
-from dxrun.run.job import Job, run_name
-from dxrun.tracking.wandb_file import read_run
+from dxrun.run.runtime import Job, run_name
+from dxrun.tracking.logger import read_run
 from dxrun.train import train
 
 QUICK = ["train.steps=6", "train.log_every=3", "parallelism=dp2", "data.batch_size=8"]
@@ -187,7 +187,7 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     import time
 
     from dxrun.checkpointing.store import committed_steps
-    from dxrun.tracking.wandb_file import read_history
+    from dxrun.tracking.logger import read_history
 
     run_dir = tmp_path / "run"
     # Not this process's W&B service (set once a test here used W&B): each attempt has its own,

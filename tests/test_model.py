@@ -13,10 +13,9 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.config.schema import ModelConfig
-from dxrun.experiment import Experiment
+from dxrun.experiment import Experiment, loss_and_metrics
 from dxrun.model.sharding import param_axes
 from dxrun.model.transformer import Transformer, count_params, resize_vocab
-from dxrun.step import loss_and_metrics
 
 V, VP = 65, 72  # vocab 65 padded for tp=8
 

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from dxrun.config.errors import ConfigError
-from dxrun.data import EVAL, TRAIN, Data
-from dxrun.data.corpus import TokenFile, Tokenizer, split
+from dxrun.data import EVAL, TRAIN, Data, TokenFile, Tokenizer, split
 from dxrun.data.prepare import prepare
 from dxrun.experiment import Experiment
 
@@ -167,7 +166,7 @@ def test_bad_data_inputs_fail_before_compile(cfg_factory, tmp_path, make, needle
             (cases[name] / "meta.json").write_text(json.dumps({"dtype": "uint32",
                                                                "vocab_size": 4}))
     from dxrun.config.validation import validate
-    from dxrun.start import prepare as prepare_run
+    from dxrun.train import prepare as prepare_run
 
     cfg = cfg_factory(*make(tmp_path, cases), "logger=none")
     with pytest.raises(ConfigError) as err:

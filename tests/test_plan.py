@@ -6,8 +6,7 @@ import pytest
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import validate
-from dxrun.plan.mesh import make_plan
-from dxrun.plan.run_plan import RunPlan, resolved_config
+from dxrun.plan.run_plan import RunPlan, make_plan, resolved_config
 
 PRESETS = {
     "auto": (8, 1, 1, 1), "dp": (8, 1, 1, 1), "dp1": (1, 1, 1, 1), "dp2": (2, 1, 1, 1),

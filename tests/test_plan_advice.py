@@ -1,4 +1,4 @@
-"""Plan mode's advice (dxrun/autotune/suggest.py, dxrun/plan/advice.py): the fastest setting
+"""Plan mode's advice (dxrun/autotune/plan_mode.py, dxrun/plan/cost.py): the fastest setting
 that fits, ranked by the estimate; the warnings; the model's shape and TFLOP/s rows; the
 device count it plans for (plan.devices) and what a preset's name becomes there."""
 
@@ -9,12 +9,12 @@ import json
 import pytest
 from conftest import run_cli
 
-from dxrun.autotune import fit, plan_mode, suggest
-from dxrun.autotune.host import resolve_target
+from dxrun.autotune import fit, plan_mode
+from dxrun.autotune.fit import resolve_target
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import config_warnings, validate
 from dxrun.experiment import Experiment
-from dxrun.plan import advice, targets
+from dxrun.plan import cost
 from dxrun.run.runtime import accelerator_plan_note, simulated_count
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.027% of its memory
@@ -31,16 +31,16 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     cfg = cfg_factory(*TIGHT)
     exp = Experiment.build(cfg, data=fit.NoData())
     target, peak = resolve_target(cfg, 8)
-    budget = targets.usable_bytes(target)
+    budget = cost.usable_bytes(target)
     state = exp.abstract_state()
     asked = fit.accelerator_memory(exp, target).total_bytes
     assert asked > budget  # the plan as asked does not fit
     n_params = exp.count_params(state.params)
-    found = suggest.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = plan_mode.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       n_params, runners_up=1, max_compiles=3)
     best, (second,) = found["suggestion"], found["runners_up"]
     # each compiled from shapes and sized as plan mode sizes a plan: within the budget
-    assert best["needs_gb"] * targets.GB <= budget and second["needs_gb"] * targets.GB <= budget
+    assert best["needs_gb"] * cost.GB <= budget and second["needs_gb"] * cost.GB <= budget
     assert best["step_time_s"] <= second["step_time_s"]  # ranked by the estimate
     assert found["compiled"] <= 3 < found["candidates"]  # most never compiled
     # Today's first that fits (recompute everything) is slower than the suggestion: even its
@@ -48,14 +48,14 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     legacy = fit.first_that_fits(cfg, budget, exp.plan,
                                  need=lambda e: fit.accelerator_memory(e, target).total_bytes)
     assert legacy == ["model.remat=full"]
-    start = suggest.Setting(exp.plan.layout, exp.plan.shard_optimizer)
-    (full,) = [p for p in suggest.price(
-        cfg, suggest.StateShapes.of(exp, state), target, peak, n_params,
-        suggest.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
+    start = plan_mode.Setting(exp.plan.layout, exp.plan.shard_optimizer)
+    (full,) = [p for p in plan_mode.price(
+        cfg, plan_mode.StateShapes.of(exp, state), target, peak, n_params,
+        plan_mode.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
         if p.overrides == legacy]
     assert full.need_bytes <= budget and full.step_s > best["step_time_s"]
     assert "model.remat=full" not in best["overrides"]
-    line = suggest.advice_text(found, 8)
+    line = plan_mode.advice_text(found, 8)
     assert line.startswith(f"fastest that fits: {' '.join(best['overrides'])} (est. ")
     assert "runners-up: " + " ".join(second["overrides"]) in line
     # the asked step's 1.0 s against the suggestion's: the speed ratio it prints
@@ -71,14 +71,14 @@ def test_a_mesh_too_small_says_how_many_devices_would_do(cfg_factory, monkeypatc
     exp = Experiment.build(cfg, data=fit.NoData())
     target, peak = resolve_target(cfg, 8)
     state = exp.abstract_state()
-    found = suggest.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = plan_mode.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       exp.count_params(state.params))
     assert "suggestion" not in found and found["fit_by_model"] == 0 and found["compiled"] == 0
     larger = found["larger_mesh"]
-    assert larger["devices"] in {8 * k for k in suggest.GROWTH} and larger["devices"] > 8
+    assert larger["devices"] in {8 * k for k in plan_mode.GROWTH} and larger["devices"] > 8
     assert larger["overrides"][0] == f"plan.devices={larger['devices']}"
-    assert larger["needs_gb"] * targets.GB <= targets.usable_bytes(target)
-    line = suggest.advice_text(found, 8)
+    assert larger["needs_gb"] * cost.GB <= cost.usable_bytes(target)
+    line = plan_mode.advice_text(found, 8)
     assert line.startswith(f"no layout of 8 devices fits; {larger['devices']} would: "
                            f"plan.devices={larger['devices']} ")
 
@@ -122,34 +122,34 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
 
 def test_warnings_from_figures():
     """The warnings that a tiny plan cannot show today, from the figures they read."""
-    assert advice.unsplit_warning(True, 53.91e9, 53.91e9, 48).startswith(
+    assert cost.unsplit_warning(True, 53.91e9, 53.91e9, 48).startswith(
         "parallelism.shard_optimizer is on but 53.91 GB of the 53.91 GB optimizer state per "
         "device is not split over the 48 data replicas")
-    assert advice.unsplit_warning(True, 53.91e9, 1e3, 48) is None  # counters: not worth a word
-    assert advice.unsplit_warning(False, 53.91e9, 53.91e9, 48) is None  # not asked
+    assert cost.unsplit_warning(True, 53.91e9, 1e3, 48) is None  # counters: not worth a word
+    assert cost.unsplit_warning(False, 53.91e9, 53.91e9, 48) is None  # not asked
     step = {"step_time_s": 1.0, "timing": {"exposed_collective_s": 0.1,
                                            "tensor_collective_s": 0.0}}
-    assert advice.exposed_warning(step) is None  # 10%: not above it
+    assert cost.exposed_warning(step) is None  # 10%: not above it
     step["timing"]["exposed_collective_s"] = 0.3
-    line = advice.exposed_warning(step)
+    line = cost.exposed_warning(step)
     assert "(30%: data-parallel beyond the compute 300.0 ms); more tokens per device" in line
     assert "parallelism.tp" not in line  # no tensor parallelism to cut
     step["timing"]["tensor_collective_s"] = 0.3
-    assert advice.exposed_warning(step).endswith(
+    assert cost.exposed_warning(step).endswith(
         "(30%: tensor-parallel (never hidden) 300.0 ms); fewer tensor-parallel devices "
         "(parallelism.tp) hide more of them")
     fits = {"fits": True}
-    assert advice.fit_warning(fits, "x") is None
+    assert cost.fit_warning(fits, "x") is None
 
 
 def test_preset_names_on_other_device_counts():
-    assert advice.preset_note("dp4_tp2", (48, 1, 1, 2)) == (
+    assert cost.preset_note("dp4_tp2", (48, 1, 1, 2)) == (
         "parallelism=dp4_tp2 names a layout of 8 devices; on 96 it is data 48 x tensor 2")
-    assert advice.preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
-    assert advice.preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
-    assert advice.preset_note("dp", (96, 1, 1, 1)) is None  # names no size
-    assert advice.preset_note("auto", (8, 1, 1, 1)) is None
-    assert advice.preset_note("cp2_tp4", (2, 1, 2, 4)) == (
+    assert cost.preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
+    assert cost.preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
+    assert cost.preset_note("dp", (96, 1, 1, 1)) is None  # names no size
+    assert cost.preset_note("auto", (8, 1, 1, 1)) is None
+    assert cost.preset_note("cp2_tp4", (2, 1, 2, 4)) == (
         "parallelism=cp2_tp4 names a layout of 8 devices; on 16 it is data 2 x context 2 x "
         "tensor 4")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dxrun.data import Tokenizer, encode_files, split, text_files
 from dxrun.data import prepare as prep
-from dxrun.data.corpus import Tokenizer, encode_files, split, text_files
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 
 from dxrun import profile
-from dxrun.autotune import fit, memory_report
-from dxrun.autotune.preflight import memory_preflight
+from dxrun.autotune import fit
+from dxrun.autotune.fit import memory_preflight
 from dxrun.config.errors import ConfigError
-from dxrun.run.job import Job
-from dxrun.start import prepare
-from dxrun.step import step_bytes
-from dxrun.tracking.wandb_file import read_run
-from dxrun.train import train
+from dxrun.experiment import step_bytes
+from dxrun.run.runtime import Job
+from dxrun.tracking.logger import read_run
+from dxrun.train import prepare, train
 from tests.conftest import make_cfg
 
 TPU_TRACE = Path(__file__).parent / "fixtures" / "tpu_trace"
@@ -91,10 +90,10 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
     small.runtime.memory_gb = 0.999 * step_bytes(exp.step.compiled) * 8 / 2**30
     with pytest.raises(ConfigError, match=r"where the memory goes: .*memory_breakdown.txt$"):
         memory_preflight(small, exp, exp.step.compiled, tmp_path)
-    b = memory_report.breakdown(exp.step.compiled, exp.abstract_state())
+    b = fit.breakdown(exp.step.compiled, exp.abstract_state())
     assert sum(b["parts"].values()) == b["total"] == step_bytes(exp.step.compiled)
     assert all(v >= 0 for v in b["parts"].values()) and b["parts"]["parameters"] > 0
-    text = (tmp_path / memory_report.FILE).read_text()
+    text = (tmp_path / fit.FILE).read_text()
     assert text.startswith(f"train step: {int(b['total'])} bytes")
     rows = re.findall(r"^\| [^|]+ \| (\d+) \|", text, re.M)
     assert sum(map(int, rows)) == int(b["total"])

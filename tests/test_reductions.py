@@ -11,12 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.model import reductions as M
-from dxrun.model import sharding as shd
+from dxrun.model import sharding
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    return shd.make_mesh(dp=2, fsdp=2, tp=2)
+    return sharding.make_mesh(dp=2, fsdp=2, tp=2)
 
 
 @pytest.fixture(scope="module")

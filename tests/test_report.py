@@ -14,10 +14,16 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-from dxrun.report import plots
-from dxrun.report.collect import find_jobs, job_throughput
-from dxrun.report.ranking import LayoutRun, rank_layouts, ranking_table, verdict
-from dxrun.report.table import write_report
+from dxrun.report import sweep as sweep_report
+from dxrun.report.sweep import (
+    LayoutRun,
+    find_jobs,
+    job_throughput,
+    rank_layouts,
+    ranking_table,
+    verdict,
+    write_report,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -198,7 +204,7 @@ def test_report_names_the_fastest_layout_per_batch_in_its_first_line(layout_swee
 
 def test_throughput_plot_labels_every_layout_once_without_overlap(layout_sweep):
     jobs = find_jobs(layout_sweep)
-    fig = plots.throughput_figure(jobs)
+    fig = sweep_report.throughput_figure(jobs)
     (ax,) = fig.axes
     names = [t.get_text() for t in ax.get_yticklabels()]
     assert names == ["dp8 (8 dev)", "dp4_tp2 (8 dev)", "tp2 (2 dev)",  # batch 32, fastest first
@@ -208,7 +214,7 @@ def test_throughput_plot_labels_every_layout_once_without_overlap(layout_sweep):
     fig.canvas.draw()
     boxes = [t.get_window_extent() for t in ax.get_yticklabels() + ax.texts]
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
-    made = plots.write_plots(layout_sweep, jobs)
+    made = sweep_report.write_plots(layout_sweep, jobs)
     assert [p.name for p in made] == ["throughput.png", "loss.png", "efficiency.png",
                                       "scaling.png"]
     assert all(p.read_bytes()[:8] == PNG for p in made)
@@ -218,18 +224,18 @@ def test_scaling_and_efficiency_plots_draw_the_jobs_medians(layout_sweep):
     """Both plots read the statistic the ranking sorts by (dp4_tp2 at batch 64: its median 1,120
     tokens/s, 140 a device; its last window, 1,110, is drawn nowhere)."""
     jobs = find_jobs(layout_sweep)
-    (ax,) = plots.efficiency_figure(jobs).axes
+    (ax,) = sweep_report.efficiency_figure(jobs).axes
     drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
     assert drawn == {"tp2 (2 dev)": [200.0, 250.0], "dp4_tp2 (8 dev)": [97.5, 140.0],
                      "dp8 (8 dev)": [100.0, 125.0]}  # tokens/s per device at batch 32, 64
-    (ax,) = plots.scaling_figure(jobs).axes
+    (ax,) = sweep_report.scaling_figure(jobs).axes
     measured = [list(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() == "-"]
     # strong scaling over tp2: the fastest 8-device mesh's tokens/s over tp2's
     assert measured == [[1.0, 800 / 400], [1.0, 1120 / 500]]
 
 
 def test_loss_legend_has_one_entry_per_workload(layout_sweep):
-    fig = plots.loss_figure(find_jobs(layout_sweep))
+    fig = sweep_report.loss_figure(find_jobs(layout_sweep))
     (ax,) = fig.axes
     assert len(ax.get_lines()) == 6  # every job's curve is drawn (two visible: the same
     # workload draws the same curve on every mesh) ...
@@ -248,14 +254,14 @@ def test_lr_sweep_plots_final_loss_against_lr_and_names_the_lowest(tmp_path):
         "# lowest final eval/loss: optimizer.lr=0.01 (2.2000)")
     assert sorted(p.name for p in sweep.glob("*.png")) == ["final_loss.png", "loss.png"]
     assert (sweep / "final_loss.png").read_bytes()[:8] == PNG
-    fig = plots.final_loss_figure(jobs)
+    fig = sweep_report.final_loss_figure(jobs)
     (ax,) = fig.axes
     assert ax.get_xlabel() == "optimizer.lr" and ax.get_xscale() == "log"
     points, best = ax.collections
     assert points.get_offsets().tolist() == [[0.0001, 3.1], [0.001, 2.4], [0.01, 2.2], [0.1, 2.9]]
     assert best.get_offsets().tolist() == [[0.01, 2.2]]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lowest: optimizer.lr=0.01"]
-    (ax,) = plots.loss_figure(jobs).axes
+    (ax,) = sweep_report.loss_figure(jobs).axes
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         f"optimizer.lr={lr}" for lr in (0.0001, 0.001, 0.01, 0.1)]
 

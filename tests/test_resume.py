@@ -29,23 +29,25 @@ from conftest import (
     write_tokens,
 )
 
-from dxrun.checkpointing.damage import is_a_given_up_read, is_damage, quiet_reads_that_finish_late
-from dxrun.checkpointing.resume import (
+from dxrun.checkpointing.store import (
     DATA_SOURCE,
     MODEL_SHAPE,
     VOCABULARY,
     Resume,
     check_compatible,
+    committed_steps,
     data_position,
+    is_a_given_up_read,
+    is_damage,
     locate,
     newest_meta,
+    quiet_reads_that_finish_late,
     restore,
+    run_id,
 )
-from dxrun.checkpointing.store import committed_steps, run_id
 from dxrun.config.errors import CheckpointReadError, ConfigError
 from dxrun.experiment import Experiment
-from dxrun.start import prepare
-from dxrun.train import train
+from dxrun.train import prepare, train
 
 SHORT = ["model=tiny", "train.steps=3", "checkpoint.every=1", "train.log_every=1",
          "train.eval_every=0", "logger=none", "parallelism=dp2", "data.batch_size=8"]
@@ -131,7 +133,7 @@ def test_dropout_resumes_exactly(tmp_path):
     """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
     after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
     bitwise those of the run that never stopped (that dropout changes the numbers at all is
-    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/model/mdlm.py), whose
+    test_train's). The run is masked diffusion's (model.objective=mdlm, dxrun/model/objectives.py), whose
     token masks are drawn from (seed, step) too, from another seed: one run resumes both."""
     # A constant lr: the schedule follows train.steps, and the split run's first leg has 2.
     drop = [*SHORT, "model.dropout=0.1", "model.objective=mdlm", "train.steps=4",

@@ -19,7 +19,7 @@ import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun.config.errors import ConfigError
-from dxrun.run import run_dir as run_dirs
+from dxrun.run import runtime
 from dxrun.run.bookkeeping import finite_or_null
 from dxrun.run.runtime import (
     claim_run_dir,
@@ -50,7 +50,7 @@ def test_concurrent_launches_claim_distinct_dirs(tmp_path):
 
 def _hold(run_dir: Path, then: str) -> subprocess.Popen:
     """Another process that takes ``run_dir``'s lock, says so, then runs ``then``."""
-    code = ("import os, sys, time; from pathlib import Path; from dxrun.run.run_dir import RunLock; "
+    code = ("import os, sys, time; from pathlib import Path; from dxrun.run.runtime import RunLock; "
             f"lock = RunLock.acquire(Path({str(run_dir)!r})); print('held', flush=True); {then}")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env=subprocess_env())
@@ -67,28 +67,28 @@ def test_one_owner_per_run_dir_while_it_lives(tmp_path):
     named = {"named": True, "fresh": False, "has_checkpoints": lambda d: False}
     holder = _hold(run, "time.sleep(60)")
     try:
-        assert run_dirs.holder(run).pid == holder.pid
+        assert runtime.holder(run).pid == holder.pid
         with pytest.raises(ConfigError, match=f"^{re.escape(str(run))} is in use by a live run: "
                                               f"pid {holder.pid} on {socket.gethostname()} since "):
-            run_dirs.claim(run, **named)
+            runtime.claim(run, **named)
         with pytest.raises(ConfigError, match=r"\(waited 0.2 s, run.wait_for_lock\)"):
-            run_dirs.claim(run, wait_s=0.2, **named)
+            runtime.claim(run, wait_s=0.2, **named)
         # A generated dir (Hydra's timestamp, shared by chance) takes the next sibling instead.
-        got = run_dirs.claim(run, named=False, fresh=False, has_checkpoints=lambda d: False)
+        got = runtime.claim(run, named=False, fresh=False, has_checkpoints=lambda d: False)
         assert got.dir == tmp_path / "run_1" and not got.continues
         got.release()
     finally:
         holder.kill()
         holder.wait()
-    assert (run / run_dirs.LOCK).is_file()  # left by the killed holder: no obstacle
-    mine = run_dirs.claim(run, **named)
-    assert mine.continues and run_dirs.holder(run).pid == os.getpid()
-    assert run_dirs.RunLock.acquire(run) is None  # held, in this process too
+    assert (run / runtime.LOCK).is_file()  # left by the killed holder: no obstacle
+    mine = runtime.claim(run, **named)
+    assert mine.continues and runtime.holder(run).pid == os.getpid()
+    assert runtime.RunLock.acquire(run) is None  # held, in this process too
     mine.release()
-    assert not (run / run_dirs.LOCK).exists()  # a lock file only while a run holds the dir
+    assert not (run / runtime.LOCK).exists()  # a lock file only while a run holds the dir
     ended = _hold(run, "time.sleep(1)")  # ends on its own
     t = time.monotonic()
-    waited = run_dirs.claim(run, wait_s=60, **named)
+    waited = runtime.claim(run, wait_s=60, **named)
     assert ended.wait(timeout=10) == 0 and time.monotonic() - t > 0.5
     waited.release()
 
@@ -105,17 +105,17 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
     write_status(run, "running")
 
     def has_checkpoints(d: Path) -> bool:
-        if (d / run_dirs.LOCK).exists():  # the re-check, after the lock
+        if (d / runtime.LOCK).exists():  # the re-check, after the lock
             raise Interrupted("SIGTERM", "while starting")
         return False
 
     held: list = []
     with pytest.raises(Interrupted):
-        run_dirs.claim(run, named=True, fresh=False, has_checkpoints=has_checkpoints, held=held)
+        runtime.claim(run, named=True, fresh=False, has_checkpoints=has_checkpoints, held=held)
     (claim,) = held
-    assert claim.dir == run and run_dirs.holder(run).pid == os.getpid()
+    assert claim.dir == run and runtime.holder(run).pid == os.getpid()
     claim.release()
-    assert not (run / run_dirs.LOCK).exists()
+    assert not (run / runtime.LOCK).exists()
 
 
 # The launcher's handlers; the signal comes from inside ``RunLock.acquire``, once the lock file
@@ -123,24 +123,24 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
 STOP_WHILE_LOCKING = """
 import os, signal, sys
 from pathlib import Path
-from dxrun.run import run_dir
-from dxrun.run.signals import SIGNALS, guard_signals
+from dxrun.run import runtime
+from dxrun.run.runtime import SIGNALS, guard_signals
 from dxrun.config.errors import Interrupted
 guard_signals()
-hostname = run_dir.socket.gethostname
+hostname = runtime.socket.gethostname
 def host():
     os.kill(os.getpid(), signal.SIGUSR1)
     return hostname()
-run_dir.socket.gethostname = host
+runtime.socket.gethostname = host
 held = []
 for named in (True, False):
     SIGNALS.start_job()  # each launch of a multirun
     try:
-        run_dir.claim(Path(sys.argv[1]) / str(named), named=named, fresh=False,
+        runtime.claim(Path(sys.argv[1]) / str(named), named=named, fresh=False,
                       has_checkpoints=lambda d: False, held=held)
         print("not stopped")
     except Interrupted as e:
-        print(e.signal_name, [c.dir.name for c in held], run_dir.holder(held[0].dir).pid == os.getpid())
+        print(e.signal_name, [c.dir.name for c in held], runtime.holder(held[0].dir).pid == os.getpid())
         held.pop().release()
 """
 
@@ -156,7 +156,7 @@ def test_a_stop_while_the_lock_is_taken_waits_until_the_claim_is_recorded(tmp_pa
 
 
 def test_a_relaunch_continues_the_newest_run_of_its_dir(tmp_path):
-    """What ``run_dir.pick`` decides from the files: an unfinished run, or one with checkpoints,
+    """What ``runtime.pick`` decides from the files: an unfinished run, or one with checkpoints,
     is continued; a finished one without checkpoints (or a plan-mode dir) leads to the next
     sibling, which the next relaunch follows."""
     rq = tmp_path / "rq"
@@ -169,26 +169,26 @@ def test_a_relaunch_continues_the_newest_run_of_its_dir(tmp_path):
         if checkpoint:
             (path / "checkpoints").mkdir()
 
-    assert run_dirs.pick(rq, ckpts) == (rq, False)  # nothing there yet
+    assert runtime.pick(rq, ckpts) == (rq, False)  # nothing there yet
     make(rq, "running")  # killed before its first checkpoint: continued in place
-    assert run_dirs.pick(rq, ckpts) == (rq, True)
+    assert runtime.pick(rq, ckpts) == (rq, True)
     write_status(rq, "ok")  # finished, no checkpoint: a new run beside it
-    assert run_dirs.pick(rq, ckpts) == (tmp_path / "rq_1", False)
+    assert runtime.pick(rq, ckpts) == (tmp_path / "rq_1", False)
     make(tmp_path / "rq_1", "stopped")  # ... which the next relaunch follows
-    assert run_dirs.pick(rq, ckpts) == (tmp_path / "rq_1", True)
+    assert runtime.pick(rq, ckpts) == (tmp_path / "rq_1", True)
     write_status(tmp_path / "rq_1", "ok")
     (tmp_path / "rq_1" / "checkpoints").mkdir()  # finished with checkpoints: its own to judge
-    assert run_dirs.pick(rq, ckpts) == (tmp_path / "rq_1", True)
+    assert runtime.pick(rq, ckpts) == (tmp_path / "rq_1", True)
     plan = tmp_path / "plan"  # a plan-mode dir: its config and plan, no status
     (plan / ".hydra").mkdir(parents=True)
     (plan / ".hydra" / "config.yaml").write_text("{}")
-    assert run_dirs.pick(plan, ckpts) == (tmp_path / "plan_1", False)
+    assert runtime.pick(plan, ckpts) == (tmp_path / "plan_1", False)
     # An attempt that continues counts the ones before it, and those that died without a word.
-    claim = run_dirs.Claim(rq, earlier={"status": "running", "attempt": 2, "lost_attempts": 1})
+    claim = runtime.Claim(rq, earlier={"status": "running", "attempt": 2, "lost_attempts": 1})
     assert (claim.attempt, claim.lost_attempts) == (3, 2)
-    assert (run_dirs.Claim(rq).attempt, run_dirs.Claim(rq).lost_attempts) == (1, 0)
+    assert (runtime.Claim(rq).attempt, runtime.Claim(rq).lost_attempts) == (1, 0)
     # checkpoint.resume=none: a new run in the first dir no run has taken.
-    fresh = run_dirs.claim(rq, named=True, fresh=True, has_checkpoints=ckpts)
+    fresh = runtime.claim(rq, named=True, fresh=True, has_checkpoints=ckpts)
     assert fresh.dir == tmp_path / "rq_2" and not fresh.continues
     fresh.release()
 

@@ -12,9 +12,8 @@ import pytest
 from conftest import run_cli
 from test_sweep import _compose, _csv, _jobs, _num, _sweep_jobs, _validated
 
-from dxrun.plan.mesh import make_plan
-from dxrun.plan.run_plan import RunPlan, resolved_config
-from dxrun.report.collect import JobRecord, scaling_efficiency
+from dxrun.plan.run_plan import RunPlan, make_plan, resolved_config
+from dxrun.report.sweep import JobRecord, scaling_efficiency
 
 
 @pytest.mark.parametrize("preset, extra, want", [

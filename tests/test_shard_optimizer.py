@@ -15,14 +15,12 @@ import pytest
 from conftest import CONF, make_cfg, subprocess_env
 
 from dxrun.autotune import plan_mode
-from dxrun.autotune.fit import _shard_bytes, accelerator_memory
-from dxrun.autotune.hlo import collectives
-from dxrun.checkpointing.resume import Resume, restore
-from dxrun.checkpointing.store import Checkpointer
+from dxrun.autotune.fit import _shard_bytes, accelerator_memory, collectives
+from dxrun.checkpointing.store import Checkpointer, Resume, restore
 from dxrun.experiment import Experiment, adopt
-from dxrun.model import sharding as shd
-from dxrun.plan import targets
-from dxrun.plan.targets import TARGETS
+from dxrun.model import sharding
+from dxrun.plan import cost
+from dxrun.plan.cost import TARGETS
 
 STEPS = 3
 # One optimizer per mesh: Adam's moments, Lion's momentum, SGD's momentum. A clip_norm far
@@ -96,9 +94,9 @@ def test_optimizer_bytes_per_device_on_dp8(dp8):
     """Measured from the live arrays' shards: with ZeRO-1 each device holds 1/8 of what it
     holds without, except the tensors with no axis the data axis divides (and counters)."""
     on, off = dp8[True][1].opt_state, dp8[False][1].opt_state
-    per_on, per_off = shd.bytes_per_device(on), shd.bytes_per_device(off)
-    remainder = shd.replicated_bytes_over(on)
-    assert shd.replicated_bytes_over(off) == pytest.approx(max(per_off.values()))
+    per_on, per_off = sharding.bytes_per_device(on), sharding.bytes_per_device(off)
+    remainder = sharding.replicated_bytes_over(on)
+    assert sharding.replicated_bytes_over(off) == pytest.approx(max(per_off.values()))
     for dev, nbytes in per_on.items():
         assert nbytes == pytest.approx((per_off[dev] - remainder) / 8 + remainder), dev
     # The replicated remainder is only the step counters here: within the goal's 3%.
@@ -113,13 +111,13 @@ def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
 
     on = Experiment.build(_cfg(mesh, True)).abstract_state().opt_state
     off = Experiment.build(_cfg(mesh, False)).abstract_state().opt_state
-    remainder = shd.replicated_bytes_over(on)
+    remainder = sharding.replicated_bytes_over(on)
     assert _shard_bytes(on) == pytest.approx((_shard_bytes(off) - remainder) / dp + remainder)
     assert _shard_bytes(on) <= _shard_bytes(off) / dp * 1.03
 
 
 def test_default_follows_data_replicas():
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import make_plan
 
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
@@ -164,7 +162,7 @@ def test_plan_table_says_the_optimizer_is_split(dp8):
     unsplit = report["opt_state_unsplit_bytes"]
     assert report["shard_optimizer"] is True and 0 < unsplit < 0.03 * report["per_device"][
         "opt_state_bytes"]
-    assert f"(split over data; {targets.gb_text(unsplit)} not)" in plan_mode.plan_table(report)
+    assert f"(split over data; {cost.gb_text(unsplit)} not)" in plan_mode.plan_table(report)
 
 
 # A data-parallel size that divides none of the tiny model's power-of-two axes: 6 of the 8
@@ -191,11 +189,11 @@ def test_dp6_splits_the_state_and_trains_as_unsplit(dp6):
     parameters are those without ZeRO-1."""
     _check_equal(dp6)
     on, off = dp6[True][1].opt_state, dp6[False][1].opt_state
-    assert shd.replicated_bytes_over(on) <= 2 * 4  # the step counters
-    assert max(shd.bytes_per_device(on).values()) <= max(
-        shd.bytes_per_device(off).values()) / 6 * 1.03
+    assert sharding.replicated_bytes_over(on) <= 2 * 4  # the step counters
+    assert max(sharding.bytes_per_device(on).values()) <= max(
+        sharding.bytes_per_device(off).values()) / 6 * 1.03
     assert _shard_bytes(dp6[True][0].abstract_state().opt_state) == max(
-        shd.bytes_per_device(on).values())  # what plan mode reads is what the run holds
+        sharding.bytes_per_device(on).values())  # what plan mode reads is what the run holds
     for (path, a), b in zip(jax.tree.leaves_with_path(jax.device_get(dp6[True][1].params)),
                             jax.tree.leaves(jax.device_get(dp6[False][1].params)), strict=True):
         name = jax.tree_util.keystr(path)
@@ -224,7 +222,7 @@ def test_checkpoint_moves_between_data_parallel_sizes(dp6, tmp_path):
     exp6, state6 = dp6[True][0], dp6[True][1]
     exp4 = Experiment.build(_cfg("dp4", True, "data.batch_size=12"))
     state4 = _restored(state6, tmp_path / "6to4", exp4)
-    assert shd.replicated_bytes_over(state4.opt_state) <= 2 * 4
+    assert sharding.replicated_bytes_over(state4.opt_state) <= 2 * 4
     want = jax.device_get(state6)
     got = jax.device_get(state4)
     padded = 0
@@ -251,7 +249,7 @@ def test_optimizer_state_split_48_ways():
         from dxrun.run.runtime import simulate_cpu_devices
         simulate_cpu_devices(48)
         from hydra import compose, initialize_config_dir
-        from dxrun.model import sharding as shd
+        from dxrun.model import sharding
         from dxrun.autotune.fit import _shard_bytes
         from dxrun.config.registry import register
         from dxrun.experiment import Experiment, adopt
@@ -264,7 +262,7 @@ def test_optimizer_state_split_48_ways():
                     "parallelism=dp", "data.batch_size=48",
                     f"parallelism.shard_optimizer={{zero}}"])
             state = Experiment.build(cfg).abstract_state().opt_state
-            out[zero] = [_shard_bytes(state), shd.replicated_bytes_over(state)]
+            out[zero] = [_shard_bytes(state), sharding.replicated_bytes_over(state)]
         print(json.dumps(out))
     """)
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(),

@@ -15,11 +15,11 @@ import pytest
 from conftest import make_cfg
 from flax import nnx
 
-from dxrun.autotune.hlo import collective_lines, collectives
+from dxrun.autotune.fit import collective_lines, collectives
 from dxrun.experiment import Experiment
-from dxrun.model import sharding as shd
+from dxrun.model import sharding
 from dxrun.model.transformer import Block
-from dxrun.plan.mesh import make_plan
+from dxrun.plan.run_plan import make_plan
 
 MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2",
           "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2"]
@@ -32,7 +32,7 @@ MODELS = {
     # An odd vocabulary: padded to 66 on tp2 and 72 on tp8, masked out of the loss.
     "gpt2_vocab65": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                      "data.vocab_size=65"],
-    # Masked diffusion (dxrun/model/mdlm.py): attention both ways, each step's masks drawn for the
+    # Masked diffusion (dxrun/model/objectives.py): attention both ways, each step's masks drawn for the
     # global batch, then split into micro-batches (2: the noised batch goes through the
     # accumulation scan); the [MASK] row makes the table 65 rows, padded to 66 on tp2.
     "mdlm": ["model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "model.objective=mdlm",
@@ -197,7 +197,7 @@ def test_param_bytes_per_device_are_total_over_k(cfg_factory, mesh, k):
         else:
             assert n_shards == k, f"{jax.tree_util.keystr(path)} split {n_shards} ways, not {k}"
     expected = (total - replicated) / k + replicated
-    per_device = shd.bytes_per_device(params)
+    per_device = sharding.bytes_per_device(params)
     assert len(per_device) == k
     for dev, nbytes in per_device.items():
         assert nbytes == pytest.approx(expected, rel=1e-9), (dev, nbytes, expected)
@@ -208,17 +208,17 @@ def _compiled_tp_layer(cfg_factory, tp: int) -> str:
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                       f"parallelism=tp{tp}")
     plan = make_plan(cfg, 8)
-    mesh = shd.mesh_from_plan(plan)
+    mesh = sharding.mesh_from_plan(plan)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg.model, nnx.Rngs(0))))
-    shardings = shd.param_shardings(shd.param_axes(state), mesh, plan.rules)
+    shardings = sharding.param_shardings(sharding.param_axes(state), mesh, plan.rules)
 
     def fwd_bwd(params, x_BxLxD):
         loss = lambda p, x: (nnx.merge(graphdef, p)(x) ** 2).mean()
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x_BxLxD)
 
     x = jax.ShapeDtypeStruct((8, 16, cfg.model.d_model), jnp.float32)
-    with shd.in_mesh_context(mesh, plan.rules):
-        lowered = jax.jit(fwd_bwd, in_shardings=(shardings, shd.batch_sharding(mesh))).lower(
+    with sharding.in_mesh_context(mesh, plan.rules):
+        lowered = jax.jit(fwd_bwd, in_shardings=(shardings, sharding.batch_sharding(mesh))).lower(
             nnx.to_pure_dict(state), x)
     return lowered.compile().as_text()
 
@@ -249,15 +249,15 @@ def test_sequence_parallel_layer_equals_tp_and_moves_no_weight(cfg_factory):
                                      "parallelism=tp4", "data.seq_len=16",
                                      f"parallelism.sequence_parallel={str(sp).lower()}"), 8)
         assert plan.sequence_parallel == sp and plan.n_devices == 4
-        mesh = shd.mesh_from_plan(plan)
-        shardings = shd.param_shardings(shd.param_axes(state), mesh, plan.rules)
+        mesh = sharding.mesh_from_plan(plan)
+        shardings = sharding.param_shardings(sharding.param_axes(state), mesh, plan.rules)
 
         def fwd_bwd(params, x_BxLxD):
             loss = lambda p, x: (nnx.merge(graphdef, p)(x) ** 2).mean()
             return jax.value_and_grad(loss, argnums=(0, 1))(params, x_BxLxD)
 
-        with shd.in_mesh_context(mesh, plan.rules):
-            jitted = jax.jit(fwd_bwd, in_shardings=(shardings, shd.batch_sharding(mesh)))
+        with sharding.in_mesh_context(mesh, plan.rules):
+            jitted = jax.jit(fwd_bwd, in_shardings=(shardings, sharding.batch_sharding(mesh)))
             text = jitted.lower(params, x).compile().as_text()
             found[sp] = collectives(text)
             out[sp] = jax.device_get(jitted(params, x))
@@ -313,13 +313,13 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
 
 
 def test_low_level_api_on_the_same_rules():
-    mesh = shd.make_tp_mesh(2)
+    mesh = sharding.make_tp_mesh(2)
     assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
-    assert shd.num_devices() == 8
-    batch = shd.shard_batch(np.arange(16 * 3).reshape(16, 3), mesh)
+    assert sharding.num_devices() == 8
+    batch = sharding.shard_batch(np.arange(16 * 3).reshape(16, 3), mesh)
     assert batch.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
     assert {s.data.shape for s in batch.addressable_shards} == {(4, 3)}
-    rep = shd.replicate(np.ones(5), mesh)
+    rep = sharding.replicate(np.ones(5), mesh)
     assert all(s.data.shape == (5,) for s in rep.addressable_shards)
 
     from omegaconf import OmegaConf
@@ -329,15 +329,15 @@ def test_low_level_api_on_the_same_rules():
 
     model = Transformer(OmegaConf.structured(ModelConfig(n_heads=4)), rngs=nnx.Rngs(0))
     before = np.asarray(model.blocks.attn.wq[...])  # stacked: [n_layers, D, H, E]
-    shd.apply_tp_sharding(model, mesh)
+    sharding.apply_tp_sharding(model, mesh)
     wq = model.blocks.attn.wq[...]
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     np.testing.assert_array_equal(np.asarray(wq), before)
-    with shd.in_mesh_context(mesh):
+    with sharding.in_mesh_context(mesh):
         logits = jax.jit(lambda m, t: m(t))(model, jnp.zeros((8, 4), jnp.int32))
     assert logits.shape == (8, 4, 64)
     with pytest.raises(ValueError):
-        shd.make_mesh(dp=3, tp=2)
+        sharding.make_mesh(dp=3, tp=2)
 
 
 @pytest.mark.e2e  # reads preset_runs (every preset compiled: minutes on 2 cores)
@@ -366,7 +366,7 @@ def test_the_seeded_init_is_the_same_bits_on_every_layout(cfg_factory):
                                            "logger=none", f"parallelism={mesh}"))
         params = exp.seeded.params()
         assert jax.tree.map(lambda x: x.sharding, params) == exp.param_shardings  # its layout
-        return jax.device_get(params), shd.spread_shardings(params, exp.mesh,
+        return jax.device_get(params), sharding.spread_shardings(params, exp.mesh,
                                                             exp.param_shardings)
     ref, spread = init("dp8")
     # On dp8 every weight whose axis 8 divides was drawn split 8 ways, not whole on each device.
@@ -390,7 +390,7 @@ def test_the_seeded_init_is_laid_out_without_replicating_it_first(tmp_path, cfg_
             exp = Experiment.build(cfg_factory("model=tiny", "logger=none",
                                                f"parallelism={mesh}"))
             shapes = jax.eval_shape(exp.seeded.fn())
-            spread = shd.spread_shardings(shapes, exp.mesh, exp.param_shardings)
+            spread = sharding.spread_shardings(shapes, exp.mesh, exp.param_shardings)
             for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(spread), strict=True):
                 # over every device where an axis of the weight takes all of them
                 assert math.prod(s.shard_shape(x.shape)) * 8 == x.size or s in jax.tree.leaves(

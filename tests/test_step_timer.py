@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.tracking.step_timer import SaveTotals, StepTimer, save_note
+from dxrun.tracking.goodput import SaveTotals, StepTimer, save_note
 from tests.conftest import FakeClock
 
 NO_SAVES = SaveTotals(0.0, 0)

@@ -13,7 +13,7 @@ from conftest import CONF, ROOT, run_cli
 
 from dxrun.config.registry import PRESETS, check_keys, preset_dir
 from dxrun.config.validation import validate
-from dxrun.tracking.wandb_file import read_run
+from dxrun.tracking.logger import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")
 NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for
@@ -114,8 +114,8 @@ def test_every_throughput_figure_is_the_rankings_median(grid):
     worked out here from the jobs' metrics.jsonl."""
     import statistics
 
-    from dxrun.report import plots
-    from dxrun.report.collect import find_jobs
+    from dxrun.report import sweep as sweep_report
+    from dxrun.report.sweep import find_jobs
 
     sweep, _ = grid
     rows = _csv(sweep)
@@ -144,13 +144,13 @@ def test_every_throughput_figure_is_the_rankings_median(grid):
                   (line.split("|") for line in md[at + 6:at + 6 + len(DEVICES)])}
         assert ranked == {f"dp{n}": f"{medians[(bs, n)]:,.0f}" for n in DEVICES}
     jobs = find_jobs(sweep)
-    (ax,) = plots.throughput_figure(jobs).axes
+    (ax,) = sweep_report.throughput_figure(jobs).axes
     assert sorted(b.get_width() for b in ax.patches) == sorted(medians.values())
-    (ax,) = plots.scaling_figure(jobs).axes
+    (ax,) = sweep_report.scaling_figure(jobs).axes
     speedups = [list(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() == "-"]
     assert speedups == [pytest.approx([medians[(bs, n)] / medians[(bs, 1)] for n in DEVICES])
                         for bs in (16, 32)]
-    (ax,) = plots.efficiency_figure(jobs).axes
+    (ax,) = sweep_report.efficiency_figure(jobs).axes
     assert {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} == {
         f"dp{n} ({n} dev)": pytest.approx([per_device[(bs, n)] for bs in (16, 32)])
         for n in DEVICES}
@@ -360,7 +360,7 @@ def test_every_preset_is_a_global_package():
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in preset_dir("experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_plans(name):
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import make_plan
 
     # finetune_hf: the published Llama 3.1 8B config.json (shapes only: nothing is loaded)
     extra = {"gpt2_small_text": ["data.path=corpus.txt"],
@@ -389,7 +389,7 @@ def test_every_experiment_composes_and_plans(name):
 
 
 def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
-    from dxrun.plan.mesh import make_plan
+    from dxrun.plan.run_plan import make_plan
 
     cfg = _compose("sweep=batch_devices", hydra=True)
     jobs = _sweep_jobs(cfg.hydra.sweeper.params)
@@ -419,9 +419,8 @@ def test_throughput_presets_log_enough_windows_to_rank(preset):
     block in the next row, whose window it held; the final save in no row: the grid sweep above
     checks this on real jobs), leave the report's statistic at least ranking.STEADY_WINDOWS
     windows a job."""
-    from dxrun.checkpointing.cadence import save_cadence
-    from dxrun.report.collect import job_throughput
-    from dxrun.report.ranking import STEADY_WINDOWS
+    from dxrun.plan.cost import save_cadence
+    from dxrun.report.sweep import STEADY_WINDOWS, job_throughput
 
     cfg = _validated(preset)
     steps, every = cfg.train.steps, cfg.train.log_every
@@ -516,7 +515,7 @@ def test_report_and_exit_code_of_a_sweep_with_a_stopped_job_and_a_torn_line(tmp_
     import logging
 
     from dxrun.report.callback import exit_for_failed_jobs as _exit_for_failed_jobs
-    from dxrun.report.table import write_report
+    from dxrun.report.sweep import write_report
 
     sweep = tmp_path / "sweep"
     rows = "".join(json.dumps({"step": s, "train/loss": 3.0 - s, "data/tokens_seen": 64.0 * s})

@@ -15,9 +15,9 @@ from flax import nnx
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.target import call_refusal, locate
-from dxrun.data.user import build_source
+from dxrun.data import build_source
+from dxrun.experiment import custom_optimizer
 from dxrun.model.user_model import build_model
-from dxrun.optimizer import custom_optimizer
 from dxrun.train import train
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

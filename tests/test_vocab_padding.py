@@ -1,5 +1,5 @@
 """Checkpoints restored where the vocabulary is padded differently
-(``dxrun/checkpointing/vocab_padding.py``): vocab 65 saved with 65 rows (tp1) read onto tp2 (66
+(``dxrun/checkpointing/store.py``): vocab 65 saved with 65 rows (tp1) read onto tp2 (66
 rows), a tp2 checkpoint onto one device, and a GPU's 128-row padding
 (``parallelism.vocab_align=128``) onto one device, by ``dxrun.evaluate``, ``dxrun.sample`` and a
 resume: the same numbers as on the saved layout."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_tokens
 
-from dxrun.checkpointing.vocab_padding import padding_differs
+from dxrun.checkpointing.store import padding_differs
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.sample import OPTIONS, sample
 from dxrun.tools.checkpoint import load
@@ -52,7 +52,7 @@ def test_only_one_padding_difference_is_repadded():
 def _loss(loaded) -> float:
     """Held-out loss of the first 4 batches, by training's evaluation."""
     from dxrun.data import EVAL
-    from dxrun.hooks import evaluate
+    from dxrun.train import evaluate
 
     exp = loaded.exp
     return evaluate(exp, loaded.params, [exp.batch(k, EVAL) for k in range(4)])["eval/loss"]

@@ -52,7 +52,7 @@ SUMMARY: dict[str, str] = {
     "train/loss": "the last logged train loss",
     "best/train_loss": "the lowest finite train loss logged",
     "n_params": "parameters (the real vocabulary, without padding)",
-    "flops_per_token": "model FLOPs per token (dxrun/plan/flops.py)",
+    "flops_per_token": "model FLOPs per token (dxrun/plan/cost.py)",
     "tokens_per_s": "the last window's perf/tokens_per_s",
     "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, "
                          "evaluation, saves)",
@@ -97,7 +97,7 @@ STATUS: dict[str, str] = {
                 "never ended: killed), `finished`",
 }
 
-# plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan/mesh.py's comments.
+# plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan/run_plan.py's comments.
 PLAN_EXTRA: dict[str, str] = {
     "plan_mode": "run.mode=plan only: memory per device, FLOPs, collectives, target, estimate, "
                  "checkpoint cost, suggestion",
@@ -112,16 +112,16 @@ CHECKPOINT: dict[str, str] = {
 
 
 def summary_keys() -> list[str]:
-    """The keys of the dict ``RunSummary.record`` returns (dxrun/tracking/run_summary.py; ``**last`` for
+    """The keys of the dict ``RunSummary.record`` returns (dxrun/tracking/logger.py; ``**last`` for
     the splat of the last values)."""
-    tree = ast.parse((PACKAGE / "tracking" / "run_summary.py").read_text())
+    tree = ast.parse((PACKAGE / "tracking" / "logger.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "record":
             d = next(n.value for n in ast.walk(node)
                      if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
             return [k.value if k is not None else "**" + getattr(v, "attr", getattr(v, "id", ""))
                     for k, v in zip(d.keys, d.values, strict=True)]
-    raise LookupError("dxrun/tracking/run_summary.py: RunSummary.record returns no summary dict")
+    raise LookupError("dxrun/tracking/logger.py: RunSummary.record returns no summary dict")
 
 
 def status_keys() -> list[str]:
@@ -137,7 +137,7 @@ def status_keys() -> list[str]:
 
 
 def plan_keys() -> dict[str, str]:
-    from dxrun.plan.mesh import MeshPlan  # pure: dataclasses and arithmetic
+    from dxrun.plan.run_plan import MeshPlan  # pure: dataclasses and arithmetic
 
     comments = _field_comments(MeshPlan)
     # each axis's size by its key (MeshPlan.sizes, written flat), as a run's parallelism names it
@@ -173,7 +173,8 @@ def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
            "metrics of `dxrun/tracking/metric_names.py`, the keys read from "
-           "`dxrun/tracking/run_summary.py`, `dxrun/run/job_dir.py` and `dxrun/plan/mesh.py`). A run "
+           "`dxrun/tracking/logger.py`, `dxrun/run/job_dir.py` and "
+           "`dxrun/plan/run_plan.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
     out += table("file", RUN_FILES)

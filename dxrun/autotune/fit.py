@@ -1,30 +1,579 @@
-"""A compiled step's footprint and estimate (XLA's memory and cost analyses, the memory and
-time models for an accelerator target), and the nearest setting that fits a memory budget."""
+"""What a compiled step needs and how fast it goes: its footprint and estimate (XLA's memory and
+cost analyses, the memory and time models for an accelerator target), the nearest setting that
+fits a memory budget, and the memory preflight of every real run, which refuses a step that will
+not fit and writes where its memory goes. With them, this host's own measured figures (memory,
+matmul peak, bandwidth: a CPU target's numbers) and the collectives read from the compiled HLO.
+Each section's own account follows.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import logging
 import math
+import os
+import platform
+import re
+import tempfile
 import time
+from collections import Counter, defaultdict
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
-from dxrun.autotune import memory_report
-from dxrun.autotune.hlo import collective_list, collective_traffic
-from dxrun.config.errors import ConfigError
-from dxrun.experiment import Experiment
-from dxrun.plan import flops, gpu_cost, memory_model
-from dxrun.plan.attention_kernel import AttentionTarget, kind_target
-from dxrun.plan.estimate import Footprint, StepEstimate, candidates, estimate
-from dxrun.plan.mesh import MeshPlan, make_plan, padded_vocab, table_rows
-from dxrun.plan.targets import TARGETS, Target, plan_platform, target_key
-from dxrun.step import step_bytes
+from dxrun.config import ConfigError, disk_error
+from dxrun.experiment import Experiment, step_bytes
+from dxrun.plan import cost
+from dxrun.plan.cost import (
+    TARGETS,
+    USABLE_CPU,
+    Footprint,
+    GiB,
+    StepEstimate,
+    Target,
+    candidates,
+    estimate,
+    plan_platform,
+    target_key,
+)
+from dxrun.plan.run_plan import (
+    AttentionTarget,
+    MeshPlan,
+    RunPlan,
+    kind_target,
+    make_plan,
+    padded_vocab,
+    resolved_config,
+    table_rows,
+)
+from dxrun.run.runtime import gather, local_processes, user_cache_dir
 
 if TYPE_CHECKING:
-    from dxrun.config.schema import RunConfig
+    from dxrun.config import RunConfig, RuntimeConfig, TrainConfig
 
+
+# ------------------------------------------------------------------------------------------------
+# Read what XLA made of a jitted function: which collectives the compiled HLO contains.
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# An HLO instruction line: `%name = f32[...]{...} all-reduce(...)` (or the -start async form).
+_OP = re.compile(r"=\s*[^=]*?\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> Counter:
+    """Count collective ops by kind in compiled HLO text (async start/done pairs count once)."""
+    return Counter(m.group(1) for line in hlo_text.splitlines() if (m := _OP.search(line)))
+
+
+def collective_lines(hlo_text: str, kind: str) -> list[str]:
+    return [line.strip() for line in hlo_text.splitlines()
+            if (m := _OP.search(line)) and m.group(1) == kind]
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
+                "c64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
+# XLA's named-axes spelling, e.g. mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, optionally with the
+# mesh's device order as an iota tile between them: device_ids=([4,2]T(1,0))
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?\s*\{([^}]*)\}")
+
+
+def _group_size(line: str, n_devices: int) -> int:
+    """Devices in one replica group, from any of XLA's three spellings."""
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=", line):  # iota: [groups, size]
+        return int(m.group(1).split(",")[-1])
+    if m := _MESH_GROUPS.search(line):  # named axes
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(3)))
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):  # explicit lists
+        return len(m.group(1).split(","))
+    return n_devices  # no groups: all devices
+
+
+def _result_bytes(line: str, kind: str) -> int:
+    head = line.split("=", 1)[1].split(f" {kind}", 1)[0]  # the result shape(s), tuple or not
+    return sum(_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _SHAPE.findall(head))
+
+
+def _loops(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Each computation's lines, and how many times per step each one runs: a while body
+    ``known_trip_count`` times its parent's count (nested loops multiply), the rest once."""
+    trips: dict[str, tuple[str, int]] = {}
+    current = ""
+    lines_of: dict[str, list[str]] = defaultdict(list)
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group(1)
+            continue
+        lines_of[current].append(line)
+        if m := _WHILE.search(line):
+            trips[m.group(1)] = (current, int(m.group(2)))
+
+    def repeats(comp: str, depth: int = 0) -> int:
+        if comp not in trips or depth > 16:
+            return 1
+        parent, n = trips[comp]
+        return n * repeats(parent, depth + 1)
+
+    return lines_of, {comp: repeats(comp) for comp in lines_of}
+
+
+def _sent(line: str, kind: str, n_devices: int) -> tuple[int, float]:
+    """(devices in the group, bytes each device sends) of one collective. Ring algorithms over
+    a group of n: all-reduce sends 2(n-1)/n of the buffer, all-gather and all-to-all (n-1)/n of
+    the result, reduce-scatter (n-1) x the result, a permute the buffer."""
+    size, n = _result_bytes(line, kind), _group_size(line, n_devices)
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+              "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
+              "collective-permute": 1.0}[kind]
+    return n, factor * size
+
+
+def collective_traffic(hlo_text: str, n_devices: int) -> dict[str, dict[str, float]]:
+    """Per collective kind: executions per step and bytes each device sends per step (see
+    ``_sent``). Collectives inside a loop body (the layer scan, accumulation) count once per
+    iteration (XLA's known_trip_count)."""
+    lines_of, runs = _loops(hlo_text)
+    out: dict[str, dict[str, float]] = {}
+    for comp, lines in lines_of.items():
+        for line in lines:
+            if not (m := _OP.search(line)):
+                continue
+            kind, k = m.group(1), runs[comp]
+            entry = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+            entry["count"] += k
+            entry["bytes"] += k * _sent(line, kind, n_devices)[1]
+    return out
+
+
+def per_iteration(hlo_text: str, trips: int, n_devices: int) -> dict[tuple[str, int], dict]:
+    """The collectives of one iteration of the loops that run ``trips`` times per step (the
+    layer scan's forward and backward bodies: per layer), by (kind, devices in a group): their
+    count and the bytes each device sends."""
+    lines_of, runs = _loops(hlo_text)
+    out: dict[tuple[str, int], dict] = {}
+    for comp, lines in lines_of.items():
+        for line in lines:
+            if runs[comp] == trips and (m := _OP.search(line)):
+                n, sent = _sent(line, m.group(1), n_devices)
+                entry = out.setdefault((m.group(1), n), {"count": 0, "bytes": 0.0})
+                entry["count"] += 1
+                entry["bytes"] += sent
+    return out
+
+
+def instances(hlo_text: str, kind: str, n_devices: int) -> list[tuple[int, int, int]]:
+    """Each ``kind`` collective as (times it runs per step: more than 1 inside a loop body,
+    devices in its group, bytes of its result)."""
+    lines_of, runs = _loops(hlo_text)
+    return [(runs[comp], _group_size(line, n_devices), _result_bytes(line, kind))
+            for comp, lines in lines_of.items() for line in lines
+            if (m := _OP.search(line)) and m.group(1) == kind]
+
+
+def partitioned(lowered: Any) -> str:
+    """The HLO of ``lowered`` (a ``jax.jit(...).lower(...)``) right after XLA's SPMD
+    partitioner: where the collectives are inserted, in the dtypes the program computes them
+    in. XLA:CPU later widens bf16 arithmetic (all-reduces included) to f32, so only this dump,
+    the same pass on every platform, shows what a GPU will communicate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # The executable is never run: LLVM's optimisations (most of a CPU compile) are off.
+        lowered.compile(compiler_options={"xla_dump_to": tmp,
+                                          "xla_dump_hlo_pass_re": "spmd-partitioning",
+                                          "xla_backend_optimization_level": 0,
+                                          "xla_llvm_disable_expensive_passes": True})
+        dumps = sorted(Path(tmp).glob("*.after_spmd-partitioning.*.txt"))
+        if not dumps:
+            raise RuntimeError(f"XLA wrote no post-partitioner dump to {tmp}")
+        return dumps[-1].read_text()
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[")
+
+
+def dots(hlo_text: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Each ``dot`` as (the op_name JAX gave it, its result dtype, its operands' dtypes)."""
+    dtype_of = {m.group(1): m.group(2) for line in hlo_text.splitlines()
+                if (m := _DEF.match(line))}
+    out = []
+    for line in hlo_text.splitlines():
+        if (m := _DEF.match(line)) and (d := re.search(r"\sdot\(([^)]*)\)", line)):
+            operands = tuple(dtype_of[o] for o in re.findall(r"%([\w.\-]+)", d.group(1)))
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append((name.group(1) if name else "", m.group(2), operands))
+    return out
+
+
+def replica_groups(line: str, n_devices: int) -> list[list[int]]:
+    """The device groups of one collective (partition ids, which plan mode's meshes number as
+    the devices, row-major over data, fsdp, tensor), from any of XLA's three spellings."""
+    import numpy as np
+
+    if m := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(-1, shape[-1]).tolist()
+    if m := _MESH_GROUPS.search(line):
+        named = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in named], [int(s) for _, s in named]
+        inner = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(3))]
+        outer = [i for i in range(len(names)) if i not in inner]
+        ids = np.arange(math.prod(sizes))
+        if m.group(2):  # the mesh's devices in the order of an iota tile: [dims]T(perm)
+            tile = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2))
+            ids = ids.reshape([int(x) for x in tile.group(1).split(",")])
+            if tile.group(2):
+                ids = ids.transpose([int(x) for x in tile.group(2).split(",")])
+        ids = ids.reshape(sizes).transpose(outer + inner)
+        return ids.reshape(-1, math.prod(sizes[i] for i in inner) if inner else 1).tolist()
+    if m := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
+                                                                         m.group(1))]
+    return [list(range(n_devices))]
+
+
+def collective_list(hlo_text: str, n_devices: int) -> list[dict[str, Any]]:
+    """Every collective of the compiled step: its kind, executions per step (loop trip counts
+    multiplied in), device groups, result dtypes and the bytes each device sends per execution
+    (ring algorithms, see ``_sent``). What the accelerator time model prices link by link."""
+    lines_of, runs = _loops(hlo_text)
+    out = []
+    for comp, lines in lines_of.items():
+        for line in lines:
+            if m := _OP.search(line):
+                kind = m.group(1)
+                head = line.split("=", 1)[1].split(f" {kind}", 1)[0]
+                out.append({"kind": kind, "runs": runs[comp],
+                            "groups": replica_groups(line, n_devices),
+                            "dtypes": sorted({t for t, _ in _SHAPE.findall(head)}),
+                            "bytes": _sent(line, kind, n_devices)[1]})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Where a compiled step's memory goes: written beside a memory refusal or an out-of-memory crash.
+#
+# The parts are XLA's memory analysis of the compiled step split by what the arguments are:
+# parameters, optimizer state, the rest of the train state, the batch (the arguments), outputs not
+# aliased to a donated input, and temporaries (gradients and activations live there). They add up
+# to the step's total (``experiment.step_bytes``) exactly. Beside them: the largest arguments by tree
+# path, and the largest temporaries of the optimized HLO with the JAX op that made them (layer
+# names where the model's scopes give them); XLA reuses temporary buffers, so those do not add up
+# to the temporaries' total. On an accelerator a device memory profile (pprof) is saved too.
+
+FILE = "memory_breakdown.txt"
+PPROF = "memory.prof"
+_ANY_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
+
+
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape (a tuple: its elements summed)."""
+    return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in _ANY_SHAPE.findall(shape_text))
+
+
+def leaf_bytes(x: Any) -> int:
+    """Per-device bytes of an abstract array: its shard's shape where it has a sharding."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+    return math.prod(shape) * x.dtype.itemsize
+
+
+def _path(p: tuple) -> str:
+    import jax
+
+    return jax.tree_util.keystr(p, simple=True, separator=".")
+
+
+def breakdown(compiled: Any, state: Any) -> dict[str, Any]:
+    """``parts`` (name -> bytes per device, adding up to ``total``), ``largest_args`` and
+    ``largest_temps`` ((name, bytes, what) each), for the step compiled for ``state``."""
+    import jax
+
+    m = compiled.memory_analysis()
+    by_field = {name: sum(leaf_bytes(x) for x in jax.tree.leaves(getattr(state, name)))
+                for name in state._fields}
+    other_state = sum(v for k, v in by_field.items() if k not in ("params", "opt_state"))
+    parts = {
+        "parameters": by_field["params"],
+        "optimizer state": by_field["opt_state"],
+        "other train state": other_state,
+        "batch and other arguments": m.argument_size_in_bytes - sum(by_field.values()),
+        "outputs not aliased to inputs": m.output_size_in_bytes - m.alias_size_in_bytes,
+        "temporaries (gradients, activations)": m.temp_size_in_bytes,
+    }
+    args = [(_path(p), leaf_bytes(x), f"{x.dtype}{list(x.shape)}")
+            for p, x in jax.tree_util.tree_leaves_with_path(state)]
+    return {"total": float(sum(parts.values())), "parts": parts,
+            "largest_args": sorted(args, key=lambda a: -a[1])[:10],
+            "largest_temps": largest_temps(compiled.as_text())}
+
+
+def largest_temps(hlo_text: str, n: int = 10) -> list[tuple[str, int, str]]:
+    """The largest values the entry computation makes (not its parameters), with their JAX op."""
+    entry = hlo_text[hlo_text.find("\nENTRY "):] if "\nENTRY " in hlo_text else ""
+    out = []
+    for line in entry.splitlines()[1:]:
+        m = _LINE.match(line)
+        if not m or m.group(3) in ("parameter", "constant", "get-tuple-element", "tuple",
+                                   "bitcast"):
+            continue
+        op = re.search(r'op_name="([^"]+)"', line)
+        out.append((m.group(1), shape_bytes(m.group(2)), op.group(1) if op else m.group(3)))
+    return sorted(out, key=lambda t: -t[1])[:n]
+
+
+def render(b: dict[str, Any]) -> str:
+    def gib(x: float) -> str:
+        return f"{x / GiB:.3f} GiB" if x >= GiB / 100 else f"{x / 2**20:.3f} MiB"
+
+    total = b["total"]
+    out = [f"train step: {int(total)} bytes = {gib(total)} per device (XLA's memory analysis of "
+           "the compiled step)", "", "| part | bytes per device | | share |", "|---|---:|---:|---:|"]
+    out += [f"| {k} | {int(v)} | {gib(v)} | {v / total:.1%} |" if total else f"| {k} | 0 | | |"
+            for k, v in b["parts"].items()]
+    out += ["", "largest arguments (bytes per device; the global shape):"]
+    out += [f"  {gib(size)}  {name}  {what}" for name, size, what in b["largest_args"]]
+    out += ["", "largest temporaries (XLA reuses their buffers: these overlap in time):"]
+    out += [f"  {gib(size)}  {name}  {what}" for name, size, what in b["largest_temps"]]
+    return "\n".join(out) + "\n"
+
+
+def refusal_dir() -> Path:
+    """A new dir for a refused run's breakdown (a refusal writes nothing into outputs/)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="dxrun-memory-"))
+
+
+def accelerator_profile(platform: str) -> bool:
+    """A device memory profile exists only on accelerators (CPU keeps no allocator stats)."""
+    return platform in ("gpu", "tpu", "cuda", "rocm")
+
+
+def write(run_dir: Path, compiled: Any, state: Any, platform: str) -> Path:
+    """The breakdown as ``<run dir>/memory_breakdown.txt`` (and ``memory.prof`` on an
+    accelerator); returns the text file's path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / FILE
+    path.write_text(render(breakdown(compiled, state)))
+    if accelerator_profile(platform):
+        import jax
+
+        try:
+            jax.profiler.save_device_memory_profile(str(run_dir / PPROF))
+        except Exception:  # noqa: BLE001, S110 - the text breakdown is what matters
+            pass
+    return path
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """XLA's out-of-memory errors (RESOURCE_EXHAUSTED on every backend); not a full disk,
+    which tensorstore (Orbax's writer) reports as RESOURCE_EXHAUSTED too."""
+    text = str(e)
+    return disk_error(e) is None and (
+        "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text)
+
+
+class OutOfMemory(RuntimeError):
+    """A step ran out of device memory; the message names the breakdown's file."""
+
+
+# ------------------------------------------------------------------------------------------------
+# This host's own figures, measured once per machine and kept in dxrun's cache dir: its
+# memory, its matmul peak and its memory bandwidth (a CPU target's numbers).
+
+def host_memory_bytes() -> float:
+    """Memory this host can give the run now (MemAvailable), the preflight's CPU budget."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return float(info["MemAvailable"].split()[0]) * 1024
+
+
+def cpu_target(n_devices: int) -> Target:
+    """This machine: its RAM shared by the simulated devices, a measured matmul peak and a
+    measured memory bandwidth (collectives between simulated devices are memory copies). Each
+    figure is one device's share when all run at once, as the peak is
+    (``measure_peak_tflops``): the simulated devices share the host's memory bus, so a
+    layout that moves n times the bytes on each of n devices takes n times as long."""
+    share = host_bus_bytes_per_s() / n_devices  # the whole host's bus shared
+    return Target("this machine (CPU)", "cpu", host_memory_bytes() / n_devices, share, share)
+
+
+HOST_FILE = "host.json"  # in dxrun's cache dir: the host's measured figures, by machine
+
+
+def _host_key() -> str:
+    """What the host's figures depend on: the CPU model and cores, JAX's devices and version."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), "")
+    except OSError:  # not Linux: the machine's type and cores still tell hosts apart
+        pass
+    return (f"{platform.machine()} {model} x{os.cpu_count()}: {jax.device_count()} "
+            f"{jax.default_backend()} devices, jax {jax.__version__}")
+
+
+def host_figure(name: str, measure: Any) -> float:
+    """A host figure ``measure()`` gives, measured once per machine: kept in dxrun's cache dir
+    (``host.json``, under ``_host_key``), since every plan on a CPU target and every
+    ``parallelism=auto`` run reads it and measuring took most of their deciding. A missing,
+    unreadable or implausible entry is measured again; delete the file to measure afresh (a
+    figure taken while other jobs loaded the host stays until then)."""
+    path, key = Path(user_cache_dir()) / HOST_FILE, _host_key()
+    try:
+        figures = json.loads(path.read_text())
+        value = figures[key][name]
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            return float(value)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    value = float(measure())
+    try:  # another process may write it too: its own tmp file, and the last write wins
+        figures = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(figures, dict):
+            figures = {}
+    except (OSError, ValueError):
+        figures = {}
+    entry = figures.get(key) if isinstance(figures.get(key), dict) else {}
+    figures[key] = {**entry, name: value}
+    tmp = path.with_name(f"{HOST_FILE}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(figures, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only or full cache dir: measured again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return value
+
+
+def _measure_bus() -> float:
+    x = jnp.ones((32 * 2**20,), jnp.float32)
+    f = jax.jit(lambda v: v * 2.0)
+    f(x).block_until_ready()
+    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(5))
+    return 2 * x.nbytes / best
+
+
+@functools.cache
+def host_bus_bytes_per_s() -> float:
+    """The host's memory bandwidth (read + write of 128 MiB, beyond the caches), measured once
+    per machine (``host_figure``), as ``host_peak_tflops``."""
+    return host_figure("bus_bytes_per_s", _measure_bus)
+
+
+@functools.cache
+def host_peak_tflops() -> float:
+    """``measure_peak_tflops`` of this process's devices, measured once per machine
+    (``host_figure``)."""
+    return host_figure("peak_tflops", measure_peak_tflops)
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def resolve_target(cfg: RunConfig, n_devices: int) -> tuple[Target, float | None]:
+    """The target's numbers and its peak TFLOP/s for the run's precision."""
+    name = cfg.plan.target
+    if name is None:
+        kind = jax.devices()[0].device_kind
+        name = next((k for k, t in TARGETS.items() if t.device_kind == kind),
+                    "cpu" if jax.default_backend() == "cpu" else None)
+        if name is None:
+            raise ConfigError(f"plan.target is unset and device kind {kind!r} is not in the "
+                              f"table; set plan.target to one of {', '.join(TARGETS)}")
+    if name == "cpu":
+        override = cfg.runtime.peak_tflops
+        peak = (float(override) if isinstance(override, (int, float)) and override
+                else host_peak_tflops())
+        target = cpu_target(n_devices)
+        if cfg.runtime.memory_gb is not None:
+            target = replace(target, memory_bytes=cfg.runtime.memory_gb * GiB / n_devices)
+        return target, peak
+    target = TARGETS[name]
+    return target, cost.peak_tflops(target.device_kind, cfg.train.precision)
+
+
+# A device's achieved matmul TFLOP/s, probed on all devices at once: a stand-in peak for CPUs
+# (``runtime.peak_tflops=measure``) and the CPU target's compute figure.
+log = logging.getLogger("dxrun")
+
+
+def matmul_probe(devices: Any, n: int) -> tuple[Any, Any]:
+    """A compiled batched fp32 matmul with one ``n x n`` matrix per device, and its input,
+    sharded one matrix per device, so that all ``devices`` run the probe at once."""
+    mesh = Mesh(np.array(devices), ("probe",), axis_types=(AxisType.Auto,))
+    one_per_device = NamedSharding(mesh, P("probe"))
+    x = jax.jit(lambda: jnp.ones((len(devices), n, n), jnp.float32),
+                out_shardings=one_per_device)()
+    f = jax.jit(lambda a: a @ a, in_shardings=one_per_device, out_shardings=one_per_device)
+    return f.lower(x).compile(), x
+
+
+def measure_peak_tflops(devices: Any = None, n: int = 1024, repeats: int = 10) -> float:
+    """Achieved TFLOP/s per device of a square fp32 matmul run on all ``devices`` (default: this
+    process's) at once: a stand-in peak for CPUs. Simulated CPU devices share the host's cores,
+    so one device probed alone would get the whole host and MFU would be capped near 1/n."""
+    devices = [d for d in (jax.local_devices() if devices is None else devices)
+               if d.process_index == jax.process_index()]
+    compiled, x = matmul_probe(devices, n)
+    compiled(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        compiled(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e12  # every device did one n x n matmul in `best` seconds
+
+
+def resolve_peak(runtime: RuntimeConfig, train: TrainConfig, device_kind: str,
+                 devices: Any = None) -> float | None:
+    """Peak TFLOP/s per device: ``runtime.peak_tflops`` (a number or ``measure``: probed on
+    all of ``devices`` at once, default all local ones), else the table; None when the device
+    is not in it: a CPU quietly (no table has a CPU's peak, and every CPU run would say so), an
+    unknown accelerator with one warning."""
+    override = runtime.peak_tflops
+    if override == "measure":
+        peak = measure_peak_tflops(devices)
+        log.info("measured peak: %.3f TFLOP/s per device, all devices of the mesh probing at "
+                 "once (runtime.peak_tflops=measure)", peak)
+        return peak
+    if override is not None:
+        return float(override)
+    peak = cost.peak_tflops(device_kind, train.precision)
+    if peak is None and cost.normalize_kind(device_kind) != "cpu":
+        log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
+                    "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)
+    return peak
+
+
+# ------------------------------------------------------------------------------------------------
+# A compiled step's footprint and estimate (XLA's memory and cost analyses, the memory and
+# time models for an accelerator target), and the nearest setting that fits a memory budget.
 
 def _shard_bytes(tree: Any) -> float:
     total = 0.0
@@ -84,7 +633,7 @@ def kernel_on(cfg: RunConfig, plan: MeshPlan, device_kind: str) -> str:
 
 
 def accelerator_memory(exp: Any, target: Target) -> Any:
-    """The memory model's per-device estimate (``plan.memory_model``) of ``exp``'s step on
+    """The memory model's per-device estimate (``plan.cost``) of ``exp``'s step on
     ``target``: the state's shards read from the abstract state's shardings (of the model
     with the target's vocabulary padding), activations from the shapes, with the attention
     kernel a run on that target would use."""
@@ -95,18 +644,18 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
     state = exp.abstract_state()
     kernel = kernel_on(cfg, plan, target.device_kind)
     zero_dp = plan.dp if plan.shard_optimizer else 1
-    mem = memory_model.estimate_memory(
-        memory_model.shapes(cfg.model, plan, kernel, vocab),
+    mem = cost.estimate_memory(
+        cost.shapes(cfg.model, plan, kernel, vocab),
         _shard_bytes(state.params), _shard_bytes(state.opt_state),
         _shard_bytes(exp.abstract_batch()), plan.fsdp, zero_dp)
     return replace(mem, padded_vocab=vocab)
 
 
 def _cost(compiled: Any) -> tuple[float, float]:
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
-    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    analysis = compiled.cost_analysis() or {}
+    if isinstance(analysis, list):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else {}
+    return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
 
 
 def cost_per_device(exp: Any) -> tuple[float, float]:
@@ -128,7 +677,7 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
 def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
                     max_tries: int = 8, time_budget_s: float = 40.0,
                     need: Any = None) -> list[str] | None:
-    """Compile the candidates (``plan.estimate.candidates``) in order (shapes only), each
+    """Compile the candidates (``plan.cost.candidates``) in order (shapes only), each
     merged into ``base`` (the run's config as its files record it, ``resolved_config``: its
     layout, batch and sequence length as keys) and laid out over ``plan``'s devices,
     processes and hosts, and return the first whose per-device need is within
@@ -152,7 +701,7 @@ def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
         try:
             needs = step_bytes(exp.analyse_step()) if need is None else need(exp)
         except Exception as e:  # a TPU's compile refuses what does not fit its chip
-            if not memory_report.is_out_of_memory(e):
+            if not is_out_of_memory(e):
                 raise
             continue
         if needs is not None and needs <= budget_bytes:
@@ -175,26 +724,26 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     # A user model (model._target_): XLA's counts of its compile; the memory and time models
     # know dxrun's own block only.
     own = not cfg.model._target_
-    accelerator = key in gpu_cost.COST and own
+    accelerator = key in cost.COST and own
     fp = footprint(exp, compiled, xla_cost=xla_cost and not accelerator)
     state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     plan = exp.plan  # the layout, batch and sequence length: the run plan's, not the config's
     tokens = plan.global_batch * plan.seq_len
-    model_flops = flops.flops_per_token(cfg.model, n_params, plan.seq_len) * tokens
+    model_flops = cost.flops_per_token(cfg.model, n_params, plan.seq_len) * tokens
     timing = None
     if accelerator and peak:
-        w = gpu_cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
+        w = cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
                               target_vocab(cfg, plan, target),
                               kernel_on(cfg, plan, target.device_kind))
         t = TARGETS[key]
-        timing = gpu_cost.step_time(w, gpu_cost.COST[key], peak, t.hbm_bytes_per_s,
+        timing = cost.step_time(w, cost.COST[key], peak, t.hbm_bytes_per_s,
                                     t.link_bytes_per_s,
                                     collective_list(compiled.as_text(), exp.plan.n_devices))
-        parts = flops.step_flops(cfg.model, tokens, plan.seq_len, w.vocab, plan.remat,
+        parts = cost.step_flops(cfg.model, tokens, plan.seq_len, w.vocab, plan.remat,
                                  timing["fused_attention"])
     else:
-        parts = flops.step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
+        parts = cost.step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
                                  plan.remat)
         if cfg.model._target_:  # a user model: no block of dxrun's to count by parts
             parts = {"model": model_flops, "hardware": model_flops}
@@ -218,3 +767,107 @@ def state_bytes(state: Any) -> float:
     """Bytes of the whole train state (every array once, as a checkpoint holds it; its
     shapes alone do)."""
     return float(sum(x.dtype.itemsize * math.prod(x.shape) for x in jax.tree.leaves(state)))
+
+
+# ------------------------------------------------------------------------------------------------
+# The memory preflight of every real run: before any weight is allocated, the train step
+# compiled from shapes alone must fit what this host or device gives one device; a refusal names
+# the nearest setting that fits (plan mode's suggestion search) and writes where the memory goes.
+
+def cpu_device_budget(available: float, local_devices: int, processes: int) -> float:
+    """Bytes one simulated CPU device may use: the host's usable RAM split over every device
+    of every process on the host (each process sees the whole host's MemAvailable)."""
+    return available * USABLE_CPU / (local_devices * processes)
+
+
+def device_budget(runtime: RuntimeConfig) -> tuple[float, int, str]:
+    """(bytes one device may use, devices sharing that memory, where the figure comes from)."""
+    local = jax.local_device_count()
+    procs = local_processes(os.environ, jax.process_count())
+    per = f" / {procs} processes on this host" if procs > 1 else ""
+    if runtime.memory_gb is not None:
+        if jax.default_backend() != "cpu":
+            return runtime.memory_gb * GiB, 1, f"runtime.memory_gb={runtime.memory_gb}"
+        return (runtime.memory_gb * GiB / (local * procs), local,
+                f"runtime.memory_gb={runtime.memory_gb}{per}")
+    if jax.default_backend() == "cpu":  # simulated devices share the host's RAM
+        return (cpu_device_budget(host_memory_bytes(), local, procs), local,
+                f"this host's available RAM{per}")
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        return float("inf"), 1, "unknown"
+    return float(limit), 1, f"{jax.devices()[0].device_kind} memory (bytes_limit)"
+
+
+def check_memory(cfg: RunConfig, exp: Any, compiled: Any, plan: RunPlan | None = None) -> str | None:
+    """This process's refusal of a run whose compiled step will not fit what its host gives a
+    device, in one line with the nearest setting that fits (tried from ``plan``'s layout,
+    batch and sequence length; None: ``exp``'s config as it is); None when it fits."""
+    if cfg.runtime.skip_memory_check or (exp.plan.platform == "tpu"
+                                         and cfg.runtime.memory_gb is None):
+        return None  # XLA's TPU compile is the check (``compile_checked``); it passed
+    need = step_bytes(compiled)
+    if need is None:
+        return None
+    budget, shared, source = device_budget(cfg.runtime)
+    if need <= budget:
+        return None
+    # No suggestion changes the model: sharded over every visible device, its weights and
+    # optimizer state alone are the least any of them needs. Below that, a search of compiles
+    # would only make the refusal slow.
+    floor = state_bytes(exp.abstract_state()) / exp.plan.n_visible
+    if floor > budget:
+        fix_text = (f"the weights and optimizer state alone need {floor / GiB:.4f} GiB per "
+                    f"device on all {exp.plan.n_visible}: try a larger mesh or a smaller model")
+    else:
+        base = cfg if plan is None else resolved_config(cfg, plan)
+        fix = first_that_fits(base, budget, exp.plan)
+        fix_text = f"try {' '.join(fix)}" if fix else "try a larger mesh or a smaller model"
+    # Three significant figures: a tiny budget reads "0.004 GiB", not "0.0 GiB".
+    return (f"the train step needs {need / GiB:.3g} GiB per device x {shared} device(s) = "
+            f"{need * shared / GiB:.3g} GiB, but {source} gives {budget * shared / GiB:.3g} GiB; "
+            f"{fix_text} (or runtime.skip_memory_check=true to run anyway)")
+
+
+def compile_checked(cfg: RunConfig, exp: Experiment, plan: RunPlan | None = None) -> Any:
+    """The run's step compiled for the preflight (and the run). On a TPU, XLA's compile is the
+    memory check: it assigns every buffer of the program, donated inputs reused, and refuses
+    one that exceeds the chip (RESOURCE_EXHAUSTED) before anything runs, where arguments plus
+    temporaries (``step_bytes``) count buffers that share memory. Its refusal becomes the
+    preflight's one line, with the nearest setting that compiles."""
+    try:
+        return exp.compile_step()
+    except Exception as e:
+        if exp.plan.platform != "tpu" or not is_out_of_memory(e):
+            raise
+        base = cfg if plan is None else resolved_config(cfg, plan)
+        fix = first_that_fits(base, float("inf"), exp.plan)  # fits: its compile passes
+        why = str(e).split(":", 1)[-1].strip().splitlines()[0]
+        raise ConfigError(f"the train step does not fit one {jax.devices()[0].device_kind} "
+                          f"chip: XLA says {why}; try "
+                          f"{' '.join(fix) if fix else 'a larger mesh or a smaller model'}"
+                          ) from None
+
+
+def memory_preflight(cfg: RunConfig, exp: Experiment, compiled: Any, out: Path | None = None,
+                     plan: RunPlan | None = None) -> None:
+    """Raise ConfigError, before any weight is allocated, when the compiled step will not fit
+    (``check_memory``); the refusal writes where the memory goes and its one line names the
+    file. Bad input leaves no run dir behind, so the file goes to ``out``, by default a new dir
+    under the system's temp dir (``refusal_dir``).
+
+    The processes of a run decide together: each checks its own host, and one refusing alone
+    would leave the others waiting for it in their first collective. The first process that
+    refuses says why (its line, its file) and every process raises that one line. ``plan``:
+    the run plan ``exp`` was built for (``check_memory``)."""
+    lines = gather("memory_preflight", check_memory(cfg, exp, compiled, plan) or "")
+    if not any(lines):
+        return
+    first = next(i for i, line in enumerate(lines) if line)
+    path = ""
+    if jax.process_index() == first:
+        path = str(write(out or refusal_dir(), compiled,
+                                       exp.abstract_state(), exp.plan.platform))
+    path = gather("memory_preflight/report", path)[first]
+    raise ConfigError(f"{lines[first]}; where the memory goes: {path}")

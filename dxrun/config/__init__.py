@@ -7,3 +7,26 @@ how a run ends: its outcomes, status and exit codes (``errors``).
 
 No JAX import: the device count is decided from the composed config before JAX starts.
 """
+
+# ruff: noqa: I001 - the names wrapped as a list, not one a line
+from __future__ import annotations
+
+# The family's face: what the rest of dxrun imports (``from dxrun.config import ConfigError,
+# RunConfig``), each name still in its module. Validation, composition and the registry sit
+# apart: they import beyond the config (Hydra, the data's and the plan's checks).
+from dxrun.config.errors import (
+    DISK_ERRNOS, EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, FAILED, OK, RUNNING, STOPPED, UNFINISHED,
+    CheckpointGone, CheckpointReadError, ConfigError, DiskError, Interrupted, NonFiniteError,
+    NothingToTrain, Stopped, disk_error, fail, first_line, named_line)
+from dxrun.config.key import (
+    BATCH, FRACTION, INT32, NON_NEGATIVE, POSITIVE, Choices, Range, key, ranges_table, section,
+    walk)
+from dxrun.config.schema import (
+    BACKENDS, DATA_SOURCE_KEYS, FIELDS, GLOBAL, NULLABLE, PER_DEVICE, RANGES, UNRANGED,
+    CheckpointConfig, DataConfig, EarlyStopConfig, EvalConfig, LoggerConfig, ModelConfig,
+    OptimizerConfig, PlanConfig, ProfileConfig, RunConfig, RunSection, RuntimeConfig, TrainConfig,
+    choices_of, null_is_a_value, ranges_markdown)
+from dxrun.config.schema_parallel import (
+    AXES, FILLS, INSIDE, SPANS, Axis, DistributedConfig, ParallelismConfig, axis_sizes)
+from dxrun.config.target import (
+    PASSES, call_refusal, check_targets, checked_factory, locate)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf, open_dict
 
-from dxrun.config.errors import ConfigError
+from dxrun.config import ConfigError
 from dxrun.config.registry import check_keys, composition_error, conf_dir
-from dxrun.run.run_dir import dir_refusal
+from dxrun.run.runtime import dir_refusal
 
 
 def composition_refusal(argv: list[str]) -> str | None:

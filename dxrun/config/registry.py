@@ -18,8 +18,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from dxrun.config.errors import ConfigError
-from dxrun.config.schema import ModelConfig, RunConfig
+from dxrun.config import ConfigError, ModelConfig, RunConfig
 from dxrun.hf.config_json import apply_hf_model
 
 DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
@@ -27,7 +26,7 @@ DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 
 def default_batch(per_device: Any) -> int | None:
     """The ``default_batch`` resolver behind ``data.batch_size``'s default: 32, or null when a
-    per-device batch gives the global one (dxrun/plan/batch.py)."""
+    per-device batch gives the global one (dxrun/plan/run_plan.py)."""
     return DEFAULT_BATCH if per_device is None else None
 
 
@@ -177,7 +176,7 @@ def tokenizer_vocab(path: Any, default: int) -> int:
 
         tok = Tokenizer.from_file(str(Path(str(path)).expanduser()))
         return int(tok.get_vocab_size(with_added_tokens=True))
-    except Exception:  # noqa: BLE001 - dxrun.data.corpus.Tokenizer says what is wrong
+    except Exception:  # noqa: BLE001 - dxrun.data.Tokenizer says what is wrong
         return default
 
 

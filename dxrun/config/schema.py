@@ -33,7 +33,7 @@ from dxrun.config.key import (  # noqa: F401 - Range and the bounds, importable 
 )
 from dxrun.config.schema_parallel import DistributedConfig, ParallelismConfig
 
-# The two keys that give the batch (dxrun/plan/batch.py tells which one a run set).
+# The two keys that give the batch (dxrun/plan/run_plan.py tells which one a run set).
 GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
 
 
@@ -89,7 +89,7 @@ class ModelConfig:
     loss_chunk: int | None = key(
         None, "Cross-entropy and accuracy over chunks of this many positions of each sequence "
         "(the logits of one chunk alive at a time); 0 = off; null = auto: on when one "
-        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.model.chunked_loss).",
+        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.model.objectives).",
         range=NON_NEGATIVE)
     _target_: str | None = key(None, "Your own Flax NNX module (dxrun/model/user_model.py's protocol: "
                                "logical axes, __call__(tokens) -> logits); null = dxrun's")
@@ -103,7 +103,7 @@ class DataConfig:
     batch_size: int | None = key(
         "${default_batch:${data.per_device_batch_size}}",
         "Global (all devices, one optimizer update); its default is 32, or null when a "
-        "per-device batch is given (dxrun/plan/batch.py: how a set value is told from the default).",
+        "per-device batch is given (dxrun/plan/run_plan.py: how a set value is told from the default).",
         range=BATCH)
     per_device_batch_size: int | None = key(
         None, "Per data replica and micro-batch: global = this x dp x fsdp x train.grad_accum.",
@@ -135,7 +135,7 @@ class DataConfig:
                               range=NON_NEGATIVE, sources=("markov",))
     branching: int | None = key(None, "markov: successors per context (the chain is sparse)",
                                 range=POSITIVE, sources=("markov",))
-    _target_: str | None = key(None, "Your own batch source (dxrun/data/user.py's protocol: "
+    _target_: str | None = key(None, "Your own batch source (dxrun/data/__init__.py's protocol: "
                                "batch(step, split)); null = data.name's")
     kwargs: dict[str, Any] = key(meaning="data._target_'s other arguments", factory=dict)
 
@@ -297,7 +297,7 @@ class RunSection:
 @dataclass
 class PlanConfig:
     target: str | None = key(
-        None, "The accelerator plan mode estimates for (dxrun/plan/targets.py: TARGETS); null = "
+        None, "The accelerator plan mode estimates for (dxrun/plan/cost.py: TARGETS); null = "
         "the devices this process sees.")
     write_gb_per_s: float = key(
         1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
@@ -364,7 +364,7 @@ RANGES: dict[str, Range] = {k: f.metadata["range"] for k, f in FIELDS.items()
 # The numeric keys without a range: what they accept and where that is checked.
 UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
                             if f.metadata["unranged"]}
-# The string keys with a fixed list of values (plan.target's: dxrun/plan/targets.py).
+# The string keys with a fixed list of values (plan.target's: dxrun/plan/cost.py).
 _CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
                                         if isinstance(f.metadata["choices"], tuple)}
 # The data keys only some sources read; any other source refuses them.

@@ -1,12 +1,12 @@
 """The sections of a run over many devices: the mesh's axes (``AXES``, a table: each axis's key,
 the JAX mesh axis it names and how it spreads over hosts), the ``parallelism`` section that
 sizes them and the ``distributed`` section that joins a multi-process run through JAX's
-distributed runtime (dxrun/multihost/distributed.py). Keys are written as in
+distributed runtime (dxrun/run/runtime.py). Keys are written as in
 ``dxrun.config.schema`` (``key.key``), which places the sections in ``RunConfig``.
 
 A new mesh axis is a row of ``AXES``, its key here, its logical rules
-(``plan.mesh.LOGICAL_RULES``), its presets (conf/parallelism/) and its tests: the plan
-(``plan.axes.Sizes``), the layout search, the host split and the mesh iterate over ``AXES``.
+(``plan.run_plan.LOGICAL_RULES``), its presets (conf/parallelism/) and its tests: the plan
+(``plan.run_plan.Sizes``), the layout search, the host split and the mesh iterate over ``AXES``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dxrun.config.key import NON_NEGATIVE, POSITIVE, key
 
-# How an axis spreads over hosts (``plan.hosts.split_over_hosts``, innermost axis first):
+# How an axis spreads over hosts (``plan.run_plan.split_over_hosts``, innermost axis first):
 INSIDE = "inside"  # its groups stay inside a host (their collectives run every layer)
 FILLS = "fills"  # it takes what a host has left, the rest across hosts
 SPANS = "spans"  # it spans the hosts with whatever is left
@@ -37,9 +37,9 @@ class Axis:
 
 
 # The mesh's axes in its order (the device grid's, major to minor): a mesh that does not fit
-# its devices gives up sizes in this order too (``plan.axes.shrink``). The context axis stays
+# its devices gives up sizes in this order too (``plan.run_plan.shrink``). The context axis stays
 # inside a host as tensor does (its K/V all-gathers run every layer); a multi-process run
-# refuses cp > 1 for now (``plan.context.check_processes``).
+# refuses cp > 1 for now (``plan.run_plan.check_processes``).
 AXES: tuple[Axis, ...] = (Axis("dp", "data", hosts=SPANS), Axis("fsdp", "fsdp", hosts=FILLS),
                           Axis("cp", "context", inferable=False),
                           Axis("tp", "tensor", cross_host="allow_cross_host_tp"))
@@ -51,7 +51,7 @@ def axis_sizes(section: object) -> dict[str, int]:
     return {a.key: getattr(section, a.key) for a in AXES}
 
 
-_AXIS = "-1 (inferred) or a size >= 1: plan.axes.resolve_axes"
+_AXIS = "-1 (inferred) or a size >= 1: plan.run_plan.resolve_axes"
 
 
 @dataclass
@@ -94,13 +94,13 @@ class ParallelismConfig:
         0.25, "parallelism=auto (a run, or the run plan mode plans): the starting layout (all "
         "devices data-parallel) is kept, unsearched, when a search is predicted to cost more "
         "than this fraction of the run's steps (from the starting layout's compile time and "
-        "estimated step: plan.layouts.search_cost); null = always search (a cached decision "
+        "estimated step: plan.run_plan.search_cost); null = always search (a cached decision "
         "is still taken; search=fresh searches whatever this is)", range=POSITIVE)
 
 
 @dataclass
 class DistributedConfig:
-    """Joining a multi-process run through JAX's distributed runtime (dxrun/multihost/distributed.py)."""
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/run/runtime.py)."""
 
     mode: str = key(
         "auto", "auto: join when the environment says this process is one of several (srun "

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # Each section's ``_target_``: what dxrun passes it by keyword beside ``<section>.kwargs`` (the
 # name, and where its value comes from: the refusal shows the call) and an example path.
-# The protocols: dxrun/model/user_model.py, dxrun/data/user.py, dxrun/optimizer.py.
+# The protocols: dxrun/model/user_model.py, dxrun/data/__init__.py, dxrun/experiment.py.
 PASSES: dict[str, tuple[dict[str, str], str]] = {
     "model": ({"vocab_size": "model.vocab_size", "rngs": "nnx.Rngs(train.seed)"},
               "mypkg.MyModel"),

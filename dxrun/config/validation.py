@@ -18,13 +18,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dxrun.config.errors import ConfigError
-from dxrun.config.schema import (
+from dxrun.config import (
     BACKENDS,
     DATA_SOURCE_KEYS,
     FIELDS,
     RANGES,
     CheckpointConfig,
+    ConfigError,
     DataConfig,
     DistributedConfig,
     EvalConfig,
@@ -39,12 +39,12 @@ from dxrun.config.schema import (
     TrainConfig,
     null_is_a_value,
 )
-from dxrun.data.markov import MAX_TABLE_BYTES, table_bytes
+from dxrun.data import MAX_TABLE_BYTES, table_bytes
 from dxrun.hf.config_json import check_rope_scaling, hf_dir
-from dxrun.plan.batch import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
-from dxrun.plan.targets import TARGETS
+from dxrun.plan.cost import TARGETS
+from dxrun.plan.run_plan import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
+from dxrun.run.runtime import unread_logger_keys
 from dxrun.tracking.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
-from dxrun.tracking.stores import unread_logger_keys
 
 
 def validate(cfg: RunConfig) -> None:
@@ -149,7 +149,7 @@ def check_choices(node: Any, section: str) -> None:
     for key in _keys_of(section):
         allowed = FIELDS[key].metadata["choices"]
         if not isinstance(allowed, tuple) or (value := _get(node, key)) in allowed:
-            continue  # plan.target's list is plan.targets': check_plan
+            continue  # plan.target's list is plan.cost.TARGETS: check_plan
         if value is None and (null_is_a_value(key) or FIELDS[key].metadata["sources"]):
             continue  # a source's key left null: not read, or check_data's (data.dtype)
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; "

@@ -21,7 +21,7 @@ import numpy as np
 class Windows:
     """Random-access source: window ``i`` is tokens ``[i*L, i*L + L + 1)`` (inputs + targets).
 
-    ``tokens`` is an array or a ``corpus.TokenFile``; Grain pickles this source into each worker
+    ``tokens`` is an array or a ``data.TokenFile``; Grain pickles this source into each worker
     process, and a TokenFile travels as its path, not its data."""
 
     def __init__(self, tokens: Any, seq_len: int):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from dxrun.config.errors import ConfigError
+from dxrun.config import ConfigError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -18,8 +18,7 @@ import jax
 import numpy as np
 
 from dxrun.hf.config_json import hf_dir, read_config
-from dxrun.hf.files import HFWeights
-from dxrun.hf.mapping import Weight, dims, dxrun_block, shape_of, weights
+from dxrun.hf.mapping import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment

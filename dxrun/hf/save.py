@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from dxrun.hf.config_json import config_json, model_type_of
-from dxrun.hf.files import INDEX, SINGLE
-from dxrun.hf.mapping import Weight, dims, hf_name, shape_of, to_hf, weights
+from dxrun.hf.mapping import INDEX, SINGLE, Weight, dims, hf_name, shape_of, to_hf, weights
 
 MAX_SHARD_BYTES = 5 * 10**9  # the hub's default
 

@@ -6,7 +6,7 @@ is the one place a token needs the others: ``attend`` runs it under ``jax.shard_
 device all-gathering the keys and values of its sequence over ``context`` (one all-gather of
 K and V together per layer, their gradients reduce-scattered backward) and attending with its
 own queries, a block of keys at a time (``flash``), under a causal mask of the true positions.
-The sequence is held in the zig-zag order of ``dxrun.plan.context`` (``in_context_order``: the
+The sequence is held in the zig-zag order of ``dxrun.plan.run_plan`` (``in_context_order``: the
 step permutes the inputs and the targets once), which balances the causal work over the
 devices; positions, learned or rotary, are the true ones (``true_positions``). Outside a mesh
 with ``context`` > 1 every function here is the identity or None.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dxrun.model.sharding import active_axes, active_spec, constrain
-from dxrun.plan.context import BLOCK, zigzag_order
+from dxrun.plan.run_plan import BLOCK, zigzag_order
 
 FLOOR = float(np.finfo(np.float32).min)  # a masked score: exp() of it is 0, never a NaN
 

@@ -1,4 +1,4 @@
-"""Pallas' splash attention (TPU), the ``splash`` entry of ``dxrun.plan.attention_kernel``.
+"""Pallas' splash attention (TPU), the ``splash`` entry of ``dxrun.plan.run_plan``.
 
 JAX ships the kernel (``jax.experimental.pallas.ops.tpu.splash_attention``): flash attention in
 blocks whose fully masked blocks are skipped (the causal half), with its own backward (one fused
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dxrun.model.sharding import active_spec
-from dxrun.plan.attention_kernel import RESIDUALS
+from dxrun.plan.run_plan import RESIDUALS
 
 # Longest block of queries and keys: on a v5e a 512-long block ran the GPT-2 shapes' forward and
 # backward fastest (BENCHMARKS.md, "TPU"); shorter sequences take the longest multiple of 128

@@ -22,14 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.config.errors import ConfigError
-from dxrun.config.target import checked_factory
-from dxrun.model.attention import KERNEL
-from dxrun.model.transformer import Transformer
-from dxrun.plan.mesh import LOGICAL_RULES
+from dxrun.config import ConfigError, checked_factory
+from dxrun.model.transformer import KERNEL, Transformer
+from dxrun.plan.run_plan import LOGICAL_RULES
 
 if TYPE_CHECKING:
-    from dxrun.config.schema import ModelConfig
+    from dxrun.config import ModelConfig
 
 
 def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,

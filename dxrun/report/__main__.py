@@ -8,9 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from dxrun.config.errors import ConfigError
-from dxrun.report.collect import tally
-from dxrun.report.table import write_report
+from dxrun.config import ConfigError
+from dxrun.report.sweep import tally, write_report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,11 +13,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from dxrun.config.errors import EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, fail
-from dxrun.multihost.distributed import is_main
-from dxrun.report.collect import find_jobs, tally
-from dxrun.report.table import write_report
+from dxrun.config import EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, fail
+from dxrun.report.sweep import find_jobs, tally, write_report
 from dxrun.run.job_dir import SWEEP_EXITS
+from dxrun.run.runtime import is_main
 
 log = logging.getLogger("dxrun")
 

@@ -8,7 +8,7 @@ run; they never decide whether it can go on, so an unreadable one is renamed to
 not there; so is anything else where the run keeps a dir (a file named ``.hydra``:
 ``make_dir``). ``metrics.jsonl``'s damaged lines go the way of its other set-aside lines
 (``tracking.logger.rewind_metrics``); a checkpoint's meta is checked with its checkpoint
-(``checkpointing.damage``). Imports nothing of dxrun but its errors.
+(``checkpointing.store``). Imports nothing of dxrun but its errors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dxrun.config.errors import named_line
+from dxrun.config import named_line
 
 log = logging.getLogger("dxrun")
 

@@ -21,8 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from dxrun.config.errors import ConfigError
-from dxrun.config.key import INT32, NON_NEGATIVE, Range
+from dxrun.config import INT32, NON_NEGATIVE, ConfigError, Range
 
 # Each fault's variable and the steps it accepts (the NaN step is compared with the int32 step
 # counter inside the jitted step).

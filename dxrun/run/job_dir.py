@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from dxrun.config.errors import (
+from dxrun.config import (
     EXIT_CRASHED,
     EXIT_REFUSED,
     ConfigError,
@@ -31,17 +31,26 @@ from dxrun.config.errors import (
     fail,
     first_line,
 )
-from dxrun.multihost.distributed import agree, is_main, tell_launcher, tell_launcher_startup
-from dxrun.run import run_dir as run_dirs
-from dxrun.run.run_dir import Claim, relaunch_command, stopped_words
-from dxrun.run.run_log import RunLog
-from dxrun.run.runtime import claim_run_dir, write_hydra_files, write_status
-from dxrun.tracking.run_summary import record_end
+from dxrun.run import runtime
+from dxrun.run.runtime import (
+    Claim,
+    RunLog,
+    agree,
+    claim_run_dir,
+    is_main,
+    relaunch_command,
+    stopped_words,
+    tell_launcher,
+    tell_launcher_startup,
+    write_hydra_files,
+    write_status,
+)
+from dxrun.tracking.logger import record_end
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
 
-    from dxrun.config.schema import CheckpointConfig, RunConfig, RunSection
+    from dxrun.config import CheckpointConfig, RunConfig, RunSection
 
 log = logging.getLogger("dxrun")
 
@@ -71,15 +80,15 @@ def _committed(ckpt: CheckpointConfig, run_dir: Path) -> tuple[Path, list[int]]:
 
 def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf,
                    asked: Path, held: list[Claim] | None = None) -> Claim:
-    """The dir this training job writes to (``run_dir.claim``), held by process 0 for the
+    """The dir this training job writes to (``runtime.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
-    ``asked`` is said at once rather than only in the last line. ``held``: as ``run_dir.claim``
+    ``asked`` is said at once rather than only in the last line. ``held``: as ``runtime.claim``
     (the caller's hold on the dir from the moment it is locked)."""
-    wait_s = run_dirs.wait_seconds(run.wait_for_lock)
+    wait_s = runtime.wait_seconds(run.wait_for_lock)
     claim, decision = None, {}
     if is_main():
         try:
-            claim = run_dirs.claim(
+            claim = runtime.claim(
                 asked, named=names_its_dir(hydra_cfg),
                 fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
                 has_checkpoints=lambda d: bool(_committed(ckpt, d)[1]))

@@ -1,5 +1,5 @@
 """After training, what the commands share: a run's checkpoint (or a Hugging Face directory)
 loaded on any mesh and the tools' command line (``checkpoint``; a live run's newest checkpoint
-read by ``live``), and the decoders a prompt is continued with (``decode``: the KV cache;
-``denoise``: masked diffusion's). The commands themselves are ``dxrun.evaluate``,
+read by ``live``), and the decoders a prompt is continued with (``decode``: the KV cache, and
+masked diffusion's reverse process). The commands themselves are ``dxrun.evaluate``,
 ``dxrun.sample``, ``dxrun.export`` and ``dxrun.logits``."""

@@ -30,13 +30,11 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from dxrun.config.errors import ConfigError, first_line
+from dxrun.config import ConfigError, RunConfig, first_line
 from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
-from dxrun.config.schema import RunConfig
 from dxrun.config.validation import validate
 from dxrun.hf.config_json import PREFIX
-from dxrun.plan.mesh import MeshPlan, make_plan
-from dxrun.plan.run_plan import recorded
+from dxrun.plan.run_plan import MeshPlan, make_plan, recorded
 from dxrun.run.runtime import collect_cycles_rarely, command_imports, simulate_cpu_devices
 
 if TYPE_CHECKING:
@@ -195,7 +193,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     (``compose_hf``)."""
     with command_imports():
         from dxrun.experiment import Experiment, visible_devices  # imports JAX
-        from dxrun.tools.live import checkpoint, read_newest  # imports JAX
+        from dxrun.tools.live import read_newest, store  # imports JAX
 
     best, overrides = BEST in overrides, [o for o in overrides if o != BEST]
     named = names_layout(overrides)
@@ -209,12 +207,12 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     if not hf:
         # Before JAX starts: no devices are needed to refuse. Absolute: Orbax refuses relative
         # paths.
-        resume = checkpoint.locate(path.expanduser().absolute(), key)
+        resume = store.locate(path.expanduser().absolute(), key)
         if step is not None:
-            if step not in (have := checkpoint.committed_steps(resume.directory)):
+            if step not in (have := store.committed_steps(resume.directory)):
                 raise ConfigError(f"step {step}: {resume.directory} has no committed step "
                                   f"{step} (it has {', '.join(map(str, have))})")
-            resume = checkpoint.locate(resume.directory / str(step), key)
+            resume = store.locate(resume.directory / str(step), key)
     start_devices(overrides)
 
     if hf:
@@ -232,8 +230,8 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
     def build(meta: dict[str, Any], where: Path) -> tuple[DictConfig, Experiment]:
         """(config, experiment) of checkpoint ``where`` (``meta``: its meta)."""
         cfg = compose(meta["config"], overrides)
-        if diff := checkpoint.changed(cfg, meta["config"],
-                                      checkpoint.MODEL_SHAPE + checkpoint.VOCABULARY):
+        if diff := store.changed(cfg, meta["config"],
+                                      store.MODEL_SHAPE + store.VOCABULARY):
             k, now, then = diff
             raise ConfigError(f"{k}={now} but checkpoint {where} was written with {k}={then} "
                               f"(a checkpoint's model shape is fixed); drop the {k} override")
@@ -313,7 +311,7 @@ def compose_hf(path: Path, overrides: list[str]) -> DictConfig:
 def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     """The run dir the command line points at: ``path`` itself when it holds ``checkpoints/``
     or ``checkpoints.txt``, else the dir around ``<run dir>/checkpoints`` when ``path`` is
-    that dir or a step dir in it (``checkpoints``: the dir ``resume.locate`` found). None
+    that dir or a step dir in it (``checkpoints``: the dir ``store.locate`` found). None
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""

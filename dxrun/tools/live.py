@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dxrun.checkpointing import resume as checkpoint  # load.py's too: one import of JAX
-from dxrun.config.errors import CheckpointGone, ConfigError
+from dxrun.checkpointing import store  # load.py's too: one import of JAX
+from dxrun.config import CheckpointGone, ConfigError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from dxrun.checkpointing.resume import Resume
+    from dxrun.checkpointing.store import Resume
     from dxrun.experiment import Experiment
 
 log = logging.getLogger("dxrun")
@@ -51,7 +51,7 @@ def read_newest(resume: Resume, best: bool, by_step: bool, build: Build
             # The parameters alone: the optimizer state is not needed, and its tree may not
             # match an optimizer given as an override.
             this.fresh_optimizer = "not needed after training"
-            state, _, _ = checkpoint.restore(this, exp.abstract_state())
+            state, _, _ = store.restore(this, exp.abstract_state())
             return meta, where, cfg, exp, state.params
         except CheckpointGone as e:
             if resume.step is not None:
@@ -67,15 +67,15 @@ def read_newest(resume: Resume, best: bool, by_step: bool, build: Build
 def _chosen(resume: Resume, best: bool) -> tuple[int, dict[str, Any]]:
     """(step, meta) of the checkpoint to read: the newest committed of ``resume``, or with
     ``best`` the one ``checkpoint.keep_best`` kept, which the newest one's meta names."""
-    step, meta = checkpoint.newest_meta(resume)
+    step, meta = store.newest_meta(resume)
     if not best:
         return step, meta
     kept = (meta.get("keep_best") or {}).get("step")
-    there = kept in checkpoint.committed_steps(resume.directory)
-    if kept is not None and not there and checkpoint.gone(resume, step):
+    there = kept in store.committed_steps(resume.directory)
+    if kept is not None and not there and store.gone(resume, step):
         raise CheckpointGone(resume.directory / str(kept))  # the best moved on with the run
     if kept is None or not there:
         raise ConfigError(f"--best: {resume.directory} holds no best checkpoint (the run "
                           "was not trained with checkpoint.keep_best=<metric>); drop --best")
     resume.step = kept
-    return checkpoint.newest_meta(resume)
+    return store.newest_meta(resume)

@@ -1,5 +1,5 @@
 """An example of your own data for dxrun: ``data._target_=custom_block.CountingData``, written
-against dxrun's batch-source protocol (``dxrun/data/user.py``): built with the run's global
+against dxrun's batch-source protocol (``dxrun/data/__init__.py``): built with the run's global
 batch, window, vocabulary and seed, it gives any step's whole batch of either split by random
 access, so dxrun's train iterator resumes it from a checkpoint's step.
 
