@@ -69,8 +69,8 @@ from dxrun.plan.run_plan import (
 from dxrun.run.runtime import agree, is_main, release_freed_memory, user_cache_dir
 
 if TYPE_CHECKING:
-    from dxrun.checkpointing.store import Resume
     from dxrun.config import RunConfig
+    from dxrun.plan.run_plan import Resume
 
 
 # ------------------------------------------------------------------------------------------------

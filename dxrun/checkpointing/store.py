@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from dxrun.config import (
 )
 from dxrun.experiment import TrainState
 from dxrun.plan.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
+from dxrun.plan.run_plan import Resume
 from dxrun.run import faults
 from dxrun.run.runtime import Preemption, ProcessAgreement, gather, is_main, relaunch_command
 from dxrun.tracking.goodput import NOTICEABLE_BLOCK_S, SaveTotals
@@ -508,30 +509,6 @@ VOCABULARY = ("model.vocab_size",)
 DATA_SOURCE = ("data.name", "data.path", "data.tokenizer", "data.dtype", "data.seq_len",
                "data.seed", "data.order", "data.symbols", "data.branching", "data._target_",
                "data.kwargs")
-
-
-@dataclass
-class Resume:
-    """Where a run continues from: ``directory`` (a checkpoints dir) at its newest readable
-    step, or at ``step``; ``in_place``: the checkpoints are this run's own."""
-
-    directory: Path
-    step: int | None
-    in_place: bool
-    meta: dict[str, Any] = field(default_factory=dict)  # the newest readable checkpoint's meta
-    meta_step: int = 0
-    damaged: list[int] = field(default_factory=list)  # newer steps found damaged, newest first
-    # Why the optimizer state starts fresh (its tree does not fit the optimizer now); None: it
-    # is restored with the rest.
-    fresh_optimizer: str | None = None
-    state_names: set[str] | None = None  # the leaves of the checkpoint's state tree
-    key: str = "checkpoint.resume"  # what named the checkpoints: a tool's is its path argument
-
-    def fix(self) -> str:
-        """The way on when nothing here can be read: a launch starts fresh, a tool
-        (``dxrun.export``, ...) is given other checkpoints: its own argument, not a run's key."""
-        return ("start fresh with checkpoint.resume=none" if self.key == "checkpoint.resume" else
-                f"give another {self.key}: a run dir, its checkpoints dir or one of its step dirs")
 
 
 def find_resume(ckpt: CheckpointConfig, run_dir: Path, now: RunConfig | dict[str, Any]

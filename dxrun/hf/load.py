@@ -12,7 +12,7 @@ shards of its own devices.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -21,15 +21,25 @@ from dxrun.hf.config_json import hf_dir, read_config
 from dxrun.hf.mapping import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 
 if TYPE_CHECKING:
-    from dxrun.experiment import Experiment
+    from dxrun.config import RunConfig
 
 
-def _table(exp: Experiment, d: Path) -> list[Weight]:
+class Built(Protocol):
+    """What the import reads of a built run (an ``Experiment``): its config, its parameters'
+    logical axes and its abstract state."""
+
+    cfg: RunConfig
+    axes: Any
+
+    def abstract_state(self) -> Any: ...
+
+
+def _table(exp: Built, d: Path) -> list[Weight]:
     m = exp.cfg.model
     return weights(read_config(d)["model_type"], m.tie_embeddings)
 
 
-def check_hf_weights(exp: Experiment) -> None:
+def check_hf_weights(exp: Built) -> None:
     """Refuse (ConfigError, one line) a directory whose tensors do not make this model:
     headers only, before anything is written."""
     d = hf_dir(exp.cfg.model.init_from)
@@ -42,7 +52,7 @@ def _leaves(tree: dict) -> dict[str, Any]:
     return {"/".join(str(getattr(k, "key", k)) for k in p): x for p, x in flat}
 
 
-def import_params(exp: Experiment, spec: dict | None = None) -> dict:
+def import_params(exp: Built, spec: dict | None = None) -> dict:
     """The parameters of ``exp.cfg.model.init_from``'s directory, laid out in ``exp``'s
     shardings (``exp.param_shardings``), as a params tree ``exp.init_state`` takes. ``spec``:
     ``exp.abstract_state().params`` when the caller has it."""

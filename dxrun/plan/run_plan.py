@@ -16,7 +16,8 @@ import copy
 import math
 import statistics
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -1609,6 +1610,32 @@ def markdown(record: dict[str, Any]) -> str:
         out.append(f"| {layout.label} | {need} | {_ms(r['est_ms'])} | {_ms(r['measured_ms'])} "
                    f"| {'✓' if r['chosen'] else ''} | {r['why']} |")
     return "\n".join(out)
+
+
+# Where a run continues from: the checkpoint its decision takes (``decide``), found and read by
+# ``dxrun.checkpointing.store``.
+@dataclass
+class Resume:
+    """Where a run continues from: ``directory`` (a checkpoints dir) at its newest readable
+    step, or at ``step``; ``in_place``: the checkpoints are this run's own."""
+
+    directory: Path
+    step: int | None
+    in_place: bool
+    meta: dict[str, Any] = field(default_factory=dict)  # the newest readable checkpoint's meta
+    meta_step: int = 0
+    damaged: list[int] = field(default_factory=list)  # newer steps found damaged, newest first
+    # Why the optimizer state starts fresh (its tree does not fit the optimizer now); None: it
+    # is restored with the rest.
+    fresh_optimizer: str | None = None
+    state_names: set[str] | None = None  # the leaves of the checkpoint's state tree
+    key: str = "checkpoint.resume"  # what named the checkpoints: a tool's is its path argument
+
+    def fix(self) -> str:
+        """The way on when nothing here can be read: a launch starts fresh, a tool
+        (``dxrun.export``, ...) is given other checkpoints: its own argument, not a run's key."""
+        return ("start fresh with checkpoint.resume=none" if self.key == "checkpoint.resume" else
+                f"give another {self.key}: a run dir, its checkpoints dir or one of its step dirs")
 
 
 # ------------------------------------------------------------------------------------------------

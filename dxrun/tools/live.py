@@ -21,7 +21,6 @@ from dxrun.config import CheckpointGone, ConfigError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from dxrun.checkpointing.store import Resume
     from dxrun.experiment import Experiment
 
 log = logging.getLogger("dxrun")
@@ -32,7 +31,7 @@ READS = 20
 Build = Callable[[dict[str, Any], Path], tuple["DictConfig", "Experiment"]]
 
 
-def read_newest(resume: Resume, best: bool, by_step: bool, build: Build
+def read_newest(resume: store.Resume, best: bool, by_step: bool, build: Build
                 ) -> tuple[dict[str, Any], Path, DictConfig, Experiment, dict]:
     """(meta, step dir, config, experiment, parameters) of the newest committed checkpoint of
     ``resume`` (with ``best``: the one ``checkpoint.keep_best`` kept; ``resume.step``: that
@@ -64,7 +63,7 @@ def read_newest(resume: Resume, best: bool, by_step: bool, build: Build
     raise AssertionError("unreachable")
 
 
-def _chosen(resume: Resume, best: bool) -> tuple[int, dict[str, Any]]:
+def _chosen(resume: store.Resume, best: bool) -> tuple[int, dict[str, Any]]:
     """(step, meta) of the checkpoint to read: the newest committed of ``resume``, or with
     ``best`` the one ``checkpoint.keep_best`` kept, which the newest one's meta names."""
     step, meta = store.newest_meta(resume)
