@@ -667,7 +667,7 @@ class Experiment:
             return self.tx.init(pad(params, self.zero_pads))
         opt_state = jax.jit(_opt_init, out_shardings=self.state_shardings.opt_state)(params)
         step, skipped, bad = jax.device_put([np.zeros((), np.int32)] * 3, replicated(self.mesh))
-        # Settle the one-off programs before the first step (see the note in experiment.py).
+        # Settle the one-off programs before the first step (see ``InFlight``).
         return jax.block_until_ready(TrainState(step, params, opt_state, skipped, bad))
 
     def abstract_state(self) -> TrainState:
