@@ -12,10 +12,9 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu" and
   f"JAX sees no GPU ({jax.devices()}): pip install -e .[gpu]")'
-python -c 'import jax, jax.numpy as jnp
-from dxrun.plan.run_plan import attention_implementation, attention_target
+python -c 'import jax
+from dxrun.plan.run_plan import Inputs, attention_target, choose
 t = attention_target(jax.devices()[0])
-print("attention kernel, bf16, head dim 64 (GPT-2):",
-      attention_implementation(t.platform, jnp.bfloat16, 64, t.compute_capability,
-                               t.cudnn_version), t)'
+print("attention kernel, bf16, head dim 64, 1024 positions (GPT-2):",
+      choose("dot_product", Inputs(t, "bfloat16", 64, 1024, True)), t)'
 python -m benchmarks --gpu "$@"
