@@ -14,6 +14,7 @@ import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -25,8 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.config import ConfigError, checked_factory
+from dxrun.config.hf_model import hf_dir, read_config
 from dxrun.data import EVAL, TRAIN, Data
-from dxrun.hf.load import import_params
+from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 from dxrun.model.context_parallel import in_context_order
 from dxrun.model.objectives import MaskedDiffusion, chunked_cross_entropy, objective_of
 from dxrun.model.sharding import (
@@ -58,7 +60,7 @@ from dxrun.plan.run_plan import (
     scaled_lr,
     table_rows,
 )
-from dxrun.run import faults
+from dxrun.run import runtime
 from dxrun.run.runtime import process_hosts
 
 if TYPE_CHECKING:
@@ -307,8 +309,8 @@ class StepSpec:
     batch_sharding: Any
     dropout_seed: int | None = None
     nan_policy: str = "halt"
-    # test-only (dxrun/run/faults.py, from the environment): the step whose loss is poisoned
-    inject_nan_at_step: int = field(default_factory=lambda: faults.from_env().nan_at_step)
+    # test-only (dxrun/run/runtime.py, from the environment): the step whose loss is poisoned
+    inject_nan_at_step: int = field(default_factory=lambda: runtime.faults_from_env().nan_at_step)
     grad_reduce_dtype: str = "fp32"
     update_shardings: Any = None
     update_pads: Any = None
@@ -329,7 +331,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          spec.grad_reduce_dtype, plan.loss_chunk, objective)
-        if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/run/runtime.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 
@@ -651,7 +653,7 @@ class Experiment:
         return self.plan.attention
 
     def hf_params(self) -> dict:
-        """``model.init_from``'s weights read into this mesh's shards (``dxrun.hf.load``)."""
+        """``model.init_from``'s weights read into this mesh's shards (``dxrun.experiment``)."""
         return import_params(self)
 
     def init_state(self, params: dict | None = None) -> TrainState:
@@ -734,3 +736,111 @@ def adopt(exp: Experiment, state: TrainState) -> TrainState:
         state = state._replace(opt_state=jax.jit(
             refitted, out_shardings=exp.state_shardings.opt_state)(state.opt_state))
     return jax.block_until_ready(jax.device_put(state, exp.state_shardings))
+
+
+# ------------------------------------------------------------------------------------------------
+# A Hugging Face checkpoint read into a run's sharded parameters (``model.init_from=hf:<dir>``).
+#
+# Each dxrun parameter is made in the run's shardings one shard at a time: for each layer of a
+# stacked weight in turn, a shard reads only its region of the HF tensor (safetensors' lazy
+# slices; ``dxrun.hf.dxrun_block`` maps dxrun's index to the HF tensor's), in dxrun's layout, into
+# the shard; rows past the real vocabulary are the mesh's padding, zeros. A shard is on its
+# devices before the next is read, and replicas share one read. So the host holds one shard
+# beyond the shards placed so far, never the whole model, and each process reads only the
+# shards of its own devices.
+
+
+def _table(exp: Experiment, d: Path) -> list[Weight]:
+    m = exp.cfg.model
+    return weights(read_config(d)["model_type"], m.tie_embeddings)
+
+
+def check_hf_weights(exp: Experiment) -> None:
+    """Refuse (ConfigError, one line) a directory whose tensors do not make this model:
+    headers only, before anything is written."""
+    d = hf_dir(exp.cfg.model.init_from)
+    with HFWeights(d) as files:
+        files.check(_table(exp, d), exp.cfg.model)
+
+
+def _leaves(tree: dict) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
+    return {"/".join(str(getattr(k, "key", k)) for k in p): x for p, x in flat}
+
+
+def import_params(exp: Experiment, spec: dict | None = None) -> dict:
+    """The parameters of ``exp.cfg.model.init_from``'s directory, laid out in ``exp``'s
+    shardings (``exp.param_shardings``), as a params tree ``exp.init_state`` takes. ``spec``:
+    ``exp.abstract_state().params`` when the caller has it."""
+    d = hf_dir(exp.cfg.model.init_from)
+    m, table = exp.cfg.model, _table(exp, d)
+    spec = spec or exp.abstract_state().params
+    specs, axes = _leaves(spec), _leaves(exp.axes)
+    if set(specs) != {w.dxrun for w in table}:
+        raise AssertionError(f"dxrun.hf misses {set(specs) ^ {w.dxrun for w in table}}")
+    dim = dims(m)
+    real_v = dim["V"]
+    built: dict[str, jax.Array] = {}
+    with HFWeights(d) as files:
+        files.check(table, m)
+        for w in table:
+            s, names = specs[w.dxrun], list(axes[w.dxrun])
+            if w.per_layer:
+                names = names[1:]
+            vocab = names.index("vocab") if "vocab" in names else None
+            one = s.shape[1:] if w.per_layer else s.shape
+            real = tuple(real_v if i == vocab else n for i, n in enumerate(one))
+
+            def shard(index: tuple, w: Weight = w, one: tuple = one, real: tuple = real,
+                      dtype: Any = s.dtype) -> np.ndarray:
+                # (start, stop) per axis of one layer, within the real vocabulary; the rows
+                # past it are the mesh's padding, zeros
+                wanted = [i.indices(n)[:2] for i, n in
+                          zip(index[1:] if w.per_layer else index, one, strict=True)]
+                within = tuple((min(a, r), min(b, r)) for (a, b), r in zip(wanted, real,
+                                                                           strict=True))
+                layers = range(m.n_layers)[index[0]] if w.per_layer else [None]
+                out = np.zeros((len(layers), *(b - a for a, b in wanted)), dtype)
+                fill = tuple(slice(0, b - a) for a, b in within)
+                hf_shape = shape_of(w.hf_shape, dim)
+                if any(a == b for a, b in within):  # all padding (or empty): zeros
+                    return out if w.per_layer else out[0]
+                for k, layer in enumerate(layers):  # one layer's block read at a time
+                    name = files.name_for(w, layer)
+                    out[(k, *fill)] = dxrun_block(w, real, within, hf_shape,
+                                                  lambda sl, name=name: files.read(name, sl))
+                return out if w.per_layer else out[0]
+
+            built[w.dxrun] = _place(s.shape, s.sharding, shard)
+    return _nest(built)
+
+
+def _place(shape: tuple[int, ...], sharding: Any, shard: Any) -> jax.Array:
+    """``jax.make_array_from_callback``, one shard at a time: each is read once (replicas of
+    it on other devices share the read) and is on its devices before the next is read, so
+    the host holds one shard at a time."""
+    by_index: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(tuple((s.start, s.stop, s.step) for s in index), []).append(
+            (device, index))
+    placed = {}
+    for group in by_index.values():
+        # Ready before the next is read: an asynchronous copy keeps its host buffer alive, and
+        # several in flight would hold several shards
+        first = jax.block_until_ready(jax.device_put(shard(group[0][1]), group[0][0]))
+        # replicas copied from device to device: no two share the host's buffer
+        placed |= {device: jax.device_put(first, device) for device, _ in group[1:]}
+        placed[group[0][0]] = first
+    arrays = [placed[d] for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for path, x in flat.items():
+        *parents, leaf = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = x
+    return out

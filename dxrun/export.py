@@ -5,7 +5,7 @@ The newest committed checkpoint (or step N of the run's checkpoints, the one
 ``checkpoint.keep_best`` kept with ``--best``, or the step dir given) is
 restored onto the mesh of the run's ``parallelism`` (or the overrides', ``parallelism=dp1``; where
 the run's does not fit the visible devices, those devices data-parallel, said in one line) and
-written by ``dxrun.hf.save``: config.json, safetensors files of at most 5 GB (with their index),
+written by ``dxrun.hf``: config.json, safetensors files of at most 5 GB (with their index),
 and the run's tokenizer.json when it has one. A GPT-2-style model becomes ``GPT2LMHeadModel``,
 a Llama-style one ``LlamaForCausalLM``; a model with no HF equivalent is refused in one line
 naming what differs. ``--to`` must be new or empty; nothing is written on a refusal.
@@ -17,9 +17,9 @@ import logging
 from pathlib import Path
 
 from dxrun.config import ConfigError, DataConfig
+from dxrun.config.hf_model import ARCHITECTURES, model_type_of
 from dxrun.data import recorded_tokenizer
-from dxrun.hf.config_json import ARCHITECTURES, model_type_of
-from dxrun.hf.save import save_hf
+from dxrun.hf import save_hf
 from dxrun.tools.checkpoint import load, main, split_args
 
 log = logging.getLogger("dxrun")

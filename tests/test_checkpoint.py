@@ -77,7 +77,7 @@ def reference(tmp_path_factory) -> Path:
 
 def _launch(cwd: Path, run_dir: Path, *extra: str, hold: int = 0) -> subprocess.Popen:
     """``python -m dxrun`` on BASE into ``run_dir``; ``hold``: from that step on, each step
-    waits for a SIGUSR1 (the test-only DXRUN_TEST_HOLD_AT_STEP, dxrun/run/faults.py)."""
+    waits for a SIGUSR1 (the test-only DXRUN_TEST_HOLD_AT_STEP, dxrun/run/runtime.py)."""
     env = {**subprocess_env(), **({"DXRUN_TEST_HOLD_AT_STEP": str(hold)} if hold else {})}
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *BASE, f"hydra.run.dir={run_dir}", *extra],
@@ -455,7 +455,7 @@ NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0"
 
 @pytest.fixture
 def nan_at_step_7(monkeypatch):
-    """Step 7's loss poisoned (the test-only DXRUN_TEST_NAN_AT_STEP, dxrun/run/faults.py)."""
+    """Step 7's loss poisoned (the test-only DXRUN_TEST_NAN_AT_STEP, dxrun/run/runtime.py)."""
     monkeypatch.setenv("DXRUN_TEST_NAN_AT_STEP", "7")
 
 

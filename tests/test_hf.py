@@ -36,15 +36,13 @@ from hf_checkpoints import (
 )
 
 from dxrun.config.errors import ConfigError
+from dxrun.config.hf_model import apply_hf_model, model_fields, model_type_of, read_config
 from dxrun.config.validation import validate
 from dxrun.evaluate import evaluate_checkpoint
-from dxrun.experiment import Experiment
+from dxrun.experiment import Experiment, check_hf_weights, import_params
 from dxrun.export import export
 from dxrun.export import run as export_run
-from dxrun.hf.config_json import apply_hf_model, model_fields, model_type_of, read_config
-from dxrun.hf.load import check_hf_weights, import_params
-from dxrun.hf.mapping import TABLES
-from dxrun.hf.save import save_hf
+from dxrun.hf import TABLES, save_hf
 from dxrun.logits import load_model
 from dxrun.model.sharding import in_mesh_context
 from dxrun.run.runtime import Job, describe_model
@@ -227,7 +225,7 @@ def test_a_shard_reads_only_its_region_of_each_tensor():
     and reads no more than the block when only the first axis is split."""
     import itertools
 
-    from dxrun.hf.mapping import dxrun_block, shape_of, to_dxrun
+    from dxrun.hf import dxrun_block, shape_of, to_dxrun
 
     d = {"D": 8, "H": 4, "K": 2, "E": 2, "F": 12, "V": 10, "P": 6}
     rng = np.random.default_rng(0)

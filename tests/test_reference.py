@@ -13,7 +13,7 @@ from docs import reference
 from docs.reference import keys as config_keys
 from docs.reference import outputs, tools
 from dxrun.config import schema
-from dxrun.tracking.metric_names import METRICS
+from dxrun.config.metric_names import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun.config.errors import ConfigError
 from dxrun.run import runtime
-from dxrun.run.bookkeeping import finite_or_null
 from dxrun.run.runtime import (
     claim_run_dir,
+    finite_or_null,
     write_status,
 )
 

@@ -329,7 +329,7 @@ def _compose(*overrides: str, hydra: bool = False):
 def _validated(*overrides: str):
     from omegaconf import open_dict
 
-    from dxrun.hf.config_json import apply_hf_model
+    from dxrun.config.hf_model import apply_hf_model
 
     cfg = _compose(*overrides)
     with open_dict(cfg):

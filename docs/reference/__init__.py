@@ -7,7 +7,7 @@ Generated at build time rather than committed: a committed page would need a tes
 stale and a person to paste it; a generated one is never stale, and ``mkdocs build --strict`` in
 CI fails on a page that does not render. ``tests/test_reference.py`` fails when something exists
 in the code without its entry here (a key without a meaning, a metric the train loop logs
-without its entry in ``dxrun.tracking.metric_names``, a tool without its usage).
+without its entry in ``dxrun.config.metric_names``, a tool without its usage).
 
 Outside the package (nothing in dxrun imports it) and pure: reads the schema dataclasses and
 their fields' metadata, the YAML presets and the tools' argument parsers; never imports JAX (a

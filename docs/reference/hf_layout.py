@@ -1,10 +1,10 @@
-"""The Hugging Face guide's layout tables, from the code's own mapping (``dxrun.hf.mapping``):
+"""The Hugging Face guide's layout tables, from the code's own mapping (``dxrun.hf``):
 which HF tensor becomes which dxrun weight, in which shape, and how its numbers move. Filled into
 docs/guide/huggingface.md where it says ``<!-- generated: hf-layout -->`` (docs/hooks.py)."""
 
 from __future__ import annotations
 
-from dxrun.hf.mapping import SAME, TABLES
+from dxrun.hf import SAME, TABLES
 
 MARKER = "<!-- generated: hf-layout -->"
 HOW = {SAME: "as stored (Conv1D's (in, out) is dxrun's order)",

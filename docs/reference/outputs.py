@@ -1,5 +1,5 @@
 """The Outputs and metrics page: every file a run writes, every metric it logs
-(``dxrun.tracking.metric_names``), and the keys of summary.json, status.json and plan.json,
+(``dxrun.config.metric_names``), and the keys of summary.json, status.json and plan.json,
 read from the code that writes them."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import inspect
 import re
 
 from docs.reference.markdown import PACKAGE, cell, table
+from dxrun.config.metric_names import METRICS
 from dxrun.config.schema_parallel import AXES
-from dxrun.tracking.metric_names import METRICS
 
-DEFINED = PACKAGE / "tracking" / "metric_names.py"  # the names' one list, not a use of them
+DEFINED = PACKAGE / "config" / "metric_names.py"  # the names' one list, not a use of them
 
 # Every file a run (or a tool run on it) writes into the run dir.
 RUN_FILES: dict[str, str] = {
@@ -172,7 +172,7 @@ def metric_names_in_code() -> set[str]:
 def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
-           "metrics of `dxrun/tracking/metric_names.py`, the keys read from "
+           "metrics of `dxrun/config/metric_names.py`, the keys read from "
            "`dxrun/tracking/logger.py`, `dxrun/run/job_dir.py` and "
            "`dxrun/plan/run_plan.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "

@@ -54,7 +54,7 @@ from dxrun.plan.run_plan import (
     resolved_config,
     table,
 )
-from dxrun.run.bookkeeping import write_json
+from dxrun.run.runtime import write_json
 
 if TYPE_CHECKING:
     from dxrun.config import RunConfig

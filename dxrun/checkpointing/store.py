@@ -36,7 +36,7 @@ from dxrun.config import (
 from dxrun.experiment import TrainState
 from dxrun.plan.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
 from dxrun.plan.run_plan import Resume
-from dxrun.run import faults
+from dxrun.run import runtime
 from dxrun.run.runtime import Preemption, ProcessAgreement, gather, is_main, relaunch_command
 from dxrun.tracking.goodput import NOTICEABLE_BLOCK_S, SaveTotals
 from dxrun.tracking.logger import Monitor, stopped_early
@@ -905,7 +905,7 @@ class RunCheckpoints:
         self.every, self.log_every = every, train.log_every
         self.cost = SaveCost(60.0 * minutes, clock)
         self.halt = train.nan_policy == "halt"
-        self.faults = faults.from_env()  # test-only: see between_steps
+        self.faults = runtime.faults_from_env()  # test-only: see between_steps
         # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
         # step they agree on, some steps after the signal cleared its flag.
         self.usr1_pending = False

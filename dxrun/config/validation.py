@@ -39,12 +39,12 @@ from dxrun.config import (
     TrainConfig,
     null_is_a_value,
 )
+from dxrun.config.hf_model import check_rope_scaling, hf_dir
+from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
-from dxrun.hf.config_json import check_rope_scaling, hf_dir
 from dxrun.plan.cost import TARGETS
 from dxrun.plan.run_plan import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
 from dxrun.run.runtime import unread_logger_keys
-from dxrun.tracking.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 
 
 def validate(cfg: RunConfig) -> None:

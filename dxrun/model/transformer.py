@@ -116,7 +116,7 @@ def zeros(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
 
 
-EPS = 1e-5  # model.norm_eps's default (a checkpoint's own: dxrun.hf.config_json)
+EPS = 1e-5  # model.norm_eps's default (a checkpoint's own: dxrun.config.hf_model)
 
 
 class Norm(nnx.Module):

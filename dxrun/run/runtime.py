@@ -1,9 +1,10 @@
 """The run's process: set up before JAX is imported (simulated CPU devices, the compile cache, a
 command's imports and collector), joined to the run's other processes (``join``), its signals
 turned into flags the loop reads, where it sits among other runs (``Job``), its log file, and
-the run dir it claims, holds for its life and names the relaunch command of. No JAX import at
-module level: ``simulate_cpu_devices`` has to set XLA_FLAGS first. Each section's own account
-follows.
+the run dir it claims, holds for its life and names the relaunch command of, with its
+bookkeeping files (never fatal when damaged) and the tests' faults (set through the environment,
+never a config key). No JAX import at module level: ``simulate_cpu_devices`` has to set
+XLA_FLAGS first. Each section's own account follows.
 """
 
 from __future__ import annotations
@@ -39,24 +40,209 @@ from omegaconf import ListConfig, OmegaConf
 
 from dxrun.config import (
     EXIT_CODES,
+    INT32,
+    NON_NEGATIVE,
     RUNNING,
     UNFINISHED,
     ConfigError,
     Interrupted,
     LoggerConfig,
+    Range,
     RunConfig,
     axis_sizes,
     first_line,
+    named_line,
 )
 from dxrun.config.registry import model_changes
-from dxrun.run import faults
-from dxrun.run.bookkeeping import make_dir, read_json, write_json
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf
     from omegaconf import DictConfig
 
     from dxrun.config import DistributedConfig, ModelConfig
+
+
+# ------------------------------------------------------------------------------------------------
+# The run dir's bookkeeping files (``status.json``, ``goodput.json``, ``eval.json``) and dirs
+# (``.hydra/``): read, or made, so that damage is never fatal.
+#
+# A run writes them atomically (``write_json``, a non-finite number as null), but a file can
+# still be damaged afterwards (a disk error, a careless edit, a copy cut short). They record a
+# run; they never decide whether it can go on, so an unreadable one is renamed to
+# ``<name>.damaged`` (kept, never deleted) with one warning, and the run goes on as if it were
+# not there; so is anything else where the run keeps a dir (a file named ``.hydra``:
+# ``make_dir``). ``metrics.jsonl``'s damaged lines go the way of its other set-aside lines
+# (``tracking.logger.rewind_metrics``); a checkpoint's meta is checked with its checkpoint
+# (``checkpointing.store``).
+
+log = logging.getLogger("dxrun")
+
+DAMAGED = ".damaged"
+
+
+def set_aside(path: Path, why: str) -> Path | None:
+    """Rename the damaged ``path`` to ``<name>.damaged`` (``.damaged1``, ... when that is
+    taken: an earlier damage is never overwritten) and say so in one line; None, also in one
+    line, when it cannot be renamed (the next write replaces it)."""
+    dst, i = path.with_name(path.name + DAMAGED), 0
+    while dst.exists():
+        i += 1
+        dst = path.with_name(f"{path.name}{DAMAGED}{i}")
+    try:
+        path.rename(dst)
+    except OSError as e:
+        log.warning("%s is damaged (%s) and could not be moved aside (%s); the run goes on "
+                    "without it", path, why, e.strerror or e)
+        return None
+    log.warning("%s is damaged (%s); moved it to %s, the run goes on without it", path, why,
+                dst.name)
+    return dst
+
+
+def read_json(path: Path, valid: Callable[[Any], bool] = lambda _: True) -> Any | None:
+    """The JSON value in ``path``; None when there is none. A file that is not UTF-8 JSON, or
+    whose value ``valid`` refuses, is damaged: set aside (``set_aside``), None. One that cannot
+    be read at all (an I/O error) is left where it is, with one warning, None."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("could not read %s (%s); the run goes on without it", path, e.strerror or e)
+        return None
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        set_aside(path, named_line(e, 120))
+        return None
+    if not valid(value):
+        set_aside(path, "not the structure dxrun writes")
+        return None
+    return value
+
+
+def make_dir(path: Path) -> None:
+    """``path`` as a dir (made, with its parents, if need be). Anything else in its place (a
+    file, a link to nowhere) is damaged bookkeeping: set aside (``set_aside``) and the dir
+    made anew; a ``path`` that cannot be set aside still fails, in ``mkdir``."""
+    if os.path.lexists(path) and not path.is_dir():
+        set_aside(path, "a file where the run keeps a directory")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def finite_or_null(obj: Any, key: str = "") -> tuple[Any, list[str]]:
+    """``obj`` with every NaN/inf float replaced by None, and the keys where that happened.
+
+    JSON has no NaN or Infinity: Python writes them anyway and most readers then refuse the
+    whole file. A diverged run's numbers become ``null`` instead (W&B shows a gap)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, [key or "value"]
+    if isinstance(obj, dict):
+        out, bad = {}, []
+        for k, v in obj.items():
+            out[k], b = finite_or_null(v, f"{key}.{k}" if key else str(k))
+            bad += b
+        return out, bad
+    if isinstance(obj, (list, tuple)):
+        pairs = [finite_or_null(v, f"{key}[{i}]") for i, v in enumerate(obj)]
+        return [v for v, _ in pairs], [k for _, b in pairs for k in b]
+    return obj, []
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically; non-finite floats are written as null (see ``finite_or_null``)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        tmp.write_text(json.dumps(finite_or_null(obj)[0], indent=2, allow_nan=False) + "\n")
+        tmp.replace(path)
+    except OSError:  # a full disk: no half-written tmp file left beside the intact one
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+# ------------------------------------------------------------------------------------------------
+# Test-only faults, set through the environment and read here alone, so that no key of the
+# user's config exists for the tests' sake: a test poisons a step, holds the loop at a known step
+# or makes it crash, on any host, by starting ``python -m dxrun`` with
+#
+#     DXRUN_TEST_NAN_AT_STEP=k    step k's loss (so its gradients) is NaN: train.nan_policy's path
+#     DXRUN_TEST_HOLD_AT_STEP=k   from step k on, the loop waits before each step for a SIGUSR1
+#                                 (which also asks for a save), so signals land at known steps
+#     DXRUN_TEST_ERROR_AT_STEP=k  after step k the loop raises an error that is not bad input
+#     DXRUN_TEST_DEAF_RANK=k      rank k (0 too) of a launch does not act on SIGINT or SIGTERM
+#                                 while starting, and holds there until sent one (``deafen``)
+#
+# Unset: off (a step fault at 0 too: steps count from 1). Any other value than an integer in its
+# range is refused in one line.
+
+# Each fault's variable and the steps it accepts (the NaN step is compared with the int32 step
+# counter inside the jitted step).
+FAULT_VARIABLES: dict[str, tuple[str, Range]] = {
+    "nan_at_step": ("DXRUN_TEST_NAN_AT_STEP", Range(0, INT32)),
+    "hold_at_step": ("DXRUN_TEST_HOLD_AT_STEP", NON_NEGATIVE),
+    "error_at_step": ("DXRUN_TEST_ERROR_AT_STEP", NON_NEGATIVE),
+    "deaf_rank": ("DXRUN_TEST_DEAF_RANK", NON_NEGATIVE),
+}
+
+
+@dataclass(frozen=True)
+class Faults:
+    nan_at_step: int = 0
+    hold_at_step: int = 0
+    error_at_step: int = 0
+    deaf_rank: int | None = None
+
+    def steps(self) -> tuple[int, int, int]:
+        """The steps at which the loop does more than step (0: none)."""
+        return self.nan_at_step, self.hold_at_step, self.error_at_step
+
+    def after_step(self, done: int, signalled: Callable[[], bool]) -> None:
+        """Between steps, after step ``done``: from ``hold_at_step`` on, each step waits for a
+        SIGUSR1 (``signalled``), so a test knows the step its signals are acted on at (a stop
+        waits for one too); after ``error_at_step``, a failure."""
+        while self.hold_at_step and done >= self.hold_at_step and not signalled():
+            time.sleep(0.01)
+        if self.error_at_step and done == self.error_at_step:
+            raise RuntimeError(f"injected failure after step {done} "
+                               "(DXRUN_TEST_ERROR_AT_STEP, a test-only fault)")
+
+
+def faults_from_env(environ: Mapping[str, str] = os.environ) -> Faults:
+    values = {}
+    for name, (variable, accepted) in FAULT_VARIABLES.items():
+        text = environ.get(variable, "").strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value not in accepted:
+            raise ConfigError(f"{variable}={text} is outside its range {accepted}; "
+                              f"{accepted.fix(variable)} (a test-only fault)")
+        values[name] = value
+    return Faults(**values)
+
+
+_HEARD: list[int] = []  # the stops the deaf rank was sent
+
+
+def deafen(rank: int) -> None:
+    """Rank ``deaf_rank`` notes SIGINT and SIGTERM and does nothing else (``join`` calls this):
+    a stop never reaches its startup, as for a rank inside a collective, where no Python
+    handler runs. (Not a blocked signal mask: a thread started earlier would take the signal.)"""
+    if rank == faults_from_env().deaf_rank:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _frame: _HEARD.append(signum))
+
+
+def hold_until_stopped(rank: int) -> None:
+    """Rank ``deaf_rank`` waits here until it has been sent a stop: the others wait for it in
+    their next collective, so the stop reaches them inside their startup, whenever it comes."""
+    if rank == faults_from_env().deaf_rank:
+        while not _HEARD:
+            time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,7 +258,6 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # (BENCHMARKS.md, "How many malloc arenas", with the command that measures it)
 ARENAS = 1
 _ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
-log = logging.getLogger("dxrun")
 
 
 def reuse_freed_memory() -> bool:
@@ -741,7 +926,7 @@ def join(dist: DistributedConfig, env: Mapping[str, str] | None = None) -> Join 
 
     spec = detect(dist, os.environ if env is None else env)
     if spec is not None:
-        faults.deafen(spec.process_id)  # test-only
+        deafen(spec.process_id)  # test-only
     if spec is None or jax.distributed.is_initialized():
         return spec
     # gloo: cross-process collectives of XLA:CPU (accelerators use their own, NCCL on GPUs).
@@ -895,7 +1080,7 @@ def process_hosts(timeout_s: int = 300) -> tuple[int, ...] | None:
         return None
     if not _HOSTS:
         client, me = global_state.client, jax.process_index()
-        faults.hold_until_stopped(me)  # test-only
+        hold_until_stopped(me)  # test-only
         client.key_value_set(f"dxrun/hostname/{me}", hostname(os.environ))
         _HOSTS.append(host_indices(
             [client.blocking_key_value_get(f"dxrun/hostname/{r}", timeout_s * 1000)

@@ -31,9 +31,9 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from dxrun.config import ConfigError, RunConfig, first_line
+from dxrun.config.hf_model import PREFIX
 from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
 from dxrun.config.validation import validate
-from dxrun.hf.config_json import PREFIX
 from dxrun.plan.run_plan import MeshPlan, make_plan, recorded
 from dxrun.run.runtime import collect_cycles_rarely, command_imports, simulate_cpu_devices
 
@@ -105,7 +105,7 @@ def start_devices(overrides: list[str]) -> None:
 
 INTERPOLATION = re.compile(r"(\\*)\$\{")  # "${" and the backslashes before it
 # Keys older checkpoints' configs hold and the schema no longer has (the tests' faults, now
-# environment variables: dxrun/run/faults.py).
+# environment variables: dxrun/run/runtime.py).
 RETIRED_TRAIN_KEYS = ("inject_nan_at_step", "hold_at_step", "inject_error_at_step")
 
 

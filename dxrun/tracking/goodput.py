@@ -13,7 +13,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dxrun.run.bookkeeping import read_json, write_json
+from dxrun.run.runtime import read_json, write_json
 
 # ------------------------------------------------------------------------------------------------
 # Where a run's wall time went, and the log window's step time without the traced steps.
