@@ -29,7 +29,7 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
          ) -> tuple[Figure, bool]:
     """(the choice / best figure, whether the roofline's first choice was the measured best)."""
     from benchmarks.speed import compose_cfg
-    from dxrun.autotune.search import Handover, search, time_layouts
+    from dxrun.autotune.fit import Handover, search, time_layouts
     from dxrun.experiment import visible_devices
     from dxrun.plan.run_plan import chosen_layout, held_batch, rows_of
 

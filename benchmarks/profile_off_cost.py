@@ -10,8 +10,7 @@ import time
 import timeit
 from pathlib import Path
 
-from dxrun.tracking.goodput import Goodput, StepWindow
-from dxrun.tracking.trace import Tracer
+from dxrun.tracking.goodput import Goodput, StepWindow, Tracer
 
 
 def main(n: int = 100_000) -> None:

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 
 from dxrun.autotune import fit
-from dxrun.autotune.fit import compile_checked, memory_preflight, resolve_peak
-from dxrun.autotune.search import Decided, Handover, decide
+from dxrun.autotune.fit import Decided, Handover, compile_checked, decide, memory_preflight, resolve_peak
 from dxrun.checkpointing.store import (
     Resume,
     RunCheckpoints,
@@ -43,7 +42,7 @@ from dxrun.plan.cost import flops_per_token, mfu
 from dxrun.plan.run_plan import RunPlan, saved_config, table
 from dxrun.run.runtime import Job, describe_model, dir_refusal, is_main, run_name, write_json
 from dxrun.tracking import goodput
-from dxrun.tracking.goodput import Measured, StepTimer
+from dxrun.tracking.goodput import Measured, StepTimer, Tracer, profile_dir, traced_steps
 from dxrun.tracking.logger import (
     MetricsLogger,
     Monitor,
@@ -53,7 +52,6 @@ from dxrun.tracking.logger import (
     plateau,
     rewind_metrics,
 )
-from dxrun.tracking.trace import Tracer, profile_dir, traced_steps
 
 if TYPE_CHECKING:
     from dxrun.config import EarlyStopConfig, ProfileConfig, RunConfig

@@ -12,7 +12,7 @@ import jax
 from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
-from dxrun.autotune import search
+from dxrun.autotune import fit as search
 from dxrun.autotune.plan_mode import planned
 from dxrun.config import validation
 from dxrun.experiment import visible_devices

@@ -9,7 +9,7 @@ import pytest
 from dxrun.autotune.fit import is_out_of_memory, shape_bytes
 from dxrun.config.errors import disk_error
 from dxrun.tracking import goodput
-from dxrun.tracking.trace import profile_dir, traced_steps
+from dxrun.tracking.goodput import profile_dir, traced_steps
 from dxrun.train import peak_bytes_since, peak_over_devices
 from tests.conftest import FakeClock
 

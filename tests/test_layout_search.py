@@ -1,4 +1,4 @@
-"""parallelism=auto (dxrun/autotune/search.py, dxrun/plan/run_plan.py): candidates, the fit
+"""parallelism=auto (dxrun/autotune/fit.py, dxrun/plan/run_plan.py): candidates, the fit
 rule, the measured choice, the cache, and that the chosen layout is an ordinary mesh (same
 losses as one device)."""
 
@@ -14,8 +14,8 @@ import sys
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
-from dxrun.autotune import search as auto_search
-from dxrun.autotune.search import search, start_layout, worth_it
+from dxrun.autotune import fit as auto_search
+from dxrun.autotune.fit import search, start_layout, worth_it
 from dxrun.experiment import visible_devices
 from dxrun.plan import run_plan
 from dxrun.plan.run_plan import Layout, Row, held_batch

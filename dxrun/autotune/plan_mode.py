@@ -15,15 +15,16 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun.autotune.fit import (
+    Decided,
     NoData,
     accelerator_memory,
+    decide,
     kernel_on,
     resolve_target,
     state_bytes,
     step_estimate,
     target_vocab,
 )
-from dxrun.autotune.search import Decided, decide
 from dxrun.config import AXES, ConfigError
 from dxrun.experiment import Experiment
 from dxrun.model.sharding import replicated_bytes_over

@@ -1640,7 +1640,7 @@ class Resume:
 
 # ------------------------------------------------------------------------------------------------
 # The run plan: every number a run derives from its validated config, decided once
-# (``dxrun.autotune.search``) and carried, never written back into the config the run follows.
+# (``dxrun.autotune.fit``) and carried, never written back into the config the run follows.
 #
 # It holds the mesh plan (the layout: dp/fsdp/tp, remat, accumulation; the global batch and
 # sequence length; the step's attention kernel, loss chunk, ZeRO-1 and precision), the save
@@ -1654,7 +1654,7 @@ class RunPlan:
     mesh: MeshPlan
     # (steps, minutes) between saves, 0 = that cadence off (``checkpointing.cadence``)
     cadence: tuple[int, float] = (0, 0.0)
-    # parallelism=auto's ranking (``dxrun.autotune.search``) when the layout was searched for.
+    # parallelism=auto's ranking (``dxrun.autotune.fit``) when the layout was searched for.
     search: dict[str, Any] | None = None
 
     @property
