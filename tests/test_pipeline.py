@@ -127,7 +127,7 @@ def test_iterator_state_resumes_exactly(cfg_factory, corpus, workers):
 
 
 def test_epochs_are_reshuffled_and_cover_every_window():
-    from dxrun.data.pipeline import local_batches
+    from dxrun.data import local_batches
 
     L = 4
     tokens = np.arange(10 * L + 1)  # 10 windows; a window's first token names it
@@ -315,7 +315,7 @@ def test_token_file_source_pickles_by_path(cfg_factory, tmp_path):
         expected = np.arange(first // every, (first + len(view)) // every) % 250 + 1
         np.testing.assert_array_equal(back[::every], expected)
     # and a real Grain worker process reads the same batches
-    from dxrun.data.pipeline import GrainBatches
+    from dxrun.data import GrainBatches
 
     it = GrainBatches(ds, workers=1)
     np.testing.assert_array_equal(next(it), data.local_batch(0))

@@ -33,6 +33,7 @@ from dxrun.config import (
     disk_error,
     named_line,
 )
+from dxrun.data import position
 from dxrun.experiment import TrainState
 from dxrun.plan.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
 from dxrun.plan.run_plan import Resume
@@ -697,8 +698,6 @@ def data_position(meta: dict[str, Any], batch_size: int) -> dict[str, Any]:
     stands for, so the worker count may change."""
     state = dict(meta["data"])
     if "step" not in state:  # a token corpus (Grain): one position, whatever the workers
-        from dxrun.data.pipeline import position  # Grain: for corpora only, as dxrun.data
-
         state = {"next_index": position(state)}
     old = meta["config"]["data"]["batch_size"]
     if old == batch_size:
