@@ -59,7 +59,7 @@ from dxrun.run.runtime import (
 
 STOP_LINE = re.compile(r"(SIG\w+): stopped at step (\d+); checkpoint (.+?) committed\. "
                         r"Resume with: (.+)$")
-# A rank stopped outside the train loop (``job_dir._interrupted``): when, and what it kept.
+# A rank stopped outside the train loop (``dxrun.__main__._interrupted``): when, and what it kept.
 STOPPED_OUTSIDE = re.compile(r"(SIG\w+): stopped (while starting|after the last step); (.+)$")
 
 

@@ -15,15 +15,14 @@ from omegaconf import DictConfig
 
 from dxrun.config import EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, fail
 from dxrun.report.sweep import find_jobs, tally, write_report
-from dxrun.run.job_dir import SWEEP_EXITS
-from dxrun.run.runtime import is_main
+from dxrun.run.runtime import SWEEP_EXITS, is_main
 
 log = logging.getLogger("dxrun")
 
 
 class SweepReport(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # the sweep's exit code, read from its jobs once Hydra returns (``job_dir.SWEEP_EXITS``)
+        # the sweep's exit code, read from its jobs once Hydra returns (``runtime.SWEEP_EXITS``)
         SWEEP_EXITS.append(functools.partial(exit_for_failed_jobs, Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -577,6 +577,13 @@ def _attempts(run_dir: Path, recorded: Any, status: str, now: float) -> list[dic
     return out
 
 
+# What each multirun started in this process exits with, once Hydra returns: the sweep report's
+# callback puts in its check of the jobs' status.json files (``report.callback``), and the
+# launcher (``dxrun.__main__.cli``) calls them. Hydra keeps no handle on a sweep dir once the
+# multirun is over, and with submitit the jobs ran elsewhere.
+SWEEP_EXITS: list[Callable[[], None]] = []
+
+
 def sweep_group(sweep_dir: Path) -> str:
     """The W&B group of a multirun's jobs: ``sweep-<date>_<time>`` from its sweep dir."""
     return "sweep-" + "_".join(Path(sweep_dir).parts[-2:])
