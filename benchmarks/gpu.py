@@ -18,7 +18,7 @@ import jax
 from benchmarks.report import Figure, figure
 from benchmarks.speed import compose_cfg, dxrun_runner
 from benchmarks.timing import interleaved
-from dxrun.autotune import plan_mode
+from dxrun.autotune import fit
 from dxrun.autotune.fit import NoData
 from dxrun.experiment import Experiment
 from dxrun.plan import cost
@@ -44,7 +44,7 @@ def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
         cfg = compose_cfg(f"model={model}", *GPT2, f"data.batch_size={batch}",
                           "run.mode=plan", f"plan.target={target}")
         exp = Experiment.build(cfg, data=NoData())
-        t = plan_mode.plan_report(cfg, exp)["target"]
+        t = fit.plan_report(cfg, exp)["target"]
         out.append(figure(
             f"{SECTION} (plan-mode roofline estimate, no GPU measured)",
             f"{model} on {t['target']}: estimated MFU", t["mfu"],

@@ -212,7 +212,7 @@ def plan_run(run: Run) -> dict[str, Any]:
     if not _here(run):
         return _elsewhere(run, "plan_run")
     from benchmarks.speed import compose_cfg
-    from dxrun.autotune import plan_mode
+    from dxrun.autotune import fit
     from dxrun.autotune.fit import NoData
     from dxrun.experiment import Experiment
     from dxrun.plan.cost import TARGETS, usable_bytes
@@ -220,7 +220,7 @@ def plan_run(run: Run) -> dict[str, Any]:
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     t0 = time.perf_counter()
     exp = Experiment.build(cfg, data=NoData())
-    report = plan_mode.plan_report(cfg, exp, suggest=False)
+    report = fit.plan_report(cfg, exp, suggest=False)
     seconds = time.perf_counter() - t0
     t = report["target"]
     per_gpu = t["tokens_per_s"] / exp.plan.n_devices

@@ -176,7 +176,7 @@ def _start_jax(cfg: RunConfig, status: JobStatus) -> bool:
 def _plan(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus) -> Any:
     """run.mode=plan: the decision reported for plan.target; nothing trained."""
     with command_imports():
-        from dxrun.autotune.plan_mode import planned, run_plan  # imports JAX
+        from dxrun.autotune.fit import planned, run_plan  # imports JAX
 
     # data.seq_len=null resolved for the target; for parallelism=auto the layout
     # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.

@@ -13,7 +13,7 @@ from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
 from dxrun.autotune import fit as search
-from dxrun.autotune.plan_mode import planned
+from dxrun.autotune.fit import planned
 from dxrun.config import validation
 from dxrun.experiment import visible_devices
 from dxrun.plan.run_plan import Layout, Row, chosen_layout, held_batch, saved_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dxrun.autotune import fit, plan_mode
+from dxrun.autotune import fit
 from dxrun.experiment import Experiment, step_bytes
 from dxrun.plan import cost
 from dxrun.plan.run_plan import make_plan
@@ -145,7 +145,7 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
                       "parallelism=dp1", "plan.target=h100", "logger=none",
                       "train.precision=bf16")
     exp = Experiment.build(cfg, data=fit.NoData())
-    report = plan_mode.plan_report(cfg, exp)
+    report = fit.plan_report(cfg, exp)
     m, t = report["memory_model"], report["target"]
     assert t["needs_from"] == "memory model"
     # plan.json: the H100 run's vocabulary rows (128-aligned) beside the CPU plan's own
@@ -153,16 +153,16 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     assert t["needs_per_device_gb"] == pytest.approx(m["total_bytes"] / 1e9)
     assert m["xla_cpu_total_bytes"] == report["per_device"]["total_bytes"]  # kept beside it
     assert "attention cudnn" in m["basis"]  # bf16 on an H100: cuDNN's fused attention
-    table = plan_mode.plan_table(report)
+    table = fit.plan_table(report)
     assert "memory model: remat=none, attention cudnn, bf16 activations" in table
     assert "XLA:CPU" not in table  # bf16: the CPU program is not the GPU's; never compared
     # fp32 and more than 10% apart: the CPU compile's figure gets its own row
     fp32 = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.25}}
-    rows = dict(plan_mode.memory_rows(fp32))
+    rows = dict(fit.memory_rows(fp32))
     assert rows["XLA:CPU"].endswith("(25% from the model)")
     assert "total" in rows["XLA:CPU"] and "memory model" in rows["per device"]
     close = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.05}}
-    assert "XLA:CPU" not in dict(plan_mode.memory_rows(close))
+    assert "XLA:CPU" not in dict(fit.memory_rows(close))
 
 
 def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):

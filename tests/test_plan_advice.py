@@ -1,4 +1,4 @@
-"""Plan mode's advice (dxrun/autotune/plan_mode.py, dxrun/plan/cost.py): the fastest setting
+"""Plan mode's advice (dxrun/autotune/fit.py, dxrun/plan/cost.py): the fastest setting
 that fits, ranked by the estimate; the warnings; the model's shape and TFLOP/s rows; the
 device count it plans for (plan.devices) and what a preset's name becomes there."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from dxrun.autotune import fit, plan_mode
+from dxrun.autotune import fit
 from dxrun.autotune.fit import resolve_target
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import config_warnings, validate
@@ -36,7 +36,7 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     asked = fit.accelerator_memory(exp, target).total_bytes
     assert asked > budget  # the plan as asked does not fit
     n_params = exp.count_params(state.params)
-    found = plan_mode.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = fit.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       n_params, runners_up=1, max_compiles=3)
     best, (second,) = found["suggestion"], found["runners_up"]
     # each compiled from shapes and sized as plan mode sizes a plan: within the budget
@@ -48,14 +48,14 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     legacy = fit.first_that_fits(cfg, budget, exp.plan,
                                  need=lambda e: fit.accelerator_memory(e, target).total_bytes)
     assert legacy == ["model.remat=full"]
-    start = plan_mode.Setting(exp.plan.layout, exp.plan.shard_optimizer)
-    (full,) = [p for p in plan_mode.price(
-        cfg, plan_mode.StateShapes.of(exp, state), target, peak, n_params,
-        plan_mode.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
+    start = fit.Setting(exp.plan.layout, exp.plan.shard_optimizer)
+    (full,) = [p for p in fit.price(
+        cfg, fit.StateShapes.of(exp, state), target, peak, n_params,
+        fit.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
         if p.overrides == legacy]
     assert full.need_bytes <= budget and full.step_s > best["step_time_s"]
     assert "model.remat=full" not in best["overrides"]
-    line = plan_mode.advice_text(found, 8)
+    line = fit.advice_text(found, 8)
     assert line.startswith(f"fastest that fits: {' '.join(best['overrides'])} (est. ")
     assert "runners-up: " + " ".join(second["overrides"]) in line
     # the asked step's 1.0 s against the suggestion's: the speed ratio it prints
@@ -71,14 +71,14 @@ def test_a_mesh_too_small_says_how_many_devices_would_do(cfg_factory, monkeypatc
     exp = Experiment.build(cfg, data=fit.NoData())
     target, peak = resolve_target(cfg, 8)
     state = exp.abstract_state()
-    found = plan_mode.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = fit.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       exp.count_params(state.params))
     assert "suggestion" not in found and found["fit_by_model"] == 0 and found["compiled"] == 0
     larger = found["larger_mesh"]
-    assert larger["devices"] in {8 * k for k in plan_mode.GROWTH} and larger["devices"] > 8
+    assert larger["devices"] in {8 * k for k in fit.GROWTH} and larger["devices"] > 8
     assert larger["overrides"][0] == f"plan.devices={larger['devices']}"
     assert larger["needs_gb"] * cost.GB <= cost.usable_bytes(target)
-    line = plan_mode.advice_text(found, 8)
+    line = fit.advice_text(found, 8)
     assert line.startswith(f"no layout of 8 devices fits; {larger['devices']} would: "
                            f"plan.devices={larger['devices']} ")
 
@@ -91,7 +91,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "parallelism=tp4", "plan.target=h100",
                       "train.precision=bf16", "logger=none")
-    report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()),
+    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()),
                                    suggest=False)
     fits, kv, toy, exposed = report["warnings"]
     assert fits.startswith("the plan does not fit H100 SXM 80GB: it needs ")
@@ -107,7 +107,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     tflops = report["model_flops_per_step"] / report["n_devices"] / t["step_time_s"] / 1e12
     assert report["tflops_per_device"] == pytest.approx(tflops)
     assert report["tflops_per_device"] == pytest.approx(t["mfu"] * t["peak_tflops"])
-    table = plan_mode.plan_table(report)
+    table = fit.plan_table(report)
     assert f"  model        {report['model']}" in table
     assert f"TFLOP/s      {tflops:.1f} per device" in table
     assert table.count("\n  warning      ") == 4
@@ -115,7 +115,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=dp8",
                       "plan.target=h100", "logger=none")
-    report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
     assert len(report["warnings"]) == 1 and report["warnings"][0].startswith("planning 2,048")
     assert "advice" not in report and "8 heads / 8 kv heads of 8" in report["model"]
 

@@ -11,7 +11,7 @@ from conftest import run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.autotune import fit, plan_mode
+from dxrun.autotune import fit
 from dxrun.autotune.fit import collective_traffic
 from dxrun.experiment import Experiment, step_bytes
 from dxrun.model import sharding
@@ -112,7 +112,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
     memory_gb = per_device * 8 / plan_cost.USABLE_CPU / 2**30
     cfg = cfg_factory(*WIDE, "parallelism=dp8", "plan.target=cpu",
                       f"runtime.memory_gb={memory_gb}", "runtime.peak_tflops=1")
-    report = plan_mode.plan_report(cfg, Experiment.build(cfg))
+    report = fit.plan_report(cfg, Experiment.build(cfg))
     assert report["target"]["fits"] is False
     suggestion = report["suggestion"]
     assert suggestion  # the nearest first: recomputing activations, then FSDP, accumulation
@@ -120,7 +120,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
 
     fixed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(suggestion))
     assert _need(Experiment.build(fixed)) <= per_device  # the suggestion really fits
-    table = plan_mode.plan_table(report)
+    table = fit.plan_table(report)
     assert "NO" in table and " ".join(suggestion) in table
 
 
@@ -205,7 +205,7 @@ def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
     for model, n in PARAMS.items():
         cfg = cfg_factory(f"model={model}", "parallelism=fsdp8", "plan.target=h200",
                           "logger=none")
-        report = plan_mode.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+        report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
         assert report["n_params"] == n, model
         per_device = report["per_device"]
         # fp32 weights split 8 ways; norms and biases stay replicated (a rounding error from
@@ -292,11 +292,11 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
                       "parallelism=dp1", "plan.target=h200", "logger=none",
                       "plan.write_gb_per_s=2")
     exp = Experiment.build(cfg, data=fit.NoData())
-    report = plan_mode.plan_report(cfg, exp)
+    report = fit.plan_report(cfg, exp)
     t = report["target"]
     h200_gb = plan_cost.TARGETS["h200"].memory_bytes / 1e9  # 143,771 MiB as the driver reports
     assert t["usable_per_device_gb"] == pytest.approx(h200_gb * 0.9)
-    assert "usable 90% = 135.7 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in plan_mode.plan_table(
+    assert "usable 90% = 135.7 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in fit.plan_table(
         report)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's default: 75%
     pd = {k: v for k, v in report["per_device"].items() if k != "activations_bytes"}
@@ -312,7 +312,7 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     assert c["save_s"] == pytest.approx(c["state_bytes"] / 2e9)
     # checkpoint.every=null on a GPU: a wall-clock cadence, at least 10 minutes for a small state
     assert (c["every_steps"], c["every_minutes"], c["interval_s"]) == (0, 10.0, 600.0)
-    assert "every 10 min = a save every 600.0 s" in plan_mode.plan_table(report)
+    assert "every 10 min = a save every 600.0 s" in fit.plan_table(report)
 
 
 def test_the_default_save_cadence_follows_the_platform_and_the_state():

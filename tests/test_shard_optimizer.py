@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import CONF, make_cfg, subprocess_env
 
-from dxrun.autotune import plan_mode
+from dxrun.autotune import fit
 from dxrun.autotune.fit import _shard_bytes, accelerator_memory, collectives
 from dxrun.checkpointing.store import Checkpointer, Resume, restore
 from dxrun.experiment import Experiment, adopt
@@ -158,11 +158,11 @@ def test_plan_table_says_the_optimizer_is_split(dp8):
 
     exp = dp8[True][0]  # its step compiled already: plan mode compiles nothing more
     cfg = OmegaConf.merge(exp.cfg, {"plan": {"target": "h100"}})
-    report = plan_mode.plan_report(cfg, exp, suggest=False)
+    report = fit.plan_report(cfg, exp, suggest=False)
     unsplit = report["opt_state_unsplit_bytes"]
     assert report["shard_optimizer"] is True and 0 < unsplit < 0.03 * report["per_device"][
         "opt_state_bytes"]
-    assert f"(split over data; {cost.gb_text(unsplit)} not)" in plan_mode.plan_table(report)
+    assert f"(split over data; {cost.gb_text(unsplit)} not)" in fit.plan_table(report)
 
 
 # A data-parallel size that divides none of the tiny model's power-of-two axes: 6 of the 8
