@@ -25,8 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.config import ConfigError, checked_factory
-from dxrun.config.hf_model import hf_dir, read_config
+from dxrun.config import ConfigError, checked_factory, hf_dir, read_config
 from dxrun.data import EVAL, TRAIN, Data
 from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 from dxrun.model.context_parallel import in_context_order

@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dxrun.config import ConfigError, DataConfig
-from dxrun.config.hf_model import ARCHITECTURES, model_type_of
+from dxrun.config import ARCHITECTURES, ConfigError, DataConfig, model_type_of
 from dxrun.data import recorded_tokenizer
 from dxrun.hf import save_hf
 from dxrun.tools.checkpoint import load, main, split_args

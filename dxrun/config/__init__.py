@@ -3,8 +3,9 @@ the run config written once (``schema``, the parallelism and distributed section
 ``schema_parallel``; a key's facts in ``key``), registered with Hydra with its resolvers and
 presets (``registry``), the command line checked before Hydra runs it (``composition``), the
 values checked after (``validation``) against, among others, every metric's name
-(``metric_names``), your own factories behind ``_target_`` (``target``), and how a run ends: its
-outcomes, status and exit codes (``errors``).
+(``metric_names``), a Hugging Face checkpoint's ``config.json`` read as the model section and
+written back (``hf_model``), your own factories behind ``_target_`` (``target``), and how a run
+ends: its outcomes, status and exit codes (``errors``).
 
 No JAX import: the device count is decided from the composed config before JAX starts.
 """
@@ -29,5 +30,8 @@ from dxrun.config.schema import (
     choices_of, null_is_a_value, ranges_markdown)
 from dxrun.config.schema_parallel import (
     AXES, FILLS, INSIDE, SPANS, Axis, DistributedConfig, ParallelismConfig, axis_sizes)
+from dxrun.config.hf_model import (
+    ARCHITECTURES, HF_PREFIX, apply_hf_model, check_rope_scaling, config_json, hf_dir,
+    model_type_of, read_config)
 from dxrun.config.target import (
     PASSES, call_refusal, check_targets, checked_factory, locate)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from dxrun.config import ConfigError
+from dxrun.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-PREFIX = "hf:"
+HF_PREFIX = "hf:"
 KEY = "model.init_from"
 # The model keys a checkpoint fixes (the rest: dropout, remat, scan_layers... are the run's).
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
@@ -36,10 +36,10 @@ def hf_dir(init_from: str | None) -> Path | None:
     """The directory ``model.init_from`` names, or None when it names none."""
     if not init_from:
         return None
-    if not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
+    if not init_from.startswith(HF_PREFIX) or not init_from[len(HF_PREFIX):]:
         raise ConfigError(f"{KEY}={init_from}: give hf:<dir>, a local Hugging Face directory "
                           "(config.json and model.safetensors)")
-    return Path(init_from[len(PREFIX):]).expanduser().absolute()
+    return Path(init_from[len(HF_PREFIX):]).expanduser().absolute()
 
 
 def read_config(d: Path) -> dict[str, Any]:

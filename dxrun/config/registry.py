@@ -18,8 +18,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from dxrun.config import ConfigError, ModelConfig, RunConfig
-from dxrun.config.hf_model import apply_hf_model
+from dxrun.config import ConfigError, ModelConfig, RunConfig, apply_hf_model
 
 DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 

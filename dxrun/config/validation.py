@@ -37,9 +37,10 @@ from dxrun.config import (
     RunSection,
     RuntimeConfig,
     TrainConfig,
+    check_rope_scaling,
+    hf_dir,
     null_is_a_value,
 )
-from dxrun.config.hf_model import check_rope_scaling, hf_dir
 from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
 from dxrun.plan.cost import TARGETS

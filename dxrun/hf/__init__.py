@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.config import ConfigError
-from dxrun.config.hf_model import config_json, model_type_of
+from dxrun.config import ConfigError, config_json, model_type_of
 
 # ------------------------------------------------------------------------------------------------
 # Which Hugging Face tensor becomes which dxrun weight, and how: the one table import, export

@@ -30,8 +30,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from dxrun.config import ConfigError, RunConfig, first_line
-from dxrun.config.hf_model import PREFIX
+from dxrun.config import HF_PREFIX, ConfigError, RunConfig, first_line
 from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
 from dxrun.config.validation import validate
 from dxrun.plan.run_plan import MeshPlan, make_plan, recorded
@@ -296,7 +295,7 @@ def compose_hf(path: Path, overrides: list[str]) -> DictConfig:
     """The config of a Hugging Face directory used as a checkpoint: the defaults with
     ``overrides`` and ``model.init_from=hf:<path>`` (its config.json the model, its
     tokenizer.json a text run's tokenizer)."""
-    given = [*overrides, f"model.init_from={PREFIX}{path.expanduser().absolute()}"]
+    given = [*overrides, f"model.init_from={HF_PREFIX}{path.expanduser().absolute()}"]
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3",
