@@ -261,7 +261,7 @@ def cli() -> None:
     except Interrupted as e:  # outside a job (composing the config), or while it was failing
         print(f"dxrun: {e.signal_name}: stopped {e.when}", file=sys.stderr)
         sys.exit(e.code)
-    for sweep_exit in SWEEP_EXITS:  # a multirun's, from its jobs (report.callback)
+    for sweep_exit in SWEEP_EXITS:  # a multirun's, from its jobs (report.sweep.SweepReport)
         sweep_exit()
 
 

@@ -514,7 +514,7 @@ def test_report_and_exit_code_of_a_sweep_with_a_stopped_job_and_a_torn_line(tmp_
     was stopped by SIGINT)."""
     import logging
 
-    from dxrun.report.callback import exit_for_failed_jobs as _exit_for_failed_jobs
+    from dxrun.report.sweep import exit_for_failed_jobs as _exit_for_failed_jobs
     from dxrun.report.sweep import write_report
 
     sweep = tmp_path / "sweep"

@@ -2,16 +2,18 @@
 ranked by measured tokens/s in the format ``parallelism=auto`` shares, written as ``report.md``
 and ``report.csv`` with PNG plots, and uploaded to the sweep's W&B group. Each section's own
 account follows, in that order: the ranking, the jobs collected, the plots, the upload, the
-report written.
+report written, and the Hydra callback that writes it at the end of every multirun.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import logging
 import os
 import statistics
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
-from dxrun.config import AXES, ConfigError
+from dxrun.config import AXES, EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, ConfigError, fail
 from dxrun.plan.run_plan import Layout, Sizes
-from dxrun.run.runtime import STATUS, sweep_group
+from dxrun.run.runtime import STATUS, SWEEP_EXITS, is_main, sweep_group
 from dxrun.tracking.logger import read_metrics
 
 # ------------------------------------------------------------------------------------------------
@@ -1046,3 +1050,45 @@ def write_report(sweep_dir: Path, upload: bool = False) -> list[JobRecord]:
     if upload:
         upload_report(sweep_dir, jobs, table, pngs)
     return jobs
+
+
+# ------------------------------------------------------------------------------------------------
+# The Hydra callback that writes the sweep report at the end of every multirun (registered
+# in conf/config.yaml under hydra.callbacks), and the sweep's exit code the launcher takes from
+# its jobs (``exit_for_failed_jobs``). Light to import: every run instantiates it.
+
+class SweepReport(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # the sweep's exit code, read from its jobs once Hydra returns (``runtime.SWEEP_EXITS``)
+        SWEEP_EXITS.append(functools.partial(exit_for_failed_jobs, Path(config.hydra.sweep.dir)))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not is_main():
+            return  # process 0 of a multi-process sweep writes the one report
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            jobs = write_report(sweep_dir, upload=True)
+            log.info("sweep report (%s): %s", tally(jobs), sweep_dir / "report.md")
+        except Exception as e:  # noqa: BLE001 - a report problem must not fail the sweep
+            log.warning("sweep report not written (%s); retry with: python -m dxrun.report %s",
+                        e, sweep_dir)
+
+
+def exit_for_failed_jobs(sweep_dir: Path) -> None:
+    """Exit non-zero naming the failed jobs, read from their status.json like the report
+    does: this also covers jobs that ran in other processes (submitit) or were killed.
+
+    A job stopped by a signal after committing its checkpoint did not fail: it is named with
+    its resume command, and with no failed job the sweep exits as a stopped single run does,
+    0 for SIGTERM (a scheduler's requeue point) and 130 once any job was stopped by SIGINT."""
+    jobs = find_jobs(sweep_dir)
+    stopped = [j for j in jobs if j.status == "stopped"]
+    for j in stopped:
+        print(f"dxrun: job #{j.label_num} {j.reason}", file=sys.stderr)
+    failed = [j for j in jobs if j.status == "failed"]
+    if failed:
+        names = "; ".join(f"#{j.label_num} ({' '.join(j.overrides)})" for j in failed)
+        fail(f"{len(failed)} sweep job(s) failed: {names} (details: {sweep_dir}/report.md)",
+              code=EXIT_REFUSED if all(j.kind == "refused" for j in failed) else EXIT_CRASHED)
+    if any(j.kind == "SIGINT" for j in stopped):
+        sys.exit(EXIT_CODES["SIGINT"])

@@ -578,8 +578,8 @@ def _attempts(run_dir: Path, recorded: Any, status: str, now: float) -> list[dic
 
 
 # What each multirun started in this process exits with, once Hydra returns: the sweep report's
-# callback puts in its check of the jobs' status.json files (``report.callback``), and the
-# launcher (``dxrun.__main__.cli``) calls them. Hydra keeps no handle on a sweep dir once the
+# callback (``report.sweep.SweepReport``) puts in its check of the jobs' status.json files, and
+# the launcher (``dxrun.__main__.cli``) calls them. Hydra keeps no handle on a sweep dir once the
 # multirun is over, and with submitit the jobs ran elsewhere.
 SWEEP_EXITS: list[Callable[[], None]] = []
 
