@@ -24,7 +24,7 @@ r = np.random.default_rng(0)
 for name, n in (("train", 20_000_000), ("val", 1_000_000)):
     r.integers(0, 50257, n, dtype=np.uint16).tofile(f"{out}/{name}.bin")
 json.dump({"vocab_size": 50257, "dtype": "uint16", "train_tokens": 20_000_000,
-           "val_tokens": 1_000_000, "max_id": 50256, "eot": 50256, "tokenizer": "bytes"},
+           "val_tokens": 1_000_000, "max_id": 50256, "eot": 50256},  # ids only: no tokenizer
           open(f"{out}/meta.json", "w"))
 PY
 B=train.grad_reduce_dtype=bf16  # the gradients' sums in bf16, as the hand-written step's

@@ -94,7 +94,7 @@ def prompt_tokens(d: DataConfig, vocab_size: int, prompt: str, n: int, chain: An
         if not known:
             # a Hugging Face dir without tokenizer.json (an exported bytes-level run's)
             where = (f"{d.path} has no tokenizer.json" if getattr(d, "hf", False)
-                     else f"data.path={d.path} records no tokenizer (meta.json)")
+                     else f"data.path={d.path} records no tokenizer of its ids (meta.json)")
             if not prompt:
                 raise ConfigError(f"prompt is empty; {where}, so this run takes token ids, "
                                   "e.g. prompt='464 2068'")

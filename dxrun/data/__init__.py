@@ -393,14 +393,16 @@ BYTES = "bytes"  # meta.json's "tokenizer" for byte-level tokens (prepare withou
 def recorded_tokenizer(d: DataConfig) -> tuple[bool, str | None]:
     """The tokenizer a token dir's ``meta.json`` names, as ``data.tokenizer`` would give it:
     (True, None) for bytes, (True, path) for a tokenizer.json still there, (False, None) when the
-    dir records none (files written by other tools) or the file is gone: ids only then."""
+    dir records none (files written by other tools), the file is gone, or it names bytes for a
+    vocabulary beyond a byte's 256 ids (a byte cannot decode them): ids only then."""
     try:
         meta = read_meta(Path(d.path).expanduser() / "meta.json", d.path)
     except ConfigError:
         return False, None
     name = meta.get("tokenizer")
     if name == BYTES:
-        return True, None
+        vocab = max(int(getattr(d, "vocab_size", None) or 0), int(meta.get("vocab_size") or 0))
+        return (True, None) if vocab <= 256 else (False, None)
     if isinstance(name, str) and Path(name).is_file():
         return True, name
     return False, None
