@@ -36,6 +36,7 @@ from dxrun.checkpointing.store import (
     committed_steps,
     data_position,
     find_resume,
+    locate,
     restore,
     time_due,
 )
@@ -529,6 +530,15 @@ def test_bad_checkpoint_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="holds no committed checkpoint"):
         cfg = make_cfg(f"checkpoint.resume={tmp_path}")
         find_resume(cfg.checkpoint, tmp_path / "new", cfg)
+    # A run dir whose run saved nothing (debug=fast: checkpoint.every=0) says so, not "give a
+    # run dir": what a tool reading it (dxrun.sample, evaluate, export) prints.
+    fast = tmp_path / "fast"
+    train(make_cfg("debug=fast", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8"),
+          fast)
+    with pytest.raises(ConfigError, match=rf"^path={fast} is a run dir whose run saved no "
+                       r"checkpoint \(it ran with checkpoint.every=0, as debug=fast does, or "
+                       r"stopped before its first save\); train it with checkpoint.every=N"):
+        locate(fast, key="path")
 
 
 @pytest.mark.e2e

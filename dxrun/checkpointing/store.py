@@ -569,6 +569,10 @@ def locate(path: Path, key: str = "checkpoint.resume") -> Resume:
     if committed_steps(path):
         return Resume(path, None, in_place=False, key=key)
     fix = ", or use checkpoint.resume=auto|none" if key == "checkpoint.resume" else ""
+    if (path / "plan.json").is_file():  # a run dir: its run wrote its plan first
+        raise ConfigError(f"{key}={path} is a run dir whose run saved no checkpoint (it ran "
+                          "with checkpoint.every=0, as debug=fast does, or stopped before its "
+                          f"first save); train it with checkpoint.every=N to have one{fix}")
     raise ConfigError(f"{key}={path} holds no committed checkpoint; give a run dir, its "
                       f"checkpoints dir or one of its step dirs{fix}")
 
