@@ -283,7 +283,7 @@ def test_a_job_that_never_finished_reads_as_unfinished(tmp_path, left):
     reason = ("did not finish (killed, timed out, or still running)" if left == "running"
               else "no summary.json: the job never finished")
     md = (sweep / "report.md").read_text()
-    assert "1 jobs: 0 ok, 1 failed." in md
+    assert "1 job: 0 ok, 1 failed." in md
     assert f"- job 0 (unfinished): {reason} — log: `{job / 'dxrun.log'}`" in md.splitlines()
 
 
@@ -317,7 +317,7 @@ def test_a_run_killed_from_outside_is_reported_unfinished(tmp_path):
     assert (j.status, j.kind) == ("failed", "unfinished")
     assert j.reason == "did not finish (killed, timed out, or still running)"
     assert j.log == str(run / "dxrun.log")
-    assert "1 jobs: 0 ok, 1 failed." in (run / "report.md").read_text()
+    assert "1 job: 0 ok, 1 failed." in (run / "report.md").read_text()
 
 
 def test_a_failed_wandb_upload_is_a_warning(tmp_path, caplog):

@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dxrun.report: error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(jobs)} jobs ({tally(jobs)}): "
-          f"{args.sweep_dir / 'report.md'}, report.csv and plots")
+    print(f"{tally(jobs)}; wrote {args.sweep_dir / 'report.md'}, report.csv and plots")
     return 0
 
 

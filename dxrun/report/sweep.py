@@ -337,9 +337,10 @@ def statistic_sentence(jobs: list[JobRecord]) -> str | None:
 
 
 def tally(jobs: list[JobRecord]) -> str:
-    """``3 ok, 1 stopped, 2 failed`` (stopped only when some job was)."""
+    """``6 jobs: 3 ok, 1 stopped, 2 failed`` (stopped only when some job was)."""
     n = {s: sum(j.status == s for j in jobs) for s in ("ok", "stopped", "failed")}
-    return ", ".join(f"{v} {s}" for s, v in n.items() if v or s != "stopped")
+    return (f"{len(jobs)} job{'s' * (len(jobs) != 1)}: "
+            + ", ".join(f"{v} {s}" for s, v in n.items() if v or s != "stopped"))
 
 
 class Unreadable(Exception):
@@ -964,7 +965,7 @@ def markdown(sweep_dir: Path, jobs: list[JobRecord], table: list[dict[str, Any]]
     first = headline(jobs, ranked or [])
     lines = ([f"# {first}", "", f"Sweep report: `{sweep_dir}`"] if first
              else [f"# Sweep report: `{sweep_dir}`"])
-    lines += ["", f"{len(jobs)} jobs: {tally(jobs)}.", ""]
+    lines += ["", f"{tally(jobs)}.", ""]
     statistic = statistic_sentence(jobs)
     lines += [statistic, ""] if statistic else []
     lines += extra
