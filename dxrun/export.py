@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dxrun.config import ARCHITECTURES, ConfigError, DataConfig, model_type_of
+from dxrun.config import ARCHITECTURES, ConfigError, DataConfig, RunConfig, model_type_of
 from dxrun.data import recorded_tokenizer
 from dxrun.hf import save_hf
 from dxrun.tools.checkpoint import load, main, split_args
@@ -67,19 +67,25 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def export(argv: list[str]) -> Path:
-    to, step, rest = flags(argv)
-    if to.exists() and (not to.is_dir() or any(to.iterdir())):
-        raise ConfigError(f"--to {to} exists and is not an empty dir; give a new one")
-    path, _, overrides = split_args("export", rest, {})
-    loaded = load(path, overrides, key="path", with_data=False, step=step)
-    m = loaded.cfg.model
+def exportable(cfg: RunConfig) -> None:
+    """Refuses a model Hugging Face has no class for, from the checkpoint's config: before its
+    parameters are read (``load``'s ``adjust``)."""
+    m = cfg.model
     if m._target_:
         raise ConfigError(f"model._target_={m._target_}: the Hugging Face export writes dxrun's "
                           "own model only; save your module's parameters yourself")
     if m.objective == "mdlm":  # GPT-2 and Llama are causal: the export would lie about it
         raise ConfigError("model.objective=mdlm: Hugging Face's GPT-2 and Llama attend causally, "
                           "so a masked-diffusion model has no architecture there to export to")
+
+
+def export(argv: list[str]) -> Path:
+    to, step, rest = flags(argv)
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise ConfigError(f"--to {to} exists and is not an empty dir; give a new one")
+    path, _, overrides = split_args("export", rest, {})
+    loaded = load(path, overrides, key="path", with_data=False, step=step, adjust=exportable)
+    m = loaded.cfg.model
     kind = model_type_of(m)
     tokenizer = tokenizer_of(loaded.cfg.data)
     save_hf(loaded.params, loaded.exp.axes, m, to, tokenizer)

@@ -7,6 +7,7 @@ equivalence is tests/test_sharding.py's, its bitwise resume test_resume.py's dro
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 
@@ -204,3 +205,18 @@ def test_a_text_run_samples_text(tmp_path):
         print(repr(text))
         assert re.fullmatch(r"the cat [a-z. ]{8}", text), out["texts"]
         assert re.search(r"[a-z]", text[len("the cat "):]), out["texts"]
+
+
+@pytest.mark.e2e  # a trained run: whole training, the tool on it
+def test_export_refuses_a_masked_diffusion_run_before_reading_it(markov_mdlm, tmp_path, caplog):
+    """``python -m dxrun.export`` of an mdlm run: one line saying Hugging Face's classes are
+    causal, from the checkpoint's config, before its parameters are restored (no "checkpoint
+    ... on mesh" line) and with no --to dir made."""
+    from dxrun.export import export
+
+    with caplog.at_level(logging.INFO), pytest.raises(
+            ConfigError, match="^model.objective=mdlm: Hugging Face's GPT-2 and Llama attend "
+                               "causally, so a masked-diffusion model has no architecture"):
+        export([str(markov_mdlm), "--to", str(tmp_path / "hf")])
+    assert not [r for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+    assert not (tmp_path / "hf").exists()
