@@ -451,7 +451,8 @@ class TrainStep:
         if self.compiled is None:
             t0 = time.perf_counter()
             with in_mesh_context(self.mesh, self.rules):  # the model pins activation layouts
-                self.compiled = self.jitted.lower(state, tokens_BxT).compile()
+                compiled = self.jitted.lower(state, tokens_BxT).compile()
+            self.compiled = runtime.check_chip(compiled, step_bytes(compiled))
             self.compile_time_s = time.perf_counter() - t0
         return self.compiled
 
@@ -460,7 +461,8 @@ class TrainStep:
         run (the run's own compile is ``compile``)."""
         options = analysis_options(self.mesh.devices.flat[0].platform)
         with in_mesh_context(self.mesh, self.rules):
-            return self.jitted.lower(state, tokens_BxT).compile(options)
+            compiled = self.jitted.lower(state, tokens_BxT).compile(options)
+        return runtime.check_chip(compiled, step_bytes(compiled))
 
     def memory_bytes(self) -> float | None:
         return step_bytes(self.compiled) if self.compiled is not None else None

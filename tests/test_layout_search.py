@@ -67,8 +67,8 @@ def test_candidates_follow_the_plan_rules():
 
 def test_fit_variants_add_recomputation_then_micro_batches():
     labels = [x.label for x in run_plan.fit_variants(layout(8, 1, 1))]
-    assert labels == ["dp8", "dp8 remat=dots", "dp8 remat=full", "dp8 remat=full accum=2",
-                      "dp8 remat=full accum=4", "dp8 remat=full accum=8"]
+    assert labels == ["dp8", "dp8 remat=dots", "dp8 remat=keep_attention", "dp8 remat=full",
+                      "dp8 remat=full accum=2", "dp8 remat=full accum=4", "dp8 remat=full accum=8"]
     assert [x.label for x in run_plan.fit_variants(layout(1, 1, 8, "full", 4))] == [
         "tp8 remat=full accum=4", "tp8 remat=full accum=8"]
 
@@ -85,6 +85,56 @@ def test_a_layout_that_does_not_fit_is_never_chosen():
     chosen = run_plan.measure_stage(rows, 3, lambda layouts: {x: 0.001 for x in layouts})
     assert chosen.layout.mesh == "dp4_tp2"
     assert run_plan.model_choice(run_plan.model_stage(layouts, 1.0, score)).layout.tp == 2
+
+
+# What XLA's TPU compile raised for model=small in fp32 on one v5e (the issue's first row).
+TPU_REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+               "temporaries (23.62G) exceeds available HBM (15.75G).")
+
+
+def test_a_candidate_the_chip_refuses_is_a_row_and_the_search_goes_on():
+    """A compile a chip refuses for memory (TooLarge, from XLA's RESOURCE_EXHAUSTED) is a row
+    that does not fit, never the search's end: the mesh's next variants are tried (more
+    recomputation, then micro-batches), and a mesh that fits nowhere keeps its last variant's
+    row, with what XLA says it needs."""
+    assert auto_search.xla_need(RuntimeError(TPU_REFUSAL)) == pytest.approx(23.62)
+    assert auto_search.xla_need(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
+    tried = []
+
+    def score(layout):
+        tried.append(layout.label)
+        if layout.dp == 8 or layout.remat in ("none", "dots"):
+            raise run_plan.TooLarge(20.0 if layout.dp == 8 else 17.5)
+        return 1.0, 0.010
+
+    rows = run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, score)
+    assert rows[0].fits and rows[0].layout.label == "dp4_tp2 remat=keep_attention"
+    assert tried[-3:] == ["dp4_tp2", "dp4_tp2 remat=dots", "dp4_tp2 remat=keep_attention"]
+    assert not rows[1].fits and rows[1].layout.label == "dp8 remat=full accum=8"
+    assert rows[1].why == "does not fit: XLA needs 20.00 GiB" and rows[1].need_gb == 20.0
+
+
+def test_a_build_error_of_every_candidate_is_that_error_not_memory():
+    """Where no variant of any mesh can be built (the same ConfigError each time: the data's
+    token ids beyond the vocabulary, say), the search says that error, once; a mesh refused
+    beside others that fit or do not fit for memory stays a row."""
+    from dxrun.config import ConfigError
+
+    def broken(layout):
+        raise ConfigError("data.path=x: token id 122 >= model.vocab_size=64; set data.vocab_size")
+
+    with pytest.raises(ConfigError, match=r"^data.path=x: token id 122 >= model.vocab_size=64;"):
+        run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, broken)
+
+    def some(layout):
+        if layout.tp == 2:
+            raise ConfigError("model.n_heads=3 is not divisible by tp=2; pick another")
+        raise run_plan.TooLarge(3.0)
+
+    rows = run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, some)
+    assert [r.fits for r in rows] == [False, False]
+    assert {r.why for r in rows} == {"does not fit: XLA needs 3.00 GiB",
+                                     "model.n_heads=3 is not divisible by tp=2"}
 
 
 def test_the_memory_column_keeps_one_unit_below_a_gib():
@@ -722,6 +772,61 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
 SMALL = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "train.steps=2",
          "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", "logger=none",
          "runtime.compile_cache=null"]
+
+
+@pytest.mark.e2e
+def test_auto_on_a_chip_that_refuses_some_compiles_picks_another_and_refuses_in_one_line(
+        tmp_path):
+    """A real accelerator's compile refuses a program over its memory (RESOURCE_EXHAUSTED), which
+    XLA:CPU never does: the test-only chip (DXRUN_TEST_CHIP_MIB) makes these compiles fail as a
+    TPU's do. At 12 MiB a chip holds tp2 (10.2 MiB per device) but not dp2 (14.5) or fsdp2
+    (16.5): the search ranks those "does not fit: XLA needs ..." and the run trains on tp2. At
+    8 MiB none fits even at its most micro-batches: one line naming the chip and the nearest
+    layout, exit 2, no traceback, and no run dir made."""
+    args = [*SMALL, "parallelism=auto", "parallelism.search=model", "parallelism.n_devices=2",
+            "model.d_ff=8192", "model.remat=full", "data.batch_size=2"]
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = run_cli(*args, "hydra.run.dir=run", cwd=tmp_path, timeout=600,
+                env={**env, "DXRUN_TEST_CHIP_MIB": "12"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "run" / "plan.json").read_text())["layout_search"]["rows"]
+    (chosen,) = [x for x in rows if x["chosen"]]
+    assert chosen["mesh"] == "tp2" and chosen["fits"]
+    refused = {x["mesh"]: x for x in rows if not x["fits"]}
+    assert set(refused) == {"dp2", "fsdp2"}
+    for x in refused.values():
+        assert re.fullmatch(r"does not fit: XLA needs \d+\.\d MiB", x["why"]), x["why"]
+        assert x["need_gb"] > 12 / 1024
+    r = run_cli(*args, "hydra.run.dir=refused", cwd=tmp_path, timeout=600,
+                env={**env, "DXRUN_TEST_CHIP_MIB": "8"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "refused").exists()
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert line.startswith("dxrun: error: parallelism=auto: none of the 3 layouts of 2 cpu "
+                           "devices fits at data.batch_size=2, data.seq_len=16 (the simulated "
+                           "chip (DXRUN_TEST_CHIP_MIB=8): 8.0 MiB per device; the nearest, tp2 ")
+    assert "does not fit: XLA needs" in line and line.endswith("; try a smaller model or more "
+                                                               "devices")
+
+
+@pytest.mark.e2e
+def test_a_search_whose_every_candidate_fails_to_build_says_why_not_memory(tmp_path):
+    """A Hugging Face checkpoint of 101 tokens fine-tuned on a corpus read as bytes ('z' is 122)
+    under a search that builds each candidate with its data (parallelism.search=fresh): the
+    run says what a fixed layout's would (the token id beyond the vocabulary, the fix), in one
+    line, exit 2; not that no layout fits the memory."""
+    from hf_checkpoints import LLAMA, random_tensors, write_hf_dir
+
+    hf = write_hf_dir(tmp_path / "hf", LLAMA, random_tensors(LLAMA))
+    (tmp_path / "corpus.txt").write_text("the lazy zebra sleeps\n" * 50)
+    r = run_cli("experiment=finetune_hf", f"model.init_from=hf:{hf}", "data.path=corpus.txt",
+                "parallelism.search=fresh", "train.steps=2", "logger=none",
+                "hydra.run.dir=run", cwd=tmp_path, timeout=600,
+                env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert line == ("dxrun: error: data.path=corpus.txt: token id 122 >= model.vocab_size=101; "
+                    "set data.vocab_size (or model.vocab_size) to 256 or more")
 
 
 @pytest.mark.e2e

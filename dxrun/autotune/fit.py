@@ -82,6 +82,7 @@ from dxrun.plan.run_plan import (
     MeshPlan,
     Row,
     RunPlan,
+    TooLarge,
     _gib,
     _ms,
     _s,
@@ -114,6 +115,7 @@ from dxrun.plan.run_plan import (
 )
 from dxrun.run.runtime import (
     agree,
+    faults_from_env,
     gather,
     is_main,
     local_processes,
@@ -466,6 +468,16 @@ def is_out_of_memory(e: BaseException) -> bool:
     text = str(e)
     return disk_error(e) is None and (
         "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text)
+
+
+def xla_need(e: BaseException) -> float | None:
+    """GiB per device that XLA's out-of-memory refusal says the program needs ("HLO temporaries
+    (23.62G) exceeds available HBM (15.75G)": binary units), or None where it names none."""
+    m = re.search(r"\(([\d.]+)([KMG])\) exceeds", str(e)) or re.search(
+        r"[Uu]sed ([\d.]+)([KMG]) of", str(e))
+    if m is None:
+        return None
+    return float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)] / GiB
 
 
 class OutOfMemory(RuntimeError):
@@ -859,6 +871,8 @@ def device_budget(runtime: RuntimeConfig) -> tuple[float, int, str]:
     local = jax.local_device_count()
     procs = local_processes(os.environ, jax.process_count())
     per = f" / {procs} processes on this host" if procs > 1 else ""
+    if runtime.memory_gb is None and (chip := faults_from_env().chip_mib):
+        return chip * 2**20, 1, f"the simulated chip (DXRUN_TEST_CHIP_MIB={chip})"
     if runtime.memory_gb is not None:
         if jax.default_backend() != "cpu":
             return runtime.memory_gb * GiB, 1, f"runtime.memory_gb={runtime.memory_gb}"
@@ -913,7 +927,7 @@ def compile_checked(cfg: RunConfig, exp: Experiment, plan: RunPlan | None = None
     try:
         return exp.compile_step()
     except Exception as e:
-        if exp.plan.platform != "tpu" or not is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise
         base = cfg if plan is None else resolved_config(cfg, plan)
         fix = first_that_fits(base, float("inf"), exp.plan)  # fits: its compile passes
@@ -1235,10 +1249,13 @@ def worth_it(cfg: RunConfig, layouts: list[Layout], score: Score, budget: float,
         start, what = layouts[0], "the first layout the plan accepts"
     if len(layouts) > 1:
         t = time.perf_counter()
-        need, est = score(start, say=False)
+        try:
+            need, est = kept_score = score(start, say=False)
+        except TooLarge as e:  # the start does not fit the chip: a search it is
+            need, est, kept_score = None, None, e
         compile_s = time.perf_counter() - t
-        kept = {start: (need, est)}
-        score = (lambda layout, say=True, inner=score: kept.pop(layout) if layout in kept
+        kept = {start: kept_score}
+        score = (lambda layout, say=True, inner=score: _taken(kept.pop(layout)) if layout in kept
                  else inner(layout, say=say))
         if est is not None and (budget_gb is None or need <= budget_gb):
             row = Row(start, need, 1e3 * est, fits=True)
@@ -1255,10 +1272,17 @@ def worth_it(cfg: RunConfig, layouts: list[Layout], score: Score, budget: float,
                            "searches anyway")
     verdict = agreed(f"{tag}/budget", verdict)
     if verdict is None:
-        if len(layouts) > 1:
+        if len(layouts) > 1 and need is not None:
             say_score(start, need, est)  # the model stage's first
         return score, None, what
     return score, Row(start, need, 1e3 * est, chosen=True, fits=True, why=verdict), what
+
+
+def _taken(score: tuple[float, float | None] | TooLarge) -> tuple[float, float | None]:
+    """A kept score as the scorer gave it: its figures, or its refusal raised again."""
+    if isinstance(score, TooLarge):
+        raise score
+    return score
 
 
 @dataclass(frozen=True)
@@ -1363,6 +1387,8 @@ def _setup(cfg: RunConfig, devices: tuple, plan_mode: bool, held: tuple[int, int
     target, peak = resolve_target(cfg, n)
     if plan_mode:  # the target's usable memory, as plan mode's fit
         budget_gb = usable_bytes(target) / GiB if target.memory_bytes else None
+    elif devices[1] == "tpu" and cfg.runtime.memory_gb is None:
+        budget_gb = None  # XLA's compile is the check (``compile_checked``): it fits or raises
     else:  # the memory preflight's budget
         budget_gb = device_budget(cfg.runtime)[0] / GiB
     mode = cfg.parallelism.search
@@ -1403,6 +1429,8 @@ def _ranked(s: _Search, layouts: list[Layout], score: Score, built: dict[Layout,
     measures the same candidates in the same order."""
     cfg, top = s.cfg, s.cfg.parallelism.search_top
     rows = _agreed_rows(f"{s.tag}/rows", model_stage(layouts, s.budget_gb, score))
+    if not s.plan_mode and not any(r.fits for r in rows):
+        raise ConfigError(agreed(f"{s.tag}/none", nothing_fits(s, rows)))
     if s.mode == "model":
         model_choice(rows, top=0)
         return rows
@@ -1422,6 +1450,48 @@ def _ranked(s: _Search, layouts: list[Layout], score: Score, built: dict[Layout,
                                                  train_cap=cap, held=s.held))
     measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
     return _agreed_rows(f"{s.tag}/chosen", rows)
+
+
+SMALLER = (2, 4)  # the global batch divided by these, tried when no layout fits
+
+
+def nothing_fits(s: _Search, rows: list[Row]) -> str:
+    """The search's refusal when no layout fits, in one line: the nearest row (the least
+    memory, at its most recomputation and micro-batches), and the largest smaller batch at
+    which that mesh fits so (compiled: a chip's compile is the check), which a run given it
+    searches again from."""
+    near = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb,
+               default=rows[0] if rows else None)
+    batch, seq_len = s.held
+    budget, _, source = device_budget(s.cfg.runtime)
+    what = f"; the nearest, {near.layout.label}, {near.why}" if near and near.why else ""
+    fix = "a smaller model or more devices"
+    if near is not None:
+        fix = next((f"data.batch_size={b}" for b in (batch // k for k in SMALLER)
+                    if _fits_at(s, near.layout, b)), fix)
+    n = s.cfg.parallelism.n_devices or s.devices[0]
+    return (f"parallelism=auto: none of the {len(rows)} layouts of {n} {s.devices[1]} "
+            f"devices fits at data.batch_size={batch}, data.seq_len={seq_len} "
+            f"({source}: {_gib(budget / GiB)} per device{what}); try {fix}")
+
+
+def _fits_at(s: _Search, layout: Layout, batch: int) -> bool:
+    """Does ``layout``'s mesh fit at the global ``batch``, with its recomputation and as many
+    micro-batches as divide the batch (the most memory a search could save there)?"""
+    for accum in sorted(ACCUMS, reverse=True):
+        try:
+            plan = make_plan(s.cfg, *s.devices, layout=replace(layout, grad_accum=accum),
+                             batch=batch, seq_len=s.held[1])
+        except ConfigError:  # the accumulation does not divide the batch
+            continue
+        try:
+            need = step_bytes(Experiment.build(s.cfg, plan, data=NoData()).analyse_step())
+        except Exception as e:  # a chip's compile refuses what does not fit it
+            if not is_out_of_memory(e):
+                raise
+            return False
+        return s.budget_gb is None or need is None or need <= s.budget_gb * GiB
+    return False
 
 
 def _record(s: _Search, rows: list[Row], top: int, verdict: str | None, start: str,
@@ -1465,6 +1535,8 @@ def _cached_doubt(s: _Search, layout: Layout, score: Score | None) -> str | None
         need, _ = score(layout, say=False)
     except ConfigError as e:
         return f"chose {layout.label}, which this run cannot build: {str(e).split(';')[0]}"
+    except TooLarge as e:
+        return f"chose {layout.label}, which no longer fits: {str(e).removeprefix('does not fit: ')}"
     if s.budget_gb is not None and need > s.budget_gb:
         return f"chose {layout.label}, which no longer fits: {_gib(need)} of {_gib(s.budget_gb)}"
     return None
@@ -1476,13 +1548,21 @@ def _scorer(s: _Search, built: dict[Layout, Any] | None = None) -> Score:
     Experiment for the measure stage or, chosen, the run."""
     def score(layout: Layout, say: bool = True) -> tuple[float, float | None]:
         plan = s.plan(layout)
-        if built is None:
-            exp = Experiment.build(s.cfg, plan, data=NoData())
-            compiled = exp.analyse_step()  # its memory and cost figures are the run compile's
-        else:
-            exp = Experiment.build(s.cfg, plan)
-            compiled = exp.compile_step()
-            built[layout] = exp
+        try:
+            if built is None:
+                exp = Experiment.build(s.cfg, plan, data=NoData())
+                compiled = exp.analyse_step()  # its memory and cost figures are the run's
+            else:
+                exp = Experiment.build(s.cfg, plan)
+                compiled = exp.compile_step()
+                built[layout] = exp
+        except Exception as e:  # a chip's compile refuses a program over its memory: a row
+            if not is_out_of_memory(e):
+                raise
+            if say:
+                log.info("layout search: %s does not fit: XLA refuses it (needs %s)",
+                         layout.label, _gib(xla_need(e)))
+            raise TooLarge(xla_need(e)) from None
         est = step_estimate(s.cfg, exp, compiled, s.target, s.peak, xla_cost=False)
         need = (est.mem.total_bytes if est.mem is not None and s.plan_mode
                 else step_bytes(compiled) or est.fp.total_bytes)

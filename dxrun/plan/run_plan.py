@@ -1146,7 +1146,9 @@ def table_rows(model: Any) -> int:
 # here pick, in rounds, and chooses the fastest; ``search_cost`` predicts whether a search pays.
 
 SEARCHES = ("none", "measure", "model", "fresh")
-REMATS = ("none", "dots", "full")  # cheapest to most recomputation
+# Cheapest to most recomputation; keep_attention only where the attention kernel names its
+# residuals (splash: ``check_remat`` refuses it elsewhere, and the search moves on).
+REMATS = ("none", "dots", "keep_attention", "full")
 ACCUMS = (1, 2, 4, 8)
 MEASURE_STEPS = 10  # timed steps per turn (at most): a median that separates close layouts
 MEASURE_ROUNDS = 3  # rounds (a turn each)
@@ -1225,8 +1227,7 @@ def fit_variants(layout: Layout) -> list[Layout]:
     """The mesh with the user's remat and accumulation, then more recomputation, then more
     micro-batches (the same update): tried in order until one fits."""
     out = [layout]
-    # keep_attention (a kernel's own, never searched) recomputes all but attention: then full
-    more = REMATS[REMATS.index(layout.remat) + 1:] if layout.remat in REMATS else ("full",)
+    more = REMATS[REMATS.index(layout.remat) + 1:]
     for remat in more:
         out.append(replace(layout, remat=remat))
     last = out[-1]
@@ -1253,29 +1254,49 @@ class Row:
                 "fits": self.fits, "why": self.why, "spread_ms": self.spread_ms}
 
 
+class TooLarge(Exception):
+    """A candidate whose compile the accelerator refuses for memory (XLA's RESOURCE_EXHAUSTED
+    on a chip): a row that does not fit, never the search's end. ``need_gb``: what XLA says the
+    program needs (GiB per device; None where it names no figure)."""
+
+    def __init__(self, need_gb: float | None) -> None:
+        super().__init__(f"does not fit: XLA needs {_gib(need_gb)}" if need_gb is not None
+                         else "does not fit: XLA refuses its compile for memory")
+        self.need_gb = need_gb
+
+
 def model_stage(layouts: list[Layout], budget_gb: float | None,
                 score: Callable[[Layout], tuple[float, float | None]]) -> list[Row]:
     """Each mesh at its first variant that fits, ranked by estimated step time (fastest
-    first; those that fit nowhere last). ``score(layout)``: (GiB per device, est. seconds or
-    None) of one candidate; ``budget_gb`` None: fit by the score's own verdict (a plan
-    target's usable memory, passed as a negative need)."""
-    rows = []
+    first; those that fit nowhere last, at their last variant: the least they need).
+    ``score(layout)``: (GiB per device, est. seconds or None) of one candidate, or TooLarge
+    where the chip refuses its compile; ``budget_gb`` None: what compiles fits (a chip's
+    compile is its check). Where no variant of any mesh could be built at all (a ConfigError
+    each: token ids beyond the vocabulary...), that first error is the search's, as a fixed
+    layout's run would say it: memory was never the question."""
+    rows, errors = [], []
     for base in layouts:
         row = Row(base)
         for layout in fit_variants(base):
             try:
                 need, est = score(layout)
             except ConfigError as e:  # e.g. accumulation not dividing the per-replica batch
+                errors.append(e)
                 row.why = row.why or str(e).split(";")[0]
                 continue
-            if budget_gb is not None and need > budget_gb:
-                if row.need_gb is None:
-                    row.need_gb = need
-                    row.why = f"does not fit: {_gib(need)} of {_gib(budget_gb)}"  # MiB if small
+            # A mesh that fits nowhere keeps its last variant's row: the least it needs.
+            except TooLarge as e:
+                row = Row(layout, e.need_gb, why=str(e))
+                continue
+            if budget_gb is not None and need > budget_gb:  # MiB if small
+                row = Row(layout, need, why=f"does not fit: {_gib(need)} of {_gib(budget_gb)}")
                 continue
             row = Row(layout, need, None if est is None else 1e3 * est, fits=True)
             break
         rows.append(row)
+    if errors and not any(r.fits or r.need_gb is not None or r.why.startswith("does not fit")
+                          for r in rows):
+        raise errors[0]
     return sorted(rows, key=lambda r: (not r.fits, r.est_ms if r.est_ms is not None else 0.0))
 
 

@@ -172,6 +172,9 @@ def write_json(path: Path, obj: Any) -> None:
 #     DXRUN_TEST_ERROR_AT_STEP=k  after step k the loop raises an error that is not bad input
 #     DXRUN_TEST_DEAF_RANK=k      rank k (0 too) of a launch does not act on SIGINT or SIGTERM
 #                                 while starting, and holds there until sent one (``deafen``)
+#     DXRUN_TEST_CHIP_MIB=k       a chip of k MiB: a step compile whose program needs more
+#                                 fails as XLA's TPU compile does (RESOURCE_EXHAUSTED), so a CPU
+#                                 test meets what only a real accelerator's compile refuses
 #
 # Unset: off (a step fault at 0 too: steps count from 1). Any other value than an integer in its
 # range is refused in one line.
@@ -183,6 +186,7 @@ FAULT_VARIABLES: dict[str, tuple[str, Range]] = {
     "hold_at_step": ("DXRUN_TEST_HOLD_AT_STEP", NON_NEGATIVE),
     "error_at_step": ("DXRUN_TEST_ERROR_AT_STEP", NON_NEGATIVE),
     "deaf_rank": ("DXRUN_TEST_DEAF_RANK", NON_NEGATIVE),
+    "chip_mib": ("DXRUN_TEST_CHIP_MIB", NON_NEGATIVE),
 }
 
 
@@ -192,6 +196,7 @@ class Faults:
     hold_at_step: int = 0
     error_at_step: int = 0
     deaf_rank: int | None = None
+    chip_mib: int = 0
 
     def steps(self) -> tuple[int, int, int]:
         """The steps at which the loop does more than step (0: none)."""
@@ -206,6 +211,29 @@ class Faults:
         if self.error_at_step and done == self.error_at_step:
             raise RuntimeError(f"injected failure after step {done} "
                                "(DXRUN_TEST_ERROR_AT_STEP, a test-only fault)")
+
+
+def xla_bytes(n: float) -> str:
+    """Bytes as XLA's messages write them (binary units: 15.75G is 15.75 GiB)."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}B"
+
+
+def check_chip(compiled: Any, need: float | None) -> Any:
+    """``compiled`` (a step's executable needing ``need`` bytes per device), or under
+    ``DXRUN_TEST_CHIP_MIB`` the error XLA's TPU compile raises for a program over the chip's
+    memory, in its own words (what ``fit.is_out_of_memory`` and ``fit.xla_need`` read)."""
+    limit = faults_from_env().chip_mib * 2**20
+    if not limit or need is None or need <= limit:
+        return compiled
+    from jax.errors import JaxRuntimeError
+
+    raise JaxRuntimeError(
+        f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        f"temporaries ({xla_bytes(need)}) exceeds available HBM ({xla_bytes(limit)}). "
+        "(DXRUN_TEST_CHIP_MIB, a test-only fault)")
 
 
 def faults_from_env(environ: Mapping[str, str] = os.environ) -> Faults:
@@ -493,6 +521,7 @@ def claim_run_dir(run_dir: Path) -> Path:
     a run claims its dir through ``dxrun.run.runtime.claim``.)"""
     candidate, i = run_dir, 0
     while True:
+        nameable(run_dir, candidate)
         candidate.mkdir(parents=True, exist_ok=True)
         try:
             (candidate / ".hydra").mkdir()
@@ -1510,6 +1539,7 @@ def claim(asked: Path, *, named: bool, fresh: bool, has_checkpoints: Callable[[P
     deadline, said = clock() + wait_s, False
     while True:
         target, cont = pick(asked, has_checkpoints)
+        nameable(asked, target)
         with SIGNALS.held_back():
             lock = RunLock.acquire(target)
             held[:] = [] if lock is None else [Claim(target, lock)]
@@ -1604,9 +1634,7 @@ def dir_refusal(key: str, value: Any, fix: str) -> str | None:
     is tried with a real mkdir (removed at once): permission bits pass root, and /proc or a
     read-only mount refuse only the mkdir itself. Nothing is left behind."""
     path = Path(str(value)).expanduser()  # relative stays relative: named as the user gave it
-    nearest = path
-    while not os.path.lexists(nearest):  # a parent that is a file ends the walk too
-        nearest = nearest.parent
+    nearest = _nearest(path)
     if why := _too_long(path, nearest):
         return f"{key}={_shortened(str(value))} cannot be created: {why}; shorten it, {fix}"
     where = f"{key}={value}" if nearest == path else f"{key}={value} cannot be created: {nearest}"
@@ -1620,6 +1648,23 @@ def dir_refusal(key: str, value: Any, fix: str) -> str | None:
         reason = "" if e.errno == errno.ENOENT else f" ({e.strerror.lower()})"
         return f"{where} is not writable{reason}; {fix}"
     return None
+
+
+def nameable(asked: Path, sibling: Path) -> None:
+    """A new run's dir ``sibling`` of ``asked`` (``<asked>_N``: ``asked`` holds a run) that
+    the filesystem cannot name, ``asked`` being near NAME_MAX, refused in one line before
+    anything is made (``dir_refusal`` checked ``asked`` alone)."""
+    if sibling != asked and (why := _too_long(sibling, _nearest(sibling))):
+        raise ConfigError(f"the run dir {_shortened(asked.name)} holds a run, and this run's "
+                          f"own dir beside it cannot be created: {why}; give a shorter "
+                          "hydra.run.dir")
+
+
+def _nearest(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (a parent that is a file ends the walk)."""
+    while not os.path.lexists(path):
+        path = path.parent
+    return path
 
 
 def _too_long(path: Path, nearest: Path) -> str | None:
