@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.report import Figure, figure
+from dxrun.plan.run_plan import precision_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "One CPU device: dxrun vs a PyTorch eager loop"
@@ -70,7 +71,8 @@ def torch_argv(cfg: Any) -> list[str]:
             "wd": o.weight_decay, "b1": o.b1, "b2": o.b2, "clip": o.clip_norm,
             "warmup-lr": o.warmup_steps, "total": cfg.train.steps}
     if m.bias or not m.tie_embeddings or m.norm != "layernorm" or m.mlp != "gelu" \
-            or m.pos != "learned" or m.n_kv_heads != m.n_heads or cfg.train.precision != "fp32":
+            or m.pos != "learned" or m.n_kv_heads != m.n_heads \
+            or precision_of(cfg.train.precision, "cpu") != "fp32":
         raise ValueError("the PyTorch reference is the fp32 GPT-2 block without biases, with "
                          "tied embeddings (see benchmarks/torch_reference.py)")
     return [str(ROOT / "benchmarks" / "torch_reference.py"), "--serve",

@@ -135,7 +135,9 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     assert plan["mesh_shape"] == [4, 1, 1, 2]
     pm = plan["plan_mode"]
     t = pm["target"]
-    assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 494.0
+    # train.precision=auto plans the target's run: bf16 over fp32 masters on an accelerator
+    assert plan["precision"] == "bf16" and plan["precision_auto"] is True
+    assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 989.0
     # the accelerator time model (dxrun/plan/cost.py): kernels one after another, the
     # collectives' exposed part after them (issue 21; was max(compute, memory) + collectives)
     assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["collective_s"])

@@ -100,6 +100,7 @@ from dxrun.plan.run_plan import (
     model_stage,
     named,
     padded_vocab,
+    precision_of,
     recorded,
     resolved_config,
     resumed_layout,
@@ -601,7 +602,8 @@ def resolve_target(cfg: RunConfig, n_devices: int) -> tuple[Target, float | None
             target = replace(target, memory_bytes=cfg.runtime.memory_gb * GiB / n_devices)
         return target, peak
     target = TARGETS[name]
-    return target, cost.peak_tflops(target.device_kind, cfg.train.precision)
+    return target, cost.peak_tflops(target.device_kind, precision_of(
+        cfg.train.precision, cost.normalize_kind(target.device_kind)))
 
 
 # A device's achieved matmul TFLOP/s, probed on all devices at once: a stand-in peak for CPUs
@@ -650,8 +652,9 @@ def resolve_peak(runtime: RuntimeConfig, train: TrainConfig, device_kind: str,
         return peak
     if override is not None:
         return float(override)
-    peak = cost.peak_tflops(device_kind, train.precision)
-    if peak is None and cost.normalize_kind(device_kind) != "cpu":
+    kind = cost.normalize_kind(device_kind)
+    peak = cost.peak_tflops(device_kind, precision_of(train.precision, kind))
+    if peak is None and kind != "cpu":
         log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
                     "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)
     return peak
@@ -978,7 +981,8 @@ def cache_key(cfg: RunConfig, held: tuple[int, int], n_devices: int, device_kind
     was measured."""
     key = {"model": OmegaConf.to_container(cfg.model, resolve=True),
            "batch": held[0], "seq_len": held[1],
-           "precision": cfg.train.precision, "optimizer": cfg.optimizer.name,
+           "precision": precision_of(cfg.train.precision, cost.normalize_kind(device_kind)),
+           "optimizer": cfg.optimizer.name,
            "devices": n_devices, "processes": processes, "device_kind": device_kind,
            "jax": jax_version, "measured": cfg.parallelism.search != "model",
            "top": cfg.parallelism.search_top, "target": cfg.plan.target,

@@ -232,8 +232,10 @@ class TrainConfig:
     # jax.random.key keeps a seed's low 32 bits (no x64): 2^32 would be seed 0 again, and from
     # 2^63 it overflows a C long.
     seed: int = key(0, "the model's seed (initialisation, dropout)", range=Range(0, 2**32))
-    precision: str = key("fp32", "compute dtype: bf16 computes in bf16 with fp32 master weights",
-                         choices=("fp32", "bf16"))
+    precision: str = key(
+        "auto", "Compute dtype: bf16 computes in bf16 with fp32 master weights; auto = bf16 on "
+        "an accelerator (TPU, GPU), fp32 on CPU, decided in the run plan (plan.json).",
+        choices=("auto", "fp32", "bf16"))
     grad_accum: int = key(
         1, "Micro-batches per optimizer step: data.batch_size is still the batch of one update, "
         "computed in grad_accum sequential pieces (less activation memory, same result).",

@@ -852,6 +852,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
     # precision (train.precision) and its compute dtype's name, positions per loss chunk
     # (``loss_chunk.loss_chunk_for``; 0 = the whole sequence), ZeRO-1 on (``shard_optimizer``).
     precision: str = "fp32"
+    precision_auto: bool = False  # decided by train.precision=auto (the platform's)
     compute_dtype: str = "float32"
     loss_chunk: int = 0
     shard_optimizer: bool = False
@@ -915,6 +916,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
             *([("lr", f"{self.peak_lr:.4g} peak (optimizer.lr_scaling={self.lr_scaling} at "
                       f"batch {self.global_batch})")] if self.peak_lr else []),
             *([("hosts", self._hosts_row())] if self.processes > 1 else []),
+            ("compute", precision_row(self)),
             ("weights", "embed->fsdp, heads/mlp/vocab->tensor, norms+row biases replicated"),
             *([("sequence", f"{self.seq_len // self.cp} positions per device of {self.seq_len}: "
                             f"chunks i and {2 * self.cp - 1}-i of {2 * self.cp} on context "
@@ -930,6 +932,14 @@ class MeshPlan(AxisAttrs, HostPlacement):
                                   "masked out of the loss)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def precision_row(plan: MeshPlan) -> str:
+    """The table's compute row: the precision and what decided it."""
+    what = "bf16, fp32 master weights" if plan.precision == "bf16" else plan.precision
+    why = (f"train.precision=auto on {plan.attention_device.platform}: bf16 on an accelerator, "
+           "fp32 on CPU" if plan.precision_auto else f"train.precision={plan.precision}")
+    return f"{what} ({why})"
 
 
 def _align_note(align: int) -> str:
@@ -986,7 +996,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     check_sequence_parallel(sp, seq_len, cp, tp)
     check_model_divides(model, tp, fsdp)
     device = device or AttentionTarget(platform)
-    precision = cfg.train.precision if "train" in cfg else "fp32"
+    asked = cfg.train.precision if "train" in cfg else "fp32"
+    precision = precision_of(asked, device.platform)  # plan mode: its target's
     dtype = compute_dtype(precision)
     rows = (model.vocab_size if model.get("_target_") else  # a user's own table
             vocab or padded_vocab(table_rows(model), tp, platform, par.vocab_align))
@@ -995,6 +1006,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     return MeshPlan(
         sizes=sizes, attention=kernel,
         attention_device=device, precision=precision, compute_dtype=dtype,
+        precision_auto=asked == "auto",
         shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
         device_ids=tuple(range(sizes.n)), n_visible=n_visible, platform=platform,
         global_batch=batch, grad_accum=accum, batch_set_by=set_by, remat=remat,
@@ -1103,6 +1115,16 @@ def shard_optimizer(p: ParallelismConfig, dp: int) -> bool:
     """ZeRO-1 on? ``parallelism.shard_optimizer``; null = when there are data replicas."""
     value = p.get("shard_optimizer")
     return dp > 1 if value is None else bool(value)
+
+
+def precision_of(asked: str, platform: str) -> str:
+    """``train.precision`` on ``platform``: as given, or for ``auto`` bf16 compute over fp32
+    master weights on an accelerator (what every tuned accelerator run sets, MaxText's and
+    torchtitan's default) and fp32 on CPU, where XLA computes bf16 through converts (slower,
+    and the suite's exact numbers are fp32's)."""
+    if asked != "auto":
+        return asked
+    return "fp32" if platform == "cpu" else "bf16"
 
 
 def compute_dtype(precision: str) -> str:
