@@ -541,7 +541,7 @@ def _step_spec(cfg: RunConfig, plan: MeshPlan, mesh: jax.sharding.Mesh,
         plan, mesh, state_shardings, b_shard,
         dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
         nan_policy=cfg.train.nan_policy,
-        grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+        grad_reduce_dtype=plan.grad_reduce_dtype,
         update_shardings=u_shard if plan.shard_optimizer else None, update_pads=pads,
         # masked diffusion (model.objective=mdlm): its training masks seeded apart from dropout's
         objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))

@@ -200,3 +200,29 @@ def test_plan_shows_the_scaled_lr_of_the_resolved_batch(cfg_factory, rule, facto
     assert plan.global_batch == 256 and plan.peak_lr == pytest.approx(0.01 * factor)
     assert plan.to_json()["peak_lr"] == pytest.approx(0.01 * factor)
     assert f"{0.01 * factor:.4g} peak (optimizer.lr_scaling={rule} at batch 256)" in plan.table()
+
+
+def test_precision_and_gradient_sums_are_decided_once_by_the_platform(cfg_factory):
+    """train.precision=auto and train.grad_reduce_dtype=auto (the defaults), decided in the
+    plan: bf16 over fp32 masters on an accelerator, the gradients' sums in bf16 on a TPU
+    (faster there, BENCHMARKS.md), fp32 on CPU; a key the user gives always wins."""
+    from dxrun.plan.run_plan import AttentionTarget
+
+    def plan(platform, *keys):
+        return make_plan(cfg_factory("parallelism=dp8", *keys), 8, platform,
+                         device=AttentionTarget(platform))
+
+    cpu, tpu, gpu = plan("cpu"), plan("tpu"), plan("gpu")
+    assert (cpu.precision, cpu.compute_dtype, cpu.grad_reduce_dtype) == ("fp32", "float32", "fp32")
+    assert (tpu.precision, tpu.compute_dtype, tpu.grad_reduce_dtype) == ("bf16", "bfloat16", "bf16")
+    assert (gpu.precision, gpu.grad_reduce_dtype) == ("bf16", "fp32")
+    assert cpu.precision_auto and tpu.precision_auto
+    assert "compute  bf16, fp32 master weights, gradient sums in bf16" in tpu.table()
+    given = plan("tpu", "train.precision=fp32")
+    assert (given.precision, given.precision_auto, given.grad_reduce_dtype) == ("fp32", False,
+                                                                               "fp32")
+    assert plan("tpu", "train.grad_reduce_dtype=fp32").grad_reduce_dtype == "fp32"
+    assert plan("cpu", "train.precision=bf16").grad_reduce_dtype == "fp32"
+    assert plan("cpu", "train.precision=bf16", "train.grad_reduce_dtype=bf16"
+                ).grad_reduce_dtype == "bf16"
+    assert tpu.to_json()["grad_reduce_dtype"] == "bf16"  # plan.json records the decision

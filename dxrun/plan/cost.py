@@ -694,7 +694,7 @@ def workload(cfg: RunConfig, plan: MeshPlan, n_params: float, params_per_device:
                                     cfg.parallelism.vocab_align),
         tp=plan.tp, n_devices=plan.n_devices, params=n_params,
         params_per_device=params_per_device, precision=plan.precision,
-        grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+        grad_reduce_dtype=plan.grad_reduce_dtype,
         updated_per_device=params_per_device / plan.dp if plan.shard_optimizer else None,
         loss_chunk=plan.loss_chunk, remat=plan.remat, cp=plan.cp,
         kernel=kernel or plan.attention)

@@ -853,6 +853,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
     # (``loss_chunk.loss_chunk_for``; 0 = the whole sequence), ZeRO-1 on (``shard_optimizer``).
     precision: str = "fp32"
     precision_auto: bool = False  # decided by train.precision=auto (the platform's)
+    grad_reduce_dtype: str = "fp32"  # train.grad_reduce_dtype, auto resolved
     compute_dtype: str = "float32"
     loss_chunk: int = 0
     shard_optimizer: bool = False
@@ -936,7 +937,8 @@ class MeshPlan(AxisAttrs, HostPlacement):
 
 def precision_row(plan: MeshPlan) -> str:
     """The table's compute row: the precision and what decided it."""
-    what = "bf16, fp32 master weights" if plan.precision == "bf16" else plan.precision
+    what = (f"bf16, fp32 master weights, gradient sums in {plan.grad_reduce_dtype} "
+            "(train.grad_reduce_dtype)" if plan.precision == "bf16" else plan.precision)
     why = (f"train.precision=auto on {plan.attention_device.platform}: bf16 on an accelerator, "
            "fp32 on CPU" if plan.precision_auto else f"train.precision={plan.precision}")
     return f"{what} ({why})"
@@ -1007,6 +1009,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
         sizes=sizes, attention=kernel,
         attention_device=device, precision=precision, compute_dtype=dtype,
         precision_auto=asked == "auto",
+        grad_reduce_dtype=grad_reduce_of(cfg.train.grad_reduce_dtype if "train" in cfg
+                                         else "fp32", precision, device.platform),
         shard_optimizer=shard_optimizer(par, dp) if zero is None else zero,
         device_ids=tuple(range(sizes.n)), n_visible=n_visible, platform=platform,
         global_batch=batch, grad_accum=accum, batch_set_by=set_by, remat=remat,
@@ -1125,6 +1129,15 @@ def precision_of(asked: str, platform: str) -> str:
     if asked != "auto":
         return asked
     return "fp32" if platform == "cpu" else "bf16"
+
+
+def grad_reduce_of(asked: str, precision: str, platform: str) -> str:
+    """``train.grad_reduce_dtype`` on ``platform``: as given, or for ``auto`` bf16 where the
+    step computes in bf16 on a TPU (small at batch 16 on one v5e: 11% faster a step, the same
+    first loss; BENCHMARKS.md) and fp32 elsewhere (under fp32 compute the two are one)."""
+    if asked != "auto":
+        return asked
+    return "bf16" if precision == "bf16" and platform == "tpu" else "fp32"
 
 
 def compute_dtype(precision: str) -> str:
