@@ -65,10 +65,12 @@ def test_candidates_follow_the_plan_rules():
     assert any("tp=8" in why for _, why in refused)
 
 
-def test_fit_variants_add_recomputation_then_micro_batches():
+def test_fit_variants_add_micro_batches_then_recomputation():
     labels = [x.label for x in run_plan.fit_variants(layout(8, 1, 1))]
-    assert labels == ["dp8", "dp8 remat=dots", "dp8 remat=keep_attention", "dp8 remat=full",
-                      "dp8 remat=full accum=2", "dp8 remat=full accum=4", "dp8 remat=full accum=8"]
+    assert labels[:6] == ["dp8", "dp8 accum=2", "dp8 accum=4", "dp8 accum=8", "dp8 remat=dots",
+                          "dp8 remat=dots accum=2"]
+    assert labels[-2:] == ["dp8 remat=full accum=4", "dp8 remat=full accum=8"]
+    assert len(labels) == 16 and "dp8 remat=keep_attention" in labels
     assert [x.label for x in run_plan.fit_variants(layout(1, 1, 8, "full", 4))] == [
         "tp8 remat=full accum=4", "tp8 remat=full accum=8"]
 
@@ -109,7 +111,8 @@ def test_a_candidate_the_chip_refuses_is_a_row_and_the_search_goes_on():
 
     rows = run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, score)
     assert rows[0].fits and rows[0].layout.label == "dp4_tp2 remat=keep_attention"
-    assert tried[-3:] == ["dp4_tp2", "dp4_tp2 remat=dots", "dp4_tp2 remat=keep_attention"]
+    assert tried[-3:] == ["dp4_tp2 remat=dots accum=4", "dp4_tp2 remat=dots accum=8",
+                          "dp4_tp2 remat=keep_attention"]
     assert not rows[1].fits and rows[1].layout.label == "dp8 remat=full accum=8"
     assert rows[1].why == "does not fit: XLA needs 20.00 GiB" and rows[1].need_gb == 20.0
 
