@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import cli_in_process, make_cfg, subprocess_env, write_corpus
+from conftest import MARKOV_STEPS, cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
 from dxrun.config.errors import ConfigError
@@ -230,3 +230,50 @@ def test_a_bf16_run_decodes_in_bf16(markov_run):
     assert dots and all(ins.count("bf16") == 2 for ins, _ in dots), dots
     assert re.search(r"-> tensor<4x\d+xf32>", texts["bf16"])  # fp32 logits (prefill's)
     assert "bf16" not in texts["fp32"]
+
+
+def _tool(tool: str, *args: str, cwd) -> tuple[int, str, str]:
+    """``python -m dxrun.<tool> <args>`` through its entry point in this process: (exit code,
+    stdout, its one ``error:`` line or '')."""
+    from importlib import import_module
+
+    from dxrun.tools.checkpoint import main
+
+    run = import_module(f"dxrun.{tool}").run
+    proc = cli_in_process(*args, cwd=cwd, entry=lambda: main(tool, run), prog=f"dxrun.{tool}")
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith(f"dxrun.{tool}: error: ")]
+    assert len(errors) <= 1, errors
+    return proc.returncode, proc.stdout, errors[0] if errors else ""
+
+
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_logits_reads_token_ids_as_sample_does(markov_run, tmp_path):
+    """``tokens="1 2"`` is two ids, as sample's ``prompt="1 2"`` is (it was the one id 12), and
+    gives what ``tokens=1,2`` gives; ``step=`` names the checkpoint read. Arguments longer than
+    a file name (129 ids, a 300-character prompt) reach the tools' own refusals: one line,
+    exit 2 (they were an OSError from looking for a file of that name)."""
+    run = str(markov_run)
+    for given, out in (("tokens=1 2", "out=spaced.npy"), ("tokens=[1, 2]", "out=commas.npy")):
+        code, stdout, error = _tool("logits", run, given, out, cwd=tmp_path)
+        assert code == 0 and not error, error
+    spaced, commas = np.load(tmp_path / "spaced.npy"), np.load(tmp_path / "commas.npy")
+    assert spaced.shape == (1, 2, 16)
+    np.testing.assert_array_equal(spaced, commas)
+    code, stdout, _ = _tool("logits", run, "tokens=1 2", f"step={MARKOV_STEPS}", cwd=tmp_path)
+    assert code == 0 and stdout.startswith(f"step {MARKOV_STEPS}  last position's top 5: ")
+    ckpts = markov_run / "checkpoints"
+    for args, says in (
+            (("step=100",), f"step 100: {ckpts} has no committed step 100 (it has "
+                            f"{MARKOV_STEPS})"),
+            (("step=100", "--best"), "step=100 and --best name two checkpoints; give one"),
+            ((f"tokens={' '.join(['1'] * 129)}",),
+             "tokens: ids must lie in [0, 16) and be at most model.max_seq_len=128 long (got "
+             "ids 1..1, length 129)")):
+        tokens = [] if args[0].startswith("tokens=") else ["tokens=1 2"]
+        assert _tool("logits", run, *tokens, *args, cwd=tmp_path) == (
+            2, "", f"dxrun.logits: error: {says}")
+    prompt = " ".join(["1", "2"] * 75)  # 299 characters
+    assert _tool("sample", run, f"prompt={prompt}", cwd=tmp_path) == (
+        2, "", "dxrun.sample: error: prompt: 150 tokens leave no room for a new one in "
+               "model.max_seq_len=128; give a prompt of at most 127 tokens")

@@ -84,7 +84,19 @@ def is_path(arg: str) -> bool:
     """An existing file or dir, or an argument that is not ``key=value`` with a dotted key
     (``n=2``, ``parallelism=tp2``, ``+data.x=1``): ``outputs/lr=0.1`` is a path."""
     key, eq, _ = arg.partition("=")
-    return not eq or not KEY.fullmatch(key) or Path(arg).expanduser().exists()
+    # os.path.exists: an argument too long to be a file name (a long prompt=) is no file,
+    # where Path.exists raises OSError (ENAMETOOLONG).
+    return not eq or not KEY.fullmatch(key) or os.path.exists(os.path.expanduser(arg))
+
+
+def token_ids(text: str) -> list[int]:
+    """Token ids as a command line gives them: separated by spaces or commas (``1 2 3``,
+    ``1,2,3``, ``[1, 2, 3]``); ValueError for anything else."""
+    words = [w for w in re.split(r"[\s,]+", text.strip().removeprefix("[").removesuffix("]"))
+             if w]
+    if not words:
+        raise ValueError("no token ids")
+    return [int(w) for w in words]
 
 
 def start_devices(overrides: list[str]) -> None:
