@@ -493,6 +493,7 @@ def claim_run_dir(run_dir: Path) -> Path:
     a run claims its dir through ``dxrun.run.runtime.claim``.)"""
     candidate, i = run_dir, 0
     while True:
+        nameable(run_dir, candidate)
         candidate.mkdir(parents=True, exist_ok=True)
         try:
             (candidate / ".hydra").mkdir()
@@ -1510,6 +1511,7 @@ def claim(asked: Path, *, named: bool, fresh: bool, has_checkpoints: Callable[[P
     deadline, said = clock() + wait_s, False
     while True:
         target, cont = pick(asked, has_checkpoints)
+        nameable(asked, target)
         with SIGNALS.held_back():
             lock = RunLock.acquire(target)
             held[:] = [] if lock is None else [Claim(target, lock)]
@@ -1604,9 +1606,7 @@ def dir_refusal(key: str, value: Any, fix: str) -> str | None:
     is tried with a real mkdir (removed at once): permission bits pass root, and /proc or a
     read-only mount refuse only the mkdir itself. Nothing is left behind."""
     path = Path(str(value)).expanduser()  # relative stays relative: named as the user gave it
-    nearest = path
-    while not os.path.lexists(nearest):  # a parent that is a file ends the walk too
-        nearest = nearest.parent
+    nearest = _nearest(path)
     if why := _too_long(path, nearest):
         return f"{key}={_shortened(str(value))} cannot be created: {why}; shorten it, {fix}"
     where = f"{key}={value}" if nearest == path else f"{key}={value} cannot be created: {nearest}"
@@ -1620,6 +1620,23 @@ def dir_refusal(key: str, value: Any, fix: str) -> str | None:
         reason = "" if e.errno == errno.ENOENT else f" ({e.strerror.lower()})"
         return f"{where} is not writable{reason}; {fix}"
     return None
+
+
+def nameable(asked: Path, sibling: Path) -> None:
+    """A new run's dir ``sibling`` of ``asked`` (``<asked>_N``: ``asked`` holds a run) that
+    the filesystem cannot name, ``asked`` being near NAME_MAX, refused in one line before
+    anything is made (``dir_refusal`` checked ``asked`` alone)."""
+    if sibling != asked and (why := _too_long(sibling, _nearest(sibling))):
+        raise ConfigError(f"the run dir {_shortened(asked.name)} holds a run, and this run's "
+                          f"own dir beside it cannot be created: {why}; give a shorter "
+                          "hydra.run.dir")
+
+
+def _nearest(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (a parent that is a file ends the walk)."""
+    while not os.path.lexists(path):
+        path = path.parent
+    return path
 
 
 def _too_long(path: Path, nearest: Path) -> str | None:
