@@ -277,3 +277,20 @@ def test_logits_reads_token_ids_as_sample_does(markov_run, tmp_path):
     assert _tool("sample", run, f"prompt={prompt}", cwd=tmp_path) == (
         2, "", "dxrun.sample: error: prompt: 150 tokens leave no room for a new one in "
                "model.max_seq_len=128; give a prompt of at most 127 tokens")
+
+
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_load_model_after_jax_started_says_what_works(markov_run):
+    """``load_model`` in a process where JAX has started (this one: 8 CPU devices), as the HF
+    guide's order has it (the reference built first): a layout wider than the devices says so
+    and what works there, not ``runtime.cpu_devices``, which cannot act once JAX started."""
+    from dxrun.logits import load_model
+
+    with pytest.raises(ConfigError) as e:
+        load_model(markov_run, "parallelism=tp2", "parallelism.n_devices=16",
+                   "parallelism.dp=8")
+    assert str(e.value) == (
+        "parallelism=tp2 needs 16 devices but JAX had started in this process with 8 cpu "
+        "devices, a count fixed once it starts (runtime.cpu_devices acts only before); load the "
+        "model before anything else starts JAX, or start Python with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=16")
