@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -502,6 +502,18 @@ class EarlyStopHook(Hook):
                                                          es.mode, es.min_delta)
             self._check()
 
+    @property
+    def watching(self) -> bool:
+        return "early_stop" in self.watch and self.stop_reason is None
+
+    def would_stop(self, done: int, row: dict[str, Any]) -> bool:
+        """Whether ``row`` would end the run (its monitor left as it is)."""
+        if not self.watching:
+            return False
+        m = replace(self.watch["early_stop"])
+        m.see(done, row)
+        return plateau(m, self.patience) is not None
+
     def on_row(self, done: int, row: dict[str, Any]) -> None:
         if "early_stop" in self.watch:
             self.watch["early_stop"].see(done, row)
@@ -756,8 +768,17 @@ class Trainer:
         if not due:
             return
         info = StepInfo(done, self.state, self.metrics)
+        # An evaluation's row may end the run (train.early_stop) off the log steps: the log's
+        # part is built first, as at a log step (its window before the evaluation), and kept
+        # when the row ends the run, whose last row then holds train/* as a normal end's does.
+        last = (StepInfo(done, self.state, self.metrics)
+                if self.log not in due and self.early.watching else None)
         for hook in due:
+            if hook is self.evaluation and last is not None:
+                self.log.on_step(last)
             hook.on_step(info)
+        if last is not None and self.early.would_stop(done, info.row):
+            info.row = {**last.row, **info.row}
         for hook in self.hooks:
             hook.on_row(done, info.row)
         self.clocks.timer.reset(done, self.ckpt.ckpts.cost.totals())
