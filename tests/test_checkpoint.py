@@ -475,6 +475,18 @@ def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path, 
 
 
 @pytest.mark.e2e
+def test_a_halted_run_ends_its_log_with_its_error_line(tmp_path, nan_at_step_7):
+    """Through the entry point: the halt's one line, exit 1, is also the last line of the
+    run's dxrun.log (it was on stderr and in status.json only)."""
+    proc = cli_in_process(*NAN, "train.steps=8", "hydra.run.dir=run", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert "non-finite loss or gradients at step 7" in line
+    last = (tmp_path / "run" / "dxrun.log").read_text().splitlines()[-1]
+    assert last.endswith(f"[dxrun][ERROR] - {line}"), last
+
+
+@pytest.mark.e2e
 def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path, nan_at_step_7):
     train(make_cfg(*NAN, "train.nan_policy=skip"), tmp_path)
     rows = {r["step"]: r for r in _rows(tmp_path)}

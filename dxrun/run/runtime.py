@@ -679,11 +679,20 @@ class RunLog:
 
     def write_traceback(self, exc: BaseException) -> None:
         """The full traceback into the log file only: the terminal gets one line."""
+        self._error("run failed", (type(exc), exc, exc.__traceback__))
+
+    def write_error(self, line: str) -> None:
+        """The error line a run ends with on the terminal (``fail``'s), into its log file too,
+        once the run has one: the log alone says how the run ended."""
+        if self.file is not None:
+            self._error(line)
+
+    def _error(self, msg: str, exc_info: Any = None) -> None:
+        """An error record into the log file only."""
         import logging
 
         record = logging.getLogger("dxrun").makeRecord(
-            "dxrun", logging.ERROR, __file__, 0, "run failed", None,
-            (type(exc), exc, exc.__traceback__))
+            "dxrun", logging.ERROR, __file__, 0, msg, None, exc_info)
         self.file.handle(record)
         self.file.flush()
 
