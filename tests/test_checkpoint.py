@@ -31,8 +31,10 @@ from conftest import (
 
 from dxrun.checkpointing.store import (
     Checkpointer,
+    IncompleteMeta,
     Resume,
     check_compatible,
+    check_meta,
     committed_steps,
     data_position,
     find_resume,
@@ -527,6 +529,25 @@ def test_what_cannot_change_on_resume_is_refused():
     meta = {"data": {"step": 75}, "config": {"data": {"batch_size": 32}}}
     assert data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
     assert data_position(meta, 32) == {"step": 75}
+
+
+def test_a_meta_whose_counts_are_whole_floats_is_read_as_ints():
+    """``"step": 40.0`` (another JSON writer's 40) is the whole number it is, read as 40 (it was
+    called "not a whole number" and the checkpoint set aside as damaged); 40.5 is not one."""
+    def meta(step: float) -> dict:
+        return {"config": {"data": {"batch_size": 8.0}, "train": {"steps": 80.0}},
+                "data": {"step": step}, "tokens_seen": 5120.0,
+                "early_stop": {"stale": 1.0, "step": 30.0, "best": 2.0}}
+
+    whole = meta(40.0)
+    check_meta(whole)
+    assert json.dumps(whole) == json.dumps(
+        {"config": {"data": {"batch_size": 8}, "train": {"steps": 80}}, "data": {"step": 40},
+         "tokens_seen": 5120, "early_stop": {"stale": 1, "step": 30, "best": 2.0}})
+    assert data_position(whole, 4) == {"step": 80}
+    with pytest.raises(IncompleteMeta, match=r"^its meta's data.step is 40.5, not a whole "
+                                             r"number$"):
+        check_meta(meta(40.5))
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
