@@ -106,14 +106,19 @@ def told(startup: Path, what: str) -> list[dict]:
     return found
 
 
-def stopped_while_starting(signalled: list[str], codes: list[int | None], startup: Path
-                           ) -> bool:
+def stopped_while_starting(signalled: list[str], startup: Path) -> bool:
     """Whether a stop the launcher passed on (``signalled``) was made while its ranks were
-    starting: one said so in ``startup`` or ended with the stop's code (``codes``: each
-    rank's, None while it runs), and none has started its train loop (it may be saving)."""
-    if not signalled or told(startup, "training"):
-        return False
-    return bool(told(startup, "stopped")) or any(EXIT_CODES[s] in codes for s in signalled)
+    starting: none has started its train loop (it may be saving) in ``startup``. A rank inside
+    a startup collective never sees the signal, and the others may all be inside one too
+    (waiting for each other until JAX's heartbeat, 300 s): from the stop on, --grace bounds
+    the run's end."""
+    return bool(signalled) and not told(startup, "training")
+
+
+def listening(startup: Path, rank: int) -> bool:
+    """Whether ``rank`` has its stop handlers (``runtime.guard_signals``): a signal before
+    them ends it as Python's KeyboardInterrupt (a traceback), or is lost."""
+    return (startup / f"listening.{rank}").exists()
 
 
 def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
@@ -384,6 +389,31 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     preexec = die_with_launcher()
     startup = run_dir_file.with_name("startup")  # how each rank's startup went
     startup.mkdir()
+    signalled: list[str] = []  # the stop signals passed on
+    # The signals held back for each rank until it listens (``listening``; one not started yet
+    # does not), sent then.
+    held: list[list[int]] = [[] for _ in range(nproc)]
+
+    def send(rank: int, signum: int) -> None:
+        if rank < len(procs) and procs[rank].poll() is not None:
+            return
+        if rank < len(procs) and listening(startup, rank) and not held[rank]:
+            procs[rank].send_signal(signum)
+        else:
+            held[rank].append(signum)
+
+    def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
+            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
+        if signum != signal.SIGUSR1:
+            signalled.append(signal.Signals(signum).name)
+        for rank in range(nproc):
+            send(rank, signum)
+
+    # Before the first rank starts: a signal from here on is passed on, never the launcher's
+    # own KeyboardInterrupt.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, forward)
     for rank in range(nproc):
         env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
                         hosts)
@@ -394,7 +424,7 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
             [sys.executable, "-m", "dxrun", *overrides], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             # Not in the terminal's process group: a Ctrl-C reaches the processes once, passed
-            # on below (twice would be "exit now without saving").
+            # on by ``forward`` (twice would be "exit now without saving").
             start_new_session=True, preexec_fn=preexec)
         procs.append(proc)
         gpu_note = f" (GPUs {','.join(slices[rank])})" if slices[rank] else ""
@@ -409,20 +439,6 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
                 said[rank] if stream is proc.stderr else None))
             t.start()
             pumps.append(t)
-
-    signalled: list[str] = []  # the stop signals passed on
-
-    def forward(signum: int, _frame: object) -> None:
-        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
-            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
-        if signum != signal.SIGUSR1:
-            signalled.append(signal.Signals(signum).name)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-        signal.signal(sig, forward)
 
     # Each rank's exit is timed by a thread blocked in its wait: a rank killed outright and the
     # rank that aborts on losing it (gloo's "Received data size doesn't match") often both end
@@ -443,8 +459,12 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # is that stop's; those still running after --grace are killed (never once one trains).
     starting_stop = False
     while len(ended) < len(procs):
-        if not starting_stop and stopped_while_starting(
-                signalled, [p.returncode for p in procs], startup):
+        for rank, proc in enumerate(procs):
+            if held[rank] and listening(startup, rank) and proc.poll() is None:
+                signums, held[rank] = held[rank], []
+                for signum in signums:
+                    proc.send_signal(signum)
+        if not starting_stop and stopped_while_starting(signalled, startup):
             starting_stop, deadline = True, time.monotonic() + grace
         for t, rank in sorted((t, r) for r, t in dict(ended).items() if r not in seen):
             seen.add(rank)

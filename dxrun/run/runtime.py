@@ -1211,13 +1211,18 @@ SIGNALS = Signals()
 
 def guard_signals() -> None:
     """From here on SIGTERM, SIGINT and SIGUSR1 stop the process through ``Interrupted``
-    (the train loop swaps in its own handlers while it runs). The launcher calls this first."""
+    (the train loop swaps in its own handlers while it runs). The launcher calls this first.
+    A rank of ``dxrun.launch`` then says it listens (``listening.<rank>``): the launcher holds
+    back a stop until then, which before would have ended the rank in Python's own way (a
+    KeyboardInterrupt traceback) or been lost."""
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, SIGNALS.handle)
         if not isinstance(sys.unraisablehook, functools.partial):  # once per process
             sys.unraisablehook = functools.partial(SIGNALS.unraisable,
                                                    previous=sys.unraisablehook)
+        with contextlib.suppress(OSError):  # untold, the launcher's grace ends a stop here
+            tell_launcher_startup("listening")
 
 
 class Preemption:
