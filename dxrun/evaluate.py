@@ -5,8 +5,7 @@ The newest committed checkpoint (or the step dir given) is restored onto the mes
 ``parallelism`` or the overrides' (``parallelism=tp2``) and scored by the loop's own evaluation
 on the held-out split's first ``eval.batches`` batches (at most the split's; on the same mesh:
 bitwise the run's ``eval/*`` of that step), or on another source (``data.path=...``).
-``eval.batches=all``: every full batch of a corpus's held-out windows (one batch, its windows
-repeated, where they fill none, as a number reads it; markov's endless stream is refused).
+``eval.batches=all``: every full batch of a corpus's held-out windows (one if they fill none).
 
 The result is printed, appended to ``eval.json`` in the run dir given (or around the checkpoints
 or step dir given; no training file touched) and, when the run logged to W&B (and ``logger`` is

@@ -115,10 +115,41 @@ def stopped_while_starting(signalled: list[str], startup: Path) -> bool:
     return bool(signalled) and not told(startup, "training")
 
 
-def listening(startup: Path, rank: int) -> bool:
-    """Whether ``rank`` has its stop handlers (``runtime.guard_signals``): a signal before
-    them ends it as Python's KeyboardInterrupt (a traceback), or is lost."""
-    return (startup / f"listening.{rank}").exists()
+class Forwarder:
+    """The launcher's signal handler: a signal passed on to every rank still running (a stop
+    also noted in ``signalled``), held back for a rank until it listens (``release``; one
+    not started yet does not): before its handlers (``runtime.guard_signals``) a signal ends
+    a rank as Python's KeyboardInterrupt (a traceback), or is lost."""
+
+    def __init__(self, procs: list[subprocess.Popen], nproc: int, startup: Path):
+        self.procs, self.startup = procs, startup  # procs: filled as the ranks start
+        self.signalled: list[str] = []  # the stop signals passed on
+        self.held: list[list[int]] = [[] for _ in range(nproc)]
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
+            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
+        if signum != signal.SIGUSR1:
+            self.signalled.append(signal.Signals(signum).name)
+        for rank in range(len(self.held)):
+            started = rank < len(self.procs)
+            if started and self.procs[rank].poll() is not None:
+                continue
+            if started and self.listening(rank) and not self.held[rank]:
+                self.procs[rank].send_signal(signum)
+            else:
+                self.held[rank].append(signum)
+
+    def listening(self, rank: int) -> bool:
+        return (self.startup / f"listening.{rank}").exists()
+
+    def release(self) -> None:
+        """The signals held back for the ranks that listen now."""
+        for rank, proc in enumerate(self.procs):
+            if self.held[rank] and self.listening(rank) and proc.poll() is None:
+                signums, self.held[rank] = self.held[rank], []
+                for signum in signums:
+                    proc.send_signal(signum)
 
 
 def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
@@ -389,29 +420,10 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     preexec = die_with_launcher()
     startup = run_dir_file.with_name("startup")  # how each rank's startup went
     startup.mkdir()
-    signalled: list[str] = []  # the stop signals passed on
-    # The signals held back for each rank until it listens (``listening``; one not started yet
-    # does not), sent then.
-    held: list[list[int]] = [[] for _ in range(nproc)]
-
-    def send(rank: int, signum: int) -> None:
-        if rank < len(procs) and procs[rank].poll() is not None:
-            return
-        if rank < len(procs) and listening(startup, rank) and not held[rank]:
-            procs[rank].send_signal(signum)
-        else:
-            held[rank].append(signum)
-
-    def forward(signum: int, _frame: object) -> None:
-        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
-            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
-        if signum != signal.SIGUSR1:
-            signalled.append(signal.Signals(signum).name)
-        for rank in range(nproc):
-            send(rank, signum)
-
     # Before the first rank starts: a signal from here on is passed on, never the launcher's
     # own KeyboardInterrupt.
+    forward = Forwarder(procs, nproc, startup)
+    signalled = forward.signalled
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, forward)
     for rank in range(nproc):
@@ -459,11 +471,7 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # is that stop's; those still running after --grace are killed (never once one trains).
     starting_stop = False
     while len(ended) < len(procs):
-        for rank, proc in enumerate(procs):
-            if held[rank] and listening(startup, rank) and proc.poll() is None:
-                signums, held[rank] = held[rank], []
-                for signum in signums:
-                    proc.send_signal(signum)
+        forward.release()
         if not starting_stop and stopped_while_starting(signalled, startup):
             starting_stop, deadline = True, time.monotonic() + grace
         for t, rank in sorted((t, r) for r, t in dict(ended).items() if r not in seen):

@@ -4,11 +4,11 @@
 
 In Python, ``from dxrun.logits import load_model``: ``load_model(path, *overrides)`` is the
 newest checkpoint (``step=N``: that one; ``best=True``: keep_best's; on the command line
-``step=N`` and ``--best``), or a Hugging Face
-directory, placed on the mesh of the run's ``parallelism`` or the overrides'
-(``"parallelism=tp2"``), as a callable: token ids ``[B, L]`` (or ``[L]``) in, logits
-``[B, L, model.vocab_size]`` out (numpy fp32, the mesh's padding rows cut). The command prints
-the last position's top five and saves the whole array with ``out=`` (``numpy.save``).
+``step=N`` and ``--best``), or a Hugging Face directory, placed on the mesh of the run's
+``parallelism`` or the overrides' (``"parallelism=tp2"``), as a callable: token ids
+``[B, L]`` (or ``[L]``) in, logits ``[B, L, model.vocab_size]`` out (numpy fp32, the mesh's
+padding rows cut). The command prints the last position's top five and saves the whole array
+with ``out=`` (``numpy.save``).
 """
 
 from __future__ import annotations

@@ -478,15 +478,26 @@ class CheckpointHook(Hook):
 
 class EvalHook(Hook):
     """Every ``train.eval_every`` steps and at the last: the held-out loss of the same
-    ``eval.batches`` (none without held-out data)."""
+    ``eval.batches`` (none without held-out data). Its row off the log steps may end the run
+    (train.early_stop; ``ending``: the log and early-stop hooks): the log's part is then built
+    first, as at a log step (its window before the evaluation), and kept if the row ends the
+    run, whose last row holds train/* as a normal end's does."""
 
     def __init__(self, every: int, exp: Experiment, batches: list[jax.Array],
                  clock: goodput.Goodput):
         self.every, self.exp, self.batches, self.clock = every, exp, batches, clock
+        self.ending: tuple[LogHook, EarlyStopHook] | None = None
 
     def on_step(self, info: StepInfo) -> None:
+        log, early = self.ending or (None, None)
+        spare = None
+        if log is not None and not info.row and early.watching:  # no log step's part
+            spare = StepInfo(info.done, info.state, info.metrics)
+            log.on_step(spare)
         with self.clock.span("eval"):
             info.row.update(evaluate(self.exp, info.state.params, self.batches))
+        if spare is not None and early.would_stop(info.done, info.row):
+            info.row = {**spare.row, **info.row}
 
 
 class EarlyStopHook(Hook):
@@ -768,17 +779,8 @@ class Trainer:
         if not due:
             return
         info = StepInfo(done, self.state, self.metrics)
-        # An evaluation's row may end the run (train.early_stop) off the log steps: the log's
-        # part is built first, as at a log step (its window before the evaluation), and kept
-        # when the row ends the run, whose last row then holds train/* as a normal end's does.
-        last = (StepInfo(done, self.state, self.metrics)
-                if self.log not in due and self.early.watching else None)
         for hook in due:
-            if hook is self.evaluation and last is not None:
-                self.log.on_step(last)
             hook.on_step(info)
-        if last is not None and self.early.would_stop(done, info.row):
-            info.row = {**last.row, **info.row}
         for hook in self.hooks:
             hook.on_row(done, info.row)
         self.clocks.timer.reset(done, self.ckpt.ckpts.cost.totals())
@@ -873,12 +875,12 @@ def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, sta
     gp = GoodputHook(record, ckpts)
     summary = SummaryHook(rewound.kept, facts, logger, exp.step.compile_time_s,
                           (clocks.timer, ckpts, gp))
+    logs = LogHook(cfg.train.log_every, logger, summary.summary, facts, exp.step,
+                   run_plan.search_s, tokens_at, clocks, (started.allocator, ckpts, trace, gp))
+    evaluation.ending = (logs, early)
     return Trainer(
         exp, state, start, steps, batches, clocks, run_dir, main, cfg.train.debug_nans, trace,
-        CheckpointHook(ckpts, record.clock),
-        LogHook(cfg.train.log_every, logger, summary.summary, facts, exp.step,
-                run_plan.search_s, tokens_at, clocks, (started.allocator, ckpts, trace, gp)),
-        evaluation, summary, early, gp)
+        CheckpointHook(ckpts, record.clock), logs, evaluation, summary, early, gp)
 
 
 def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,

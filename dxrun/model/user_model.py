@@ -5,14 +5,13 @@ plan, shard, train, checkpoint, evaluate and sample it.
 * Every variable is an ``nnx.Param`` with logical axis names (``axes=``, one per dimension,
   from dxrun's rules table ``LOGICAL_RULES`` or None): they map to the mesh as dxrun's own
   model's do. A variable without them (an ``nnx.Rngs`` kept in the module too) is refused.
-* ``module(tokens_BxL) -> logits_BxLxV``, causal, over ``vocab_size`` (which every mesh axis
-  ``vocab`` is split over must divide; the shape is checked when the model is built). It may
-  pin activations with ``dxrun.model.sharding.constrain``.
+* ``module(tokens_BxL) -> logits_BxLxV`` (checked when built), causal, over ``vocab_size``
+  (which every mesh axis ``vocab`` is split over must divide). It may pin activations with
+  ``dxrun.model.sharding.constrain``.
 What differs from dxrun's model (``build_model`` builds either): no dropout key or compute
-dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one
-(``model.loss_chunk`` is 0); plan mode counts 6 FLOPs per parameter per token and XLA's memory
-(dxrun's formulas need its block's shape); sampling recomputes the whole sequence for each new
-token (no key/value cache).
+dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one; plan
+mode counts 6 FLOPs per parameter per token and XLA's memory (dxrun's formulas need its
+block's shape); sampling recomputes the whole sequence for each new token (no KV cache).
 """
 
 from __future__ import annotations
