@@ -13,12 +13,20 @@ nodes use SLURM instead (docs/guide/multi-node.md, which tells the whole story).
 
 from __future__ import annotations
 
+import signal
+
+# Stop signals that come while the launcher imports (most of its first second): kept for its
+# ranks (``Forwarder``), where they were Python's KeyboardInterrupt in the launcher.
+EARLY: list[int] = []
+if __name__ == "__main__":
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, lambda signum, _frame: EARLY.append(signum))
+
 import argparse
 import ctypes
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -426,6 +434,8 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     signalled = forward.signalled
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, forward)
+    for signum in EARLY:  # (from here on the handler is the Forwarder)
+        forward(signum, None)
     for rank in range(nproc):
         env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
                         hosts)
