@@ -267,6 +267,8 @@ def test_logits_reads_token_ids_as_sample_does(markov_run, tmp_path):
             (("step=100",), f"step 100: {ckpts} has no committed step 100 (it has "
                             f"{MARKOV_STEPS})"),
             (("step=100", "--best"), "step=100 and --best name two checkpoints; give one"),
+            (("best=true",), "best=true is no option; ask for checkpoint.keep_best's "
+                             "checkpoint with --best"),
             ((f"tokens={' '.join(['1'] * 129)}",),
              "tokens: ids must lie in [0, 16) and be at most model.max_seq_len=128 long (got "
              "ids 1..1, length 129)")):

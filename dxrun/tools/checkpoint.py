@@ -67,6 +67,9 @@ def split_args(tool: str, argv: list[str], options: dict[str, Any]
         if is_path(arg):
             continue
         key, _, value = arg.partition("=")
+        if key == "best":  # load_model's best=True, on the command line
+            raise ConfigError(f"{arg} is no option; ask for checkpoint.keep_best's checkpoint "
+                              f"with {BEST}")
         if key not in options:
             overrides.append(arg)
             continue
