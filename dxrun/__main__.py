@@ -455,9 +455,11 @@ class JobStatus:
         """A single run exits now (2 for refused input, 1 for a crash). In a multirun one bad
         job must not cost the rest of the sweep: its line now, its status.json for the report
         and the exit code (``cli``), and the next job runs."""
+        job = f"job #{self.hydra_cfg.job.num}: " if self.multirun else ""
+        self.run_log.write_error(f"dxrun: error: {job}{msg}")  # the log ends as the terminal
         if not self.multirun:
             fail(msg, code=EXIT_CRASHED if crashed else EXIT_REFUSED)
-        print(f"dxrun: error: job #{self.hydra_cfg.job.num}: {msg}", file=sys.stderr)
+        print(f"dxrun: error: {job}{msg}", file=sys.stderr)
 
 
 def _stopped(status: JobStatus, e: Stopped) -> None:

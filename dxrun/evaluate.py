@@ -5,7 +5,7 @@ The newest committed checkpoint (or the step dir given) is restored onto the mes
 ``parallelism`` or the overrides' (``parallelism=tp2``) and scored by the loop's own evaluation
 on the held-out split's first ``eval.batches`` batches (at most the split's; on the same mesh:
 bitwise the run's ``eval/*`` of that step), or on another source (``data.path=...``).
-``eval.batches=all``: every full batch of a corpus's held-out windows (markov's is refused).
+``eval.batches=all``: every full batch of a corpus's held-out windows (one if they fill none).
 
 The result is printed, appended to ``eval.json`` in the run dir given (or around the checkpoints
 or step dir given; no training file touched) and, when the run logged to W&B (and ``logger`` is
@@ -38,24 +38,21 @@ ALL = "eval.batches=all"
 
 def batch_count(d: DataConfig, batches: int, data: Data, all_batches: bool) -> int:
     """``batches`` (``eval.batches``), or with ``all`` every full global batch of the held-out
-    windows of the run's data ``d`` (read by ``data``)."""
+    windows of the run's data ``d`` (read by ``data``; one, with a warning, where they fill
+    none: ``Data.eval_batches``)."""
     if not data.has_eval:
         raise ConfigError(f"data.path={d.path}: the held-out split is shorter than one "
                           f"window (data.seq_len+1={d.seq_len + 1} tokens); evaluate on "
                           "other data (data.path=...) or raise data.val_fraction")
-    if not all_batches:
-        n, capped = data.eval_batches(batches)  # no more than the split holds
-        if capped:
-            log.warning(capped)
-        return n
-    if data.eval_windows is None:
-        raise ConfigError(f"{ALL}: data={d.name} has an endless held-out stream; give a "
-                          "number, e.g. eval.batches=16")
-    n = data.eval_windows // d.batch_size
-    if n == 0:
-        raise ConfigError(f"{ALL}: the held-out split has {data.eval_windows} windows, fewer "
-                          f"than one batch of data.batch_size={d.batch_size}; lower "
-                          "data.batch_size")
+    if all_batches:
+        if data.eval_windows is None:
+            raise ConfigError(f"{ALL}: data={d.name} has an endless held-out stream; give a "
+                              "number, e.g. eval.batches=16")
+        # A split of fewer windows than a batch: the one batch a number reads (said once).
+        batches = max(1, data.eval_windows // d.batch_size)
+    n, capped = data.eval_batches(batches, ALL if all_batches else None)  # at most the split's
+    if capped:
+        log.warning(capped)
     return n
 
 

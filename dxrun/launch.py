@@ -13,12 +13,20 @@ nodes use SLURM instead (docs/guide/multi-node.md, which tells the whole story).
 
 from __future__ import annotations
 
+import signal
+
+# Stop signals that come while the launcher imports (most of its first second): kept for its
+# ranks (``Forwarder``), where they were Python's KeyboardInterrupt in the launcher.
+EARLY: list[int] = []
+if __name__ == "__main__":
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, lambda signum, _frame: EARLY.append(signum))
+
 import argparse
 import ctypes
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -106,14 +114,50 @@ def told(startup: Path, what: str) -> list[dict]:
     return found
 
 
-def stopped_while_starting(signalled: list[str], codes: list[int | None], startup: Path
-                           ) -> bool:
+def stopped_while_starting(signalled: list[str], startup: Path) -> bool:
     """Whether a stop the launcher passed on (``signalled``) was made while its ranks were
-    starting: one said so in ``startup`` or ended with the stop's code (``codes``: each
-    rank's, None while it runs), and none has started its train loop (it may be saving)."""
-    if not signalled or told(startup, "training"):
-        return False
-    return bool(told(startup, "stopped")) or any(EXIT_CODES[s] in codes for s in signalled)
+    starting: none has started its train loop (it may be saving) in ``startup``. A rank inside
+    a startup collective never sees the signal, and the others may all be inside one too
+    (waiting for each other until JAX's heartbeat, 300 s): from the stop on, --grace bounds
+    the run's end."""
+    return bool(signalled) and not told(startup, "training")
+
+
+class Forwarder:
+    """The launcher's signal handler: a signal passed on to every rank still running (a stop
+    also noted in ``signalled``), held back for a rank until it listens (``release``; one
+    not started yet does not): before its handlers (``runtime.guard_signals``) a signal ends
+    a rank as Python's KeyboardInterrupt (a traceback), or is lost."""
+
+    def __init__(self, procs: list[subprocess.Popen], nproc: int, startup: Path):
+        self.procs, self.startup = procs, startup  # procs: filled as the ranks start
+        self.signalled: list[str] = []  # the stop signals passed on
+        self.held: list[list[int]] = [[] for _ in range(nproc)]
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
+            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
+        if signum != signal.SIGUSR1:
+            self.signalled.append(signal.Signals(signum).name)
+        for rank in range(len(self.held)):
+            started = rank < len(self.procs)
+            if started and self.procs[rank].poll() is not None:
+                continue
+            if started and self.listening(rank) and not self.held[rank]:
+                self.procs[rank].send_signal(signum)
+            else:
+                self.held[rank].append(signum)
+
+    def listening(self, rank: int) -> bool:
+        return (self.startup / f"listening.{rank}").exists()
+
+    def release(self) -> None:
+        """The signals held back for the ranks that listen now."""
+        for rank, proc in enumerate(self.procs):
+            if self.held[rank] and self.listening(rank) and proc.poll() is None:
+                signums, self.held[rank] = self.held[rank], []
+                for signum in signums:
+                    proc.send_signal(signum)
 
 
 def settle_starting_stop(signalled: str, stops: list[re.Match], startup: Path,
@@ -384,6 +428,14 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     preexec = die_with_launcher()
     startup = run_dir_file.with_name("startup")  # how each rank's startup went
     startup.mkdir()
+    # Before the first rank starts: a signal from here on is passed on, never the launcher's
+    # own KeyboardInterrupt.
+    forward = Forwarder(procs, nproc, startup)
+    signalled = forward.signalled
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for signum in EARLY:  # (from here on the handler is the Forwarder)
+        forward(signum, None)
     for rank in range(nproc):
         env = child_env(dict(os.environ), rank, nproc, port, devices_per_proc, slices[rank],
                         hosts)
@@ -394,7 +446,7 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
             [sys.executable, "-m", "dxrun", *overrides], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             # Not in the terminal's process group: a Ctrl-C reaches the processes once, passed
-            # on below (twice would be "exit now without saving").
+            # on by ``forward`` (twice would be "exit now without saving").
             start_new_session=True, preexec_fn=preexec)
         procs.append(proc)
         gpu_note = f" (GPUs {','.join(slices[rank])})" if slices[rank] else ""
@@ -409,20 +461,6 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
                 said[rank] if stream is proc.stderr else None))
             t.start()
             pumps.append(t)
-
-    signalled: list[str] = []  # the stop signals passed on
-
-    def forward(signum: int, _frame: object) -> None:
-        if signum == signal.SIGHUP:  # the terminal closed: it no longer reaches the ranks
-            signum = signal.SIGTERM  # (own session), so they stop as on a requeue, saved
-        if signum != signal.SIGUSR1:
-            signalled.append(signal.Signals(signum).name)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-        signal.signal(sig, forward)
 
     # Each rank's exit is timed by a thread blocked in its wait: a rank killed outright and the
     # rank that aborts on losing it (gloo's "Received data size doesn't match") often both end
@@ -443,8 +481,8 @@ def _run(nproc: int, overrides: list[str], port: int, slices: list, devices_per_
     # is that stop's; those still running after --grace are killed (never once one trains).
     starting_stop = False
     while len(ended) < len(procs):
-        if not starting_stop and stopped_while_starting(
-                signalled, [p.returncode for p in procs], startup):
+        forward.release()
+        if not starting_stop and stopped_while_starting(signalled, startup):
             starting_stop, deadline = True, time.monotonic() + grace
         for t, rank in sorted((t, r) for r, t in dict(ended).items() if r not in seen):
             seen.add(rank)

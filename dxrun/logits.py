@@ -1,12 +1,14 @@
 """``python -m dxrun.logits <run dir | checkpoints dir | step dir | HF dir> tokens=1,2,3
-[out=logits.npy] [--best] [overrides]``: a model's fp32 next-token logits for token ids.
+[out=logits.npy] [step=N | --best] [overrides]``: a model's fp32 next-token logits for token ids
+(separated by commas or spaces: ``tokens="1 2 3"`` is three ids, as ``dxrun.sample``'s prompt).
 
 In Python, ``from dxrun.logits import load_model``: ``load_model(path, *overrides)`` is the
-newest checkpoint (``step=N``: that one; ``best=True``: keep_best's), or a Hugging Face
-directory, placed on the mesh of the run's ``parallelism`` or the overrides'
-(``"parallelism=tp2"``), as a callable: token ids ``[B, L]`` (or ``[L]``) in, logits
-``[B, L, model.vocab_size]`` out (numpy fp32, the mesh's padding rows cut). The command prints
-the last position's top five and saves the whole array with ``out=`` (``numpy.save``).
+newest checkpoint (``step=N``: that one; ``best=True``: keep_best's; on the command line
+``step=N`` and ``--best``), or a Hugging Face directory, placed on the mesh of the run's
+``parallelism`` or the overrides' (``"parallelism=tp2"``), as a callable: token ids
+``[B, L]`` (or ``[L]``) in, logits ``[B, L, model.vocab_size]`` out (numpy fp32, the mesh's
+padding rows cut). The command prints the last position's top five and saves the whole array
+with ``out=`` (``numpy.save``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from dxrun.config import ConfigError, RunConfig
-from dxrun.tools.checkpoint import BEST, Loaded, load, main, split_args
+from dxrun.tools.checkpoint import BEST, Loaded, load, main, split_args, token_ids
 
 __all__ = ["Model", "load_model"]
 
-OPTIONS: dict[str, Any] = {"tokens": "", "out": ""}
+# step: the checkpoint of that step (0: the newest; --best: keep_best's)
+OPTIONS: dict[str, Any] = {"tokens": "", "out": "", "step": 0}
 
 
 @dataclass
@@ -70,10 +73,15 @@ def _fits_the_model(cfg: RunConfig) -> None:
 def run(argv: list[str]) -> None:
     path, o, overrides = split_args("logits", argv, OPTIONS)
     try:
-        ids = [int(x) for x in str(o["tokens"]).replace(" ", "").strip("[]").split(",")]
+        ids = token_ids(o["tokens"])
     except ValueError:
         raise ConfigError(f"tokens={o['tokens']}: give token ids, e.g. tokens=1,2,3") from None
-    model = load_model(path, *overrides)
+    if o["step"] < 0:
+        raise ConfigError(f"step={o['step']} is no checkpoint's step; give one (or leave step= "
+                          "out for the newest)")
+    if o["step"] and BEST in overrides:
+        raise ConfigError(f"step={o['step']} and --best name two checkpoints; give one")
+    model = load_model(path, *overrides, step=o["step"] or None)
     out = model(np.array([ids]))
     if o["out"]:
         np.save(o["out"], out)

@@ -26,7 +26,7 @@ import numpy as np
 
 from dxrun.config import ConfigError
 from dxrun.data import EVAL, Data, Tokenizer, recorded_tokenizer
-from dxrun.tools.checkpoint import Loaded, is_hf_dir, load, main, split_args
+from dxrun.tools.checkpoint import Loaded, is_hf_dir, load, main, split_args, token_ids
 
 if TYPE_CHECKING:
     from dxrun.config import DataConfig, RunConfig
@@ -69,7 +69,7 @@ def allowed_transitions(tokens_BxT: np.ndarray, succ: np.ndarray, symbols: int, 
 
 def _ids(prompt: str, limit: int, what: str) -> list[int]:
     try:
-        ids = [int(x) for x in prompt.split()]
+        ids = token_ids(prompt)
     except ValueError:
         ids = [-1]
     if any(not 0 <= i < limit for i in ids):
@@ -193,6 +193,10 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
         chain = Data(cfg).markov if data.name == "markov" else None
         prompt_BxP, tok = prompt_tokens(data, cfg.model.vocab_size, options["prompt"], n, chain)
     P, limit = prompt_BxP.shape[1], cfg.model.max_seq_len
+    if P >= limit:
+        raise ConfigError(f"prompt: {P} tokens leave no room for a new one in "
+                          f"model.max_seq_len={limit}; give a prompt of at most {limit - 1} "
+                          "tokens")
     if P + new > limit:
         raise ConfigError(f"max_new_tokens={new} after a {P}-token prompt needs {P + new} "
                           f"positions, beyond model.max_seq_len={limit}; use max_new_tokens<="

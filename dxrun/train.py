@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -478,15 +478,26 @@ class CheckpointHook(Hook):
 
 class EvalHook(Hook):
     """Every ``train.eval_every`` steps and at the last: the held-out loss of the same
-    ``eval.batches`` (none without held-out data)."""
+    ``eval.batches`` (none without held-out data). Its row off the log steps may end the run
+    (train.early_stop; ``ending``: the log and early-stop hooks): the log's part is then built
+    first, as at a log step (its window before the evaluation), and kept if the row ends the
+    run, whose last row holds train/* as a normal end's does."""
 
     def __init__(self, every: int, exp: Experiment, batches: list[jax.Array],
                  clock: goodput.Goodput):
         self.every, self.exp, self.batches, self.clock = every, exp, batches, clock
+        self.ending: tuple[LogHook, EarlyStopHook] | None = None
 
     def on_step(self, info: StepInfo) -> None:
+        log, early = self.ending or (None, None)
+        spare = None
+        if log is not None and not info.row and early.watching:  # no log step's part
+            spare = StepInfo(info.done, info.state, info.metrics)
+            log.on_step(spare)
         with self.clock.span("eval"):
             info.row.update(evaluate(self.exp, info.state.params, self.batches))
+        if spare is not None and early.would_stop(info.done, info.row):
+            info.row = {**spare.row, **info.row}
 
 
 class EarlyStopHook(Hook):
@@ -501,6 +512,18 @@ class EarlyStopHook(Hook):
             self.watch["early_stop"] = Monitor.from_json(meta.get("early_stop"), es.monitor,
                                                          es.mode, es.min_delta)
             self._check()
+
+    @property
+    def watching(self) -> bool:
+        return "early_stop" in self.watch and self.stop_reason is None
+
+    def would_stop(self, done: int, row: dict[str, Any]) -> bool:
+        """Whether ``row`` would end the run (its monitor left as it is)."""
+        if not self.watching:
+            return False
+        m = replace(self.watch["early_stop"])
+        m.see(done, row)
+        return plateau(m, self.patience) is not None
 
     def on_row(self, done: int, row: dict[str, Any]) -> None:
         if "early_stop" in self.watch:
@@ -852,12 +875,12 @@ def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, sta
     gp = GoodputHook(record, ckpts)
     summary = SummaryHook(rewound.kept, facts, logger, exp.step.compile_time_s,
                           (clocks.timer, ckpts, gp))
+    logs = LogHook(cfg.train.log_every, logger, summary.summary, facts, exp.step,
+                   run_plan.search_s, tokens_at, clocks, (started.allocator, ckpts, trace, gp))
+    evaluation.ending = (logs, early)
     return Trainer(
         exp, state, start, steps, batches, clocks, run_dir, main, cfg.train.debug_nans, trace,
-        CheckpointHook(ckpts, record.clock),
-        LogHook(cfg.train.log_every, logger, summary.summary, facts, exp.step,
-                run_plan.search_s, tokens_at, clocks, (started.allocator, ckpts, trace, gp)),
-        evaluation, summary, early, gp)
+        CheckpointHook(ckpts, record.clock), logs, evaluation, summary, early, gp)
 
 
 def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,

@@ -31,8 +31,10 @@ from conftest import (
 
 from dxrun.checkpointing.store import (
     Checkpointer,
+    IncompleteMeta,
     Resume,
     check_compatible,
+    check_meta,
     committed_steps,
     data_position,
     find_resume,
@@ -475,6 +477,18 @@ def test_nan_halt_stops_at_that_step_keeping_the_last_good_checkpoint(tmp_path, 
 
 
 @pytest.mark.e2e
+def test_a_halted_run_ends_its_log_with_its_error_line(tmp_path, nan_at_step_7):
+    """Through the entry point: the halt's one line, exit 1, is also the last line of the
+    run's dxrun.log (it was on stderr and in status.json only)."""
+    proc = cli_in_process(*NAN, "train.steps=8", "hydra.run.dir=run", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert "non-finite loss or gradients at step 7" in line
+    last = (tmp_path / "run" / "dxrun.log").read_text().splitlines()[-1]
+    assert last.endswith(f"[dxrun][ERROR] - {line}"), last
+
+
+@pytest.mark.e2e
 def test_nan_skip_leaves_the_update_out_and_counts_it(tmp_path, nan_at_step_7):
     train(make_cfg(*NAN, "train.nan_policy=skip"), tmp_path)
     rows = {r["step"]: r for r in _rows(tmp_path)}
@@ -515,6 +529,25 @@ def test_what_cannot_change_on_resume_is_refused():
     meta = {"data": {"step": 75}, "config": {"data": {"batch_size": 32}}}
     assert data_position(meta, 64) == {"step": 37}  # same tokens seen, rounded down
     assert data_position(meta, 32) == {"step": 75}
+
+
+def test_a_meta_whose_counts_are_whole_floats_is_read_as_ints():
+    """``"step": 40.0`` (another JSON writer's 40) is the whole number it is, read as 40 (it was
+    called "not a whole number" and the checkpoint set aside as damaged); 40.5 is not one."""
+    def meta(step: float) -> dict:
+        return {"config": {"data": {"batch_size": 8.0}, "train": {"steps": 80.0}},
+                "data": {"step": step}, "tokens_seen": 5120.0,
+                "early_stop": {"stale": 1.0, "step": 30.0, "best": 2.0}}
+
+    whole = meta(40.0)
+    check_meta(whole)
+    assert json.dumps(whole) == json.dumps(
+        {"config": {"data": {"batch_size": 8}, "train": {"steps": 80}}, "data": {"step": 40},
+         "tokens_seen": 5120, "early_stop": {"stale": 1, "step": 30, "best": 2.0}})
+    assert data_position(whole, 4) == {"step": 80}
+    with pytest.raises(IncompleteMeta, match=r"^its meta's data.step is 40.5, not a whole "
+                                             r"number$"):
+        check_meta(meta(40.5))
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):

@@ -354,3 +354,26 @@ def test_relaunch_says_where_it_writes_in_its_first_lines(tokens_runs):
         lines = text.splitlines()
         at = next(i for i, x in enumerate(lines) if notice in x)
         assert at <= 2 and at < next(i for i, x in enumerate(lines) if "mesh plan" in x), lines
+
+
+@pytest.mark.e2e
+def test_a_relaunch_whose_new_dir_would_be_too_long_is_one_clear_line(tmp_path):
+    """A finished run (no checkpoint to continue) in a dir whose name is 254 bytes: the
+    relaunch's new run would take its sibling ``<name>_1``, 256 bytes, over NAME_MAX. One line
+    naming both and the fix, exit 2, the earlier run as it was (it was three chained
+    tracebacks of ``OSError: File name too long``, exit 1)."""
+    name = "r" * 254
+    args = ["model.n_layers=1", "train.steps=2", "train.log_every=1", "train.eval_every=0",
+            "checkpoint.every=0", "logger=none", f"hydra.run.dir={name}"]
+    first = cli_in_process(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = _tree(tmp_path)
+    again = cli_in_process(*args, cwd=tmp_path)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    errors = [x for x in again.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert errors == [
+        f"dxrun: error: the run dir {'r' * 32}...{'r' * 16} (254 characters) holds a run, and "
+        f"this run's own dir beside it cannot be created: its name {'r' * 32}...{'r' * 14}_1 is "
+        "256 bytes, over the 255 a file name may have on this filesystem (NAME_MAX); give a "
+        "shorter hydra.run.dir"]
+    assert _tree(tmp_path) == before

@@ -163,3 +163,26 @@ def test_a_checkpoint_from_before_the_target_keys_is_one_of_dxruns_own_model_and
     assert changed(now, saved, MODEL_SHAPE + DATA_SOURCE) is None
     mine = make_cfg("model=tiny", "model._target_=mypkg.Model")
     assert changed(mine, saved, MODEL_SHAPE) == ("model._target_", "mypkg.Model", None)
+
+
+class Narrow(nnx.Module):
+    """A module whose head is 3 logits short of its vocabulary."""
+
+    def __init__(self, vocab_size: int, rngs: nnx.Rngs):
+        self.wte = nnx.Param(jax.numpy.zeros((vocab_size, 8)), axes=("vocab", "embed"))
+        self.head = nnx.Param(jax.numpy.zeros((8, vocab_size - 3)), axes=("embed", None))
+
+    def __call__(self, tokens):
+        return self.wte[...][tokens] @ self.head[...]
+
+
+def test_logits_not_vocab_size_wide_are_refused_in_one_line():
+    """It used to train to ``loss nan`` and then advise a lower optimizer.lr."""
+    cfg = make_cfg("model=tiny", f"model._target_={__name__}.Narrow", "parallelism=dp1",
+                   "data.seq_len=16", "data.batch_size=8")
+    with pytest.raises(ConfigError) as e:
+        Experiment.build(cfg, with_data=False)
+    assert str(e.value) == (
+        f"model._target_={__name__}.Narrow: module(tokens) gives logits of shape [2, 8, 13] "
+        "for tokens [2, 8], not [2, 8, model.vocab_size=16]; make its output layer vocab_size "
+        "wide (the vocab_size it is built with)")

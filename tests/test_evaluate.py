@@ -107,10 +107,12 @@ def test_what_evaluate_cannot_score_is_refused(markov_run):
         (["model.d_ff=128"], "^model.d_ff=128 but checkpoint .* drop the model.d_ff override$"),
         (["eval.batches=all"], "^eval.batches=all: data=markov has an endless held-out stream; "
                                "give a number, e.g. eval.batches=16$"),
-        # A layout asked for is never replaced by one that fits: refused as a run refuses it.
-        (["parallelism.n_devices=16"], r"^parallelism.n_devices=16 but only 8 cpu devices are "
-                                       r"visible; set parallelism.n_devices<=8 or "
-                                       r"runtime.cpu_devices=16$"),
+        # A layout asked for is never replaced by one that fits: refused, here (a process
+        # whose JAX had started: runtime.cpu_devices cannot act) with what works.
+        (["parallelism.n_devices=16"], r"^parallelism=dp2 needs 16 devices but JAX had started "
+                                       r"in this process with 8 cpu devices, .*; load the model "
+                                       r"before anything else starts JAX, or start Python with "
+                                       r"XLA_FLAGS=--xla_force_host_platform_device_count=16$"),
     ]:
         with pytest.raises(ConfigError, match=says):
             evaluate_checkpoint(markov_run, overrides)
@@ -154,6 +156,14 @@ def test_an_evaluation_reads_no_held_out_window_twice(text_run, caplog):
                            "data.seq_len=32, fewer than one batch of 64: each evaluation reads 1 "
                            f"batch, in which windows repeat; eval/* is over those {windows} ")
     assert one["batches"] == 1 and one["eval/tokens"] == windows * 32
+    # eval.batches=all reads that split as a number does (it was refused: "fewer than one batch").
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dxrun"):
+        every = evaluate_checkpoint(text_run, ["eval.batches=all", "data.batch_size=64"])
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"eval.batches=all: the held-out split holds {windows} windows of "
+                           "data.seq_len=32, fewer than one batch of 64: each evaluation reads 1 ")
+    assert (every["batches"], every["eval/loss"]) == (1, one["eval/loss"])
 
 
 def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path, caplog):

@@ -207,3 +207,21 @@ def test_a_misspelt_metric_is_one_line_before_anything_is_made(tmp_path):
                            "run logs; did you mean eval/loss?")
     assert compiled == [] and not list(tmp_path.iterdir())
 
+
+
+def test_an_early_stop_before_the_first_log_row_logs_its_last_row(tmp_path):
+    """eval/loss at every step, the train log only at step 20: with min_delta=100 the patience
+    of 1 runs out at step 2's evaluation. That row holds train/* as a normal end's last row
+    does (it ended ``done: loss nan`` with ``"train/loss": null`` in summary.json)."""
+    run = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
+           "logger=none", "parallelism=dp1", "train.steps=20", "train.log_every=20",
+           "train.eval_every=1", "eval.batches=1", "checkpoint.every=0",
+           "train.early_stop.monitor=eval/loss", "train.early_stop.min_delta=100",
+           "train.early_stop.patience=1"]
+    summary = train(make_cfg(*run), tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "train/loss" not in rows[0]
+    assert {"train/loss", "eval/loss", "perf/tokens_per_s", "data/tokens_seen"} <= rows[1].keys()
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == written["step"] == 2
+    assert summary["train/loss"] == written["train/loss"] == rows[1]["train/loss"] > 0

@@ -362,9 +362,10 @@ def test_when_the_others_are_stopped_depends_on_how_one_ended():
 
 
 def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
-    """The ranks' files in the launcher's startup folder: a rank's ``stopped`` makes a stop one
-    made while starting, until a rank trains. Rank 0 silent, the launcher says its words from
-    its claim of the run dir and writes its status.json; one rank 0 wrote itself stays."""
+    """The ranks' files in the launcher's startup folder: a stop passed on is one made while
+    starting until a rank trains, whether or not a rank said it saw it (all may be inside a
+    startup collective). Rank 0 silent, the launcher says its words from its claim of the run
+    dir and writes its status.json; one rank 0 wrote itself stays."""
     from dxrun.launch import clean_stop, settle_starting_stop, stopped_while_starting
     from dxrun.run.runtime import LAUNCH_STARTUP, PROCESS_ID, tell_launcher_startup
 
@@ -375,10 +376,8 @@ def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
     newest = f"{run_dir}/checkpoints/40"
     tell_launcher_startup("claimed", {"run_dir": str(run_dir), "step": 40, "checkpoint": newest,
                                       "attempt": 3, "lost_attempts": 1}, rank[0])
-    assert not stopped_while_starting(["SIGINT"], [None, None], startup)
-    tell_launcher_startup("stopped", None, rank[1])
-    assert stopped_while_starting(["SIGINT"], [None, None], startup)
-    assert not stopped_while_starting([], [None, None], startup)
+    assert stopped_while_starting(["SIGINT"], startup)
+    assert not stopped_while_starting([], startup)
 
     stop = settle_starting_stop("SIGINT", [], startup, told, ["--nproc=2"], ["logger=none"],
                                 ["logger=none", "hydra.run.dir=run", "runtime.cpu_devices=1"])
@@ -399,7 +398,7 @@ def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
     settle_starting_stop("SIGINT", [], startup, told, ["--nproc=2"], [], [])
     assert json.loads((run_dir / "status.json").read_text())["by"] == "rank 0"
     tell_launcher_startup("training", None, rank[0])
-    assert not stopped_while_starting(["SIGINT"], [None, 130], startup)
+    assert not stopped_while_starting(["SIGINT"], startup)
 
 
 def test_a_signal_to_one_process_stops_all_at_the_same_step(tmp_path):
@@ -475,6 +474,34 @@ def test_ctrl_c_while_starting_stops_and_says_how_to_resume_through_the_launcher
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert (status["status"], status["signal"], status["relaunch"]) == (
         "stopped", "SIGINT", command)
+
+
+def test_ctrl_c_before_the_ranks_listen_stops_them_once_they_do(tmp_path):
+    """A Ctrl-C the moment the launcher has started its two ranks, before either has its stop
+    handlers (it was Python's KeyboardInterrupt in each, two tracebacks and an error line): the
+    launcher holds the signal back until each listens, each then stops while starting, and
+    the launcher's last line says so, exit 130, within --grace."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dxrun.launch", "--nproc", "2", "--devices-per-proc", "1",
+         "--grace", "5", "--", NO_CACHE, "logger=none", "parallelism=dp", *ENDLESS_BATCH,
+         "hydra.run.dir=run"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = Output(proc)
+    try:
+        out.wait_for(lambda line: line.startswith("dxrun.launch: rank 1 pid"))
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        text = out.finish(timeout=150)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and took < 15, (took, text[-3000:])
+    assert "Traceback" not in text and "error" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1] == (
+        "dxrun.launch: stopped by SIGINT while starting: every rank stopped; nothing was "
+        "written")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("deaf", [1, 0])

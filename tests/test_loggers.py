@@ -95,16 +95,22 @@ def test_a_failing_backend_is_one_warning(tmp_path, caplog):
     assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == len(_rows(tmp_path)) == 2
 
 
-def test_a_plain_dir_is_an_mlflow_file_store(tmp_path, monkeypatch):
+def test_a_plain_dir_is_an_mlflow_file_store(tmp_path, monkeypatch, caplog):
     """logger.mlflow_uri=<a dir> (no file: scheme) opens MLflow's file store there: no
-    warning quoting MLflow's "maintenance mode" refusal, no run without its store."""
+    warning quoting MLflow's "maintenance mode" refusal, no run without its store; one line
+    says where the run went, as W&B's does (there was none)."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # what a fresh process has
     monkeypatch.chdir(tmp_path)  # a relative dir is the launch dir's
     lc = make_cfg("logger=mlflow", "logger.mlflow_uri=store").logger
-    backend = MlflowBackend(Opening(tmp_path / "run", lc, {"a": 1}, "plain", None, [], "train",
-                                    None, None))
+    with caplog.at_level(logging.INFO, logger="dxrun"):
+        backend = MlflowBackend(Opening(tmp_path / "run", lc, {"a": 1}, "plain", None, [],
+                                        "train", None, None))
+    uri = (tmp_path / "store").as_uri()
+    assert [r.getMessage() for r in caplog.records if r.name == "dxrun"] == [
+        f"MLflow: run {backend.run_id} in experiment dxrun of {uri} (browse: mlflow ui "
+        f"--backend-store-uri {uri})"]
     backend.log(3, {"step": 3, "train/loss": 2.5})
     backend.finish()
     client = MlflowClient(tracking_uri=(tmp_path / "store").as_uri())

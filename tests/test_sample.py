@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import cli_in_process, make_cfg, subprocess_env, write_corpus
+from conftest import MARKOV_STEPS, cli_in_process, make_cfg, subprocess_env, write_corpus
 from flax import nnx
 
 from dxrun.config.errors import ConfigError
@@ -230,3 +230,69 @@ def test_a_bf16_run_decodes_in_bf16(markov_run):
     assert dots and all(ins.count("bf16") == 2 for ins, _ in dots), dots
     assert re.search(r"-> tensor<4x\d+xf32>", texts["bf16"])  # fp32 logits (prefill's)
     assert "bf16" not in texts["fp32"]
+
+
+def _tool(tool: str, *args: str, cwd) -> tuple[int, str, str]:
+    """``python -m dxrun.<tool> <args>`` through its entry point in this process: (exit code,
+    stdout, its one ``error:`` line or '')."""
+    from importlib import import_module
+
+    from dxrun.tools.checkpoint import main
+
+    run = import_module(f"dxrun.{tool}").run
+    proc = cli_in_process(*args, cwd=cwd, entry=lambda: main(tool, run), prog=f"dxrun.{tool}")
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith(f"dxrun.{tool}: error: ")]
+    assert len(errors) <= 1, errors
+    return proc.returncode, proc.stdout, errors[0] if errors else ""
+
+
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_logits_reads_token_ids_as_sample_does(markov_run, tmp_path):
+    """``tokens="1 2"`` is two ids, as sample's ``prompt="1 2"`` is (it was the one id 12), and
+    gives what ``tokens=1,2`` gives; ``step=`` names the checkpoint read. Arguments longer than
+    a file name (129 ids, a 300-character prompt) reach the tools' own refusals: one line,
+    exit 2 (they were an OSError from looking for a file of that name)."""
+    run = str(markov_run)
+    for given, out in (("tokens=1 2", "out=spaced.npy"), ("tokens=[1, 2]", "out=commas.npy")):
+        code, stdout, error = _tool("logits", run, given, out, cwd=tmp_path)
+        assert code == 0 and not error, error
+    spaced, commas = np.load(tmp_path / "spaced.npy"), np.load(tmp_path / "commas.npy")
+    assert spaced.shape == (1, 2, 16)
+    np.testing.assert_array_equal(spaced, commas)
+    code, stdout, _ = _tool("logits", run, "tokens=1 2", f"step={MARKOV_STEPS}", cwd=tmp_path)
+    assert code == 0 and stdout.startswith(f"step {MARKOV_STEPS}  last position's top 5: ")
+    ckpts = markov_run / "checkpoints"
+    for args, says in (
+            (("step=100",), f"step 100: {ckpts} has no committed step 100 (it has "
+                            f"{MARKOV_STEPS})"),
+            (("step=100", "--best"), "step=100 and --best name two checkpoints; give one"),
+            (("best=true",), "best=true is no option; ask for checkpoint.keep_best's "
+                             "checkpoint with --best"),
+            ((f"tokens={' '.join(['1'] * 129)}",),
+             "tokens: ids must lie in [0, 16) and be at most model.max_seq_len=128 long (got "
+             "ids 1..1, length 129)")):
+        tokens = [] if args[0].startswith("tokens=") else ["tokens=1 2"]
+        assert _tool("logits", run, *tokens, *args, cwd=tmp_path) == (
+            2, "", f"dxrun.logits: error: {says}")
+    prompt = " ".join(["1", "2"] * 75)  # 299 characters
+    assert _tool("sample", run, f"prompt={prompt}", cwd=tmp_path) == (
+        2, "", "dxrun.sample: error: prompt: 150 tokens leave no room for a new one in "
+               "model.max_seq_len=128; give a prompt of at most 127 tokens")
+
+
+@pytest.mark.e2e  # reads the session's trained markov run
+def test_load_model_after_jax_started_says_what_works(markov_run):
+    """``load_model`` in a process where JAX has started (this one: 8 CPU devices), as the HF
+    guide's order has it (the reference built first): a layout wider than the devices says so
+    and what works there, not ``runtime.cpu_devices``, which cannot act once JAX started."""
+    from dxrun.logits import load_model
+
+    with pytest.raises(ConfigError) as e:
+        load_model(markov_run, "parallelism=tp2", "parallelism.n_devices=16",
+                   "parallelism.dp=8")
+    assert str(e.value) == (
+        "parallelism=tp2 needs 16 devices but JAX had started in this process with 8 cpu "
+        "devices, a count fixed once it starts (runtime.cpu_devices acts only before); load the "
+        "model before anything else starts JAX, or start Python with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=16")

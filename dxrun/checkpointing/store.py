@@ -92,6 +92,15 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _whole(fields: dict[str, Any], key: str) -> bool:
+    """Whether ``fields[key]`` is a whole number (``_count``); a float that is one (``40.0``,
+    another JSON writer's spelling of 40) is read as the int it is, in place."""
+    value = fields[key]
+    if isinstance(value, float) and value.is_integer():
+        fields[key] = int(value)
+    return _count(fields[key])
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -102,7 +111,7 @@ def _position_problem(data: dict[str, Any], key: str = "data") -> str | None:
     nested state of Grain's workers in older checkpoints (``pipeline.position``)."""
     for name in ("step", "next_index"):
         if name in data:
-            return None if _count(data[name]) else (
+            return None if _whole(data, name) else (
                 f"{key}.{name} is {data[name]!r}, not a whole number")
     nested = data.get("iterators_in_use_states")
     if isinstance(nested, list) and nested:
@@ -120,11 +129,11 @@ def _wrong_type(meta: dict[str, Any]) -> str | None:
     """The first field a resume reads that ``meta`` holds in a form it cannot read, named
     with its value; None when every one is readable."""
     config = meta["config"]
-    if not _count(config["data"]["batch_size"]):
+    if not _whole(config["data"], "batch_size"):
         return f"config.data.batch_size is {config['data']['batch_size']!r}, not a whole number"
     if (why := _position_problem(meta["data"])) is not None:
         return why
-    if "tokens_seen" in meta and not _count(meta["tokens_seen"]):
+    if "tokens_seen" in meta and not _whole(meta, "tokens_seen"):
         return f"tokens_seen is {meta['tokens_seen']!r}, not a whole number"
     if meta.get("wandb_id") is not None and not isinstance(meta["wandb_id"], str):
         return f"wandb_id is {meta['wandb_id']!r}, not a W&B run id"
@@ -133,7 +142,7 @@ def _wrong_type(meta: dict[str, Any]) -> str | None:
     train = config.get("train", {})
     if not isinstance(train, dict):
         return f"config.train is {train!r}, not a section"
-    if "steps" in train and not _count(train["steps"]):
+    if "steps" in train and not _whole(train, "steps"):
         return f"config.train.steps is {train['steps']!r}, not a whole number"
     for name in ("keep_best", "early_stop"):  # the monitors a resume continues (monitor.py)
         m = meta.get(name)
@@ -141,10 +150,10 @@ def _wrong_type(meta: dict[str, Any]) -> str | None:
             continue
         if not isinstance(m, dict):
             return f"{name} is {m!r}, not a monitor"
-        for key, ok, what in (("stale", _count, "a whole number"),
-                              ("step", lambda v: v is None or _count(v), "a step"),
-                              ("best", lambda v: v is None or _number(v), "a number")):
-            if key in m and not ok(m[key]):
+        for key, ok, what in (("stale", _whole, "a whole number"),
+                              ("step", lambda f, k: f[k] is None or _whole(f, k), "a step"),
+                              ("best", lambda f, k: f[k] is None or _number(f[k]), "a number")):
+            if key in m and not ok(m, key):
                 return f"{name}.{key} is {m[key]!r}, not {what}"
     return None
 

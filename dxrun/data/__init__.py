@@ -712,20 +712,24 @@ class Data:
         return (f"raise data.val_fraction (now {d.val_fraction}) or add text" if d.name == "text"
                 else f"put a longer val.bin in data.path={d.path}")
 
-    def eval_batches(self, asked: int) -> tuple[int, str | None]:
+    def eval_batches(self, asked: int, given: str | None = None) -> tuple[int, str | None]:
         """The held-out batches an evaluation of ``eval.batches=asked`` reads, and a warning
         where that is not ``asked``: a corpus's split gives at most its full batches, so that
         no window is read twice, and one batch (its windows repeated) when it holds fewer
-        windows than a batch. An endless stream (markov, your own source) gives ``asked``."""
+        windows than a batch. An endless stream (markov, your own source) gives ``asked``.
+        ``given``: the setting as the warning names it (``eval.batches=all``)."""
         w, b = self.eval_windows, self.batch_size
         if w is None or asked * b <= w:
             return asked, None
-        held = f"the held-out split holds {w} windows of data.seq_len={self.seq_len}"
+        given = given or f"eval.batches={asked}"
+        windows = f"{w} window{'s' if w != 1 else ''}"
+        held = f"the held-out split holds {windows} of data.seq_len={self.seq_len}"
         if w < b:
-            return 1, (f"eval.batches={asked}: {held}, fewer than one batch of {b}: each "
-                       f"evaluation reads 1 batch, in which windows repeat; eval/* is over "
-                       f"those {w} windows; {self._more_held_out()}, or lower data.batch_size")
-        return w // b, (f"eval.batches={asked}: {held}, {w // b} batch"
+            return 1, (f"{given}: {held}, fewer than one batch of {b}: each evaluation reads "
+                       f"1 batch, in which windows repeat; eval/* is over "
+                       f"{'that' if w == 1 else 'those'} {windows}; "
+                       f"{self._more_held_out()}, or lower data.batch_size")
+        return w // b, (f"{given}: {held}, {w // b} batch"
                         f"{'es' if w // b > 1 else ''} of {b}: each evaluation reads those, no "
                         f"window twice; lower eval.batches to {w // b} to silence this")
 

@@ -5,13 +5,13 @@ plan, shard, train, checkpoint, evaluate and sample it.
 * Every variable is an ``nnx.Param`` with logical axis names (``axes=``, one per dimension,
   from dxrun's rules table ``LOGICAL_RULES`` or None): they map to the mesh as dxrun's own
   model's do. A variable without them (an ``nnx.Rngs`` kept in the module too) is refused.
-* ``module(tokens_BxL) -> logits_BxLxV``, causal, over ``vocab_size`` (which every mesh axis
-  ``vocab`` is split over must divide). It may pin activations with ``dxrun.model.sharding.constrain``.
+* ``module(tokens_BxL) -> logits_BxLxV`` (checked when built), causal, over ``vocab_size``
+  (which every mesh axis ``vocab`` is split over must divide). It may pin activations with
+  ``dxrun.model.sharding.constrain``.
 What differs from dxrun's model (``build_model`` builds either): no dropout key or compute
-dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one
-(``model.loss_chunk`` is 0); plan mode counts 6 FLOPs per parameter per token and XLA's memory
-(dxrun's formulas need its block's shape); sampling recomputes the whole sequence for each new
-token (no key/value cache).
+dtype is passed (it computes in its parameters' dtype); the loss is the unchunked one; plan
+mode counts 6 FLOPs per parameter per token and XLA's memory (dxrun's formulas need its
+block's shape); sampling recomputes the whole sequence for each new token (no KV cache).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,
         raise ConfigError(f"model._target_={m._target_} returned a {type(module).__name__}, "
                           "not a Flax NNX module")
     check_axes(m._target_, module)
+    check_logits(m, module)
     return module
 
 
@@ -64,6 +65,21 @@ def check_axes(target: str, module: nnx.Module) -> None:
         if len(axes) != ndim or any(a is not None and a not in LOGICAL_RULES for a in axes):
             raise ConfigError(f"model._target_={target}: parameter {name} has axes {axes} for "
                               f"{ndim} dimensions; " + fix)
+
+
+def check_logits(m: ModelConfig, module: nnx.Module) -> None:
+    """``module(tokens_BxL)`` evaluated abstractly (nothing computed or allocated): logits of
+    shape ``[B, L, model.vocab_size]``, else a ConfigError naming the shape it gave. A head of
+    another width trains to a NaN loss (the targets index past it) that would read as a
+    learning rate too high."""
+    L = min(m.max_seq_len, 8)
+    out = nnx.eval_shape(lambda mod, t: mod(t), module, jax.ShapeDtypeStruct((2, L), jnp.int32))
+    shape = tuple(getattr(out, "shape", ()))
+    if shape != (2, L, m.vocab_size):
+        raise ConfigError(f"model._target_={m._target_}: module(tokens) gives logits of shape "
+                          f"{list(shape)} for tokens [2, {L}], not [2, {L}, model.vocab_size="
+                          f"{m.vocab_size}]; make its output layer vocab_size wide (the "
+                          "vocab_size it is built with)")
 
 
 def logits_of(model: nnx.Module, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None,

@@ -707,11 +707,20 @@ class RunLog:
 
     def write_traceback(self, exc: BaseException) -> None:
         """The full traceback into the log file only: the terminal gets one line."""
+        self._error("run failed", (type(exc), exc, exc.__traceback__))
+
+    def write_error(self, line: str) -> None:
+        """The error line a run ends with on the terminal (``fail``'s), into its log file too,
+        once the run has one: the log alone says how the run ended."""
+        if self.file is not None:
+            self._error(line)
+
+    def _error(self, msg: str, exc_info: Any = None) -> None:
+        """An error record into the log file only."""
         import logging
 
         record = logging.getLogger("dxrun").makeRecord(
-            "dxrun", logging.ERROR, __file__, 0, "run failed", None,
-            (type(exc), exc, exc.__traceback__))
+            "dxrun", logging.ERROR, __file__, 0, msg, None, exc_info)
         self.file.handle(record)
         self.file.flush()
 
@@ -1230,13 +1239,18 @@ SIGNALS = Signals()
 
 def guard_signals() -> None:
     """From here on SIGTERM, SIGINT and SIGUSR1 stop the process through ``Interrupted``
-    (the train loop swaps in its own handlers while it runs). The launcher calls this first."""
+    (the train loop swaps in its own handlers while it runs). The launcher calls this first.
+    A rank of ``dxrun.launch`` then says it listens (``listening.<rank>``): the launcher holds
+    back a stop until then, which before would have ended the rank in Python's own way (a
+    KeyboardInterrupt traceback) or been lost."""
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, SIGNALS.handle)
         if not isinstance(sys.unraisablehook, functools.partial):  # once per process
             sys.unraisablehook = functools.partial(SIGNALS.unraisable,
                                                    previous=sys.unraisablehook)
+        with contextlib.suppress(OSError):  # untold, the launcher's grace ends a stop here
+            tell_launcher_startup("listening")
 
 
 class Preemption:

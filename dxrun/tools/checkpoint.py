@@ -34,7 +34,12 @@ from dxrun.config import HF_PREFIX, ConfigError, RunConfig, first_line
 from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
 from dxrun.config.validation import validate
 from dxrun.plan.run_plan import MeshPlan, make_plan, recorded
-from dxrun.run.runtime import collect_cycles_rarely, command_imports, simulate_cpu_devices
+from dxrun.run.runtime import (
+    DEVICE_COUNT_FLAG,
+    collect_cycles_rarely,
+    command_imports,
+    simulate_cpu_devices,
+)
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -62,6 +67,9 @@ def split_args(tool: str, argv: list[str], options: dict[str, Any]
         if is_path(arg):
             continue
         key, _, value = arg.partition("=")
+        if key == "best":  # load_model's best=True, on the command line
+            raise ConfigError(f"{arg} is no option; ask for checkpoint.keep_best's checkpoint "
+                              f"with {BEST}")
         if key not in options:
             overrides.append(arg)
             continue
@@ -84,13 +92,26 @@ def is_path(arg: str) -> bool:
     """An existing file or dir, or an argument that is not ``key=value`` with a dotted key
     (``n=2``, ``parallelism=tp2``, ``+data.x=1``): ``outputs/lr=0.1`` is a path."""
     key, eq, _ = arg.partition("=")
-    return not eq or not KEY.fullmatch(key) or Path(arg).expanduser().exists()
+    # os.path.exists: an argument too long to be a file name (a long prompt=) is no file,
+    # where Path.exists raises OSError (ENAMETOOLONG).
+    return not eq or not KEY.fullmatch(key) or os.path.exists(os.path.expanduser(arg))
 
 
-def start_devices(overrides: list[str]) -> None:
+def token_ids(text: str) -> list[int]:
+    """Token ids as a command line gives them: separated by spaces or commas (``1 2 3``,
+    ``1,2,3``, ``[1, 2, 3]``); ValueError for anything else."""
+    words = [w for w in re.split(r"[\s,]+", text.strip().removeprefix("[").removesuffix("]"))
+             if w]
+    if not words:
+        raise ValueError("no token ids")
+    return [int(w) for w in words]
+
+
+def start_devices(overrides: list[str]) -> bool:
     """Simulate ``runtime.cpu_devices`` CPU devices (default 8, like a run) before JAX starts:
     reading the checkpoint's meta already starts JAX, so the count comes from the command
-    line, not from the checkpoint."""
+    line, not from the checkpoint. False: JAX had started in this process (``load_model``
+    called after other JAX work), its device count fixed."""
     given = [o.partition("=")[2] for o in overrides if o.startswith("runtime.cpu_devices=")]
     try:
         n = int(given[-1]) if given else DEFAULT_CPU_DEVICES
@@ -99,7 +120,7 @@ def start_devices(overrides: list[str]) -> None:
                           "runtime.cpu_devices=8") from None
     if n <= 0:
         raise ConfigError(f"runtime.cpu_devices={n} must be positive; e.g. runtime.cpu_devices=8")
-    simulate_cpu_devices(n)
+    return simulate_cpu_devices(n)
 
 
 INTERPOLATION = re.compile(r"(\\*)\$\{")  # "${" and the backslashes before it
@@ -212,14 +233,14 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
                 raise ConfigError(f"step {step}: {resume.directory} has no committed step "
                                   f"{step} (it has {', '.join(map(str, have))})")
             resume = store.locate(resume.directory / str(step), key)
-    start_devices(overrides)
+    started = not start_devices(overrides)
 
     if hf:
         cfg = compose_hf(path, overrides)
         if adjust is not None:
             adjust(cfg)
         validate(cfg)
-        cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose)
+        cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose, started)
         # The batch and sequence length the plan resolved, as a checkpoint's config records them
         cfg = recorded(cfg, plan.global_batch, plan.seq_len)
         exp = Experiment.build(cfg, plan, with_data=with_data)
@@ -237,7 +258,7 @@ def load(path: Path, overrides: list[str], key: str, with_data: bool = True,
         if adjust is not None:
             adjust(cfg)
         validate(cfg)
-        cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose)
+        cfg, plan = plan_on_devices(cfg, visible_devices(), named, whose, started)
         return cfg, Experiment.build(cfg, plan, with_data=with_data)
 
     meta, where, cfg, exp, params = read_newest(resume, best, step is not None, build)
@@ -252,22 +273,31 @@ def names_layout(overrides: list[str]) -> bool:
     return any(o.lstrip("+~").partition("=")[0].split(".")[0] == "parallelism" for o in overrides)
 
 
-def plan_on_devices(cfg: DictConfig, devices: tuple[Any, ...], named: bool, whose: str
-                    ) -> tuple[DictConfig, MeshPlan]:
+def plan_on_devices(cfg: DictConfig, devices: tuple[Any, ...], named: bool, whose: str,
+                    started: bool = False) -> tuple[DictConfig, MeshPlan]:
     """(the config, its mesh plan) on ``devices`` (``visible_devices()``): the config's layout
     where the plan accepts it. Where it does not (more devices than are visible, axes that do
     not multiply to them, a batch its replicas do not divide) and no override ``named`` a
     layout, the most visible devices, data-parallel, that the plan accepts (a dp8 run on one
     accelerator: dp=1), with one line saying so (``whose`` layout it replaces). A layout the
     overrides named is refused as a run refuses it (key, value, fix), as is one no data-parallel
-    count fixes (the refusal of the config's own)."""
+    count fixes (the refusal of the config's own). ``started``: JAX had started before the tool
+    could simulate CPU devices, so a layout wider than those visible says what works there
+    (a run's ``runtime.cpu_devices`` cannot)."""
     try:
         return cfg, make_plan(cfg, *devices)
     except ConfigError as e:
+        n, platform, par = devices[0], devices[1], cfg.parallelism
+        if named and started and platform == "cpu" and par.n_devices > n:
+            raise ConfigError(
+                f"parallelism={par.name} needs {par.n_devices} devices but JAX had started in "
+                f"this process with {n} cpu device{'s' if n != 1 else ''}, a count fixed once it "
+                "starts (runtime.cpu_devices acts only before); load the model before anything "
+                f"else starts JAX, or start Python with XLA_FLAGS={DEVICE_COUNT_FLAG}="
+                f"{par.n_devices}") from None
         if named:
             raise
         refusal = e
-    n, platform = devices[0], devices[1]
     for k in range(n, 0, -1):
         alt = copy.deepcopy(cfg)
         alt.parallelism.merge_with({"name": f"dp{k}", "n_devices": k, "dp": k, "fsdp": 1,

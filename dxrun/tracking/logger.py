@@ -295,21 +295,22 @@ class MlflowBackend(Backend):
         where = str(o.run_dir.resolve())
         runs = c.search_runs([exp_id], f"tags.`dxrun.run_dir` = '{where}'",
                              max_results=1) if o.kept is not None else []
+        self.summaries: dict[str, Any] = {}
         if runs:
             self.run_id = runs[0].info.run_id
             c.update_run(self.run_id, status="RUNNING")
-            return
-        tags = {"dxrun.run_dir": where, "dxrun.job_type": o.job_type,
-                **({"dxrun.group": o.group} if o.group else {}),
-                **({"dxrun.tags": ",".join(o.tags)} if o.tags else {})}
-        self.run_id = c.create_run(exp_id, run_name=o.name, tags=tags).info.run_id
-        config = {k: v for k, v in o.run_config.items() if k != "plan"}
-        params = [Param(k, str(v)[:500]) for k, v in _flat(config).items()]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
-            c.log_batch(self.run_id, params=params[i:i + 100])
-        c.log_dict(self.run_id, config, "config.json")
-        c.log_dict(self.run_id, o.run_config.get("plan", {}), "plan.json")
-        self.summaries: dict[str, Any] = {}
+        else:
+            tags = {"dxrun.run_dir": where, "dxrun.job_type": o.job_type,
+                    **({"dxrun.group": o.group} if o.group else {}),
+                    **({"dxrun.tags": ",".join(o.tags)} if o.tags else {})}
+            self.run_id = c.create_run(exp_id, run_name=o.name, tags=tags).info.run_id
+            config = {k: v for k, v in o.run_config.items() if k != "plan"}
+            params = [Param(k, str(v)[:500]) for k, v in _flat(config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+                c.log_batch(self.run_id, params=params[i:i + 100])
+            c.log_dict(self.run_id, config, "config.json")
+            c.log_dict(self.run_id, o.run_config.get("plan", {}), "plan.json")
+        log.info("MLflow: %s", mlflow_where(uri, o.lc.project, exp_id, self.run_id))
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -321,7 +322,7 @@ class MlflowBackend(Backend):
     def summary(self, values: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
-        self.summaries = {**getattr(self, "summaries", {}), **values}
+        self.summaries = {**self.summaries, **values}
         self.client.log_dict(self.run_id, self.summaries, "summary.json")
         ms, step = int(time.time() * 1000), values.get("step") or 0
         flat = {k: v for k, v in _flat(values).items()
@@ -334,6 +335,15 @@ class MlflowBackend(Backend):
 
     def finish(self) -> None:
         self.client.set_terminated(self.run_id, "FINISHED")
+
+
+def mlflow_where(uri: str, project: str, exp_id: str, run_id: str) -> str:
+    """Where an MLflow run went, as W&B's line says where its run went: a server's page of
+    the run, or the store with the command that browses it."""
+    if uri.startswith(("http://", "https://")):
+        return f"run {uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+    return (f"run {run_id} in experiment {project} of {uri} (browse: mlflow ui "
+            f"--backend-store-uri {uri})")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
