@@ -182,7 +182,7 @@ def test_the_roofline_step_time_by_hand():
     assert out["step_time_s"] == pytest.approx(0.040) and out["bound"] == "memory"
     assert out["tokens_per_s"] == pytest.approx(204_800)
     assert out["mfu"] == pytest.approx(0.5)
-    usable = 16e9 * plan_cost.USABLE  # a TPU's share; 6 GB needed
+    usable = 16e9 * plan_cost.TPU_USABLE  # a TPU's share; 6 GB needed
     assert out["fits"] and out["headroom_gb"] == pytest.approx((usable - 6e9) / plan_cost.GB)
 
 
@@ -276,7 +276,9 @@ def test_usable_gpu_memory_is_what_jax_will_pool():
                        "unset XLA_PYTHON_CLIENT_MEM_FRACTION")]:
         with pytest.raises(ConfigError, match=says):
             gpu_memory_fraction(env)
-    assert plan_cost.usable_share(TARGETS["v5p"], {}).fraction == USABLE  # no GPU pool
+    assert plan_cost.usable_share(TARGETS["v5p"], {}).fraction == plan_cost.TPU_USABLE  # XLA's
+    # a v5e's program may use what its compile allows (bytes_limit: 15.75 GiB of 16)
+    assert plan_cost.usable_bytes(TARGETS["v5e"]) == 15.75 * 2**30
     cpu = plan_cost.Target("cpu", "cpu", 1e9, 1.0, 1.0)
     assert plan_cost.usable_share(cpu, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}).fraction == (
         USABLE_CPU)

@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 GB = 1e9
 GiB = 2**30
-USABLE = 0.9  # of a TPU's memory (or a GPU's without a pool); the rest is the runtime's own
+USABLE = 0.9  # of a GPU's memory without a pool; the rest is the CUDA context's and libraries'
+# Of a TPU's memory: what XLA gives a program, read off the chip (a v5e's compile refuses a
+# program over "available HBM (15.75G)" of its 16 GiB: binary units), the rest the runtime's own.
+TPU_USABLE = 15.75 / 16
 USABLE_CPU = 0.8  # of the host's RAM: the OS, Python and the data pipeline need the rest
 
 
@@ -54,7 +57,8 @@ class Target:
 # Sources: NVIDIA H100/H200/A100/L40S datasheets (HBM3 3.35 TB/s, HBM3e 4.8 TB/s, HBM2e
 # 2.04 TB/s, GDDR6 864 GB/s; NVLink 4: 900 GB/s, NVLink 3: 600 GB/s both directions together;
 # L40S has no NVLink: PCIe 4.0 x16, 32 GB/s); Google Cloud TPU v5e/v5p system docs (16 GB at
-# 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI).
+# 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI). The v5e's "16 GB" is
+# 16 GiB on the chip: JAX's memory_stats and XLA's refusals count 15.75 GiB of it usable.
 # A GPU's memory is the total its driver reports (nvidia-smi's MiB, each in the table below),
 # not the datasheet's rounded GB: JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION) is a fraction of
 # that total, so a plan against the rounded figure refuses runs that fit. The Grand Teton H100's
@@ -70,7 +74,7 @@ TARGETS: dict[str, Target] = {
     "h100_96gb_500w": Target("H100 96GB HBM2e 500W", "NVIDIA H100 96GB HBM2e", 95 * GiB, 2.4e12,
                              450 * GB),
     "l40s": Target("L40S 48GB", "NVIDIA L40S", 46_068 * MiB, 0.864e12, 32 * GB),
-    "v5e": Target("TPU v5e", "TPU v5 lite", 16 * GB, 0.819e12, 200 * GB),
+    "v5e": Target("TPU v5e", "TPU v5 lite", 16 * GiB, 0.819e12, 200 * GB),
     "v5p": Target("TPU v5p", "TPU v5", 95 * GB, 2.765e12, 600 * GB),
     "cpu": Target("this machine (CPU)", "cpu", 0.0, 0.0, 0.0),  # measured: see cpu_target
 }
@@ -114,12 +118,13 @@ def gpu_memory_fraction(env: Any) -> Usable:
 
 def usable_share(target: Target, env: Any = None) -> Usable:
     """The share of ``target``'s memory a plan may use: JAX's pool on a GPU (from ``env``,
-    default this process's environment), ``USABLE`` on a TPU, ``USABLE_CPU`` of a host's RAM."""
+    default this process's environment), ``TPU_USABLE`` on a TPU, ``USABLE_CPU`` of a host's
+    RAM."""
     if target.device_kind == "cpu":
         return Usable(USABLE_CPU, "of the host's available RAM")
     if target.device_kind.startswith("NVIDIA"):
         return gpu_memory_fraction(os.environ if env is None else env)
-    return Usable(USABLE, "the rest is the runtime's own")
+    return Usable(TPU_USABLE, "XLA's share of a TPU's memory: 15.75 of a v5e's 16 GiB")
 
 
 def usable_bytes(target: Target, env: Any = None) -> float:

@@ -936,9 +936,11 @@ class MeshPlan(AxisAttrs, HostPlacement):
 
 
 def precision_row(plan: MeshPlan) -> str:
-    """The table's compute row: the precision and what decided it."""
-    what = (f"bf16, fp32 master weights, gradient sums in {plan.grad_reduce_dtype} "
-            "(train.grad_reduce_dtype)" if plan.precision == "bf16" else plan.precision)
+    """The table's compute row: the precision, the gradients' sums, and what decided them."""
+    if plan.precision != "bf16":
+        what = plan.precision
+    else:
+        what = f"bf16, fp32 master weights, {plan.grad_reduce_dtype} gradient sums"
     why = (f"train.precision=auto on {plan.attention_device.platform}: bf16 on an accelerator, "
            "fp32 on CPU" if plan.precision_auto else f"train.precision={plan.precision}")
     return f"{what} ({why})"
