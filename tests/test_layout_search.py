@@ -810,6 +810,17 @@ def test_auto_on_a_chip_that_refuses_some_compiles_picks_another_and_refuses_in_
                            "chip (DXRUN_TEST_CHIP_MIB=8): 8.0 MiB per device; the nearest, tp2 ")
     assert "does not fit: XLA needs" in line and line.endswith("; try a smaller model or more "
                                                                "devices")
+    # A chip that cannot hold the weights and Adam's state even sharded over both devices: said
+    # from the shapes, before a compile is spent on any layout.
+    r = run_cli(*args, "hydra.run.dir=refused", cwd=tmp_path, timeout=600,
+                env={**env, "DXRUN_TEST_CHIP_MIB": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "layout search:" not in r.stderr and not (tmp_path / "refused").exists()
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("dxrun: error:")]
+    assert re.fullmatch(r"dxrun: error: parallelism=auto: the weights and optimizer state alone "
+                        r"need \d+\.\d MiB per device sharded over all 2 cpu devices, more than "
+                        r"the simulated chip \(DXRUN_TEST_CHIP_MIB=1\) gives one \(1\.0 MiB\); "
+                        r"try a smaller model or more devices", line), line
 
 
 @pytest.mark.e2e

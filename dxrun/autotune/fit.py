@@ -1339,6 +1339,8 @@ def search(cfg: Any, plan_mode: bool = False, timer: Timer | None = None,
     layouts, refused = candidates(cfg, *devices, batch=s.held[0], seq_len=s.held[1])
     if not layouts:  # the plan refuses every layout (more devices than there are...): its words
         s.plan()
+    if not plan_mode:  # a state no mesh can hold: said before a compile is spent on it
+        state_floor(s, layouts[0])
     # A search that measures keeps each candidate's full compile for its timing; so does a
     # run's on an accelerator, whose analysis compile is the full one: the chosen layout's is
     # then the run's step, not a second compile of the same program.
@@ -1454,6 +1456,22 @@ def _ranked(s: _Search, layouts: list[Layout], score: Score, built: dict[Layout,
                                                  train_cap=cap, held=s.held))
     measure_stage(rows, top, lambda ls: timer(cfg, ls), every, turn_s)
     return _agreed_rows(f"{s.tag}/chosen", rows)
+
+
+def state_floor(s: _Search, layout: Layout) -> None:
+    """Raise ConfigError when the weights and optimizer state alone, sharded over every device,
+    exceed what the run's devices give one (the least any layout needs: shapes only, nothing
+    compiled): a search would compile every variant of every mesh to learn that."""
+    budget, _, source = device_budget(s.cfg.runtime)
+    n = s.cfg.parallelism.n_devices or s.devices[0]
+    floor = state_bytes(Experiment.build(s.cfg, s.plan(layout), data=NoData()).abstract_state()
+                        ) / n
+    if floor > budget:
+        raise ConfigError(
+            f"parallelism=auto: the weights and optimizer state alone need "
+            f"{_gib(floor / GiB)} per device sharded over all {n} {s.devices[1]} devices, more "
+            f"than {source} gives one ({_gib(budget / GiB)}); try a smaller model or more "
+            "devices")
 
 
 SMALLER = (2, 4)  # the global batch divided by these, tried when no layout fits
