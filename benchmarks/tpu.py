@@ -208,6 +208,31 @@ def _fastest(model: str, records: list[dict]) -> str:
             f"step's fastest of these shapes, {hand['hand_tokens_per_s']:,} (`{hand['shape']}`).")
 
 
+def default_rows(out: str, best: dict[str, float]) -> list[str]:
+    """The defaults rows: each ``default-<model>`` run of ``out`` (its model and data only), the
+    layout its search chose, its median tokens/s and MFU over its logged rows after the first
+    (the compiling step's), against ``best``, the model's fastest tuned MFU."""
+    rows = ["| model (defaults) | layout the run chose | tokens/s | MFU | of the model's best |",
+            "|---|---|---:|---:|---:|"]
+    for run in sorted(Path(out).glob("default-*")):
+        if not run.is_dir() or not (run / "metrics.jsonl").is_file():
+            continue
+        model = run.name.removeprefix("default-")
+        logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        logged = [x for x in logged if "perf/mfu" in x][1:] or logged[-1:]
+        mfu = statistics.median(x["perf/mfu"] for x in logged)
+        tps = statistics.median(x["perf/tokens_per_s"] for x in logged)
+        chosen = next(r for r in json.loads((run / "plan.json").read_text())["layout_search"][
+            "rows"] if r["chosen"])
+        label = " ".join([chosen["mesh"], *([f"remat={chosen['remat']}"]
+                                            if chosen["remat"] != "none" else []),
+                          *([f"accum={chosen['grad_accum']}"] if chosen["grad_accum"] > 1
+                            else [])])
+        of = f"{mfu / best[model]:.2f}" if model in best else "-"
+        rows.append(f"| {model} | {label} | {tps:,.0f} | {100 * mfu:.1f}% | {of} |")
+    return rows if len(rows) > 2 else []
+
+
 def report(out: str, tokens: str | None, command: str) -> None:
     """BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section from ``out``'s measurements (the
     chip's tpu.json and first-step runs) and plan mode's estimates (made here)."""
@@ -258,7 +283,9 @@ def report(out: str, tokens: str | None, command: str) -> None:
         "chip (bf16, seq_len 1024, random GPT-2 token ids, `parallelism=dp1`):", "", *rows, "",
         f"model=small's first step, from the command to the end of its first step "
         f"(goodput's startup + compile): {cold} s with an empty compile cache, {warm} s with a "
-        f"warm one (at {first_commit or steps_at}).", "", *best, "", end])
+        f"warm one (at {first_commit or steps_at}).", "", *best, "",
+        *default_rows(out, {m: max(r["mfu"] for r in records if r.get("model") == m and r.get(
+            "mfu")) for m in {r["model"] for r in records if r.get("mfu")}}), "", end])
     md = Path("BENCHMARKS.md").read_text()
     if begin in md:
         md = md[:md.index(begin)] + section + md[md.index(end) + len(end):]

@@ -8,7 +8,8 @@
 #    and again with the cache it left (the second run also traces two steps for dxrun.profile);
 # 3. writes BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section, with plan mode's estimate of
 #    each shape (compiled on the host's CPU: `--report` runs anywhere, no chip needed).
-# About 14 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
+# 4. each model as a user runs it with no key but its data (the defaults row).
+# About 25 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
 # the commit the records carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,5 +46,14 @@ python3 -c 'from benchmarks.tpu import commit; print(commit())' > "$out/first-co
 "${first[@]}" "hydra.run.dir=$out/first-warm" train.profile.start=12 train.profile.steps=2 \
   2>&1 | tee "$out/first-warm.log"
 python3 -m dxrun.profile "$out/first-warm" | tee "$out/profile.txt"
+# 4. What a user gets who gives only the model and the data: each model with its defaults
+#    (parallelism=auto, train.precision=auto, train.grad_reduce_dtype=auto, data.batch_size 32),
+#    the run's own MFU beside the model's fastest tuned shape above.
+for m in small medium large; do
+  rm -rf "$out/default-$m"
+  python3 -m dxrun "model=$m" data=tokens "data.path=$tok" data.seq_len=1024 \
+    "train.steps=${DXRUN_TPU_DEFAULT_STEPS:-300}" "hydra.run.dir=$out/default-$m" \
+    2>&1 | tee "$out/default-$m.log"
+done
 [ -n "${DXRUN_TPU_NO_REPORT:-}" ] || python3 -m benchmarks.tpu --report "benchmarks/tpu.sh" \
   --tokens "$tok" --out "$out"

@@ -55,3 +55,28 @@ def test_the_tpu_report_sets_each_models_fastest_against_the_hand_written_steps_
     line = _fastest("m", records)
     assert "300 tokens/s (`m:16:none`), is 1.500x" in line and "200 (`m:8:none`)" in line
     assert _fastest("m", records[:1]) == ""
+
+
+def test_the_tpu_report_sets_each_models_defaults_run_against_its_fastest(tmp_path):
+    """``benchmarks/tpu.sh``'s defaults rows: a ``default-<model>`` run's median MFU and tokens/s
+    over its logged rows after the first (the compiling step's), the layout its search chose,
+    and its share of the model's fastest tuned MFU; a run dir without metrics is no row."""
+    import json
+
+    from benchmarks.tpu import default_rows
+
+    run = tmp_path / "default-large"
+    run.mkdir()
+    rows = [{"step": s, "perf/mfu": m, "perf/tokens_per_s": t}
+            for s, m, t in [(10, 0.10, 4000.0), (20, 0.40, 15000.0), (30, 0.42, 16000.0),
+                            (40, 0.41, 15500.0)]]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chosen = {"mesh": "dp1", "remat": "keep_attention", "grad_accum": 8, "chosen": True}
+    (run / "plan.json").write_text(json.dumps({"layout_search": {"rows": [
+        {"mesh": "dp1", "remat": "none", "grad_accum": 1, "chosen": False}, chosen]}}))
+    (tmp_path / "default-small").mkdir()  # a run that ended before writing metrics
+    assert default_rows(str(tmp_path), {"large": 0.5}) == [
+        "| model (defaults) | layout the run chose | tokens/s | MFU | of the model's best |",
+        "|---|---|---:|---:|---:|",
+        "| large | dp1 remat=keep_attention accum=8 | 15,500 | 41.0% | 0.82 |"]
+    assert default_rows(str(tmp_path / "nothing"), {}) == []
