@@ -111,25 +111,40 @@ def test_the_example_samples_greedily_by_recomputing_the_sequence(runs):
 
 
 class Bare(nnx.Module):
-    """A module whose second parameter has no logical axes."""
+    """A module whose second parameter has no logical axes (``head_axes``), ``short`` logits
+    short of its vocabulary."""
+
+    head_axes: tuple | None = None
+    short = 0
 
     def __init__(self, vocab_size: int, rngs: nnx.Rngs):
         self.wte = nnx.Param(jax.numpy.zeros((vocab_size, 8)), axes=("vocab", "embed"))
-        self.head = nnx.Param(jax.numpy.zeros((8, vocab_size)))
+        axes = {"axes": self.head_axes} if self.head_axes else {}
+        self.head = nnx.Param(jax.numpy.zeros((8, vocab_size - self.short)), **axes)
 
     def __call__(self, tokens):
         return self.wte[...][tokens] @ self.head[...]
 
 
-def test_a_parameter_without_logical_axes_is_refused_in_one_line():
-    cfg = make_cfg("model=tiny", f"model._target_={__name__}.Bare", "parallelism=dp1",
+@pytest.mark.parametrize("module, says", [
+    ("Bare", "parameter head has no logical axes; give it nnx.Param(..., axes=(one name per "
+             "dimension)), names from batch, seq, stream_seq, layers, embed, act_embed, heads, "
+             "kv_heads, head_dim, mlp, vocab, norm, pos or None"),
+    # Narrow used to train to ``loss nan`` and then advise a lower optimizer.lr.
+    ("Narrow", "module(tokens) gives logits of shape [2, 8, 13] for tokens [2, 8], not [2, 8, "
+               "model.vocab_size=16]; make its output layer vocab_size wide (the vocab_size it "
+               "is built with)")])
+def test_a_module_dxrun_cannot_lay_out_or_read_is_refused_in_one_line(module, says):
+    """A parameter without logical axes, or logits not model.vocab_size wide: one line when the
+    model is built (an abstract evaluation, nothing computed)."""
+    cfg = make_cfg("model=tiny", f"model._target_={__name__}.{module}", "parallelism=dp1",
                    "data.seq_len=16", "data.batch_size=8")
     with pytest.raises(ConfigError) as e:
         Experiment.build(cfg, with_data=False)
-    assert str(e.value) == (
-        f"model._target_={__name__}.Bare: parameter head has no logical axes; give it "
-        "nnx.Param(..., axes=(one name per dimension)), names from batch, seq, stream_seq, "
-        "layers, embed, act_embed, heads, kv_heads, head_dim, mlp, vocab, norm, pos or None")
+    assert str(e.value) == f"model._target_={__name__}.{module}: {says}"
+
+
+def test_a_model_target_that_cannot_be_imported_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^model._target_=nope.Model cannot be imported \(no "
                        r"module named nope\); give a dotted path on the PYTHONPATH"):
         Experiment.build(make_cfg("model._target_=nope.Model", "parallelism=dp1"),
@@ -165,24 +180,8 @@ def test_a_checkpoint_from_before_the_target_keys_is_one_of_dxruns_own_model_and
     assert changed(mine, saved, MODEL_SHAPE) == ("model._target_", "mypkg.Model", None)
 
 
-class Narrow(nnx.Module):
+class Narrow(Bare):
     """A module whose head is 3 logits short of its vocabulary."""
 
-    def __init__(self, vocab_size: int, rngs: nnx.Rngs):
-        self.wte = nnx.Param(jax.numpy.zeros((vocab_size, 8)), axes=("vocab", "embed"))
-        self.head = nnx.Param(jax.numpy.zeros((8, vocab_size - 3)), axes=("embed", None))
-
-    def __call__(self, tokens):
-        return self.wte[...][tokens] @ self.head[...]
-
-
-def test_logits_not_vocab_size_wide_are_refused_in_one_line():
-    """It used to train to ``loss nan`` and then advise a lower optimizer.lr."""
-    cfg = make_cfg("model=tiny", f"model._target_={__name__}.Narrow", "parallelism=dp1",
-                   "data.seq_len=16", "data.batch_size=8")
-    with pytest.raises(ConfigError) as e:
-        Experiment.build(cfg, with_data=False)
-    assert str(e.value) == (
-        f"model._target_={__name__}.Narrow: module(tokens) gives logits of shape [2, 8, 13] "
-        "for tokens [2, 8], not [2, 8, model.vocab_size=16]; make its output layer vocab_size "
-        "wide (the vocab_size it is built with)")
+    head_axes = ("embed", None)
+    short = 3
