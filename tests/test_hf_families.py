@@ -18,6 +18,7 @@ from conftest import ROOT, make_cfg
 from hf_checkpoints import FAMILIES, LLAMA, V, random_tensors, write_hf_dir
 from test_hf import hf_cfg, logits, tensors_of
 
+from dxrun.config import validation
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import ARCHITECTURES, apply_hf_model, model_fields, read_config
 from dxrun.experiment import Experiment, import_params
@@ -156,3 +157,28 @@ def test_what_dxrun_does_not_build_is_refused_in_one_line(tmp_path):
             apply_hf_model(make_cfg(*given), given)
         msg = str(e.value)
         assert words in msg and "\n" not in msg and str(d) in msg, (name, msg)
+
+
+# Published parameter counts (the models' own config.json, counted as transformers counts them).
+PRESETS = {"qwen3_0_6b": ("qwen3", 596_049_920), "qwen3_8b": ("qwen3", 8_190_735_360),
+           "qwen2_5_7b": ("qwen2", 7_615_616_512), "mistral_7b": ("mistral", 7_241_732_096)}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_presets_are_shaped_as_the_published_models(preset):
+    """Each preset has its published model's parameters and exports as its family; plan mode
+    plans it (Qwen3-0.6B on one v5e in bf16, as issue 81's benchmark row; the 7-8B ones fsdp8 on
+    H100s) and finds it fits."""
+    from dxrun.autotune import fit
+    from dxrun.config.hf_model import model_type_of
+
+    family, n_params = PRESETS[preset]
+    small = preset == "qwen3_0_6b"
+    cfg = make_cfg(f"model={preset}", "parallelism=dp1" if small else "parallelism=fsdp8",
+                   f"plan.target={'v5e' if small else 'h100'}", "logger=none",
+                   "data.seq_len=2048", "data.per_device_batch_size=1", "train.precision=bf16",
+                   "model.remat=full")
+    validation.validate(cfg)
+    assert model_type_of(cfg.model) == family
+    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()), suggest=False)
+    assert report["n_params"] == n_params and report["target"]["fits"], report["target"]
