@@ -28,7 +28,8 @@ MISTRAL = dict(LLAMA, model_type="mistral", head_dim=16, sliding_window=5, rope_
 QWEN2 = dict(LLAMA, model_type="qwen2", use_sliding_window=False, rms_norm_eps=1e-6)
 QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=16, tie_word_embeddings=True,
              attention_bias=False)
-FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+OLMO2 = dict(LLAMA, model_type="olmo2", rms_norm_eps=1e-6)
+FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "olmo2": OLMO2}
 
 
 def hf_config(fields: dict):
@@ -73,8 +74,13 @@ def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
                     for x, n in zip("qkv", (H, K, K), strict=True)}
         if fields["model_type"] == "qwen3":
             out |= {h + f"self_attn.{x}_norm.weight": 1 + w(E) for x in "qk"}
-        out |= {h + "input_layernorm.weight": 1 + w(D),
-                h + "post_attention_layernorm.weight": 1 + w(D),
+        if fields["model_type"] == "olmo2":  # its norms: q, k across heads; after, not before
+            out |= {h + "self_attn.q_norm.weight": 1 + w(H * E),
+                    h + "self_attn.k_norm.weight": 1 + w(K * E),
+                    h + "post_feedforward_layernorm.weight": 1 + w(D)}
+        else:
+            out[h + "input_layernorm.weight"] = 1 + w(D)
+        out |= {h + "post_attention_layernorm.weight": 1 + w(D),
                 h + "self_attn.q_proj.weight": w(H * E, D),
                 h + "self_attn.k_proj.weight": w(K * E, D),
                 h + "self_attn.v_proj.weight": w(K * E, D),

@@ -1,8 +1,9 @@
 """The Llama-shaped families beside Llama (issue 81): Mistral (a sliding window, its own
-head_dim), Qwen2/2.5 (q, k, v biases) and Qwen3 (per-head q and k norms, its own head_dim, tied
-embeddings). A tiny random checkpoint of each, made here, gives transformers' PyTorch logits
-(stored: tests/fixtures/hf_reference/, with the script and versions that made them; CI has no
-torch) on one device, dp4 x tp2 and dp2 x fsdp2 x tp2; import then export gives its tensors back
+head_dim), Qwen2/2.5 (q, k, v biases), Qwen3 (per-head q and k norms, its own head_dim, tied
+embeddings) and OLMo 2 (q and k norms across heads, the blocks' norms after, not before). A
+tiny random checkpoint of each, made here, gives transformers' PyTorch logits (stored:
+tests/fixtures/hf_reference/, with the script and versions that made them; CI has no torch)
+on one device, dp4 x tp2 and dp2 x fsdp2 x tp2; import then export gives its tensors back
 bitwise under its own architecture; a fine-tune exports what it computes; what dxrun does not
 build is refused in one line naming it."""
 
@@ -60,9 +61,12 @@ def test_logits_equal_transformers_on_every_mesh(families, family):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(),
                                    err_msg=f"{family} {mesh}")
     m = exp.cfg.model
-    assert (m.head_dim, m.qkv_bias, m.qk_norm, m.sliding_window, m.tie_embeddings) == {
-        "mistral": (16, False, "none", 5, False), "qwen2": (None, True, "none", None, False),
-        "qwen3": (16, False, "head", None, True)}[family]
+    assert (m.head_dim, m.qkv_bias, m.qk_norm, m.sliding_window, m.tie_embeddings,
+            m.norm_position) == {
+        "mistral": (16, False, "none", 5, False, "pre"),
+        "qwen2": (None, True, "none", None, False, "pre"),
+        "qwen3": (16, False, "head", None, True, "pre"),
+        "olmo2": (None, False, "proj", None, False, "post")}[family]
 
 
 def test_the_window_is_what_mistral_computes(families):
@@ -146,7 +150,7 @@ def _refused(root: Path) -> dict[str, tuple[Path, str]]:
                     "final_logit_softcapping=30.0 (model_type=mistral)"),
         "gemma2": (config("gemma2", dict(model_type="gemma2")),
                    "model_type=gemma2 is not one dxrun reads; it reads gpt2, llama, mistral, "
-                   "qwen2, qwen3"),
+                   "qwen2, qwen3, olmo2"),
     }
 
 

@@ -176,14 +176,16 @@ def test_fp32_residual_stream_under_bf16(cfg_factory):
 
 PIECES = {"head_dim": ["model.head_dim=24"], "qkv_bias": ["model.qkv_bias=true"],
           "qk_norm_head": ["model.qk_norm=head", "model.head_dim=8"],
-          "qk_norm_proj": ["model.qk_norm=proj"], "window": ["model.sliding_window=5"]}
+          "qk_norm_proj": ["model.qk_norm=proj"], "window": ["model.sliding_window=5"],
+          "post_norm": ["model.norm_position=post"]}
 
 
 @pytest.mark.parametrize("piece", PIECES)
 def test_the_attention_pieces_train_alike_on_every_mesh(cfg_factory, piece):
     """Each of model.head_dim (24 with 4 heads of d_model 64), qkv_bias, qk_norm (per head
-    and across heads) and sliding_window: three steps on dp4_tp2 (XLA's kernel, heads split)
-    and on dp2_fsdp2_tp2 give the losses of one device's written-out reference attention.
+    and across heads), sliding_window and norm_position=post: three steps on dp4_tp2 (XLA's
+    kernel, heads split) and on dp2_fsdp2_tp2 give the losses of one device's written-out
+    reference attention.
     (Each piece against transformers' own model: tests/test_hf_families.py.)"""
     ref = _losses(cfg_factory, *PIECES[piece], "parallelism=dp1", "model.attention=reference")
     assert ref[-1] < ref[0]

@@ -3,7 +3,7 @@
 ``model.init_from=hf:<dir>``: the model's shape is the checkpoint's, so the model section is
 filled from ``config.json`` before the config is validated (as a preset would fill it), and a
 ``model.*`` override that contradicts it is refused in one line. GPT-2 (``model_type: gpt2``) and
-the Llama-shaped families (``LLAMA_LIKE``: Llama, Mistral, Qwen2/2.5, Qwen3: grouped-query
+the Llama-shaped families (``LLAMA_LIKE``: Llama, Mistral, Qwen2/2.5, Qwen3, OLMo 2: grouped-query
 attention, untied or tied embeddings, ``rope_theta``, Llama 3.1's ``rope_scaling``, each with the
 pieces its row names) are read; anything dxrun's model cannot compute exactly is refused, naming
 the field. No JAX: plan mode plans a fine-tune from ``config.json`` alone.
@@ -28,7 +28,8 @@ KEY = "model.init_from"
 # The model keys a checkpoint fixes (the rest: dropout, remat, scan_layers... are the run's).
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
               "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
-              "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "sliding_window")
+              "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
+              "norm_position")
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
@@ -52,6 +53,7 @@ LLAMA_LIKE = {
     "mistral": Family("MistralForCausalLM", window="sliding_window"),
     "qwen2": Family("Qwen2ForCausalLM", dict(qkv_bias=True), window="layer_types"),
     "qwen3": Family("Qwen3ForCausalLM", dict(qk_norm="head"), window="layer_types"),
+    "olmo2": Family("Olmo2ForCausalLM", dict(qk_norm="proj", norm_position="post")),
 }
 # config.json fields that change what a model computes and that no family dxrun reads has: set
 # to anything but their "off" value, refused (never silently dropped).
@@ -114,7 +116,8 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
                    max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
                    norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
                    rope_theta=10000.0, rope_scaling=None,
-                   head_dim=None, qkv_bias=False, qk_norm="none", sliding_window=None)
+                   head_dim=None, qkv_bias=False, qk_norm="none", sliding_window=None,
+                   norm_position="pre")
     elif kind in LLAMA_LIKE:
         out = _llama_fields(hf, path, kind)
         eps = out["norm_eps"]
@@ -145,7 +148,8 @@ def _llama_fields(hf: dict, path: Path, kind: str) -> dict[str, Any]:
                 rope_theta=float(hf.get("rope_theta", 10000.0)),
                 rope_scaling=rope_scaling(hf.get("rope_scaling"), path),
                 head_dim=None if head_dim * H == D else head_dim, qkv_bias=False,
-                qk_norm="none", sliding_window=_window(hf, path, kind, n_layers)),
+                qk_norm="none", sliding_window=_window(hf, path, kind, n_layers),
+                norm_position="pre"),
             **LLAMA_LIKE[kind].pieces}
 
 
@@ -234,7 +238,7 @@ def check_rope_scaling(value: Any) -> None:
 
 # The families dxrun writes and the keys that make them (export: which HF architecture a run
 # is; the first that computes the model: a Llama-shaped one without a window is Llama).
-_PLAIN = dict(qkv_bias=False, qk_norm="none")
+_PLAIN = dict(qkv_bias=False, qk_norm="none", norm_position="pre")
 FAMILIES = {
     "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
                  head_dim=None, sliding_window=None, **_PLAIN),

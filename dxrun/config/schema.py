@@ -63,6 +63,9 @@ class ModelConfig:
         "sliding window); null = the whole causal prefix.", range=POSITIVE)
     norm: str = key("layernorm", "the blocks' normalisation (GPT-2: layernorm; Llama: rmsnorm)",
                     choices=("layernorm", "rmsnorm"))
+    norm_position: str = key("pre", "where the blocks' two norms sit: pre (on the inputs of "
+                             "attention and the MLP: GPT-2, Llama) or post (on their outputs, "
+                             "before the residual add: OLMo 2)", choices=("pre", "post"))
     norm_eps: float = key(1e-5, "the norms' epsilon (a Hugging Face checkpoint's "
                           "layer_norm_epsilon or rms_norm_eps)", range=POSITIVE)
     mlp: str = key("gelu", "the MLP (GPT-2: gelu; Llama: swiglu, gated)",

@@ -83,10 +83,14 @@ def _gpt2() -> list[Weight]:
     ]
 
 
-def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none") -> list[Weight]:
+def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none",
+           post_norm: bool = False) -> list[Weight]:
     """Llama's tensors, and those of the pieces a Llama-shaped family adds (``LLAMA_LIKE``):
-    q, k, v biases (Qwen2), per-head or whole-projection q and k norms (Qwen3; OLMo 2's)."""
+    q, k, v biases (Qwen2), per-head or whole-projection q and k norms (Qwen3, OLMo 2), the
+    norms after attention and the MLP (OLMo 2: ``post_norm``, where Llama's sit before)."""
     h = "model.layers.{i}."
+    ln1, ln2 = (("post_attention_layernorm", "post_feedforward_layernorm") if post_norm
+                else ("input_layernorm", "post_attention_layernorm"))
     pieces = [Weight(f"blocks/attn/b{x}", h + f"self_attn.{x}_proj.bias", SAME, (f"{n}*E",))
               for x, n in (("q", "H"), ("k", "K"), ("v", "K")) if qkv_bias]
     if qk_norm != "none":
@@ -94,12 +98,12 @@ def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none") -> list[We
                           ("E",) if qk_norm == "head" else (f"{n}*E",))
                    for x, n in (("q", "H"), ("k", "K"))]
     out = [*pieces, Weight("wte", "model.embed_tokens.weight", SAME, ("V", "D")),
-           Weight("blocks/ln1/scale", h + "input_layernorm.weight", SAME, ("D",)),
+           Weight("blocks/ln1/scale", h + f"{ln1}.weight", SAME, ("D",)),
            Weight("blocks/attn/wq", h + "self_attn.q_proj.weight", TRANSPOSED, ("H*E", "D")),
            Weight("blocks/attn/wk", h + "self_attn.k_proj.weight", TRANSPOSED, ("K*E", "D")),
            Weight("blocks/attn/wv", h + "self_attn.v_proj.weight", TRANSPOSED, ("K*E", "D")),
            Weight("blocks/attn/wo", h + "self_attn.o_proj.weight", TRANSPOSED, ("D", "H*E")),
-           Weight("blocks/ln2/scale", h + "post_attention_layernorm.weight", SAME, ("D",)),
+           Weight("blocks/ln2/scale", h + f"{ln2}.weight", SAME, ("D",)),
            Weight("blocks/mlp/w_gate", h + "mlp.gate_proj.weight", TRANSPOSED, ("F", "D")),
            Weight("blocks/mlp/w_up", h + "mlp.up_proj.weight", TRANSPOSED, ("F", "D")),
            Weight("blocks/mlp/w_down", h + "mlp.down_proj.weight", TRANSPOSED, ("D", "F")),
@@ -110,9 +114,11 @@ def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none") -> list[We
 
 
 # The tables the guide prints: GPT-2 (embeddings tied, no lm_head tensor), Llama (untied; Mistral
-# the same), and the tensors Qwen2 and Qwen3 add to Llama's.
+# the same), and the tensors Qwen2, Qwen3 and OLMo 2 add to Llama's or name otherwise.
 TABLES = {"gpt2": _gpt2(), "llama": _llama(tied=False),
-          "qwen2": _llama(True, qkv_bias=True)[:3], "qwen3": _llama(True, qk_norm="head")[:2]}
+          "qwen2": _llama(True, qkv_bias=True)[:3], "qwen3": _llama(True, qk_norm="head")[:2],
+          "olmo2": [w for w in _llama(True, qk_norm="proj", post_norm=True)
+                    if "norm" in w.hf and "model.norm" not in w.hf]}
 # What a HF directory may hold beside the weights, ignored on import: GPT-2's causal-mask
 # buffers (older checkpoints), Llama's rotary frequencies, a tied lm_head written anyway.
 BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -123,7 +129,8 @@ def weights(model_type: str, m: Any) -> list[Weight]:
     section (tied embeddings, the pieces its family has)."""
     if model_type == "gpt2":
         return _gpt2()
-    return _llama(m.tie_embeddings, getattr(m, "qkv_bias", False), getattr(m, "qk_norm", "none"))
+    return _llama(m.tie_embeddings, getattr(m, "qkv_bias", False), getattr(m, "qk_norm", "none"),
+                  getattr(m, "norm_position", "pre") == "post")
 
 
 def dims(m: Any) -> dict[str, int]:

@@ -490,6 +490,7 @@ class Block(nnx.Module):
         self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
+        self.post_norm = getattr(cfg, "norm_position", "pre") == "post"
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None,
                  dtype: Any = None) -> jax.Array:
@@ -502,11 +503,17 @@ class Block(nnx.Module):
         against a key/value cache when decoding (``dxrun.tools.decode``). ``dtype``: the compute
         dtype (default the parameters'); the residual may be wider (fp32)."""
         cd = dtype or self.attn.wq[...].dtype
-        h = gathered_backward(attend(constrain(self.ln1(x_BxLxD).astype(cd), ACT)), ACT)
-        x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
-        x_BxLxD = constrain(x_BxLxD, STREAM)
-        h = gathered_backward(self.mlp(constrain(self.ln2(x_BxLxD).astype(cd), ACT)), ACT)
-        x_BxLxD = x_BxLxD + dropout(h, self.rate, k2).astype(x_BxLxD.dtype)
+        x_BxLxD = self.branch(x_BxLxD, attend, self.ln1, k1, cd)
+        return self.branch(x_BxLxD, self.mlp, self.ln2, k2, cd)
+
+    def branch(self, x_BxLxD: jax.Array, f: Any, ln: Norm, key: jax.Array | None,
+               cd: Any) -> jax.Array:
+        """``x + f(ln(x))``, or with ``model.norm_position=post`` ``x + ln(f(x))`` (OLMo 2)."""
+        if self.post_norm:
+            h = ln(gathered_backward(f(constrain(x_BxLxD.astype(cd), ACT)), ACT))
+        else:
+            h = gathered_backward(f(constrain(ln(x_BxLxD).astype(cd), ACT)), ACT)
+        x_BxLxD = x_BxLxD + dropout(h, self.rate, key).astype(x_BxLxD.dtype)
         return constrain(x_BxLxD, STREAM)
 
 
