@@ -387,7 +387,8 @@ def test_a_data_key_the_source_does_not_read_is_refused(cfg_factory, tmp_path, o
 SIZE_DEFAULTS = {"tiny": (1e-2, 20), "tiny_llama": (1e-2, 20), "small": (6e-4, 200),
                  "medium": (3e-4, 300), "large": (2.5e-4, 400), "xl": (2e-4, 500),
                  "qwen3_0_6b": (2.5e-4, 400), "qwen3_8b": (3e-4, 2000),
-                 "qwen2_5_7b": (3e-4, 2000), "mistral_7b": (3e-4, 2000)}
+                 "qwen2_5_7b": (3e-4, 2000), "mistral_7b": (3e-4, 2000),
+                 "olmo2_1b": (2e-4, 500)}
 
 
 @pytest.mark.parametrize("model", sorted(SIZE_DEFAULTS))

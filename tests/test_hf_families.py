@@ -165,13 +165,14 @@ def test_what_dxrun_does_not_build_is_refused_in_one_line(tmp_path):
 
 # Published parameter counts (the models' own config.json, counted as transformers counts them).
 PRESETS = {"qwen3_0_6b": ("qwen3", 596_049_920), "qwen3_8b": ("qwen3", 8_190_735_360),
-           "qwen2_5_7b": ("qwen2", 7_615_616_512), "mistral_7b": ("mistral", 7_241_732_096)}
+           "qwen2_5_7b": ("qwen2", 7_615_616_512), "mistral_7b": ("mistral", 7_241_732_096),
+           "olmo2_1b": ("olmo2", 1_484_916_736)}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_presets_are_shaped_as_the_published_models(preset):
     """Each preset has its published model's parameters and exports as its family; plan mode
-    plans it (Qwen3-0.6B on one v5e in bf16, as issue 81's benchmark row; the 7-8B ones fsdp8 on
+    plans it (Qwen3-0.6B on one v5e in bf16, as issue 81's benchmark row; the others fsdp8 on
     H100s) and finds it fits."""
     from dxrun.autotune import fit
     from dxrun.config.hf_model import model_type_of
