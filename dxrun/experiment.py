@@ -753,7 +753,7 @@ def adopt(exp: Experiment, state: TrainState) -> TrainState:
 
 def _table(exp: Experiment, d: Path) -> list[Weight]:
     m = exp.cfg.model
-    return weights(read_config(d)["model_type"], m.tie_embeddings)
+    return weights(read_config(d)["model_type"], m)
 
 
 def check_hf_weights(exp: Experiment) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dxrun.config import ConfigError
+from dxrun.config import ConfigError, head_dim_of
 from dxrun.data import EVAL, Data, Tokenizer, recorded_tokenizer
 from dxrun.tools.checkpoint import Loaded, is_hf_dir, load, main, split_args, token_ids
 
@@ -145,7 +145,7 @@ def make_decoder(loaded: Loaded, prompt_len: int, new_tokens: int, sampling: Any
                                         exp.param_shardings, prompt_len, new_tokens, sampling)
     return decode.make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings,
                          prompt_len, new_tokens, sampling, m.n_layers, m.n_kv_heads,
-                         m.d_model // m.n_heads, dtype=dtype)
+                         head_dim_of(m), dtype=dtype)
 
 
 def no_context_parallel(cp: int) -> None:

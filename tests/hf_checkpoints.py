@@ -21,13 +21,22 @@ LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attent
              num_key_value_heads=4, intermediate_size=96, vocab_size=V,
              max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0,
              tie_word_embeddings=False, hidden_act="silu")
+# The Llama-shaped families, each with its pieces: Mistral's sliding window (5 of the tests' 16
+# positions) with a head_dim of its own, Qwen2's q, k, v biases, Qwen3's per-head q and k norms
+# with a head_dim of its own and tied embeddings (Qwen3-0.6B's).
+MISTRAL = dict(LLAMA, model_type="mistral", head_dim=16, sliding_window=5, rope_theta=1e6)
+QWEN2 = dict(LLAMA, model_type="qwen2", use_sliding_window=False, rms_norm_eps=1e-6)
+QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=16, tie_word_embeddings=True,
+             attention_bias=False)
+OLMO2 = dict(LLAMA, model_type="olmo2", rms_norm_eps=1e-6)
+FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "olmo2": OLMO2}
 
 
 def hf_config(fields: dict):
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import AutoConfig
 
-    fields = {k: v for k, v in fields.items() if k != "model_type"}
-    return (GPT2Config if "n_embd" in fields else LlamaConfig)(**fields)
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -54,13 +63,24 @@ def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
         return out
     D, F = fields["hidden_size"], fields["intermediate_size"]
     H, K = fields["num_attention_heads"], fields["num_key_value_heads"]
-    E = D // H
-    out = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D),
-           "lm_head.weight": w(V, D)}
+    E = fields.get("head_dim") or D // H
+    out = {"model.embed_tokens.weight": w(V, D), "model.norm.weight": 1 + w(D)}
+    if not fields.get("tie_word_embeddings"):
+        out["lm_head.weight"] = w(V, D)
     for i in range(fields["num_hidden_layers"]):
         h = f"model.layers.{i}."
-        out |= {h + "input_layernorm.weight": 1 + w(D),
-                h + "post_attention_layernorm.weight": 1 + w(D),
+        if fields["model_type"] == "qwen2":
+            out |= {h + f"self_attn.{x}_proj.bias": w(n * E)
+                    for x, n in zip("qkv", (H, K, K), strict=True)}
+        if fields["model_type"] == "qwen3":
+            out |= {h + f"self_attn.{x}_norm.weight": 1 + w(E) for x in "qk"}
+        if fields["model_type"] == "olmo2":  # its norms: q, k across heads; after, not before
+            out |= {h + "self_attn.q_norm.weight": 1 + w(H * E),
+                    h + "self_attn.k_norm.weight": 1 + w(K * E),
+                    h + "post_feedforward_layernorm.weight": 1 + w(D)}
+        else:
+            out[h + "input_layernorm.weight"] = 1 + w(D)
+        out |= {h + "post_attention_layernorm.weight": 1 + w(D),
                 h + "self_attn.q_proj.weight": w(H * E, D),
                 h + "self_attn.k_proj.weight": w(K * E, D),
                 h + "self_attn.v_proj.weight": w(K * E, D),

@@ -112,6 +112,21 @@ def test_splash_forced_on_cpu_runs_interpreted_and_plan_mode_stands_xla_in():
     assert kind_target("NVIDIA H100 80GB HBM3") == AttentionTarget(*H100)
 
 
+def test_a_sliding_window_takes_a_kernel_that_has_one_or_is_refused_in_one_line():
+    """model.sliding_window: XLA's (jax.nn.dot_product_attention's local window) on a TPU,
+    where dot_product would take splash; splash forced, or a context axis, one line each."""
+    x = Inputs(AttentionTarget("tpu"), "bfloat16", 128, 1024, True, window=256)
+    assert choose("dot_product", x) == "xla"
+    assert choose("dot_product", x._replace(window=None)) == "splash"
+    for setting, cp, words in (("splash", 1, "model.attention=splash cannot run here: it has no "
+                                "sliding window in dxrun (model.sliding_window=256)"),
+                               ("dot_product", 2, "parallelism.cp=2 attends with its blockwise "
+                                "kernel, which has no sliding window in dxrun")):
+        with pytest.raises(ConfigError) as e:
+            choose(setting, x, cp=cp)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 # grouped-query heads causal: the whole step's test below
 @pytest.mark.parametrize("causal, heads, kv_heads", [(True, 4, 4), (False, 4, 1)])
 def test_splash_equals_the_reference_forward_and_backward(causal, heads, kv_heads):

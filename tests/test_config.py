@@ -48,7 +48,8 @@ def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
     # null is a setting of its own for these; for the source keys and the batch pair it is not.
     assert set(schema.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
                                     "data.seq_len", "checkpoint.every", "model.loss_chunk",
-                                    "parallelism.search_budget"}
+                                    "parallelism.search_budget", "model.head_dim",
+                                    "model.sliding_window"}
     assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
     assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
 
@@ -218,6 +219,8 @@ def test_readme_lists_the_generated_ranges():
     ("optimizer.decay_frac=0", True), ("optimizer.decay_frac=1.0", False),
     ("model.init_std=0", True), ("model.rope_theta=-1", True), ("model.dropout=1.0", True),
     ("model.dropout=0.0", False), ("data.val_fraction=1.0", True),
+    ("model.head_dim=0", True), ("model.head_dim=24", False), ("model.sliding_window=0", True),
+    ("model.sliding_window=8", False),
     ("data.val_fraction=0.0", False),
     # NaN compares false with every bound; inf is no learning rate or fraction either.
     ("optimizer.lr=nan", True), ("optimizer.lr=inf", True), ("optimizer.min_lr_ratio=nan", True),
@@ -382,7 +385,10 @@ def test_a_data_key_the_source_does_not_read_is_refused(cfg_factory, tmp_path, o
 
 # GPT-3 paper, table 2.1 for the GPT-2 sizes; the tiny presets keep what reaches the markov floor.
 SIZE_DEFAULTS = {"tiny": (1e-2, 20), "tiny_llama": (1e-2, 20), "small": (6e-4, 200),
-                 "medium": (3e-4, 300), "large": (2.5e-4, 400), "xl": (2e-4, 500)}
+                 "medium": (3e-4, 300), "large": (2.5e-4, 400), "xl": (2e-4, 500),
+                 "qwen3_0_6b": (2.5e-4, 400), "qwen3_8b": (3e-4, 2000),
+                 "qwen2_5_7b": (3e-4, 2000), "mistral_7b": (3e-4, 2000),
+                 "olmo2_1b": (2e-4, 500)}
 
 
 @pytest.mark.parametrize("model", sorted(SIZE_DEFAULTS))
@@ -441,3 +447,18 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
         platform = plan_platform(cfg.plan.target, backend)
         assert default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform) == want, (
             target, backend)
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["model.qkv_bias=true"], "model.qkv_bias=true with model.bias=true: bias already puts "
+     "biases on q, k and v; set model.qkv_bias=false"),
+    (["model.sliding_window=4", "model.objective=mdlm"], "model.sliding_window=4 windows causal "
+     "attention, and model.objective=mdlm attends both ways; set model.sliding_window=null"),
+    (["model=tiny_llama", "model.head_dim=7"], "model.pos=rope needs an even head dim, got 7"),
+    (["model.qk_norm=rms"], "model.qk_norm='rms' is not one of none, head, proj"),
+    (["model.n_heads=5"], "pick n_heads that divides d_model, or set model.head_dim"),
+])
+def test_the_attention_pieces_refuse_what_means_nothing(cfg_factory, overrides, line):
+    with pytest.raises(ConfigError) as err:
+        validation.validate(cfg_factory(*overrides))
+    assert line in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -172,3 +172,37 @@ def test_fp32_residual_stream_under_bf16(cfg_factory):
         return float(np.abs(np.subtract(losses, fp32)).sum())
 
     assert distance(wide) < distance(bf16), (wide, bf16, fp32)
+
+
+PIECES = {"head_dim": ["model.head_dim=24"], "qkv_bias": ["model.qkv_bias=true"],
+          "qk_norm_head": ["model.qk_norm=head", "model.head_dim=8"],
+          "qk_norm_proj": ["model.qk_norm=proj"], "window": ["model.sliding_window=5"],
+          "post_norm": ["model.norm_position=post"]}
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_the_attention_pieces_train_alike_on_every_mesh(cfg_factory, piece):
+    """Each of model.head_dim (24 with 4 heads of d_model 64), qkv_bias, qk_norm (per head
+    and across heads), sliding_window and norm_position=post: three steps on dp4_tp2 (XLA's
+    kernel, heads split) and on dp2_fsdp2_tp2 give the losses of one device's written-out
+    reference attention.
+    (Each piece against transformers' own model: tests/test_hf_families.py.)"""
+    ref = _losses(cfg_factory, *PIECES[piece], "parallelism=dp1", "model.attention=reference")
+    assert ref[-1] < ref[0]
+    for mesh in (["parallelism=dp4_tp2"], ["parallelism=dp2_fsdp2_tp2"]):
+        got = _losses(cfg_factory, *PIECES[piece], *mesh)
+        np.testing.assert_allclose(got, ref, rtol=2e-5, err_msg=f"{piece} {mesh}")
+
+
+def test_qk_norm_is_rmsnorm_over_a_head_or_all_heads():
+    """QKNorm against the formula written in numpy: per head (Qwen3) and over all heads
+    together (OLMo 2), the scale applied after."""
+    from dxrun.model.transformer import QKNorm
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 8)).astype(np.float32)
+    for kind, over, shape in (("head", (-1,), (8,)), ("proj", (-2, -1), (4, 8))):
+        norm = QKNorm(kind, 4, "heads", 8, 1e-6)
+        scale = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        norm.scale[...] = jnp.asarray(scale)
+        want = x / np.sqrt((x * x).mean(over, keepdims=True) + 1e-6) * scale
+        np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)

@@ -100,19 +100,24 @@ def _assert_cache_equals_recompute(exp, params, tokens_BxT, cached_BxNxV, prompt
     np.testing.assert_allclose(cached, real, rtol=1e-5, atol=1e-5)
 
 
-def test_kv_cache_of_a_llama_style_block_equals_recompute():
+@pytest.mark.parametrize("pieces", [(), ("model.sliding_window=4", "model.head_dim=8",
+                                            "model.qk_norm=head", "model.qkv_bias=true")])
+def test_kv_cache_of_a_llama_style_block_equals_recompute(pieces):
     """RoPE at the cache's positions, grouped-query heads, SwiGLU, a padded vocabulary (65 on
-    tp2): an untrained model with large weights, so every position matters."""
+    tp2): an untrained model with large weights, so every position matters; and with issue
+    81's pieces (a 4-position window over 17, a head_dim of its own, q/k norms, q/k/v biases)."""
+    from dxrun.config import head_dim_of
     from dxrun.experiment import Experiment
 
     exp = Experiment.build(make_cfg("model=tiny_llama", "parallelism=tp2", "data.batch_size=2",
-                                    "data.vocab_size=65", "model.init_std=0.3", "logger=none"))
+                                    "data.vocab_size=65", "model.init_std=0.3", "logger=none",
+                                    *pieces))
     params = exp.seeded.params()
     prompt = np.random.default_rng(0).integers(0, 16, (2, 5))
     m = exp.cfg.model
     gen = make_generate(exp.graphdef, exp.mesh, exp.plan.rules, exp.param_shardings, 5, 12,
                         Sampling(temperature=1.0, seed=3), m.n_layers, m.n_kv_heads,
-                        m.d_model // m.n_heads, with_logits=True)
+                        head_dim_of(m), with_logits=True)
     tokens, cached = gen(params, prompt)
     assert np.asarray(cached).shape == (2, 12, 66) and int(np.asarray(tokens).max()) < 65
     _assert_cache_equals_recompute(exp, params, tokens, cached, 5)

@@ -12,7 +12,14 @@ HOW = {SAME: "as stored (Conv1D's (in, out) is dxrun's order)",
 TITLES = {"gpt2": "GPT-2 (`GPT2LMHeadModel`; `c_attn`: q, k, v side by side; embeddings tied: "
                   "no `lm_head` tensor)",
           "llama": "Llama (`LlamaForCausalLM`; `lm_head.weight` absent when "
-                   "`tie_word_embeddings`)"}
+                   "`tie_word_embeddings`), and Mistral (`MistralForCausalLM`), the same tensors",
+          "qwen2": "Qwen2/2.5 (`Qwen2ForCausalLM`): Llama's tensors and the q, k, v biases "
+                   "(`model.qkv_bias`)",
+          "qwen3": "Qwen3 (`Qwen3ForCausalLM`): Llama's tensors and each head's q and k norms "
+                   "(`model.qk_norm=head`); E is `head_dim`",
+          "olmo2": "OLMo 2 (`Olmo2ForCausalLM`): Llama's tensors but its norms: q and k across "
+                   "all heads (`model.qk_norm=proj`), and the blocks' two after attention and "
+                   "the MLP (`model.norm_position=post`)"}
 
 
 def hf_layout_markdown() -> str:

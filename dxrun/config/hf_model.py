@@ -3,14 +3,16 @@
 ``model.init_from=hf:<dir>``: the model's shape is the checkpoint's, so the model section is
 filled from ``config.json`` before the config is validated (as a preset would fill it), and a
 ``model.*`` override that contradicts it is refused in one line. GPT-2 (``model_type: gpt2``) and
-the Llama family (``llama``: grouped-query attention, untied or tied embeddings, ``rope_theta``,
-Llama 3.1's ``rope_scaling``) are read; anything dxrun's model cannot compute exactly is refused,
-naming the field. No JAX: plan mode plans a fine-tune from ``config.json`` alone.
+the Llama-shaped families (``LLAMA_LIKE``: Llama, Mistral, Qwen2/2.5, Qwen3, OLMo 2: grouped-query
+attention, untied or tied embeddings, ``rope_theta``, Llama 3.1's ``rope_scaling``, each with the
+pieces its row names) are read; anything dxrun's model cannot compute exactly is refused, naming
+the field. No JAX: plan mode plans a fine-tune from ``config.json`` alone.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +28,38 @@ KEY = "model.init_from"
 # The model keys a checkpoint fixes (the rest: dropout, remat, scan_layers... are the run's).
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
               "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
-              "rope_theta", "rope_scaling")
+              "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
+              "norm_position")
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Llama-shaped family: Llama's config.json fields and tensor names, plus ``pieces`` (the
+    model keys it always has) and ``window``: how its config.json gives a sliding window
+    (``sliding_window``: Mistral's one number; ``layer_types``: Qwen's per-layer kinds, with
+    ``use_sliding_window`` and ``max_window_layers``; None: it has none)."""
+
+    architecture: str
+    pieces: dict[str, Any] = field(default_factory=dict)
+    window: str | None = None
+
+
+# model_type -> its row: a family of Llama's shape is one row here (its tensors: dxrun.hf).
+LLAMA_LIKE = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM", window="sliding_window"),
+    "qwen2": Family("Qwen2ForCausalLM", dict(qkv_bias=True), window="layer_types"),
+    "qwen3": Family("Qwen3ForCausalLM", dict(qk_norm="head"), window="layer_types"),
+    "olmo2": Family("Olmo2ForCausalLM", dict(qk_norm="proj", norm_position="post")),
+}
+# config.json fields that change what a model computes and that no family dxrun reads has: set
+# to anything but their "off" value, refused (never silently dropped).
+UNREAD = {"attn_logit_softcapping": None, "final_logit_softcapping": None,
+          "partial_rotary_factor": 1.0, "attention_bias": False, "mlp_bias": False,
+          "qk_layernorm": False, "use_qk_norm": False}
 
 
 def hf_dir(init_from: str | None) -> Path | None:
@@ -85,31 +115,66 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
                    d_ff=hf.get("n_inner") or 4 * D, vocab_size=_need(hf, path, "vocab_size"),
                    max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
                    norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
-                   rope_theta=10000.0, rope_scaling=None)
-    elif kind == "llama":
-        act = hf.get("hidden_act", "silu")
-        _refuse_unless(act == "silu", path, f"hidden_act={act}")
-        for name in ("attention_bias", "mlp_bias"):
-            _refuse_unless(not hf.get(name, False), path, f"{name}=true")
-        eps = hf.get("rms_norm_eps", 1e-6)
-        D, H = _need(hf, path, "hidden_size"), _need(hf, path, "num_attention_heads")
-        head_dim = hf.get("head_dim") or D // H
-        _refuse_unless(head_dim * H == D, path, f"head_dim={head_dim} with hidden_size={D} "
-                       f"and num_attention_heads={H}")
-        out = dict(n_layers=_need(hf, path, "num_hidden_layers"), d_model=D, n_heads=H,
-                   n_kv_heads=hf.get("num_key_value_heads") or H,
-                   d_ff=_need(hf, path, "intermediate_size"),
-                   vocab_size=_need(hf, path, "vocab_size"),
-                   max_seq_len=_need(hf, path, "max_position_embeddings"), bias=False,
-                   norm="rmsnorm", norm_eps=float(eps), mlp="swiglu", pos="rope",
-                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                   rope_theta=float(hf.get("rope_theta", 10000.0)),
-                   rope_scaling=rope_scaling(hf.get("rope_scaling"), path))
+                   rope_theta=10000.0, rope_scaling=None,
+                   head_dim=None, qkv_bias=False, qk_norm="none", sliding_window=None,
+                   norm_position="pre")
+    elif kind in LLAMA_LIKE:
+        out = _llama_fields(hf, path, kind)
+        eps = out["norm_eps"]
     else:
-        raise ConfigError(f"{path}: model_type={kind} is not one dxrun reads; it reads gpt2 and "
-                          "llama")
+        raise ConfigError(f"{path}: model_type={kind} is not one dxrun reads; it reads "
+                          f"{', '.join(['gpt2', *LLAMA_LIKE])} (docs/guide/huggingface.md)")
     _refuse_unless(isinstance(eps, (int, float)) and eps > 0, path, f"norm epsilon {eps}")
     return out
+
+
+def _llama_fields(hf: dict, path: Path, kind: str) -> dict[str, Any]:
+    """The shape keys of a Llama-shaped family's ``config.json`` (its ``LLAMA_LIKE`` row)."""
+    act = hf.get("hidden_act", "silu")
+    _refuse_unless(act == "silu", path, f"hidden_act={act}")
+    for name, off in UNREAD.items():
+        _refuse_unless(hf.get(name) in (None, off), path,
+                       f"{name}={json.dumps(hf.get(name))} (model_type={kind})")
+    D, H = _need(hf, path, "hidden_size"), _need(hf, path, "num_attention_heads")
+    n_layers = _need(hf, path, "num_hidden_layers")
+    head_dim = hf.get("head_dim") or D // H
+    return {**dict(n_layers=n_layers, d_model=D, n_heads=H,
+                n_kv_heads=hf.get("num_key_value_heads") or H,
+                d_ff=_need(hf, path, "intermediate_size"),
+                vocab_size=_need(hf, path, "vocab_size"),
+                max_seq_len=_need(hf, path, "max_position_embeddings"), bias=False,
+                norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu",
+                pos="rope", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                rope_theta=float(hf.get("rope_theta", 10000.0)),
+                rope_scaling=rope_scaling(hf.get("rope_scaling"), path),
+                head_dim=None if head_dim * H == D else head_dim, qkv_bias=False,
+                qk_norm="none", sliding_window=_window(hf, path, kind, n_layers),
+                norm_position="pre"),
+            **LLAMA_LIKE[kind].pieces}
+
+
+def _window(hf: dict, path: Path, kind: str, n_layers: int) -> int | None:
+    """``model.sliding_window`` of a Llama-shaped family's ``config.json``, as its row's
+    ``window`` says it is given; a window in a family without one, or local and full layers
+    alternating (dxrun's layers are alike), refused."""
+    style, types = LLAMA_LIKE[kind].window, hf.get("layer_types")
+    if types is None and "use_sliding_window" in hf:  # Qwen's before layer_types
+        cut = hf.get("max_window_layers") or 0
+        types = [("sliding_attention" if hf["use_sliding_window"] and i >= cut
+                  else "full_attention") for i in range(n_layers)]
+    if types is not None:
+        kinds = set(types)
+        _refuse_unless(kinds <= {"full_attention", "sliding_attention"} and len(kinds) == 1,
+                       path, f"layer_types={json.dumps(sorted(kinds))} (sliding-window and full "
+                       "attention layers alternating; dxrun's layers are all alike)")
+        window = hf.get("sliding_window") if kinds == {"sliding_attention"} else None
+    else:
+        window = hf.get("sliding_window")
+    _refuse_unless(window is None or (style is not None and isinstance(window, int)
+                                      and window > 0), path,
+                   f"sliding_window={json.dumps(window)} (model_type={kind} attends to every "
+                   "earlier position; relabelled from another family?)")
+    return window
 
 
 def rope_scaling(scaling: Any, path: Path) -> dict[str, float] | None:
@@ -171,19 +236,25 @@ def check_rope_scaling(value: Any) -> None:
                           f"{', '.join(LLAMA3_SCALING)} (Llama 3.1's rope_scaling)")
 
 
-# dxrun's two families and the keys that make them (export: which HF architecture a run is).
+# The families dxrun writes and the keys that make them (export: which HF architecture a run
+# is; the first that computes the model: a Llama-shaped one without a window is Llama).
+_PLAIN = dict(qkv_bias=False, qk_norm="none", norm_position="pre")
 FAMILIES = {
-    "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True),
-    "llama": dict(bias=False, norm="rmsnorm", mlp="swiglu", pos="rope"),
+    "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
+                 head_dim=None, sliding_window=None, **_PLAIN),
+    **{kind: {**dict(bias=False, norm="rmsnorm", mlp="swiglu", pos="rope", **_PLAIN),
+              **f.pieces, **({} if f.window else dict(sliding_window=None))}
+       for kind, f in LLAMA_LIKE.items()},
 }
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel",
+                 **{kind: f.architecture for kind, f in LLAMA_LIKE.items()}}
 
 
 def model_type_of(m: Any) -> str:
     """The HF ``model_type`` of dxrun's model section ``m``; ConfigError naming what differs
     when no HF architecture computes what it does."""
-    misses = {kind: [f"model.{k}={_show(getattr(m, k))}" for k, v in want.items()
-                     if getattr(m, k) != v] for kind, want in FAMILIES.items()}
+    misses = {kind: [f"model.{k}={_show(getattr(m, k, None))}" for k, v in want.items()
+                     if getattr(m, k, None) != v] for kind, want in FAMILIES.items()}
     if m.pos == "learned" and m.n_kv_heads != m.n_heads:
         misses["gpt2"].append(f"model.n_kv_heads={m.n_kv_heads} (GPT-2 has no grouped-query "
                               "attention)")
@@ -214,10 +285,16 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
                     tie_word_embeddings=True)
     scaling = (None if not m.rope_scaling
                else dict(rope_type="llama3", **{k: m.rope_scaling[k] for k in LLAMA3_SCALING}))
+    window = getattr(m, "sliding_window", None)
+    # the window as the family's config.json gives it (Qwen's: every layer from the first)
+    windowed = ({} if LLAMA_LIKE[kind].window is None
+                else dict(sliding_window=window) if LLAMA_LIKE[kind].window == "sliding_window"
+                else dict(use_sliding_window=window is not None, sliding_window=window,
+                          max_window_layers=0 if window else m.n_layers))
     return dict(common, hidden_size=m.d_model, intermediate_size=m.d_ff,
                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                num_key_value_heads=m.n_kv_heads, head_dim=m.d_model // m.n_heads,
+                num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim or m.d_model // m.n_heads,
                 max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                 rope_theta=m.rope_theta, rope_scaling=scaling,
                 tie_word_embeddings=m.tie_embeddings, hidden_act="silu",
-                attention_bias=False, mlp_bias=False)
+                attention_bias=False, mlp_bias=False, **windowed)

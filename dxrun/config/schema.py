@@ -46,13 +46,26 @@ class ModelConfig:
     n_heads: int = key(4, "attention (query) heads; divisible by parallelism.tp", range=POSITIVE)
     n_kv_heads: int = key(4, "key/value heads (grouped-query attention when fewer than n_heads)",
                           range=POSITIVE)
+    head_dim: int | None = key(None, "each head's width (Gemma, Qwen3: not d_model / n_heads); "
+                               "null = d_model / n_heads", range=POSITIVE)
     d_ff: int = key(256, "hidden width of the MLP", range=POSITIVE)
     vocab_size: int = key(64, "the model's vocabulary (the small presets follow data.vocab_size)",
                           range=POSITIVE)
     max_seq_len: int = key(128, "the context: positions the model has", range=POSITIVE)
     bias: bool = key(True, "biases in the linear layers and norms (GPT-2 style)")
+    qkv_bias: bool = key(False, "biases on the q, k and v projections only (Qwen2); "
+                         "model.bias=true has them already")
+    qk_norm: str = key("none", "RMSNorm of the queries and keys before rotary positions: none, "
+                       "head (each head's own E-wide norm: Qwen3) or proj (across all heads, "
+                       "one H*E-wide norm: OLMo 2)", choices=("none", "head", "proj"))
+    sliding_window: int | None = key(
+        None, "Each query sees only the last this many positions, itself included (Mistral's "
+        "sliding window); null = the whole causal prefix.", range=POSITIVE)
     norm: str = key("layernorm", "the blocks' normalisation (GPT-2: layernorm; Llama: rmsnorm)",
                     choices=("layernorm", "rmsnorm"))
+    norm_position: str = key("pre", "where the blocks' two norms sit: pre (on the inputs of "
+                             "attention and the MLP: GPT-2, Llama) or post (on their outputs, "
+                             "before the residual add: OLMo 2)", choices=("pre", "post"))
     norm_eps: float = key(1e-5, "the norms' epsilon (a Hugging Face checkpoint's "
                           "layer_norm_epsilon or rms_norm_eps)", range=POSITIVE)
     mlp: str = key("gelu", "the MLP (GPT-2: gelu; Llama: swiglu, gated)",
@@ -384,6 +397,11 @@ def null_is_a_value(key: str) -> bool:
 
 # The ranged keys whose null means "not given" (a range applies only to a value).
 NULLABLE = tuple(k for k in RANGES if null_is_a_value(k))
+
+
+def head_dim_of(m: Any) -> int:
+    """A model section's head width: ``model.head_dim``, or d_model / n_heads when null."""
+    return getattr(m, "head_dim", None) or m.d_model // m.n_heads
 
 
 def choices_of(key: str) -> tuple[str, ...]:

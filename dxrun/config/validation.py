@@ -38,6 +38,7 @@ from dxrun.config import (
     RuntimeConfig,
     TrainConfig,
     check_rope_scaling,
+    head_dim_of,
     hf_dir,
     null_is_a_value,
 )
@@ -217,10 +218,10 @@ def check_distributed(d: DistributedConfig) -> None:
 
 def check_model(m: ModelConfig) -> None:
     check_section(m, "model")
-    if m.d_model % m.n_heads:
+    if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-            "pick n_heads that divides d_model"
+            "pick n_heads that divides d_model, or set model.head_dim"
         )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
@@ -232,13 +233,24 @@ def check_model(m: ModelConfig) -> None:
     if m.init_from and m._target_:
         raise ConfigError(f"model.init_from={m.init_from} imports into dxrun's own model, not "
                           f"model._target_={m._target_}; drop one of them")
-    if m.pos == "rope" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(
-            f"model.pos=rope needs an even head dim, got d_model/n_heads={m.d_model // m.n_heads}"
-        )
+    if m.pos == "rope" and head_dim_of(m) % 2:
+        raise ConfigError(f"model.pos=rope needs an even head dim, got {head_dim_of(m)} "
+                          "(model.head_dim, or d_model/n_heads when null); make it even")
+    _check_attention_pieces(m)
     if m.objective == "mdlm" and m._target_:
         raise ConfigError(f"model.objective=mdlm trains dxrun's own model (attention both ways, "
                           f"a [MASK] row), not model._target_={m._target_}; drop one of them")
+
+
+def _check_attention_pieces(m: ModelConfig) -> None:
+    """model.qkv_bias, model.sliding_window: the combinations that mean nothing."""
+    if m.qkv_bias and m.bias:
+        raise ConfigError("model.qkv_bias=true with model.bias=true: bias already puts biases "
+                          "on q, k and v; set model.qkv_bias=false")
+    if m.sliding_window is not None and m.objective == "mdlm":
+        raise ConfigError(f"model.sliding_window={m.sliding_window} windows causal attention, "
+                          "and model.objective=mdlm attends both ways; set "
+                          "model.sliding_window=null")
 
 
 def check_data(d: DataConfig, m: ModelConfig) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.config import ConfigError, config_json, model_type_of
+from dxrun.config import ConfigError, config_json, head_dim_of, model_type_of
 
 # ------------------------------------------------------------------------------------------------
 # Which Hugging Face tensor becomes which dxrun weight, and how: the one table import, export
@@ -83,15 +83,27 @@ def _gpt2() -> list[Weight]:
     ]
 
 
-def _llama(tied: bool) -> list[Weight]:
+def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none",
+           post_norm: bool = False) -> list[Weight]:
+    """Llama's tensors, and those of the pieces a Llama-shaped family adds (``LLAMA_LIKE``):
+    q, k, v biases (Qwen2), per-head or whole-projection q and k norms (Qwen3, OLMo 2), the
+    norms after attention and the MLP (OLMo 2: ``post_norm``, where Llama's sit before)."""
     h = "model.layers.{i}."
-    out = [Weight("wte", "model.embed_tokens.weight", SAME, ("V", "D")),
-           Weight("blocks/ln1/scale", h + "input_layernorm.weight", SAME, ("D",)),
+    ln1, ln2 = (("post_attention_layernorm", "post_feedforward_layernorm") if post_norm
+                else ("input_layernorm", "post_attention_layernorm"))
+    pieces = [Weight(f"blocks/attn/b{x}", h + f"self_attn.{x}_proj.bias", SAME, (f"{n}*E",))
+              for x, n in (("q", "H"), ("k", "K"), ("v", "K")) if qkv_bias]
+    if qk_norm != "none":
+        pieces += [Weight(f"blocks/attn/{x}_norm/scale", h + f"self_attn.{x}_norm.weight", SAME,
+                          ("E",) if qk_norm == "head" else (f"{n}*E",))
+                   for x, n in (("q", "H"), ("k", "K"))]
+    out = [*pieces, Weight("wte", "model.embed_tokens.weight", SAME, ("V", "D")),
+           Weight("blocks/ln1/scale", h + f"{ln1}.weight", SAME, ("D",)),
            Weight("blocks/attn/wq", h + "self_attn.q_proj.weight", TRANSPOSED, ("H*E", "D")),
            Weight("blocks/attn/wk", h + "self_attn.k_proj.weight", TRANSPOSED, ("K*E", "D")),
            Weight("blocks/attn/wv", h + "self_attn.v_proj.weight", TRANSPOSED, ("K*E", "D")),
            Weight("blocks/attn/wo", h + "self_attn.o_proj.weight", TRANSPOSED, ("D", "H*E")),
-           Weight("blocks/ln2/scale", h + "post_attention_layernorm.weight", SAME, ("D",)),
+           Weight("blocks/ln2/scale", h + f"{ln2}.weight", SAME, ("D",)),
            Weight("blocks/mlp/w_gate", h + "mlp.gate_proj.weight", TRANSPOSED, ("F", "D")),
            Weight("blocks/mlp/w_up", h + "mlp.up_proj.weight", TRANSPOSED, ("F", "D")),
            Weight("blocks/mlp/w_down", h + "mlp.down_proj.weight", TRANSPOSED, ("D", "F")),
@@ -101,21 +113,29 @@ def _llama(tied: bool) -> list[Weight]:
     return out
 
 
-# The tables the guide prints: GPT-2 (embeddings tied, no lm_head tensor) and Llama (untied).
-TABLES = {"gpt2": _gpt2(), "llama": _llama(tied=False)}
+# The tables the guide prints: GPT-2 (embeddings tied, no lm_head tensor), Llama (untied; Mistral
+# the same), and the tensors Qwen2, Qwen3 and OLMo 2 add to Llama's or name otherwise.
+TABLES = {"gpt2": _gpt2(), "llama": _llama(tied=False),
+          "qwen2": _llama(True, qkv_bias=True)[:3], "qwen3": _llama(True, qk_norm="head")[:2],
+          "olmo2": [w for w in _llama(True, qk_norm="proj", post_norm=True)
+                    if "norm" in w.hf and "model.norm" not in w.hf]}
 # What a HF directory may hold beside the weights, ignored on import: GPT-2's causal-mask
 # buffers (older checkpoints), Llama's rotary frequencies, a tied lm_head written anyway.
 BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-def weights(model_type: str, tied: bool) -> list[Weight]:
-    """The table of a model: ``model_type`` gpt2 or llama, ``tied`` its embeddings."""
-    return _gpt2() if model_type == "gpt2" else _llama(tied)
+def weights(model_type: str, m: Any) -> list[Weight]:
+    """The table of a model: ``model_type`` gpt2 or a Llama-shaped family, ``m`` its model
+    section (tied embeddings, the pieces its family has)."""
+    if model_type == "gpt2":
+        return _gpt2()
+    return _llama(m.tie_embeddings, getattr(m, "qkv_bias", False), getattr(m, "qk_norm", "none"),
+                  getattr(m, "norm_position", "pre") == "post")
 
 
-def dims(m: object) -> dict[str, int]:
+def dims(m: Any) -> dict[str, int]:
     """The dimensions HF shapes are written in, of a model section ``m``."""
-    E = m.d_model // m.n_heads
+    E = head_dim_of(m)
     return {"D": m.d_model, "H": m.n_heads, "K": m.n_kv_heads, "E": E, "F": m.d_ff,
             "V": m.vocab_size, "P": m.max_seq_len}
 
@@ -375,7 +395,7 @@ def _leaf(params: dict, path: tuple[str, ...]) -> Any:
 def hf_tensors(params: dict, axes: dict, m: Any) -> list[tuple[str, Any]]:
     """(HF name, a function that gathers that tensor to the host as numpy), in the table's
     order: nothing is gathered until called."""
-    table = weights(model_type_of(m), m.tie_embeddings)
+    table = weights(model_type_of(m), m)
     d = dims(m)
     groups: dict[str, list[Weight]] = {}
     for w in table:
@@ -420,7 +440,7 @@ def save_hf(params: dict, axes: dict, m: Any, to: Path, tokenizer: Path | None =
 
     tensors = hf_tensors(params, axes, m)  # refuses a model with no HF equivalent first
     d = dims(m)
-    table = {hf_name(w, i): w for w in weights(model_type_of(m), m.tie_embeddings)
+    table = {hf_name(w, i): w for w in weights(model_type_of(m), m)
              for i in (range(m.n_layers) if w.per_layer else [None])}
     sizes = [(n, 4 * int(np.prod(shape_of(table[n].hf_shape, d)))) for n, _ in tensors]
     files = plan_files(sizes, max_shard_bytes)

@@ -303,11 +303,20 @@ def llama3_frequencies(freq_E2: jax.Array, factor: float, low_freq_factor: float
     return jnp.where(medium, mixed, slow)
 
 
+def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """Which keys (positions ``k_pos``) each query (``q_pos``) sees: those at or before it,
+    and with ``window`` (``model.sliding_window``) only the last ``window`` of them."""
+    seen = k_pos[None, :] <= q_pos[:, None]
+    return seen if window is None else seen & (k_pos[None, :] > q_pos[:, None] - window)
+
+
 def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
-                        mask_LxS: jax.Array | None = None, causal: bool = True) -> jax.Array:
+                        mask_LxS: jax.Array | None = None, causal: bool = True,
+                        window: int | None = None) -> jax.Array:
     """Attention written out (``model.attention=reference``): what the fused kernel is tested
-    against. Causal (L = S) unless ``mask_LxS`` says which keys each query sees (decoding
-    against a key/value cache); ``causal=False`` and no mask: every key (masked diffusion)."""
+    against. Causal (L = S; ``window``: the last that many keys only) unless ``mask_LxS`` says
+    which keys each query sees (decoding against a key/value cache); ``causal=False`` and no
+    mask: every key (masked diffusion)."""
     B, L, H, E = q_BxLxHxE.shape
     K = k_BxSxKxE.shape[2]
     # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
@@ -317,7 +326,7 @@ def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: j
     s_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
                              preferred_element_type=jnp.float32) * E**-0.5
     if mask_LxS is None and causal:
-        mask_LxS = jnp.tril(jnp.ones((L, L), bool))
+        mask_LxS = window_mask(jnp.arange(L), jnp.arange(L), window)
     if mask_LxS is not None:
         s_BxKxGxLxS = jnp.where(mask_LxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
     p_BxKxGxLxS = jax.nn.softmax(s_BxKxGxLxS, axis=-1).astype(v_BxSxKxE.dtype)
@@ -336,6 +345,23 @@ def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> j
                             wv_DxKxE[:, :, None]], axis=2)
 
 
+class QKNorm(nnx.Module):
+    """``model.qk_norm``: RMSNorm of queries or keys (B x L x N x E) in fp32, over each head's
+    E values (``head``: a scale of E) or over all N heads' together (``proj``: a scale of N x E,
+    the projection's whole output)."""
+
+    def __init__(self, kind: str, n: int, heads: str, E: int, eps: float):
+        self.whole, self.eps = kind == "proj", eps
+        shape, axes = ((n, E), (heads, "head_dim")) if self.whole else ((E,), ("head_dim",))
+        self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
+
+    def __call__(self, x_BxLxNxE: jax.Array) -> jax.Array:
+        x = x_BxLxNxE.astype(jnp.float32)
+        over = (-2, -1) if self.whole else (-1,)
+        rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=over, keepdims=True) + self.eps)
+        return (x * rstd * self.scale[...].astype(jnp.float32)).astype(x_BxLxNxE.dtype)
+
+
 class Attention(nnx.Module):
     """Causal multi-head / grouped-query attention (bidirectional for ``model.objective=mdlm``,
     masked diffusion). q, k, v are column-parallel (heads on ``tensor``), the output projection
@@ -345,8 +371,9 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL):
         D, H, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
-        E, std = D // H, cfg.init_std
+        E, std = getattr(cfg, "head_dim", None) or D // H, cfg.init_std  # head_dim_of's
         self.H, self.K, self.E = H, K, E
+        self.window = getattr(cfg, "sliding_window", None)
         self.pos, self.theta = cfg.pos, cfg.rope_theta
         # A tuple, not a dict: static, hashable (NNX keeps a dict attribute as a graph node).
         self.scaling = tuple(sorted(dict(cfg.rope_scaling).items())) if cfg.rope_scaling else None
@@ -359,15 +386,17 @@ class Attention(nnx.Module):
         # GPT-2 scales residual-branch outputs by depth at init.
         self.wo = param(rngs, (H, E, D), ("heads", "head_dim", "embed"),
                          std / (2 * cfg.n_layers) ** 0.5)
-        if cfg.bias:
-            self.bq = zeros((H, E), ("heads", "head_dim"))
-            self.bk = zeros((K, E), ("kv_heads", "head_dim"))
-            self.bv = zeros((K, E), ("kv_heads", "head_dim"))
-            # Row-parallel bias: replicated and added once, after XLA's reduction of the
-            # partial sums (never pre-scaled by 1/tp).
-            self.bo = zeros((D,), ("norm",))
-        else:
-            self.bq = self.bk = self.bv = self.bo = None
+        qkv_bias = cfg.bias or getattr(cfg, "qkv_bias", False)  # qkv_bias: q, k, v only (Qwen2)
+        self.bq = zeros((H, E), ("heads", "head_dim")) if qkv_bias else None
+        self.bk = zeros((K, E), ("kv_heads", "head_dim")) if qkv_bias else None
+        self.bv = zeros((K, E), ("kv_heads", "head_dim")) if qkv_bias else None
+        # Row-parallel bias: replicated and added once, after XLA's reduction of the partial
+        # sums (never pre-scaled by 1/tp).
+        self.bo = zeros((D,), ("norm",)) if cfg.bias else None
+        qk_norm = getattr(cfg, "qk_norm", "none")
+        self.q_norm = QKNorm(qk_norm, H, "heads", E, cfg.norm_eps) if qk_norm != "none" else None
+        self.k_norm = (QKNorm(qk_norm, K, "kv_heads", E, cfg.norm_eps) if qk_norm != "none"
+                       else None)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         positions_L = context_parallel.true_positions(x_BxLxD.shape[1])
@@ -385,10 +414,11 @@ class Attention(nnx.Module):
             half = q_BxLxHxE.dtype in (jnp.bfloat16, jnp.float16)
             o_BxLxHxE = jax.nn.dot_product_attention(
                 q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, is_causal=self.causal,
+                local_window_size=None if self.window is None else (self.window - 1, 0),
                 implementation=name if half else "xla")
         else:
             o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                            causal=self.causal)
+                                            causal=self.causal, window=self.window)
         return self.out(o_BxLxHxE)
 
     def qkv(self, x_BxLxD: jax.Array, start: Any = 0
@@ -413,6 +443,8 @@ class Attention(nnx.Module):
                                                      (v_BxLxKxE, self.bv)))
         else:
             q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.joined_qkv(x_BxLxD)
+        if self.q_norm is not None:
+            q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
         if self.pos == "rope":
             q_BxLxHxE = rope(q_BxLxHxE, self.theta, start, self.scaling)
             k_BxLxKxE = rope(k_BxLxKxE, self.theta, start, self.scaling)
@@ -458,6 +490,7 @@ class Block(nnx.Module):
         self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
+        self.post_norm = getattr(cfg, "norm_position", "pre") == "post"
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None,
                  dtype: Any = None) -> jax.Array:
@@ -470,11 +503,17 @@ class Block(nnx.Module):
         against a key/value cache when decoding (``dxrun.tools.decode``). ``dtype``: the compute
         dtype (default the parameters'); the residual may be wider (fp32)."""
         cd = dtype or self.attn.wq[...].dtype
-        h = gathered_backward(attend(constrain(self.ln1(x_BxLxD).astype(cd), ACT)), ACT)
-        x_BxLxD = x_BxLxD + dropout(h, self.rate, k1).astype(x_BxLxD.dtype)
-        x_BxLxD = constrain(x_BxLxD, STREAM)
-        h = gathered_backward(self.mlp(constrain(self.ln2(x_BxLxD).astype(cd), ACT)), ACT)
-        x_BxLxD = x_BxLxD + dropout(h, self.rate, k2).astype(x_BxLxD.dtype)
+        x_BxLxD = self.branch(x_BxLxD, attend, self.ln1, k1, cd)
+        return self.branch(x_BxLxD, self.mlp, self.ln2, k2, cd)
+
+    def branch(self, x_BxLxD: jax.Array, f: Any, ln: Norm, key: jax.Array | None,
+               cd: Any) -> jax.Array:
+        """``x + f(ln(x))``, or with ``model.norm_position=post`` ``x + ln(f(x))`` (OLMo 2)."""
+        if self.post_norm:
+            h = ln(gathered_backward(f(constrain(x_BxLxD.astype(cd), ACT)), ACT))
+        else:
+            h = gathered_backward(f(constrain(ln(x_BxLxD).astype(cd), ACT)), ACT)
+        x_BxLxD = x_BxLxD + dropout(h, self.rate, key).astype(x_BxLxD.dtype)
         return constrain(x_BxLxD, STREAM)
 
 

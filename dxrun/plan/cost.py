@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dxrun.config import AXES, ConfigError
+from dxrun.config import AXES, ConfigError, head_dim_of
 from dxrun.config.registry import model_changes
 from dxrun.plan.run_plan import BLOCK, KERNELS, kv_gather_bytes, padded_vocab, table_rows
 
@@ -284,7 +284,7 @@ def block_matmul_flops(model: Any) -> float:
     """Forward FLOPs per token of one block's weight matmuls: q/k/v, the output projection and
     the MLP (two matmuls for GELU, three for SwiGLU)."""
     D, H, K, F = model.d_model, model.n_heads, model.n_kv_heads, model.d_ff
-    E = D // H
+    E = head_dim_of(model)
     qkv = 2 * D * (H + 2 * K) * E
     out = 2 * H * E * D
     mlp = 2 * D * F * (3 if model.mlp == "swiglu" else 2)
@@ -300,7 +300,10 @@ def is_causal(model: Any) -> bool:
 def attention_flops(model: Any, seq_len: int, causal: bool) -> float:
     """Forward FLOPs per token of one block's scores ``Q K^T`` and weighted sum ``P V``: the
     full square, or its causal half."""
-    full = 2 * 2 * seq_len * model.n_heads * (model.d_model // model.n_heads)
+    full = 2 * 2 * seq_len * model.n_heads * head_dim_of(model)
+    w = getattr(model, "sliding_window", None)
+    if causal and w and w < seq_len:  # a query sees min(its position + 1, w) keys
+        return full * (w / seq_len - w * w / (2 * seq_len**2))
     return full / 2 if causal else float(full)
 
 
@@ -510,7 +513,7 @@ def _matmul_s(m: float, n: float, k: float, peak: float, hbm: float, cost: Cost,
 def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
     """(input width, output width) of one block's weight matmuls on one device (tp-split)."""
     m = w.model
-    E, tp = m.d_model // m.n_heads, w.tp
+    E, tp = head_dim_of(m), w.tp
     mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp == "swiglu" else 1)
     return [(m.d_model, (m.n_heads + 2 * m.n_kv_heads) * E / tp), (m.n_heads * E / tp, m.d_model),
             *mlp_in, (m.d_ff / tp, m.d_model)]
@@ -541,7 +544,7 @@ def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -
             + _matmul_s(t, D, V, peak, hbm, cost, a, a) + _matmul_s(D, V, t, peak, hbm, cost, a, 4))
     attn = 0.0
     if not fused:  # XLA's: per (sequence, head) a T x E by E x T and a T x T by T x E matmul
-        H, E, T = m.n_heads / w.tp, D // m.n_heads, w.seq_len
+        H, E, T = m.n_heads / w.tp, head_dim_of(m), w.seq_len
         Q = T // w.cp  # a context axis: this device's queries against every key
         one = (_matmul_s(Q, T, E, peak, hbm, cost, a, 4)  # scores, fp32
                + _matmul_s(Q, E, T, peak, hbm, cost, a, a))  # weighted sum
@@ -563,7 +566,7 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     m, t = w.model, w.tokens
     a = 2 if w.precision == "bf16" else 4
     r = 4 if m.residual_dtype == "fp32" else a
-    D, E, tp = m.d_model, m.d_model // m.n_heads, w.tp
+    D, E, tp = m.d_model, head_dim_of(m), w.tp
     H, K, F = m.n_heads / tp, m.n_kv_heads / tp, m.d_ff / tp
     norms = 2 * (r * D + a * D)
     residual = 2 * (2 * r * D + a * D)
@@ -632,7 +635,7 @@ def scan_traffic(w: Workload) -> float:
     m = w.model
     a = 2 if w.precision == "bf16" else 4
     r = 4 if m.residual_dtype == "fp32" else a
-    D, E, tp = m.d_model, m.d_model // m.n_heads, w.tp
+    D, E, tp = m.d_model, head_dim_of(m), w.tp
     qkv, F = (m.n_heads + 2 * m.n_kv_heads) / tp * E, m.d_ff / tp
     ups = 2 if m.mlp == "swiglu" else 1
     saved = {"none": 2 * r * D + 2 * a * D + a * qkv + a * D + (ups + 1) * a * F,
@@ -665,7 +668,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     if not collectives and w.cp > 1:  # no compiled step: the context axis's gathers counted
         comm["tensor_bytes"] = kv_gather_bytes(
             batch_per_replica=w.rows * w.micro_steps, seq_len=w.seq_len,
-            n_kv_heads=w.model.n_kv_heads, head_dim=w.model.d_model // w.model.n_heads,
+            n_kv_heads=w.model.n_kv_heads, head_dim=head_dim_of(w.model),
             n_layers=w.model.n_layers, cp=w.cp, tp=w.tp, dtype_bytes=2 if w.precision == "bf16" else 4)
         comm["tensor"] = comm["tensor_bytes"] / (link_bytes_per_s * cost.link_efficiency)
     compute = sum(mm.values()) + attention + elementwise
@@ -787,7 +790,7 @@ def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> S
     return Shapes(
         b=max(1, plan.global_batch // (replicas * accum)), s=plan.seq_len // cp, h=m.d_model,
         f=m.d_ff // tp, heads=m.n_heads // tp, kv_heads=max(1, m.n_kv_heads // tp),
-        head_dim=m.d_model // m.n_heads,
+        head_dim=head_dim_of(m),
         vocab=(vocab or plan.padded_vocab or m.vocab_size) // tp, n_layers=m.n_layers, c=c,
         mlp=m.mlp, bias=bool(m.bias), remat=plan.remat,
         kernel="blockwise" if cp > 1 else kernel,
@@ -1141,7 +1144,7 @@ def shape_line(model: Any, n_params: int) -> str:
     kv = (f"{m.n_kv_heads} kv heads" if m.n_kv_heads == m.n_heads
           else f"{m.n_kv_heads} kv heads (grouped-query)")
     return (f"{m.name}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads / {kv} "
-            f"of {m.d_model // m.n_heads}, d_ff {m.d_ff} ({m.mlp}), vocab {m.vocab_size:,}, "
+            f"of {head_dim_of(m)}, d_ff {m.d_ff} ({m.mlp}), vocab {m.vocab_size:,}, "
             f"{n_params:,} parameters")
 
 

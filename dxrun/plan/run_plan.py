@@ -33,6 +33,7 @@ from dxrun.config import (
     ConfigError,
     ModelConfig,
     axis_sizes,
+    head_dim_of,
 )
 from dxrun.run import runtime
 
@@ -585,6 +586,7 @@ class Inputs(NamedTuple):
     head_dim: int
     seq_len: int  # per device (a context axis splits it; the blockwise kernel takes those)
     causal: bool  # model.objective=ar; masked diffusion (mdlm) attends both ways
+    window: int | None = None  # model.sliding_window: keys a query sees (None: all before it)
 
 
 @dataclass(frozen=True)
@@ -649,7 +651,14 @@ def _splash(x: Inputs) -> str | None:
         return f"needs a sequence length that is a multiple of {SPLASH_LANES}, not {x.seq_len}"
     if x.dtype not in ("bfloat16", "float32"):
         return f"needs bf16 or fp32 compute, not {x.dtype}"
-    return None
+    return _no_window(x)
+
+
+def _no_window(x: Inputs) -> str | None:
+    """The kernels without a sliding window here (splash's local masks, the context axis's
+    blockwise kernel): refused, so ``dot_product`` takes XLA's (or cuDNN's), which have one."""
+    return (f"has no sliding window in dxrun (model.sliding_window={x.window})"
+            if x.window is not None else None)
 
 
 def _any(x: Inputs) -> str | None:
@@ -669,7 +678,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            doc="the plain einsum and softmax (what every kernel is tested against)"),
     # A context axis's own: keys and values gathered, one block of keys at a time
     # (dxrun.model.context_parallel.flash); chosen whenever parallelism.cp > 1.
-    Kernel("blockwise", ("*",), False, _any, "dxrun.model.context_parallel"),
+    Kernel("blockwise", ("*",), False, _no_window, "dxrun.model.context_parallel"),
 )}
 AUTO = ("splash", "cudnn", "xla")  # model.attention=dot_product: the first that accepts
 
@@ -679,6 +688,10 @@ def choose(setting: str, x: Inputs, cp: int = 1) -> str:
     (cp > 1) its blockwise kernel; ``dot_product``, the first of ``AUTO`` that accepts ``x``;
     a kernel's name, that kernel, or a ConfigError in one line where it cannot run."""
     if cp > 1:
+        why = KERNELS["blockwise"].accepts(x)
+        if why is not None:
+            raise ConfigError(f"parallelism.cp={cp} attends with its blockwise kernel, which {why}; "
+                              "set parallelism.cp=1 or model.sliding_window=null")
         return "blockwise"
     if setting == "dot_product":
         return next(k for k in AUTO if KERNELS[k].accepts(x) is None
@@ -754,8 +767,8 @@ def run_inputs(model: ModelConfig, dtype: str, seq_len: int, cp: int,
                device: AttentionTarget) -> Inputs:
     """``Inputs`` of a run of ``model`` (its config) computing in ``dtype`` (its name) on
     ``device``."""
-    return Inputs(device, dtype, model.d_model // model.n_heads, seq_len // cp,
-                  model.get("objective", "ar") != "mdlm")
+    return Inputs(device, dtype, head_dim_of(model), seq_len // cp,
+                  model.get("objective", "ar") != "mdlm", model.get("sliding_window"))
 
 
 def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget,

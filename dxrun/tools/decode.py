@@ -23,7 +23,7 @@ from flax import nnx
 
 from dxrun.model.objectives import mask_rate, objective_of
 from dxrun.model.sharding import in_mesh_context
-from dxrun.model.transformer import Attention, reference_attention
+from dxrun.model.transformer import Attention, reference_attention, window_mask
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig
@@ -55,7 +55,7 @@ def _cached_attention(attn: Attention, x_BxSxD: jax.Array, k_BxTxKxE: jax.Array,
     v_BxTxKxE = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxE, v_BxSxKxE.astype(
         v_BxTxKxE.dtype), start, axis=1)
     S, T = x_BxSxD.shape[1], k_BxTxKxE.shape[1]
-    mask_SxT = jnp.arange(T)[None, :] <= start + jnp.arange(S)[:, None]
+    mask_SxT = window_mask(start + jnp.arange(S), jnp.arange(T), attn.window)
     o_BxSxHxE = reference_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, mask_SxT)
     return attn.out(o_BxSxHxE), k_BxTxKxE, v_BxTxKxE
 
