@@ -100,6 +100,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(families, family, tmp
     assert AutoConfig.from_pretrained(str(out)).model_type == family
 
 
+@pytest.mark.e2e  # a training, then an export read back
 def test_a_qwen3_fine_tune_exports_what_it_computes(families, tmp_path):
     """20 steps from the Qwen3 checkpoint on dp2_fsdp2_tp2 lower the loss; the export imports
     again with the run's logits bit for bit."""

@@ -180,6 +180,7 @@ PIECES = {"head_dim": ["model.head_dim=24"], "qkv_bias": ["model.qkv_bias=true"]
           "post_norm": ["model.norm_position=post"]}
 
 
+@pytest.mark.e2e  # a training on each of three meshes per piece: the whole suite's, not the inner loop's
 @pytest.mark.parametrize("piece", PIECES)
 def test_the_attention_pieces_train_alike_on_every_mesh(cfg_factory, piece):
     """Each of model.head_dim (24 with 4 heads of d_model 64), qkv_bias, qk_norm (per head
