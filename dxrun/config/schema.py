@@ -257,7 +257,7 @@ class TrainConfig:
         "auto", "The dtype weight gradients are summed over the batch and all-reduced in under "
         "bf16 compute: fp32 (the fp32 master weights are cast at each use; Megatron's default) "
         "| bf16 (the whole tree cast first: half the gradient traffic, bf16-rounded gradients) "
-        "| auto = bf16 on a TPU (11% faster a step on a v5e, BENCHMARKS.md), else fp32.",
+        "| auto = bf16 on a TPU (faster there: BENCHMARKS.md, the defaults on the chip), else fp32.",
         choices=("auto", "fp32", "bf16"))
     objective: str | None = key(
         None, "The summary metric the run returns to a sweeper that minimises one number "

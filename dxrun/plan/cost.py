@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 GB = 1e9
 GiB = 2**30
 USABLE = 0.9  # of a GPU's memory without a pool; the rest is the CUDA context's and libraries'
-# Of a TPU's memory: what XLA gives a program, read off the chip (a v5e's compile refuses a
-# program over "available HBM (15.75G)" of its 16 GiB: binary units), the rest the runtime's own.
+# Of a TPU's memory: the share XLA's compile lets a program use (its refusals name the chip's
+# available HBM; BENCHMARKS.md, the defaults on the chip), the rest the runtime's own.
 TPU_USABLE = 15.75 / 16
 USABLE_CPU = 0.8  # of the host's RAM: the OS, Python and the data pipeline need the rest
 
@@ -58,7 +58,7 @@ class Target:
 # 2.04 TB/s, GDDR6 864 GB/s; NVLink 4: 900 GB/s, NVLink 3: 600 GB/s both directions together;
 # L40S has no NVLink: PCIe 4.0 x16, 32 GB/s); Google Cloud TPU v5e/v5p system docs (16 GB at
 # 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI). The v5e's "16 GB" is
-# 16 GiB on the chip: JAX's memory_stats and XLA's refusals count 15.75 GiB of it usable.
+# 16 GiB on the chip (binary units, as XLA counts it).
 # A GPU's memory is the total its driver reports (nvidia-smi's MiB, each in the table below),
 # not the datasheet's rounded GB: JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION) is a fraction of
 # that total, so a plan against the rounded figure refuses runs that fit. The Grand Teton H100's
@@ -124,7 +124,7 @@ def usable_share(target: Target, env: Any = None) -> Usable:
         return Usable(USABLE_CPU, "of the host's available RAM")
     if target.device_kind.startswith("NVIDIA"):
         return gpu_memory_fraction(os.environ if env is None else env)
-    return Usable(TPU_USABLE, "XLA's share of a TPU's memory: 15.75 of a v5e's 16 GiB")
+    return Usable(TPU_USABLE, "XLA's share of a TPU's memory (its bytes_limit)")
 
 
 def usable_bytes(target: Target, env: Any = None) -> float:

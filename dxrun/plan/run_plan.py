@@ -1148,8 +1148,8 @@ def precision_of(asked: str, platform: str) -> str:
 
 def grad_reduce_of(asked: str, precision: str, platform: str) -> str:
     """``train.grad_reduce_dtype`` on ``platform``: as given, or for ``auto`` bf16 where the
-    step computes in bf16 on a TPU (small at batch 16 on one v5e: 11% faster a step, the same
-    first loss; BENCHMARKS.md) and fp32 elsewhere (under fp32 compute the two are one)."""
+    step computes in bf16 on a TPU (faster a step, the same first loss: BENCHMARKS.md, the
+    defaults on the chip) and fp32 elsewhere (under fp32 compute the two are one)."""
     if asked != "auto":
         return asked
     return "bf16" if precision == "bf16" and platform == "tpu" else "fp32"
@@ -1276,9 +1276,9 @@ def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes:
 def fit_variants(layout: Layout) -> list[Layout]:
     """The mesh with the user's remat and accumulation, then more micro-batches (the same
     update), then more recomputation, each with as few micro-batches as fit: tried in order
-    until one fits. Micro-batches before recomputation: on one v5e, model=small's batch of 32
-    in two micro-batches ran at 52.1% MFU where remat=dots in one ran at 44.2% (BENCHMARKS.md);
-    a micro-batch only shrinks the matmuls' rows, a recomputation adds their FLOPs."""
+    until one fits. Micro-batches before recomputation: a micro-batch only shrinks the
+    matmuls' rows, a recomputation adds their FLOPs (on a v5e the faster of the two:
+    BENCHMARKS.md, the defaults on the chip)."""
     return [replace(layout, remat=remat, grad_accum=accum)
             for remat in REMATS[REMATS.index(layout.remat):]
             for accum in ACCUMS if accum >= layout.grad_accum]
