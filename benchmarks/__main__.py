@@ -6,9 +6,9 @@ the allocator figure, the plan-mode roofline and the existing compile and checkp
 benchmarks, whose figures stay in the file as they are. ``--gpu`` runs the GPU figures only
 (on a machine with an NVIDIA GPU).
 ``--auto`` times ``parallelism=auto``'s choice against every layout that fits (the "auto vs
-best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the published GPU
+best" section; ``--auto --quick``: one 1-layer case). ``--published`` plans the published GPU and TPU
 runs of ``benchmarks/published.py`` (shapes only) and writes the "Plan
-mode vs published GPU runs" section. ``--torch PYTHON`` times dxrun's one-device step against a
+mode vs published GPU and TPU runs" section. ``--torch PYTHON`` times dxrun's one-device step against a
 PyTorch eager loop of the same model run by ``PYTHON`` (a Python with torch: the "One CPU device"
 section; ``benchmarks/eager.py``). ``--one-device`` times dxrun's one-device step against
 hand-written ``jax.jit`` steps as issue 49 item 9 does (``benchmarks/one_device.py``).
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="CI's run: under two minutes")
     ap.add_argument("--gpu", action="store_true", help="the GPU figures (needs an NVIDIA GPU)")
     ap.add_argument("--published", action="store_true",
-                    help="plan mode against published GPU runs (shapes only)")
+                    help="plan mode against published GPU and TPU runs (shapes only)")
     ap.add_argument("--auto", action="store_true",
                     help="parallelism=auto's choice against every layout measured (minutes)")
     ap.add_argument("--torch", default=None, metavar="PYTHON",

@@ -1,4 +1,4 @@
-"""Plan mode against published GPU training runs (``python -m benchmarks --published``).
+"""Plan mode against published GPU and TPU training runs (``python -m benchmarks --published``).
 
 Each run below is planned from shapes alone on 8 simulated CPU devices with its published mesh,
 batch, sequence length, precision, recomputation, accumulation and hardware (``plan.target``),
@@ -32,7 +32,7 @@ CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T 
 MODEL_MEMORY = ("the accelerator memory model (dxrun/plan/cost.py: the state's shards, "
                 "every layer's saved activations for the run's precision, remat and attention kernel, "
                 "one layer's backward, the logits, FSDP's gathers)")
-SECTION = "Plan mode vs published GPU runs"
+SECTION = "Plan mode vs published GPU and TPU runs"
 
 
 def maxtext_tokens_per_s(tflops: float, n_params: float, n_layers: int, d_model: int,
@@ -80,7 +80,7 @@ def megatron_tokens_per_s(tflops: float, n_layers: int, d_model: int, seq_len: i
                                               + vocab / (16 * n_layers * d_model))
     return tflops * 1e12 / per_token
 
-RUNS: tuple[Run, ...] = (
+GPU_RUNS: tuple[Run, ...] = (
     Run("torchtitan Llama 3.1 8B",
         "github.com/pytorch/torchtitan docs/performance.md, table 1 (FSDP, no compile)",
         ("model=llama3_8b", "plan.target=h100_96gb_500w", "parallelism=fsdp8",
@@ -161,6 +161,60 @@ RUNS: tuple[Run, ...] = (
 )
 
 
+# MaxText's TPU scaling configs (MaxText/configs/v5e/*.sh, v5p/*.sh): base.yml's Llama-2-style
+# decoder (SwiGLU, RMSNorm, RoPE, untied output, 32,000-token vocabulary, heads of 128) grown by
+# ``global_parameter_scale`` (pyconfig's get_individual_scales: heads and MLP double first, then
+# the embedding, then the layers). The shapes as dxrun model keys.
+MAXTEXT_16B = ("model=llama2_7b", "model.n_layers=32", "model.d_model=4096", "model.n_heads=64",
+               "model.n_kv_heads=64", "model.head_dim=128", "model.d_ff=28672",
+               "model.max_seq_len=2048")
+MAXTEXT_32B = ("model=llama2_7b", "model.n_layers=32", "model.d_model=8192", "model.n_heads=64",
+               "model.n_kv_heads=64", "model.head_dim=128", "model.d_ff=28672",
+               "model.max_seq_len=2048")
+MAXTEXT_128B = ("model=llama2_7b", "model.n_layers=64", "model.d_model=8192",
+                "model.n_heads=128", "model.n_kv_heads=128", "model.head_dim=128",
+                "model.d_ff=57344", "model.max_seq_len=2048")
+MAXTEXT_16B_PARAMS = 15_831_666_688  # dxrun's count of MAXTEXT_16B (embeddings included)
+MAXTEXT_32B_PARAMS = 31_663_333_376  # dxrun's count of MAXTEXT_32B
+MAXTEXT_128B_PARAMS = 125_079_396_352  # dxrun's count of MAXTEXT_128B
+_V5E = ("v5e-256 (256 chips, one slice); MaxText/configs/v5e/README.md, the 1x v5e-256 row; "
+        "the run: MaxText/configs/v5e/{}.sh")
+_ON_V5E = ("planned on 256 simulated devices (plan.devices=256); MaxText's flash attention as "
+           "splash; its iota embedding (a synthetic-data shortcut) as the table lookup")
+# A TPU row's goal is tighter than a GPU row's: issue 78 asks +-15% of the published speed.
+TPU_GOAL = (0.85, 1.15)
+
+TPU_RUNS: tuple[Run, ...] = (
+    Run("MaxText 16B on v5e-256", _V5E.format("16b"),
+        MAXTEXT_16B + ("plan.target=v5e", "plan.devices=256", "parallelism=fsdp8",
+                       "parallelism.fsdp=256", "data.seq_len=2048", "data.batch_size=1536",
+                       "train.precision=bf16", "model.remat=full"),
+        "256x TPU v5e (16 GiB HBM, ICI)", "FSDP 256, full recomputation, bf16, 6 x 2048 per chip",
+        "120 TFLOP/s per chip (61.10% MFU)",
+        maxtext_tokens_per_s(120, MAXTEXT_16B_PARAMS, 32, 64 * 128, 2048), nearest=_ON_V5E),
+    Run("MaxText 32B on v5e-256", _V5E.format("32b"),
+        MAXTEXT_32B + ("plan.target=v5e", "plan.devices=256", "parallelism=fsdp8",
+                       "parallelism.fsdp=256", "data.seq_len=2048", "data.batch_size=1024",
+                       "train.precision=bf16", "model.remat=full"),
+        "256x TPU v5e (16 GiB HBM, ICI)", "FSDP 256, full recomputation, bf16, 4 x 2048 per chip",
+        "132 TFLOP/s per chip (66.86% MFU)",
+        maxtext_tokens_per_s(132, MAXTEXT_32B_PARAMS, 32, 64 * 128, 2048), nearest=_ON_V5E),
+    Run("MaxText 128B on v5p-256",
+        "v5p-256 (128 chips, one slice); MaxText/configs/v5p/README.md, the 1x v5p-256 row of "
+        "the 128B table; the run: MaxText/configs/v5p/128b.sh",
+        MAXTEXT_128B + ("plan.target=v5p", "plan.devices=128", "parallelism=fsdp8",
+                        "parallelism.fsdp=16", "parallelism.tp=8", "data.seq_len=2048",
+                        "data.batch_size=128", "train.precision=bf16", "model.remat=dots"),
+        "128x TPU v5p (95 GiB HBM, megacore, ICI)",
+        "FSDP 16 x tensor 8, remat_policy=minimal, bf16, 1 x 2048 per chip",
+        "315 TFLOP/s per chip (68.68% MFU)",
+        maxtext_tokens_per_s(315, MAXTEXT_128B_PARAMS, 64, 128 * 128, 2048),
+        nearest="remat_policy=minimal (saves the weight matmuls' outputs) as model.remat=dots; "
+                "planned on 128 simulated devices (plan.devices=128)"),
+)
+RUNS = GPU_RUNS + TPU_RUNS
+
+
 def devices(run: Run) -> int:
     """The simulated devices ``run`` is planned on (``plan.devices``; 8 unless set)."""
     given = [o.split("=", 1)[1] for o in run.overrides if o.startswith("plan.devices=")]
@@ -225,6 +279,7 @@ def plan_run(run: Run) -> dict[str, Any]:
     t = report["target"]
     per_gpu = t["tokens_per_s"] / exp.plan.n_devices
     ratio = per_gpu / run.tokens_per_s_per_gpu
+    goal = TPU_GOAL if run in TPU_RUNS else GOAL
     g = t["timing"]
     need = t["needs_per_device_gb"] * 1e9
     usable = usable_bytes(TARGETS[cfg.plan.target], run.env)
@@ -233,7 +288,7 @@ def plan_run(run: Run) -> dict[str, Any]:
         "run": run.name, "command": "python -m dxrun run.mode=plan " + " ".join(run.overrides),
         "estimated_tokens_per_s_per_gpu": per_gpu,
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
-        "ratio": ratio, "in_goal": GOAL[0] <= ratio <= GOAL[1],
+        "ratio": ratio, "in_goal": goal[0] <= ratio <= goal[1],
         # Plan mode's per-device need: on an accelerator target the memory model's
         # (dxrun/plan/cost.py), otherwise the CPU compile's memory analysis.
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
@@ -248,6 +303,7 @@ def plan_run(run: Run) -> dict[str, Any]:
         "parts_ms": {k: round(1e3 * g[k], 1) for k in ("matmul_s", "attention_s",
                                                         "elementwise_s", "exposed_collective_s")},
         "plan_s": seconds, "calibrates": run.calibrates, "nearest": run.nearest,
+        "n_params": exp.count_params(exp.abstract_state().params),
         "run_spec": asdict(run),
     }
 
@@ -294,10 +350,12 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
     lines = [begin, f"## {SECTION}: `{command}`", "",
              f"`{command}` on {machine['device_count']} × {machine['device_kind']} "
              f"({machine['cpu_cores']} cores), JAX {machine['jax']}, {machine['date']}. Each run "
-             "is planned from shapes alone (`run.mode=plan`, 8 simulated devices) with its "
+             "is planned from shapes alone (`run.mode=plan` on `plan.devices` simulated devices, "
+             "8 unless the row sets it) with its "
              "published mesh, batch, sequence length, precision, recomputation, accumulation "
              "and hardware; the estimate is `dxrun/plan/cost.py`'s time model. Ratio = "
-             "estimated / published tokens/s per GPU; goal 0.75–1.25 and the runs' order kept. "
+             "estimated / published tokens/s per GPU (per chip on a TPU); goal 0.75–1.25 (a TPU "
+             "row's: 0.85–1.15) and the runs' order kept. "
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "
              f"are the validation: within ±{b['within_pct']}%. Memory: what plan mode reports "
              f"per device (`needs_per_device_gb`): "

@@ -58,7 +58,8 @@ class Target:
 # 2.04 TB/s, GDDR6 864 GB/s; NVLink 4: 900 GB/s, NVLink 3: 600 GB/s both directions together;
 # L40S has no NVLink: PCIe 4.0 x16, 32 GB/s); Google Cloud TPU v5e/v5p system docs (16 GB at
 # 819 GB/s with 1,600 Gbps ICI; 95 GB at 2,765 GB/s with 4,800 Gbps ICI). The v5e's "16 GB" is
-# 16 GiB on the chip (binary units, as XLA counts it).
+# 16 GiB on the chip (binary units, as XLA counts it); the v5p's "95 GB" is taken as 95 GiB the
+# same way (as Marin's TPU batch helper counts it; no v5p measured here).
 # A GPU's memory is the total its driver reports (nvidia-smi's MiB, each in the table below),
 # not the datasheet's rounded GB: JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION) is a fraction of
 # that total, so a plan against the rounded figure refuses runs that fit. The Grand Teton H100's
@@ -75,7 +76,7 @@ TARGETS: dict[str, Target] = {
                              450 * GB),
     "l40s": Target("L40S 48GB", "NVIDIA L40S", 46_068 * MiB, 0.864e12, 32 * GB),
     "v5e": Target("TPU v5e", "TPU v5 lite", 16 * GiB, 0.819e12, 200 * GB),
-    "v5p": Target("TPU v5p", "TPU v5", 95 * GB, 2.765e12, 600 * GB),
+    "v5p": Target("TPU v5p", "TPU v5", 95 * GiB, 2.765e12, 600 * GB),
     "cpu": Target("this machine (CPU)", "cpu", 0.0, 0.0, 0.0),  # measured: see cpu_target
 }
 
@@ -454,7 +455,7 @@ COST: dict[str, Cost] = {
 
 # What the estimate row says of its basis: set from the last `python -m benchmarks
 # --published` (BENCHMARKS.md, "Plan mode vs published GPU runs").
-ESTIMATE_BASIS = {"calibrated_on": 2, "validated_on": 4, "within_pct": 19}
+ESTIMATE_BASIS = {"calibrated_on": 2, "validated_on": 7, "within_pct": 19}
 
 
 def basis_text(basis: dict[str, int] = ESTIMATE_BASIS) -> str:
