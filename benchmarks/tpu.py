@@ -177,14 +177,15 @@ def first_step(run_dir: str) -> float:
     return round(a["startup_s"] + a["search_s"] + a["compile_s"], 1)
 
 
-def plan_step_ms(shape: str, tokens: str | None) -> float:
-    """Plan mode's estimate of the shape's step on a v5e (``run.mode=plan plan.target=v5e``),
-    compiled on CPU from shapes alone: run it where no chip is held."""
+def plan_estimate(shape: str, tokens: str | None) -> tuple[float, float, bool]:
+    """Plan mode's estimate of the shape on a v5e (``run.mode=plan plan.target=v5e``), compiled
+    on CPU from shapes alone (run it where no chip is held): the step in ms, the memory model's
+    need per device in bytes, and whether it says the shape fits."""
     from dxrun.autotune import fit
 
     cfg = compose_cfg(*overrides(shape, tokens), "run.mode=plan", "plan.target=v5e")
-    report = fit.plan_report(cfg, fit.planned(cfg).exp, suggest=False)
-    return round(1e3 * report["target"]["step_time_s"], 1)
+    t = fit.plan_report(cfg, fit.planned(cfg).exp, suggest=False)["target"]
+    return round(1e3 * t["step_time_s"], 1), t["needs_per_device_gb"] * 1e9, bool(t["fits"])
 
 
 def _xla_need(error: str) -> str:
@@ -233,6 +234,22 @@ def default_rows(out: str, best: dict[str, float]) -> list[str]:
     return rows if len(rows) > 2 else []
 
 
+def replan(path: Path = Path("BENCHMARKS.tpu.json")) -> list[dict]:
+    """Plan mode's figures of every row in ``path`` made anew on this machine's CPU (after a
+    change to the memory or time model; the chip's measurements stay as they are)."""
+    records = json.loads(path.read_text())
+    for r in records:
+        plan, need, fits = plan_estimate(r["shape"], None)
+        r.update({"plan_gib": round(need / 2**30, 2), "plan_fits": fits})
+        if "step_ms" in r:
+            r.update({"plan_step_ms": plan, "plan_vs_measured": round(plan / r["step_ms"], 3),
+                      "plan_vs_xla_memory": round(need / r["step_bytes"], 3)})
+        print(r["shape"], {k: r.get(k) for k in ("plan_vs_measured", "plan_gib",
+                                                  "plan_vs_xla_memory", "plan_fits")}, flush=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return records
+
+
 def report(out: str, tokens: str | None, command: str) -> None:
     """BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section from ``out``'s measurements (the
     chip's tpu.json and first-step runs) and plan mode's estimates (made here)."""
@@ -243,25 +260,29 @@ def report(out: str, tokens: str | None, command: str) -> None:
     first_commit = marker.read_text().strip() if marker.is_file() else None
     records = []
     for r in json.loads(Path(out, "tpu.json").read_text()):
+        plan, need, fits = plan_estimate(r["shape"], tokens)
+        memory = {"plan_gib": round(need / 2**30, 2), "plan_fits": fits}
         if "error" in r:
-            records.append({**r, "command": command})
+            records.append({**r, **memory, "command": command})
             continue
-        plan = plan_step_ms(r["shape"], tokens)
         small = r["model"] == "small"
-        records.append({**r, "plan_step_ms": plan,
+        records.append({**r, "plan_step_ms": plan, **memory,
                         "plan_vs_measured": round(plan / r["step_ms"], 3),
+                        "plan_vs_xla_memory": round(need / r["step_bytes"], 3),
                         "first_step_s_cold": cold if small else None,
                         "first_step_s_warm": warm if small else None,
                         "first_step_commit": (first_commit or r.get("commit")) if small else None,
                         "command": command})
     Path("BENCHMARKS.tpu.json").write_text(json.dumps(records, indent=1) + "\n")
     rows = ["| shape (model:batch:remat:overrides) | attention | tokens/s | MFU | hand-written "
-            "tokens/s | dxrun / hand | step ms | plan mode ms (ratio) | args + temps GB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "tokens/s | dxrun / hand | step ms | plan mode ms (ratio) | args + temps GiB | plan "
+            "mode GiB (ratio) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         if "error" in r:
+            said = "fits" if r["plan_fits"] else "does not fit"
             rows.append(f"| `{r['shape']}` | | does not fit: XLA's compile refuses it "
-                        f"({_xla_need(r['error'])}) | | | | | | |")
+                        f"({_xla_need(r['error'])}) | | | | | | | {r['plan_gib']} ({said}) |")
             continue
         hand = r.get("hand_tokens_per_s")
         vs = (f"{hand:,} | {r['tokens_per_s'] / hand:.3f}" if hand
@@ -271,7 +292,8 @@ def report(out: str, tokens: str | None, command: str) -> None:
             f"| `{r['shape']}` | {r['attention']} | {r['tokens_per_s']:,} | "
             f"{mfu} "
             f"| {vs} | {r['step_ms']} | {r['plan_step_ms']} ({r['plan_vs_measured']}) "
-            f"| {r['step_bytes'] / 1e9:.2f} |")
+            f"| {r['step_bytes'] / 2**30:.2f} | {r['plan_gib']} ({r['plan_vs_xla_memory']}"
+            f"{'' if r['plan_fits'] else ', does not fit'}) |")
     begin, end = markers("tpu")
     first = records[0]
     best = [line for model in dict.fromkeys(r["model"] for r in records if "model" in r)
@@ -309,7 +331,12 @@ def main() -> None:
     ap.add_argument("--report", metavar="COMMAND", help="write BENCHMARKS.tpu.json and "
                     "BENCHMARKS.md's TPU section from --out's measurements, with plan mode's "
                     "estimates (made on this machine's CPU); COMMAND: the command to cite")
+    ap.add_argument("--replan", action="store_true", help="plan mode's figures of every row of "
+                    "BENCHMARKS.tpu.json made anew here (no chip: the measurements stay)")
     a = ap.parse_args()
+    if a.replan:
+        replan()
+        return
     if a.report:
         report(a.out, a.tokens, a.report)
         return
