@@ -1275,8 +1275,8 @@ def held_batch(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes:
 
 def fit_variants(layout: Layout) -> list[Layout]:
     """The mesh with the user's remat and accumulation, then more micro-batches (the same
-    update), then more recomputation, each with as few micro-batches as fit: tried in order
-    until one fits. Micro-batches before recomputation: a micro-batch only shrinks the
+    update), then more recomputation, each with as few micro-batches as fit: the order
+    ``model_stage`` tries them in. Micro-batches before recomputation: a micro-batch only shrinks the
     matmuls' rows, a recomputation adds their FLOPs (on a v5e the faster of the two:
     BENCHMARKS.md, the defaults on the chip)."""
     return [replace(layout, remat=remat, grad_accum=accum)
@@ -1316,33 +1316,38 @@ class TooLarge(Exception):
 
 def model_stage(layouts: list[Layout], budget_gb: float | None,
                 score: Callable[[Layout], tuple[float, float | None]]) -> list[Row]:
-    """Each mesh at its first variant that fits, ranked by estimated step time (fastest
-    first; those that fit nowhere last, at their last variant: the least they need).
-    ``score(layout)``: (GiB per device, est. seconds or None) of one candidate, or TooLarge
-    where the chip refuses its compile; ``budget_gb`` None: what compiles fits (a chip's
-    compile is its check). Where no variant of any mesh could be built at all (a ConfigError
-    each: token ids beyond the vocabulary...), that first error is the search's, as a fixed
-    layout's run would say it: memory was never the question."""
+    """Each mesh at the variants that may fit fastest, ranked by estimated step time (fastest
+    first; a mesh that fits nowhere last, at its last variant: the least it needs). The
+    variants are ``fit_variants``' order; once one fits, a heavier recomputation is tried only
+    with fewer micro-batches than the lightest fit so far (the same micro-batches cost it more
+    FLOPs; fewer can be faster: BENCHMARKS.md, which variant fits fastest), so a mesh keeps a
+    row per recomputation on that frontier. ``score(layout)``: (GiB per device, est. seconds
+    or None) of one candidate, or TooLarge where the chip refuses its compile; ``budget_gb``
+    None: what compiles fits (a chip's compile is its check). Where no variant of any mesh
+    could be built at all (a ConfigError each: token ids beyond the vocabulary...), that first
+    error is the search's, as a fixed layout's run would say it: memory was never the
+    question."""
     rows, errors = [], []
     for base in layouts:
-        row = Row(base)
+        last, fitting = Row(base), []
         for layout in fit_variants(base):
+            if fitting and layout.grad_accum >= fitting[-1].layout.grad_accum:
+                continue  # as many micro-batches as a lighter recomputation's fit: slower
             try:
                 need, est = score(layout)
             except ConfigError as e:  # e.g. accumulation not dividing the per-replica batch
                 errors.append(e)
-                row.why = row.why or str(e).split(";")[0]
+                last.why = last.why or str(e).split(";")[0]
                 continue
             # A mesh that fits nowhere keeps its last variant's row: the least it needs.
             except TooLarge as e:
-                row = Row(layout, e.need_gb, why=str(e))
+                last = Row(layout, e.need_gb, why=str(e))
                 continue
             if budget_gb is not None and need > budget_gb:  # MiB if small
-                row = Row(layout, need, why=f"does not fit: {_gib(need)} of {_gib(budget_gb)}")
+                last = Row(layout, need, why=f"does not fit: {_gib(need)} of {_gib(budget_gb)}")
                 continue
-            row = Row(layout, need, None if est is None else 1e3 * est, fits=True)
-            break
-        rows.append(row)
+            fitting.append(Row(layout, need, None if est is None else 1e3 * est, fits=True))
+        rows.extend(fitting or [last])
     if errors and not any(r.fits or r.need_gb is not None or r.why.startswith("does not fit")
                           for r in rows):
         raise errors[0]
