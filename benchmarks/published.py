@@ -176,7 +176,7 @@ def _elsewhere(run: Run, fn: str) -> Any:
 
     from dxrun.launch import without_device_count
 
-    code = (f"import json; from dxrun.run.runtime import simulate_cpu_devices; "
+    code = (f"import json; from dxrun.run import simulate_cpu_devices; "
             f"simulate_cpu_devices({devices(run)}); from benchmarks import published as p; "
             f"print(json.dumps(p.{fn}(p.RUNS[{RUNS.index(run)}])))")
     env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ.get("XLA_FLAGS", "")))

@@ -39,8 +39,7 @@ from dxrun.config.composition import composition_refusal
 from dxrun.config.registry import check_composed, conf_dir, register
 from dxrun.config.validation import config_warnings, validate
 from dxrun.plan.run_plan import resolved_config
-from dxrun.run import runtime
-from dxrun.run.runtime import (
+from dxrun.run import (
     SIGNALS,
     SWEEP_EXITS,
     Claim,
@@ -67,6 +66,7 @@ from dxrun.run.runtime import (
     tell_launcher,
     tell_launcher_startup,
     thread_pool_note,
+    wait_seconds,
     write_hydra_files,
     write_status,
 )
@@ -296,11 +296,11 @@ def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf
     job's life; every process gets process 0's decision, a refusal included. A move away from
     ``asked`` is said at once rather than only in the last line. ``held``: as ``runtime.claim``
     (the caller's hold on the dir from the moment it is locked)."""
-    wait_s = runtime.wait_seconds(run.wait_for_lock)
+    wait_s = wait_seconds(run.wait_for_lock)
     claim, decision = None, {}
     if is_main():
         try:
-            claim = runtime.claim(
+            claim = claim(
                 asked, named=names_its_dir(hydra_cfg),
                 fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
                 has_checkpoints=lambda d: bool(_committed(ckpt, d)[1]))

@@ -45,7 +45,7 @@ from dxrun.export import run as export_run
 from dxrun.hf import TABLES, save_hf
 from dxrun.logits import load_model
 from dxrun.model.sharding import in_mesh_context
-from dxrun.run.runtime import Job, describe_model
+from dxrun.run import Job, describe_model
 from dxrun.sample import OPTIONS, sample
 from dxrun.tools.checkpoint import load, main
 

@@ -15,7 +15,7 @@ from dxrun.config.errors import ConfigError
 from dxrun.config.validation import config_warnings, validate
 from dxrun.experiment import Experiment
 from dxrun.plan import cost
-from dxrun.run.runtime import accelerator_plan_note, simulated_count
+from dxrun.run import accelerator_plan_note, simulated_count
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.027% of its memory
 # usable (23 MB, XLA_PYTHON_CLIENT_MEM_FRACTION) cannot hold, with or without remat=dots (the

@@ -246,7 +246,7 @@ def test_optimizer_state_split_48_ways():
     the counters."""
     code = textwrap.dedent(f"""
         import json
-        from dxrun.run.runtime import simulate_cpu_devices
+        from dxrun.run import simulate_cpu_devices
         simulate_cpu_devices(48)
         from hydra import compose, initialize_config_dir
         from dxrun.model import sharding

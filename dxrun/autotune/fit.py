@@ -114,7 +114,7 @@ from dxrun.plan.run_plan import (
     to_measure,
     train_through,
 )
-from dxrun.run.runtime import (
+from dxrun.run import (
     agree,
     faults_from_env,
     gather,

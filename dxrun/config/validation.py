@@ -46,7 +46,7 @@ from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
 from dxrun.plan.cost import TARGETS
 from dxrun.plan.run_plan import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
-from dxrun.run.runtime import unread_logger_keys
+from dxrun.run import unread_logger_keys
 
 
 def validate(cfg: RunConfig) -> None:

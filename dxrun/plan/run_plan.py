@@ -35,7 +35,7 @@ from dxrun.config import (
     axis_sizes,
     head_dim_of,
 )
-from dxrun.run import runtime
+from dxrun.run import faults_from_env
 
 if TYPE_CHECKING:
     from dxrun.config import CheckpointConfig, ParallelismConfig, RunConfig, TrainConfig
@@ -1385,7 +1385,7 @@ def train_budget(train: TrainConfig, checkpoint: CheckpointConfig) -> int:
     run whose first steps the search trained writes what one that did not would."""
     t, every = train, checkpoint.every
     points = [t.steps, t.log_every, t.eval_every, 100 if every is None else every,
-              t.profile.start, *runtime.faults_from_env().steps()]
+              t.profile.start, *faults_from_env().steps()]
     return min(p for p in points if p and p > 0) - 1
 
 

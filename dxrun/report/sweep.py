@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from dxrun.config import AXES, EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, ConfigError, fail
 from dxrun.plan.run_plan import Layout, Sizes
-from dxrun.run.runtime import STATUS, SWEEP_EXITS, is_main, sweep_group
+from dxrun.run import STATUS, SWEEP_EXITS, is_main, sweep_group
 from dxrun.tracking.logger import read_metrics
 
 # ------------------------------------------------------------------------------------------------
