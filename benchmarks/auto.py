@@ -30,8 +30,8 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
     """(the choice / best figure, whether the roofline's first choice was the measured best)."""
     from benchmarks.speed import compose_cfg
     from dxrun.autotune.fit import Handover, search, time_layouts
+    from dxrun.cost import chosen_layout, held_batch, rows_of
     from dxrun.experiment import visible_devices
-    from dxrun.plan.run_plan import chosen_layout, held_batch, rows_of
 
     devices = visible_devices()
     # The search reads the config and never rewrites it: the timing below uses the same

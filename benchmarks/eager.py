@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.report import Figure, figure
-from dxrun.plan.run_plan import precision_of
+from dxrun.plan import precision_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "One CPU device: dxrun vs a PyTorch eager loop"

@@ -20,8 +20,8 @@ from benchmarks.speed import compose_cfg, dxrun_runner
 from benchmarks.timing import interleaved
 from dxrun.autotune import fit
 from dxrun.autotune.fit import NoData
+from dxrun.cost import flops_per_token, mfu, peak_tflops
 from dxrun.experiment import Experiment
-from dxrun.plan import cost
 
 MODELS = ("small", "medium")
 # GPT-2's padded vocabulary and context; a batch that fills an H200 without remat.
@@ -63,7 +63,7 @@ def measured(models: tuple[str, ...] = MODELS, batch: int = 16, steps: int = 10,
     """Tokens/s and MFU of the real step on this machine's first device, fused attention and
     the reference einsum attention interleaved (``shape``: the tests' tiny stand-in)."""
     kind = jax.devices()[0].device_kind
-    peak = cost.peak_tflops(kind, "bf16")
+    peak = peak_tflops(kind, "bf16")
     out = []
     for model in models:
         exps = {a: Experiment.build(compose_cfg(f"model={model}", *shape,
@@ -75,14 +75,14 @@ def measured(models: tuple[str, ...] = MODELS, batch: int = 16, steps: int = 10,
             cfg = e.cfg
             n_params = e.count_params(e.abstract_state().params)
             tokens = cfg.data.batch_size * cfg.data.seq_len
-            tflops = (cost.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
+            tflops = (flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
                       / t[a].median_s / 1e12)
             calls = cudnn_attention_calls(e.step.compiled.as_text())
             print(f"{model}, attention={a}: kernel {e.attention_kernel}, {calls} cuDNN "
                   f"fused-attention call(s) in the compiled step", flush=True)
             out.append(figure(
                 f"{SECTION} (measured on {kind})", f"{model}, attention={a}: MFU",
-                cost.mfu(tflops, peak) if peak else None,
+                mfu(tflops, peak) if peak else None,
                 {"kernel": e.attention_kernel, "cudnn_calls": calls,
                  "tokens_per_s": round(tokens / t[a].median_s), "tflops": round(tflops, 1),
                  "peak_tflops": peak, **t[a].summary()},

@@ -198,8 +198,8 @@ def memory_need(run: Run) -> tuple[float, float]:
         return tuple(_elsewhere(run, "memory_need"))
     from benchmarks.speed import compose_cfg
     from dxrun.autotune.fit import NoData, accelerator_memory
+    from dxrun.cost import TARGETS, usable_bytes
     from dxrun.experiment import Experiment
-    from dxrun.plan.cost import TARGETS, usable_bytes
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     target = TARGETS[cfg.plan.target]
@@ -214,8 +214,8 @@ def plan_run(run: Run) -> dict[str, Any]:
     from benchmarks.speed import compose_cfg
     from dxrun.autotune import fit
     from dxrun.autotune.fit import NoData
+    from dxrun.cost import TARGETS, usable_bytes
     from dxrun.experiment import Experiment
-    from dxrun.plan.cost import TARGETS, usable_bytes
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     t0 = time.perf_counter()

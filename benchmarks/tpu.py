@@ -29,8 +29,8 @@ import jax
 
 from benchmarks import reference
 from benchmarks.speed import compose_cfg, dxrun_runner
+from dxrun.cost import flops_per_token, peak_tflops
 from dxrun.experiment import Experiment, jax_dtype, step_bytes
-from dxrun.plan import cost
 
 GPT2 = ("parallelism=dp1", "train.precision=bf16", "data.seq_len=1024", "data.vocab_size=50304")
 
@@ -128,8 +128,8 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None,
     wall = time_steps(run, steps)
     n_params = exp.count_params(exp.abstract_state().params)
     tokens = exp.plan.global_batch * exp.plan.seq_len
-    per_token = cost.flops_per_token(cfg.model, n_params, exp.plan.seq_len)
-    peak = cost.peak_tflops(jax.devices()[0].device_kind, "bf16")
+    per_token = flops_per_token(cfg.model, n_params, exp.plan.seq_len)
+    peak = peak_tflops(jax.devices()[0].device_kind, "bf16")
     step_s = statistics.median(wall)
     mem = exp.step.compiled.memory_analysis()
     rec: dict[str, Any] = {

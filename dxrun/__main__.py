@@ -38,7 +38,7 @@ from dxrun.config import (
 from dxrun.config.composition import composition_refusal
 from dxrun.config.registry import check_composed, conf_dir, register
 from dxrun.config.validation import config_warnings, validate
-from dxrun.plan.run_plan import resolved_config
+from dxrun.plan import resolved_config
 from dxrun.run import (
     SIGNALS,
     SWEEP_EXITS,

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.config import ConfigError, checked_factory, hf_dir, read_config
+from dxrun.cost import TARGETS
 from dxrun.data import EVAL, TRAIN, Data
 from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 from dxrun.model.context_parallel import in_context_order
@@ -48,8 +49,7 @@ from dxrun.model.sharding import (
 )
 from dxrun.model.transformer import count_params, resize_vocab
 from dxrun.model.user_model import build_model, logits_of
-from dxrun.plan.cost import TARGETS
-from dxrun.plan.run_plan import (
+from dxrun.plan import (
     AttentionTarget,
     MeshPlan,
     attention_target,

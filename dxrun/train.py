@@ -37,9 +37,9 @@ from dxrun.checkpointing.store import (
     tokens_seen,
 )
 from dxrun.config import ConfigError, DiskError, first_line
+from dxrun.cost import flops_per_token, mfu, table
 from dxrun.experiment import Experiment, adopt, check_hf_weights
-from dxrun.plan.cost import flops_per_token, mfu
-from dxrun.plan.run_plan import RunPlan, saved_config, table
+from dxrun.plan import RunPlan, saved_config
 from dxrun.run import Job, describe_model, dir_refusal, is_main, run_name, write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.goodput import Measured, StepTimer, Tracer, profile_dir, traced_steps

@@ -19,7 +19,7 @@ from dxrun.experiment import Experiment
 from dxrun.model import splash_attention
 from dxrun.model.sharding import in_mesh_context
 from dxrun.model.transformer import Transformer, reference_attention
-from dxrun.plan.run_plan import (
+from dxrun.plan import (
     AUTO,
     KERNELS,
     AttentionTarget,

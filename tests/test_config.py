@@ -303,7 +303,7 @@ def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
     import jax
     import numpy as np
 
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     top = schema.RANGES["train.seed"].hi - 1
     data = lambda seed: np.asarray(jax.random.key_data(jax.random.key(seed))).tolist()
@@ -423,8 +423,8 @@ def test_cfg_job_shows_the_size_defaults(tmp_path):
 def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     """data=text and data=tokens leave data.seq_len null: the model's context on an
     accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
-    from dxrun.plan.cost import plan_platform
-    from dxrun.plan.run_plan import RunPlan, default_seq_len, make_plan, resolved_config
+    from dxrun.cost import plan_platform
+    from dxrun.plan import RunPlan, default_seq_len, make_plan, resolved_config
 
     assert default_seq_len(None, 1024, "gpu") == default_seq_len(None, 1024, "tpu") == 1024
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32

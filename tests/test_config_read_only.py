@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 from dxrun.autotune import fit as search
 from dxrun.autotune.fit import planned
 from dxrun.config import validation
+from dxrun.cost import Row, chosen_layout, held_batch
 from dxrun.experiment import visible_devices
-from dxrun.plan.run_plan import Layout, Row, chosen_layout, held_batch, saved_config
+from dxrun.plan import Layout, saved_config
 from dxrun.train import prepare
 
 

@@ -12,10 +12,9 @@ import pytest
 from dxrun.autotune import fit
 from dxrun.autotune.fit import collective_list
 from dxrun.config.errors import ConfigError
+from dxrun.cost import TARGETS, MemoryEstimate, candidates, estimate_memory, meshes, shapes, usable_share
 from dxrun.experiment import Experiment, step_bytes
-from dxrun.plan import cost
-from dxrun.plan.cost import TARGETS, usable_share
-from dxrun.plan.run_plan import LONG_SEQ, candidates, kv_gather_bytes, make_plan, meshes, zigzag_order
+from dxrun.plan import LONG_SEQ, kv_gather_bytes, make_plan, zigzag_order
 
 
 def test_the_zigzag_split_gives_every_device_the_same_causal_work():
@@ -37,10 +36,10 @@ def _compiled(cfg_factory, *overrides: str) -> tuple[Experiment, object]:
     return exp, exp.analyse_step()  # shapes only: nothing is allocated
 
 
-def _model_memory(exp: Experiment) -> cost.MemoryEstimate:
+def _model_memory(exp: Experiment) -> MemoryEstimate:
     state = exp.abstract_state()
-    x = cost.shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
-    return cost.estimate_memory(x, fit._shard_bytes(state.params), fit._shard_bytes(state.opt_state),
+    x = shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
+    return estimate_memory(x, fit._shard_bytes(state.params), fit._shard_bytes(state.opt_state),
                               fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
@@ -91,7 +90,7 @@ def test_the_long_context_preset_fits_8_h100s_where_dp8_does_not(cfg_factory):
     h100 = TARGETS["h100"]
     usable = h100.memory_bytes * usable_share(h100).fraction
 
-    def need(*overrides: str, devices: int = 8) -> cost.MemoryEstimate:
+    def need(*overrides: str, devices: int = 8) -> MemoryEstimate:
         cfg = cfg_factory("experiment=long_context_llama", "logger=none", *overrides)
         exp = Experiment.build(cfg, make_plan(cfg, devices, "cpu"), data=fit.NoData())
         return fit.accelerator_memory(exp, h100)

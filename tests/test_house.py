@@ -61,7 +61,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the run and its directory (its job's status is written from the entry floor: job_dir)
     ("host", ("dxrun.run",)),
     # the plan, and the HF table with its readers and writer (numpy, no JAX)
-    ("plan", ("dxrun.plan", "dxrun.hf")),
+    ("plan", ("dxrun.plan", "dxrun.cost", "dxrun.hf")),
     # the model family: the model, its attention and kernels, its losses and objectives, your
     # own model, and the logical-axis rules that place it (it imports the config and the plan)
     ("experiment", ("dxrun.model", "dxrun.metrics", "dxrun.data", "dxrun.config.validation",
@@ -407,7 +407,7 @@ def test_the_floors_and_the_circle_finder_work():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _circles(graph) == [{"a", "b", "c"}]
     assert _circles({"a": {"b"}, "b": set()}) == []
-    assert _floor("dxrun.plan.cost") < _floor("dxrun.autotune.fit")
+    assert _floor("dxrun.cost.targets") < _floor("dxrun.autotune.fit")
     assert _floor("dxrun.plan.run_plan") == _floor("dxrun.plan")  # a package placed by its prefix
     assert FIGURE.search(NOT_A_FIGURE.sub("", "ran 1.24x slower"))
     assert FIGURE.search(NOT_A_FIGURE.sub("", "its first turn 102 ms"))

@@ -13,8 +13,8 @@ from dxrun.autotune import fit
 from dxrun.autotune.fit import resolve_target
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import config_warnings, validate
+from dxrun.cost import GB, exposed_warning, fit_warning, preset_note, unsplit_warning, usable_bytes
 from dxrun.experiment import Experiment
-from dxrun.plan import cost
 from dxrun.run import accelerator_plan_note, simulated_count
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.027% of its memory
@@ -31,7 +31,7 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     cfg = cfg_factory(*TIGHT)
     exp = Experiment.build(cfg, data=fit.NoData())
     target, peak = resolve_target(cfg, 8)
-    budget = cost.usable_bytes(target)
+    budget = usable_bytes(target)
     state = exp.abstract_state()
     asked = fit.accelerator_memory(exp, target).total_bytes
     assert asked > budget  # the plan as asked does not fit
@@ -40,7 +40,7 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
                                       n_params, runners_up=1, max_compiles=3)
     best, (second,) = found["suggestion"], found["runners_up"]
     # each compiled from shapes and sized as plan mode sizes a plan: within the budget
-    assert best["needs_gb"] * cost.GB <= budget and second["needs_gb"] * cost.GB <= budget
+    assert best["needs_gb"] * GB <= budget and second["needs_gb"] * GB <= budget
     assert best["step_time_s"] <= second["step_time_s"]  # ranked by the estimate
     assert found["compiled"] <= 3 < found["candidates"]  # most never compiled
     # Today's first that fits (recompute everything) is slower than the suggestion: even its
@@ -77,7 +77,7 @@ def test_a_mesh_too_small_says_how_many_devices_would_do(cfg_factory, monkeypatc
     larger = found["larger_mesh"]
     assert larger["devices"] in {8 * k for k in fit.GROWTH} and larger["devices"] > 8
     assert larger["overrides"][0] == f"plan.devices={larger['devices']}"
-    assert larger["needs_gb"] * cost.GB <= cost.usable_bytes(target)
+    assert larger["needs_gb"] * GB <= usable_bytes(target)
     line = fit.advice_text(found, 8)
     assert line.startswith(f"no layout of 8 devices fits; {larger['devices']} would: "
                            f"plan.devices={larger['devices']} ")
@@ -122,34 +122,34 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
 
 def test_warnings_from_figures():
     """The warnings that a tiny plan cannot show today, from the figures they read."""
-    assert cost.unsplit_warning(True, 53.91e9, 53.91e9, 48).startswith(
+    assert unsplit_warning(True, 53.91e9, 53.91e9, 48).startswith(
         "parallelism.shard_optimizer is on but 53.91 GB of the 53.91 GB optimizer state per "
         "device is not split over the 48 data replicas")
-    assert cost.unsplit_warning(True, 53.91e9, 1e3, 48) is None  # counters: not worth a word
-    assert cost.unsplit_warning(False, 53.91e9, 53.91e9, 48) is None  # not asked
+    assert unsplit_warning(True, 53.91e9, 1e3, 48) is None  # counters: not worth a word
+    assert unsplit_warning(False, 53.91e9, 53.91e9, 48) is None  # not asked
     step = {"step_time_s": 1.0, "timing": {"exposed_collective_s": 0.1,
                                            "tensor_collective_s": 0.0}}
-    assert cost.exposed_warning(step) is None  # 10%: not above it
+    assert exposed_warning(step) is None  # 10%: not above it
     step["timing"]["exposed_collective_s"] = 0.3
-    line = cost.exposed_warning(step)
+    line = exposed_warning(step)
     assert "(30%: data-parallel beyond the compute 300.0 ms); more tokens per device" in line
     assert "parallelism.tp" not in line  # no tensor parallelism to cut
     step["timing"]["tensor_collective_s"] = 0.3
-    assert cost.exposed_warning(step).endswith(
+    assert exposed_warning(step).endswith(
         "(30%: tensor-parallel (never hidden) 300.0 ms); fewer tensor-parallel devices "
         "(parallelism.tp) hide more of them")
     fits = {"fits": True}
-    assert cost.fit_warning(fits, "x") is None
+    assert fit_warning(fits, "x") is None
 
 
 def test_preset_names_on_other_device_counts():
-    assert cost.preset_note("dp4_tp2", (48, 1, 1, 2)) == (
+    assert preset_note("dp4_tp2", (48, 1, 1, 2)) == (
         "parallelism=dp4_tp2 names a layout of 8 devices; on 96 it is data 48 x tensor 2")
-    assert cost.preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
-    assert cost.preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
-    assert cost.preset_note("dp", (96, 1, 1, 1)) is None  # names no size
-    assert cost.preset_note("auto", (8, 1, 1, 1)) is None
-    assert cost.preset_note("cp2_tp4", (2, 1, 2, 4)) == (
+    assert preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
+    assert preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
+    assert preset_note("dp", (96, 1, 1, 1)) is None  # names no size
+    assert preset_note("auto", (8, 1, 1, 1)) is None
+    assert preset_note("cp2_tp4", (2, 1, 2, 4)) == (
         "parallelism=cp2_tp4 names a layout of 8 devices; on 16 it is data 2 x context 2 x "
         "tensor 4")
 

@@ -17,10 +17,9 @@ from conftest import CONF, make_cfg, subprocess_env
 from dxrun.autotune import fit
 from dxrun.autotune.fit import _shard_bytes, accelerator_memory, collectives
 from dxrun.checkpointing.store import Checkpointer, Resume, restore
+from dxrun.cost import TARGETS, gb_text
 from dxrun.experiment import Experiment, adopt
 from dxrun.model import sharding
-from dxrun.plan import cost
-from dxrun.plan.cost import TARGETS
 
 STEPS = 3
 # One optimizer per mesh: Adam's moments, Lion's momentum, SGD's momentum. A clip_norm far
@@ -117,7 +116,7 @@ def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
 
 
 def test_default_follows_data_replicas():
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
@@ -162,7 +161,7 @@ def test_plan_table_says_the_optimizer_is_split(dp8):
     unsplit = report["opt_state_unsplit_bytes"]
     assert report["shard_optimizer"] is True and 0 < unsplit < 0.03 * report["per_device"][
         "opt_state_bytes"]
-    assert f"(split over data; {cost.gb_text(unsplit)} not)" in fit.plan_table(report)
+    assert f"(split over data; {gb_text(unsplit)} not)" in fit.plan_table(report)
 
 
 # A data-parallel size that divides none of the tiny model's power-of-two axes: 6 of the 8

@@ -15,7 +15,7 @@ def preset_plan(parallelism: str, n_devices: int = 8) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     registry.register()
     GlobalHydra.instance().clear()

@@ -137,7 +137,7 @@ def status_keys() -> list[str]:
 
 
 def plan_keys() -> dict[str, str]:
-    from dxrun.plan.run_plan import MeshPlan  # pure: dataclasses and arithmetic
+    from dxrun.plan import MeshPlan
 
     comments = _field_comments(MeshPlan)
     # each axis's size by its key (MeshPlan.sizes, written flat), as a run's parallelism names it

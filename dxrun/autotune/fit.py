@@ -40,6 +40,68 @@ from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
 from dxrun.config import AXES, ConfigError, disk_error
+from dxrun.cost import (
+    COST,
+    GB,
+    MEASURE_ROUNDS,
+    MEASURE_STEPS,
+    PRUNE,
+    REMATS,
+    SEARCHES,
+    TARGETS,
+    USABLE_CPU,
+    Footprint,
+    GiB,
+    Row,
+    StepEstimate,
+    Target,
+    TooLarge,
+    candidates,
+    checkpoint_cost,
+    checkpoint_line,
+    chosen_layout,
+    disagreement,
+    estimate,
+    estimate_memory,
+    exposed_warning,
+    fit_warning,
+    flops_per_token,
+    gb_text,
+    gib_text,
+    held_batch,
+    kv_heads_warning,
+    measure_rule,
+    measure_stage,
+    meshes,
+    model_choice,
+    model_stage,
+    ms_text,
+    normalize_kind,
+    overrides_to_try,
+    peak_tflops,
+    plan_platform,
+    preset_note,
+    resumed_layout,
+    rows_of,
+    s_text,
+    save_cadence,
+    search_cost,
+    searches,
+    shape_line,
+    shape_warning,
+    shapes,
+    step_flops,
+    step_time,
+    survivors,
+    table,
+    target_key,
+    tflops_per_device,
+    to_measure,
+    train_through,
+    unsplit_warning,
+    usable_bytes,
+    workload,
+)
 from dxrun.experiment import (
     Experiment,
     adopt,
@@ -50,69 +112,23 @@ from dxrun.experiment import (
 )
 from dxrun.model.sharding import replicated_bytes_over
 from dxrun.model.user_model import plan_line
-from dxrun.plan import cost
-from dxrun.plan.cost import (
-    GB,
-    TARGETS,
-    USABLE_CPU,
-    Footprint,
-    GiB,
-    StepEstimate,
-    Target,
-    checkpoint_cost,
-    checkpoint_line,
-    disagreement,
-    estimate,
-    gb_text,
-    plan_platform,
-    save_cadence,
-    shape_warning,
-    target_key,
-    usable_bytes,
-)
-from dxrun.plan.run_plan import (
+from dxrun.plan import (
     LOGICAL_RULES,
-    MEASURE_ROUNDS,
-    MEASURE_STEPS,
-    PRUNE,
-    REMATS,
-    SEARCHES,
     AttentionTarget,
     Layout,
     MeshPlan,
-    Row,
     RunPlan,
-    TooLarge,
-    _gib,
-    _ms,
-    _s,
-    candidates,
-    chosen_layout,
     default_seq_len,
-    held_batch,
     kind_target,
     layout_of,
     make_plan,
-    measure_rule,
-    measure_stage,
-    meshes,
-    model_choice,
-    model_stage,
     named,
     padded_vocab,
     precision_of,
     recorded,
     resolved_config,
-    resumed_layout,
-    rows_of,
     saved_config,
-    search_cost,
-    searches,
-    survivors,
-    table,
     table_rows,
-    to_measure,
-    train_through,
 )
 from dxrun.run import (
     agree,
@@ -127,7 +143,7 @@ from dxrun.run import (
 
 if TYPE_CHECKING:
     from dxrun.config import RunConfig, RuntimeConfig, TrainConfig
-    from dxrun.plan.run_plan import Resume
+    from dxrun.plan import Resume
 
 
 # ------------------------------------------------------------------------------------------------
@@ -602,8 +618,8 @@ def resolve_target(cfg: RunConfig, n_devices: int) -> tuple[Target, float | None
             target = replace(target, memory_bytes=cfg.runtime.memory_gb * GiB / n_devices)
         return target, peak
     target = TARGETS[name]
-    return target, cost.peak_tflops(target.device_kind, precision_of(
-        cfg.train.precision, cost.normalize_kind(target.device_kind)))
+    return target, peak_tflops(target.device_kind, precision_of(
+        cfg.train.precision, normalize_kind(target.device_kind)))
 
 
 # A device's achieved matmul TFLOP/s, probed on all devices at once: a stand-in peak for CPUs
@@ -652,8 +668,8 @@ def resolve_peak(runtime: RuntimeConfig, train: TrainConfig, device_kind: str,
         return peak
     if override is not None:
         return float(override)
-    kind = cost.normalize_kind(device_kind)
-    peak = cost.peak_tflops(device_kind, precision_of(train.precision, kind))
+    kind = normalize_kind(device_kind)
+    peak = peak_tflops(device_kind, precision_of(train.precision, kind))
     if peak is None and kind != "cpu":
         log.warning("no peak TFLOP/s known for device kind %r: perf/mfu is not logged; set "
                     "runtime.peak_tflops=<TFLOP/s> or runtime.peak_tflops=measure", device_kind)
@@ -733,8 +749,8 @@ def accelerator_memory(exp: Any, target: Target) -> Any:
     state = exp.abstract_state()
     kernel = kernel_on(cfg, plan, target.device_kind)
     zero_dp = plan.dp if plan.shard_optimizer else 1
-    mem = cost.estimate_memory(
-        cost.shapes(cfg.model, plan, kernel, vocab),
+    mem = estimate_memory(
+        shapes(cfg.model, plan, kernel, vocab),
         _shard_bytes(state.params), _shard_bytes(state.opt_state),
         _shard_bytes(exp.abstract_batch()), plan.fsdp, zero_dp)
     return replace(mem, padded_vocab=vocab)
@@ -766,7 +782,7 @@ def cost_per_device(exp: Any) -> tuple[float, float]:
 def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
                     max_tries: int = 8, time_budget_s: float = 40.0,
                     need: Any = None) -> list[str] | None:
-    """Compile the candidates (``plan.cost.candidates``) in order (shapes only), each
+    """Compile the candidates (``cost.overrides_to_try``) in order (shapes only), each
     merged into ``base`` (the run's config as its files record it, ``resolved_config``: its
     layout, batch and sequence length as keys) and laid out over ``plan``'s devices,
     processes and hosts, and return the first whose per-device need is within
@@ -775,7 +791,7 @@ def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
     when not its compiled step's (an accelerator target's memory model: nothing compiled)."""
     deadline = time.perf_counter() + time_budget_s
     cfg = base
-    for overrides in cost.candidates(cfg)[:max_tries]:
+    for overrides in overrides_to_try(cfg)[:max_tries]:
         if time.perf_counter() > deadline:
             return None
         trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
@@ -813,26 +829,26 @@ def step_estimate(cfg: RunConfig, exp: Any, compiled: Any, target: Target,
     # A user model (model._target_): XLA's counts of its compile; the memory and time models
     # know dxrun's own block only.
     own = not cfg.model._target_
-    accelerator = key in cost.COST and own
+    accelerator = key in COST and own
     fp = footprint(exp, compiled, xla_cost=xla_cost and not accelerator)
     state = exp.abstract_state()
     n_params = exp.count_params(state.params)  # the real vocabulary, without padding
     plan = exp.plan  # the layout, batch and sequence length: the run plan's, not the config's
     tokens = plan.global_batch * plan.seq_len
-    model_flops = cost.flops_per_token(cfg.model, n_params, plan.seq_len) * tokens
+    model_flops = flops_per_token(cfg.model, n_params, plan.seq_len) * tokens
     timing = None
     if accelerator and peak:
-        w = cost.workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
+        w = workload(cfg, exp.plan, n_params, fp.params_bytes / 4,
                               target_vocab(cfg, plan, target),
                               kernel_on(cfg, plan, target.device_kind))
         t = TARGETS[key]
-        timing = cost.step_time(w, cost.COST[key], peak, t.hbm_bytes_per_s,
+        timing = step_time(w, COST[key], peak, t.hbm_bytes_per_s,
                                     t.link_bytes_per_s,
                                     collective_list(compiled.as_text(), exp.plan.n_devices))
-        parts = cost.step_flops(cfg.model, tokens, plan.seq_len, w.vocab, plan.remat,
+        parts = step_flops(cfg.model, tokens, plan.seq_len, w.vocab, plan.remat,
                                  timing["fused_attention"])
     else:
-        parts = cost.step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
+        parts = step_flops(cfg.model, tokens, plan.seq_len, plan.padded_vocab,
                                  plan.remat)
         if cfg.model._target_:  # a user model: no block of dxrun's to count by parts
             parts = {"model": model_flops, "hardware": model_flops}
@@ -981,7 +997,7 @@ def cache_key(cfg: RunConfig, held: tuple[int, int], n_devices: int, device_kind
     was measured."""
     key = {"model": OmegaConf.to_container(cfg.model, resolve=True),
            "batch": held[0], "seq_len": held[1],
-           "precision": precision_of(cfg.train.precision, cost.normalize_kind(device_kind)),
+           "precision": precision_of(cfg.train.precision, normalize_kind(device_kind)),
            "optimizer": cfg.optimizer.name,
            "devices": n_devices, "processes": processes, "device_kind": device_kind,
            "jax": jax_version, "measured": cfg.parallelism.search != "model",
@@ -1146,7 +1162,7 @@ def time_layouts(cfg: RunConfig, layouts: list[Layout], devices: tuple,
             turns[layout].append(statistics.median(times))
             release_freed_memory()  # the next layout's buffers have other shapes
             log.info("layout search: %s %s ms per step (%d timed, round %d of at most %d)",
-                     layout.label, _ms(1e3 * turns[layout][-1]), len(times), k + 1, rounds)
+                     layout.label, ms_text(1e3 * turns[layout][-1]), len(times), k + 1, rounds)
         if prune:
             kept = survivors({x: statistics.median(turns[x]) for x in live}, prune)
             live = [layouts[i] for i in agreed(f"{tag}/{k}/live",
@@ -1235,7 +1251,7 @@ def start_layout(cfg: RunConfig, devices: tuple, held: tuple[int, int]) -> Layou
 def say_score(layout: Layout, need_gb: float, est_s: float | None) -> None:
     """A candidate's score in the log as the model stage takes it (a compile takes seconds)."""
     log.info("layout search: %s needs %.3f GiB per device, est. %s ms", layout.label, need_gb,
-             _ms(None if est_s is None else 1e3 * est_s))
+             ms_text(None if est_s is None else 1e3 * est_s))
 
 
 def worth_it(cfg: RunConfig, layouts: list[Layout], score: Score, budget: float,
@@ -1264,15 +1280,15 @@ def worth_it(cfg: RunConfig, layouts: list[Layout], score: Score, budget: float,
         if est is not None and (budget_gb is None or need <= budget_gb):
             row = Row(start, need, 1e3 * est, fits=True)
             cost, steps, run_s = search_cost(cfg, row, len(layouts), compile_s,
-                                             devices[1] == "cpu")
+                                             devices[1] == "cpu", faults_from_env().steps())
             if cost > budget * run_s:
                 turns = f", {steps} steps of turns" if steps else ""
                 more = len(layouts) - 1
                 verdict = (f"a search of {len(layouts)} layouts ({more} more "
                            f"compile{'s' * (more != 1)} of {compile_s:.1f} s{turns}) would take "
-                           f"est. {_s(cost)} s, more than parallelism.search_budget={budget:g} "
-                           f"of the run's est. {_s(run_s)} s ({cfg.train.steps} steps at "
-                           f"{_ms(1e3 * est)} ms on {target}); parallelism.search=fresh "
+                           f"est. {s_text(cost)} s, more than parallelism.search_budget={budget:g} "
+                           f"of the run's est. {s_text(run_s)} s ({cfg.train.steps} steps at "
+                           f"{ms_text(1e3 * est)} ms on {target}); parallelism.search=fresh "
                            "searches anyway")
     verdict = agreed(f"{tag}/budget", verdict)
     if verdict is None:
@@ -1450,7 +1466,7 @@ def _ranked(s: _Search, layouts: list[Layout], score: Score, built: dict[Layout,
         timed = to_measure(rows, top, every, turn_s)
         # One padding of the vocabulary: the state moves between layouts as it is.
         if len({built[r.layout].padded_vocab for r in timed if r.layout in built}) == 1:
-            cap = train_through(cfg, timed, s.budget_gb)
+            cap = train_through(cfg, timed, s.budget_gb, faults=faults_from_env().steps())
     timer = timer or (lambda c, ls: time_layouts(c, ls, s.devices, built, prune=prune,
                                                  tag=s.tag, keep=handover, with_turns=True,
                                                  train_cap=cap, held=s.held))
@@ -1469,8 +1485,8 @@ def state_floor(s: _Search, layout: Layout) -> None:
     if floor > budget:
         raise ConfigError(
             f"parallelism=auto: the weights and optimizer state alone need "
-            f"{_gib(floor / GiB)} per device sharded over all {n} {s.devices[1]} devices, more "
-            f"than {source} gives one ({_gib(budget / GiB)}); try a smaller model or more "
+            f"{gib_text(floor / GiB)} per device sharded over all {n} {s.devices[1]} devices, more "
+            f"than {source} gives one ({gib_text(budget / GiB)}); try a smaller model or more "
             "devices")
 
 
@@ -1494,7 +1510,7 @@ def nothing_fits(s: _Search, rows: list[Row]) -> str:
     n = s.cfg.parallelism.n_devices or s.devices[0]
     return (f"parallelism=auto: none of the {len(rows)} layouts of {n} {s.devices[1]} "
             f"devices fits at data.batch_size={batch}, data.seq_len={seq_len} "
-            f"({source}: {_gib(budget / GiB)} per device{what}); try {fix}")
+            f"({source}: {gib_text(budget / GiB)} per device{what}); try {fix}")
 
 
 def _fits_at(s: _Search, layout: Layout, batch: int) -> bool:
@@ -1560,7 +1576,7 @@ def _cached_doubt(s: _Search, layout: Layout, score: Score | None) -> str | None
     except TooLarge as e:
         return f"chose {layout.label}, which no longer fits: {str(e).removeprefix('does not fit: ')}"
     if s.budget_gb is not None and need > s.budget_gb:
-        return f"chose {layout.label}, which no longer fits: {_gib(need)} of {_gib(s.budget_gb)}"
+        return f"chose {layout.label}, which no longer fits: {gib_text(need)} of {gib_text(s.budget_gb)}"
     return None
 
 
@@ -1583,7 +1599,7 @@ def _scorer(s: _Search, built: dict[Layout, Any] | None = None) -> Score:
                 raise
             if say:
                 log.info("layout search: %s does not fit: XLA refuses it (needs %s)",
-                         layout.label, _gib(xla_need(e)))
+                         layout.label, gib_text(xla_need(e)))
             raise TooLarge(xla_need(e)) from None
         est = step_estimate(s.cfg, exp, compiled, s.target, s.peak, xla_cost=False)
         need = (est.mem.total_bytes if est.mem is not None and s.plan_mode
@@ -1806,8 +1822,8 @@ def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[flo
     m = cfg.model
     kernel = kernel_on(cfg, plan, target.device_kind)
     vocab = target_vocab(cfg, plan, target)
-    x = cost.shapes(m, plan, kernel, vocab)
-    return cost.estimate_memory(x, *state, plan.fsdp).total_bytes
+    x = shapes(m, plan, kernel, vocab)
+    return estimate_memory(x, *state, plan.fsdp).total_bytes
 
 
 def _step_bound(cfg: RunConfig, plan: MeshPlan, target: Target, peak: float | None,
@@ -1817,13 +1833,13 @@ def _step_bound(cfg: RunConfig, plan: MeshPlan, target: Target, peak: float | No
     key = target_key(target)
     if not peak:
         return None
-    if key in cost.COST:
-        w = cost.workload(cfg, plan, n_params, params_bytes / 4,
+    if key in COST:
+        w = workload(cfg, plan, n_params, params_bytes / 4,
                               kernel=kernel_on(cfg, plan, target.device_kind))
         t = TARGETS[key]
-        return cost.step_time(w, cost.COST[key], peak, t.hbm_bytes_per_s,
+        return step_time(w, COST[key], peak, t.hbm_bytes_per_s,
                                   t.link_bytes_per_s, [])["step_time_s"]
-    parts = cost.step_flops(cfg.model, plan.global_batch * plan.seq_len, plan.seq_len,
+    parts = step_flops(cfg.model, plan.global_batch * plan.seq_len, plan.seq_len,
                              plan.padded_vocab, plan.remat)
     return parts["hardware"] / plan.n_devices / (peak * 1e12)
 
@@ -2051,10 +2067,10 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
             "disagreement": disagreement(mem.total_bytes, fp.total_bytes)}
     report["checkpoint"] = checkpoint_cost(nbytes, write, *plan.cadence, est.get("step_time_s"))
     report["model"] = (plan_line(cfg.model, s.n_params) if cfg.model._target_
-                       else cost.shape_line(cfg.model, s.n_params))
-    report["tflops_per_device"] = cost.tflops_per_device(model_flops, exp.plan.n_devices,
+                       else shape_line(cfg.model, s.n_params))
+    report["tflops_per_device"] = tflops_per_device(model_flops, exp.plan.n_devices,
                                                         est.get("step_time_s"))
-    report["preset"] = cost.preset_note(cfg.parallelism.name, exp.plan.shape)
+    report["preset"] = preset_note(cfg.parallelism.name, exp.plan.shape)
     if not est["fits"] and suggest:
         # The asked step priced as the candidates are: on a CPU target from the shapes' FLOPs
         # and this compile's bytes, not the two more compiles of XLA's own count.
@@ -2068,10 +2084,10 @@ def plan_report(cfg: Any, exp: Any, suggest: bool = True,
     opt = mem.opt_state_bytes if mem is not None else fp.opt_state_bytes
     found = report.get("advice")
     report["warnings"] = [w for w in (
-        cost.fit_warning(est, found and advice_text(found, exp.plan.n_devices, short=True)),
-        cost.kv_heads_warning(cfg.model), warning,
-        cost.unsplit_warning(zero, opt, unsplit, exp.plan.dp),
-        cost.exposed_warning(est)) if w]
+        fit_warning(est, found and advice_text(found, exp.plan.n_devices, short=True)),
+        kv_heads_warning(cfg.model), warning,
+        unsplit_warning(zero, opt, unsplit, exp.plan.dp),
+        exposed_warning(est)) if w]
     return report
 
 

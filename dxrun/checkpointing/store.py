@@ -33,10 +33,10 @@ from dxrun.config import (
     disk_error,
     named_line,
 )
+from dxrun.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
 from dxrun.data import position
 from dxrun.experiment import TrainState
-from dxrun.plan.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
-from dxrun.plan.run_plan import Resume
+from dxrun.plan import Resume
 from dxrun.run import Preemption, ProcessAgreement, faults_from_env, gather, is_main, relaunch_command
 from dxrun.tracking.goodput import NOTICEABLE_BLOCK_S, SaveTotals
 from dxrun.tracking.logger import Monitor, stopped_early

@@ -43,9 +43,10 @@ from dxrun.config import (
     null_is_a_value,
 )
 from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
+from dxrun.config.schema import GLOBAL, PER_DEVICE
+from dxrun.cost import TARGETS
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
-from dxrun.plan.cost import TARGETS
-from dxrun.plan.run_plan import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
+from dxrun.plan import check_batch_keys, default_seq_len, resolve_loss_chunk
 from dxrun.run import unread_logger_keys
 
 
