@@ -180,10 +180,10 @@ def first_step(run_dir: str) -> float:
 def plan_step_ms(shape: str, tokens: str | None) -> float:
     """Plan mode's estimate of the shape's step on a v5e (``run.mode=plan plan.target=v5e``),
     compiled on CPU from shapes alone: run it where no chip is held."""
-    from dxrun.autotune import fit
+    from dxrun.autotune import plan_report, planned
 
     cfg = compose_cfg(*overrides(shape, tokens), "run.mode=plan", "plan.target=v5e")
-    report = fit.plan_report(cfg, fit.planned(cfg).exp, suggest=False)
+    report = plan_report(cfg, planned(cfg).exp, suggest=False)
     return round(1e3 * report["target"]["step_time_s"], 1)
 
 

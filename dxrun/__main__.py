@@ -70,6 +70,9 @@ from dxrun.run import (
     write_hydra_files,
     write_status,
 )
+from dxrun.run import (
+    claim as claim_dir,
+)
 from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.tracking.logger import record_end
 
@@ -176,7 +179,7 @@ def _start_jax(cfg: RunConfig, status: JobStatus) -> bool:
 def _plan(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus) -> Any:
     """run.mode=plan: the decision reported for plan.target; nothing trained."""
     with command_imports():
-        from dxrun.autotune.fit import planned, run_plan  # imports JAX
+        from dxrun.autotune import planned, run_plan  # imports JAX
 
     # data.seq_len=null resolved for the target; for parallelism=auto the layout
     # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
@@ -292,15 +295,15 @@ def _committed(ckpt: CheckpointConfig, run_dir: Path) -> tuple[Path, list[int]]:
 
 def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf,
                    asked: Path, held: list[Claim] | None = None) -> Claim:
-    """The dir this training job writes to (``runtime.claim``), held by process 0 for the
+    """The dir this training job writes to (``dxrun.run.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
-    ``asked`` is said at once rather than only in the last line. ``held``: as ``runtime.claim``
+    ``asked`` is said at once rather than only in the last line. ``held``: as ``dxrun.run.claim``
     (the caller's hold on the dir from the moment it is locked)."""
     wait_s = wait_seconds(run.wait_for_lock)
     claim, decision = None, {}
     if is_main():
         try:
-            claim = claim(
+            claim = claim_dir(
                 asked, named=names_its_dir(hydra_cfg),
                 fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
                 has_checkpoints=lambda d: bool(_committed(ckpt, d)[1]))

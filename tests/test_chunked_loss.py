@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun.autotune.fit import NoData, collective_traffic
+from dxrun.autotune import collective_traffic
 from dxrun.config.errors import ConfigError
 from dxrun.cost import head_bytes, shapes
 from dxrun.experiment import Experiment, loss_and_metrics
+from dxrun.fit import NoData
 from dxrun.model.objectives import objective_of
 from dxrun.model.sharding import in_mesh_context
 from dxrun.plan import AUTO_ON_BYTES, resolve_loss_chunk

@@ -104,4 +104,4 @@ def test_the_step_factories_take_the_plan_not_its_pieces():
 def test_one_carrier_from_the_decision_to_the_loop():
     classes = [(path, n.name) for path, tree in _trees().items() for n in ast.walk(tree)
                if isinstance(n, ast.ClassDef) and n.name in ("Decided", "Prepared")]
-    assert classes == [("dxrun/autotune/fit.py", "Decided")]
+    assert classes == [("dxrun/fit/decide.py", "Decided")]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import collectives, resolve_peak
+from dxrun.autotune import collectives, cost_per_device
 from dxrun.cost import flops_per_token, matmul_params, peak_tflops
 from dxrun.experiment import Experiment
+from dxrun.fit import matmul_probe, measure_peak_tflops, resolve_peak
 
 
 # The README's bounds, per model: XLA also counts the elementwise work (norms, softmax, GELU,
@@ -24,7 +24,7 @@ def test_formula_matches_compiled_flops(cfg_factory, model, extra, bound):
     exp = Experiment.build(cfg)
     # Shapes only (GPT-2 small is never materialised); the layers are scanned, so XLA's count
     # is of the unrolled 1- and 2-layer steps, extrapolated in depth (plan_mode).
-    xla, _ = fit.cost_per_device(exp)
+    xla, _ = cost_per_device(exp)
     state = exp.abstract_state()
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     formula = flops_per_token(cfg.model, n_params, cfg.data.seq_len) * (
@@ -126,7 +126,7 @@ def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
 
 def test_measured_peak_runs_the_probe_on_every_device_at_once():
     devices = jax.devices()
-    compiled, x = fit.matmul_probe(devices, n=64)
+    compiled, x = matmul_probe(devices, n=64)
     # One 64 x 64 matrix on each of the 8 devices, each multiplied where it lives.
     assert {s.device for s in x.addressable_shards} == set(devices)
     assert {s.data.shape for s in x.addressable_shards} == {(1, 64, 64)}
@@ -134,4 +134,4 @@ def test_measured_peak_runs_the_probe_on_every_device_at_once():
     text = compiled.as_text()
     assert "f32[1,64,64]" in text and "f32[8,64,64]" not in text
     assert collectives(text) == {}
-    assert fit.measure_peak_tflops(devices, n=64, repeats=2) > 0
+    assert measure_peak_tflops(devices, n=64, repeats=2) > 0

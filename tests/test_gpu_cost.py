@@ -1,4 +1,4 @@
-"""The accelerator time model (dxrun/plan/cost.py) and the FLOPs it counts from the shapes."""
+"""The accelerator time model (dxrun/cost/time_model.py) and the FLOPs it counts from the shapes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import _group_size, replica_groups
+from dxrun.autotune import cost_per_device, replica_groups
+from dxrun.autotune.hlo import _group_size
 from dxrun.cost import (
     COST,
     PEAK_TFLOPS,
@@ -30,7 +30,7 @@ PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", 
 def _xla_and_counted(cfg_factory, *overrides: str) -> tuple[float, dict]:
     cfg = cfg_factory("parallelism=dp1", "logger=none", "data.batch_size=1", *overrides)
     exp = Experiment.build(cfg)
-    xla, _ = fit.cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
+    xla, _ = cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
     tokens = cfg.data.batch_size * cfg.data.seq_len
     counted = step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
                                cfg.model.remat, fused_attention=False)

@@ -1,4 +1,4 @@
-"""parallelism=auto (dxrun/autotune/fit.py, dxrun/plan/run_plan.py): candidates, the fit
+"""parallelism=auto (dxrun/autotune/search.py, dxrun/cost/layouts.py): candidates, the fit
 rule, the measured choice, the cache, and that the chosen layout is an ordinary mesh (same
 losses as one device)."""
 
@@ -15,10 +15,19 @@ import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
 from dxrun import cost as rules
-from dxrun.autotune import fit as auto_search
-from dxrun.autotune.fit import search, start_layout, worth_it
+from dxrun.autotune import (
+    CACHE_SCHEMA,
+    cache_key,
+    cache_path,
+    read_cache,
+    search,
+    start_layout,
+    worth_it,
+    write_cache,
+)
 from dxrun.cost import Row, held_batch
 from dxrun.experiment import visible_devices
+from dxrun.fit import xla_need
 from dxrun.plan import Layout, own_s
 
 
@@ -100,8 +109,8 @@ def test_a_candidate_the_chip_refuses_is_a_row_and_the_search_goes_on():
     that does not fit, never the search's end: the mesh's next variants are tried (more
     recomputation, then micro-batches), and a mesh that fits nowhere keeps its last variant's
     row, with what XLA says it needs."""
-    assert auto_search.xla_need(RuntimeError(TPU_REFUSAL)) == pytest.approx(23.62)
-    assert auto_search.xla_need(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
+    assert xla_need(RuntimeError(TPU_REFUSAL)) == pytest.approx(23.62)
+    assert xla_need(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
     tried = []
 
     def score(layout):
@@ -242,16 +251,16 @@ def test_every_layout_is_timed_when_their_steps_are_cheap():
 def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg("parallelism=auto")
-    key = auto_search.cache_key(cfg, held(cfg), 8, "cpu", "0.10.2", 1)
+    key = cache_key(cfg, held(cfg), 8, "cpu", "0.10.2", 1)
     other = make_cfg("parallelism=auto", "data.batch_size=64")
-    assert key != auto_search.cache_key(other, held(other), 8, "cpu", "0.10.2", 1)
-    assert key != auto_search.cache_key(cfg, held(cfg), 4, "cpu", "0.10.2", 1)
-    assert key != auto_search.cache_key(cfg, held(cfg), 8, "cpu", "0.10.3", 1)
+    assert key != cache_key(other, held(other), 8, "cpu", "0.10.2", 1)
+    assert key != cache_key(cfg, held(cfg), 4, "cpu", "0.10.2", 1)
+    assert key != cache_key(cfg, held(cfg), 8, "cpu", "0.10.3", 1)
     import jax
 
-    key = auto_search.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
     row = Row(layout(2, 2, 2, "dots", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
-    auto_search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+    write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
 
     def timer(cfg, layouts):
@@ -263,7 +272,7 @@ def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypat
     assert chosen.remat == "dots" and cfg.model.remat == "none"  # cfg is read only
     # parallelism.search=fresh never reads it (the key is the same: fresh measures too).
     fresh = make_cfg("parallelism=auto", "parallelism.search=fresh")
-    assert auto_search.cache_key(fresh, held(fresh), 8, jax.devices()[0].device_kind,
+    assert cache_key(fresh, held(fresh), 8, jax.devices()[0].device_kind,
                            jax.__version__, 1) == key
 
 
@@ -279,9 +288,9 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
     common = ["data.seq_len=16", "train.steps=3", "train.log_every=1", "train.eval_every=0",
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", *common)
-    key = auto_search.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
     row = Row(layout(2, 2, 2, "full", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
-    auto_search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+    write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
     train(cfg, tmp_path / "auto")
     train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
@@ -438,7 +447,7 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
                                    held(odd))
     assert row.layout == layout(2, 1, 4) and what == "the first layout the plan accepts"
     assert not record["cached"]
-    assert auto_search.read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
+    assert read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
 
 
 def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched):
@@ -579,7 +588,7 @@ def _entry(layout, **fields):
 
 def _put(key, entry):
     """``entry`` written by hand into the cache as it stands, no schema added."""
-    path = auto_search.cache_path(key)
+    path = cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(entry if isinstance(entry, str) else json.dumps(entry))
     return path
@@ -594,17 +603,17 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg(*TWO)
-    key = auto_search.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
     dp2, fsdp2 = layout(2, 1, 1), layout(1, 2, 1)
-    sound = {**_entry(fsdp2), "schema": auto_search.CACHE_SCHEMA}
+    sound = {**_entry(fsdp2), "schema": CACHE_SCHEMA}
     damaged = {
         "not JSON": "{\"search\": \"meas",
-        "no ranking": {"search": "measure", "schema": auto_search.CACHE_SCHEMA},
+        "no ranking": {"search": "measure", "schema": CACHE_SCHEMA},
         "none chosen": {**sound, "rows": [{**sound["rows"][0], "chosen": False}]},
-        "no devices": {**_entry(layout(0, 2, 1)), "schema": auto_search.CACHE_SCHEMA},
-        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": auto_search.CACHE_SCHEMA},
+        "no devices": {**_entry(layout(0, 2, 1)), "schema": CACHE_SCHEMA},
+        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": CACHE_SCHEMA},
         "no schema": _entry(fsdp2),  # today's entries: decided once more, then stamped
-        "tp2 (one head)": {**_entry(layout(1, 1, 2)), "schema": auto_search.CACHE_SCHEMA},
+        "tp2 (one head)": {**_entry(layout(1, 1, 2)), "schema": CACHE_SCHEMA},
     }
     for what, entry in damaged.items():
         path = _put(key, entry)
@@ -637,8 +646,8 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
     cfg = make_cfg(*TWO, "data.seq_len=64", "data.batch_size=64",
                                   "runtime.memory_gb=0.0625", "parallelism.search=model",
                                   "model.remat=full")
-    key = auto_search.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    path = _put(key, {**_entry(layout(2, 1, 1)), "schema": auto_search.CACHE_SCHEMA})
+    key = cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    path = _put(key, {**_entry(layout(2, 1, 1)), "schema": CACHE_SCHEMA})
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         record = search_record(cfg)
     (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -647,7 +656,7 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
     assert record["searched"] and not record["cached"]
     chosen = next(r for r in record["rows"] if r["chosen"])
     assert chosen["grad_accum"] > 1 and chosen["need_gb"] <= 0.0625 / 8
-    assert rules.chosen_layout(auto_search.read_cache(key)[0]) == rules.chosen_layout(record)
+    assert rules.chosen_layout(read_cache(key)[0]) == rules.chosen_layout(record)
 
 
 def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, monkeypatch):

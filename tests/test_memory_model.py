@@ -1,11 +1,12 @@
-"""The accelerator memory model (dxrun/plan/cost.py): held against XLA's memory analysis of
+"""The accelerator memory model (dxrun/cost/memory_model.py): held against XLA's memory analysis of
 the compiled step in fp32, and what bf16, fused attention, remat, tp and accumulation change."""
 
 from __future__ import annotations
 
 import pytest
 
-from dxrun.autotune import fit
+from dxrun.autotune import accelerator_memory, memory_rows, plan_report, plan_table
+from dxrun.autotune.footprint import _shard_bytes
 from dxrun.cost import (
     REMAT,
     TARGETS,
@@ -19,6 +20,7 @@ from dxrun.cost import (
     working_set,
 )
 from dxrun.experiment import Experiment, step_bytes
+from dxrun.fit import NoData, first_that_fits
 from dxrun.plan import make_plan
 
 # Activations dominate: 4 layers of 256 tokens x 8 sequences at d_model 128 keep ~200 MB of
@@ -32,9 +34,9 @@ ACTIVATIONS = ["logger=none", "parallelism=dp1", "model=tiny", "model.d_model=12
 def _model_bytes(exp: Experiment, kernel: str | None = None) -> MemoryEstimate:
     state = exp.abstract_state()
     x = shapes(exp.cfg.model, exp.plan, kernel or exp.attention_kernel)
-    return estimate_memory(x, fit._shard_bytes(state.params),
-                              fit._shard_bytes(state.opt_state),
-                              fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+    return estimate_memory(x, _shard_bytes(state.params),
+                              _shard_bytes(state.opt_state),
+                              _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -77,8 +79,8 @@ def test_fused_attention_keeps_o_of_t_and_xla_keeps_the_scores():
 
 def test_the_target_decides_the_kernel(cfg_factory):
     """The memory model reads the run plan's kernel where the plan is for the target's
-    platform, else the table's rule for that target (``autotune.fit.kernel_on``)."""
-    from dxrun.autotune.fit import kernel_on
+    platform, else the table's rule for that target (``autotune.footprint.kernel_on``)."""
+    from dxrun.autotune import kernel_on
     from dxrun.plan import CAPABILITY, make_plan
 
     h100, a100, v5p = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5"
@@ -137,8 +139,8 @@ def test_bf16_needs_less_than_fp32_for_every_preset_and_target(cfg_factory):
             cfg = cfg_factory(f"model={preset}", "parallelism=fsdp8", "logger=none",
                               f"data.seq_len={seq}", "data.batch_size=64",
                               f"train.precision={precision}")
-            exp = Experiment.build(cfg, data=fit.NoData())
-            need[precision] = {k: fit.accelerator_memory(exp, t)
+            exp = Experiment.build(cfg, data=NoData())
+            need[precision] = {k: accelerator_memory(exp, t)
                                for k, t in accelerators.items()}
         for k in accelerators:
             fp32, bf16 = need["fp32"][k], need["bf16"][k]
@@ -155,8 +157,8 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=dp1", "plan.target=h100", "logger=none",
                       "train.precision=bf16")
-    exp = Experiment.build(cfg, data=fit.NoData())
-    report = fit.plan_report(cfg, exp)
+    exp = Experiment.build(cfg, data=NoData())
+    report = plan_report(cfg, exp)
     m, t = report["memory_model"], report["target"]
     assert t["needs_from"] == "memory model"
     # plan.json: the H100 run's vocabulary rows (128-aligned) beside the CPU plan's own
@@ -164,16 +166,16 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     assert t["needs_per_device_gb"] == pytest.approx(m["total_bytes"] / 1e9)
     assert m["xla_cpu_total_bytes"] == report["per_device"]["total_bytes"]  # kept beside it
     assert "attention cudnn" in m["basis"]  # bf16 on an H100: cuDNN's fused attention
-    table = fit.plan_table(report)
+    table = plan_table(report)
     assert "memory model: remat=none, attention cudnn, bf16 activations" in table
     assert "XLA:CPU" not in table  # bf16: the CPU program is not the GPU's; never compared
     # fp32 and more than 10% apart: the CPU compile's figure gets its own row
     fp32 = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.25}}
-    rows = dict(fit.memory_rows(fp32))
+    rows = dict(memory_rows(fp32))
     assert rows["XLA:CPU"].endswith("(25% from the model)")
     assert "total" in rows["XLA:CPU"] and "memory model" in rows["per device"]
     close = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.05}}
-    assert "XLA:CPU" not in dict(fit.memory_rows(close))
+    assert "XLA:CPU" not in dict(memory_rows(close))
 
 
 def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
@@ -184,15 +186,15 @@ def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
     h100 = TARGETS["h100"]
 
     def need(c) -> float:
-        return fit.accelerator_memory(Experiment.build(c, data=fit.NoData()),
+        return accelerator_memory(Experiment.build(c, data=NoData()),
                                             h100).total_bytes
 
     cfg = cfg_factory("model=small", "parallelism=dp8", "data.seq_len=1024",
                       "data.batch_size=64", "logger=none")
     full = OmegaConf.merge(cfg, {"model": {"remat": "full"}})
     budget = (need(cfg) + need(full)) / 2
-    fix = fit.first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
-                                    need=lambda e: fit.accelerator_memory(e, h100).total_bytes)
+    fix = first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
+                                    need=lambda e: accelerator_memory(e, h100).total_bytes)
     assert fix == ["model.remat=full"]
     assert need(cfg) > budget >= need(OmegaConf.merge(cfg, OmegaConf.from_dotlist(fix)))
 
@@ -280,14 +282,14 @@ def test_a_gpu_target_counts_its_own_vocabulary_padding(cfg_factory):
     weights and for their gradient, 8 for AdamW's moments, on every device (dp8)."""
     cfg = cfg_factory("model=tiny", "parallelism=dp8", "data.vocab_size=1000",
                       "parallelism.shard_optimizer=false", "logger=none")
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     assert exp.plan.padded_vocab == 1000
-    h100 = fit.accelerator_memory(exp, TARGETS["h100"])
+    h100 = accelerator_memory(exp, TARGETS["h100"])
     assert h100.padded_vocab == 1024
     rows = 24 * cfg.model.d_model * 2  # wte and lm_head
     cpu_state = exp.abstract_state()
-    assert h100.params_bytes == fit._shard_bytes(cpu_state.params) + 4 * rows
-    assert h100.opt_state_bytes == fit._shard_bytes(cpu_state.opt_state) + 8 * rows
+    assert h100.params_bytes == _shard_bytes(cpu_state.params) + 4 * rows
+    assert h100.opt_state_bytes == _shard_bytes(cpu_state.opt_state) + 8 * rows
     assert h100.head_bytes > _model_bytes(exp).head_bytes  # logits of 1024 columns, not 1000
 
 
@@ -301,7 +303,7 @@ def test_the_plan_says_where_dxruns_step_keeps_more_than_a_leaner_program(cfg_fa
 
     def notes(*overrides: str, model: str = "tiny") -> list[str]:
         cfg = cfg_factory(f"model={model}", "logger=none", "data.batch_size=64", *overrides)
-        return fit.accelerator_memory(Experiment.build(cfg, data=fit.NoData()), h100).notes
+        return accelerator_memory(Experiment.build(cfg, data=NoData()), h100).notes
 
     zero, accum = notes("parallelism=dp8", "train.grad_accum=2", "model.remat=none",
                         "train.precision=bf16")

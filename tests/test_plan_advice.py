@@ -1,4 +1,4 @@
-"""Plan mode's advice (dxrun/autotune/fit.py, dxrun/plan/cost.py): the fastest setting
+"""Plan mode's advice (dxrun/autotune/advice.py, dxrun/cost/): the fastest setting
 that fits, ranked by the estimate; the warnings; the model's shape and TFLOP/s rows; the
 device count it plans for (plan.devices) and what a preset's name becomes there."""
 
@@ -9,12 +9,23 @@ import json
 import pytest
 from conftest import run_cli
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import resolve_target
+from dxrun.autotune import (
+    GROWTH,
+    Setting,
+    StateShapes,
+    accelerator_memory,
+    advice_text,
+    fastest_that_fits,
+    plan_report,
+    plan_table,
+    price,
+    settings,
+)
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import config_warnings, validate
 from dxrun.cost import GB, exposed_warning, fit_warning, preset_note, unsplit_warning, usable_bytes
 from dxrun.experiment import Experiment
+from dxrun.fit import NoData, first_that_fits, resolve_target
 from dxrun.run import accelerator_plan_note, simulated_count
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.027% of its memory
@@ -29,14 +40,14 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.00027")
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory(*TIGHT)
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     target, peak = resolve_target(cfg, 8)
     budget = usable_bytes(target)
     state = exp.abstract_state()
-    asked = fit.accelerator_memory(exp, target).total_bytes
+    asked = accelerator_memory(exp, target).total_bytes
     assert asked > budget  # the plan as asked does not fit
     n_params = exp.count_params(state.params)
-    found = fit.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       n_params, runners_up=1, max_compiles=3)
     best, (second,) = found["suggestion"], found["runners_up"]
     # each compiled from shapes and sized as plan mode sizes a plan: within the budget
@@ -45,17 +56,17 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     assert found["compiled"] <= 3 < found["candidates"]  # most never compiled
     # Today's first that fits (recompute everything) is slower than the suggestion: even its
     # step without collectives (a lower bound of its estimate) is longer.
-    legacy = fit.first_that_fits(cfg, budget, exp.plan,
-                                 need=lambda e: fit.accelerator_memory(e, target).total_bytes)
+    legacy = first_that_fits(cfg, budget, exp.plan,
+                                 need=lambda e: accelerator_memory(e, target).total_bytes)
     assert legacy == ["model.remat=full"]
-    start = fit.Setting(exp.plan.layout, exp.plan.shard_optimizer)
-    (full,) = [p for p in fit.price(
-        cfg, fit.StateShapes.of(exp, state), target, peak, n_params,
-        fit.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
+    start = Setting(exp.plan.layout, exp.plan.shard_optimizer)
+    (full,) = [p for p in price(
+        cfg, StateShapes.of(exp, state), target, peak, n_params,
+        settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
         if p.overrides == legacy]
     assert full.need_bytes <= budget and full.step_s > best["step_time_s"]
     assert "model.remat=full" not in best["overrides"]
-    line = fit.advice_text(found, 8)
+    line = advice_text(found, 8)
     assert line.startswith(f"fastest that fits: {' '.join(best['overrides'])} (est. ")
     assert "runners-up: " + " ".join(second["overrides"]) in line
     # the asked step's 1.0 s against the suggestion's: the speed ratio it prints
@@ -68,17 +79,17 @@ def test_a_mesh_too_small_says_how_many_devices_would_do(cfg_factory, monkeypatc
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.000022")
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory(*TIGHT)
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     target, peak = resolve_target(cfg, 8)
     state = exp.abstract_state()
-    found = fit.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       exp.count_params(state.params))
     assert "suggestion" not in found and found["fit_by_model"] == 0 and found["compiled"] == 0
     larger = found["larger_mesh"]
-    assert larger["devices"] in {8 * k for k in fit.GROWTH} and larger["devices"] > 8
+    assert larger["devices"] in {8 * k for k in GROWTH} and larger["devices"] > 8
     assert larger["overrides"][0] == f"plan.devices={larger['devices']}"
     assert larger["needs_gb"] * GB <= usable_bytes(target)
-    line = fit.advice_text(found, 8)
+    line = advice_text(found, 8)
     assert line.startswith(f"no layout of 8 devices fits; {larger['devices']} would: "
                            f"plan.devices={larger['devices']} ")
 
@@ -91,7 +102,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "parallelism=tp4", "plan.target=h100",
                       "train.precision=bf16", "logger=none")
-    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()),
+    report = plan_report(cfg, Experiment.build(cfg, data=NoData()),
                                    suggest=False)
     fits, kv, toy, exposed = report["warnings"]
     assert fits.startswith("the plan does not fit H100 SXM 80GB: it needs ")
@@ -107,7 +118,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     tflops = report["model_flops_per_step"] / report["n_devices"] / t["step_time_s"] / 1e12
     assert report["tflops_per_device"] == pytest.approx(tflops)
     assert report["tflops_per_device"] == pytest.approx(t["mfu"] * t["peak_tflops"])
-    table = fit.plan_table(report)
+    table = plan_table(report)
     assert f"  model        {report['model']}" in table
     assert f"TFLOP/s      {tflops:.1f} per device" in table
     assert table.count("\n  warning      ") == 4
@@ -115,7 +126,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=dp8",
                       "plan.target=h100", "logger=none")
-    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+    report = plan_report(cfg, Experiment.build(cfg, data=NoData()))
     assert len(report["warnings"]) == 1 and report["warnings"][0].startswith("planning 2,048")
     assert "advice" not in report and "8 heads / 8 kv heads of 8" in report["model"]
 

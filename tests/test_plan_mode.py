@@ -11,8 +11,7 @@ from conftest import run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import collective_traffic
+from dxrun.autotune import collective_traffic, footprint, plan_report, plan_table
 from dxrun.cost import (
     GB,
     TARGETS,
@@ -29,6 +28,7 @@ from dxrun.cost import (
     usable_share,
 )
 from dxrun.experiment import Experiment, step_bytes
+from dxrun.fit import HOST_FILE, NoData, host_figure
 from dxrun.model import sharding
 
 
@@ -72,7 +72,7 @@ def test_an_analysis_compile_reads_as_the_runs_compile(cfg_factory):
 
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=fsdp8", "logger=none")
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     real, cheap = exp.compile_step(), exp.analyse_step()
     assert exp.step.compiled is real  # the run's executable is the real compile, never this one
     assert cheap.as_text() == real.as_text()
@@ -107,7 +107,7 @@ def wide():
 
 def test_footprint_is_per_device_and_follows_the_mesh(wide):
     dp = wide["dp8_replicated"][0]
-    a, b = (fit.footprint(e, compiled)
+    a, b = (footprint(e, compiled)
             for e, compiled in (wide["dp8_replicated"], wide["fsdp8"]))
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(dp.seeded.params)))
     assert a.params_bytes == 4 * n_params  # replicated on every device
@@ -125,7 +125,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
     memory_gb = per_device * 8 / USABLE_CPU / 2**30
     cfg = cfg_factory(*WIDE, "parallelism=dp8", "plan.target=cpu",
                       f"runtime.memory_gb={memory_gb}", "runtime.peak_tflops=1")
-    report = fit.plan_report(cfg, Experiment.build(cfg))
+    report = plan_report(cfg, Experiment.build(cfg))
     assert report["target"]["fits"] is False
     suggestion = report["suggestion"]
     assert suggestion  # the nearest first: recomputing activations, then FSDP, accumulation
@@ -133,7 +133,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
 
     fixed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(suggestion))
     assert _need(Experiment.build(fixed)) <= per_device  # the suggestion really fits
-    table = fit.plan_table(report)
+    table = plan_table(report)
     assert "NO" in table and " ".join(suggestion) in table
 
 
@@ -151,7 +151,7 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     # train.precision=auto plans the target's run: bf16 over fp32 masters on an accelerator
     assert plan["precision"] == "bf16" and plan["precision_auto"] is True
     assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 989.0
-    # the accelerator time model (dxrun/plan/cost.py): kernels one after another, the
+    # the accelerator time model (dxrun/cost/time_model.py): kernels one after another, the
     # collectives' exposed part after them (issue 21; was max(compute, memory) + collectives)
     assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["collective_s"])
     assert t["estimate"].startswith("roofline calibrated on 2 runs")
@@ -220,7 +220,7 @@ def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
     for model, n in PARAMS.items():
         cfg = cfg_factory(f"model={model}", "parallelism=fsdp8", "plan.target=h200",
                           "logger=none")
-        report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+        report = plan_report(cfg, Experiment.build(cfg, data=NoData()))
         assert report["n_params"] == n, model
         per_device = report["per_device"]
         # fp32 weights split 8 ways; norms and biases stay replicated (a rounding error from
@@ -261,8 +261,8 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
 def test_processes_on_one_host_split_its_ram():
     """dxrun.launch --nproc 2 on one host: each process sees the whole MemAvailable, and gets
     half of it for its devices."""
-    from dxrun.autotune.fit import cpu_device_budget
     from dxrun.cost import USABLE_CPU
+    from dxrun.fit import cpu_device_budget
 
     gib = 2**30
     assert cpu_device_budget(64 * gib, 8, 1) == 64 * gib * USABLE_CPU / 8
@@ -308,12 +308,12 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=dp1", "plan.target=h200", "logger=none",
                       "plan.write_gb_per_s=2")
-    exp = Experiment.build(cfg, data=fit.NoData())
-    report = fit.plan_report(cfg, exp)
+    exp = Experiment.build(cfg, data=NoData())
+    report = plan_report(cfg, exp)
     t = report["target"]
     h200_gb = TARGETS["h200"].memory_bytes / 1e9  # 143,771 MiB as the driver reports
     assert t["usable_per_device_gb"] == pytest.approx(h200_gb * 0.9)
-    assert "usable 90% = 135.7 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in fit.plan_table(
+    assert "usable 90% = 135.7 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in plan_table(
         report)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's default: 75%
     pd = {k: v for k, v in report["per_device"].items() if k != "activations_bytes"}
@@ -329,7 +329,7 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     assert c["save_s"] == pytest.approx(c["state_bytes"] / 2e9)
     # checkpoint.every=null on a GPU: a wall-clock cadence, at least 10 minutes for a small state
     assert (c["every_steps"], c["every_minutes"], c["interval_s"]) == (0, 10.0, 600.0)
-    assert "every 10 min = a save every 600.0 s" in fit.plan_table(report)
+    assert "every 10 min = a save every 600.0 s" in plan_table(report)
 
 
 def test_the_default_save_cadence_follows_the_platform_and_the_state():
@@ -378,12 +378,12 @@ def test_a_host_figure_is_measured_once_per_machine(tmp_path, monkeypatch):
         calls.append(1)
         return 2.5
 
-    assert fit.host_figure("peak_tflops", measure) == 2.5
-    assert fit.host_figure("peak_tflops", measure) == 2.5 and len(calls) == 1
-    path = tmp_path / "dxrun" / fit.HOST_FILE
+    assert host_figure("peak_tflops", measure) == 2.5
+    assert host_figure("peak_tflops", measure) == 2.5 and len(calls) == 1
+    path = tmp_path / "dxrun" / HOST_FILE
     (key, figures), = json.loads(path.read_text()).items()
     assert figures == {"peak_tflops": 2.5} and "jax" in key
     for damage in ("{not json", json.dumps({key: {"peak_tflops": -1.0}}), "[]"):
         path.write_text(damage)
-        assert fit.host_figure("peak_tflops", measure) == 2.5
+        assert host_figure("peak_tflops", measure) == 2.5
     assert len(calls) == 4 and json.loads(path.read_text()) == {key: {"peak_tflops": 2.5}}

@@ -15,7 +15,7 @@ import pytest
 from conftest import make_cfg
 from flax import nnx
 
-from dxrun.autotune.fit import collective_lines, collectives
+from dxrun.autotune import collective_lines, collectives
 from dxrun.experiment import Experiment
 from dxrun.model import sharding
 from dxrun.model.transformer import Block

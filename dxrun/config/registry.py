@@ -25,7 +25,7 @@ DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 
 def default_batch(per_device: Any) -> int | None:
     """The ``default_batch`` resolver behind ``data.batch_size``'s default: 32, or null when a
-    per-device batch gives the global one (dxrun/plan/run_plan.py)."""
+    per-device batch gives the global one (dxrun/plan/batch.py)."""
     return DEFAULT_BATCH if per_device is None else None
 
 

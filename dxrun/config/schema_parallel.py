@@ -77,7 +77,7 @@ class ParallelismConfig:
         "`data` replicas; null = auto (on when dp > 1). Same losses either way; checkpoints "
         "restore across.")
     search: str = key(
-        "none", "parallelism=auto's layout search (dxrun/autotune/fit.py): none = "
+        "none", "parallelism=auto's layout search (dxrun/autotune/search.py): none = "
         "dp/fsdp/tp as given | measure = rank by estimate, time the top search_top, the fastest "
         "wins | model = the estimate's first | fresh = measure, ignoring the cached decision and "
         "search_budget (a search asked for).",

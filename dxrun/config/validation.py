@@ -152,7 +152,7 @@ def check_choices(node: Any, section: str) -> None:
     for key in _keys_of(section):
         allowed = FIELDS[key].metadata["choices"]
         if not isinstance(allowed, tuple) or (value := _get(node, key)) in allowed:
-            continue  # plan.target's list is plan.cost.TARGETS: check_plan
+            continue  # plan.target's list is cost.TARGETS: check_plan
         if value is None and (null_is_a_value(key) or FIELDS[key].metadata["sources"]):
             continue  # a source's key left null: not read, or check_data's (data.dtype)
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; "

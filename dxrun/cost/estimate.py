@@ -41,7 +41,7 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
     """Fit and speed for one target (per device; labelled as an estimate). ``timing``: the
     accelerator time model's step (``gpu_cost.step_time``); None: the roofline of XLA's counts
     (``plan.target=cpu``). ``need_bytes``: the per-device need when it does not come from the
-    compile (an accelerator target's memory model, ``dxrun.plan.cost``)."""
+    compile (an accelerator target's memory model, ``dxrun.cost.memory_model``)."""
     share = usable_share(target)
     usable = target.memory_bytes * share.fraction
     need = fp.total_bytes if need_bytes is None else need_bytes

@@ -349,7 +349,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     compute = sum(mm.values()) + attention + elementwise
     step = compute + comm["tensor"] + max(0.0, comm["data"] - compute)
     return {
-        "model": "accelerator cost model (dxrun/plan/cost.py)",
+        "model": "accelerator cost model (dxrun/cost/time_model.py)",
         "fused_attention": fused,
         "matmul_s": mm["blocks"] + mm["output_layer"], "matmul_parts_s": mm,
         "attention_s": attention + mm["attention"],
@@ -365,9 +365,9 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
 def workload(cfg: RunConfig, plan: MeshPlan, n_params: float, params_per_device: float,
              vocab: int = 0, kernel: str | None = None) -> Workload:
     """The time model's view of a run config and its mesh plan. ``vocab``: the target's padded
-    vocabulary (``autotune.fit.target_vocab``, what the memory model counts too); 0: padded as
+    vocabulary (``autotune.footprint.target_vocab``, what the memory model counts too); 0: padded as
     a GPU run pads it, whatever the CPU compile did. ``kernel``: the attention kernel of a run
-    on the target (``autotune.fit.kernel_on``); None: the plan's."""
+    on the target (``autotune.footprint.kernel_on``); None: the plan's."""
     replicas = plan.dp * plan.fsdp
     accum = plan.grad_accum
     return Workload(

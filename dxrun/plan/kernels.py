@@ -209,7 +209,7 @@ def attention_target(device: Any) -> AttentionTarget:
     return AttentionTarget(platform, getattr(device, "compute_capability", None), version)
 
 
-# The compute capability of each NVIDIA plan target (plan.cost.TARGETS' device kinds).
+# The compute capability of each NVIDIA plan target (cost.TARGETS' device kinds).
 CAPABILITY = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 96GB HBM2e": "9.0",
               "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA L40S": "8.9"}
 ASSUMED_CUDNN = 91000  # a CUDA 12 jaxlib's cuDNN 9 (JAX's own wheels ship one)
@@ -234,7 +234,7 @@ def run_inputs(model: ModelConfig, dtype: str, seq_len: int, cp: int,
 def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget,
                 dtype: str) -> str:
     """``choose`` for a run of ``cfg`` computing in ``dtype``: ``make_plan``'s, the one place
-    a kernel is chosen (another target's too: ``autotune.fit.kernel_on``); a user's model
+    a kernel is chosen (another target's too: ``autotune.footprint.kernel_on``); a user's model
     (``model._target_``) attends its own way: recorded as XLA's."""
     if cfg.model.get("_target_"):
         return "xla"

@@ -3,9 +3,9 @@
 Nothing here imports JAX, so the plan is checked (and can be printed) before anything compiles.
 The mesh's axes are ``schema_parallel.AXES``' rows, outermost first: ``data`` (replicas), ``fsdp``
 (replicas whose weights are sharded), ``context`` (each sequence split along its length:
-dxrun/plan/run_plan.py), ``tensor`` (Megatron tensor parallelism, innermost so it lands on the
+dxrun/plan/context.py), ``tensor`` (Megatron tensor parallelism, innermost so it lands on the
 closest devices); the plan holds their sizes as one ``Sizes`` mapping, and their parts across
-hosts as another (``dcn``: dxrun/plan/run_plan.py). The vocabulary's tables get the rows a multiple
+hosts as another (``dcn``: dxrun/plan/hosts.py). The vocabulary's tables get the rows a multiple
 of tp (the vocab axis is split over ``tensor``) and, on an accelerator, of an alignment that
 tiles its matmul units evenly (``padded_vocab``).
 """

@@ -1,11 +1,11 @@
 """The run plan: every number a run derives from its validated config, decided once
-(``dxrun.autotune.fit``) and carried, never written back into the config the run follows.
+(``dxrun.fit.decide``) and carried, never written back into the config the run follows.
 
 It holds the mesh plan (the layout: dp/fsdp/tp, remat, accumulation; the global batch and
 sequence length; the step's attention kernel, loss chunk, ZeRO-1 and precision), the save
 cadence, and the layout search's record where one decided the layout. ``saved_config`` is
 the one place the derived numbers, and the W&B job type and group the launch gave the run
-(``runtime.Job``), are written, into the record a run's files keep (``config.yaml``, the W&B
+(``run.Job``), are written, into the record a run's files keep (``config.yaml``, the W&B
 config, each checkpoint's config).
 """
 
@@ -27,7 +27,7 @@ class RunPlan:
     mesh: MeshPlan
     # (steps, minutes) between saves, 0 = that cadence off (``checkpointing.cadence``)
     cadence: tuple[int, float] = (0, 0.0)
-    # parallelism=auto's ranking (``dxrun.autotune.fit``) when the layout was searched for.
+    # parallelism=auto's ranking (``dxrun.autotune.search``) when the layout was searched for.
     search: dict[str, Any] | None = None
 
     @property
@@ -58,7 +58,7 @@ def resolved_config(cfg: DictConfig, plan: RunPlan, *, job_type: str | None = No
     ``data.batch_size`` and ``data.seq_len`` and, where a search chose the layout, that layout
     as ordinary keys (W&B and sweeps group by them) with the global batch as the one given:
     what the run's files record, and the base of the settings a refusal tries. ``job_type``,
-    ``group``: the run's W&B names (``runtime.Job``) in ``logger``, so that its W&B run, its
+    ``group``: the run's W&B names (``run.Job``) in ``logger``, so that its W&B run, its
     files and the sweep report (which reads them) agree; None keeps the config's. ``cfg``
     itself is read, never rewritten."""
     out = recorded(cfg, plan.global_batch, plan.seq_len,
