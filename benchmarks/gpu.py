@@ -5,7 +5,7 @@ cuDNN's fused flash attention (``dxrun/plan/kernels.py``); each figure records t
 step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
 says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU plan mode's
 estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the accelerator time
-model of ``dxrun/cost/time_model.py`` (the GPU program's FLOPs, fused attention and fused elementwise
+model of ``dxrun/estimates/time_model.py`` (the GPU program's FLOPs, fused attention and fused elementwise
 traffic; the CPU compile only for the collectives).
 
     python -m benchmarks --gpu        # on a machine with an NVIDIA GPU: measured
@@ -52,7 +52,7 @@ def roofline(models: tuple[str, ...] = MODELS, batch: int = 16,
              "tokens_per_s": round(t["tokens_per_s"]), "bound": t["bound"],
              "compute_ms": round(1e3 * t["compute_s"], 1),
              "memory_ms": round(1e3 * t["memory_s"], 1), "peak_tflops": t["peak_tflops"]},
-            note=f"an estimate (dxrun/cost/time_model.py): {t['estimate']}",
+            note=f"an estimate (dxrun/estimates/time_model.py): {t['estimate']}",
             command=f"python -m dxrun run.mode=plan plan.target={target} model={model} "
                     + " ".join(GPT2) + f" data.batch_size={batch}"))
     return out

@@ -5,7 +5,7 @@ batch, sequence length, precision, recomputation, accumulation and hardware (``p
 or the nearest dxrun setting where dxrun lacks what the run used (``nearest``). The estimated
 tokens/s per GPU is held against the published one: the ratio (estimate / published) is what the
 goal (0.75-1.25) is about, and the runs' order by tokens/s per GPU must be preserved. Two runs
-calibrate one constant each of ``dxrun/cost/time_model.py: COST`` (marked in the table); the others
+calibrate one constant each of ``dxrun/estimates/time_model.py: COST`` (marked in the table); the others
 are the validation, whose worst ratio is ``cost.ESTIMATE_BASIS`` (the basis plan mode's
 estimate row prints).
 
@@ -29,7 +29,7 @@ MEMORY_GOAL = 0.10  # |estimate / published peak - 1|
 WHOLE_GPU = 0.9
 CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T x T attention "
               "scores kept for the backward), not an accelerator memory model")
-MODEL_MEMORY = ("the accelerator memory model (dxrun/cost/memory_model.py: the state's shards, "
+MODEL_MEMORY = ("the accelerator memory model (dxrun/estimates/memory_model.py: the state's shards, "
                 "every layer's saved activations for the run's precision, remat and attention kernel, "
                 "one layer's backward, the logits, FSDP's gathers)")
 SECTION = "Plan mode vs published GPU runs"
@@ -236,7 +236,7 @@ def plan_run(run: Run) -> dict[str, Any]:
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
         "ratio": ratio, "in_goal": GOAL[0] <= ratio <= GOAL[1],
         # Plan mode's per-device need: on an accelerator target the memory model's
-        # (dxrun/cost/memory_model.py), otherwise the CPU compile's memory analysis.
+        # (dxrun/estimates/memory_model.py), otherwise the CPU compile's memory analysis.
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
         "memory_source": MODEL_MEMORY if t.get("needs_from") == "memory model" else CPU_MEMORY,
         "published_memory_gib": run.memory_gib,
@@ -297,7 +297,7 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
              f"({machine['cpu_cores']} cores), JAX {machine['jax']}, {machine['date']}. Each run "
              "is planned from shapes alone (`run.mode=plan`, 8 simulated devices) with its "
              "published mesh, batch, sequence length, precision, recomputation, accumulation "
-             "and hardware; the estimate is `dxrun/cost/time_model.py`'s time model. Ratio = "
+             "and hardware; the estimate is `dxrun/estimates/time_model.py`'s time model. Ratio = "
              "estimated / published tokens/s per GPU; goal 0.75–1.25 and the runs' order kept. "
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "
              f"are the validation: within ±{b['within_pct']}%. Memory: what plan mode reports "

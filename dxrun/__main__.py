@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from dxrun.checks import composition_refusal, config_warnings, validate
 from dxrun.config import (
     EXIT_CRASHED,
     EXIT_REFUSED,
@@ -35,9 +36,7 @@ from dxrun.config import (
     fail,
     first_line,
 )
-from dxrun.config.composition import composition_refusal
 from dxrun.config.registry import check_composed, conf_dir, register
-from dxrun.config.validation import config_warnings, validate
 from dxrun.plan import resolved_config
 from dxrun.run import (
     SIGNALS,

@@ -551,7 +551,7 @@ def test_a_meta_whose_counts_are_whole_floats_is_read_as_ints():
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-    from dxrun.config.validation import validate
+    from dxrun.checks import validate
 
     for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
                           ("checkpoint.keep=0", "checkpoint.keep=0"),

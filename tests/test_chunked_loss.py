@@ -12,7 +12,7 @@ from conftest import make_cfg
 
 from dxrun.autotune import collective_traffic
 from dxrun.config.errors import ConfigError
-from dxrun.cost import head_bytes, shapes
+from dxrun.estimates import head_bytes, shapes
 from dxrun.experiment import Experiment, loss_and_metrics
 from dxrun.fit import NoData
 from dxrun.model.objectives import objective_of
@@ -166,7 +166,7 @@ def test_auto_chunks_only_large_logits():
 def test_a_chunk_that_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
                                           r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
-        from dxrun.config.validation import validate
+        from dxrun.checks import validate
 
         validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
 

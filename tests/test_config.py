@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun.config import registry, schema, validation
+from dxrun.checks import validation
+from dxrun.config import registry, schema
 from dxrun.config.errors import ConfigError
 from dxrun.run import Faults, faults_from_env
 

@@ -13,7 +13,7 @@ from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
 from dxrun.autotune import cache_key, planned, write_cache
-from dxrun.config import validation
+from dxrun.checks import validation
 from dxrun.cost import Row, chosen_layout, held_batch
 from dxrun.experiment import visible_devices
 from dxrun.plan import Layout, saved_config

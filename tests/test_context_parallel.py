@@ -12,7 +12,8 @@ import pytest
 from dxrun.autotune import accelerator_memory, collective_list
 from dxrun.autotune.footprint import _shard_bytes
 from dxrun.config.errors import ConfigError
-from dxrun.cost import TARGETS, MemoryEstimate, candidates, estimate_memory, meshes, shapes, usable_share
+from dxrun.cost import TARGETS, candidates, meshes, usable_share
+from dxrun.estimates import MemoryEstimate, estimate_memory, shapes
 from dxrun.experiment import Experiment, step_bytes
 from dxrun.fit import NoData
 from dxrun.plan import LONG_SEQ, kv_gather_bytes, make_plan, zigzag_order

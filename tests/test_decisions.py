@@ -25,7 +25,7 @@ PLAN_BUILDER = ("dxrun/plan/mesh.py", "make_plan")  # the one place that builds 
 # divide the sequence before JAX starts, and keeps no chunk).
 HELPERS = {"choose": {("dxrun/plan/kernels.py", "plan_kernel")},
            "resolve_loss_chunk": {("dxrun/plan/batch.py", "loss_chunk_for"),
-                                  ("dxrun/config/validation.py", "check_data")}}
+                                  ("dxrun/checks/validation.py", "check_data")}}
 STEP_FACTORY_ARGS = 5
 
 

@@ -1,4 +1,4 @@
-"""The accelerator time model (dxrun/cost/time_model.py) and the FLOPs it counts from the shapes."""
+"""The accelerator time model (dxrun/estimates/time_model.py) and the FLOPs it counts from the shapes."""
 
 from __future__ import annotations
 
@@ -8,18 +8,9 @@ import pytest
 
 from dxrun.autotune import cost_per_device, replica_groups
 from dxrun.autotune.hlo import _group_size
-from dxrun.cost import (
-    COST,
-    PEAK_TFLOPS,
-    TARGETS,
-    Workload,
-    collective_time,
-    peak_tflops,
-    shape_warning,
-    step_flops,
-    step_time,
-)
-from dxrun.cost.time_model import _matmul_s
+from dxrun.cost import PEAK_TFLOPS, TARGETS, peak_tflops, step_flops
+from dxrun.estimates import COST, Workload, collective_time, shape_warning, step_time
+from dxrun.estimates.time_model import _matmul_s
 from dxrun.experiment import Experiment
 from dxrun.plan import choose, compute_dtype, kind_target, run_inputs
 

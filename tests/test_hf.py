@@ -35,9 +35,9 @@ from hf_checkpoints import (
     write_tokenizer,
 )
 
+from dxrun.checks import validate
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import apply_hf_model, model_fields, model_type_of, read_config
-from dxrun.config.validation import validate
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.experiment import Experiment, check_hf_weights, import_params
 from dxrun.export import export

@@ -19,7 +19,7 @@ from conftest import ROOT, make_cfg
 from hf_checkpoints import FAMILIES, LLAMA, V, random_tensors, write_hf_dir
 from test_hf import hf_cfg, logits, tensors_of
 
-from dxrun.config import validation
+from dxrun.checks import validation
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import ARCHITECTURES, apply_hf_model, model_fields, read_config
 from dxrun.experiment import Experiment, import_params

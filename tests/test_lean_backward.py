@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dxrun.cost import Shapes, layer_none
+from dxrun.estimates import Shapes, layer_none
 from dxrun.model import transformer
 from dxrun.model.transformer import join_qkv
 

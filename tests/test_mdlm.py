@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_corpus
 
-from dxrun.config import validation
+from dxrun.checks import validation
 from dxrun.config.errors import ConfigError
 from dxrun.cost import attention_flops, flops_per_token, is_causal, step_flops
 from dxrun.evaluate import evaluate_checkpoint

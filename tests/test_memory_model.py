@@ -1,4 +1,4 @@
-"""The accelerator memory model (dxrun/cost/memory_model.py): held against XLA's memory analysis of
+"""The accelerator memory model (dxrun/estimates/memory_model.py): held against XLA's memory analysis of
 the compiled step in fp32, and what bf16, fused attention, remat, tp and accumulation change."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from dxrun.autotune import accelerator_memory, memory_rows, plan_report, plan_table
 from dxrun.autotune.footprint import _shard_bytes
-from dxrun.cost import (
+from dxrun.cost import TARGETS
+from dxrun.estimates import (
     REMAT,
-    TARGETS,
     MemoryEstimate,
     Shapes,
     estimate_memory,

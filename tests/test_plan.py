@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dxrun.checks import validate
 from dxrun.config.errors import ConfigError
-from dxrun.config.validation import validate
 from dxrun.plan import RunPlan, make_plan, resolved_config
 
 PRESETS = {

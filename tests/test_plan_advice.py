@@ -21,9 +21,10 @@ from dxrun.autotune import (
     price,
     settings,
 )
+from dxrun.checks import config_warnings, validate
 from dxrun.config.errors import ConfigError
-from dxrun.config.validation import config_warnings, validate
-from dxrun.cost import GB, exposed_warning, fit_warning, preset_note, unsplit_warning, usable_bytes
+from dxrun.cost import GB, usable_bytes
+from dxrun.estimates import exposed_warning, fit_warning, preset_note, unsplit_warning
 from dxrun.experiment import Experiment
 from dxrun.fit import NoData, first_that_fits, resolve_target
 from dxrun.run import accelerator_plan_note, simulated_count

@@ -17,16 +17,15 @@ from dxrun.cost import (
     TARGETS,
     TPU_USABLE,
     USABLE_CPU,
-    Footprint,
     Target,
     cadence_text,
     checkpoint_cost,
     checkpoint_line,
-    estimate,
     save_cadence,
     usable_bytes,
     usable_share,
 )
+from dxrun.estimates import Footprint, estimate
 from dxrun.experiment import Experiment, step_bytes
 from dxrun.fit import HOST_FILE, NoData, host_figure
 from dxrun.model import sharding
@@ -151,7 +150,7 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     # train.precision=auto plans the target's run: bf16 over fp32 masters on an accelerator
     assert plan["precision"] == "bf16" and plan["precision_auto"] is True
     assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 989.0
-    # the accelerator time model (dxrun/cost/time_model.py): kernels one after another, the
+    # the accelerator time model (dxrun/estimates/time_model.py): kernels one after another, the
     # collectives' exposed part after them (issue 21; was max(compute, memory) + collectives)
     assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["collective_s"])
     assert t["estimate"].startswith("roofline calibrated on 2 runs")
@@ -240,8 +239,8 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
     data.batch_size beside it would be refused), and accumulation keeps the update's size."""
     from omegaconf import OmegaConf
 
-    from dxrun.config.validation import validate
-    from dxrun.cost import overrides_to_try
+    from dxrun.checks import validate
+    from dxrun.fit import overrides_to_try
     from dxrun.plan import make_plan
 
     cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")

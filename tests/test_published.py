@@ -46,7 +46,7 @@ def test_the_estimate_basis_is_the_last_published_benchmarks():
     import json
     from pathlib import Path
 
-    from dxrun.cost import ESTIMATE_BASIS
+    from dxrun.estimates import ESTIMATE_BASIS
 
     data = json.loads((Path(__file__).parents[1] / "BENCHMARKS.published.json").read_text())
     assert data["basis"] == ESTIMATE_BASIS

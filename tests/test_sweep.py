@@ -11,8 +11,8 @@ import pytest
 import yaml
 from conftest import CONF, ROOT, run_cli
 
+from dxrun.checks import validate
 from dxrun.config.registry import PRESETS, check_keys, preset_dir
-from dxrun.config.validation import validate
 from dxrun.tracking.logger import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")

@@ -23,22 +23,8 @@ from omegaconf import OmegaConf
 
 from dxrun.autotune.footprint import accelerator_memory, kernel_on, step_estimate, target_vocab
 from dxrun.config import AXES, ConfigError
-from dxrun.cost import (
-    COST,
-    GB,
-    REMATS,
-    TARGETS,
-    Target,
-    estimate_memory,
-    gb_text,
-    meshes,
-    shapes,
-    step_flops,
-    step_time,
-    target_key,
-    usable_bytes,
-    workload,
-)
+from dxrun.cost import GB, REMATS, TARGETS, Target, gb_text, meshes, step_flops, target_key, usable_bytes
+from dxrun.estimates import COST, estimate_memory, shapes, step_time, workload
 from dxrun.experiment import (
     Experiment,
 )

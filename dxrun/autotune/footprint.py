@@ -12,20 +12,15 @@ import jax
 from omegaconf import OmegaConf
 
 from dxrun.autotune.hlo import collective_list, collective_traffic
-from dxrun.cost import (
+from dxrun.cost import TARGETS, Target, flops_per_token, plan_platform, step_flops, target_key
+from dxrun.estimates import (
     COST,
-    TARGETS,
     Footprint,
     StepEstimate,
-    Target,
     estimate,
     estimate_memory,
-    flops_per_token,
-    plan_platform,
     shapes,
-    step_flops,
     step_time,
-    target_key,
     workload,
 )
 from dxrun.experiment import (

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from dxrun.fit import DTYPE_BYTES
+from dxrun.estimates import DTYPE_BYTES
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction line: `%name = f32[...]{...} all-reduce(...)` (or the -start async form).

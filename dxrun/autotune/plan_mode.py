@@ -17,21 +17,15 @@ from typing import Any
 from dxrun.autotune.advice import advice_text, fastest_that_fits
 from dxrun.autotune.footprint import step_estimate
 from dxrun.autotune.search import search
-from dxrun.cost import (
-    GB,
-    checkpoint_cost,
-    checkpoint_line,
+from dxrun.cost import GB, checkpoint_cost, checkpoint_line, gb_text, plan_platform, save_cadence, table
+from dxrun.estimates import (
     disagreement,
     exposed_warning,
     fit_warning,
-    gb_text,
     kv_heads_warning,
-    plan_platform,
     preset_note,
-    save_cadence,
     shape_line,
     shape_warning,
-    table,
     tflops_per_device,
     unsplit_warning,
 )

@@ -5,7 +5,7 @@ The schema (dxrun/config/schema.py: every key, its default, meaning, range and c
 is registered in Hydra's ConfigStore as ``dxrun_schema`` and is the first entry of
 ``conf/config.yaml``'s defaults, so every group file and every command-line override is merged
 into typed, closed (struct) nodes: an unknown key or a value of the wrong type fails at
-composition. ``dxrun.config.validation`` then checks the values. No JAX import: the device count is
+composition. ``dxrun.checks.validation`` then checks the values. No JAX import: the device count is
 decided from the composed config before JAX starts.
 """
 

@@ -47,7 +47,7 @@ PEAK_TFLOPS: dict[str, tuple[float, float]] = {
     "NVIDIA H100 PCIe": _H100_PCIE,
     "NVIDIA H100 NVL": _NVL,
     # Meta's Grand Teton H100 (96 GB HBM2e; torchtitan docs/performance.md): the SXM die. Its
-    # 500 W limit is a clock, not a datasheet peak: dxrun/cost/time_model.py's clock_scale.
+    # 500 W limit is a clock, not a datasheet peak: dxrun/estimates/time_model.py's clock_scale.
     "NVIDIA H100 96GB HBM2e": _H100_SXM,
     "NVIDIA H800": _H100_SXM,
     "NVIDIA H800 PCIe": _H100_PCIE,

@@ -17,7 +17,6 @@ from omegaconf import OmegaConf
 from dxrun.config import ConfigError
 from dxrun.cost import (
     GiB,
-    overrides_to_try,
 )
 from dxrun.experiment import (
     Experiment,
@@ -37,6 +36,33 @@ from dxrun.run import (
 
 if TYPE_CHECKING:
     from dxrun.config import RunConfig
+
+
+def overrides_to_try(cfg: RunConfig) -> list[list[str]]:
+    """Overrides to try, nearest first: recompute activations (same mesh, same batch), shard
+    the weights and optimizer state over the data replicas (FSDP), accumulate gradients over
+    micro-batches, then a smaller batch."""
+    par = cfg.parallelism
+    out: list[list[str]] = []
+    remat = [] if cfg.model.remat == "full" else ["model.remat=full"]
+    if remat:
+        out.append(remat)
+    if par.fsdp == 1 and par.dp != 1:
+        fsdp = ["parallelism.dp=1", "parallelism.fsdp=-1", f"parallelism.tp={par.tp}"]
+        out += [fsdp, fsdp + remat] if remat else [fsdp]
+    # The same update in micro-batches (train.grad_accum), then a smaller update.
+    a, per = cfg.train.grad_accum, cfg.data.per_device_batch_size
+    if per is None:
+        out += [[f"train.grad_accum={a * k}", *remat] for k in (2, 4, 8)]
+        b = cfg.data.batch_size
+        out += [[f"data.batch_size={b // k}", *remat] for k in (2, 4)]
+        return out
+    # The user gave the per-device batch (the global batch is refused beside it): the same
+    # update is k times the micro-batches at 1/k of the per-device batch.
+    out += [[f"train.grad_accum={a * k}", f"data.per_device_batch_size={per // k}", *remat]
+            for k in (2, 4, 8) if per % k == 0]
+    out += [[f"data.per_device_batch_size={per // k}", *remat] for k in (2, 4) if per // k]
+    return out
 
 
 def check_memory(cfg: RunConfig, exp: Any, compiled: Any, plan: RunPlan | None = None) -> str | None:

@@ -30,9 +30,9 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from dxrun.checks import validate
 from dxrun.config import HF_PREFIX, ConfigError, RunConfig, first_line
 from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
-from dxrun.config.validation import validate
 from dxrun.plan import MeshPlan, make_plan, recorded
 from dxrun.run import DEVICE_COUNT_FLAG, collect_cycles_rarely, command_imports, simulate_cpu_devices
 

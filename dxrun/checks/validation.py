@@ -22,6 +22,8 @@ from dxrun.config import (
     BACKENDS,
     DATA_SOURCE_KEYS,
     FIELDS,
+    GLOBAL,
+    PER_DEVICE,
     RANGES,
     CheckpointConfig,
     ConfigError,
@@ -43,7 +45,6 @@ from dxrun.config import (
     null_is_a_value,
 )
 from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
-from dxrun.config.schema import GLOBAL, PER_DEVICE
 from dxrun.cost import TARGETS
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
 from dxrun.plan import check_batch_keys, default_seq_len, resolve_loss_chunk

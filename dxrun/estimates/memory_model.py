@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config import head_dim_of
-from dxrun.cost.targets import gb_text
+from dxrun.cost import gb_text
 from dxrun.plan import BLOCK, KERNELS
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Any
 
 from dxrun.config import AXES, head_dim_of
 from dxrun.config.registry import model_changes
-from dxrun.cost.targets import GB, gb_text
+from dxrun.cost import GB, gb_text
 
 EXPOSED_SHARE = 0.10  # exposed collectives above this share of the step: a warning
 UNSPLIT_SHARE = 0.10  # ZeRO-1: optimizer state left whole above this share of it: a warning

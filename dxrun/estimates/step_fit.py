@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dxrun.cost.targets import GB, Target, usable_share
-from dxrun.cost.time_model import basis_text
+from dxrun.cost import GB, Target, usable_share
+from dxrun.estimates.time_model import basis_text
 
 if TYPE_CHECKING:
-    from dxrun.config import RunConfig
+    pass
 
 
 @dataclass
@@ -41,7 +41,7 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
     """Fit and speed for one target (per device; labelled as an estimate). ``timing``: the
     accelerator time model's step (``gpu_cost.step_time``); None: the roofline of XLA's counts
     (``plan.target=cpu``). ``need_bytes``: the per-device need when it does not come from the
-    compile (an accelerator target's memory model, ``dxrun.cost.memory_model``)."""
+    compile (an accelerator target's memory model, ``dxrun.estimates.memory_model``)."""
     share = usable_share(target)
     usable = target.memory_bytes * share.fraction
     need = fp.total_bytes if need_bytes is None else need_bytes
@@ -84,33 +84,6 @@ def estimate(fp: Footprint, target: Target, peak_tflops: float | None, model_flo
         "tokens_per_s": tokens / step,
         "mfu": model_flops / n_devices / step / (peak_tflops * 1e12),
     })
-    return out
-
-
-def overrides_to_try(cfg: RunConfig) -> list[list[str]]:
-    """Overrides to try, nearest first: recompute activations (same mesh, same batch), shard
-    the weights and optimizer state over the data replicas (FSDP), accumulate gradients over
-    micro-batches, then a smaller batch."""
-    par = cfg.parallelism
-    out: list[list[str]] = []
-    remat = [] if cfg.model.remat == "full" else ["model.remat=full"]
-    if remat:
-        out.append(remat)
-    if par.fsdp == 1 and par.dp != 1:
-        fsdp = ["parallelism.dp=1", "parallelism.fsdp=-1", f"parallelism.tp={par.tp}"]
-        out += [fsdp, fsdp + remat] if remat else [fsdp]
-    # The same update in micro-batches (train.grad_accum), then a smaller update.
-    a, per = cfg.train.grad_accum, cfg.data.per_device_batch_size
-    if per is None:
-        out += [[f"train.grad_accum={a * k}", *remat] for k in (2, 4, 8)]
-        b = cfg.data.batch_size
-        out += [[f"data.batch_size={b // k}", *remat] for k in (2, 4)]
-        return out
-    # The user gave the per-device batch (the global batch is refused beside it): the same
-    # update is k times the micro-batches at 1/k of the per-device batch.
-    out += [[f"train.grad_accum={a * k}", f"data.per_device_batch_size={per // k}", *remat]
-            for k in (2, 4, 8) if per % k == 0]
-    out += [[f"data.per_device_batch_size={per // k}", *remat] for k in (2, 4) if per // k]
     return out
 
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config import head_dim_of
-from dxrun.cost.flops import RECOMPUTE_MATMULS, attention_flops, is_causal
-from dxrun.cost.targets import GB
+from dxrun.cost import GB, RECOMPUTE_MATMULS, attention_flops, is_causal
 from dxrun.plan import KERNELS, kv_gather_bytes, padded_vocab, table_rows
 
 if TYPE_CHECKING:
@@ -349,7 +348,7 @@ def step_time(w: Workload, cost: Cost, peak_tflops: float, hbm_bytes_per_s: floa
     compute = sum(mm.values()) + attention + elementwise
     step = compute + comm["tensor"] + max(0.0, comm["data"] - compute)
     return {
-        "model": "accelerator cost model (dxrun/cost/time_model.py)",
+        "model": "accelerator cost model (dxrun/estimates/time_model.py)",
         "fused_attention": fused,
         "matmul_s": mm["blocks"] + mm["output_layer"], "matmul_parts_s": mm,
         "attention_s": attention + mm["attention"],
