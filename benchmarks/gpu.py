@@ -5,8 +5,8 @@ cuDNN's fused flash attention (``dxrun/plan/kernels.py``); each figure records t
 step selected and how many cuDNN fused-attention calls its compiled program holds, so a figure
 says which attention it timed (XLA's, where cuDNN was not selected). Without a GPU plan mode's
 estimate (``run.mode=plan plan.target=h200``) stands in, labelled as such: the accelerator time
-model of ``dxrun/estimates/time_model.py`` (the GPU program's FLOPs, fused attention and fused elementwise
-traffic; the CPU compile only for the collectives).
+model of ``dxrun/estimates/time_model.py`` (the GPU program's FLOPs, fused attention and fused
+elementwise traffic; the CPU compile only for the collectives).
 
     python -m benchmarks --gpu        # on a machine with an NVIDIA GPU: measured
 """

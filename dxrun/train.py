@@ -225,7 +225,7 @@ def peak_over_devices(starts: list[dict | None], nows: list[dict | None]) -> flo
 
 
 # ------------------------------------------------------------------------------------------------
-# Before anything is written or allocated: the run's decision (``autotune.search``), the
+# Before anything is written or allocated: the run's decision (``fit.decide``), the
 # checkpoint it resumes and the memory preflight; then the decision shown (``show_plan``: the log,
 # plan.json) and where training begins (``start_state``: the seeded init, what the layout search
 # trained, or the resumed checkpoint).

@@ -161,7 +161,7 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
 def _model_need(cfg: RunConfig, plan: MeshPlan, target: Target, state: tuple[float, float, float]
                 ) -> float:
     """The memory model's need (``dxrun.cost``) of ``plan`` with the state's shards
-    ``state``: what ``fit.accelerator_memory`` counts, before anything is built (the logits
+    ``state``: what ``footprint.accelerator_memory`` counts, before anything is built (the logits
     of the target's vocabulary padding, as there)."""
     m = cfg.model
     kernel = kernel_on(cfg, plan, target.device_kind)
@@ -246,7 +246,7 @@ def fastest_that_fits(cfg: RunConfig, exp: Any, state: Any, target: Target, peak
     setting that fits, with its estimated step and speed against the asked one's (``asked``:
     its estimate, priced as the candidates are: ``step_estimate(..., xla_cost=False)``), and
     up to ``runners_up`` more; or, when none fits on these devices, how many would do.
-    ``cfg``: the run's config as its files record it (``run_plan.resolved_config``)."""
+    ``cfg``: the run's config as its files record it (``plan.resolved_config``)."""
     t0 = time.perf_counter()
     plan, budget = exp.plan, usable_bytes(target)
     asked_s = step_of(asked, plan.grad_accum)

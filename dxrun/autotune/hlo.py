@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from dxrun.estimates import DTYPE_BYTES
+from dxrun.fit import HLO_DTYPE_BYTES
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # An HLO instruction line: `%name = f32[...]{...} all-reduce(...)` (or the -start async form).
@@ -27,7 +27,7 @@ def collective_lines(hlo_text: str, kind: str) -> list[str]:
             if (m := _OP.search(line)) and m.group(1) == kind]
 
 
-_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_SHAPE = re.compile(r"\b(" + "|".join(HLO_DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _WHILE = re.compile(r"\swhile\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
@@ -52,7 +52,7 @@ def _group_size(line: str, n_devices: int) -> int:
 
 def _result_bytes(line: str, kind: str) -> int:
     head = line.split("=", 1)[1].split(f" {kind}", 1)[0]  # the result shape(s), tuple or not
-    return sum(DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+    return sum(HLO_DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
                for t, dims in _SHAPE.findall(head))
 
 

@@ -1,10 +1,10 @@
-"""Plan mode (``run.mode=plan``): the run's decision (``autotune.search``) reported for a
+"""Plan mode (``run.mode=plan``): the run's decision (``fit.decide``) reported for a
 target, training nothing. The train step is compiled for the planned mesh from shapes alone
 and XLA's analyses of it give the per-device memory, FLOPs, bytes and collectives; from those
 the table says whether it **fits** the target's memory (and when not, the fastest setting
-that does: ``autotune.plan_mode``) and how fast it would go (an estimate: the accelerator time
+that does: ``autotune.advice``) and how fast it would go (an estimate: the accelerator time
 model on a GPU/TPU target, a roofline of XLA's counts on ``plan.target=cpu``), with the
-model's shape, the TFLOP/s per device and the warnings (``dxrun.cost``).
+model's shape, the TFLOP/s per device and the warnings (``dxrun.estimates``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """``parallelism=auto``: the fastest layout (mesh, remat, gradient accumulation) that fits.
 
-The candidates are the meshes the plan accepts (``plan.run_plan.candidates``); the **model**
+The candidates are the meshes the plan accepts (``cost.layouts.candidates``); the **model**
 stage compiles each from shapes (nothing allocated) and ranks the variants that fit by the
 estimate (``autotune.footprint.step_estimate``) for the visible hardware or ``plan.target``; the
 **measure** stage (``parallelism.search=measure|fresh``) times the few the rules pick, in
-rounds (``autotune.search``), and the fastest wins. Before them the budget rule
+rounds (``autotune.timing``), and the fastest wins. Before them the budget rule
 (``worth_it``) keeps a run on its start when a search would not pay. The global batch
-and sequence length are held fixed throughout (``plan.run_plan.held_batch``). The decision is
-cached (``autotune.search``) and checked before it is taken; every process takes process 0's.
+and sequence length are held fixed throughout (``cost.layouts.held_batch``). The decision is
+cached (``autotune.cache``) and checked before it is taken; every process takes process 0's.
 The config is read, never rewritten: each candidate is a mesh plan made for its layout.
 """
 
@@ -84,7 +84,7 @@ Timer = Callable[[Any, list[Layout]], dict[Layout, Any]]
 
 # Is a search worth it (``parallelism.search_budget``)? The starting layout (the preset's own: all
 # devices data-parallel) is compiled first, as the run would compile it, and a search predicted
-# (``plan.run_plan.search_cost``) to cost more than that fraction of the run's steps is not
+# (``cost.layouts.search_cost``) to cost more than that fraction of the run's steps is not
 # made: the run keeps its start, and the log says why.
 Score = Callable[..., tuple[float, float | None]]  # (layout, say=True) -> (GiB, est. s or None)
 

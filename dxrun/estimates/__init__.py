@@ -10,8 +10,8 @@ from __future__ import annotations
 
 # The package's face: what the rest of dxrun imports, each name still in its module.
 from dxrun.estimates.memory_model import (
-    DTYPE_BYTES, REMAT, MemoryEstimate, Shapes, disagreement, estimate_memory, gather_bytes,
-    head_bytes, layer_none, layer_saved, shapes, working_set)
+    REMAT, MemoryEstimate, Shapes, disagreement, estimate_memory, gather_bytes, head_bytes,
+    layer_none, layer_saved, shapes, working_set)
 from dxrun.estimates.plan_notes import (
     exposed_warning, fit_warning, kv_heads_warning, preset_note, shape_line, tflops_per_device,
     unsplit_warning)

@@ -16,7 +16,7 @@ from dxrun.fit.host import (
     HOST_FILE, cpu_device_budget, device_budget, host_figure, matmul_probe, measure_peak_tflops,
     resolve_peak, resolve_target)
 from dxrun.fit.memory_report import (
-    BREAKDOWN_FILE, OutOfMemory, breakdown, is_out_of_memory, shape_bytes, write_breakdown,
-    xla_need)
+    BREAKDOWN_FILE, HLO_DTYPE_BYTES, OutOfMemory, breakdown, is_out_of_memory, shape_bytes,
+    write_breakdown, xla_need)
 from dxrun.fit.preflight import (
     NoData, compile_checked, first_that_fits, memory_preflight, overrides_to_try, state_bytes)

@@ -22,7 +22,7 @@ from dxrun.cost import (
 )
 
 # Bytes of each of XLA's element types, as its HLO text names them.
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+HLO_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
                "c64": 8}
 
@@ -34,7 +34,7 @@ _LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
 
 def shape_bytes(shape_text: str) -> int:
     """Bytes of an HLO shape (a tuple: its elements summed)."""
-    return sum(DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+    return sum(HLO_DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
                for dt, dims in _ANY_SHAPE.findall(shape_text))
 
 

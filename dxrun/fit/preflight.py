@@ -141,7 +141,7 @@ def memory_preflight(cfg: RunConfig, exp: Experiment, compiled: Any, out: Path |
 def first_that_fits(base: Any, budget_bytes: float, plan: MeshPlan,
                     max_tries: int = 8, time_budget_s: float = 40.0,
                     need: Any = None) -> list[str] | None:
-    """Compile the candidates (``cost.overrides_to_try``) in order (shapes only), each
+    """Compile the candidates (``overrides_to_try``) in order (shapes only), each
     merged into ``base`` (the run's config as its files record it, ``resolved_config``: its
     layout, batch and sequence length as keys) and laid out over ``plan``'s devices,
     processes and hosts, and return the first whose per-device need is within

@@ -76,7 +76,7 @@ def xla_bytes(n: float) -> str:
 def check_chip(compiled: Any, need: float | None) -> Any:
     """``compiled`` (a step's executable needing ``need`` bytes per device), or under
     ``DXRUN_TEST_CHIP_MIB`` the error XLA's TPU compile raises for a program over the chip's
-    memory, in its own words (what ``fit.is_out_of_memory`` and ``fit.xla_need`` read)."""
+    memory, in its own words (what ``fit.memory_report.is_out_of_memory`` and ``xla_need`` read)."""
     limit = faults_from_env().chip_mib * 2**20
     if not limit or need is None or need <= limit:
         return compiled

@@ -44,7 +44,7 @@ class Job:
     the W&B group (the experiment or multirun sweep) and job type. The W&B names are decided
     for the run (``logger.group``/``logger.job_type``, or what the launch fills in where they
     are unset) and carried here, never written into the config the run follows; the run's
-    saved config records them (``run_plan.saved_config``). None: the config's own."""
+    saved config records them (``plan.run_plan.saved_config``). None: the config's own."""
 
     choices: dict[str, str] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
