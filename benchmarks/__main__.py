@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dxrun.run.runtime import collect_cycles_rarely, simulate_cpu_devices
+from dxrun.run import collect_cycles_rarely, simulate_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 # The suite's shape: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 128, global batch
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> None:
                     "with --auto: the models (e.g. tiny)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = ap.parse_args(argv)
-    simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (runtime.py)
+    simulate_cpu_devices(8)  # before JAX starts; also reuses freed memory (dxrun/run/process.py)
     import jax
 
-    from dxrun.run.runtime import enable_compile_cache
+    from dxrun.run import enable_compile_cache
 
     # One fresh compilation cache for the suite: its sections build the same programs again
     # (dp8's fp32 step is timed by three of them) and each compiles once. Figures time steps

@@ -25,7 +25,7 @@ LAYOUTS = ("dp1", "dp8")
 def child(mode: str, shape: list[str], layouts: list[str], steps: int) -> dict:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     if mode == "reuse":
-        from dxrun.run.runtime import reuse_freed_memory
+        from dxrun.run import reuse_freed_memory
 
         assert reuse_freed_memory(), "not a CPU-only glibc host"
     from benchmarks import speed

@@ -29,9 +29,10 @@ def case(name: str, shape: list[str], batch: int, rounds: int, command: str
          ) -> tuple[Figure, bool]:
     """(the choice / best figure, whether the roofline's first choice was the measured best)."""
     from benchmarks.speed import compose_cfg
-    from dxrun.autotune.fit import Handover, search, time_layouts
+    from dxrun.autotune import search, time_layouts
+    from dxrun.cost import chosen_layout, held_batch, rows_of
     from dxrun.experiment import visible_devices
-    from dxrun.plan.run_plan import chosen_layout, held_batch, rows_of
+    from dxrun.fit import Handover
 
     devices = visible_devices()
     # The search reads the config and never rewrites it: the timing below uses the same

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dxrun.run.runtime import simulate_cpu_devices
+from dxrun.run import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 

@@ -68,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-cache", action="store_true")
     args = ap.parse_args()
-    from dxrun.run.runtime import simulate_cpu_devices
+    from dxrun.run import simulate_cpu_devices
 
     simulate_cpu_devices(8)
     gpt = ["data.vocab_size=50304", "data.seq_len=256", "data.batch_size=32",

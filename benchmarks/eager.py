@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.report import Figure, figure
-from dxrun.plan.run_plan import precision_of
+from dxrun.plan import precision_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "One CPU device: dxrun vs a PyTorch eager loop"
@@ -82,7 +82,7 @@ def torch_argv(cfg: Any) -> list[str]:
 def serve(devices: int, overrides: list[str], warmup: int) -> None:
     """A dxrun worker (``python -m benchmarks.eager DEVICES OVERRIDES_JSON WARMUP``): the
     step of ``overrides`` in a process with ``devices`` CPU devices, serving stdin."""
-    from dxrun.run.runtime import simulate_cpu_devices
+    from dxrun.run import simulate_cpu_devices
 
     simulate_cpu_devices(devices)  # before JAX starts
     import jax

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of BENCHMARKS.md, for a session on a machine with an NVIDIA GPU (an H200):
 # GPT-2 small and medium on one device in bf16, tokens/s and MFU, with model.attention=
-# dot_product (cuDNN's fused flash attention where dxrun/plan/run_plan.py selects it) and
+# dot_product (cuDNN's fused flash attention where dxrun/plan/kernels.py selects it) and
 # the einsum reference. First says which attention kernel this GPU gets, then per figure the
 # kernel the step selected and the cuDNN fused-attention calls in its compiled program.
 # Writes the "GPU figures" section of BENCHMARKS.md and BENCHMARKS.gpu.json.

@@ -5,7 +5,7 @@ batch, sequence length, precision, recomputation, accumulation and hardware (``p
 or the nearest dxrun setting where dxrun lacks what the run used (``nearest``). The estimated
 tokens/s per GPU is held against the published one: the ratio (estimate / published) is what the
 goal (0.75-1.25) is about, and the runs' order by tokens/s per GPU must be preserved. Two runs
-calibrate one constant each of ``dxrun/plan/cost.py: COST`` (marked in the table); the others
+calibrate one constant each of ``dxrun/estimates/time_model.py: COST`` (marked in the table); the others
 are the validation, whose worst ratio is ``cost.ESTIMATE_BASIS`` (the basis plan mode's
 estimate row prints).
 
@@ -25,11 +25,11 @@ from typing import Any
 GOAL = (0.75, 1.25)
 MEMORY_GOAL = 0.10  # |estimate / published peak - 1|
 # A PyTorch or CUDA program has no pool: it gets the device less the CUDA context. A JAX run
-# gets the same with this fraction (plan.cost.USABLE, plan mode's own advice).
+# gets the same with this fraction (cost.USABLE, plan mode's own advice).
 WHOLE_GPU = 0.9
 CPU_MEMORY = ("the XLA:CPU compile's memory analysis (fp32 temporaries, XLA's T x T attention "
               "scores kept for the backward), not an accelerator memory model")
-MODEL_MEMORY = ("the accelerator memory model (dxrun/plan/cost.py: the state's shards, "
+MODEL_MEMORY = ("the accelerator memory model (dxrun/estimates/memory_model.py: the state's shards, "
                 "every layer's saved activations for the run's precision, remat and attention kernel, "
                 "one layer's backward, the logits, FSDP's gathers)")
 SECTION = "Plan mode vs published GPU and TPU runs"
@@ -63,7 +63,7 @@ class Run:
 
     @property
     def env(self) -> dict[str, str]:
-        """The environment the fit is judged under (``plan.cost.usable_share``)."""
+        """The environment the fit is judged under (``cost.usable_share``)."""
         frac = self.mem_fraction
         return {} if frac is None else {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{frac:g}"}
 
@@ -230,7 +230,7 @@ def _elsewhere(run: Run, fn: str) -> Any:
 
     from dxrun.launch import without_device_count
 
-    code = (f"import json; from dxrun.run.runtime import simulate_cpu_devices; "
+    code = (f"import json; from dxrun.run import simulate_cpu_devices; "
             f"simulate_cpu_devices({devices(run)}); from benchmarks import published as p; "
             f"print(json.dumps(p.{fn}(p.RUNS[{RUNS.index(run)}])))")
     env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ.get("XLA_FLAGS", "")))
@@ -251,9 +251,10 @@ def memory_need(run: Run) -> tuple[float, float]:
     if not _here(run):
         return tuple(_elsewhere(run, "memory_need"))
     from benchmarks.speed import compose_cfg
-    from dxrun.autotune.fit import NoData, accelerator_memory
+    from dxrun.autotune import accelerator_memory
+    from dxrun.cost import TARGETS, usable_bytes
     from dxrun.experiment import Experiment
-    from dxrun.plan.cost import TARGETS, usable_bytes
+    from dxrun.fit import NoData
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     target = TARGETS[cfg.plan.target]
@@ -266,15 +267,15 @@ def plan_run(run: Run) -> dict[str, Any]:
     if not _here(run):
         return _elsewhere(run, "plan_run")
     from benchmarks.speed import compose_cfg
-    from dxrun.autotune import fit
-    from dxrun.autotune.fit import NoData
+    from dxrun.autotune import plan_report
+    from dxrun.cost import TARGETS, usable_bytes
     from dxrun.experiment import Experiment
-    from dxrun.plan.cost import TARGETS, usable_bytes
+    from dxrun.fit import NoData
 
     cfg = compose_cfg("run.mode=plan", *run.overrides)
     t0 = time.perf_counter()
     exp = Experiment.build(cfg, data=NoData())
-    report = fit.plan_report(cfg, exp, suggest=False)
+    report = plan_report(cfg, exp, suggest=False)
     seconds = time.perf_counter() - t0
     t = report["target"]
     per_gpu = t["tokens_per_s"] / exp.plan.n_devices
@@ -290,7 +291,7 @@ def plan_run(run: Run) -> dict[str, Any]:
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
         "ratio": ratio, "in_goal": goal[0] <= ratio <= goal[1],
         # Plan mode's per-device need: on an accelerator target the memory model's
-        # (dxrun/plan/cost.py), otherwise the CPU compile's memory analysis.
+        # (dxrun/estimates/memory_model.py), otherwise the CPU compile's memory analysis.
         "estimated_memory_gib": t["needs_per_device_gb"] * 1e9 / 2**30,
         "memory_source": MODEL_MEMORY if t.get("needs_from") == "memory model" else CPU_MEMORY,
         "published_memory_gib": run.memory_gib,
@@ -353,7 +354,7 @@ def markdown(rows: list[dict[str, Any]], command: str, machine: dict[str, Any]) 
              "is planned from shapes alone (`run.mode=plan` on `plan.devices` simulated devices, "
              "8 unless the row sets it) with its "
              "published mesh, batch, sequence length, precision, recomputation, accumulation "
-             "and hardware; the estimate is `dxrun/plan/cost.py`'s time model. Ratio = "
+             "and hardware; the estimate is `dxrun/estimates/time_model.py`'s time model. Ratio = "
              "estimated / published tokens/s per GPU (per chip on a TPU); goal 0.75–1.25 (a TPU "
              "row's: 0.85–1.15) and the runs' order kept. "
              f"Calibration runs fit one constant each (marked); the other {b['validated_on']} "

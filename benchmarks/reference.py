@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dxrun.plan.run_plan import RESIDUALS
+from dxrun.plan import RESIDUALS
 
 
 def _layernorm(x_BxLxD: jax.Array, p: dict) -> jax.Array:

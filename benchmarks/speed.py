@@ -134,7 +134,7 @@ def loop_vs_step(shape: list[str], steps: int, reps: int, layout: str = "dp8",
     the end of the compiling step to the end (``loop_tokens_per_s``), against the bare step
     dispatched ``steps`` times back to back on batches already placed. Evaluation and
     checkpoints are off (their own figures); runs and bare blocks alternate."""
-    from dxrun.run.runtime import enable_compile_cache
+    from dxrun.run import enable_compile_cache
     from dxrun.train import train
 
     os.environ["WANDB_SILENT"] = "true"  # the suite's own output stays readable

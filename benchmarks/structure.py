@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from benchmarks.report import Figure, figure
-from dxrun.autotune import fit
+from dxrun.autotune import collective_traffic, per_iteration
 from dxrun.experiment import Experiment
 
 COLLECTIVE_LAYOUTS = ("dp8", "dp4_tp2", "fsdp8")
@@ -74,7 +74,7 @@ def collectives(exp: Experiment) -> Figure:
     text = exp.analyse_step().as_text()  # never run: its HLO only
     plan, cfg = exp.plan, exp.cfg
     n = plan.n_devices
-    measured = fit.per_iteration(text, cfg.model.n_layers, n)
+    measured = per_iteration(text, cfg.model.n_layers, n)
     activation = (plan.global_batch // (plan.dp * plan.fsdp) * plan.seq_len
                   * cfg.model.d_model * 4)  # fp32: XLA:CPU reduces bf16 in fp32 as well
     minimum = minimum_per_layer(plan.dp, plan.fsdp, plan.tp, activation, layer_params(exp))
@@ -84,7 +84,7 @@ def collectives(exp: Experiment) -> Figure:
     counts_ok = all(k in minimum and v["count"] <= minimum[k]["count"]
                     for k, v in measured.items())
     ratio = got / least
-    once = {k: v["count"] for k, v in fit.collective_traffic(text, n).items()}
+    once = {k: v["count"] for k, v in collective_traffic(text, n).items()}
     missing = sorted(set(minimum) - set(measured))
     note = ("at the minimum" if counts_ok and ratio <= TOLERANCE else
             "not at the minimum: " + ", ".join(

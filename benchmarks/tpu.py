@@ -29,8 +29,8 @@ import jax
 
 from benchmarks import reference
 from benchmarks.speed import compose_cfg, dxrun_runner
+from dxrun.cost import flops_per_token, peak_tflops
 from dxrun.experiment import Experiment, jax_dtype, step_bytes
-from dxrun.plan import cost
 
 GPT2 = ("parallelism=dp1", "train.precision=bf16", "data.seq_len=1024", "data.vocab_size=50304")
 
@@ -128,8 +128,8 @@ def measure(shape: str, steps: int, hand: bool, tokens: str | None = None,
     wall = time_steps(run, steps)
     n_params = exp.count_params(exp.abstract_state().params)
     tokens = exp.plan.global_batch * exp.plan.seq_len
-    per_token = cost.flops_per_token(cfg.model, n_params, exp.plan.seq_len)
-    peak = cost.peak_tflops(jax.devices()[0].device_kind, "bf16")
+    per_token = flops_per_token(cfg.model, n_params, exp.plan.seq_len)
+    peak = peak_tflops(jax.devices()[0].device_kind, "bf16")
     step_s = statistics.median(wall)
     mem = exp.step.compiled.memory_analysis()
     rec: dict[str, Any] = {
@@ -181,10 +181,10 @@ def plan_estimate(shape: str, tokens: str | None) -> tuple[float, float, bool]:
     """Plan mode's estimate of the shape on a v5e (``run.mode=plan plan.target=v5e``), compiled
     on CPU from shapes alone (run it where no chip is held): the step in ms, the memory model's
     need per device in bytes, and whether it says the shape fits."""
-    from dxrun.autotune import fit
+    from dxrun.autotune import plan_report, planned
 
     cfg = compose_cfg(*overrides(shape, tokens), "run.mode=plan", "plan.target=v5e")
-    t = fit.plan_report(cfg, fit.planned(cfg).exp, suggest=False)["target"]
+    t = plan_report(cfg, planned(cfg).exp, suggest=False)["target"]
     return round(1e3 * t["step_time_s"], 1), t["needs_per_device_gb"] * 1e9, bool(t["fits"])
 
 

@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from dxrun.checks import composition_refusal, config_warnings, validate
 from dxrun.config import (
     EXIT_CRASHED,
     EXIT_REFUSED,
@@ -35,12 +36,9 @@ from dxrun.config import (
     fail,
     first_line,
 )
-from dxrun.config.composition import composition_refusal
 from dxrun.config.registry import check_composed, conf_dir, register
-from dxrun.config.validation import config_warnings, validate
-from dxrun.plan.run_plan import resolved_config
-from dxrun.run import runtime
-from dxrun.run.runtime import (
+from dxrun.plan import resolved_config
+from dxrun.run import (
     SIGNALS,
     SWEEP_EXITS,
     Claim,
@@ -67,8 +65,12 @@ from dxrun.run.runtime import (
     tell_launcher,
     tell_launcher_startup,
     thread_pool_note,
+    wait_seconds,
     write_hydra_files,
     write_status,
+)
+from dxrun.run import (
+    claim as claim_dir,
 )
 from dxrun.tracking.goodput import job_started_at, mark
 from dxrun.tracking.logger import record_end
@@ -176,7 +178,7 @@ def _start_jax(cfg: RunConfig, status: JobStatus) -> bool:
 def _plan(cfg: RunConfig, hydra_cfg: HydraConf, status: JobStatus) -> Any:
     """run.mode=plan: the decision reported for plan.target; nothing trained."""
     with command_imports():
-        from dxrun.autotune.fit import planned, run_plan  # imports JAX
+        from dxrun.autotune import planned, run_plan  # imports JAX
 
     # data.seq_len=null resolved for the target; for parallelism=auto the layout
     # ranked first by the estimate alone, for plan.target: in the plan, cfg as it is.
@@ -292,15 +294,15 @@ def _committed(ckpt: CheckpointConfig, run_dir: Path) -> tuple[Path, list[int]]:
 
 def claim_to_train(run: RunSection, ckpt: CheckpointConfig, hydra_cfg: HydraConf,
                    asked: Path, held: list[Claim] | None = None) -> Claim:
-    """The dir this training job writes to (``runtime.claim``), held by process 0 for the
+    """The dir this training job writes to (``dxrun.run.claim``), held by process 0 for the
     job's life; every process gets process 0's decision, a refusal included. A move away from
-    ``asked`` is said at once rather than only in the last line. ``held``: as ``runtime.claim``
+    ``asked`` is said at once rather than only in the last line. ``held``: as ``dxrun.run.claim``
     (the caller's hold on the dir from the moment it is locked)."""
-    wait_s = runtime.wait_seconds(run.wait_for_lock)
+    wait_s = wait_seconds(run.wait_for_lock)
     claim, decision = None, {}
     if is_main():
         try:
-            claim = runtime.claim(
+            claim = claim_dir(
                 asked, named=names_its_dir(hydra_cfg),
                 fresh=str(ckpt.resume) == "none", wait_s=wait_s, held=held,
                 has_checkpoints=lambda d: bool(_committed(ckpt, d)[1]))

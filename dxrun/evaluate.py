@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun.config import ConfigError
 from dxrun.data import EVAL
-from dxrun.run.runtime import command_imports, read_json, write_json
+from dxrun.run import command_imports, read_json, write_json
 from dxrun.tools.checkpoint import Loaded, load, main, split_args
 from dxrun.tracking.logger import open_wandb
 

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.config import ConfigError, checked_factory, hf_dir, read_config
+from dxrun.cost import TARGETS
 from dxrun.data import EVAL, TRAIN, Data
 from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 from dxrun.model.context_parallel import in_context_order
@@ -48,8 +49,7 @@ from dxrun.model.sharding import (
 )
 from dxrun.model.transformer import count_params, resize_vocab
 from dxrun.model.user_model import build_model, logits_of
-from dxrun.plan.cost import TARGETS
-from dxrun.plan.run_plan import (
+from dxrun.plan import (
     AttentionTarget,
     MeshPlan,
     attention_target,
@@ -59,8 +59,7 @@ from dxrun.plan.run_plan import (
     scaled_lr,
     table_rows,
 )
-from dxrun.run import runtime
-from dxrun.run.runtime import process_hosts
+from dxrun.run import check_chip, faults_from_env, process_hosts
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig, OptimizerConfig, RunConfig
@@ -308,8 +307,8 @@ class StepSpec:
     batch_sharding: Any
     dropout_seed: int | None = None
     nan_policy: str = "halt"
-    # test-only (dxrun/run/runtime.py, from the environment): the step whose loss is poisoned
-    inject_nan_at_step: int = field(default_factory=lambda: runtime.faults_from_env().nan_at_step)
+    # test-only (dxrun/run/faults.py, from the environment): the step whose loss is poisoned
+    inject_nan_at_step: int = field(default_factory=lambda: faults_from_env().nan_at_step)
     grad_reduce_dtype: str = "fp32"
     update_shardings: Any = None
     update_pads: Any = None
@@ -330,7 +329,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          spec.grad_reduce_dtype, plan.loss_chunk, objective)
-        if inject_nan_at_step:  # test-only (dxrun/run/runtime.py): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 
@@ -452,7 +451,7 @@ class TrainStep:
             t0 = time.perf_counter()
             with in_mesh_context(self.mesh, self.rules):  # the model pins activation layouts
                 compiled = self.jitted.lower(state, tokens_BxT).compile()
-            self.compiled = runtime.check_chip(compiled, step_bytes(compiled))
+            self.compiled = check_chip(compiled, step_bytes(compiled))
             self.compile_time_s = time.perf_counter() - t0
         return self.compiled
 
@@ -462,7 +461,7 @@ class TrainStep:
         options = analysis_options(self.mesh.devices.flat[0].platform)
         with in_mesh_context(self.mesh, self.rules):
             compiled = self.jitted.lower(state, tokens_BxT).compile(options)
-        return runtime.check_chip(compiled, step_bytes(compiled))
+        return check_chip(compiled, step_bytes(compiled))
 
     def memory_bytes(self) -> float | None:
         return step_bytes(self.compiled) if self.compiled is not None else None

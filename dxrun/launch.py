@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO
 
 from dxrun.config import EXIT_CODES, EXIT_REFUSED, FAILED, RUNNING, STOPPED
-from dxrun.run.runtime import (
+from dxrun.run import (
     COORDINATOR,
     CUDA_VISIBLE,
     DEVICE_COUNT_FLAG,

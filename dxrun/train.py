@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import Decided, Handover, compile_checked, decide, memory_preflight, resolve_peak
 from dxrun.checkpointing.store import (
     Resume,
     RunCheckpoints,
@@ -37,10 +35,21 @@ from dxrun.checkpointing.store import (
     tokens_seen,
 )
 from dxrun.config import ConfigError, DiskError, first_line
+from dxrun.cost import flops_per_token, mfu, searches, table
 from dxrun.experiment import Experiment, adopt, check_hf_weights
-from dxrun.plan.cost import flops_per_token, mfu
-from dxrun.plan.run_plan import RunPlan, saved_config, table
-from dxrun.run.runtime import Job, describe_model, dir_refusal, is_main, run_name, write_json
+from dxrun.fit import (
+    Decided,
+    Handover,
+    OutOfMemory,
+    compile_checked,
+    decide,
+    is_out_of_memory,
+    memory_preflight,
+    resolve_peak,
+    write_breakdown,
+)
+from dxrun.plan import RunPlan, saved_config
+from dxrun.run import Job, describe_model, dir_refusal, is_main, run_name, write_json
 from dxrun.tracking import goodput
 from dxrun.tracking.goodput import Measured, StepTimer, Tracer, profile_dir, traced_steps
 from dxrun.tracking.logger import (
@@ -216,7 +225,7 @@ def peak_over_devices(starts: list[dict | None], nows: list[dict | None]) -> flo
 
 
 # ------------------------------------------------------------------------------------------------
-# Before anything is written or allocated: the run's decision (``autotune.search``), the
+# Before anything is written or allocated: the run's decision (``fit.decide``), the
 # checkpoint it resumes and the memory preflight; then the decision shown (``show_plan``: the log,
 # plan.json) and where training begins (``start_state``: the seeded init, what the layout search
 # trained, or the resumed checkpoint).
@@ -243,7 +252,10 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Decided:
         raise ConfigError(why)
     find = (None if run_dir is None
             else lambda saved: find_resume(cfg.checkpoint, run_dir, saved))
-    decided = decide(cfg, find_resume=find)
+    search = None
+    if searches(cfg.parallelism):  # parallelism=auto alone enters the autotune wing
+        from dxrun.autotune import search  # a fixed layout loads none of it (issue 80)
+    decided = decide(cfg, find_resume=find, search=search)
     exp, plan, resume = decided.exp, decided.plan, decided.resume
     if resume is not None:  # its data position, its optimizer state, whether it trains at all
         plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
@@ -889,7 +901,7 @@ def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
     refused (DiskError, naming the checkpoint kept), the device out of memory (OutOfMemory,
     naming where the memory goes, written to the run dir), a NaN under train.debug_nans
     (NonFiniteError, naming ``step``: the step that was running); None: ``e`` as it is."""
-    if isinstance(e, (DiskError, fit.OutOfMemory)):
+    if isinstance(e, (DiskError, OutOfMemory)):
         return None
     if isinstance(e, FloatingPointError) or type(e).__name__ == "InternalFloatingPointError":
         # jax.debug_nans checks each step's outputs as it returns: the step that raised is
@@ -899,10 +911,10 @@ def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
                       "set train.debug_nans=false train.nan_policy=skip to leave such steps out")
     if (disk := refused(e, ckpts.saver)) is not None:
         return disk
-    if fit.is_out_of_memory(e) and main:
-        path = fit.write(run_dir, exp.step.compiled, exp.abstract_state(),
+    if is_out_of_memory(e) and main:
+        path = write_breakdown(run_dir, exp.step.compiled, exp.abstract_state(),
                                    exp.plan.platform)
-        return fit.OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
+        return OutOfMemory(f"{first_line(e)}; where the memory goes: {path}")
     return None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from dxrun.run.runtime import simulate_cpu_devices
+from dxrun.run import simulate_cpu_devices
 
 if os.environ.get("DXRUN_TEST_GPU") != "1":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: it reads this once
@@ -71,7 +71,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dxrun.config.registry import register
-from dxrun.run.runtime import collect_cycles_rarely, enable_compile_cache, freeze_imported
+from dxrun.run import collect_cycles_rarely, enable_compile_cache, freeze_imported
 
 # The collector's thresholds of a dxrun command's process, for the tests that trace and compile
 # in this one.

@@ -19,7 +19,7 @@ from dxrun.experiment import Experiment
 from dxrun.model import splash_attention
 from dxrun.model.sharding import in_mesh_context
 from dxrun.model.transformer import Transformer, reference_attention
-from dxrun.plan.run_plan import (
+from dxrun.plan import (
     AUTO,
     KERNELS,
     AttentionTarget,
@@ -162,7 +162,7 @@ def test_bf16_model_on_cpu_and_in_plan_mode_lowers_with_xla_attention(cfg_factor
         text = exp.step.jitted.lower(exp.abstract_state(), exp.abstract_batch()).as_text()
     assert "dot_general" in text  # the step's program, lowered for these devices
     assert "cudnn" not in text.lower() and "fmha" not in text.lower()
-    from dxrun.autotune.fit import planned
+    from dxrun.autotune import planned
 
     plan = planned(cfg_factory(*shape, "run.mode=plan", "plan.target=h200")).exp
     assert plan.attention_kernel == "cudnn"  # what the run on an H200 runs: the plan's choice

@@ -17,8 +17,8 @@ from dxrun.config.schema_parallel import Axis
 @pytest.fixture
 def extra_axis(monkeypatch):
     """``AXES`` with ``xp`` appended, in every dxrun module that reads the table."""
+    import dxrun.cost  # noqa: F401  (the plan too: the layouts read it)
     import dxrun.model.sharding  # noqa: F401  (its host_grid reads the table through the plan)
-    import dxrun.plan.run_plan  # noqa: F401
 
     table = schema_parallel.AXES
     axes = (*table, Axis("xp", "extra"))
@@ -29,17 +29,9 @@ def extra_axis(monkeypatch):
 
 
 def test_a_new_axis_is_a_row_of_the_table(extra_axis, cfg_factory):
+    from dxrun.cost import meshes
     from dxrun.model.sharding import host_grid
-    from dxrun.plan.run_plan import (
-        Layout,
-        Sizes,
-        layout_of,
-        make_plan,
-        meshes,
-        resolve_axes,
-        shrink,
-        split_over_hosts,
-    )
+    from dxrun.plan import Layout, Sizes, layout_of, make_plan, resolve_axes, shrink, split_over_hosts
 
     assert list(Sizes(dp=2)) == ["dp", "fsdp", "cp", "tp", "xp"]
     layout = Layout.of(dp=4, xp=2)

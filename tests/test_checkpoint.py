@@ -80,7 +80,7 @@ def reference(tmp_path_factory) -> Path:
 
 def _launch(cwd: Path, run_dir: Path, *extra: str, hold: int = 0) -> subprocess.Popen:
     """``python -m dxrun`` on BASE into ``run_dir``; ``hold``: from that step on, each step
-    waits for a SIGUSR1 (the test-only DXRUN_TEST_HOLD_AT_STEP, dxrun/run/runtime.py)."""
+    waits for a SIGUSR1 (the test-only DXRUN_TEST_HOLD_AT_STEP, dxrun/run/faults.py)."""
     env = {**subprocess_env(), **({"DXRUN_TEST_HOLD_AT_STEP": str(hold)} if hold else {})}
     return subprocess.Popen(
         [sys.executable, "-m", "dxrun", *BASE, f"hydra.run.dir={run_dir}", *extra],
@@ -328,7 +328,7 @@ def test_a_signal_while_starting_stops_the_run_in_one_line(tmp_path, sig):
 
 STOP_IN_A_GC_CALLBACK = """
 import gc, os, signal, time
-from dxrun.run.runtime import guard_signals
+from dxrun.run import guard_signals
 from dxrun.config.errors import Interrupted
 guard_signals()
 fired = []
@@ -458,7 +458,7 @@ NAN = ["model=tiny", "train.steps=10", "train.log_every=1", "train.eval_every=0"
 
 @pytest.fixture
 def nan_at_step_7(monkeypatch):
-    """Step 7's loss poisoned (the test-only DXRUN_TEST_NAN_AT_STEP, dxrun/run/runtime.py)."""
+    """Step 7's loss poisoned (the test-only DXRUN_TEST_NAN_AT_STEP, dxrun/run/faults.py)."""
     monkeypatch.setenv("DXRUN_TEST_NAN_AT_STEP", "7")
 
 
@@ -551,7 +551,7 @@ def test_a_meta_whose_counts_are_whole_floats_is_read_as_ints():
 
 
 def test_bad_checkpoint_settings_are_refused(tmp_path):
-    from dxrun.config.validation import validate
+    from dxrun.checks import validate
 
     for override, key in [("checkpoint.every=-1", "checkpoint.every=-1"),
                           ("checkpoint.keep=0", "checkpoint.keep=0"),
@@ -764,7 +764,7 @@ def test_a_full_disk_is_one_line_and_the_relaunch_resumes(tmp_path):
 def test_a_status_the_full_disk_refuses_is_one_warning(tmp_path, caplog):
     """The failure path's own status write on a full disk: one warning naming the status the
     file still holds, nothing raised, the intact file and no half-written one left."""
-    from dxrun.run.runtime import write_status
+    from dxrun.run import write_status
 
     run_dir = tmp_path / "disk"
     with small_disk(run_dir, 64) as mounted:

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from dxrun.autotune.fit import NoData, collective_traffic
+from dxrun.autotune import collective_traffic
 from dxrun.config.errors import ConfigError
+from dxrun.estimates import head_bytes, shapes
 from dxrun.experiment import Experiment, loss_and_metrics
+from dxrun.fit import NoData
 from dxrun.model.objectives import objective_of
 from dxrun.model.sharding import in_mesh_context
-from dxrun.plan import cost
-from dxrun.plan.run_plan import AUTO_ON_BYTES, resolve_loss_chunk
+from dxrun.plan import AUTO_ON_BYTES, resolve_loss_chunk
 
 CHUNK = 8  # of data.seq_len=32: four chunks
 
@@ -158,14 +159,14 @@ def test_auto_chunks_only_large_logits():
     assert resolve_loss_chunk(1024, 1, 1024, 64) == 0  # the whole sequence: unchunked
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
     assert make_plan(cfg, 8).loss_chunk == 128
 
 
 def test_a_chunk_that_does_not_divide_is_refused():
     with pytest.raises(ConfigError, match=r"model.loss_chunk=48 does not divide "
                                           r"data.seq_len=64; pick a divisor \(e.g. 32\)"):
-        from dxrun.config.validation import validate
+        from dxrun.checks import validate
 
         validate(make_cfg("model=tiny", "logger=none", "model.loss_chunk=48"))
 
@@ -173,12 +174,12 @@ def test_a_chunk_that_does_not_divide_is_refused():
 def test_memory_model_counts_one_chunk():
     cfg = make_cfg("model=small", "logger=none", "parallelism=dp8", "data.seq_len=1024",
                    "data.batch_size=64")
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
     plan = make_plan(cfg, 8)
-    chunked = cost.shapes(cfg.model, plan, "xla")
+    chunked = shapes(cfg.model, plan, "xla")
     cfg.model.loss_chunk = 0
-    whole = cost.shapes(cfg.model, make_plan(cfg, 8), "xla")  # the plan decides it
+    whole = shapes(cfg.model, make_plan(cfg, 8), "xla")  # the plan decides it
     V = whole.vocab
     assert chunked.loss_chunk == 128 and whole.loss_chunk == 0
-    drop = cost.head_bytes(whole) - cost.head_bytes(chunked)
+    drop = head_bytes(whole) - head_bytes(chunked)
     assert drop == 2 * 4 * 8 * (1024 - 128) * V

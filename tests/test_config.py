@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from dxrun.config import registry, schema, validation
+from dxrun.checks import validation
+from dxrun.config import registry, schema
 from dxrun.config.errors import ConfigError
-from dxrun.run import runtime
+from dxrun.run import Faults, faults_from_env
 
 
 def _numeric_keys() -> list[str]:
@@ -250,17 +251,17 @@ def test_ranges_refuse_with_key_value_and_fix(cfg_factory, override, bad):
     ("DXRUN_TEST_ERROR_AT_STEP", "3", False),
 ])
 def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad):
-    """The tests' faults are no key of the user's config (``dxrun.run.runtime``): each is read from
+    """The tests' faults are no key of the user's config (``dxrun.run.faults``): each is read from
     its environment variable, refused outside its range like a key (the NaN step is compared
     with the int32 step counter)."""
     assert not [k for k in schema.FIELDS if "inject" in k or "hold_at" in k]
-    assert runtime.faults_from_env({}) == runtime.Faults()
+    assert faults_from_env({}) == Faults()
     if not bad:
-        got = runtime.faults_from_env({variable: value})
+        got = faults_from_env({variable: value})
         assert int(value) in got.steps() and sorted(got.steps())[:2] == [0, 0]
         return
     with pytest.raises(ConfigError) as err:
-        runtime.faults_from_env({variable: value})
+        faults_from_env({variable: value})
     msg = str(err.value)
     assert msg.startswith(f"{variable}={value}") and "set " + variable in msg and "\n" not in msg
 
@@ -268,11 +269,11 @@ def test_test_only_faults_come_from_the_environment_ranged(variable, value, bad)
 def test_the_deaf_rank_fault_can_name_rank_0():
     """Unset is off; a rank's number, 0 included, names it (a step fault's 0 is off anyway:
     steps count from 1)."""
-    assert runtime.faults_from_env({}).deaf_rank is None
-    assert runtime.faults_from_env({"DXRUN_TEST_DEAF_RANK": "0"}).deaf_rank == 0
-    assert runtime.faults_from_env({"DXRUN_TEST_DEAF_RANK": ""}).deaf_rank is None
+    assert faults_from_env({}).deaf_rank is None
+    assert faults_from_env({"DXRUN_TEST_DEAF_RANK": "0"}).deaf_rank == 0
+    assert faults_from_env({"DXRUN_TEST_DEAF_RANK": ""}).deaf_rank is None
     with pytest.raises(ConfigError):
-        runtime.faults_from_env({"DXRUN_TEST_DEAF_RANK": "-1"})
+        faults_from_env({"DXRUN_TEST_DEAF_RANK": "-1"})
 
 
 def _float_ranged_keys() -> list[str]:
@@ -303,7 +304,7 @@ def test_integer_bounds_are_where_what_they_feed_overflows(cfg_factory):
     import jax
     import numpy as np
 
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     top = schema.RANGES["train.seed"].hi - 1
     data = lambda seed: np.asarray(jax.random.key_data(jax.random.key(seed))).tolist()
@@ -423,8 +424,8 @@ def test_cfg_job_shows_the_size_defaults(tmp_path):
 def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     """data=text and data=tokens leave data.seq_len null: the model's context on an
     accelerator, 64 on CPU; a number is kept; the markov default run stays at 64."""
-    from dxrun.plan.cost import plan_platform
-    from dxrun.plan.run_plan import RunPlan, default_seq_len, make_plan, resolved_config
+    from dxrun.cost import plan_platform
+    from dxrun.plan import RunPlan, default_seq_len, make_plan, resolved_config
 
     assert default_seq_len(None, 1024, "gpu") == default_seq_len(None, 1024, "tpu") == 1024
     assert default_seq_len(None, 1024, "cpu") == 64 and default_seq_len(None, 32, "cpu") == 32

@@ -12,11 +12,11 @@ import jax
 from conftest import finished_wandb_run
 from omegaconf import OmegaConf
 
-from dxrun.autotune import fit as search
-from dxrun.autotune.fit import planned
-from dxrun.config import validation
+from dxrun.autotune import cache_key, planned, write_cache
+from dxrun.checks import validation
+from dxrun.cost import Row, chosen_layout, held_batch
 from dxrun.experiment import visible_devices
-from dxrun.plan.run_plan import Layout, Row, chosen_layout, held_batch, saved_config
+from dxrun.plan import Layout, saved_config
 from dxrun.train import prepare
 
 
@@ -58,8 +58,8 @@ def test_parallelism_auto_trains_on_the_validated_config_its_plan_holding_the_la
     before = OmegaConf.to_container(cfg, resolve=True)
     layout = Layout.of(dp=1, fsdp=1, tp=2, remat="dots", grad_accum=2)
     held = held_batch(cfg, *visible_devices())
-    key = search.cache_key(cfg, held, 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
+    key = cache_key(cfg, held, 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    write_cache(key, {"search": "measure", "target": "cpu", "search_s": 1.0,
                             "rows": [Row(layout, 0.1, 1.0, 1.0, True, True).to_json()]})
     assert OmegaConf.to_container(cfg, resolve=True) == before
     prepared = prepare(cfg, tmp_path / "run")

@@ -9,13 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import collective_list
+from dxrun.autotune import accelerator_memory, collective_list
+from dxrun.autotune.footprint import _shard_bytes
 from dxrun.config.errors import ConfigError
+from dxrun.cost import TARGETS, candidates, meshes, usable_share
+from dxrun.estimates import MemoryEstimate, estimate_memory, shapes
 from dxrun.experiment import Experiment, step_bytes
-from dxrun.plan import cost
-from dxrun.plan.cost import TARGETS, usable_share
-from dxrun.plan.run_plan import LONG_SEQ, candidates, kv_gather_bytes, make_plan, meshes, zigzag_order
+from dxrun.fit import NoData
+from dxrun.plan import LONG_SEQ, kv_gather_bytes, make_plan, zigzag_order
 
 
 def test_the_zigzag_split_gives_every_device_the_same_causal_work():
@@ -33,15 +34,15 @@ def _compiled(cfg_factory, *overrides: str) -> tuple[Experiment, object]:
     exp = Experiment.build(cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8",
                                        "logger=none", "data.batch_size=24", "data.seq_len=40",
                                        "train.precision=fp32", "parallelism=fsdp2_cp2_tp2",
-                                       *overrides), data=fit.NoData())
+                                       *overrides), data=NoData())
     return exp, exp.analyse_step()  # shapes only: nothing is allocated
 
 
-def _model_memory(exp: Experiment) -> cost.MemoryEstimate:
+def _model_memory(exp: Experiment) -> MemoryEstimate:
     state = exp.abstract_state()
-    x = cost.shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
-    return cost.estimate_memory(x, fit._shard_bytes(state.params), fit._shard_bytes(state.opt_state),
-                              fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+    x = shapes(exp.cfg.model, exp.plan, exp.attention_kernel)
+    return estimate_memory(x, _shard_bytes(state.params), _shard_bytes(state.opt_state),
+                              _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
 def test_the_step_gathers_keys_and_values_once_a_layer_and_holds_1_over_cp(cfg_factory):
@@ -91,10 +92,10 @@ def test_the_long_context_preset_fits_8_h100s_where_dp8_does_not(cfg_factory):
     h100 = TARGETS["h100"]
     usable = h100.memory_bytes * usable_share(h100).fraction
 
-    def need(*overrides: str, devices: int = 8) -> cost.MemoryEstimate:
+    def need(*overrides: str, devices: int = 8) -> MemoryEstimate:
         cfg = cfg_factory("experiment=long_context_llama", "logger=none", *overrides)
-        exp = Experiment.build(cfg, make_plan(cfg, devices, "cpu"), data=fit.NoData())
-        return fit.accelerator_memory(exp, h100)
+        exp = Experiment.build(cfg, make_plan(cfg, devices, "cpu"), data=NoData())
+        return accelerator_memory(exp, h100)
 
     preset, dp8 = need(), need("parallelism=dp8", "train.grad_accum=1")
     assert (preset.total_bytes < usable < dp8.total_bytes), (preset.total_bytes, dp8.total_bytes)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dxrun.checks import validate
 from dxrun.config.errors import ConfigError
-from dxrun.config.validation import validate
 from dxrun.data import EVAL, TRAIN, MarkovSource
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import make_cfg
 
+from dxrun.checks import config_warnings
 from dxrun.config.errors import NonFiniteError
-from dxrun.config.validation import config_warnings
 from dxrun.train import train
 
 TINY = ["model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
@@ -75,7 +75,7 @@ def test_nans_raises_at_the_first_nan(tmp_path):
 def test_a_group_option_hydra_reads_as_a_number_is_one_line():
     """``debug=nan`` (the option is ``nans``): Hydra's grammar reads nan as a float and its
     own error is a traceback; the command-line check names the group's options instead."""
-    from dxrun.config.composition import composition_refusal
+    from dxrun.checks import composition_refusal
 
     assert composition_refusal(["debug=nan"]) == (
         "debug=nan: Hydra reads this as a float, not an option of the debug group; choose one "

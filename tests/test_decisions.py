@@ -14,18 +14,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dxrun"
 
 # decision -> (the one function that computes it, the module that defines it)
 DECISIONS = {
-    "attention kernel": ("plan_kernel", "dxrun/plan/run_plan.py"),
-    "loss chunk": ("loss_chunk_for", "dxrun/plan/run_plan.py"),
-    "ZeRO-1": ("shard_optimizer", "dxrun/plan/run_plan.py"),
-    "precision": ("compute_dtype", "dxrun/plan/run_plan.py"),
+    "attention kernel": ("plan_kernel", "dxrun/plan/kernels.py"),
+    "loss chunk": ("loss_chunk_for", "dxrun/plan/batch.py"),
+    "ZeRO-1": ("shard_optimizer", "dxrun/plan/mesh.py"),
+    "precision": ("compute_dtype", "dxrun/plan/mesh.py"),
 }
-PLAN_BUILDER = ("dxrun/plan/run_plan.py", "make_plan")  # the one place that builds the plan
+PLAN_BUILDER = ("dxrun/plan/mesh.py", "make_plan")  # the one place that builds the plan
 # Below a decision: the kernel table's rule, asked by ``plan_kernel`` alone; the loss chunk's
 # rule, asked by ``loss_chunk_for`` and by the config check (which refuses a chunk that does not
 # divide the sequence before JAX starts, and keeps no chunk).
-HELPERS = {"choose": {("dxrun/plan/run_plan.py", "plan_kernel")},
-           "resolve_loss_chunk": {("dxrun/plan/run_plan.py", "loss_chunk_for"),
-                                  ("dxrun/config/validation.py", "check_data")}}
+HELPERS = {"choose": {("dxrun/plan/kernels.py", "plan_kernel")},
+           "resolve_loss_chunk": {("dxrun/plan/batch.py", "loss_chunk_for"),
+                                  ("dxrun/checks/validation.py", "check_data")}}
 STEP_FACTORY_ARGS = 5
 
 
@@ -104,4 +104,4 @@ def test_the_step_factories_take_the_plan_not_its_pieces():
 def test_one_carrier_from_the_decision_to_the_loop():
     classes = [(path, n.name) for path, tree in _trees().items() for n in ast.walk(tree)
                if isinstance(n, ast.ClassDef) and n.name in ("Decided", "Prepared")]
-    assert classes == [("dxrun/autotune/fit.py", "Decided")]
+    assert classes == [("dxrun/fit/decide.py", "Decided")]

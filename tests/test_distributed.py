@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.schema import DistributedConfig
-from dxrun.plan.run_plan import make_plan, split_over_hosts
-from dxrun.run.runtime import (
+from dxrun.plan import make_plan, split_over_hosts
+from dxrun.run import (
     LOCAL_PROCESSES,
     Join,
     detect,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import collectives, resolve_peak
+from dxrun.autotune import collectives, cost_per_device
+from dxrun.cost import flops_per_token, matmul_params, peak_tflops
 from dxrun.experiment import Experiment
-from dxrun.plan import cost
+from dxrun.fit import matmul_probe, measure_peak_tflops, resolve_peak
 
 
 # The README's bounds, per model: XLA also counts the elementwise work (norms, softmax, GELU,
@@ -24,10 +24,10 @@ def test_formula_matches_compiled_flops(cfg_factory, model, extra, bound):
     exp = Experiment.build(cfg)
     # Shapes only (GPT-2 small is never materialised); the layers are scanned, so XLA's count
     # is of the unrolled 1- and 2-layer steps, extrapolated in depth (plan_mode).
-    xla, _ = fit.cost_per_device(exp)
+    xla, _ = cost_per_device(exp)
     state = exp.abstract_state()
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    formula = cost.flops_per_token(cfg.model, n_params, cfg.data.seq_len) * (
+    formula = flops_per_token(cfg.model, n_params, cfg.data.seq_len) * (
         cfg.data.batch_size * cfg.data.seq_len)
     print(f"{model}: formula {formula:.4g} FLOPs/step, XLA {xla:.4g} ({xla / formula - 1:+.1%})")
     assert 0 <= xla / formula - 1 < bound  # XLA counts the formula's matmuls and a little more
@@ -38,22 +38,22 @@ def test_flops_per_token_by_hand(cfg_factory):
     # tiny (110,336 params, untied, learned positions): N = 110,336 - 16x64 (wte) - 128x64 (wpe)
     # = 101,120; 6 N = 606,720; attention 12 x 2 x 64 x 64 = 98,304.
     tiny = cfg_factory("model=tiny").model
-    assert cost.flops_per_token(tiny, 110_336, 64) == 705_024
+    assert flops_per_token(tiny, 110_336, 64) == 705_024
     # tiny_llama (100,672, RoPE: no position table): N = 100,672 - 1,024 = 99,648.
     llama = cfg_factory("model=tiny_llama").model
-    assert cost.flops_per_token(llama, 100_672, 64) == 6 * 99_648 + 98_304 == 696_192
+    assert flops_per_token(llama, 100_672, 64) == 6 * 99_648 + 98_304 == 696_192
     # GPT-2 small (124,475,904, tied: the table is the head's matmul): N = all but wpe
     # (1024 x 768) = 123,689,472; 6 N = 742,136,832; attention 12 x 12 x 768 x 1024 = 113,246,208.
     small = cfg_factory("model=small").model
-    assert cost.flops_per_token(small, 124_475_904, 1024) == 855_383_040
+    assert flops_per_token(small, 124_475_904, 1024) == 855_383_040
 
 
 def test_matmul_params_counts_tied_head_once(cfg_factory):
     small = cfg_factory("model=small").model  # tied: the table is also the output matmul
     n = 124_000_000
-    assert cost.matmul_params(small, n) == n - 1024 * 768  # only the position table drops
+    assert matmul_params(small, n) == n - 1024 * 768  # only the position table drops
     tiny = cfg_factory("model=tiny").model
-    assert cost.matmul_params(tiny, 110_336) == 110_336 - 16 * 64 - 128 * 64
+    assert matmul_params(tiny, 110_336) == 110_336 - 16 * 64 - 128 * 64
 
 
 @pytest.mark.parametrize("kind, precision, peak", [
@@ -88,7 +88,7 @@ def test_matmul_params_counts_tied_head_once(cfg_factory):
     ("NVIDIA GeForce RTX 4090", "bf16", None),
 ])
 def test_peak_table_matches_device_kinds_exactly(kind, precision, peak):
-    assert cost.peak_tflops(kind, precision) == peak
+    assert peak_tflops(kind, precision) == peak
 
 
 def test_unknown_accelerator_warns_once_a_cpu_says_nothing_and_override_wins(cfg_factory,
@@ -126,7 +126,7 @@ def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
 
 def test_measured_peak_runs_the_probe_on_every_device_at_once():
     devices = jax.devices()
-    compiled, x = fit.matmul_probe(devices, n=64)
+    compiled, x = matmul_probe(devices, n=64)
     # One 64 x 64 matrix on each of the 8 devices, each multiplied where it lives.
     assert {s.device for s in x.addressable_shards} == set(devices)
     assert {s.data.shape for s in x.addressable_shards} == {(1, 64, 64)}
@@ -134,4 +134,4 @@ def test_measured_peak_runs_the_probe_on_every_device_at_once():
     text = compiled.as_text()
     assert "f32[1,64,64]" in text and "f32[8,64,64]" not in text
     assert collectives(text) == {}
-    assert fit.measure_peak_tflops(devices, n=64, repeats=2) > 0
+    assert measure_peak_tflops(devices, n=64, repeats=2) > 0

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dxrun.autotune.fit import is_out_of_memory, shape_bytes
 from dxrun.config.errors import disk_error
+from dxrun.fit import is_out_of_memory, shape_bytes
 from dxrun.tracking import goodput
 from dxrun.tracking.goodput import profile_dir, traced_steps
 from dxrun.train import peak_bytes_since, peak_over_devices

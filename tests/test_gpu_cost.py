@@ -1,4 +1,4 @@
-"""The accelerator time model (dxrun/plan/cost.py) and the FLOPs it counts from the shapes."""
+"""The accelerator time model (dxrun/estimates/time_model.py) and the FLOPs it counts from the shapes."""
 
 from __future__ import annotations
 
@@ -6,22 +6,24 @@ import dataclasses
 
 import pytest
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import _group_size, replica_groups
+from dxrun.autotune import cost_per_device, replica_groups
+from dxrun.autotune.hlo import _group_size
+from dxrun.cost import PEAK_TFLOPS, TARGETS, peak_tflops, step_flops
+from dxrun.estimates import COST, Workload, collective_time, shape_warning, step_time
+from dxrun.estimates.time_model import _matmul_s
 from dxrun.experiment import Experiment
-from dxrun.plan import cost as plan_cost
-from dxrun.plan.run_plan import choose, compute_dtype, kind_target, run_inputs
+from dxrun.plan import choose, compute_dtype, kind_target, run_inputs
 
-ACCELERATORS = sorted(plan_cost.COST)
+ACCELERATORS = sorted(COST)
 PRESETS = ("tiny", "tiny_llama", "small", "medium", "large", "xl", "llama2_7b", "llama3_8b")
 
 
 def _xla_and_counted(cfg_factory, *overrides: str) -> tuple[float, dict]:
     cfg = cfg_factory("parallelism=dp1", "logger=none", "data.batch_size=1", *overrides)
     exp = Experiment.build(cfg)
-    xla, _ = fit.cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
+    xla, _ = cost_per_device(exp)  # unrolled 1- and 2-layer steps, extrapolated
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    counted = plan_cost.step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
+    counted = step_flops(cfg.model, tokens, cfg.data.seq_len, exp.plan.padded_vocab,
                                cfg.model.remat, fused_attention=False)
     return xla, counted
 
@@ -57,7 +59,7 @@ def test_counted_flops_match_xla_for_a_llama_block(cfg_factory):
 
 def test_fused_attention_counts_the_causal_half_and_the_backward_recomputation(cfg_factory):
     m = cfg_factory("model=llama2_7b").model
-    f = plan_cost.step_flops(m, 4096, 4096, 32000, "dots", fused_attention=True)
+    f = step_flops(m, 4096, 4096, 32000, "dots", fused_attention=True)
     fwd = f["attention_causal"] / 3
     # flash backward = 2.5 forward; remat=dots recomputes the kernel's forward (a custom call)
     assert f["hardware"] == pytest.approx(f["block_matmuls"] + f["output_layer"] + 4.5 * fwd)
@@ -67,7 +69,7 @@ _MODELS: dict = {}
 
 
 def _workload(cfg_factory, model: str, precision: str, n: int = 8,
-              device_kind: str = "cpu") -> plan_cost.Workload:
+              device_kind: str = "cpu") -> Workload:
     """A realistic step: the model's full context, 4 sequences per GPU (FSDP over 8), with the
     attention kernel a run on ``device_kind`` chooses."""
     if model not in _MODELS:  # composed once per preset: Hydra's compose is the slow part
@@ -76,7 +78,7 @@ def _workload(cfg_factory, model: str, precision: str, n: int = 8,
     params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model
     kernel = choose(m.attention, run_inputs(m, compute_dtype(precision), m.max_seq_len, 1,
                                             kind_target(device_kind)))
-    return plan_cost.Workload(m, m.max_seq_len, 4, 1, -(-m.vocab_size // 128) * 128, 1, n,
+    return Workload(m, m.max_seq_len, 4, 1, -(-m.vocab_size // 128) * 128, 1, n,
                              params, params / n, precision, kernel=kernel)
 
 
@@ -85,13 +87,13 @@ def test_bf16_is_faster_than_fp32_for_every_preset(cfg_factory, target):
     """Every preset on this target: bf16 (its peak, half the activation bytes, the fused
     attention: cuDNN's on NVIDIA, splash on a TPU) estimates a shorter step than fp32 (no
     collectives: one device's share; the collectives' halving is tested below)."""
-    t, cost = plan_cost.TARGETS[target], plan_cost.COST[target]
+    t, cost = TARGETS[target], COST[target]
     for model in PRESETS:
         steps = {}
         for precision in ("fp32", "bf16"):
             w = _workload(cfg_factory, model, precision, device_kind=t.device_kind)
-            steps[precision] = plan_cost.step_time(
-                w, cost, plan_cost.peak_tflops(t.device_kind, precision), t.hbm_bytes_per_s,
+            steps[precision] = step_time(
+                w, cost, peak_tflops(t.device_kind, precision), t.hbm_bytes_per_s,
                 t.link_bytes_per_s, [])
         assert steps["bf16"]["step_time_s"] < steps["fp32"]["step_time_s"], (target, model)
         tpu = t.device_kind.startswith("TPU")
@@ -104,12 +106,12 @@ def test_attention_is_counted_once_per_device_under_tp(cfg_factory, precision):
     """The same per-GPU attention two ways: data-parallel with 4 rows per device, or a tensor
     group of 2 sharing 8 rows with half the heads each. Fused (bf16 on an H100) or XLA's
     (fp32), a device computes the same attention either way, so its time is the same."""
-    t, cost = plan_cost.TARGETS["h100"], plan_cost.COST["h100"]
+    t, cost = TARGETS["h100"], COST["h100"]
     base = _workload(cfg_factory, "llama2_7b", precision)
     tp2 = dataclasses.replace(base, rows=2 * base.rows, tp=2)
 
-    def attention_s(w: plan_cost.Workload) -> float:
-        return plan_cost.step_time(w, cost, plan_cost.peak_tflops(t.device_kind, precision),
+    def attention_s(w: Workload) -> float:
+        return step_time(w, cost, peak_tflops(t.device_kind, precision),
                                   t.hbm_bytes_per_s, t.link_bytes_per_s, [])["attention_s"]
 
     assert attention_s(base) > 0
@@ -117,9 +119,9 @@ def test_attention_is_counted_once_per_device_under_tp(cfg_factory, precision):
 
 
 def test_a_small_matmul_runs_further_below_the_peak():
-    cost, peak, hbm = plan_cost.COST["h100"], 989e12, 3.35e12
-    big = plan_cost._matmul_s(8192, 8192, 8192, peak, hbm, cost, 2, 2)
-    small = plan_cost._matmul_s(8192, 128, 128, peak, hbm, cost, 2, 2)
+    cost, peak, hbm = COST["h100"], 989e12, 3.35e12
+    big = _matmul_s(8192, 8192, 8192, peak, hbm, cost, 2, 2)
+    small = _matmul_s(8192, 128, 128, peak, hbm, cost, 2, 2)
     per_flop = (small / (8192 * 128 * 128)) / (big / 8192**3)
     assert per_flop > 2  # the skinny one is memory- and tile-bound
     assert 2 * 8192**3 / big == pytest.approx(
@@ -131,7 +133,7 @@ def test_collectives_priced_by_group_dtype_and_link(cfg_factory):
     compiled bytes (XLA:CPU widened it); the fp32 weights' FSDP gather keeps its bytes; the
     gradient reduction halves only under grad_reduce_dtype=bf16. A group spanning two nodes
     goes over the network. Data collectives overlap the compute; tensor ones add."""
-    cost = dataclasses.replace(plan_cost.COST["h100"], devices_per_node=4)
+    cost = dataclasses.replace(COST["h100"], devices_per_node=4)
     link = 450e9
     tp_ar = {"kind": "all-reduce", "runs": 2, "groups": [[0, 1], [2, 3], [4, 5], [6, 7]],
              "dtypes": ["f32"], "bytes": 1e9}
@@ -139,15 +141,15 @@ def test_collectives_priced_by_group_dtype_and_link(cfg_factory):
               "dtypes": ["f32"], "bytes": 1e9}
     grads = {"kind": "all-reduce", "runs": 1, "groups": [[0, 4], [1, 5], [2, 6], [3, 7]],
              "dtypes": ["f32"], "bytes": 1e9}
-    w = plan_cost.Workload(cfg_factory("model=tiny").model, 1024, 1, 1, 1024, 2, 8, 1e6, 1e6, "bf16")
-    c = plan_cost.collective_time([tp_ar, gather, grads], w, link, cost)
+    w = Workload(cfg_factory("model=tiny").model, 1024, 1, 1, 1024, 2, 8, 1e6, 1e6, "bf16")
+    c = collective_time([tp_ar, gather, grads], w, link, cost)
     assert c["tensor_bytes"] == 1e9  # 2 runs x 1 GB, halved
     assert c["data_bytes"] == 2e9  # neither halved
     on_link = link * cost.link_efficiency
     assert c["data"] == pytest.approx(1e9 / on_link + 1e9 / cost.network_bytes_per_s)
     w16 = dataclasses.replace(w, grad_reduce_dtype="bf16")
-    assert plan_cost.collective_time([grads], w16, link, cost)["data_bytes"] == 0.5e9
-    assert plan_cost.collective_time([tp_ar], dataclasses.replace(w, precision="fp32"), link,
+    assert collective_time([grads], w16, link, cost)["data_bytes"] == 0.5e9
+    assert collective_time([tp_ar], dataclasses.replace(w, precision="fp32"), link,
                                     cost)["tensor_bytes"] == 2e9
 
 
@@ -167,17 +169,17 @@ def test_replica_groups_from_each_spelling():
 
 
 def test_shape_warning_names_the_keys_and_a_typical_step():
-    line = plan_cost.shape_warning("gpu", 64, 1024, 32 * 64)
+    line = shape_warning("gpu", 64, 1024, 32 * 64)
     assert "data.seq_len=64" in line and "data.batch_size" in line and "4M tokens" in line
     assert "\n" not in line
-    assert plan_cost.shape_warning("gpu", 1024, 1024, 32 * 1024) is not None  # 32k tokens
-    assert plan_cost.shape_warning("tpu", 1024, 1024, 512 * 1024) is None
-    assert plan_cost.shape_warning("cpu", 64, 1024, 2048) is None
+    assert shape_warning("gpu", 1024, 1024, 32 * 1024) is not None  # 32k tokens
+    assert shape_warning("tpu", 1024, 1024, 512 * 1024) is None
+    assert shape_warning("cpu", 64, 1024, 2048) is None
 
 
 def test_every_constant_has_a_source():
-    for name, cost in plan_cost.COST.items():
-        assert name in plan_cost.TARGETS
+    for name, cost in COST.items():
+        assert name in TARGETS
         numbers = [f.name for f in dataclasses.fields(cost) if f.name != "sources"]
         missing = [k for k in numbers if k not in cost.sources]
         assert not missing, (name, missing)
@@ -188,13 +190,13 @@ def _v5e_step_ms(cfg_factory, record: dict, *extra: str) -> float:
     model, batch, remat, *more = record["shape"].removesuffix("+hand").split(":")
     cfg = cfg_factory(f"model={model}", f"model.remat={remat}",
                       *[kv for part in more for kv in part.split(",") if kv], *extra)
-    w = plan_cost.Workload(model=cfg.model, seq_len=record["seq_len"], rows=int(batch),
+    w = Workload(model=cfg.model, seq_len=record["seq_len"], rows=int(batch),
                           micro_steps=1, vocab=50304, tp=1, n_devices=1,
                           params=record["n_params"], params_per_device=record["n_params"],
                           precision="bf16", grad_reduce_dtype=cfg.train.grad_reduce_dtype,
                           remat=remat, kernel=record["attention"])
-    t = plan_cost.TARGETS["v5e"]
-    return 1e3 * plan_cost.step_time(w, plan_cost.COST["v5e"], plan_cost.PEAK_TFLOPS[t.device_kind][1],
+    t = TARGETS["v5e"]
+    return 1e3 * step_time(w, COST["v5e"], PEAK_TFLOPS[t.device_kind][1],
                                     t.hbm_bytes_per_s, t.link_bytes_per_s, [])["step_time_s"]
 
 
@@ -234,12 +236,14 @@ def test_the_v5e_memory_model_says_fits_for_every_measured_tpu_step():
 
     from benchmarks.speed import compose_cfg
     from benchmarks.tpu import overrides
-    from dxrun.autotune.fit import accelerator_memory, planned
+    from dxrun.autotune import accelerator_memory, planned
 
     records = json.loads(Path(__file__).parents[1].joinpath("BENCHMARKS.tpu.json").read_text())
     measured = [r for r in records if "step_ms" in r]
-    target = plan_cost.TARGETS["v5e"]
-    usable = plan_cost.usable_bytes(target, {})
+    from dxrun.cost import usable_bytes
+
+    target = TARGETS["v5e"]
+    usable = usable_bytes(target, {})
     for r in measured:
         cfg = compose_cfg(*overrides(r["shape"]), "run.mode=plan", "plan.target=v5e")
         need = accelerator_memory(planned(cfg).exp, target).total_bytes

@@ -9,7 +9,7 @@ import re
 
 import jax
 
-from dxrun.autotune.fit import collective_lines, dots, instances, partitioned
+from dxrun.autotune import collective_lines, dots, instances, partitioned
 from dxrun.experiment import Experiment
 from dxrun.model.sharding import in_mesh_context
 

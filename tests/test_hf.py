@@ -35,9 +35,9 @@ from hf_checkpoints import (
     write_tokenizer,
 )
 
+from dxrun.checks import validate
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import apply_hf_model, model_fields, model_type_of, read_config
-from dxrun.config.validation import validate
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.experiment import Experiment, check_hf_weights, import_params
 from dxrun.export import export
@@ -45,7 +45,7 @@ from dxrun.export import run as export_run
 from dxrun.hf import TABLES, save_hf
 from dxrun.logits import load_model
 from dxrun.model.sharding import in_mesh_context
-from dxrun.run.runtime import Job, describe_model
+from dxrun.run import Job, describe_model
 from dxrun.sample import OPTIONS, sample
 from dxrun.tools.checkpoint import load, main
 
@@ -257,7 +257,8 @@ def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
     """The published config.json of meta-llama/Llama-3.1-8B (a fixture: no weights): the
     model's shape, its 8.03 B parameters, rope scaling, planned on fsdp8 for H100s (bf16 compute,
     full remat, 2048-token windows: it fits); nothing is read but config.json."""
-    from dxrun.autotune import fit
+    from dxrun.autotune import plan_report
+    from dxrun.fit import NoData
 
     d = ROOT / "tests" / "fixtures" / "llama-3.1-8b"
     given = [f"model.init_from=hf:{d}", "parallelism=fsdp8", "plan.target=h100",
@@ -270,7 +271,7 @@ def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
     assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size) == (
         32, 4096, 32, 8, 14336, 128256)
     assert m.rope_theta == 500000.0 and m.rope_scaling["factor"] == 8.0
-    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()), suggest=False)
+    report = plan_report(cfg, Experiment.build(cfg, data=NoData()), suggest=False)
     assert report["n_params"] == 8_030_261_248
     assert report["target"]["target"].startswith("H100") and report["target"]["fits"]
 

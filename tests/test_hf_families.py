@@ -19,7 +19,7 @@ from conftest import ROOT, make_cfg
 from hf_checkpoints import FAMILIES, LLAMA, V, random_tensors, write_hf_dir
 from test_hf import hf_cfg, logits, tensors_of
 
-from dxrun.config import validation
+from dxrun.checks import validation
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import ARCHITECTURES, apply_hf_model, model_fields, read_config
 from dxrun.experiment import Experiment, import_params
@@ -175,8 +175,9 @@ def test_the_presets_are_shaped_as_the_published_models(preset):
     """Each preset has its published model's parameters and exports as its family; plan mode
     plans it (Qwen3-0.6B on one v5e in bf16, as issue 81's benchmark row; the others fsdp8 on
     H100s) and finds it fits."""
-    from dxrun.autotune import fit
+    from dxrun.autotune import plan_report
     from dxrun.config.hf_model import model_type_of
+    from dxrun.fit import NoData
 
     family, n_params = PRESETS[preset]
     small = preset == "qwen3_0_6b"
@@ -186,5 +187,5 @@ def test_the_presets_are_shaped_as_the_published_models(preset):
                    "model.remat=full")
     validation.validate(cfg)
     assert model_type_of(cfg.model) == family
-    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()), suggest=False)
+    report = plan_report(cfg, Experiment.build(cfg, data=NoData()), suggest=False)
     assert report["n_params"] == n_params and report["target"]["fits"], report["target"]

@@ -13,7 +13,7 @@ from hydra.types import RunMode
 
 from dxrun.__main__ import JobStatus
 from dxrun.config.errors import EXIT_CRASHED, NonFiniteError
-from dxrun.run.runtime import RunLog
+from dxrun.run import RunLog
 
 
 def _hydra(output_dir, multirun: bool, num: int = 0) -> SimpleNamespace:

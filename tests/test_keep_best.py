@@ -10,8 +10,8 @@ import pytest
 from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 
 from dxrun.checkpointing.store import committed_steps
+from dxrun.checks import logged_metrics, validate
 from dxrun.config.errors import ConfigError
-from dxrun.config.validation import logged_metrics, validate
 from dxrun.tools.checkpoint import BEST, split_args
 from dxrun.tracking.logger import Monitor
 from dxrun.train import train

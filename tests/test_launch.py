@@ -367,7 +367,7 @@ def test_a_stop_while_starting_is_said_for_a_rank_0_that_never_saw_it(tmp_path):
     startup collective). Rank 0 silent, the launcher says its words from its claim of the run
     dir and writes its status.json; one rank 0 wrote itself stays."""
     from dxrun.launch import clean_stop, settle_starting_stop, stopped_while_starting
-    from dxrun.run.runtime import LAUNCH_STARTUP, PROCESS_ID, tell_launcher_startup
+    from dxrun.run import LAUNCH_STARTUP, PROCESS_ID, tell_launcher_startup
 
     startup, run_dir, told = tmp_path / "startup", tmp_path / "run", tmp_path / "run_dir"
     startup.mkdir()
@@ -553,7 +553,7 @@ def test_the_resume_command_reads_back_as_its_run_dir(name):
     """The resume command of a stopped run (``python -m dxrun``'s, in its stop line and
     status.json) and the launcher's, rebuilt from rank 0's, name the run dir exactly."""
     from dxrun.launch import STOP_LINE, clean_stop
-    from dxrun.run.runtime import relaunch_command
+    from dxrun.run import relaunch_command
 
     run_dir = f"/tmp/{name}/run"
     command = relaunch_command(["logger=none", "hydra.run.dir=elsewhere"], run_dir)

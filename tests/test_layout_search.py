@@ -1,4 +1,4 @@
-"""parallelism=auto (dxrun/autotune/fit.py, dxrun/plan/run_plan.py): candidates, the fit
+"""parallelism=auto (dxrun/autotune/search.py, dxrun/cost/layouts.py): candidates, the fit
 rule, the measured choice, the cache, and that the chosen layout is an ordinary mesh (same
 losses as one device)."""
 
@@ -14,11 +14,21 @@ import sys
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
-from dxrun.autotune import fit as auto_search
-from dxrun.autotune.fit import search, start_layout, worth_it
+from dxrun import cost as rules
+from dxrun.autotune import (
+    CACHE_SCHEMA,
+    cache_key,
+    cache_path,
+    read_cache,
+    search,
+    start_layout,
+    worth_it,
+    write_cache,
+)
+from dxrun.cost import Row, held_batch
 from dxrun.experiment import visible_devices
-from dxrun.plan import run_plan
-from dxrun.plan.run_plan import Layout, Row, held_batch
+from dxrun.fit import xla_need
+from dxrun.plan import Layout, own_s
 
 
 def held(cfg):
@@ -41,37 +51,37 @@ def meshes(layouts):
 
 
 def test_factorisations_cover_every_product():
-    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in run_plan.meshes(8, 0)) == sorted(
+    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in rules.meshes(8, 0)) == sorted(
         [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2),
          (2, 1, 4), (1, 2, 4), (1, 1, 8)])
 
 
 def test_candidates_follow_the_plan_rules():
     # tiny: 4 heads -> no tp8; everything else divides.
-    ok, refused = run_plan.candidates(make_cfg("parallelism=auto"), 8, "cpu")
+    ok, refused = rules.candidates(make_cfg("parallelism=auto"), 8, "cpu")
     assert (1, 1, 8) not in meshes(ok) and len(ok) == 9
     assert any("model.n_heads=4" in why for _, why in refused)
     # 2 kv heads: tp4 goes too; a global batch of 4: no more than 4 replicas.
-    ok, refused = run_plan.candidates(make_cfg("parallelism=auto", "model.n_kv_heads=2",
+    ok, refused = rules.candidates(make_cfg("parallelism=auto", "model.n_kv_heads=2",
                                          "data.batch_size=4"), 8, "cpu")
     assert all(x.tp <= 2 and x.dp * x.fsdp <= 4 for x in ok)
     assert meshes(ok) == {(2, 2, 2), (1, 4, 2), (4, 1, 2)}
     assert any("data.batch_size=4" in why for _, why in refused)
     # 8 heads, 2 processes of 4 devices: tp8 would cross processes.
     cfg = make_cfg("parallelism=auto", "model.n_heads=8", "model.n_kv_heads=8")
-    assert (1, 1, 8) in meshes(run_plan.candidates(cfg, 8, "cpu")[0])
-    ok, refused = run_plan.candidates(cfg, 8, "cpu", processes=2)
+    assert (1, 1, 8) in meshes(rules.candidates(cfg, 8, "cpu")[0])
+    ok, refused = rules.candidates(cfg, 8, "cpu", processes=2)
     assert (1, 1, 8) not in meshes(ok)
     assert any("tp=8" in why for _, why in refused)
 
 
 def test_fit_variants_add_micro_batches_then_recomputation():
-    labels = [x.label for x in run_plan.fit_variants(layout(8, 1, 1))]
+    labels = [x.label for x in rules.fit_variants(layout(8, 1, 1))]
     assert labels[:6] == ["dp8", "dp8 accum=2", "dp8 accum=4", "dp8 accum=8", "dp8 remat=dots",
                           "dp8 remat=dots accum=2"]
     assert labels[-2:] == ["dp8 remat=full accum=4", "dp8 remat=full accum=8"]
     assert len(labels) == 16 and "dp8 remat=keep_attention" in labels
-    assert [x.label for x in run_plan.fit_variants(layout(1, 1, 8, "full", 4))] == [
+    assert [x.label for x in rules.fit_variants(layout(1, 1, 8, "full", 4))] == [
         "tp8 remat=full accum=4", "tp8 remat=full accum=8"]
 
 
@@ -81,12 +91,12 @@ def test_a_layout_that_does_not_fit_is_never_chosen():
         need = 3.0 if layout.dp == 8 else 0.5
         return need, 0.001 if layout.dp == 8 else 0.010 * layout.tp
     layouts = [layout(8, 1, 1), layout(4, 1, 2), layout(2, 1, 4)]
-    rows = run_plan.model_stage(layouts, 1.0, score)
+    rows = rules.model_stage(layouts, 1.0, score)
     assert [r.layout.mesh for r in rows] == ["dp4_tp2", "dp2_tp4", "dp8"]
     assert not rows[-1].fits and rows[-1].why == "does not fit: 3.00 GiB of 1.00 GiB"
-    chosen = run_plan.measure_stage(rows, 3, lambda layouts: {x: 0.001 for x in layouts})
+    chosen = rules.measure_stage(rows, 3, lambda layouts: {x: 0.001 for x in layouts})
     assert chosen.layout.mesh == "dp4_tp2"
-    assert run_plan.model_choice(run_plan.model_stage(layouts, 1.0, score)).layout.tp == 2
+    assert rules.model_choice(rules.model_stage(layouts, 1.0, score)).layout.tp == 2
 
 
 # What XLA's TPU compile raised for model=small in fp32 on one v5e (the issue's first row).
@@ -99,17 +109,17 @@ def test_a_candidate_the_chip_refuses_is_a_row_and_the_search_goes_on():
     that does not fit, never the search's end: the mesh's next variants are tried (more
     recomputation, then micro-batches), and a mesh that fits nowhere keeps its last variant's
     row, with what XLA says it needs."""
-    assert auto_search.xla_need(RuntimeError(TPU_REFUSAL)) == pytest.approx(23.62)
-    assert auto_search.xla_need(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
+    assert xla_need(RuntimeError(TPU_REFUSAL)) == pytest.approx(23.62)
+    assert xla_need(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
     tried = []
 
     def score(layout):
         tried.append(layout.label)
         if layout.dp == 8 or layout.remat in ("none", "dots"):
-            raise run_plan.TooLarge(20.0 if layout.dp == 8 else 17.5)
+            raise rules.TooLarge(20.0 if layout.dp == 8 else 17.5)
         return 1.0, 0.010
 
-    rows = run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, score)
+    rows = rules.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, score)
     assert rows[0].fits and rows[0].layout.label == "dp4_tp2 remat=keep_attention"
     assert tried[-3:] == ["dp4_tp2 remat=dots accum=4", "dp4_tp2 remat=dots accum=8",
                           "dp4_tp2 remat=keep_attention"]
@@ -129,10 +139,10 @@ def test_a_mesh_keeps_each_recomputation_that_fits_with_fewer_micro_batches():
     def score(layout):
         tried.append(layout.label)
         if layout.grad_accum < fits_at.get(layout.remat, 99):
-            raise run_plan.TooLarge(17.0)
+            raise rules.TooLarge(17.0)
         return 15.0, est[layout.remat]
 
-    rows = run_plan.model_stage([layout(1, 1, 1)], None, score)
+    rows = rules.model_stage([layout(1, 1, 1)], None, score)
     assert [r.layout.label for r in rows] == ["dp1 remat=keep_attention accum=4",
                                               "dp1 remat=dots accum=8",
                                               "dp1 remat=full accum=2"]
@@ -154,14 +164,14 @@ def test_a_build_error_of_every_candidate_is_that_error_not_memory():
         raise ConfigError("data.path=x: token id 122 >= model.vocab_size=64; set data.vocab_size")
 
     with pytest.raises(ConfigError, match=r"^data.path=x: token id 122 >= model.vocab_size=64;"):
-        run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, broken)
+        rules.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, broken)
 
     def some(layout):
         if layout.tp == 2:
             raise ConfigError("model.n_heads=3 is not divisible by tp=2; pick another")
-        raise run_plan.TooLarge(3.0)
+        raise rules.TooLarge(3.0)
 
-    rows = run_plan.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, some)
+    rows = rules.model_stage([layout(8, 1, 1), layout(4, 1, 2)], None, some)
     assert [r.fits for r in rows] == [False, False]
     assert {r.why for r in rows} == {"does not fit: XLA needs 3.00 GiB",
                                      "model.n_heads=3 is not divisible by tp=2"}
@@ -169,14 +179,14 @@ def test_a_build_error_of_every_candidate_is_that_error_not_memory():
 
 def test_the_memory_column_keeps_one_unit_below_a_gib():
     # model=tiny's ranking: 8.1 MiB beside 11 MiB used to read "0.01 GiB" (the tp4 rows).
-    assert [run_plan._gib(v) for v in (0.0079, 0.011, 0.999, 1.0, 31.2, None)] == [
+    assert [rules.gib_text(v) for v in (0.0079, 0.011, 0.999, 1.0, 31.2, None)] == [
         "8.1 MiB", "11.3 MiB", "1023.0 MiB", "1.00 GiB", "31.20 GiB", "-"]
 
 
 def test_a_layout_fits_with_recomputation_when_it_must():
     def score(layout):
         return (0.5 if layout.remat == "full" else 2.0), 0.01
-    rows = run_plan.model_stage([layout(8, 1, 1)], 1.0, score)
+    rows = rules.model_stage([layout(8, 1, 1)], 1.0, score)
     assert rows[0].fits and rows[0].layout == layout(8, 1, 1, "full", 1)
 
 
@@ -189,15 +199,15 @@ def test_the_fastest_measured_wins_over_the_estimate():
         timed.extend(layouts)
         return {layout(8, 1, 1): 0.030, layout(4, 1, 2): 0.010, layout(2, 1, 4): 0.020}
 
-    chosen = run_plan.measure_stage(rows, 3, timer)
+    chosen = rules.measure_stage(rows, 3, timer)
     assert chosen.layout == layout(4, 1, 2) and chosen.chosen
     assert timed == [layout(8, 1, 1), layout(4, 1, 2), layout(2, 1, 4)]  # the top 3 only
     assert rows[0].why == "slower: 30.0 ms measured"
     assert rows[3].why == "slower: 4.0 ms estimated (not in the top 3 measured)"
     record = {"search": "measure", "target": "cpu", "search_s": 1.0,
               "rows": [r.to_json() for r in rows]}
-    assert "✓" in run_plan.table(record).splitlines()[2]  # the first row under the header
-    assert run_plan.chosen_layout(record) == layout(4, 1, 2)
+    assert "✓" in rules.table(record).splitlines()[2]  # the first row under the header
+    assert rules.chosen_layout(record) == layout(4, 1, 2)
 
 
 def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
@@ -207,7 +217,7 @@ def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
             Row(layout(4, 1, 2), 0.1, 1.0, fits=True), Row(layout(2, 1, 4), 0.1, 1.0, fits=True)]
     turns = {layout(8, 1, 1): [0.080, 0.077, 0.081], layout(4, 2, 1): [0.079, 0.084, 0.083],
              layout(4, 1, 2): [0.090, 0.092, 0.095], layout(2, 1, 4): [0.082]}
-    chosen = run_plan.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
+    chosen = rules.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
     assert chosen.layout == layout(8, 1, 1) and chosen.measured_ms == pytest.approx(80.0)
     assert chosen.spread_ms == pytest.approx([77.0, 81.0])
     assert rows[1].why == ("slower: 83.0 ms measured, not distinguishable (turns 79.0-84.0, "
@@ -215,81 +225,81 @@ def test_a_layout_within_the_chosen_ones_spread_is_called_not_distinguishable():
     assert rows[2].why == "slower: 92.0 ms measured"  # its fastest turn is past the chosen's
     assert rows[3].why == "slower: 82.0 ms measured" and rows[3].spread_ms is None  # one turn
     record = {"rows": [r.to_json() for r in rows]}
-    assert run_plan.rows_of(record)[1].spread_ms == pytest.approx([79.0, 84.0])  # plan.json keeps it
+    assert rules.rows_of(record)[1].spread_ms == pytest.approx([79.0, 84.0])  # plan.json keeps it
 
 
 def test_estimates_within_the_roofline_error_are_measured_too():
     est = [1.0, 2.0, 3.0, 3.05, 3.3, 9.0]  # ms; the top 2, then ties with the first's 1.10x
     rows = [Row(layout(8 // 2 ** i if i < 4 else 1, 1, 1), 0.1, e, fits=True)
             for i, e in enumerate(est)] + [Row(layout(1, 1, 8), why="does not fit")]
-    assert [r.est_ms for r in run_plan.to_measure(rows, 2)] == [1.0, 2.0]
+    assert [r.est_ms for r in rules.to_measure(rows, 2)] == [1.0, 2.0]
     rows[1].est_ms, rows[2].est_ms = 1.05, 1.10  # within 10% of the first: measured as well
-    assert [r.est_ms for r in run_plan.to_measure(rows, 1)] == [1.0, 1.05, 1.10]
+    assert [r.est_ms for r in rules.to_measure(rows, 1)] == [1.0, 1.05, 1.10]
     # ...unless a step of them takes longer than a turn (1.05 ms against a 1.08 ms turn): there
     # a turn costs two whole steps, and the top alone are timed.
-    assert [r.est_ms for r in run_plan.to_measure(rows, 1, turn_s=1.08e-3)] == [1.0, 1.05]
-    assert [r.est_ms for r in run_plan.to_measure(rows, 2, turn_s=1e-6)] == [1.0, 1.05]
+    assert [r.est_ms for r in rules.to_measure(rows, 1, turn_s=1.08e-3)] == [1.0, 1.05]
+    assert [r.est_ms for r in rules.to_measure(rows, 2, turn_s=1e-6)] == [1.0, 1.05]
     # Simulated CPU devices: every layout that fits, never one that does not.
-    assert len(run_plan.to_measure(rows, 1, every=True)) == 6
+    assert len(rules.to_measure(rows, 1, every=True)) == 6
 
 
 def test_the_three_fastest_are_timed_every_round_and_the_far_slower_dropped():
     lay = [layout(8 // t, 1, t) for t in (1, 2, 4, 8)] + [layout(1, 8, 1)]
     medians = dict(zip(lay, (1.0, 1.6, 1.05, 3.0, 1.4), strict=True))
     # 1.0, 1.05 are within 1.25x; 1.4 is not but is third fastest; 1.6 and 3.0 go.
-    assert run_plan.survivors(medians, 1.25) == [lay[0], lay[2], lay[4]]
-    assert run_plan.survivors(medians, 1.25, keep=1) == [lay[0], lay[2]]
-    assert run_plan.survivors(medians, 2.0, keep=1) == [lay[0], lay[1], lay[2], lay[4]]
-    assert run_plan.survivors(dict(list(medians.items())[:3]), 1.25) == [lay[0], lay[1], lay[2]]
+    assert rules.survivors(medians, 1.25) == [lay[0], lay[2], lay[4]]
+    assert rules.survivors(medians, 1.25, keep=1) == [lay[0], lay[2]]
+    assert rules.survivors(medians, 2.0, keep=1) == [lay[0], lay[1], lay[2], lay[4]]
+    assert rules.survivors(dict(list(medians.items())[:3]), 1.25) == [lay[0], lay[1], lay[2]]
 
 
 def test_a_leader_clear_of_every_other_ends_the_rounds():
     lay = [layout(8 // t, 1, t) for t in (1, 2, 4)]
     # model=small's first round on this host: 3.4 s, then 4.0 s (1.18x) and 5.8 s.
     medians = dict(zip(lay, (4.0, 3.4, 5.8), strict=True))
-    assert run_plan.survivors(medians, 1.25) == [lay[1]]
+    assert rules.survivors(medians, 1.25) == [lay[1]]
     medians[lay[0]] = 1.09 * 3.4  # within CLEAR: the three go on
-    assert run_plan.survivors(medians, 1.25) == lay
+    assert rules.survivors(medians, 1.25) == lay
 
 
 def test_every_layout_is_timed_when_their_steps_are_cheap():
     rows = [Row(layout(8 // t, 1, t), 0.1, e, fits=True) for t, e in ((1, 30.0), (2, 40.0))]
     rows.append(Row(layout(1, 1, 8), why="does not fit"))
-    assert run_plan.time_every(rows, 1.0)  # 70 ms of steps: time them all
-    assert run_plan.measure_rule(rows, 1.0, simulated=True) == (True, None)  # ...in every round
-    assert run_plan.measure_rule(rows, 1.0, simulated=False) == (False, run_plan.PRUNE)
+    assert rules.time_every(rows, 1.0)  # 70 ms of steps: time them all
+    assert rules.measure_rule(rows, 1.0, simulated=True) == (True, None)  # ...in every round
+    assert rules.measure_rule(rows, 1.0, simulated=False) == (False, rules.PRUNE)
     rows[1].est_ms = 980.0
-    assert not run_plan.time_every(rows, 1.0)  # a second of steps: the top few by the estimate
-    assert run_plan.measure_rule(rows, 1.0, simulated=True) == (False, run_plan.PRUNE)  # pruned by round
+    assert not rules.time_every(rows, 1.0)  # a second of steps: the top few by the estimate
+    assert rules.measure_rule(rows, 1.0, simulated=True) == (False, rules.PRUNE)  # pruned by round
     rows[1].est_ms = None
-    assert not run_plan.time_every(rows, 1.0)  # no estimate to go by
+    assert not rules.time_every(rows, 1.0)  # no estimate to go by
 
 
 def test_the_cache_skips_the_search_and_a_changed_key_misses(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg("parallelism=auto")
-    key = auto_search.cache_key(cfg, held(cfg), 8, "cpu", "0.10.2", 1)
+    key = cache_key(cfg, held(cfg), 8, "cpu", "0.10.2", 1)
     other = make_cfg("parallelism=auto", "data.batch_size=64")
-    assert key != auto_search.cache_key(other, held(other), 8, "cpu", "0.10.2", 1)
-    assert key != auto_search.cache_key(cfg, held(cfg), 4, "cpu", "0.10.2", 1)
-    assert key != auto_search.cache_key(cfg, held(cfg), 8, "cpu", "0.10.3", 1)
+    assert key != cache_key(other, held(other), 8, "cpu", "0.10.2", 1)
+    assert key != cache_key(cfg, held(cfg), 4, "cpu", "0.10.2", 1)
+    assert key != cache_key(cfg, held(cfg), 8, "cpu", "0.10.3", 1)
     import jax
 
-    key = auto_search.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
     row = Row(layout(2, 2, 2, "dots", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
-    auto_search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+    write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
 
     def timer(cfg, layouts):
         raise AssertionError("a cache hit measures nothing")
     record = search_record(cfg, timer=timer)
     assert record["cached"] and record["search_s"] < 1.0
-    chosen = run_plan.chosen_layout(record)  # what the run's plan lays out
+    chosen = rules.chosen_layout(record)  # what the run's plan lays out
     assert (chosen.dp, chosen.fsdp, chosen.tp) == (2, 2, 2)
     assert chosen.remat == "dots" and cfg.model.remat == "none"  # cfg is read only
     # parallelism.search=fresh never reads it (the key is the same: fresh measures too).
     fresh = make_cfg("parallelism=auto", "parallelism.search=fresh")
-    assert auto_search.cache_key(fresh, held(fresh), 8, jax.devices()[0].device_kind,
+    assert cache_key(fresh, held(fresh), 8, jax.devices()[0].device_kind,
                            jax.__version__, 1) == key
 
 
@@ -305,9 +315,9 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
     common = ["data.seq_len=16", "train.steps=3", "train.log_every=1", "train.eval_every=0",
               "checkpoint.every=0", "logger=none"]
     cfg = make_cfg("parallelism=auto", *common)
-    key = auto_search.cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache_key(cfg, held(cfg), 8, jax.devices()[0].device_kind, jax.__version__, 1)
     row = Row(layout(2, 2, 2, "full", 1), 0.1, 1.0, 2.0, chosen=True, fits=True)
-    auto_search.write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
+    write_cache(key, {"search": "measure", "target": "cpu", "search_s": 9.0,
                          "rows": [row.to_json()]})
     train(cfg, tmp_path / "auto")
     train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
@@ -361,28 +371,28 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     """``train_through``: the timed steps a turn may take when the turns train the run's first
     steps, 0 where they do not (pure)."""
     cfg = make_cfg("parallelism=auto")  # log_every 50, eval_every 100, a save every 100
-    assert run_plan.train_budget(cfg.train, cfg.checkpoint) == 49
+    assert rules.train_budget(cfg.train, cfg.checkpoint) == 49
     profiled = make_cfg("parallelism=auto", "train.profile.start=10")
-    assert run_plan.train_budget(profiled.train, profiled.checkpoint) == 9
+    assert rules.train_budget(profiled.train, profiled.checkpoint) == 9
     short = make_cfg("parallelism=auto", "train.steps=5")
-    assert run_plan.train_budget(short.train, short.checkpoint) == 4
+    assert rules.train_budget(short.train, short.checkpoint) == 4
     # steps estimated at a turn's time or more (1 s): one timed step a turn anyway; 3 layouts
     # x 3 rounds in 49 steps leaves 5 a turn
     slow = [Row(layout(8 // t, 1, t), 1.0, 5000.0 + t, fits=True) for t in (1, 2, 4)]
-    assert run_plan.train_through(cfg, slow) == 4
+    assert rules.train_through(cfg, slow) == 4
     # two states a move holds must fit the memory budget together
-    assert run_plan.train_through(cfg, slow, budget_gb=1.9) == 0
-    assert run_plan.train_through(cfg, slow, budget_gb=2.0) == 4
+    assert rules.train_through(cfg, slow, budget_gb=1.9) == 0
+    assert rules.train_through(cfg, slow, budget_gb=2.0) == 4
     # cheap steps timed in turns of ten: 9 layouts x 3 rounds x 11 steps do not fit in 49...
-    cheap = [Row(Layout(m), 0.01, 10.0, fits=True) for m in run_plan.meshes(8, 0) if m["tp"] < 8]
-    assert len(cheap) == 9 and run_plan.train_through(cfg, cheap) == 0
+    cheap = [Row(Layout(m), 0.01, 10.0, fits=True) for m in rules.meshes(8, 0) if m["tp"] < 8]
+    assert len(cheap) == 9 and rules.train_through(cfg, cheap) == 0
     # ...and do before a first row at step 400 (399 // 27 = 14 a turn: all ten timed)
     far = make_cfg("parallelism=auto", "train.log_every=400", "train.eval_every=0",
                    "checkpoint.every=0")
-    assert run_plan.train_budget(far.train, far.checkpoint) == 399
-    assert run_plan.train_through(far, cheap) == 10
+    assert rules.train_budget(far.train, far.checkpoint) == 399
+    assert rules.train_through(far, cheap) == 10
     # a budget short of two steps a turn: none
-    assert run_plan.train_through(make_cfg("parallelism=auto", "train.log_every=10"), slow) == 0
+    assert rules.train_through(make_cfg("parallelism=auto", "train.log_every=10"), slow) == 0
 
 
 def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
@@ -392,16 +402,16 @@ def test_a_search_is_predicted_from_the_starting_layouts_compile_and_step():
     cheap = Row(layout(8, 1, 1), 0.01, 18.0, fits=True)
     # 9 layouts, all timed (cheap steps on simulated devices), 3 rounds of 1 + 10 steps each:
     # 297 steps that do not train the run, and 8 compiles beside the run's own
-    cost, steps, run_s = run_plan.search_cost(cfg, cheap, 9, 4.0, simulated=True)
+    cost, steps, run_s = rules.search_cost(cfg, cheap, 9, 4.0, simulated=True)
     assert steps == 297 and run_s == pytest.approx(600 * 0.018)
     assert cost == pytest.approx(8 * 4.0 + 297 * 0.018)
     # a step of a turn's time or more: the top 3, one timed step a turn, 3 x 3 turns of 2
     # steps in the 49 before the first row: the turns train the run and cost nothing
     slow = Row(layout(8, 1, 1), 1.0, 5000.0, fits=True)
-    assert run_plan.search_cost(cfg, slow, 9, 5.0, simulated=True) == (40.0, 0, 3000.0)
+    assert rules.search_cost(cfg, slow, 9, 5.0, simulated=True) == (40.0, 0, 3000.0)
     # ...unless the first row comes too soon for them: 3 x 3 x 2 steps of turns
     soon = make_cfg("parallelism=auto", "train.log_every=10")
-    cost, steps, _ = run_plan.search_cost(soon, slow, 9, 5.0, simulated=True)
+    cost, steps, _ = rules.search_cost(soon, slow, 9, 5.0, simulated=True)
     assert steps == 18 and cost == pytest.approx(40.0 + 18 * 5.0)
 
 
@@ -431,7 +441,7 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     def score(layout, say=True):  # instant compiles: the turns alone decide
         calls.append(layout)
         return 0.01, 0.05
-    layouts = run_plan.candidates(cfg, *devices)[0]
+    layouts = rules.candidates(cfg, *devices)[0]
     assert len(layouts) == 9
     # 9 x 3 x 11 steps of turns against 0.25 x the run's: kept at 1000 steps, searched at 1400
     # (at 1200 the 8 "compiles", each the time a config merge takes, tipped it on a loaded host)
@@ -458,13 +468,13 @@ def test_a_run_too_short_for_a_search_keeps_the_starting_layout(unsearched):
     assert record["unsearched"].endswith("; parallelism.search=fresh searches anyway")
     # A batch the devices do not divide: the first layout the plan accepts is the start
     odd = make_cfg("parallelism=auto", "data.batch_size=30", "train.steps=100")
-    first = run_plan.candidates(odd, *devices)[0]
+    first = rules.candidates(odd, *devices)[0]
     assert start_layout(odd, devices, held(odd)) is None and first[0] == layout(2, 1, 4)
     _, row, what = worth_it(odd, first, score, 0.25, None, devices, "t2", "cpu",
                                    held(odd))
     assert row.layout == layout(2, 1, 4) and what == "the first layout the plan accepts"
     assert not record["cached"]
-    assert auto_search.read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
+    assert read_cache(record["key"]) == (None, None)  # a run's length is not the cache key's
 
 
 def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched):
@@ -474,24 +484,24 @@ def test_a_run_that_does_not_search_says_so_and_books_no_search_time(unsearched)
     its seconds on the line."""
     prepared, _ = unsearched
     record = prepared.plan.search
-    assert "layout search: parallelism.search" not in run_plan.table(record)
-    first, why = run_plan.table(record).splitlines()
+    assert "layout search: parallelism.search" not in rules.table(record)
+    first, why = rules.table(record).splitlines()
     assert first == ("  no layout search: the run keeps its starting layout, dp8 (all devices "
                      f"data-parallel); deciding took {record['decide_s']:.1f} s "
                      "(goodput's startup)")
     assert why == f"  why: {record['unsearched']}"
-    assert run_plan.own_s(record) == 0.0  # what train() books as search and logs as layout_search_s
+    assert own_s(record) == 0.0  # what train() books as search and logs as layout_search_s
     assert not record["searched"] and record["search_s"] == 0.0
     assert record["decide_s"] > 0 and record["compile_s"] > 0
     # plan mode books nothing
-    assert run_plan.table(record, run=False).splitlines()[0].startswith(
+    assert rules.table(record, run=False).splitlines()[0].startswith(
         "  no layout search: the planned run keeps its starting layout, dp8")
-    assert "goodput" not in run_plan.table(record, run=False)
+    assert "goodput" not in rules.table(record, run=False)
     # nor does a resumed run, which keeps its checkpoint's layout
     resumed = search_record(make_cfg("parallelism=auto"), resumed=layout(4, 1, 2))
-    assert run_plan.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
+    assert rules.table(resumed) == ("  no layout search: dp4_tp2, the layout of the checkpoint the "
                                  "run resumes")
-    assert run_plan.own_s(resumed) == 0.0
+    assert own_s(resumed) == 0.0
 
 
 # Two layouts on 2 devices (dp2, fsdp2; tp2 refused: one head), a one-block model, 3 steps:
@@ -527,7 +537,7 @@ def test_search_fresh_searches_whatever_the_budget(fresh_search):
     assert [r["mesh"] for r in record["rows"] if r["measured_ms"] is not None] == ["dp2",
                                                                                   "fsdp2"]
     assert record["searched"] and record["search"] == "fresh"
-    assert run_plan.chosen_layout(record) == layout(2, 1, 1)
+    assert rules.chosen_layout(record) == layout(2, 1, 1)
     assert (cache / "dxrun" / "layouts" / f"{record['key']}.json").is_file()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache.parent / "other"))
@@ -546,11 +556,11 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
             Row(layout(2, 1, 4), 0.1, 9.0, fits=True), Row(layout(1, 1, 8), why="refused")]
     turns = {layout(8, 1, 1): [0.090, 0.092, 0.095], layout(4, 2, 1): [0.079, 0.084, 0.083],
              layout(4, 1, 2): [0.078, 0.082, 0.086], layout(2, 2, 2): [0.080, 0.077, 0.081]}
-    chosen = run_plan.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
+    chosen = rules.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
     assert chosen.layout == layout(2, 2, 2)
     record = {"search": "measure", "target": "this machine (CPU)", "search_s": 30.0,
               "searched": True, "rows": [r.to_json() for r in rows]}
-    lines = run_plan.table(record).splitlines()
+    lines = rules.table(record).splitlines()
     assert lines[0].startswith("  layout search: parallelism.search=measure")
     assert lines[1] == ("  a toss-up: 2 of the 3 other layouts timed (dp4_tp2, dp4_fsdp2) are "
                         "not distinguishable from dp2_fsdp2_tp2 on this host; it was taken "
@@ -559,16 +569,16 @@ def test_the_ranking_lists_the_chosen_layout_first_and_calls_a_toss_up_one():
     assert [x.split()[0] for x in lines[3:]] == ["dp2_fsdp2_tp2", "dp4_tp2", "dp4_fsdp2", "dp8",
                                                 "dp2_tp4", "tp8"]
     assert "✓" in lines[3] and "✓" not in "".join(lines[4:])
-    assert run_plan.markdown(record).splitlines()[2].startswith("| dp2_fsdp2_tp2 |")
+    assert rules.markdown(record).splitlines()[2].startswith("| dp2_fsdp2_tp2 |")
     # plan.json keeps the estimate's order (the bench reads the roofline's first there)
     assert [r["mesh"] for r in record["rows"]][:2] == ["dp8", "dp4_fsdp2"]
     # One clearly fastest: no toss-up line
     turns[layout(4, 2, 1)], turns[layout(4, 1, 2)] = [0.090, 0.091, 0.092], [0.095, 0.09, 0.1]
     rows = [Row(r.layout, r.need_gb, r.est_ms, fits=r.fits, why=r.why if not r.fits else "")
             for r in rows]
-    run_plan.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
+    rules.measure_stage(rows, 4, lambda layouts: {x: turns[x] for x in layouts})
     record["rows"] = [r.to_json() for r in rows]
-    assert "toss-up" not in run_plan.table(record)
+    assert "toss-up" not in rules.table(record)
 
 
 def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monkeypatch):
@@ -583,7 +593,7 @@ def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monke
     cfg = make_cfg(*TWO)  # the default: measure
     record = search_record(cfg, timer=lambda c, layouts: pytest.fail("a cache hit times nothing"))
     assert record["cached"], "the fresh search cached no decision"
-    lines = run_plan.table(record).splitlines()
+    lines = rules.table(record).splitlines()
     assert lines[0] == ("  no layout search: dp2, the decision a parallelism.search=fresh run "
                         f"cached on {decided['decided_at']}, taken by this run's "
                         "parallelism.search=measure (parallelism.search=fresh searches again)")
@@ -593,7 +603,7 @@ def test_a_cached_toss_up_says_what_it_is_and_who_decided_it(fresh_search, monke
     assert "✓" in lines[3]
     assert record["search"] == "measure" and record["decided_by"] == "fresh"
     assert record["decided_at"] == decided["decided_at"]
-    assert not record["searched"] and run_plan.own_s(record) == 0.0
+    assert not record["searched"] and own_s(record) == 0.0
 
 
 def _entry(layout, **fields):
@@ -605,7 +615,7 @@ def _entry(layout, **fields):
 
 def _put(key, entry):
     """``entry`` written by hand into the cache as it stands, no schema added."""
-    path = auto_search.cache_path(key)
+    path = cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(entry if isinstance(entry, str) else json.dumps(entry))
     return path
@@ -620,17 +630,17 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cfg = make_cfg(*TWO)
-    key = auto_search.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    key = cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
     dp2, fsdp2 = layout(2, 1, 1), layout(1, 2, 1)
-    sound = {**_entry(fsdp2), "schema": auto_search.CACHE_SCHEMA}
+    sound = {**_entry(fsdp2), "schema": CACHE_SCHEMA}
     damaged = {
         "not JSON": "{\"search\": \"meas",
-        "no ranking": {"search": "measure", "schema": auto_search.CACHE_SCHEMA},
+        "no ranking": {"search": "measure", "schema": CACHE_SCHEMA},
         "none chosen": {**sound, "rows": [{**sound["rows"][0], "chosen": False}]},
-        "no devices": {**_entry(layout(0, 2, 1)), "schema": auto_search.CACHE_SCHEMA},
-        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": auto_search.CACHE_SCHEMA},
+        "no devices": {**_entry(layout(0, 2, 1)), "schema": CACHE_SCHEMA},
+        "a size as text": {**_entry(fsdp2, fsdp="2"), "schema": CACHE_SCHEMA},
         "no schema": _entry(fsdp2),  # today's entries: decided once more, then stamped
-        "tp2 (one head)": {**_entry(layout(1, 1, 2)), "schema": auto_search.CACHE_SCHEMA},
+        "tp2 (one head)": {**_entry(layout(1, 1, 2)), "schema": CACHE_SCHEMA},
     }
     for what, entry in damaged.items():
         path = _put(key, entry)
@@ -641,12 +651,12 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
         assert len(warned) == 1, (what, warned)
         assert str(path) in warned[0] and "parallelism.search=fresh" in warned[0], what
         assert not record["cached"] and record["unsearched"], what
-        assert run_plan.chosen_layout(record) == dp2, what
+        assert rules.chosen_layout(record) == dp2, what
     _put(key, sound)
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         caplog.clear()
         record = search_record(cfg, timer=lambda c, layouts: pytest.fail("a cache hit"))
-    assert record["cached"] and run_plan.chosen_layout(record) == fsdp2
+    assert record["cached"] and rules.chosen_layout(record) == fsdp2
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
@@ -663,8 +673,8 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
     cfg = make_cfg(*TWO, "data.seq_len=64", "data.batch_size=64",
                                   "runtime.memory_gb=0.0625", "parallelism.search=model",
                                   "model.remat=full")
-    key = auto_search.cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
-    path = _put(key, {**_entry(layout(2, 1, 1)), "schema": auto_search.CACHE_SCHEMA})
+    key = cache_key(cfg, held(cfg), 2, jax.devices()[0].device_kind, jax.__version__, 1)
+    path = _put(key, {**_entry(layout(2, 1, 1)), "schema": CACHE_SCHEMA})
     with caplog.at_level(logging.WARNING, logger="dxrun"):
         record = search_record(cfg)
     (warned,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -673,7 +683,7 @@ def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeyp
     assert record["searched"] and not record["cached"]
     chosen = next(r for r in record["rows"] if r["chosen"])
     assert chosen["grad_accum"] > 1 and chosen["need_gb"] <= 0.0625 / 8
-    assert run_plan.chosen_layout(auto_search.read_cache(key)[0]) == run_plan.chosen_layout(record)
+    assert rules.chosen_layout(read_cache(key)[0]) == rules.chosen_layout(record)
 
 
 def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, monkeypatch):
@@ -689,7 +699,7 @@ def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, mo
     assert "ms on H100 SXM 80GB)" in record["unsearched"]
     assert [(r["mesh"], r["why"]) for r in record["rows"] if r["fits"] or r["why"]] == [
         ("dp2", ""), ("fsdp2", "not searched"), ("tp2", record["rows"][2]["why"])]
-    assert run_plan.chosen_layout(record) == layout(2, 1, 1)
+    assert rules.chosen_layout(record) == layout(2, 1, 1)
     ranked = search_record(make_cfg(*common, "parallelism.search_budget=null"), plan_mode=True)
     assert "unsearched" not in ranked and sum(r["fits"] for r in ranked["rows"]) == 2
 
@@ -711,7 +721,7 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     cfg = make_cfg("parallelism=auto", "parallelism.n_devices=2", "parallelism.search=fresh",
                    "parallelism.search_turn_s=1e-6", "parallelism.search_budget=null", *common)
     # the steps before the first row (step 14)
-    assert run_plan.train_budget(cfg.train, cfg.checkpoint) == 13
+    assert rules.train_budget(cfg.train, cfg.checkpoint) == 13
     prepared = prepare(cfg)
     record = prepared.plan.search
     trained = record["trained_steps"]
@@ -727,7 +737,7 @@ def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     assert record["compile_s"] > 0 and own > 0
     assert prepared.exp.step.compiled is not None
     assert (f"the run's steps 1-{trained} trained in the turns: {own:.1f} s the search's own"
-            in run_plan.table(record).splitlines()[0])
+            in rules.table(record).splitlines()[0])
     train(prepared.exp.cfg, tmp_path / "auto", prepared=prepared)
     assert prepared.handover.state is None  # taken: the state is the run's
     train(make_cfg("parallelism=dp1", *common), tmp_path / "dp1")
@@ -945,7 +955,7 @@ def test_two_processes_agree_on_one_choice(tmp_path):
     (chosen,) = [x for x in record["rows"] if x["chosen"]]
     assert sum(x["measured_ms"] is not None for x in record["rows"]) == 2
     assert [x["mesh"] for x in record["rows"] if not x["fits"]] == ["tp2"]
-    table = run_plan.table(record).splitlines()[1:]  # as rank 0 printed it (less the search time)
+    table = rules.table(record).splitlines()[1:]  # as rank 0 printed it (less the search time)
     mesh = f"data={chosen['dp']} x fsdp={chosen['fsdp']} x tensor={chosen['tp']}"
     seen, counts = [], []
     for rank in (0, 1):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dxrun.estimates import Shapes, layer_none
 from dxrun.model import transformer
 from dxrun.model.transformer import join_qkv
-from dxrun.plan import cost
 
 
 def plain_norm(x, scale, bias, centre):
@@ -132,11 +132,11 @@ def test_a_bf16_layer_keeps_what_the_memory_model_counts(llama):
     kept = [a for a, src in saved if a.shape and "from the argument p" not in src]
     score = [a for a in kept if a.shape[-2:] in ((s, s), (s, 1)) and a.ndim == 5]
     rest = sum(a.size * a.dtype.itemsize for a in kept if not any(a is c for c in score))
-    shapes = cost.Shapes(b=b, s=s, h=h, f=cfg.d_ff, heads=heads, kv_heads=cfg.n_kv_heads,
+    shapes = Shapes(b=b, s=s, h=h, f=cfg.d_ff, heads=heads, kv_heads=cfg.n_kv_heads,
                        head_dim=h // heads, vocab=64, n_layers=2, c=2, mlp=cfg.mlp,
                        bias=cfg.bias, remat="none", kernel="xla", residual=2, norm=cfg.norm,
                        rope=llama)
-    parts = cost.layer_none(shapes)
+    parts = layer_none(shapes)
     assert rest == sum(parts.values()) - parts["scores"]
     if not llama:  # llm.c's 16 bf16 tensors of d_model, and LayerNorm's two statistics
         assert rest == 32 * b * s * h + 2 * 2 * 4 * b * s

@@ -10,7 +10,7 @@ import logging
 import pytest
 from conftest import ROOT, cli_in_process, make_cfg
 
-from dxrun.config.validation import config_warnings
+from dxrun.checks import config_warnings
 from dxrun.tracking.logger import MlflowBackend, Opening, backend_names
 from dxrun.train import train
 

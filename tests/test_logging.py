@@ -8,7 +8,7 @@ import logging
 import pytest
 from conftest import finished_wandb_run, subprocess_env
 
-from dxrun.run.runtime import Job, run_name
+from dxrun.run import Job, run_name
 from dxrun.tracking.logger import read_run
 from dxrun.train import train
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_corpus
 
-from dxrun.config import validation
+from dxrun.checks import validation
 from dxrun.config.errors import ConfigError
+from dxrun.cost import attention_flops, flops_per_token, is_causal, step_flops
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.model.objectives import SCHEDULES, MaskedDiffusion, elbo, mask_rate, weight
-from dxrun.plan import cost
 from dxrun.sample import OPTIONS, sample
 from dxrun.train import train
 
@@ -106,17 +106,17 @@ def test_plan_flops_are_the_backbone_without_the_causal_half():
     numerator is the same), but no kernel skips a causal half: its "causal" attention is the
     full square, and a fused kernel computes twice AR's."""
     ar, mdlm = make_cfg("model=tiny").model, make_cfg("model=tiny", "model.objective=mdlm").model
-    assert cost.is_causal(ar) and not cost.is_causal(mdlm)
-    assert cost.flops_per_token(mdlm, 110_336, 64) == cost.flops_per_token(ar, 110_336, 64)
+    assert is_causal(ar) and not is_causal(mdlm)
+    assert flops_per_token(mdlm, 110_336, 64) == flops_per_token(ar, 110_336, 64)
     for fused in (False, True):
-        a = cost.step_flops(ar, 2048, 64, 64, fused_attention=fused)
-        m = cost.step_flops(mdlm, 2048, 64, 64, fused_attention=fused)
+        a = step_flops(ar, 2048, 64, 64, fused_attention=fused)
+        m = step_flops(mdlm, 2048, 64, 64, fused_attention=fused)
         same = ("block_matmuls", "attention_full", "output_layer", "model", "recompute")
         assert {k: m[k] for k in same} == {k: a[k] for k in same}
         assert m["attention_causal"] == a["attention_full"] == 2 * a["attention_causal"]
         assert m["model_causal"] == a["model"]
         # the fused kernel's 3.5 forwards (FlashAttention-2's count) of the half AR skips
-        half = 2 * cost.attention_flops(ar, 64, causal=True) * 2048  # 2 layers
+        half = 2 * attention_flops(ar, 64, causal=True) * 2048  # 2 layers
         assert m["hardware"] - a["hardware"] == (3.5 * half if fused else 0.0)
 
 

@@ -1,14 +1,27 @@
-"""The accelerator memory model (dxrun/plan/cost.py): held against XLA's memory analysis of
+"""The accelerator memory model (dxrun/estimates/memory_model.py): held against XLA's memory analysis of
 the compiled step in fp32, and what bf16, fused attention, remat, tp and accumulation change."""
 
 from __future__ import annotations
 
 import pytest
 
-from dxrun.autotune import fit
+from dxrun.autotune import accelerator_memory, memory_rows, plan_report, plan_table
+from dxrun.autotune.footprint import _shard_bytes
+from dxrun.cost import TARGETS
+from dxrun.estimates import (
+    REMAT,
+    MemoryEstimate,
+    Shapes,
+    estimate_memory,
+    gather_bytes,
+    layer_none,
+    layer_saved,
+    shapes,
+    working_set,
+)
 from dxrun.experiment import Experiment, step_bytes
-from dxrun.plan import cost
-from dxrun.plan.run_plan import make_plan
+from dxrun.fit import NoData, first_that_fits
+from dxrun.plan import make_plan
 
 # Activations dominate: 4 layers of 256 tokens x 8 sequences at d_model 128 keep ~200 MB of
 # activations without remat against 10 MB of parameters and optimizer state.
@@ -18,12 +31,12 @@ ACTIVATIONS = ["logger=none", "parallelism=dp1", "model=tiny", "model.d_model=12
                "data.vocab_size=64"]  # the shape the ratios below were measured at
 
 
-def _model_bytes(exp: Experiment, kernel: str | None = None) -> cost.MemoryEstimate:
+def _model_bytes(exp: Experiment, kernel: str | None = None) -> MemoryEstimate:
     state = exp.abstract_state()
-    x = cost.shapes(exp.cfg.model, exp.plan, kernel or exp.attention_kernel)
-    return cost.estimate_memory(x, fit._shard_bytes(state.params),
-                              fit._shard_bytes(state.opt_state),
-                              fit._shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
+    x = shapes(exp.cfg.model, exp.plan, kernel or exp.attention_kernel)
+    return estimate_memory(x, _shard_bytes(state.params),
+                              _shard_bytes(state.opt_state),
+                              _shard_bytes(exp.abstract_batch()), exp.plan.fsdp)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -41,17 +54,17 @@ def test_the_model_agrees_with_xla_in_fp32(cfg_factory, remat):
     assert model.total_bytes == pytest.approx(xla, rel=0.10), (remat, model, xla)
 
 
-def _shapes(**kw) -> cost.Shapes:
+def _shapes(**kw) -> Shapes:
     """A GPT-2-small-like layer on one device: 8 x 1024 tokens, fp32, XLA attention."""
     base = dict(b=8, s=1024, h=768, f=3072, heads=12, kv_heads=12, head_dim=64, vocab=50304,
                 n_layers=12, c=4, mlp="gelu", bias=True, remat="none", kernel="xla",
                 residual=4)
-    return cost.Shapes(**base | kw)
+    return Shapes(**base | kw)
 
 
 def test_fused_attention_keeps_o_of_t_and_xla_keeps_the_scores():
     def scores(kernel: str, s: int) -> float:
-        return cost.layer_none(_shapes(c=2, kernel=kernel, s=s))["scores"]
+        return layer_none(_shapes(c=2, kernel=kernel, s=s))["scores"]
 
     # XLA / reference: fp32 exponentials and bf16 probabilities, a*s^2*b each, and two fp32
     # row statistics, a*s*b each
@@ -61,14 +74,14 @@ def test_fused_attention_keeps_o_of_t_and_xla_keeps_the_scores():
     # cuDNN: the fp32 log-sum-exp only, linear in s, and no dP / dS in the backward either
     assert scores("cudnn", 1024) == 4 * 12 * 1024 * 8
     assert scores("cudnn", 2048) == 2 * scores("cudnn", 1024)
-    assert cost.working_set(_shapes(c=2, kernel="cudnn")) < cost.working_set(_shapes(c=2)) / 10
+    assert working_set(_shapes(c=2, kernel="cudnn")) < working_set(_shapes(c=2)) / 10
 
 
 def test_the_target_decides_the_kernel(cfg_factory):
     """The memory model reads the run plan's kernel where the plan is for the target's
-    platform, else the table's rule for that target (``autotune.fit.kernel_on``)."""
-    from dxrun.autotune.fit import kernel_on
-    from dxrun.plan.run_plan import CAPABILITY, make_plan
+    platform, else the table's rule for that target (``autotune.footprint.kernel_on``)."""
+    from dxrun.autotune import kernel_on
+    from dxrun.plan import CAPABILITY, make_plan
 
     h100, a100, v5p = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5"
 
@@ -85,29 +98,29 @@ def test_the_target_decides_the_kernel(cfg_factory):
     assert kernel(v5p, "train.precision=bf16") == "splash"
     assert kernel(h100, "train.precision=bf16", "model.attention=reference") == "reference"
     assert kernel("cpu", "train.precision=bf16") == "xla"  # the plan's own
-    assert set(CAPABILITY) == {t.device_kind for t in cost.TARGETS.values()
+    assert set(CAPABILITY) == {t.device_kind for t in TARGETS.values()
                                if t.device_kind.startswith("NVIDIA")}
 
 
 def test_remat_accumulation_and_tp_divide_what_they_divide():
-    none, dots, full = (cost.layer_saved(_shapes(remat=r)) for r in cost.REMAT)
+    none, dots, full = (layer_saved(_shapes(remat=r)) for r in REMAT)
     assert none > dots > full == 4 * 8 * 1024 * 768  # full: the layer input only
     # bf16 with cuDNN: the weight matmuls' outputs (qkv, attention out, MLP up) beside the
     # layer input; the scores are the kernel's (test_bf16_dots_keeps_...: what JAX keeps)
-    bf16_full = cost.layer_saved(_shapes(c=2, remat="full", residual=2))
-    assert cost.layer_saved(_shapes(c=2, remat="dots", residual=2, kernel="cudnn")) == (
+    bf16_full = layer_saved(_shapes(c=2, remat="full", residual=2))
+    assert layer_saved(_shapes(c=2, remat="dots", residual=2, kernel="cudnn")) == (
         bf16_full + 2 * 8 * 1024 * (3 * 768 + 768 + 3072))
     # grad_accum: one micro-batch of activations alive: a quarter of the batch, a quarter
     # (the qkv weight's join is not kept: layers.dense joins it again in the backward pass)
-    assert cost.layer_saved(_shapes(b=2)) == none / 4
+    assert layer_saved(_shapes(b=2)) == none / 4
     # tp: heads, d_ff and the scores split; the norms' and the stream's s*b*h do not
-    tp2 = cost.layer_none(_shapes(heads=6, kv_heads=6, f=1536))
-    tp1 = cost.layer_none(_shapes())
+    tp2 = layer_none(_shapes(heads=6, kv_heads=6, f=1536))
+    tp1 = layer_none(_shapes())
     assert tp2["scores"] == tp1["scores"] / 2 and tp2["mlp"] == tp1["mlp"] / 2
     assert tp2["norms"] == tp1["norms"]
     # FSDP gathers one layer's weights (in the compute dtype) twice; tp alone gathers nothing
-    assert cost.gather_bytes(_shapes(), 1) == 0
-    assert cost.gather_bytes(_shapes(c=2), 8) == 2 * 2 * 12 * 768**2
+    assert gather_bytes(_shapes(), 1) == 0
+    assert gather_bytes(_shapes(c=2), 8) == 2 * 2 * 12 * 768**2
 
 
 PRESETS = ["tiny", "tiny_llama", "small", "medium", "large", "xl"]
@@ -118,7 +131,7 @@ def test_bf16_needs_less_than_fp32_for_every_preset_and_target(cfg_factory):
     sequences per device. fp32 master weights, gradients and optimizer state are the same in
     both; the activations shrink (norm statistics and XLA's softmax stay fp32), and on NVIDIA
     targets cuDNN drops the scores."""
-    accelerators = {k: t for k, t in cost.TARGETS.items() if t.device_kind != "cpu"}
+    accelerators = {k: t for k, t in TARGETS.items() if t.device_kind != "cpu"}
     for preset in PRESETS:
         seq = 128 if preset.startswith("tiny") else 1024
         need = {}
@@ -126,8 +139,8 @@ def test_bf16_needs_less_than_fp32_for_every_preset_and_target(cfg_factory):
             cfg = cfg_factory(f"model={preset}", "parallelism=fsdp8", "logger=none",
                               f"data.seq_len={seq}", "data.batch_size=64",
                               f"train.precision={precision}")
-            exp = Experiment.build(cfg, data=fit.NoData())
-            need[precision] = {k: fit.accelerator_memory(exp, t)
+            exp = Experiment.build(cfg, data=NoData())
+            need[precision] = {k: accelerator_memory(exp, t)
                                for k, t in accelerators.items()}
         for k in accelerators:
             fp32, bf16 = need["fp32"][k], need["bf16"][k]
@@ -144,8 +157,8 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=dp1", "plan.target=h100", "logger=none",
                       "train.precision=bf16")
-    exp = Experiment.build(cfg, data=fit.NoData())
-    report = fit.plan_report(cfg, exp)
+    exp = Experiment.build(cfg, data=NoData())
+    report = plan_report(cfg, exp)
     m, t = report["memory_model"], report["target"]
     assert t["needs_from"] == "memory model"
     # plan.json: the H100 run's vocabulary rows (128-aligned) beside the CPU plan's own
@@ -153,16 +166,16 @@ def test_plan_mode_on_an_accelerator_uses_the_model_and_keeps_xlas_figure(cfg_fa
     assert t["needs_per_device_gb"] == pytest.approx(m["total_bytes"] / 1e9)
     assert m["xla_cpu_total_bytes"] == report["per_device"]["total_bytes"]  # kept beside it
     assert "attention cudnn" in m["basis"]  # bf16 on an H100: cuDNN's fused attention
-    table = fit.plan_table(report)
+    table = plan_table(report)
     assert "memory model: remat=none, attention cudnn, bf16 activations" in table
     assert "XLA:CPU" not in table  # bf16: the CPU program is not the GPU's; never compared
     # fp32 and more than 10% apart: the CPU compile's figure gets its own row
     fp32 = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.25}}
-    rows = dict(fit.memory_rows(fp32))
+    rows = dict(memory_rows(fp32))
     assert rows["XLA:CPU"].endswith("(25% from the model)")
     assert "total" in rows["XLA:CPU"] and "memory model" in rows["per device"]
     close = report | {"memory_model": m | {"precision": "fp32", "disagreement": 0.05}}
-    assert "XLA:CPU" not in dict(fit.memory_rows(close))
+    assert "XLA:CPU" not in dict(memory_rows(close))
 
 
 def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
@@ -170,18 +183,18 @@ def test_an_accelerator_plans_suggestion_is_sized_by_the_model(cfg_factory):
     model too (built from shapes, nothing compiled), and the first that fits is returned."""
     from omegaconf import OmegaConf
 
-    h100 = cost.TARGETS["h100"]
+    h100 = TARGETS["h100"]
 
     def need(c) -> float:
-        return fit.accelerator_memory(Experiment.build(c, data=fit.NoData()),
+        return accelerator_memory(Experiment.build(c, data=NoData()),
                                             h100).total_bytes
 
     cfg = cfg_factory("model=small", "parallelism=dp8", "data.seq_len=1024",
                       "data.batch_size=64", "logger=none")
     full = OmegaConf.merge(cfg, {"model": {"remat": "full"}})
     budget = (need(cfg) + need(full)) / 2
-    fix = fit.first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
-                                    need=lambda e: fit.accelerator_memory(e, h100).total_bytes)
+    fix = first_that_fits(cfg, budget, make_plan(cfg, 8, "cpu"),
+                                    need=lambda e: accelerator_memory(e, h100).total_bytes)
     assert fix == ["model.remat=full"]
     assert need(cfg) > budget >= need(OmegaConf.merge(cfg, OmegaConf.from_dotlist(fix)))
 
@@ -216,7 +229,7 @@ def test_dots_keeps_what_the_model_counts_in_either_precision(cfg_factory, capsy
                        head_dim=m.d_model // m.n_heads, c=jnp.dtype(dtype).itemsize,
                        residual=jnp.dtype(dtype).itemsize, remat="dots")
     input_bytes = x_shapes.residual * x_shapes.tokens * x_shapes.h  # an argument here
-    assert nbytes == cost.layer_saved(x_shapes) - input_bytes
+    assert nbytes == layer_saved(x_shapes) - input_bytes
 
 
 def _kept_bytes(kept: list[str]) -> int:
@@ -259,7 +272,7 @@ def test_keep_attention_keeps_splash_output_and_statistics_as_the_model_counts(c
     x_shapes = _shapes(b=2, s=128, h=m.d_model, f=m.d_ff, heads=m.n_heads, kv_heads=m.n_kv_heads,
                        head_dim=m.d_model // m.n_heads, c=2, residual=2, remat="keep_attention")
     input_bytes = x_shapes.residual * x_shapes.tokens * x_shapes.h  # an argument here
-    assert _kept_bytes(kept["keep_attention"]) == cost.layer_saved(x_shapes) - input_bytes
+    assert _kept_bytes(kept["keep_attention"]) == layer_saved(x_shapes) - input_bytes
 
 
 def test_a_gpu_target_counts_its_own_vocabulary_padding(cfg_factory):
@@ -269,14 +282,14 @@ def test_a_gpu_target_counts_its_own_vocabulary_padding(cfg_factory):
     weights and for their gradient, 8 for AdamW's moments, on every device (dp8)."""
     cfg = cfg_factory("model=tiny", "parallelism=dp8", "data.vocab_size=1000",
                       "parallelism.shard_optimizer=false", "logger=none")
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     assert exp.plan.padded_vocab == 1000
-    h100 = fit.accelerator_memory(exp, cost.TARGETS["h100"])
+    h100 = accelerator_memory(exp, TARGETS["h100"])
     assert h100.padded_vocab == 1024
     rows = 24 * cfg.model.d_model * 2  # wte and lm_head
     cpu_state = exp.abstract_state()
-    assert h100.params_bytes == fit._shard_bytes(cpu_state.params) + 4 * rows
-    assert h100.opt_state_bytes == fit._shard_bytes(cpu_state.opt_state) + 8 * rows
+    assert h100.params_bytes == _shard_bytes(cpu_state.params) + 4 * rows
+    assert h100.opt_state_bytes == _shard_bytes(cpu_state.opt_state) + 8 * rows
     assert h100.head_bytes > _model_bytes(exp).head_bytes  # logits of 1024 columns, not 1000
 
 
@@ -286,11 +299,11 @@ def test_the_plan_says_where_dxruns_step_keeps_more_than_a_leaner_program(cfg_fa
     memory_model.notes, the plan table's "memory note" rows). A GPT-2 or Llama block without
     remat on cuDNN keeps what a hand-written backward keeps, FSDP without accumulation and
     with remat says nothing."""
-    h100 = cost.TARGETS["h100"]
+    h100 = TARGETS["h100"]
 
     def notes(*overrides: str, model: str = "tiny") -> list[str]:
         cfg = cfg_factory(f"model={model}", "logger=none", "data.batch_size=64", *overrides)
-        return fit.accelerator_memory(Experiment.build(cfg, data=fit.NoData()), h100).notes
+        return accelerator_memory(Experiment.build(cfg, data=NoData()), h100).notes
 
     zero, accum = notes("parallelism=dp8", "train.grad_accum=2", "model.remat=none",
                         "train.precision=bf16")

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from dxrun.config.validation import config_warnings
+from dxrun.checks import config_warnings
 from dxrun.experiment import decay_mask, make_schedule, scaled_lr
 
 

@@ -165,7 +165,7 @@ def test_bad_data_inputs_fail_before_compile(cfg_factory, tmp_path, make, needle
         if name == "u32":
             (cases[name] / "meta.json").write_text(json.dumps({"dtype": "uint32",
                                                                "vocab_size": 4}))
-    from dxrun.config.validation import validate
+    from dxrun.checks import validate
     from dxrun.train import prepare as prepare_run
 
     cfg = cfg_factory(*make(tmp_path, cases), "logger=none")
@@ -214,7 +214,7 @@ def _token_dir(root, ids, meta=None):
 def test_a_meta_that_understates_the_largest_id_is_refused(cfg_factory, tmp_path):
     """meta.json's max_id is not taken on trust: the files are scanned, and an id beyond the
     model's vocabulary is one line naming the file and the id (not a NaN loss later)."""
-    from dxrun.config.validation import validate
+    from dxrun.checks import validate
 
     ids = [1, 2, 300] * 100  # a scan finds 300; meta.json says 10, and its counts match
     meta = {"dtype": "uint16", "vocab_size": 256, "max_id": 10, "train_tokens": 300,
@@ -237,7 +237,7 @@ def test_token_files_need_their_dtype(cfg_factory, tmp_path):
     """No dtype in meta.json (or no meta.json) and no data.dtype: refused in one line naming
     the file and what to write, never read as uint16 (these uint32 ids would be twice as many
     uint16 ids, every other one 0)."""
-    from dxrun.config.validation import validate
+    from dxrun.checks import validate
 
     root = tmp_path / "wide"
     root.mkdir()
@@ -338,7 +338,7 @@ def test_hf_special_tokens_are_not_added(corpus, tmp_path):
 def test_vocab_and_dtype_come_from_the_data(cfg_factory, tmp_path, corpus):
     """prepare wrote meta.json (or text names its tokenizer): no data.vocab_size / data.dtype
     needed, the model is sized for the data (256 bytes, not GPT-2's 50,304)."""
-    from dxrun.config.validation import validate
+    from dxrun.checks import validate
 
     out = tmp_path / "mycorpus"
     prepare(str(corpus / "docs"), str(out))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from dxrun.checks import validate
 from dxrun.config.errors import ConfigError
-from dxrun.config.validation import validate
-from dxrun.plan.run_plan import RunPlan, make_plan, resolved_config
+from dxrun.plan import RunPlan, make_plan, resolved_config
 
 PRESETS = {
     "auto": (8, 1, 1, 1), "dp": (8, 1, 1, 1), "dp1": (1, 1, 1, 1), "dp2": (2, 1, 1, 1),
@@ -206,7 +206,7 @@ def test_precision_and_gradient_sums_are_decided_once_by_the_platform(cfg_factor
     """train.precision=auto and train.grad_reduce_dtype=auto (the defaults), decided in the
     plan: bf16 over fp32 masters on an accelerator, the gradients' sums in bf16 on a TPU
     (faster there, BENCHMARKS.md), fp32 on CPU; a key the user gives always wins."""
-    from dxrun.plan.run_plan import AttentionTarget
+    from dxrun.plan import AttentionTarget
 
     def plan(platform, *keys):
         return make_plan(cfg_factory("parallelism=dp8", *keys), 8, platform,

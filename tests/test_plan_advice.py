@@ -1,4 +1,4 @@
-"""Plan mode's advice (dxrun/autotune/fit.py, dxrun/plan/cost.py): the fastest setting
+"""Plan mode's advice (dxrun/autotune/advice.py, dxrun/cost/): the fastest setting
 that fits, ranked by the estimate; the warnings; the model's shape and TFLOP/s rows; the
 device count it plans for (plan.devices) and what a preset's name becomes there."""
 
@@ -9,13 +9,25 @@ import json
 import pytest
 from conftest import run_cli
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import resolve_target
+from dxrun.autotune import (
+    GROWTH,
+    Setting,
+    StateShapes,
+    accelerator_memory,
+    advice_text,
+    fastest_that_fits,
+    plan_report,
+    plan_table,
+    price,
+    settings,
+)
+from dxrun.checks import config_warnings, validate
 from dxrun.config.errors import ConfigError
-from dxrun.config.validation import config_warnings, validate
+from dxrun.cost import GB, usable_bytes
+from dxrun.estimates import exposed_warning, fit_warning, preset_note, unsplit_warning
 from dxrun.experiment import Experiment
-from dxrun.plan import cost
-from dxrun.run.runtime import accelerator_plan_note, simulated_count
+from dxrun.fit import NoData, first_that_fits, resolve_target
+from dxrun.run import accelerator_plan_note, simulated_count
 
 # A tiny model at 64 x 512 tokens on dp8 whose activations an H100 with 0.027% of its memory
 # usable (23 MB, XLA_PYTHON_CLIENT_MEM_FRACTION) cannot hold, with or without remat=dots (the
@@ -29,33 +41,33 @@ def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatc
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.00027")
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory(*TIGHT)
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     target, peak = resolve_target(cfg, 8)
-    budget = cost.usable_bytes(target)
+    budget = usable_bytes(target)
     state = exp.abstract_state()
-    asked = fit.accelerator_memory(exp, target).total_bytes
+    asked = accelerator_memory(exp, target).total_bytes
     assert asked > budget  # the plan as asked does not fit
     n_params = exp.count_params(state.params)
-    found = fit.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       n_params, runners_up=1, max_compiles=3)
     best, (second,) = found["suggestion"], found["runners_up"]
     # each compiled from shapes and sized as plan mode sizes a plan: within the budget
-    assert best["needs_gb"] * cost.GB <= budget and second["needs_gb"] * cost.GB <= budget
+    assert best["needs_gb"] * GB <= budget and second["needs_gb"] * GB <= budget
     assert best["step_time_s"] <= second["step_time_s"]  # ranked by the estimate
     assert found["compiled"] <= 3 < found["candidates"]  # most never compiled
     # Today's first that fits (recompute everything) is slower than the suggestion: even its
     # step without collectives (a lower bound of its estimate) is longer.
-    legacy = fit.first_that_fits(cfg, budget, exp.plan,
-                                 need=lambda e: fit.accelerator_memory(e, target).total_bytes)
+    legacy = first_that_fits(cfg, budget, exp.plan,
+                                 need=lambda e: accelerator_memory(e, target).total_bytes)
     assert legacy == ["model.remat=full"]
-    start = fit.Setting(exp.plan.layout, exp.plan.shard_optimizer)
-    (full,) = [p for p in fit.price(
-        cfg, fit.StateShapes.of(exp, state), target, peak, n_params,
-        fit.settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
+    start = Setting(exp.plan.layout, exp.plan.shard_optimizer)
+    (full,) = [p for p in price(
+        cfg, StateShapes.of(exp, state), target, peak, n_params,
+        settings(cfg, 8, exp.plan.platform, 64, 512), start, 64)
         if p.overrides == legacy]
     assert full.need_bytes <= budget and full.step_s > best["step_time_s"]
     assert "model.remat=full" not in best["overrides"]
-    line = fit.advice_text(found, 8)
+    line = advice_text(found, 8)
     assert line.startswith(f"fastest that fits: {' '.join(best['overrides'])} (est. ")
     assert "runners-up: " + " ".join(second["overrides"]) in line
     # the asked step's 1.0 s against the suggestion's: the speed ratio it prints
@@ -68,17 +80,17 @@ def test_a_mesh_too_small_says_how_many_devices_would_do(cfg_factory, monkeypatc
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.000022")
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory(*TIGHT)
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     target, peak = resolve_target(cfg, 8)
     state = exp.abstract_state()
-    found = fit.fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
+    found = fastest_that_fits(cfg, exp, state, target, peak, {"step_time_s": 1.0},
                                       exp.count_params(state.params))
     assert "suggestion" not in found and found["fit_by_model"] == 0 and found["compiled"] == 0
     larger = found["larger_mesh"]
-    assert larger["devices"] in {8 * k for k in fit.GROWTH} and larger["devices"] > 8
+    assert larger["devices"] in {8 * k for k in GROWTH} and larger["devices"] > 8
     assert larger["overrides"][0] == f"plan.devices={larger['devices']}"
-    assert larger["needs_gb"] * cost.GB <= cost.usable_bytes(target)
-    line = fit.advice_text(found, 8)
+    assert larger["needs_gb"] * GB <= usable_bytes(target)
+    line = advice_text(found, 8)
     assert line.startswith(f"no layout of 8 devices fits; {larger['devices']} would: "
                            f"plan.devices={larger['devices']} ")
 
@@ -91,7 +103,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "parallelism=tp4", "plan.target=h100",
                       "train.precision=bf16", "logger=none")
-    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()),
+    report = plan_report(cfg, Experiment.build(cfg, data=NoData()),
                                    suggest=False)
     fits, kv, toy, exposed = report["warnings"]
     assert fits.startswith("the plan does not fit H100 SXM 80GB: it needs ")
@@ -107,7 +119,7 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     tflops = report["model_flops_per_step"] / report["n_devices"] / t["step_time_s"] / 1e12
     assert report["tflops_per_device"] == pytest.approx(tflops)
     assert report["tflops_per_device"] == pytest.approx(t["mfu"] * t["peak_tflops"])
-    table = fit.plan_table(report)
+    table = plan_table(report)
     assert f"  model        {report['model']}" in table
     assert f"TFLOP/s      {tflops:.1f} per device" in table
     assert table.count("\n  warning      ") == 4
@@ -115,41 +127,41 @@ def test_a_tiny_plan_warns_and_shows_its_shape(cfg_factory, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     cfg = cfg_factory("model=tiny", "model.n_heads=8", "model.n_kv_heads=8", "parallelism=dp8",
                       "plan.target=h100", "logger=none")
-    report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+    report = plan_report(cfg, Experiment.build(cfg, data=NoData()))
     assert len(report["warnings"]) == 1 and report["warnings"][0].startswith("planning 2,048")
     assert "advice" not in report and "8 heads / 8 kv heads of 8" in report["model"]
 
 
 def test_warnings_from_figures():
     """The warnings that a tiny plan cannot show today, from the figures they read."""
-    assert cost.unsplit_warning(True, 53.91e9, 53.91e9, 48).startswith(
+    assert unsplit_warning(True, 53.91e9, 53.91e9, 48).startswith(
         "parallelism.shard_optimizer is on but 53.91 GB of the 53.91 GB optimizer state per "
         "device is not split over the 48 data replicas")
-    assert cost.unsplit_warning(True, 53.91e9, 1e3, 48) is None  # counters: not worth a word
-    assert cost.unsplit_warning(False, 53.91e9, 53.91e9, 48) is None  # not asked
+    assert unsplit_warning(True, 53.91e9, 1e3, 48) is None  # counters: not worth a word
+    assert unsplit_warning(False, 53.91e9, 53.91e9, 48) is None  # not asked
     step = {"step_time_s": 1.0, "timing": {"exposed_collective_s": 0.1,
                                            "tensor_collective_s": 0.0}}
-    assert cost.exposed_warning(step) is None  # 10%: not above it
+    assert exposed_warning(step) is None  # 10%: not above it
     step["timing"]["exposed_collective_s"] = 0.3
-    line = cost.exposed_warning(step)
+    line = exposed_warning(step)
     assert "(30%: data-parallel beyond the compute 300.0 ms); more tokens per device" in line
     assert "parallelism.tp" not in line  # no tensor parallelism to cut
     step["timing"]["tensor_collective_s"] = 0.3
-    assert cost.exposed_warning(step).endswith(
+    assert exposed_warning(step).endswith(
         "(30%: tensor-parallel (never hidden) 300.0 ms); fewer tensor-parallel devices "
         "(parallelism.tp) hide more of them")
     fits = {"fits": True}
-    assert cost.fit_warning(fits, "x") is None
+    assert fit_warning(fits, "x") is None
 
 
 def test_preset_names_on_other_device_counts():
-    assert cost.preset_note("dp4_tp2", (48, 1, 1, 2)) == (
+    assert preset_note("dp4_tp2", (48, 1, 1, 2)) == (
         "parallelism=dp4_tp2 names a layout of 8 devices; on 96 it is data 48 x tensor 2")
-    assert cost.preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
-    assert cost.preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
-    assert cost.preset_note("dp", (96, 1, 1, 1)) is None  # names no size
-    assert cost.preset_note("auto", (8, 1, 1, 1)) is None
-    assert cost.preset_note("cp2_tp4", (2, 1, 2, 4)) == (
+    assert preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
+    assert preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
+    assert preset_note("dp", (96, 1, 1, 1)) is None  # names no size
+    assert preset_note("auto", (8, 1, 1, 1)) is None
+    assert preset_note("cp2_tp4", (2, 1, 2, 4)) == (
         "parallelism=cp2_tp4 names a layout of 8 devices; on 16 it is data 2 x context 2 x "
         "tensor 4")
 

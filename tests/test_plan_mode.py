@@ -11,12 +11,24 @@ from conftest import run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import collective_traffic
+from dxrun.autotune import collective_traffic, footprint, plan_report, plan_table
+from dxrun.cost import (
+    GB,
+    TARGETS,
+    TPU_USABLE,
+    USABLE_CPU,
+    Target,
+    cadence_text,
+    checkpoint_cost,
+    checkpoint_line,
+    save_cadence,
+    usable_bytes,
+    usable_share,
+)
+from dxrun.estimates import Footprint, estimate
 from dxrun.experiment import Experiment, step_bytes
+from dxrun.fit import HOST_FILE, NoData, host_figure
 from dxrun.model import sharding
-from dxrun.plan import cost as plan_cost
-from dxrun.plan.cost import cadence_text, save_cadence
 
 
 def test_collective_bytes_of_a_tp_layer(cfg_factory):
@@ -59,7 +71,7 @@ def test_an_analysis_compile_reads_as_the_runs_compile(cfg_factory):
 
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=fsdp8", "logger=none")
-    exp = Experiment.build(cfg, data=fit.NoData())
+    exp = Experiment.build(cfg, data=NoData())
     real, cheap = exp.compile_step(), exp.analyse_step()
     assert exp.step.compiled is real  # the run's executable is the real compile, never this one
     assert cheap.as_text() == real.as_text()
@@ -94,7 +106,7 @@ def wide():
 
 def test_footprint_is_per_device_and_follows_the_mesh(wide):
     dp = wide["dp8_replicated"][0]
-    a, b = (fit.footprint(e, compiled)
+    a, b = (footprint(e, compiled)
             for e, compiled in (wide["dp8_replicated"], wide["fsdp8"]))
     n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(dp.seeded.params)))
     assert a.params_bytes == 4 * n_params  # replicated on every device
@@ -109,10 +121,10 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
     assert need_fsdp < need_dp
     # A CPU "machine" whose 8 devices get (80% of) a budget between the two needs.
     per_device = (need_dp + need_fsdp) / 2
-    memory_gb = per_device * 8 / plan_cost.USABLE_CPU / 2**30
+    memory_gb = per_device * 8 / USABLE_CPU / 2**30
     cfg = cfg_factory(*WIDE, "parallelism=dp8", "plan.target=cpu",
                       f"runtime.memory_gb={memory_gb}", "runtime.peak_tflops=1")
-    report = fit.plan_report(cfg, Experiment.build(cfg))
+    report = plan_report(cfg, Experiment.build(cfg))
     assert report["target"]["fits"] is False
     suggestion = report["suggestion"]
     assert suggestion  # the nearest first: recomputing activations, then FSDP, accumulation
@@ -120,7 +132,7 @@ def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
 
     fixed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(suggestion))
     assert _need(Experiment.build(fixed)) <= per_device  # the suggestion really fits
-    table = fit.plan_table(report)
+    table = plan_table(report)
     assert "NO" in table and " ".join(suggestion) in table
 
 
@@ -138,7 +150,7 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     # train.precision=auto plans the target's run: bf16 over fp32 masters on an accelerator
     assert plan["precision"] == "bf16" and plan["precision_auto"] is True
     assert t["target"].startswith("H200") and t["fits"] is True and t["peak_tflops"] == 989.0
-    # the accelerator time model (dxrun/plan/cost.py): kernels one after another, the
+    # the accelerator time model (dxrun/estimates/time_model.py): kernels one after another, the
     # collectives' exposed part after them (issue 21; was max(compute, memory) + collectives)
     assert t["step_time_s"] == pytest.approx(t["compute_s"] + t["memory_s"] + t["collective_s"])
     assert t["estimate"].startswith("roofline calibrated on 2 runs")
@@ -169,12 +181,12 @@ def test_the_roofline_step_time_by_hand():
     3e10 bytes at 1 TB/s = 30 ms; 4.5e9 collective bytes at 450 GB/s = 10 ms: 30 + 10 = 40 ms
     a step, memory-bound; 8,192 tokens in 40 ms = 204,800 tokens/s;
     MFU = 1.6e13 model FLOPs / 8 devices / 40 ms / 100 TFLOP/s = 0.5."""
-    target = plan_cost.Target("hand", "TPU hand", 16e9, 1.0e12, 450e9)
-    fp = plan_cost.Footprint(params_bytes=1e9, opt_state_bytes=2e9, grads_bytes=1e9,
+    target = Target("hand", "TPU hand", 16e9, 1.0e12, 450e9)
+    fp = Footprint(params_bytes=1e9, opt_state_bytes=2e9, grads_bytes=1e9,
                              batch_bytes=0.0, temp_bytes=3e9, total_bytes=6e9, flops=2e12,
                              bytes_accessed=3e10, collectives={
                                  "all-reduce": {"bytes": 4e9}, "all-gather": {"bytes": 0.5e9}})
-    out = plan_cost.estimate(fp, target, peak_tflops=100.0, model_flops=1.6e13, tokens=8192,
+    out = estimate(fp, target, peak_tflops=100.0, model_flops=1.6e13, tokens=8192,
                              n_devices=8, precision="bf16")
     assert out["compute_s"] == pytest.approx(0.020)
     assert out["memory_s"] == pytest.approx(0.030)
@@ -182,8 +194,8 @@ def test_the_roofline_step_time_by_hand():
     assert out["step_time_s"] == pytest.approx(0.040) and out["bound"] == "memory"
     assert out["tokens_per_s"] == pytest.approx(204_800)
     assert out["mfu"] == pytest.approx(0.5)
-    usable = 16e9 * plan_cost.TPU_USABLE  # a TPU's share; 6 GB needed
-    assert out["fits"] and out["headroom_gb"] == pytest.approx((usable - 6e9) / plan_cost.GB)
+    usable = 16e9 * TPU_USABLE  # a TPU's share; 6 GB needed
+    assert out["fits"] and out["headroom_gb"] == pytest.approx((usable - 6e9) / GB)
 
 
 def test_hand_counted_gpt2_sizes():
@@ -207,7 +219,7 @@ def test_every_model_plans_on_fsdp8_without_allocating(cfg_factory):
     for model, n in PARAMS.items():
         cfg = cfg_factory(f"model={model}", "parallelism=fsdp8", "plan.target=h200",
                           "logger=none")
-        report = fit.plan_report(cfg, Experiment.build(cfg, data=fit.NoData()))
+        report = plan_report(cfg, Experiment.build(cfg, data=NoData()))
         assert report["n_params"] == n, model
         per_device = report["per_device"]
         # fp32 weights split 8 ways; norms and biases stay replicated (a rounding error from
@@ -227,14 +239,14 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
     data.batch_size beside it would be refused), and accumulation keeps the update's size."""
     from omegaconf import OmegaConf
 
-    from dxrun.config.validation import validate
-    from dxrun.plan.cost import candidates
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.checks import validate
+    from dxrun.fit import overrides_to_try
+    from dxrun.plan import make_plan
 
     cfg = cfg_factory("parallelism=dp8", "data.per_device_batch_size=8")
     update = make_plan(cfg, 8).global_batch
     sizes = {}
-    for overrides in candidates(cfg):
+    for overrides in overrides_to_try(cfg):
         assert not any(o.startswith("data.batch_size=") for o in overrides), overrides
         trial = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         validate(trial)
@@ -248,8 +260,8 @@ def test_suggestions_under_a_per_device_batch_keep_the_users_key(cfg_factory):
 def test_processes_on_one_host_split_its_ram():
     """dxrun.launch --nproc 2 on one host: each process sees the whole MemAvailable, and gets
     half of it for its devices."""
-    from dxrun.autotune.fit import cpu_device_budget
-    from dxrun.plan.cost import USABLE_CPU
+    from dxrun.cost import USABLE_CPU
+    from dxrun.fit import cpu_device_budget
 
     gib = 2**30
     assert cpu_device_budget(64 * gib, 8, 1) == 64 * gib * USABLE_CPU / 8
@@ -260,7 +272,7 @@ def test_usable_gpu_memory_is_what_jax_will_pool():
     """JAX's GPU client pools 75% of each GPU unless told otherwise; preallocating or not keeps
     that limit; the platform allocator has no pool."""
     from dxrun.config.errors import ConfigError
-    from dxrun.plan.cost import TARGETS, USABLE, USABLE_CPU, Usable, gpu_memory_fraction
+    from dxrun.cost import TARGETS, USABLE, USABLE_CPU, Usable, gpu_memory_fraction
 
     assert gpu_memory_fraction({}).fraction == 0.75
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in gpu_memory_fraction({}).source  # how to raise it
@@ -276,11 +288,11 @@ def test_usable_gpu_memory_is_what_jax_will_pool():
                        "unset XLA_PYTHON_CLIENT_MEM_FRACTION")]:
         with pytest.raises(ConfigError, match=says):
             gpu_memory_fraction(env)
-    assert plan_cost.usable_share(TARGETS["v5p"], {}).fraction == plan_cost.TPU_USABLE  # XLA's
+    assert usable_share(TARGETS["v5p"], {}).fraction == TPU_USABLE  # XLA's
     # a v5e's program may use what its compile allows (bytes_limit: 15.75 GiB of 16)
-    assert plan_cost.usable_bytes(TARGETS["v5e"]) == 15.75 * 2**30
-    cpu = plan_cost.Target("cpu", "cpu", 1e9, 1.0, 1.0)
-    assert plan_cost.usable_share(cpu, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}).fraction == (
+    assert usable_bytes(TARGETS["v5e"]) == 15.75 * 2**30
+    cpu = Target("cpu", "cpu", 1e9, 1.0, 1.0)
+    assert usable_share(cpu, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}).fraction == (
         USABLE_CPU)
 
 
@@ -295,17 +307,17 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     cfg = cfg_factory("model=tiny", "model.n_layers=1", "model.scan_layers=false",
                       "parallelism=dp1", "plan.target=h200", "logger=none",
                       "plan.write_gb_per_s=2")
-    exp = Experiment.build(cfg, data=fit.NoData())
-    report = fit.plan_report(cfg, exp)
+    exp = Experiment.build(cfg, data=NoData())
+    report = plan_report(cfg, exp)
     t = report["target"]
-    h200_gb = plan_cost.TARGETS["h200"].memory_bytes / 1e9  # 143,771 MiB as the driver reports
+    h200_gb = TARGETS["h200"].memory_bytes / 1e9  # 143,771 MiB as the driver reports
     assert t["usable_per_device_gb"] == pytest.approx(h200_gb * 0.9)
-    assert "usable 90% = 135.7 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in fit.plan_table(
+    assert "usable 90% = 135.7 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=.9)" in plan_table(
         report)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's default: 75%
     pd = {k: v for k, v in report["per_device"].items() if k != "activations_bytes"}
-    fp = plan_cost.Footprint(**pd, collectives=report["collectives"])
-    default = plan_cost.estimate(fp, plan_cost.TARGETS["h200"], t["peak_tflops"], 1.0, 1, 1,
+    fp = Footprint(**pd, collectives=report["collectives"])
+    default = estimate(fp, TARGETS["h200"], t["peak_tflops"], 1.0, 1, 1,
                                  "fp32", need_bytes=report["memory_model"]["total_bytes"])
     assert default["usable_per_device_gb"] == pytest.approx(h200_gb * 0.75)
     assert default["headroom_gb"] == pytest.approx(t["headroom_gb"] - h200_gb * 0.15)
@@ -316,7 +328,7 @@ def test_a_gpu_plans_usable_memory_and_checkpoint_cost(cfg_factory, monkeypatch)
     assert c["save_s"] == pytest.approx(c["state_bytes"] / 2e9)
     # checkpoint.every=null on a GPU: a wall-clock cadence, at least 10 minutes for a small state
     assert (c["every_steps"], c["every_minutes"], c["interval_s"]) == (0, 10.0, 600.0)
-    assert "every 10 min = a save every 600.0 s" in fit.plan_table(report)
+    assert "every 10 min = a save every 600.0 s" in plan_table(report)
 
 
 def test_the_default_save_cadence_follows_the_platform_and_the_state():
@@ -342,15 +354,15 @@ def test_the_default_save_cadence_follows_the_platform_and_the_state():
 def test_checkpoint_cost_at_the_configured_cadence():
     """model=large's state (9.3 GB) every 100 steps of 50 ms at 1 GB/s: 186% of the run; a
     wall-clock cadence of the suggested 8 minutes brings it under 2%."""
-    cost = plan_cost.checkpoint_cost
+    cost = checkpoint_cost
     c = cost(9.3e9, 1e9, 100, 0.0, 0.05)
     assert c["save_s"] == pytest.approx(9.3) and c["interval_s"] == pytest.approx(5.0)
     assert c["overhead"] == pytest.approx(1.86) and c["too_costly"]
     assert c["suggest_every_minutes"] == 8  # 9.3 s / 2% = 465 s
-    assert "checkpoint.every=0 checkpoint.every_minutes=8" in plan_cost.checkpoint_line(c)
+    assert "checkpoint.every=0 checkpoint.every_minutes=8" in checkpoint_line(c)
     ok = cost(9.3e9, 1e9, 0, 8.0, 0.05)
     assert ok["interval_s"] == 480 and ok["overhead"] < 0.02 and not ok["too_costly"]
-    assert "checkpoint.every_minutes" not in plan_cost.checkpoint_line(ok)
+    assert "checkpoint.every_minutes" not in checkpoint_line(ok)
     assert cost(9.3e9, 1e9, 100, 8.0, 0.05)["interval_s"] == pytest.approx(5.0)  # first wins
     assert cost(9.3e9, 1e9, 100, 0.0, None)["overhead"] is None  # no step time: no share
 
@@ -365,12 +377,12 @@ def test_a_host_figure_is_measured_once_per_machine(tmp_path, monkeypatch):
         calls.append(1)
         return 2.5
 
-    assert fit.host_figure("peak_tflops", measure) == 2.5
-    assert fit.host_figure("peak_tflops", measure) == 2.5 and len(calls) == 1
-    path = tmp_path / "dxrun" / fit.HOST_FILE
+    assert host_figure("peak_tflops", measure) == 2.5
+    assert host_figure("peak_tflops", measure) == 2.5 and len(calls) == 1
+    path = tmp_path / "dxrun" / HOST_FILE
     (key, figures), = json.loads(path.read_text()).items()
     assert figures == {"peak_tflops": 2.5} and "jax" in key
     for damage in ("{not json", json.dumps({key: {"peak_tflops": -1.0}}), "[]"):
         path.write_text(damage)
-        assert fit.host_figure("peak_tflops", measure) == 2.5
+        assert host_figure("peak_tflops", measure) == 2.5
     assert len(calls) == 4 and json.loads(path.read_text()) == {key: {"peak_tflops": 2.5}}

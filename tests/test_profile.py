@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from dxrun import profile
-from dxrun.autotune import fit
-from dxrun.autotune.fit import memory_preflight
 from dxrun.config.errors import ConfigError
 from dxrun.experiment import step_bytes
-from dxrun.run.runtime import Job
+from dxrun.fit import BREAKDOWN_FILE, breakdown, memory_preflight, state_bytes
+from dxrun.run import Job
 from dxrun.tracking.logger import read_run
 from dxrun.train import prepare, train
 from tests.conftest import make_cfg
@@ -90,10 +89,10 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
     small.runtime.memory_gb = 0.999 * step_bytes(exp.step.compiled) * 8 / 2**30
     with pytest.raises(ConfigError, match=r"where the memory goes: .*memory_breakdown.txt$"):
         memory_preflight(small, exp, exp.step.compiled, tmp_path)
-    b = fit.breakdown(exp.step.compiled, exp.abstract_state())
+    b = breakdown(exp.step.compiled, exp.abstract_state())
     assert sum(b["parts"].values()) == b["total"] == step_bytes(exp.step.compiled)
     assert all(v >= 0 for v in b["parts"].values()) and b["parts"]["parameters"] > 0
-    text = (tmp_path / fit.FILE).read_text()
+    text = (tmp_path / BREAKDOWN_FILE).read_text()
     assert text.startswith(f"train step: {int(b['total'])} bytes")
     rows = re.findall(r"^\| [^|]+ \| (\d+) \|", text, re.M)
     assert sum(map(int, rows)) == int(b["total"])
@@ -104,7 +103,7 @@ def test_a_memory_refusal_writes_a_breakdown_that_adds_up(traced_run, tmp_path):
 def test_a_run_whose_weights_alone_do_not_fit_is_refused_without_a_search(traced_run, tmp_path):
     *_, cfg, exp = traced_run
     small = copy.deepcopy(cfg)
-    floor = fit.state_bytes(exp.abstract_state()) / exp.plan.n_visible
+    floor = state_bytes(exp.abstract_state()) / exp.plan.n_visible
     # Half the state's share of one device per device: no remat, accumulation, batch or FSDP
     # suggestion can fit, so the line says why instead of naming one.
     small.runtime.memory_gb = 0.5 * floor * 8 / 2**30

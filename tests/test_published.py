@@ -46,10 +46,10 @@ def test_the_estimate_basis_is_the_last_published_benchmarks():
     import json
     from pathlib import Path
 
-    from dxrun.plan import cost
+    from dxrun.estimates import ESTIMATE_BASIS
 
     data = json.loads((Path(__file__).parents[1] / "BENCHMARKS.published.json").read_text())
-    assert data["basis"] == cost.ESTIMATE_BASIS
+    assert data["basis"] == ESTIMATE_BASIS
     assert data["basis"]["calibrated_on"] <= 2 and data["order_preserved"]
     assert {r["run"] for r in data["rows"]} == {r.name for r in published.RUNS}
     assert all(published.GOAL[0] <= r["ratio"] <= published.GOAL[1] for r in data["rows"])

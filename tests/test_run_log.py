@@ -1,4 +1,4 @@
-"""The run's log file (dxrun/run/runtime.py): Hydra's file handlers taken over, and only Hydra's empty
+"""The run's log file (dxrun/run/files.py): Hydra's file handlers taken over, and only Hydra's empty
 log file removed, never a file that is not a plain one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 import os
 import stat
 
-from dxrun.run.runtime import RunLog
+from dxrun.run import RunLog
 
 
 def test_only_an_empty_plain_log_file_is_removed(tmp_path):

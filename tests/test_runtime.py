@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import make_cfg, run_cli, subprocess_env
 
+from dxrun import run as runtime
 from dxrun.config.errors import ConfigError
-from dxrun.run import runtime
-from dxrun.run.runtime import (
+from dxrun.run import (
     claim_run_dir,
     finite_or_null,
     write_status,
@@ -50,7 +50,7 @@ def test_concurrent_launches_claim_distinct_dirs(tmp_path):
 
 def _hold(run_dir: Path, then: str) -> subprocess.Popen:
     """Another process that takes ``run_dir``'s lock, says so, then runs ``then``."""
-    code = ("import os, sys, time; from pathlib import Path; from dxrun.run.runtime import RunLock; "
+    code = ("import os, sys, time; from pathlib import Path; from dxrun.run import RunLock; "
             f"lock = RunLock.acquire(Path({str(run_dir)!r})); print('held', flush=True); {then}")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env=subprocess_env())
@@ -121,17 +121,17 @@ def test_a_stop_once_the_lock_is_taken_leaves_the_claim_with_the_caller(tmp_path
 # The launcher's handlers; the signal comes from inside ``RunLock.acquire``, once the lock file
 # is open and locked (the lock names its host): where the run's CI saw it come.
 STOP_WHILE_LOCKING = """
-import os, signal, sys
+import os, signal, socket, sys
 from pathlib import Path
-from dxrun.run import runtime
-from dxrun.run.runtime import SIGNALS, guard_signals
+from dxrun import run as runtime
+from dxrun.run import SIGNALS, guard_signals
 from dxrun.config.errors import Interrupted
 guard_signals()
-hostname = runtime.socket.gethostname
+hostname = socket.gethostname
 def host():
     os.kill(os.getpid(), signal.SIGUSR1)
     return hostname()
-runtime.socket.gethostname = host
+socket.gethostname = host
 held = []
 for named in (True, False):
     SIGNALS.start_job()  # each launch of a multirun
@@ -201,7 +201,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dxrun.run.runtime import release_freed_memory, reuse_freed_memory
+from dxrun.run import release_freed_memory, reuse_freed_memory
 
 
 def rss() -> int:
@@ -252,7 +252,7 @@ def test_the_suite_runs_on_cpu_whatever_the_machine():
 def test_cpu_fallback_on_a_gpu_host_is_refused(tmp_path):
     """The probe reads device nodes under a root (here a tmp dir standing for /); JAX on CPU
     beside an NVIDIA node is refused naming the install, unless CPU was chosen."""
-    from dxrun.run.runtime import cpu_fallback_refusal, nvidia_device_node
+    from dxrun.run import cpu_fallback_refusal, nvidia_device_node
 
     assert nvidia_device_node(tmp_path) is None
     (tmp_path / "dev").mkdir()
@@ -308,7 +308,7 @@ def test_a_second_launch_takes_its_compiled_programs_from_the_cache(tmp_path):
 
 
 def test_the_thread_pool_note_only_where_a_mesh_uses_fewer_simulated_devices_than_cores_run():
-    from dxrun.run.runtime import thread_pool_note
+    from dxrun.run import thread_pool_note
 
     note = thread_pool_note(1, 8, 2)
     assert note is not None and "1 of 8 simulated CPU devices" in note
@@ -324,7 +324,7 @@ def test_the_allocator_setting_is_decided_by_the_step_it_serves():
     default run (the tiny model's batch split over 8 devices: faults it barely takes, against a
     lock every thread takes), one arena where the buffers a device holds are big (the same run
     on one device, the suite's model, GPT-2 small on fsdp8); always/never as asked."""
-    from dxrun.run.runtime import reuse_pays
+    from dxrun.run import reuse_pays
 
     mid = ("model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
            "data.vocab_size=256", "data.seq_len=128", "data.batch_size=16")

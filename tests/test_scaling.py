@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 from test_sweep import _compose, _csv, _jobs, _num, _sweep_jobs, _validated
 
-from dxrun.plan.run_plan import RunPlan, make_plan, resolved_config
+from dxrun.plan import RunPlan, make_plan, resolved_config
 from dxrun.report.sweep import JobRecord, scaling_efficiency
 
 

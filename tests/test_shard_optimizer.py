@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 from conftest import CONF, make_cfg, subprocess_env
 
-from dxrun.autotune import fit
-from dxrun.autotune.fit import _shard_bytes, accelerator_memory, collectives
+from dxrun.autotune import accelerator_memory, collectives, plan_report, plan_table
+from dxrun.autotune.footprint import _shard_bytes
 from dxrun.checkpointing.store import Checkpointer, Resume, restore
+from dxrun.cost import TARGETS, gb_text
 from dxrun.experiment import Experiment, adopt
 from dxrun.model import sharding
-from dxrun.plan import cost
-from dxrun.plan.cost import TARGETS
 
 STEPS = 3
 # One optimizer per mesh: Adam's moments, Lion's momentum, SGD's momentum. A clip_norm far
@@ -107,7 +106,7 @@ def test_optimizer_bytes_per_device_on_dp8(dp8):
 def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
     """From the shardings alone (nothing compiled): 1/dp of the state without ZeRO-1 on top
     of the tensor and fsdp split, up to what the data axis cannot split."""
-    from dxrun.autotune.fit import _shard_bytes
+    from dxrun.autotune.footprint import _shard_bytes
 
     on = Experiment.build(_cfg(mesh, True)).abstract_state().opt_state
     off = Experiment.build(_cfg(mesh, False)).abstract_state().opt_state
@@ -117,7 +116,7 @@ def test_optimizer_bytes_per_device_are_total_over_dp(mesh, dp):
 
 
 def test_default_follows_data_replicas():
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     for mesh, want in (("dp8", True), ("dp1", False), ("tp2", False), ("dp4_tp2", True)):
         cfg = make_cfg("model=tiny", "logger=none", f"parallelism={mesh}")
@@ -158,11 +157,11 @@ def test_plan_table_says_the_optimizer_is_split(dp8):
 
     exp = dp8[True][0]  # its step compiled already: plan mode compiles nothing more
     cfg = OmegaConf.merge(exp.cfg, {"plan": {"target": "h100"}})
-    report = fit.plan_report(cfg, exp, suggest=False)
+    report = plan_report(cfg, exp, suggest=False)
     unsplit = report["opt_state_unsplit_bytes"]
     assert report["shard_optimizer"] is True and 0 < unsplit < 0.03 * report["per_device"][
         "opt_state_bytes"]
-    assert f"(split over data; {cost.gb_text(unsplit)} not)" in fit.plan_table(report)
+    assert f"(split over data; {gb_text(unsplit)} not)" in plan_table(report)
 
 
 # A data-parallel size that divides none of the tiny model's power-of-two axes: 6 of the 8
@@ -246,11 +245,11 @@ def test_optimizer_state_split_48_ways():
     the counters."""
     code = textwrap.dedent(f"""
         import json
-        from dxrun.run.runtime import simulate_cpu_devices
+        from dxrun.run import simulate_cpu_devices
         simulate_cpu_devices(48)
         from hydra import compose, initialize_config_dir
         from dxrun.model import sharding
-        from dxrun.autotune.fit import _shard_bytes
+        from dxrun.autotune.footprint import _shard_bytes
         from dxrun.config.registry import register
         from dxrun.experiment import Experiment, adopt
         register()

@@ -15,11 +15,11 @@ import pytest
 from conftest import make_cfg
 from flax import nnx
 
-from dxrun.autotune.fit import collective_lines, collectives
+from dxrun.autotune import collective_lines, collectives
 from dxrun.experiment import Experiment
 from dxrun.model import sharding
 from dxrun.model.transformer import Block
-from dxrun.plan.run_plan import make_plan
+from dxrun.plan import make_plan
 
 MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2",
           "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2"]

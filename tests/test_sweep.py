@@ -11,8 +11,8 @@ import pytest
 import yaml
 from conftest import CONF, ROOT, run_cli
 
+from dxrun.checks import validate
 from dxrun.config.registry import PRESETS, check_keys, preset_dir
-from dxrun.config.validation import validate
 from dxrun.tracking.logger import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")
@@ -360,7 +360,7 @@ def test_every_preset_is_a_global_package():
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in preset_dir("experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_plans(name):
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     # finetune_hf: the published Llama 3.1 8B config.json (shapes only: nothing is loaded)
     extra = {"gpt2_small_text": ["data.path=corpus.txt"],
@@ -389,7 +389,7 @@ def test_every_experiment_composes_and_plans(name):
 
 
 def test_batch_devices_sweep_composes_every_job_and_the_command_line_wins():
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     cfg = _compose("sweep=batch_devices", hydra=True)
     jobs = _sweep_jobs(cfg.hydra.sweeper.params)
@@ -419,7 +419,7 @@ def test_throughput_presets_log_enough_windows_to_rank(preset):
     block in the next row, whose window it held; the final save in no row: the grid sweep above
     checks this on real jobs), leave the report's statistic at least ranking.STEADY_WINDOWS
     windows a job."""
-    from dxrun.plan.cost import save_cadence
+    from dxrun.cost import save_cadence
     from dxrun.report.sweep import STEADY_WINDOWS, job_throughput
 
     cfg = _validated(preset)

@@ -203,9 +203,9 @@ def test_diverged_run_writes_null_not_nan(cfg_factory, tmp_path, caplog):
 
 @pytest.mark.e2e
 def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path):
+    from dxrun.cost import flops_per_token
     from dxrun.experiment import Experiment
     from dxrun.model.transformer import count_params
-    from dxrun.plan import cost
 
     base = ["logger=none", "data.vocab_size=65", "train.steps=2", "train.log_every=2",
             "train.eval_every=0", "checkpoint.every=0"]
@@ -216,7 +216,7 @@ def test_odd_vocab_on_tp_reports_the_real_parameter_count(cfg_factory, tmp_path)
     # Counted from the shapes of the unpadded model's parameters (nothing to compile or fill).
     n_real = count_params(Experiment.build(unpadded).abstract_state().params)
     assert s["n_params"] == n_real
-    assert s["flops_per_token"] == cost.flops_per_token(unpadded.model, n_real, 64)
+    assert s["flops_per_token"] == flops_per_token(unpadded.model, n_real, 64)
     assert s["train/loss"] > 0
 
 

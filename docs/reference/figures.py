@@ -15,7 +15,7 @@ def preset_plan(parallelism: str, n_devices: int = 8) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dxrun.plan.run_plan import make_plan
+    from dxrun.plan import make_plan
 
     registry.register()
     GlobalHydra.instance().clear()
@@ -54,7 +54,7 @@ def mesh_svg(plan: Any, title: str) -> str:
         r = d * plan.fsdp + f
         x, y = gap + column * (w + gap), top + r * (h + gap)
         lines = [f"device {device}", f"batch rows {r + 1}/{rows}"]
-        if cp > 1:  # the zig-zag split: chunks c and 2cp-1-c (dxrun/plan/run_plan.py)
+        if cp > 1:  # the zig-zag split: chunks c and 2cp-1-c (dxrun/plan/context.py)
             lines.append(f"each sequence: chunks {c + 1} and {2 * cp - c} of {2 * cp}")
         if plan.tp > 1:
             lines.append(f"{', '.join(by_axis.get('tensor', []))}: part {t + 1}/{plan.tp}")

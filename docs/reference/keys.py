@@ -8,7 +8,7 @@ from typing import Any
 
 from docs.reference.markdown import cell
 from dxrun.config import registry, schema
-from dxrun.plan.cost import TARGETS
+from dxrun.cost import TARGETS
 
 
 @dataclasses.dataclass(frozen=True)

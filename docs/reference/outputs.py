@@ -52,7 +52,7 @@ SUMMARY: dict[str, str] = {
     "train/loss": "the last logged train loss",
     "best/train_loss": "the lowest finite train loss logged",
     "n_params": "parameters (the real vocabulary, without padding)",
-    "flops_per_token": "model FLOPs per token (dxrun/plan/cost.py)",
+    "flops_per_token": "model FLOPs per token (dxrun/cost/flops.py)",
     "tokens_per_s": "the last window's perf/tokens_per_s",
     "loop_tokens_per_s": "tokens/s of the whole loop after the first step (data, logging, "
                          "evaluation, saves)",
@@ -97,7 +97,7 @@ STATUS: dict[str, str] = {
                 "never ended: killed), `finished`",
 }
 
-# plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan/run_plan.py's comments.
+# plan.json: the MeshPlan's fields plus what to_json adds. Meanings from plan/mesh.py's comments.
 PLAN_EXTRA: dict[str, str] = {
     "plan_mode": "run.mode=plan only: memory per device, FLOPs, collectives, target, estimate, "
                  "checkpoint cost, suggestion",
@@ -137,7 +137,7 @@ def status_keys() -> list[str]:
 
 
 def plan_keys() -> dict[str, str]:
-    from dxrun.plan.run_plan import MeshPlan  # pure: dataclasses and arithmetic
+    from dxrun.plan import MeshPlan
 
     comments = _field_comments(MeshPlan)
     # each axis's size by its key (MeshPlan.sizes, written flat), as a run's parallelism names it
@@ -174,7 +174,7 @@ def outputs_markdown() -> str:
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
            "metrics of `dxrun/config/metric_names.py`, the keys read from "
            "`dxrun/tracking/logger.py`, `dxrun/__main__.py` and "
-           "`dxrun/plan/run_plan.py`). A run "
+           "`dxrun/plan/mesh.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
     out += table("file", RUN_FILES)

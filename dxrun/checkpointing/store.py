@@ -33,12 +33,11 @@ from dxrun.config import (
     disk_error,
     named_line,
 )
+from dxrun.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
 from dxrun.data import position
 from dxrun.experiment import TrainState
-from dxrun.plan.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
-from dxrun.plan.run_plan import Resume
-from dxrun.run import runtime
-from dxrun.run.runtime import Preemption, ProcessAgreement, gather, is_main, relaunch_command
+from dxrun.plan import Resume
+from dxrun.run import Preemption, ProcessAgreement, faults_from_env, gather, is_main, relaunch_command
 from dxrun.tracking.goodput import NOTICEABLE_BLOCK_S, SaveTotals
 from dxrun.tracking.logger import Monitor, stopped_early
 
@@ -839,7 +838,7 @@ def restore(resume: Resume, target: TrainState) -> tuple[TrainState, dict[str, A
 #
 # A save is due every ``checkpoint.every`` steps, every ``checkpoint.every_minutes`` of wall
 # clock, at the last step and on SIGUSR1; SIGTERM/SIGINT stop the run after a committed save
-# (``dxrun.run.runtime`` turns the signals into flags). With several processes the processes
+# (``dxrun.run.signals`` turns the signals into flags). With several processes the processes
 # agree on the step a signal or a clock acts at (``ProcessAgreement``): a save is collective.
 
 def time_due(now: float, last_save: float, every_s: float) -> bool:
@@ -917,7 +916,7 @@ class RunCheckpoints:
         self.every, self.log_every = every, train.log_every
         self.cost = SaveCost(60.0 * minutes, clock)
         self.halt = train.nan_policy == "halt"
-        self.faults = runtime.faults_from_env()  # test-only: see between_steps
+        self.faults = faults_from_env()  # test-only: see between_steps
         # A SIGUSR1 not yet answered by a save: with several processes the save comes at the
         # step they agree on, some steps after the signal cleared its flag.
         self.usr1_pending = False

@@ -1,11 +1,10 @@
 """The config family: what a run is asked to do, and its refusal in one line. Every key of
 the run config written once (``schema``, the parallelism and distributed sections in
 ``schema_parallel``; a key's facts in ``key``), registered with Hydra with its resolvers and
-presets (``registry``), the command line checked before Hydra runs it (``composition``), the
-values checked after (``validation``) against, among others, every metric's name
-(``metric_names``), a Hugging Face checkpoint's ``config.json`` read as the model section and
-written back (``hf_model``), your own factories behind ``_target_`` (``target``), and how a run
-ends: its outcomes, status and exit codes (``errors``).
+presets (``registry``), every metric's name (``metric_names``), a Hugging Face checkpoint's
+``config.json`` read as the model section and written back (``hf_model``), your own factories
+behind ``_target_`` (``target``), and how a run ends: its outcomes, status and exit codes
+(``errors``). The command line and the composed values are checked by ``dxrun.checks``.
 
 No JAX import: the device count is decided from the composed config before JAX starts.
 """
@@ -14,8 +13,7 @@ No JAX import: the device count is decided from the composed config before JAX s
 from __future__ import annotations
 
 # The family's face: what the rest of dxrun imports (``from dxrun.config import ConfigError,
-# RunConfig``), each name still in its module. Validation, composition and the registry sit
-# apart: they import beyond the config (Hydra, the data's and the plan's checks).
+# RunConfig``), each name still in its module. The registry sits apart: it imports Hydra.
 from dxrun.config.errors import (
     DISK_ERRNOS, EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, FAILED, OK, RUNNING, STOPPED, UNFINISHED,
     CheckpointGone, CheckpointReadError, ConfigError, DiskError, Interrupted, NonFiniteError,

@@ -121,7 +121,7 @@ METRICS: dict[str, Metric] = {
 }
 
 # Which of METRICS a training run's rows hold (what ``checkpoint.keep_best`` and
-# ``train.early_stop.monitor`` can watch: ``dxrun.config.validation.logged_metrics``). Every name is
+# ``train.early_stop.monitor`` can watch: ``dxrun.checks.validation.logged_metrics``). Every name is
 # in them, under these conditions: eval/* when the run evaluates (train.eval_every > 0); the
 # names of ONLY_WITH under that one setting (data/entropy_floor also from a data._target_ of
 # yours, which may give one); never the names of NOT_IN_ROWS, which are elsewhere. Names whose

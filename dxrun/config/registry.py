@@ -5,7 +5,7 @@ The schema (dxrun/config/schema.py: every key, its default, meaning, range and c
 is registered in Hydra's ConfigStore as ``dxrun_schema`` and is the first entry of
 ``conf/config.yaml``'s defaults, so every group file and every command-line override is merged
 into typed, closed (struct) nodes: an unknown key or a value of the wrong type fails at
-composition. ``dxrun.config.validation`` then checks the values. No JAX import: the device count is
+composition. ``dxrun.checks.validation`` then checks the values. No JAX import: the device count is
 decided from the composed config before JAX starts.
 """
 
@@ -25,7 +25,7 @@ DEFAULT_BATCH = 32  # data.batch_size when no per-device batch is given
 
 def default_batch(per_device: Any) -> int | None:
     """The ``default_batch`` resolver behind ``data.batch_size``'s default: 32, or null when a
-    per-device batch gives the global one (dxrun/plan/run_plan.py)."""
+    per-device batch gives the global one (dxrun/plan/batch.py)."""
     return DEFAULT_BATCH if per_device is None else None
 
 

@@ -342,7 +342,7 @@ class RuntimeConfig:
         "arena, no mmap, freed blocks kept for the next step (no page faults for big "
         "temporaries, one lock for every thread); \"never\" = glibc's defaults; \"auto\" = "
         "always where a step's buffers per device are big enough to pay for the lock "
-        "(dxrun/run/runtime.py: REUSE_FROM_BYTES).", choices=("auto", "always", "never"))
+        "(dxrun/run/process.py: REUSE_FROM_BYTES).", choices=("auto", "always", "never"))
     compile_cache: str | None = key(
         "auto", "JAX's persistent compilation cache: \"auto\" = <user cache dir>/dxrun/jax, a "
         "path, or null.")

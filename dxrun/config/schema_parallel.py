@@ -1,7 +1,7 @@
 """The sections of a run over many devices: the mesh's axes (``AXES``, a table: each axis's key,
 the JAX mesh axis it names and how it spreads over hosts), the ``parallelism`` section that
 sizes them and the ``distributed`` section that joins a multi-process run through JAX's
-distributed runtime (dxrun/run/runtime.py). Keys are written as in
+distributed runtime (dxrun/run/distributed.py). Keys are written as in
 ``dxrun.config.schema`` (``key.key``), which places the sections in ``RunConfig``.
 
 A new mesh axis is a row of ``AXES``, its key here, its logical rules
@@ -77,7 +77,7 @@ class ParallelismConfig:
         "`data` replicas; null = auto (on when dp > 1). Same losses either way; checkpoints "
         "restore across.")
     search: str = key(
-        "none", "parallelism=auto's layout search (dxrun/autotune/fit.py): none = "
+        "none", "parallelism=auto's layout search (dxrun/autotune/search.py): none = "
         "dp/fsdp/tp as given | measure = rank by estimate, time the top search_top, the fastest "
         "wins | model = the estimate's first | fresh = measure, ignoring the cached decision and "
         "search_budget (a search asked for).",
@@ -100,7 +100,7 @@ class ParallelismConfig:
 
 @dataclass
 class DistributedConfig:
-    """Joining a multi-process run through JAX's distributed runtime (dxrun/run/runtime.py)."""
+    """Joining a multi-process run through JAX's distributed runtime (dxrun/run/distributed.py)."""
 
     mode: str = key(
         "auto", "auto: join when the environment says this process is one of several (srun "

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dxrun.config import ConfigError, checked_factory, first_line
-from dxrun.plan.run_plan import default_seq_len
+from dxrun.plan import default_seq_len
 
 if TYPE_CHECKING:
     from dxrun.config import DataConfig, ModelConfig, RunConfig

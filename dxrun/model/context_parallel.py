@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dxrun.model.sharding import active_axes, active_spec, constrain
-from dxrun.plan.run_plan import BLOCK, zigzag_order
+from dxrun.plan import BLOCK, zigzag_order
 
 FLOOR = float(np.finfo(np.float32).min)  # a masked score: exp() of it is 0, never a NaN
 

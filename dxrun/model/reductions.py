@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dxrun.plan.run_plan import BATCH_AXES
+from dxrun.plan import BATCH_AXES
 
 __all__ = ["REDUCTIONS", "AxisNames", "all_gather", "collect_from_devices", "reduce_custom",
            "reduce_max", "reduce_mean", "reduce_mean_collective", "reduce_min", "reduce_sum",

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.plan.run_plan import (
+from dxrun.plan import (
     BATCH_AXES,
     LOGICAL_RULES,
     MESH_AXES,

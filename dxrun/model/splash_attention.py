@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dxrun.model.sharding import active_spec
-from dxrun.plan.run_plan import RESIDUALS
+from dxrun.plan import RESIDUALS
 
 # Longest block of queries and keys: on a v5e a 512-long block ran the GPT-2 shapes' forward and
 # backward fastest (BENCHMARKS.md, "TPU"); shorter sequences take the longest multiple of 128

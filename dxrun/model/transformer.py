@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dxrun.model import context_parallel, splash_attention
 from dxrun.model.sharding import active_axes, constrain, gathered_backward
-from dxrun.plan.run_plan import RESIDUALS
+from dxrun.plan import RESIDUALS
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig

@@ -24,7 +24,7 @@ from flax import nnx
 
 from dxrun.config import ConfigError, checked_factory
 from dxrun.model.transformer import KERNEL, Transformer
-from dxrun.plan.run_plan import LOGICAL_RULES
+from dxrun.plan import LOGICAL_RULES
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig

@@ -26,8 +26,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from dxrun.config import AXES, EXIT_CODES, EXIT_CRASHED, EXIT_REFUSED, ConfigError, fail
-from dxrun.plan.run_plan import Layout, Sizes
-from dxrun.run.runtime import STATUS, SWEEP_EXITS, is_main, sweep_group
+from dxrun.plan import Layout, Sizes
+from dxrun.run import STATUS, SWEEP_EXITS, is_main, sweep_group
 from dxrun.tracking.logger import read_metrics
 
 # ------------------------------------------------------------------------------------------------

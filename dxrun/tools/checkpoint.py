@@ -30,16 +30,11 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from dxrun.checks import validate
 from dxrun.config import HF_PREFIX, ConfigError, RunConfig, first_line
 from dxrun.config.registry import check_composed, check_keys, composition_error, conf_dir, register
-from dxrun.config.validation import validate
-from dxrun.plan.run_plan import MeshPlan, make_plan, recorded
-from dxrun.run.runtime import (
-    DEVICE_COUNT_FLAG,
-    collect_cycles_rarely,
-    command_imports,
-    simulate_cpu_devices,
-)
+from dxrun.plan import MeshPlan, make_plan, recorded
+from dxrun.run import DEVICE_COUNT_FLAG, collect_cycles_rarely, command_imports, simulate_cpu_devices
 
 if TYPE_CHECKING:
     from dxrun.experiment import Experiment
@@ -125,7 +120,7 @@ def start_devices(overrides: list[str]) -> bool:
 
 INTERPOLATION = re.compile(r"(\\*)\$\{")  # "${" and the backslashes before it
 # Keys older checkpoints' configs hold and the schema no longer has (the tests' faults, now
-# environment variables: dxrun/run/runtime.py).
+# environment variables: dxrun/run/faults.py).
 RETIRED_TRAIN_KEYS = ("inject_nan_at_step", "hold_at_step", "inject_error_at_step")
 
 

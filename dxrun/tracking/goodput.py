@@ -15,7 +15,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dxrun.run.runtime import read_json, write_json
+from dxrun.run import read_json, write_json
 
 # ------------------------------------------------------------------------------------------------
 # Where a run's wall time went, and the log window's step time without the traced steps.

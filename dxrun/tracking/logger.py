@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dxrun.config import UNFINISHED, LoggerConfig
-from dxrun.run.runtime import finite_or_null, is_main, mlflow_store_uri, read_status, write_json
+from dxrun.run import finite_or_null, is_main, mlflow_store_uri, read_status, write_json
 from dxrun.tracking import goodput
 
 # ------------------------------------------------------------------------------------------------

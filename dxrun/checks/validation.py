@@ -22,6 +22,8 @@ from dxrun.config import (
     BACKENDS,
     DATA_SOURCE_KEYS,
     FIELDS,
+    GLOBAL,
+    PER_DEVICE,
     RANGES,
     CheckpointConfig,
     ConfigError,
@@ -43,10 +45,10 @@ from dxrun.config import (
     null_is_a_value,
 )
 from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
+from dxrun.cost import TARGETS
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
-from dxrun.plan.cost import TARGETS
-from dxrun.plan.run_plan import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
-from dxrun.run.runtime import unread_logger_keys
+from dxrun.plan import check_batch_keys, default_seq_len, resolve_loss_chunk
+from dxrun.run import unread_logger_keys
 
 
 def validate(cfg: RunConfig) -> None:
@@ -151,7 +153,7 @@ def check_choices(node: Any, section: str) -> None:
     for key in _keys_of(section):
         allowed = FIELDS[key].metadata["choices"]
         if not isinstance(allowed, tuple) or (value := _get(node, key)) in allowed:
-            continue  # plan.target's list is plan.cost.TARGETS: check_plan
+            continue  # plan.target's list is cost.TARGETS: check_plan
         if value is None and (null_is_a_value(key) or FIELDS[key].metadata["sources"]):
             continue  # a source's key left null: not read, or check_data's (data.dtype)
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; "

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf, open_dict
 
 from dxrun.config import ConfigError
 from dxrun.config.registry import check_keys, composition_error, conf_dir
-from dxrun.run.runtime import dir_refusal
+from dxrun.run import dir_refusal
 
 
 def composition_refusal(argv: list[str]) -> str | None:
