@@ -96,12 +96,21 @@ def _register_sweeper() -> None:
     Plugins.instance().class_name_to_class.setdefault(name, OptunaSweeper)
 
 
+def multirun_only(target: str, mode: Any) -> str:
+    """A ``hydra.callbacks`` entry's ``_target_`` (conf/config.yaml) for a callback of multiruns
+    alone: ``target`` in a multirun, else Hydra's callback that does nothing, so that a single
+    run imports nothing of ``target``'s package (the sweep report's)."""
+    multirun = getattr(mode, "name", str(mode)) == RunMode.MULTIRUN.name
+    return target if multirun else "hydra.experimental.callback.Callback"
+
+
 log = logging.getLogger("dxrun")
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save INFO lines
 logging.getLogger("jax._src.distributed").setLevel(logging.WARNING)  # dxrun says it in one line
 register()
 _register_sweeper()
+OmegaConf.register_new_resolver("multirun_only", multirun_only, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path=_conf_dir(), config_name="config")
@@ -261,7 +270,7 @@ def cli() -> None:
     except Interrupted as e:  # outside a job (composing the config), or while it was failing
         print(f"dxrun: {e.signal_name}: stopped {e.when}", file=sys.stderr)
         sys.exit(e.code)
-    for sweep_exit in SWEEP_EXITS:  # a multirun's, from its jobs (report.sweep.SweepReport)
+    for sweep_exit in SWEEP_EXITS:  # a multirun's, from its jobs (report.SweepReport)
         sweep_exit()
 
 
