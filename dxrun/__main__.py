@@ -293,7 +293,7 @@ def claim_new(asked: Path) -> Path:
 
 def _committed(ckpt: CheckpointConfig, run_dir: Path) -> tuple[Path, list[int]]:
     """The run dir's checkpoint dir and the steps committed there."""
-    from dxrun.checkpointing.store import checkpoint_dir, committed_steps  # JAX after devices
+    from dxrun.checkpointing import checkpoint_dir, committed_steps  # JAX after devices
 
     checkpoints = checkpoint_dir(ckpt, run_dir)
     return checkpoints, committed_steps(checkpoints)

@@ -29,7 +29,7 @@ from conftest import (
     tree_digest,
 )
 
-from dxrun.checkpointing.store import (
+from dxrun.checkpointing import (
     Checkpointer,
     IncompleteMeta,
     Resume,

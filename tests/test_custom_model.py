@@ -16,7 +16,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.autotune.fit import planned, run_plan
-from dxrun.checkpointing.store import DATA_SOURCE, MODEL_SHAPE, changed
+from dxrun.checkpointing import DATA_SOURCE, MODEL_SHAPE, changed
 from dxrun.config.errors import ConfigError
 from dxrun.data import TRAIN, checked_batch
 from dxrun.experiment import Experiment

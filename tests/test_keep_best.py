@@ -9,7 +9,7 @@ import shutil
 import pytest
 from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 
-from dxrun.checkpointing.store import committed_steps
+from dxrun.checkpointing import committed_steps
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import logged_metrics, validate
 from dxrun.tools.checkpoint import BEST, split_args

@@ -186,7 +186,7 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     import sys
     import time
 
-    from dxrun.checkpointing.store import committed_steps
+    from dxrun.checkpointing import committed_steps
     from dxrun.tracking.logger import read_history
 
     run_dir = tmp_path / "run"

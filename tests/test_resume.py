@@ -29,7 +29,7 @@ from conftest import (
     write_tokens,
 )
 
-from dxrun.checkpointing.store import (
+from dxrun.checkpointing import (
     DATA_SOURCE,
     MODEL_SHAPE,
     VOCABULARY,

@@ -16,7 +16,7 @@ from conftest import CONF, make_cfg, subprocess_env
 
 from dxrun.autotune import fit
 from dxrun.autotune.fit import _shard_bytes, accelerator_memory, collectives
-from dxrun.checkpointing.store import Checkpointer, Resume, restore
+from dxrun.checkpointing import Checkpointer, Resume, restore
 from dxrun.experiment import Experiment, adopt
 from dxrun.model import sharding
 from dxrun.plan import cost

@@ -344,7 +344,7 @@ def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""
-    from dxrun.checkpointing.store import POINTER  # imports JAX
+    from dxrun.checkpointing import POINTER  # imports JAX
 
     path = path.expanduser().absolute()
     if (path / "checkpoints").is_dir() or (path / POINTER).is_file():

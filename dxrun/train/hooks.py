@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun.checkpointing.store import RunCheckpoints
+from dxrun.checkpointing import RunCheckpoints
 from dxrun.experiment import Experiment
 from dxrun.run.runtime import write_json
 from dxrun.tracking import goodput

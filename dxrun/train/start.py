@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 
 from dxrun.autotune.fit import Decided, Handover, compile_checked, decide, memory_preflight
-from dxrun.checkpointing.store import (
+from dxrun.checkpointing import (
     Resume,
     data_position,
     find_resume,

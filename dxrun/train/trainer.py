@@ -21,7 +21,7 @@ import jax
 
 from dxrun.autotune import fit
 from dxrun.autotune.fit import Decided
-from dxrun.checkpointing.store import RunCheckpoints, halted, refused
+from dxrun.checkpointing import RunCheckpoints, halted, refused
 from dxrun.config import DiskError, first_line
 from dxrun.experiment import Experiment
 from dxrun.run.runtime import Job, is_main, run_name
