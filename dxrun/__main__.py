@@ -70,8 +70,7 @@ from dxrun.run.runtime import (
     write_hydra_files,
     write_status,
 )
-from dxrun.tracking.goodput import job_started_at, mark
-from dxrun.tracking.logger import record_end
+from dxrun.tracking import job_started_at, mark, record_end
 
 if TYPE_CHECKING:
     from hydra.conf import HydraConf

@@ -296,7 +296,7 @@ def finished_wandb_run(path: Path, timeout: float = 60) -> dict:
     in-process run could see no history at all under load."""
     import time
 
-    from dxrun.tracking.logger import read_run, records
+    from dxrun.tracking.wandb_file import read_run, records
 
     deadline = time.monotonic() + timeout
     while True:

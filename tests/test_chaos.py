@@ -24,7 +24,7 @@ from conftest import Output, make_cfg, subprocess_env
 
 from dxrun.checkpointing import Resume, committed_steps, restore
 from dxrun.experiment import Experiment
-from dxrun.tracking.logger import read_history
+from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train
 
 STEPS = 40

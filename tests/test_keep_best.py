@@ -13,7 +13,7 @@ from dxrun.checkpointing import committed_steps
 from dxrun.config.errors import ConfigError
 from dxrun.config.validation import logged_metrics, validate
 from dxrun.tools.checkpoint import BEST, split_args
-from dxrun.tracking.logger import Monitor
+from dxrun.tracking.monitor import Monitor
 from dxrun.train import train
 
 # data/tokens_seen only grows: under mode=min its first row stays the best, whatever the

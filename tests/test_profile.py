@@ -18,7 +18,7 @@ from dxrun.autotune.fit import memory_preflight
 from dxrun.config.errors import ConfigError
 from dxrun.experiment import step_bytes
 from dxrun.run.runtime import Job
-from dxrun.tracking.logger import read_run
+from dxrun.tracking.wandb_file import read_run
 from dxrun.train import prepare, train
 from tests.conftest import make_cfg
 

@@ -13,7 +13,7 @@ from conftest import CONF, ROOT, run_cli
 
 from dxrun.config.registry import PRESETS, check_keys, preset_dir
 from dxrun.config.validation import validate
-from dxrun.tracking.logger import read_run
+from dxrun.tracking.wandb_file import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")
 NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for

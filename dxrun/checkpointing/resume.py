@@ -47,7 +47,7 @@ from dxrun.data import position
 from dxrun.experiment import TrainState
 from dxrun.plan.run_plan import Resume
 from dxrun.run.runtime import gather, is_main
-from dxrun.tracking.logger import stopped_early
+from dxrun.tracking import stopped_early
 
 if TYPE_CHECKING:
     from dxrun.config import CheckpointConfig, OptimizerConfig, RunConfig

@@ -35,8 +35,7 @@ from dxrun.experiment import TrainState
 from dxrun.plan.cost import MAX_CHECKPOINT_OVERHEAD, cadence_text, minutes_for_overhead
 from dxrun.run import runtime
 from dxrun.run.runtime import Preemption, ProcessAgreement, is_main, relaunch_command
-from dxrun.tracking.goodput import NOTICEABLE_BLOCK_S, SaveTotals
-from dxrun.tracking.logger import Monitor
+from dxrun.tracking import NOTICEABLE_BLOCK_S, Monitor, SaveTotals
 
 if TYPE_CHECKING:
     from dxrun.config import CheckpointConfig, TrainConfig

@@ -19,7 +19,7 @@ from dxrun.config import AXES
 from dxrun.plan.run_plan import Layout, Sizes
 from dxrun.report.ranking import LayoutRun
 from dxrun.run.runtime import STATUS
-from dxrun.tracking.logger import read_metrics
+from dxrun.tracking import read_metrics
 
 log = logging.getLogger("dxrun")
 

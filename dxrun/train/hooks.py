@@ -19,14 +19,17 @@ import jax
 from dxrun.checkpointing import RunCheckpoints
 from dxrun.experiment import Experiment
 from dxrun.run.runtime import write_json
-from dxrun.tracking import goodput
-from dxrun.tracking.goodput import StepTimer, Tracer, profile_dir, traced_steps
-from dxrun.tracking.logger import (
+from dxrun.tracking import (
     MetricsLogger,
     Monitor,
     Progress,
     RunSummary,
+    StepTimer,
+    Tracer,
+    goodput,
     plateau,
+    profile_dir,
+    traced_steps,
 )
 from dxrun.train.rows import AllocatorPeak, RunFacts, first_row, log_row, perplexity
 

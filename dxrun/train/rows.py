@@ -24,7 +24,7 @@ from dxrun.experiment import Experiment
 from dxrun.plan.cost import flops_per_token, mfu
 from dxrun.plan.run_plan import RunPlan, saved_config
 from dxrun.run.runtime import Job, describe_model
-from dxrun.tracking.goodput import Measured
+from dxrun.tracking import Measured
 
 if TYPE_CHECKING:
     from dxrun.config import RunConfig

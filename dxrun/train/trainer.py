@@ -25,8 +25,7 @@ from dxrun.checkpointing import RunCheckpoints, halted, refused
 from dxrun.config import DiskError, first_line
 from dxrun.experiment import Experiment
 from dxrun.run.runtime import Job, is_main, run_name
-from dxrun.tracking import goodput
-from dxrun.tracking.logger import MetricsLogger, Rewound, rewind_metrics
+from dxrun.tracking import MetricsLogger, Rewound, goodput, rewind_metrics
 from dxrun.train.hooks import (
     CheckpointHook,
     Clocks,
