@@ -199,8 +199,8 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return path, None  # already saved (e.g. the step this run resumed from)
         # Wait for the state's steps to finish: Orbax then copies settled shards, and the host
-        # never runs more than MAX_IN_FLIGHT steps ahead of the device (see experiment.py). That
-        # wait is the steps' own time, not the save's: the clock starts after it.
+        # never runs more than MAX_IN_FLIGHT steps ahead of the device (experiment/step.py).
+        # That wait is the steps' own time, not the save's: the clock starts after it.
         jax.block_until_ready(state)
         t = time.perf_counter()
         # Blocks for the previous save's writes when they are still running (as Orbax's save

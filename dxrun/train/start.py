@@ -61,7 +61,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Decided:
         plan_resume(resume, exp.abstract_state(), cfg.train.steps, plan.global_batch,
                     cfg.optimizer, cfg.train.early_stop)
     elif cfg.model.init_from:  # the weights' files, read from their headers alone
-        check_hf_weights(exp)
+        check_hf_weights(exp.cfg.model)
     elif (h := decided.handover) is None or (h.params is None and h.state is None):
         exp.seeded.compile()  # the seeded init the run starts from, beside the step's compile
     memory_preflight(cfg, exp, compile_checked(cfg, exp, plan), plan=plan)
