@@ -411,6 +411,7 @@ def test_the_guide_prints_the_layout_table_import_and_export_read():
 TEXT = ["data=text", "data.seq_len=16", "data.batch_size=8", "eval.batches=2", "logger=none"]
 
 
+@pytest.mark.e2e  # a whole fine-tune
 def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, tmp_path,
                                                                            caplog):
     """experiment=finetune_hf from a GPT-2 directory with its tokenizer.json, on a text corpus:
@@ -482,6 +483,7 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     assert "resuming from step 30" in caplog.text and "weights from" not in caplog.text
 
 
+@pytest.mark.e2e  # two launched processes' training
 def test_two_processes_import_and_train_as_one_does(hf, tmp_path):
     """``model.init_from`` on two processes (``dxrun.launch``, 4 simulated devices each,
     dp2_tp4: each process reads the shards of its own devices): the run's losses equal the

@@ -436,6 +436,7 @@ with initialize_config_dir(config_dir=sys.argv_conf, version_base="1.3", job_nam
 """
 
 
+@pytest.mark.e2e  # a subprocess run
 def test_a_single_run_loads_nothing_of_the_report_and_a_multirun_builds_its_callback(tmp_path):
     import subprocess
     import sys

@@ -183,6 +183,7 @@ def dp6() -> dict:
     return out
 
 
+@pytest.mark.e2e  # trainings with and without the split (module fixture)
 def test_dp6_splits_the_state_and_trains_as_unsplit(dp6):
     """No axis divides by 6, yet each device holds a sixth of the state (3% of padding at
     most), none of it replicated but the counters, and the losses, gradient norms and
@@ -216,6 +217,7 @@ def _restored(state, tmp_path, into: Experiment):
     return got
 
 
+@pytest.mark.e2e  # trainings with and without the split (module fixture)
 def test_checkpoint_moves_between_data_parallel_sizes(dp6, tmp_path):
     """A dp6 checkpoint (its moments padded) restores on dp4 (unpadded: 4 divides) and back:
     every real value bitwise, the padding zero; the round trip gives the dp6 state exactly."""
@@ -275,6 +277,7 @@ def test_optimizer_state_split_48_ways():
     assert off / 48 <= on <= off / 48 * 1.01
 
 
+@pytest.mark.e2e  # trainings with and without the split (module fixture)
 def test_layout_hand_over_refits_the_padding(dp6):
     """parallelism=auto hands a trained state between layouts of the same devices
     (``experiment.adopt``): dp6 pads w_up's moments along d_ff (256 to 258), dp3_tp2, whose
