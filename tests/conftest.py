@@ -231,8 +231,8 @@ def cli_in_process(*args: str, cwd: Path, entry: Callable[[], None] | None = Non
     import subprocess
     import tempfile
 
-    from dxrun import __main__ as job_dir
     from dxrun.__main__ import cli
+    from dxrun.launch import job as job_dir
 
     entry = entry or cli
     root = logging.getLogger()

@@ -125,9 +125,9 @@ def summary_keys() -> list[str]:
 
 
 def status_keys() -> list[str]:
-    """Every field ``JobStatus`` (dxrun/__main__.py) writes into status.json, plus
+    """Every field ``JobStatus`` (dxrun/launch/job.py) writes into status.json, plus
     write_status's own."""
-    tree = ast.parse((PACKAGE / "__main__.py").read_text())
+    tree = ast.parse((PACKAGE / "launch" / "job.py").read_text())
     keys = ["status"]
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     for node in [c for c in calls if getattr(c.func, "id", None) == "write_status"] + [
@@ -173,7 +173,7 @@ def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
            "metrics of `dxrun/config/metric_names.py`, the keys read from "
-           "`dxrun/tracking/summary.py`, `dxrun/__main__.py` and "
+           "`dxrun/tracking/summary.py`, `dxrun/launch/job.py` and "
            "`dxrun/plan/run_plan.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]
