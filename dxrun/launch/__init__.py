@@ -21,7 +21,8 @@ _WHERE = {
             "names_its_dir", "remember_start"),
     "ending": ("STOP_LINE", "clean_stop", "first_failure", "settle_starting_stop",
                "stop_delay", "stopped_while_starting"),
-    "ranks": ("child_env", "free_port", "gpu_slices", "launch", "main", "port_refusal"),
+    "ranks": ("child_env", "free_port", "gpu_slices", "launch", "main", "port_refusal",
+              "without_device_count"),
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 __all__ = ["EARLY", *sorted(_MODULE)]
