@@ -18,17 +18,12 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dxrun.config import (
     disk_error,
     named_line,
 )
-
-if TYPE_CHECKING:
-    pass
-
-
 
 log = logging.getLogger("dxrun")
 

@@ -17,15 +17,10 @@ callers have already refused a checkpoint of another model shape or vocabulary
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-
-if TYPE_CHECKING:
-    pass
-
-
 
 Shapes = dict[tuple[str, ...], tuple[int, ...]]
 

@@ -1,18 +1,12 @@
 """Data sources, chosen by ``data.name``: ``markov`` (synthetic), ``text`` and ``tokens``; or
-your own, ``data._target_`` (``dxrun.data``).
-
-Each gives this process's rows of any step's global batch ([rows, seq_len + 1] int32) by random
-access (``local_batch``), and a prefetching iterator with a JSON-able state for training
-(``train_iterator``). Both are pure functions of (seed, step): the mesh and the number of
-processes only decide which rows a process reads.
-
-``has_eval`` says whether there is held-out data: a corpus whose validation split is shorter
-than one window has none, and evaluation is then off (with one warning), never run on the
-training split.
+your own, ``data._target_``. Each gives this process's rows of any step's global batch by random
+access, and a prefetching train iterator with a JSON-able state: pure functions of (seed, step),
+whatever the mesh and the number of processes. ``has_eval`` says whether there is held-out data
+(a validation split shorter than one window: none, and evaluation is off with one warning).
 
 - ``markov.py``: the synthetic Markov language with its exact loss floor.
 - ``corpus.py``: token corpora (text tokenized at start, or pre-tokenized ``.bin`` files).
-- ``batches.py``: the Grain pipeline over a corpus, your own source's protocol, and ``Data``.
+- ``batches.py``: ``Data``, the Grain pipeline over a corpus, your own source's protocol.
 - ``prepare.py``: ``python -m dxrun.data.prepare``, a text corpus tokenized once into files.
 """
 

@@ -1,6 +1,8 @@
-"""The Grain pipeline over a token corpus: windows -> global shuffle -> this process's rows ->
-batches -> prefetch. Grain is imported where a corpus is read, not with this module: its
-import is heavy, and a markov run or your own source never needs it.
+"""The batches a run reads: ``Data`` (a source's rows of any step's global batch, and the train
+iterator with its JSON-able state), the Grain pipeline over a token corpus (windows -> global
+shuffle -> this process's rows -> batches -> prefetch) and the protocol of your own source
+(``data._target_``). Grain is imported where a corpus is read, not with this module: its import
+is heavy, and a markov run or your own source never needs it.
 
 The order is defined globally: a seeded shuffle of all windows, reshuffled each epoch
 (Grain combines the seed with the epoch). Global batch ``k`` is windows ``[k*B, (k+1)*B)`` of
@@ -8,19 +10,6 @@ that order, and process ``p`` of ``P`` reads rows ``[p*B/P, (p+1)*B/P)`` of it a
 else. So what a step sees depends on (seed, step) only: not on the mesh and not on the number
 of processes. The iterator state is the number of batches read (``{"next_index": k}``), for
 an exact mid-epoch resume with any number of worker processes.
-
-And your own data through ``data._target_``: the protocol a batch source follows for dxrun to
-train, resume and evaluate on it.
-
-* Built once per process as ``Target(**data.kwargs, batch_size=<the global batch>,
-  seq_len=<the window>, vocab_size=model.vocab_size, seed=data.seed)``.
-* ``source.batch(step, split) -> [batch_size, seq_len + 1]`` integer token ids in
-  ``[0, vocab_size)``, the whole global batch, a pure function of ``(step, split)`` with
-  ``split`` "train" or "eval" (each process keeps its own rows of it).
-* Optional: ``has_eval`` (default True: there is an "eval" split), ``entropy_floor`` (the
-  data's loss floor in nats per token, or None), ``description`` (one line for the log).
-dxrun's train iterator reads ``batch(0, "train")``, ``batch(1, "train")``, ... and its state is
-the next step: a checkpoint's data position, so a resumed run reads what the uninterrupted one
 """
 
 from __future__ import annotations
@@ -43,6 +32,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dxrun")
 
+
+# Your own data through ``data._target_``: the protocol a batch source follows for dxrun to
+# train, resume and evaluate on it.
+#
+# * Built once per process as ``Target(**data.kwargs, batch_size=<the global batch>,
+#   seq_len=<the window>, vocab_size=model.vocab_size, seed=data.seed)``.
+# * ``source.batch(step, split) -> [batch_size, seq_len + 1]`` integer token ids in
+#   ``[0, vocab_size)``, the whole global batch, a pure function of ``(step, split)`` with
+#   ``split`` "train" or "eval" (each process keeps its own rows of it).
+# * Optional: ``has_eval`` (default True: there is an "eval" split), ``entropy_floor`` (the
+#   data's loss floor in nats per token, or None), ``description`` (one line for the log).
+# dxrun's train iterator reads ``batch(0, "train")``, ``batch(1, "train")``, ... and its state is
+# the next step: a checkpoint's data position, so a resumed run reads what the uninterrupted one
+# would have.
 
 SPLITS = ("train", "eval")  # by stream: dxrun.data.TRAIN (0), EVAL (1)
 

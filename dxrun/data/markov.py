@@ -12,16 +12,9 @@ of processes, so every parallelism trains on identical data.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from dxrun.config import ConfigError
-
-if TYPE_CHECKING:
-    pass
-
-
 
 TRAIN, EVAL = 0, 1  # independent streams of the same chain
 MAX_TABLE_BYTES = 2 * 2**30  # refuse chains whose tables need more (validation.validate)

@@ -18,8 +18,7 @@ from flax import nnx
 from dxrun.data import EVAL, TRAIN, Data
 from dxrun.experiment.hf_weights import import_params
 from dxrun.experiment.optimizer import make_optimizer
-from dxrun.experiment.step import StepSpec, TrainState, make_eval_step, make_train_step
-from dxrun.model.objectives import objective_of
+from dxrun.experiment.step import TrainState, make_eval_step, make_train_step, step_spec
 from dxrun.model.sharding import (
     batch_sharding,
     check_process_rows,
@@ -105,21 +104,6 @@ def _abstract_model(cfg: RunConfig, plan: MeshPlan, mesh: jax.sharding.Mesh,
     kernel = compiled_kernel(plan.attention, cfg.model.attention, mesh.devices.flat[0].platform)
     return nnx.split(nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0), padded, kernel,
                                                         plan.remat)))
-
-
-def _step_spec(cfg: RunConfig, plan: MeshPlan, mesh: jax.sharding.Mesh,
-               state_shardings: TrainState, b_shard: Any, u_shard: Any,
-               pads: dict | None) -> StepSpec:
-    """What the train and eval steps are made from: the plan, its shardings, and the train
-    section's choices."""
-    return StepSpec(
-        plan, mesh, state_shardings, b_shard,
-        dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
-        nan_policy=cfg.train.nan_policy,
-        grad_reduce_dtype=plan.grad_reduce_dtype,
-        update_shardings=u_shard if plan.shard_optimizer else None, update_pads=pads,
-        # masked diffusion (model.objective=mdlm): its training masks seeded apart from dropout's
-        objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))
 
 
 class SeededInit:
@@ -212,7 +196,7 @@ class Experiment:
         state_shardings, shapes, u_shard, pads = _state_layout(plan, mesh, axes, abstract_state,
                                                                tx)
         b_shard = batch_sharding(mesh)
-        spec = _step_spec(cfg, plan, mesh, state_shardings, b_shard, u_shard, pads)
+        spec = step_spec(cfg, plan, mesh, state_shardings, b_shard, u_shard, pads)
         step = make_train_step(graphdef, tx, schedule, spec)
         eval_step = make_eval_step(graphdef, spec)
         if data is None and with_data:

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.model.context_parallel import in_context_order
-from dxrun.model.objectives import MaskedDiffusion, chunked_cross_entropy
+from dxrun.model.objectives import MaskedDiffusion, chunked_cross_entropy, objective_of
 from dxrun.model.sharding import (
     in_mesh_context,
     pad,
@@ -37,7 +37,7 @@ from dxrun.plan.run_plan import (
 from dxrun.run import runtime
 
 if TYPE_CHECKING:
-    pass
+    from dxrun.config import RunConfig
 
 
 MAX_IN_FLIGHT = 4  # CPU only; see InFlight
@@ -370,3 +370,18 @@ class TrainStep:
     def __call__(self, state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         new_state, metrics = self.compile(state, tokens_BxT)(state, tokens_BxT)
         return new_state, self.in_flight(metrics)  # the metrics: not donated, unlike the state
+
+
+def step_spec(cfg: RunConfig, plan: MeshPlan, mesh: jax.sharding.Mesh,
+              state_shardings: TrainState, b_shard: Any, u_shard: Any,
+              pads: dict | None) -> StepSpec:
+    """What the train and eval steps are made from: the plan, its shardings, and the train
+    section's choices."""
+    return StepSpec(
+        plan, mesh, state_shardings, b_shard,
+        dropout_seed=cfg.train.seed + 1 if cfg.model.dropout > 0 else None,
+        nan_policy=cfg.train.nan_policy,
+        grad_reduce_dtype=plan.grad_reduce_dtype,
+        update_shardings=u_shard if plan.shard_optimizer else None, update_pads=pads,
+        # masked diffusion (model.objective=mdlm): its training masks seeded apart from dropout's
+        objective=objective_of(cfg.model, cfg.train.seed + 2, cfg.eval.draws))

@@ -9,7 +9,7 @@ the trace around it; each hook closes what it holds when the attempt ends, howev
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from dxrun.checkpointing import RunCheckpoints
+from dxrun.config import first_line
 from dxrun.experiment import Experiment
 from dxrun.run.runtime import write_json
 from dxrun.tracking import (
@@ -118,6 +119,86 @@ class FnHook(Hook):
 
     def on_step(self, info: StepInfo) -> None:
         self.fn(info)
+
+
+class Hooks:
+    """The trainer's hooks in the order they were added (Levanter's ``TrainerHooks``), and the
+    loop's points each is called at: after a step each hook whose turn it is builds its part of
+    the row in turn, then every hook sees the complete row."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Hook] = []
+
+    def __iter__(self) -> Iterator[Hook]:
+        return iter(self.hooks)
+
+    def add(self, fn: Hook | Callable[[StepInfo], Any] | None = None, *, every: int = 1) -> Any:
+        """Call ``fn`` after every ``every``-th step and the last (0: only at the loop's other
+        points): a function gets the step's ``StepInfo`` (its row holds the parts of the hooks
+        added before it); a ``Hook`` gets every call of the loop. Without ``fn``: a
+        decorator."""
+        if fn is None:
+            return lambda f: self.add(f, every=every)
+        hook = fn if isinstance(fn, Hook) else FnHook(fn, every)
+        hook.every = every
+        self.hooks.append(hook)
+        return fn
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run ends before its next step (a hook's: train.early_stop), or None."""
+        return next((h.stop_reason for h in self.hooks if h.stop_reason), None)
+
+    @property
+    def tracing(self) -> bool:
+        return any(h.tracing for h in self.hooks)
+
+    def before_step(self, i: int, metrics: Any) -> None:
+        for hook in self.hooks:
+            hook.before_step(i, metrics)
+
+    def after_step(self, done: int, metrics: Any) -> None:
+        for hook in self.hooks:
+            hook.after_step(done, metrics)
+
+    def row(self, info: StepInfo, last: int) -> bool:
+        """The parts of ``info``'s row from the hooks whose turn it is, then every hook sees the
+        row; False where no hook's turn came or the row holds nothing (it is no row)."""
+        due = [hook for hook in self.hooks if hook.due(info.done, last)]
+        for hook in due:
+            hook.on_step(info)
+        if not info.row:
+            return False
+        for hook in self.hooks:
+            hook.on_row(info.done, info.row)
+        return True
+
+    def save_point(self, done: int, state: Any, last: bool) -> None:
+        """Every hook's save point, then what waited for it (step ``done``'s row), whatever
+        the save point raised (its failure stays the one reported)."""
+        try:
+            for hook in self.hooks:
+                hook.save_point(done, state, last)
+        except BaseException:
+            for hook in self.hooks:
+                quietly(lambda hook=hook: hook.saved(None))
+            raise
+        for hook in self.hooks:
+            hook.saved(done)
+
+    def closing(self, reached: int, quiet: bool) -> list[Callable[[], None]]:
+        """Each hook's close, in turn."""
+        return [lambda hook=hook: hook.close(reached, quiet) for hook in self.hooks]
+
+
+def quietly(part: Callable[[], Any]) -> None:
+    """``part()`` while a failure is under way: its own error is one warning line, and the
+    failure stays the one reported."""
+    try:
+        part()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s: %s (while the run ends on an earlier error)", type(e).__name__,
+                    first_line(e))
 
 
 class GoodputHook(Hook):
@@ -328,7 +409,7 @@ class LogHook(Hook):
 
 
 class SummaryHook(Hook):
-    """``summary.json`` (``tracking/logger.py``): the last value of every logged metric
+    """``summary.json`` (``tracking/summary.py``): the last value of every logged metric
     and the best train loss (a resume's kept rows count as logged), with the attempt's
     figures; and the run's closing lines."""
 

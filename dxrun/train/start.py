@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -26,10 +26,6 @@ from dxrun.experiment import Experiment, adopt, check_hf_weights
 from dxrun.plan.run_plan import RunPlan, table
 from dxrun.run.runtime import dir_refusal, write_json
 from dxrun.tracking import goodput
-
-if TYPE_CHECKING:
-    pass
-
 from dxrun.train.rows import AllocatorPeak
 
 log = logging.getLogger("dxrun")
@@ -40,7 +36,7 @@ def prepare(cfg: Any, run_dir: Path | None = None) -> Decided:
     ``checkpoint.dir`` that cannot be made, the run's decision (``decide``: the mesh plan,
     the layout, the data's files, tokenizer and vocabulary, the checkpoint to resume from for
     a launch into ``run_dir``) and the memory preflight (the step compiled from shapes alone
-    must fit). A resume is decided here in full (``store.plan_resume``): its step, its
+    must fit). A resume is decided here in full (``checkpointing.plan_resume``): its step, its
     data position, and its optimizer state, which is restored when its tree fits the
     optimizer now and otherwise starts fresh with one warning. Raises ConfigError, or
     NothingToTrain when the checkpoint has reached ``train.steps`` already (or its run stopped

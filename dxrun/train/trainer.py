@@ -31,13 +31,14 @@ from dxrun.train.hooks import (
     Clocks,
     EarlyStopHook,
     EvalHook,
-    FnHook,
     GoodputHook,
     Hook,
+    Hooks,
     LogHook,
     StepInfo,
     SummaryHook,
     TraceHook,
+    quietly,
 )
 from dxrun.train.rows import RunFacts
 from dxrun.train.start import Start, prepare, show_plan, start_state
@@ -56,7 +57,7 @@ def train(cfg: Any, run_dir: Path, job: Job | None = None,
     return open_run(cfg, run_dir, job, prepared).train()
 
 
-def open_run(cfg: Any, run_dir: Path, job: Job | None = None,
+def open_run(cfg: RunConfig, run_dir: Path, job: Job | None = None,
              prepared: Decided | None = None) -> Trainer:
     """The run's startup on goodput's clock, up to a ``Trainer`` with its built-in hooks
     registered: a caller may add its own (``Trainer.add_hook``) before ``train()``."""
@@ -112,30 +113,16 @@ class Trainer:
     run_dir: Path
     main: bool  # the process that writes the run's files
     debug_nans: bool
-    # In the order they were added: after a step each builds its part of the row in turn,
-    # then each sees the complete row.
-    hooks: list[Hook] = field(default_factory=list)
+    hooks: Hooks = field(default_factory=Hooks)
 
     def __post_init__(self) -> None:
         self.reached, self.metrics = self.start, None  # the last step done and its metrics
 
     def add_hook(self, fn: Hook | Callable[[StepInfo], Any] | None = None, *,
                  every: int = 1) -> Any:
-        """Call ``fn`` after every ``every``-th step and the last (0: only at the loop's other
-        points), Levanter's shape: a function gets the step's ``StepInfo`` (its row holds the
-        parts of the hooks added before it); a ``Hook`` gets every call of the loop. Without
-        ``fn``: a decorator."""
-        if fn is None:
-            return lambda f: self.add_hook(f, every=every)
-        hook = fn if isinstance(fn, Hook) else FnHook(fn, every)
-        hook.every = every
-        self.hooks.append(hook)
-        return fn
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the run ends before its next step (a hook's: train.early_stop), or None."""
-        return next((h.stop_reason for h in self.hooks if h.stop_reason), None)
+        """Levanter's ``add_hook``: call ``fn`` after every ``every``-th step and the last
+        (``Hooks.add``; without ``fn``, a decorator)."""
+        return self.hooks.add(fn, every=every)
 
     def train(self) -> dict[str, Any]:
         """The loop; the summary."""
@@ -145,7 +132,7 @@ class Trainer:
         try:
             with self.clocks.progress, self.ckpts.preemption, nans:
                 for i in range(self.start, self.steps):
-                    if self.stop_reason:  # train.early_stop: a plateau ends it here
+                    if self.hooks.stop_reason:  # train.early_stop: a plateau ends it here
                         break
                     self.save_point(i)  # save when due; stop on SIGTERM/SIGINT
                     self.step(i)
@@ -159,7 +146,7 @@ class Trainer:
             raise error from e
         finally:
             self.close(quiet=not ended)  # a run stopped or crashed mid-loop writes its files
-        stop = self.stop_reason
+        stop = self.hooks.stop_reason
         return self.summary.finish(self.reached, self.reached if stop else self.steps, stop,
                                    self.run_dir, self.main, self.told)
 
@@ -168,49 +155,27 @@ class Trainer:
         jitted step; each part of the wall time booked to goodput's clock."""
         done, clock, timer = i + 1, self.clocks.clock, self.clocks.timer
         with clock.span("productive"):  # the earlier steps drain first
-            for hook in self.hooks:
-                hook.before_step(i, self.metrics)
+            self.hooks.before_step(i, self.metrics)
         with clock.span("data"), timer.data_wait():
             tokens = self.exp.global_batch(next(self.batches))
-        traced = any(hook.tracing for hook in self.hooks)
+        traced = self.hooks.tracing
         with clock.span("compile" if i == self.start else "profile" if traced else "productive"):
             self.state, self.metrics = self.exp.step(self.state, tokens)
             if i == self.start:  # the compiling step: the timing windows start after it
                 jax.block_until_ready(self.metrics)
-            for hook in self.hooks:
-                hook.after_step(done, self.metrics)
+            self.hooks.after_step(done, self.metrics)
         self.clocks.progress.advance()
         self.reached = done
         timer.stepped(done, self.ckpts.cost.totals())
 
     def after_step(self, done: int) -> None:
-        """The hooks whose turn it is build the step's row; every hook sees it complete (a
-        row that holds nothing is no row); a new timing window starts after it (evaluation is
-        in none; the next save point is)."""
-        due = [hook for hook in self.hooks if hook.due(done, self.steps)]
-        if not due:
-            return
-        info = StepInfo(done, self.state, self.metrics)
-        for hook in due:
-            hook.on_step(info)
-        if not info.row:
-            return
-        for hook in self.hooks:
-            hook.on_row(done, info.row)
-        self.clocks.timer.reset(done, self.ckpts.cost.totals())
+        """The step's row from the hooks whose turn it is (a row that holds nothing is no row);
+        a new timing window starts after it (evaluation is in none; the next save point is)."""
+        if self.hooks.row(StepInfo(done, self.state, self.metrics), self.steps):
+            self.clocks.timer.reset(done, self.ckpts.cost.totals())
 
     def save_point(self, done: int, last: bool = False) -> None:
-        """The save point (a save when due), then what waited for it (step ``done``'s row),
-        whatever the save point raised (its failure stays the one reported)."""
-        try:
-            for hook in self.hooks:
-                hook.save_point(done, self.state, last)
-        except BaseException:
-            for hook in self.hooks:
-                _quietly(lambda hook=hook: hook.saved(None))
-            raise
-        for hook in self.hooks:
-            hook.saved(done)
+        self.hooks.save_point(done, self.state, last)
 
     def close(self, quiet: bool) -> None:
         """The attempt's end, however it ended: each hook's close in turn (the trace, a run
@@ -219,17 +184,16 @@ class Trainer:
         earlier one raised: the first error is raised at the end (``told``), or with ``quiet``
         (the loop's failure is the one reported) each is one warning line."""
         error: Exception | None = None
-        parts = [lambda hook=hook: hook.close(self.reached, quiet) for hook in self.hooks]
-        for part in (*parts, lambda: _stop(self.batches)):
+        for part in (*self.hooks.closing(self.reached, quiet), lambda: _stop(self.batches)):
             if quiet or error is not None:
-                _quietly(part)
+                quietly(part)
                 continue
             try:
                 part()
             except Exception as e:  # noqa: BLE001 - raised below, once the rest has run
                 error = e
         if error is not None:
-            _quietly(self.summary.logger.finish)
+            quietly(self.summary.logger.finish)
             if (told := self.told(error)) is None:
                 raise error
             raise told from error
@@ -329,13 +293,3 @@ def told(e: Exception, step: int | None, ckpts: RunCheckpoints, exp: Experiment,
 def _stop(batches: Any) -> None:
     if hasattr(batches, "close"):  # Grain's worker processes end with the run
         batches.close()
-
-
-def _quietly(part: Any) -> None:
-    """``part()`` while a failure is under way: its own error is one warning line, and the
-    failure stays the one reported."""
-    try:
-        part()
-    except Exception as e:  # noqa: BLE001
-        log.warning("%s: %s (while the run ends on an earlier error)", type(e).__name__,
-                    first_line(e))
