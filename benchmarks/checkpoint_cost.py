@@ -27,7 +27,7 @@ simulate_cpu_devices(8)
 import jax  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from dxrun.checkpointing.store import (  # noqa: E402
+from dxrun.checkpointing import (  # noqa: E402
     Checkpointer,  # noqa: E402
     Resume,
     restore,

@@ -10,7 +10,8 @@ import time
 import timeit
 from pathlib import Path
 
-from dxrun.tracking.goodput import Goodput, StepWindow, Tracer
+from dxrun.tracking import Tracer
+from dxrun.tracking.goodput import Goodput, StepWindow
 
 
 def main(n: int = 100_000) -> None:

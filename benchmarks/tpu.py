@@ -340,16 +340,16 @@ def main() -> None:
     if a.report:
         report(a.out, a.tokens, a.report)
         return
-    import dxrun.experiment
+    import dxrun.experiment.step
 
     profiles = Path(a.out, "profiles") if a.profile else None
-    losses = {"now": dxrun.experiment.chunked_cross_entropy}
+    losses = {"now": dxrun.experiment.step.chunked_cross_entropy}
     if a.loss_at:
         losses = {a.loss_at: old_loss(a.loss_at), **losses}
     records = []
     for shape in a.shapes:
         for at, loss in losses.items():
-            dxrun.experiment.chunked_cross_entropy = loss
+            dxrun.experiment.step.chunked_cross_entropy = loss
             try:
                 rec = measure(shape.removesuffix("+hand"), a.steps,
                               a.hand or shape.endswith("+hand"), a.tokens,

@@ -25,7 +25,7 @@ from dxrun.config import ConfigError
 from dxrun.data import EVAL
 from dxrun.run import command_imports, read_json, write_json
 from dxrun.tools.checkpoint import Loaded, load, main, split_args
-from dxrun.tracking.logger import open_wandb
+from dxrun.tracking import open_wandb
 
 if TYPE_CHECKING:
     from dxrun.config import DataConfig

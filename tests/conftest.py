@@ -231,8 +231,8 @@ def cli_in_process(*args: str, cwd: Path, entry: Callable[[], None] | None = Non
     import subprocess
     import tempfile
 
-    from dxrun import __main__ as job_dir
     from dxrun.__main__ import cli
+    from dxrun.launch import job_status as job_dir
 
     entry = entry or cli
     root = logging.getLogger()
@@ -296,7 +296,7 @@ def finished_wandb_run(path: Path, timeout: float = 60) -> dict:
     in-process run could see no history at all under load."""
     import time
 
-    from dxrun.tracking.logger import read_run, records
+    from dxrun.tracking.wandb_file import read_run, records
 
     deadline = time.monotonic() + timeout
     while True:

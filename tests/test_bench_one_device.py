@@ -10,6 +10,7 @@ from benchmarks.speed import compose_cfg
 from dxrun.experiment import Experiment
 
 
+@pytest.mark.e2e  # two trainings, step for step
 def test_nanogpt_step_trains_dxruns_model_step_for_step():
     exp = Experiment.build(compose_cfg("model=tiny", "data.seq_len=32", "data.batch_size=8",
                                        "data.vocab_size=64", "parallelism=dp1"))

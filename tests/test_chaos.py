@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from conftest import Output, make_cfg, subprocess_env
 
-from dxrun.checkpointing.store import Resume, committed_steps, restore
+from dxrun.checkpointing import Resume, committed_steps, restore
 from dxrun.experiment import Experiment
-from dxrun.tracking.logger import read_history
+from dxrun.tracking.wandb_file import read_history
 from dxrun.train import train
 
 STEPS = 40

@@ -29,7 +29,7 @@ from conftest import (
     tree_digest,
 )
 
-from dxrun.checkpointing.store import (
+from dxrun.checkpointing import (
     Checkpointer,
     IncompleteMeta,
     Resume,
@@ -44,7 +44,7 @@ from dxrun.checkpointing.store import (
 )
 from dxrun.config.errors import ConfigError, NonFiniteError
 from dxrun.experiment import Experiment
-from dxrun.tracking.logger import read_history, read_run
+from dxrun.tracking.wandb_file import read_history, read_run
 from dxrun.train import train
 
 STEPS = 40

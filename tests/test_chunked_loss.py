@@ -27,13 +27,16 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     # vocab 65 padded to 66 under tp2: the padding column masked in every chunk
     (["parallelism=dp4_tp2", "data.vocab_size=65"], jnp.float32, 1e-6),
     # the batch over data and fsdp: the output weight's gradient kept per replica (4 of them)
-    (["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.float32, 1e-6),
+    pytest.param(["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.float32, 1e-6,
+                 marks=pytest.mark.e2e),  # the full suite's, not the inner loop's
     # bf16 compute: the gradients agree up to a bf16 rounding of a logit's gradient (a
     # different order of fp32 operations may round one the other way)
-    (["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.bfloat16, 1e-3),
+    pytest.param(["parallelism=dp2_fsdp2_tp2", "model.tie_embeddings=true"], jnp.bfloat16, 1e-3,
+                 marks=pytest.mark.e2e),  # the full suite's, not the inner loop's
     # masked diffusion (model/objectives.py): each position weighted by its row's w(t) where masked,
     # the accuracy over the masked ones; its [MASK] row padded to 18 under tp2
-    (["parallelism=dp4_tp2", "model.objective=mdlm"], jnp.float32, 1e-6),
+    pytest.param(["parallelism=dp4_tp2", "model.objective=mdlm"], jnp.float32, 1e-6,
+                 marks=pytest.mark.e2e),  # the full suite's, not the inner loop's
     # the vocabulary on one shard (the gradients made in the forward), padded (65 + [MASK] to
     # 72) and weighted
     (["parallelism=dp2", "parallelism.vocab_align=8", "data.vocab_size=65",
@@ -110,6 +113,7 @@ def test_chunked_step_under_tp_reduces_once():
     assert traffic(4) == whole  # 8 chunks
 
 
+@pytest.mark.e2e  # two trainings, chunked and unchunked
 def test_chunked_step_trains_as_the_unchunked_under_accumulation():
     """dp2_fsdp2_tp2 with train.grad_accum=2 (the chunks' replicas over fsdp inside the
     micro-batches' own vmap over data, their shards over tensor), tied embeddings, SGD (the

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_in_process, recorded_compiles, run_cli, subprocess_env, tree_digest
 
-from dxrun.tracking.logger import read_run
+from dxrun.tracking.wandb_file import read_run
 
 
 def _run_dirs(cwd: Path) -> list[Path]:

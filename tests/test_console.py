@@ -5,8 +5,8 @@ test_checkpoint.py's test_a_save_compiles_nothing_and_restores_bitwise)."""
 
 from __future__ import annotations
 
+from dxrun.tracking.console import format_line
 from dxrun.tracking.goodput import save_note
-from dxrun.tracking.logger import format_line
 
 
 def test_format_line_puts_the_note_after_the_tokens_per_s_it_explains():

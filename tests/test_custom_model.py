@@ -16,7 +16,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from dxrun.autotune import planned, run_plan
-from dxrun.checkpointing.store import DATA_SOURCE, MODEL_SHAPE, changed
+from dxrun.checkpointing import DATA_SOURCE, MODEL_SHAPE, changed
 from dxrun.config.errors import ConfigError
 from dxrun.data import TRAIN, checked_batch
 from dxrun.experiment import Experiment
@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
         yield root
 
 
+@pytest.mark.e2e  # the example's trainings (module fixture)
 def test_the_example_trains_on_dp4_tp2_as_on_one_device(runs):
     dp1, tp = _rows(runs / "dp1"), _rows(runs / "tp")
     assert [r["step"] for r in tp] == [1, 2, 3, 4]
@@ -66,6 +67,7 @@ def test_the_example_trains_on_dp4_tp2_as_on_one_device(runs):
     assert (plan["dp"], plan["tp"]) == (4, 2)
 
 
+@pytest.mark.e2e  # the example's trainings (module fixture)
 def test_the_example_resumes_as_the_uninterrupted_run(runs):
     whole, resumed = _rows(runs / "tp"), _rows(runs / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # rows 3 on replayed from checkpoint 2
@@ -97,6 +99,7 @@ def test_the_example_shards_by_its_logical_axes_and_plans(tmp_path):
     assert saved["n_params"] == n and saved["per_device"]["params_bytes"] > 0
 
 
+@pytest.mark.e2e  # the example's trainings (module fixture)
 def test_the_example_samples_greedily_by_recomputing_the_sequence(runs):
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXAMPLES))

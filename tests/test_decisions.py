@@ -95,7 +95,7 @@ def _params(fn: ast.FunctionDef) -> int:
 
 
 def test_the_step_factories_take_the_plan_not_its_pieces():
-    step = _trees()["dxrun/experiment.py"]
+    step = _trees()["dxrun/experiment/step.py"]
     defs = {n.name: n for n in step.body if isinstance(n, ast.FunctionDef)}
     for name in ("make_train_step", "make_eval_step"):
         assert _params(defs[name]) <= STEP_FACTORY_ARGS, (name, _params(defs[name]))

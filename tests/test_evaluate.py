@@ -166,6 +166,7 @@ def test_an_evaluation_reads_no_held_out_window_twice(text_run, caplog):
     assert (every["batches"], every["eval/loss"]) == (1, one["eval/loss"])
 
 
+@pytest.mark.e2e  # a training, then hundreds of eval batches
 def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path, caplog):
     # XLA:CPU deadlocks when the host dispatches ~32+ programs ahead of 8 simulated devices:
     # 200 held-out batches, in training and in dxrun.evaluate, must each run to the end. In
@@ -194,6 +195,7 @@ def test_hundreds_of_eval_batches_on_8_cpu_devices_never_deadlock(tmp_path, capl
     assert rec["eval/loss"] == want["eval/loss"] and rec["eval/accuracy"] == want["eval/accuracy"]
 
 
+@pytest.mark.e2e  # a training, then its evaluation
 def test_a_shared_checkpoint_dir_gets_no_results(tmp_path):
     # checkpoint.dir elsewhere (a shared dir): eval.json and the W&B log go to the run dir
     # given; a step dir of the shared dir, outside any run dir, gets its result printed only.

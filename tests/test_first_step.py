@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import make_cfg, recorded_compiles
 
-from dxrun import experiment
 from dxrun.experiment import Experiment
+from dxrun.experiment import step as experiment_step
 from dxrun.model.sharding import in_mesh_context
 from dxrun.tracking import goodput
 from dxrun.train import prepare, start_state
@@ -30,7 +30,7 @@ def test_an_accelerator_run_compiles_its_step_once_before_the_first_step(
     GPU or TPU an analysis compile has no cheaper options (``experiment.analysis_options``), so a
     search that ranks from analysis compiles keeps the chosen one for the run instead of
     compiling the same program again."""
-    monkeypatch.setattr(experiment, "analysis_options", lambda platform: {})  # a GPU's or TPU's
+    monkeypatch.setattr(experiment_step, "analysis_options", lambda platform: {})  # a GPU's or TPU's
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no earlier decision cached
     cfg = make_cfg(*SMALL, *layout)
     with recorded_compiles() as compiled:

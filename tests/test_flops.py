@@ -108,6 +108,7 @@ def test_unknown_accelerator_warns_once_a_cpu_says_nothing_and_override_wins(cfg
     assert resolve_peak(measured.runtime, measured.train, "cpu") > 0
 
 
+@pytest.mark.e2e  # a training
 def test_mfu_logged_when_peak_known(cfg_factory, tmp_path):
     from dxrun.train import train
 

@@ -39,7 +39,7 @@ from dxrun.checks import validate
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import apply_hf_model, model_fields, model_type_of, read_config
 from dxrun.evaluate import evaluate_checkpoint
-from dxrun.experiment import Experiment, check_hf_weights, import_params
+from dxrun.experiment import Experiment, check_hf_weights
 from dxrun.export import export
 from dxrun.export import run as export_run
 from dxrun.hf import TABLES, save_hf
@@ -100,7 +100,7 @@ def test_logits_equal_the_reference_on_every_mesh(hf, kind):
     1e-5, on one device, tensor-parallel (the vocabulary padded), FSDP x TP and dp2 x tp4."""
     for mesh, overrides in MESHES.items():
         exp = Experiment.build(hf_cfg(hf[kind], *overrides), with_data=False)
-        out = logits(exp, import_params(exp), hf["tokens"])
+        out = logits(exp, exp.hf_params(), hf["tokens"])
         np.testing.assert_allclose(out, hf["ref"][kind], rtol=0, atol=1e-5, err_msg=mesh)
         assert exp.padded_vocab == {"dp1": V, "tp2": 102, "fsdp2_tp2": 102,
                                     "dp2_tp4": 104}[mesh]
@@ -121,7 +121,7 @@ def test_a_flax_checkpoint_imports_with_its_norm_epsilon(hf, tmp_path):
             ref.params, hf["tokens"]))
         exp = Experiment.build(hf_cfg(d, *MESHES["tp2"]), with_data=False)
         assert exp.cfg.model.norm_eps == eps
-        got = logits(exp, import_params(exp), hf["tokens"])
+        got = logits(exp, exp.hf_params(), hf["tokens"])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -169,7 +169,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(hf, kind, tmp_path):
         hf = {kind: write_hf_dir(tmp_path / kind, fields, tensors)}
     align = ["parallelism.vocab_align=128"] if kind == "llama_tied" else []  # 27 padding rows
     exp = Experiment.build(hf_cfg(hf[kind], "parallelism=tp2", *align), with_data=False)
-    out = save_hf(import_params(exp), exp.axes, exp.cfg.model, tmp_path / "out",
+    out = save_hf(exp.hf_params(), exp.axes, exp.cfg.model, tmp_path / "out",
                   max_shard_bytes=40_000)
     want, have = tensors_of(hf[kind]), tensors_of(out)
     assert have.keys() == want.keys()
@@ -201,7 +201,7 @@ def test_import_holds_one_shard_beyond_the_placed_ones(tmp_path):
     gc.collect()
     tracemalloc.start()
     try:
-        params = import_params(exp, spec)
+        params = exp.hf_params(spec)
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -340,7 +340,7 @@ def test_bad_directories_are_refused_in_one_line_naming_the_file(hf, tmp_path):
         cfg = make_cfg(*given)
         with pytest.raises(ConfigError) as e:
             apply_hf_model(cfg, given)
-            check_hf_weights(Experiment.build(cfg, with_data=False))
+            check_hf_weights(Experiment.build(cfg, with_data=False).cfg.model)
         msg = str(e.value)
         assert words in msg and "\n" not in msg and str(d) in msg, (name, msg)
     for key, words in (("model.init_from=gpt2", "model.init_from=gpt2: give hf:<dir>"),
@@ -412,6 +412,7 @@ def test_the_guide_prints_the_layout_table_import_and_export_read():
 TEXT = ["data=text", "data.seq_len=16", "data.batch_size=8", "eval.batches=2", "logger=none"]
 
 
+@pytest.mark.e2e  # a whole fine-tune
 def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, tmp_path,
                                                                            caplog):
     """experiment=finetune_hf from a GPT-2 directory with its tokenizer.json, on a text corpus:
@@ -449,7 +450,7 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     np.testing.assert_array_equal(load_model(tmp_path / "run")(hf["tokens"]), ours)  # public
 
     exp = Experiment.build(hf_cfg(out, *data), with_data=False)
-    again = import_params(exp)
+    again = exp.hf_params()
     np.testing.assert_array_equal(logits(exp, again, hf["tokens"]), ours)
     states = [run.exp.init_state(p) for p in (run.params, again)]
     for step in range(2):
@@ -483,6 +484,7 @@ def test_a_fine_tune_lowers_the_held_out_loss_and_exports_what_it_computes(hf, t
     assert "resuming from step 30" in caplog.text and "weights from" not in caplog.text
 
 
+@pytest.mark.e2e  # two launched processes' training
 def test_two_processes_import_and_train_as_one_does(hf, tmp_path):
     """``model.init_from`` on two processes (``dxrun.launch``, 4 simulated devices each,
     dp2_tp4: each process reads the shards of its own devices): the run's losses equal the

@@ -22,7 +22,7 @@ from test_hf import hf_cfg, logits, tensors_of
 from dxrun.checks import validation
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import ARCHITECTURES, apply_hf_model, model_fields, read_config
-from dxrun.experiment import Experiment, import_params
+from dxrun.experiment import Experiment
 from dxrun.hf import save_hf
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf_reference"
@@ -57,7 +57,7 @@ def test_logits_equal_transformers_on_every_mesh(families, family):
     assert str(ref["transformers"]).startswith("4.57") and want.shape == (2, 16, V)
     for mesh, overrides in MESHES.items():
         exp = Experiment.build(hf_cfg(d, *overrides), with_data=False)
-        got = logits(exp, import_params(exp), ref["tokens"])
+        got = logits(exp, exp.hf_params(), ref["tokens"])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(),
                                    err_msg=f"{family} {mesh}")
     m = exp.cfg.model
@@ -76,7 +76,7 @@ def test_the_window_is_what_mistral_computes(families):
     exp = Experiment.build(hf_cfg(d, "parallelism=dp1"), with_data=False)
     exp.cfg.model.sliding_window = None
     full = Experiment.build(exp.cfg, with_data=False)
-    got = logits(full, import_params(full), ref["tokens"])
+    got = logits(full, full.hf_params(), ref["tokens"])
     assert np.abs(got - ref["logits"])[:, 5:].max() > 1e-2
     np.testing.assert_allclose(got[:, :5], ref["logits"][:, :5], rtol=0, atol=1e-4)
 
@@ -90,7 +90,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(families, family, tmp
 
     d, _ = families[family]
     exp = Experiment.build(hf_cfg(d, "parallelism=tp2"), with_data=False)
-    out = save_hf(import_params(exp), exp.axes, exp.cfg.model, tmp_path / "out")
+    out = save_hf(exp.hf_params(), exp.axes, exp.cfg.model, tmp_path / "out")
     want, have = tensors_of(d), tensors_of(out)
     assert have.keys() == want.keys()
     for name, x in want.items():
@@ -124,7 +124,7 @@ def test_a_qwen3_fine_tune_exports_what_it_computes(families, tmp_path):
     run = load(tmp_path / "run", [], "path")
     ours = logits(run.exp, run.params, ref["tokens"])
     exp = Experiment.build(hf_cfg(out, "parallelism=dp2_fsdp2_tp2"), with_data=False)
-    np.testing.assert_array_equal(logits(exp, import_params(exp), ref["tokens"]), ours)
+    np.testing.assert_array_equal(logits(exp, exp.hf_params(), ref["tokens"]), ours)
     assert read_config(out)["architectures"] == ["Qwen3ForCausalLM"]
 
 

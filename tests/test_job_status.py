@@ -1,4 +1,4 @@
-"""How a job ends (dxrun/__main__.py's ``JobStatus``): one object writes status.json, the one line
+"""How a job ends (dxrun/launch/job_status.py's ``JobStatus``): one object writes status.json, the one line
 and the exit code for whatever ended the job. Hydra's config is stood in for by the fields the
 status reads; no JAX, no run."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from hydra.types import RunMode
 
-from dxrun.__main__ import JobStatus
 from dxrun.config.errors import EXIT_CRASHED, NonFiniteError
+from dxrun.launch import JobStatus
 from dxrun.run import RunLog
 
 

@@ -9,11 +9,11 @@ import shutil
 import pytest
 from conftest import cli_in_process, make_cfg, recorded_compiles, tree_digest
 
-from dxrun.checkpointing.store import committed_steps
+from dxrun.checkpointing import committed_steps
 from dxrun.checks import logged_metrics, validate
 from dxrun.config.errors import ConfigError
 from dxrun.tools.checkpoint import BEST, split_args
-from dxrun.tracking.logger import Monitor
+from dxrun.tracking.monitor import Monitor
 from dxrun.train import train
 
 # data/tokens_seen only grows: under mode=min its first row stays the best, whatever the
@@ -39,6 +39,7 @@ def resumed(tmp_path_factory):
     return run_dir, killed, summary
 
 
+@pytest.mark.e2e  # a killed training and its resume (module fixture)
 def test_the_best_checkpoint_survives_rotation_and_a_resume(resumed):
     run_dir, killed, summary = resumed
     # Step 1's row was the best: saved then (off the every-2 cadence), kept beside the newest.
@@ -52,6 +53,7 @@ def test_the_best_checkpoint_survives_rotation_and_a_resume(resumed):
     assert best["value"] == first["data/tokens_seen"] == 8 * 16
 
 
+@pytest.mark.e2e  # a killed training and its resume (module fixture)
 def test_early_stop_counts_across_the_resume(resumed):
     run_dir, _, summary = resumed
     # Row 1 set the best; rows 2 (before the kill, in checkpoint 2's meta), 3 and 4 did not
@@ -64,6 +66,7 @@ def test_early_stop_counts_across_the_resume(resumed):
     assert "in 3 rows (train.early_stop.patience=3)" in summary["early_stop"]
 
 
+@pytest.mark.e2e  # a killed training and its resume (module fixture)
 def test_evaluate_best_loads_the_best_checkpoint(resumed):
     from dxrun.evaluate import evaluate_checkpoint
 
@@ -74,6 +77,7 @@ def test_evaluate_best_loads_the_best_checkpoint(resumed):
     assert evaluate_checkpoint(run_dir, ["eval.batches=1"])["step"] == 4
 
 
+@pytest.mark.e2e  # a killed training and its resume (module fixture)
 def test_a_relaunch_of_a_run_that_stopped_early_has_nothing_to_train(resumed, tmp_path):
     """A run ended by train.early_stop is finished, as one that reached train.steps is: the
     same command relaunched into it (through the entry point, as ``python -m dxrun``) says so

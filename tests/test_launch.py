@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, Output, make_cfg, run_cli, subprocess_env
 
-from dxrun.checkpointing.store import committed_steps
+from dxrun.checkpointing import committed_steps
 from dxrun.launch import free_port
 from dxrun.train import train
 

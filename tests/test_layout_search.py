@@ -333,6 +333,7 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
     assert losses(tmp_path / "auto") == pytest.approx(losses(tmp_path / "dp1"), abs=1e-5)
 
 
+@pytest.mark.e2e  # a whole search and the run it starts
 def test_a_run_starts_from_the_init_its_search_drew(tmp_path, monkeypatch):
     """A measured search draws the seeded init to time the layouts; the run takes that host copy
     over (``Decided.handover``) instead of drawing it again, and trains as one device does."""
@@ -621,6 +622,7 @@ def _put(key, entry):
     return path
 
 
+@pytest.mark.e2e  # whole searches, one per damaged entry
 def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch, caplog):
     """Damaged, stale (another schema; a layout this run's plan refuses) or hand-edited entries
     are never taken: the run warns once, naming the file and ``parallelism.search=fresh``, and
@@ -660,6 +662,7 @@ def test_a_cache_entry_in_doubt_is_named_and_decided_again(tmp_path, monkeypatch
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
+@pytest.mark.e2e  # two whole searches
 def test_a_cached_layout_that_no_longer_fits_is_searched_again(tmp_path, monkeypatch, caplog):
     """A cached choice whose step no longer fits the memory preflight's budget (dp2 at 16 MiB a
     device, 8 MiB given) is not refused: the run warns and searches, as with no entry, and
@@ -704,6 +707,7 @@ def test_plan_mode_says_the_run_it_plans_would_not_pay_for_a_search(tmp_path, mo
     assert "unsearched" not in ranked and sum(r["fits"] for r in ranked["rows"]) == 2
 
 
+@pytest.mark.e2e  # a whole search that trains
 def test_the_searchs_turns_train_the_runs_first_steps(tmp_path, monkeypatch):
     """Steps that take a turn's time each (``parallelism.search_turn_s`` below them) are timed
     as the run's own first steps: one state carried from layout to layout on the run's batches

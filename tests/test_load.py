@@ -20,7 +20,7 @@ import jax
 import pytest
 from conftest import MARKOV_STEPS, Output, subprocess_env
 
-from dxrun.checkpointing.store import committed_steps
+from dxrun.checkpointing import committed_steps
 from dxrun.export import run as export_run
 from dxrun.sample import OPTIONS
 from dxrun.tools.checkpoint import as_data, given_run_dir, load, main, split_args

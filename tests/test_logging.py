@@ -9,7 +9,7 @@ import pytest
 from conftest import finished_wandb_run, subprocess_env
 
 from dxrun.run import Job, run_name
-from dxrun.tracking.logger import read_run
+from dxrun.tracking.wandb_file import read_run
 from dxrun.train import train
 
 QUICK = ["train.steps=6", "train.log_every=3", "parallelism=dp2", "data.batch_size=8"]
@@ -186,8 +186,8 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
     import sys
     import time
 
-    from dxrun.checkpointing.store import committed_steps
-    from dxrun.tracking.logger import read_history
+    from dxrun.checkpointing import committed_steps
+    from dxrun.tracking.wandb_file import read_history
 
     run_dir = tmp_path / "run"
     # Not this process's W&B service (set once a test here used W&B): each attempt has its own,
@@ -241,7 +241,7 @@ def test_run_killed_past_a_checkpoint_resumes_with_each_step_once(tmp_path):
 def test_a_resumed_wandb_run_catches_up_with_metrics_jsonl():
     """Where a resume rewinds its W&B run to and which kept rows it logs again, from the steps
     the run holds (``held``) and the rows metrics.jsonl kept."""
-    from dxrun.tracking.logger import catch_up
+    from dxrun.tracking.backends import catch_up
 
     kept = [{"step": s} for s in (1, 2, 3, 4)]
     assert catch_up(kept, [1, 2, 3, 4]) == (None, [])  # all there: continued as it is

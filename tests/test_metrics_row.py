@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dxrun.tracking.goodput import Measured
-from dxrun.tracking.logger import best_loss
+from dxrun.tracking.summary import best_loss
 from dxrun.train import StepCost, first_row, log_row, perf_row, perplexity
 
 COST = StepCost(tokens=1024, flops=8e12, n_devices=8, peak_tflops=2.0)

@@ -90,6 +90,7 @@ def _losses(cfg_factory, *overrides: str, steps: int = 3) -> list[float]:
     return [float(x) for x in jax.device_get(out)]
 
 
+@pytest.mark.e2e  # five trainings whose losses are compared
 def test_scan_remat_and_fused_attention_equal_the_reference(cfg_factory):
     """Same parameters (the stacked layout is shared), same losses, one change at a time from
     the reference (a Python loop over the layers, einsum attention): the layer scan alone,
@@ -159,6 +160,7 @@ def test_grad_accumulation_equals_the_whole_batch(cfg_factory):
     assert temp4 < temp1
 
 
+@pytest.mark.e2e  # three trainings whose losses are compared
 def test_fp32_residual_stream_under_bf16(cfg_factory):
     """model.residual_dtype=fp32 under bf16 compute: closer to the fp32 run than plain bf16."""
     fp32 = _losses(cfg_factory, "train.precision=fp32")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dxrun.checks import config_warnings
-from dxrun.experiment import decay_mask, make_schedule, scaled_lr
+from dxrun.experiment import decay_mask, make_schedule
+from dxrun.plan import scaled_lr
 
 
 @pytest.mark.parametrize("rule, factor", [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)])

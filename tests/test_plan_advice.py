@@ -37,6 +37,7 @@ TIGHT = ["model=tiny", "model.max_seq_len=512", "data.seq_len=512", "data.batch_
          "parallelism=dp8", "plan.target=h100", "train.precision=bf16", "logger=none"]
 
 
+@pytest.mark.e2e  # plan mode's whole search
 def test_the_suggestion_is_the_fastest_setting_that_fits(cfg_factory, monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.00027")
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)

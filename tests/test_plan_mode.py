@@ -116,6 +116,7 @@ def test_footprint_is_per_device_and_follows_the_mesh(wide):
     assert a.flops > 0 and "all-reduce" in a.collectives and "all-gather" in b.collectives
 
 
+@pytest.mark.e2e  # plan mode's whole search for a setting that fits
 def test_a_plan_that_does_not_fit_suggests_one_that_fits(cfg_factory, wide):
     need_dp, need_fsdp = (step_bytes(wide[mesh][1]) for mesh in ("dp8", "fsdp8"))
     assert need_fsdp < need_dp

@@ -17,7 +17,7 @@ from dxrun.config.errors import ConfigError
 from dxrun.experiment import step_bytes
 from dxrun.fit import BREAKDOWN_FILE, breakdown, memory_preflight, state_bytes
 from dxrun.run import Job
-from dxrun.tracking.logger import read_run
+from dxrun.tracking.wandb_file import read_run
 from dxrun.train import prepare, train
 from tests.conftest import make_cfg
 

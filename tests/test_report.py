@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-from dxrun.report import sweep as sweep_report
-from dxrun.report.sweep import (
+from dxrun.report import (
     LayoutRun,
     find_jobs,
     job_throughput,
@@ -24,6 +23,7 @@ from dxrun.report.sweep import (
     verdict,
     write_report,
 )
+from dxrun.report import plots as sweep_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -411,3 +411,44 @@ def test_a_damaged_job_file_costs_that_job_only(tmp_path, caplog, damage):
         assert md[md.index("## Lines left out") + 2] == (
             "- job 2: 1 line(s) of metrics.jsonl cut short or damaged (a killed job?); its other "
             "rows are reported")
+
+
+# A single run of ``python -m dxrun`` in a fresh process, then the callbacks Hydra builds from
+# conf/config.yaml in each mode: the sweep report's only in a multirun.
+_SINGLE_RUN = """
+import runpy, sys
+from hydra import compose, initialize_config_dir
+from hydra._internal.callbacks import Callbacks
+
+sys.argv = ["dxrun", "model=tiny", "model.n_layers=1", "data.seq_len=16", "data.batch_size=8",
+            "logger=none", "train.steps=2", "train.eval_every=0", "checkpoint.every=0",
+            "hydra.run.dir=run"]
+try:
+    runpy.run_module("dxrun", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
+print("loaded", sorted(m for m in sys.modules if m.startswith("dxrun.report")))
+with initialize_config_dir(config_dir=sys.argv_conf, version_base="1.3", job_name="dxrun"):
+    for mode in ("RUN", "MULTIRUN"):
+        cfg = compose("config", overrides=[f"hydra.mode={mode}"], return_hydra_config=True)
+        print(mode, [type(c).__module__ + "." + type(c).__name__
+                     for c in Callbacks(cfg).callbacks])
+"""
+
+
+@pytest.mark.e2e  # a subprocess run
+def test_a_single_run_loads_nothing_of_the_report_and_a_multirun_builds_its_callback(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import CONF
+
+    code = _SINGLE_RUN.replace("sys.argv_conf", repr(str(CONF)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert "loaded []" in out
+    assert "RUN ['hydra.experimental.callback.Callback']" in out
+    assert "MULTIRUN ['dxrun.report.write.SweepReport']" in out
+    assert (tmp_path / "run" / "summary.json").exists()

@@ -29,7 +29,7 @@ from conftest import (
     write_tokens,
 )
 
-from dxrun.checkpointing.store import (
+from dxrun.checkpointing import (
     DATA_SOURCE,
     MODEL_SHAPE,
     VOCABULARY,
@@ -129,6 +129,7 @@ def test_every_listed_key_is_refused_on_resume(shared):
     assert tree_digest(shared["root"]) == before and not (shared["root"] / "new").exists()
 
 
+@pytest.mark.e2e  # a training stopped and resumed against the uninterrupted one
 def test_dropout_resumes_exactly(tmp_path):
     """model.dropout > 0: each step's dropout key comes from (seed, step), so a run stopped
     after step 2 and resumed draws step 3's masks, not step 1's again: its steps 3 and 4 are
@@ -167,6 +168,7 @@ def test_relaunch_that_trains_nothing_leaves_the_run_untouched(shared):
     assert tree_digest(shared["root"]) == before  # config, status, summary, checkpoints
 
 
+@pytest.mark.e2e  # a fine-tune's training and its requeue
 def test_requeued_warm_start_continues_its_own_checkpoints(shared, tmp_path, caplog):
     ft = tmp_path / "ft"
     warm = [*SHORT, f"checkpoint.resume={shared['A']}"]
@@ -193,6 +195,7 @@ def test_changed_optimizer_restores_parameters_with_a_fresh_state(shared, change
     assert prepare(same, shared["root"] / "new").resume.fresh_optimizer is None
 
 
+@pytest.mark.e2e  # a resumed training
 def test_fresh_optimizer_state_trains_on(shared, tmp_path, caplog):
     run = tmp_path / "run"
     cfg = make_cfg(*SHORT, f"checkpoint.resume={shared['A']}", "train.steps=5",
@@ -242,6 +245,7 @@ def _text(corpus: Path, *extra: str) -> list[str]:
     return [*SHORT, "data=text", f"data.path={corpus}", "data.seq_len=16", *extra]
 
 
+@pytest.mark.e2e  # a training, then its resume
 def test_workers_and_batch_may_change_and_tokens_are_counted(corpus, tmp_path):
     """Saved with data.workers=0, resumed with 1 and a doubled batch: the position carries over
     and data/tokens_seen counts the tokens read, not steps x the new batch."""
@@ -549,6 +553,7 @@ def test_a_checkpoint_whose_meta_holds_a_wrong_type_is_set_aside(shared, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.e2e  # a training, then its resume
 def test_a_moved_run_dir_resumes_from_its_checkpoint_dir(tmp_path):
     """With ``checkpoint.dir`` the checkpoints' subdir is named from the run dir's path at its
     first save; a run dir moved since finds them through its checkpoints.txt, resumes them in
@@ -571,6 +576,7 @@ def test_a_moved_run_dir_resumes_from_its_checkpoint_dir(tmp_path):
         prepare(make_cfg(*at, "train.steps=4"), tmp_path / "C")
 
 
+@pytest.mark.e2e  # a training, then its resume on another mesh
 def test_an_auto_run_resumes_on_fewer_devices(tmp_path, caplog):
     """Resume on any mesh, ``parallelism=auto`` too: trained on dp8, relaunched on 4 devices, the
     run says in one line that the checkpoint's layout does not fit and chooses again as a new

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dxrun.tracking.logger import RunSummary
+from dxrun.tracking.summary import RunSummary
 
 FIGURES = dict(steps=20, n_params=1000, flops_per_token=6e3, loop_tokens_per_s=50.0,
                compile_time_s=1.5, entropy_floor=None, device_kind="cpu", peak_tflops=None,

@@ -13,7 +13,7 @@ from conftest import run_cli
 from test_sweep import _compose, _csv, _jobs, _num, _sweep_jobs, _validated
 
 from dxrun.plan import RunPlan, make_plan, resolved_config
-from dxrun.report.sweep import JobRecord, scaling_efficiency
+from dxrun.report import JobRecord, scaling_efficiency
 
 
 @pytest.mark.parametrize("preset, extra, want", [

@@ -16,7 +16,7 @@ from conftest import CONF, make_cfg, subprocess_env
 
 from dxrun.autotune import accelerator_memory, collectives, plan_report, plan_table
 from dxrun.autotune.footprint import _shard_bytes
-from dxrun.checkpointing.store import Checkpointer, Resume, restore
+from dxrun.checkpointing import Checkpointer, Resume, restore
 from dxrun.cost import TARGETS, gb_text
 from dxrun.experiment import Experiment, adopt
 from dxrun.model import sharding
@@ -182,6 +182,7 @@ def dp6() -> dict:
     return out
 
 
+@pytest.mark.e2e  # trainings with and without the split (module fixture)
 def test_dp6_splits_the_state_and_trains_as_unsplit(dp6):
     """No axis divides by 6, yet each device holds a sixth of the state (3% of padding at
     most), none of it replicated but the counters, and the losses, gradient norms and
@@ -215,6 +216,7 @@ def _restored(state, tmp_path, into: Experiment):
     return got
 
 
+@pytest.mark.e2e  # trainings with and without the split (module fixture)
 def test_checkpoint_moves_between_data_parallel_sizes(dp6, tmp_path):
     """A dp6 checkpoint (its moments padded) restores on dp4 (unpadded: 4 divides) and back:
     every real value bitwise, the padding zero; the round trip gives the dp6 state exactly."""
@@ -274,6 +276,7 @@ def test_optimizer_state_split_48_ways():
     assert off / 48 <= on <= off / 48 * 1.01
 
 
+@pytest.mark.e2e  # trainings with and without the split (module fixture)
 def test_layout_hand_over_refits_the_padding(dp6):
     """parallelism=auto hands a trained state between layouts of the same devices
     (``experiment.adopt``): dp6 pads w_up's moments along d_ff (256 to 258), dp3_tp2, whose

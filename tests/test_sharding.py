@@ -272,6 +272,7 @@ def test_sequence_parallel_layer_equals_tp_and_moves_no_weight(cfg_factory):
     assert found[True]["all-reduce"] == 5  # Megatron's 4, and the norms' weights' gradients
 
 
+@pytest.mark.e2e  # two trainings per model
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_sequence_parallel_trains_like_plain_tp(cfg_factory, model):
     """The whole model over STEPS steps from one init (biases non-zero), dp2_tp4 with

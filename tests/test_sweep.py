@@ -13,7 +13,7 @@ from conftest import CONF, ROOT, run_cli
 
 from dxrun.checks import validate
 from dxrun.config.registry import PRESETS, check_keys, preset_dir
-from dxrun.tracking.logger import read_run
+from dxrun.tracking.wandb_file import read_run
 
 QUICK = ("train.steps=3", "train.log_every=1")
 NO_SAVES = "checkpoint.every=0"  # no test of these sweeps reads a checkpoint: none to wait for
@@ -114,8 +114,8 @@ def test_every_throughput_figure_is_the_rankings_median(grid):
     worked out here from the jobs' metrics.jsonl."""
     import statistics
 
-    from dxrun.report import sweep as sweep_report
-    from dxrun.report.sweep import find_jobs
+    from dxrun.report import find_jobs
+    from dxrun.report import plots as sweep_report
 
     sweep, _ = grid
     rows = _csv(sweep)
@@ -420,7 +420,8 @@ def test_throughput_presets_log_enough_windows_to_rank(preset):
     checks this on real jobs), leave the report's statistic at least ranking.STEADY_WINDOWS
     windows a job."""
     from dxrun.cost import save_cadence
-    from dxrun.report.sweep import STEADY_WINDOWS, job_throughput
+    from dxrun.report import job_throughput
+    from dxrun.report.ranking import STEADY_WINDOWS
 
     cfg = _validated(preset)
     steps, every = cfg.train.steps, cfg.train.log_every
@@ -514,8 +515,8 @@ def test_report_and_exit_code_of_a_sweep_with_a_stopped_job_and_a_torn_line(tmp_
     was stopped by SIGINT)."""
     import logging
 
-    from dxrun.report.sweep import exit_for_failed_jobs as _exit_for_failed_jobs
-    from dxrun.report.sweep import write_report
+    from dxrun.report import exit_for_failed_jobs as _exit_for_failed_jobs
+    from dxrun.report import write_report
 
     sweep = tmp_path / "sweep"
     rows = "".join(json.dumps({"step": s, "train/loss": 3.0 - s, "data/tokens_seen": 64.0 * s})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_cfg, write_tokens
 
-from dxrun.checkpointing.store import padding_differs
+from dxrun.checkpointing import padding_differs
 from dxrun.evaluate import evaluate_checkpoint
 from dxrun.sample import OPTIONS, sample
 from dxrun.tools.checkpoint import load

@@ -112,22 +112,22 @@ CHECKPOINT: dict[str, str] = {
 
 
 def summary_keys() -> list[str]:
-    """The keys of the dict ``RunSummary.record`` returns (dxrun/tracking/logger.py; ``**last`` for
+    """The keys of the dict ``RunSummary.record`` returns (dxrun/tracking/summary.py; ``**last`` for
     the splat of the last values)."""
-    tree = ast.parse((PACKAGE / "tracking" / "logger.py").read_text())
+    tree = ast.parse((PACKAGE / "tracking" / "summary.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "record":
             d = next(n.value for n in ast.walk(node)
                      if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
             return [k.value if k is not None else "**" + getattr(v, "attr", getattr(v, "id", ""))
                     for k, v in zip(d.keys, d.values, strict=True)]
-    raise LookupError("dxrun/tracking/logger.py: RunSummary.record returns no summary dict")
+    raise LookupError("dxrun/tracking/summary.py: RunSummary.record returns no summary dict")
 
 
 def status_keys() -> list[str]:
-    """Every field ``JobStatus`` (dxrun/__main__.py) writes into status.json, plus
+    """Every field ``JobStatus`` (dxrun/launch/job_status.py) writes into status.json, plus
     write_status's own."""
-    tree = ast.parse((PACKAGE / "__main__.py").read_text())
+    tree = ast.parse((PACKAGE / "launch" / "job.py").read_text())
     keys = ["status"]
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     for node in [c for c in calls if getattr(c.func, "id", None) == "write_status"] + [
@@ -173,7 +173,7 @@ def outputs_markdown() -> str:
     out = ["# Outputs and metrics", "",
            "What a run writes, generated from the code (`docs/reference/outputs.py`: the "
            "metrics of `dxrun/config/metric_names.py`, the keys read from "
-           "`dxrun/tracking/logger.py`, `dxrun/__main__.py` and "
+           "`dxrun/tracking/summary.py`, `dxrun/launch/job_status.py` and "
            "`dxrun/plan/mesh.py`). A run "
            "dir is `outputs/<date>/<time>/`; a multirun job's is "
            "`multirun/<date>/<time>/<n>/`.", "", "## Files of a run dir", ""]

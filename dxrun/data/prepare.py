@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from dxrun.config import ConfigError
-from dxrun.data import BYTES, Tokenizer, empty_corpus, iter_documents, n_val_tokens, text_files
+from dxrun.data.corpus import (
+    BYTES,
+    Tokenizer,
+    empty_corpus,
+    iter_documents,
+    n_val_tokens,
+    text_files,
+)
 
 OUTPUTS = ("train.bin", "val.bin", "meta.json")
 COPY_CHUNK = 1 << 26  # bytes per read when moving the held-out tail to val.bin

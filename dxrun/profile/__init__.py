@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dxrun.profile import xspace
-from dxrun.tracking.goodput import HLO_FILE
+from dxrun.tracking import HLO_FILE
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "send", "recv")

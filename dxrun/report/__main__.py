@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dxrun.config import ConfigError
-from dxrun.report.sweep import tally, write_report
+from dxrun.report import tally, write_report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -335,11 +335,11 @@ def compose_hf(path: Path, overrides: list[str]) -> DictConfig:
 def given_run_dir(path: Path, checkpoints: Path) -> Path | None:
     """The run dir the command line points at: ``path`` itself when it holds ``checkpoints/``
     or ``checkpoints.txt``, else the dir around ``<run dir>/checkpoints`` when ``path`` is
-    that dir or a step dir in it (``checkpoints``: the dir ``store.locate`` found). None
+    that dir or a step dir in it (``checkpoints``: the dir ``checkpointing.locate`` found). None
     for checkpoints outside a run dir (a shared ``checkpoint.dir``, a step dir copied
     elsewhere). Never the run dir recorded in the checkpoint's meta: a copied run's results
     would land in the original, and a moved run's in a dir that is gone."""
-    from dxrun.checkpointing.store import POINTER  # imports JAX
+    from dxrun.checkpointing import POINTER  # imports JAX
 
     path = path.expanduser().absolute()
     if (path / "checkpoints").is_dir() or (path / POINTER).is_file():

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dxrun.checkpointing import store  # load.py's too: one import of JAX
+from dxrun import checkpointing as store  # load.py's too: one import of JAX
 from dxrun.config import CheckpointGone, ConfigError
 
 if TYPE_CHECKING:
