@@ -208,7 +208,7 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
         loss, accuracy = chunked_cross_entropy(
             model.output_weight(gathered=True), x_BxLxD, targets_BxL, loss_chunk,
             vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1,
-            weights_BxL=weights_BxL)
+            weights_BxL=weights_BxL, softcap=model.logit_softcap)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = logits_of(model, inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
@@ -809,7 +809,8 @@ def import_params(exp: Experiment, spec: dict | None = None) -> dict:
                 for k, layer in enumerate(layers):  # one layer's block read at a time
                     name = files.name_for(w, layer)
                     out[(k, *fill)] = dxrun_block(w, real, within, hf_shape,
-                                                  lambda sl, name=name: files.read(name, sl))
+                                                  lambda sl, name=name: files.read(name, sl),
+                                                  dim)
                 return out if w.per_layer else out[0]
 
             built[w.dxrun] = _place(s.shape, s.sharding, shard)

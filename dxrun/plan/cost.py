@@ -278,6 +278,7 @@ def mfu(tflops_per_device: float, peak: float) -> float:
 
 # The model.remat levels whose backward pass runs the blocks' matmuls again.
 RECOMPUTE_MATMULS = ("full", "keep_attention")
+GATED = ("swiglu", "geglu")  # the MLPs with a gate projection beside the up one
 
 
 def block_matmul_flops(model: Any) -> float:
@@ -287,7 +288,7 @@ def block_matmul_flops(model: Any) -> float:
     E = head_dim_of(model)
     qkv = 2 * D * (H + 2 * K) * E
     out = 2 * H * E * D
-    mlp = 2 * D * F * (3 if model.mlp == "swiglu" else 2)
+    mlp = 2 * D * F * (3 if model.mlp in GATED else 2)
     return float(qkv + out + mlp)
 
 
@@ -303,7 +304,13 @@ def attention_flops(model: Any, seq_len: int, causal: bool) -> float:
     full = 2 * 2 * seq_len * model.n_heads * head_dim_of(model)
     w = getattr(model, "sliding_window", None)
     if causal and w and w < seq_len:  # a query sees min(its position + 1, w) keys
-        return full * (w / seq_len - w * w / (2 * seq_len**2))
+        windowed = full * (w / seq_len - w * w / (2 * seq_len**2))
+        every = getattr(model, "global_every", None)
+        if every is None:
+            return windowed
+        # model.global_every: n // every layers attend to the whole causal prefix
+        n = model.n_layers
+        return ((n - n // every) * windowed + (n // every) * full / 2) / n
     return full / 2 if causal else float(full)
 
 
@@ -514,7 +521,7 @@ def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
     """(input width, output width) of one block's weight matmuls on one device (tp-split)."""
     m = w.model
     E, tp = head_dim_of(m), w.tp
-    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp == "swiglu" else 1)
+    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp in GATED else 1)
     return [(m.d_model, (m.n_heads + 2 * m.n_kv_heads) * E / tp), (m.n_heads * E / tp, m.d_model),
             *mlp_in, (m.d_ff / tp, m.d_model)]
 
@@ -571,7 +578,7 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     norms = 2 * (r * D + a * D)
     residual = 2 * (2 * r * D + a * D)
     rope = 2 * a * (H + K) * E if m.pos == "rope" else 0.0
-    act = (3 if m.mlp == "swiglu" else 2) * a * F
+    act = (3 if m.mlp in GATED else 2) * a * F
     softmax = 0.0 if fused else H * w.seq_len * (4 + a)  # read fp32 scores, write probabilities
     fwd = norms + residual + rope + act + softmax
     passes = 3 + (1 if w.remat != "none" else 0)  # forward, backward (2 x), recomputation
@@ -637,7 +644,7 @@ def scan_traffic(w: Workload) -> float:
     r = 4 if m.residual_dtype == "fp32" else a
     D, E, tp = m.d_model, head_dim_of(m), w.tp
     qkv, F = (m.n_heads + 2 * m.n_kv_heads) / tp * E, m.d_ff / tp
-    ups = 2 if m.mlp == "swiglu" else 1
+    ups = 2 if m.mlp in GATED else 1
     saved = {"none": 2 * r * D + 2 * a * D + a * qkv + a * D + (ups + 1) * a * F,
              "full": r * D, "keep_attention": r * D + a * D + 4 * m.n_heads / tp,
              "dots": r * D + a * qkv + a * D + ups * a * F}[w.remat]
@@ -722,7 +729,7 @@ def workload(cfg: RunConfig, plan: MeshPlan, n_params: float, params_per_device:
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-MLP_TENSORS = {"gelu": 2, "swiglu": 3}  # s·b·f tensors the MLP keeps, see ``layer_none``
+MLP_TENSORS = {"gelu": 2, "swiglu": 3, "geglu": 3}  # s·b·f tensors the MLP keeps, see ``layer_none``
 REMAT = ("none", "dots", "full")
 
 
@@ -851,7 +858,7 @@ def layer_saved(x: Shapes) -> float:
     # dots: the outputs of the matmuls the policy sees
     core = (0.0 if x.fused
             else FP32 * x.scores + c * t * x.heads * x.head_dim)
-    ups = 2 if x.mlp == "swiglu" else 1
+    ups = 2 if x.mlp in GATED else 1
     weights = c * t * (x.qkv + x.h) + ups * c * t * x.f  # qkv, attention out, MLP up(s)
     return layer_input + core + weights
 
@@ -866,7 +873,7 @@ def recomputed(x: Shapes) -> dict[str, float]:
     scores; cuDNN's forward: the heads' output and the log-sum-exp), the norms and the
     activation are recomputed."""
     parts = layer_none(x)
-    ups = 2 if x.mlp == "swiglu" else 1
+    ups = 2 if x.mlp in GATED else 1
     t, c = x.tokens, x.c
     if x.remat != "dots":
         parts["mlp"] = (ups + 2) * c * t * x.f
@@ -910,7 +917,7 @@ def gather_bytes(x: Shapes, fsdp: int) -> float:
     the backward pass; TP-split weights are never gathered."""
     if fsdp == 1:
         return 0.0
-    ups = 2 if x.mlp == "swiglu" else 1
+    ups = 2 if x.mlp in GATED else 1
     per_layer = x.h * x.qkv + x.heads * x.head_dim * x.h + (ups + 1) * x.h * x.f
     return 2 * x.c * per_layer
 
