@@ -143,10 +143,11 @@ def write_hf_dir(d: Path, fields: dict, tensors: dict[str, np.ndarray], shards: 
 
 def reference_logits(d: Path, tokens_BxL: np.ndarray) -> np.ndarray:
     """transformers' Flax model of the directory (one model.safetensors), fp32."""
-    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
+    from transformers import FlaxGemmaForCausalLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
 
     kind = json.loads((d / "config.json").read_text())["model_type"]
-    cls = FlaxGPT2LMHeadModel if kind == "gpt2" else FlaxLlamaForCausalLM
+    cls = {"gpt2": FlaxGPT2LMHeadModel, "gemma": FlaxGemmaForCausalLM}.get(
+        kind, FlaxLlamaForCausalLM)
     import jax
 
     model = cls.from_pretrained(str(d), dtype=np.float32)

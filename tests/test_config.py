@@ -457,6 +457,23 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     (["model=tiny_llama", "model.head_dim=7"], "model.pos=rope needs an even head dim, got 7"),
     (["model.qk_norm=rms"], "model.qk_norm='rms' is not one of none, head, proj"),
     (["model.n_heads=5"], "pick n_heads that divides d_model, or set model.head_dim"),
+    (["model.mlp=reglu"], "model.mlp='reglu' is not one of gelu, swiglu, geglu; pick one"),
+    (["model.gelu=erf"], "model.gelu='erf' is not one of tanh, exact; pick one"),
+    (["model.norm_position=middle"], "model.norm_position='middle' is not one of pre, post, "
+     "sandwich"),
+    (["model.attn_softcap=-1"], "model.attn_softcap=-1.0 is outside its range > 0"),
+    (["model.logit_softcap=0"], "model.logit_softcap=0.0 is outside its range > 0"),
+    (["model.attn_scalar=0"], "model.attn_scalar=0.0 is outside its range > 0"),
+    (["model.global_every=0", "model.sliding_window=4"], "model.global_every=0 is outside its "
+     "range > 0"),
+    (["model.global_every=1", "model.sliding_window=4"], "model.global_every=1 makes every "
+     "layer full, the window unused"),
+    (["model.global_every=2"], "model.global_every=2 needs model.sliding_window; set "
+     "model.sliding_window or model.global_every=null"),
+    (["model.sliding_window=4", "model.rope_local_theta=100"], "model.rope_local_theta=100.0 "
+     "needs model.global_every"),
+    (["model.norm_plus_one=true"], "model.norm_plus_one=true scales RMSNorms, and "
+     "model.norm=layernorm; set model.norm=rmsnorm or model.norm_plus_one=false"),
 ])
 def test_the_attention_pieces_refuse_what_means_nothing(cfg_factory, overrides, line):
     with pytest.raises(ConfigError) as err:

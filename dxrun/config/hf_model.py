@@ -31,7 +31,7 @@ SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_siz
               "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
               "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
               "norm_position", "gelu", "norm_plus_one", "embed_scale", "global_every",
-              "rope_local_theta", "attn_softcap", "logit_softcap", "attn_scalar")
+              "rope_local_theta", "attn_softcap", "logit_softcap", "attn_scalar", "hf_type")
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
@@ -81,7 +81,8 @@ LLAMA_LIKE = {
     "mistral": Family("MistralForCausalLM", window="sliding_window",
                       defaults=dict(sliding_window=4096)),
     "qwen2": Family("Qwen2ForCausalLM", dict(qkv_bias=True), window="layer_types"),
-    "qwen3": Family("Qwen3ForCausalLM", dict(qk_norm="head"), window="layer_types"),
+    "qwen3": Family("Qwen3ForCausalLM", dict(qk_norm="head"), window="layer_types",
+                    defaults=dict(head_dim=128)),
     "olmo2": Family("Olmo2ForCausalLM", dict(qk_norm="proj", norm_position="post"),
                     defaults=dict(rms_norm_eps=1e-5)),
     # transformers 4.57's GemmaMLP reads hidden_act (a published Gemma's "gelu": exact GELU)
@@ -101,6 +102,7 @@ LLAMA_LIKE = {
 ACTS = {"silu": dict(mlp="swiglu", gelu="tanh"),
         "gelu_pytorch_tanh": dict(mlp="geglu", gelu="tanh"),
         "gelu": dict(mlp="geglu", gelu="exact")}
+HF_TYPES = ("gpt2", *LLAMA_LIKE)  # the model_types dxrun reads and writes
 # config.json fields that change what a model computes and that no family dxrun reads has: set
 # to anything but their "off" value, refused (never silently dropped). A family's own
 # (``Family.reads``) are read instead.
@@ -163,7 +165,7 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
                    max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
                    norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
                    rope_theta=10000.0, rope_scaling=None, gelu="tanh", head_dim=None,
-                   sliding_window=None, **_PLAIN)
+                   sliding_window=None, hf_type=kind, **_PLAIN)
     elif kind in LLAMA_LIKE:
         out = _llama_fields(hf, path, kind)
         eps = out["norm_eps"]
@@ -209,7 +211,7 @@ def _llama_fields(hf: dict, path: Path, kind: str) -> dict[str, Any]:
                              rope_theta=float(hf.get("rope_theta", 10000.0)),
                              rope_scaling=rope_scaling(hf.get("rope_scaling"), path),
                              head_dim=None if head_dim * H == D else head_dim, **ACTS[act],
-                             sliding_window=window, global_every=every),
+                             sliding_window=window, global_every=every, hf_type=kind),
             **own, **family.pieces}
 
 
@@ -332,8 +334,10 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel",
 
 
 def model_type_of(m: Any) -> str:
-    """The HF ``model_type`` of dxrun's model section ``m``; ConfigError naming what differs
-    when no HF architecture computes what it does."""
+    """The HF ``model_type`` of dxrun's model section ``m``: ``model.hf_type`` (a checkpoint's
+    own, a preset's: Phi-3 computes what Mistral does, its tensors are fused), else the first
+    family that computes it; ConfigError naming what differs when that family (or any) does
+    not."""
     misses = {kind: [f"model.{k}={_show(getattr(m, k, None))}" for k, v in want.items()
                      if getattr(m, k, None) != v] for kind, want in FAMILIES.items()}
     if m.pos == "learned" and m.n_kv_heads != m.n_heads:
@@ -342,7 +346,7 @@ def model_type_of(m: Any) -> str:
     if m.mlp == "gelu":
         for kind in LLAMA_LIKE:
             misses[kind].append("model.mlp=gelu (its MLP is gated: swiglu or geglu)")
-    kind = min(misses, key=lambda k: len(misses[k]))
+    kind = getattr(m, "hf_type", None) or min(misses, key=lambda k: len(misses[k]))
     if misses[kind]:
         want = ", ".join(f"{k}={_show(v)}" for k, v in FAMILIES[kind].items())
         raise ConfigError(f"the model has no Hugging Face equivalent: nearest is {kind} "
@@ -382,9 +386,8 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
                 num_key_value_heads=m.n_kv_heads, head_dim=head_dim,
                 max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                 rope_theta=m.rope_theta, rope_scaling=scaling,
-                tie_word_embeddings=m.tie_embeddings, hidden_act=act,
-                **{family.act[0]: act}, attention_bias=False, mlp_bias=False, **own,
-                **_windowed(m, family))
+                tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False,
+                **{"hidden_act": act, family.act[0]: act}, **own, **_windowed(m, family))
 
 
 def _windowed(m: Any, family: Family) -> dict[str, Any]:

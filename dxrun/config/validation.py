@@ -257,6 +257,9 @@ def _check_attention_pieces(m: ModelConfig) -> None:
         if getattr(m, name) is not None and getattr(m, needs) is None:
             raise ConfigError(f"model.{name}={getattr(m, name)} needs model.{needs}; {fix} or "
                               f"model.{name}=null")
+    if m.global_every == 1:
+        raise ConfigError("model.global_every=1 makes every layer full, the window unused; set "
+                          "model.global_every >= 2, or model.sliding_window=null")
     if m.norm_plus_one and m.norm != "rmsnorm":
         raise ConfigError(f"model.norm_plus_one=true scales RMSNorms, and model.norm={m.norm}; "
                           "set model.norm=rmsnorm or model.norm_plus_one=false")
