@@ -31,7 +31,6 @@ from dxrun.config.key import (  # noqa: F401 - Range and the bounds, importable 
     section,
     walk,
 )
-from dxrun.config.hf_model import HF_TYPES
 from dxrun.config.schema_parallel import DistributedConfig, ParallelismConfig
 
 # The two keys that give the batch (dxrun/plan/run_plan.py tells which one a run set).
@@ -102,9 +101,9 @@ class ModelConfig:
                             "original_max_position_embeddings); null = none")
     init_from: str | None = key(None, "hf:<dir>: start from a Hugging Face checkpoint (GPT-2, Llama): "
                                 "its config.json sets the model's shape (docs/guide/huggingface.md)")
-    hf_type: str | None = key(None, "the Hugging Face model_type dxrun.export writes (set by "
-                              "model.init_from from its config.json, or by a preset); null = "
-                              "the first family that computes the model", choices=HF_TYPES)
+    hf_type: str | None = key(None, "the Hugging Face model_type dxrun.export writes, one "
+                              "dxrun reads (set by model.init_from from its config.json, or by "
+                              "a preset); null = the first family that computes the model")
     init_std: float = key(0.02, "standard deviation of the weights' normal initialisation",
                           range=POSITIVE)
     scan_layers: bool = key(True, "lax.scan over stacked layers (compile once); false = a loop")

@@ -22,6 +22,7 @@ from dxrun.config import (
     BACKENDS,
     DATA_SOURCE_KEYS,
     FIELDS,
+    HF_TYPES,
     RANGES,
     CheckpointConfig,
     ConfigError,
@@ -257,6 +258,9 @@ def _check_attention_pieces(m: ModelConfig) -> None:
         if getattr(m, name) is not None and getattr(m, needs) is None:
             raise ConfigError(f"model.{name}={getattr(m, name)} needs model.{needs}; {fix} or "
                               f"model.{name}=null")
+    if m.hf_type is not None and m.hf_type not in HF_TYPES:
+        raise ConfigError(f"model.hf_type={m.hf_type} is not a model_type dxrun writes; pick "
+                          f"one of {', '.join(HF_TYPES)}, or null")
     if m.global_every == 1:
         raise ConfigError("model.global_every=1 makes every layer full, the window unused; set "
                           "model.global_every >= 2, or model.sliding_window=null")

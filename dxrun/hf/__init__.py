@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.config import ConfigError, config_json, head_dim_of, model_type_of
-from dxrun.config.hf_model import LLAMA_LIKE
+from dxrun.config import LLAMA_LIKE, ConfigError, config_json, head_dim_of, model_type_of
 
 # ------------------------------------------------------------------------------------------------
 # Which Hugging Face tensor becomes which dxrun weight, and how: the one table import, export
@@ -37,9 +36,9 @@ from dxrun.config.hf_model import LLAMA_LIKE
 # axis (its last as stored, its first transposed), cut in blocks of ``sizes`` (GPT-2's fused
 # ``c_attn``: q, k, v side by side; Phi-3's ``qkv_proj`` and ``gate_up_proj``). HF shapes are
 # written in the model's dimensions (D d_model, H heads, K kv heads, E head dim, F d_ff, V
-# vocab, P positions; "a*b": a product, "a+b": a sum). Rotary: both sides rotate halves (HF's checkpoints are stored permuted for its
-# ``rotate_half``, and dxrun's ``rope`` is that convention), so q and k need no permutation. Pure:
-# numpy in, numpy out.
+# vocab, P positions; "a*b": a product, "a+b": a sum). Rotary: both sides rotate halves (HF's
+# checkpoints are stored permuted for its ``rotate_half``, and dxrun's ``rope`` is that
+# convention), so q and k need no permutation. Pure: numpy in, numpy out.
 
 SAME, TRANSPOSED = "same", "transposed"
 

@@ -376,6 +376,28 @@ def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> j
                             wv_DxKxE[:, :, None]], axis=2)
 
 
+def kernel_attention(kernel: tuple[str, bool], q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array,
+                     v_BxLxKxE: jax.Array, causal: bool, window: int | None,
+                     scale: float | None, softcap: float | None) -> jax.Array:
+    """Attention by ``kernel`` (its name, whether interpreted: the plan's), with
+    ``reference_attention``'s arguments; the plan's kernel table refuses a kernel that lacks
+    one of them (XLA's and cuDNN's have no soft cap)."""
+    name, interpret = kernel
+    if name == "splash":
+        return splash_attention.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal, interpret,
+                                       window, softcap, scale)
+    if name in ("xla", "cudnn"):  # native grouped-query heads in BTNH
+        # cuDNN takes half precision only: a model the plan chose it for, called in fp32
+        # (a tool's forward), gets XLA's rather than JAX's refusal
+        half = q_BxLxHxE.dtype in (jnp.bfloat16, jnp.float16)
+        return jax.nn.dot_product_attention(
+            q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, is_causal=causal, scale=scale,
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation=name if half else "xla")
+    return reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal=causal, window=window,
+                               scale=scale, softcap=softcap)
+
+
 class QKNorm(nnx.Module):
     """``model.qk_norm``: RMSNorm of queries or keys (B x L x N x E) in fp32, over each head's
     E values (``head``: a scale of E) or over all N heads' together (``proj``: a scale of N x E,
@@ -413,8 +435,7 @@ class Attention(nnx.Module):
         # a windowed layer rotates with its own base (Gemma 3)
         self.alternating = getattr(cfg, "global_every", None) is not None
         self.local_theta = getattr(cfg, "rope_local_theta", None) or cfg.rope_theta
-        self.softcap = getattr(cfg, "attn_softcap", None)
-        scalar = getattr(cfg, "attn_scalar", None)
+        self.softcap, scalar = getattr(cfg, "attn_softcap", None), getattr(cfg, "attn_scalar", None)
         self.scale = None if scalar is None else float(scalar) ** -0.5
         # A tuple, not a dict: static, hashable (NNX keeps a dict attribute as a graph node).
         self.scaling = tuple(sorted(dict(cfg.rope_scaling).items())) if cfg.rope_scaling else None
@@ -435,10 +456,9 @@ class Attention(nnx.Module):
         # sums (never pre-scaled by 1/tp).
         self.bo = zeros((D,), ("norm",)) if cfg.bias else None
         qk_norm, plus_one = getattr(cfg, "qk_norm", "none"), getattr(cfg, "norm_plus_one", False)
-        self.q_norm = (QKNorm(qk_norm, H, "heads", E, cfg.norm_eps, plus_one)
-                       if qk_norm != "none" else None)
-        self.k_norm = (QKNorm(qk_norm, K, "kv_heads", E, cfg.norm_eps, plus_one)
-                       if qk_norm != "none" else None)
+        self.q_norm, self.k_norm = ((QKNorm(qk_norm, H, "heads", E, cfg.norm_eps, plus_one),
+                                     QKNorm(qk_norm, K, "kv_heads", E, cfg.norm_eps, plus_one))
+                                    if qk_norm != "none" else (None, None))
 
     def layer_kind(self, local: Any) -> tuple[int | None, float]:
         """(the window, the RoPE base) of a layer: ``local`` says whether it is a windowed one
@@ -462,25 +482,10 @@ class Attention(nnx.Module):
         """The layer's attention with the kernel the plan chose, for one kind of layer."""
         window, theta = self.layer_kind(local)
         q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(x_BxLxD, start, theta)
-        name, interpret = self.kernel
         if not isinstance(start, int):  # the sequence split over `context`
-            o_BxLxHxE = context_parallel.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
-        elif name == "splash":
-            o_BxLxHxE = splash_attention.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, self.causal,
-                                                interpret, window, self.softcap, self.scale)
-        elif name in ("xla", "cudnn"):  # native grouped-query heads in BTNH
-            # cuDNN takes half precision only: a model the plan chose it for, called in fp32
-            # (a tool's forward), gets XLA's rather than JAX's refusal
-            half = q_BxLxHxE.dtype in (jnp.bfloat16, jnp.float16)
-            o_BxLxHxE = jax.nn.dot_product_attention(
-                q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, is_causal=self.causal, scale=self.scale,
-                local_window_size=None if window is None else (window - 1, 0),
-                implementation=name if half else "xla")
-        else:
-            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                            causal=self.causal, window=window,
-                                            scale=self.scale, softcap=self.softcap)
-        return self.out(o_BxLxHxE)
+            return self.out(context_parallel.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE))
+        return self.out(kernel_attention(self.kernel, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
+                                         self.causal, window, self.scale, self.softcap))
 
     def qkv(self, x_BxLxD: jax.Array, start: Any = 0, theta: float | None = None
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -648,14 +653,9 @@ class Transformer(nnx.Module):
         self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"
         self.ln_f = Norm(D, **block_norms(cfg))
-        # model.embed_scale: the embeddings times sqrt(d_model), rounded to the stream's dtype
-        # as Gemma's own (a constant); model.logit_softcap: the logits capped (Gemma 2)
+        # Gemma's: the embeddings times sqrt(d_model) in the stream's dtype, the logits capped
         self.embed_scale = D**0.5 if getattr(cfg, "embed_scale", False) else None
-        self.logit_softcap = getattr(cfg, "logit_softcap", None)
-        # model.global_every: which layers are windowed (the last of each run attends to all)
-        every = getattr(cfg, "global_every", None)
-        self.local_layers = (None if every is None
-                             else tuple(bool((i + 1) % every) for i in range(cfg.n_layers)))
+        self.logit_softcap, self.local_layers = getattr(cfg, "logit_softcap", None), windowed_layers(cfg)
         self.lm_head = (None if cfg.tie_embeddings
                         else padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout
@@ -668,9 +668,7 @@ class Transformer(nnx.Module):
         layer in ``jax.checkpoint``."""
         graphdef, stacked = nnx.split(self.blocks)
         n = jax.tree.leaves(stacked)[0].shape[0]
-        keys = (None if dropout_key is None or self.rate == 0
-                else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(n)))
-        local = None if self.local_layers is None else jnp.asarray(self.local_layers)
+        keys, local = _layer_inputs(n, self.rate, dropout_key, self.local_layers)
 
         def layer(x: jax.Array, inputs: tuple) -> tuple[jax.Array, None]:
             params, key, is_local = inputs
@@ -703,7 +701,6 @@ class Transformer(nnx.Module):
         (or those ``start`` lists: a sequence held in ``context_parallel``'s order).
         Looked up and summed in the tables' dtype, then cast to ``dtype``: with fp32 tables the
         tables' gradients (a scatter and a sum over the batch) stay fp32."""
-        L = tokens_BxL.shape[1]
         # FSDP gathers the table's embed shards first (as for every weight); then the lookup is
         # vocab-parallel (a masked gather over this device's rows, summed over `tensor`).
         # Gathering straight from the fsdp-sharded table made XLA replicate the whole batch's
@@ -711,10 +708,7 @@ class Transformer(nnx.Module):
         wte_VpxD = constrain(self.wte[...], ("vocab", "act_embed"))
         x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
-            wpe_LxD = (self.wpe[...][:L] if isinstance(start, int) and start == 0
-                       else jnp.take(self.wpe[...], start, axis=0) if jnp.ndim(start)
-                       else jax.lax.dynamic_slice_in_dim(self.wpe[...], start, L))
-            x_BxLxD = x_BxLxD + wpe_LxD[None]
+            x_BxLxD = x_BxLxD + learned_positions(self.wpe[...], start, tokens_BxL.shape[1])
         # model.residual_dtype=fp32: the stream between blocks in fp32
         x_BxLxD = x_BxLxD.astype(jnp.float32 if self.residual_fp32
                                  else dtype or self.wte[...].dtype)
@@ -756,6 +750,31 @@ class Transformer(nnx.Module):
             real_Vp = jnp.arange(Vp) < self.vocab_size
             logits_BxLxVp = jnp.where(real_Vp, logits_BxLxVp, jnp.finfo(jnp.float32).min)
         return constrain(logits_BxLxVp, ("batch", "seq", "vocab"))
+
+
+def _layer_inputs(n: int, rate: float, dropout_key: jax.Array | None,
+                  local_layers: tuple[bool, ...] | None) -> tuple[Any, Any]:
+    """Each of the n layers' dropout key (None: no dropout) and windowed flag (None: the
+    layers are alike), the layers' scan's inputs beside their parameters."""
+    keys = (None if dropout_key is None or rate == 0
+            else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(n)))
+    return keys, None if local_layers is None else jnp.asarray(local_layers)
+
+
+def learned_positions(wpe_PxD: jax.Array, start: Any, L: int) -> jax.Array:
+    """The learned position embeddings (1 x L x D) of positions ``start``, ``start + 1``, ...
+    (or those ``start`` lists)."""
+    wpe_LxD = (wpe_PxD[:L] if isinstance(start, int) and start == 0
+               else jnp.take(wpe_PxD, start, axis=0) if jnp.ndim(start)
+               else jax.lax.dynamic_slice_in_dim(wpe_PxD, start, L))
+    return wpe_LxD[None]
+
+
+def windowed_layers(cfg: ModelConfig) -> tuple[bool, ...] | None:
+    """``model.global_every``: whether each layer is a windowed one (the last of each run of
+    ``global_every`` attends to the whole prefix); None where the layers are all alike."""
+    every = getattr(cfg, "global_every", None)
+    return None if every is None else tuple(bool((i + 1) % every) for i in range(cfg.n_layers))
 
 
 def softcapped(x: jax.Array, cap: float | None) -> jax.Array:

@@ -50,7 +50,7 @@ def _cached_attention(attn: Attention, x_BxSxD: jax.Array, k_BxTxKxE: jax.Array,
     """Attention of S new tokens at positions start..start+S-1: their keys and values go into
     the cache, and each query sees the cache up to its own position. ``local``: a windowed
     layer's flag where the layers alternate (both kinds compiled, ``lax.cond`` picks)."""
-    if attn.alternating and local is not None:
+    if attn.alternating and local is not None and not isinstance(local, bool):  # traced
         return jax.lax.cond(local, lambda: _cached_attention(attn, x_BxSxD, k_BxTxKxE,
                                                              v_BxTxKxE, start, True),
                             lambda: _cached_attention(attn, x_BxSxD, k_BxTxKxE, v_BxTxKxE,
