@@ -235,7 +235,8 @@ def test_what_dxrun_does_not_build_is_refused_in_one_line(tmp_path):
 # Published parameter counts (the models' own config.json, counted as transformers counts them).
 PRESETS = {"qwen3_0_6b": ("qwen3", 596_049_920), "qwen3_8b": ("qwen3", 8_190_735_360),
            "qwen2_5_7b": ("qwen2", 7_615_616_512), "mistral_7b": ("mistral", 7_241_732_096),
-           "olmo2_1b": ("olmo2", 1_484_916_736)}
+           "olmo2_1b": ("olmo2", 1_484_916_736), "gemma2_2b": ("gemma2", 2_614_341_888),
+           "phi3_mini": ("phi3", 3_821_079_552)}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
