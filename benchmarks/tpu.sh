@@ -66,7 +66,8 @@ FAMILY=("qwen3_0_6b data.seq_len=2048 data.batch_size=16"
         "gemma2_2b model.n_layers=8 model.vocab_size=50304 data.seq_len=8192 data.batch_size=8")
 for row in "${FAMILY[@]}"; do
   read -r m args <<<"$row"
-  given=("model=$m" data=tokens "data.path=$tok" train.precision=bf16 $args)
+  given=("model=$m" data=tokens "data.path=$tok" train.precision=bf16 parallelism.search=fresh
+         $args)  # fresh: a short run searches all the same (its layout is the row's)
   rm -rf "$out/family-$m"
   echo "${given[*]}" > "$out/family-$m.args"
   python3 -m dxrun "${given[@]}" "train.steps=${DXRUN_TPU_FAMILY_STEPS:-60}" train.log_every=10 \

@@ -246,10 +246,32 @@ def _swiglu_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def geglu(gate: jax.Array, up: jax.Array, exact: bool) -> jax.Array:
-    """Gemma's gated unit, ``gelu(gate) * up``: GELU's tanh form (``gelu_pytorch_tanh``,
-    through ``gelu``'s lean backward) or its exact, erf form."""
-    return (jax.nn.gelu(gate, approximate=False) if exact else gelu(gate)) * up
+    """Gemma's gated unit, ``gelu(gate) * up``: GELU's tanh form (``gelu_pytorch_tanh``) or its
+    exact, erf form. A custom VJP keeps only its two inputs, as ``swiglu``'s: GELU and its
+    derivative recomputed from the gate in fp32 (JAX's own keeps GELU's output besides)."""
+    return jax.nn.gelu(gate, approximate=not exact) * up
+
+
+def _geglu_fwd(gate: jax.Array, up: jax.Array, exact: bool) -> tuple[jax.Array, tuple]:
+    return geglu(gate, up, exact), (gate, up)
+
+
+def _geglu_bwd(exact: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    gate, up = res
+    a, u, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
+    if exact:  # d(x Phi(x))/dx = Phi(x) + x phi(x)
+        cdf = 0.5 * (1 + jax.lax.erf(a * 2**-0.5))
+        act, d = a * cdf, cdf + a * jnp.exp(-0.5 * a * a) * (2 * np.pi) ** -0.5
+    else:
+        t = jnp.tanh(_GELU_C * (a + _GELU_A * a**3))
+        act = 0.5 * a * (1 + t)
+        d = 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * a * a)
+    return (g32 * u * d).astype(gate.dtype), (g32 * act).astype(up.dtype)
+
+
+geglu.defvjp(_geglu_fwd, _geglu_bwd)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
