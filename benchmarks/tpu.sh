@@ -70,7 +70,7 @@ for row in "${FAMILY[@]}"; do
          $args)  # fresh: a short run searches all the same (its layout is the row's)
   rm -rf "$out/family-$m"
   echo "${given[*]}" > "$out/family-$m.args"
-  python3 -m dxrun "${given[@]}" "train.steps=${DXRUN_TPU_FAMILY_STEPS:-60}" train.log_every=10 \
+  python3 -m dxrun "${given[@]}" "train.steps=${DXRUN_TPU_FAMILY_STEPS:-30}" train.log_every=10 \
     checkpoint.every=0 train.eval_every=0 "hydra.run.dir=$out/family-$m" \
     2>&1 | tee "$out/family-$m.log"
 done

@@ -235,3 +235,23 @@ def test_splash_in_the_model_on_a_sharded_mesh_equals_the_reference(cfg_factory)
         _, metrics = exp.step(exp.init_state(), exp.batch(0))
         out[kernel] = (float(metrics["train/loss"]), float(metrics["train/grad_norm"]))
     np.testing.assert_allclose(out["splash"], out["reference"], rtol=2e-5)
+
+
+def test_splash_in_alternating_soft_capped_layers_keeps_its_residuals_as_the_reference(
+        cfg_factory):
+    """Gemma 2's attention in the whole train step: windowed and full layers alternating
+    (``lax.cond`` between two splash kernels, one with a local mask), soft-capped scores and a
+    score scale of its own, under model.remat=keep_attention (its named residuals inside the
+    cond) on dp4 x tp2: the loss and gradient norm of one step equal the reference's."""
+    shape = ("model=tiny_llama", "model.n_layers=2", "parallelism=dp4_tp2", "logger=none",
+             "data.seq_len=128", "data.batch_size=8", "model.init_std=0.3",
+             "model.sliding_window=40", "model.global_every=2", "model.rope_local_theta=100",
+             "model.attn_softcap=2", "model.attn_scalar=12")
+    out = {}
+    for kernel, remat in (("splash", "keep_attention"), ("reference", "none")):
+        exp = Experiment.build(cfg_factory(*shape, f"model.attention={kernel}",
+                                           f"model.remat={remat}"))
+        assert exp.attention_kernel == kernel
+        _, metrics = exp.step(exp.init_state(), exp.batch(0))
+        out[kernel] = (float(metrics["train/loss"]), float(metrics["train/grad_norm"]))
+    np.testing.assert_allclose(out["splash"], out["reference"], rtol=2e-5)
