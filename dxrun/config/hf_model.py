@@ -59,12 +59,10 @@ class Family:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
-# A family's own config.json field -> (the model key it fills, the value that means "off": the
-# key's null, and what the field must be in a family that does not read it).
-READS = {"attn_logit_softcapping": ("attn_softcap", None),
-         "final_logit_softcapping": ("logit_softcap", None),
-         "query_pre_attn_scalar": ("attn_scalar", None),
-         "rope_local_base_freq": ("rope_local_theta", None)}
+# A family's own config.json field -> the model key it fills (whose null is the field's
+# absence; a family that does not read the field refuses it: ``UNREAD``).
+READS = {"attn_logit_softcapping": "attn_softcap", "final_logit_softcapping": "logit_softcap",
+         "query_pre_attn_scalar": "attn_scalar", "rope_local_base_freq": "rope_local_theta"}
 # The pieces' "off" values: what a family without them has (GPT-2, Llama).
 _PLAIN = dict(qkv_bias=False, qk_norm="none", norm_position="pre", norm_plus_one=False,
               embed_scale=False, global_every=None, rope_local_theta=None, attn_softcap=None,
@@ -191,7 +189,7 @@ def _llama_fields(hf: dict, path: Path, kind: str) -> dict[str, Any]:
     n_layers = _need(hf, path, "num_hidden_layers")
     head_dim = hf.get("head_dim") or D // H
     window, every = _window(hf, path, kind, n_layers)
-    own = {READS[name][0]: (None if hf.get(name) is None else float(hf[name]))
+    own = {READS[name]: (None if hf.get(name) is None else float(hf[name]))
            for name in family.reads}
     if own.get("attn_scalar") == head_dim:  # the scores' usual scale: no key needed
         own["attn_scalar"] = None
@@ -324,7 +322,7 @@ FAMILIES = {
                  tie_embeddings=True, head_dim=None, sliding_window=None, **_PLAIN),
     **{kind: {**dict(bias=False, norm="rmsnorm", pos="rope"),
               **{k: v for k, v in _PLAIN.items()
-                 if k not in {READS[r][0] for r in f.reads}
+                 if k not in {READS[r] for r in f.reads}
                  and not (k == "global_every" and f.window == "layer_types")},
               **f.pieces, **({} if f.window else dict(sliding_window=None))}
        for kind, f in LLAMA_LIKE.items()},
@@ -376,7 +374,7 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     family, head_dim = LLAMA_LIKE[kind], m.head_dim or m.d_model // m.n_heads
     act = next(a for a, keys in ACTS.items()
                if all(getattr(m, k, "tanh") == v for k, v in keys.items()))
-    own = {name: getattr(m, READS[name][0]) for name in family.reads}
+    own = {name: getattr(m, READS[name]) for name in family.reads}
     if "query_pre_attn_scalar" in own:
         own["query_pre_attn_scalar"] = own["query_pre_attn_scalar"] or head_dim
     if "rope_local_base_freq" in own:
