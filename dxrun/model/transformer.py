@@ -214,10 +214,19 @@ def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _gelu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    x32 = x.astype(jnp.float32)
-    t = jnp.tanh(_GELU_C * (x32 + _GELU_A * x32**3))
-    d = 0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * x32 * x32)
+    d = gelu_and_slope(x.astype(jnp.float32), exact=False)[1]
     return ((g.astype(jnp.float32) * d).astype(x.dtype),)
+
+
+def gelu_and_slope(x32: jax.Array, exact: bool) -> tuple[jax.Array, jax.Array]:
+    """GELU of fp32 ``x32`` and its derivative: the tanh form's, or the exact one's
+    (d(x Phi(x))/dx = Phi(x) + x phi(x))."""
+    if exact:
+        cdf = 0.5 * (1 + jax.lax.erf(x32 * 2**-0.5))
+        return x32 * cdf, cdf + x32 * jnp.exp(-0.5 * x32 * x32) * (2 * np.pi) ** -0.5
+    t = jnp.tanh(_GELU_C * (x32 + _GELU_A * x32**3))
+    return (0.5 * x32 * (1 + t),
+            0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * x32 * x32))
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
@@ -261,13 +270,7 @@ def _geglu_fwd(gate: jax.Array, up: jax.Array, exact: bool) -> tuple[jax.Array, 
 def _geglu_bwd(exact: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     gate, up = res
     a, u, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
-    if exact:  # d(x Phi(x))/dx = Phi(x) + x phi(x)
-        cdf = 0.5 * (1 + jax.lax.erf(a * 2**-0.5))
-        act, d = a * cdf, cdf + a * jnp.exp(-0.5 * a * a) * (2 * np.pi) ** -0.5
-    else:
-        t = jnp.tanh(_GELU_C * (a + _GELU_A * a**3))
-        act = 0.5 * a * (1 + t)
-        d = 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * a * a)
+    act, d = gelu_and_slope(a, exact)
     return (g32 * u * d).astype(gate.dtype), (g32 * act).astype(up.dtype)
 
 
