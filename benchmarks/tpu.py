@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -209,28 +210,65 @@ def _fastest(model: str, records: list[dict]) -> str:
             f"step's fastest of these shapes, {hand['hand_tokens_per_s']:,} (`{hand['shape']}`).")
 
 
-def default_rows(out: str, best: dict[str, float]) -> list[str]:
-    """The defaults rows: each ``default-<model>`` run of ``out`` (its model and data only), the
-    layout its search chose, its median tokens/s and MFU over its logged rows after the first
-    (the compiling step's), against ``best``, the model's fastest tuned MFU."""
-    rows = ["| model (defaults) | layout the run chose | tokens/s | MFU | of the model's best |",
-            "|---|---|---:|---:|---:|"]
-    for run in sorted(Path(out).glob("default-*")):
+def _runs(out: str, prefix: str) -> list[tuple[str, Path, dict, dict]]:
+    """Each ``<prefix><model>`` run of ``out`` that logged: its model, dir, the medians of its
+    perf/* over its logged rows after the first (the compiling step's), and the layout its
+    search chose (plan.json's chosen row)."""
+    found = []
+    for run in sorted(Path(out).glob(f"{prefix}*")):
         if not run.is_dir() or not (run / "metrics.jsonl").is_file():
             continue
-        model = run.name.removeprefix("default-")
         logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        logged = [x for x in logged if "perf/mfu" in x][1:] or logged[-1:]
-        mfu = statistics.median(x["perf/mfu"] for x in logged)
-        tps = statistics.median(x["perf/tokens_per_s"] for x in logged)
+        logged = [x for x in logged if "perf/tokens_per_s" in x][1:] or logged[-1:]
+        # perf/mfu: where the chip's peak is known (a TPU's; not a CPU's)
+        perf = {k: statistics.median([x.get(f"perf/{k}", math.nan) for x in logged])
+                for k in ("mfu", "tokens_per_s", "step_time_s")}
         chosen = next(r for r in json.loads((run / "plan.json").read_text())["layout_search"][
             "rows"] if r["chosen"])
-        label = " ".join([chosen["mesh"], *([f"remat={chosen['remat']}"]
-                                            if chosen["remat"] != "none" else []),
-                          *([f"accum={chosen['grad_accum']}"] if chosen["grad_accum"] > 1
-                            else [])])
+        found.append((run.name.removeprefix(prefix), run, perf, chosen))
+    return found
+
+
+def _label(chosen: dict) -> str:
+    return " ".join([chosen["mesh"], *([f"remat={chosen['remat']}"]
+                                       if chosen["remat"] != "none" else []),
+                     *([f"accum={chosen['grad_accum']}"] if chosen["grad_accum"] > 1 else [])])
+
+
+def default_rows(out: str, best: dict[str, float]) -> list[str]:
+    """The defaults rows: each ``default-<model>`` run of ``out`` (its model and data only), the
+    layout its search chose, its median tokens/s and MFU, against ``best``, the model's fastest
+    tuned MFU."""
+    rows = ["| model (defaults) | layout the run chose | tokens/s | MFU | of the model's best |",
+            "|---|---|---:|---:|---:|"]
+    for model, _, perf, chosen in _runs(out, "default-"):
+        mfu = perf["mfu"]
         of = f"{mfu / best[model]:.2f}" if model in best else "-"
-        rows.append(f"| {model} | {label} | {tps:,.0f} | {100 * mfu:.1f}% | {of} |")
+        rows.append(f"| {model} | {_label(chosen)} | {perf['tokens_per_s']:,.0f} | "
+                    f"{100 * mfu:.1f}% | {of} |")
+    return rows if len(rows) > 2 else []
+
+
+def family_rows(out: str) -> list[str]:
+    """The field's models (tpu.sh's ``family-<preset>`` runs, issue 81): the layout the run's
+    search chose, its median tokens/s, MFU and step time, and plan mode's estimate of that
+    layout's step on a v5e (compiled here from shapes alone; its ratio to the measured)."""
+    from dxrun.autotune import fit
+
+    rows = ["| model (tpu.sh's overrides) | layout the run chose | tokens/s | MFU | step ms | "
+            "plan mode ms (ratio) |", "|---|---|---:|---:|---:|---:|"]
+    for model, run, perf, chosen in _runs(out, "family-"):
+        given = run.with_suffix(".args").read_text().split()
+        cfg = compose_cfg(*given, f"parallelism={chosen['mesh']}",
+                          f"model.remat={chosen['remat']}",
+                          f"train.grad_accum={chosen['grad_accum']}", "run.mode=plan",
+                          "plan.target=v5e")
+        plan = 1e3 * fit.plan_report(cfg, fit.planned(cfg).exp, suggest=False)["target"][
+            "step_time_s"]
+        ms = 1e3 * perf["step_time_s"]
+        shown = " ".join(g for g in given if not g.startswith(("data=", "data.path=")))
+        rows.append(f"| {model}: `{shown}` | {_label(chosen)} | {perf['tokens_per_s']:,.0f} | "
+                    f"{100 * perf['mfu']:.1f}% | {ms:.1f} | {plan:.1f} ({plan / ms:.3f}) |")
     return rows if len(rows) > 2 else []
 
 
@@ -307,7 +345,8 @@ def report(out: str, tokens: str | None, command: str) -> None:
         f"(goodput's startup + compile): {cold} s with an empty compile cache, {warm} s with a "
         f"warm one (at {first_commit or steps_at}).", "", *best, "",
         *default_rows(out, {m: max(r["mfu"] for r in records if r.get("model") == m and r.get(
-            "mfu")) for m in {r["model"] for r in records if r.get("mfu")}}), "", end])
+            "mfu")) for m in {r["model"] for r in records if r.get("mfu")}}), "",
+        *family_rows(out), "", end])
     md = Path("BENCHMARKS.md").read_text()
     if begin in md:
         md = md[:md.index(begin)] + section + md[md.index(end) + len(end):]

@@ -8,8 +8,9 @@
 #    and again with the cache it left (the second run also traces two steps for dxrun.profile);
 # 3. writes BENCHMARKS.tpu.json and BENCHMARKS.md's TPU section, with plan mode's estimate of
 #    each shape (compiled on the host's CPU: `--report` runs anywhere, no chip needed).
-# 4. each model as a user runs it with no key but its data (the defaults row).
-# About 25 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
+# 4. each model as a user runs it with no key but its data (the defaults row);
+# 5. the field's dense models (issue 81): a Qwen3-0.6B and a Gemma-2-shaped model in bf16.
+# About 35 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
 # the commit the records carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,36 @@ json.dump({"vocab_size": 50257, "dtype": "uint16", "train_tokens": 20_000_000,
            "val_tokens": 1_000_000, "max_id": 50256, "eot": 50256},  # ids only: no tokenizer
           open(f"{out}/meta.json", "w"))
 PY
+# 5. The field's dense models (issue 81), from their presets' seeded init (the chip holds no
+#    checkpoint, and a fine-tune's steps are these): Qwen3-0.6B whole in bf16 (2048-token
+#    windows); Gemma-2-2B's layers (8 of its 26, its 256,000-token vocabulary cut to the data's,
+#    so its fp32 state fits one chip) with its 4096-position window on every other layer of
+#    8192 and its soft caps (splash's local masks and cap). The layout is parallelism=auto's;
+#    the report puts plan mode's estimate of that layout beside it.
+family() {
+  local gemma2="gemma2_2b model.n_layers=8 model.vocab_size=50304 data.seq_len=8192"
+  local FAMILY=("qwen3_0_6b data.seq_len=2048 data.batch_size=16" "$gemma2 data.batch_size=8")
+  local row m args
+  for row in "${FAMILY[@]}"; do
+    read -r m args <<<"$row"
+    [[ -z "${DXRUN_TPU_FAMILY:-}" || "$m" == "$DXRUN_TPU_FAMILY" ]] || continue
+    given=("model=$m" data=tokens "data.path=$tok" train.precision=bf16 parallelism.search=fresh
+           $args)  # fresh: a short run searches all the same (its layout is the row's)
+    rm -rf "$out/family-$m"
+    echo "${given[*]}" > "$out/family-$m.args"
+    python3 -m dxrun "${given[@]}" "train.steps=${DXRUN_TPU_FAMILY_STEPS:-30}" \
+      train.log_every=10 checkpoint.every=0 train.eval_every=0 "hydra.run.dir=$out/family-$m" \
+      2>&1 | tee "$out/family-$m.log"
+  done
+}
+# DXRUN_TPU_ONLY=family: section 5 alone (DXRUN_TPU_FAMILY=<preset>: one of its rows), its rows
+# printed with plan mode's estimates, no BENCHMARKS.md section written.
+if [ "${DXRUN_TPU_ONLY:-}" = family ]; then
+  family
+  python3 -c 'import sys; from benchmarks.tpu import family_rows
+print("\n".join(family_rows(sys.argv[1])))' "$out" | tee "$out/family.md"
+  exit 0
+fi
 B=train.grad_reduce_dtype=bf16  # the gradients' sums in bf16, as the hand-written step's
 G=$B,model.scan_layers=false  # and the layers unrolled
 # Each model at its fastest shape (where the hand-written step does not fit: its fp32 logits,
@@ -55,5 +86,6 @@ for m in small medium large; do
     "train.steps=${DXRUN_TPU_DEFAULT_STEPS:-300}" "hydra.run.dir=$out/default-$m" \
     2>&1 | tee "$out/default-$m.log"
 done
+family
 [ -n "${DXRUN_TPU_NO_REPORT:-}" ] || python3 -m benchmarks.tpu --report "benchmarks/tpu.sh" \
   --tokens "$tok" --out "$out"

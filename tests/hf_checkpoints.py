@@ -29,7 +29,24 @@ QWEN2 = dict(LLAMA, model_type="qwen2", use_sliding_window=False, rms_norm_eps=1
 QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=16, tie_word_embeddings=True,
              attention_bias=False)
 OLMO2 = dict(LLAMA, model_type="olmo2", rms_norm_eps=1e-6)
-FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "olmo2": OLMO2}
+# Gemma's pieces: GeGLU (tanh GELU), 1 + w norms, embeddings scaled by sqrt(d), a head_dim of
+# its own, tied embeddings. Gemma 2's besides: the sandwich norms, soft caps low enough to bite
+# on these weights, a score scale not the head dim's, windowed and full layers alternating.
+# Gemma 3's: q and k norms, 2 windowed layers to 1 full, the windowed ones on their own rope
+# base. Phi-3's: q, k, v and gate, up fused in the checkpoint, a window.
+GEMMA = dict(LLAMA, model_type="gemma", head_dim=16, tie_word_embeddings=True,
+             hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6)
+GEMMA2 = dict(GEMMA, model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
+              num_hidden_layers=4, sliding_window=5, attn_logit_softcapping=2.0,
+              final_logit_softcapping=5.0, query_pre_attn_scalar=24)
+GEMMA3 = dict(GEMMA, model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
+              num_hidden_layers=3, sliding_window=5, rope_local_base_freq=100.0,
+              query_pre_attn_scalar=16,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+PHI3 = dict(LLAMA, model_type="phi3", sliding_window=7, pad_token_id=None,
+            original_max_position_embeddings=32)
+FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "olmo2": OLMO2,
+            "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3, "phi3": PHI3}
 
 
 def hf_config(fields: dict):
@@ -74,19 +91,29 @@ def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
                     for x, n in zip("qkv", (H, K, K), strict=True)}
         if fields["model_type"] == "qwen3":
             out |= {h + f"self_attn.{x}_norm.weight": 1 + w(E) for x in "qk"}
-        if fields["model_type"] == "olmo2":  # its norms: q, k across heads; after, not before
+        kind = fields["model_type"]
+        if kind == "olmo2":  # its norms: q, k across heads; after, not before
             out |= {h + "self_attn.q_norm.weight": 1 + w(H * E),
                     h + "self_attn.k_norm.weight": 1 + w(K * E),
                     h + "post_feedforward_layernorm.weight": 1 + w(D)}
         else:
             out[h + "input_layernorm.weight"] = 1 + w(D)
-        out |= {h + "post_attention_layernorm.weight": 1 + w(D),
-                h + "self_attn.q_proj.weight": w(H * E, D),
-                h + "self_attn.k_proj.weight": w(K * E, D),
-                h + "self_attn.v_proj.weight": w(K * E, D),
-                h + "self_attn.o_proj.weight": w(D, H * E),
-                h + "mlp.gate_proj.weight": w(F, D), h + "mlp.up_proj.weight": w(F, D),
-                h + "mlp.down_proj.weight": w(D, F)}
+        if kind in ("gemma2", "gemma3_text"):  # the sandwich's other two
+            out |= {h + f"{x}_feedforward_layernorm.weight": w(D) for x in ("pre", "post")}
+        if kind == "gemma3_text":
+            out |= {h + f"self_attn.{x}_norm.weight": w(E) for x in "qk"}
+        out[h + "post_attention_layernorm.weight"] = 1 + w(D)
+        if kind == "phi3":  # q, k, v and gate, up joined
+            out |= {h + "self_attn.qkv_proj.weight": w((H + 2 * K) * E, D),
+                    h + "self_attn.o_proj.weight": w(D, H * E),
+                    h + "mlp.gate_up_proj.weight": w(2 * F, D)}
+        else:
+            out |= {h + "self_attn.q_proj.weight": w(H * E, D),
+                    h + "self_attn.k_proj.weight": w(K * E, D),
+                    h + "self_attn.v_proj.weight": w(K * E, D),
+                    h + "self_attn.o_proj.weight": w(D, H * E),
+                    h + "mlp.gate_proj.weight": w(F, D), h + "mlp.up_proj.weight": w(F, D)}
+        out[h + "mlp.down_proj.weight"] = w(D, F)
     return out
 
 
@@ -116,10 +143,11 @@ def write_hf_dir(d: Path, fields: dict, tensors: dict[str, np.ndarray], shards: 
 
 def reference_logits(d: Path, tokens_BxL: np.ndarray) -> np.ndarray:
     """transformers' Flax model of the directory (one model.safetensors), fp32."""
-    from transformers import FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
+    from transformers import FlaxGemmaForCausalLM, FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM
 
     kind = json.loads((d / "config.json").read_text())["model_type"]
-    cls = FlaxGPT2LMHeadModel if kind == "gpt2" else FlaxLlamaForCausalLM
+    cls = {"gpt2": FlaxGPT2LMHeadModel, "gemma": FlaxGemmaForCausalLM}.get(
+        kind, FlaxLlamaForCausalLM)
     import jax
 
     model = cls.from_pretrained(str(d), dtype=np.float32)

@@ -71,7 +71,7 @@ def test_tpu_sequences_splash_does_not_tile_get_xla():
 
 
 def test_the_table_holds_each_kernel_once_and_the_schema_offers_each():
-    assert list(AUTO) == ["splash", "cudnn", "xla"]
+    assert list(AUTO) == ["splash", "cudnn", "xla", "reference"]  # the last: a soft cap off TPU
     assert {k for k, v in KERNELS.items() if v.keeps_scores} == {"xla", "reference"}
     meta = ModelConfig.__dataclass_fields__["attention"].metadata
     assert set(meta["choices"]) == {"dot_product", *KERNELS} - {"blockwise"}
@@ -112,19 +112,49 @@ def test_splash_forced_on_cpu_runs_interpreted_and_plan_mode_stands_xla_in():
     assert kind_target("NVIDIA H100 80GB HBM3") == AttentionTarget(*H100)
 
 
-def test_a_sliding_window_takes_a_kernel_that_has_one_or_is_refused_in_one_line():
-    """model.sliding_window: XLA's (jax.nn.dot_product_attention's local window) on a TPU,
-    where dot_product would take splash; splash forced, or a context axis, one line each."""
+def test_windows_and_soft_caps_take_a_kernel_that_has_them_or_are_refused_in_one_line():
+    """model.sliding_window and model.attn_softcap: splash (its local masks, its soft cap) on a
+    TPU; off it a window takes XLA's, a soft cap the reference (jax.nn.dot_product_attention
+    has none); XLA's forced with a soft cap, or a context axis with either, one line each."""
     x = Inputs(AttentionTarget("tpu"), "bfloat16", 128, 1024, True, window=256)
-    assert choose("dot_product", x) == "xla"
-    assert choose("dot_product", x._replace(window=None)) == "splash"
-    for setting, cp, words in (("splash", 1, "model.attention=splash cannot run here: it has no "
-                                "sliding window in dxrun (model.sliding_window=256)"),
-                               ("dot_product", 2, "parallelism.cp=2 attends with its blockwise "
-                                "kernel, which has no sliding window in dxrun")):
+    capped = x._replace(softcap=50.0)
+    assert choose("dot_product", x) == choose("dot_product", capped) == "splash"
+    cpu = AttentionTarget("cpu")
+    assert choose("dot_product", x._replace(device=cpu)) == "xla"
+    assert choose("dot_product", capped._replace(device=cpu)) == "reference"
+    for setting, cp, y, words in (
+            ("xla", 1, capped, "model.attention=xla cannot run here: it has no soft cap of the "
+             "scores (model.attn_softcap=50.0)"),
+            ("dot_product", 2, x, "parallelism.cp=2 attends with its blockwise kernel, which "
+             "has no model.sliding_window in dxrun (model.sliding_window=256); set "
+             "parallelism.cp=1 or model.sliding_window=null"),
+            ("dot_product", 2, x._replace(window=None, scalar=144.0), "which has no "
+             "model.attn_scalar in dxrun (model.attn_scalar=144.0); set parallelism.cp=1 or "
+             "model.attn_scalar=null")):
         with pytest.raises(ConfigError) as e:
-            choose(setting, x, cp=cp)
+            choose(setting, y, cp=cp)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_splash_with_a_window_a_soft_cap_and_a_scale_equals_the_reference():
+    """Splash's local mask (the last 40 of 128 keys), its soft cap and a scale of its own
+    (Gemma 2's pieces), grouped-query heads: the outputs and the gradients of q, k and v."""
+    B, L, H, K, E = 1, 128, 4, 2, 32
+    r = np.random.default_rng(1)
+    q = jnp.asarray(3 * r.normal(size=(B, L, H, E)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(B, L, K, E)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(r.normal(size=(B, L, H, E)), jnp.float32)
+    kw = dict(window=40, softcap=5.0, scale=24.0**-0.5)
+
+    def run(fn):
+        grads = jax.grad(lambda *a: (fn(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+        return fn(q, k, v), grads
+
+    o1, g1 = run(lambda *a: splash_attention.attend(*a, interpret=True, **kw))
+    o2, g2 = run(lambda *a: reference_attention(*a, **kw))
+    np.testing.assert_allclose(o1, o2, atol=2e-5)
+    for a, b in zip(g1, g2, strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-4, rtol=1e-4)
 
 
 # grouped-query heads causal: the whole step's test below
@@ -201,6 +231,26 @@ def test_splash_in_the_model_on_a_sharded_mesh_equals_the_reference(cfg_factory)
     out = {}
     for kernel in ("splash", "reference"):
         exp = Experiment.build(cfg_factory(*shape, f"model.attention={kernel}"))
+        assert exp.attention_kernel == kernel
+        _, metrics = exp.step(exp.init_state(), exp.batch(0))
+        out[kernel] = (float(metrics["train/loss"]), float(metrics["train/grad_norm"]))
+    np.testing.assert_allclose(out["splash"], out["reference"], rtol=2e-5)
+
+
+def test_splash_in_alternating_soft_capped_layers_keeps_its_residuals_as_the_reference(
+        cfg_factory):
+    """Gemma 2's attention in the whole train step: windowed and full layers alternating
+    (``lax.cond`` between two splash kernels, one with a local mask), soft-capped scores and a
+    score scale of its own, under model.remat=keep_attention (its named residuals inside the
+    cond) on dp4 x tp2: the loss and gradient norm of one step equal the reference's."""
+    shape = ("model=tiny_llama", "model.n_layers=2", "parallelism=dp4_tp2", "logger=none",
+             "data.seq_len=128", "data.batch_size=8", "model.init_std=0.3",
+             "model.sliding_window=40", "model.global_every=2", "model.rope_local_theta=100",
+             "model.attn_softcap=2", "model.attn_scalar=12")
+    out = {}
+    for kernel, remat in (("splash", "keep_attention"), ("reference", "none")):
+        exp = Experiment.build(cfg_factory(*shape, f"model.attention={kernel}",
+                                           f"model.remat={remat}"))
         assert exp.attention_kernel == kernel
         _, metrics = exp.step(exp.init_state(), exp.batch(0))
         out[kernel] = (float(metrics["train/loss"]), float(metrics["train/grad_norm"]))

@@ -41,8 +41,11 @@ CHUNK = 8  # of data.seq_len=32: four chunks
     # 72) and weighted
     (["parallelism=dp2", "parallelism.vocab_align=8", "data.vocab_size=65",
       "model.objective=mdlm"], jnp.float32, 1e-6),
+    # soft-capped logits (Gemma 2's model.logit_softcap), a cap low enough to bite, padded
+    (["parallelism=dp4_tp2", "data.vocab_size=65", "model.logit_softcap=0.5"], jnp.float32,
+     1e-6),
 ], ids=["dp2_tied", "dp4_tp2_padded", "dp2_fsdp2_tp2_tied", "dp2_fsdp2_tp2_tied_bf16",
-        "dp4_tp2_mdlm", "dp2_padded_mdlm"])
+        "dp4_tp2_mdlm", "dp2_padded_mdlm", "dp4_tp2_softcap"])
 def test_chunked_equals_whole(overrides, dtype, tol):
     cfg = make_cfg("model=tiny", "logger=none", "train.precision=fp32", "data.seq_len=32",
                    *overrides)

@@ -50,7 +50,9 @@ def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
     assert set(schema.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
                                     "data.seq_len", "checkpoint.every", "model.loss_chunk",
                                     "parallelism.search_budget", "model.head_dim",
-                                    "model.sliding_window"}
+                                    "model.sliding_window", "model.global_every",
+                                    "model.rope_local_theta", "model.attn_softcap",
+                                    "model.logit_softcap", "model.attn_scalar"}
     assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
     assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
 
@@ -389,7 +391,8 @@ SIZE_DEFAULTS = {"tiny": (1e-2, 20), "tiny_llama": (1e-2, 20), "small": (6e-4, 2
                  "medium": (3e-4, 300), "large": (2.5e-4, 400), "xl": (2e-4, 500),
                  "qwen3_0_6b": (2.5e-4, 400), "qwen3_8b": (3e-4, 2000),
                  "qwen2_5_7b": (3e-4, 2000), "mistral_7b": (3e-4, 2000),
-                 "olmo2_1b": (2e-4, 500)}
+                 "olmo2_1b": (2e-4, 500), "gemma2_2b": (1.6e-4, 2000),
+                 "phi3_mini": (1.6e-4, 2000)}
 
 
 @pytest.mark.parametrize("model", sorted(SIZE_DEFAULTS))
@@ -458,6 +461,25 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     (["model=tiny_llama", "model.head_dim=7"], "model.pos=rope needs an even head dim, got 7"),
     (["model.qk_norm=rms"], "model.qk_norm='rms' is not one of none, head, proj"),
     (["model.n_heads=5"], "pick n_heads that divides d_model, or set model.head_dim"),
+    (["model.mlp=reglu"], "model.mlp='reglu' is not one of gelu, swiglu, geglu; pick one"),
+    (["model.gelu=erf"], "model.gelu='erf' is not one of tanh, exact; pick one"),
+    (["model.norm_position=middle"], "model.norm_position='middle' is not one of pre, post, "
+     "sandwich"),
+    (["model.attn_softcap=-1"], "model.attn_softcap=-1.0 is outside its range > 0"),
+    (["model.logit_softcap=0"], "model.logit_softcap=0.0 is outside its range > 0"),
+    (["model.attn_scalar=0"], "model.attn_scalar=0.0 is outside its range > 0"),
+    (["model.global_every=0", "model.sliding_window=4"], "model.global_every=0 is outside its "
+     "range > 0"),
+    (["model.global_every=1", "model.sliding_window=4"], "model.global_every=1 makes every "
+     "layer full, the window unused"),
+    (["model.global_every=2"], "model.global_every=2 needs model.sliding_window; set "
+     "model.sliding_window or model.global_every=null"),
+    (["model.sliding_window=4", "model.rope_local_theta=100"], "model.rope_local_theta=100.0 "
+     "needs model.global_every"),
+    (["model.hf_type=bert"], "model.hf_type=bert is not a model_type dxrun writes; pick one "
+     "of gpt2, llama, mistral, qwen2, qwen3, olmo2, gemma, gemma2, gemma3_text, phi3, or null"),
+    (["model.norm_plus_one=true"], "model.norm_plus_one=true scales RMSNorms, and "
+     "model.norm=layernorm; set model.norm=rmsnorm or model.norm_plus_one=false"),
 ])
 def test_the_attention_pieces_refuse_what_means_nothing(cfg_factory, overrides, line):
     with pytest.raises(ConfigError) as err:

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from dxrun.autotune import collectives, cost_per_device
-from dxrun.cost import flops_per_token, matmul_params, peak_tflops
+from dxrun.cost import attention_flops, block_matmul_flops, flops_per_token, matmul_params, peak_tflops
 from dxrun.experiment import Experiment
 from dxrun.fit import matmul_probe, measure_peak_tflops, resolve_peak
 
@@ -136,3 +136,18 @@ def test_measured_peak_runs_the_probe_on_every_device_at_once():
     assert "f32[1,64,64]" in text and "f32[8,64,64]" not in text
     assert collectives(text) == {}
     assert measure_peak_tflops(devices, n=64, repeats=2) > 0
+
+
+def test_attention_flops_of_windowed_and_full_layers_alternating(cfg_factory):
+    """model.global_every: n // every layers attend to the whole causal prefix (T (T + 1) / 2
+    keys a sequence, counted as T^2 / 2), the others to the window w (T w - w^2 / 2); GeGLU's
+    gate counts as SwiGLU's."""
+    m = cfg_factory("model=tiny_llama", "model.n_layers=6", "model.sliding_window=16",
+                    "model.global_every=3", "model.mlp=geglu").model
+    T, full = 64, 2 * 2 * 64 * m.n_heads * 16  # head dim 64 / 4 heads = 16
+    windowed = full * (16 / T - 16**2 / (2 * T**2))
+    assert attention_flops(m, T, causal=True) == (4 * windowed + 2 * full / 2) / 6
+    m.global_every = None
+    assert attention_flops(m, T, causal=True) == windowed
+    swiglu = cfg_factory("model=tiny_llama", "model.mlp=swiglu").model
+    assert block_matmul_flops(m) == block_matmul_flops(swiglu)

@@ -220,15 +220,16 @@ def test_import_holds_one_shard_beyond_the_placed_ones(tmp_path):
 
 def test_a_shard_reads_only_its_region_of_each_tensor():
     """``layout.dxrun_block``: every block a mesh can ask for (each axis whole or halved, head
-    dims too) of every weight of both families equals the whole tensor converted then sliced,
-    and reads no more than the block when only the first axis is split."""
+    dims too) of every weight of GPT-2, Llama and Phi-3 (q, k, v and gate, up fused: the
+    blocks of unequal parts of a transposed tensor) equals the whole tensor converted then
+    sliced, and reads no more than the block when only the first axis is split."""
     import itertools
 
     from dxrun.hf import dxrun_block, shape_of, to_dxrun
 
     d = {"D": 8, "H": 4, "K": 2, "E": 2, "F": 12, "V": 10, "P": 6}
     rng = np.random.default_rng(0)
-    for family in ("gpt2", "llama"):
+    for family in ("gpt2", "llama", "phi3"):
         K = d["H"] if family == "gpt2" else d["K"]
         shapes = {"wte": (10, 8), "wpe": (6, 8), "lm_head": (8, 10), "blocks/attn/wq": (8, 4, 2),
                   "blocks/attn/wk": (8, K, 2), "blocks/attn/wv": (8, K, 2),
@@ -237,16 +238,18 @@ def test_a_shard_reads_only_its_region_of_each_tensor():
                   "blocks/mlp/w_up": (8, 12), "blocks/mlp/w_gate": (8, 12),
                   "blocks/mlp/w_down": (12, 8), "blocks/mlp/b_up": (12,)}
         for w in TABLES[family]:
-            real, hf_shape = shapes.get(w.dxrun, (8,)), shape_of(w.hf_shape, {**d, "K": K})
+            dk = {**d, "K": K}
+            real, hf_shape = shapes.get(w.dxrun, (8,)), shape_of(w.hf_shape, dk)
             x = rng.standard_normal(hf_shape).astype(np.float32)
-            whole = to_dxrun(w, x, real)
+            whole = to_dxrun(w, x, real, dk)
             for halves in itertools.product(*[(1, 2) if n % 2 == 0 else (1,) for n in real]):
                 for at in itertools.product(*[range(h) for h in halves]):
                     block = tuple((i * n // h, (i + 1) * n // h)
                                   for i, n, h in zip(at, real, halves, strict=True))
                     read = []
                     got = dxrun_block(w, real, block, hf_shape,
-                                      lambda sl, x=x, read=read: read.append(x[sl]) or x[sl])
+                                      lambda sl, x=x, read=read: read.append(x[sl]) or x[sl],
+                                      dk)
                     want = whole[tuple(slice(a, b) for a, b in block)]
                     assert np.array_equal(got, want), (w.dxrun, block)
                     if all(h == 1 for h in halves[1:]):  # the first axis split, or none

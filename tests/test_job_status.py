@@ -1,5 +1,5 @@
-"""How a job ends (dxrun/launch/job_status.py's ``JobStatus``): one object writes status.json, the one line
-and the exit code for whatever ended the job. Hydra's config is stood in for by the fields the
+"""How a job ends (dxrun/launch/job_status.py's ``JobStatus``): one object writes status.json, the
+one line and the exit code for whatever ended the job. Hydra's config is stood in for by the fields the
 status reads; no JAX, no run."""
 
 from __future__ import annotations

@@ -68,16 +68,26 @@ def test_gelus_vjp_is_jaxs_autodiff():
     assert np.array_equal(transformer.gelu(xb), jax.nn.gelu(xb, approximate=True))
 
 
-def test_swiglus_vjp_is_jaxs_autodiff():
+# The gated units and what JAX differentiates for them: SwiGLU, GeGLU's tanh and exact forms.
+GATED = {"swiglu": (transformer.swiglu, jax.nn.silu),
+         "geglu_tanh": (lambda a, u: transformer.geglu(a, u, False),
+                        lambda a: jax.nn.gelu(a, approximate=True)),
+         "geglu_exact": (lambda a, u: transformer.geglu(a, u, True),
+                         lambda a: jax.nn.gelu(a, approximate=False))}
+
+
+@pytest.mark.parametrize("unit", GATED)
+def test_the_gated_units_vjp_is_jaxs_autodiff(unit):
+    ours_f, act = GATED[unit]
     k = jax.random.split(jax.random.key(4), 3)
     gate, up, g = (3 * jax.random.normal(k[i], (4, 64)) for i in range(3))
-    ours, ours_vjp = jax.vjp(transformer.swiglu, gate, up)
-    ref, ref_vjp = jax.vjp(lambda a, u: jax.nn.silu(a) * u, gate, up)
+    ours, ours_vjp = jax.vjp(ours_f, gate, up)
+    ref, ref_vjp = jax.vjp(lambda a, u: act(a) * u, gate, up)
     assert np.array_equal(ours, ref)
     for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     gb, ub = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
-    assert np.array_equal(transformer.swiglu(gb, ub), jax.nn.silu(gb) * ub)
+    assert np.array_equal(ours_f(gb, ub), act(gb) * ub)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -316,3 +316,17 @@ def test_the_plan_says_where_dxruns_step_keeps_more_than_a_leaner_program(cfg_fa
                  model="tiny_llama") == []
     assert notes("parallelism=fsdp8", "model.remat=dots") == []
     assert notes("parallelism=fsdp8", "model.remat=none", "train.precision=bf16") == []
+
+
+def test_gemma_pieces_agree_with_xla_in_fp32(cfg_factory):
+    """Gemma 2's block (four norms, a GeGLU MLP, rotary positions, its soft caps: the reference
+    attention on CPU) counted as the model counts it, within 10% of XLA's compiled step."""
+    exp = Experiment.build(cfg_factory(
+        *ACTIVATIONS, "model.norm=rmsnorm", "model.bias=false", "model.pos=rope",
+        "model.mlp=geglu", "model.norm_position=sandwich", "model.norm_plus_one=true",
+        "model.attn_softcap=50", "model.logit_softcap=30"))
+    assert exp.attention_kernel == "reference"
+    xla = step_bytes(exp.analyse_step())
+    model = _model_bytes(exp)
+    print(f"gemma pieces: model / XLA {model.total_bytes / xla:.3f}")
+    assert model.total_bytes == pytest.approx(xla, rel=0.10), (model, xla)

@@ -179,16 +179,28 @@ def test_fp32_residual_stream_under_bf16(cfg_factory):
 PIECES = {"head_dim": ["model.head_dim=24"], "qkv_bias": ["model.qkv_bias=true"],
           "qk_norm_head": ["model.qk_norm=head", "model.head_dim=8"],
           "qk_norm_proj": ["model.qk_norm=proj"], "window": ["model.sliding_window=5"],
-          "post_norm": ["model.norm_position=post"]}
+          "post_norm": ["model.norm_position=post"],
+          # Gemma's: GeGLU, 1 + w norms, embeddings times sqrt(d); exact GELU
+          "gemma": ["model=tiny_llama", "model.mlp=geglu", "model.norm_plus_one=true",
+                    "model.embed_scale=true"],
+          "gelu_exact": ["model=tiny_llama", "model.mlp=geglu", "model.gelu=exact"],
+          # Gemma 2's: four norms a block, soft caps that bite, a score scale of its own
+          "sandwich_softcaps": ["model=tiny_llama", "model.norm_position=sandwich",
+                                "model.attn_softcap=1", "model.logit_softcap=2",
+                                "model.attn_scalar=24"],
+          # windowed and full layers alternating, the windowed on their own rope base
+          "alternating": ["model=tiny_llama", "model.n_layers=4", "model.sliding_window=5",
+                          "model.global_every=2", "model.rope_local_theta=100"]}
 
 
 @pytest.mark.e2e  # a training on each of three meshes per piece: the whole suite's, not the inner loop's
 @pytest.mark.parametrize("piece", PIECES)
 def test_the_attention_pieces_train_alike_on_every_mesh(cfg_factory, piece):
     """Each of model.head_dim (24 with 4 heads of d_model 64), qkv_bias, qk_norm (per head
-    and across heads), sliding_window and norm_position=post: three steps on dp4_tp2 (XLA's
-    kernel, heads split) and on dp2_fsdp2_tp2 give the losses of one device's written-out
-    reference attention.
+    and across heads), sliding_window, norm_position=post and Gemma's pieces (GeGLU, 1 + w
+    norms, scaled embeddings, sandwich norms, soft caps, a score scale, alternating layers):
+    three steps on dp4_tp2 (the plan's kernel, heads split) and on dp2_fsdp2_tp2 give the
+    losses of one device's written-out reference attention.
     (Each piece against transformers' own model: tests/test_hf_families.py.)"""
     ref = _losses(cfg_factory, *PIECES[piece], "parallelism=dp1", "model.attention=reference")
     assert ref[-1] < ref[0]

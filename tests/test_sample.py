@@ -101,11 +101,19 @@ def _assert_cache_equals_recompute(exp, params, tokens_BxT, cached_BxNxV, prompt
 
 
 @pytest.mark.parametrize("pieces", [(), ("model.sliding_window=4", "model.head_dim=8",
-                                            "model.qk_norm=head", "model.qkv_bias=true")])
+                                            "model.qk_norm=head", "model.qkv_bias=true"),
+                                     ("model.n_layers=4", "model.sliding_window=4",
+                                      "model.global_every=2", "model.rope_local_theta=100",
+                                      "model.attn_softcap=2", "model.logit_softcap=3",
+                                      "model.attn_scalar=12", "model.norm_position=sandwich",
+                                      "model.mlp=geglu", "model.norm_plus_one=true",
+                                      "model.embed_scale=true")], ids=["llama", "qwen", "gemma2"])
 def test_kv_cache_of_a_llama_style_block_equals_recompute(pieces):
     """RoPE at the cache's positions, grouped-query heads, SwiGLU, a padded vocabulary (65 on
     tp2): an untrained model with large weights, so every position matters; and with issue
-    81's pieces (a 4-position window over 17, a head_dim of its own, q/k norms, q/k/v biases)."""
+    81's pieces (a 4-position window over 17, a head_dim of its own, q/k norms, q/k/v biases;
+    Gemma 2's: windowed and full layers alternating, on two rope bases, soft caps, a score
+    scale, sandwich norms, GeGLU, 1 + w norms, scaled embeddings)."""
     from dxrun.config import head_dim_of
     from dxrun.experiment import Experiment
 

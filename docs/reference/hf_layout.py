@@ -19,7 +19,16 @@ TITLES = {"gpt2": "GPT-2 (`GPT2LMHeadModel`; `c_attn`: q, k, v side by side; emb
                    "(`model.qk_norm=head`); E is `head_dim`",
           "olmo2": "OLMo 2 (`Olmo2ForCausalLM`): Llama's tensors but its norms: q and k across "
                    "all heads (`model.qk_norm=proj`), and the blocks' two after attention and "
-                   "the MLP (`model.norm_position=post`)"}
+                   "the MLP (`model.norm_position=post`)",
+          "gemma2": "Gemma 2 (`Gemma2ForCausalLM`): Llama's tensors (Gemma 1's, "
+                    "`GemmaForCausalLM`, are Llama's) and its four norms a block "
+                    "(`model.norm_position=sandwich`), each weight w of a scale 1 + w "
+                    "(`model.norm_plus_one`)",
+          "gemma3_text": "Gemma 3 text (`Gemma3ForCausalLM`): Gemma 2's tensors and each head's "
+                         "q and k norms (`model.qk_norm=head`)",
+          "phi3": "Phi-3 (`Phi3ForCausalLM`): Llama's tensors but q, k, v in one "
+                  "`qkv_proj` and gate, up in one `gate_up_proj`, split on import and joined "
+                  "on export"}
 
 
 def hf_layout_markdown() -> str:
@@ -28,7 +37,8 @@ def hf_layout_markdown() -> str:
         out += [f"**{TITLES[kind]}**", "", "| HF tensor | HF shape | dxrun weight | how |",
                 "|---|---|---|---|"]
         for w in table:
-            part = f"; block {w.part[0] + 1} of {w.part[1]} of the last axis" if w.part else ""
+            part = (f"; block {w.part[0] + 1} of ({', '.join(w.part[1])}) on the output axis"
+                    if w.part else "")
             matrix = w.kind != SAME or (len(w.hf_shape) == 2 and w.hf_shape[0] not in "VP")
             how = HOW[w.kind] if matrix else "as stored"
             out.append(f"| `{w.hf}` | ({', '.join(w.hf_shape)}) | `{w.dxrun}` | {how}{part} |")

@@ -23,6 +23,7 @@ from dxrun.config import (
     DATA_SOURCE_KEYS,
     FIELDS,
     GLOBAL,
+    HF_TYPES,
     PER_DEVICE,
     RANGES,
     CheckpointConfig,
@@ -245,7 +246,8 @@ def check_model(m: ModelConfig) -> None:
 
 
 def _check_attention_pieces(m: ModelConfig) -> None:
-    """model.qkv_bias, model.sliding_window: the combinations that mean nothing."""
+    """model.qkv_bias, model.sliding_window and the keys beside them: the combinations that
+    mean nothing."""
     if m.qkv_bias and m.bias:
         raise ConfigError("model.qkv_bias=true with model.bias=true: bias already puts biases "
                           "on q, k and v; set model.qkv_bias=false")
@@ -253,6 +255,20 @@ def _check_attention_pieces(m: ModelConfig) -> None:
         raise ConfigError(f"model.sliding_window={m.sliding_window} windows causal attention, "
                           "and model.objective=mdlm attends both ways; set "
                           "model.sliding_window=null")
+    for name, needs, fix in (("global_every", "sliding_window", "set model.sliding_window"),
+                             ("rope_local_theta", "global_every", "set model.global_every")):
+        if getattr(m, name) is not None and getattr(m, needs) is None:
+            raise ConfigError(f"model.{name}={getattr(m, name)} needs model.{needs}; {fix} or "
+                              f"model.{name}=null")
+    if m.hf_type is not None and m.hf_type not in HF_TYPES:
+        raise ConfigError(f"model.hf_type={m.hf_type} is not a model_type dxrun writes; pick "
+                          f"one of {', '.join(HF_TYPES)}, or null")
+    if m.global_every == 1:
+        raise ConfigError("model.global_every=1 makes every layer full, the window unused; set "
+                          "model.global_every >= 2, or model.sliding_window=null")
+    if m.norm_plus_one and m.norm != "rmsnorm":
+        raise ConfigError(f"model.norm_plus_one=true scales RMSNorms, and model.norm={m.norm}; "
+                          "set model.norm=rmsnorm or model.norm_plus_one=false")
 
 
 def check_data(d: DataConfig, m: ModelConfig) -> None:

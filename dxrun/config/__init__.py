@@ -29,7 +29,7 @@ from dxrun.config.schema import (
 from dxrun.config.schema_parallel import (
     AXES, FILLS, INSIDE, SPANS, Axis, DistributedConfig, ParallelismConfig, axis_sizes)
 from dxrun.config.hf_model import (
-    ARCHITECTURES, HF_PREFIX, apply_hf_model, check_rope_scaling, config_json, hf_dir,
-    model_type_of, read_config)
+    ARCHITECTURES, HF_PREFIX, HF_TYPES, LLAMA_LIKE, apply_hf_model, check_rope_scaling,
+    config_json, hf_dir, model_type_of, read_config)
 from dxrun.config.target import (
     PASSES, call_refusal, check_targets, checked_factory, locate)

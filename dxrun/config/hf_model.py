@@ -3,10 +3,11 @@
 ``model.init_from=hf:<dir>``: the model's shape is the checkpoint's, so the model section is
 filled from ``config.json`` before the config is validated (as a preset would fill it), and a
 ``model.*`` override that contradicts it is refused in one line. GPT-2 (``model_type: gpt2``) and
-the Llama-shaped families (``LLAMA_LIKE``: Llama, Mistral, Qwen2/2.5, Qwen3, OLMo 2: grouped-query
-attention, untied or tied embeddings, ``rope_theta``, Llama 3.1's ``rope_scaling``, each with the
-pieces its row names) are read; anything dxrun's model cannot compute exactly is refused, naming
-the field. No JAX: plan mode plans a fine-tune from ``config.json`` alone.
+the Llama-shaped families (``LLAMA_LIKE``: Llama, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Gemma 1-3,
+Phi-3: grouped-query attention, a gated MLP, untied or tied embeddings, ``rope_theta``, Llama
+3.1's ``rope_scaling``, each with the pieces its row names) are read; anything dxrun's model
+cannot compute exactly is refused, naming the field. No JAX: plan mode plans a fine-tune from
+``config.json`` alone.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ KEY = "model.init_from"
 SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
               "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
               "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
-              "norm_position")
+              "norm_position", "gelu", "norm_plus_one", "embed_scale", "global_every",
+              "rope_local_theta", "attn_softcap", "logit_softcap", "attn_scalar", "hf_type")
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
@@ -38,25 +40,70 @@ LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
 @dataclass(frozen=True)
 class Family:
     """A Llama-shaped family: Llama's config.json fields and tensor names, plus ``pieces`` (the
-    model keys it always has) and ``window``: how its config.json gives a sliding window
-    (``sliding_window``: Mistral's one number; ``layer_types``: Qwen's per-layer kinds, with
-    ``use_sliding_window`` and ``max_window_layers``; None: it has none)."""
+    model keys it always has), ``window``: how its config.json gives a sliding window
+    (``sliding_window``: Mistral's one number; ``layer_types``: the per-layer kinds, Qwen's
+    with ``use_sliding_window`` and ``max_window_layers``, Gemma 2/3's alternating; None: it has
+    none), ``reads``: the config.json fields of its own it reads into model keys (each
+    ``READS`` row), ``act``: the field naming its MLP's activation and that field's default,
+    ``fused``: its checkpoint joins q, k, v and gate, up in one tensor each (Phi-3's), and
+    ``defaults``: its transformers config class's defaults where they are not Llama's, which a
+    config.json leaves out (``save_pretrained`` writes only what differs from them;
+    ``sliding_window_pattern``: the layer kinds when ``layer_types`` is left out)."""
 
     architecture: str
     pieces: dict[str, Any] = field(default_factory=dict)
     window: str | None = None
+    reads: tuple[str, ...] = ()
+    act: tuple[str, str] = ("hidden_act", "silu")
+    fused: bool = False
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
+# A family's own config.json field -> the model key it fills (whose null is the field's
+# absence; a family that does not read the field refuses it: ``UNREAD``).
+READS = {"attn_logit_softcapping": "attn_softcap", "final_logit_softcapping": "logit_softcap",
+         "query_pre_attn_scalar": "attn_scalar", "rope_local_base_freq": "rope_local_theta"}
+# The pieces' "off" values: what a family without them has (GPT-2, Llama).
+_PLAIN = dict(qkv_bias=False, qk_norm="none", norm_position="pre", norm_plus_one=False,
+              embed_scale=False, global_every=None, rope_local_theta=None, attn_softcap=None,
+              logit_softcap=None, attn_scalar=None)
+_GEMMA = dict(norm_plus_one=True, embed_scale=True)
+_GEMMA2 = dict(_GEMMA, norm_position="sandwich")
+_TANH = ("hidden_activation", "gelu_pytorch_tanh")
+_GEMMA_DEFAULTS = dict(tie_word_embeddings=True, head_dim=256)
+_GEMMA2_DEFAULTS = dict(_GEMMA_DEFAULTS, sliding_window=4096, query_pre_attn_scalar=256)
+_CAPS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 # model_type -> its row: a family of Llama's shape is one row here (its tensors: dxrun.hf).
 LLAMA_LIKE = {
     "llama": Family("LlamaForCausalLM"),
-    "mistral": Family("MistralForCausalLM", window="sliding_window"),
+    "mistral": Family("MistralForCausalLM", window="sliding_window",
+                      defaults=dict(sliding_window=4096)),
     "qwen2": Family("Qwen2ForCausalLM", dict(qkv_bias=True), window="layer_types"),
-    "qwen3": Family("Qwen3ForCausalLM", dict(qk_norm="head"), window="layer_types"),
-    "olmo2": Family("Olmo2ForCausalLM", dict(qk_norm="proj", norm_position="post")),
+    "qwen3": Family("Qwen3ForCausalLM", dict(qk_norm="head"), window="layer_types",
+                    defaults=dict(head_dim=128)),
+    "olmo2": Family("Olmo2ForCausalLM", dict(qk_norm="proj", norm_position="post"),
+                    defaults=dict(rms_norm_eps=1e-5)),
+    # transformers 4.57's GemmaMLP reads hidden_act (a published Gemma's "gelu": exact GELU)
+    "gemma": Family("GemmaForCausalLM", _GEMMA, act=("hidden_act", "gelu_pytorch_tanh"),
+                    defaults=_GEMMA_DEFAULTS),
+    "gemma2": Family("Gemma2ForCausalLM", _GEMMA2, "layer_types", _CAPS, _TANH,
+                     defaults=dict(_GEMMA2_DEFAULTS, attn_logit_softcapping=50.0,
+                                   final_logit_softcapping=30.0, sliding_window_pattern=2)),
+    "gemma3_text": Family("Gemma3ForCausalLM", dict(_GEMMA2, qk_norm="head"), "layer_types",
+                          (*_CAPS, "rope_local_base_freq"), _TANH,
+                          defaults=dict(_GEMMA2_DEFAULTS, rope_theta=1e6,
+                                        rope_local_base_freq=1e4, sliding_window_pattern=6)),
+    "phi3": Family("Phi3ForCausalLM", window="sliding_window", fused=True,
+                   defaults=dict(rms_norm_eps=1e-5)),
 }
+# The MLP an activation makes of a Llama-shaped family's gated unit (``hidden_act``).
+ACTS = {"silu": dict(mlp="swiglu", gelu="tanh"),
+        "gelu_pytorch_tanh": dict(mlp="geglu", gelu="tanh"),
+        "gelu": dict(mlp="geglu", gelu="exact")}
+HF_TYPES = ("gpt2", *LLAMA_LIKE)  # the model_types dxrun reads and writes
 # config.json fields that change what a model computes and that no family dxrun reads has: set
-# to anything but their "off" value, refused (never silently dropped).
+# to anything but their "off" value, refused (never silently dropped). A family's own
+# (``Family.reads``) are read instead.
 UNREAD = {"attn_logit_softcapping": None, "final_logit_softcapping": None,
           "partial_rotary_factor": 1.0, "attention_bias": False, "mlp_bias": False,
           "qk_layernorm": False, "use_qk_norm": False}
@@ -115,9 +162,8 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
                    d_ff=hf.get("n_inner") or 4 * D, vocab_size=_need(hf, path, "vocab_size"),
                    max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
                    norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
-                   rope_theta=10000.0, rope_scaling=None,
-                   head_dim=None, qkv_bias=False, qk_norm="none", sliding_window=None,
-                   norm_position="pre")
+                   rope_theta=10000.0, rope_scaling=None, gelu="tanh", head_dim=None,
+                   sliding_window=None, hf_type=kind, **_PLAIN)
     elif kind in LLAMA_LIKE:
         out = _llama_fields(hf, path, kind)
         eps = out["norm_eps"]
@@ -130,51 +176,83 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
 
 def _llama_fields(hf: dict, path: Path, kind: str) -> dict[str, Any]:
     """The shape keys of a Llama-shaped family's ``config.json`` (its ``LLAMA_LIKE`` row)."""
-    act = hf.get("hidden_act", "silu")
-    _refuse_unless(act == "silu", path, f"hidden_act={act}")
+    family = LLAMA_LIKE[kind]
+    hf = {**family.defaults, **hf}
+    act_field, act_default = family.act
+    act = hf.get(act_field) or act_default
+    _refuse_unless(act in ACTS, path, f"{act_field}={act} (dxrun's gated MLPs: "
+                   f"{', '.join(ACTS)})")
     for name, off in UNREAD.items():
-        _refuse_unless(hf.get(name) in (None, off), path,
+        _refuse_unless(name in family.reads or hf.get(name) in (None, off), path,
                        f"{name}={json.dumps(hf.get(name))} (model_type={kind})")
     D, H = _need(hf, path, "hidden_size"), _need(hf, path, "num_attention_heads")
     n_layers = _need(hf, path, "num_hidden_layers")
     head_dim = hf.get("head_dim") or D // H
-    return {**dict(n_layers=n_layers, d_model=D, n_heads=H,
-                n_kv_heads=hf.get("num_key_value_heads") or H,
-                d_ff=_need(hf, path, "intermediate_size"),
-                vocab_size=_need(hf, path, "vocab_size"),
-                max_seq_len=_need(hf, path, "max_position_embeddings"), bias=False,
-                norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu",
-                pos="rope", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=rope_scaling(hf.get("rope_scaling"), path),
-                head_dim=None if head_dim * H == D else head_dim, qkv_bias=False,
-                qk_norm="none", sliding_window=_window(hf, path, kind, n_layers),
-                norm_position="pre"),
-            **LLAMA_LIKE[kind].pieces}
+    window, every = _window(hf, path, kind, n_layers)
+    own = {READS[name]: (None if hf.get(name) is None else float(hf[name]))
+           for name in family.reads}
+    if own.get("attn_scalar") == head_dim:  # the scores' usual scale: no key needed
+        own["attn_scalar"] = None
+    if every is None or own.get("rope_local_theta") == float(hf.get("rope_theta", 1e4)):
+        own["rope_local_theta"] = None
+    _refuse_unless(not (kind == "gemma3_text" and hf.get("rope_scaling")), path,
+                   f"rope_scaling={json.dumps(hf.get('rope_scaling'))} (Gemma 3's, on its "
+                   "global layers only; dxrun scales none)")
+    return {**_PLAIN, **dict(n_layers=n_layers, d_model=D, n_heads=H,
+                             n_kv_heads=hf.get("num_key_value_heads") or H,
+                             d_ff=_need(hf, path, "intermediate_size"),
+                             vocab_size=_need(hf, path, "vocab_size"),
+                             max_seq_len=_need(hf, path, "max_position_embeddings"),
+                             bias=False, norm="rmsnorm",
+                             norm_eps=float(hf.get("rms_norm_eps", 1e-6)), pos="rope",
+                             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                             rope_theta=float(hf.get("rope_theta", 10000.0)),
+                             rope_scaling=rope_scaling(hf.get("rope_scaling"), path),
+                             head_dim=None if head_dim * H == D else head_dim, **ACTS[act],
+                             sliding_window=window, global_every=every, hf_type=kind),
+            **own, **family.pieces}
 
 
-def _window(hf: dict, path: Path, kind: str, n_layers: int) -> int | None:
-    """``model.sliding_window`` of a Llama-shaped family's ``config.json``, as its row's
-    ``window`` says it is given; a window in a family without one, or local and full layers
-    alternating (dxrun's layers are alike), refused."""
+def _window(hf: dict, path: Path, kind: str, n_layers: int) -> tuple[int | None, int | None]:
+    """``model.sliding_window`` and ``model.global_every`` of a Llama-shaped family's
+    ``config.json``, as its row's ``window`` says they are given; a window in a family without
+    one, or windowed and full layers in an order dxrun does not build (every k-th layer
+    full, the rest windowed), refused."""
     style, types = LLAMA_LIKE[kind].window, hf.get("layer_types")
+    if types is None and "sliding_window_pattern" in hf:  # Gemma 2/3's default kinds
+        types = [("sliding_attention" if (i + 1) % hf["sliding_window_pattern"]
+                  else "full_attention") for i in range(n_layers)]
     if types is None and "use_sliding_window" in hf:  # Qwen's before layer_types
         cut = hf.get("max_window_layers") or 0
         types = [("sliding_attention" if hf["use_sliding_window"] and i >= cut
                   else "full_attention") for i in range(n_layers)]
+    every = None
     if types is not None:
         kinds = set(types)
-        _refuse_unless(kinds <= {"full_attention", "sliding_attention"} and len(kinds) == 1,
-                       path, f"layer_types={json.dumps(sorted(kinds))} (sliding-window and full "
-                       "attention layers alternating; dxrun's layers are all alike)")
-        window = hf.get("sliding_window") if kinds == {"sliding_attention"} else None
+        every = _global_every(types)
+        _refuse_unless(kinds <= {"full_attention", "sliding_attention"} and every != 0,
+                       path, f"layer_types={json.dumps(types)} (windowed and full attention "
+                       "layers in an order dxrun does not build: every k-th layer full, the "
+                       "others windowed)")
+        window = hf.get("sliding_window") if "sliding_attention" in kinds else None
     else:
         window = hf.get("sliding_window")
     _refuse_unless(window is None or (style is not None and isinstance(window, int)
                                       and window > 0), path,
                    f"sliding_window={json.dumps(window)} (model_type={kind} attends to every "
                    "earlier position; relabelled from another family?)")
-    return window
+    return window, (None if window is None else every)
+
+
+def _global_every(types: list[str]) -> int | None:
+    """k where layer i is full exactly when (i + 1) % k == 0 (Gemma 2's 2, Gemma 3's 6), None
+    when every layer is alike, 0 when no k gives ``types``."""
+    if len(set(types)) <= 1:
+        return None
+    for k in range(2, len(types) + 1):
+        if all((t == "full_attention") == ((i + 1) % k == 0) for i, t in enumerate(types)):
+            return k
+    return 0
 
 
 def rope_scaling(scaling: Any, path: Path) -> dict[str, float] | None:
@@ -237,12 +315,15 @@ def check_rope_scaling(value: Any) -> None:
 
 
 # The families dxrun writes and the keys that make them (export: which HF architecture a run
-# is; the first that computes the model: a Llama-shaped one without a window is Llama).
-_PLAIN = dict(qkv_bias=False, qk_norm="none", norm_position="pre")
+# is; the first that computes the model: a Llama-shaped one without a window is Llama). A
+# Llama-shaped family's MLP is any gated one (its hidden_act says which).
 FAMILIES = {
-    "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True,
-                 head_dim=None, sliding_window=None, **_PLAIN),
-    **{kind: {**dict(bias=False, norm="rmsnorm", mlp="swiglu", pos="rope", **_PLAIN),
+    "gpt2": dict(bias=True, norm="layernorm", mlp="gelu", gelu="tanh", pos="learned",
+                 tie_embeddings=True, head_dim=None, sliding_window=None, **_PLAIN),
+    **{kind: {**dict(bias=False, norm="rmsnorm", pos="rope"),
+              **{k: v for k, v in _PLAIN.items()
+                 if k not in {READS[r] for r in f.reads}
+                 and not (k == "global_every" and f.window == "layer_types")},
               **f.pieces, **({} if f.window else dict(sliding_window=None))}
        for kind, f in LLAMA_LIKE.items()},
 }
@@ -251,14 +332,19 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel",
 
 
 def model_type_of(m: Any) -> str:
-    """The HF ``model_type`` of dxrun's model section ``m``; ConfigError naming what differs
-    when no HF architecture computes what it does."""
+    """The HF ``model_type`` of dxrun's model section ``m``: ``model.hf_type`` (a checkpoint's
+    own, a preset's: Phi-3 computes what Mistral does, its tensors are fused), else the first
+    family that computes it; ConfigError naming what differs when that family (or any) does
+    not."""
     misses = {kind: [f"model.{k}={_show(getattr(m, k, None))}" for k, v in want.items()
                      if getattr(m, k, None) != v] for kind, want in FAMILIES.items()}
     if m.pos == "learned" and m.n_kv_heads != m.n_heads:
         misses["gpt2"].append(f"model.n_kv_heads={m.n_kv_heads} (GPT-2 has no grouped-query "
                               "attention)")
-    kind = min(misses, key=lambda k: len(misses[k]))
+    if m.mlp == "gelu":
+        for kind in LLAMA_LIKE:
+            misses[kind].append("model.mlp=gelu (its MLP is gated: swiglu or geglu)")
+    kind = getattr(m, "hf_type", None) or min(misses, key=lambda k: len(misses[k]))
     if misses[kind]:
         want = ", ".join(f"{k}={_show(v)}" for k, v in FAMILIES[kind].items())
         raise ConfigError(f"the model has no Hugging Face equivalent: nearest is {kind} "
@@ -285,16 +371,33 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
                     tie_word_embeddings=True)
     scaling = (None if not m.rope_scaling
                else dict(rope_type="llama3", **{k: m.rope_scaling[k] for k in LLAMA3_SCALING}))
-    window = getattr(m, "sliding_window", None)
-    # the window as the family's config.json gives it (Qwen's: every layer from the first)
-    windowed = ({} if LLAMA_LIKE[kind].window is None
-                else dict(sliding_window=window) if LLAMA_LIKE[kind].window == "sliding_window"
-                else dict(use_sliding_window=window is not None, sliding_window=window,
-                          max_window_layers=0 if window else m.n_layers))
+    family, head_dim = LLAMA_LIKE[kind], m.head_dim or m.d_model // m.n_heads
+    act = next(a for a, keys in ACTS.items()
+               if all(getattr(m, k, "tanh") == v for k, v in keys.items()))
+    own = {name: getattr(m, READS[name]) for name in family.reads}
+    if "query_pre_attn_scalar" in own:
+        own["query_pre_attn_scalar"] = own["query_pre_attn_scalar"] or head_dim
+    if "rope_local_base_freq" in own:
+        own["rope_local_base_freq"] = own["rope_local_base_freq"] or m.rope_theta
     return dict(common, hidden_size=m.d_model, intermediate_size=m.d_ff,
                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim or m.d_model // m.n_heads,
+                num_key_value_heads=m.n_kv_heads, head_dim=head_dim,
                 max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                 rope_theta=m.rope_theta, rope_scaling=scaling,
-                tie_word_embeddings=m.tie_embeddings, hidden_act="silu",
-                attention_bias=False, mlp_bias=False, **windowed)
+                tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False,
+                **{"hidden_act": act, family.act[0]: act}, **own, **_windowed(m, family))
+
+
+def _windowed(m: Any, family: Family) -> dict[str, Any]:
+    """The window as the family's config.json gives it: Mistral's one number; the per-layer
+    kinds (Gemma 2/3's alternating; Qwen's, besides, as every layer from the first)."""
+    window = getattr(m, "sliding_window", None)
+    if family.window is None:
+        return {}
+    if family.window == "sliding_window":
+        return dict(sliding_window=window)
+    every = getattr(m, "global_every", None)
+    types = ["sliding_attention" if window and (every is None or (i + 1) % every)
+             else "full_attention" for i in range(m.n_layers)]
+    return dict(use_sliding_window=window is not None, sliding_window=window,
+                max_window_layers=0 if window else m.n_layers, layer_types=types)

@@ -61,24 +61,49 @@ class ModelConfig:
     sliding_window: int | None = key(
         None, "Each query sees only the last this many positions, itself included (Mistral's "
         "sliding window); null = the whole causal prefix.", range=POSITIVE)
+    global_every: int | None = key(
+        None, "With model.sliding_window: every this-many-th layer (the last of each run of "
+        "layers) attends to the whole prefix, the others to the window (Gemma 2: 2, Gemma 3: "
+        "6); null = every layer windowed.", range=POSITIVE)
+    rope_local_theta: float | None = key(
+        None, "With model.global_every: the windowed layers' RoPE base (Gemma 3's "
+        "rope_local_base_freq); null = model.rope_theta.", range=POSITIVE)
+    attn_softcap: float | None = key(
+        None, "Attention scores soft-capped to (-c, c) as c tanh(s / c) (Gemma 2's "
+        "attn_logit_softcapping); null = none.", range=POSITIVE)
+    logit_softcap: float | None = key(
+        None, "The output logits soft-capped likewise (Gemma 2's final_logit_softcapping); "
+        "null = none.", range=POSITIVE)
+    attn_scalar: float | None = key(
+        None, "Attention scores scaled by this^-1/2 (Gemma 2/3's query_pre_attn_scalar); "
+        "null = the head dim.", range=POSITIVE)
     norm: str = key("layernorm", "the blocks' normalisation (GPT-2: layernorm; Llama: rmsnorm)",
                     choices=("layernorm", "rmsnorm"))
-    norm_position: str = key("pre", "where the blocks' two norms sit: pre (on the inputs of "
-                             "attention and the MLP: GPT-2, Llama) or post (on their outputs, "
-                             "before the residual add: OLMo 2)", choices=("pre", "post"))
+    norm_position: str = key("pre", "where the blocks' norms sit: pre (on the inputs of "
+                             "attention and the MLP: GPT-2, Llama), post (on their outputs, "
+                             "before the residual add: OLMo 2) or sandwich (both: Gemma 2/3)",
+                             choices=("pre", "post", "sandwich"))
+    norm_plus_one: bool = key(False, "RMSNorms scale by 1 + their weight, which starts at 0 "
+                              "(Gemma)")
     norm_eps: float = key(1e-5, "the norms' epsilon (a Hugging Face checkpoint's "
                           "layer_norm_epsilon or rms_norm_eps)", range=POSITIVE)
-    mlp: str = key("gelu", "the MLP (GPT-2: gelu; Llama: swiglu, gated)",
-                   choices=("gelu", "swiglu"))
+    mlp: str = key("gelu", "the MLP (GPT-2: gelu; Llama: swiglu, gated; Gemma: geglu, "
+                   "gated)", choices=("gelu", "swiglu", "geglu"))
+    gelu: str = key("tanh", "GELU's form in the gelu and geglu MLPs: tanh (GPT-2's gelu_new, "
+                    "gelu_pytorch_tanh) or exact (erf: gelu)", choices=("tanh", "exact"))
     pos: str = key("learned", "positions: learned embeddings (GPT-2) or rotary (Llama)",
                    choices=("learned", "rope"))
     dropout: float = key(0.0, "dropout rate (keys derived from seed and step)", range=FRACTION)
     tie_embeddings: bool = key(False, "the LM head reuses the token embedding")
+    embed_scale: bool = key(False, "the token embeddings multiplied by sqrt(d_model) (Gemma)")
     rope_theta: float = key(10000.0, "RoPE base frequency (model.pos=rope)", range=POSITIVE)
     rope_scaling: Any = key(None, "RoPE frequency scaling (Llama 3.1's: factor, low/high_freq_factor, "
                             "original_max_position_embeddings); null = none")
     init_from: str | None = key(None, "hf:<dir>: start from a Hugging Face checkpoint (GPT-2, Llama): "
                                 "its config.json sets the model's shape (docs/guide/huggingface.md)")
+    hf_type: str | None = key(None, "the Hugging Face model_type dxrun.export writes, one "
+                              "dxrun reads (set by model.init_from from its config.json, or by "
+                              "a preset); null = the first family that computes the model")
     init_std: float = key(0.02, "standard deviation of the weights' normal initialisation",
                           range=POSITIVE)
     scan_layers: bool = key(True, "lax.scan over stacked layers (compile once); false = a loop")
@@ -313,7 +338,7 @@ class RunSection:
 @dataclass
 class PlanConfig:
     target: str | None = key(
-        None, "The accelerator plan mode estimates for (dxrun/plan/cost.py: TARGETS); null = "
+        None, "The accelerator plan mode estimates for (dxrun/cost/targets.py: TARGETS); null = "
         "the devices this process sees.")
     write_gb_per_s: float = key(
         1.0, "The checkpoint write bandwidth (GB/s, all processes together) plan mode assumes "
@@ -380,7 +405,7 @@ RANGES: dict[str, Range] = {k: f.metadata["range"] for k, f in FIELDS.items()
 # The numeric keys without a range: what they accept and where that is checked.
 UNRANGED: dict[str, str] = {k: f.metadata["unranged"] for k, f in FIELDS.items()
                             if f.metadata["unranged"]}
-# The string keys with a fixed list of values (plan.target's: dxrun/plan/cost.py).
+# The string keys with a fixed list of values (plan.target's: dxrun/cost/targets.py).
 _CHOICES: dict[str, tuple[str, ...]] = {k: f.metadata["choices"] for k, f in FIELDS.items()
                                         if isinstance(f.metadata["choices"], tuple)}
 # The data keys only some sources read; any other source refuses them.

@@ -14,8 +14,8 @@ from dxrun.cost.cadence import (
     MAX_CHECKPOINT_OVERHEAD, cadence_text, checkpoint_cost, checkpoint_line, minutes_for_overhead,
     save_cadence)
 from dxrun.cost.flops import (
-    PEAK_TFLOPS, RECOMPUTE_MATMULS, attention_flops, flops_per_token, is_causal, matmul_params,
-    mfu, normalize_kind, peak_tflops, step_flops)
+    GATED, PEAK_TFLOPS, RECOMPUTE_MATMULS, attention_flops, block_matmul_flops, flops_per_token,
+    is_causal, matmul_params, mfu, normalize_kind, peak_tflops, step_flops)
 from dxrun.cost.layouts import (
     MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, REMATS, SEARCHES, Row, TooLarge, candidates,
     chosen_layout, fit_variants, gib_text, held_batch, measure_rule, measure_stage, meshes,

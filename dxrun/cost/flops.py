@@ -132,6 +132,7 @@ def mfu(tflops_per_device: float, peak: float) -> float:
 
 # The model.remat levels whose backward pass runs the blocks' matmuls again.
 RECOMPUTE_MATMULS = ("full", "keep_attention")
+GATED = ("swiglu", "geglu")  # the MLPs with a gate projection beside the up one
 
 
 def block_matmul_flops(model: Any) -> float:
@@ -141,7 +142,7 @@ def block_matmul_flops(model: Any) -> float:
     E = head_dim_of(model)
     qkv = 2 * D * (H + 2 * K) * E
     out = 2 * H * E * D
-    mlp = 2 * D * F * (3 if model.mlp == "swiglu" else 2)
+    mlp = 2 * D * F * (3 if model.mlp in GATED else 2)
     return float(qkv + out + mlp)
 
 
@@ -157,7 +158,13 @@ def attention_flops(model: Any, seq_len: int, causal: bool) -> float:
     full = 2 * 2 * seq_len * model.n_heads * head_dim_of(model)
     w = getattr(model, "sliding_window", None)
     if causal and w and w < seq_len:  # a query sees min(its position + 1, w) keys
-        return full * (w / seq_len - w * w / (2 * seq_len**2))
+        windowed = full * (w / seq_len - w * w / (2 * seq_len**2))
+        every = getattr(model, "global_every", None)
+        if every is None:
+            return windowed
+        # model.global_every: n // every layers attend to the whole causal prefix
+        n = model.n_layers
+        return ((n - n // every) * windowed + (n // every) * full / 2) / n
     return full / 2 if causal else float(full)
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config import head_dim_of
-from dxrun.cost import gb_text
+from dxrun.cost import GATED, gb_text
 from dxrun.plan import BLOCK, KERNELS
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-MLP_TENSORS = {"gelu": 2, "swiglu": 3}  # s·b·f tensors the MLP keeps, see ``layer_none``
+# s·b·f tensors the MLP keeps, see ``layer_none``
+MLP_TENSORS = {"gelu": 2, "swiglu": 3, "geglu": 3}
 REMAT = ("none", "dots", "full")
 
 
@@ -45,7 +46,7 @@ class Shapes:
     vocab: int  # padded vocabulary / tp
     n_layers: int
     c: int  # compute dtype bytes
-    mlp: str  # gelu | swiglu
+    mlp: str  # gelu | swiglu | geglu
     bias: bool
     remat: str  # none | dots | keep_attention | full
     kernel: str  # the run plan's attention kernel (attention_kernel.KERNELS)
@@ -56,6 +57,8 @@ class Shapes:
     rope: bool = False  # model.pos=rope
     keys: int = 0  # the whole sequence each query attends over when cp > 1 (0: s, no context axis)
     stream_split: int = 1  # tp with parallelism.sequence_parallel: the norms' and stream's split
+    norms: int = 2  # the block's norms: 4 with model.norm_position=sandwich (Gemma 2/3)
+    softcap: bool = False  # model.attn_softcap: the scores capped (a kernel keeping them: 2 more)
 
     @property
     def tokens(self) -> int:
@@ -102,7 +105,9 @@ def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> S
         residual=FP32 if m.residual_dtype == "fp32" else c, accum=accum,
         loss_chunk=plan.loss_chunk, norm=m.norm, rope=m.pos == "rope",
         keys=plan.seq_len if cp > 1 else 0,
-        stream_split=plan.tp if getattr(plan, "sequence_parallel", False) else 1)
+        stream_split=plan.tp if getattr(plan, "sequence_parallel", False) else 1,
+        norms=4 if getattr(m, "norm_position", "pre") == "sandwich" else 2,
+        softcap=getattr(m, "attn_softcap", None) is not None)
 
 
 def norm_bytes(x: Shapes) -> float:
@@ -130,13 +135,15 @@ def layer_none(x: Shapes) -> dict[str, float]:
     output (SwiGLU, a custom VJP too: the up and gate outputs and their product)."""
     t, c = x.tokens, x.c
     rows = x.heads * x.s * x.b
-    core = ((FP32 + c) * x.scores + 2 * FP32 * rows if x.scores
+    # a soft cap on kept scores: its tanh and the capped scores, fp32, beside them
+    capped = 2 * FP32 * x.scores if x.softcap else 0
+    core = ((FP32 + c) * x.scores + 2 * FP32 * rows + capped if x.scores
             else FP32 * rows)  # a fused kernel: the log-sum-exp only
     if x.kernel == "blockwise":  # as a fused kernel's: the log-sum-exp only
         core = FP32 * rows
     rope = 4 * FP32 * x.s * (x.head_dim // 2) if x.rope else 0
     return {
-        "norms": 2 * norm_bytes(x),
+        "norms": x.norms * norm_bytes(x),
         "attention": c * t * (x.qkv + x.heads * x.head_dim) + c * x.gathered_kv + rope,
         "scores": core,
         "mlp": MLP_TENSORS[x.mlp] * c * t * x.f,
@@ -156,7 +163,7 @@ def layer_saved(x: Shapes) -> float:
     # dots: the outputs of the matmuls the policy sees
     core = (0.0 if x.fused
             else FP32 * x.scores + c * t * x.heads * x.head_dim)
-    ups = 2 if x.mlp == "swiglu" else 1
+    ups = 2 if x.mlp in GATED else 1
     weights = c * t * (x.qkv + x.h) + ups * c * t * x.f  # qkv, attention out, MLP up(s)
     return layer_input + core + weights
 
@@ -171,7 +178,7 @@ def recomputed(x: Shapes) -> dict[str, float]:
     scores; cuDNN's forward: the heads' output and the log-sum-exp), the norms and the
     activation are recomputed."""
     parts = layer_none(x)
-    ups = 2 if x.mlp == "swiglu" else 1
+    ups = 2 if x.mlp in GATED else 1
     t, c = x.tokens, x.c
     if x.remat != "dots":
         parts["mlp"] = (ups + 2) * c * t * x.f
@@ -215,7 +222,7 @@ def gather_bytes(x: Shapes, fsdp: int) -> float:
     the backward pass; TP-split weights are never gathered."""
     if fsdp == 1:
         return 0.0
-    ups = 2 if x.mlp == "swiglu" else 1
+    ups = 2 if x.mlp in GATED else 1
     per_layer = x.h * x.qkv + x.heads * x.head_dim * x.h + (ups + 1) * x.h * x.f
     return 2 * x.c * per_layer
 

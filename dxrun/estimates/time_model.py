@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config import head_dim_of
-from dxrun.cost import GB, RECOMPUTE_MATMULS, attention_flops, is_causal
+from dxrun.cost import GATED, GB, RECOMPUTE_MATMULS, attention_flops, is_causal
 from dxrun.plan import KERNELS, kv_gather_bytes, padded_vocab, table_rows
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
     """(input width, output width) of one block's weight matmuls on one device (tp-split)."""
     m = w.model
     E, tp = head_dim_of(m), w.tp
-    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp == "swiglu" else 1)
+    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp in GATED else 1)
     return [(m.d_model, (m.n_heads + 2 * m.n_kv_heads) * E / tp), (m.n_heads * E / tp, m.d_model),
             *mlp_in, (m.d_ff / tp, m.d_model)]
 
@@ -245,7 +245,7 @@ def elementwise_bytes(w: Workload, fused: bool) -> dict[str, float]:
     norms = 2 * (r * D + a * D)
     residual = 2 * (2 * r * D + a * D)
     rope = 2 * a * (H + K) * E if m.pos == "rope" else 0.0
-    act = (3 if m.mlp == "swiglu" else 2) * a * F
+    act = (3 if m.mlp in GATED else 2) * a * F
     softmax = 0.0 if fused else H * w.seq_len * (4 + a)  # read fp32 scores, write probabilities
     fwd = norms + residual + rope + act + softmax
     passes = 3 + (1 if w.remat != "none" else 0)  # forward, backward (2 x), recomputation
@@ -311,7 +311,7 @@ def scan_traffic(w: Workload) -> float:
     r = 4 if m.residual_dtype == "fp32" else a
     D, E, tp = m.d_model, head_dim_of(m), w.tp
     qkv, F = (m.n_heads + 2 * m.n_kv_heads) / tp * E, m.d_ff / tp
-    ups = 2 if m.mlp == "swiglu" else 1
+    ups = 2 if m.mlp in GATED else 1
     saved = {"none": 2 * r * D + 2 * a * D + a * qkv + a * D + (ups + 1) * a * F,
              "full": r * D, "keep_attention": r * D + a * D + 4 * m.n_heads / tp,
              "dots": r * D + a * qkv + a * D + ups * a * F}[w.remat]

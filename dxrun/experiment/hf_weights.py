@@ -80,7 +80,8 @@ def import_params(m: ModelConfig, spec: dict, axes: dict) -> dict:
                 for k, layer in enumerate(layers):  # one layer's block read at a time
                     name = files.name_for(w, layer)
                     out[(k, *fill)] = dxrun_block(w, real, within, hf_shape,
-                                                  lambda sl, name=name: files.read(name, sl))
+                                                  lambda sl, name=name: files.read(name, sl),
+                                                  dim)
                 return out if w.per_layer else out[0]
 
             built[w.dxrun] = _place(s.shape, s.sharding, shard)

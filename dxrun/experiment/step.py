@@ -106,7 +106,7 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
         loss, accuracy = chunked_cross_entropy(
             model.output_weight(gathered=True), x_BxLxD, targets_BxL, loss_chunk,
             vocab_size=model.vocab_size, vocab_axis=0 if model.lm_head is None else 1,
-            weights_BxL=weights_BxL)
+            weights_BxL=weights_BxL, softcap=model.logit_softcap)
         return loss, {"train/loss": loss, "train/accuracy": accuracy}
     logits_BxLxV = logits_of(model, inputs_BxL, dropout_key, dtype)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
@@ -206,7 +206,7 @@ class StepSpec:
     batch_sharding: Any
     dropout_seed: int | None = None
     nan_policy: str = "halt"
-    # test-only (dxrun/run/runtime.py, from the environment): the step whose loss is poisoned
+    # test-only (dxrun/run/faults.py, from the environment): the step whose loss is poisoned
     inject_nan_at_step: int = field(default_factory=lambda: faults_from_env().nan_at_step)
     grad_reduce_dtype: str = "fp32"
     update_shardings: Any = None
@@ -228,7 +228,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
         loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                          spec.grad_reduce_dtype, plan.loss_chunk, objective)
-        if inject_nan_at_step:  # test-only (dxrun/run/runtime.py): poisons loss and grads
+        if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         return loss, metrics
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dxrun.config import ConfigError, config_json, head_dim_of, model_type_of
+from dxrun.config import LLAMA_LIKE, ConfigError, config_json, head_dim_of, model_type_of
 
 # ------------------------------------------------------------------------------------------------
 # Which Hugging Face tensor becomes which dxrun weight, and how: the one table import, export
@@ -32,12 +32,13 @@ from dxrun.config import ConfigError, config_json, head_dim_of, model_type_of
 # layer ``i`` at index ``i`` of their leading axis) to a HF tensor (``{i}``: its layer). ``same``:
 # the HF tensor holds the numbers in dxrun's order, only grouped differently (GPT-2's Conv1D keeps
 # (in, out), as dxrun's ``D x ...`` weights do); ``transposed``: a ``torch.nn.Linear`` weight,
-# (out, in), transposed first (Llama). ``part=(j, n)``: the j-th of n equal blocks of the HF
-# tensor's last axis (GPT-2's fused ``c_attn``: q, k, v side by side). HF shapes are written in
-# the model's dimensions (D d_model, H heads, K kv heads, E head dim, F d_ff, V vocab, P
-# positions). Rotary: both sides rotate halves (HF's checkpoints are stored permuted for its
-# ``rotate_half``, and dxrun's ``rope`` is that convention), so q and k need no permutation. Pure:
-# numpy in, numpy out.
+# (out, in), transposed first (Llama). ``part=(j, sizes)``: block j of the HF tensor's output
+# axis (its last as stored, its first transposed), cut in blocks of ``sizes`` (GPT-2's fused
+# ``c_attn``: q, k, v side by side; Phi-3's ``qkv_proj`` and ``gate_up_proj``). HF shapes are
+# written in the model's dimensions (D d_model, H heads, K kv heads, E head dim, F d_ff, V
+# vocab, P positions; "a*b": a product, "a+b": a sum). Rotary: both sides rotate halves (HF's
+# checkpoints are stored permuted for its ``rotate_half``, and dxrun's ``rope`` is that
+# convention), so q and k need no permutation. Pure: numpy in, numpy out.
 
 SAME, TRANSPOSED = "same", "transposed"
 
@@ -48,7 +49,13 @@ class Weight:
     hf: str  # the HF tensor's name; "{i}": the layer
     kind: str  # SAME or TRANSPOSED
     hf_shape: tuple[str, ...]  # in the model's dimensions ("3*D": a product)
-    part: tuple[int, int] | None = None  # (j, n): block j of n of the HF tensor's last axis
+    part: tuple[int, tuple[str, ...]] | None = None  # (j, the blocks' sizes) of the output axis
+
+    def span(self, d: dict[str, int]) -> tuple[int, int]:
+        """(start, stop) of ``part`` on the HF tensor's output axis, for the dimensions ``d``."""
+        j, sizes = self.part
+        at = shape_of(sizes, d)
+        return sum(at[:j]), sum(at[:j + 1])
 
     @property
     def per_layer(self) -> bool:
@@ -67,8 +74,9 @@ def _gpt2() -> list[Weight]:
            Weight("blocks/ln1/bias", h + "ln_1.bias", SAME, ("D",))]
     for j, name in enumerate("qkv"):
         out += [Weight(f"blocks/attn/w{name}", h + "attn.c_attn.weight", SAME, ("D", "3*D"),
-                       (j, 3)),
-                Weight(f"blocks/attn/b{name}", h + "attn.c_attn.bias", SAME, ("3*D",), (j, 3))]
+                       (j, ("D",) * 3)),
+                Weight(f"blocks/attn/b{name}", h + "attn.c_attn.bias", SAME, ("3*D",),
+                       (j, ("D",) * 3))]
     return out + [
         Weight("blocks/attn/wo", h + "attn.c_proj.weight", SAME, ("D", "D")),
         Weight("blocks/attn/bo", h + "attn.c_proj.bias", SAME, ("D",)),
@@ -83,42 +91,65 @@ def _gpt2() -> list[Weight]:
     ]
 
 
+# The blocks' norms' names by model.norm_position: dxrun's ln1, ln2 (and ln1_out, ln2_out).
+NORM_NAMES = {"pre": dict(ln1="input_layernorm", ln2="post_attention_layernorm"),
+              "post": dict(ln1="post_attention_layernorm", ln2="post_feedforward_layernorm"),
+              "sandwich": dict(ln1="input_layernorm", ln1_out="post_attention_layernorm",
+                               ln2="pre_feedforward_layernorm",
+                               ln2_out="post_feedforward_layernorm")}
+
+
 def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none",
-           post_norm: bool = False) -> list[Weight]:
+           norm_position: str = "pre", fused: bool = False) -> list[Weight]:
     """Llama's tensors, and those of the pieces a Llama-shaped family adds (``LLAMA_LIKE``):
-    q, k, v biases (Qwen2), per-head or whole-projection q and k norms (Qwen3, OLMo 2), the
-    norms after attention and the MLP (OLMo 2: ``post_norm``, where Llama's sit before)."""
+    q, k, v biases (Qwen2), per-head or whole-projection q and k norms (Qwen3, OLMo 2, Gemma
+    3), the norms after attention and the MLP (OLMo 2's in place of Llama's, Gemma 2/3's
+    besides), q, k, v and gate, up each joined in one tensor (Phi-3: ``fused``)."""
     h = "model.layers.{i}."
-    ln1, ln2 = (("post_attention_layernorm", "post_feedforward_layernorm") if post_norm
-                else ("input_layernorm", "post_attention_layernorm"))
     pieces = [Weight(f"blocks/attn/b{x}", h + f"self_attn.{x}_proj.bias", SAME, (f"{n}*E",))
               for x, n in (("q", "H"), ("k", "K"), ("v", "K")) if qkv_bias]
     if qk_norm != "none":
         pieces += [Weight(f"blocks/attn/{x}_norm/scale", h + f"self_attn.{x}_norm.weight", SAME,
                           ("E",) if qk_norm == "head" else (f"{n}*E",))
                    for x, n in (("q", "H"), ("k", "K"))]
-    out = [*pieces, Weight("wte", "model.embed_tokens.weight", SAME, ("V", "D")),
-           Weight("blocks/ln1/scale", h + f"{ln1}.weight", SAME, ("D",)),
-           Weight("blocks/attn/wq", h + "self_attn.q_proj.weight", TRANSPOSED, ("H*E", "D")),
-           Weight("blocks/attn/wk", h + "self_attn.k_proj.weight", TRANSPOSED, ("K*E", "D")),
-           Weight("blocks/attn/wv", h + "self_attn.v_proj.weight", TRANSPOSED, ("K*E", "D")),
-           Weight("blocks/attn/wo", h + "self_attn.o_proj.weight", TRANSPOSED, ("D", "H*E")),
-           Weight("blocks/ln2/scale", h + f"{ln2}.weight", SAME, ("D",)),
-           Weight("blocks/mlp/w_gate", h + "mlp.gate_proj.weight", TRANSPOSED, ("F", "D")),
-           Weight("blocks/mlp/w_up", h + "mlp.up_proj.weight", TRANSPOSED, ("F", "D")),
-           Weight("blocks/mlp/w_down", h + "mlp.down_proj.weight", TRANSPOSED, ("D", "F")),
+    norms = [Weight(f"blocks/{ln}/scale", h + f"{name}.weight", SAME, ("D",))
+             for ln, name in NORM_NAMES[norm_position].items()]
+    if fused:
+        qkv, sizes = "self_attn.qkv_proj.weight", ("H*E", "K*E", "K*E")
+        attn = [Weight(f"blocks/attn/w{x}", h + qkv, TRANSPOSED, ("H*E+K*E+K*E", "D"),
+                       (j, sizes)) for j, x in enumerate("qkv")]
+        mlp = [Weight(f"blocks/mlp/w_{x}", h + "mlp.gate_up_proj.weight", TRANSPOSED,
+                      ("2*F", "D"), (j, ("F", "F"))) for j, x in enumerate(("gate", "up"))]
+    else:
+        attn = [Weight(f"blocks/attn/w{x}", h + f"self_attn.{x}_proj.weight", TRANSPOSED,
+                       (f"{n}*E", "D")) for x, n in (("q", "H"), ("k", "K"), ("v", "K"))]
+        mlp = [Weight(f"blocks/mlp/w_{x}", h + f"mlp.{x}_proj.weight", TRANSPOSED, ("F", "D"))
+               for x in ("gate", "up")]
+    out = [*pieces, Weight("wte", "model.embed_tokens.weight", SAME, ("V", "D")), *norms,
+           *attn, Weight("blocks/attn/wo", h + "self_attn.o_proj.weight", TRANSPOSED,
+                         ("D", "H*E")),
+           *mlp, Weight("blocks/mlp/w_down", h + "mlp.down_proj.weight", TRANSPOSED, ("D", "F")),
            Weight("ln_f/scale", "model.norm.weight", SAME, ("D",))]
     if not tied:
         out.append(Weight("lm_head", "lm_head.weight", TRANSPOSED, ("V", "D")))
     return out
 
 
+def _named_otherwise(table: list[Weight]) -> list[Weight]:
+    """The tensors of ``table`` that Llama's has not (the guide prints these for a family)."""
+    llama = {(w.dxrun, w.hf) for w in _llama(tied=False)}
+    return [w for w in table if (w.dxrun, w.hf) not in llama]
+
+
 # The tables the guide prints: GPT-2 (embeddings tied, no lm_head tensor), Llama (untied; Mistral
-# the same), and the tensors Qwen2, Qwen3 and OLMo 2 add to Llama's or name otherwise.
+# and Gemma the same), and the tensors the other families add to Llama's or name otherwise.
 TABLES = {"gpt2": _gpt2(), "llama": _llama(tied=False),
-          "qwen2": _llama(True, qkv_bias=True)[:3], "qwen3": _llama(True, qk_norm="head")[:2],
-          "olmo2": [w for w in _llama(True, qk_norm="proj", post_norm=True)
-                    if "norm" in w.hf and "model.norm" not in w.hf]}
+          **{kind: _named_otherwise(_llama(True, **args)) for kind, args in (
+              ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head")),
+              ("olmo2", dict(qk_norm="proj", norm_position="post")),
+              ("gemma2", dict(norm_position="sandwich")),
+              ("gemma3_text", dict(qk_norm="head", norm_position="sandwich")),
+              ("phi3", dict(fused=True)))}}
 # What a HF directory may hold beside the weights, ignored on import: GPT-2's causal-mask
 # buffers (older checkpoints), Llama's rotary frequencies, a tied lm_head written anyway.
 BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -130,7 +161,7 @@ def weights(model_type: str, m: Any) -> list[Weight]:
     if model_type == "gpt2":
         return _gpt2()
     return _llama(m.tie_embeddings, getattr(m, "qkv_bias", False), getattr(m, "qk_norm", "none"),
-                  getattr(m, "norm_position", "pre") == "post")
+                  getattr(m, "norm_position", "pre"), LLAMA_LIKE[model_type].fused)
 
 
 def dims(m: Any) -> dict[str, int]:
@@ -141,7 +172,8 @@ def dims(m: Any) -> dict[str, int]:
 
 
 def shape_of(spec: tuple[str, ...], d: dict[str, int]) -> tuple[int, ...]:
-    return tuple(math.prod(int(f) if f.isdigit() else d[f] for f in s.split("*")) for s in spec)
+    return tuple(sum(math.prod(int(f) if f.isdigit() else d[f] for f in term.split("*"))
+                     for term in s.split("+")) for s in spec)
 
 
 def hf_name(w: Weight, layer: int | None, prefixed: bool = True) -> str:
@@ -149,26 +181,41 @@ def hf_name(w: Weight, layer: int | None, prefixed: bool = True) -> str:
     return name if prefixed else name.partition(".")[2]
 
 
-def to_dxrun(w: Weight, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def to_dxrun(w: Weight, x: np.ndarray, shape: tuple[int, ...],
+             d: dict[str, int] | None = None) -> np.ndarray:
     """The HF tensor ``x`` (one layer's) as dxrun's weight of ``shape`` (one layer's, the
-    real vocabulary: padding is the loader's)."""
-    if w.part is not None:
-        j, n = w.part
-        size = x.shape[-1] // n
-        x = x[..., j * size:(j + 1) * size]
+    real vocabulary: padding is the loader's); ``d``: the dimensions (a ``part``'s span)."""
     if w.kind == TRANSPOSED:
         x = x.T
+    if w.part is not None:  # the output axis: last in dxrun's order
+        a, b = w.span(d)
+        x = x[..., a:b]
     return np.ascontiguousarray(x).reshape(shape)
 
 
-def to_hf(w: Weight, x: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+def _part_shape(w: Weight, hf_shape: tuple[int, ...], d: dict[str, int] | None
+                ) -> tuple[int, ...]:
+    """The HF shape of ``w``'s own block of its tensor (the whole tensor's without a part)."""
+    if w.part is None:
+        return hf_shape
+    a, b = w.span(d)
+    return (b - a, *hf_shape[1:]) if w.kind == TRANSPOSED else (*hf_shape[:-1], b - a)
+
+
+def to_hf(w: Weight, x: np.ndarray, hf_shape: tuple[int, ...],
+          d: dict[str, int] | None = None) -> np.ndarray:
     """dxrun's weight ``x`` (one layer's, the real vocabulary) as the HF tensor of
-    ``hf_shape``, or as its part (``w.part``: the caller puts the parts side by side)."""
-    if w.part is not None:
-        hf_shape = (*hf_shape[:-1], hf_shape[-1] // w.part[1])
+    ``hf_shape``, or as its part (``w.part``: the caller joins the parts on the output
+    axis, ``output_axis``)."""
+    hf_shape = _part_shape(w, hf_shape, d)
     if w.kind == TRANSPOSED:
         return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
     return x.reshape(hf_shape)
+
+
+def output_axis(w: Weight) -> int:
+    """The HF tensor's output axis, where a fused tensor's parts sit side by side."""
+    return 0 if w.kind == TRANSPOSED else -1
 
 
 def _range(sizes: tuple[int, ...], index: tuple[tuple[int, int], ...]) -> tuple[int, int, bool]:
@@ -188,11 +235,11 @@ def _range(sizes: tuple[int, ...], index: tuple[tuple[int, int], ...]) -> tuple[
 
 def dxrun_block(w: Weight, real: tuple[int, ...], index: tuple[tuple[int, int], ...],
                 hf_shape: tuple[int, ...],
-                read: Callable[[tuple[slice, ...]], np.ndarray]) -> np.ndarray:
-    """``to_dxrun(w, x, real)[index]`` ((start, stop) per axis, within ``real``) from only the
-    region of the HF tensor ``x`` (of ``hf_shape``) it needs: ``read(slices)`` reads it."""
-    if w.part is not None:
-        hf_shape = (*hf_shape[:-1], hf_shape[-1] // w.part[1])
+                read: Callable[[tuple[slice, ...]], np.ndarray],
+                d: dict[str, int] | None = None) -> np.ndarray:
+    """``to_dxrun(w, x, real, d)[index]`` ((start, stop) per axis, within ``real``) from only
+    the region of the HF tensor ``x`` (of ``hf_shape``) it needs: ``read(slices)`` reads it."""
+    hf_shape = _part_shape(w, hf_shape, d)
     m_shape = hf_shape[::-1] if w.kind == TRANSPOSED else hf_shape  # the matrix in dxrun's order
     if len(m_shape) == 1:
         groups = [len(real)]
@@ -207,11 +254,11 @@ def dxrun_block(w: Weight, real: tuple[int, ...], index: tuple[tuple[int, int], 
                      [slice(None)] * g if exact else [slice(a, b) for a, b in block]))
         at += g
     slices = [r for r, _, _ in plan]
+    if w.part is not None:  # the output axis: last in dxrun's order
+        off = w.span(d)[0]
+        slices[-1] = slice(slices[-1].start + off, slices[-1].stop + off)
     if w.kind == TRANSPOSED:
         slices = slices[::-1]
-    if w.part is not None:
-        off = w.part[0] * hf_shape[-1]
-        slices[-1] = slice(slices[-1].start + off, slices[-1].stop + off)
     x = read(tuple(slices))
     if w.kind == TRANSPOSED:
         x = x.T
@@ -409,13 +456,14 @@ def hf_tensors(params: dict, axes: dict, m: Any) -> list[tuple[str, Any]]:
         x = np.asarray(x, dtype=np.float32)  # gathered from its shards (a jax.Array)
         if "vocab" in names:  # the mesh's padding rows dropped
             x = np.take(x, np.arange(m.vocab_size), axis=names.index("vocab"))
-        return to_hf(w, x, shape_of(w.hf_shape, d))
+        return to_hf(w, x, shape_of(w.hf_shape, d), d)
 
     def tensor(name: str) -> np.ndarray:
         parts = groups[name]
         layer = int(name.split(".")[2]) if parts[0].per_layer else None
-        pieces = [gather(w, layer) for w in sorted(parts, key=lambda w: w.part or (0, 1))]
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+        pieces = [gather(w, layer) for w in sorted(parts, key=lambda w: w.part or (0, ()))]
+        return (pieces[0] if len(pieces) == 1
+                else np.concatenate(pieces, axis=output_axis(parts[0])))
 
     return [(name, lambda name=name: tensor(name)) for name in groups]
 

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from dxrun.model.sharding import active_axes, constrain, without_mesh_axis
-from dxrun.model.transformer import dense
+from dxrun.model.transformer import dense, softcapped
 
 # ------------------------------------------------------------------------------------------------
 # The loss without the whole logits tensor (``model.loss_chunk``).
@@ -37,8 +37,8 @@ from dxrun.model.transformer import dense
 # vocabulary's over ``tensor`` (no data moves). The logits stay fp32.
 
 def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
-                          vocab_size: int, vocab_axis: int, weights_BxL: Any = None
-                          ) -> tuple[Any, Any]:
+                          vocab_size: int, vocab_axis: int, weights_BxL: Any = None,
+                          softcap: float | None = None) -> tuple[Any, Any]:
     """Mean cross-entropy and accuracy over ``targets_BxL`` of the output layer ``w`` (its
     padded vocabulary on axis ``vocab_axis``, ids from ``vocab_size`` on masked) applied to
     ``x_BxLxD``, ``chunk`` positions at a time. Every collective is the unchunked step's, once
@@ -52,9 +52,10 @@ def chunked_cross_entropy(w: Any, x_BxLxD: Any, targets_BxL: Any, chunk: int, *,
     gradient of ``w`` and each shard's part of the input gradient, summed once after the
     scan. Left to autodiff and the partitioner, each was all-reduced once per chunk.
     ``weights_BxL`` (masked diffusion's, ``dxrun.model.objectives``): each position's cross-entropy
-    weighted, still divided by B x L, and the accuracy over the positions of non-zero weight."""
+    weighted, still divided by B x L, and the accuracy over the positions of non-zero weight.
+    ``softcap``: the logits capped as the model's head caps them (``model.logit_softcap``)."""
     B, L, _ = x_BxLxD.shape
-    c = _Chunks.of(w, vocab_axis, vocab_size, B, L, chunk)
+    c = _Chunks.of(w, vocab_axis, vocab_size, B, L, chunk, softcap)
 
     def shard_stats(w_t: Any, offset: Any, x_bxCxD: Any, t_bxC: Any) -> tuple:
         return _stats(c, w_t, offset, x_bxCxD, t_bxC)
@@ -140,14 +141,15 @@ class _Chunks:
     vocab_axis: int
     batch_axes: tuple[str, ...]
     vocab_axes: tuple[str, ...]
+    softcap: float | None = None
 
     @classmethod
     def of(cls, w: Any, vocab_axis: int, vocab_size: int, B: int, L: int,
-           chunk: int) -> _Chunks:
+           chunk: int, softcap: float | None = None) -> _Chunks:
         replicas, shards = active_axes("batch"), active_axes("vocab")
         T, Vp = math.prod(shards.values()), w.shape[vocab_axis]
         return cls(B, L, chunk, math.prod(replicas.values()), L // chunk, T, Vp, Vp // T,
-                   vocab_size, vocab_axis, tuple(replicas), tuple(shards))
+                   vocab_size, vocab_axis, tuple(replicas), tuple(shards), softcap)
 
     @property
     def padded(self) -> bool:
@@ -194,8 +196,9 @@ class _Chunks:
 
 
 def _logits(c: _Chunks, w_t: Any, offset: Any, x_bxCxD: Any) -> tuple[Any, Any]:
-    """A shard's fp32 logits (its padding too) and its vocabulary ids."""
-    return (dense(x_bxCxD, w_t, c.specs[0], jnp.float32),
+    """A shard's fp32 logits (its padding too; soft-capped as the model's head caps them) and
+    its vocabulary ids."""
+    return (softcapped(dense(x_bxCxD, w_t, c.specs[0], jnp.float32), c.softcap),
             offset + jnp.arange(c.Vs, dtype=jnp.int32))
 
 
@@ -231,8 +234,10 @@ def _grads(c: _Chunks, w_dtype: Any, w_t: Any, x_bxCxD: Any, t_bxC: Any, logits_
     p_g = jnp.exp(logits_bxCxV - m_bxC[..., None]) * (g_bxC / s_bxC)[..., None]
     if c.padded:  # no probability, no gradient: in the same pass
         p_g = jnp.where(ids_V < c.vocab_size, p_g, 0.0)
-    d_bxCxV = (p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
-               ).astype(x_bxCxD.dtype)
+    d_bxCxV = p_g - jnp.where(ids_V == t_bxC[..., None], g_bxC[..., None], 0.0)
+    if c.softcap is not None:  # d(c tanh(z / c))/dz = 1 - tanh^2, from the capped logits
+        d_bxCxV = d_bxCxV * (1 - jnp.square(logits_bxCxV / c.softcap))
+    d_bxCxV = d_bxCxV.astype(x_bxCxD.dtype)
     # dxrun.model.transformer.dense's backward: compute dtype operands, fp32 accumulation; the input
     # gradient kept fp32, as the unchunked partial sum the partitioner reduces
     w_spec = c.specs[1]

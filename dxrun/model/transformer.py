@@ -120,14 +120,31 @@ EPS = 1e-5  # model.norm_eps's default (a checkpoint's own: dxrun.config.hf_mode
 
 
 class Norm(nnx.Module):
-    def __init__(self, d: int, kind: str, bias: bool, eps: float = EPS):
-        self.kind, self.eps = kind, eps
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), axes=("norm",))
+    """LayerNorm or RMSNorm; ``plus_one`` (``model.norm_plus_one``, Gemma's): the scale is
+    1 + the weight, the weight starting at 0, so a checkpoint's tensor is the weight itself."""
+
+    def __init__(self, d: int, kind: str, bias: bool, eps: float = EPS, plus_one: bool = False):
+        self.kind, self.eps, self.plus_one = kind, eps, plus_one
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((d,), jnp.float32),
+                               axes=("norm",))
         self.bias = zeros((d,), ("norm",)) if bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        return norm(x_BxLxD, self.scale[...], bias, self.kind == "layernorm", self.eps)
+        return norm(x_BxLxD, scale_of(self.scale[...], self.plus_one), bias,
+                    self.kind == "layernorm", self.eps)
+
+
+def scale_of(w: jax.Array, plus_one: bool) -> jax.Array:
+    """A norm's scale from its weight: the weight, or 1 + it in fp32 (Gemma's ``1.0 +
+    weight.float()``)."""
+    return 1.0 + w.astype(jnp.float32) if plus_one else w
+
+
+def block_norms(cfg: ModelConfig) -> dict[str, Any]:
+    """The model's norms' arguments after the width: ``Norm(d, **block_norms(cfg))``."""
+    return dict(kind=cfg.norm, bias=cfg.bias, eps=cfg.norm_eps,
+                plus_one=getattr(cfg, "norm_plus_one", False))
 
 
 def _norm_stats(x_BxLxD: jax.Array, centre: bool, eps: float
@@ -197,10 +214,19 @@ def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _gelu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    x32 = x.astype(jnp.float32)
-    t = jnp.tanh(_GELU_C * (x32 + _GELU_A * x32**3))
-    d = 0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * x32 * x32)
+    d = gelu_and_slope(x.astype(jnp.float32), exact=False)[1]
     return ((g.astype(jnp.float32) * d).astype(x.dtype),)
+
+
+def gelu_and_slope(x32: jax.Array, exact: bool) -> tuple[jax.Array, jax.Array]:
+    """GELU of fp32 ``x32`` and its derivative: the tanh form's, or the exact one's
+    (d(x Phi(x))/dx = Phi(x) + x phi(x))."""
+    if exact:
+        cdf = 0.5 * (1 + jax.lax.erf(x32 * 2**-0.5))
+        return x32 * cdf, cdf + x32 * jnp.exp(-0.5 * x32 * x32) * (2 * np.pi) ** -0.5
+    t = jnp.tanh(_GELU_C * (x32 + _GELU_A * x32**3))
+    return (0.5 * x32 * (1 + t),
+            0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * x32 * x32))
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
@@ -229,6 +255,28 @@ def _swiglu_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def geglu(gate: jax.Array, up: jax.Array, exact: bool) -> jax.Array:
+    """Gemma's gated unit, ``gelu(gate) * up``: GELU's tanh form (``gelu_pytorch_tanh``) or its
+    exact, erf form. A custom VJP keeps only its two inputs, as ``swiglu``'s: GELU and its
+    derivative recomputed from the gate in fp32 (JAX's own keeps GELU's output besides)."""
+    return jax.nn.gelu(gate, approximate=not exact) * up
+
+
+def _geglu_fwd(gate: jax.Array, up: jax.Array, exact: bool) -> tuple[jax.Array, tuple]:
+    return geglu(gate, up, exact), (gate, up)
+
+
+def _geglu_bwd(exact: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    gate, up = res
+    a, u, g32 = (t.astype(jnp.float32) for t in (gate, up, g))
+    act, d = gelu_and_slope(a, exact)
+    return (g32 * u * d).astype(gate.dtype), (g32 * act).astype(up.dtype)
+
+
+geglu.defvjp(_geglu_fwd, _geglu_bwd)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     if key is None or rate == 0.0:
         return x
@@ -237,13 +285,15 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 class MLP(nnx.Module):
-    """GELU (GPT-2) or SwiGLU (Llama). Up and gate are column-parallel, down row-parallel."""
+    """GELU (GPT-2), SwiGLU (Llama) or GeGLU (Gemma). Up and gate are column-parallel, down
+    row-parallel."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, F, std = cfg.d_model, cfg.d_ff, cfg.init_std
-        self.kind = cfg.mlp
+        self.kind, self.exact = cfg.mlp, getattr(cfg, "gelu", "tanh") == "exact"
         self.w_up = param(rngs, (D, F), ("embed", "mlp"), std)
-        self.w_gate = param(rngs, (D, F), ("embed", "mlp"), std) if cfg.mlp == "swiglu" else None
+        self.w_gate = (param(rngs, (D, F), ("embed", "mlp"), std)
+                       if cfg.mlp in ("swiglu", "geglu") else None)
         self.w_down = param(rngs, (F, D), ("mlp", "embed"), std / (2 * cfg.n_layers) ** 0.5)
         self.b_up = zeros((F,), ("mlp",)) if cfg.bias else None
         self.b_down = zeros((D,), ("norm",)) if cfg.bias else None
@@ -252,10 +302,12 @@ class MLP(nnx.Module):
         h_BxLxF = dense(x_BxLxD, self.w_up[...], "bld,df->blf")
         if self.b_up is not None:
             h_BxLxF = add_bias(h_BxLxF, self.b_up[...])
-        if self.w_gate is not None:
+        if self.kind == "swiglu":
             h_BxLxF = swiglu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf"), h_BxLxF)
+        elif self.kind == "geglu":
+            h_BxLxF = geglu(dense(x_BxLxD, self.w_gate[...], "bld,df->blf"), h_BxLxF, self.exact)
         else:
-            h_BxLxF = gelu(h_BxLxF)
+            h_BxLxF = jax.nn.gelu(h_BxLxF, approximate=False) if self.exact else gelu(h_BxLxF)
         y_BxLxD = dense(h_BxLxF, self.w_down[...], "blf,fd->bld")
         if self.b_down is not None:
             y_BxLxD = add_bias(y_BxLxD, self.b_down[...])
@@ -312,11 +364,13 @@ def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.A
 
 def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: jax.Array,
                         mask_LxS: jax.Array | None = None, causal: bool = True,
-                        window: int | None = None) -> jax.Array:
+                        window: int | None = None, scale: float | None = None,
+                        softcap: float | None = None) -> jax.Array:
     """Attention written out (``model.attention=reference``): what the fused kernel is tested
     against. Causal (L = S; ``window``: the last that many keys only) unless ``mask_LxS`` says
     which keys each query sees (decoding against a key/value cache); ``causal=False`` and no
-    mask: every key (masked diffusion)."""
+    mask: every key (masked diffusion). Scores scaled by ``scale`` (default E^-1/2) and, with
+    ``softcap`` (``model.attn_softcap``), capped to c tanh(s / c) before the mask."""
     B, L, H, E = q_BxLxHxE.shape
     K = k_BxSxKxE.shape[2]
     # Head h uses kv head h // G; heads are split over `tensor` in contiguous blocks that
@@ -324,7 +378,9 @@ def reference_attention(q_BxLxHxE: jax.Array, k_BxSxKxE: jax.Array, v_BxSxKxE: j
     q_BxLxKxGxE = q_BxLxHxE.reshape(B, L, K, H // K, E)
     # Scores and softmax in fp32 for stability under bf16 compute.
     s_BxKxGxLxS = jnp.einsum("blkge,bske->bkgls", q_BxLxKxGxE, k_BxSxKxE,
-                             preferred_element_type=jnp.float32) * E**-0.5
+                             preferred_element_type=jnp.float32) * (scale or E**-0.5)
+    if softcap:
+        s_BxKxGxLxS = softcap * jnp.tanh(s_BxKxGxLxS / softcap)
     if mask_LxS is None and causal:
         mask_LxS = window_mask(jnp.arange(L), jnp.arange(L), window)
     if mask_LxS is not None:
@@ -345,21 +401,46 @@ def join_qkv(wq_DxHxE: jax.Array, wk_DxKxE: jax.Array, wv_DxKxE: jax.Array) -> j
                             wv_DxKxE[:, :, None]], axis=2)
 
 
+def kernel_attention(kernel: tuple[str, bool], q_BxLxHxE: jax.Array, k_BxLxKxE: jax.Array,
+                     v_BxLxKxE: jax.Array, causal: bool, window: int | None,
+                     scale: float | None, softcap: float | None) -> jax.Array:
+    """Attention by ``kernel`` (its name, whether interpreted: the plan's), with
+    ``reference_attention``'s arguments; the plan's kernel table refuses a kernel that lacks
+    one of them (XLA's and cuDNN's have no soft cap)."""
+    name, interpret = kernel
+    if name == "splash":
+        return splash_attention.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal, interpret,
+                                       window, softcap, scale)
+    if name in ("xla", "cudnn"):  # native grouped-query heads in BTNH
+        # cuDNN takes half precision only: a model the plan chose it for, called in fp32
+        # (a tool's forward), gets XLA's rather than JAX's refusal
+        half = q_BxLxHxE.dtype in (jnp.bfloat16, jnp.float16)
+        return jax.nn.dot_product_attention(
+            q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, is_causal=causal, scale=scale,
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation=name if half else "xla")
+    return reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, causal=causal, window=window,
+                               scale=scale, softcap=softcap)
+
+
 class QKNorm(nnx.Module):
     """``model.qk_norm``: RMSNorm of queries or keys (B x L x N x E) in fp32, over each head's
     E values (``head``: a scale of E) or over all N heads' together (``proj``: a scale of N x E,
     the projection's whole output)."""
 
-    def __init__(self, kind: str, n: int, heads: str, E: int, eps: float):
-        self.whole, self.eps = kind == "proj", eps
+    def __init__(self, kind: str, n: int, heads: str, E: int, eps: float,
+                 plus_one: bool = False):
+        self.whole, self.eps, self.plus_one = kind == "proj", eps, plus_one
         shape, axes = ((n, E), (heads, "head_dim")) if self.whole else ((E,), ("head_dim",))
-        self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)(shape, jnp.float32),
+                               axes=axes)
 
     def __call__(self, x_BxLxNxE: jax.Array) -> jax.Array:
         x = x_BxLxNxE.astype(jnp.float32)
         over = (-2, -1) if self.whole else (-1,)
         rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=over, keepdims=True) + self.eps)
-        return (x * rstd * self.scale[...].astype(jnp.float32)).astype(x_BxLxNxE.dtype)
+        scale = scale_of(self.scale[...], self.plus_one).astype(jnp.float32)
+        return (x * rstd * scale).astype(x_BxLxNxE.dtype)
 
 
 class Attention(nnx.Module):
@@ -375,6 +456,12 @@ class Attention(nnx.Module):
         self.H, self.K, self.E = H, K, E
         self.window = getattr(cfg, "sliding_window", None)
         self.pos, self.theta = cfg.pos, cfg.rope_theta
+        # model.global_every: the layers alternate (``local`` of each call says which it is);
+        # a windowed layer rotates with its own base (Gemma 3)
+        self.alternating = getattr(cfg, "global_every", None) is not None
+        self.local_theta = getattr(cfg, "rope_local_theta", None) or cfg.rope_theta
+        self.softcap, scalar = getattr(cfg, "attn_softcap", None), getattr(cfg, "attn_scalar", None)
+        self.scale = None if scalar is None else float(scalar) ** -0.5
         # A tuple, not a dict: static, hashable (NNX keeps a dict attribute as a graph node).
         self.scaling = tuple(sorted(dict(cfg.rope_scaling).items())) if cfg.rope_scaling else None
         # model.attention=reference is the einsum whatever the devices (no plan needed)
@@ -393,35 +480,39 @@ class Attention(nnx.Module):
         # Row-parallel bias: replicated and added once, after XLA's reduction of the partial
         # sums (never pre-scaled by 1/tp).
         self.bo = zeros((D,), ("norm",)) if cfg.bias else None
-        qk_norm = getattr(cfg, "qk_norm", "none")
-        self.q_norm = QKNorm(qk_norm, H, "heads", E, cfg.norm_eps) if qk_norm != "none" else None
-        self.k_norm = (QKNorm(qk_norm, K, "kv_heads", E, cfg.norm_eps) if qk_norm != "none"
-                       else None)
+        qk_norm, plus_one = getattr(cfg, "qk_norm", "none"), getattr(cfg, "norm_plus_one", False)
+        self.q_norm, self.k_norm = ((QKNorm(qk_norm, H, "heads", E, cfg.norm_eps, plus_one),
+                                     QKNorm(qk_norm, K, "kv_heads", E, cfg.norm_eps, plus_one))
+                                    if qk_norm != "none" else (None, None))
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def layer_kind(self, local: Any) -> tuple[int | None, float]:
+        """(the window, the RoPE base) of a layer: ``local`` says whether it is a windowed one
+        where the layers alternate (``model.global_every``); None: every layer alike."""
+        if not self.alternating or local is None:
+            return self.window, self.theta
+        return (self.window, self.local_theta) if local else (None, self.theta)
+
+    def __call__(self, x_BxLxD: jax.Array, local: Any = None) -> jax.Array:
+        """``local``: a windowed layer's flag (a traced bool under the layers' scan) where the
+        layers alternate: both kinds are compiled, each with its own static window, and
+        ``lax.cond`` runs the layer's (a kernel's window is a compile-time constant)."""
         positions_L = context_parallel.true_positions(x_BxLxD.shape[1])
-        q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(
-            x_BxLxD, 0 if positions_L is None else positions_L)
-        name, interpret = self.kernel
-        if positions_L is not None:  # the sequence split over `context`
-            o_BxLxHxE = context_parallel.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE)
-        elif name == "splash":
-            o_BxLxHxE = splash_attention.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, self.causal,
-                                                interpret)
-        elif name in ("xla", "cudnn"):  # native grouped-query heads in BTNH
-            # cuDNN takes half precision only: a model the plan chose it for, called in fp32
-            # (a tool's forward), gets XLA's rather than JAX's refusal
-            half = q_BxLxHxE.dtype in (jnp.bfloat16, jnp.float16)
-            o_BxLxHxE = jax.nn.dot_product_attention(
-                q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, is_causal=self.causal,
-                local_window_size=None if self.window is None else (self.window - 1, 0),
-                implementation=name if half else "xla")
-        else:
-            o_BxLxHxE = reference_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
-                                            causal=self.causal, window=self.window)
-        return self.out(o_BxLxHxE)
+        start = 0 if positions_L is None else positions_L
+        if self.alternating and local is not None:
+            return jax.lax.cond(local, lambda: self.attend(x_BxLxD, start, True),
+                                lambda: self.attend(x_BxLxD, start, False))
+        return self.attend(x_BxLxD, start, None)
 
-    def qkv(self, x_BxLxD: jax.Array, start: Any = 0
+    def attend(self, x_BxLxD: jax.Array, start: Any, local: Any) -> jax.Array:
+        """The layer's attention with the kernel the plan chose, for one kind of layer."""
+        window, theta = self.layer_kind(local)
+        q_BxLxHxE, k_BxLxKxE, v_BxLxKxE = self.qkv(x_BxLxD, start, theta)
+        if not isinstance(start, int):  # the sequence split over `context`
+            return self.out(context_parallel.attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE))
+        return self.out(kernel_attention(self.kernel, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE,
+                                         self.causal, window, self.scale, self.softcap))
+
+    def qkv(self, x_BxLxD: jax.Array, start: Any = 0, theta: float | None = None
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values of tokens at positions ``start``, ``start + 1``, ... (or
         those ``start`` lists, see ``rope``).
@@ -446,8 +537,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BxLxHxE, k_BxLxKxE = self.q_norm(q_BxLxHxE), self.k_norm(k_BxLxKxE)
         if self.pos == "rope":
-            q_BxLxHxE = rope(q_BxLxHxE, self.theta, start, self.scaling)
-            k_BxLxKxE = rope(k_BxLxKxE, self.theta, start, self.scaling)
+            theta = self.theta if theta is None else theta
+            # a windowed layer's own base rotates without the global layers' scaling (Gemma 3)
+            scaling = self.scaling if theta == self.theta else None
+            q_BxLxHxE = rope(q_BxLxHxE, theta, start, scaling)
+            k_BxLxKxE = rope(k_BxLxKxE, theta, start, scaling)
         return q_BxLxHxE, k_BxLxKxE, v_BxLxKxE
 
     def joined_qkv(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -484,18 +578,28 @@ STREAM = ("batch", "stream_seq", "act_embed")
 
 
 class Block(nnx.Module):
+    """Attention then the MLP, each a residual branch with its norms where
+    ``model.norm_position`` puts them: before (``ln1``, ``ln2``), after (``post``: the same two
+    norms on the outputs) or both (``sandwich``: ``ln1_out``, ``ln2_out`` on the outputs)."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL):
-        self.ln1 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
+        norms = block_norms(cfg)
+        self.ln1 = Norm(cfg.d_model, **norms)
         self.attn = Attention(cfg, rngs, kernel)
-        self.ln2 = Norm(cfg.d_model, cfg.norm, cfg.bias, cfg.norm_eps)
+        self.ln2 = Norm(cfg.d_model, **norms)
         self.mlp = MLP(cfg, rngs)
         self.rate = cfg.dropout
-        self.post_norm = getattr(cfg, "norm_position", "pre") == "post"
+        position = getattr(cfg, "norm_position", "pre")
+        self.post_norm = position == "post"
+        sandwich = position == "sandwich"
+        self.ln1_out = Norm(cfg.d_model, **norms) if sandwich else None
+        self.ln2_out = Norm(cfg.d_model, **norms) if sandwich else None
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None = None,
-                 dtype: Any = None) -> jax.Array:
+                 dtype: Any = None, local: Any = None) -> jax.Array:
+        """``local``: whether this is a windowed layer, where the layers alternate."""
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
-        return self.apply(x_BxLxD, self.attn, k1, k2, dtype)
+        return self.apply(x_BxLxD, lambda h: self.attn(h, local), k1, k2, dtype)
 
     def apply(self, x_BxLxD: jax.Array, attend: Any, k1: jax.Array | None = None,
               k2: jax.Array | None = None, dtype: Any = None) -> jax.Array:
@@ -503,16 +607,19 @@ class Block(nnx.Module):
         against a key/value cache when decoding (``dxrun.tools.decode``). ``dtype``: the compute
         dtype (default the parameters'); the residual may be wider (fp32)."""
         cd = dtype or self.attn.wq[...].dtype
-        x_BxLxD = self.branch(x_BxLxD, attend, self.ln1, k1, cd)
-        return self.branch(x_BxLxD, self.mlp, self.ln2, k2, cd)
+        x_BxLxD = self.branch(x_BxLxD, attend, self.ln1, self.ln1_out, k1, cd)
+        return self.branch(x_BxLxD, self.mlp, self.ln2, self.ln2_out, k2, cd)
 
-    def branch(self, x_BxLxD: jax.Array, f: Any, ln: Norm, key: jax.Array | None,
-               cd: Any) -> jax.Array:
-        """``x + f(ln(x))``, or with ``model.norm_position=post`` ``x + ln(f(x))`` (OLMo 2)."""
+    def branch(self, x_BxLxD: jax.Array, f: Any, ln: Norm, ln_out: Norm | None,
+               key: jax.Array | None, cd: Any) -> jax.Array:
+        """``x + f(ln(x))``; with ``model.norm_position=post`` ``x + ln(f(x))`` (OLMo 2), with
+        ``sandwich`` ``x + ln_out(f(ln(x)))`` (Gemma 2/3)."""
         if self.post_norm:
             h = ln(gathered_backward(f(constrain(x_BxLxD.astype(cd), ACT)), ACT))
         else:
             h = gathered_backward(f(constrain(ln(x_BxLxD).astype(cd), ACT)), ACT)
+            if ln_out is not None:
+                h = ln_out(h)
         x_BxLxD = x_BxLxD + dropout(h, self.rate, key).astype(x_BxLxD.dtype)
         return constrain(x_BxLxD, STREAM)
 
@@ -570,7 +677,10 @@ class Transformer(nnx.Module):
         # remat: the run plan's (a layout search may choose it); None: model.remat
         self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"
-        self.ln_f = Norm(D, cfg.norm, cfg.bias, cfg.norm_eps)
+        self.ln_f = Norm(D, **block_norms(cfg))
+        # Gemma's: the embeddings times sqrt(d_model) in the stream's dtype, the logits capped
+        self.embed_scale = D**0.5 if getattr(cfg, "embed_scale", False) else None
+        self.logit_softcap, self.local_layers = getattr(cfg, "logit_softcap", None), windowed_layers(cfg)
         self.lm_head = (None if cfg.tie_embeddings
                         else padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout
@@ -583,19 +693,18 @@ class Transformer(nnx.Module):
         layer in ``jax.checkpoint``."""
         graphdef, stacked = nnx.split(self.blocks)
         n = jax.tree.leaves(stacked)[0].shape[0]
-        keys = (None if dropout_key is None or self.rate == 0
-                else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(n)))
+        keys, local = _layer_inputs(n, self.rate, dropout_key, self.local_layers)
 
         def layer(x: jax.Array, inputs: tuple) -> tuple[jax.Array, None]:
-            params, key = inputs
-            return nnx.merge(graphdef, params)(x, key, dtype), None
+            params, key, is_local = inputs
+            return nnx.merge(graphdef, params)(x, key, dtype, is_local), None
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat])
         if self.scan:
-            return jax.lax.scan(layer, x_BxLxD, (stacked, keys))[0]
+            return jax.lax.scan(layer, x_BxLxD, (stacked, keys, local))[0]
         for i in range(n):
-            at_i = jax.tree.map(lambda a, i=i: a[i], (stacked, keys))
+            at_i = jax.tree.map(lambda a, i=i: a[i], (stacked, keys, local))
             x_BxLxD = layer(x_BxLxD, at_i)[0]
         return x_BxLxD
 
@@ -617,7 +726,6 @@ class Transformer(nnx.Module):
         (or those ``start`` lists: a sequence held in ``context_parallel``'s order).
         Looked up and summed in the tables' dtype, then cast to ``dtype``: with fp32 tables the
         tables' gradients (a scatter and a sum over the batch) stay fp32."""
-        L = tokens_BxL.shape[1]
         # FSDP gathers the table's embed shards first (as for every weight); then the lookup is
         # vocab-parallel (a masked gather over this device's rows, summed over `tensor`).
         # Gathering straight from the fsdp-sharded table made XLA replicate the whole batch's
@@ -625,13 +733,12 @@ class Transformer(nnx.Module):
         wte_VpxD = constrain(self.wte[...], ("vocab", "act_embed"))
         x_BxLxD = jnp.take(wte_VpxD, tokens_BxL, axis=0)
         if self.wpe is not None:
-            wpe_LxD = (self.wpe[...][:L] if isinstance(start, int) and start == 0
-                       else jnp.take(self.wpe[...], start, axis=0) if jnp.ndim(start)
-                       else jax.lax.dynamic_slice_in_dim(self.wpe[...], start, L))
-            x_BxLxD = x_BxLxD + wpe_LxD[None]
+            x_BxLxD = x_BxLxD + learned_positions(self.wpe[...], start, tokens_BxL.shape[1])
         # model.residual_dtype=fp32: the stream between blocks in fp32
         x_BxLxD = x_BxLxD.astype(jnp.float32 if self.residual_fp32
                                  else dtype or self.wte[...].dtype)
+        if self.embed_scale is not None:
+            x_BxLxD = x_BxLxD * jnp.asarray(self.embed_scale, x_BxLxD.dtype)
         return constrain(x_BxLxD, STREAM)
 
     def head(self, x_BxLxD: jax.Array, dtype: Any = None) -> jax.Array:
@@ -659,7 +766,7 @@ class Transformer(nnx.Module):
         vocabulary, padding masked; ``x_BxLxD`` the final norm's output. (``dxrun.model.objectives``
         computes the same per chunk and vocabulary shard, masking by each shard's ids.)"""
         spec = "bld,dv->blv" if self.lm_head is not None else "bld,vd->blv"
-        logits_BxLxVp = dense(x_BxLxD, w, spec, jnp.float32)
+        logits_BxLxVp = softcapped(dense(x_BxLxD, w, spec, jnp.float32), self.logit_softcap)
         Vp = logits_BxLxVp.shape[-1]
         if Vp > self.vocab_size:
             # A mask, not a slice: slicing the tensor-sharded vocab axis at V would reshard it.
@@ -668,6 +775,36 @@ class Transformer(nnx.Module):
             real_Vp = jnp.arange(Vp) < self.vocab_size
             logits_BxLxVp = jnp.where(real_Vp, logits_BxLxVp, jnp.finfo(jnp.float32).min)
         return constrain(logits_BxLxVp, ("batch", "seq", "vocab"))
+
+
+def _layer_inputs(n: int, rate: float, dropout_key: jax.Array | None,
+                  local_layers: tuple[bool, ...] | None) -> tuple[Any, Any]:
+    """Each of the n layers' dropout key (None: no dropout) and windowed flag (None: the
+    layers are alike), the layers' scan's inputs beside their parameters."""
+    keys = (None if dropout_key is None or rate == 0
+            else jax.vmap(lambda i: jax.random.fold_in(dropout_key, i))(jnp.arange(n)))
+    return keys, None if local_layers is None else jnp.asarray(local_layers)
+
+
+def learned_positions(wpe_PxD: jax.Array, start: Any, L: int) -> jax.Array:
+    """The learned position embeddings (1 x L x D) of positions ``start``, ``start + 1``, ...
+    (or those ``start`` lists)."""
+    wpe_LxD = (wpe_PxD[:L] if isinstance(start, int) and start == 0
+               else jnp.take(wpe_PxD, start, axis=0) if jnp.ndim(start)
+               else jax.lax.dynamic_slice_in_dim(wpe_PxD, start, L))
+    return wpe_LxD[None]
+
+
+def windowed_layers(cfg: ModelConfig) -> tuple[bool, ...] | None:
+    """``model.global_every``: whether each layer is a windowed one (the last of each run of
+    ``global_every`` attends to the whole prefix); None where the layers are all alike."""
+    every = getattr(cfg, "global_every", None)
+    return None if every is None else tuple(bool((i + 1) % every) for i in range(cfg.n_layers))
+
+
+def softcapped(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (``model.logit_softcap``, Gemma 2's); ``x`` with none."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def _is_axes(x: Any) -> bool:

@@ -47,6 +47,8 @@ class Inputs(NamedTuple):
     seq_len: int  # per device (a context axis splits it; the blockwise kernel takes those)
     causal: bool  # model.objective=ar; masked diffusion (mdlm) attends both ways
     window: int | None = None  # model.sliding_window: keys a query sees (None: all before it)
+    softcap: float | None = None  # model.attn_softcap: the scores' soft cap (None: none)
+    scalar: float | None = None  # model.attn_scalar: scores scaled by its ^-1/2 (None: E's)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ def _cudnn(x: Inputs) -> str | None:
         return "needs an NVIDIA GPU with cuDNN"
     if x.dtype not in _HALF:
         return "needs bf16 or fp16 compute (train.precision=bf16)"
+    if x.softcap is not None:
+        return _no_softcap(x)
     cc = _capability(d.compute_capability)
     if cc < _MIN_CAPABILITY or (cc == (10, 3) and d.cudnn_version < 91100):
         return f"needs compute capability >= 8.0 (this GPU: {d.compute_capability})"
@@ -111,14 +115,23 @@ def _splash(x: Inputs) -> str | None:
         return f"needs a sequence length that is a multiple of {SPLASH_LANES}, not {x.seq_len}"
     if x.dtype not in ("bfloat16", "float32"):
         return f"needs bf16 or fp32 compute, not {x.dtype}"
-    return _no_window(x)
+    return None  # its local masks take a window, its soft cap model.attn_softcap
 
 
-def _no_window(x: Inputs) -> str | None:
-    """The kernels without a sliding window here (splash's local masks, the context axis's
-    blockwise kernel): refused, so ``dot_product`` takes XLA's (or cuDNN's), which have one."""
-    return (f"has no sliding window in dxrun (model.sliding_window={x.window})"
-            if x.window is not None else None)
+def _blockwise(x: Inputs) -> str | None:
+    """The context axis's blockwise kernel: causal attention scaled by E^-1/2, no more."""
+    for key, value in (("sliding_window", x.window), ("attn_softcap", x.softcap),
+                       ("attn_scalar", x.scalar)):
+        if value is not None:
+            return f"has no model.{key} in dxrun (model.{key}={value})"
+    return None
+
+
+def _no_softcap(x: Inputs) -> str | None:
+    """jax.nn.dot_product_attention (XLA's, cuDNN's) has no soft cap: ``dot_product`` then
+    takes splash's on a TPU, the reference elsewhere."""
+    return (f"has no soft cap of the scores (model.attn_softcap={x.softcap})"
+            if x.softcap is not None else None)
 
 
 def _any(x: Inputs) -> str | None:
@@ -132,15 +145,17 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
                "skipped, grouped-query heads native; interpreted on CPU when forced"),
     Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.model.transformer",
            doc="cuDNN's fused flash attention through jax.nn.dot_product_attention (NVIDIA)"),
-    Kernel("xla", ("*",), True, _any, "dxrun.model.transformer",
+    Kernel("xla", ("*",), True, _no_softcap, "dxrun.model.transformer",
            doc="jax.nn.dot_product_attention's XLA kernel: the scores built in full"),
     Kernel("reference", ("*",), True, _any, "dxrun.model.transformer",
            doc="the plain einsum and softmax (what every kernel is tested against)"),
     # A context axis's own: keys and values gathered, one block of keys at a time
     # (dxrun.model.context_parallel.flash); chosen whenever parallelism.cp > 1.
-    Kernel("blockwise", ("*",), False, _no_window, "dxrun.model.context_parallel"),
+    Kernel("blockwise", ("*",), False, _blockwise, "dxrun.model.context_parallel"),
 )}
-AUTO = ("splash", "cudnn", "xla")  # model.attention=dot_product: the first that accepts
+# model.attention=dot_product: the first that accepts (the reference: what no other takes, a
+# soft cap off a TPU)
+AUTO = ("splash", "cudnn", "xla", "reference")
 
 
 def choose(setting: str, x: Inputs, cp: int = 1) -> str:
@@ -151,7 +166,7 @@ def choose(setting: str, x: Inputs, cp: int = 1) -> str:
         why = KERNELS["blockwise"].accepts(x)
         if why is not None:
             raise ConfigError(f"parallelism.cp={cp} attends with its blockwise kernel, which {why}; "
-                              "set parallelism.cp=1 or model.sliding_window=null")
+                              f"set parallelism.cp=1 or {why.split('(')[-1].split('=')[0]}=null")
         return "blockwise"
     if setting == "dot_product":
         return next(k for k in AUTO if KERNELS[k].accepts(x) is None
@@ -228,7 +243,8 @@ def run_inputs(model: ModelConfig, dtype: str, seq_len: int, cp: int,
     """``Inputs`` of a run of ``model`` (its config) computing in ``dtype`` (its name) on
     ``device``."""
     return Inputs(device, dtype, head_dim_of(model), seq_len // cp,
-                  model.get("objective", "ar") != "mdlm", model.get("sliding_window"))
+                  model.get("objective", "ar") != "mdlm", model.get("sliding_window"),
+                  model.get("attn_softcap"), model.get("attn_scalar"))
 
 
 def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget,

@@ -45,18 +45,26 @@ class Cache(NamedTuple):
 
 
 def _cached_attention(attn: Attention, x_BxSxD: jax.Array, k_BxTxKxE: jax.Array,
-                      v_BxTxKxE: jax.Array, start: jax.Array
+                      v_BxTxKxE: jax.Array, start: jax.Array, local: Any = None
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of S new tokens at positions start..start+S-1: their keys and values go into
-    the cache, and each query sees the cache up to its own position."""
-    q_BxSxHxE, k_BxSxKxE, v_BxSxKxE = attn.qkv(x_BxSxD, start)
+    the cache, and each query sees the cache up to its own position. ``local``: a windowed
+    layer's flag where the layers alternate (both kinds compiled, ``lax.cond`` picks)."""
+    if attn.alternating and local is not None and not isinstance(local, bool):  # traced
+        return jax.lax.cond(local, lambda: _cached_attention(attn, x_BxSxD, k_BxTxKxE,
+                                                             v_BxTxKxE, start, True),
+                            lambda: _cached_attention(attn, x_BxSxD, k_BxTxKxE, v_BxTxKxE,
+                                                      start, False))
+    window, theta = attn.layer_kind(local)
+    q_BxSxHxE, k_BxSxKxE, v_BxSxKxE = attn.qkv(x_BxSxD, start, theta)
     k_BxTxKxE = jax.lax.dynamic_update_slice_in_dim(k_BxTxKxE, k_BxSxKxE.astype(
         k_BxTxKxE.dtype), start, axis=1)
     v_BxTxKxE = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxE, v_BxSxKxE.astype(
         v_BxTxKxE.dtype), start, axis=1)
     S, T = x_BxSxD.shape[1], k_BxTxKxE.shape[1]
-    mask_SxT = window_mask(start + jnp.arange(S), jnp.arange(T), attn.window)
-    o_BxSxHxE = reference_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, mask_SxT)
+    mask_SxT = window_mask(start + jnp.arange(S), jnp.arange(T), window)
+    o_BxSxHxE = reference_attention(q_BxSxHxE, k_BxTxKxE, v_BxTxKxE, mask_SxT,
+                                    scale=attn.scale, softcap=attn.softcap)
     return attn.out(o_BxSxHxE), k_BxTxKxE, v_BxTxKxE
 
 
@@ -67,20 +75,21 @@ def forward_cached(model: Any, tokens_BxS: jax.Array, cache: Cache, start: jax.A
     graphdef, stacked = nnx.split(model.blocks)
 
     def layer(x_BxSxD: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
-        params, k_BxTxKxE, v_BxTxKxE = xs
+        params, k_BxTxKxE, v_BxTxKxE, local = xs
         block = nnx.merge(graphdef, params)
         new: dict[str, jax.Array] = {}
 
         def attend(h_BxSxD: jax.Array) -> jax.Array:
             y, new["k"], new["v"] = _cached_attention(block.attn, h_BxSxD, k_BxTxKxE,
-                                                      v_BxTxKxE, start)
+                                                      v_BxTxKxE, start, local)
             return y
 
         x_BxSxD = block.apply(x_BxSxD, attend)
         return x_BxSxD, (new["k"], new["v"])
 
     x_BxSxD = model.embed(tokens_BxS, start)
-    x_BxSxD, (k, v) = jax.lax.scan(layer, x_BxSxD, (stacked, *cache))
+    local = None if model.local_layers is None else jnp.asarray(model.local_layers)
+    x_BxSxD, (k, v) = jax.lax.scan(layer, x_BxSxD, (stacked, *cache, local))
     return model.head(x_BxSxD), Cache(k, v)
 
 
