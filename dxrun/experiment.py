@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from dxrun.config import ConfigError, checked_factory, hf_dir, read_config
 from dxrun.data import EVAL, TRAIN, Data
 from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
+from dxrun.model import moe
 from dxrun.model.context_parallel import in_context_order
 from dxrun.model.objectives import MaskedDiffusion, chunked_cross_entropy, objective_of
 from dxrun.model.sharding import (
@@ -265,7 +266,9 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
 
     shape = () if R == 1 else (R,)
     zero = jnp.zeros(shape, jnp.float32)
-    zeros = (zero, {"train/loss": zero, "train/accuracy": zero},
+    # The metrics' names are the loss function's (an MoE model's add moe/*)
+    names = jax.eval_shape(loss_fn, params, jax.tree.map(lambda a: a[0], micro_KxMxT), key)[1]
+    zeros = (zero, {name: zero for name in names},
              jax.tree.map(lambda p: jnp.zeros((*shape, *p.shape), p.dtype), params))
     if R > 1:
         zeros = (*zeros[:2], jax.lax.with_sharding_constraint(zeros[2], replica_shardings))
@@ -328,11 +331,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     nan_policy, inject_nan_at_step = spec.nan_policy, spec.inject_nan_at_step
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
-        loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
-                                         spec.grad_reduce_dtype, plan.loss_chunk, objective)
+        with moe.collect() as found:  # the MoE layers' statistics, if any
+            loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
+                                             spec.grad_reduce_dtype, plan.loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/run/runtime.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
-        return loss, metrics
+        # train/loss stays the objective's; the MoE penalties join the differentiated loss
+        return moe.with_losses(loss, {**metrics, "train/loss": loss}, found)
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if spec.dropout_seed is None
@@ -361,7 +366,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                               state.nonfinite_step)
         skipped = state.skipped + (~finite & (nan_policy == "skip")).astype(jnp.int32)
         metrics = dict(metrics)
-        metrics["train/loss"] = loss  # the poisoned one when a NaN is injected
         metrics["train/grad_norm"] = grad_norm
         metrics["train/param_norm"] = optax.tree.norm(params)
         # The lr this update used: the schedule at the optimizer's own count, which lags

@@ -289,7 +289,7 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
         return [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text()
                 .splitlines() if "train/loss" in x]
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
-    assert plan["mesh_shape"] == [2, 2, 1, 2] and plan["layout_search"]["cached"]
+    assert plan["mesh_shape"] == [2, 2, 1, 1, 2] and plan["layout_search"]["cached"]
     for run, searched in (("auto", plan["layout_search"]["search_s"]), ("dp1", 0.0)):
         attempt = json.loads((tmp_path / run / "goodput.json").read_text())["attempts"][0]
         assert attempt["search_s"] == pytest.approx(searched)  # a cached choice: a file read
@@ -752,7 +752,7 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
         saved = OmegaConf.load(run / ".hydra" / "config.yaml")
         assert [saved.parallelism.dp, saved.parallelism.fsdp, saved.parallelism.tp] == [
             chosen[0]["dp"], chosen[0]["fsdp"], chosen[0]["tp"]]
-        assert plan["mesh_shape"] == [chosen[0]["dp"], chosen[0]["fsdp"], 1, chosen[0]["tp"]]
+        assert plan["mesh_shape"] == [chosen[0]["dp"], chosen[0]["fsdp"], 1, 1, chosen[0]["tp"]]
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert any("perf/layout_search_s" in x for x in rows)
         # Goodput books the search as its own part, not as startup, less the seeded init it
@@ -877,7 +877,7 @@ def test_a_layout_that_does_not_fit_in_runtime_memory_gb_is_never_chosen(tmp_pat
     # the estimate's first among those that fit, and what the run trained on
     fitting = [x for x in rows if x["fits"]]
     assert chosen["est_ms"] == min(x["est_ms"] for x in fitting)
-    assert plan["mesh_shape"] == [chosen["dp"], chosen["fsdp"], 1, chosen["tp"]]
+    assert plan["mesh_shape"] == [chosen["dp"], chosen["fsdp"], 1, 1, chosen["tp"]]
     losses = [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text()
               .splitlines() if "train/loss" in x]
     assert len(losses) == 2 and json.loads((run / "status.json").read_text())["status"] == "ok"

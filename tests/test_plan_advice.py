@@ -194,7 +194,7 @@ def test_plan_devices_on_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (path,) = tmp_path.glob("outputs/*/*/plan.json")
     plan = json.loads(path.read_text())
-    assert plan["mesh_shape"] == [8, 1, 1, 2] and plan["n_devices"] == 16
+    assert plan["mesh_shape"] == [8, 1, 1, 1, 2] and plan["n_devices"] == 16
     pm = plan["plan_mode"]
     assert pm["preset"] == ("parallelism=dp4_tp2 names a layout of 8 devices; on 16 it is "
                             "data 8 x tensor 2")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -23,7 +24,10 @@ from dxrun.plan.run_plan import make_plan
 
 MESHES = ["dp1", "dp8", "tp2", "tp8", "dp4_tp2", "dp2_tp4", "fsdp8", "dp2_fsdp2_tp2",
           "dp2_cp4", "cp2_tp4", "fsdp2_cp2_tp2"]
-PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob("*.yaml"))
+# The presets with an expert axis split an MoE model's experts (a dense model refuses them):
+# tests/test_moe.py runs them.
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "parallelism").glob("*.yaml")
+                 if not re.search(r"(^|_)ep[0-9]", p.stem))
 # n_heads=8 so tp8 splits whole heads; Llama-style gets biases too so both are tested non-zero,
 # and grouped-query heads (16 over 8: tp8 still splits whole kv heads).
 MODELS = {

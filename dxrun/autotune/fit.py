@@ -1753,7 +1753,7 @@ class StateShapes:
                 n *= -(-dim // k) if dim % k == 0 or name == "vocab" else dim
             params += n
         opt = self.opt_per_param * params / (s.layout.dp if s.zero else 1)
-        return params, opt, self.batch_bytes / (s.layout.dp * s.layout.fsdp)
+        return params, opt, self.batch_bytes / s.layout.replicas
 
 
 def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
@@ -1792,7 +1792,7 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
         out.append(f"train.grad_accum={b.grad_accum}")
     if s.keyed:
         out.append(f"parallelism.shard_optimizer={str(s.zero).lower()}")
-    per_device = batch // (b.dp * b.fsdp * b.grad_accum)
+    per_device = batch // (b.replicas * b.grad_accum)
     if cfg.data.per_device_batch_size is not None and per_device != cfg.data.per_device_batch_size:
         out.append(f"data.per_device_batch_size={per_device}")
     return out

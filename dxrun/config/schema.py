@@ -31,6 +31,7 @@ from dxrun.config.key import (  # noqa: F401 - Range and the bounds, importable 
     section,
     walk,
 )
+from dxrun.config.schema_moe import MoEConfig
 from dxrun.config.schema_parallel import DistributedConfig, ParallelismConfig
 
 # The two keys that give the batch (dxrun/plan/run_plan.py tells which one a run set).
@@ -107,6 +108,8 @@ class ModelConfig:
     _target_: str | None = key(None, "Your own Flax NNX module (dxrun/model/user_model.py's protocol: "
                                "logical axes, __call__(tokens) -> logits); null = dxrun's")
     kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
+    moe: MoEConfig = section(MoEConfig, "mixture of experts in place of the dense MLP "
+                             "(dxrun/model/moe.py); n_experts=0: none")
 
 
 @dataclass

@@ -43,6 +43,7 @@ from dxrun.config import (
     null_is_a_value,
 )
 from dxrun.config.metric_names import METRICS, NOT_IN_ROWS, ONLY_WITH
+from dxrun.config.schema_moe import check_moe
 from dxrun.data import MAX_TABLE_BYTES, table_bytes
 from dxrun.plan.cost import TARGETS
 from dxrun.plan.run_plan import GLOBAL, PER_DEVICE, check_batch_keys, default_seq_len, resolve_loss_chunk
@@ -240,6 +241,7 @@ def check_model(m: ModelConfig) -> None:
     if m.objective == "mdlm" and m._target_:
         raise ConfigError(f"model.objective=mdlm trains dxrun's own model (attention both ways, "
                           f"a [MASK] row), not model._target_={m._target_}; drop one of them")
+    check_moe(m)
 
 
 def _check_attention_pieces(m: ModelConfig) -> None:

@@ -693,7 +693,7 @@ def workload(cfg: RunConfig, plan: MeshPlan, n_params: float, params_per_device:
     vocabulary (``autotune.fit.target_vocab``, what the memory model counts too); 0: padded as
     a GPU run pads it, whatever the CPU compile did. ``kernel``: the attention kernel of a run
     on the target (``autotune.fit.kernel_on``); None: the plan's."""
-    replicas = plan.dp * plan.fsdp
+    replicas = plan.replicas
     accum = plan.grad_accum
     return Workload(
         model=cfg.model, seq_len=plan.seq_len,
@@ -784,7 +784,7 @@ def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> S
     precision and loss chunk. ``vocab``: the padded vocabulary of the target (0: the plan's,
     padded for the devices it was made on)."""
     m = model
-    tp, replicas, cp = plan.tp, plan.dp * plan.fsdp, getattr(plan, "cp", 1)
+    tp, replicas, cp = plan.tp, plan.replicas, getattr(plan, "cp", 1)
     accum = plan.grad_accum
     c = DTYPE_BYTES[plan.precision]
     return Shapes(

@@ -35,6 +35,7 @@ from dxrun.config import (
     axis_sizes,
     head_dim_of,
 )
+from dxrun.config.schema_moe import check_experts_divide
 from dxrun.run import runtime
 
 if TYPE_CHECKING:
@@ -169,9 +170,14 @@ class Sizes(Mapping[str, int]):
 
 
 class AxisAttrs:
-    """``.dp``, ``.fsdp``, ``.cp``, ``.tp`` (any key of ``AXES``): its size in ``self.sizes``."""
+    """``.dp``, ``.fsdp``, ``.cp``, ``.tp`` (any key of ``AXES``): its size in ``self.sizes``;
+    ``.replicas``, the devices that split the batch."""
 
     sizes: Sizes
+
+    @property
+    def replicas(self) -> int:
+        return replicas_of(self.sizes)
 
     def __getattr__(self, name: str) -> int:
         if name != "sizes" and any(a.key == name for a in AXES):
@@ -179,16 +185,24 @@ class AxisAttrs:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
+def replicas_of(sizes: Mapping[str, int]) -> int:
+    """The product of the batch axes' sizes (``Axis.batch``): data replicas, each a group of
+    the other axes' devices computing the same rows."""
+    return math.prod(sizes[a.key] for a in AXES if a.batch)
+
+
 def named(sizes: Mapping[str, int]) -> list[tuple[Axis, int]]:
     """The axes a message or table names, with their sizes: every inferable axis, and one that
-    is not (the context axis) only where it is used (size > 1)."""
-    return [(a, sizes[a.key]) for a in AXES if a.inferable or sizes[a.key] > 1]
+    is not (the context axis) or serves some models only (the expert axis: ``only_with``)
+    only where it is used (size > 1)."""
+    return [(a, sizes[a.key]) for a in AXES
+            if (a.inferable and not a.only_with) or sizes[a.key] > 1]
 
 
 def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:
     """``sizes`` (each axis's, by key, in ``AXES``' order) with the one -1 among them inferred
     so that their product is ``n``."""
-    sizes = {a.key: sizes[a.key] for a in AXES}
+    sizes = {a.key: sizes.get(a.key, 1) for a in AXES}  # an axis not given: 1
     inferred = [k for k, v in sizes.items() if v == -1]
     for a in AXES:
         v = sizes[a.key]
@@ -220,7 +234,7 @@ def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:
 def shrink(sizes: dict[str, int], n: int) -> dict[str, int]:
     """Largest mesh that fits n devices: the axes give up sizes in ``AXES``' order (data
     replicas first, then fsdp, then context, then tensor)."""
-    sizes = {a.key: sizes[a.key] for a in AXES}
+    sizes = {a.key: sizes.get(a.key, 1) for a in AXES}  # an axis not given: 1
     while math.prod(sizes.values()) > n:
         k = next(k for k, v in sizes.items() if v > 1)
         sizes[k] //= min(p for p in range(2, sizes[k] + 1) if sizes[k] % p == 0)
@@ -289,6 +303,7 @@ def split_over_hosts(sizes: Mapping[str, int], hosts: int,
     has left, a ``SPANS`` axis spans the hosts. Raises ConfigError for a layout whose inside
     group would cross hosts (every layer's collectives over the network) unless its key is in
     ``allow_cross`` (its ``Axis.cross_host`` key set), or whose hosts would hold scattered rows."""
+    sizes = Sizes(sizes)  # an axis not given: 1
     local = math.prod(sizes.values()) // hosts
     left, dcn = local, {}
     for a in reversed(AXES):
@@ -794,7 +809,7 @@ def plan_kernel(cfg: RunConfig, seq_len: int, cp: int, device: AttentionTarget,
 # tiles its matmul units evenly (``padded_vocab``).
 
 MESH_AXES = tuple(a.mesh for a in AXES)  # ("data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = tuple(a.mesh for a in AXES if a.batch)  # ("data", "fsdp", "expert")
 # The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
 # logical axes only; changing the parallelism changes only the mesh sizes under this table.
 # Megatron TP: heads/kv_heads/mlp are the column-parallel outputs of q/k/v/up/gate and the
@@ -807,6 +822,7 @@ LOGICAL_RULES: dict[str, Any] = {
     "stream_seq": "context",
     "layers": None,  # the stacked layer axis of scanned blocks: every device has every layer
     "embed": "fsdp",
+    "expert": "expert",  # an MoE layer's experts (the leading axis of their stacked weights)
     "act_embed": None,  # activations keep d_model whole; only weights shard it
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -887,7 +903,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
     @property
     def per_device_batch(self) -> int:
         """Examples each data replica (a group of cp x tp devices) computes per step."""
-        return self.global_batch // (self.dp * self.fsdp)
+        return self.global_batch // self.replicas
 
     @property
     def per_device_batch_size(self) -> int:
@@ -900,7 +916,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
         given = (f"{PER_DEVICE}={self.per_device_batch_size}" if self.batch_set_by == PER_DEVICE
                  else GLOBAL)
         return (f"{self.global_batch} global = {self.per_device_batch_size} per replica x "
-                f"{self.dp * self.fsdp} replicas{accum}, seq_len {self.seq_len}; set by {given}")
+                f"{self.replicas} replicas{accum}, seq_len {self.seq_len}; set by {given}")
 
     def to_json(self) -> dict[str, Any]:
         out = {**self.sizes, **asdict(self)}
@@ -997,7 +1013,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     dcn = split_over_hosts(sizes, hosts, crossing) if hosts > 1 else Sizes()
     if hosts_of and hosts < processes:
         group_by_host(hosts_of, tp, tp // dcn["tp"], sizes.n)
-    replicas = dp * fsdp
+    replicas = replicas_of(sizes)
     if layout is not None:
         accum, remat = layout.grad_accum, layout.remat
     else:
@@ -1012,6 +1028,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     sp = bool(par.get("sequence_parallel")) and tp > 1
     check_sequence_parallel(sp, seq_len, cp, tp)
     check_model_divides(model, tp, fsdp)
+    if not model.get("_target_"):
+        check_experts_divide(model, sizes["ep"], tp)
     device = device or AttentionTarget(platform)
     asked = cfg.train.precision if "train" in cfg else "fp32"
     precision = precision_of(asked, device.platform)  # plan mode: its target's
@@ -1215,12 +1233,15 @@ TIE = 1.10  # estimates this close to the best's are within the roofline's error
 CLEAR = 1.10
 
 
-def meshes(n: int, seq_len: int) -> list[Sizes]:
+def meshes(n: int, seq_len: int, unused: Collection[str] = ()) -> list[Sizes]:
     """Every mesh of ``n`` devices a search tries, each axis's size by key: an axis that is
     not inferable (context, chosen for the sequence) above 1 only for a sequence of
-    ``LONG_SEQ`` or more that its 2 x size chunks divide. In the search's order: such axes
-    outermost, then the others innermost first, the outermost (data) taking the rest."""
+    ``LONG_SEQ`` or more that its 2 x size chunks divide; the axes keyed in ``unused`` (of no
+    use to the model: ``Axis.only_with``) at 1. In the search's order: such axes outermost,
+    then the others innermost first, the outermost (data) taking the rest."""
     def fits(a: Axis, v: int) -> bool:
+        if a.key in unused:
+            return v == 1
         return a.inferable or v == 1 or (seq_len >= LONG_SEQ and seq_len % (2 * v) == 0)
 
     *order, last = sorted(AXES, key=lambda a: (a.inferable, -AXES.index(a)))
@@ -1245,7 +1266,8 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     n = cfg.parallelism.n_devices or n_visible
     ok, refused = [], []
     seq = seq_len or default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
-    for sizes in meshes(n, seq):
+    unused = [a.key for a in AXES if a.only_with and not OmegaConf.select(cfg, a.only_with)]
+    for sizes in meshes(n, seq, unused):
         layout = Layout(sizes, cfg.model.remat, cfg.train.grad_accum)
         try:
             make_plan(cfg, n_visible, platform, processes, process_hosts, device, layout=layout,
