@@ -5,12 +5,14 @@ loop, the refusals, and whole trainings on every preset with an expert axis agai
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cli_in_process, make_cfg
+from conftest import cli_in_process, make_cfg, subprocess_env
 from flax import nnx
 
 from dxrun.config import ConfigError, validation
@@ -24,7 +26,7 @@ EP_PRESETS = ["ep8", "dp2_ep4", "fsdp2_ep4", "dp2_ep2_tp2"]
 STEPS = 12
 # 8 x 16 tokens a step, fp32, as tests/test_sharding.py's mesh equivalence
 BASE = ["model=moe_tiny", "logger=none", "train.precision=fp32", "optimizer.warmup_steps=2",
-        "data.batch_size=8", "data.seq_len=16"]
+        "data.batch_size=8", "data.seq_len=16", "data.vocab_size=64"]
 
 
 def _weights(rng: np.random.Generator, N: int, D: int, F: int) -> tuple:
@@ -198,7 +200,7 @@ def test_every_expert_preset_trains_as_dp1(dp1_run, preset):
     expert = exp.param_shardings["moe_blocks"]["mlp"]["w_up"].spec
     assert expert[1] == "expert"  # [layers, experts, D, F]: the experts split over `expert`
     losses, row = _losses(exp, params)
-    assert ref[-1] < ref[0] - 0.5  # it trains
+    assert ref[-1] < ref[0] - 0.3  # it trains
     np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=preset)
     for name in ("moe/aux_loss", "moe/z_loss", "moe/load_max", "moe/load_min"):
         np.testing.assert_allclose(row[name], ref_row[name], rtol=1e-4, err_msg=name)
@@ -232,3 +234,20 @@ def test_an_expert_parallel_run_resumes_exactly_and_reshards_onto_dp8(tmp_path):
     assert sorted(moved) == [8, 10, 12]
     np.testing.assert_allclose([moved[s]["train/loss"] for s in (8, 10, 12)],
                                [straight[s]["train/loss"] for s in (8, 10, 12)], rtol=1e-5)
+
+
+@pytest.mark.e2e  # the default run's 600 steps (a few minutes on 2 cores)
+def test_moe_tiny_learns_the_markov_data_to_its_floor(tmp_path):
+    """``python -m dxrun model=moe_tiny`` on the default 8 simulated devices ends within 0.05
+    of the markov data's entropy floor, its rows carrying the MoE metrics."""
+    proc = subprocess.run([sys.executable, "-m", "dxrun", "model=moe_tiny", "logger=none",
+                           "hydra.run.dir=run"], cwd=tmp_path,
+                          env=subprocess_env(optimised=True), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    floor = summary["entropy_floor"]
+    assert summary["train/loss"] - floor < 0.05 and summary["eval/loss"] - floor < 0.05, summary
+    last = _rows(tmp_path / "run")[600]
+    assert last["moe/dropped"] == 0.0 and 0.5 < last["moe/aux_loss"] < 2.0
+    assert last["moe/load_max"] >= 1.0 >= last["moe/load_min"]
