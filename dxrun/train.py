@@ -38,7 +38,7 @@ from dxrun.checkpointing.store import (
 )
 from dxrun.config import ConfigError, DiskError, first_line
 from dxrun.experiment import Experiment, adopt, check_hf_weights
-from dxrun.plan.cost import flops_per_token, mfu
+from dxrun.plan.cost import active_params, flops_per_token, mfu
 from dxrun.plan.run_plan import RunPlan, saved_config, table
 from dxrun.run.runtime import Job, describe_model, dir_refusal, is_main, run_name, write_json
 from dxrun.tracking import goodput
@@ -103,8 +103,10 @@ class RunFacts:
         log once."""
         plan, data = exp.plan, exp.data
         n_params = exp.count_params(state.params)  # the real vocabulary, without padding
-        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
-                 f"{n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
+        active = active_params(cfg.model, n_params)  # an MoE model's: fewer
+        log.info("model %s: %s parameters%s; data %s: %s", describe_model(cfg.model, job),
+                 f"{n_params:,}", f" ({active:,} active per token)" * (active != n_params),
+                 cfg.data._target_ or cfg.data.name, data.description)
         if cfg.model._target_:  # dxrun.model.user_model: what a user model's run does differently
             log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
                      "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
@@ -120,6 +122,7 @@ class RunFacts:
             "choices": job.choices,
             "plan": run_plan.to_json(),
             "n_params": n_params,
+            "n_active_params": active,
             "flops_per_token": cost.flops / cost.tokens,
             "jax": {"version": jax.__version__, "device_kind": device_kind,
                     "device_count": jax.device_count(), "process_count": jax.process_count()},

@@ -41,7 +41,7 @@ def meshes(layouts):
 
 
 def test_factorisations_cover_every_product():
-    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in run_plan.meshes(8, 0)) == sorted(
+    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in run_plan.meshes(8, 0, ("ep",))) == sorted(
         [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2),
          (2, 1, 4), (1, 2, 4), (1, 1, 8)])
 
@@ -347,7 +347,8 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     assert run_plan.train_through(cfg, slow, budget_gb=1.9) == 0
     assert run_plan.train_through(cfg, slow, budget_gb=2.0) == 4
     # cheap steps timed in turns of ten: 9 layouts x 3 rounds x 11 steps do not fit in 49...
-    cheap = [Row(Layout(m), 0.01, 10.0, fits=True) for m in run_plan.meshes(8, 0) if m["tp"] < 8]
+    cheap = [Row(Layout(m), 0.01, 10.0, fits=True)
+             for m in run_plan.meshes(8, 0, ("ep",)) if m["tp"] < 8]
     assert len(cheap) == 9 and run_plan.train_through(cfg, cheap) == 0
     # ...and do before a first row at step 400 (399 // 27 = 14 a turn: all ten timed)
     far = make_cfg("parallelism=auto", "train.log_every=400", "train.eval_every=0",

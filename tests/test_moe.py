@@ -251,3 +251,21 @@ def test_moe_tiny_learns_the_markov_data_to_its_floor(tmp_path):
     last = _rows(tmp_path / "run")[600]
     assert last["moe/dropped"] == 0.0 and 0.5 < last["moe/aux_loss"] < 2.0
     assert last["moe/load_max"] >= 1.0 >= last["moe/load_min"]
+
+
+def test_flops_count_the_active_parameters():
+    """MFU's FLOPs count each token's experts only: an 8-expert top-2 model's active parameters
+    are a 2-expert model's plus the wider router (every expert's logit is computed)."""
+    from dxrun.model.transformer import count_params
+    from dxrun.plan.cost import active_params, flops_per_token
+
+    def n(*overrides: str) -> tuple:
+        cfg, model = _model(*overrides)
+        return cfg.model, count_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    m8, n8 = n()
+    m2, n2 = n("model.moe.n_experts=2")
+    D, moe_layers = m8.d_model, 2
+    assert active_params(m8, n8) == n2 + moe_layers * D * (8 - 2) < n8
+    assert active_params(m2, n2) == n2
+    assert flops_per_token(m8, n8, 16) == flops_per_token(m2, n2, 16) + 6 * moe_layers * D * 6

@@ -113,6 +113,7 @@ from dxrun.plan.run_plan import (
     table_rows,
     to_measure,
     train_through,
+    unused_axes,
 )
 from dxrun.run.runtime import (
     agree,
@@ -1762,7 +1763,7 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
     """Every (setting, its mesh plan) on ``n`` devices that the mesh plan accepts at the
     global ``batch`` and ``seq_len`` held fixed: ZeRO-1 off, and on too with data replicas."""
     out = []
-    for sizes in meshes(n, seq_len):
+    for sizes in meshes(n, seq_len, unused_axes(cfg)):
         for remat in REMATS:
             for accum in ACCUMS:
                 layout = Layout(sizes, remat, accum)
@@ -1785,7 +1786,8 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
     out = []
     if a.sizes != b.sizes:  # every axis -1 could infer, and one that cannot where it changes
         out += [f"parallelism.{x.key}={b.sizes[x.key]}" for x in sorted(
-            AXES, key=lambda x: not x.inferable) if x.inferable or a.sizes[x.key] != b.sizes[x.key]]
+            AXES, key=lambda x: not x.inferable)
+            if (x.inferable and not x.only_with) or a.sizes[x.key] != b.sizes[x.key]]
     if a.remat != b.remat:
         out.append(f"model.remat={b.remat}")
     if a.grad_accum != b.grad_accum:

@@ -253,6 +253,11 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel",
 def model_type_of(m: Any) -> str:
     """The HF ``model_type`` of dxrun's model section ``m``; ConfigError naming what differs
     when no HF architecture computes what it does."""
+    moe = getattr(m, "moe", None)
+    if moe is not None and moe.n_experts:  # no MoE family (Mixtral, Qwen-MoE) in the table yet
+        raise ConfigError(f"the model has no Hugging Face equivalent here: model.moe.n_experts="
+                          f"{moe.n_experts} is a mixture of experts, and dxrun reads and writes "
+                          "dense families only; train and keep dxrun's checkpoints")
     misses = {kind: [f"model.{k}={_show(getattr(m, k, None))}" for k, v in want.items()
                      if getattr(m, k, None) != v] for kind, want in FAMILIES.items()}
     if m.pos == "learned" and m.n_kv_heads != m.n_heads:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dxrun.config import AXES, ConfigError, head_dim_of
 from dxrun.config.registry import model_changes
+from dxrun.config.schema_moe import expert_d_ff, moe_layers
 from dxrun.plan.run_plan import BLOCK, KERNELS, kv_gather_bytes, padded_vocab, table_rows
 
 if TYPE_CHECKING:
@@ -249,7 +250,19 @@ def flops_per_token(model: Any, n_params: int, seq_len: int) -> float:
     if getattr(model, "_target_", None):
         return 6.0 * n_params
     attention = 12 * model.n_layers * model.d_model * seq_len
-    return 6.0 * matmul_params(model, n_params) + attention
+    return 6.0 * matmul_params(model, active_params(model, n_params)) + attention
+
+
+def active_params(model: Any, n_params: int) -> int:
+    """The parameters one token's forward pass uses: ``n_params`` less, in every MoE layer
+    (``model.moe``), the routed experts it is not sent to (n_experts - top_k of them);
+    ``n_params`` for a dense model. MFU and TFLOP/s count these (a sparse model's convention)."""
+    moe = getattr(model, "moe", None)
+    if getattr(model, "_target_", None) or not moe or not moe.n_experts:
+        return n_params
+    per_expert = model.d_model * expert_d_ff(model) * (3 if model.mlp == "swiglu" else 2)
+    skipped = sum(moe_layers(model.n_layers, moe)) * (moe.n_experts - moe.top_k) * per_expert
+    return n_params - skipped
 
 
 def mfu(tflops_per_device: float, peak: float) -> float:

@@ -1252,6 +1252,11 @@ def meshes(n: int, seq_len: int, unused: Collection[str] = ()) -> list[Sizes]:
     return [Sizes(m | {last.key: n // math.prod(m.values())}) for m in out]
 
 
+def unused_axes(cfg: RunConfig) -> list[str]:
+    """The keys of the axes ``cfg``'s model has no use for (``Axis.only_with``)."""
+    return [a.key for a in AXES if a.only_with and not OmegaConf.select(cfg, a.only_with)]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -1266,8 +1271,7 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     n = cfg.parallelism.n_devices or n_visible
     ok, refused = [], []
     seq = seq_len or default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
-    unused = [a.key for a in AXES if a.only_with and not OmegaConf.select(cfg, a.only_with)]
-    for sizes in meshes(n, seq, unused):
+    for sizes in meshes(n, seq, unused_axes(cfg)):
         layout = Layout(sizes, cfg.model.remat, cfg.train.grad_accum)
         try:
             make_plan(cfg, n_visible, platform, processes, process_hosts, device, layout=layout,
