@@ -269,3 +269,21 @@ def test_flops_count_the_active_parameters():
     assert active_params(m8, n8) == n2 + moe_layers * D * (8 - 2) < n8
     assert active_params(m2, n2) == n2
     assert flops_per_token(m8, n8, 16) == flops_per_token(m2, n2, 16) + 6 * moe_layers * D * 6
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    ("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
+    ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704),
+])
+def test_the_published_moe_shapes(preset, total, active):
+    """The presets have their published models' parameters (their config.json, counted as
+    transformers counts them), all of them and a token's, without building a weight."""
+    from dxrun.model.sharding import param_axes
+    from dxrun.model.transformer import count_params
+    from dxrun.plan.cost import active_params
+
+    cfg = make_cfg(f"model={preset}")
+    validation.validate(cfg)
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0))), nnx.Param)
+    n = count_params(nnx.to_pure_dict(state), param_axes(state), cfg.model.vocab_size)
+    assert (n, active_params(cfg.model, n)) == (total, active)
