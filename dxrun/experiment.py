@@ -268,7 +268,7 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
     zero = jnp.zeros(shape, jnp.float32)
     # The metrics' names are the loss function's (an MoE model's add moe/*)
     names = jax.eval_shape(loss_fn, params, jax.tree.map(lambda a: a[0], micro_KxMxT), key)[1]
-    zeros = (zero, {name: zero for name in names},
+    zeros = (zero, {k: jnp.zeros((*shape, *s.shape), s.dtype) for k, s in names.items()},
              jax.tree.map(lambda p: jnp.zeros((*shape, *p.shape), p.dtype), params))
     if R > 1:
         zeros = (*zeros[:2], jax.lax.with_sharding_constraint(zeros[2], replica_shardings))
@@ -345,7 +345,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         batch = tokens_BxT if objective is None else objective.train_batch(state.step, tokens_BxT)
         loss, metrics, grads = accumulated_grads(
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
-            plan.grad_accum, batch_sharding, state_shardings.params)
+            plan.grad_accum, batch_sharding,
+            state_shardings.params if moe.vmappable(state_shardings.params) else None)
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
             grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)
@@ -356,6 +357,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         if update_shardings is not None:  # gathered back to the parameters' layout
             params = jax.lax.with_sharding_constraint(unpad(params, update_pads),
                                                       state_shardings.params)
+        params, metrics = moe.move_bias(params, metrics)  # model.moe.bias_rate's rule, if any
         grad_norm = optax.tree.norm(grads)  # the global norm, whatever the layout
         # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -287,3 +287,36 @@ def test_the_published_moe_shapes(preset, total, active):
     state = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0))), nnx.Param)
     n = count_params(nnx.to_pure_dict(state), param_axes(state), cfg.model.vocab_size)
     assert (n, active_params(cfg.model, n)) == (total, active)
+
+
+def test_the_sigmoid_routers_bias_moves_towards_the_mean_load():
+    """model.moe.bias_rate (DeepSeek-V3): after each update every layer's bias moves by the rate
+    up for an expert under the mean load and down for one over it, outside the gradient, and
+    the step's rows do not carry the step."""
+    cfg = make_cfg(*BASE, "parallelism=dp2_ep4", "model.moe.router=sigmoid",
+                   "model.moe.bias_rate=0.01", "model.moe.aux_loss=0")
+    exp = Experiment.build(cfg)
+    state = exp.init_state(exp.seeded.params())
+    for i in range(3):
+        state, m = exp.step(state, exp.batch(i))
+    assert moe.BIAS_STEP not in m and "moe/load_max" in m
+    bias = np.asarray(jax.device_get(state.params["moe_blocks"]["mlp"]["bias"]))
+    assert bias.shape == (2, 8) and np.any(bias != 0)
+    steps = np.round(bias / 0.01)
+    np.testing.assert_allclose(bias, steps * 0.01, atol=1e-6)  # whole steps of the rate
+    assert np.all(np.abs(steps) <= 3)
+
+
+@pytest.mark.e2e  # two short trainings
+def test_micro_batches_on_expert_parallel_replicas():
+    """train.grad_accum=2 on dp2_ep4: each micro-batch's gradient reduced over the replicas (the
+    grouped matmuls cannot run under the per-replica vmap). The first loss is dp1's; later
+    ones differ by the balancing statistics, taken per micro-batch."""
+    base = [*BASE, "data.batch_size=16"]
+    ref = Experiment.build(make_cfg(*base, "parallelism=dp1"))
+    params = jax.device_get(ref.seeded.params())
+    want = _losses(ref, params)[0]
+    got = _losses(Experiment.build(make_cfg(*base, "parallelism=dp2_ep4", "train.grad_accum=2")),
+                  params)[0]
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-3)

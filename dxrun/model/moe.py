@@ -201,6 +201,7 @@ class MoE(nnx.Module):
         self.top_k, self.kind, self.renormalize = m.top_k, m.router, m.renormalize
         self.scale, self.capacity = m.routed_scale, m.capacity_factor
         self.coefficients = (m.aux_loss, m.z_loss)
+        self.bias_rate = m.bias_rate
         self.router = param(rngs, (D, N), ("embed", None), std)
         self.bias = zeros((N,), (None,)) if m.router == "sigmoid" else None
         self.w_up = param(rngs, (N, D, F), ("expert", "embed", "mlp"), std)
@@ -219,7 +220,11 @@ class MoE(nnx.Module):
             logits_BxLxN, self.top_k, self.kind, self.renormalize,
             None if self.bias is None else self.bias[...], self.capacity, self.scale)
         aux_coef, z_coef = self.coefficients
-        record({**stats, "penalty": aux_coef * stats["aux_loss"] + z_coef * stats["z_loss"]})
+        stats["penalty"] = aux_coef * stats["aux_loss"] + z_coef * stats["z_loss"]
+        if self.bias_rate:  # DeepSeek-V3: the bias of an expert under the mean load rises
+            load_N = stats["load_N"]
+            stats[BIAS_STEP] = self.bias_rate * jnp.sign(load_N.mean() - load_N)
+        record(stats)
         weights = (self.w_up[...], None if self.w_gate is None else self.w_gate[...],
                    self.w_down[...])
         y_BxLxD = experts(x_BxLxD, idx_BxLxK, gate_BxLxK, weights)
@@ -329,6 +334,33 @@ def with_losses(loss: jax.Array, metrics: dict[str, jax.Array], found: list
     load_LxN = stats["load_N"].reshape(-1, stats["load_N"].shape[-1])
     over_mean_LxN = load_LxN / jnp.maximum(load_LxN.mean(-1, keepdims=True), 1e-9)
     out = dict(metrics)
+    if BIAS_STEP in stats:  # (layers x N): the step moves the biases by it (``move_bias``)
+        out[BIAS_STEP] = stats[BIAS_STEP].reshape(load_LxN.shape)
     out.update({"moe/aux_loss": aux, "moe/z_loss": z, "moe/dropped": stats["dropped"].mean(),
                 "moe/load_max": over_mean_LxN.max(), "moe/load_min": over_mean_LxN.min()})
     return loss + stats["penalty"].mean(), out
+
+
+# The metrics' entry that carries each MoE layer's balancing-bias step to the train step, which
+# takes it out of the metrics and adds it to the biases after the update (``move_bias``).
+BIAS_STEP = "moe/_bias_step"
+
+
+def move_bias(params: dict, metrics: dict) -> tuple[dict, dict]:
+    """(``params`` with the sigmoid router's balancing biases moved by the step's
+    ``BIAS_STEP``, ``metrics`` without it): DeepSeek-V3's auxiliary-loss-free balancing, a
+    rule outside the gradient. Unchanged without one."""
+    if BIAS_STEP not in metrics:
+        return params, metrics
+    rest = {k: v for k, v in metrics.items() if k != BIAS_STEP}
+    mlp = params["moe_blocks"]["mlp"]
+    moved = {**mlp, "bias": mlp["bias"] + metrics[BIAS_STEP].astype(mlp["bias"].dtype)}
+    return {**params, "moe_blocks": {**params["moe_blocks"], "mlp": moved}}, rest
+
+
+def vmappable(params: dict) -> bool:
+    """Whether the model of ``params`` (any tree shaped as its parameters) can run under
+    ``jax.vmap``: not with MoE layers, whose grouped matmuls (``jax.lax.ragged_dot``) have no
+    batching rule over another axis. (The train step's micro-batches then reduce their
+    gradients over the data replicas each, not once a step.)"""
+    return "moe_blocks" not in params
