@@ -310,13 +310,12 @@ def test_the_sigmoid_routers_bias_moves_towards_the_mean_load():
 @pytest.mark.e2e  # two short trainings
 def test_micro_batches_on_expert_parallel_replicas():
     """train.grad_accum=2 on dp2_ep4: each micro-batch's gradient reduced over the replicas (the
-    grouped matmuls cannot run under the per-replica vmap). The first loss is dp1's; later
-    ones differ by the balancing statistics, taken per micro-batch."""
-    base = [*BASE, "data.batch_size=16"]
+    grouped matmuls cannot run under the per-replica vmap): dp1's losses, the balancing and z
+    losses off (their statistics are taken per micro-batch, so they would differ)."""
+    base = [*BASE, "data.batch_size=16", "model.moe.aux_loss=0", "model.moe.z_loss=0"]
     ref = Experiment.build(make_cfg(*base, "parallelism=dp1"))
     params = jax.device_get(ref.seeded.params())
     want = _losses(ref, params)[0]
     got = _losses(Experiment.build(make_cfg(*base, "parallelism=dp2_ep4", "train.grad_accum=2")),
                   params)[0]
-    assert got[0] == pytest.approx(want[0], rel=1e-6)
-    np.testing.assert_allclose(got, want, rtol=1e-3)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
