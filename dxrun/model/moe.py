@@ -343,7 +343,7 @@ def with_losses(loss: jax.Array, metrics: dict[str, jax.Array], found: list
 
 # The metrics' entry that carries each MoE layer's balancing-bias step to the train step, which
 # takes it out of the metrics and adds it to the biases after the update (``move_bias``).
-BIAS_STEP = "moe/_bias_step"
+BIAS_STEP = "moe:bias_step"  # not a metric: taken out before the row
 
 
 def move_bias(params: dict, metrics: dict) -> tuple[dict, dict]:
