@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cli_in_process, make_cfg, subprocess_env
+from conftest import cli_in_process, make_cfg, stepped, subprocess_env
 from flax import nnx
 
 from dxrun.config import ConfigError, validation
@@ -175,12 +175,7 @@ def test_the_layout_search_tries_the_expert_axis_only_for_experts():
 
 
 def _losses(exp: Experiment, params) -> tuple[list[float], dict]:
-    state = exp.init_state(params)
-    out = []
-    for i in range(STEPS):
-        state, m = exp.step(state, exp.batch(i))
-        out.append(m)
-    rows = jax.device_get(out)
+    rows = stepped(exp, params, STEPS)[1]
     return [float(r["train/loss"]) for r in rows], rows[-1]
 
 
@@ -289,6 +284,7 @@ def test_the_published_moe_shapes(preset, total, active):
     assert (n, active_params(cfg.model, n)) == (total, active)
 
 
+@pytest.mark.e2e  # three training steps on dp2_ep4
 def test_the_sigmoid_routers_bias_moves_towards_the_mean_load():
     """model.moe.bias_rate (DeepSeek-V3): after each update every layer's bias moves by the rate
     up for an expert under the mean load and down for one over it, outside the gradient, and
@@ -296,9 +292,8 @@ def test_the_sigmoid_routers_bias_moves_towards_the_mean_load():
     cfg = make_cfg(*BASE, "parallelism=dp2_ep4", "model.moe.router=sigmoid",
                    "model.moe.bias_rate=0.01", "model.moe.aux_loss=0")
     exp = Experiment.build(cfg)
-    state = exp.init_state(exp.seeded.params())
-    for i in range(3):
-        state, m = exp.step(state, exp.batch(i))
+    state, rows = stepped(exp, exp.seeded.params(), 3)
+    m = rows[-1]
     assert moe.BIAS_STEP not in m and "moe/load_max" in m
     bias = np.asarray(jax.device_get(state.params["moe_blocks"]["mlp"]["bias"]))
     assert bias.shape == (2, 8) and np.any(bias != 0)
