@@ -28,9 +28,16 @@ from jax.sharding import PartitionSpec as P
 from dxrun.config import ConfigError, checked_factory, hf_dir, read_config
 from dxrun.data import EVAL, TRAIN, Data
 from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
-from dxrun.model import moe
 from dxrun.model.context_parallel import in_context_order
-from dxrun.model.objectives import MaskedDiffusion, chunked_cross_entropy, objective_of
+from dxrun.model.objectives import (
+    MaskedDiffusion,
+    chunked_cross_entropy,
+    move_router_bias,
+    objective_of,
+    router_statistics,
+    vmappable,
+    with_router_losses,
+)
 from dxrun.model.sharding import (
     batch_sharding,
     check_process_rows,
@@ -331,13 +338,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     nan_policy, inject_nan_at_step = spec.nan_policy, spec.inject_nan_at_step
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
-        with moe.collect() as found:  # the MoE layers' statistics, if any
+        with router_statistics() as found:  # the MoE layers' statistics, if any
             loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
                                              spec.grad_reduce_dtype, plan.loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/run/runtime.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
         # train/loss stays the objective's; the MoE penalties join the differentiated loss
-        return moe.with_losses(loss, {**metrics, "train/loss": loss}, found)
+        return with_router_losses(loss, {**metrics, "train/loss": loss}, found)
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if spec.dropout_seed is None
@@ -346,7 +353,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         loss, metrics, grads = accumulated_grads(
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
             plan.grad_accum, batch_sharding,
-            state_shardings.params if moe.vmappable(state_shardings.params) else None)
+            state_shardings.params if vmappable(state_shardings.params) else None)
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
             grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)
@@ -357,7 +364,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         if update_shardings is not None:  # gathered back to the parameters' layout
             params = jax.lax.with_sharding_constraint(unpad(params, update_pads),
                                                       state_shardings.params)
-        params, metrics = moe.move_bias(params, metrics)  # model.moe.bias_rate's rule, if any
+        params, metrics = move_router_bias(params, metrics)  # model.moe.bias_rate's rule, if any
         grad_norm = optax.tree.norm(grads)  # the global norm, whatever the layout
         # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

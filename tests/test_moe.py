@@ -15,9 +15,9 @@ import pytest
 from conftest import cli_in_process, make_cfg, stepped, subprocess_env
 from flax import nnx
 
-from dxrun.config import ConfigError, validation
+from dxrun.config import ConfigError, moe_layers, validation
 from dxrun.experiment import Experiment
-from dxrun.model import moe
+from dxrun.model import moe, objectives
 from dxrun.model.user_model import build_model
 from dxrun.plan.run_plan import make_plan
 from dxrun.train import train
@@ -119,12 +119,12 @@ def test_layers_in_groups_scan_as_they_loop():
     out = {}
     for scan in (True, False):
         cfg, model = _model(f"model.scan_layers={str(scan).lower()}")
-        assert moe.moe_layers(5, cfg.model.moe) == (False, False, True, False, True)
-        with moe.collect() as found:
+        assert moe_layers(5, cfg.model.moe) == (False, False, True, False, True)
+        with objectives.router_statistics() as found:
             logits = model(tokens)
         out[scan] = (logits, found)
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
-    loss, metrics = moe.with_losses(jnp.float32(2.0), {}, out[True][1])
+    loss, metrics = objectives.with_router_losses(jnp.float32(2.0), {}, out[True][1])
     aux, z = float(metrics["moe/aux_loss"]), float(metrics["moe/z_loss"])
     assert float(loss) == pytest.approx(2.0 + 0.01 * aux + 0.001 * z, rel=1e-6)
     assert metrics["moe/load_max"] >= 1.0 >= metrics["moe/load_min"] >= 0.0
@@ -294,7 +294,7 @@ def test_the_sigmoid_routers_bias_moves_towards_the_mean_load():
     exp = Experiment.build(cfg)
     state, rows = stepped(exp, exp.seeded.params(), 3)
     m = rows[-1]
-    assert moe.BIAS_STEP not in m and "moe/load_max" in m
+    assert objectives.BIAS_STEP not in m and "moe/load_max" in m
     bias = np.asarray(jax.device_get(state.params["moe_blocks"]["mlp"]["bias"]))
     assert bias.shape == (2, 8) and np.any(bias != 0)
     steps = np.round(bias / 0.01)

@@ -1,35 +1,21 @@
 """Mixture of experts: the MoE MLP (``model.moe``), its router and dispatch, and the model whose
-layers are dense or MoE (``MoETransformer``).
+layers are dense or MoE (``MoETransformer``); docs/guide/moe.md is its guide.
 
 Shapes are in the names as in ``dxrun.model.transformer`` (B batch, L length, D d_model), and: N
 experts (n the experts one device of the ``expert`` axis holds), K top_k, T tokens (B*L), A
 routed assignments (T*K), F an expert's hidden width.
 
-Routing runs on the whole batch under the mesh's sharding (GSPMD): the router logits, top k,
-the load-balancing and z losses, the loads and the capacity drop are global statistics, the same
-whatever the layout. The experts run under ``jax.shard_map``: each device gathers the tokens of
-its ``expert`` group (the devices that split the batch over ``expert``), computes the experts it
-holds on the assignments routed to them (sorted by expert, one ``jax.lax.ragged_dot`` per
-matmul: dropless, no token padded or dropped unless the capacity factor drops it) and the
-group's partial outputs are summed and scattered back to their tokens' devices (all-gather
-forward and reduce-scatter, their transposes backward: Megatron's all-gather dispatcher, one
-collective each way, chosen over an all-to-all because it needs no ragged exchange and the
-sum is exact). Outside a mesh (and on one device of the expert axis) the same code runs on all
-experts.
-
-The layers' statistics leave the scanned stack as the scan's outputs and reach the loss through
-``collect`` / ``record`` (a context the train step opens around its loss), which adds
-``model.moe.aux_loss`` x the load-balancing loss and ``model.moe.z_loss`` x the z-loss to
-the loss it differentiates and puts them, the loads and the dropped share in its metrics
-(``with_losses``).
+Routing runs on the whole batch under the mesh's sharding: its statistics are global, the same
+on every layout. The experts run dropless, the assignments sorted by expert through grouped
+matmuls, under ``jax.shard_map`` over the ``expert`` axis (``experts``). The layers' statistics
+leave the scanned stack as the scan's outputs and reach the train step's loss through
+``dxrun.model.objectives.router_statistics`` / ``record`` (its ``with_router_losses`` adds
+the penalties and the metrics).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.config.schema_moe import expert_d_ff, moe_layers
+from dxrun.model.objectives import BIAS_STEP, record, router_statistics
 from dxrun.model.sharding import active_axes, active_spec
 from dxrun.model.transformer import (
     KERNEL,
@@ -54,28 +40,6 @@ from dxrun.model.transformer import (
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig
-
-# The statistics of the MoE layers traced so far, innermost ``collect`` first.
-_FOUND: contextvars.ContextVar[list | None] = contextvars.ContextVar("dxrun_moe", default=None)
-
-
-@contextlib.contextmanager
-def collect() -> Iterator[list]:
-    """The list the MoE layers traced inside this context ``record`` their statistics into."""
-    found: list = []
-    token = _FOUND.set(found)
-    try:
-        yield found
-    finally:
-        _FOUND.reset(token)
-
-
-def record(stats: dict[str, jax.Array]) -> None:
-    """Hand ``stats`` to the innermost ``collect``; dropped outside one (decoding, logits)."""
-    found = _FOUND.get()
-    if found is not None:
-        found.append(stats)
-
 
 # ------------------------------------------------------------------------------------------------
 # The router: which experts each token goes to, with what weight, and the batch's statistics.
@@ -156,8 +120,12 @@ def expert_mlp(x_TxD: jax.Array, idx_TxK: jax.Array, gate_TxK: jax.Array,
 def experts(x_BxLxD: jax.Array, idx_BxLxK: jax.Array, gate_BxLxK: jax.Array,
             weights: tuple[jax.Array, jax.Array | None, jax.Array]) -> jax.Array:
     """``expert_mlp`` of every token: on the whole batch outside a mesh, else under
-    ``jax.shard_map``, each device on its expert group's tokens and its own experts, the
-    outputs summed over the group and scattered back (the module's docstring)."""
+    ``jax.shard_map``: each device gathers the tokens of its expert group (the devices that
+    split the batch over ``expert``), computes its own experts on the assignments routed to
+    them, and the group's partial outputs are summed and scattered back to their tokens'
+    devices (all-gather forward and reduce-scatter, their transposes backward: Megatron's
+    all-gather dispatcher, chosen over an all-to-all because it needs no ragged exchange and
+    the sum is exact, so every layout computes what one device does)."""
     B, L, D = x_BxLxD.shape
     K = idx_BxLxK.shape[-1]
     if jax.sharding.get_abstract_mesh().empty:
@@ -191,13 +159,13 @@ def experts(x_BxLxD: jax.Array, idx_BxLxK: jax.Array, gate_BxLxK: jax.Array,
 
 class MoE(nnx.Module):
     """The MoE MLP: a router (D x N), N experts (GELU or SwiGLU, as ``model.mlp``; no biases),
-    each ``model.moe.d_ff`` wide, stacked on a leading ``expert`` axis, and an optional shared
-    expert every token passes through (``model.moe.shared_d_ff``, gated with
-    ``model.moe.shared_gate``)."""
+    each ``d_ff`` wide (``dxrun.config.expert_d_ff``), stacked on a leading ``expert`` axis,
+    and an optional shared expert every token passes through (``model.moe.shared_d_ff``,
+    gated with ``model.moe.shared_gate``)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int):
         m = cfg.moe
-        D, F, N, std = cfg.d_model, expert_d_ff(cfg), m.n_experts, cfg.init_std
+        D, F, N, std = cfg.d_model, d_ff, m.n_experts, cfg.init_std
         self.top_k, self.kind, self.renormalize = m.top_k, m.router, m.renormalize
         self.scale, self.capacity = m.routed_scale, m.capacity_factor
         self.coefficients = (m.aux_loss, m.z_loss)
@@ -241,20 +209,23 @@ class MoE(nnx.Module):
 # The model: dense layers and MoE layers, scanned in groups.
 
 class MoETransformer(Transformer):
-    """``Transformer`` whose MLP is ``MoE`` in the layers ``moe_layers`` names: the dense
-    layers' blocks stacked as ``blocks`` (the first ``first_dense``, then each group's
-    ``every - 1``), the MoE layers' as ``moe_blocks``. The layers run as the dense model's do,
+    """``Transformer`` whose MLP is ``MoE`` (experts ``d_ff`` wide) in the layers ``kinds``
+    marks (``dxrun.config.moe_layers``): the dense layers' blocks stacked as ``blocks`` (the
+    first ``first_dense``, then each group's ``every - 1``), the MoE layers' as
+    ``moe_blocks``. The layers run as the dense model's do,
     the first dense ones scanned (or looped), then one scan over the groups, each step its
     dense layers and its MoE layer; ``model.remat`` wraps each layer."""
 
-    def make_blocks(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL
-                    ) -> None:
-        kinds = moe_layers(cfg.n_layers, cfg.moe)
+    def __init__(self, cfg: ModelConfig, kinds: tuple[bool, ...], d_ff: int, *,
+                 rngs: nnx.Rngs, padded_vocab: int | None = None,
+                 kernel: tuple[str, bool] = KERNEL, remat: str | None = None):
+        super().__init__(cfg, rngs=rngs, padded_vocab=padded_vocab, kernel=kernel, remat=remat)
         dense_n = kinds.count(False)
         self.first_dense, self.every = cfg.moe.first_dense, cfg.moe.every
-        self.blocks = stacked_blocks(cfg, rngs, kernel, dense_n) if dense_n else None
+        # nnx.data: the base class left `blocks` a static None
+        self.blocks = nnx.data(stacked_blocks(cfg, rngs, kernel, dense_n) if dense_n else None)
         self.moe_blocks = stacked_blocks(cfg, rngs, kernel, kinds.count(True),
-                                         lambda r: MoE(cfg, r))
+                                         lambda r: MoE(cfg, r, d_ff))
 
     def run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None,
                    dtype: Any = None) -> jax.Array:
@@ -273,7 +244,7 @@ class MoETransformer(Transformer):
 
         def moe_layer(x: jax.Array, inputs: tuple) -> tuple[jax.Array, dict]:
             params, key = inputs
-            with collect() as found:
+            with router_statistics() as found:
                 x = nnx.merge(moe_def, params)(x, key, dtype)
             return x, found[0]
 
@@ -313,54 +284,3 @@ class MoETransformer(Transformer):
 def slice_tree(tree: Any, at: Any) -> Any:
     """Every array of ``tree`` indexed by ``at`` on its leading axis (None stays None)."""
     return jax.tree.map(lambda a: a[at], tree)
-
-
-# ------------------------------------------------------------------------------------------------
-# The losses and metrics the train step adds.
-
-def with_losses(loss: jax.Array, metrics: dict[str, jax.Array], found: list
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``loss`` plus the MoE layers' penalties (``found``: what ``collect`` gathered around the
-    forward pass; model.moe.aux_loss x the load-balancing loss + model.moe.z_loss x the
-    z-loss, a mean over the layers), and ``metrics`` with ``moe/aux_loss``, ``moe/z_loss``
-    (those means, before their coefficients), ``moe/load_max`` and ``moe/load_min`` (each
-    layer's most and least loaded expert's tokens over the mean, the extremes over the
-    layers) and ``moe/dropped`` (the share of routed assignments the capacity dropped).
-    ``found`` empty: both unchanged."""
-    if not found:
-        return loss, metrics
-    stats = jax.tree.map(lambda *a: jnp.concatenate([jnp.atleast_1d(x) for x in a]), *found)
-    aux, z = stats["aux_loss"].mean(), stats["z_loss"].mean()
-    load_LxN = stats["load_N"].reshape(-1, stats["load_N"].shape[-1])
-    over_mean_LxN = load_LxN / jnp.maximum(load_LxN.mean(-1, keepdims=True), 1e-9)
-    out = dict(metrics)
-    if BIAS_STEP in stats:  # (layers x N): the step moves the biases by it (``move_bias``)
-        out[BIAS_STEP] = stats[BIAS_STEP].reshape(load_LxN.shape)
-    out.update({"moe/aux_loss": aux, "moe/z_loss": z, "moe/dropped": stats["dropped"].mean(),
-                "moe/load_max": over_mean_LxN.max(), "moe/load_min": over_mean_LxN.min()})
-    return loss + stats["penalty"].mean(), out
-
-
-# The metrics' entry that carries each MoE layer's balancing-bias step to the train step, which
-# takes it out of the metrics and adds it to the biases after the update (``move_bias``).
-BIAS_STEP = "moe:bias_step"  # not a metric: taken out before the row
-
-
-def move_bias(params: dict, metrics: dict) -> tuple[dict, dict]:
-    """(``params`` with the sigmoid router's balancing biases moved by the step's
-    ``BIAS_STEP``, ``metrics`` without it): DeepSeek-V3's auxiliary-loss-free balancing, a
-    rule outside the gradient. Unchanged without one."""
-    if BIAS_STEP not in metrics:
-        return params, metrics
-    rest = {k: v for k, v in metrics.items() if k != BIAS_STEP}
-    mlp = params["moe_blocks"]["mlp"]
-    moved = {**mlp, "bias": mlp["bias"] + metrics[BIAS_STEP].astype(mlp["bias"].dtype)}
-    return {**params, "moe_blocks": {**params["moe_blocks"], "mlp": moved}}, rest
-
-
-def vmappable(params: dict) -> bool:
-    """Whether the model of ``params`` (any tree shaped as its parameters) can run under
-    ``jax.vmap``: not with MoE layers, whose grouped matmuls (``jax.lax.ragged_dot``) have no
-    batching rule over another axis. (The train step's micro-batches then reduce their
-    gradients over the data replicas each, not once a step.)"""
-    return "moe_blocks" not in params

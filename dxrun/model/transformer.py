@@ -570,7 +570,7 @@ class Transformer(nnx.Module):
         self.wte = padded_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, Vp)
         self.wpe = (param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
-        self.make_blocks(cfg, rngs, kernel)
+        self.blocks = None if cfg.moe.n_experts else stacked_blocks(cfg, rngs, kernel)  # MoE: moe.py
         # remat: the run plan's (a layout search may choose it); None: model.remat
         self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"
@@ -578,10 +578,6 @@ class Transformer(nnx.Module):
         self.lm_head = (None if cfg.tie_embeddings
                         else padded_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, Vp))
         self.rate = cfg.dropout
-
-    def make_blocks(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool]) -> None:
-        """The layers' parameters: ``blocks``, every layer's stacked (``stacked_blocks``)."""
-        self.blocks = stacked_blocks(cfg, rngs, kernel)
 
     def run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None,
                    dtype: Any = None) -> jax.Array:

@@ -13,9 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dxrun.config import AXES, ConfigError, head_dim_of
+from dxrun.config import AXES, ConfigError, expert_d_ff, head_dim_of, moe_layers
 from dxrun.config.registry import model_changes
-from dxrun.config.schema_moe import expert_d_ff, moe_layers
 from dxrun.plan.run_plan import BLOCK, KERNELS, kv_gather_bytes, padded_vocab, table_rows
 
 if TYPE_CHECKING:

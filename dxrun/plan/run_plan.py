@@ -33,9 +33,9 @@ from dxrun.config import (
     ConfigError,
     ModelConfig,
     axis_sizes,
+    expert_d_ff,
     head_dim_of,
 )
-from dxrun.config.schema_moe import check_experts_divide
 from dxrun.run import runtime
 
 if TYPE_CHECKING:
@@ -1146,6 +1146,24 @@ def check_model_divides(model: Any, tp: int, fsdp: int) -> None:
             f"model.d_model={model.d_model} is not divisible by parallelism.fsdp={fsdp}; "
             f"pick an fsdp size that divides {model.d_model}"
         )
+
+
+def check_experts_divide(m: Any, ep: int, tp: int) -> None:
+    """The experts split evenly over the ``expert`` mesh axis, their widths over ``tensor``."""
+    moe = m.moe
+    if ep > 1 and not moe.n_experts:
+        raise ConfigError(f"parallelism.ep={ep} splits the experts, but model.moe.n_experts=0 "
+                          "(a dense model); set parallelism.ep=1 or model.moe.n_experts")
+    if moe.n_experts % ep:
+        raise ConfigError(
+            f"model.moe.n_experts={moe.n_experts} is not divisible by parallelism.ep={ep}; "
+            f"pick an ep that divides {moe.n_experts} (each expert device holds "
+            "n_experts / ep experts)")
+    for name, width in (("d_ff", expert_d_ff(m) if moe.n_experts else 0),
+                        ("shared_d_ff", moe.shared_d_ff)):
+        if width % tp:
+            raise ConfigError(f"model.moe.{name}={width} is not divisible by parallelism.tp="
+                              f"{tp}; pick a tp that divides {width}")
 
 
 def shard_optimizer(p: ParallelismConfig, dp: int) -> bool:
