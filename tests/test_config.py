@@ -49,7 +49,8 @@ def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
     assert set(schema.NULLABLE) == {"distributed.num_processes", "distributed.process_id",
                                     "data.seq_len", "checkpoint.every", "model.loss_chunk",
                                     "parallelism.search_budget", "model.head_dim",
-                                    "model.sliding_window"}
+                                    "model.sliding_window", "model.moe.d_ff",
+                                    "model.moe.capacity_factor"}
     assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
     assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
 
@@ -388,7 +389,8 @@ SIZE_DEFAULTS = {"tiny": (1e-2, 20), "tiny_llama": (1e-2, 20), "small": (6e-4, 2
                  "medium": (3e-4, 300), "large": (2.5e-4, 400), "xl": (2e-4, 500),
                  "qwen3_0_6b": (2.5e-4, 400), "qwen3_8b": (3e-4, 2000),
                  "qwen2_5_7b": (3e-4, 2000), "mistral_7b": (3e-4, 2000),
-                 "olmo2_1b": (2e-4, 500)}
+                 "olmo2_1b": (2e-4, 500), "moe_tiny": (1e-2, 20), "moe_small": (6e-4, 200),
+                 "mixtral_8x7b": (3e-4, 2000), "qwen3_30b_a3b": (3e-4, 2000)}
 
 
 @pytest.mark.parametrize("model", sorted(SIZE_DEFAULTS))
