@@ -318,10 +318,10 @@ def test_full_tp_step_gathers_no_weight(cfg_factory):
 
 def test_low_level_api_on_the_same_rules():
     mesh = sharding.make_tp_mesh(2)
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2}
     assert sharding.num_devices() == 8
     batch = sharding.shard_batch(np.arange(16 * 3).reshape(16, 3), mesh)
-    assert batch.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    assert batch.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"))
     assert {s.data.shape for s in batch.addressable_shards} == {(4, 3)}
     rep = sharding.replicate(np.ones(5), mesh)
     assert all(s.data.shape == (5,) for s in rep.addressable_shards)
