@@ -1165,7 +1165,7 @@ def tflops_per_device(model_flops: float, n_devices: int, step_s: float | None) 
     return model_flops / n_devices / step_s / 1e12 if step_s else None
 
 
-def preset_note(name: str, shape: tuple[int, int, int, int]) -> str | None:
+def preset_note(name: str, shape: tuple[int, ...]) -> str | None:
     """A preset named for its 8-device layout (``dp4_tp2``) on another device count: what it
     lays out there (``data 48 x tensor 2``). None when the name is the mesh, or no layout."""
     token = rf"(?:{'|'.join(AXIS_WORDS)})\d+"
