@@ -314,3 +314,12 @@ def test_micro_batches_on_expert_parallel_replicas():
     got = _losses(Experiment.build(make_cfg(*base, "parallelism=dp2_ep4", "train.grad_accum=2")),
                   params)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_plan_modes_model_row_says_the_experts_and_the_active_parameters():
+    from dxrun.plan.cost import shape_line
+
+    line = shape_line(make_cfg("model=mixtral_8x7b").model, 46_702_792_704)
+    assert "32 MoE layers of 8 experts (d_ff 14336, top 2)" in line
+    assert line.endswith("46,702,792,704 parameters, 12,879,925,248 active")
+    assert "active" not in shape_line(make_cfg("model=small").model, 124_475_904)

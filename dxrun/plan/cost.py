@@ -1155,9 +1155,12 @@ def shape_line(model: Any, n_params: int) -> str:
     m = model
     kv = (f"{m.n_kv_heads} kv heads" if m.n_kv_heads == m.n_heads
           else f"{m.n_kv_heads} kv heads (grouped-query)")
+    moe, active = getattr(m, "moe", None), active_params(m, n_params)
+    experts = (f", {sum(moe_layers(m.n_layers, moe))} MoE layers of {moe.n_experts} experts "
+               f"(d_ff {expert_d_ff(m)}, top {moe.top_k})" if active != n_params else "")
     return (f"{m.name}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads / {kv} "
-            f"of {head_dim_of(m)}, d_ff {m.d_ff} ({m.mlp}), vocab {m.vocab_size:,}, "
-            f"{n_params:,} parameters")
+            f"of {head_dim_of(m)}, d_ff {m.d_ff} ({m.mlp}){experts}, vocab {m.vocab_size:,}, "
+            f"{n_params:,} parameters" + (f", {active:,} active" if active != n_params else ""))
 
 
 def tflops_per_device(model_flops: float, n_devices: int, step_s: float | None) -> float | None:
