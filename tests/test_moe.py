@@ -323,3 +323,15 @@ def test_plan_modes_model_row_says_the_experts_and_the_active_parameters():
     assert "32 MoE layers of 8 experts (d_ff 14336, top 2)" in line
     assert line.endswith("46,702,792,704 parameters, 12,879,925,248 active")
     assert "active" not in shape_line(make_cfg("model=small").model, 124_475_904)
+
+
+def test_the_time_model_counts_a_tokens_experts():
+    """Plan mode's matmuls count each token's experts: Mixtral's MLP is two of its experts wide
+    (28,672); an MoE layer every other one averages with the dense layers' width."""
+    from dxrun.plan.cost import active_d_ff
+
+    assert active_d_ff(make_cfg("model=mixtral_8x7b").model) == 2 * 14336
+    assert active_d_ff(make_cfg("model=small").model) == 3072
+    m = make_cfg("model=moe_tiny", "model.n_layers=4", "model.moe.every=2",
+                 "model.moe.shared_d_ff=32").model
+    assert active_d_ff(m) == (2 * 128 + 2 * (2 * 64 + 32)) / 4

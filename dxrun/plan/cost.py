@@ -264,6 +264,19 @@ def active_params(model: Any, n_params: int) -> int:
     return n_params - skipped
 
 
+def active_d_ff(model: Any) -> float:
+    """The MLP width a token passes through, averaged over the layers: ``model.d_ff``, or in an
+    MoE layer (``model.moe``) its top k experts' and the shared expert's widths together. The
+    time model and the hardware FLOPs count a block's MLP at this width (the router's small
+    matmul aside)."""
+    moe = getattr(model, "moe", None)
+    if not moe or not moe.n_experts:
+        return float(model.d_ff)
+    sparse = sum(moe_layers(model.n_layers, moe))
+    routed = moe.top_k * expert_d_ff(model) + moe.shared_d_ff
+    return ((model.n_layers - sparse) * model.d_ff + sparse * routed) / model.n_layers
+
+
 def mfu(tflops_per_device: float, peak: float) -> float:
     return tflops_per_device / peak
 
@@ -295,7 +308,7 @@ RECOMPUTE_MATMULS = ("full", "keep_attention")
 def block_matmul_flops(model: Any) -> float:
     """Forward FLOPs per token of one block's weight matmuls: q/k/v, the output projection and
     the MLP (two matmuls for GELU, three for SwiGLU)."""
-    D, H, K, F = model.d_model, model.n_heads, model.n_kv_heads, model.d_ff
+    D, H, K, F = model.d_model, model.n_heads, model.n_kv_heads, active_d_ff(model)
     E = head_dim_of(model)
     qkv = 2 * D * (H + 2 * K) * E
     out = 2 * H * E * D
@@ -334,7 +347,7 @@ def step_flops(model: Any, tokens: int, seq_len: int, vocab: int, remat: str = "
     else:
         attn_fwd = L * attention_flops(model, seq_len, causal=False) * tokens
         attn_hw = 3 * attn_fwd
-    down = L * 2 * model.d_ff * model.d_model * tokens  # not recomputed (see above)
+    down = L * 2 * active_d_ff(model) * model.d_model * tokens  # not recomputed (see above)
     recompute = {"none": 0.0, "full": blocks / 3 - down + attn_fwd,
                  "keep_attention": blocks / 3 - down,
                  "dots": attn_fwd if fused_attention else 0.0}[remat]
@@ -526,9 +539,10 @@ def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
     """(input width, output width) of one block's weight matmuls on one device (tp-split)."""
     m = w.model
     E, tp = head_dim_of(m), w.tp
-    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp == "swiglu" else 1)
+    F = active_d_ff(m)
+    mlp_in = [(m.d_model, F / tp)] * (2 if m.mlp == "swiglu" else 1)
     return [(m.d_model, (m.n_heads + 2 * m.n_kv_heads) * E / tp), (m.n_heads * E / tp, m.d_model),
-            *mlp_in, (m.d_ff / tp, m.d_model)]
+            *mlp_in, (F / tp, m.d_model)]
 
 
 def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -> dict:
