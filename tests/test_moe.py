@@ -22,7 +22,10 @@ from dxrun.model.user_model import build_model
 from dxrun.plan.run_plan import make_plan
 from dxrun.train import train
 
-EP_PRESETS = ["ep8", "dp2_ep4", "fsdp2_ep4", "dp2_ep2_tp2"]
+# Every preset with an expert axis, and the expert axis beside the context axis (no preset).
+LAYOUTS = {name: [f"parallelism={name}"] for name in ("ep8", "dp2_ep4", "fsdp2_ep4",
+                                                      "dp2_ep2_tp2")}
+LAYOUTS["dp2_ep2_cp2"] = ["parallelism.dp=2", "parallelism.ep=2", "parallelism.cp=2"]
 STEPS = 12
 # 8 x 16 tokens a step, fp32, as tests/test_sharding.py's mesh equivalence
 BASE = ["model=moe_tiny", "logger=none", "train.precision=fp32", "optimizer.warmup_steps=2",
@@ -186,12 +189,12 @@ def dp1_run():
     return params, _losses(exp, params)
 
 
-@pytest.mark.e2e  # five 12-step trainings (one compile each)
-@pytest.mark.parametrize("preset", EP_PRESETS)
+@pytest.mark.e2e  # six 12-step trainings (one compile each)
+@pytest.mark.parametrize("preset", LAYOUTS)
 def test_every_expert_preset_trains_as_dp1(dp1_run, preset):
     """Dropless, fp32: the same 12 losses as dp1 within 1e-5, and the same MoE statistics."""
     params, (ref, ref_row) = dp1_run
-    exp = Experiment.build(make_cfg(*BASE, f"parallelism={preset}"))
+    exp = Experiment.build(make_cfg(*BASE, *LAYOUTS[preset]))
     expert = exp.param_shardings["moe_blocks"]["mlp"]["w_up"].spec
     assert expert[1] == "expert"  # [layers, experts, D, F]: the experts split over `expert`
     losses, row = _losses(exp, params)
