@@ -210,6 +210,26 @@ def _fastest(model: str, records: list[dict]) -> str:
             f"step's fastest of these shapes, {hand['hand_tokens_per_s']:,} (`{hand['shape']}`).")
 
 
+# Each sparse model beside the dense model of its active FLOPs per token (moe_small: 8 experts of
+# half small's d_ff, top 2: small's MLP FLOPs).
+DENSE_OF = {"moe_small": "small"}
+
+
+def _sparse(model: str, records: list[dict]) -> str:
+    """One line: the sparse model's fastest shape against its dense model's (``DENSE_OF``):
+    the tokens/s ratio (issue 82's bar: 0.75) and its MFU, counted on active parameters."""
+    ours = [r for r in records if r.get("model") == model and r.get("tokens_per_s")]
+    dense = [r for r in records if r.get("model") == DENSE_OF.get(model) and r.get("tokens_per_s")]
+    if not ours or not dense:
+        return ""
+    a, b = (max(rs, key=lambda r: r["tokens_per_s"]) for rs in (ours, dense))
+    mfu = f"{100 * a['mfu']:.1f}%" if a.get("mfu") else "-"
+    return (f"- {model}: its fastest, {a['tokens_per_s']:,} tokens/s (`{a['shape']}`, MFU {mfu} "
+            f"on active parameters), is {a['tokens_per_s'] / b['tokens_per_s']:.3f}x "
+            f"{DENSE_OF[model]}'s fastest, {b['tokens_per_s']:,} (`{b['shape']}`), the dense "
+            "model of the same active FLOPs.")
+
+
 def _runs(out: str, prefix: str) -> list[tuple[str, Path, dict, dict]]:
     """Each ``<prefix><model>`` run of ``out`` that logged: its model, dir, the medians of its
     perf/* over its logged rows after the first (the compiling step's), and the layout its
@@ -335,7 +355,8 @@ def report(out: str, tokens: str | None, command: str) -> None:
     begin, end = markers("tpu")
     first = records[0]
     best = [line for model in dict.fromkeys(r["model"] for r in records if "model" in r)
-            if (line := _fastest(model, [r for r in records if r.get("model") == model]))]
+            if (line := _fastest(model, [r for r in records if r.get("model") == model])
+                        or _sparse(model, records))]
     steps_at = ", ".join(sorted({str(r.get("commit", "unknown")) for r in records}))
     section = "\n".join([
         begin, "", f"`{command}` at {steps_at}, on one "

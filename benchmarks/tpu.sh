@@ -10,7 +10,8 @@
 #    each shape (compiled on the host's CPU: `--report` runs anywhere, no chip needed).
 # 4. each model as a user runs it with no key but its data (the defaults row);
 # 5. the field's dense models (issue 81): a Qwen3-0.6B and a Gemma-2-shaped model in bf16.
-# About 35 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
+# 6. a sparse model (issue 82): moe_small beside small, the dense model of its active FLOPs.
+# About 40 minutes on the chip. Where the checkout came without its own git dir, DXRUN_COMMIT names
 # the commit the records carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,8 +65,11 @@ G=$B,model.scan_layers=false  # and the layers unrolled
 # Each model at its fastest shape (where the hand-written step does not fit: its fp32 logits,
 # its scanned stack) and at the fastest shape both fit, side by side: large at 16 under full
 # remat (scanned: unrolled gains nothing there, and compiles 5 times longer).
+# moe_small (8 experts, top 2, GPT-2 small's width) beside small, the dense model of its active
+# FLOPs: in one run, on the same chip.
 SHAPES=(${DXRUN_TPU_SHAPES:-small:16:none:$G+hand small:8:none:$G+hand medium:8:none:$G+hand
-        medium:4:none:$G+hand large:12:keep_attention:$G+hand large:16:full:$B+hand})
+        medium:4:none:$G+hand large:12:keep_attention:$G+hand large:16:full:$B+hand
+        moe_small:16:none:$G moe_small:8:none:$G moe_small:16:none:$B})
 python3 -m benchmarks.tpu "${SHAPES[@]}" --tokens "$tok" --out "$out" 2>&1 | tee "$out/tpu.log"
 first=(python3 -m dxrun model=small data=tokens "data.path=$tok" data.seq_len=1024
        data.batch_size=16 parallelism=dp1 train.precision=bf16 train.grad_reduce_dtype=bf16

@@ -179,6 +179,10 @@ def sample(path: Path, options: dict[str, Any], overrides: list[str]) -> dict[st
                           "parallelism override: one device; or parallelism=tp2)") from None
     cfg = loaded.cfg
     no_context_parallel(loaded.exp.plan.cp)
+    if cfg.model.moe.n_experts:  # the cached decode runs dense blocks only (tools/decode.py)
+        raise ConfigError(f"model.moe.n_experts={cfg.model.moe.n_experts}: dxrun.sample decodes "
+                          "dense models only, not a mixture of experts yet; score this run with "
+                          "python -m dxrun.evaluate or dxrun.logits")
     if options["top_k"] > cfg.model.vocab_size:
         raise ConfigError(f"top_k={options['top_k']} is larger than the vocabulary "
                           f"(model.vocab_size={cfg.model.vocab_size}); use top_k<="

@@ -459,3 +459,16 @@ def text_run(tmp_path_factory) -> Path:
                    "parallelism=dp2", "train.steps=100", "train.log_every=50",
                    "train.eval_every=100", "checkpoint.every=100", "logger=none"), root / "run")
     return root / "run"
+
+
+def stepped(exp, params, steps: int) -> tuple:
+    """(the train state after ``steps`` steps of ``exp`` from ``params``, each step's metrics
+    fetched to the host)."""
+    import jax
+
+    state = exp.init_state(params)
+    out = []
+    for i in range(steps):
+        state, m = exp.step(state, exp.batch(i))
+        out.append(m)
+    return state, jax.device_get(out)

@@ -33,7 +33,7 @@ def test_a_new_axis_is_a_row_of_the_table(extra_axis, cfg_factory):
     from dxrun.model.sharding import host_grid
     from dxrun.plan import Layout, Sizes, layout_of, make_plan, resolve_axes, shrink, split_over_hosts
 
-    assert list(Sizes(dp=2)) == ["dp", "fsdp", "cp", "tp", "xp"]
+    assert list(Sizes(dp=2)) == ["dp", "fsdp", "ep", "cp", "tp", "xp"]
     layout = Layout.of(dp=4, xp=2)
     assert (layout.mesh, layout.xp, layout.mesh_sizes["extra"]) == ("dp4_xp2", 2, 2)
     assert layout.overrides()["parallelism"]["xp"] == 2
@@ -44,12 +44,12 @@ def test_a_new_axis_is_a_row_of_the_table(extra_axis, cfg_factory):
     assert shrink({"dp": 1, "fsdp": 1, "cp": 1, "tp": 1, "xp": 16}, 8)["xp"] == 8
     # Innermost and inside a host: what the host has left goes to the axes outside it.
     assert dict(split_over_hosts(Sizes(dp=4, xp=2), 2)) == {
-        "dp": 2, "fsdp": 1, "cp": 1, "tp": 1, "xp": 1}
+        "dp": 2, "fsdp": 1, "ep": 1, "cp": 1, "tp": 1, "xp": 1}
     assert {m["xp"] for m in meshes(8, 0)} == {1, 2, 4, 8}
 
     cfg = cfg_factory("model.n_heads=4", "model.n_kv_heads=4", "data.batch_size=16")
     plan = make_plan(cfg, 8, "cpu", processes=2, layout=layout)
-    assert (plan.shape, plan.n_devices, plan.xp) == ((4, 1, 1, 1, 2), 8, 2)
+    assert (plan.shape, plan.n_devices, plan.xp) == ((4, 1, 1, 1, 1, 2), 8, 2)
     assert plan.dcn == Sizes(dp=2) and plan.local == Sizes(dp=2, xp=2)
     assert "data=4 x fsdp=1 x tensor=1 x extra=2" in plan.table()
     assert (plan.to_json()["xp"], plan.to_json()["dcn"]["xp"]) == (2, 1)

@@ -57,6 +57,19 @@ def test_the_tpu_report_sets_each_models_fastest_against_the_hand_written_steps_
     assert _fastest("m", records[:1]) == ""
 
 
+def test_the_tpu_report_sets_the_sparse_model_beside_the_dense_of_its_active_flops():
+    from benchmarks.tpu import _sparse
+
+    records = [{"model": "small", "shape": "small:16:none", "tokens_per_s": 400},
+               {"model": "moe_small", "shape": "moe_small:16:none", "tokens_per_s": 300,
+                "mfu": 0.36},
+               {"model": "moe_small", "shape": "moe_small:8:none", "tokens_per_s": 280}]
+    line = _sparse("moe_small", records)
+    assert "300 tokens/s (`moe_small:16:none`, MFU 36.0% on active parameters)" in line
+    assert "is 0.750x small's fastest, 400 (`small:16:none`)" in line
+    assert _sparse("moe_small", records[1:]) == "" and _sparse("small", records) == ""
+
+
 def test_the_tpu_report_sets_each_models_defaults_run_against_its_fastest(tmp_path):
     """``benchmarks/tpu.sh``'s defaults rows: a ``default-<model>`` run's median MFU and tokens/s
     over its logged rows after the first (the compiling step's), the layout its search chose,

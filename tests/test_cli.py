@@ -32,7 +32,7 @@ def test_dp4_tp2_subprocess_run(dp4_tp2_run):
     (run_dir,) = _run_dirs(cwd)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["dp"], plan["fsdp"], plan["tp"]) == (4, 1, 2)
-    assert plan["mesh_shape"] == [4, 1, 1, 2] and plan["n_devices"] == 8
+    assert plan["mesh_shape"] == [4, 1, 1, 1, 2] and plan["n_devices"] == 8
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.1  # loss falls
@@ -55,7 +55,7 @@ def test_subprocess_wandb_run_holds_choices_plan_and_history(dp4_tp2_run):
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     run = read_run(path)
     assert run["config"]["choices"]["parallelism"] == "dp4_tp2"
-    assert run["config"]["plan"]["mesh_shape"] == [4, 1, 1, 2]
+    assert run["config"]["plan"]["mesh_shape"] == [4, 1, 1, 1, 2]
     assert run["name"] == "tiny-dp4_tp2-bs32-steps20-log_every5-every0-seq_len16"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     history = [{k: v for k, v in r.items() if not k.startswith("_")} for r in run["history"]]

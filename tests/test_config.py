@@ -52,7 +52,8 @@ def test_every_numeric_key_has_its_range_or_a_reason_in_its_field():
                                     "parallelism.search_budget", "model.head_dim",
                                     "model.sliding_window", "model.global_every",
                                     "model.rope_local_theta", "model.attn_softcap",
-                                    "model.logit_softcap", "model.attn_scalar"}
+                                    "model.logit_softcap", "model.attn_scalar",
+                                    "model.moe.d_ff", "model.moe.capacity_factor"}
     assert schema.DATA_SOURCE_KEYS["path"] == ("text", "tokens")
     assert schema.DATA_SOURCE_KEYS["order"] == ("markov",)
 
@@ -392,7 +393,8 @@ SIZE_DEFAULTS = {"tiny": (1e-2, 20), "tiny_llama": (1e-2, 20), "small": (6e-4, 2
                  "qwen3_0_6b": (2.5e-4, 400), "qwen3_8b": (3e-4, 2000),
                  "qwen2_5_7b": (3e-4, 2000), "mistral_7b": (3e-4, 2000),
                  "olmo2_1b": (2e-4, 500), "gemma2_2b": (1.6e-4, 2000),
-                 "phi3_mini": (1.6e-4, 2000)}
+                 "phi3_mini": (1.6e-4, 2000), "moe_tiny": (1e-2, 20), "moe_small": (6e-4, 200),
+                 "mixtral_8x7b": (3e-4, 2000), "qwen3_30b_a3b": (3e-4, 2000)}
 
 
 @pytest.mark.parametrize("model", sorted(SIZE_DEFAULTS))

@@ -86,7 +86,8 @@ def test_the_example_shards_by_its_logical_axes_and_plans(tmp_path):
         assert spec["['blocks'][0]['wqkv']"] == ("fsdp", None, "tensor", None)
         assert spec["['blocks'][1]['w_down']"] == ("tensor", "fsdp")
         assert spec["['lm_head']"] == ("fsdp", "tensor")
-        assert dict(exp.mesh.shape) == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2}
+        assert dict(exp.mesh.shape) == {"data": 4, "fsdp": 1, "expert": 1, "context": 1,
+                                         "tensor": 2}
         report = run_plan(cfg, tmp_path, planned(cfg))
     n = report["n_params"]
     V, D, F = 16, 32, 64  # the vocabulary: the markov preset's data.vocab_size, which tiny follows
@@ -131,7 +132,7 @@ class Bare(nnx.Module):
 
 @pytest.mark.parametrize("module, says", [
     ("Bare", "parameter head has no logical axes; give it nnx.Param(..., axes=(one name per "
-             "dimension)), names from batch, seq, stream_seq, layers, embed, act_embed, heads, "
+             "dimension)), names from batch, seq, stream_seq, layers, embed, expert, act_embed, heads, "
              "kv_heads, head_dim, mlp, vocab, norm, pos or None"),
     # Narrow used to train to ``loss nan`` and then advise a lower optimizer.lr.
     ("Narrow", "module(tokens) gives logits of shape [2, 8, 13] for tokens [2, 8], not [2, 8, "

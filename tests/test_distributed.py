@@ -106,15 +106,15 @@ def test_split_refuses_cross_host_tp_unless_allowed():
 def test_plan_over_two_processes(cfg_factory):
     plan = make_plan(cfg_factory("parallelism=dp4_tp2", "data.batch_size=16"), 8, "cpu",
                      processes=2)
-    assert plan.dcn_shape == (2, 1, 1) and plan.local_shape == (2, 1, 2)
+    assert plan.dcn_shape == (2, 1, 1, 1) and plan.local_shape == (2, 1, 1, 2)
     assert (plan.data_shards, plan.data_shard(0), plan.data_shard(1)) == (2, 0, 1)
     assert "hosts    2 processes x 4 devices; across processes: data=2 x fsdp=1 x tensor=1" \
         in plan.table()
-    assert plan.to_json()["local_shape"] == [2, 1, 2]
+    assert plan.to_json()["local_shape"] == [2, 1, 1, 2]
     # Processes of one cross-host tensor group read the same rows.
     cross = make_plan(cfg_factory("parallelism=dp2_tp4", "parallelism.allow_cross_host_tp=true"),
                       8, "cpu", processes=4)
-    assert cross.dcn_shape == (2, 1, 2)
+    assert cross.dcn_shape == (2, 1, 1, 2)
     assert [cross.data_shard(p) for p in range(4)] == [0, 0, 1, 1]
 
 
@@ -216,15 +216,15 @@ def _rows_held(plan, grid, process_of):
 
 @pytest.mark.parametrize(("overrides", "procs_per_device", "hosts", "shape", "dcn", "shards"), [
     # 2 nodes x 8 GPUs, one SLURM task per GPU: tensor pairs inside a node.
-    (["parallelism=dp4_tp2"], 1, host_indices(["a"] * 8 + ["b"] * 8), (8, 1, 2), (2, 1, 1),
+    (["parallelism=dp4_tp2"], 1, host_indices(["a"] * 8 + ["b"] * 8), (8, 1, 1, 2), (2, 1, 1, 1),
      [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]),
     # The same with SLURM's cyclic distribution: the ranks alternate between the nodes.
-    (["parallelism=dp4_tp2"], 1, host_indices(["a", "b"] * 8), (8, 1, 2), (2, 1, 1),
+    (["parallelism=dp4_tp2"], 1, host_indices(["a", "b"] * 8), (8, 1, 1, 2), (2, 1, 1, 1),
      [0, 4, 0, 4, 1, 5, 1, 5, 2, 6, 2, 6, 3, 7, 3, 7]),
     # One host, 4 processes x 2 devices: a 4-way tensor group over 2 processes.
-    (["parallelism.tp=4"], 2, (0, 0, 0, 0), (2, 1, 4), (1, 1, 1), [0, 0, 1, 1]),
+    (["parallelism.tp=4"], 2, (0, 0, 0, 0), (2, 1, 1, 4), (1, 1, 1, 1), [0, 0, 1, 1]),
     # 2 hosts x 2 processes x 2 devices, fsdp8 = 4-way inside a host, 2-way across.
-    (["parallelism=fsdp8", "parallelism.n_devices=8"], 2, (0, 0, 1, 1), (1, 8, 1), (1, 2, 1),
+    (["parallelism=fsdp8", "parallelism.n_devices=8"], 2, (0, 0, 1, 1), (1, 8, 1, 1), (1, 2, 1, 1),
      [0, 1, 2, 3]),
 ])
 def test_processes_grouped_by_host(cfg_factory, overrides, procs_per_device, hosts, shape, dcn,

@@ -102,7 +102,7 @@ def test_two_processes_train_like_one(one_process, two_processes):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["processes"], plan["hosts"], plan["dcn_shape"], plan["local_shape"]) == (
-        2, 2, [2, 1, 1], [2, 1, 2])
+        2, 2, [2, 1, 1, 1], [2, 1, 1, 2])
     assert "joined a 2-process run as process 1" in (run_dir / "dxrun.1.log").read_text()
     # The progress lines come once, from process 0.
     assert proc.stdout.count("step 6/6") == 1 and "[rank 0]" in proc.stdout
@@ -117,7 +117,7 @@ def test_four_processes_of_one_host_share_tensor_groups(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["mesh_shape"], plan["processes"], plan["hosts"], plan["dcn_shape"]) == (
-        [2, 1, 1, 4], 4, 1, [1, 1, 1])
+        [2, 1, 1, 1, 4], 4, 1, [1, 1, 1, 1])
     want = in_process(tmp_path / "ref", "train.steps=3", "checkpoint.every=0",
                       "parallelism=dp2_tp4")
     assert_same(losses(tmp_path / "run"), want, range(1, 4))
@@ -219,7 +219,7 @@ def test_the_documented_multi_node_commands_plan(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert (plan["mesh_shape"], plan["processes"], plan["hosts"], plan["dcn_shape"],
-            plan["local_shape"]) == ([8, 1, 1, 2], 2, 2, [2, 1, 1], [4, 1, 2])
+            plan["local_shape"]) == ([8, 1, 1, 1, 2], 2, 2, [2, 1, 1, 1], [4, 1, 1, 2])
     assert plan["plan_mode"]["n_params"] == 774_090_240 and plan["plan_mode"]["target"]["fits"]
 
 

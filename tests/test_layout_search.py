@@ -51,7 +51,7 @@ def meshes(layouts):
 
 
 def test_factorisations_cover_every_product():
-    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in rules.meshes(8, 0)) == sorted(
+    assert sorted((m["dp"], m["fsdp"], m["tp"]) for m in rules.meshes(8, 0, ("ep",))) == sorted(
         [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2),
          (2, 1, 4), (1, 2, 4), (1, 1, 8)])
 
@@ -326,7 +326,7 @@ def test_the_chosen_layout_trains_like_one_device(tmp_path, monkeypatch):
         return [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text()
                 .splitlines() if "train/loss" in x]
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
-    assert plan["mesh_shape"] == [2, 2, 1, 2] and plan["layout_search"]["cached"]
+    assert plan["mesh_shape"] == [2, 2, 1, 1, 2] and plan["layout_search"]["cached"]
     for run, searched in (("auto", plan["layout_search"]["search_s"]), ("dp1", 0.0)):
         attempt = json.loads((tmp_path / run / "goodput.json").read_text())["attempts"][0]
         assert attempt["search_s"] == pytest.approx(searched)  # a cached choice: a file read
@@ -385,7 +385,8 @@ def test_the_turns_train_the_run_only_where_every_turn_fits_before_its_first_row
     assert rules.train_through(cfg, slow, budget_gb=1.9) == 0
     assert rules.train_through(cfg, slow, budget_gb=2.0) == 4
     # cheap steps timed in turns of ten: 9 layouts x 3 rounds x 11 steps do not fit in 49...
-    cheap = [Row(Layout(m), 0.01, 10.0, fits=True) for m in rules.meshes(8, 0) if m["tp"] < 8]
+    cheap = [Row(Layout(m), 0.01, 10.0, fits=True)
+             for m in rules.meshes(8, 0, ("ep",)) if m["tp"] < 8]
     assert len(cheap) == 9 and rules.train_through(cfg, cheap) == 0
     # ...and do before a first row at step 400 (399 // 27 = 14 a turn: all ten timed)
     far = make_cfg("parallelism=auto", "train.log_every=400", "train.eval_every=0",
@@ -793,7 +794,7 @@ def test_a_sweep_records_each_jobs_own_choice(tmp_path):
         saved = OmegaConf.load(run / ".hydra" / "config.yaml")
         assert [saved.parallelism.dp, saved.parallelism.fsdp, saved.parallelism.tp] == [
             chosen[0]["dp"], chosen[0]["fsdp"], chosen[0]["tp"]]
-        assert plan["mesh_shape"] == [chosen[0]["dp"], chosen[0]["fsdp"], 1, chosen[0]["tp"]]
+        assert plan["mesh_shape"] == [chosen[0]["dp"], chosen[0]["fsdp"], 1, 1, chosen[0]["tp"]]
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert any("perf/layout_search_s" in x for x in rows)
         # Goodput books the search as its own part, not as startup, less the seeded init it
@@ -918,7 +919,7 @@ def test_a_layout_that_does_not_fit_in_runtime_memory_gb_is_never_chosen(tmp_pat
     # the estimate's first among those that fit, and what the run trained on
     fitting = [x for x in rows if x["fits"]]
     assert chosen["est_ms"] == min(x["est_ms"] for x in fitting)
-    assert plan["mesh_shape"] == [chosen["dp"], chosen["fsdp"], 1, chosen["tp"]]
+    assert plan["mesh_shape"] == [chosen["dp"], chosen["fsdp"], 1, 1, chosen["tp"]]
     losses = [json.loads(x)["train/loss"] for x in (run / "metrics.jsonl").read_text()
               .splitlines() if "train/loss" in x]
     assert len(losses) == 2 and json.loads((run / "status.json").read_text())["status"] == "ok"

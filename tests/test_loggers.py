@@ -81,7 +81,7 @@ def test_mlflow_run_in_the_file_store(many):
     assert run.data.params["data.batch_size"] == "8" and run.data.params["train.steps"] == "4"
     assert run.data.metrics["summary.train.loss"] == pytest.approx(summary["train/loss"])
     art = run_dir / "mlruns" / run.info.experiment_id / run.info.run_id / "artifacts"
-    assert json.loads((art / "plan.json").read_text())["mesh_shape"] == [2, 1, 1, 1]
+    assert json.loads((art / "plan.json").read_text())["mesh_shape"] == [2, 1, 1, 1, 1]
     assert json.loads((art / "summary.json").read_text())["step"] == 4
 
 

@@ -57,7 +57,7 @@ def test_wandb_config_name_group_tags(two_runs):
     run = _wandb_run(two_runs[1])
     cfg = run["config"]
     assert cfg["choices"]["parallelism"] == "dp2" and cfg["choices"]["model"] == "tiny"
-    assert cfg["plan"]["mesh_shape"] == [2, 1, 1, 1]
+    assert cfg["plan"]["mesh_shape"] == [2, 1, 1, 1, 1]
     assert cfg["data"]["batch_size"] == 16 and cfg["n_params"] > 0
     assert cfg["jax"]["device_count"] == 8 and cfg["jax"]["version"]
     assert run["name"] == "tiny-dp2-bs16-steps6"

@@ -9,19 +9,19 @@ from dxrun.config.errors import ConfigError
 from dxrun.plan import RunPlan, make_plan, resolved_config
 
 PRESETS = {
-    "auto": (8, 1, 1, 1), "dp": (8, 1, 1, 1), "dp1": (1, 1, 1, 1), "dp2": (2, 1, 1, 1),
-    "dp4": (4, 1, 1, 1), "dp8": (8, 1, 1, 1),
-    "tp2": (1, 1, 1, 2), "tp4": (1, 1, 1, 4), "tp8": (1, 1, 1, 8), "dp4_tp2": (4, 1, 1, 2),
-    "dp2_tp4": (2, 1, 1, 4), "fsdp8": (1, 8, 1, 1), "dp2_fsdp2_tp2": (2, 2, 1, 2),
-    "dp2_cp4": (2, 1, 4, 1), "cp2_tp4": (1, 1, 2, 4), "fsdp2_cp2_tp2": (1, 2, 2, 2),
+    "auto": (8, 1, 1, 1, 1), "dp": (8, 1, 1, 1, 1), "dp1": (1, 1, 1, 1, 1), "dp2": (2, 1, 1, 1, 1),
+    "dp4": (4, 1, 1, 1, 1), "dp8": (8, 1, 1, 1, 1),
+    "tp2": (1, 1, 1, 1, 2), "tp4": (1, 1, 1, 1, 4), "tp8": (1, 1, 1, 1, 8), "dp4_tp2": (4, 1, 1, 1, 2),
+    "dp2_tp4": (2, 1, 1, 1, 4), "fsdp8": (1, 8, 1, 1, 1), "dp2_fsdp2_tp2": (2, 2, 1, 1, 2),
+    "dp2_cp4": (2, 1, 1, 4, 1), "cp2_tp4": (1, 1, 1, 2, 4), "fsdp2_cp2_tp2": (1, 2, 1, 2, 2),
 }
 
 
 # The presets with a model axis infer data parallelism (dp=-1, n_devices=0): their name is their
 # 8-device layout, and on more devices (2 nodes x 8 GPUs) they add data replicas.
-ON_16 = {"dp4_tp2": (8, 1, 1, 2), "dp2_tp4": (4, 1, 1, 4), "dp2_fsdp2_tp2": (4, 2, 1, 2),
-         "fsdp8": (2, 8, 1, 1), "tp8": (2, 1, 1, 8), "auto": (16, 1, 1, 1),
-         "dp2_cp4": (4, 1, 4, 1), "cp2_tp4": (2, 1, 2, 4), "fsdp2_cp2_tp2": (2, 2, 2, 2)}
+ON_16 = {"dp4_tp2": (8, 1, 1, 1, 2), "dp2_tp4": (4, 1, 1, 1, 4), "dp2_fsdp2_tp2": (4, 2, 1, 1, 2),
+         "fsdp8": (2, 8, 1, 1, 1), "tp8": (2, 1, 1, 1, 8), "auto": (16, 1, 1, 1, 1),
+         "dp2_cp4": (4, 1, 1, 4, 1), "cp2_tp4": (2, 1, 1, 2, 4), "fsdp2_cp2_tp2": (2, 2, 1, 2, 2)}
 
 
 def test_model_axis_presets_add_data_replicas_on_more_devices(cfg_factory):
@@ -30,7 +30,7 @@ def test_model_axis_presets_add_data_replicas_on_more_devices(cfg_factory):
                           "data.batch_size=16")
         assert make_plan(cfg, 16).shape == shape, preset
     # On 4 devices dp4_tp2 is 2 replicas of the same 2-way tensor-parallel model.
-    assert make_plan(cfg_factory("parallelism=dp4_tp2"), 4).shape == (2, 1, 1, 2)
+    assert make_plan(cfg_factory("parallelism=dp4_tp2"), 4).shape == (2, 1, 1, 1, 2)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -45,21 +45,21 @@ def test_every_preset_resolves_on_8_devices(cfg_factory, preset):
 
 def test_one_axis_inferred(cfg_factory):
     plan = make_plan(cfg_factory("parallelism.dp=-1", "parallelism.tp=2"), 8)
-    assert plan.shape == (4, 1, 1, 2)
+    assert plan.shape == (4, 1, 1, 1, 2)
     plan = make_plan(cfg_factory("parallelism.dp=2", "parallelism.fsdp=-1"), 8)
-    assert plan.shape == (2, 4, 1, 1)
+    assert plan.shape == (2, 4, 1, 1, 1)
 
 
 def test_n_devices_takes_the_first_k(cfg_factory):
     plan = make_plan(cfg_factory("parallelism=auto", "parallelism.n_devices=4"), 8)
-    assert plan.shape == (4, 1, 1, 1) and plan.device_ids == (0, 1, 2, 3)
+    assert plan.shape == (4, 1, 1, 1, 1) and plan.device_ids == (0, 1, 2, 3)
 
 
 def test_shrink_uses_largest_mesh_that_fits_and_warns(cfg_factory):
     cfg = cfg_factory("parallelism=dp4_tp2", "parallelism.dp=4", "parallelism.n_devices=4",
                       "parallelism.on_mismatch=shrink")
     plan = make_plan(cfg, 8)
-    assert plan.shape == (2, 1, 1, 2)
+    assert plan.shape == (2, 1, 1, 1, 2)
     assert plan.warnings and "dp=2 fsdp=1 tp=2" in plan.warnings[0]
 
 

@@ -156,16 +156,16 @@ def test_warnings_from_figures():
 
 
 def test_preset_names_on_other_device_counts():
-    assert preset_note("dp4_tp2", (48, 1, 1, 2)) == (
+    assert preset_note("dp4_tp2", (48, 1, 1, 1, 2)) == (
         "parallelism=dp4_tp2 names a layout of 8 devices; on 96 it is data 48 x tensor 2")
-    assert preset_note("fsdp8", (2, 8, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
-    assert preset_note("dp4_tp2", (4, 1, 1, 2)) is None  # the name is the mesh
-    assert preset_note("dp", (96, 1, 1, 1)) is None  # names no size
-    assert preset_note("auto", (8, 1, 1, 1)) is None
-    assert preset_note("cp2_tp4", (2, 1, 2, 4)) == (
+    assert preset_note("fsdp8", (2, 8, 1, 1, 1)).endswith("on 16 it is data 2 x fsdp 8")
+    assert preset_note("dp4_tp2", (4, 1, 1, 1, 2)) is None  # the name is the mesh
+    assert preset_note("dp", (96, 1, 1, 1, 1)) is None  # names no size
+    assert preset_note("auto", (8, 1, 1, 1, 1)) is None
+    assert preset_note("cp2_tp4", (2, 1, 1, 2, 4)) == (
         "parallelism=cp2_tp4 names a layout of 8 devices; on 16 it is data 2 x context 2 x "
         "tensor 4")
-
+    assert preset_note("dp2_ep4", (4, 1, 4, 1, 1)).endswith("on 16 it is data 4 x expert 4")
 
 def test_plan_devices_sets_the_plans_count_and_runs_keep_cpu_devices():
     assert simulated_count("train", 16, 4) == (4, None)  # a run: runtime.cpu_devices
@@ -207,7 +207,7 @@ def test_plan_devices_on_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (path,) = tmp_path.glob("outputs/*/*/plan.json")
     plan = json.loads(path.read_text())
-    assert plan["mesh_shape"] == [8, 1, 1, 2] and plan["n_devices"] == 16
+    assert plan["mesh_shape"] == [8, 1, 1, 1, 2] and plan["n_devices"] == 16
     pm = plan["plan_mode"]
     assert pm["preset"] == ("parallelism=dp4_tp2 names a layout of 8 devices; on 16 it is "
                             "data 8 x tensor 2")

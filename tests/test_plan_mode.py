@@ -145,7 +145,7 @@ def test_plan_mode_trains_nothing_and_writes_the_estimate(tmp_path):
     (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/plan.json")]
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "wandb").exists()
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["mesh_shape"] == [4, 1, 1, 2]
+    assert plan["mesh_shape"] == [4, 1, 1, 1, 2]
     pm = plan["plan_mode"]
     t = pm["target"]
     # train.precision=auto plans the target's run: bf16 over fp32 masters on an accelerator

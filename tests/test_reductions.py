@@ -61,8 +61,8 @@ def test_collect_from_devices(data, mesh):
     # Device d holds rows of its (data, fsdp) coordinate and columns of its tensor coordinate.
     ids = mesh.devices.reshape(-1)
     for d, shard in zip(sorted(ids, key=lambda d: d.id), shards, strict=True):
-        i, j, c, k = (int(v[0]) for v in np.nonzero(mesh.devices == d))  # (context: 1)
-        assert c == 0
+        i, j, e, c, k = (int(v[0]) for v in np.nonzero(mesh.devices == d))  # (expert, context: 1)
+        assert e == c == 0
         row = (i * 2 + j) * 2
         np.testing.assert_array_equal(shard, host[row:row + 2, k * 3:k * 3 + 3])
 

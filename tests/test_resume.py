@@ -584,7 +584,7 @@ def test_an_auto_run_resumes_on_fewer_devices(tmp_path, caplog):
     devices again, the checkpoint's layout (dp4) is kept."""
     auto = [*(x for x in SHORT if x != "parallelism=dp2"), "parallelism=auto", "train.steps=2"]
     train(make_cfg(*auto), tmp_path / "run")
-    assert json.loads((tmp_path / "run" / "plan.json").read_text())["mesh_shape"] == [8, 1, 1, 1]
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["mesh_shape"] == [8, 1, 1, 1, 1]
     with caplog.at_level(logging.INFO, logger="dxrun"):
         prepared = prepare(make_cfg(*auto, "train.steps=3", "parallelism.n_devices=4"),
                            tmp_path / "run")

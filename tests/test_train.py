@@ -38,7 +38,7 @@ def test_default_markov_run_reaches_entropy_floor(cfg_factory, tmp_path):
     assert all(r["data/entropy_floor"] == floor for r in rows)
     assert rows[0]["train/loss"] > floor + 1.0  # it did learn, from far above the floor
     plan = json.loads((run / "plan.json").read_text())
-    assert plan["mesh_shape"] == [8, 1, 1, 1]  # every device data-parallel
+    assert plan["mesh_shape"] == [8, 1, 1, 1, 1]  # every device data-parallel
     # parallelism=auto, the default, does not search here (600 steps of a tiny model pay for no
     # search): the log says so in its first words, and no search time is booked anywhere
     log = (run / "dxrun.log").read_text()

@@ -158,7 +158,7 @@ def metric_names_in_code() -> set[str]:
     """Every string literal in dxrun/ that reads like a metric name (``section/name``), the
     list of them (``metric_names.py``) left out."""
     found = set()
-    pattern = re.compile(r"^(train|eval|perf|mem|data|best)/[a-z_]+$")
+    pattern = re.compile(r"^(train|eval|perf|mem|data|best|moe)/[a-z_]+$")
     for path in PACKAGE.rglob("*.py"):
         if path == DEFINED:
             continue

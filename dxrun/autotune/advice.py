@@ -23,7 +23,18 @@ from omegaconf import OmegaConf
 
 from dxrun.autotune.footprint import accelerator_memory, kernel_on, step_estimate, target_vocab
 from dxrun.config import AXES, ConfigError
-from dxrun.cost import GB, REMATS, TARGETS, Target, gb_text, meshes, step_flops, target_key, usable_bytes
+from dxrun.cost import (
+    GB,
+    REMATS,
+    TARGETS,
+    Target,
+    gb_text,
+    meshes,
+    step_flops,
+    target_key,
+    unused_axes,
+    usable_bytes,
+)
 from dxrun.estimates import COST, estimate_memory, shapes, step_time, workload
 from dxrun.experiment import (
     Experiment,
@@ -113,7 +124,7 @@ class StateShapes:
                 n *= -(-dim // k) if dim % k == 0 or name == "vocab" else dim
             params += n
         opt = self.opt_per_param * params / (s.layout.dp if s.zero else 1)
-        return params, opt, self.batch_bytes / (s.layout.dp * s.layout.fsdp)
+        return params, opt, self.batch_bytes / s.layout.replicas
 
 
 def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
@@ -122,7 +133,7 @@ def settings(cfg: RunConfig, n: int, platform: str, batch: int, seq_len: int,
     """Every (setting, its mesh plan) on ``n`` devices that the mesh plan accepts at the
     global ``batch`` and ``seq_len`` held fixed: ZeRO-1 off, and on too with data replicas."""
     out = []
-    for sizes in meshes(n, seq_len):
+    for sizes in meshes(n, seq_len, unused_axes(cfg)):
         for remat in REMATS:
             for accum in ACCUMS:
                 layout = Layout(sizes, remat, accum)
@@ -145,14 +156,15 @@ def overrides(cfg: RunConfig, s: Setting, asked: Setting, batch: int) -> list[st
     out = []
     if a.sizes != b.sizes:  # every axis -1 could infer, and one that cannot where it changes
         out += [f"parallelism.{x.key}={b.sizes[x.key]}" for x in sorted(
-            AXES, key=lambda x: not x.inferable) if x.inferable or a.sizes[x.key] != b.sizes[x.key]]
+            AXES, key=lambda x: not x.inferable)
+            if (x.inferable and not x.only_with) or a.sizes[x.key] != b.sizes[x.key]]
     if a.remat != b.remat:
         out.append(f"model.remat={b.remat}")
     if a.grad_accum != b.grad_accum:
         out.append(f"train.grad_accum={b.grad_accum}")
     if s.keyed:
         out.append(f"parallelism.shard_optimizer={str(s.zero).lower()}")
-    per_device = batch // (b.dp * b.fsdp * b.grad_accum)
+    per_device = batch // (b.replicas * b.grad_accum)
     if cfg.data.per_device_batch_size is not None and per_device != cfg.data.per_device_batch_size:
         out.append(f"data.per_device_batch_size={per_device}")
     return out

@@ -2,7 +2,7 @@
 
 A save is due every ``checkpoint.every`` steps, every ``checkpoint.every_minutes`` of wall
 clock, at the last step and on SIGUSR1; SIGTERM/SIGINT stop the run after a committed save
-(``dxrun.run.runtime`` turns the signals into flags). With several processes the processes
+(``dxrun.run.signals`` turns the signals into flags). With several processes the processes
 agree on the step a signal or a clock acts at (``ProcessAgreement``): a save is collective.
 """
 

@@ -243,6 +243,36 @@ def check_model(m: ModelConfig) -> None:
     if m.objective == "mdlm" and m._target_:
         raise ConfigError(f"model.objective=mdlm trains dxrun's own model (attention both ways, "
                           f"a [MASK] row), not model._target_={m._target_}; drop one of them")
+    check_moe(m)
+
+
+def check_moe(m: ModelConfig) -> None:
+    """Raise ConfigError (key, value, fix) for ``model.moe`` keys that do not fit together or
+    with the model (``m``, the model section)."""
+    moe = m.moe
+    if not moe.n_experts:
+        return
+    if moe.top_k > moe.n_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} is more than model.moe.n_experts="
+                          f"{moe.n_experts}; set model.moe.top_k<={moe.n_experts}")
+    if moe.first_dense >= m.n_layers:
+        raise ConfigError(f"model.moe.first_dense={moe.first_dense} leaves no MoE layer of "
+                          f"model.n_layers={m.n_layers}; set model.moe.first_dense<{m.n_layers}")
+    if (m.n_layers - moe.first_dense) % moe.every:
+        raise ConfigError(
+            f"model.moe.every={moe.every} does not divide the {m.n_layers - moe.first_dense} "
+            f"layers after model.moe.first_dense={moe.first_dense} (the layers scan in groups "
+            f"of every); pick model.moe.every dividing {m.n_layers - moe.first_dense}")
+    if moe.shared_gate and not moe.shared_d_ff:
+        raise ConfigError("model.moe.shared_gate=true gates a shared expert, but "
+                          "model.moe.shared_d_ff=0 has none; set model.moe.shared_d_ff")
+    if moe.bias_rate and moe.router != "sigmoid":
+        raise ConfigError(f"model.moe.bias_rate={moe.bias_rate} moves the sigmoid router's "
+                          f"balancing bias, but model.moe.router={moe.router}; set "
+                          "model.moe.router=sigmoid or model.moe.bias_rate=0")
+    if m.get("_target_"):
+        raise ConfigError(f"model.moe.n_experts={moe.n_experts} builds dxrun's own model, not "
+                          f"model._target_={m._target_}; drop one of them")
 
 
 def _check_attention_pieces(m: ModelConfig) -> None:

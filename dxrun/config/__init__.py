@@ -24,8 +24,9 @@ from dxrun.config.key import (
 from dxrun.config.schema import (
     BACKENDS, DATA_SOURCE_KEYS, FIELDS, GLOBAL, NULLABLE, PER_DEVICE, RANGES, UNRANGED,
     CheckpointConfig, DataConfig, EarlyStopConfig, EvalConfig, LoggerConfig, ModelConfig,
-    OptimizerConfig, PlanConfig, ProfileConfig, RunConfig, RunSection, RuntimeConfig, TrainConfig,
-    choices_of, head_dim_of, null_is_a_value, ranges_markdown)
+    MoEConfig, OptimizerConfig, PlanConfig, ProfileConfig, RunConfig, RunSection, RuntimeConfig,
+    TrainConfig, choices_of, expert_d_ff, head_dim_of, moe_layers, null_is_a_value,
+    ranges_markdown)
 from dxrun.config.schema_parallel import (
     AXES, FILLS, INSIDE, SPANS, Axis, DistributedConfig, ParallelismConfig, axis_sizes)
 from dxrun.config.hf_model import (

@@ -336,6 +336,11 @@ def model_type_of(m: Any) -> str:
     own, a preset's: Phi-3 computes what Mistral does, its tensors are fused), else the first
     family that computes it; ConfigError naming what differs when that family (or any) does
     not."""
+    moe = getattr(m, "moe", None)
+    if moe is not None and moe.n_experts:  # no MoE family (Mixtral, Qwen-MoE) in the table yet
+        raise ConfigError(f"the model has no Hugging Face equivalent here: model.moe.n_experts="
+                          f"{moe.n_experts} is a mixture of experts, and dxrun reads and writes "
+                          "dense families only; train and keep dxrun's checkpoints")
     misses = {kind: [f"model.{k}={_show(getattr(m, k, None))}" for k, v in want.items()
                      if getattr(m, k, None) != v] for kind, want in FAMILIES.items()}
     if m.pos == "learned" and m.n_kv_heads != m.n_heads:

@@ -114,6 +114,22 @@ METRICS: dict[str, Metric] = {
         "sum over the evaluated batches (dxrun.evaluate only)",
         "distinct held-out tokens scored (a split smaller than one batch repeats its windows "
         "in the batch: each counted once)"),
+    "moe/aux_loss": Metric(
+        "-", "mean over the MoE layers, of the step's global batch (model.moe.n_experts > 0)",
+        "load-balancing loss before its coefficient (model.moe.aux_loss): 1 when balanced"),
+    "moe/z_loss": Metric(
+        "-", "mean over the MoE layers, of the step's global batch (model.moe.n_experts > 0)",
+        "router z-loss (mean squared logsumexp of the router logits) before its coefficient"),
+    "moe/load_max": Metric(
+        "x mean", "the most loaded expert's tokens over the mean, the largest over the layers",
+        "expert load imbalance, 1 when balanced"),
+    "moe/load_min": Metric(
+        "x mean", "the least loaded expert's tokens over the mean, the smallest over the layers",
+        "an expert starved of tokens shows as 0"),
+    "moe/dropped": Metric(
+        "fraction", "routed assignments over the step's batch and the MoE layers",
+        "share of routed assignments past an expert's capacity (model.moe.capacity_factor), "
+        "not computed; 0 when dropless"),
     "best/train_loss": Metric(
         "nats/token",
         "minimum over the logged finite train/loss (summary.json)",

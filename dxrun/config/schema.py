@@ -6,7 +6,7 @@ accepts, and the data sources that read it all sit in the field's metadata (Omeg
 structured configs and Hydra's ConfigStore read the dataclasses and ignore the metadata). A
 default is written here and nowhere else (conf/config.yaml holds only the defaults list).
 ``RANGES``, ``_CHOICES``, ``UNRANGED``, ``NULLABLE`` and ``DATA_SOURCE_KEYS`` are read from the
-fields; ``dxrun.config.validation`` checks a composed config against them and the docs' generator
+fields; ``dxrun.checks.validation`` checks a composed config against them and the docs' generator
 (docs/reference/) turns them into tables.
 
 No JAX import: the device count is decided from the composed config before JAX starts.
@@ -35,6 +35,44 @@ from dxrun.config.schema_parallel import DistributedConfig, ParallelismConfig
 
 # The two keys that give the batch (dxrun/plan/run_plan.py tells which one a run set).
 GLOBAL, PER_DEVICE = "data.batch_size", "data.per_device_batch_size"
+
+
+# The model section's mixture of experts (dxrun/model/moe.py builds it; docs/guide/moe.md).
+@dataclass
+class MoEConfig:
+    n_experts: int = key(0, "routed experts per MoE layer; 0 = a dense model (no MoE layer)",
+                         range=NON_NEGATIVE)
+    top_k: int = key(2, "experts each token is routed to", range=POSITIVE)
+    d_ff: int | None = key(None, "each expert's hidden width; null = model.d_ff",
+                           range=POSITIVE)
+    every: int = key(1, "every this many layers (after first_dense) is an MoE layer, the last "
+                     "of each group (Qwen-MoE's decoder_sparse_step)", range=POSITIVE)
+    first_dense: int = key(0, "dense layers before the first group (DeepSeek's "
+                           "first_k_dense_replace)", range=NON_NEGATIVE)
+    shared_d_ff: int = key(0, "hidden width of the shared expert every token passes through "
+                           "(Qwen-MoE; DeepSeek: n_shared_experts x its d_ff); 0 = none",
+                           range=NON_NEGATIVE)
+    shared_gate: bool = key(False, "a sigmoid gate of the token on the shared expert's output "
+                            "(Qwen2-MoE)")
+    router: str = key("softmax", "softmax over the experts, then the top k (Mixtral, Qwen) | "
+                      "sigmoid per expert, top k chosen with a balancing bias (DeepSeek-V3)",
+                      choices=("softmax", "sigmoid"))
+    renormalize: bool = key(True, "the top k weights divided by their sum (Mixtral, Qwen3, "
+                            "DeepSeek-V3: true; Qwen2-MoE: false)")
+    routed_scale: float = key(1.0, "the routed experts' output multiplied by this "
+                              "(DeepSeek-V3's routed_scaling_factor)", range=POSITIVE)
+    bias_rate: float = key(0.0, "router=sigmoid: the balancing bias moves by this per step "
+                           "towards the mean load (DeepSeek-V3's gamma, 0.001); 0 = fixed",
+                           range=NON_NEGATIVE)
+    aux_loss: float = key(0.01, "the load-balancing loss's coefficient (n_experts x sum of "
+                          "each expert's share of the routed tokens x its mean router "
+                          "probability; 1 when balanced)", range=NON_NEGATIVE)
+    z_loss: float = key(0.001, "the router z-loss's coefficient (mean squared logsumexp of "
+                        "the router logits)", range=NON_NEGATIVE)
+    capacity_factor: float | None = key(
+        None, "null = dropless (every routed token computed); c = each expert takes at most "
+        "c x tokens x top_k / n_experts of a batch's tokens, the rest dropped (counted: "
+        "moe/dropped)", range=POSITIVE)
 
 
 @dataclass
@@ -132,6 +170,8 @@ class ModelConfig:
     _target_: str | None = key(None, "Your own Flax NNX module (dxrun/model/user_model.py's protocol: "
                                "logical axes, __call__(tokens) -> logits); null = dxrun's")
     kwargs: dict[str, Any] = key(meaning="model._target_'s other arguments", factory=dict)
+    moe: MoEConfig = section(MoEConfig, "mixture of experts in place of the dense MLP "
+                             "(dxrun/model/moe.py); n_experts=0: none")
 
 
 @dataclass
@@ -427,6 +467,19 @@ NULLABLE = tuple(k for k in RANGES if null_is_a_value(k))
 def head_dim_of(m: Any) -> int:
     """A model section's head width: ``model.head_dim``, or d_model / n_heads when null."""
     return getattr(m, "head_dim", None) or m.d_model // m.n_heads
+
+
+def moe_layers(n_layers: int, moe: Any) -> tuple[bool, ...]:
+    """Which layers are MoE layers: after ``first_dense``, the last of each ``every``."""
+    if not moe.n_experts:
+        return (False,) * n_layers
+    return tuple(i >= moe.first_dense and (i - moe.first_dense + 1) % moe.every == 0
+                 for i in range(n_layers))
+
+
+def expert_d_ff(m: Any) -> int:
+    """An expert's hidden width: ``model.moe.d_ff``, else ``model.d_ff``."""
+    return m.moe.d_ff or m.d_ff
 
 
 def choices_of(key: str) -> tuple[str, ...]:

@@ -27,20 +27,29 @@ class Axis:
     plan's); ``mesh``, the JAX mesh axis it names (what the logical rules map onto); whether
     ``-1`` infers it from the device count; ``hosts``, how it spreads over hosts (``INSIDE``,
     ``FILLS``, ``SPANS``); ``cross_host``, the parallelism key that lets an ``INSIDE`` axis's
-    groups span hosts anyway ("" = none)."""
+    groups span hosts anyway ("" = none); ``batch``, whether it splits the batch (its devices
+    read different rows: ``plan.run_plan.BATCH_AXES``); ``only_with``, the config key a model
+    needs non-zero for the axis to be of use (a layout search tries it only then; "" = any)."""
 
     key: str
     mesh: str
     inferable: bool = True
     hosts: str = INSIDE
     cross_host: str = ""
+    batch: bool = False
+    only_with: str = ""
 
 
 # The mesh's axes in its order (the device grid's, major to minor): a mesh that does not fit
 # its devices gives up sizes in this order too (``plan.run_plan.shrink``). The context axis stays
 # inside a host as tensor does (its K/V all-gathers run every layer); a multi-process run
 # refuses cp > 1 for now (``plan.run_plan.check_processes``).
-AXES: tuple[Axis, ...] = (Axis("dp", "data", hosts=SPANS), Axis("fsdp", "fsdp", hosts=FILLS),
+# The expert axis splits the batch as data does (outside the MoE layers its devices are data
+# replicas) and the experts of each MoE layer (dxrun/model/moe.py); its groups stay inside a
+# host, whose links carry the tokens to their experts and back every MoE layer.
+AXES: tuple[Axis, ...] = (Axis("dp", "data", hosts=SPANS, batch=True),
+                          Axis("fsdp", "fsdp", hosts=FILLS, batch=True),
+                          Axis("ep", "expert", batch=True, only_with="model.moe.n_experts"),
                           Axis("cp", "context", inferable=False),
                           Axis("tp", "tensor", cross_host="allow_cross_host_tp"))
 
@@ -61,6 +70,9 @@ class ParallelismConfig:
     dp: int = key(-1, "data-parallel axis size (-1 = inferred; at most one axis)", unranged=_AXIS)
     fsdp: int = key(1, "fully-sharded data-parallel axis size (-1 = inferred)", unranged=_AXIS)
     tp: int = key(1, "tensor-parallel axis size (-1 = inferred)", unranged=_AXIS)
+    ep: int = key(1, "expert-parallel axis size: each MoE layer's experts split over ep "
+                  "devices, which split the batch as data replicas do (-1 = inferred)",
+                  unranged=_AXIS)
     cp: int = key(1, "context-parallel axis size: each sequence split over cp devices", range=POSITIVE)
     sequence_parallel: bool = key(False, "under tp: norms and the residual split along the sequence")
     on_mismatch: str = key("error", "a mesh that does not match the devices: refuse, or shrink "

@@ -14,13 +14,14 @@ from dxrun.cost.cadence import (
     MAX_CHECKPOINT_OVERHEAD, cadence_text, checkpoint_cost, checkpoint_line, minutes_for_overhead,
     save_cadence)
 from dxrun.cost.flops import (
-    GATED, PEAK_TFLOPS, RECOMPUTE_MATMULS, attention_flops, block_matmul_flops, flops_per_token,
-    is_causal, matmul_params, mfu, normalize_kind, peak_tflops, step_flops)
+    GATED, PEAK_TFLOPS, RECOMPUTE_MATMULS, active_d_ff, active_params, attention_flops,
+    block_matmul_flops, flops_per_token, is_causal, matmul_params, mfu, normalize_kind,
+    peak_tflops, step_flops)
 from dxrun.cost.layouts import (
     MEASURE_ROUNDS, MEASURE_STEPS, PRUNE, REMATS, SEARCHES, Row, TooLarge, candidates,
     chosen_layout, fit_variants, gib_text, held_batch, measure_rule, measure_stage, meshes,
     model_choice, model_stage, ms_text, resumed_layout, rows_of, s_text, search_cost, searches,
-    survivors, time_every, to_measure, train_budget, train_through)
+    survivors, time_every, to_measure, train_budget, train_through, unused_axes)
 from dxrun.cost.search_record import (
     markdown, table)
 from dxrun.cost.targets import (

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dxrun.config import head_dim_of
+from dxrun.config import expert_d_ff, head_dim_of, moe_layers
 
 # Dense (no sparsity) peak TFLOP/s per device: (bf16, fp32). The fp32 column is the TF32 tensor
 # core peak on NVIDIA GPUs, which is what XLA uses for fp32 matmuls by default there.
@@ -103,7 +103,32 @@ def flops_per_token(model: Any, n_params: int, seq_len: int) -> float:
     if getattr(model, "_target_", None):
         return 6.0 * n_params
     attention = 12 * model.n_layers * model.d_model * seq_len
-    return 6.0 * matmul_params(model, n_params) + attention
+    return 6.0 * matmul_params(model, active_params(model, n_params)) + attention
+
+
+def active_params(model: Any, n_params: int) -> int:
+    """The parameters one token's forward pass uses: ``n_params`` less, in every MoE layer
+    (``model.moe``), the routed experts it is not sent to (n_experts - top_k of them);
+    ``n_params`` for a dense model. MFU and TFLOP/s count these (a sparse model's convention)."""
+    moe = getattr(model, "moe", None)
+    if getattr(model, "_target_", None) or not moe or not moe.n_experts:
+        return n_params
+    per_expert = model.d_model * expert_d_ff(model) * (3 if model.mlp == "swiglu" else 2)
+    skipped = sum(moe_layers(model.n_layers, moe)) * (moe.n_experts - moe.top_k) * per_expert
+    return n_params - skipped
+
+
+def active_d_ff(model: Any) -> float:
+    """The MLP width a token passes through, averaged over the layers: ``model.d_ff``, or in an
+    MoE layer (``model.moe``) its top k experts' and the shared expert's widths together. The
+    time model and the hardware FLOPs count a block's MLP at this width (the router's small
+    matmul aside)."""
+    moe = getattr(model, "moe", None)
+    if not moe or not moe.n_experts:
+        return float(model.d_ff)
+    sparse = sum(moe_layers(model.n_layers, moe))
+    routed = moe.top_k * expert_d_ff(model) + moe.shared_d_ff
+    return ((model.n_layers - sparse) * model.d_ff + sparse * routed) / model.n_layers
 
 
 def mfu(tflops_per_device: float, peak: float) -> float:
@@ -138,7 +163,7 @@ GATED = ("swiglu", "geglu")  # the MLPs with a gate projection beside the up one
 def block_matmul_flops(model: Any) -> float:
     """Forward FLOPs per token of one block's weight matmuls: q/k/v, the output projection and
     the MLP (two matmuls for GELU, three for SwiGLU)."""
-    D, H, K, F = model.d_model, model.n_heads, model.n_kv_heads, model.d_ff
+    D, H, K, F = model.d_model, model.n_heads, model.n_kv_heads, active_d_ff(model)
     E = head_dim_of(model)
     qkv = 2 * D * (H + 2 * K) * E
     out = 2 * H * E * D
@@ -183,7 +208,7 @@ def step_flops(model: Any, tokens: int, seq_len: int, vocab: int, remat: str = "
     else:
         attn_fwd = L * attention_flops(model, seq_len, causal=False) * tokens
         attn_hw = 3 * attn_fwd
-    down = L * 2 * model.d_ff * model.d_model * tokens  # not recomputed (see above)
+    down = L * 2 * active_d_ff(model) * model.d_model * tokens  # not recomputed (see above)
     recompute = {"none": 0.0, "full": blocks / 3 - down + attn_fwd,
                  "keep_attention": blocks / 3 - down,
                  "dots": attn_fwd if fused_attention else 0.0}[remat]

@@ -15,6 +15,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
 from dxrun.config import (
     AXES,
     Axis,
@@ -47,12 +49,15 @@ TIE = 1.10  # estimates this close to the best's are within the roofline's error
 CLEAR = 1.10
 
 
-def meshes(n: int, seq_len: int) -> list[Sizes]:
+def meshes(n: int, seq_len: int, unused: Collection[str] = ()) -> list[Sizes]:
     """Every mesh of ``n`` devices a search tries, each axis's size by key: an axis that is
     not inferable (context, chosen for the sequence) above 1 only for a sequence of
-    ``LONG_SEQ`` or more that its 2 x size chunks divide. In the search's order: such axes
-    outermost, then the others innermost first, the outermost (data) taking the rest."""
+    ``LONG_SEQ`` or more that its 2 x size chunks divide; the axes keyed in ``unused`` (of no
+    use to the model: ``Axis.only_with``) at 1. In the search's order: such axes outermost,
+    then the others innermost first, the outermost (data) taking the rest."""
     def fits(a: Axis, v: int) -> bool:
+        if a.key in unused:
+            return v == 1
         return a.inferable or v == 1 or (seq_len >= LONG_SEQ and seq_len % (2 * v) == 0)
 
     *order, last = sorted(AXES, key=lambda a: (a.inferable, -AXES.index(a)))
@@ -61,6 +66,11 @@ def meshes(n: int, seq_len: int) -> list[Sizes]:
         out = [m | {a.key: v} for m in out for v in _divisors(n // math.prod(m.values()))
                if fits(a, v)]
     return [Sizes(m | {last.key: n // math.prod(m.values())}) for m in out]
+
+
+def unused_axes(cfg: RunConfig) -> list[str]:
+    """The keys of the axes ``cfg``'s model has no use for (``Axis.only_with``)."""
+    return [a.key for a in AXES if a.only_with and not OmegaConf.select(cfg, a.only_with)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -77,7 +87,7 @@ def candidates(cfg: RunConfig, n_visible: int, platform: str, processes: int = 1
     n = cfg.parallelism.n_devices or n_visible
     ok, refused = [], []
     seq = seq_len or default_seq_len(cfg.data.seq_len, cfg.model.max_seq_len, platform)
-    for sizes in meshes(n, seq):
+    for sizes in meshes(n, seq, unused_axes(cfg)):
         layout = Layout(sizes, cfg.model.remat, cfg.train.grad_accum)
         try:
             make_plan(cfg, n_visible, platform, processes, process_hosts, device, layout=layout,

@@ -92,7 +92,7 @@ def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> S
     precision and loss chunk. ``vocab``: the padded vocabulary of the target (0: the plan's,
     padded for the devices it was made on)."""
     m = model
-    tp, replicas, cp = plan.tp, plan.dp * plan.fsdp, getattr(plan, "cp", 1)
+    tp, replicas, cp = plan.tp, plan.replicas, getattr(plan, "cp", 1)
     accum = plan.grad_accum
     c = DTYPE_BYTES[plan.precision]
     return Shapes(

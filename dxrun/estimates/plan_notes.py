@@ -10,9 +10,9 @@ import math
 import re
 from typing import Any
 
-from dxrun.config import AXES, head_dim_of
+from dxrun.config import AXES, expert_d_ff, head_dim_of, moe_layers
 from dxrun.config.registry import model_changes
-from dxrun.cost import GB, gb_text
+from dxrun.cost import GB, active_params, gb_text
 
 EXPOSED_SHARE = 0.10  # exposed collectives above this share of the step: a warning
 UNSPLIT_SHARE = 0.10  # ZeRO-1: optimizer state left whole above this share of it: a warning
@@ -24,9 +24,12 @@ def shape_line(model: Any, n_params: int) -> str:
     m = model
     kv = (f"{m.n_kv_heads} kv heads" if m.n_kv_heads == m.n_heads
           else f"{m.n_kv_heads} kv heads (grouped-query)")
+    moe, active = getattr(m, "moe", None), active_params(m, n_params)
+    experts = (f", {sum(moe_layers(m.n_layers, moe))} MoE layers of {moe.n_experts} experts "
+               f"(d_ff {expert_d_ff(m)}, top {moe.top_k})" if active != n_params else "")
     return (f"{m.name}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads / {kv} "
-            f"of {head_dim_of(m)}, d_ff {m.d_ff} ({m.mlp}), vocab {m.vocab_size:,}, "
-            f"{n_params:,} parameters")
+            f"of {head_dim_of(m)}, d_ff {m.d_ff} ({m.mlp}){experts}, vocab {m.vocab_size:,}, "
+            f"{n_params:,} parameters" + (f", {active:,} active" if active != n_params else ""))
 
 
 def tflops_per_device(model_flops: float, n_devices: int, step_s: float | None) -> float | None:
@@ -34,7 +37,7 @@ def tflops_per_device(model_flops: float, n_devices: int, step_s: float | None) 
     return model_flops / n_devices / step_s / 1e12 if step_s else None
 
 
-def preset_note(name: str, shape: tuple[int, int, int, int]) -> str | None:
+def preset_note(name: str, shape: tuple[int, ...]) -> str | None:
     """A preset named for its 8-device layout (``dp4_tp2``) on another device count: what it
     lays out there (``data 48 x tensor 2``). None when the name is the mesh, or no layout."""
     token = rf"(?:{'|'.join(AXIS_WORDS)})\d+"

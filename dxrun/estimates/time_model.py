@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dxrun.config import head_dim_of
-from dxrun.cost import GATED, GB, RECOMPUTE_MATMULS, attention_flops, is_causal
+from dxrun.cost import GATED, GB, RECOMPUTE_MATMULS, active_d_ff, attention_flops, is_causal
 from dxrun.plan import KERNELS, kv_gather_bytes, padded_vocab, table_rows
 
 if TYPE_CHECKING:
@@ -188,9 +188,10 @@ def _block_matmuls(w: Workload) -> list[tuple[float, float]]:
     """(input width, output width) of one block's weight matmuls on one device (tp-split)."""
     m = w.model
     E, tp = head_dim_of(m), w.tp
-    mlp_in = [(m.d_model, m.d_ff / tp)] * (2 if m.mlp in GATED else 1)
+    F = active_d_ff(m)
+    mlp_in = [(m.d_model, F / tp)] * (2 if m.mlp in GATED else 1)
     return [(m.d_model, (m.n_heads + 2 * m.n_kv_heads) * E / tp), (m.n_heads * E / tp, m.d_model),
-            *mlp_in, (m.d_ff / tp, m.d_model)]
+            *mlp_in, (F / tp, m.d_model)]
 
 
 def matmul_time(w: Workload, peak: float, hbm: float, cost: Cost, fused: bool) -> dict:
@@ -367,7 +368,7 @@ def workload(cfg: RunConfig, plan: MeshPlan, n_params: float, params_per_device:
     vocabulary (``autotune.footprint.target_vocab``, what the memory model counts too); 0: padded as
     a GPU run pads it, whatever the CPU compile did. ``kernel``: the attention kernel of a run
     on the target (``autotune.footprint.kernel_on``); None: the plan's."""
-    replicas = plan.dp * plan.fsdp
+    replicas = plan.replicas
     accum = plan.grad_accum
     return Workload(
         model=cfg.model, seq_len=plan.seq_len,

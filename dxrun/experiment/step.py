@@ -22,7 +22,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dxrun.model.context_parallel import in_context_order
-from dxrun.model.objectives import MaskedDiffusion, chunked_cross_entropy, objective_of
+from dxrun.model.objectives import (
+    MaskedDiffusion,
+    chunked_cross_entropy,
+    move_router_bias,
+    objective_of,
+    router_statistics,
+    vmappable,
+    with_router_losses,
+)
 from dxrun.model.sharding import (
     in_mesh_context,
     pad,
@@ -163,7 +171,9 @@ def accumulated_grads(loss_fn: Callable, params: dict, tokens_BxT: jax.Array,
 
     shape = () if R == 1 else (R,)
     zero = jnp.zeros(shape, jnp.float32)
-    zeros = (zero, {"train/loss": zero, "train/accuracy": zero},
+    # The metrics' names are the loss function's (an MoE model's add moe/*)
+    names = jax.eval_shape(loss_fn, params, jax.tree.map(lambda a: a[0], micro_KxMxT), key)[1]
+    zeros = (zero, {k: jnp.zeros((*shape, *s.shape), s.dtype) for k, s in names.items()},
              jax.tree.map(lambda p: jnp.zeros((*shape, *p.shape), p.dtype), params))
     if R > 1:
         zeros = (*zeros[:2], jax.lax.with_sharding_constraint(zeros[2], replica_shardings))
@@ -226,11 +236,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     nan_policy, inject_nan_at_step = spec.nan_policy, spec.inject_nan_at_step
 
     def loss_fn(params: dict, tokens_BxT: jax.Array, key: Any, step: jax.Array):
-        loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
-                                         spec.grad_reduce_dtype, plan.loss_chunk, objective)
+        with router_statistics() as found:  # the MoE layers' statistics, if any
+            loss, metrics = loss_and_metrics(graphdef, params, tokens_BxT, dtype, key,
+                                             spec.grad_reduce_dtype, plan.loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
-        return loss, metrics
+        # train/loss stays the objective's; the MoE penalties join the differentiated loss
+        return with_router_losses(loss, {**metrics, "train/loss": loss}, found)
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if spec.dropout_seed is None
@@ -238,7 +250,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         batch = tokens_BxT if objective is None else objective.train_batch(state.step, tokens_BxT)
         loss, metrics, grads = accumulated_grads(
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
-            plan.grad_accum, batch_sharding, state_shardings.params)
+            plan.grad_accum, batch_sharding,
+            state_shardings.params if vmappable(state_shardings.params) else None)
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
             grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)
@@ -249,6 +262,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         if update_shardings is not None:  # gathered back to the parameters' layout
             params = jax.lax.with_sharding_constraint(unpad(params, update_pads),
                                                       state_shardings.params)
+        params, metrics = move_router_bias(params, metrics)  # model.moe.bias_rate's rule, if any
         grad_norm = optax.tree.norm(grads)  # the global norm, whatever the layout
         # A NaN/inf anywhere in the gradients makes their norm non-finite: one scalar test.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -259,7 +273,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                               state.nonfinite_step)
         skipped = state.skipped + (~finite & (nan_policy == "skip")).astype(jnp.int32)
         metrics = dict(metrics)
-        metrics["train/loss"] = loss  # the poisoned one when a NaN is injected
         metrics["train/grad_norm"] = grad_norm
         metrics["train/param_norm"] = optax.tree.norm(params)
         # The lr this update used: the schedule at the optimizer's own count, which lags

@@ -29,6 +29,7 @@ from dxrun.plan import (
     OPTIMIZER_DATA_AXES,
     MeshPlan,
     Sizes,
+    replicas_of,
     resolve_axes,
 )
 
@@ -285,7 +286,7 @@ def make_mesh(n_devices: int = 0, **sizes: int) -> Mesh:
         raise ValueError(f"{'*'.join(sizes)} = {'*'.join(map(str, sizes.values()))} = "
                          f"{sizes.n} != {n} devices")
     plan = MeshPlan(sizes=sizes, device_ids=tuple(range(n)), n_visible=n,
-                    platform=jax.default_backend(), global_batch=sizes["dp"] * sizes["fsdp"],
+                    platform=jax.default_backend(), global_batch=replicas_of(sizes),
                     seq_len=0, rules=dict(LOGICAL_RULES))
     return mesh_from_plan(plan)
 

@@ -580,14 +580,16 @@ STREAM = ("batch", "stream_seq", "act_embed")
 class Block(nnx.Module):
     """Attention then the MLP, each a residual branch with its norms where
     ``model.norm_position`` puts them: before (``ln1``, ``ln2``), after (``post``: the same two
-    norms on the outputs) or both (``sandwich``: ``ln1_out``, ``ln2_out`` on the outputs)."""
+    norms on the outputs) or both (``sandwich``: ``ln1_out``, ``ln2_out`` on the outputs).
+    ``mlp``: the block's MLP (``dxrun.model.moe``'s MoE); None: ``MLP``."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL,
+                 mlp: nnx.Module | None = None):
         norms = block_norms(cfg)
         self.ln1 = Norm(cfg.d_model, **norms)
         self.attn = Attention(cfg, rngs, kernel)
         self.ln2 = Norm(cfg.d_model, **norms)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs) if mlp is None else mlp
         self.rate = cfg.dropout
         position = getattr(cfg, "norm_position", "pre")
         self.post_norm = position == "post"
@@ -637,16 +639,17 @@ REMAT_POLICIES = {"full": None,
                       jax.checkpoint_policies.save_only_these_names(DENSE))}
 
 
-def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL
-                   ) -> Block:
-    """``n_layers`` blocks as one Block whose parameters have a leading ``layers`` axis (which
-    the rules table leaves unsharded). Scanning over it compiles one layer, not n; the names
-    (``blocks/attn/wq``, ...) are the same whether the layers then scan or loop."""
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, kernel: tuple[str, bool] = KERNEL,
+                   n: int | None = None, mlp: Any = None) -> Block:
+    """``n`` (default ``n_layers``) blocks as one Block whose parameters have a leading
+    ``layers`` axis (which the rules table leaves unsharded). Scanning over it compiles one
+    layer, not n; the names (``blocks/attn/wq``, ...) are the same whether the layers then scan
+    or loop. ``mlp(rngs)``: each block's MLP (None: ``MLP``)."""
 
-    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.split_rngs(splits=n or cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs, kernel)
+        return Block(cfg, rngs, kernel, None if mlp is None else mlp(rngs))
 
     blocks = make(rngs)
     for _, v in nnx.iter_graph(blocks):
@@ -673,7 +676,7 @@ class Transformer(nnx.Module):
         self.wte = padded_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, Vp)
         self.wpe = (param(rngs, (cfg.max_seq_len, D), ("pos", "embed"), cfg.init_std)
                     if cfg.pos == "learned" else None)
-        self.blocks = stacked_blocks(cfg, rngs, kernel)
+        self.blocks = None if cfg.moe.n_experts else stacked_blocks(cfg, rngs, kernel)  # MoE: moe.py
         # remat: the run plan's (a layout search may choose it); None: model.remat
         self.scan, self.remat = cfg.scan_layers, cfg.remat if remat is None else remat
         self.residual_fp32 = cfg.residual_dtype == "fp32"

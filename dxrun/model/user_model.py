@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.config import ConfigError, checked_factory
+from dxrun.config import ConfigError, checked_factory, expert_d_ff, moe_layers
+from dxrun.model.moe import MoETransformer
 from dxrun.model.transformer import KERNEL, Transformer
 from dxrun.plan import LOGICAL_RULES
 
@@ -34,6 +35,9 @@ def build_model(m: ModelConfig, rngs: nnx.Rngs, padded_vocab: int | None = None,
                 kernel: tuple[str, bool] = KERNEL, remat: str | None = None) -> nnx.Module:
     """``model._target_``'s module (checked: ``check_axes``), else dxrun's ``Transformer``."""
     if not m._target_:
+        if m.moe.n_experts:
+            return MoETransformer(m, moe_layers(m.n_layers, m.moe), expert_d_ff(m), rngs=rngs,
+                                  padded_vocab=padded_vocab, kernel=kernel, remat=remat)
         return Transformer(m, rngs=rngs, padded_vocab=padded_vocab, kernel=kernel, remat=remat)
     factory = checked_factory("model", m._target_, m.kwargs)
     module = factory(**dict(m.kwargs), vocab_size=m.vocab_size, rngs=rngs)

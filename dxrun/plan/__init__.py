@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # The package's face: what the rest of dxrun imports, each name still in its module.
 from dxrun.plan.axes import (
-    Layout, Sizes, layout_of, named, resolve_axes, shrink)
+    Layout, Sizes, layout_of, named, replicas_of, resolve_axes, shrink)
 from dxrun.plan.batch import (
     AUTO_ON_BYTES, check_batch_keys, default_seq_len, resolve_loss_chunk, scaled_lr)
 from dxrun.plan.context import (

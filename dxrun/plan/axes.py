@@ -60,9 +60,14 @@ class Sizes(Mapping[str, int]):
 
 
 class AxisAttrs:
-    """``.dp``, ``.fsdp``, ``.cp``, ``.tp`` (any key of ``AXES``): its size in ``self.sizes``."""
+    """``.dp``, ``.fsdp``, ``.cp``, ``.tp`` (any key of ``AXES``): its size in ``self.sizes``;
+    ``.replicas``, the devices that split the batch."""
 
     sizes: Sizes
+
+    @property
+    def replicas(self) -> int:
+        return replicas_of(self.sizes)
 
     def __getattr__(self, name: str) -> int:
         if name != "sizes" and any(a.key == name for a in AXES):
@@ -70,16 +75,24 @@ class AxisAttrs:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
+def replicas_of(sizes: Mapping[str, int]) -> int:
+    """The product of the batch axes' sizes (``Axis.batch``): data replicas, each a group of
+    the other axes' devices computing the same rows."""
+    return math.prod(sizes[a.key] for a in AXES if a.batch)
+
+
 def named(sizes: Mapping[str, int]) -> list[tuple[Axis, int]]:
     """The axes a message or table names, with their sizes: every inferable axis, and one that
-    is not (the context axis) only where it is used (size > 1)."""
-    return [(a, sizes[a.key]) for a in AXES if a.inferable or sizes[a.key] > 1]
+    is not (the context axis) or serves some models only (the expert axis: ``only_with``)
+    only where it is used (size > 1)."""
+    return [(a, sizes[a.key]) for a in AXES
+            if (a.inferable and not a.only_with) or sizes[a.key] > 1]
 
 
 def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:
     """``sizes`` (each axis's, by key, in ``AXES``' order) with the one -1 among them inferred
     so that their product is ``n``."""
-    sizes = {a.key: sizes[a.key] for a in AXES}
+    sizes = {a.key: sizes.get(a.key, 1) for a in AXES}  # an axis not given: 1
     inferred = [k for k, v in sizes.items() if v == -1]
     for a in AXES:
         v = sizes[a.key]
@@ -111,7 +124,7 @@ def resolve_axes(sizes: dict[str, int], n: int) -> dict[str, int]:
 def shrink(sizes: dict[str, int], n: int) -> dict[str, int]:
     """Largest mesh that fits n devices: the axes give up sizes in ``AXES``' order (data
     replicas first, then fsdp, then context, then tensor)."""
-    sizes = {a.key: sizes[a.key] for a in AXES}
+    sizes = {a.key: sizes.get(a.key, 1) for a in AXES}  # an axis not given: 1
     while math.prod(sizes.values()) > n:
         k = next(k for k, v in sizes.items() if v > 1)
         sizes[k] //= min(p for p in range(2, sizes[k] + 1) if sizes[k] % p == 0)

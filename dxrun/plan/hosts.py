@@ -25,6 +25,7 @@ def split_over_hosts(sizes: Mapping[str, int], hosts: int,
     has left, a ``SPANS`` axis spans the hosts. Raises ConfigError for a layout whose inside
     group would cross hosts (every layer's collectives over the network) unless its key is in
     ``allow_cross`` (its ``Axis.cross_host`` key set), or whose hosts would hold scattered rows."""
+    sizes = Sizes(sizes)  # an axis not given: 1
     local = math.prod(sizes.values()) // hosts
     left, dcn = local, {}
     for a in reversed(AXES):

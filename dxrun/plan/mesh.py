@@ -22,8 +22,9 @@ from dxrun.config import (
     PER_DEVICE,
     ConfigError,
     axis_sizes,
+    expert_d_ff,
 )
-from dxrun.plan.axes import AxisAttrs, Layout, Sizes, named, resolve_axes, shrink
+from dxrun.plan.axes import AxisAttrs, Layout, Sizes, named, replicas_of, resolve_axes, shrink
 from dxrun.plan.batch import (
     batch_set_by,
     check_tokens_per_step,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 
 MESH_AXES = tuple(a.mesh for a in AXES)  # ("data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = tuple(a.mesh for a in AXES if a.batch)  # ("data", "fsdp", "expert")
 # The one rules table: logical tensor axis -> mesh axis (None = replicated). Model code names
 # logical axes only; changing the parallelism changes only the mesh sizes under this table.
 # Megatron TP: heads/kv_heads/mlp are the column-parallel outputs of q/k/v/up/gate and the
@@ -54,6 +55,7 @@ LOGICAL_RULES: dict[str, Any] = {
     "stream_seq": "context",
     "layers": None,  # the stacked layer axis of scanned blocks: every device has every layer
     "embed": "fsdp",
+    "expert": "expert",  # an MoE layer's experts (the leading axis of their stacked weights)
     "act_embed": None,  # activations keep d_model whole; only weights shard it
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -134,7 +136,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
     @property
     def per_device_batch(self) -> int:
         """Examples each data replica (a group of cp x tp devices) computes per step."""
-        return self.global_batch // (self.dp * self.fsdp)
+        return self.global_batch // self.replicas
 
     @property
     def per_device_batch_size(self) -> int:
@@ -147,7 +149,7 @@ class MeshPlan(AxisAttrs, HostPlacement):
         given = (f"{PER_DEVICE}={self.per_device_batch_size}" if self.batch_set_by == PER_DEVICE
                  else GLOBAL)
         return (f"{self.global_batch} global = {self.per_device_batch_size} per replica x "
-                f"{self.dp * self.fsdp} replicas{accum}, seq_len {self.seq_len}; set by {given}")
+                f"{self.replicas} replicas{accum}, seq_len {self.seq_len}; set by {given}")
 
     def to_json(self) -> dict[str, Any]:
         out = {**self.sizes, **asdict(self)}
@@ -244,7 +246,7 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     dcn = split_over_hosts(sizes, hosts, crossing) if hosts > 1 else Sizes()
     if hosts_of and hosts < processes:
         group_by_host(hosts_of, tp, tp // dcn["tp"], sizes.n)
-    replicas = dp * fsdp
+    replicas = replicas_of(sizes)
     if layout is not None:
         accum, remat = layout.grad_accum, layout.remat
     else:
@@ -259,6 +261,8 @@ def make_plan(cfg: RunConfig, n_visible: int, platform: str = "cpu", processes: 
     sp = bool(par.get("sequence_parallel")) and tp > 1
     check_sequence_parallel(sp, seq_len, cp, tp)
     check_model_divides(model, tp, fsdp)
+    if not model.get("_target_"):
+        check_experts_divide(model, sizes["ep"], tp)
     device = device or AttentionTarget(platform)
     asked = cfg.train.precision if "train" in cfg else "fp32"
     precision = precision_of(asked, device.platform)  # plan mode: its target's
@@ -375,6 +379,24 @@ def check_model_divides(model: Any, tp: int, fsdp: int) -> None:
             f"model.d_model={model.d_model} is not divisible by parallelism.fsdp={fsdp}; "
             f"pick an fsdp size that divides {model.d_model}"
         )
+
+
+def check_experts_divide(m: Any, ep: int, tp: int) -> None:
+    """The experts split evenly over the ``expert`` mesh axis, their widths over ``tensor``."""
+    moe = m.moe
+    if ep > 1 and not moe.n_experts:
+        raise ConfigError(f"parallelism.ep={ep} splits the experts, but model.moe.n_experts=0 "
+                          "(a dense model); set parallelism.ep=1 or model.moe.n_experts")
+    if moe.n_experts % ep:
+        raise ConfigError(
+            f"model.moe.n_experts={moe.n_experts} is not divisible by parallelism.ep={ep}; "
+            f"pick an ep that divides {moe.n_experts} (each expert device holds "
+            "n_experts / ep experts)")
+    for name, width in (("d_ff", expert_d_ff(m) if moe.n_experts else 0),
+                        ("shared_d_ff", moe.shared_d_ff)):
+        if width % tp:
+            raise ConfigError(f"model.moe.{name}={width} is not divisible by parallelism.tp="
+                              f"{tp}; pick a tp that divides {width}")
 
 
 def shard_optimizer(p: ParallelismConfig, dp: int) -> bool:

@@ -68,7 +68,7 @@ def reuse_pays(cfg: RunConfig, n_devices: int) -> bool:
     named = math.prod(max(1, v) for v in axis_sizes(par).values())
     n = {k: max(1, used // named if v == -1 else v) for k, v in axis_sizes(par).items()}
     tokens = ((d.batch_size or (d.per_device_batch_size or 1) * used)
-              * (d.seq_len or m.max_seq_len or 1024) / (n["dp"] * n["fsdp"] * n["cp"]))
+              * (d.seq_len or m.max_seq_len or 1024) / (n["dp"] * n["fsdp"] * n.get("ep", 1) * n["cp"]))
     params = 12 * m.n_layers * m.d_model**2 + 2 * m.vocab_size * m.d_model
     return (16 * params / (n["fsdp"] * n["tp"]) + 64 * tokens * m.d_model * m.n_layers
             >= REUSE_FROM_BYTES)

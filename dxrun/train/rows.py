@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dxrun.cost import flops_per_token, mfu
+from dxrun.cost import active_params, flops_per_token, mfu
 from dxrun.experiment import Experiment
 from dxrun.fit import resolve_peak
 from dxrun.plan import RunPlan, saved_config
@@ -66,8 +66,10 @@ class RunFacts:
         log once."""
         plan, data = exp.plan, exp.data
         n_params = exp.count_params(state.params)  # the real vocabulary, without padding
-        log.info("model %s: %s parameters; data %s: %s", describe_model(cfg.model, job),
-                 f"{n_params:,}", cfg.data._target_ or cfg.data.name, data.description)
+        active = active_params(cfg.model, n_params)  # an MoE model's: fewer
+        log.info("model %s: %s parameters%s; data %s: %s", describe_model(cfg.model, job),
+                 f"{n_params:,}", f" ({active:,} active per token)" * (active != n_params),
+                 cfg.data._target_ or cfg.data.name, data.description)
         if cfg.model._target_:  # dxrun.model.user_model: what a user model's run does differently
             log.info("model._target_=%s: unchunked loss (model.loss_chunk=0), computed in its "
                      "parameters' dtype; 6 FLOPs per parameter per token", cfg.model._target_)
@@ -83,6 +85,7 @@ class RunFacts:
             "choices": job.choices,
             "plan": run_plan.to_json(),
             "n_params": n_params,
+            "n_active_params": active,
             "flops_per_token": cost.flops / cost.tokens,
             "jax": {"version": jax.__version__, "device_kind": device_kind,
                     "device_count": jax.device_count(), "process_count": jax.process_count()},
