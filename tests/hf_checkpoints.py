@@ -45,6 +45,15 @@ GEMMA3 = dict(GEMMA, model_type="gemma3_text", hidden_activation="gelu_pytorch_t
               layer_types=["sliding_attention", "sliding_attention", "full_attention"])
 PHI3 = dict(LLAMA, model_type="phi3", sliding_window=7, pad_token_id=None,
             original_max_position_embeddings=32)
+# The mixtures of experts (issue 82): Mixtral's 8 experts, top 2 renormalised, in every layer,
+# with a window; Qwen3-MoE's 8 experts of their own width, top 3 not renormalised, dense and
+# MoE layers alternating (decoder_sparse_step=2), q and k norms.
+MIXTRAL = dict(LLAMA, model_type="mixtral", intermediate_size=32, num_local_experts=8,
+               num_experts_per_tok=2, sliding_window=5, rope_theta=1e6)
+QWEN3_MOE = dict(LLAMA, model_type="qwen3_moe", num_hidden_layers=4, head_dim=16,
+                 num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                 norm_topk_prob=False, decoder_sparse_step=2, rms_norm_eps=1e-6)
+MOE_FAMILIES = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
 FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "olmo2": OLMO2,
             "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3, "phi3": PHI3}
 
@@ -89,7 +98,7 @@ def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
         if fields["model_type"] == "qwen2":
             out |= {h + f"self_attn.{x}_proj.bias": w(n * E)
                     for x, n in zip("qkv", (H, K, K), strict=True)}
-        if fields["model_type"] == "qwen3":
+        if fields["model_type"] in ("qwen3", "qwen3_moe"):
             out |= {h + f"self_attn.{x}_norm.weight": 1 + w(E) for x in "qk"}
         kind = fields["model_type"]
         if kind == "olmo2":  # its norms: q, k across heads; after, not before
@@ -111,10 +120,33 @@ def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
             out |= {h + "self_attn.q_proj.weight": w(H * E, D),
                     h + "self_attn.k_proj.weight": w(K * E, D),
                     h + "self_attn.v_proj.weight": w(K * E, D),
-                    h + "self_attn.o_proj.weight": w(D, H * E),
-                    h + "mlp.gate_proj.weight": w(F, D), h + "mlp.up_proj.weight": w(F, D)}
-        out[h + "mlp.down_proj.weight"] = w(D, F)
+                    h + "self_attn.o_proj.weight": w(D, H * E)}
+        out |= _mlp(fields, i, h, w)
     return out
+
+
+def _mlp(fields: dict, i: int, h: str, w) -> dict[str, np.ndarray]:
+    """Layer ``i``'s MLP tensors: dense (gate, up, down: Phi-3's gate and up fused) or a
+    mixture of experts' (Mixtral's w1, w3, w2 in every layer; Qwen3-MoE's, in its MoE
+    layers)."""
+    D, F = fields["hidden_size"], fields["intermediate_size"]
+    kind = fields["model_type"]
+    step = fields.get("decoder_sparse_step", 1)
+    if kind == "mixtral" or (kind == "qwen3_moe" and (i + 1) % step == 0):
+        n = fields.get("num_local_experts") or fields["num_experts"]
+        X = fields.get("moe_intermediate_size", F)
+        block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if kind == "mixtral"
+                        else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+        out = {h + f"{block}.gate.weight": w(n, D, scale=1.0)}  # routes far from ties
+        for j in range(n):
+            e = h + f"{block}.experts.{j}."
+            out |= {e + f"{names[0]}.weight": w(X, D), e + f"{names[1]}.weight": w(X, D),
+                    e + f"{names[2]}.weight": w(D, X)}
+        return out
+    out = {}
+    if kind != "phi3":  # drawn in this order: the stored references' weights
+        out |= {h + "mlp.gate_proj.weight": w(F, D), h + "mlp.up_proj.weight": w(F, D)}
+    return out | {h + "mlp.down_proj.weight": w(D, F)}
 
 
 def write_hf_dir(d: Path, fields: dict, tensors: dict[str, np.ndarray], shards: int = 1

@@ -28,7 +28,16 @@ TITLES = {"gpt2": "GPT-2 (`GPT2LMHeadModel`; `c_attn`: q, k, v side by side; emb
                          "q and k norms (`model.qk_norm=head`)",
           "phi3": "Phi-3 (`Phi3ForCausalLM`): Llama's tensors but q, k, v in one "
                   "`qkv_proj` and gate, up in one `gate_up_proj`, split on import and joined "
-                  "on export"}
+                  "on export",
+          "mixtral": "Mixtral (`MixtralForCausalLM`): Llama's tensors but the MLP's, in place "
+                     "of which each layer (every one an MoE layer) has a router and N experts "
+                     "(`{j}`: expert j, at index j of the stacked weight's `expert` axis; X: "
+                     "an expert's width, `intermediate_size`); an MoE layer's attention and "
+                     "norms are `moe_blocks/...`, its weights stacked over the MoE layers",
+          "qwen3_moe": "Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's tensors, and in its MoE "
+                       "layers (`model.moe.every`, `model.moe.first_dense`) a router and N "
+                       "experts in place of the MLP, X `moe_intermediate_size` wide; its dense "
+                       "layers are `blocks/...`, its MoE layers `moe_blocks/...`"}
 
 
 def hf_layout_markdown() -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.config.errors import ConfigError
+from dxrun.config.hf_moe import DENSE, MoEFields, moe_fields, moe_json, moe_misses
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -31,7 +32,13 @@ SHAPE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_siz
               "max_seq_len", "bias", "norm", "norm_eps", "mlp", "pos", "tie_embeddings",
               "rope_theta", "rope_scaling", "head_dim", "qkv_bias", "qk_norm", "sliding_window",
               "norm_position", "gelu", "norm_plus_one", "embed_scale", "global_every",
-              "rope_local_theta", "attn_softcap", "logit_softcap", "attn_scalar", "hf_type")
+              "rope_local_theta", "attn_softcap", "logit_softcap", "attn_scalar", "hf_type",
+              *(f"moe.{k}" for k in ("n_experts", "top_k", "d_ff", "every", "first_dense",
+                                     "shared_d_ff", "shared_gate", "router", "renormalize",
+                                     "routed_scale", "bias_rate")))
+# The MoE keys a checkpoint suggests but the run may set otherwise (its training's, not its
+# model's): the load-balancing loss's coefficient (config.json's router_aux_loss_coef).
+RUN_KEYS = ("moe.aux_loss",)
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form, as dxrun's MLP computes it
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
@@ -48,7 +55,8 @@ class Family:
     ``fused``: its checkpoint joins q, k, v and gate, up in one tensor each (Phi-3's), and
     ``defaults``: its transformers config class's defaults where they are not Llama's, which a
     config.json leaves out (``save_pretrained`` writes only what differs from them;
-    ``sliding_window_pattern``: the layer kinds when ``layer_types`` is left out)."""
+    ``sliding_window_pattern``: the layer kinds when ``layer_types`` is left out), ``moe``: a
+    mixture of experts' config.json fields (``MoEFields``; None: a dense family)."""
 
     architecture: str
     pieces: dict[str, Any] = field(default_factory=dict)
@@ -57,6 +65,9 @@ class Family:
     act: tuple[str, str] = ("hidden_act", "silu")
     fused: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
+    moe: MoEFields | None = None
+
+
 
 
 # A family's own config.json field -> the model key it fills (whose null is the field's
@@ -95,6 +106,19 @@ LLAMA_LIKE = {
                                         rope_local_base_freq=1e4, sliding_window_pattern=6)),
     "phi3": Family("Phi3ForCausalLM", window="sliding_window", fused=True,
                    defaults=dict(rms_norm_eps=1e-5)),
+    # the mixtures of experts: softmax routers, top k of the softmax (Mixtral's renormalised)
+    "mixtral": Family("MixtralForCausalLM", window="sliding_window",
+                      defaults=dict(rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8,
+                                    num_experts_per_tok=2, router_aux_loss_coef=0.001),
+                      moe=MoEFields("num_local_experts", None, None, "block_sparse_moe",
+                                    ("w1", "w3", "w2"))),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", dict(qk_norm="head"), window="use_sliding_window",
+                        defaults=dict(num_experts=128, num_experts_per_tok=8,
+                                      moe_intermediate_size=768, norm_topk_prob=False,
+                                      decoder_sparse_step=1, router_aux_loss_coef=0.001,
+                                      sliding_window=4096),
+                        moe=MoEFields("num_experts", "moe_intermediate_size", "norm_topk_prob",
+                                      "mlp", ("gate_proj", "up_proj", "down_proj"))),
 }
 # The MLP an activation makes of a Llama-shaped family's gated unit (``hidden_act``).
 ACTS = {"silu": dict(mlp="swiglu", gelu="tanh"),
@@ -163,7 +187,7 @@ def model_fields(hf: dict, path: Path) -> dict[str, Any]:
                    max_seq_len=_need(hf, path, "n_positions"), bias=True, norm="layernorm",
                    norm_eps=float(eps), mlp="gelu", pos="learned", tie_embeddings=True,
                    rope_theta=10000.0, rope_scaling=None, gelu="tanh", head_dim=None,
-                   sliding_window=None, hf_type=kind, **_PLAIN)
+                   sliding_window=None, hf_type=kind, **_PLAIN, **DENSE)
     elif kind in LLAMA_LIKE:
         out = _llama_fields(hf, path, kind)
         eps = out["norm_eps"]
@@ -198,7 +222,8 @@ def _llama_fields(hf: dict, path: Path, kind: str) -> dict[str, Any]:
     _refuse_unless(not (kind == "gemma3_text" and hf.get("rope_scaling")), path,
                    f"rope_scaling={json.dumps(hf.get('rope_scaling'))} (Gemma 3's, on its "
                    "global layers only; dxrun scales none)")
-    return {**_PLAIN, **dict(n_layers=n_layers, d_model=D, n_heads=H,
+    return {**_PLAIN, **moe_fields(hf, path, LLAMA_LIKE[kind].moe, n_layers), **dict(
+        n_layers=n_layers, d_model=D, n_heads=H,
                              n_kv_heads=hf.get("num_key_value_heads") or H,
                              d_ff=_need(hf, path, "intermediate_size"),
                              vocab_size=_need(hf, path, "vocab_size"),
@@ -219,6 +244,11 @@ def _window(hf: dict, path: Path, kind: str, n_layers: int) -> tuple[int | None,
     one, or windowed and full layers in an order dxrun does not build (every k-th layer
     full, the rest windowed), refused."""
     style, types = LLAMA_LIKE[kind].window, hf.get("layer_types")
+    if style == "use_sliding_window":  # Qwen3-MoE's: every layer, when switched on
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        _refuse_unless(window is None or (isinstance(window, int) and window > 0), path,
+                       f"sliding_window={json.dumps(window)}")
+        return window, None
     if types is None and "sliding_window_pattern" in hf:  # Gemma 2/3's default kinds
         types = [("sliding_attention" if (i + 1) % hf["sliding_window_pattern"]
                   else "full_attention") for i in range(n_layers)]
@@ -288,12 +318,17 @@ def apply_hf_model(cfg: DictConfig, overrides: list[str]) -> Path | None:
     fields = model_fields(read_config(d), path)
     given = given_model_keys(overrides)
     for k, want in fields.items():
+        if k in RUN_KEYS:  # the checkpoint's, unless the run sets its own
+            if k not in given:
+                OmegaConf.update(cfg, f"model.{k}", want)
+            continue
         if k in given and OmegaConf.select(cfg, f"model.{k}") != want:
             raise ConfigError(f"model.{k}={given[k]} contradicts {path} ({k}={want}); drop the "
                               f"override: {KEY}={cfg.model.init_from} takes the model's shape "
                               "from the checkpoint")
     for k, want in fields.items():
-        cfg.model[k] = want
+        if k not in RUN_KEYS:
+            OmegaConf.update(cfg, f"model.{k}", want)
     if "name" not in given:
         cfg.model.name = f"hf-{d.name}"
     tokenizer = d / "tokenizer.json"
@@ -336,20 +371,19 @@ def model_type_of(m: Any) -> str:
     own, a preset's: Phi-3 computes what Mistral does, its tensors are fused), else the first
     family that computes it; ConfigError naming what differs when that family (or any) does
     not."""
-    moe = getattr(m, "moe", None)
-    if moe is not None and moe.n_experts:  # no MoE family (Mixtral, Qwen-MoE) in the table yet
-        raise ConfigError(f"the model has no Hugging Face equivalent here: model.moe.n_experts="
-                          f"{moe.n_experts} is a mixture of experts, and dxrun reads and writes "
-                          "dense families only; train and keep dxrun's checkpoints")
     misses = {kind: [f"model.{k}={_show(getattr(m, k, None))}" for k, v in want.items()
-                     if getattr(m, k, None) != v] for kind, want in FAMILIES.items()}
+                     if getattr(m, k, None) != v]
+              + moe_misses(m, kind, LLAMA_LIKE[kind].moe if kind in LLAMA_LIKE else None)
+              for kind, want in FAMILIES.items()}
     if m.pos == "learned" and m.n_kv_heads != m.n_heads:
         misses["gpt2"].append(f"model.n_kv_heads={m.n_kv_heads} (GPT-2 has no grouped-query "
                               "attention)")
     if m.mlp == "gelu":
         for kind in LLAMA_LIKE:
             misses[kind].append("model.mlp=gelu (its MLP is gated: swiglu or geglu)")
-    kind = getattr(m, "hf_type", None) or min(misses, key=lambda k: len(misses[k]))
+    sparse = bool(getattr(getattr(m, "moe", None), "n_experts", 0))  # nearest: of its kind
+    kind = getattr(m, "hf_type", None) or min(misses, key=lambda k: (
+        (k in LLAMA_LIKE and LLAMA_LIKE[k].moe is not None) != sparse, len(misses[k])))
     if misses[kind]:
         want = ", ".join(f"{k}={_show(v)}" for k, v in FAMILIES[kind].items())
         raise ConfigError(f"the model has no Hugging Face equivalent: nearest is {kind} "
@@ -390,7 +424,8 @@ def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
                 max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                 rope_theta=m.rope_theta, rope_scaling=scaling,
                 tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False,
-                **{"hidden_act": act, family.act[0]: act}, **own, **_windowed(m, family))
+                **{"hidden_act": act, family.act[0]: act}, **own, **_windowed(m, family),
+                **moe_json(m, family.moe))
 
 
 def _windowed(m: Any, family: Family) -> dict[str, Any]:
@@ -401,6 +436,8 @@ def _windowed(m: Any, family: Family) -> dict[str, Any]:
         return {}
     if family.window == "sliding_window":
         return dict(sliding_window=window)
+    if family.window == "use_sliding_window":
+        return dict(use_sliding_window=window is not None, sliding_window=window)
     every = getattr(m, "global_every", None)
     types = ["sliding_attention" if window and (every is None or (i + 1) % every)
              else "full_attention" for i in range(m.n_layers)]

@@ -11,6 +11,7 @@ shards of its own devices.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,19 +19,23 @@ import jax
 import numpy as np
 
 from dxrun.config import hf_dir, read_config
-from dxrun.hf import HFWeights, Weight, dims, dxrun_block, shape_of, weights
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig
+    from dxrun.hf import Weight
 
 
 def _table(m: ModelConfig, d: Path) -> list[Weight]:
+    from dxrun.hf import weights  # loaded by a run from a checkpoint only
+
     return weights(read_config(d)["model_type"], m)
 
 
 def check_hf_weights(m: ModelConfig) -> None:
     """Refuse (ConfigError, one line) a directory whose tensors do not make this model:
     headers only, before anything is written."""
+    from dxrun.hf import HFWeights
+
     d = hf_dir(m.init_from)
     with HFWeights(d) as files:
         files.check(_table(m, d), m)
@@ -45,6 +50,8 @@ def import_params(m: ModelConfig, spec: dict, axes: dict) -> dict:
     """The parameters of ``m.init_from``'s directory, laid out as ``spec`` (the run's abstract
     params: their shapes and shardings; ``axes``: their logical axes), as a params tree
     ``Experiment.init_state`` takes."""
+    from dxrun.hf import HFWeights, dims, dxrun_block, shape_of
+
     d = hf_dir(m.init_from)
     table = _table(m, d)
     specs, axes = _leaves(spec), _leaves(axes)
@@ -57,32 +64,35 @@ def import_params(m: ModelConfig, spec: dict, axes: dict) -> dict:
         files.check(table, m)
         for w in table:
             s, names = specs[w.dxrun], list(axes[w.dxrun])
-            if w.per_layer:
-                names = names[1:]
+            lead = (1 if w.per_layer else 0) + (1 if w.per_expert else 0)  # stacked axes
+            names = names[lead:]
             vocab = names.index("vocab") if "vocab" in names else None
-            one = s.shape[1:] if w.per_layer else s.shape
+            one = s.shape[lead:]
             real = tuple(real_v if i == vocab else n for i, n in enumerate(one))
+            stack = {at: (layer, expert) for layer, expert, at in w.instances(m)}
 
             def shard(index: tuple, w: Weight = w, one: tuple = one, real: tuple = real,
-                      dtype: Any = s.dtype) -> np.ndarray:
-                # (start, stop) per axis of one layer, within the real vocabulary; the rows
-                # past it are the mesh's padding, zeros
-                wanted = [i.indices(n)[:2] for i, n in
-                          zip(index[1:] if w.per_layer else index, one, strict=True)]
+                      dtype: Any = s.dtype, lead: int = lead, stack: dict = stack,
+                      shape: tuple = s.shape) -> np.ndarray:
+                # (start, stop) per axis of one layer (and expert), within the real
+                # vocabulary; the rows past it are the mesh's padding, zeros
+                wanted = [i.indices(n)[:2] for i, n in zip(index[lead:], one, strict=True)]
                 within = tuple((min(a, r), min(b, r)) for (a, b), r in zip(wanted, real,
                                                                            strict=True))
-                layers = range(m.n_layers)[index[0]] if w.per_layer else [None]
-                out = np.zeros((len(layers), *(b - a for a, b in wanted)), dtype)
+                spans = [range(n)[i] for i, n in zip(index[:lead], shape[:lead], strict=True)]
+                lens = tuple(len(r) for r in spans)
+                out = np.zeros((*lens, *(b - a for a, b in wanted)), dtype)
                 fill = tuple(slice(0, b - a) for a, b in within)
                 hf_shape = shape_of(w.hf_shape, dim)
                 if any(a == b for a, b in within):  # all padding (or empty): zeros
-                    return out if w.per_layer else out[0]
-                for k, layer in enumerate(layers):  # one layer's block read at a time
-                    name = files.name_for(w, layer)
-                    out[(k, *fill)] = dxrun_block(w, real, within, hf_shape,
-                                                  lambda sl, name=name: files.read(name, sl),
-                                                  dim)
-                return out if w.per_layer else out[0]
+                    return out
+                for at in itertools.product(*spans):  # one layer's (expert's) block at a time
+                    name = files.name_for(w, *stack[at])
+                    here = tuple(a - r.start for a, r in zip(at, spans, strict=True))
+                    out[(*here, *fill)] = dxrun_block(
+                        w, real, within, hf_shape, lambda sl, name=name: files.read(name, sl),
+                        dim)
+                return out
 
             built[w.dxrun] = _place(s.shape, s.sharding, shard)
     return _nest(built)
