@@ -53,7 +53,11 @@ MIXTRAL = dict(LLAMA, model_type="mixtral", intermediate_size=32, num_local_expe
 QWEN3_MOE = dict(LLAMA, model_type="qwen3_moe", num_hidden_layers=4, head_dim=16,
                  num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
                  norm_topk_prob=False, decoder_sparse_step=2, rms_norm_eps=1e-6)
-MOE_FAMILIES = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
+# Qwen2-MoE's: q, k, v biases, a shared expert and its gate, dense first layer (mlp_only_layers).
+QWEN2_MOE = dict(LLAMA, model_type="qwen2_moe", num_hidden_layers=3, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                 shared_expert_intermediate_size=40, mlp_only_layers=[0], rms_norm_eps=1e-6)
+MOE_FAMILIES = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}
 FAMILIES = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "olmo2": OLMO2,
             "gemma": GEMMA, "gemma2": GEMMA2, "gemma3_text": GEMMA3, "phi3": PHI3}
 
@@ -95,7 +99,7 @@ def random_tensors(fields: dict, seed: int = 0) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = w(V, D)
     for i in range(fields["num_hidden_layers"]):
         h = f"model.layers.{i}."
-        if fields["model_type"] == "qwen2":
+        if fields["model_type"] in ("qwen2", "qwen2_moe"):
             out |= {h + f"self_attn.{x}_proj.bias": w(n * E)
                     for x, n in zip("qkv", (H, K, K), strict=True)}
         if fields["model_type"] in ("qwen3", "qwen3_moe"):
@@ -132,7 +136,8 @@ def _mlp(fields: dict, i: int, h: str, w) -> dict[str, np.ndarray]:
     D, F = fields["hidden_size"], fields["intermediate_size"]
     kind = fields["model_type"]
     step = fields.get("decoder_sparse_step", 1)
-    if kind == "mixtral" or (kind == "qwen3_moe" and (i + 1) % step == 0):
+    if kind == "mixtral" or (kind in ("qwen2_moe", "qwen3_moe") and (i + 1) % step == 0
+                             and i not in fields.get("mlp_only_layers", [])):
         n = fields.get("num_local_experts") or fields["num_experts"]
         X = fields.get("moe_intermediate_size", F)
         block, names = (("block_sparse_moe", ("w1", "w3", "w2")) if kind == "mixtral"
@@ -142,6 +147,12 @@ def _mlp(fields: dict, i: int, h: str, w) -> dict[str, np.ndarray]:
             e = h + f"{block}.experts.{j}."
             out |= {e + f"{names[0]}.weight": w(X, D), e + f"{names[1]}.weight": w(X, D),
                     e + f"{names[2]}.weight": w(D, X)}
+        if kind == "qwen2_moe":  # the shared expert and its gate
+            S = fields["shared_expert_intermediate_size"]
+            out |= {h + "mlp.shared_expert.gate_proj.weight": w(S, D),
+                    h + "mlp.shared_expert.up_proj.weight": w(S, D),
+                    h + "mlp.shared_expert.down_proj.weight": w(D, S),
+                    h + "mlp.shared_expert_gate.weight": w(1, D)}
         return out
     out = {}
     if kind != "phi3":  # drawn in this order: the stored references' weights

@@ -1,6 +1,7 @@
 """The mixtures of experts in and out (issue 82, item 4): Mixtral (8 experts, top 2 of the
 softmax renormalised, every layer an MoE layer, a window) and Qwen3-MoE (experts of their own
-width, top 3 not renormalised, dense and MoE layers alternating, q and k norms). A tiny random
+width, top 3 not renormalised, dense and MoE layers alternating, q and k norms) and Qwen2-MoE
+(q, k, v biases, a shared expert with its sigmoid gate, a dense first layer). A tiny random
 checkpoint of each, made here, gives transformers' PyTorch logits (stored:
 tests/fixtures/hf_reference/, with the script and versions that made them; CI has no torch):
 dxrun's equal them on one device, with the experts split over the ``expert`` axis and with
@@ -40,7 +41,10 @@ MESHES = {"dp1": ["parallelism=dp1"], "dp2_ep4": EP,
 MOE_KEYS = {"mixtral": dict(n_experts=8, top_k=2, d_ff=None, every=1, first_dense=0,
                             renormalize=True, aux_loss=0.002),
             "qwen3_moe": dict(n_experts=8, top_k=3, d_ff=24, every=2, first_dense=0,
-                              renormalize=False, aux_loss=0.003)}
+                              renormalize=False, aux_loss=0.003),
+            "qwen2_moe": dict(n_experts=8, top_k=2, d_ff=24, every=1, first_dense=1,
+                              renormalize=True, shared_d_ff=40, shared_gate=True,
+                              aux_loss=0.002)}
 
 
 def tiled(x: np.ndarray) -> np.ndarray:
@@ -114,7 +118,8 @@ def test_import_then_export_gives_the_tensors_back_bitwise(families, family, tmp
     assert ours.model_type == family
     for name in ("num_local_experts", "num_experts", "num_experts_per_tok",
                  "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-                 "mlp_only_layers", "sliding_window", "router_aux_loss_coef"):
+                 "mlp_only_layers", "sliding_window", "router_aux_loss_coef",
+                 "shared_expert_intermediate_size", "qkv_bias"):
         assert getattr(ours, name, None) == pytest.approx(getattr(theirs, name, None)), name
 
 

@@ -34,6 +34,10 @@ TITLES = {"gpt2": "GPT-2 (`GPT2LMHeadModel`; `c_attn`: q, k, v side by side; emb
                      "(`{j}`: expert j, at index j of the stacked weight's `expert` axis; X: "
                      "an expert's width, `intermediate_size`); an MoE layer's attention and "
                      "norms are `moe_blocks/...`, its weights stacked over the MoE layers",
+          "qwen2_moe": "Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen2's tensors, and in its MoE "
+                       "layers Qwen3-MoE's router and experts besides a shared expert S "
+                       "(`shared_expert_intermediate_size`) wide and its sigmoid gate "
+                       "(`model.moe.shared_d_ff`, `model.moe.shared_gate=true`)",
           "qwen3_moe": "Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's tensors, and in its MoE "
                        "layers (`model.moe.every`, `model.moe.first_dense`) a router and N "
                        "experts in place of the MLP, X `moe_intermediate_size` wide; its dense "

@@ -23,13 +23,16 @@ class MoEFields:
     count's field), ``d_ff`` (the experts' width's field; None: ``intermediate_size``, every
     layer an MoE layer: Mixtral), ``renormalize`` (the field of the top k weights' division by
     their sum; None: always), ``block`` (the MoE MLP's module name), ``names`` (an expert's
-    gate, up and down projections' names)."""
+    gate, up and down projections' names), ``shared``: the field of the width of a shared
+    expert every token passes through, gated by a sigmoid of the token (Qwen2-MoE's; None:
+    none)."""
 
     experts: str
     d_ff: str | None
     renormalize: str | None
     block: str
     names: tuple[str, str, str]
+    shared: str | None = None
 
 
 def _refuse_unless(ok: bool, path: Path, what: str) -> None:
@@ -69,10 +72,13 @@ def moe_fields(hf: dict, path: Path, f: MoEFields | None, n_layers: int) -> dict
                    "dense layers in an order dxrun does not build: after the first dense "
                    "ones, the last of every k layers an MoE layer)")
     renormalize = True if f.renormalize is None else bool(hf.get(f.renormalize))
+    shared = _need(hf, path, f.shared) if f.shared else 0
+    _refuse_unless(not f.shared or hf.get("qkv_bias", True), path,
+                   "qkv_bias=false (Qwen2-MoE's attention without its q, k, v biases)")
     return {"moe.n_experts": n, "moe.top_k": top_k,
             "moe.d_ff": None if f.d_ff is None else _need(hf, path, f.d_ff),
-            "moe.first_dense": found[0], "moe.every": found[1], "moe.shared_d_ff": 0,
-            "moe.shared_gate": False, "moe.router": "softmax", "moe.renormalize": renormalize,
+            "moe.first_dense": found[0], "moe.every": found[1], "moe.shared_d_ff": shared,
+            "moe.shared_gate": bool(shared), "moe.router": "softmax", "moe.renormalize": renormalize,
             "moe.routed_scale": 1.0, "moe.bias_rate": 0.0,
             "moe.aux_loss": float(hf.get("router_aux_loss_coef") or 0.0) * top_k}
 
@@ -90,7 +96,11 @@ def moe_misses(m: Any, kind: str, f: MoEFields | None) -> list[str]:
         return [] if f is None else ["model.moe.n_experts=0 (a dense model)"]
     if f is None:
         return [f"model.moe.n_experts={n} (a mixture of experts; {kind} is dense)"]
-    want = dict(router="softmax", routed_scale=1.0, shared_d_ff=0)
+    want = dict(router="softmax", routed_scale=1.0)
+    if f.shared is None:
+        want["shared_d_ff"] = 0
+    else:  # Qwen2-MoE's: a gated shared expert
+        want |= dict(shared_d_ff=getattr(moe, "shared_d_ff", 0) or "> 0", shared_gate=True)
     if f.d_ff is None:  # Mixtral's: every layer an MoE layer, the experts intermediate_size
         want |= dict(every=1, first_dense=0, d_ff=getattr(moe, "d_ff", None) and m.d_ff)
     if f.renormalize is None:
@@ -111,6 +121,8 @@ def moe_json(m: Any, f: MoEFields | None) -> dict[str, Any]:
            "router_aux_loss_coef": moe.aux_loss / moe.top_k, "output_router_logits": False}
     if f.renormalize is not None:
         out[f.renormalize] = moe.renormalize
+    if f.shared is not None:
+        out |= {f.shared: moe.shared_d_ff, "qkv_bias": True}
     if f.d_ff is None:
         return dict(out, router_jitter_noise=0.0)
     kinds = moe_layers(m.n_layers, moe)

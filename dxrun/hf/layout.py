@@ -147,12 +147,20 @@ def _llama(tied: bool, qkv_bias: bool = False, qk_norm: str = "none",
 def _moe(f: Any) -> list[Weight]:
     """A mixture of experts' own tensors (``f``: its ``LLAMA_LIKE`` row's ``moe``): the
     router, each expert's gate, up and down projections (dxrun stacks the experts on the
-    weights' ``expert`` axis, expert j at index j), in the MoE layers' ``moe_blocks``."""
+    weights' ``expert`` axis, expert j at index j), in the MoE layers' ``moe_blocks``; the
+    shared expert and its gate (Qwen2-MoE's)."""
     h = f"model.layers.{{i}}.{f.block}."
-    return [Weight("moe_blocks/mlp/router", h + "gate.weight", TRANSPOSED, ("N", "D")),
-            *(Weight(f"moe_blocks/mlp/w_{x}", h + f"experts.{{j}}.{name}.weight", TRANSPOSED,
-                     ("X", "D") if x != "down" else ("D", "X"))
-              for x, name in zip(("gate", "up", "down"), f.names, strict=True))]
+    out = [Weight("moe_blocks/mlp/router", h + "gate.weight", TRANSPOSED, ("N", "D")),
+           *(Weight(f"moe_blocks/mlp/w_{x}", h + f"experts.{{j}}.{name}.weight", TRANSPOSED,
+                    ("X", "D") if x != "down" else ("D", "X"))
+             for x, name in zip(("gate", "up", "down"), f.names, strict=True))]
+    if f.shared:
+        out += [*(Weight(f"moe_blocks/mlp/shared/w_{x}", h + f"shared_expert.{x}_proj.weight",
+                         TRANSPOSED, ("S", "D") if x != "down" else ("D", "S"))
+                  for x in ("gate", "up", "down")),
+                Weight("moe_blocks/mlp/shared_gate", h + "shared_expert_gate.weight",
+                       TRANSPOSED, ("1", "D"))]
+    return out
 
 
 def _named_otherwise(table: list[Weight]) -> list[Weight]:
@@ -206,7 +214,8 @@ def dims(m: Any) -> dict[str, int]:
     moe = getattr(m, "moe", None)
     return {"D": m.d_model, "H": m.n_heads, "K": m.n_kv_heads, "E": E, "F": m.d_ff,
             "V": m.vocab_size, "P": m.max_seq_len,
-            "N": moe.n_experts if moe else 0, "X": (moe.d_ff if moe else None) or m.d_ff}
+            "N": moe.n_experts if moe else 0, "X": (moe.d_ff if moe else None) or m.d_ff,
+            "S": getattr(moe, "shared_d_ff", 0) if moe else 0}
 
 
 def shape_of(spec: tuple[str, ...], d: dict[str, int]) -> tuple[int, ...]:
