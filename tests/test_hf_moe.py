@@ -178,15 +178,20 @@ def test_a_fine_tune_on_dp2_ep4_exports_what_it_computes(families, family, tmp_p
 
 def test_what_dxrun_does_not_build_is_refused_in_one_line(families, tmp_path):
     """A router jitter, non-SwiGLU experts, MoE and dense layers in an order the layers' scan
-    does not build: one line naming the field; a run's own aux_loss is kept, a shape key
-    contradicting the checkpoint refused."""
+    does not build, Qwen2-MoE without its biases or with its window: one line naming the field;
+    a run's own aux_loss is kept, a shape key contradicting the checkpoint refused."""
     d, _ = families["qwen3_moe"]
     cases = {"jitter": (dict(model_type="mixtral", num_local_experts=8,
                              router_jitter_noise=0.01), "router_jitter_noise=0.01"),
              "gelu": (dict(hidden_act="gelu"), "hidden_act=gelu (dxrun's experts are SwiGLU"),
              "order": (dict(mlp_only_layers=[3], decoder_sparse_step=1),
                        "mlp_only_layers=[3], decoder_sparse_step=1 (MoE and dense layers in "
-                       "an order dxrun does not build")}
+                       "an order dxrun does not build"),
+             "no_bias": (dict(model_type="qwen2_moe", shared_expert_intermediate_size=40,
+                              qkv_bias=False), "qkv_bias=false (Qwen2-MoE's attention"),
+             "window": (dict(model_type="qwen2_moe", shared_expert_intermediate_size=40,
+                             use_sliding_window=True, sliding_window=8, max_window_layers=0),
+                        "sliding_window=8 (model_type=qwen2_moe attends to every earlier")}
     for name, (fields, words) in cases.items():
         bad = tmp_path / name
         bad.mkdir()

@@ -5,9 +5,10 @@ filled from ``config.json`` before the config is validated (as a preset would fi
 ``model.*`` override that contradicts it is refused in one line. GPT-2 (``model_type: gpt2``) and
 the Llama-shaped families (``LLAMA_LIKE``: Llama, Mistral, Qwen2/2.5, Qwen3, OLMo 2, Gemma 1-3,
 Phi-3: grouped-query attention, a gated MLP, untied or tied embeddings, ``rope_theta``, Llama
-3.1's ``rope_scaling``, each with the pieces its row names) are read; anything dxrun's model
-cannot compute exactly is refused, naming the field. No JAX: plan mode plans a fine-tune from
-``config.json`` alone.
+3.1's ``rope_scaling``, each with the pieces its row names; the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE, their MoE fields ``dxrun.config.hf_moe``'s) are read; anything dxrun's
+model cannot compute exactly is refused, naming the field. No JAX: plan mode plans a fine-tune
+from ``config.json`` alone.
 """
 
 from __future__ import annotations
