@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from dxrun.config.errors import ConfigError
-from dxrun.config.hf_moe import DENSE, MoEFields, moe_fields, moe_json, moe_misses
+from dxrun.config.hf_moe import (
+    DENSE,
+    MoEFields,
+    moe_fields,
+    moe_json,
+    moe_misses,
+)
+from dxrun.config.hf_moe import need as _need
+from dxrun.config.hf_moe import refuse_unless as _refuse_unless
+from dxrun.config.hf_moe import show as _show
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -168,15 +177,6 @@ def read_config(d: Path) -> dict[str, Any]:
     return out
 
 
-def _need(hf: dict, path: Path, name: str) -> Any:
-    if hf.get(name) is None:
-        raise ConfigError(f"{path}: {name} is missing")
-    return hf[name]
-
-
-def _refuse_unless(ok: bool, path: Path, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"{path}: {what}; dxrun's model has no equivalent")
 
 
 def model_fields(hf: dict, path: Path) -> dict[str, Any]:
@@ -399,9 +399,6 @@ def model_type_of(m: Any) -> str:
                           f"({ARCHITECTURES[kind]}: {want}), but {'; '.join(misses[kind])}")
     return kind
 
-
-def _show(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def config_json(m: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:

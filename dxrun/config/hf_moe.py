@@ -1,6 +1,6 @@
 """A mixture-of-experts family's ``config.json`` (Mixtral, Qwen3-MoE: ``LLAMA_LIKE`` rows with
 ``moe``) as ``model.moe``'s keys, and back; ``dxrun.config.hf_model`` reads the rest of the
-file. No JAX.
+file (and takes its one-line refusals from here: ``need``, ``refuse_unless``). No JAX.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ class MoEFields:
     shared: str | None = None
 
 
-def _refuse_unless(ok: bool, path: Path, what: str) -> None:
+def refuse_unless(ok: bool, path: Path, what: str) -> None:
     if not ok:
         raise ConfigError(f"{path}: {what}; dxrun's model has no equivalent")
 
 
-def _need(hf: dict, path: Path, name: str) -> Any:
+def need(hf: dict, path: Path, name: str) -> Any:
     if hf.get(name) is None:
         raise ConfigError(f"{path}: {name} is missing")
     return hf[name]
@@ -55,35 +55,35 @@ def moe_fields(hf: dict, path: Path, f: MoEFields | None, n_layers: int) -> dict
     its own)."""
     if f is None:
         return dict(DENSE)
-    _refuse_unless(not hf.get("router_jitter_noise"), path,
+    refuse_unless(not hf.get("router_jitter_noise"), path,
                    f"router_jitter_noise={hf.get('router_jitter_noise')} (noise on the router's "
                    "input while training); set it to 0.0")
     act = hf.get("hidden_act") or "silu"
-    _refuse_unless(act == "silu", path, f"hidden_act={act} (dxrun's experts are SwiGLU: silu)")
-    n, top_k = _need(hf, path, f.experts), _need(hf, path, "num_experts_per_tok")
+    refuse_unless(act == "silu", path, f"hidden_act={act} (dxrun's experts are SwiGLU: silu)")
+    n, top_k = need(hf, path, f.experts), need(hf, path, "num_experts_per_tok")
     only, step = hf.get("mlp_only_layers") or [], hf.get("decoder_sparse_step") or 1
     kinds = tuple(i not in only and n > 0 and (i + 1) % step == 0 for i in range(n_layers))
     found = next(((d, k) for d in range(n_layers) for k in range(1, n_layers + 1)
                   if (n_layers - d) % k == 0 and moe_layers(
                       n_layers, SimpleNamespace(n_experts=n, first_dense=d, every=k)) == kinds),
                  None)
-    _refuse_unless(found is not None, path,
+    refuse_unless(found is not None, path,
                    f"mlp_only_layers={json.dumps(only)}, decoder_sparse_step={step} (MoE and "
                    "dense layers in an order dxrun does not build: after the first dense "
                    "ones, the last of every k layers an MoE layer)")
     renormalize = True if f.renormalize is None else bool(hf.get(f.renormalize))
-    shared = _need(hf, path, f.shared) if f.shared else 0
-    _refuse_unless(not f.shared or hf.get("qkv_bias", True), path,
+    shared = need(hf, path, f.shared) if f.shared else 0
+    refuse_unless(not f.shared or hf.get("qkv_bias", True), path,
                    "qkv_bias=false (Qwen2-MoE's attention without its q, k, v biases)")
     return {"moe.n_experts": n, "moe.top_k": top_k,
-            "moe.d_ff": None if f.d_ff is None else _need(hf, path, f.d_ff),
+            "moe.d_ff": None if f.d_ff is None else need(hf, path, f.d_ff),
             "moe.first_dense": found[0], "moe.every": found[1], "moe.shared_d_ff": shared,
             "moe.shared_gate": bool(shared), "moe.router": "softmax", "moe.renormalize": renormalize,
             "moe.routed_scale": 1.0, "moe.bias_rate": 0.0,
             "moe.aux_loss": float(hf.get("router_aux_loss_coef") or 0.0) * top_k}
 
 
-def _show(v: Any) -> str:
+def show(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
@@ -105,7 +105,7 @@ def moe_misses(m: Any, kind: str, f: MoEFields | None) -> list[str]:
         want |= dict(every=1, first_dense=0, d_ff=getattr(moe, "d_ff", None) and m.d_ff)
     if f.renormalize is None:
         want["renormalize"] = True
-    out = [f"model.moe.{k}={_show(getattr(moe, k))}" for k, v in want.items()
+    out = [f"model.moe.{k}={show(getattr(moe, k))}" for k, v in want.items()
            if getattr(moe, k) != v]
     return out + ([] if m.mlp == "swiglu" else [f"model.mlp={m.mlp} (its experts are SwiGLU)"])
 
