@@ -207,3 +207,22 @@ def test_what_dxrun_does_not_build_is_refused_in_one_line(families, tmp_path):
     given = [f"model.init_from=hf:{d}", "model.moe.top_k=2"]
     with pytest.raises(ConfigError, match="model.moe.top_k=2 contradicts"):
         apply_hf_model(make_cfg(*given), given)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_config_json_leaving_out_its_class_defaults_reads_as_transformers_fills_it(family):
+    """save_pretrained writes only what differs from the config class's defaults: a config.json
+    of the shape alone reads as transformers' whole config does (Mixtral's 8 experts, top 2,
+    rope_theta 1e6; Qwen3-MoE's 128 experts, top 8, 768 wide; Qwen2-MoE's 60, top 4, its
+    5632-wide shared expert), never as another family's defaults."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    shape = {k: MOE_FAMILIES[family][k] for k in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+        "vocab_size", "max_position_embeddings")}
+    shape["num_hidden_layers"] = 12
+    path = Path("config.json")
+    full = AutoConfig.for_model(family, **shape).to_dict()
+    assert model_fields(dict(model_type=family, **shape), path) == model_fields(full, path)
