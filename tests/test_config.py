@@ -479,7 +479,8 @@ def test_real_data_seq_len_follows_the_platform(cfg_factory, tmp_path):
     (["model.sliding_window=4", "model.rope_local_theta=100"], "model.rope_local_theta=100.0 "
      "needs model.global_every"),
     (["model.hf_type=bert"], "model.hf_type=bert is not a model_type dxrun writes; pick one "
-     "of gpt2, llama, mistral, qwen2, qwen3, olmo2, gemma, gemma2, gemma3_text, phi3, or null"),
+     "of gpt2, llama, mistral, qwen2, qwen3, olmo2, gemma, gemma2, gemma3_text, phi3, mixtral, "
+     "qwen2_moe, qwen3_moe, or null"),
     (["model.norm_plus_one=true"], "model.norm_plus_one=true scales RMSNorms, and "
      "model.norm=layernorm; set model.norm=rmsnorm or model.norm_plus_one=false"),
 ])
