@@ -29,8 +29,19 @@ from dxrun.config.schema import (
     ranges_markdown)
 from dxrun.config.schema_parallel import (
     AXES, FILLS, INSIDE, SPANS, Axis, DistributedConfig, ParallelismConfig, axis_sizes)
-from dxrun.config.hf_model import (
-    ARCHITECTURES, HF_PREFIX, HF_TYPES, LLAMA_LIKE, apply_hf_model, check_rope_scaling,
-    config_json, hf_dir, model_type_of, read_config)
 from dxrun.config.target import (
     PASSES, call_refusal, check_targets, checked_factory, locate)
+
+import importlib
+from typing import Any
+
+# A Hugging Face config.json's names, imported from ``hf_model`` when first asked for: the
+# model package, which imports this face, loads none of the families' tables.
+_HF = ("ARCHITECTURES", "HF_PREFIX", "HF_TYPES", "LLAMA_LIKE", "apply_hf_model",
+       "check_rope_scaling", "config_json", "hf_dir", "model_type_of", "read_config")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HF:
+        raise AttributeError(f"module 'dxrun.config' has no attribute {name!r}")
+    return getattr(importlib.import_module("dxrun.config.hf_model"), name)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from dxrun import hf  # its face: the table, the reader loaded when a run reads a checkpoint
 from dxrun.config import hf_dir, read_config
 
 if TYPE_CHECKING:
@@ -26,18 +27,14 @@ if TYPE_CHECKING:
 
 
 def _table(m: ModelConfig, d: Path) -> list[Weight]:
-    from dxrun.hf import weights  # loaded by a run from a checkpoint only
-
-    return weights(read_config(d)["model_type"], m)
+    return hf.weights(read_config(d)["model_type"], m)
 
 
 def check_hf_weights(m: ModelConfig) -> None:
     """Refuse (ConfigError, one line) a directory whose tensors do not make this model:
     headers only, before anything is written."""
-    from dxrun.hf import HFWeights
-
     d = hf_dir(m.init_from)
-    with HFWeights(d) as files:
+    with hf.HFWeights(d) as files:
         files.check(_table(m, d), m)
 
 
@@ -50,17 +47,15 @@ def import_params(m: ModelConfig, spec: dict, axes: dict) -> dict:
     """The parameters of ``m.init_from``'s directory, laid out as ``spec`` (the run's abstract
     params: their shapes and shardings; ``axes``: their logical axes), as a params tree
     ``Experiment.init_state`` takes."""
-    from dxrun.hf import HFWeights, dims, dxrun_block, shape_of
-
     d = hf_dir(m.init_from)
     table = _table(m, d)
     specs, axes = _leaves(spec), _leaves(axes)
     if set(specs) != {w.dxrun for w in table}:
         raise AssertionError(f"dxrun.hf misses {set(specs) ^ {w.dxrun for w in table}}")
-    dim = dims(m)
+    dim = hf.dims(m)
     real_v = dim["V"]
     built: dict[str, jax.Array] = {}
-    with HFWeights(d) as files:
+    with hf.HFWeights(d) as files:
         files.check(table, m)
         for w in table:
             s, names = specs[w.dxrun], list(axes[w.dxrun])
@@ -83,13 +78,13 @@ def import_params(m: ModelConfig, spec: dict, axes: dict) -> dict:
                 lens = tuple(len(r) for r in spans)
                 out = np.zeros((*lens, *(b - a for a, b in wanted)), dtype)
                 fill = tuple(slice(0, b - a) for a, b in within)
-                hf_shape = shape_of(w.hf_shape, dim)
+                hf_shape = hf.shape_of(w.hf_shape, dim)
                 if any(a == b for a, b in within):  # all padding (or empty): zeros
                     return out
                 for at in itertools.product(*spans):  # one layer's (expert's) block at a time
                     name = files.name_for(w, *stack[at])
                     here = tuple(a - r.start for a, r in zip(at, spans, strict=True))
-                    out[(*here, *fill)] = dxrun_block(
+                    out[(*here, *fill)] = hf.dxrun_block(
                         w, real, within, hf_shape, lambda sl, name=name: files.read(name, sl),
                         dim)
                 return out

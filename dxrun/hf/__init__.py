@@ -5,31 +5,27 @@ lazily by it, and a run's parameters written as a HF directory. The ``config.jso
 config family's (``dxrun.config.hf_model``); the weights placed into a run's shards are the
 experiment's (``dxrun.experiment.import_params``). No JAX: numpy in, numpy out, so the export
 command imports it before JAX starts. The table and its conversions are ``layout``, the reader
-``reader``, the writer ``writer``; this face re-exports what the rest of dxrun uses.
+``reader``, the writer ``writer``; this face hands out their names, each imported from its
+module when first asked for: a run that reads no checkpoint loads this face alone.
 """
 
 from __future__ import annotations
 
-from dxrun.hf.layout import (
-    BUFFERS,
-    NORM_NAMES,
-    SAME,
-    TABLES,
-    TRANSPOSED,
-    Weight,
-    dims,
-    dxrun_block,
-    hf_name,
-    output_axis,
-    shape_of,
-    to_dxrun,
-    to_hf,
-    weights,
-)
-from dxrun.hf.reader import FLAX, INDEX, OTHER_LAYOUTS, SINGLE, HFWeights, first, weight_files
-from dxrun.hf.writer import MAX_SHARD_BYTES, hf_tensors, plan_files, save_hf
+import importlib
+from typing import Any
 
-__all__ = ["BUFFERS", "FLAX", "INDEX", "MAX_SHARD_BYTES", "NORM_NAMES", "OTHER_LAYOUTS", "SAME",
-           "SINGLE", "TABLES", "TRANSPOSED", "HFWeights", "Weight", "dims", "dxrun_block",
-           "first", "hf_name", "hf_tensors", "output_axis", "plan_files", "save_hf",
-           "shape_of", "to_dxrun", "to_hf", "weight_files", "weights"]
+_WHERE = {
+    "layout": ("BUFFERS", "NORM_NAMES", "SAME", "TABLES", "TRANSPOSED", "Weight", "dims",
+               "dxrun_block", "hf_name", "output_axis", "shape_of", "to_dxrun", "to_hf",
+               "weights"),
+    "reader": ("FLAX", "INDEX", "OTHER_LAYOUTS", "SINGLE", "HFWeights", "first", "weight_files"),
+    "writer": ("MAX_SHARD_BYTES", "hf_tensors", "plan_files", "save_hf"),
+}
+_MODULE = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = sorted(_MODULE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE:
+        raise AttributeError(f"module 'dxrun.hf' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dxrun.hf.{_MODULE[name]}"), name)
