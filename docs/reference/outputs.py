@@ -127,7 +127,7 @@ def summary_keys() -> list[str]:
 def status_keys() -> list[str]:
     """Every field ``JobStatus`` (dxrun/launch/job_status.py) writes into status.json, plus
     write_status's own."""
-    tree = ast.parse((PACKAGE / "launch" / "job.py").read_text())
+    tree = ast.parse((PACKAGE / "launch" / "job_status.py").read_text())
     keys = ["status"]
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     for node in [c for c in calls if getattr(c.func, "id", None) == "write_status"] + [

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from dxrun.model.context_parallel import in_context_order
 from dxrun.model.objectives import (
+    PENALTY,
     MaskedDiffusion,
     chunked_cross_entropy,
     move_router_bias,
@@ -241,8 +242,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                                              spec.grad_reduce_dtype, plan.loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
-        # train/loss stays the objective's; the MoE penalties join the differentiated loss
-        return with_router_losses(loss, {**metrics, "train/loss": loss}, found)
+        # The MoE penalties join the differentiated loss; train/loss (the objective's) is set
+        # after the micro-batches from their sum less the penalty, so a dense model's loss is
+        # reduced once, not twice (tests/test_gradient_reduction.py)
+        metrics = {k: v for k, v in metrics.items() if k != "train/loss"}
+        return with_router_losses(loss, metrics, found)
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if spec.dropout_seed is None
@@ -252,6 +256,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
             plan.grad_accum, batch_sharding,
             state_shardings.params if vmappable(state_shardings.params) else None)
+        metrics = {**metrics, "train/loss": loss - metrics.pop(PENALTY, 0.0)}
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
             grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)

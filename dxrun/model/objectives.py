@@ -454,6 +454,7 @@ def objective_of(model: Any, seed: int, draws: int = 1) -> MaskedDiffusion | Non
 # The metrics' entry that carries each MoE layer's balancing-bias step to the train step, which
 # takes it out of the metrics and adds it to the biases after the update (``move_router_bias``).
 BIAS_STEP = "moe:bias_step"  # not a metric: taken out before the row
+PENALTY = "moe:penalty"  # not a metric: the penalties in the loss, taken out of train/loss
 
 
 # The statistics of the MoE layers traced so far, innermost ``router_statistics`` first.
@@ -497,9 +498,11 @@ def with_router_losses(loss: jax.Array, metrics: dict[str, jax.Array], found: li
     out = dict(metrics)
     if BIAS_STEP in stats:  # (layers x N): the step moves the biases by it
         out[BIAS_STEP] = stats[BIAS_STEP].reshape(load_LxN.shape)
+    penalty = stats["penalty"].mean()
     out.update({"moe/aux_loss": aux, "moe/z_loss": z, "moe/dropped": stats["dropped"].mean(),
-                "moe/load_max": over_mean_LxN.max(), "moe/load_min": over_mean_LxN.min()})
-    return loss + stats["penalty"].mean(), out
+                "moe/load_max": over_mean_LxN.max(), "moe/load_min": over_mean_LxN.min(),
+                PENALTY: penalty})
+    return loss + penalty, out
 
 
 def move_router_bias(params: dict, metrics: dict) -> tuple[dict, dict]:
