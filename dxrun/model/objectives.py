@@ -13,7 +13,6 @@ import optax
 
 from dxrun.model.sharding import constrain
 
-
 # The forward process replaces each token of a window x by [MASK] with probability 1 - alpha(t).
 # [MASK] is id ``model.vocab_size``, the vocabulary table's first padding row (the mesh plan pads
 # the table to hold it): its embedding trains, its logit stays masked, so it is never predicted.
