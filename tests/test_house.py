@@ -46,14 +46,14 @@ MOST_IMPORTED = 11
 # Issue 80: ceilings that neither concatenating modules nor splitting them can game.
 # The largest module's lines; goal <= 500. The modules still over 500 lines, each to be split
 # along its seams (a new module over 500 fails; one that drops under it leaves the set).
-LARGEST_MODULE = 709
-MODULES_OVER_500 = {"dxrun/model/transformer.py"}
+LARGEST_MODULE = 517
+MODULES_OVER_500 = {"dxrun/hf/__init__.py"}
 # Lines of the dxrun modules outside model/ and config/ that the default run has loaded by its
 # end (``sys.modules``, a one-step run: what its first step needed and little more); goal <= 8,000
-ENTRY_LINES = 14784
+ENTRY_LINES = 15025
 # Lines of the dxrun modules the model package loads outside itself through its imports (a
 # module loads its package's face first); goal <= 3,000
-MODEL_CLOSURE = 2649
+MODEL_CLOSURE = 2900
 # Imports in dxrun of a module inside another package, past its face (``__init__``); goal 0
 PAST_A_FACE = 35
 PACKAGE_CIRCLES = 0  # sets of dxrun packages that reach each other through imports
