@@ -105,12 +105,14 @@ def traced(run: Any, out: Path) -> None:
 
 
 def old_loss(rev: str) -> Any:
-    """``dxrun.model.objectives.chunked_cross_entropy`` as it was at commit ``rev``."""
+    """``dxrun.model.losses.chunked_cross_entropy`` as it was at commit ``rev``."""
     import subprocess
     import types
 
-    source = subprocess.run(["git", "show", f"{rev}:dxrun/model/objectives.py"], check=True,
-                            capture_output=True, text=True).stdout
+    # in dxrun/model/objectives.py before the model package's split, in losses.py since
+    shown = [subprocess.run(["git", "show", f"{rev}:dxrun/model/{name}.py"], capture_output=True,
+                            text=True) for name in ("losses", "objectives")]
+    source = next(p for p in shown if p.returncode == 0).stdout
     module = types.ModuleType(f"chunked_loss_at_{rev}")
     exec(compile(source, module.__name__, "exec"), module.__dict__)  # noqa: S102
     return module.chunked_cross_entropy
@@ -387,7 +389,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="trace two steps of each (dxrun's "
                     "and the hand-written one's) into --out/profiles/<shape>-<step>/")
     ap.add_argument("--loss-at", metavar="REV", help="each shape twice, side by side: first "
-                    "with dxrun/model/objectives.py as it was at commit REV, then as it is")
+                    "with dxrun/model/losses.py as it was at commit REV, then as it is")
     ap.add_argument("--report", metavar="COMMAND", help="write BENCHMARKS.tpu.json and "
                     "BENCHMARKS.md's TPU section from --out's measurements, with plan mode's "
                     "estimates (made on this machine's CPU); COMMAND: the command to cite")

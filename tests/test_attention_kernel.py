@@ -17,8 +17,9 @@ from dxrun.config.errors import ConfigError
 from dxrun.config.schema import ModelConfig
 from dxrun.experiment import Experiment
 from dxrun.model import splash_attention
+from dxrun.model.attention import reference_attention
 from dxrun.model.sharding import in_mesh_context
-from dxrun.model.transformer import Transformer, reference_attention
+from dxrun.model.transformer import Transformer
 from dxrun.plan import (
     AUTO,
     KERNELS,

@@ -75,7 +75,8 @@ def test_parallelism_auto_trains_on_the_validated_config_its_plan_holding_the_la
     # micro-batches), the batch held at the starting layout's (dp2 x 2), the sequence length.
     assert (exp.plan.dp, exp.plan.fsdp, exp.plan.tp, exp.plan.remat, exp.plan.grad_accum) == (
         chosen.dp, chosen.fsdp, chosen.tp, chosen.remat, chosen.grad_accum)
-    assert list(plan.to_json()["mesh_shape"]) == [chosen.dp, chosen.fsdp, chosen.cp, chosen.tp]
+    assert list(plan.to_json()["mesh_shape"]) == [chosen.dp, chosen.fsdp, chosen.ep, chosen.cp,
+                                                  chosen.tp]
     assert (plan.global_batch, plan.seq_len) == (4, 64)
     assert (cfg.data.per_device_batch_size, cfg.data.batch_size, cfg.data.seq_len) == (
         2, None, None)
@@ -106,8 +107,9 @@ def test_plan_mode_resolves_seq_len_and_the_layout_in_its_plan(cfg_factory, monk
     chosen = chosen_layout(plan.search)
     assert plan.search["search"] == "model"  # plan mode never measures
     assert sum(r["fits"] for r in plan.search["rows"]) == 2
-    assert (plan.mesh.dp, plan.mesh.fsdp, plan.mesh.cp, plan.mesh.tp) == (
-        chosen.dp, chosen.fsdp, chosen.cp, chosen.tp) == tuple(plan.to_json()["mesh_shape"])
+    assert (plan.mesh.dp, plan.mesh.fsdp, plan.mesh.ep, plan.mesh.cp, plan.mesh.tp) == (
+        chosen.dp, chosen.fsdp, chosen.ep, chosen.cp, chosen.tp) == tuple(
+        plan.to_json()["mesh_shape"])
     assert saved_config(cfg, plan)["data"]["seq_len"] == 128
 
 

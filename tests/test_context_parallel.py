@@ -11,6 +11,7 @@ import pytest
 
 from dxrun.autotune import accelerator_memory, collective_list
 from dxrun.autotune.footprint import _shard_bytes
+from dxrun.config import AXES
 from dxrun.config.errors import ConfigError
 from dxrun.cost import TARGETS, candidates, meshes, usable_share
 from dxrun.estimates import MemoryEstimate, estimate_memory, shapes
@@ -56,7 +57,8 @@ def test_the_step_gathers_keys_and_values_once_a_layer_and_holds_1_over_cp(cfg_f
     plain_exp, plain = _compiled(cfg_factory, "parallelism.cp=1", "parallelism.n_devices=4")
     colls = collective_list(compiled.as_text(), 8)
     ids = np.arange(8).reshape(exp.plan.shape)
-    context = sorted(np.moveaxis(ids, 2, -1).reshape(-1, 2).tolist())
+    cp_axis = [a.key for a in AXES].index("cp")  # the context axis's place in the mesh
+    context = sorted(np.moveaxis(ids, cp_axis, -1).reshape(-1, 2).tolist())
     layers, per_replica = exp.cfg.model.n_layers, 24 // 2
     kv = 2 * per_replica * 40 * (8 // 2) * (64 // 8) * 4  # K and V of a replica's rows, fp32
     assert kv_gather_bytes(batch_per_replica=per_replica, seq_len=40, n_kv_heads=8,

@@ -26,6 +26,7 @@ TOOLS = [
 ]
 
 
+@pytest.mark.e2e  # a subprocess per tool
 @pytest.mark.parametrize("module,phrase", TOOLS, ids=[m for m, _ in TOOLS])
 def test_every_tool_answers_help(module, phrase, tmp_path):
     # From an empty dir: --help must not be taken for a path, and writes nothing.

@@ -280,7 +280,7 @@ def test_plan_mode_plans_a_fine_tune_of_llama_3_1_8b_on_8_h100():
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies_and_slows_low_ones():
-    from dxrun.model.transformer import llama3_frequencies
+    from dxrun.model.attention import llama3_frequencies
 
     E = 128
     freq = 500000.0 ** (-np.arange(0, E, 2, dtype=np.float32) / E)

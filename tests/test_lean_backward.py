@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from dxrun.estimates import Shapes, layer_none
-from dxrun.model import transformer
-from dxrun.model.transformer import join_qkv
+from dxrun.model import layers
+from dxrun.model.attention import join_qkv
 
 
 def plain_norm(x, scale, bias, centre):
@@ -22,7 +22,7 @@ def plain_norm(x, scale, bias, centre):
     y = x.astype(jnp.float32)
     if centre:
         y = y - y.mean(-1, keepdims=True)
-    y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + transformer.EPS) * scale
+    y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + layers.EPS) * scale
     return (y if bias is None else y + bias).astype(x.dtype)
 
 
@@ -39,7 +39,7 @@ def _inputs(dtype):
 def test_the_norms_vjp_is_jaxs_autodiff(centre, with_bias):
     x, scale, bias, g = _inputs(jnp.float32)
     bias = bias if with_bias else None
-    ours, ours_vjp = jax.vjp(lambda *a: transformer.norm(*a, centre), x, scale, bias)
+    ours, ours_vjp = jax.vjp(lambda *a: layers.norm(*a, centre), x, scale, bias)
     ref, ref_vjp = jax.vjp(lambda *a: plain_norm(*a, centre), x, scale, bias)
     assert np.array_equal(ours, ref)  # the forward is the plain one, bit for bit
     for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
@@ -49,8 +49,8 @@ def test_the_norms_vjp_is_jaxs_autodiff(centre, with_bias):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # bf16 input: the same forward bits, gradients within bf16's rounding of the fp32 ones
     xb, gb = x.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
-    assert np.array_equal(transformer.norm(xb, scale, bias, centre), plain_norm(xb, scale, bias, centre))
-    dx = jax.vjp(lambda x: transformer.norm(x, scale, bias, centre), xb)[1](gb)[0]
+    assert np.array_equal(layers.norm(xb, scale, bias, centre), plain_norm(xb, scale, bias, centre))
+    dx = jax.vjp(lambda x: layers.norm(x, scale, bias, centre), xb)[1](gb)[0]
     dx32 = jax.vjp(lambda x: plain_norm(x, scale, bias, centre), xb.astype(jnp.float32)
                    )[1](gb.astype(jnp.float32))[0]
     np.testing.assert_allclose(dx.astype(jnp.float32), dx32, rtol=2e-2, atol=2e-2)
@@ -59,20 +59,20 @@ def test_the_norms_vjp_is_jaxs_autodiff(centre, with_bias):
 def test_gelus_vjp_is_jaxs_autodiff():
     x = 4 * jax.random.normal(jax.random.key(1), (4, 64))
     g = jax.random.normal(jax.random.key(2), (4, 64))
-    ours, ours_vjp = jax.vjp(transformer.gelu, x)
+    ours, ours_vjp = jax.vjp(layers.gelu, x)
     ref, ref_vjp = jax.vjp(lambda x: jax.nn.gelu(x, approximate=True), x)
     assert np.array_equal(ours, ref)
     # fp32 rounding of a derivative of order 1 (where it cancels to ~0 at large |x|)
     np.testing.assert_allclose(ours_vjp(g)[0], ref_vjp(g)[0], rtol=1e-5, atol=4e-6)
     xb = x.astype(jnp.bfloat16)
-    assert np.array_equal(transformer.gelu(xb), jax.nn.gelu(xb, approximate=True))
+    assert np.array_equal(layers.gelu(xb), jax.nn.gelu(xb, approximate=True))
 
 
 # The gated units and what JAX differentiates for them: SwiGLU, GeGLU's tanh and exact forms.
-GATED = {"swiglu": (transformer.swiglu, jax.nn.silu),
-         "geglu_tanh": (lambda a, u: transformer.geglu(a, u, False),
+GATED = {"swiglu": (layers.swiglu, jax.nn.silu),
+         "geglu_tanh": (lambda a, u: layers.geglu(a, u, False),
                         lambda a: jax.nn.gelu(a, approximate=True)),
-         "geglu_exact": (lambda a, u: transformer.geglu(a, u, True),
+         "geglu_exact": (lambda a, u: layers.geglu(a, u, True),
                          lambda a: jax.nn.gelu(a, approximate=False))}
 
 
@@ -99,10 +99,10 @@ def test_the_joined_weights_vjp_is_the_joined_copys(dtype):
     spec = "bld,dkce->blkce"
 
     def ours(x, *w):
-        return transformer.dense(x, w, spec, jnp.float32, join=join_qkv).sum()
+        return layers.dense(x, w, spec, jnp.float32, join=join_qkv).sum()
 
     def joined(x, *w):
-        return transformer.dense(x, join_qkv(*w), spec, jnp.float32).sum()
+        return layers.dense(x, join_qkv(*w), spec, jnp.float32).sum()
 
     assert ours(x, wq, wk, wv) == joined(x, wq, wk, wv)
     for a, b in zip(jax.grad(ours, range(4))(x, wq, wk, wv),
@@ -165,7 +165,7 @@ def test_the_compiled_step_keeps_less_than_jaxs_own_derivatives():
         def layer(x, w):
             up, down, scale = w
             h = norm(x, scale, None, True)
-            h = transformer.dense(gelu(transformer.dense(h, up, "bld,df->blf")), down, "blf,fd->bld")
+            h = layers.dense(gelu(layers.dense(h, up, "bld,df->blf")), down, "blf,fd->bld")
             return x + h, None
 
         def loss(ws, x):
@@ -179,7 +179,7 @@ def test_the_compiled_step_keeps_less_than_jaxs_own_derivatives():
     def temp(norm, gelu) -> int:
         return step(norm, gelu).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
 
-    ours = temp(transformer.norm, transformer.gelu)
+    ours = temp(layers.norm, layers.gelu)
     jaxs = temp(plain_norm, lambda h: jax.nn.gelu(h, approximate=True))
     tokens = 8 * 256
     # JAX's keep the norm's two fp32 copies and GELU's five intermediates per layer

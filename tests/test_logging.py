@@ -91,6 +91,7 @@ def test_wandb_prints_nothing_after_the_run(cfg_factory, tmp_path, monkeypatch, 
     assert history == _rows(tmp_path) and [r["step"] for r in history] == [1, 2]
 
 
+@pytest.mark.e2e  # a training that must run to its end
 def test_failed_wandb_init_still_trains(cfg_factory, tmp_path, caplog):
     (tmp_path / "wandb").write_text("a file where W&B wants its folder")
     with caplog.at_level(logging.WARNING, logger="dxrun"):

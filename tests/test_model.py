@@ -212,7 +212,7 @@ def test_the_attention_pieces_train_alike_on_every_mesh(cfg_factory, piece):
 def test_qk_norm_is_rmsnorm_over_a_head_or_all_heads():
     """QKNorm against the formula written in numpy: per head (Qwen3) and over all heads
     together (OLMo 2), the scale applied after."""
-    from dxrun.model.transformer import QKNorm
+    from dxrun.model.attention import QKNorm
 
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 8)).astype(np.float32)
     for kind, over, shape in (("head", (-1,), (8,)), ("proj", (-2, -1), (4, 8))):

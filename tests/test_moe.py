@@ -18,7 +18,7 @@ from flax import nnx
 from dxrun.checks import validate
 from dxrun.config import ConfigError, moe_layers
 from dxrun.experiment import Experiment
-from dxrun.model import moe, objectives
+from dxrun.model import moe, router_losses
 from dxrun.model.user_model import build_model
 from dxrun.plan import make_plan
 from dxrun.train import train
@@ -124,11 +124,11 @@ def test_layers_in_groups_scan_as_they_loop():
     for scan in (True, False):
         cfg, model = _model(f"model.scan_layers={str(scan).lower()}")
         assert moe_layers(5, cfg.model.moe) == (False, False, True, False, True)
-        with objectives.router_statistics() as found:
+        with router_losses.router_statistics() as found:
             logits = model(tokens)
         out[scan] = (logits, found)
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
-    loss, metrics = objectives.with_router_losses(jnp.float32(2.0), {}, out[True][1])
+    loss, metrics = router_losses.with_router_losses(jnp.float32(2.0), {}, out[True][1])
     aux, z = float(metrics["moe/aux_loss"]), float(metrics["moe/z_loss"])
     assert float(loss) == pytest.approx(2.0 + 0.01 * aux + 0.001 * z, rel=1e-6)
     assert metrics["moe/load_max"] >= 1.0 >= metrics["moe/load_min"] >= 0.0
@@ -298,7 +298,7 @@ def test_the_sigmoid_routers_bias_moves_towards_the_mean_load():
     exp = Experiment.build(cfg)
     state, rows = stepped(exp, exp.seeded.params(), 3)
     m = rows[-1]
-    assert objectives.BIAS_STEP not in m and "moe/load_max" in m
+    assert router_losses.BIAS_STEP not in m and "moe/load_max" in m
     bias = np.asarray(jax.device_get(state.params["moe_blocks"]["mlp"]["bias"]))
     assert bias.shape == (2, 8) and np.any(bias != 0)
     steps = np.round(bias / 0.01)

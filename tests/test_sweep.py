@@ -374,7 +374,8 @@ def test_every_experiment_composes_and_plans(name):
     expected = {"markov_convergence": ("tiny", "markov"), "tp_scaling": ("tiny", "markov"),
                 "gpt2_small_text": ("small", "text"), "llama_fsdp": ("tiny_llama", "markov"),
                 "finetune_hf": ("hf-llama-3.1-8b", "text"),
-                "long_context_llama": ("llama2_7b_32k", "markov")}
+                "long_context_llama": ("llama2_7b_32k", "markov"),
+                "moe_expert_parallel": ("moe_tiny", "markov")}
     assert (run.model.name, run.data.name) == expected[name]
     if name == "tp_scaling":
         assert [j[0] for j in _sweep_jobs(params)] == [f"parallelism={p}" for p in

@@ -30,6 +30,7 @@ def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e  # two trainings compared loss for loss
 def test_an_optimizer_target_is_the_preset_it_names(tmp_path):
     """optimizer._target_ with optax.adamw and the preset's numbers trains exactly as
     optimizer=adamw does (no weight decay: the preset's mask is then moot)."""

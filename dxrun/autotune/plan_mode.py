@@ -30,8 +30,7 @@ from dxrun.estimates import (
     unsplit_warning,
 )
 from dxrun.fit import Decided, decide, resolve_target, state_bytes
-from dxrun.model.sharding import replicated_bytes_over
-from dxrun.model.user_model import plan_line
+from dxrun.model import plan_line, replicated_bytes_over
 from dxrun.plan import (
     RunPlan,
     resolved_config,

@@ -81,6 +81,9 @@ def logged_metrics(cfg: RunConfig) -> list[str]:
 def _logged_with(cfg: RunConfig, name: str) -> tuple[str, str, Any] | None:
     """(key, value, the run's value) of the setting ``name`` is logged only with, where the
     run has another; None when the run logs it as far as that goes."""
+    if name.startswith("moe/"):  # a mixture of experts' rows: any expert count
+        has = OmegaConf.select(cfg, "model.moe.n_experts")
+        return None if has else ("model.moe.n_experts", "N", has)
     if name not in ONLY_WITH or (name == "data/entropy_floor" and cfg.data._target_):
         return None
     key, value = ONLY_WITH[name]

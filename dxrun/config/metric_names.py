@@ -140,9 +140,9 @@ METRICS: dict[str, Metric] = {
 # ``train.early_stop.monitor`` can watch: ``dxrun.checks.validation.logged_metrics``). Every name is
 # in them, under these conditions: eval/* when the run evaluates (train.eval_every > 0); the
 # names of ONLY_WITH under that one setting (data/entropy_floor also from a data._target_ of
-# yours, which may give one); never the names of NOT_IN_ROWS, which are elsewhere. Names whose
-# rows the device decides (perf/mfu: a known peak; mem/peak_bytes_per_device: an accelerator)
-# count as logged: the config cannot tell.
+# yours, which may give one); moe/* with an expert count (model.moe.n_experts); never the
+# names of NOT_IN_ROWS, which are elsewhere. Names whose rows the device decides (perf/mfu: a
+# known peak; mem/peak_bytes_per_device: an accelerator) count as logged: the config cannot tell.
 ONLY_WITH: dict[str, tuple[str, str]] = {
     "train/mask_rate": ("model.objective", "mdlm"),
     "train/skipped_steps": ("train.nan_policy", "skip"),

@@ -165,7 +165,7 @@ class ModelConfig:
     loss_chunk: int | None = key(
         None, "Cross-entropy and accuracy over chunks of this many positions of each sequence "
         "(the logits of one chunk alive at a time); 0 = off; null = auto: on when one "
-        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.model.objectives).",
+        "micro-batch's fp32 logits would exceed 512 MiB per device (dxrun.model.losses).",
         range=NON_NEGATIVE)
     _target_: str | None = key(None, "Your own Flax NNX module (dxrun/model/user_model.py's protocol: "
                                "logical axes, __call__(tokens) -> logits); null = dxrun's")

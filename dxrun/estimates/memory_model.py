@@ -111,7 +111,7 @@ def shapes(model: ModelConfig, plan: MeshPlan, kernel: str, vocab: int = 0) -> S
 
 
 def norm_bytes(x: Shapes) -> float:
-    """What one norm keeps (``dxrun.model.transformer.norm``'s custom VJP): its input (the residual
+    """What one norm keeps (``dxrun.model.layers.norm``'s custom VJP): its input (the residual
     stream), its output in the compute dtype and its fp32 statistics per token (LayerNorm's
     mean and reciprocal deviation, RMSNorm's reciprocal deviation). With sequence parallelism
     the input and statistics are of the device's part of the sequence, the output (what the
@@ -212,7 +212,7 @@ def working_set(x: Shapes) -> float:
 def head_bytes(x: Shapes) -> float:
     """The final norm's residuals and the fp32 logits with their gradient: of the whole
     micro-batch, or with ``model.loss_chunk`` of one chunk (``b`` x ``loss_chunk`` tokens;
-    its backward recomputes them, ``dxrun.model.objectives``)."""
+    its backward recomputes them, ``dxrun.model.losses``)."""
     logit_tokens = x.b * x.loss_chunk if x.loss_chunk else x.tokens
     return norm_bytes(x) + 2 * FP32 * logit_tokens * x.vocab
 

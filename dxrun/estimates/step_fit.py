@@ -1,6 +1,6 @@
 """Fit and speed of one step on one target, from figures already counted (pure): the
 per-device footprint against the target's usable memory, the step time (the accelerator time
-model's, or a roofline of XLA's counts), and the settings to try when it does not fit.
+model's, or a roofline of XLA's counts), and the warning a step's shape deserves.
 """
 
 from __future__ import annotations

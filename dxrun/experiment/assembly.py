@@ -20,9 +20,11 @@ from dxrun.data import EVAL, TRAIN, Data
 from dxrun.experiment.hf_weights import import_params
 from dxrun.experiment.optimizer import make_optimizer
 from dxrun.experiment.step import TrainState, make_eval_step, make_train_step, step_spec
-from dxrun.model.sharding import (
+from dxrun.model import (
     batch_sharding,
+    build_model,
     check_process_rows,
+    count_params,
     in_mesh_context,
     mesh_from_plan,
     optimizer_param_shardings,
@@ -31,11 +33,10 @@ from dxrun.model.sharding import (
     param_shardings,
     refit,
     replicated,
+    resize_vocab,
     spread_shardings,
     zero_pads,
 )
-from dxrun.model.transformer import count_params, resize_vocab
-from dxrun.model.user_model import build_model
 from dxrun.plan import (
     AttentionTarget,
     MeshPlan,

@@ -21,24 +21,23 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dxrun.model.context_parallel import in_context_order
-from dxrun.model.objectives import (
+from dxrun.model import (
+    PENALTY,
     MaskedDiffusion,
     chunked_cross_entropy,
+    in_context_order,
+    in_mesh_context,
+    logits_of,
     move_router_bias,
     objective_of,
-    router_statistics,
-    vmappable,
-    with_router_losses,
-)
-from dxrun.model.sharding import (
-    in_mesh_context,
     pad,
     replicated,
+    router_statistics,
     unpad,
+    vmappable,
+    with_router_losses,
     without_mesh_axis,
 )
-from dxrun.model.user_model import logits_of
 from dxrun.plan import MeshPlan
 from dxrun.run import check_chip, faults_from_env
 
@@ -89,12 +88,12 @@ def loss_and_metrics(graphdef: nnx.GraphDef, params: dict, tokens_BxT: jax.Array
                      objective: MaskedDiffusion | None = None
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``grad_reduce_dtype`` (``train.grad_reduce_dtype``): "fp32" hands the model the fp32
-    master weights and it casts each at its use (``dxrun.model.transformer.dense``), so weight gradients
+    master weights and it casts each at its use (``dxrun.model.layers.dense``), so weight gradients
     are accumulated, all-reduced over data replicas and returned in fp32; "bf16" casts the
     whole tree to ``dtype`` first: the gradients' batch sums, and their all-reduce, are in
     ``dtype`` (half the traffic under bf16). Under fp32 compute the two are the same.
     ``loss_chunk`` > 0: the loss and accuracy over that many positions at a time, never the
-    whole logits tensor (``dxrun.model.objectives``). ``objective``: masked diffusion
+    whole logits tensor (``dxrun.model.losses``). ``objective``: masked diffusion
     (``dxrun.model.objectives``), whose ``tokens_BxT`` is its noised batch; None: the next token."""
     if grad_reduce_dtype == "fp32":
         model = nnx.merge(graphdef, params)
@@ -241,8 +240,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                                              spec.grad_reduce_dtype, plan.loss_chunk, objective)
         if inject_nan_at_step:  # test-only (dxrun/run/faults.py): poisons loss and grads
             loss = loss * jnp.where(step + 1 == inject_nan_at_step, jnp.nan, 1.0)
-        # train/loss stays the objective's; the MoE penalties join the differentiated loss
-        return with_router_losses(loss, {**metrics, "train/loss": loss}, found)
+        # The MoE penalties join the differentiated loss; train/loss (the objective's) is set
+        # after the micro-batches from their sum less the penalty, so a dense model's loss is
+        # reduced once, not twice (tests/test_gradient_reduction.py)
+        metrics = {k: v for k, v in metrics.items() if k != "train/loss"}
+        return with_router_losses(loss, metrics, found)
 
     def step(state: TrainState, tokens_BxT: jax.Array) -> tuple[TrainState, dict]:
         key = (None if spec.dropout_seed is None
@@ -252,6 +254,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
             lambda p, t, k: loss_fn(p, t, k, state.step), state.params, batch, key,
             plan.grad_accum, batch_sharding,
             state_shardings.params if vmappable(state_shardings.params) else None)
+        metrics = {**metrics, "train/loss": loss - metrics.pop(PENALTY, 0.0)}
         old_params = state.params
         if update_shardings is not None:  # ZeRO-1: the update on this replica's shards
             grads = jax.lax.with_sharding_constraint(pad(grads, update_pads), update_shardings)

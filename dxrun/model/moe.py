@@ -9,7 +9,7 @@ Routing runs on the whole batch under the mesh's sharding: its statistics are gl
 on every layout. The experts run dropless, the assignments sorted by expert through grouped
 matmuls, under ``jax.shard_map`` over the ``expert`` axis (``experts``). The layers' statistics
 leave the scanned stack as the scan's outputs and reach the train step's loss through
-``dxrun.model.objectives.router_statistics`` / ``record`` (its ``with_router_losses`` adds
+``dxrun.model.router_losses.router_statistics`` / ``record`` (its ``with_router_losses`` adds
 the penalties and the metrics).
 """
 
@@ -23,20 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.model.objectives import BIAS_STEP, record, router_statistics
+from dxrun.model.attention import KERNEL
+from dxrun.model.layers import MLP, dense, gelu, param, swiglu, zeros
+from dxrun.model.router_losses import BIAS_STEP, record, router_statistics
 from dxrun.model.sharding import active_axes, active_spec
-from dxrun.model.transformer import (
-    KERNEL,
-    MLP,
-    REMAT_POLICIES,
-    Transformer,
-    dense,
-    gelu,
-    param,
-    stacked_blocks,
-    swiglu,
-    zeros,
-)
+from dxrun.model.transformer import REMAT_POLICIES, Transformer, stacked_blocks
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig

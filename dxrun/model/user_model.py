@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dxrun.config import ConfigError, checked_factory, expert_d_ff, moe_layers
+from dxrun.model.attention import KERNEL
 from dxrun.model.moe import MoETransformer
-from dxrun.model.transformer import KERNEL, Transformer
+from dxrun.model.transformer import Transformer
 from dxrun.plan import LOGICAL_RULES
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ was set on purpose and is refused (``check_batch_keys``).
 ``data.seq_len: null`` (the real-data presets' default) is the model's context on an
 accelerator and 64 on CPU (``default_seq_len``), where short windows keep the run quick. The
 chunked loss's positions a chunk (``model.loss_chunk``): checked before JAX starts, decided by
-``make_plan`` (``loss_chunk_for``) for the models and the step (``model.objectives``).
+``make_plan`` (``loss_chunk_for``) for the models and the step (``model.losses``).
 """
 
 from __future__ import annotations

@@ -143,11 +143,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            names_residuals=True,
            doc="Pallas' splash attention (TPU): flash attention in blocks, causal blocks "
                "skipped, grouped-query heads native; interpreted on CPU when forced"),
-    Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.model.transformer",
+    Kernel("cudnn", ("gpu", "cuda"), False, _cudnn, "dxrun.model.attention",
            doc="cuDNN's fused flash attention through jax.nn.dot_product_attention (NVIDIA)"),
-    Kernel("xla", ("*",), True, _no_softcap, "dxrun.model.transformer",
+    Kernel("xla", ("*",), True, _no_softcap, "dxrun.model.attention",
            doc="jax.nn.dot_product_attention's XLA kernel: the scores built in full"),
-    Kernel("reference", ("*",), True, _any, "dxrun.model.transformer",
+    Kernel("reference", ("*",), True, _any, "dxrun.model.attention",
            doc="the plain einsum and softmax (what every kernel is tested against)"),
     # A context axis's own: keys and values gathered, one block of keys at a time
     # (dxrun.model.context_parallel.flash); chosen whenever parallelism.cp > 1.

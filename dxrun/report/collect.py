@@ -257,7 +257,9 @@ def _read_job(job_dir: Path) -> JobRecord:
     summary = _typed("summary.json", _read(job_dir, "summary.json", json.loads), dict,
                      SUMMARY_FIELDS) or {}
     plan = _typed("plan.json", _read(job_dir, "plan.json", json.loads), dict, PLAN_FIELDS) or {}
-    if plan and not all(isinstance(plan.get(axis), int) for axis in MESH_KEYS):
+    # an axis a plan.json from before it does not name is of size 1 (the expert axis)
+    if plan and not all(isinstance(plan.get(axis, 1), int) for axis in MESH_KEYS) or (
+            plan and not any(axis in plan for axis in MESH_KEYS)):
         raise Unreadable("plan.json", f"no {', '.join(MESH_KEYS[:-1])} and {MESH_KEYS[-1]} "
                          "(the mesh)")
     hydra_file, config_file = ".hydra/hydra.yaml", ".hydra/config.yaml"

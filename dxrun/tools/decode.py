@@ -21,9 +21,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dxrun.model.objectives import mask_rate, objective_of
-from dxrun.model.sharding import in_mesh_context
-from dxrun.model.transformer import Attention, reference_attention, window_mask
+from dxrun.model import (
+    Attention,
+    in_mesh_context,
+    mask_rate,
+    objective_of,
+    reference_attention,
+    window_mask,
+)
 
 if TYPE_CHECKING:
     from dxrun.config import ModelConfig

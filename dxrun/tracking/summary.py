@@ -15,7 +15,7 @@ from typing import Any
 
 from dxrun.config import UNFINISHED
 from dxrun.run import is_main, read_status, write_json
-from dxrun.tracking import goodput
+from dxrun.tracking.goodput import earlier_attempts, run_total
 from dxrun.tracking.logger import read_metrics
 from dxrun.tracking.monitor import stopped_early
 
@@ -94,8 +94,8 @@ def record_end(run_dir: Path, checkpoint_meta: dict[str, Any]) -> dict[str, Any]
         return None
     # Written anew even where a summary is there: an earlier end's, before the run trained on.
     rows, _ = read_metrics(run_dir / "metrics.jsonl")
-    attempts = goodput.earlier_attempts(run_dir, True)
-    total = goodput.run_total(attempts) if attempts else {"goodput": None, "attempts": 0}
+    attempts = earlier_attempts(run_dir, True)
+    total = run_total(attempts) if attempts else {"goodput": None, "attempts": 0}
     summary = RunSummary(rows).record(
         steps=step if stopped else steps, n_params=run_config.get("n_params"),
         flops_per_token=run_config.get("flops_per_token"), loop_tokens_per_s=None,

@@ -32,7 +32,7 @@ from dxrun.tracking import (
     profile_dir,
     traced_steps,
 )
-from dxrun.train.rows import AllocatorPeak, RunFacts, first_row, log_row, perplexity
+from dxrun.train.rows import AllocatorPeak, RunFacts, log_row, perplexity
 
 if TYPE_CHECKING:
     from dxrun.config import EarlyStopConfig, ProfileConfig
@@ -353,15 +353,17 @@ class EarlyStopHook(Hook):
 class LogHook(Hook):
     """Every ``train.log_every`` steps and at the last: the step's metrics fetched (the loop's
     only wait on the device) into its row (``rows.py``: the window's timing, the
-    first row's one-off numbers: the compiled ``step``'s, ``search_s``; mem/*). A complete row
+    first row's one-off numbers, ``first``; mem/*). A complete row
     holds the saves inside its window (perf/checkpoint_block_s: those since the row before, the
     one at its step included) and waits for its step's save point (``write_rows``)."""
 
-    def __init__(self, logger: MetricsLogger, summary: RunSummary, facts: RunFacts, step: Any,
-                 search_s: float | None, tokens_at: Callable[[int], int], clocks: Clocks,
-                 parts: tuple[AllocatorPeak, RunCheckpoints, TraceHook, GoodputHook]):
-        self.logger, self.summary, self.facts = logger, summary, facts
-        self.step, self.search_s, self.tokens_at, self.clocks = step, search_s, tokens_at, clocks
+    def __init__(self, logger: MetricsLogger, summary: RunSummary, facts: RunFacts,
+                 first: Callable[[], dict[str, Any]], tokens_at: Callable[[int], int],
+                 clocks: Clocks, parts: tuple[AllocatorPeak, RunCheckpoints, TraceHook,
+                                              GoodputHook]):
+        # ``first``: the run's one-off numbers (``rows.first_row``), asked for on its first row
+        self.logger, self.summary, self.facts, self.first = logger, summary, facts, first
+        self.tokens_at, self.clocks = tokens_at, clocks
         self.allocator, self.ckpts, self.trace, self.goodput = parts
         self.pending: list[tuple[int, dict[str, Any]]] = []
 
@@ -371,8 +373,7 @@ class LogHook(Hook):
             fetched = jax.device_get(info.metrics)  # waits for the device
         t_log = clock.clock()
         window = self.clocks.timer.measure(info.done)
-        first = None if self.summary.logged else first_row(
-            self.step.compile_time_s, self.search_s, self.step.memory_bytes())
+        first = None if self.summary.logged else self.first()
         # mem/peak_bytes_per_device: every row on an accelerator (CPU keeps no statistics).
         info.row.update(log_row(fetched, window, facts.cost, first,
                                 self.allocator.peak_since_start(), self.tokens_at(info.done),

@@ -39,7 +39,7 @@ from dxrun.train.hooks import (
     TraceHook,
     quietly,
 )
-from dxrun.train.rows import RunFacts
+from dxrun.train.rows import RunFacts, first_row
 from dxrun.train.start import Start, prepare, show_plan, start_state
 
 if TYPE_CHECKING:
@@ -254,8 +254,13 @@ def open_trainer(cfg: RunConfig, run_dir: Path, job: Job, prepared: Decided, sta
     gp = GoodputHook(record, ckpts, logger)
     summary = SummaryHook(rewound.kept, facts, logger, exp.step.compile_time_s,
                           (clocks.timer, ckpts, gp))
-    logs = LogHook(logger, summary.summary, facts, exp.step, run_plan.search_s, tokens_at,
-                   clocks, (started.allocator, ckpts, trace, gp))
+    step = exp.step
+
+    def first() -> dict[str, Any]:  # the compiled step's, and the layout search's time
+        return first_row(step.compile_time_s, run_plan.search_s, step.memory_bytes())
+
+    logs = LogHook(logger, summary.summary, facts, first, tokens_at, clocks,
+                   (started.allocator, ckpts, trace, gp))
     evaluation.ending = (logs, early)
     trainer = Trainer(exp, state, start, steps, batches, clocks, ckpts, summary, run_dir, main,
                       cfg.train.debug_nans)
