@@ -37,18 +37,54 @@ MESHES = {"dp1": ["parallelism=dp1"], "dp4_tp2": ["parallelism=dp4_tp2"],
           "dp2_fsdp2_tp2": ["parallelism=dp2_fsdp2_tp2"]}
 
 
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def fine_tuned(checkpoint: Path, layout: str, run_dir: Path) -> list[dict]:
+    """Twenty fp32 steps from ``checkpoint`` on ``layout`` into ``run_dir``: its logged rows,
+    whose loss fell."""
+    from dxrun.train import train
+
+    given = [f"model.init_from=hf:{checkpoint}", layout, "logger=none",
+             "data.batch_size=8", "data.seq_len=16", "train.steps=20", "train.log_every=10",
+             "train.eval_every=0", "checkpoint.every=20", "optimizer.lr=3e-3",
+             "optimizer.warmup_steps=2", "train.precision=fp32"]
+    cfg = make_cfg(*given)
+    apply_hf_model(cfg, given)
+    train(cfg, run_dir)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 2 and losses[-1] < losses[0]
+    return rows
+
+
+def round_tripped(checkpoint: Path, family: str, out: Path, *layout: str) -> Path:
+    """``checkpoint`` imported on ``layout`` and exported to ``out`` untrained: every tensor
+    back bit for bit, the same model fields and the family's own architecture."""
+    exp = Experiment.build(hf_cfg(checkpoint, *layout), with_data=False)
+    out = save_hf(exp.hf_params(), exp.axes, exp.cfg.model, out)
+    want, have = tensors_of(checkpoint), tensors_of(out)
+    assert have.keys() == want.keys()
+    for name, x in want.items():
+        assert have[name].dtype == x.dtype and np.array_equal(have[name], x), name
+    assert model_fields(read_config(out), out) == model_fields(read_config(checkpoint),
+                                                                checkpoint)
+    assert read_config(out)["architectures"] == [ARCHITECTURES[family]]
+    return out
+
+
+def reference_checkpoints(root: Path, families: dict) -> dict:
     """Each family's checkpoint (the reference's own: its weights' hash checked) and its
     stored reference."""
-    root = tmp_path_factory.mktemp("families")
     out = {}
-    for family, fields in FAMILIES.items():
+    for family, fields in families.items():
         tensors = random_tensors(fields, seed=SEED)
         ref = np.load(FIXTURES / f"{family}.npz")
         assert weights_sha256(tensors) == str(ref["weights_sha256"]), family
         out[family] = (write_hf_dir(root / family, fields, tensors), ref)
     return out
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return reference_checkpoints(tmp_path_factory.mktemp("families"), FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -139,14 +175,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(families, family, tmp
     from transformers import AutoConfig
 
     d, _ = families[family]
-    exp = Experiment.build(hf_cfg(d, "parallelism=tp2"), with_data=False)
-    out = save_hf(exp.hf_params(), exp.axes, exp.cfg.model, tmp_path / "out")
-    want, have = tensors_of(d), tensors_of(out)
-    assert have.keys() == want.keys()
-    for name, x in want.items():
-        assert have[name].dtype == x.dtype and np.array_equal(have[name], x), name
-    assert model_fields(read_config(out), out) == model_fields(read_config(d), d)
-    assert read_config(out)["architectures"] == [ARCHITECTURES[family]]
+    out = round_tripped(d, family, tmp_path / "out", "parallelism=tp2")
     assert AutoConfig.from_pretrained(str(out)).model_type == family
 
 
@@ -157,19 +186,9 @@ def test_a_fine_tune_exports_what_it_computes(families, family, tmp_path):
     imports again with the run's logits bit for bit (Gemma's: transformers' Flax class reads
     it and gives them too)."""
     from dxrun.tools.checkpoint import load
-    from dxrun.train import train
 
     d, ref = families[family]
-    given = [f"model.init_from=hf:{d}", "parallelism=dp2_fsdp2_tp2", "logger=none",
-             "data.batch_size=8", "data.seq_len=16", "train.steps=20", "train.log_every=10",
-             "train.eval_every=0", "checkpoint.every=20", "optimizer.lr=3e-3",
-             "optimizer.warmup_steps=2", "train.precision=fp32"]
-    cfg = make_cfg(*given)
-    apply_hf_model(cfg, given)
-    train(cfg, tmp_path / "run")
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["train/loss"] for r in rows if "train/loss" in r]
-    assert len(losses) == 2 and losses[-1] < losses[0]
+    fine_tuned(d, "parallelism=dp2_fsdp2_tp2", tmp_path / "run")
     from dxrun.export import export
 
     out = export([str(tmp_path / "run"), "--to", str(tmp_path / "exported")])

@@ -16,8 +16,9 @@ import sys
 import numpy as np
 import pytest
 from conftest import ROOT, make_cfg
-from hf_checkpoints import MOE_FAMILIES, V, random_tensors, write_hf_dir
-from test_hf import hf_cfg, logits, tensors_of
+from hf_checkpoints import MOE_FAMILIES, V
+from test_hf import hf_cfg, logits
+from test_hf_families import fine_tuned, reference_checkpoints, round_tripped
 
 from dxrun.config.errors import ConfigError
 from dxrun.config.hf_model import (
@@ -28,11 +29,9 @@ from dxrun.config.hf_model import (
     read_config,
 )
 from dxrun.experiment import Experiment
-from dxrun.hf import save_hf
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf_reference"
 sys.path.insert(0, str(FIXTURES))
-from make_reference import SEED, weights_sha256  # noqa: E402
 
 EP = ["parallelism=dp2_ep4", "data.batch_size=8"]  # the expert axis splits the batch too
 MESHES = {"dp1": ["parallelism=dp1"], "dp2_ep4": EP,
@@ -55,16 +54,7 @@ def tiled(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """Each family's checkpoint (the reference's own: its weights' hash checked) and its
-    stored reference."""
-    root = tmp_path_factory.mktemp("moe_families")
-    out = {}
-    for family, fields in MOE_FAMILIES.items():
-        tensors = random_tensors(fields, seed=SEED)
-        ref = np.load(FIXTURES / f"{family}.npz")
-        assert weights_sha256(tensors) == str(ref["weights_sha256"]), family
-        out[family] = (write_hf_dir(root / family, fields, tensors), ref)
-    return out
+    return reference_checkpoints(tmp_path_factory.mktemp("moe_families"), MOE_FAMILIES)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -106,14 +96,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(families, family, tmp
     from transformers import AutoConfig
 
     d, _ = families[family]
-    exp = Experiment.build(hf_cfg(d, *EP), with_data=False)
-    out = save_hf(exp.hf_params(), exp.axes, exp.cfg.model, tmp_path / "out")
-    want, have = tensors_of(d), tensors_of(out)
-    assert have.keys() == want.keys()
-    for name, x in want.items():
-        assert have[name].dtype == x.dtype and np.array_equal(have[name], x), name
-    assert model_fields(read_config(out), out) == model_fields(read_config(d), d)
-    assert read_config(out)["architectures"] == [ARCHITECTURES[family]]
+    out = round_tripped(d, family, tmp_path / "out", *EP)
     theirs, ours = AutoConfig.from_pretrained(str(d)), AutoConfig.from_pretrained(str(out))
     assert ours.model_type == family
     for name in ("num_local_experts", "num_experts", "num_experts_per_tok",
@@ -154,19 +137,9 @@ def test_a_fine_tune_on_dp2_ep4_exports_what_it_computes(families, family, tmp_p
     again with the run's logits bit for bit."""
     from dxrun.export import export
     from dxrun.tools.checkpoint import load
-    from dxrun.train import train
 
     d, ref = families[family]
-    given = [f"model.init_from=hf:{d}", "parallelism=dp2_ep4", "logger=none",
-             "data.batch_size=8", "data.seq_len=16", "train.steps=20", "train.log_every=10",
-             "train.eval_every=0", "checkpoint.every=20", "optimizer.lr=3e-3",
-             "optimizer.warmup_steps=2", "train.precision=fp32"]
-    cfg = make_cfg(*given)
-    apply_hf_model(cfg, given)
-    train(cfg, tmp_path / "run")
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["train/loss"] for r in rows if "train/loss" in r]
-    assert len(losses) == 2 and losses[-1] < losses[0]
+    rows = fine_tuned(d, "parallelism=dp2_ep4", tmp_path / "run")
     assert all("moe/aux_loss" in r for r in rows if "train/loss" in r)
     out = export([str(tmp_path / "run"), "--to", str(tmp_path / "exported")])
     run = load(tmp_path / "run", [], "path")
