@@ -77,7 +77,9 @@ def evaluate_checkpoint(path: Path, overrides: list[str]) -> dict[str, Any]:
         "batches": n,
         "batch_size": cfg.data.batch_size,
         # the context axis named where it splits the sequences (cp > 1)
-        "mesh": {k: int(v) for k, v in exp.mesh.shape.items() if k != "context" or v > 1},
+        # the axes a run may leave out (context, expert) only where it uses them
+        "mesh": {k: int(v) for k, v in exp.mesh.shape.items()
+                 if k not in ("context", "expert") or v > 1},
         **metrics,
         "seconds": time.perf_counter() - t0,
         "overrides": overrides,
